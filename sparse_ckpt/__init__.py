@@ -1,0 +1,36 @@
+"""sparse_ckpt: exact, sparse optimizer checkpoints for torch.distributed.checkpoint.
+
+Public API: :func:`sparse_state_dict`, :func:`load_sparse_state_dict`, :class:`MultiOptimizer`,
+:func:`register_state_dict_adapter`, the error classes, and :func:`backend`.
+"""
+
+from __future__ import annotations
+
+from ._backend import backend
+from .adapters import register_state_dict_adapter, unregister_state_dict_adapter
+from .errors import (
+    CheckpointFormatError,
+    CheckpointMismatchError,
+    ReentrantSerializationError,
+    SparseCheckpointError,
+    UnsupportedStateDictError,
+)
+from .load import load_sparse_state_dict
+from .multi_optimizer import MultiOptimizer
+from .save import sparse_state_dict
+
+__version__ = "0.1.0"
+
+__all__ = [
+    "backend",
+    "sparse_state_dict",
+    "load_sparse_state_dict",
+    "MultiOptimizer",
+    "register_state_dict_adapter",
+    "unregister_state_dict_adapter",
+    "SparseCheckpointError",
+    "UnsupportedStateDictError",
+    "ReentrantSerializationError",
+    "CheckpointMismatchError",
+    "CheckpointFormatError",
+]

@@ -1,0 +1,538 @@
+"""Pure-Python reference core. ``csrc/`` implements the same functions as ``sparse_ckpt._C``.
+
+This module is the contract of the core: every function here has a C++ twin with identical
+outputs (including dict key order) and identical exception types and messages. The core owns
+only the hot loops; it knows nothing of hooks, DCP or torch beyond the ``tensor_type`` and the
+tensor (de)serialising callbacks it is handed.
+
+Vocabulary:
+  * ``groups_fqn``: ``list[tuple[dict, list[str]]]`` -- one ``(settings, fqns)`` per param group,
+    ``settings`` being the group without its ``"params"`` entry.
+  * ``state_fqn``: ``dict[str, dict]`` -- per-parameter optimizer state keyed by FQN.
+  * A *table* is the binary encoding of a leaf's ``groups_fqn`` (format below).
+
+Table format, version 1 (all integers little endian)::
+
+    magic b"SCKT" | u16 version | u32 n_settings | settings* | u32 n_groups | group*
+    settings := u32 n_keys | (str key, value)*
+    group    := u32 settings_index | u32 n_params | str*
+    str      := u32 n_bytes | utf-8 bytes
+    value    := u8 tag | payload        (tags: see _TAG_*)
+
+Identical settings are stored once; the table lists distinct settings in order of first use.
+"""
+
+from __future__ import annotations
+
+import struct
+from collections.abc import Callable, Mapping
+from typing import Any
+
+from .errors import CheckpointFormatError, CheckpointMismatchError, UnsupportedStateDictError
+
+MAGIC = b"SCKT"
+VERSION = 1
+MAX_DEPTH = 32
+PACKED_MARKER = "__packed__"
+
+_TAG_NONE = 0
+_TAG_FALSE = 1
+_TAG_TRUE = 2
+_TAG_INT = 3
+_TAG_FLOAT = 4
+_TAG_STR = 5
+_TAG_BYTES = 6
+_TAG_TUPLE = 7
+_TAG_LIST = 8
+_TAG_TENSOR = 9
+
+_U16 = struct.Struct("<H")
+_U32 = struct.Struct("<I")
+_I64 = struct.Struct("<q")
+_U64 = struct.Struct("<Q")
+_F64 = struct.Struct("<d")
+_INT64_MIN = -(2**63)
+_INT64_MAX = 2**63 - 1
+
+TensorToParts = Callable[[Any], tuple[str, tuple[int, ...], str, bytes]]
+PartsToTensor = Callable[[str, tuple[int, ...], str, bytes], Any]
+
+
+# --------------------------------------------------------------------------- capture
+
+
+def pack_optimizer(
+    leaf: str, param_groups: list[dict], state: Mapping[Any, Any], tensor_type: type
+) -> tuple[list[dict], dict[Any, Any], list[Any]]:
+    """Pack ``param_groups``/``state`` exactly as ``torch.optim.Optimizer.state_dict`` does.
+
+    Returns ``(packed_groups, packed_state, id_to_param)``: groups are shallow copies with
+    ``"params"`` replaced by int ids (first occurrence of a parameter wins, ids advance by the
+    group length as in torch), state keys are remapped to those ids, and ``id_to_param[i]`` is
+    the parameter that received id ``i`` (``None`` for an id never assigned).
+    """
+    mapping: dict[int, int] = {}
+    id_to_param: list[Any] = []
+    packed_groups: list[dict] = []
+    for group in param_groups:
+        packed = {k: v for k, v in group.items() if k != "params"}
+        params = group["params"]
+        start = len(id_to_param)
+        for offset, p in enumerate(params):
+            if id(p) not in mapping:
+                mapping[id(p)] = start + offset
+                id_to_param.append(p)
+            else:
+                id_to_param.append(None)
+        packed["params"] = [mapping[id(p)] for p in params]
+        packed_groups.append(packed)
+    packed_state: dict[Any, Any] = {}
+    for key, value in state.items():
+        if isinstance(key, tensor_type):
+            if id(key) not in mapping:
+                raise UnsupportedStateDictError(
+                    f"leaf {leaf!r}: optimizer.state holds a tensor of shape {tuple(key.shape)} "
+                    "that is in no param group"
+                )
+            packed_state[mapping[id(key)]] = value
+        else:
+            packed_state[key] = value
+    return packed_groups, packed_state, id_to_param
+
+
+def remap_to_fqns(
+    leaf: str,
+    packed_groups: list[dict],
+    packed_state: Mapping[Any, Any],
+    id_to_param: list[Any],
+    fqn_of: Mapping[int, str],
+) -> tuple[list[tuple[dict, list[str]]], dict[str, Any]]:
+    """Turn a packed (int-id) optimizer dict into ``(groups_fqn, state_fqn)``.
+
+    ``id_to_param`` is the snapshot taken by :func:`pack_optimizer`; ``fqn_of`` maps
+    ``id(param)`` to its canonical FQN. State entries keep the packed state's order.
+    """
+    n_ids = len(id_to_param)
+
+    def fqn_for(pid: Any, where: str) -> str:
+        if type(pid) is not int or pid < 0 or pid >= n_ids or id_to_param[pid] is None:
+            raise CheckpointFormatError(
+                f"leaf {leaf!r}: {where} refers to parameter id {pid!r}, which the optimizer never assigned"
+            )
+        param = id_to_param[pid]
+        fqn = fqn_of.get(id(param))
+        if fqn is None:
+            raise CheckpointMismatchError(
+                f"leaf {leaf!r}: {where}: optimizer parameter of shape {tuple(param.shape)} "
+                "is not owned by the model"
+            )
+        return fqn
+
+    groups_fqn: list[tuple[dict, list[str]]] = []
+    for gi, group in enumerate(packed_groups):
+        if "params" not in group:
+            raise CheckpointFormatError(f"leaf {leaf!r}: group {gi} has no 'params' entry")
+        settings = {k: v for k, v in group.items() if k != "params"}
+        fqns = [fqn_for(pid, f"group {gi}") for pid in group["params"]]
+        groups_fqn.append((settings, fqns))
+    state_fqn: dict[str, Any] = {}
+    for pid, value in packed_state.items():
+        if type(pid) is not int:
+            raise UnsupportedStateDictError(
+                f"leaf {leaf!r}: optimizer.state has a non-parameter key {pid!r}, which has no FQN"
+            )
+        state_fqn[fqn_for(pid, "state")] = value
+    return groups_fqn, state_fqn
+
+
+# --------------------------------------------------------------------------- flat keys
+
+
+def _flatten_into(out: dict[str, Any], prefix: str, value: Mapping[Any, Any]) -> None:
+    for key, item in value.items():
+        full = f"{prefix}.{key}"
+        if isinstance(item, dict):
+            _flatten_into(out, full, item)
+        else:
+            out[full] = item
+
+
+def flatten_state(state_fqn: Mapping[str, Any]) -> dict[str, Any]:
+    """``state.{fqn}.{key}`` for every state entry; nested dicts are flattened with ``.``."""
+    out: dict[str, Any] = {}
+    for fqn, state in state_fqn.items():
+        if not isinstance(state, dict):
+            raise CheckpointFormatError(f"state of {fqn!r} is a {type(state).__name__}, expected a dict")
+        _flatten_into(out, f"state.{fqn}", state)
+    return out
+
+
+def flatten_groups(groups_fqn: list[tuple[dict, list[str]]]) -> dict[str, Any]:
+    """``param_groups.{fqn}.{key}`` for every parameter of every group (DSD's flat layout)."""
+    out: dict[str, Any] = {}
+    for settings, fqns in groups_fqn:
+        for fqn in fqns:
+            for key, value in settings.items():
+                out[f"param_groups.{fqn}.{key}"] = value
+    return out
+
+
+def unflatten(
+    flat: Mapping[str, Any], known_fqns: Mapping[str, Any]
+) -> tuple[dict[str, dict], dict[str, dict], dict[str, bytes], list[str]]:
+    """Split a flat/packed optimizer dict into its parts.
+
+    Returns ``(settings_by_fqn, state_by_fqn, packed_tables, unmatched_keys)``:
+      * ``param_groups.{fqn}.{key}`` -> ``settings_by_fqn[fqn][key]`` (split at the last dot);
+      * ``param_groups.__packed__.{rest}`` -> ``packed_tables[rest]`` (must be bytes);
+      * ``state.{fqn}.{k1}.{k2}`` -> ``state_by_fqn[fqn][k1][k2]``, where ``fqn`` is the longest
+        prefix that is in ``known_fqns`` or among the flat param-group FQNs;
+      * every other key, and state keys with no known FQN, -> ``unmatched_keys`` (input order).
+    Each key is resolved with O(depth) hash lookups; there are no prefix scans.
+    """
+    settings_by_fqn: dict[str, dict] = {}
+    packed: dict[str, bytes] = {}
+    unmatched: list[str] = []
+    state_keys: list[str] = []
+    packed_prefix = f"param_groups.{PACKED_MARKER}."
+    for key, value in flat.items():
+        if not isinstance(key, str):
+            raise CheckpointFormatError(f"optimizer state dict key {key!r} is not a string")
+        if key.startswith("state."):
+            state_keys.append(key)
+        elif key.startswith(packed_prefix):
+            if not isinstance(value, bytes):
+                raise CheckpointFormatError(
+                    f"packed group table {key!r} is a {type(value).__name__}, expected bytes"
+                )
+            packed[key[len(packed_prefix) :]] = value
+        elif key.startswith("param_groups."):
+            body = key[len("param_groups.") :]
+            dot = body.rfind(".")
+            if dot <= 0 or dot == len(body) - 1:
+                unmatched.append(key)
+                continue
+            settings_by_fqn.setdefault(body[:dot], {})[body[dot + 1 :]] = value
+        else:
+            unmatched.append(key)
+    state_by_fqn: dict[str, dict] = {}
+    for key in state_keys:
+        body = key[len("state.") :]
+        dot = body.rfind(".")
+        fqn = None
+        while dot > 0:
+            candidate = body[:dot]
+            if candidate in known_fqns or candidate in settings_by_fqn:
+                fqn = candidate
+                break
+            dot = body.rfind(".", 0, dot)
+        if fqn is None:
+            unmatched.append(key)
+            continue
+        parts = body[dot + 1 :].split(".")
+        node = state_by_fqn.setdefault(fqn, {})
+        for part in parts[:-1]:
+            child = node.setdefault(part, {})
+            if not isinstance(child, dict):
+                raise CheckpointFormatError(f"state key {key!r} nests under a non-dict value of {fqn!r}")
+            node = child
+        if parts[-1] in node and isinstance(node[parts[-1]], dict):
+            raise CheckpointFormatError(f"state key {key!r} collides with nested state of {fqn!r}")
+        node[parts[-1]] = flat[key]
+    return settings_by_fqn, state_by_fqn, packed, unmatched
+
+
+# --------------------------------------------------------------------------- table codec
+
+
+def _encode_value(out: bytearray, value: Any, tensor_type: type, to_parts: TensorToParts, where: str, depth: int) -> None:
+    if depth > MAX_DEPTH:
+        raise CheckpointFormatError(f"{where}: value nested deeper than {MAX_DEPTH} levels")
+    if value is None:
+        out.append(_TAG_NONE)
+    elif isinstance(value, bool):
+        out.append(_TAG_TRUE if value else _TAG_FALSE)
+    elif isinstance(value, int):
+        if value < _INT64_MIN or value > _INT64_MAX:
+            raise CheckpointFormatError(f"{where}: int {value} does not fit in 64 bits")
+        out.append(_TAG_INT)
+        out += _I64.pack(value)
+    elif isinstance(value, float):
+        out.append(_TAG_FLOAT)
+        out += _F64.pack(value)
+    elif isinstance(value, str):
+        out.append(_TAG_STR)
+        _encode_str(out, value, where)
+    elif isinstance(value, bytes):
+        out.append(_TAG_BYTES)
+        out += _U32.pack(len(value))
+        out += value
+    elif isinstance(value, (tuple, list)):
+        out.append(_TAG_TUPLE if isinstance(value, tuple) else _TAG_LIST)
+        out += _U32.pack(len(value))
+        for item in value:
+            _encode_value(out, item, tensor_type, to_parts, where, depth + 1)
+    elif isinstance(value, tensor_type):
+        dtype, shape, device_type, data = to_parts(value)
+        out.append(_TAG_TENSOR)
+        _encode_str(out, dtype, where)
+        out += _U32.pack(len(shape))
+        for dim in shape:
+            out += _I64.pack(dim)
+        _encode_str(out, device_type, where)
+        out += _U64.pack(len(data))
+        out += data
+    else:
+        raise CheckpointFormatError(f"{where}: unsupported value type {type(value).__name__}")
+
+
+def _encode_str(out: bytearray, text: str, where: str) -> None:
+    try:
+        raw = text.encode("utf-8")
+    except UnicodeEncodeError as exc:
+        raise CheckpointFormatError(f"{where}: string is not valid unicode ({exc.reason})") from None
+    out += _U32.pack(len(raw))
+    out += raw
+
+
+def encode_settings(leaf: str, group_index: int, settings: Mapping[Any, Any], tensor_type: type, to_parts: TensorToParts) -> bytes:
+    """Encode one group's settings (the ``settings`` production of the table format)."""
+    out = bytearray()
+    out += _U32.pack(len(settings))
+    for key, value in settings.items():
+        if not isinstance(key, str):
+            raise CheckpointFormatError(f"leaf {leaf!r} group {group_index}: setting key {key!r} is not a string")
+        where = f"leaf {leaf!r} group {group_index} key {key!r}"
+        _encode_str(out, key, where)
+        _encode_value(out, value, tensor_type, to_parts, where, 0)
+    return bytes(out)
+
+
+def encode_table(leaf: str, groups_fqn: list[tuple[dict, list[str]]], tensor_type: type, to_parts: TensorToParts) -> bytes:
+    """Encode a leaf's groups as a version-1 table; deterministic, settings deduplicated."""
+    if not isinstance(leaf, str):
+        raise CheckpointFormatError(f"leaf name {leaf!r} is not a string")
+    index_of: dict[bytes, int] = {}
+    blobs: list[bytes] = []
+    refs: list[int] = []
+    for gi, (settings, _fqns) in enumerate(groups_fqn):
+        blob = encode_settings(leaf, gi, settings, tensor_type, to_parts)
+        idx = index_of.get(blob)
+        if idx is None:
+            idx = index_of[blob] = len(blobs)
+            blobs.append(blob)
+        refs.append(idx)
+    out = bytearray(MAGIC)
+    out += _U16.pack(VERSION)
+    out += _U32.pack(len(blobs))
+    for blob in blobs:
+        out += blob
+    out += _U32.pack(len(groups_fqn))
+    for gi, ((_settings, fqns), idx) in enumerate(zip(groups_fqn, refs)):
+        out += _U32.pack(idx)
+        out += _U32.pack(len(fqns))
+        for fqn in fqns:
+            if not isinstance(fqn, str):
+                raise CheckpointFormatError(f"leaf {leaf!r} group {gi}: FQN {fqn!r} is not a string")
+            _encode_str(out, fqn, f"leaf {leaf!r} group {gi}")
+    return bytes(out)
+
+
+class _Reader:
+    __slots__ = ("data", "pos", "where")
+
+    def __init__(self, data: bytes, where: str) -> None:
+        self.data = data
+        self.pos = 0
+        self.where = where
+
+    def fail(self, what: str) -> CheckpointFormatError:
+        return CheckpointFormatError(f"{self.where}: {what} at byte {self.pos}")
+
+    def take(self, n: int, what: str) -> bytes:
+        if n > len(self.data) - self.pos:
+            raise self.fail(f"truncated table reading {what} ({n} bytes wanted, {len(self.data) - self.pos} left)")
+        chunk = self.data[self.pos : self.pos + n]
+        self.pos += n
+        return chunk
+
+    def u8(self, what: str) -> int:
+        return self.take(1, what)[0]
+
+    def u32(self, what: str) -> int:
+        return _U32.unpack(self.take(4, what))[0]
+
+    def count(self, what: str, min_item_size: int) -> int:
+        n = self.u32(what)
+        if n * min_item_size > len(self.data) - self.pos:
+            raise self.fail(f"{what} claims {n} entries but only {len(self.data) - self.pos} bytes are left")
+        return n
+
+    def string(self, what: str) -> str:
+        n = self.u32(what)
+        raw = self.take(n, what)
+        try:
+            return raw.decode("utf-8")
+        except UnicodeDecodeError:
+            raise self.fail(f"{what} is not valid utf-8") from None
+
+
+def _decode_value(r: _Reader, from_parts: PartsToTensor, depth: int) -> Any:
+    if depth > MAX_DEPTH:
+        raise r.fail(f"value nested deeper than {MAX_DEPTH} levels")
+    tag = r.u8("value tag")
+    if tag == _TAG_NONE:
+        return None
+    if tag == _TAG_FALSE:
+        return False
+    if tag == _TAG_TRUE:
+        return True
+    if tag == _TAG_INT:
+        return _I64.unpack(r.take(8, "int"))[0]
+    if tag == _TAG_FLOAT:
+        return _F64.unpack(r.take(8, "float"))[0]
+    if tag == _TAG_STR:
+        return r.string("str value")
+    if tag == _TAG_BYTES:
+        return r.take(r.u32("bytes length"), "bytes value")
+    if tag == _TAG_TUPLE or tag == _TAG_LIST:
+        n = r.count("sequence", 1)
+        items = [_decode_value(r, from_parts, depth + 1) for _ in range(n)]
+        return tuple(items) if tag == _TAG_TUPLE else items
+    if tag == _TAG_TENSOR:
+        dtype = r.string("tensor dtype")
+        ndim = r.count("tensor shape", 8)
+        shape = tuple(_I64.unpack(r.take(8, "tensor dim"))[0] for _ in range(ndim))
+        device_type = r.string("tensor device")
+        nbytes = _U64.unpack(r.take(8, "tensor byte count"))[0]
+        data = r.take(nbytes, "tensor data")
+        try:
+            return from_parts(dtype, shape, device_type, data)
+        except CheckpointFormatError:
+            raise
+        except Exception as exc:  # the callback validates dtype/shape/size
+            raise r.fail(f"bad tensor ({exc})") from None
+    raise r.fail(f"unknown value tag {tag}")
+
+
+def decode_table(leaf: str, data: bytes, from_parts: PartsToTensor) -> tuple[list[dict], list[bytes], list[tuple[int, list[str]]]]:
+    """Decode a table. Returns ``(settings, settings_blobs, groups)``.
+
+    ``settings[i]`` is the i-th distinct settings dict, ``settings_blobs[i]`` its encoded bytes
+    (a canonical identity for comparing settings), and ``groups`` lists ``(settings_index,
+    fqns)`` in group order. Every read is bounds-checked; any defect raises
+    :class:`CheckpointFormatError`.
+    """
+    if not isinstance(data, bytes):
+        raise CheckpointFormatError(f"leaf {leaf!r}: group table is a {type(data).__name__}, expected bytes")
+    r = _Reader(data, f"leaf {leaf!r} group table")
+    if r.take(4, "magic") != MAGIC:
+        raise CheckpointFormatError(f"leaf {leaf!r} group table: bad magic, not a sparse_ckpt table")
+    version = _U16.unpack(r.take(2, "version"))[0]
+    if version != VERSION:
+        raise CheckpointFormatError(
+            f"leaf {leaf!r} group table: unsupported version {version} (this library reads version {VERSION})"
+        )
+    n_settings = r.count("settings list", 4)
+    settings: list[dict] = []
+    blobs: list[bytes] = []
+    for _ in range(n_settings):
+        start = r.pos
+        n_keys = r.count("settings keys", 5)
+        entry: dict[str, Any] = {}
+        for _ in range(n_keys):
+            key = r.string("setting key")
+            if key in entry:
+                raise r.fail(f"duplicate setting key {key!r}")
+            entry[key] = _decode_value(r, from_parts, 0)
+        settings.append(entry)
+        blobs.append(data[start : r.pos])
+    n_groups = r.count("group list", 8)
+    groups: list[tuple[int, list[str]]] = []
+    for _ in range(n_groups):
+        idx = r.u32("group settings index")
+        if idx >= n_settings:
+            raise r.fail(f"group refers to settings {idx} of {n_settings}")
+        n_params = r.count("group params", 4)
+        groups.append((idx, [r.string("FQN") for _ in range(n_params)]))
+    if r.pos != len(data):
+        raise r.fail(f"{len(data) - r.pos} trailing bytes after the table")
+    return settings, blobs, groups
+
+
+# --------------------------------------------------------------------------- load matching
+
+
+def match_groups(
+    leaf: str, target_fqns: list[list[str]], settings_of: Mapping[str, Any]
+) -> tuple[list[Any], list[str]]:
+    """For each target group pick the saved settings of its FQNs.
+
+    ``settings_of`` maps FQN to an *interned* settings object (equal settings are the same
+    object). Returns ``(chosen, missing)``: ``chosen[g]`` is the settings object of group ``g``
+    or ``None`` when none of its FQNs is saved; ``missing`` lists FQNs without saved settings in
+    group order. Two FQNs of one group with different settings raise
+    :class:`CheckpointMismatchError` naming both FQNs and the first differing key.
+    """
+    chosen: list[Any] = []
+    missing: list[str] = []
+    for gi, fqns in enumerate(target_fqns):
+        pick = None
+        pick_fqn = ""
+        for fqn in fqns:
+            s = settings_of.get(fqn)
+            if s is None:
+                missing.append(fqn)
+            elif pick is None:
+                pick, pick_fqn = s, fqn
+            elif s is not pick:
+                key = _first_differing_key(pick, s)
+                raise CheckpointMismatchError(
+                    f"leaf {leaf!r} group {gi}: saved settings differ between {pick_fqn!r} and {fqn!r} "
+                    f"(key {key!r}); one target group cannot take both"
+                )
+        chosen.append(pick)
+    return chosen, missing
+
+
+def _first_differing_key(a: Mapping[str, Any], b: Mapping[str, Any]) -> str:
+    for key in a:
+        if key not in b:
+            return key
+        va, vb = a[key], b[key]
+        if type(va) is not type(vb):
+            return key
+        try:
+            same = bool(va == vb)
+        except Exception:  # tensors and other values without a scalar truth value
+            same = va is vb
+        if not same:
+            return key
+    for key in b:
+        if key not in a:
+            return key
+    return "?"
+
+
+def assign_state_ids(target_fqns: list[list[str]], state_by_fqn: Mapping[str, Any]) -> tuple[dict[int, Any], list[str]]:
+    """Give saved state to the target's packed ids (torch's id assignment order).
+
+    Returns ``(packed_state, used_fqns)``: ``packed_state`` maps the id of every target
+    parameter whose FQN has saved state to that state, in id order; ``used_fqns`` lists those
+    FQNs (so the caller can find saved state that no target parameter took).
+    """
+    packed_state: dict[int, Any] = {}
+    used: list[str] = []
+    seen: set[str] = set()
+    pid = 0
+    for fqns in target_fqns:
+        for fqn in fqns:
+            if fqn not in seen:
+                seen.add(fqn)
+                s = state_by_fqn.get(fqn)
+                if s is not None:
+                    packed_state[pid] = s
+                    used.append(fqn)
+            pid += 1
+    return packed_state, used
+

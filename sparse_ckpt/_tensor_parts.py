@@ -1,0 +1,60 @@
+"""Tensor <-> ``(dtype, shape, device_type, raw bytes)`` for the group-table codec.
+
+Both core backends call these two functions for tensors inside param-group settings (a tensor
+learning rate, say). No pickle is involved: the bytes are the tensor's raw storage.
+"""
+
+from __future__ import annotations
+
+import torch
+
+_DTYPES: dict[str, torch.dtype] = {
+    str(dt).removeprefix("torch."): dt
+    for dt in (
+        torch.float64, torch.float32, torch.float16, torch.bfloat16,
+        torch.complex64, torch.complex128,
+        torch.int64, torch.int32, torch.int16, torch.int8, torch.uint8, torch.bool,
+    )
+}
+
+
+def tensor_to_parts(t: torch.Tensor) -> tuple[str, tuple[int, ...], str, bytes]:
+    """Describe ``t`` as dtype name, shape, device type and its raw little-endian bytes."""
+    name = str(t.dtype).removeprefix("torch.")
+    if name not in _DTYPES:
+        raise TypeError(f"tensor dtype {t.dtype} is not supported in param-group settings")
+    local = t.detach()
+    if hasattr(local, "full_tensor"):  # DTensor settings are replicated; store the full value
+        local = local.full_tensor()
+    cpu = local.to("cpu").contiguous()
+    data = cpu.reshape(-1).view(torch.uint8).numpy().tobytes() if cpu.numel() else b""
+    return name, tuple(int(d) for d in cpu.shape), t.device.type, data
+
+
+def parts_to_tensor(dtype: str, shape: tuple[int, ...], device_type: str, data: bytes) -> torch.Tensor:
+    """Rebuild a tensor; it lands on ``device_type`` when that device is available, else CPU."""
+    dt = _DTYPES.get(dtype)
+    if dt is None:
+        raise ValueError(f"unknown tensor dtype {dtype!r}")
+    if any(d < 0 for d in shape):
+        raise ValueError(f"negative dimension in shape {shape}")
+    numel = 1
+    for d in shape:
+        numel *= d
+    itemsize = torch.empty((), dtype=dt).element_size()
+    if numel * itemsize != len(data):
+        raise ValueError(f"{len(data)} bytes do not hold a {dtype} tensor of shape {shape}")
+    flat = torch.frombuffer(bytearray(data), dtype=torch.uint8) if data else torch.empty(0, dtype=torch.uint8)
+    t = flat.view(dt).reshape(shape) if numel else torch.empty(shape, dtype=dt)
+    if device_type != "cpu" and _device_available(device_type):
+        t = t.to(device_type)
+    return t
+
+
+def _device_available(device_type: str) -> bool:
+    mod = getattr(torch, device_type, None)
+    is_available = getattr(mod, "is_available", None)
+    try:
+        return bool(is_available()) if callable(is_available) else False
+    except Exception:
+        return False

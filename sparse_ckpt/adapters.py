@@ -1,0 +1,48 @@
+"""Registry of adapters for optimizer classes that override ``state_dict``.
+
+By default sparse_ckpt refuses an optimizer whose class overrides ``state_dict`` (or whose
+instance has a patched ``state_dict``), because it cannot know what that method would save.
+``register_state_dict_adapter(cls, adapter)`` tells it: ``adapter(optimizer)`` must return a
+torch-format packed dict ``{"state": {id: {...}}, "param_groups": [{..., "params": [ids]}]}``
+whose int ids follow torch's assignment over ``optimizer.param_groups`` (the first occurrence of
+a parameter, in group order, counting every slot). Often ``adapter = cls.state_dict`` is right.
+"""
+
+from __future__ import annotations
+
+import threading
+from collections.abc import Callable
+from typing import Any
+
+import torch
+
+StateDictAdapter = Callable[[torch.optim.Optimizer], dict[str, Any]]
+
+_lock = threading.Lock()
+_adapters: dict[type, StateDictAdapter] = {}
+
+
+def register_state_dict_adapter(cls: type, adapter: StateDictAdapter) -> None:
+    """Allow optimizers of class ``cls`` (and subclasses) that override ``state_dict``."""
+    if not isinstance(cls, type):
+        raise TypeError(f"register_state_dict_adapter expects a class, got {cls!r}")
+    if not callable(adapter):
+        raise TypeError(f"adapter for {cls.__name__} is not callable: {adapter!r}")
+    with _lock:
+        _adapters[cls] = adapter
+
+
+def unregister_state_dict_adapter(cls: type) -> None:
+    """Remove the adapter registered for ``cls`` (no error if there is none)."""
+    with _lock:
+        _adapters.pop(cls, None)
+
+
+def adapter_for(cls: type) -> StateDictAdapter | None:
+    """The adapter registered for ``cls`` or its nearest registered base class."""
+    with _lock:
+        for base in cls.__mro__:
+            found = _adapters.get(base)
+            if found is not None:
+                return found
+    return None

@@ -1,0 +1,108 @@
+"""Apply a torch-format packed dict to an optimizer in O(P) (DESIGN §4.3-4.4).
+
+Observable sequence identical to ``torch.optim.Optimizer.load_state_dict``: shallow copy,
+pre-hooks (may replace the dict), validation, deep-copied groups, state cast with torch's
+policy, ``__setstate__``, post-hooks. torch's own loop finds each parameter's group by scanning
+all groups (O(P x groups)); here a precomputed ``id -> group flags`` map makes it O(P).
+"""
+
+from __future__ import annotations
+
+from collections import defaultdict
+from collections.abc import Iterable
+from copy import deepcopy
+from typing import Any
+
+import torch
+
+from ._torch_compat import load_state_dict_post_hooks, load_state_dict_pre_hooks
+from .errors import CheckpointMismatchError
+
+_BASE_LOAD_STATE_DICT = torch.optim.Optimizer.load_state_dict
+
+
+def overrides_load_state_dict(optimizer: Any) -> bool:
+    """``True`` when the class or instance replaces ``Optimizer.load_state_dict``."""
+    return "load_state_dict" in vars(optimizer) or type(optimizer).load_state_dict is not _BASE_LOAD_STATE_DICT
+
+
+def cast_value(param: torch.Tensor, value: Any, fused_or_capturable: bool, key: Any) -> Any:
+    """torch's ``_cast``: deep copy ``value``, moving tensors to the param's device/dtype.
+
+    Floating state follows the param's dtype and device; ``step`` is left alone unless the group
+    is fused or capturable (then float32 on the param's device). Unlike torch, strings are kept
+    as they are (torch's generic iterable branch turns a ``str`` into a generator's repr).
+    """
+    if isinstance(value, torch.Tensor):
+        if key == "step":
+            if fused_or_capturable:
+                return value.to(dtype=torch.float32, device=param.device)
+            return value
+        if param.is_floating_point():
+            return value.to(dtype=param.dtype, device=param.device)
+        return value.to(device=param.device)
+    if isinstance(value, dict):
+        return {k: cast_value(param, v, fused_or_capturable, k) for k, v in value.items()}
+    if isinstance(value, (str, bytes)):
+        return value
+    if isinstance(value, Iterable):
+        return type(value)(cast_value(param, v, fused_or_capturable, None) for v in value)  # type: ignore[call-arg]
+    return value
+
+
+def apply_packed(leaf: str, optimizer: torch.optim.Optimizer, state_dict: dict[str, Any]) -> None:
+    """Load a torch-format packed dict into ``optimizer`` (hooks included), in O(P)."""
+    if overrides_load_state_dict(optimizer):
+        optimizer.load_state_dict(state_dict)
+        return
+    state_dict = state_dict.copy()
+    for pre_hook in load_state_dict_pre_hooks(optimizer):
+        result = pre_hook(optimizer, state_dict)
+        if result is not None:
+            state_dict = result
+    groups = optimizer.param_groups
+    raw_groups = state_dict["param_groups"]
+    saved_groups = deepcopy(raw_groups)
+    if len(groups) != len(saved_groups):
+        raise CheckpointMismatchError(
+            f"leaf {leaf!r}: loaded state dict has {len(saved_groups)} parameter groups, the optimizer {len(groups)}"
+        )
+    id_map: dict[Any, torch.Tensor] = {}
+    flags: dict[Any, bool] = {}
+    for gi, (group, saved) in enumerate(zip(groups, saved_groups)):
+        if len(group["params"]) != len(saved["params"]):
+            raise CheckpointMismatchError(
+                f"leaf {leaf!r} group {gi}: loaded group has {len(saved['params'])} parameters, "
+                f"the optimizer's {len(group['params'])}"
+            )
+        id_map.update(zip(saved["params"], group["params"]))
+    for raw in raw_groups:  # torch takes the first group listing the id
+        special = bool(raw.get("fused", False) or raw.get("capturable", False))
+        for pid in raw["params"]:
+            flags.setdefault(pid, special)
+    state: defaultdict[Any, Any] = defaultdict(dict)
+    for key, value in state_dict["state"].items():
+        param = id_map.get(key)
+        if param is not None:
+            state[param] = cast_value(param, value, flags.get(key, False), None)
+        else:
+            state[key] = value
+    new_groups = []
+    for group, saved in zip(groups, saved_groups):
+        saved["params"] = group["params"]
+        if "param_names" in group and "param_names" not in saved:
+            saved["param_names"] = group["param_names"]
+        new_groups.append(saved)
+    optimizer.__setstate__({"state": state, "param_groups": new_groups})
+    for post_hook in load_state_dict_post_hooks(optimizer):
+        post_hook(optimizer)
+
+
+def snapshot(optimizer: torch.optim.Optimizer) -> tuple[Any, Any]:
+    """The objects ``apply_packed`` replaces, for :func:`rollback`."""
+    return optimizer.state, optimizer.param_groups
+
+
+def rollback(optimizer: torch.optim.Optimizer, saved: tuple[Any, Any]) -> None:
+    """Put back the ``state``/``param_groups`` objects taken by :func:`snapshot`."""
+    optimizer.state, optimizer.param_groups = saved

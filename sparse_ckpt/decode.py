@@ -1,0 +1,115 @@
+"""Decode a sparse/flat optimizer dict into ``fqn -> settings`` and ``fqn -> state`` (DESIGN §4.1).
+
+Settings are *interned*: equal settings (equal encoded bytes) are one dict object, so the core
+can compare them by identity. Aliases of tied parameters resolve to their canonical FQN.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Mapping
+from dataclasses import dataclass, field
+from typing import Any
+
+import torch
+
+from . import _backend
+from ._tensor_parts import parts_to_tensor, tensor_to_parts
+from .errors import CheckpointFormatError, CheckpointMismatchError
+from .fqn import FqnMap
+from .save import table_digest
+
+
+@dataclass
+class DecodedCheckpoint:
+    """Everything a load needs from a checkpoint's optimizer entries."""
+
+    settings_of: dict[str, dict] = field(default_factory=dict)
+    """Canonical FQN -> interned settings."""
+    state_of: dict[str, dict] = field(default_factory=dict)
+    """Canonical FQN -> saved state (nested dicts)."""
+    empty_groups: dict[tuple[str, int], dict] = field(default_factory=dict)
+    """``(leaf, group index)`` -> settings of a group without parameters (packed format only)."""
+    table_leaf_of: dict[str, str] = field(default_factory=dict)
+    """Canonical FQN -> leaf of the packed table that carried its settings."""
+    table_leaves: list[str] = field(default_factory=list)
+    """Leaf names of all packed tables, in order of appearance."""
+    has_tables: bool = False
+    unmatched_keys: list[str] = field(default_factory=list)
+    """Keys that are neither state of a known FQN nor param-group entries."""
+
+
+def fmt_list(items: list[str], limit: int = 10) -> str:
+    """``'a', 'b', ... (+N more)`` -- the first ``limit`` items and a count of the rest."""
+    shown = ", ".join(repr(x) for x in items[:limit])
+    more = len(items) - limit
+    return f"{shown} (+{more} more)" if more > 0 else shown
+
+
+def split_table_key(rest: str) -> tuple[str, str]:
+    """``"{leaf}.{digest}"`` -> ``(leaf, digest)``."""
+    leaf, dot, digest = rest.rpartition(".")
+    if not dot or not leaf or not digest:
+        raise CheckpointFormatError(f"packed group table key 'param_groups.__packed__.{rest}' has no leaf/digest")
+    return leaf, digest
+
+
+def decode_checkpoint(state_dict: Mapping[str, Any], fmap: FqnMap) -> DecodedCheckpoint:
+    """Split and decode ``state_dict`` (packed and/or flat entries) against ``fmap``."""
+    core = _backend.core
+    settings_raw, state_raw, tables, unmatched = core.unflatten(state_dict, fmap.canonical)
+    out = DecodedCheckpoint(unmatched_keys=list(unmatched), has_tables=bool(tables))
+    interned: dict[bytes, dict] = {}
+    source_of: dict[str, str] = {}
+
+    def intern(blob: bytes, settings: dict) -> dict:
+        return interned.setdefault(blob, settings)
+
+    def put_settings(fqn: str, settings: dict, source: str) -> None:
+        canon = fmap.resolve(fqn)
+        prev = out.settings_of.get(canon)
+        if prev is None:
+            out.settings_of[canon] = settings
+            source_of[canon] = source
+        elif prev is not settings:
+            raise CheckpointMismatchError(
+                f"conflicting saved settings for parameter {canon!r}: {source_of[canon]} and {source} differ"
+            )
+
+    for rest, table in tables.items():
+        leaf, digest = split_table_key(rest)
+        if table_digest(table) != digest:
+            raise CheckpointFormatError(
+                f"leaf {leaf!r}: group table 'param_groups.__packed__.{rest}' does not match its digest "
+                "(corrupt or edited checkpoint)"
+            )
+        settings, blobs, groups = core.decode_table(leaf, table, parts_to_tensor)
+        if leaf not in out.table_leaves:
+            out.table_leaves.append(leaf)
+        for gi, (idx, fqns) in enumerate(groups):
+            s = intern(blobs[idx], settings[idx])
+            if not fqns:
+                prev = out.empty_groups.setdefault((leaf, gi), s)
+                if prev is not s:
+                    raise CheckpointMismatchError(
+                        f"leaf {leaf!r} group {gi}: tables of different ranks disagree on this empty group's settings"
+                    )
+            seen: set[str] = set()
+            for fqn in fqns:
+                if fqn in seen:
+                    raise CheckpointFormatError(f"leaf {leaf!r} group {gi}: FQN {fqn!r} is listed twice")
+                seen.add(fqn)
+                put_settings(fqn, s, f"table of leaf {leaf!r} group {gi}")
+                out.table_leaf_of.setdefault(fmap.resolve(fqn), leaf)
+
+    for fqn, raw in settings_raw.items():
+        blob = core.encode_settings(f"flat:{fqn}", 0, raw, torch.Tensor, tensor_to_parts)
+        put_settings(fqn, intern(blob, raw), f"flat entries of {fqn!r}")
+
+    for fqn, state in state_raw.items():
+        canon = fmap.resolve(fqn)
+        if canon in out.state_of:
+            raise CheckpointMismatchError(
+                f"parameter {canon!r} has saved state under two names ({fqn!r} is an alias)"
+            )
+        out.state_of[canon] = state
+    return out

@@ -1,0 +1,35 @@
+"""Exception hierarchy of sparse_ckpt (DESIGN §9).
+
+Every error raised on purpose by the library derives from :class:`SparseCheckpointError`,
+and its message names the leaf, group, FQN and key involved where they are known.
+"""
+
+from __future__ import annotations
+
+__all__ = [
+    "SparseCheckpointError",
+    "UnsupportedStateDictError",
+    "ReentrantSerializationError",
+    "CheckpointMismatchError",
+    "CheckpointFormatError",
+]
+
+
+class SparseCheckpointError(Exception):
+    """Base class of every error sparse_ckpt raises on purpose."""
+
+
+class UnsupportedStateDictError(SparseCheckpointError):
+    """The optimizer customises ``state_dict`` in a way the library cannot reproduce faithfully."""
+
+
+class ReentrantSerializationError(SparseCheckpointError):
+    """A hook called back into serialization of an optimizer that is already being captured."""
+
+
+class CheckpointMismatchError(SparseCheckpointError):
+    """Checkpoint and target disagree: missing/extra FQNs, group sizes, conflicting settings."""
+
+
+class CheckpointFormatError(SparseCheckpointError):
+    """Corrupt, truncated or unknown-version data, or a value the codec cannot represent."""

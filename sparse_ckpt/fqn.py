@@ -1,0 +1,79 @@
+"""Canonical parameter FQNs of a model (DESIGN §5).
+
+FQNs come from ``model.named_parameters(remove_duplicate=False)`` with the wrapper prefixes
+that torch DSD strips removed: DDP's ``module.``, ``torch.compile``'s ``_orig_mod.`` and
+activation checkpointing's ``_checkpoint_wrapped_module.``. A tied parameter is saved under its
+first FQN; every alias is accepted when loading.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Iterable
+from dataclasses import dataclass, field
+
+import torch
+from torch import nn
+
+_ALWAYS_STRIPPED = frozenset({"_orig_mod", "_checkpoint_wrapped_module"})
+
+
+@dataclass
+class FqnMap:
+    """Identity of every model parameter: ``id(param) -> canonical FQN`` and alias resolution."""
+
+    fqn_of: dict[int, str] = field(default_factory=dict)
+    """``id(param)`` -> canonical (first) FQN."""
+    canonical: dict[str, str] = field(default_factory=dict)
+    """Every FQN and alias -> the canonical FQN of its parameter."""
+    param_of: dict[str, torch.Tensor] = field(default_factory=dict)
+    """Canonical FQN -> parameter."""
+
+    def resolve(self, fqn: str) -> str:
+        """Canonical FQN for ``fqn`` (itself when it is not an alias of a known parameter)."""
+        return self.canonical.get(fqn, fqn)
+
+
+def _ddp_prefixes(model: nn.Module) -> set[str]:
+    try:
+        from torch.nn.parallel import DistributedDataParallel as DDP
+    except ImportError:  # pragma: no cover - torch without distributed
+        return set()
+    return {name for name, mod in model.named_modules(remove_duplicate=False) if isinstance(mod, DDP)}
+
+
+def canonical_name(name: str, ddp_prefixes: set[str]) -> str:
+    """Strip wrapper components from a raw ``named_parameters`` name."""
+    parts = name.split(".")
+    kept: list[str] = []
+    raw_prefix: list[str] = []
+    for part in parts:
+        prefix = ".".join(raw_prefix)
+        raw_prefix.append(part)
+        if part in _ALWAYS_STRIPPED:
+            continue
+        if part == "module" and prefix in ddp_prefixes:
+            continue
+        kept.append(part)
+    return ".".join(kept)
+
+
+def build_fqn_map(model: nn.Module) -> FqnMap:
+    """Walk ``model`` once and build its :class:`FqnMap`."""
+    ddp = _ddp_prefixes(model)
+    fmap = FqnMap()
+    for raw, param in model.named_parameters(remove_duplicate=False):
+        fqn = canonical_name(raw, ddp) if ddp or "_" in raw else raw
+        primary = fmap.fqn_of.get(id(param))
+        if primary is None:
+            fmap.fqn_of[id(param)] = fqn
+            fmap.param_of[fqn] = param
+            primary = fqn
+        fmap.canonical.setdefault(fqn, primary)
+        fmap.canonical.setdefault(raw, primary)
+    return fmap
+
+
+def optimizer_params(groups: Iterable[dict]) -> Iterable[torch.Tensor]:
+    """All parameters of the given param groups, in order."""
+    for group in groups:
+        yield from group["params"]

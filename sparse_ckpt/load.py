@@ -1,0 +1,156 @@
+"""``load_sparse_state_dict``: restore groups and existing state by FQN (DESIGN §4).
+
+Everything is validated before anything is mutated; if applying a later leaf fails, the leaves
+already applied are rolled back, so on any error every optimizer is as it was.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Mapping
+from typing import Any
+
+import torch
+from torch import nn
+
+from . import _backend
+from .apply import apply_packed, rollback, snapshot
+from .decode import DecodedCheckpoint, decode_checkpoint, fmt_list
+from .errors import CheckpointMismatchError
+from .fqn import FqnMap, build_fqn_map
+from .leaves import named_leaves
+
+
+def _target_fqns(leaf: str, optimizer: torch.optim.Optimizer, fmap: FqnMap) -> list[list[str]]:
+    out: list[list[str]] = []
+    for gi, group in enumerate(optimizer.param_groups):
+        fqns = []
+        for p in group["params"]:
+            fqn = fmap.fqn_of.get(id(p))
+            if fqn is None:
+                raise CheckpointMismatchError(
+                    f"leaf {leaf!r} group {gi}: optimizer parameter of shape {tuple(p.shape)} is not owned by the model"
+                )
+            fqns.append(fqn)
+        out.append(fqns)
+    return out
+
+
+def _check_state_shapes(leaf: str, fqn: str, param: torch.Tensor, state: Any, path: str = "") -> None:
+    """A saved state tensor with the param's rank must have the param's shape."""
+    if not isinstance(state, dict):
+        return
+    for key, value in state.items():
+        where = f"{path}{key}"
+        if isinstance(value, dict):
+            _check_state_shapes(leaf, fqn, param, value, f"{where}.")
+        elif isinstance(value, torch.Tensor) and key != "step":
+            if value.dim() == param.dim() and value.dim() > 0 and tuple(value.shape) != tuple(param.shape):
+                raise CheckpointMismatchError(
+                    f"leaf {leaf!r}: state {where!r} of {fqn!r} has shape {tuple(value.shape)}, "
+                    f"the parameter {tuple(param.shape)}"
+                )
+            if value.is_complex() != param.is_complex():
+                raise CheckpointMismatchError(
+                    f"leaf {leaf!r}: state {where!r} of {fqn!r} has dtype {value.dtype}, "
+                    f"incompatible with the parameter's {param.dtype}"
+                )
+
+
+def plan_leaf(
+    leaf: str,
+    optimizer: torch.optim.Optimizer,
+    fmap: FqnMap,
+    ckpt: DecodedCheckpoint,
+    strict: bool,
+    missing: list[str],
+    used_settings: set[str],
+    used_state: set[str],
+) -> dict[str, Any]:
+    """Build the torch-format packed dict for one target leaf (no mutation)."""
+    core = _backend.core
+    target = _target_fqns(leaf, optimizer, fmap)
+    chosen, leaf_missing = core.match_groups(leaf, target, ckpt.settings_of)
+    missing.extend(leaf_missing)
+    for fqns in target:
+        used_settings.update(fqns)
+    packed_groups, _state, _ids = core.pack_optimizer(leaf, optimizer.param_groups, {}, torch.Tensor)
+    groups: list[dict[str, Any]] = []
+    for gi, (group, settings) in enumerate(zip(optimizer.param_groups, chosen)):
+        if not target[gi]:
+            settings = ckpt.empty_groups.get((leaf, gi))
+            if settings is None and strict and ckpt.has_tables:
+                raise CheckpointMismatchError(
+                    f"leaf {leaf!r} group {gi}: the target group has no parameters and the checkpoint has "
+                    "no empty group at that leaf and index"
+                )
+        if settings is None:
+            settings = {k: v for k, v in group.items() if k != "params"}
+        new = dict(settings)
+        new["params"] = packed_groups[gi]["params"]
+        groups.append(new)
+    packed_state, used = core.assign_state_ids(target, ckpt.state_of)
+    used_state.update(used)
+    for fqn in used:
+        _check_state_shapes(leaf, fqn, fmap.param_of[fqn], ckpt.state_of[fqn])
+    return {"state": packed_state, "param_groups": groups}
+
+
+def load_sparse_state_dict(
+    model: nn.Module, optimizer: Any, state_dict: Mapping[str, Any], *, strict: bool = True
+) -> None:
+    """Restore param-group settings and existing state from ``state_dict`` (packed or flat).
+
+    Parameters are matched by FQN, so a parameter may sit in another leaf or group than when
+    saved. Parameters without saved state get no state (no synthetic step). ``strict=True``
+    raises :class:`CheckpointMismatchError` on missing or extra FQNs; ``strict=False`` keeps a
+    group's current settings when none of its FQNs is saved and ignores extra entries.
+    On any error every optimizer is left exactly as it was.
+    """
+    fmap = build_fqn_map(model)
+    leaves = named_leaves(optimizer)
+    ckpt = decode_checkpoint(state_dict, fmap)
+    missing: list[str] = []
+    used_settings: set[str] = set()
+    used_state: set[str] = set()
+    plans = [
+        (leaf, opt, plan_leaf(leaf, opt, fmap, ckpt, strict, missing, used_settings, used_state))
+        for leaf, opt in leaves
+    ]
+    if strict:
+        _raise_on_mismatch(ckpt, missing, used_settings, used_state, {leaf for leaf, _ in leaves})
+    applied: list[tuple[torch.optim.Optimizer, tuple[Any, Any]]] = []
+    try:
+        for leaf, opt, packed in plans:
+            saved = snapshot(opt)
+            applied.append((opt, saved))
+            apply_packed(leaf, opt, packed)
+    except BaseException:
+        for opt, saved in reversed(applied):
+            rollback(opt, saved)
+        raise
+
+
+def _raise_on_mismatch(
+    ckpt: DecodedCheckpoint, missing: list[str], used_settings: set[str], used_state: set[str], target_leaves: set[str]
+) -> None:
+    if missing:
+        raise CheckpointMismatchError(
+            f"{len(missing)} optimizer parameter(s) have no saved param-group settings: {fmt_list(missing)}"
+        )
+    extra = [fqn for fqn in ckpt.settings_of if fqn not in used_settings]
+    extra += [fqn for fqn in ckpt.state_of if fqn not in used_state and fqn not in ckpt.settings_of]
+    if extra:
+        leaves = sorted({ckpt.table_leaf_of[f] for f in extra if f in ckpt.table_leaf_of} - target_leaves)
+        where = f" (from table(s) of leaf {fmt_list(leaves)}, which the target lacks)" if leaves else ""
+        raise CheckpointMismatchError(
+            f"{len(extra)} saved parameter(s) are in no target optimizer group{where}: {fmt_list(extra)}"
+        )
+    if ckpt.unmatched_keys:
+        raise CheckpointMismatchError(
+            f"{len(ckpt.unmatched_keys)} checkpoint key(s) match no model parameter: {fmt_list(ckpt.unmatched_keys)}"
+        )
+    for leaf, gi in ckpt.empty_groups:
+        if leaf not in target_leaves:
+            raise CheckpointMismatchError(
+                f"the checkpoint's leaf {leaf!r} has an empty group {gi}, and the target has no leaf {leaf!r}"
+            )

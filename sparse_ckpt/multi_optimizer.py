@@ -1,0 +1,130 @@
+"""``MultiOptimizer``: several named optimizers (leaves) that step and checkpoint together."""
+
+from __future__ import annotations
+
+from collections.abc import Callable, Iterator, Mapping
+from typing import Any
+
+import torch
+from torch import nn
+from torch.utils.hooks import RemovableHandle
+
+from .errors import CheckpointFormatError
+
+
+class _MultiHandle:
+    """Removes a hook registered on every leaf."""
+
+    def __init__(self, handles: list[RemovableHandle]) -> None:
+        self._handles = handles
+
+    def remove(self) -> None:
+        for handle in self._handles:
+            handle.remove()
+
+    def __enter__(self) -> _MultiHandle:
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        self.remove()
+
+
+class MultiOptimizer:
+    """Named optimizer leaves over one model, e.g. ``{"experts": AdamW(...), "dense": AdamW(...)}``.
+
+    ``step``/``zero_grad`` fan out to every leaf; ``state_dict``/``load_state_dict`` use the
+    sparse, exact format of :func:`sparse_ckpt.sparse_state_dict`. Leaves keep insertion order.
+    """
+
+    def __init__(self, model: nn.Module, optimizers: Mapping[str, torch.optim.Optimizer]) -> None:
+        if not isinstance(model, nn.Module):
+            raise TypeError(f"model must be an nn.Module, got {type(model).__name__}")
+        if not optimizers:
+            raise ValueError("MultiOptimizer needs at least one optimizer")
+        seen: dict[int, str] = {}
+        for name, opt in optimizers.items():
+            if not isinstance(name, str) or not name:
+                raise CheckpointFormatError(f"leaf name {name!r} is not a non-empty string")
+            if not isinstance(opt, torch.optim.Optimizer):
+                raise TypeError(f"leaf {name!r} is a {type(opt).__name__}, not a torch.optim.Optimizer")
+            for group in opt.param_groups:
+                for p in group["params"]:
+                    other = seen.setdefault(id(p), name)
+                    if other != name:
+                        raise ValueError(f"a parameter of shape {tuple(p.shape)} is in leaf {other!r} and leaf {name!r}")
+        self.model = model
+        self._optimizers = dict(optimizers)
+
+    # ----------------------------------------------------------------- container protocol
+    def leaves(self) -> list[tuple[str, torch.optim.Optimizer]]:
+        """``[(name, optimizer), ...]`` in order."""
+        return list(self._optimizers.items())
+
+    def __len__(self) -> int:
+        return len(self._optimizers)
+
+    def __getitem__(self, name: str) -> torch.optim.Optimizer:
+        return self._optimizers[name]
+
+    def __iter__(self) -> Iterator[str]:
+        return iter(self._optimizers)
+
+    def __contains__(self, name: object) -> bool:
+        return name in self._optimizers
+
+    def keys(self) -> list[str]:
+        """Leaf names in order."""
+        return list(self._optimizers)
+
+    def __repr__(self) -> str:
+        inner = ", ".join(f"{k!r}: {type(v).__name__}" for k, v in self._optimizers.items())
+        return f"MultiOptimizer({{{inner}}})"
+
+    # ----------------------------------------------------------------- optimizer protocol
+    @property
+    def param_groups(self) -> list[dict[str, Any]]:
+        """All leaves' param groups, in leaf order (the group dicts themselves, not copies)."""
+        return [g for opt in self._optimizers.values() for g in opt.param_groups]
+
+    @property
+    def state(self) -> dict[Any, Any]:
+        """A merged view (new dict) of every leaf's ``state``."""
+        merged: dict[Any, Any] = {}
+        for opt in self._optimizers.values():
+            merged.update(opt.state)
+        return merged
+
+    def step(self, closure: Callable[[], Any] | None = None) -> Any:
+        """Step every leaf; a closure is evaluated once, by the first leaf."""
+        loss = None
+        for opt in self._optimizers.values():
+            if closure is not None and loss is None:
+                loss = opt.step(closure)
+            else:
+                opt.step()
+        return loss
+
+    def zero_grad(self, set_to_none: bool = True) -> None:
+        """``zero_grad`` on every leaf."""
+        for opt in self._optimizers.values():
+            opt.zero_grad(set_to_none=set_to_none)
+
+    def register_step_pre_hook(self, hook: Callable[..., Any]) -> _MultiHandle:
+        """Register ``hook`` as a step pre-hook on every leaf; one handle removes them all."""
+        return _MultiHandle([opt.register_step_pre_hook(hook) for opt in self._optimizers.values()])
+
+    def register_step_post_hook(self, hook: Callable[..., Any]) -> _MultiHandle:
+        """Register ``hook`` as a step post-hook on every leaf; one handle removes them all."""
+        return _MultiHandle([opt.register_step_post_hook(hook) for opt in self._optimizers.values()])
+
+    def state_dict(self) -> dict[str, Any]:
+        """The sparse, packed state dict of all leaves (see :func:`sparse_ckpt.sparse_state_dict`)."""
+        from .save import sparse_state_dict
+
+        return sparse_state_dict(self.model, self)
+
+    def load_state_dict(self, state_dict: Mapping[str, Any], strict: bool = True) -> None:
+        """Restore from a sparse (packed or flat) state dict (see :func:`sparse_ckpt.load_sparse_state_dict`)."""
+        from .load import load_sparse_state_dict
+
+        load_sparse_state_dict(self.model, self, state_dict, strict=strict)

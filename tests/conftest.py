@@ -1,0 +1,38 @@
+"""Run every test against both core backends.
+
+The autouse fixture ``core_backend`` is parametrized over ``python`` and ``cpp``: it swaps
+``sparse_ckpt._backend.core`` for the test and sets ``SPARSE_CKPT_BACKEND`` so that processes a
+test spawns (multi-rank tests) use the same backend. ``cpp`` is skipped only when the extension
+is not built and ``SPARSE_CKPT_REQUIRE_CPP`` is unset (CI sets it, so a missing build fails).
+"""
+
+from __future__ import annotations
+
+import importlib
+import os
+
+import pytest
+
+from sparse_ckpt import _backend, _core_py
+
+BACKENDS = ("python", "cpp")
+
+
+def _cpp_core():
+    try:
+        return importlib.import_module("sparse_ckpt._C")
+    except ImportError as exc:
+        if os.environ.get("SPARSE_CKPT_REQUIRE_CPP"):
+            raise
+        pytest.skip(f"C++ extension not built: {exc}")
+
+
+@pytest.fixture(params=BACKENDS, autouse=True)
+def core_backend(request, monkeypatch):
+    """The active backend name; the core module is swapped for the test's duration."""
+    name = request.param
+    core = _core_py if name == "python" else _cpp_core()
+    monkeypatch.setattr(_backend, "core", core)
+    monkeypatch.setattr(_backend, "NAME", name)
+    monkeypatch.setenv("SPARSE_CKPT_BACKEND", name)
+    return name
