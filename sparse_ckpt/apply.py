@@ -50,6 +50,22 @@ def cast_value(param: torch.Tensor, value: Any, fused_or_capturable: bool, key: 
     return value
 
 
+_IMMUTABLE = (int, float, bool, str, bytes, type(None))
+
+
+def copy_settings(value: Any) -> Any:
+    """``copy.deepcopy`` for param-group values, with fast paths for the common types."""
+    if isinstance(value, _IMMUTABLE):
+        return value
+    if type(value) is dict:
+        return {k: copy_settings(v) for k, v in value.items()}
+    if type(value) is list:
+        return [copy_settings(v) for v in value]
+    if type(value) is tuple:
+        return tuple(copy_settings(v) for v in value)
+    return deepcopy(value)
+
+
 def apply_packed(leaf: str, optimizer: torch.optim.Optimizer, state_dict: dict[str, Any]) -> None:
     """Load a torch-format packed dict into ``optimizer`` (hooks included), in O(P)."""
     if overrides_load_state_dict(optimizer):
@@ -62,7 +78,9 @@ def apply_packed(leaf: str, optimizer: torch.optim.Optimizer, state_dict: dict[s
             state_dict = result
     groups = optimizer.param_groups
     raw_groups = state_dict["param_groups"]
-    saved_groups = deepcopy(raw_groups)
+    # Each group gets its own copy: settings decoded from a checkpoint are interned, and a
+    # tensor lr shared between groups would let a scheduler's in-place update leak across them.
+    saved_groups = [copy_settings(g) for g in raw_groups]
     if len(groups) != len(saved_groups):
         raise CheckpointMismatchError(
             f"leaf {leaf!r}: loaded state dict has {len(saved_groups)} parameter groups, the optimizer {len(groups)}"
