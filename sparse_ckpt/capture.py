@@ -43,6 +43,13 @@ def capture_guard(leaf: str, optimizer: Any) -> Iterator[None]:
             _in_capture.discard(key)
 
 
+def _copy_dicts(value: Any) -> Any:
+    """Copy the dict structure of a per-parameter state entry (tensors are shared, as in torch)."""
+    if isinstance(value, dict):
+        return {k: _copy_dicts(v) for k, v in value.items()}
+    return value
+
+
 def check_supported(leaf: str, optimizer: Any) -> Any:
     """Return the registered adapter (or ``None``) for ``optimizer``; refuse unsupported ones."""
     if not isinstance(optimizer, torch.optim.Optimizer):
@@ -51,10 +58,11 @@ def check_supported(leaf: str, optimizer: Any) -> Any:
         )
     cls = type(optimizer)
     adapter = adapter_for(cls)
-    if "state_dict" in vars(optimizer):
+    if "state_dict" in vars(optimizer) and adapter is None:
         raise UnsupportedStateDictError(
             f"leaf {leaf!r}: the {cls.__name__} instance has a patched state_dict attribute; "
-            "sparse_ckpt cannot know what it would save"
+            "sparse_ckpt cannot know what it would save (register an adapter for its class with "
+            "sparse_ckpt.register_state_dict_adapter)"
         )
     if getattr(cls, "state_dict", None) is not _BASE_STATE_DICT and adapter is None:
         raise UnsupportedStateDictError(
@@ -82,8 +90,11 @@ def capture_packed(leaf: str, optimizer: torch.optim.Optimizer) -> tuple[dict[st
             groups, state, id_to_param = core.pack_optimizer(
                 leaf, optimizer.param_groups, optimizer.state, torch.Tensor
             )
+            post_hooks = state_dict_post_hooks(optimizer)
+            if post_hooks:  # torch hands hooks the live per-param dicts; edits must not reach the optimizer
+                state = {k: _copy_dicts(v) for k, v in state.items()}
             state_dict = {"state": state, "param_groups": groups}
-            for post_hook in state_dict_post_hooks(optimizer):
+            for post_hook in post_hooks:
                 result = post_hook(optimizer, state_dict)
                 if result is not None:
                     state_dict = result

@@ -62,7 +62,8 @@ def build_fqn_map(model: nn.Module) -> FqnMap:
     ddp = _ddp_prefixes(model)
     fmap = FqnMap()
     for raw, param in model.named_parameters(remove_duplicate=False):
-        fqn = canonical_name(raw, ddp) if ddp or "_" in raw else raw
+        # canonical_name only strips _ALWAYS_STRIPPED parts (and DDP `module.`): skip it for other names
+        fqn = canonical_name(raw, ddp) if ddp or any(s in raw for s in _ALWAYS_STRIPPED) else raw
         primary = fmap.fqn_of.get(id(param))
         if primary is None:
             fmap.fqn_of[id(param)] = fqn

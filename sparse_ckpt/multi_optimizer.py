@@ -97,9 +97,11 @@ class MultiOptimizer:
     def step(self, closure: Callable[[], Any] | None = None) -> Any:
         """Step every leaf; a closure is evaluated once, by the first leaf."""
         loss = None
+        pending = closure
         for opt in self._optimizers.values():
-            if closure is not None and loss is None:
-                loss = opt.step(closure)
+            if pending is not None:  # not `loss is None`: a closure may return None
+                loss = opt.step(pending)
+                pending = None
             else:
                 opt.step()
         return loss

@@ -1,0 +1,269 @@
+"""Small builders and deep-compare helpers shared by the test suite.
+
+* :func:`make_moe` -- a tiny MoE-like model (router, experts, dense layers), deterministic per seed.
+* :func:`train` -- a few real optimizer steps, optionally with some parameters left without a grad.
+* :func:`snapshot_optimizer` / :func:`assert_optimizer_equal` -- exact (``torch.equal``) comparison
+  of optimizer state, param groups, grads and parameters, positionally (so two optimizers over two
+  copies of a model compare too).
+* :func:`assert_deep_equal` -- recursive equality of dicts (key order included), sequences,
+  tensors (dtype, shape, device and values) and scalars.
+"""
+
+from __future__ import annotations
+
+import copy
+import math
+from collections.abc import Callable, Iterable, Mapping, Sequence
+from typing import Any
+
+import torch
+from torch import nn
+
+from sparse_ckpt.leaves import named_leaves
+
+
+class Expert(nn.Module):
+    """One feed-forward expert: ``down(relu(up(x)))``."""
+
+    def __init__(self, dim: int) -> None:
+        super().__init__()
+        self.up = nn.Linear(dim, 2 * dim)
+        self.down = nn.Linear(2 * dim, dim, bias=False)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        """Apply the expert."""
+        return self.down(torch.relu(self.up(x)))
+
+
+class TinyMoE(nn.Module):
+    """``embed -> top-1 routed experts -> head``: dense params plus experts that may get no grad."""
+
+    def __init__(self, n_experts: int, dim: int) -> None:
+        super().__init__()
+        self.embed = nn.Linear(dim, dim)
+        self.router = nn.Linear(dim, n_experts, bias=False)
+        self.experts = nn.ModuleList(Expert(dim) for _ in range(n_experts))
+        self.norm = nn.LayerNorm(dim)
+        self.head = nn.Linear(dim, 1)
+
+    def forward(self, x: torch.Tensor, only_experts: Iterable[int] | None = None) -> torch.Tensor:
+        """Route each row to its best expert; ``only_experts`` restricts routing (others get no grad)."""
+        h = self.embed(x)
+        logits = self.router(h)
+        if only_experts is not None:
+            allowed = torch.full((logits.shape[-1],), float("-inf"))
+            allowed[list(only_experts)] = 0.0
+            logits = logits + allowed
+        choice = logits.argmax(dim=-1)
+        gate = torch.softmax(logits, dim=-1).gather(-1, choice[:, None])
+        out = torch.zeros_like(h)
+        for e, expert in enumerate(self.experts):
+            rows = (choice == e).nonzero(as_tuple=True)[0]
+            if rows.numel():
+                out = out.index_add(0, rows, gate[rows] * expert(h[rows]))
+        return self.head(self.norm(h + out))
+
+    def expert_params(self) -> list[nn.Parameter]:
+        """Parameters of all experts."""
+        return list(self.experts.parameters())
+
+    def dense_params(self) -> list[nn.Parameter]:
+        """Every parameter that is not an expert's."""
+        expert_ids = {id(p) for p in self.expert_params()}
+        return [p for p in self.parameters() if id(p) not in expert_ids]
+
+
+def make_moe(seed: int = 0, n_experts: int = 4, dim: int = 8) -> TinyMoE:
+    """A deterministic :class:`TinyMoE` (same ``seed`` -> bit-identical parameters)."""
+    gen_state = torch.random.get_rng_state()
+    torch.manual_seed(seed)
+    try:
+        return TinyMoE(n_experts, dim)
+    finally:
+        torch.random.set_rng_state(gen_state)
+
+
+def make_batch(seed: int, dim: int = 8, rows: int = 6) -> torch.Tensor:
+    """A deterministic input batch."""
+    gen = torch.Generator().manual_seed(seed)
+    return torch.randn(rows, dim, generator=gen)
+
+
+def train(
+    model: TinyMoE,
+    optimizer: Any,
+    steps: int = 2,
+    *,
+    only_experts: Iterable[int] | None = None,
+    seed: int = 0,
+) -> None:
+    """Run ``steps`` real forward/backward/step iterations (``optimizer`` may be a MultiOptimizer)."""
+    only = None if only_experts is None else list(only_experts)
+    for i in range(steps):
+        optimizer.zero_grad()
+        x = make_batch(seed + i, dim=model.embed.in_features)
+        loss = model(x, only).pow(2).mean()
+        loss.backward()
+        optimizer.step()
+
+
+def clone_value(value: Any) -> Any:
+    """Deep copy of nested dicts/lists/tuples with tensors cloned (detached)."""
+    if isinstance(value, torch.Tensor):
+        return value.detach().clone()
+    if isinstance(value, dict):
+        return {k: clone_value(v) for k, v in value.items()}
+    if isinstance(value, (list, tuple)):
+        return type(value)(clone_value(v) for v in value)
+    return copy.deepcopy(value)
+
+
+def _positions(optimizer: torch.optim.Optimizer) -> dict[int, tuple[int, int]]:
+    pos: dict[int, tuple[int, int]] = {}
+    for gi, group in enumerate(optimizer.param_groups):
+        for pi, p in enumerate(group["params"]):
+            pos.setdefault(id(p), (gi, pi))
+    return pos
+
+
+def snapshot_optimizer(optimizer: Any) -> dict[str, Any]:
+    """A positional deep copy of one optimizer (or every leaf of a MultiOptimizer / mapping).
+
+    For each leaf: ``groups`` (settings without params, cloned), ``param_ids`` (identity of each
+    group's params, to detect reordering), ``state`` keyed by ``(group, index)``, ``grads`` and
+    ``params`` (cloned data, ``None`` for no grad), and ``grad_ids`` (identity of each ``.grad``).
+    """
+    snap: dict[str, Any] = {}
+    for leaf, opt in named_leaves(optimizer):
+        pos = _positions(opt)
+        params = [p for g in opt.param_groups for p in g["params"]]
+        state: dict[Any, Any] = {}
+        for key, value in opt.state.items():
+            state[pos.get(id(key), ("non-param", repr(key)))] = clone_value(value)
+        snap[leaf] = {
+            "groups": [clone_value({k: v for k, v in g.items() if k != "params"}) for g in opt.param_groups],
+            "param_ids": [[id(p) for p in g["params"]] for g in opt.param_groups],
+            "state": state,
+            "grads": [None if p.grad is None else p.grad.detach().clone() for p in params],
+            "grad_ids": [None if p.grad is None else id(p.grad) for p in params],
+            "params": [p.detach().clone() for p in params],
+        }
+    return snap
+
+
+def assert_optimizer_equal(a: Any, b: Any, *, identity: bool = False, grads: bool = True) -> None:
+    """Assert two optimizers (or snapshots) hold exactly equal state, groups, grads and params.
+
+    Either argument may be an optimizer-like object or a :func:`snapshot_optimizer` result.
+    ``identity=True`` also compares parameter and ``.grad`` object identity (only meaningful
+    when both describe the same optimizer, e.g. a snapshot before and after an operation).
+    ``grads=False`` skips ``.grad`` (e.g. right after loading into a fresh copy of the model).
+    """
+    sa = a if _is_snapshot(a) else snapshot_optimizer(a)
+    sb = b if _is_snapshot(b) else snapshot_optimizer(b)
+    assert list(sa) == list(sb), f"leaves differ: {list(sa)} vs {list(sb)}"
+    for leaf in sa:
+        la, lb = sa[leaf], sb[leaf]
+        for part in ("groups", "state", "grads", "params") if grads else ("groups", "state", "params"):
+            assert_deep_equal(la[part], lb[part], f"leaf {leaf!r} {part}")
+        assert [len(g) for g in la["param_ids"]] == [len(g) for g in lb["param_ids"]], f"leaf {leaf!r} group sizes"
+        if identity:
+            assert la["param_ids"] == lb["param_ids"], f"leaf {leaf!r}: param identity/order changed"
+            assert la["grad_ids"] == lb["grad_ids"], f"leaf {leaf!r}: a .grad object was replaced"
+
+
+def _is_snapshot(x: Any) -> bool:
+    return isinstance(x, dict) and all(isinstance(v, dict) and "param_ids" in v for v in x.values()) and bool(x)
+
+
+def assert_deep_equal(a: Any, b: Any, where: str = "value", *, check_order: bool = True) -> None:
+    """Recursive exact equality; dict key order is compared too unless ``check_order=False``."""
+    if isinstance(a, torch.Tensor) or isinstance(b, torch.Tensor):
+        assert isinstance(a, torch.Tensor) and isinstance(b, torch.Tensor), f"{where}: {type(a)} vs {type(b)}"
+        assert a.dtype == b.dtype, f"{where}: dtype {a.dtype} vs {b.dtype}"
+        assert a.shape == b.shape, f"{where}: shape {tuple(a.shape)} vs {tuple(b.shape)}"
+        assert a.device == b.device, f"{where}: device {a.device} vs {b.device}"
+        assert torch.equal(a, b) or _both_nan_equal(a, b), f"{where}: tensors differ\n{a}\n{b}"
+        return
+    if isinstance(a, Mapping):
+        assert isinstance(b, Mapping), f"{where}: {type(a).__name__} vs {type(b).__name__}"
+        if check_order:
+            assert list(a.keys()) == list(b.keys()), f"{where}: keys {list(a.keys())} vs {list(b.keys())}"
+        else:
+            assert set(a.keys()) == set(b.keys()), f"{where}: keys {sorted(map(str, a))} vs {sorted(map(str, b))}"
+        for k in a:
+            assert_deep_equal(a[k], b[k], f"{where}[{k!r}]", check_order=check_order)
+        return
+    if isinstance(a, (list, tuple)):
+        assert type(a) is type(b), f"{where}: {type(a).__name__} vs {type(b).__name__}"
+        assert len(a) == len(b), f"{where}: length {len(a)} vs {len(b)}"
+        for i, (x, y) in enumerate(zip(a, b)):
+            assert_deep_equal(x, y, f"{where}[{i}]", check_order=check_order)
+        return
+    assert type(a) is type(b), f"{where}: {type(a).__name__} {a!r} vs {type(b).__name__} {b!r}"
+    if isinstance(a, float) and math.isnan(a):
+        assert math.isnan(b), f"{where}: nan vs {b!r}"
+        return
+    assert a == b, f"{where}: {a!r} vs {b!r}"
+
+
+def _both_nan_equal(a: torch.Tensor, b: torch.Tensor) -> bool:
+    return bool(a.is_floating_point() and torch.equal(torch.nan_to_num(a, nan=0.0), torch.nan_to_num(b, nan=0.0))
+                and torch.equal(a.isnan(), b.isnan()))
+
+
+def param_fqns(model: nn.Module) -> dict[int, str]:
+    """``id(param) -> first name`` from ``named_parameters`` (no wrapper stripping)."""
+    out: dict[int, str] = {}
+    for name, p in model.named_parameters(remove_duplicate=False):
+        out.setdefault(id(p), name)
+    return out
+
+
+def expected_fqn_settings(optimizer: torch.optim.Optimizer, fqn_of: Mapping[int, str]) -> dict[str, dict[str, Any]]:
+    """``fqn -> settings`` computed from the live groups (no hooks), for comparison."""
+    out: dict[str, dict[str, Any]] = {}
+    for group in optimizer.param_groups:
+        settings = {k: v for k, v in group.items() if k != "params"}
+        for p in group["params"]:
+            out[fqn_of[id(p)]] = settings
+    return out
+
+
+def flat_settings(sd: Mapping[str, Any]) -> dict[str, dict[str, Any]]:
+    """``param_groups.{fqn}.{key}`` entries of a flat dict as ``fqn -> {key: value}``."""
+    out: dict[str, dict[str, Any]] = {}
+    for key, value in sd.items():
+        if key.startswith("param_groups.") and "__packed__" not in key:
+            fqn, _, name = key[len("param_groups."):].rpartition(".")
+            out.setdefault(fqn, {})[name] = value
+    return out
+
+
+def state_keys(sd: Mapping[str, Any]) -> list[str]:
+    """The ``state.*`` keys of a sparse/flat dict."""
+    return [k for k in sd if k.startswith("state.")]
+
+
+def count_calls(fn: Callable[..., Any]) -> tuple[Callable[..., Any], list[int]]:
+    """Wrap ``fn``; returns ``(wrapper, counter)`` where ``counter[0]`` counts calls."""
+    counter = [0]
+
+    def wrapper(*args: Any, **kwargs: Any) -> Any:
+        counter[0] += 1
+        return fn(*args, **kwargs)
+
+    return wrapper, counter
+
+
+def decoded_settings(model: nn.Module, sd: Mapping[str, Any]) -> dict[str, dict[str, Any]]:
+    """``fqn -> settings`` decoded from a packed (or flat) dict via the library's decoder."""
+    from sparse_ckpt.decode import decode_checkpoint
+    from sparse_ckpt.fqn import build_fqn_map
+
+    return dict(decode_checkpoint(sd, build_fqn_map(model)).settings_of)
+
+
+def all_equal(items: Sequence[torch.Tensor]) -> bool:
+    """Whether all tensors in ``items`` are exactly equal."""
+    return all(torch.equal(items[0], t) for t in items[1:])
