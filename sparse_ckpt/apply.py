@@ -11,6 +11,7 @@ from __future__ import annotations
 from collections import defaultdict
 from collections.abc import Iterable
 from copy import deepcopy
+from dataclasses import dataclass
 from typing import Any
 
 import torch
@@ -66,11 +67,27 @@ def copy_settings(value: Any) -> Any:
     return deepcopy(value)
 
 
-def apply_packed(leaf: str, optimizer: torch.optim.Optimizer, state_dict: dict[str, Any]) -> None:
-    """Load a torch-format packed dict into ``optimizer`` (hooks included), in O(P)."""
+@dataclass
+class PreparedLoad:
+    """A leaf's load, validated and built but not applied yet (see :func:`prepare_packed`)."""
+
+    leaf: str
+    optimizer: torch.optim.Optimizer
+    state: Any = None
+    """The new ``state`` (``None`` when the optimizer's own ``load_state_dict`` is used)."""
+    param_groups: list[dict[str, Any]] | None = None
+    packed: dict[str, Any] | None = None
+    """The packed dict for an optimizer that overrides ``load_state_dict``."""
+
+
+def prepare_packed(leaf: str, optimizer: torch.optim.Optimizer, state_dict: dict[str, Any]) -> PreparedLoad:
+    """First half of ``load_state_dict``: pre-hooks, validation, group copies, state cast.
+
+    Mutates nothing (unless a user pre-hook does). For an optimizer that overrides
+    ``load_state_dict`` nothing runs here; :func:`commit_prepared` calls its method.
+    """
     if overrides_load_state_dict(optimizer):
-        optimizer.load_state_dict(state_dict)
-        return
+        return PreparedLoad(leaf, optimizer, packed=state_dict)
     state_dict = state_dict.copy()
     for pre_hook in load_state_dict_pre_hooks(optimizer):
         result = pre_hook(optimizer, state_dict)
@@ -111,13 +128,38 @@ def apply_packed(leaf: str, optimizer: torch.optim.Optimizer, state_dict: dict[s
         if "param_names" in group and "param_names" not in saved:
             saved["param_names"] = group["param_names"]
         new_groups.append(saved)
-    optimizer.__setstate__({"state": state, "param_groups": new_groups})
-    for post_hook in load_state_dict_post_hooks(optimizer):
-        post_hook(optimizer)
+    return PreparedLoad(leaf, optimizer, state=state, param_groups=new_groups)
+
+
+def commit_prepared(prepared: PreparedLoad) -> None:
+    """Second half: install the prepared state and groups (``__setstate__``), no post-hooks yet.
+
+    An optimizer that overrides ``load_state_dict`` has its own method called here (its own
+    hooks run inside it).
+    """
+    if prepared.packed is not None:
+        prepared.optimizer.load_state_dict(prepared.packed)
+        return
+    prepared.optimizer.__setstate__({"state": prepared.state, "param_groups": prepared.param_groups})
+
+
+def run_post_hooks(prepared: PreparedLoad) -> None:
+    """The ``load_state_dict`` post-hooks of a committed leaf, in order."""
+    if prepared.packed is not None:
+        return
+    for post_hook in load_state_dict_post_hooks(prepared.optimizer):
+        post_hook(prepared.optimizer)
+
+
+def apply_packed(leaf: str, optimizer: torch.optim.Optimizer, state_dict: dict[str, Any]) -> None:
+    """Load a torch-format packed dict into ``optimizer`` (hooks included), in O(P)."""
+    prepared = prepare_packed(leaf, optimizer, state_dict)
+    commit_prepared(prepared)
+    run_post_hooks(prepared)
 
 
 def snapshot(optimizer: torch.optim.Optimizer) -> tuple[Any, Any]:
-    """The objects ``apply_packed`` replaces, for :func:`rollback`."""
+    """The objects :func:`commit_prepared` replaces, for :func:`rollback`."""
     return optimizer.state, optimizer.param_groups
 
 

@@ -36,6 +36,11 @@ class DecodedCheckpoint:
     has_tables: bool = False
     unmatched_keys: list[str] = field(default_factory=list)
     """Keys that are neither state of a known FQN nor param-group entries."""
+    names_of: dict[str, str | None] = field(default_factory=dict)
+    """Canonical FQN -> its entry in its saved group's ``param_names`` (torch's named parameters),
+    for FQNs whose saved group had ``param_names``; ``None`` when the entry is not known.
+    ``param_names`` is per-parameter metadata, so it is kept out of the interned settings: two
+    groups that differ only in their names do not conflict, and names follow FQNs on load."""
 
 
 def fmt_list(items: list[str], limit: int = 10) -> str:
@@ -85,23 +90,46 @@ def decode_checkpoint(state_dict: Mapping[str, Any], fmap: FqnMap) -> DecodedChe
         settings, blobs, groups = core.decode_table(leaf, table, parts_to_tensor)
         if leaf not in out.table_leaves:
             out.table_leaves.append(leaf)
+        seen: dict[str, int] = {}  # torch forbids a parameter in two groups, so a table lists each FQN once
+        unnamed: dict[int, dict] = {}
         for gi, (idx, fqns) in enumerate(groups):
-            s = intern(blobs[idx], settings[idx])
+            if fqns and "param_names" in settings[idx]:
+                s = unnamed.get(idx)
+                if s is None:
+                    bare = {k: v for k, v in settings[idx].items() if k != "param_names"}
+                    blob = core.encode_settings(leaf, gi, bare, torch.Tensor, tensor_to_parts)
+                    s = unnamed[idx] = intern(blob, bare)
+                names = settings[idx]["param_names"]
+                positional = isinstance(names, (list, tuple)) and len(names) == len(fqns)
+                for i, fqn in enumerate(fqns):
+                    name = names[i] if positional else None
+                    out.names_of.setdefault(fmap.resolve(fqn), name if isinstance(name, str) else None)
+            else:
+                s = intern(blobs[idx], settings[idx])
             if not fqns:
                 prev = out.empty_groups.setdefault((leaf, gi), s)
                 if prev is not s:
                     raise CheckpointMismatchError(
                         f"leaf {leaf!r} group {gi}: tables of different ranks disagree on this empty group's settings"
                     )
-            seen: set[str] = set()
             for fqn in fqns:
-                if fqn in seen:
-                    raise CheckpointFormatError(f"leaf {leaf!r} group {gi}: FQN {fqn!r} is listed twice")
-                seen.add(fqn)
+                first = seen.get(fqn)
+                if first is not None:
+                    raise CheckpointFormatError(
+                        f"leaf {leaf!r} group {gi}: FQN {fqn!r} is listed twice (first in group {first})"
+                    )
+                seen[fqn] = gi
                 put_settings(fqn, s, f"table of leaf {leaf!r} group {gi}")
                 out.table_leaf_of.setdefault(fmap.resolve(fqn), leaf)
 
     for fqn, raw in settings_raw.items():
+        if "param_names" in raw:  # DSD's flat layout repeats the group's whole list for each FQN
+            names = raw["param_names"]
+            raw = {k: v for k, v in raw.items() if k != "param_names"}
+            name = None
+            if isinstance(names, (list, tuple)):
+                name = fqn if fqn in names else names[0] if len(names) == 1 else None
+            out.names_of.setdefault(fmap.resolve(fqn), name if isinstance(name, str) else None)
         blob = core.encode_settings(f"flat:{fqn}", 0, raw, torch.Tensor, tensor_to_parts)
         put_settings(fqn, intern(blob, raw), f"flat entries of {fqn!r}")
 

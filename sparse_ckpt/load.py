@@ -13,7 +13,7 @@ import torch
 from torch import nn
 
 from . import _backend
-from .apply import apply_packed, rollback, snapshot
+from .apply import commit_prepared, prepare_packed, rollback, run_post_hooks, snapshot
 from .decode import DecodedCheckpoint, decode_checkpoint, fmt_list
 from .errors import CheckpointMismatchError
 from .fqn import FqnMap, build_fqn_map
@@ -44,7 +44,8 @@ def _check_state_shapes(leaf: str, fqn: str, param: torch.Tensor, state: Any, pa
         if isinstance(value, dict):
             _check_state_shapes(leaf, fqn, param, value, f"{where}.")
         elif isinstance(value, torch.Tensor) and key != "step":
-            if value.dim() == param.dim() and value.dim() > 0 and tuple(value.shape) != tuple(param.shape):
+            # Same rank: every dim must match the param's or be 1 (Adafactor's factored row/col variance).
+            if value.dim() == param.dim() and any(s not in (p, 1) for s, p in zip(value.shape, param.shape)):
                 raise CheckpointMismatchError(
                     f"leaf {leaf!r}: state {where!r} of {fqn!r} has shape {tuple(value.shape)}, "
                     f"the parameter {tuple(param.shape)}"
@@ -86,6 +87,8 @@ def plan_leaf(
         if settings is None:
             settings = {k: v for k, v in group.items() if k != "params"}
         new = dict(settings)
+        if ckpt.names_of and target[gi] and any(f in ckpt.names_of for f in target[gi]):
+            new = _with_param_names(new, group, target[gi], ckpt.names_of)
         new["params"] = packed_groups[gi]["params"]
         groups.append(new)
     packed_state, used = core.assign_state_ids(target, ckpt.state_of)
@@ -95,8 +98,26 @@ def plan_leaf(
     return {"state": packed_state, "param_groups": groups}
 
 
+def _with_param_names(
+    settings: dict[str, Any], group: dict[str, Any], fqns: list[str], names_of: dict[str, str | None]
+) -> dict[str, Any]:
+    """Put ``param_names`` back (first, where torch's packed groups have it) for a target group
+    whose saved groups had names: each FQN's saved name when all are known, else the target's own."""
+    saved = [names_of.get(f) for f in fqns]
+    if all(isinstance(n, str) for n in saved):
+        return {"param_names": saved, **settings}
+    if "param_names" in group:
+        return {"param_names": list(group["param_names"]), **settings}
+    return settings
+
+
 def load_sparse_state_dict(
-    model: nn.Module, optimizer: Any, state_dict: Mapping[str, Any], *, strict: bool = True
+    model: nn.Module,
+    optimizer: Any,
+    state_dict: Mapping[str, Any],
+    *,
+    strict: bool = True,
+    allow_unowned: bool = False,
 ) -> None:
     """Restore param-group settings and existing state from ``state_dict`` (packed or flat).
 
@@ -104,6 +125,8 @@ def load_sparse_state_dict(
     saved. Parameters without saved state get no state (no synthetic step). ``strict=True``
     raises :class:`CheckpointMismatchError` on missing or extra FQNs; ``strict=False`` keeps a
     group's current settings when none of its FQNs is saved and ignores extra entries.
+    ``allow_unowned=True`` (multi-rank DCP loads): saved FQNs the model does not own, and their
+    state, belong to other ranks and are not "extra"; the model's own parameters must still be present.
     On any error every optimizer is left exactly as it was.
     """
     fmap = build_fqn_map(model)
@@ -117,13 +140,18 @@ def load_sparse_state_dict(
         for leaf, opt in leaves
     ]
     if strict:
-        _raise_on_mismatch(ckpt, missing, used_settings, used_state, {leaf for leaf, _ in leaves})
+        owned = fmap.param_of if allow_unowned else None
+        _raise_on_mismatch(ckpt, missing, used_settings, used_state, {leaf for leaf, _ in leaves}, owned)
+    # Every leaf's pre-hooks and validation run before any leaf is changed, and post-hooks only
+    # once every leaf is in place, so a failing leaf never follows another leaf's post-hooks.
+    prepared = [prepare_packed(leaf, opt, packed) for leaf, opt, packed in plans]
     applied: list[tuple[torch.optim.Optimizer, tuple[Any, Any]]] = []
     try:
-        for leaf, opt, packed in plans:
-            saved = snapshot(opt)
-            applied.append((opt, saved))
-            apply_packed(leaf, opt, packed)
+        for item in prepared:
+            applied.append((item.optimizer, snapshot(item.optimizer)))
+            commit_prepared(item)
+        for item in prepared:
+            run_post_hooks(item)
     except BaseException:
         for opt, saved in reversed(applied):
             rollback(opt, saved)
@@ -131,26 +159,50 @@ def load_sparse_state_dict(
 
 
 def _raise_on_mismatch(
-    ckpt: DecodedCheckpoint, missing: list[str], used_settings: set[str], used_state: set[str], target_leaves: set[str]
+    ckpt: DecodedCheckpoint,
+    missing: list[str],
+    used_settings: set[str],
+    used_state: set[str],
+    target_leaves: set[str],
+    owned: Mapping[str, Any] | None = None,
 ) -> None:
+    """Raise on missing/extra FQNs; with ``owned`` given, FQNs outside it (other ranks') are not extra."""
     if missing:
         raise CheckpointMismatchError(
             f"{len(missing)} optimizer parameter(s) have no saved param-group settings: {fmt_list(missing)}"
         )
     extra = [fqn for fqn in ckpt.settings_of if fqn not in used_settings]
     extra += [fqn for fqn in ckpt.state_of if fqn not in used_state and fqn not in ckpt.settings_of]
+    unmatched = ckpt.unmatched_keys
+    if owned is not None:
+        extra = [fqn for fqn in extra if fqn in owned]
+        unmatched = [k for k in unmatched if _unowned_state_fqn(k, ckpt.settings_of, owned) is None]
     if extra:
         leaves = sorted({ckpt.table_leaf_of[f] for f in extra if f in ckpt.table_leaf_of} - target_leaves)
         where = f" (from table(s) of leaf {fmt_list(leaves)}, which the target lacks)" if leaves else ""
         raise CheckpointMismatchError(
             f"{len(extra)} saved parameter(s) are in no target optimizer group{where}: {fmt_list(extra)}"
         )
-    if ckpt.unmatched_keys:
+    if unmatched:
         raise CheckpointMismatchError(
-            f"{len(ckpt.unmatched_keys)} checkpoint key(s) match no model parameter: {fmt_list(ckpt.unmatched_keys)}"
+            f"{len(unmatched)} checkpoint key(s) match no model parameter: {fmt_list(unmatched)}"
         )
     for leaf, gi in ckpt.empty_groups:
         if leaf not in target_leaves:
             raise CheckpointMismatchError(
                 f"the checkpoint's leaf {leaf!r} has an empty group {gi}, and the target has no leaf {leaf!r}"
             )
+
+
+def _unowned_state_fqn(key: str, saved_fqns: Mapping[str, Any], owned: Mapping[str, Any]) -> str | None:
+    """The saved, not owned FQN that ``state.{fqn}.{...}`` key ``key`` belongs to (longest prefix), else None."""
+    if not key.startswith("state."):
+        return None
+    body = key[len("state.") :]
+    dot = body.rfind(".")
+    while dot > 0:
+        candidate = body[:dot]
+        if candidate in saved_fqns:
+            return None if candidate in owned else candidate
+        dot = body.rfind(".", 0, dot)
+    return None
