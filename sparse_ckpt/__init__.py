@@ -8,6 +8,7 @@ from __future__ import annotations
 
 from ._backend import backend
 from .adapters import register_state_dict_adapter, unregister_state_dict_adapter
+from .dcp import SparseLoadPlanner, SparseOptimizerState
 from .errors import (
     CheckpointFormatError,
     CheckpointMismatchError,
@@ -26,6 +27,8 @@ __all__ = [
     "sparse_state_dict",
     "load_sparse_state_dict",
     "MultiOptimizer",
+    "SparseOptimizerState",
+    "SparseLoadPlanner",
     "register_state_dict_adapter",
     "unregister_state_dict_adapter",
     "SparseCheckpointError",

@@ -1,0 +1,144 @@
+"""Read a DCP checkpoint directory without a model (used by the CLI and the load planner).
+
+Only public DCP API is used: ``FileSystemReader.read_metadata`` for the metadata, and ``dcp.load``
+(no process group) into a target dict built from that metadata -- plain CPU tensors of the saved
+size and dtype, ``None`` for bytes items. Targets are keyed by the checkpoint's flattened keys,
+which is exactly what DCP matches on.
+"""
+
+from __future__ import annotations
+
+import os
+import warnings
+from collections.abc import Iterable, Mapping
+from dataclasses import dataclass
+from typing import Any, Union
+
+import torch
+import torch.distributed.checkpoint as dcp
+from torch.distributed.checkpoint import FileSystemReader
+from torch.distributed.checkpoint.metadata import Metadata, TensorStorageMetadata
+
+from .errors import CheckpointFormatError
+
+ObjPath = tuple[Union[str, int], ...]
+METADATA_FILE = ".metadata"
+
+
+class NotACheckpointError(CheckpointFormatError):
+    """The directory does not exist or has no ``.metadata`` file."""
+
+
+def read_metadata(path: str | os.PathLike[str]) -> Metadata:
+    """The checkpoint's DCP metadata; :class:`NotACheckpointError` when there is none."""
+    path = os.fspath(path)
+    if not os.path.isdir(path):
+        raise NotACheckpointError(f"{path!r} is not a directory: incomplete or not a DCP checkpoint")
+    if not os.path.isfile(os.path.join(path, METADATA_FILE)):
+        raise NotACheckpointError(
+            f"{path!r} has no {METADATA_FILE} file: incomplete or not a DCP checkpoint"
+        )
+    return FileSystemReader(path).read_metadata()
+
+
+def metadata_path(metadata: Metadata, key: str) -> ObjPath:
+    """The object path DCP recorded for flattened ``key`` (``(key,)`` when none was recorded)."""
+    planner_data = metadata.planner_data
+    if isinstance(planner_data, Mapping):
+        p = planner_data.get(key)
+        if p:
+            return tuple(p)
+    return (key,)
+
+
+def set_path(root: dict[str, Any], path: ObjPath, value: Any) -> None:
+    """Put ``value`` at ``path`` below ``root``, creating dicts (str keys) and lists (int keys)."""
+    node: Any = root
+    for i, key in enumerate(path):
+        last = i == len(path) - 1
+        if isinstance(node, list):
+            assert isinstance(key, int)
+            node.extend([None] * (key + 1 - len(node)))
+            if last:
+                node[key] = value
+            else:
+                if node[key] is None:
+                    node[key] = {} if isinstance(path[i + 1], str) else []
+                node = node[key]
+        else:
+            if last:
+                node[key] = value
+            else:
+                node = node.setdefault(key, {} if isinstance(path[i + 1], str) else [])
+
+
+def load_entries(path: str | os.PathLike[str], metadata: Metadata, keys: Iterable[str]) -> dict[str, Any]:
+    """Read the given flattened keys in this process: ``{key: tensor or object}``."""
+    target: dict[str, Any] = {}
+    for key in keys:
+        md = metadata.state_dict_metadata[key]
+        if isinstance(md, TensorStorageMetadata):
+            target[key] = torch.empty(tuple(md.size), dtype=md.properties.dtype)
+        else:
+            target[key] = None
+    if target:
+        with warnings.catch_warnings():
+            warnings.simplefilter("ignore", UserWarning)  # "assuming the intent is to load in a single process"
+            dcp.load(target, checkpoint_id=os.fspath(path), no_dist=True)
+    return target
+
+
+@dataclass
+class OptimizerEntries:
+    """The entries of one optimizer state dict inside a checkpoint."""
+
+    prefix: ObjPath
+    """Object path of the optimizer dict (``()`` when it is the checkpoint's top level)."""
+    inner: dict[str, str]
+    """Key inside the optimizer dict (``state.*``, ``param_groups.*``) -> flattened checkpoint key."""
+
+    @property
+    def name(self) -> str:
+        """The prefix as DCP writes it (``"optim"``, ``"train.optim"``; ``""`` for the top level)."""
+        return ".".join(map(str, self.prefix))
+
+
+def find_optimizers(metadata: Metadata) -> list[OptimizerEntries]:
+    """Optimizer dicts in the checkpoint: object paths with ``state.*``/``param_groups.*`` children.
+
+    A prefix counts only when it has at least one ``param_groups`` entry (every optimizer has
+    group settings, flat or packed), so a model submodule named ``state`` is not mistaken for one.
+    """
+    found: dict[ObjPath, OptimizerEntries] = {}
+    has_groups: set[ObjPath] = set()
+    for key in metadata.state_dict_metadata:
+        p = metadata_path(metadata, key)
+        split = _split(p)
+        if split is None:
+            continue
+        prefix, inner = split
+        found.setdefault(prefix, OptimizerEntries(prefix, {})).inner[inner] = key
+        if inner.startswith("param_groups."):
+            has_groups.add(prefix)
+    return [entries for prefix, entries in found.items() if prefix in has_groups]
+
+
+def _split(p: ObjPath) -> tuple[ObjPath, str] | None:
+    if len(p) == 1 and isinstance(p[0], str):
+        # No recorded nesting: find the optimizer namespace in the dotted key itself.
+        key = p[0]
+        for marker in ("state.", "param_groups."):
+            if key.startswith(marker):
+                return (), key
+        best = None
+        for marker in (".state.", ".param_groups."):
+            i = key.find(marker)
+            if i > 0 and (best is None or i < best):
+                best = i
+        if best is None:
+            return None
+        return (key[:best],), key[best + 1 :]
+    last = p[-1]
+    if isinstance(last, str) and last.startswith(("state.", "param_groups.")):
+        return p[:-1], last
+    return None

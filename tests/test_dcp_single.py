@@ -1,0 +1,257 @@
+"""DCP integration in a single process (no process group): SparseOptimizerState + SparseLoadPlanner."""
+
+from __future__ import annotations
+
+import copy
+import pickle
+import warnings
+from pathlib import Path
+from typing import Any
+
+import pytest
+import torch
+import torch.distributed.checkpoint as dcp
+from helpers import assert_optimizer_equal, make_moe, snapshot_optimizer, train
+from torch import nn
+from torch.distributed.checkpoint.api import CheckpointException
+from torch.distributed.checkpoint.state_dict import StateDictOptions, get_optimizer_state_dict
+
+import sparse_ckpt as sc
+from sparse_ckpt.dcp import SparseStateDict
+
+pytestmark = pytest.mark.filterwarnings("ignore:torch.distributed is disabled:UserWarning")
+
+IDLE_LR = 0.0025
+
+
+def build(seed: int) -> tuple[nn.Module, sc.MultiOptimizer]:
+    """TinyMoE with leaves: dense; experts 0-2 (one group each); idle (expert 3, never gets a grad)."""
+    model = make_moe(seed)
+    experts = [{"params": list(model.experts[e].parameters())} for e in range(3)]
+    opt = sc.MultiOptimizer(
+        model,
+        {
+            "dense": torch.optim.AdamW(model.dense_params(), lr=0.01),
+            "experts": torch.optim.AdamW(experts, lr=0.01),
+            "idle": torch.optim.AdamW(model.experts[3].parameters(), lr=0.01),
+        },
+    )
+    return model, opt
+
+
+def trained(seed: int = 0) -> tuple[nn.Module, sc.MultiOptimizer]:
+    """Trained with only experts 0 and 1 routed (expert 2 and the idle leaf stay stateless)."""
+    model, opt = build(seed)
+    train(model, opt, 2, only_experts=[0, 1])
+    for group in opt["idle"].param_groups:
+        group["lr"] = IDLE_LR  # what a scheduler would do to a leaf that never stepped
+    return model, opt
+
+
+def save(path: Path, model: nn.Module, opt: Any, fmt: str = "packed") -> None:
+    dcp.save({"model": model.state_dict(), "optim": sc.SparseOptimizerState(model, opt, format=fmt)}, checkpoint_id=path)
+
+
+def load(path: Path, model: nn.Module, opt: Any, **kw: Any) -> None:
+    msd = model.state_dict()
+    dcp.load({"model": msd, "optim": sc.SparseOptimizerState(model, opt, **kw)}, checkpoint_id=path,
+             planner=sc.SparseLoadPlanner())
+    model.load_state_dict(msd)
+
+
+def assert_resumed(src_model: nn.Module, src: sc.MultiOptimizer, model: nn.Module, opt: sc.MultiOptimizer) -> None:
+    """Equal optimizers and params now, and after one more identical step on both."""
+    assert_optimizer_equal(src, opt, grads=False)
+    train(src_model, src, 1, only_experts=[0, 1], seed=100)
+    train(model, opt, 1, only_experts=[0, 1], seed=100)
+    assert_optimizer_equal(src, opt, grads=False)
+
+
+@pytest.mark.parametrize("fmt", ["packed", "flat"])
+def test_fresh_optimizer_resumes_exactly(tmp_path: Path, fmt: str) -> None:
+    model, opt = trained()
+    before = snapshot_optimizer(opt)
+    save(tmp_path, model, opt, fmt)
+    assert_optimizer_equal(before, opt)  # saving mutated nothing
+
+    keys = set(dcp.FileSystemReader(str(tmp_path)).read_metadata().state_dict_metadata)
+    assert not any(k.startswith(("optim.state.experts.2.", "optim.state.experts.3.")) for k in keys)
+    if fmt == "packed":
+        assert sum("__packed__" in k for k in keys) == 3
+        assert not any(k.startswith("optim.param_groups.") and "__packed__" not in k for k in keys)
+    else:
+        assert "optim.param_groups.experts.3.up.weight.lr" in keys  # flat: every param, stateless too
+        assert not any("__packed__" in k for k in keys)
+
+    model2, opt2 = build(seed=1)
+    load(tmp_path, model2, opt2)
+    assert [g["lr"] for g in opt2["idle"].param_groups] == [IDLE_LR]
+    assert len(opt2["idle"].state) == 0
+    assert not opt2["experts"].state.get(model2.experts[2].up.weight)
+    p, p2 = model.experts[0].up.weight, model2.experts[0].up.weight
+    assert torch.equal(opt2["experts"].state[p2]["exp_avg"], opt["experts"].state[p]["exp_avg"])
+    assert_resumed(model, opt, model2, opt2)
+
+
+def test_without_planner_fails_clearly(tmp_path: Path) -> None:
+    model, opt = trained()
+    save(tmp_path, model, opt)
+
+    # Fresh settings differ (idle lr): the fresh table's digest is not in the checkpoint, so DCP's own
+    # planner raises before our code runs -- the message names the packed-table key.
+    model2, opt2 = build(seed=1)
+    before = snapshot_optimizer(opt2)
+    with pytest.raises(CheckpointException, match=r"Missing key in checkpoint state_dict: optim\.param_groups\.__packed__\."):
+        dcp.load({"optim": sc.SparseOptimizerState(model2, opt2)}, checkpoint_id=tmp_path)
+    assert_optimizer_equal(before, opt2)
+
+    # Same settings (every table digest matches): DCP alone would read the tables and no state at all.
+    for group in opt2["idle"].param_groups:
+        group["lr"] = IDLE_LR
+    before = snapshot_optimizer(opt2)
+    with pytest.raises(sc.CheckpointMismatchError, match=r"planner=sparse_ckpt\.SparseLoadPlanner\(\)"):
+        dcp.load({"optim": sc.SparseOptimizerState(model2, opt2)}, checkpoint_id=tmp_path)
+    assert_optimizer_equal(before, opt2)
+    assert not opt2["dense"].state
+
+
+def test_flat_without_planner_fails_clearly(tmp_path: Path) -> None:
+    model, opt = trained()
+    save(tmp_path, model, opt, "flat")
+    model2, opt2 = build(seed=1)
+    with pytest.raises(sc.CheckpointMismatchError, match="SparseLoadPlanner"):
+        dcp.load({"optim": sc.SparseOptimizerState(model2, opt2, format="flat")}, checkpoint_id=tmp_path)
+    assert not opt2["dense"].state
+
+
+def test_load_into_optimizer_with_state(tmp_path: Path) -> None:
+    """A target with state of its own: every param ends up with exactly the checkpoint's state."""
+    model, opt = trained()
+    save(tmp_path, model, opt)
+    model2, opt2 = build(seed=1)
+    train(model2, opt2, 3, seed=7)  # all experts routed: expert 2 and the idle leaf get state here
+    assert opt2["idle"].state and opt2["experts"].state.get(model2.experts[2].up.weight)
+    load(tmp_path, model2, opt2)
+    assert not opt2["idle"].state
+    assert not opt2["experts"].state.get(model2.experts[2].up.weight)
+    assert_resumed(model, opt, model2, opt2)
+
+
+class Named(nn.Module):
+    def __init__(self, names: list[str], seed: int = 0) -> None:
+        super().__init__()
+        torch.manual_seed(seed)
+        self.layers = nn.ModuleDict({n: nn.Linear(3, 3) for n in names})
+
+
+def step_all(model: Named, opt: torch.optim.Optimizer) -> None:
+    opt.zero_grad()
+    sum(layer(torch.ones(2, 3)).sum() for layer in model.layers.values()).backward()
+    opt.step()
+
+
+def test_strict_rejects_extra_saved_params_and_is_transactional(tmp_path: Path) -> None:
+    src = Named(["a", "b", "c"])
+    src_opt = torch.optim.AdamW(src.parameters(), lr=0.01)
+    step_all(src, src_opt)
+    dcp.save({"optim": sc.SparseOptimizerState(src, src_opt)}, checkpoint_id=tmp_path)
+
+    dst = Named(["a", "b"], seed=3)
+    dst_opt = torch.optim.AdamW(dst.parameters(), lr=0.02)
+    step_all(dst, dst_opt)
+    before = snapshot_optimizer(dst_opt)
+    with pytest.raises(sc.CheckpointMismatchError, match=r"layers\.c\.weight"):
+        dcp.load({"optim": sc.SparseOptimizerState(dst, dst_opt)}, checkpoint_id=tmp_path,
+                 planner=sc.SparseLoadPlanner())
+    assert_optimizer_equal(before, dst_opt)  # the planner read into new buffers, not the live state
+
+    dcp.load({"optim": sc.SparseOptimizerState(dst, dst_opt, strict=False)}, checkpoint_id=tmp_path,
+             planner=sc.SparseLoadPlanner())
+    assert dst_opt.param_groups[0]["lr"] == 0.01
+    for name in ("a", "b"):
+        for pn in ("weight", "bias"):
+            saved = src_opt.state[getattr(src.layers[name], pn)]
+            got = dst_opt.state[getattr(dst.layers[name], pn)]
+            assert torch.equal(saved["exp_avg_sq"], got["exp_avg_sq"]) and torch.equal(saved["step"], got["step"])
+
+
+def test_async_save_captures_values_at_save_time(tmp_path: Path) -> None:
+    model, opt = trained()
+    at_save = snapshot_optimizer(opt)
+    params_at_save = copy.deepcopy(model.state_dict())
+    state = {"model": model.state_dict(), "optim": sc.SparseOptimizerState(model, opt)}
+    future = dcp.async_save(state, checkpoint_id=tmp_path)
+    train(model, opt, 2, only_experts=[0, 1, 2], seed=50)  # keeps training while the upload runs
+    future.result()
+
+    model2, opt2 = build(seed=1)
+    load(tmp_path, model2, opt2)
+    assert_optimizer_equal(at_save, opt2, grads=False)
+    for k, v in params_at_save.items():
+        assert torch.equal(model2.state_dict()[k], v), k
+    assert not opt2["experts"].state.get(model2.experts[2].up.weight)  # it got state only after the save
+
+
+def test_dsd_flat_checkpoint_loads(tmp_path: Path) -> None:
+    """A checkpoint written by torch DSD (flatten_optimizer_state_dict=True) and dcp.save."""
+    model = make_moe(0)
+    opt = torch.optim.AdamW([{"params": model.dense_params()}, {"params": model.expert_params(), "lr": 0.003}])
+    train(model, opt, 2, only_experts=[0])  # experts 1-3 stay stateless
+    dsd = get_optimizer_state_dict(model, opt, options=StateDictOptions(flatten_optimizer_state_dict=True))
+    dcp.save({"model": model.state_dict(), "optim": dsd}, checkpoint_id=tmp_path)
+
+    model2 = make_moe(1)
+    opt2 = torch.optim.AdamW([{"params": model2.dense_params()}, {"params": model2.expert_params(), "lr": 0.5}])
+    msd = model2.state_dict()
+    dcp.load({"model": msd, "optim": sc.SparseOptimizerState(model2, opt2)}, checkpoint_id=tmp_path,
+             planner=sc.SparseLoadPlanner())
+    model2.load_state_dict(msd)
+    assert_optimizer_equal(opt, opt2, grads=False)
+    assert not opt2.state.get(model2.experts[1].up.weight)
+
+
+def test_nested_state_dict_any_depth(tmp_path: Path) -> None:
+    model, opt = trained()
+    state = sc.SparseOptimizerState(model, opt)
+    dcp.save({"run": {"train": {"optim": state.state_dict()}, "step": 7}}, checkpoint_id=tmp_path)
+
+    model2, opt2 = build(seed=1)
+    model2.load_state_dict(model.state_dict())
+    state2 = sc.SparseOptimizerState(model2, opt2)
+    target = {"run": {"train": {"optim": state2.state_dict()}, "step": 0}}
+    dcp.load(target, checkpoint_id=tmp_path, planner=sc.SparseLoadPlanner())
+    assert target["run"]["step"] == 7
+    state2.load_state_dict(target["run"]["train"]["optim"])
+    assert_optimizer_equal(opt, opt2, grads=False)
+
+
+def test_nested_stateful_object_is_refused(tmp_path: Path) -> None:
+    model, opt = trained()
+    state = sc.SparseOptimizerState(model, opt)
+    with pytest.raises(CheckpointException, match="top level"):
+        dcp.save({"run": {"optim": state}}, checkpoint_id=tmp_path / "a")
+    save(tmp_path / "b", model, opt)
+    with pytest.raises(CheckpointException, match="below the top level"):
+        dcp.load({"run": {"optim": state}}, checkpoint_id=tmp_path / "b", planner=sc.SparseLoadPlanner())
+
+
+def test_state_dict_copies_as_plain_dict() -> None:
+    model, opt = trained()
+    sd = sc.SparseOptimizerState(model, opt).state_dict()
+    assert isinstance(sd, SparseStateDict) and sd.owner.model is model
+    for copied in (pickle.loads(pickle.dumps(sd)), copy.deepcopy(sd), copy.copy(sd), sd.copy()):
+        assert type(copied) is dict
+        assert list(copied) == list(sd)
+    deep = copy.deepcopy(sd)
+    key = next(k for k in sd if k.startswith("state."))
+    assert torch.equal(deep[key], sd[key]) and deep[key] is not sd[key]
+
+
+def test_wrong_key_is_reported(tmp_path: Path) -> None:
+    model, opt = trained()
+    save(tmp_path, model, opt)
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")
+        with pytest.raises(CheckpointException, match="no optimizer entries under 'optimizer'"):
+            dcp.load({"optimizer": sc.SparseOptimizerState(model, opt)}, checkpoint_id=tmp_path,
+                     planner=sc.SparseLoadPlanner())
