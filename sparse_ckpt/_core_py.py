@@ -410,7 +410,7 @@ def _decode_value(r: _Reader, from_parts: PartsToTensor, depth: int) -> Any:
             return from_parts(dtype, shape, device_type, data)
         except CheckpointFormatError:
             raise
-        except Exception as exc:  # the callback validates dtype/shape/size
+        except Exception as exc:  # noqa: BLE001 - any callback failure means a bad tensor record
             raise r.fail(f"bad tensor ({exc})") from None
     raise r.fail(f"unknown value tag {tag}")
 
@@ -504,7 +504,7 @@ def _first_differing_key(a: Mapping[str, Any], b: Mapping[str, Any]) -> str:
             return key
         try:
             same = bool(va == vb)
-        except Exception:  # tensors and other values without a scalar truth value
+        except Exception:  # noqa: BLE001 - tensors and other values without a scalar truth value
             same = va is vb
         if not same:
             return key

@@ -56,5 +56,5 @@ def _device_available(device_type: str) -> bool:
     is_available = getattr(mod, "is_available", None)
     try:
         return bool(is_available()) if callable(is_available) else False
-    except Exception:
+    except Exception:  # noqa: BLE001 - a broken device backend means "not available"
         return False

@@ -7,11 +7,11 @@ and its message names the leaf, group, FQN and key involved where they are known
 from __future__ import annotations
 
 __all__ = [
+    "CheckpointFormatError",
+    "CheckpointMismatchError",
+    "ReentrantSerializationError",
     "SparseCheckpointError",
     "UnsupportedStateDictError",
-    "ReentrantSerializationError",
-    "CheckpointMismatchError",
-    "CheckpointFormatError",
 ]
 
 

@@ -22,7 +22,7 @@ class _MultiHandle:
         for handle in self._handles:
             handle.remove()
 
-    def __enter__(self) -> _MultiHandle:
+    def __enter__(self) -> _MultiHandle:  # noqa: PYI034 - py3.9 has no typing.Self
         return self
 
     def __exit__(self, *exc: object) -> None:
