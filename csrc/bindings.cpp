@@ -1,0 +1,36 @@
+// The pybind11 module ``sparse_ckpt._C``: the C++ twin of ``sparse_ckpt._core_py``.
+#include "core.hpp"
+
+PYBIND11_MODULE(_C, m) {
+    using namespace sckpt;
+    m.doc() = "C++ core of sparse_ckpt: the twin of sparse_ckpt._core_py (same outputs, errors and messages).";
+
+    m.attr("MAGIC") = py::bytes(kMagic, 4);
+    m.attr("VERSION") = kVersion;
+    m.attr("MAX_DEPTH") = kMaxDepth;
+    m.attr("PACKED_MARKER") = py::str(kPackedMarker);
+
+    m.def("pack_optimizer", &pack_optimizer, py::arg("leaf"), py::arg("param_groups"), py::arg("state"),
+          py::arg("tensor_type"),
+          "Pack param groups/state exactly as torch.optim.Optimizer.state_dict does: "
+          "(packed_groups, packed_state, id_to_param).");
+    m.def("remap_to_fqns", &remap_to_fqns, py::arg("leaf"), py::arg("packed_groups"), py::arg("packed_state"),
+          py::arg("id_to_param"), py::arg("fqn_of"),
+          "Turn a packed (int-id) optimizer dict into (groups_fqn, state_fqn).");
+    m.def("flatten_state", &flatten_state, py::arg("state_fqn"),
+          "state.{fqn}.{key} for every state entry; nested dicts are flattened with '.'.");
+    m.def("flatten_groups", &flatten_groups, py::arg("groups_fqn"),
+          "param_groups.{fqn}.{key} for every parameter of every group.");
+    m.def("unflatten", &unflatten, py::arg("flat"), py::arg("known_fqns"),
+          "Split a flat/packed optimizer dict: (settings_by_fqn, state_by_fqn, packed_tables, unmatched_keys).");
+    m.def("encode_settings", &encode_settings, py::arg("leaf"), py::arg("group_index"), py::arg("settings"),
+          py::arg("tensor_type"), py::arg("to_parts"), "Encode one group's settings.");
+    m.def("encode_table", &encode_table, py::arg("leaf"), py::arg("groups_fqn"), py::arg("tensor_type"),
+          py::arg("to_parts"), "Encode a leaf's groups as a version-1 table.");
+    m.def("decode_table", &decode_table, py::arg("leaf"), py::arg("data"), py::arg("from_parts"),
+          "Decode a table: (settings, settings_blobs, groups).");
+    m.def("match_groups", &match_groups, py::arg("leaf"), py::arg("target_fqns"), py::arg("settings_of"),
+          "For each target group pick the saved settings of its FQNs: (chosen, missing).");
+    m.def("assign_state_ids", &assign_state_ids, py::arg("target_fqns"), py::arg("state_by_fqn"),
+          "Give saved state to the target's packed ids: (packed_state, used_fqns).");
+}

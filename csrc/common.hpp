@@ -1,0 +1,328 @@
+// Shared helpers of the sparse_ckpt C++ core: CPython iteration with Python's semantics,
+// tuple unpacking with CPython's messages, str building, and little-endian byte output.
+//
+// Every helper mirrors what the corresponding Python statement in sparse_ckpt/_core_py.py does,
+// including the error a malformed input raises, so the two backends stay interchangeable.
+#pragma once
+
+#define PY_SSIZE_T_CLEAN
+#include <pybind11/pybind11.h>
+
+#include <cstdint>
+#include <cstring>
+#include <string>
+#include <type_traits>
+#include <utility>
+#include <vector>
+
+#include "errors.hpp"
+
+namespace py = pybind11;
+
+namespace sckpt {
+
+inline constexpr const char kMagic[] = "SCKT";
+inline constexpr int kVersion = 1;
+inline constexpr int kMaxDepth = 32;
+inline constexpr const char kPackedMarker[] = "__packed__";
+
+// ------------------------------------------------------------------ references
+
+/// Own a new reference; a NULL result means a Python error is set, which is rethrown.
+inline py::object steal(PyObject* p) {
+    if (p == nullptr) throw py::error_already_set();
+    return py::reinterpret_steal<py::object>(p);
+}
+
+/// Take a new reference to a borrowed pointer.
+inline py::object borrow(PyObject* p) { return py::reinterpret_borrow<py::object>(p); }
+
+inline void check(int rc) {
+    if (rc < 0) throw py::error_already_set();
+}
+
+inline void ensure_ready(PyObject* s) {
+#if PY_VERSION_HEX < 0x030C0000
+    if (PyUnicode_READY(s) < 0) throw py::error_already_set();
+#else
+    (void)s;
+#endif
+}
+
+// ------------------------------------------------------------------ gc
+
+/// Suspends the cyclic garbage collector for one core call and restores the caller's setting on
+/// exit (also when an exception propagates). A core call allocates O(P) containers that are never
+/// garbage; left running, the generational collector would rescan the whole heap several times
+/// per call, which costs more than the call itself at 10^5 parameters. Results are unaffected.
+class GcPause {
+public:
+#if PY_VERSION_HEX >= 0x030A0000
+    GcPause() : was_enabled_(PyGC_Disable() == 1) {}
+    ~GcPause() {
+        if (was_enabled_) PyGC_Enable();
+    }
+#else
+    GcPause() {}  // no C API to pause the collector before Python 3.10
+    ~GcPause() {}
+#endif
+    GcPause(const GcPause&) = delete;
+    GcPause& operator=(const GcPause&) = delete;
+
+#if PY_VERSION_HEX >= 0x030A0000
+private:
+    bool was_enabled_;
+#endif
+};
+
+// ------------------------------------------------------------------ messages
+
+/// ``repr(obj)``
+inline py::object py_repr(py::handle h) { return steal(PyObject_Repr(h.ptr())); }
+
+/// ``f"{obj}"``: ``format(obj, "")`` (the object itself for an exact str).
+inline py::object fmt(py::handle h) {
+    if (PyUnicode_CheckExact(h.ptr())) return borrow(h.ptr());
+    return steal(PyObject_Format(h.ptr(), nullptr));
+}
+
+/// ``type(obj).__name__`` as an f-string piece.
+inline py::object type_name(py::handle h) {
+    py::object name = steal(PyObject_GetAttrString(reinterpret_cast<PyObject*>(Py_TYPE(h.ptr())), "__name__"));
+    return fmt(name);
+}
+
+/// Builds an exception message from UTF-8 literals, integers and Python str objects.
+class Msg {
+public:
+    Msg() : parts_(steal(PyList_New(0))) {}
+    Msg& operator<<(const char* s) { return add(steal(PyUnicode_FromString(s))); }
+    Msg& operator<<(const std::string& s) {
+        return add(steal(PyUnicode_FromStringAndSize(s.data(), static_cast<Py_ssize_t>(s.size()))));
+    }
+    Msg& operator<<(const py::object& str_obj) { return add(str_obj); }
+    template <class T, std::enable_if_t<std::is_integral_v<T>, int> = 0>
+    Msg& operator<<(T v) { return *this << std::to_string(v); }
+    py::object str() const {
+        py::object empty = steal(PyUnicode_FromStringAndSize("", 0));
+        return steal(PyUnicode_Join(empty.ptr(), parts_.ptr()));
+    }
+    operator py::object() const { return str(); }  // NOLINT(google-explicit-constructor)
+
+private:
+    Msg& add(const py::object& piece) {
+        check(PyList_Append(parts_.ptr(), piece.ptr()));
+        return *this;
+    }
+    py::object parts_;
+};
+
+// ------------------------------------------------------------------ iteration
+
+/// ``for item in obj: f(item)`` with CPython's semantics (a list is read live, index by index).
+/// ``f`` may return ``bool``; ``false`` stops the loop (like ``break``).
+template <class F>
+void iterate(py::handle obj, F&& f) {
+    PyObject* o = obj.ptr();
+    auto call = [&](py::handle item) -> bool {
+        if constexpr (std::is_same_v<decltype(f(item)), bool>) {
+            return f(item);
+        } else {
+            f(item);
+            return true;
+        }
+    };
+    if (PyList_CheckExact(o)) {
+        for (Py_ssize_t i = 0; i < PyList_GET_SIZE(o); ++i) {
+            py::object item = borrow(PyList_GET_ITEM(o, i));
+            if (!call(item)) return;
+        }
+    } else if (PyTuple_CheckExact(o)) {
+        const Py_ssize_t n = PyTuple_GET_SIZE(o);
+        for (Py_ssize_t i = 0; i < n; ++i) {
+            py::object item = borrow(PyTuple_GET_ITEM(o, i));
+            if (!call(item)) return;
+        }
+    } else {
+        py::object it = steal(PyObject_GetIter(o));
+        while (PyObject* raw = PyIter_Next(it.ptr())) {
+            py::object item = py::reinterpret_steal<py::object>(raw);
+            if (!call(item)) return;
+        }
+        if (PyErr_Occurred()) throw py::error_already_set();
+    }
+}
+
+/// ``a, b, ... = v`` into ``out[0..n)``, with CPython's error messages.
+void unpack(py::handle v, int n, py::object* out);
+
+/// True when ``m`` is a dict whose ``method`` is ``dict``'s own (no override, no instance
+/// attribute), so the C API on it does exactly what calling ``m.method(...)`` would.
+bool plain_dict(py::handle m, const char* method);
+
+/// ``for key, value in m.items(): f(key, value)``. Plain dicts are walked with PyDict_Next
+/// and raise Python's RuntimeError when resized meanwhile.
+template <class F>
+void iterate_items(py::handle m, F&& f) {
+    PyObject* d = m.ptr();
+    if (plain_dict(m, "items")) {
+        const Py_ssize_t size = PyDict_GET_SIZE(d);
+        Py_ssize_t pos = 0;
+        PyObject* k = nullptr;
+        PyObject* v = nullptr;
+        while (PyDict_Next(d, &pos, &k, &v)) {
+            py::object key = borrow(k);
+            py::object value = borrow(v);
+            f(key, value);
+            if (PyDict_GET_SIZE(d) != size) {
+                raise_builtin(PyExc_RuntimeError, Msg() << "dictionary changed size during iteration");
+            }
+        }
+        return;
+    }
+    py::object items = steal(PyObject_CallMethod(d, "items", nullptr));
+    iterate(items, [&](py::handle pair) {
+        py::object kv[2];
+        unpack(pair, 2, kv);
+        f(kv[0], kv[1]);
+    });
+}
+
+/// ``m.get(key)`` (a new reference; ``None`` when absent). ``fast`` = ``plain_dict(m, "get")``.
+inline py::object mapping_get(py::handle m, py::handle key, bool fast) {
+    if (fast) {
+        PyObject* v = PyDict_GetItemWithError(m.ptr(), key.ptr());
+        if (v == nullptr) {
+            if (PyErr_Occurred()) throw py::error_already_set();
+            return py::none();
+        }
+        return borrow(v);
+    }
+    return steal(PyObject_CallMethod(m.ptr(), "get", "O", key.ptr()));
+}
+
+/// ``len(obj)``
+inline Py_ssize_t length(py::handle obj) {
+    Py_ssize_t n = PyObject_Size(obj.ptr());
+    if (n < 0) throw py::error_already_set();
+    return n;
+}
+
+/// ``{k: v for k, v in group.items() if k != "params"}``
+py::object copy_without_params(py::handle group, py::handle params_key);
+
+// ------------------------------------------------------------------ identity map
+
+/// ``id(obj) -> index`` keyed by object identity (``PyObject*``), like a dict keyed by ``id()``.
+/// Open addressing with linear probing in one flat array: no allocation per entry. The caller
+/// keeps every key object alive while the map is in use.
+class IdMap {
+public:
+    explicit IdMap(size_t expected = 0) { rehash(capacity_for(expected)); }
+
+    /// Insert ``key -> value`` unless present. Returns the key's value and whether it was inserted.
+    std::pair<Py_ssize_t, bool> emplace(PyObject* key, Py_ssize_t value) {
+        if ((size_ + 1) * 2 > slots_.size()) rehash(slots_.size() * 2);
+        Slot& slot = slots_[probe(key)];
+        if (slot.key != nullptr) return {slot.value, false};
+        slot.key = key;
+        slot.value = value;
+        ++size_;
+        return {value, true};
+    }
+
+    /// The value of ``key``, or nullptr when absent.
+    const Py_ssize_t* find(PyObject* key) const {
+        const Slot& slot = slots_[probe(key)];
+        return slot.key != nullptr ? &slot.value : nullptr;
+    }
+
+private:
+    struct Slot {
+        PyObject* key = nullptr;
+        Py_ssize_t value = 0;
+    };
+
+    static size_t capacity_for(size_t expected) {
+        size_t cap = 16;
+        while (cap < expected * 2) cap *= 2;
+        return cap;
+    }
+
+    static size_t hash(PyObject* key) {
+        uint64_t x = static_cast<uint64_t>(reinterpret_cast<uintptr_t>(key));
+        x ^= x >> 33;
+        x *= 0xff51afd7ed558ccdULL;
+        x ^= x >> 33;
+        return static_cast<size_t>(x);
+    }
+
+    /// Index of ``key``'s slot, or of the empty slot where it would go.
+    size_t probe(PyObject* key) const {
+        const size_t mask = slots_.size() - 1;
+        size_t i = hash(key) & mask;
+        while (slots_[i].key != nullptr && slots_[i].key != key) i = (i + 1) & mask;
+        return i;
+    }
+
+    void rehash(size_t capacity) {
+        std::vector<Slot> old(capacity);
+        old.swap(slots_);
+        for (const Slot& s : old) {
+            if (s.key != nullptr) slots_[probe(s.key)] = s;
+        }
+    }
+
+    std::vector<Slot> slots_;
+    size_t size_ = 0;
+};
+
+// ------------------------------------------------------------------ strings
+
+/// Concatenate str objects (any str subclass) into one new exact str.
+py::object concat(std::initializer_list<PyObject*> parts);
+
+/// ``s.startswith(lit)`` for an ASCII literal, without creating objects.
+inline bool starts_with(PyObject* s, const char* lit, Py_ssize_t n) {
+    ensure_ready(s);
+    if (PyUnicode_GET_LENGTH(s) < n) return false;
+    const int kind = PyUnicode_KIND(s);
+    const void* data = PyUnicode_DATA(s);
+    for (Py_ssize_t i = 0; i < n; ++i) {
+        if (PyUnicode_READ(kind, data, i) != static_cast<Py_UCS4>(static_cast<unsigned char>(lit[i]))) return false;
+    }
+    return true;
+}
+
+// ------------------------------------------------------------------ bytes out
+
+inline void put_u8(std::string& out, uint8_t v) { out.push_back(static_cast<char>(v)); }
+inline void put_le(std::string& out, uint64_t v, int nbytes) {
+    char buf[8];
+    for (int i = 0; i < nbytes; ++i) buf[i] = static_cast<char>((v >> (8 * i)) & 0xFFu);
+    out.append(buf, static_cast<size_t>(nbytes));
+}
+inline void put_u16(std::string& out, uint16_t v) { put_le(out, v, 2); }
+inline void put_u32(std::string& out, uint32_t v) { put_le(out, v, 4); }
+inline void put_u64(std::string& out, uint64_t v) { put_le(out, v, 8); }
+inline void put_i64(std::string& out, int64_t v) { put_le(out, static_cast<uint64_t>(v), 8); }
+inline void put_f64(std::string& out, double v) {
+    uint64_t bits;
+    std::memcpy(&bits, &v, sizeof bits);
+    put_le(out, bits, 8);
+}
+/// ``_U32.pack(n)`` of a length, raising ``struct.error`` like Python when it does not fit.
+inline void put_len_u32(std::string& out, Py_ssize_t n) {
+    if (n < 0 || static_cast<uint64_t>(n) > 0xFFFFFFFFull) {
+        raise_struct_error("'I' format requires 0 <= number <= 4294967295");
+    }
+    put_u32(out, static_cast<uint32_t>(n));
+}
+
+inline uint64_t get_le(const char* p, int nbytes) {
+    uint64_t v = 0;
+    for (int i = 0; i < nbytes; ++i) v |= static_cast<uint64_t>(static_cast<unsigned char>(p[i])) << (8 * i);
+    return v;
+}
+
+}  // namespace sckpt

@@ -1,0 +1,29 @@
+// The functions of the C++ core; each is the twin of the same-named function of
+// sparse_ckpt/_core_py.py (same arguments, outputs, exception types and messages).
+#pragma once
+
+#include "common.hpp"
+
+namespace sckpt {
+
+// capture.cpp
+py::tuple pack_optimizer(py::object leaf, py::object param_groups, py::object state, py::object tensor_type);
+py::tuple remap_to_fqns(py::object leaf, py::object packed_groups, py::object packed_state, py::object id_to_param,
+                        py::object fqn_of);
+
+// flat_keys.cpp
+py::object flatten_state(py::object state_fqn);
+py::object flatten_groups(py::object groups_fqn);
+py::tuple unflatten(py::object flat, py::object known_fqns);
+
+// table_codec.cpp
+py::bytes encode_settings(py::object leaf, py::object group_index, py::object settings, py::object tensor_type,
+                          py::object to_parts);
+py::bytes encode_table(py::object leaf, py::object groups_fqn, py::object tensor_type, py::object to_parts);
+py::tuple decode_table(py::object leaf, py::object data, py::object from_parts);
+
+// load_match.cpp
+py::tuple match_groups(py::object leaf, py::object target_fqns, py::object settings_of);
+py::tuple assign_state_ids(py::object target_fqns, py::object state_by_fqn);
+
+}  // namespace sckpt

@@ -1,0 +1,465 @@
+// encode_settings / encode_table / decode_table: the version-1 group-table codec.
+//
+// Format (all integers little endian), see sparse_ckpt/_core_py.py:
+//   magic "SCKT" | u16 version | u32 n_settings | settings* | u32 n_groups | group*
+//   settings := u32 n_keys | (str key, value)*
+//   group    := u32 settings_index | u32 n_params | str*
+//   str      := u32 n_bytes | utf-8 bytes
+//   value    := u8 tag | payload
+// The decoder checks the remaining length before every read and every count against the
+// remaining bytes before allocating, so a corrupt or hostile table never over-reads or
+// over-allocates.
+#include <deque>
+#include <string_view>
+#include <unordered_map>
+#include <vector>
+
+#include "core.hpp"
+
+namespace sckpt {
+
+namespace {
+
+enum Tag : uint8_t {
+    kTagNone = 0,
+    kTagFalse = 1,
+    kTagTrue = 2,
+    kTagInt = 3,
+    kTagFloat = 4,
+    kTagStr = 5,
+    kTagBytes = 6,
+    kTagTuple = 7,
+    kTagList = 8,
+    kTagTensor = 9,
+};
+
+// ------------------------------------------------------------------ encoding
+
+/// The ``where`` of an encode error, built only when an error is raised:
+/// ``leaf {leaf!r} group {group}`` plus `` key {key!r}`` when ``key`` is set.
+struct Where {
+    py::handle leaf;
+    py::handle group_obj;      // formatted with format() when set
+    Py_ssize_t group_num = 0;  // used when group_obj is not set
+    py::handle key;            // optional
+
+    py::object str() const {
+        Msg m;
+        m << "leaf " << py_repr(leaf) << " group ";
+        if (group_obj) {
+            m << fmt(group_obj);
+        } else {
+            m << static_cast<long long>(group_num);
+        }
+        if (key) m << " key " << py_repr(key);
+        return m.str();
+    }
+};
+
+/// ``out += data`` for a bytes-like object (bytearray's ``+=``).
+void append_buffer(std::string& out, py::handle data) {
+    PyObject* d = data.ptr();
+    if (PyBytes_Check(d)) {
+        out.append(PyBytes_AS_STRING(d), static_cast<size_t>(PyBytes_GET_SIZE(d)));
+        return;
+    }
+    Py_buffer view;
+    if (PyObject_GetBuffer(d, &view, PyBUF_SIMPLE) != 0) {
+        PyErr_Clear();
+        PyErr_Format(PyExc_TypeError, "can't concat %.100s to bytearray", Py_TYPE(d)->tp_name);
+        throw py::error_already_set();
+    }
+    out.append(static_cast<const char*>(view.buf), static_cast<size_t>(view.len));
+    PyBuffer_Release(&view);
+}
+
+/// ``_I64.pack(dim)`` (struct's 'q' conversion and errors).
+int64_t pack_i64(py::handle dim) {
+    py::object as_int;
+    PyObject* d = dim.ptr();
+    if (!PyLong_Check(d)) {
+        if (!PyIndex_Check(d)) raise_struct_error("required argument is not an integer");
+        as_int = steal(PyNumber_Index(d));
+        d = as_int.ptr();
+    }
+    int overflow = 0;
+    const long long v = PyLong_AsLongLongAndOverflow(d, &overflow);
+    if (v == -1 && PyErr_Occurred()) throw py::error_already_set();
+    if (overflow) raise_struct_error("argument out of range");
+    return static_cast<int64_t>(v);
+}
+
+class Encoder {
+public:
+    Encoder(py::handle tensor_type, py::handle to_parts) : tensor_type_(tensor_type), to_parts_(to_parts) {}
+
+    /// ``_encode_str``
+    void str(std::string& out, py::handle text, const Where& where) const {
+        PyObject* t = text.ptr();
+        if (PyUnicode_Check(t)) {
+            Py_ssize_t n = 0;
+            const char* s = PyUnicode_AsUTF8AndSize(t, &n);
+            if (s == nullptr) unicode_error(where);
+            put_len_u32(out, n);
+            out.append(s, static_cast<size_t>(n));
+            return;
+        }
+        // Not a str: do what ``text.encode("utf-8")`` and the appends do in Python.
+        py::object raw;
+        try {
+            raw = steal(PyObject_CallMethod(t, "encode", "s", "utf-8"));
+        } catch (py::error_already_set& err) {
+            if (!err.matches(PyExc_UnicodeEncodeError)) throw;
+            err.restore();
+            unicode_error(where);
+        }
+        put_len_u32(out, length(raw));
+        append_buffer(out, raw);
+    }
+
+    /// ``_encode_value``
+    void value(std::string& out, py::handle v, const Where& where, int depth) const {
+        if (depth > kMaxDepth) {
+            raise_format_error(Msg() << where.str() << ": value nested deeper than " << kMaxDepth << " levels");
+        }
+        PyObject* o = v.ptr();
+        if (o == Py_None) {
+            put_u8(out, kTagNone);
+        } else if (PyBool_Check(o)) {
+            put_u8(out, o == Py_True ? kTagTrue : kTagFalse);
+        } else if (PyLong_Check(o)) {
+            int overflow = 0;
+            const long long x = PyLong_AsLongLongAndOverflow(o, &overflow);
+            if (x == -1 && PyErr_Occurred()) throw py::error_already_set();
+            if (overflow) {
+                raise_format_error(Msg() << where.str() << ": int " << fmt(v) << " does not fit in 64 bits");
+            }
+            put_u8(out, kTagInt);
+            put_i64(out, static_cast<int64_t>(x));
+        } else if (PyFloat_Check(o)) {
+            put_u8(out, kTagFloat);
+            put_f64(out, PyFloat_AS_DOUBLE(o));
+        } else if (PyUnicode_Check(o)) {
+            put_u8(out, kTagStr);
+            str(out, v, where);
+        } else if (PyBytes_Check(o)) {
+            put_u8(out, kTagBytes);
+            put_len_u32(out, PyBytes_GET_SIZE(o));
+            out.append(PyBytes_AS_STRING(o), static_cast<size_t>(PyBytes_GET_SIZE(o)));
+        } else if (PyTuple_Check(o) || PyList_Check(o)) {
+            put_u8(out, PyTuple_Check(o) ? kTagTuple : kTagList);
+            put_len_u32(out, length(v));
+            iterate(v, [&](py::handle item) { value(out, item, where, depth + 1); });
+        } else {
+            const int is_tensor = PyObject_IsInstance(o, tensor_type_.ptr());
+            check(is_tensor);
+            if (!is_tensor) {
+                raise_format_error(Msg() << where.str() << ": unsupported value type " << type_name(v));
+            }
+            tensor(out, v, where);
+        }
+    }
+
+private:
+    [[noreturn]] static void unicode_error(const Where& where) {
+        py::error_already_set err;  // fetches the pending UnicodeEncodeError (or re-raises others)
+        if (!err.matches(PyExc_UnicodeEncodeError)) throw err;
+        py::object reason = steal(PyObject_GetAttrString(err.value().ptr(), "reason"));
+        raise_format_error(Msg() << where.str() << ": string is not valid unicode (" << fmt(reason) << ")");
+    }
+
+    void tensor(std::string& out, py::handle v, const Where& where) const {
+        py::object parts = steal(PyObject_CallOneArg(to_parts_.ptr(), v.ptr()));
+        py::object p[4];  // dtype, shape, device_type, data
+        unpack(parts, 4, p);
+        put_u8(out, kTagTensor);
+        str(out, p[0], where);
+        put_len_u32(out, length(p[1]));
+        iterate(p[1], [&](py::handle dim) { put_i64(out, pack_i64(dim)); });
+        str(out, p[2], where);
+        put_u64(out, static_cast<uint64_t>(length(p[3])));
+        append_buffer(out, p[3]);
+    }
+
+    py::handle tensor_type_;
+    py::handle to_parts_;
+};
+
+/// ``encode_settings`` into ``out``; ``where`` carries leaf and group.
+void encode_settings_into(std::string& out, const Encoder& enc, py::handle settings, Where where) {
+    put_len_u32(out, length(settings));
+    iterate_items(settings, [&](py::handle key, py::handle value) {
+        if (!PyUnicode_Check(key.ptr())) {
+            Where group_only = where;
+            group_only.key = py::handle();
+            raise_format_error(Msg() << group_only.str() << ": setting key " << py_repr(key) << " is not a string");
+        }
+        where.key = key;
+        enc.str(out, key, where);
+        enc.value(out, value, where, 0);
+    });
+}
+
+// ------------------------------------------------------------------ decoding
+
+class Reader {
+public:
+    Reader(const char* data, size_t len, py::handle leaf) : data_(data), len_(len), leaf_(leaf) {}
+
+    size_t pos() const { return pos_; }
+    size_t left() const { return len_ - pos_; }
+
+    /// ``CheckpointFormatError(f"{where}: {what} at byte {pos}")``
+    [[noreturn]] void fail(const Msg& what) const {
+        raise_format_error(Msg() << "leaf " << py_repr(leaf_) << " group table: " << what.str() << " at byte "
+                                 << static_cast<unsigned long long>(pos_));
+    }
+
+    const char* take(uint64_t n, const char* what) {
+        if (n > left()) {
+            fail(Msg() << "truncated table reading " << what << " (" << static_cast<unsigned long long>(n)
+                       << " bytes wanted, " << static_cast<unsigned long long>(left()) << " left)");
+        }
+        const char* p = data_ + pos_;
+        pos_ += static_cast<size_t>(n);
+        return p;
+    }
+
+    uint8_t u8(const char* what) { return static_cast<uint8_t>(*take(1, what)); }
+    uint32_t u32(const char* what) { return static_cast<uint32_t>(get_le(take(4, what), 4)); }
+
+    uint32_t count(const char* what, uint64_t min_item_size) {
+        const uint32_t n = u32(what);
+        if (static_cast<uint64_t>(n) * min_item_size > left()) {
+            fail(Msg() << what << " claims " << static_cast<unsigned long long>(n) << " entries but only "
+                       << static_cast<unsigned long long>(left()) << " bytes are left");
+        }
+        return n;
+    }
+
+    py::object string(const char* what) {
+        const uint32_t n = u32(what);
+        const char* p = take(n, what);
+        PyObject* s = PyUnicode_DecodeUTF8(p, static_cast<Py_ssize_t>(n), "strict");
+        if (s == nullptr) {
+            if (!PyErr_ExceptionMatches(PyExc_UnicodeDecodeError)) throw py::error_already_set();
+            PyErr_Clear();
+            fail(Msg() << what << " is not valid utf-8");
+        }
+        return py::reinterpret_steal<py::object>(s);
+    }
+
+private:
+    const char* data_;
+    size_t len_;
+    size_t pos_ = 0;
+    py::handle leaf_;
+};
+
+py::object decode_value(Reader& r, py::handle from_parts, int depth) {
+    if (depth > kMaxDepth) r.fail(Msg() << "value nested deeper than " << kMaxDepth << " levels");
+    const uint8_t tag = r.u8("value tag");
+    switch (tag) {
+        case kTagNone:
+            return py::none();
+        case kTagFalse:
+            return borrow(Py_False);
+        case kTagTrue:
+            return borrow(Py_True);
+        case kTagInt:
+            return steal(PyLong_FromLongLong(static_cast<long long>(static_cast<int64_t>(get_le(r.take(8, "int"), 8)))));
+        case kTagFloat: {
+            const uint64_t bits = get_le(r.take(8, "float"), 8);
+            double d;
+            std::memcpy(&d, &bits, sizeof d);
+            return steal(PyFloat_FromDouble(d));
+        }
+        case kTagStr:
+            return r.string("str value");
+        case kTagBytes: {
+            const uint32_t n = r.u32("bytes length");
+            const char* p = r.take(n, "bytes value");
+            return steal(PyBytes_FromStringAndSize(p, static_cast<Py_ssize_t>(n)));
+        }
+        case kTagTuple:
+        case kTagList: {
+            const Py_ssize_t n = static_cast<Py_ssize_t>(r.count("sequence", 1));
+            // n <= bytes left: the allocation is bounded by the table's size.
+            const bool is_tuple = tag == kTagTuple;
+            py::object seq = steal(is_tuple ? PyTuple_New(n) : PyList_New(n));
+            for (Py_ssize_t i = 0; i < n; ++i) {
+                PyObject* item = decode_value(r, from_parts, depth + 1).release().ptr();
+                if (is_tuple) {
+                    PyTuple_SET_ITEM(seq.ptr(), i, item);
+                } else {
+                    PyList_SET_ITEM(seq.ptr(), i, item);
+                }
+            }
+            return seq;
+        }
+        case kTagTensor: {
+            py::object dtype = r.string("tensor dtype");
+            const Py_ssize_t ndim = static_cast<Py_ssize_t>(r.count("tensor shape", 8));
+            py::object shape = steal(PyTuple_New(ndim));
+            for (Py_ssize_t i = 0; i < ndim; ++i) {
+                const int64_t dim = static_cast<int64_t>(get_le(r.take(8, "tensor dim"), 8));
+                PyTuple_SET_ITEM(shape.ptr(), i, steal(PyLong_FromLongLong(dim)).release().ptr());
+            }
+            py::object device_type = r.string("tensor device");
+            const uint64_t nbytes = get_le(r.take(8, "tensor byte count"), 8);
+            const char* p = r.take(nbytes, "tensor data");
+            py::object data = steal(PyBytes_FromStringAndSize(p, static_cast<Py_ssize_t>(nbytes)));
+            try {
+                return steal(PyObject_CallFunctionObjArgs(from_parts.ptr(), dtype.ptr(), shape.ptr(),
+                                                          device_type.ptr(), data.ptr(), nullptr));
+            } catch (py::error_already_set& err) {
+                if (matches_sc(err, "CheckpointFormatError") || !err.matches(PyExc_Exception)) throw;
+                py::object text = steal(PyObject_Str(err.value().ptr()));
+                r.fail(Msg() << "bad tensor (" << text << ")");
+            }
+        }
+        default:
+            r.fail(Msg() << "unknown value tag " << static_cast<unsigned>(tag));
+    }
+}
+
+}  // namespace
+
+py::bytes encode_settings(py::object leaf, py::object group_index, py::object settings, py::object tensor_type,
+                          py::object to_parts) {
+    Encoder enc(tensor_type, to_parts);
+    std::string out;
+    Where where;
+    where.leaf = leaf;
+    where.group_obj = group_index;
+    encode_settings_into(out, enc, settings, where);
+    return steal(PyBytes_FromStringAndSize(out.data(), static_cast<Py_ssize_t>(out.size())));
+}
+
+py::bytes encode_table(py::object leaf, py::object groups_fqn, py::object tensor_type, py::object to_parts) {
+    if (!PyUnicode_Check(leaf.ptr())) {
+        raise_format_error(Msg() << "leaf name " << py_repr(leaf) << " is not a string");
+    }
+    Encoder enc(tensor_type, to_parts);
+    std::deque<std::string> blobs;  // stable addresses for the string_view keys below
+    std::unordered_map<std::string_view, uint32_t> index_of;
+    std::vector<uint32_t> refs;
+    size_t blob_bytes = 0;
+    if (PyList_CheckExact(groups_fqn.ptr())) {
+        const auto n = static_cast<size_t>(PyList_GET_SIZE(groups_fqn.ptr()));
+        refs.reserve(n);
+        index_of.reserve(n);
+    }
+    std::string blob;
+    Py_ssize_t gi = 0;
+    iterate(groups_fqn, [&](py::handle entry) {
+        py::object parts[2];
+        unpack(entry, 2, parts);
+        Where where;
+        where.leaf = leaf;
+        where.group_num = gi;
+        blob.clear();
+        encode_settings_into(blob, enc, parts[0], where);
+        auto found = index_of.find(std::string_view(blob));
+        uint32_t idx;
+        if (found == index_of.end()) {
+            idx = static_cast<uint32_t>(blobs.size());
+            blobs.push_back(blob);
+            blob_bytes += blob.size();
+            index_of.emplace(std::string_view(blobs.back()), idx);
+        } else {
+            idx = found->second;
+        }
+        refs.push_back(idx);
+        ++gi;
+    });
+
+    std::string out;
+    out.reserve(16 + blob_bytes + refs.size() * 64);
+    out.append(kMagic, 4);
+    put_u16(out, static_cast<uint16_t>(kVersion));
+    put_len_u32(out, static_cast<Py_ssize_t>(blobs.size()));
+    for (const std::string& b : blobs) out += b;
+    put_len_u32(out, length(groups_fqn));
+    size_t i = 0;
+    // zip(groups_fqn, refs): iterates groups_fqn again and stops at the shorter of the two.
+    iterate(groups_fqn, [&](py::handle entry) -> bool {
+        if (i >= refs.size()) return false;
+        py::object parts[2];
+        unpack(entry, 2, parts);
+        put_u32(out, refs[i]);
+        put_len_u32(out, length(parts[1]));
+        Where where;
+        where.leaf = leaf;
+        where.group_num = static_cast<Py_ssize_t>(i);
+        iterate(parts[1], [&](py::handle fqn) {
+            if (!PyUnicode_Check(fqn.ptr())) {
+                raise_format_error(Msg() << where.str() << ": FQN " << py_repr(fqn) << " is not a string");
+            }
+            enc.str(out, fqn, where);
+        });
+        ++i;
+        return true;
+    });
+    return steal(PyBytes_FromStringAndSize(out.data(), static_cast<Py_ssize_t>(out.size())));
+}
+
+py::tuple decode_table(py::object leaf, py::object data, py::object from_parts) {
+    GcPause gc_pause;
+    if (!PyBytes_Check(data.ptr())) {
+        raise_format_error(Msg() << "leaf " << py_repr(leaf) << ": group table is a " << type_name(data)
+                                 << ", expected bytes");
+    }
+    const char* base = PyBytes_AS_STRING(data.ptr());
+    const auto size = static_cast<size_t>(PyBytes_GET_SIZE(data.ptr()));
+    Reader r(base, size, leaf);
+    if (std::memcmp(r.take(4, "magic"), kMagic, 4) != 0) {
+        raise_format_error(Msg() << "leaf " << py_repr(leaf) << " group table: bad magic, not a sparse_ckpt table");
+    }
+    const auto version = static_cast<unsigned>(get_le(r.take(2, "version"), 2));
+    if (version != static_cast<unsigned>(kVersion)) {
+        raise_format_error(Msg() << "leaf " << py_repr(leaf) << " group table: unsupported version " << version
+                                 << " (this library reads version " << kVersion << ")");
+    }
+    const uint32_t n_settings = r.count("settings list", 4);
+    py::object settings = steal(PyList_New(static_cast<Py_ssize_t>(n_settings)));
+    py::object blobs = steal(PyList_New(static_cast<Py_ssize_t>(n_settings)));
+    for (uint32_t i = 0; i < n_settings; ++i) {
+        const size_t start = r.pos();
+        const uint32_t n_keys = r.count("settings keys", 5);
+        py::object entry = steal(PyDict_New());
+        for (uint32_t k = 0; k < n_keys; ++k) {
+            py::object key = r.string("setting key");
+            const int dup = PyDict_Contains(entry.ptr(), key.ptr());
+            check(dup);
+            if (dup) r.fail(Msg() << "duplicate setting key " << py_repr(key));
+            py::object value = decode_value(r, from_parts, 0);
+            check(PyDict_SetItem(entry.ptr(), key.ptr(), value.ptr()));
+        }
+        PyList_SET_ITEM(settings.ptr(), static_cast<Py_ssize_t>(i), entry.release().ptr());
+        PyObject* blob = PyBytes_FromStringAndSize(base + start, static_cast<Py_ssize_t>(r.pos() - start));
+        PyList_SET_ITEM(blobs.ptr(), static_cast<Py_ssize_t>(i), steal(blob).release().ptr());
+    }
+    const uint32_t n_groups = r.count("group list", 8);
+    py::object groups = steal(PyList_New(static_cast<Py_ssize_t>(n_groups)));
+    for (uint32_t g = 0; g < n_groups; ++g) {
+        const uint32_t idx = r.u32("group settings index");
+        if (idx >= n_settings) {
+            r.fail(Msg() << "group refers to settings " << static_cast<unsigned long long>(idx) << " of "
+                         << static_cast<unsigned long long>(n_settings));
+        }
+        const uint32_t n_params = r.count("group params", 4);
+        py::object fqns = steal(PyList_New(static_cast<Py_ssize_t>(n_params)));
+        for (uint32_t p = 0; p < n_params; ++p) {
+            PyList_SET_ITEM(fqns.ptr(), static_cast<Py_ssize_t>(p), r.string("FQN").release().ptr());
+        }
+        py::object idx_obj = steal(PyLong_FromUnsignedLong(idx));
+        PyList_SET_ITEM(groups.ptr(), static_cast<Py_ssize_t>(g), py::make_tuple(idx_obj, fqns).release().ptr());
+    }
+    if (r.pos() != size) {
+        r.fail(Msg() << static_cast<unsigned long long>(size - r.pos()) << " trailing bytes after the table");
+    }
+    return py::make_tuple(settings, blobs, groups);
+}
+
+}  // namespace sckpt

@@ -1,0 +1,97 @@
+"""Build sparse_ckpt and its C++ core ``sparse_ckpt._C`` (CMake + Ninja + pybind11).
+
+``pip install .`` / ``pip wheel .`` pull pybind11, cmake and ninja into the isolated build
+environment (see pyproject.toml). For development: ``pip install -e .`` or
+``python setup.py build_ext --inplace`` (puts ``_C*.so`` into ``sparse_ckpt/``).
+Extra CMake arguments come from ``SPARSE_CKPT_CMAKE_ARGS``, e.g.
+``SPARSE_CKPT_CMAKE_ARGS="-DSPARSE_CKPT_SANITIZE=ON"``.
+"""
+
+from __future__ import annotations
+
+import importlib
+import os
+import shlex
+import shutil
+import subprocess
+import sys
+from pathlib import Path
+
+from setuptools import Extension, find_packages, setup
+from setuptools.command.build_ext import build_ext
+
+ROOT = Path(__file__).resolve().parent
+
+
+class CMakeExtension(Extension):
+    """An extension built by CMakeLists.txt rather than by setuptools."""
+
+    def __init__(self, name: str, sourcedir: Path = ROOT) -> None:
+        super().__init__(name, sources=[])
+        self.sourcedir = os.fspath(sourcedir)
+
+
+def _tool(module: str, attr: str, exe: str) -> str:
+    """Path of ``exe`` from its PyPI package (``cmake``/``ninja``), else from PATH."""
+    try:
+        bin_dir = getattr(importlib.import_module(module), attr, None)
+    except ImportError:
+        bin_dir = None
+    if bin_dir is not None and (Path(bin_dir) / exe).exists():
+        return os.fspath(Path(bin_dir) / exe)
+    found = shutil.which(exe)
+    if found is None:
+        raise RuntimeError(f"{exe} not found: `pip install {module}` or put {exe} on PATH")
+    return found
+
+
+class CMakeBuild(build_ext):
+    def build_extension(self, ext: Extension) -> None:
+        if not isinstance(ext, CMakeExtension):
+            super().build_extension(ext)
+            return
+        import pybind11
+
+        ext_path = Path(self.get_ext_fullpath(ext.name)).resolve()
+        ext_dir = ext_path.parent
+        ext_dir.mkdir(parents=True, exist_ok=True)
+        build_type = "Debug" if self.debug else "Release"
+        cmake = _tool("cmake", "CMAKE_BIN_DIR", "cmake")
+        ninja = _tool("ninja", "BIN_DIR", "ninja")
+        args = [
+            "-G", "Ninja",
+            f"-DCMAKE_MAKE_PROGRAM={ninja}",
+            f"-DCMAKE_BUILD_TYPE={build_type}",
+            f"-DPython_EXECUTABLE={sys.executable}",
+            f"-Dpybind11_DIR={pybind11.get_cmake_dir()}",
+            f"-DSPARSE_CKPT_OUTPUT_DIR={ext_dir}",
+            "-DSPARSE_CKPT_SANITIZE=OFF",  # explicit, so a cached ON never outlives its request
+        ]
+        args += shlex.split(os.environ.get("SPARSE_CKPT_CMAKE_ARGS", ""))
+        build_temp = Path(self.build_temp).resolve() / "cmake"
+        build_temp.mkdir(parents=True, exist_ok=True)
+        subprocess.run([cmake, "-S", ext.sourcedir, "-B", os.fspath(build_temp), *args], check=True)
+        build = [cmake, "--build", os.fspath(build_temp)]
+        if self.parallel:
+            build += ["--parallel", str(self.parallel)]
+        subprocess.run(build, check=True)
+        if not ext_path.exists():
+            raise RuntimeError(f"CMake did not produce {ext_path}")
+
+
+setup(
+    name="sparse_ckpt",
+    version="0.1.0",
+    description="Exact, sparse optimizer checkpoints for torch.distributed.checkpoint",
+    packages=find_packages(exclude=["tests", "tests.*", "bench", "bench.*"]),
+    ext_modules=[CMakeExtension("sparse_ckpt._C")],
+    cmdclass={"build_ext": CMakeBuild},
+    python_requires=">=3.9",
+    install_requires=["torch>=2.6", "numpy"],
+    extras_require={
+        "test": ["pytest", "hypothesis", "ruff"],
+        "bench": ["matplotlib", "tqdm"],
+        "npu": ["torch-npu"],
+    },
+    zip_safe=False,
+)

@@ -1,0 +1,965 @@
+"""Differential tests: the C++ core ``sparse_ckpt._C`` against the Python reference ``_core_py``.
+
+Every test calls the same function of both backends on the same inputs and requires the same
+outcome: equal results (dict key order, types, float bit patterns, tensors included) or the same
+exception type and message. Inputs are random (hypothesis, derandomized for CI) or hand-written
+edge cases: shared/duplicate parameters, every codec value type, NaN/-0.0, huge ints, unicode and
+surrogates, over-deep nesting, bad ids, foreign parameters, corrupt/truncated/fuzzed tables.
+
+The module runs once (not once per backend): it overrides the suite's ``core_backend`` fixture
+with a single ``cpp`` param, so ``-k cpp`` selects these tests too.
+It is skipped when ``_C`` is not built, unless ``SPARSE_CKPT_REQUIRE_CPP`` is set (CI).
+"""
+
+from __future__ import annotations
+
+import array
+import collections
+import copy
+import gc
+import importlib
+import math
+import os
+import struct
+from collections.abc import Callable, Iterator, Mapping
+from typing import Any
+
+import pytest
+import torch
+from hypothesis import HealthCheck, given, settings
+from hypothesis import strategies as st
+
+from sparse_ckpt import _core_py as P
+from sparse_ckpt._tensor_parts import parts_to_tensor, tensor_to_parts
+from sparse_ckpt.errors import CheckpointFormatError
+
+try:
+    C = importlib.import_module("sparse_ckpt._C")
+except ImportError as _exc:  # pragma: no cover - CI always builds the extension
+    if os.environ.get("SPARSE_CKPT_REQUIRE_CPP"):
+        raise
+    pytest.skip(f"C++ extension sparse_ckpt._C is not built: {_exc}", allow_module_level=True)
+
+FUNCTIONS = (
+    "pack_optimizer",
+    "remap_to_fqns",
+    "flatten_state",
+    "flatten_groups",
+    "unflatten",
+    "encode_settings",
+    "encode_table",
+    "decode_table",
+    "match_groups",
+    "assign_state_ids",
+)
+
+PROPS = settings(
+    max_examples=300,
+    deadline=None,
+    derandomize=True,
+    database=None,
+    suppress_health_check=[HealthCheck.too_slow, HealthCheck.data_too_large],
+)
+
+
+def fuzz(n: int) -> settings:
+    return settings(PROPS, max_examples=n)
+
+
+@pytest.fixture(scope="module", autouse=True, params=["cpp"])
+def core_backend(request: pytest.FixtureRequest) -> str:
+    """Override the suite-wide backend parametrization: these tests call both cores directly.
+
+    The single param id ``cpp`` marks every test here as exercising the C++ core, so
+    ``pytest -k cpp`` (the sanitizer job) selects them.
+    """
+    return request.param
+
+
+# --------------------------------------------------------------------------- comparison
+
+
+def _raw(t: torch.Tensor) -> bytes:
+    flat = t.detach().cpu().contiguous().reshape(-1)
+    return flat.view(torch.uint8).numpy().tobytes() if flat.numel() else b""
+
+
+def same(a: Any, b: Any) -> bool:
+    """Deep equality that also checks types, dict order, float bits and tensor bytes."""
+    if type(a) is not type(b):
+        return False
+    if isinstance(a, torch.Tensor):
+        return (a.dtype, a.shape, a.device, a.requires_grad, _raw(a)) == (b.dtype, b.shape, b.device, b.requires_grad, _raw(b))
+    if isinstance(a, float):
+        return struct.pack("<d", a) == struct.pack("<d", b)
+    if isinstance(a, dict):
+        return len(a) == len(b) and all(
+            same(ka, kb) and same(va, vb) for (ka, va), (kb, vb) in zip(a.items(), b.items())
+        )
+    if isinstance(a, (list, tuple)):
+        return len(a) == len(b) and all(same(x, y) for x, y in zip(a, b))
+    if a is None or isinstance(a, (str, bytes, int)):
+        return a == b
+    return a is b
+
+
+def outcome(fn: Callable[..., Any], args: tuple) -> tuple:
+    try:
+        return ("ok", fn(*args))
+    except Exception as exc:  # noqa: BLE001 - the exception itself is what we compare
+        return ("err", type(exc), str(exc), exc.args)
+
+
+def check(name: str, *args: Any, fresh: Callable[[], tuple] | None = None) -> tuple:
+    """Run ``name`` on both cores and assert the same outcome; returns the Python outcome.
+
+    ``fresh`` builds the arguments anew for each backend (for inputs a call may mutate).
+    """
+    py = outcome(getattr(P, name), fresh() if fresh else args)
+    cc = outcome(getattr(C, name), fresh() if fresh else args)
+    if py[0] == "ok" and cc[0] == "ok":
+        assert same(py[1], cc[1]), f"{name}: results differ\npython: {py[1]!r}\ncpp:    {cc[1]!r}"
+    else:
+        assert py[0] == cc[0] and py[1] is cc[1] and py[2:] == cc[2:], (
+            f"{name}: outcomes differ\npython: {py!r}\ncpp:    {cc!r}"
+        )
+    return py
+
+
+def check_error(name: str, *args: Any, exc: type[BaseException], match: str | None = None) -> str:
+    """Like :func:`check`, and the outcome must be an ``exc`` (message containing ``match``)."""
+    result = check(name, *args)
+    assert result[0] == "err" and issubclass(result[1], exc), result
+    if match is not None:
+        assert match in result[2], result[2]
+    return result[2]
+
+
+# --------------------------------------------------------------------------- module surface
+
+
+def test_module_surface() -> None:
+    for name in FUNCTIONS:
+        assert callable(getattr(C, name)), name
+    assert (C.MAGIC, C.VERSION, C.MAX_DEPTH, C.PACKED_MARKER) == (P.MAGIC, P.VERSION, P.MAX_DEPTH, P.PACKED_MARKER)
+    assert type(C.MAGIC) is bytes and type(C.PACKED_MARKER) is str
+
+
+def test_keyword_arguments() -> None:
+    groups = [({"lr": 0.1}, ["a"])]
+    for mod in (P, C):
+        out = mod.encode_table(leaf="l", groups_fqn=groups, tensor_type=torch.Tensor, to_parts=tensor_to_parts)
+        assert mod.decode_table(leaf="l", data=out, from_parts=parts_to_tensor)[2] == [(0, ["a"])]
+
+
+def test_gc_setting_restored() -> None:
+    """The C++ core pauses the cyclic GC during a call and restores the caller's setting."""
+    was = gc.isenabled()
+    try:
+        gc.enable()
+        C.flatten_state({"a": {"b": 1}})
+        assert gc.isenabled()
+        with pytest.raises(CheckpointFormatError):
+            C.flatten_state({"a": 1})
+        assert gc.isenabled()
+        seen = []
+        C.decode_table("l", DECODE_CASES["tensor"], lambda *a: seen.append(gc.isenabled()))
+        assert seen == [False] and gc.isenabled()
+        gc.disable()
+        C.unflatten({"state.a.b": 1}, {"a": 1})
+        with pytest.raises(CheckpointFormatError):
+            C.decode_table("l", b"", parts_to_tensor)
+        assert not gc.isenabled()
+    finally:
+        (gc.enable if was else gc.disable)()
+
+
+# --------------------------------------------------------------------------- strategies
+
+PARAMS = [torch.nn.Parameter(torch.full((2, i + 1), float(i))) for i in range(6)]
+_uint16 = [torch.tensor([7, 8], dtype=torch.uint16)] if hasattr(torch, "uint16") else []
+TENSORS = [
+    torch.tensor(0.5),
+    torch.tensor(float("nan")),
+    torch.tensor([-0.0, 1.5], dtype=torch.float64),
+    torch.tensor([1, -2, 3], dtype=torch.int32),
+    torch.tensor(True),
+    torch.zeros(0, 3),
+    torch.arange(6, dtype=torch.bfloat16).reshape(2, 3),
+    torch.ones(2, 2, dtype=torch.float16)[:, 0],
+    torch.tensor([1 + 2j], dtype=torch.complex64),
+    torch.tensor(200, dtype=torch.uint8),
+    *_uint16,  # a dtype tensor_to_parts rejects: both cores must propagate its TypeError
+]
+HUGE_INTS = [2**63 - 1, -(2**63), 2**63, -(2**63) - 1, 2**64, -(2**100), 10**30]
+GOOD_TEXT = ["", "lr", "é", "日本語", "🙂 emoji", "a.b", "\x00nul", "params"]
+BAD_TEXT = ["\ud800", "x\udfffy", "\udcff"]
+BAD_VALUES = [set(), frozenset({1}), object(), 1 + 2j, bytearray(b"x"), {"a": 1}, range(3), Ellipsis, type]
+BAD_KEYS = [1, None, float("nan"), b"lr", (1, 2), True, 2.5]
+
+ints = st.one_of(st.integers(-(2**64), 2**64), st.sampled_from(HUGE_INTS))
+floats = st.one_of(st.floats(allow_nan=True, allow_infinity=True), st.sampled_from([-0.0, math.nan, -math.inf]))
+texts = st.one_of(st.text(max_size=6), st.sampled_from(GOOD_TEXT))
+good_scalars = st.one_of(
+    st.none(), st.booleans(), st.integers(-(2**63), 2**63 - 1), floats, texts, st.binary(max_size=6),
+    st.sampled_from(TENSORS[:-1] if _uint16 else TENSORS),
+)
+any_scalars = st.one_of(
+    st.none(), st.booleans(), ints, floats, texts, st.sampled_from(BAD_TEXT), st.binary(max_size=6),
+    st.sampled_from(TENSORS), st.sampled_from(BAD_VALUES),
+)
+
+
+def _nest(inner: st.SearchStrategy) -> st.SearchStrategy:
+    return st.one_of(st.lists(inner, max_size=3), st.lists(inner, max_size=3).map(tuple))
+
+
+good_values = st.recursive(good_scalars, _nest, max_leaves=5)
+any_values = st.recursive(any_scalars, _nest, max_leaves=5)
+
+
+@st.composite
+def deep_values(draw: st.DrawFn) -> Any:
+    """A scalar wrapped in 28..36 levels of tuples/lists (the limit is 32)."""
+    value = draw(good_scalars)
+    kinds = draw(st.sampled_from([(tuple,), (list,), (tuple, list)]))
+    for level in range(draw(st.integers(28, 36))):
+        value = kinds[level % len(kinds)]([value])
+    return value
+
+
+good_keys = st.one_of(st.text(max_size=5), st.sampled_from(GOOD_TEXT))
+any_keys = st.one_of(good_keys, st.sampled_from(BAD_TEXT), st.sampled_from(BAD_KEYS))
+good_settings = st.dictionaries(good_keys, good_values, max_size=4)
+any_settings = st.dictionaries(any_keys, st.one_of(any_values, deep_values()), max_size=4)
+fqn_names = st.one_of(
+    st.text(alphabet="ab.0_", min_size=1, max_size=8), st.sampled_from(GOOD_TEXT), st.sampled_from(BAD_TEXT)
+)
+
+
+@st.composite
+def groups_fqn(draw: st.DrawFn, settings_st: st.SearchStrategy = good_settings, names: st.SearchStrategy | None = None):
+    """``[(settings, fqns)]`` with settings often repeated (exercises deduplication)."""
+    if names is None:
+        names = st.text(alphabet="abc.01_é", min_size=1, max_size=8)
+    pool = draw(st.lists(settings_st, min_size=1, max_size=2))
+    n = draw(st.integers(0, 4))
+    return [
+        (dict(draw(st.sampled_from(pool))), draw(st.lists(names, max_size=4)))
+        for _ in range(n)
+    ]
+
+
+# --------------------------------------------------------------------------- capture: pack + remap
+
+
+@st.composite
+def optimizer_inputs(draw: st.DrawFn) -> tuple[list[dict], dict]:
+    """Param groups over a shared pool (duplicates within and across groups) and their state."""
+    groups = []
+    for _ in range(draw(st.integers(0, 4))):
+        idx = draw(st.lists(st.integers(0, len(PARAMS) - 1), max_size=5))
+        pairs = st.dictionaries(any_keys, st.one_of(st.integers(), st.sampled_from(BAD_VALUES + TENSORS[:2])), max_size=3)
+        items = [kv for kv in draw(pairs).items() if kv[0] != "params"]
+        items.insert(draw(st.integers(0, len(items))), ("params", [PARAMS[i] for i in idx]))
+        groups.append(dict(items))
+    state: dict[Any, Any] = {}
+    for i in draw(st.lists(st.integers(0, len(PARAMS) - 1), unique=True, max_size=len(PARAMS))):
+        state[PARAMS[i]] = {"step": torch.tensor(float(i)), "exp_avg": torch.zeros(2)}
+    if draw(st.booleans()):
+        state[draw(st.sampled_from(["extra", 0, 3, (1, 2)]))] = {"x": 1}
+    return groups, state
+
+
+@PROPS
+@given(optimizer_inputs(), st.data())
+def test_pack_and_remap(inputs: tuple[list[dict], dict], data: st.DataObject) -> None:
+    groups, state = inputs
+    res = check("pack_optimizer", "leaf", groups, state, torch.Tensor)
+    if res[0] != "ok":
+        return
+    packed_groups, packed_state, id_to_param = res[1]
+    owned = data.draw(st.lists(st.integers(0, len(PARAMS) - 1), unique=True))
+    if data.draw(st.integers(0, 3)):  # usually every parameter is owned by the model
+        owned = range(len(PARAMS))
+    fqn_of = {id(PARAMS[i]): f"layer.{i}.weight" for i in owned}
+    # post-hook style edits: reorder groups, corrupt an id, drop "params"
+    packed_groups = [dict(g) for g in packed_groups]
+    if packed_groups and data.draw(st.booleans()):
+        packed_groups.reverse()
+    if packed_groups and data.draw(st.integers(0, 4)) == 0:
+        g = data.draw(st.sampled_from(packed_groups))
+        g["params"] = [*g["params"], data.draw(st.sampled_from([-1, len(id_to_param), 2**70, "0", 1.0, True, None]))]
+    if packed_groups and data.draw(st.integers(0, 6)) == 0:
+        del data.draw(st.sampled_from(packed_groups))["params"]
+    check("remap_to_fqns", "leaf", packed_groups, packed_state, id_to_param, fqn_of)
+
+
+def test_pack_matches_torch_state_dict() -> None:
+    a, b = PARAMS[0], PARAMS[1]
+    opt = torch.optim.AdamW([{"params": [a, b]}, {"params": [PARAMS[2]], "lr": 0.5}])
+    opt.state[b] = {"step": torch.tensor(3.0)}
+    for mod in (P, C):
+        groups, state, ids = mod.pack_optimizer("optim", opt.param_groups, opt.state, torch.Tensor)
+        ref = opt.state_dict()
+        assert same(groups, ref["param_groups"]) and same(state, ref["state"])
+        assert ids == [a, b, PARAMS[2]] or all(x is y for x, y in zip(ids, [a, b, PARAMS[2]]))
+
+
+def test_pack_duplicates_and_generic_iterables() -> None:
+    a, b, c = PARAMS[:3]
+    groups = [
+        {"lr": 1, "params": [a, a, b]},
+        {"params": (b, c), "wd": 0},
+        collections.OrderedDict([("params", [c]), ("x", 1)]),
+    ]
+    res = check("pack_optimizer", "l", groups, {c: 1, a: 2, "k": 3}, torch.Tensor)
+    assert res[0] == "ok" and res[1][0][0]["params"] == [0, 0, 2]
+    # a generator is consumed by the first pass: Python then sees no ids in the second
+    check("pack_optimizer", "l", [], {}, torch.Tensor)
+    check("pack_optimizer", "l", [{"params": iter([a, b])}], {}, torch.Tensor, fresh=lambda: (
+        "l", [{"params": iter([a, b])}], {}, torch.Tensor))
+    check("pack_optimizer", "l", (g for g in [{"params": [a]}]), {}, torch.Tensor, fresh=lambda: (
+        "l", (g for g in [{"params": [a]}]), {}, torch.Tensor))
+    # defaultdict state (torch's optimizer.state) takes the dict fast path
+    check("pack_optimizer", "l", [{"params": [a, b]}], collections.defaultdict(dict, {b: {"s": 1}}), torch.Tensor)
+
+
+@pytest.mark.parametrize(
+    "groups, state",
+    [
+        ([{"lr": 1}], {}),  # no "params": KeyError
+        ([{"params": 5}], {}),  # not iterable
+        ([5], {}),  # group not a mapping
+        ([{"params": [PARAMS[0]]}], {PARAMS[1]: {}}),  # state tensor in no group
+        ([{"params": [PARAMS[0]]}], {torch.zeros(3, 1): {}}),  # plain tensor in no group
+        ([{"params": [PARAMS[0]]}], 7),  # state not a mapping
+        ([{"params": [PARAMS[0]]}], {PARAMS[0]: {}}),  # fine
+    ],
+)
+def test_pack_errors(groups: list, state: Any) -> None:
+    check("pack_optimizer", "leaf", groups, state, torch.Tensor)
+
+
+def test_pack_bad_tensor_type() -> None:
+    check_error("pack_optimizer", "l", [{"params": [PARAMS[0]]}], {PARAMS[0]: 1}, 5, exc=TypeError)
+
+
+@pytest.mark.parametrize("bad_id", [-1, 3, 4, 2**70, -(2**70), "0", 1.0, True, None, 2])
+def test_remap_bad_ids(bad_id: Any) -> None:
+    a, b, c = PARAMS[:3]
+    id_to_param = [a, b, None, c]  # id 2 was never assigned
+    fqn_of = {id(a): "a", id(b): "b", id(c): "c"}
+    for where in ("group", "state"):
+        groups = [{"lr": 1, "params": [0, bad_id] if where == "group" else [0]}]
+        state = {bad_id: {}} if where == "state" and not isinstance(bad_id, (list, dict)) else {}
+        check("remap_to_fqns", "leaf", groups, state, id_to_param, fqn_of)
+
+
+def test_remap_not_owned_and_other_errors() -> None:
+    a, b = PARAMS[:2]
+    ids = [a, b]
+    msg = check_error("remap_to_fqns", "L", [{"params": [0, 1]}], {}, ids, {id(a): "a"}, exc=Exception)
+    assert "is not owned by the model" in msg and "(2, 2)" in msg
+    check_error("remap_to_fqns", "L", [{"params": [0]}], {1: {}}, ids, {id(a): "a"}, exc=Exception,
+                match="state: optimizer parameter")
+    check_error("remap_to_fqns", "L", [{"lr": 1}], {}, ids, {}, exc=CheckpointFormatError, match="no 'params'")
+    check_error("remap_to_fqns", "L", [], {"k": 1}, ids, {}, exc=Exception, match="non-parameter key 'k'")
+    check_error("remap_to_fqns", "L", [], {1.0: 1}, ids, {}, exc=Exception)
+    check("remap_to_fqns", "L", [5], {}, ids, {})
+    check("remap_to_fqns", "L", [[0, "params"]], {}, ids, {})  # a list "group" containing "params"
+    # fqn_of as a generic Mapping and as a dict subclass overriding get()
+
+    class M(Mapping):
+        def __init__(self, d: dict) -> None:
+            self.d = d
+
+        def __getitem__(self, k: Any) -> Any:
+            return self.d[k]
+
+        def __iter__(self) -> Iterator:
+            return iter(self.d)
+
+        def __len__(self) -> int:
+            return len(self.d)
+
+    class D(dict):
+        def get(self, k: Any, default: Any = None) -> Any:
+            return "overridden"
+
+    for fqn_of in (M({id(a): "a", id(b): "b"}), D({id(a): "a"}), {id(a): ["unhashable"], id(b): "b"}):
+        check("remap_to_fqns", "L", [{"params": (0, 1)}], {0: {}, 1: {}}, ids, fqn_of)
+    check("remap_to_fqns", "L", [{"params": [0, 1]}], {}, tuple(ids), {id(a): "a", id(b): "b"})
+
+
+# --------------------------------------------------------------------------- flat keys
+
+
+state_values = st.recursive(
+    st.one_of(st.integers(), st.sampled_from(TENSORS[:3]), st.none()),
+    lambda inner: st.dictionaries(st.one_of(st.text(alphabet="ab.", max_size=3), st.integers(0, 3)), inner, max_size=3),
+    max_leaves=4,
+)
+
+
+@PROPS
+@given(
+    st.dictionaries(
+        st.one_of(st.text(alphabet="ab.é", max_size=4), st.integers(0, 3), st.sampled_from(BAD_TEXT)),
+        st.one_of(st.dictionaries(st.text(alphabet="xy.", max_size=3), state_values, max_size=3), state_values),
+        max_size=4,
+    ),
+    groups_fqn(st.dictionaries(any_keys, st.integers(), max_size=3), fqn_names),
+)
+def test_flatten(state_fqn: dict, groups: list) -> None:
+    check("flatten_state", state_fqn)
+    check("flatten_groups", groups)
+    check("flatten_state", collections.OrderedDict(reversed(list(state_fqn.items()))))
+
+
+def test_flatten_edge_cases() -> None:
+    check_error("flatten_state", {"a": [1]}, exc=CheckpointFormatError, match="is a list, expected a dict")
+    check("flatten_state", {"a": collections.OrderedDict(b=1, c={"d": 2})})
+    od = collections.OrderedDict(x=1, y=2)
+    od.move_to_end("x")  # items() order differs from the dict storage order
+    check("flatten_state", {"w": {"s": od}})
+    check("flatten_state", {1.5: {None: 1, (1, 2): {"z": 3}}})
+    check("flatten_state", 5)
+    check("flatten_groups", [({"lr": 1}, ["a", "b"]), ({}, ["c"]), ({"x": 2}, [])])
+    check("flatten_groups", [({"lr": 1}, ["a"], "extra")])
+    check("flatten_groups", [({"lr": 1},)])
+    check("flatten_groups", [5])
+    check("flatten_groups", [([("lr", 1)], ["a"])])
+    loop: dict = {}
+    loop["self"] = loop
+    for mod in (P, C):
+        with pytest.raises(RecursionError):
+            mod.flatten_state({"a": loop})
+
+
+@st.composite
+def flat_dicts(draw: st.DrawFn) -> tuple[list[tuple[Any, Any]], list[str]]:
+    """Items of an adversarial flat optimizer dict and the FQNs the model knows."""
+    seg = st.sampled_from(["a", "b", "a.b", "w", "", "0", "__packed__", "state", "é"])
+    path = st.lists(seg, min_size=0, max_size=4).map(".".join)
+    key = st.one_of(
+        path.map(lambda p: "state." + p),
+        path.map(lambda p: "param_groups." + p),
+        path.map(lambda p: "param_groups.__packed__." + p),
+        path,
+        st.sampled_from([1, None, b"state.a.x", ("state.a",)]),
+    )
+    value = st.one_of(
+        st.integers(), st.binary(max_size=3), st.sampled_from(TENSORS[:2]), st.none(),
+        st.dictionaries(st.sampled_from(["x", "y", "b"]), st.integers(), max_size=2),
+    )
+    items = draw(st.lists(st.tuples(key, value), max_size=8))
+    known = draw(st.lists(path, max_size=4))
+    return items, known
+
+
+class _Known(Mapping):
+    def __init__(self, keys: list[str]) -> None:
+        self._d = dict.fromkeys(keys, "x")
+
+    def __getitem__(self, k: str) -> str:
+        return self._d[k]
+
+    def __iter__(self) -> Iterator[str]:
+        return iter(self._d)
+
+    def __len__(self) -> int:
+        return len(self._d)
+
+
+@PROPS
+@given(flat_dicts(), st.sampled_from(["dict", "set", "mapping", "list"]), st.sampled_from(["dict", "ordered"]))
+def test_unflatten(spec: tuple[list, list], known_kind: str, flat_kind: str) -> None:
+    items, known = spec
+
+    def fresh() -> tuple:
+        flat_items = copy.deepcopy(items)  # unflatten may nest into dict values of the input
+        flat = dict(flat_items) if flat_kind == "dict" else collections.OrderedDict(flat_items)
+        known_fqns = {
+            "dict": lambda: {k: k for k in known},
+            "set": lambda: set(known),
+            "mapping": lambda: _Known(known),
+            "list": lambda: list(known),
+        }[known_kind]()
+        return flat, known_fqns
+
+    check("unflatten", fresh=fresh)
+
+
+def test_unflatten_edge_cases() -> None:
+    t = b"SCKT"
+    cases = [
+        {"state.a.x": 1, "state.a.x.y": 2},  # nests under a non-dict value
+        {"state.a.x.y": 2, "state.a.x": 1},  # collides with nested state
+        {"state.a.x": {}, "state.a.x.y": 2},  # nests into the input's dict value
+        {"param_groups.__packed__.optim.abc": "notbytes"},
+        {"param_groups.__packed__.optim.abc": bytearray(t)},
+        {"param_groups.__packed__.": t, "param_groups.__packed__": 1},
+        {"param_groups.": 1, "param_groups..x": 2, "param_groups.a.": 3, "param_groups.a.b.c": 4},
+        {"state.": 1, "state..x": 2, "state.a": 3, "state.a.b.": 4, "other": 5, 7: 1},
+        {"state.a.b.c.d": 1, "param_groups.a.b.lr": 0.1, "state.a.b.e": 2},
+        {"state.x.y": 1, "param_groups.x.lr": 1, "state.nope.y": 2},
+        {"state.\ud800.a": 1, "param_groups.\ud800.lr": 1},
+    ]
+    for flat in cases:
+        check("unflatten", fresh=lambda flat=flat: (copy.deepcopy(flat), {"a": "a"}))
+    check("unflatten", {"state.a.x": 1}, 5)  # known_fqns not a container
+    check("unflatten", [("state.a.x", 1)], {})  # flat not a mapping
+
+
+# --------------------------------------------------------------------------- table codec
+
+
+@PROPS
+@given(groups_fqn(), st.sampled_from(["optim", "é", "exp\ud800"]))
+def test_encode_decode_roundtrip(groups: list, leaf: str) -> None:
+    res = check("encode_table", leaf, groups, torch.Tensor, tensor_to_parts)
+    if res[0] == "ok":
+        decoded = check("decode_table", leaf, res[1], parts_to_tensor)
+        assert decoded[0] == "ok"
+        _settings, _blobs, refs = decoded[1]
+        assert [fqns for _, fqns in refs] == [fqns for _, fqns in groups]
+
+
+@PROPS
+@given(groups_fqn(any_settings, fqn_names), st.one_of(st.sampled_from(["optim", "", "é"]), st.sampled_from(BAD_KEYS)))
+def test_encode_any_values(groups: list, leaf: Any) -> None:
+    res = check("encode_table", leaf, groups, torch.Tensor, tensor_to_parts)
+    if res[0] == "ok":
+        check("decode_table", leaf, res[1], parts_to_tensor)
+    for gi, (settings_, _fqns) in enumerate(groups):
+        check("encode_settings", leaf, gi, settings_, torch.Tensor, tensor_to_parts)
+
+
+@PROPS
+@given(st.dictionaries(any_keys, st.one_of(any_values, deep_values()), max_size=6), st.sampled_from([0, 7, "g", None]))
+def test_encode_settings(settings_: dict, group_index: Any) -> None:
+    check("encode_settings", "leaf", group_index, settings_, torch.Tensor, tensor_to_parts)
+    check("encode_settings", "leaf", group_index, collections.OrderedDict(settings_), torch.Tensor, tensor_to_parts)
+
+
+@pytest.mark.parametrize("value", BAD_VALUES + [bytearray(), memoryview(b"x"), [1, {2}], (1, (2, object()))])
+def test_encode_unsupported_value(value: Any) -> None:
+    check_error("encode_settings", "L", 3, {"k": value}, torch.Tensor, tensor_to_parts,
+                exc=CheckpointFormatError, match="unsupported value type")
+
+
+@pytest.mark.parametrize("key", BAD_KEYS)
+def test_encode_non_string_key(key: Any) -> None:
+    check_error("encode_settings", "L", 0, {"ok": 1, key: 2}, torch.Tensor, tensor_to_parts,
+                exc=CheckpointFormatError, match="is not a string")
+    check_error("encode_table", "L", [({"ok": 1}, ["a"]), ({key: 2}, ["b"])], torch.Tensor, tensor_to_parts,
+                exc=CheckpointFormatError, match="group 1: setting key")
+
+
+@pytest.mark.parametrize("value", HUGE_INTS + [True, False, 0, -1])
+def test_encode_int_range(value: int) -> None:
+    check("encode_settings", "L", 0, {"k": value, "t": (1, [value])}, torch.Tensor, tensor_to_parts)
+
+
+@pytest.mark.parametrize("where", ["key", "value", "nested", "fqn", "leaf"])
+@pytest.mark.parametrize("text", BAD_TEXT)
+def test_encode_surrogates(where: str, text: str) -> None:
+    settings_ = {text: 1} if where == "key" else {"k": text} if where == "value" else {"k": (1, [text])}
+    if where in ("fqn", "leaf"):
+        settings_ = {"k": 1}
+    fqns = ["ok", text] if where == "fqn" else ["ok"]
+    leaf = text if where == "leaf" else "L"
+    res = check("encode_table", leaf, [(settings_, fqns)], torch.Tensor, tensor_to_parts)
+    if where != "leaf":
+        assert res[0] == "err" and res[1] is CheckpointFormatError
+        assert "string is not valid unicode (surrogates not allowed)" in res[2]
+
+
+@pytest.mark.parametrize("depth", [30, 31, 32, 33, 34, 40])
+@pytest.mark.parametrize("kind", [tuple, list])
+def test_encode_depth_limit(depth: int, kind: type) -> None:
+    value: Any = None
+    for _ in range(depth):
+        value = kind([value])
+    res = check("encode_settings", "L", 0, {"k": value}, torch.Tensor, tensor_to_parts)
+    assert (res[0] == "ok") == (depth <= 32), res
+    if res[0] == "ok":
+        check("decode_table", "L", P.encode_table("L", [({"k": value}, [])], torch.Tensor, tensor_to_parts),
+              parts_to_tensor)
+
+
+def test_encode_table_shapes() -> None:
+    check("encode_table", "L", [], torch.Tensor, tensor_to_parts)
+    check("encode_table", "L", [({}, [])], torch.Tensor, tensor_to_parts)
+    check("encode_table", "L", [({"a": 1}, ["x"]), ({"a": 1}, ["y"]), ({"a": 2}, [])], torch.Tensor, tensor_to_parts)
+    check("encode_table", "L", [({"a": 1}, ["x", 3])], torch.Tensor, tensor_to_parts)
+    check("encode_table", "L", [({"a": 1}, ["x", None])], torch.Tensor, tensor_to_parts)
+    check("encode_table", "L", [({"a": 1}, ("x", "y"))], torch.Tensor, tensor_to_parts)
+    check("encode_table", "L", [({"a": 1}, "xy")], torch.Tensor, tensor_to_parts)
+    check("encode_table", "L", [({"a": 1}, 5)], torch.Tensor, tensor_to_parts)
+    check("encode_table", "L", [({"a": 1}, ["x"], 1)], torch.Tensor, tensor_to_parts)
+    check("encode_table", "L", [({"a": 1},)], torch.Tensor, tensor_to_parts)
+    check("encode_table", "L", [7], torch.Tensor, tensor_to_parts)
+    check("encode_table", "L", 7, torch.Tensor, tensor_to_parts)
+    check("encode_table", "L", [([1, 2], ["x"])], torch.Tensor, tensor_to_parts)
+    check("encode_table", "L", [(collections.OrderedDict(b=1, a=2), ["x"])], torch.Tensor, tensor_to_parts)
+    def gen() -> tuple:
+        return "L", ((s, f) for s, f in [({"a": 1}, ["x"])]), torch.Tensor, tensor_to_parts
+
+    check("encode_table", fresh=gen)  # a generator has no len(): TypeError after the first pass
+    check("encode_settings", "L", 0, [("a", 1)], torch.Tensor, tensor_to_parts)
+    check("encode_settings", "L", 0, 5, torch.Tensor, tensor_to_parts)
+    check("encode_settings", "L", 0, {"k": PARAMS[0]}, 5, tensor_to_parts)  # bad tensor_type
+
+
+def _parts(result: Any) -> Callable[[Any], Any]:
+    def to_parts(t: Any) -> Any:
+        if isinstance(result, BaseException):
+            raise result
+        return result
+
+    return to_parts
+
+
+@pytest.mark.parametrize(
+    "result",
+    [
+        ("float32", (2,), "cpu", b"\0" * 8),
+        ("float32", [2], "cpu", b"\0" * 8),
+        ("float32", (2,), "cpu"),
+        ("float32", (2,), "cpu", b"", 5),
+        ["float32", (2,), "cpu", b"\0" * 8, 5],
+        None,
+        5,
+        (5, (2,), "cpu", b""),
+        (b"float32", (2,), "cpu", b""),
+        ("\ud800", (2,), "cpu", b""),
+        ("float32", (2,), "\udcff", b""),
+        ("float32", (1.5,), "cpu", b""),
+        ("float32", (2**63,), "cpu", b""),
+        ("float32", (-(2**63),), "cpu", b""),
+        ("float32", (True, -1), "cpu", b""),
+        ("float32", 5, "cpu", b""),
+        ("float32", None, "cpu", b""),
+        ("float32", (2,), "cpu", 12),
+        ("float32", (2,), "cpu", "abc"),
+        ("float32", (2,), "cpu", memoryview(array.array("i", [1, 2]))),
+        ("float32", (2,), "cpu", bytearray(b"abcd")),
+        ValueError("boom"),
+        CheckpointFormatError("inner"),
+    ],
+)
+def test_encode_to_parts_results(result: Any) -> None:
+    tensor = TENSORS[0]
+    check("encode_settings", "L", 0, {"lr": tensor, "t": (1, tensor)}, torch.Tensor, _parts(result))
+    check("encode_table", "L", [({"lr": tensor}, ["p"])], torch.Tensor, _parts(result))
+
+
+def test_encode_iter_to_parts() -> None:
+    check("encode_settings", "L", 0, {"lr": TENSORS[0]}, torch.Tensor,
+          lambda t: iter(("float32", iter((1, 2)), "cpu", b"")))
+    check("encode_settings", "L", 0, {"lr": TENSORS[0]}, torch.Tensor, lambda t: iter(("float32", (1,))))
+    check("encode_settings", "L", 0, {"lr": TENSORS[0]}, torch.Tensor,
+          lambda t: iter(("float32", (1,), "cpu", b"", 9)))
+
+
+# --------------------------------------------------------------------------- decode
+
+
+def u32(n: int) -> bytes:
+    return struct.pack("<I", n)
+
+
+def sstr(text: str | bytes) -> bytes:
+    raw = text.encode("utf-8") if isinstance(text, str) else text
+    return u32(len(raw)) + raw
+
+
+HEADER = P.MAGIC + struct.pack("<H", P.VERSION)
+
+
+def table(settings_blobs: list[bytes], groups: list[tuple[int, list[bytes | str]]], trailer: bytes = b"") -> bytes:
+    out = HEADER + u32(len(settings_blobs)) + b"".join(settings_blobs) + u32(len(groups))
+    for idx, fqns in groups:
+        out += u32(idx) + u32(len(fqns)) + b"".join(sstr(f) for f in fqns)
+    return out + trailer
+
+
+def one_value(value_bytes: bytes) -> bytes:
+    """A table with one settings entry ``{"k": <raw value>}`` and no groups."""
+    return table([u32(1) + sstr("k") + value_bytes], [])
+
+
+def tensor_bytes(dtype: str | bytes, shape: list[int], device: str, data: bytes, nbytes: int | None = None) -> bytes:
+    out = bytes([9]) + sstr(dtype) + u32(len(shape)) + b"".join(struct.pack("<q", d) for d in shape)
+    return out + sstr(device) + struct.pack("<Q", len(data) if nbytes is None else nbytes) + data
+
+
+DECODE_CASES = {
+    "empty": b"",
+    "short magic": b"SCK",
+    "bad magic": b"XXXX\x01\x00" + u32(0) + u32(0),
+    "no version": P.MAGIC + b"\x01",
+    "version 2": P.MAGIC + struct.pack("<H", 2) + u32(0) + u32(0),
+    "version 0": P.MAGIC + struct.pack("<H", 0),
+    "ok empty": table([], []),
+    "no group count": HEADER + u32(0),
+    "huge settings count": HEADER + u32(0xFFFFFFFF) + u32(0),
+    "huge keys count": HEADER + u32(1) + u32(0xFFFFFFFF) + u32(0),
+    "huge group count": HEADER + u32(0) + u32(0x7FFFFFFF),
+    "huge params count": table([u32(0)], []).removesuffix(u32(0)) + u32(1) + u32(0) + u32(0xFFFFFFFF),
+    "huge string": HEADER + u32(1) + u32(1) + u32(0xFFFFFFF0) + b"k",
+    "bad utf8 key": table([u32(1) + sstr(b"\xff\xfe") + b"\x00"], []),
+    "surrogate utf8 key": table([u32(1) + sstr(b"\xed\xa0\x80") + b"\x00"], []),
+    "bad utf8 fqn": table([u32(0)], [(0, [b"a\x80"])]),
+    "duplicate key": table([u32(2) + sstr("k") + b"\x00" + sstr("k") + b"\x01"], []),
+    "bad settings index": table([u32(0)], [(1, ["a"])]),
+    "huge settings index": table([u32(0)], [(0xFFFFFFFF, ["a"])]),
+    "trailing": table([u32(0)], [(0, ["a"])], trailer=b"\x00\x01"),
+    "unknown tag": one_value(b"\x0a"),
+    "tag 255": one_value(b"\xff"),
+    "missing tag": table([u32(1) + sstr("k")], []),
+    "int": one_value(b"\x03" + struct.pack("<q", -(2**63))),
+    "short int": one_value(b"\x03\x01\x02"),
+    "float nan": one_value(b"\x04" + struct.pack("<Q", 0x7FF8_0000_0000_1234)),
+    "float -0": one_value(b"\x04" + struct.pack("<d", -0.0)),
+    "short float": one_value(b"\x04\x00"),
+    "str": one_value(b"\x05" + sstr("héllo")),
+    "bad str": one_value(b"\x05" + sstr(b"\xc3")),
+    "bytes": one_value(b"\x06" + sstr(b"\x00\xff")),
+    "short bytes": one_value(b"\x06" + u32(10) + b"ab"),
+    "huge sequence": one_value(b"\x07" + u32(0xFFFFFFFF)),
+    "sequence": one_value(b"\x08" + u32(3) + b"\x00\x01\x02"),
+    "nested 32": one_value((b"\x07" + u32(1)) * 32 + b"\x00"),
+    "nested 33": one_value((b"\x07" + u32(1)) * 33 + b"\x00"),
+    "nested 34": one_value((b"\x08" + u32(1)) * 34 + b"\x00"),
+    "nested 40 truncated": one_value((b"\x07" + u32(1)) * 40),
+    "tensor": one_value(tensor_bytes("float32", [2], "cpu", struct.pack("<ff", 1.5, -0.0))),
+    "tensor 0-d": one_value(tensor_bytes("int64", [], "cpu", struct.pack("<q", 5))),
+    "tensor empty": one_value(tensor_bytes("float32", [0, 3], "cpu", b"")),
+    "tensor bad dtype": one_value(tensor_bytes("float128", [1], "cpu", b"\0" * 16)),
+    "tensor size mismatch": one_value(tensor_bytes("float32", [3], "cpu", b"\0" * 8)),
+    "tensor negative dim": one_value(tensor_bytes("float32", [-1], "cpu", b"")),
+    "tensor huge dims": one_value(tensor_bytes("float32", [2**62, 4], "cpu", b"")),
+    "tensor huge ndim": one_value(b"\x09" + sstr("float32") + u32(0xFFFFFFFF)),
+    "tensor huge nbytes": one_value(tensor_bytes("float32", [2], "cpu", b"", nbytes=2**64 - 1)),
+    "tensor bad device utf8": one_value(tensor_bytes("float32", [1], b"\xff", b"\0" * 4)),
+    "tensor odd device": one_value(tensor_bytes("float32", [1], "nosuchdevice", b"\0" * 4)),
+    "tensor truncated dims": one_value(b"\x09" + sstr("float32") + u32(2) + b"\0" * 9),
+}
+
+
+@pytest.mark.parametrize("name", list(DECODE_CASES))
+def test_decode_cases(name: str) -> None:
+    data = DECODE_CASES[name]
+    res = check("decode_table", "leaf", data, parts_to_tensor)
+    if res[0] == "err":
+        assert res[1] is CheckpointFormatError, res
+
+
+def test_decode_every_prefix_and_bitflip() -> None:
+    groups = [
+        ({"lr": 0.1, "betas": (0.9, 0.999), "t": TENSORS[2], "s": "é", "b": b"\x00", "n": None, "l": [True, False]},
+         ["a.w", "a.b"]),
+        ({"lr": torch.tensor(1e-3)}, []),
+        ({"lr": 0.1, "betas": (0.9, 0.999), "t": TENSORS[2], "s": "é", "b": b"\x00", "n": None, "l": [True, False]},
+         ["日本"]),
+    ]
+    data = P.encode_table("optim", groups, torch.Tensor, tensor_to_parts)
+    assert C.encode_table("optim", groups, torch.Tensor, tensor_to_parts) == data
+    for n in range(len(data) + 1):
+        check("decode_table", "optim", data[:n], parts_to_tensor)
+    for pos in range(len(data)):
+        for bit in (0, 3, 7):
+            flipped = bytearray(data)
+            flipped[pos] ^= 1 << bit
+            check("decode_table", "optim", bytes(flipped), parts_to_tensor)
+
+
+@pytest.mark.parametrize("data", [bytearray(b"SCKT"), memoryview(b"SCKT"), "SCKT", None, 5])
+def test_decode_not_bytes(data: Any) -> None:
+    check_error("decode_table", "leaf", data, parts_to_tensor, exc=CheckpointFormatError, match="expected bytes")
+
+
+class _Stop(BaseException):
+    pass
+
+
+@pytest.mark.parametrize(
+    "error", [ValueError("bad"), TypeError("ty\ud800pe"), CheckpointFormatError("own"), KeyError("k"), _Stop("stop")]
+)
+def test_decode_from_parts_errors(error: BaseException) -> None:
+    data = one_value(tensor_bytes("float32", [1], "cpu", b"\0" * 4))
+
+    def from_parts(*args: Any) -> Any:
+        raise error
+
+    if isinstance(error, _Stop):  # not an Exception: propagates unchanged from both cores
+        for mod in (P, C):
+            with pytest.raises(_Stop):
+                mod.decode_table("leaf", data, from_parts)
+    else:
+        check("decode_table", "leaf", data, from_parts)
+
+
+def test_decode_bytes_subclass_and_leaf_repr() -> None:
+    class B(bytes):
+        pass
+
+    data = P.encode_table("x", [({"a": 1}, ["p"])], torch.Tensor, tensor_to_parts)
+    check("decode_table", "x", B(data), parts_to_tensor)
+    check("decode_table", ("odd", 1), b"nope", parts_to_tensor)
+    check("decode_table", "\ud800", data[:-1], parts_to_tensor)
+
+
+@fuzz(1000)
+@given(st.binary(max_size=160))
+def test_fuzz_decode_random_bytes(data: bytes) -> None:
+    check("decode_table", "fuzz", data, parts_to_tensor)
+    check("decode_table", "fuzz", HEADER + data, parts_to_tensor)
+
+
+def _base_tables() -> list[bytes]:
+    """A few valid tables covering every value tag, unicode, nesting and shared settings."""
+    rich = {
+        "lr": 0.1, "betas": (0.9, 0.999), "nan": math.nan, "neg0": -0.0, "big": 2**63 - 1, "small": -(2**63),
+        "flag": True, "off": False, "none": None, "name": "é日本🙂", "raw": b"\x00\xff", "list": [1, [2.5, ("x",)]],
+        "t": TENSORS[2], "t0": TENSORS[0], "empty": TENSORS[5], "bf16": TENSORS[6],
+    }
+    nested: Any = 1
+    for level in range(32):
+        nested = (nested,) if level % 2 else [nested]
+    groups_list = [
+        [],
+        [({}, [])],
+        [(rich, ["a.w", "a.b"]), ({"lr": 0.2}, ["c"]), (dict(rich), ["日本.x"]), ({}, [])],
+        [({"deep": nested, "lr": TENSORS[3]}, ["p"]), ({"lr": 1}, ["q", "r", "s"])],
+    ]
+    return [P.encode_table("m", g, torch.Tensor, tensor_to_parts) for g in groups_list]
+
+
+BASE_TABLES = _base_tables()
+
+
+@st.composite
+def mutated_tables(draw: st.DrawFn) -> bytes:
+    data = bytearray(draw(st.sampled_from(BASE_TABLES)))
+    for _ in range(draw(st.integers(1, 3))):
+        op = draw(st.sampled_from(["flip", "set", "truncate", "insert", "delete", "u32", "u64"]))
+        pos = draw(st.integers(0, max(len(data) - 1, 0)))
+        if op == "flip" and data:
+            data[pos] ^= 1 << draw(st.integers(0, 7))
+        elif op == "set" and data:
+            data[pos] = draw(st.integers(0, 255))
+        elif op == "truncate":
+            del data[pos:]
+        elif op == "insert":
+            data[pos:pos] = draw(st.binary(min_size=1, max_size=6))
+        elif op == "delete":
+            del data[pos : pos + draw(st.integers(1, 6))]
+        elif op == "u32":
+            value = draw(st.sampled_from([0, 1, 2, 33, 0x7FFFFFFF, 0xFFFFFFFF, len(data), len(data) + 1]))
+            data[pos : pos + 4] = u32(value)
+        else:
+            data[pos : pos + 8] = struct.pack("<Q", draw(st.sampled_from([0, 1, 2**63, 2**64 - 1])))
+    return bytes(data)
+
+
+@fuzz(1000)
+@given(mutated_tables())
+def test_fuzz_decode_mutated_tables(data: bytes) -> None:
+    check("decode_table", "m", data, parts_to_tensor)
+
+
+# --------------------------------------------------------------------------- load matching
+
+
+@st.composite
+def match_inputs(draw: st.DrawFn) -> tuple[list[list[str]], dict[str, Any]]:
+    names = [f"p{i}" for i in range(8)]
+    pool = [
+        {"lr": 0.1, "wd": 0},
+        {"lr": 0.1, "wd": 0},  # equal content, distinct object
+        {"lr": 0.2, "wd": 0},
+        {"lr": 0.1},
+        {"lr": 0.1, "wd": 0, "x": 1},
+        {"lr": 1, "wd": 0},  # int vs float: a type difference
+        {"lr": torch.tensor([0.1, 0.2]), "wd": 0},  # == raises on bool(): falls back to identity
+        {"lr": torch.tensor([0.1, 0.2]), "wd": 0},
+        {"lr": torch.tensor(0.1), "wd": 0},
+        {"wd": 0, "lr": 0.1},
+    ]
+    settings_of = {n: pool[draw(st.integers(0, len(pool) - 1))] for n in draw(st.lists(st.sampled_from(names)))}
+    if draw(st.booleans()):
+        settings_of.setdefault("p0", None)
+    target = draw(st.lists(st.lists(st.sampled_from(names + ["missing"]), max_size=4), max_size=4))
+    return target, settings_of
+
+
+@PROPS
+@given(match_inputs())
+def test_match_groups(inputs: tuple[list[list[str]], dict]) -> None:
+    target, settings_of = inputs
+    check("match_groups", "leaf", target, settings_of)
+    check("match_groups", "leaf", [tuple(g) for g in target], collections.OrderedDict(settings_of))
+    state_by_fqn = {k: (None if v is None else {"step": v}) for k, v in settings_of.items()}
+    check("assign_state_ids", target, state_by_fqn)
+
+
+def test_match_groups_first_differing_key() -> None:
+    a = {"lr": 0.1, "wd": 0}
+    for b, key in [
+        ({"lr": 0.1, "wd": 1}, "wd"),
+        ({"lr": 0.1}, "wd"),
+        ({"lr": 0.1, "wd": 0, "z": 2}, "z"),
+        ({"lr": 0.1, "wd": 0.0}, "wd"),
+        (dict(a), "?"),
+        ({"wd": 0, "lr": 0.1}, "?"),
+        ({"lr": float("nan"), "wd": 0}, "lr"),
+    ]:
+        msg = check_error("match_groups", "L", [["x", "y"]], {"x": a, "y": b}, exc=Exception)
+        assert f"(key {key!r})" in msg, msg
+    t1, t2 = {"lr": torch.ones(2)}, {"lr": torch.ones(2)}
+    check_error("match_groups", "L", [["x"], ["y", "x"]], {"x": t1, "y": t2}, exc=Exception, match="(key 'lr')")
+    check_error("match_groups", "L", [["x", "y"]], {"x": {1: 1}, "y": {2: 2}}, exc=Exception, match="(key 1)")
+    check("match_groups", "L", [["x", ["unhashable"]]], {"x": a})
+    check("match_groups", "L", [5], {})
+    check("match_groups", "L", [["x", "y"]], {"x": a, "y": 5})
+
+
+def test_assign_state_ids_edge_cases() -> None:
+    s = {"step": 1}
+    check("assign_state_ids", [["a", "b", "a"], ["b", "c"], []], {"a": s, "c": None, "b": {}})
+    check("assign_state_ids", [["a", ["x"]]], {"a": s})
+    check("assign_state_ids", [["a", {"x"}]], {"a": s})
+    check("assign_state_ids", [("a", "b")], collections.OrderedDict(b=s))
+    check("assign_state_ids", [iter(["a", "b"])], {"b": s}, fresh=lambda: ([iter(["a", "b"])], {"b": s}))
+    check("assign_state_ids", 5, {})
+
+
+# --------------------------------------------------------------------------- end to end
+
+
+def test_end_to_end_with_real_optimizer() -> None:
+    torch.manual_seed(0)
+    model = torch.nn.Sequential(torch.nn.Linear(3, 4), torch.nn.ReLU(), torch.nn.Linear(4, 2))
+    params = list(model.parameters())
+    opt = torch.optim.AdamW(
+        [{"params": params[:2], "lr": torch.tensor(0.01)}, {"params": params[2:], "betas": (0.8, 0.9)}],
+        weight_decay=0.0,
+    )
+    model(torch.randn(5, 3)).sum().backward()
+    opt.step()
+    fqn_of = {id(p): n for n, p in model.named_parameters()}
+    res = check("pack_optimizer", "optim", opt.param_groups, opt.state, torch.Tensor)
+    groups, state, ids = res[1]
+    groups_fqn_, state_fqn = check("remap_to_fqns", "optim", groups, state, ids, fqn_of)[1]
+    blob = check("encode_table", "optim", groups_fqn_, torch.Tensor, tensor_to_parts)[1]
+    check("decode_table", "optim", blob, parts_to_tensor)
+    flat = {**check("flatten_state", state_fqn)[1], **check("flatten_groups", groups_fqn_)[1]}
+    flat[f"param_groups.__packed__.optim.{len(blob)}"] = blob
+    known = {n: n for n in fqn_of.values()}
+    _settings, state_by_fqn, _tables, _unmatched = check("unflatten", flat, known)[1]
+    target = [list(fqns) for _, fqns in groups_fqn_]
+    check("assign_state_ids", target, state_by_fqn)
