@@ -1,0 +1,541 @@
+"""Bad checkpoints give ``CheckpointFormatError`` or ``CheckpointMismatchError`` -- never a crash,
+a hang, a giant allocation or a wrong silent load -- and the message names the leaf, FQN or key.
+
+Tables are corrupted both through the full load path (digest check first) and, with the digest
+bypassed, straight through the core's ``decode_table``, so the decoder itself is exercised on
+every defect. Hand-built tables (``Tab``) follow the version-1 layout of ``_core_py``.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import struct
+import subprocess
+import sys
+import textwrap
+import tracemalloc
+from pathlib import Path
+from typing import Any
+
+import pytest
+import torch
+from torch import nn
+
+import sparse_ckpt as sc
+from sparse_ckpt import _backend
+from sparse_ckpt._tensor_parts import parts_to_tensor, tensor_to_parts
+from sparse_ckpt.save import packed_table_key
+
+REPO = Path(__file__).resolve().parents[1]
+PACKED = "param_groups.__packed__."
+FMT = sc.CheckpointFormatError
+MISMATCH = sc.CheckpointMismatchError
+
+
+# --------------------------------------------------------------------------- fixtures
+
+
+class Net(nn.Module):
+    """Two linear layers; FQNs ``a.weight``, ``a.bias``, ``b.weight``, ``b.bias``."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.a = nn.Linear(4, 3)
+        self.b = nn.Linear(3, 2)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return self.b(self.a(x))
+
+
+def make_optimizer(model: Net, lr: float = 0.02) -> torch.optim.Adam:
+    """Adam with a tensor lr in group 0, a plain group and an empty group (rich table)."""
+    return torch.optim.Adam(
+        [
+            {"params": [model.a.weight, model.a.bias], "lr": torch.tensor(0.01), "tag": ("x", b"\x00", [None, True])},
+            {"params": [model.b.weight, model.b.bias]},
+            {"params": []},
+        ],
+        lr=lr,
+        foreach=False,
+    )
+
+
+def saved() -> tuple[Net, dict[str, Any]]:
+    """A stepped model and its packed sparse state dict."""
+    torch.manual_seed(0)
+    model = Net()
+    opt = make_optimizer(model)
+    model(torch.randn(3, 4)).sum().backward()
+    opt.step()
+    return model, sc.sparse_state_dict(model, opt)
+
+
+def fresh_target() -> tuple[Net, torch.optim.Adam]:
+    """A target with its own (different) state."""
+    torch.manual_seed(1)
+    model = Net()
+    opt = make_optimizer(model, lr=0.5)
+    model(torch.randn(3, 4)).sum().backward()
+    opt.step()
+    return model, opt
+
+
+def table_of(sd: dict[str, Any]) -> tuple[str, bytes]:
+    """The single packed table of ``sd``: ``(key, bytes)``."""
+    ((key, table),) = [(k, v) for k, v in sd.items() if isinstance(k, str) and k.startswith(PACKED)]
+    return key, table
+
+
+def with_table(sd: dict[str, Any], table: Any, leaf: str = "optim", key: str | None = None) -> dict[str, Any]:
+    """``sd`` with its table replaced; the key's digest matches ``table`` unless ``key`` is given."""
+    out = {k: v for k, v in sd.items() if not (isinstance(k, str) and k.startswith(PACKED))}
+    out[key if key is not None else packed_table_key(leaf, table)] = table
+    return out
+
+
+def load_fails(
+    sd: dict[str, Any],
+    error: type[Exception],
+    *names: str,
+    strict: bool = True,
+    target: tuple[Net, torch.optim.Adam] | None = None,
+) -> str:
+    """Load ``sd`` into ``target`` (default: a fresh one); assert ``error`` naming ``names`` and an
+    unchanged target."""
+    model, opt = target if target is not None else fresh_target()
+    before = opt.state_dict()
+    state_obj, groups_obj = opt.state, opt.param_groups
+    with pytest.raises(error) as info:
+        sc.load_sparse_state_dict(model, opt, sd, strict=strict)
+    assert type(info.value) is error, f"{type(info.value).__name__}: {info.value}"
+    message = str(info.value)
+    for name in names:
+        assert name in message, f"{name!r} not named in: {message}"
+    assert opt.state is state_obj and opt.param_groups is groups_obj
+    assert _equal(opt.state_dict(), before)
+    return message
+
+
+def decode(table: Any, leaf: str = "optim") -> Any:
+    """The active core's ``decode_table``."""
+    return _backend.core.decode_table(leaf, table, parts_to_tensor)
+
+
+def decode_fails(table: Any, *names: str, leaf: str = "optim") -> str:
+    """Assert the core rejects ``table`` with ``CheckpointFormatError`` naming the leaf and ``names``."""
+    with pytest.raises(FMT) as info:
+        decode(table, leaf)
+    assert type(info.value) is FMT
+    message = str(info.value)
+    for name in (f"leaf {leaf!r}", *names):
+        assert name in message, f"{name!r} not named in: {message}"
+    return message
+
+
+def _equal(a: Any, b: Any) -> bool:
+    if isinstance(a, torch.Tensor) or isinstance(b, torch.Tensor):
+        return isinstance(a, torch.Tensor) and isinstance(b, torch.Tensor) and a.dtype == b.dtype and torch.equal(a, b)
+    if isinstance(a, dict):
+        return isinstance(b, dict) and list(a) == list(b) and all(_equal(a[k], b[k]) for k in a)
+    if isinstance(a, (list, tuple)):
+        return type(a) is type(b) and len(a) == len(b) and all(_equal(x, y) for x, y in zip(a, b))
+    return type(a) is type(b) and a == b
+
+
+# --------------------------------------------------------------------------- hand-built tables
+
+
+def u16(n: int) -> bytes:
+    return struct.pack("<H", n)
+
+
+def u32(n: int) -> bytes:
+    return struct.pack("<I", n)
+
+
+def u64(n: int) -> bytes:
+    return struct.pack("<Q", n)
+
+
+def i64(n: int) -> bytes:
+    return struct.pack("<q", n)
+
+
+def s(text: str | bytes, length: int | None = None) -> bytes:
+    raw = text.encode() if isinstance(text, str) else text
+    return u32(len(raw) if length is None else length) + raw
+
+
+def v_float(x: float) -> bytes:
+    return b"\x04" + struct.pack("<d", x)
+
+
+def v_tensor(dtype: str = "float32", shape: tuple[int, ...] = (), data: bytes = b"\x00\x00\x80\x3f", *,
+             ndim: int | None = None, nbytes: int | None = None, device: str = "cpu") -> bytes:
+    body = b"\x09" + s(dtype) + u32(len(shape) if ndim is None else ndim) + b"".join(i64(d) for d in shape)
+    return body + s(device) + u64(len(data) if nbytes is None else nbytes) + data
+
+
+def settings(*pairs: tuple[str, bytes], n: int | None = None) -> bytes:
+    return u32(len(pairs) if n is None else n) + b"".join(s(k) + v for k, v in pairs)
+
+
+def group(idx: int, fqns: list[str], n: int | None = None) -> bytes:
+    return u32(idx) + u32(len(fqns) if n is None else n) + b"".join(s(f) for f in fqns)
+
+
+def tab(setts: list[bytes], groups: list[bytes], *, n_settings: int | None = None, n_groups: int | None = None,
+        version: int = 1, magic: bytes = b"SCKT") -> bytes:
+    """A version-1 table from encoded parts; counts can be overridden to lie."""
+    return (
+        magic + u16(version) + u32(len(setts) if n_settings is None else n_settings) + b"".join(setts)
+        + u32(len(groups) if n_groups is None else n_groups) + b"".join(groups)
+    )
+
+
+GOOD_GROUPS = [group(0, ["a.weight", "a.bias"]), group(1, ["b.weight", "b.bias"]), group(1, [])]
+GOOD_SETTINGS = [settings(("lr", v_float(0.01))), settings(("lr", v_float(0.02)))]
+
+
+def test_hand_built_table_matches_encoder() -> None:
+    """The hand-built layout is the real one, so the defects below are precise."""
+    built = tab(GOOD_SETTINGS, GOOD_GROUPS)
+    encoded = _backend.core.encode_table(
+        "optim",
+        [({"lr": 0.01}, ["a.weight", "a.bias"]), ({"lr": 0.02}, ["b.weight", "b.bias"]), ({"lr": 0.02}, [])],
+        torch.Tensor,
+        tensor_to_parts,
+    )
+    assert built == encoded
+    _setts, _blobs, groups = decode(built)
+    assert groups == [(0, ["a.weight", "a.bias"]), (1, ["b.weight", "b.bias"]), (1, [])]
+    model, opt = fresh_target()
+    sc.load_sparse_state_dict(model, opt, with_table({}, built))
+    assert [g["lr"] for g in opt.param_groups] == [0.01, 0.02, 0.02]
+    assert not opt.state  # the table carries no state
+
+
+# --------------------------------------------------------------------------- byte-level corruption
+
+
+def test_every_flipped_byte_is_caught_by_the_digest() -> None:
+    """Flipping any byte of a stored table is detected before decoding (key and leaf named)."""
+    _model, sd = saved()
+    key, table = table_of(sd)
+    assert len(table) > 200
+    target = fresh_target()
+    for pos in range(len(table)):
+        bad = bytearray(table)
+        bad[pos] ^= 0xFF
+        load_fails(with_table(sd, bytes(bad), key=key), FMT, "'optim'", "digest", key, target=target)
+
+
+def test_every_flipped_byte_decodes_or_raises_format_error() -> None:
+    """With the digest bypassed, each flipped byte either decodes or raises CheckpointFormatError.
+
+    Header flips (magic, version) must always be rejected. Through the load path with a forged
+    digest, the outcome is a clean error with the target unchanged, or a load of a valid table.
+    """
+    _model_src, sd = saved()
+    _key, table = table_of(sd)
+    outcomes: dict[str, int] = {"decoded": 0, "format_error": 0}
+    for pos in range(len(table)):
+        for mask in (0xFF, 0x01, 0x80):
+            bad = bytearray(table)
+            bad[pos] ^= mask
+            try:
+                setts, blobs, groups = decode(bytes(bad))
+            except FMT as exc:
+                assert "leaf 'optim'" in str(exc)
+                outcomes["format_error"] += 1
+                continue
+            assert pos >= 6, f"header byte {pos} flipped with mask {mask:#x} was accepted"
+            assert len(setts) == len(blobs)
+            assert all(0 <= idx < len(setts) for idx, _ in groups)
+            outcomes["decoded"] += 1
+    assert outcomes["format_error"] > 0 and outcomes["decoded"] > 0, outcomes
+    model, opt = fresh_target()
+    before = opt.state_dict()
+    for pos in range(0, len(table), 5):  # a forged digest: the load fails cleanly or loads a valid table
+        bad = bytearray(table)
+        bad[pos] ^= 0xFF
+        try:
+            sc.load_sparse_state_dict(model, opt, with_table(sd, bytes(bad)))
+        except (FMT, MISMATCH):
+            assert _equal(opt.state_dict(), before)
+        else:
+            model, opt = fresh_target()
+            before = opt.state_dict()
+
+
+def test_every_truncation_is_rejected() -> None:
+    """Each proper prefix of a table raises CheckpointFormatError, in the core and through a load."""
+    _model, sd = saved()
+    key, table = table_of(sd)
+    target = fresh_target()
+    for n in range(len(table)):
+        decode_fails(table[:n])
+        load_fails(with_table(sd, table[:n]), FMT, "'optim'", target=target)  # forged digest
+        load_fails(with_table(sd, table[:n], key=key), FMT, "digest", target=target)  # stored digest
+    load_fails(with_table(sd, table[:-1]), FMT, "'optim'", "truncated", target=target)
+    load_fails(with_table(sd, table + b"\x00"), FMT, "'optim'", "trailing", target=target)
+
+
+# --------------------------------------------------------------------------- structural defects
+
+# (id, table bytes, words the message must contain)
+STRUCTURAL: list[tuple[str, bytes, list[str]]] = [
+    ("bad_magic", tab(GOOD_SETTINGS, GOOD_GROUPS, magic=b"PK\x03\x04"), ["magic"]),
+    ("version_0", tab(GOOD_SETTINGS, GOOD_GROUPS, version=0), ["version 0"]),
+    ("version_2", tab(GOOD_SETTINGS, GOOD_GROUPS, version=2), ["version 2"]),
+    ("version_ffff", tab(GOOD_SETTINGS, GOOD_GROUPS, version=0xFFFF), ["version 65535"]),
+    ("empty", b"", ["truncated"]),
+    ("settings_count_plus_one", tab(GOOD_SETTINGS, GOOD_GROUPS, n_settings=3), []),
+    ("groups_count_plus_one", tab(GOOD_SETTINGS, GOOD_GROUPS, n_groups=len(GOOD_GROUPS) + 1), []),
+    ("params_count_plus_one", tab(GOOD_SETTINGS, [group(0, ["a.weight"], n=2)]), []),
+    ("keys_count_plus_one", tab([settings(("lr", v_float(0.1)), n=2)], [group(0, ["a.weight"])]), []),
+    ("settings_index_out_of_range", tab(GOOD_SETTINGS, [group(2, ["a.weight"])]), ["settings 2 of 2"]),
+    ("trailing_bytes", tab(GOOD_SETTINGS, GOOD_GROUPS) + b"junk", ["trailing"]),
+    ("unknown_tag_10", tab([settings(("lr", b"\x0a"))], [group(0, ["a.weight"])]), ["unknown value tag 10"]),
+    ("unknown_tag_127", tab([settings(("lr", b"\x7f" + i64(1)))], [group(0, ["a.weight"])]), ["unknown value tag 127"]),
+    ("unknown_tag_255", tab([settings(("lr", b"\xff"))], [group(0, ["a.weight"])]), ["unknown value tag 255"]),
+    ("truncated_int", tab([settings(("lr", b"\x03\x01\x02"))], []), ["int"]),
+    ("duplicate_setting_key", tab([settings(("lr", v_float(0.1)), ("lr", v_float(0.2)))], []), ["'lr'"]),
+    ("invalid_utf8_fqn", tab(GOOD_SETTINGS[:1], [u32(0) + u32(1) + s(b"\xff\xfe")]), ["utf-8"]),
+    ("invalid_utf8_key", tab([u32(1) + s(b"l\xc3") + v_float(0.1)], []), ["utf-8"]),
+    ("nesting_too_deep", tab([settings(("x", b"\x07\x01\x00\x00\x00" * 40 + b"\x00"))], []), ["deeper"]),
+    ("tensor_unknown_dtype", tab([settings(("lr", v_tensor(dtype="object")))], []), ["tensor"]),
+    ("tensor_negative_dim", tab([settings(("lr", v_tensor(shape=(-1,))))], []), ["tensor"]),
+    ("tensor_bytes_mismatch", tab([settings(("lr", v_tensor(shape=(2,))))], []), ["tensor"]),
+    ("tensor_dims_overflow", tab([settings(("lr", v_tensor(shape=(2**62, 2**62, 4))))], []), ["tensor"]),
+]
+
+
+@pytest.mark.parametrize(("table", "words"), [c[1:] for c in STRUCTURAL], ids=[c[0] for c in STRUCTURAL])
+def test_structural_defect(table: bytes, words: list[str]) -> None:
+    """Each defect raises CheckpointFormatError in the core and through a load (digest forged)."""
+    decode_fails(table, *words)
+    load_fails(with_table({}, table), FMT, "'optim'", *words)
+
+
+# Each field a reader sizes something by, set to its maximum. No giant allocation may follow.
+HUGE: list[tuple[str, bytes]] = [
+    ("n_settings", tab([], [], n_settings=0xFFFFFFFF)),
+    ("n_keys", tab([settings(n=0xFFFFFFFF)], [])),
+    ("key_length", tab([u32(1) + u32(0xFFFFFFFF) + b"lr"], [])),
+    ("str_value_length", tab([settings(("s", b"\x05" + u32(0xFFFFFFFF) + b"abc"))], [])),
+    ("bytes_value_length", tab([settings(("s", b"\x06" + u32(0xFFFFFFFF) + b"abc"))], [])),
+    ("tuple_length", tab([settings(("s", b"\x07" + u32(0xFFFFFFFF) + b"\x00\x00"))], [])),
+    ("list_length", tab([settings(("s", b"\x08" + u32(0xFFFFFFFF) + b"\x00\x00"))], [])),
+    ("tensor_dtype_length", tab([settings(("t", b"\x09" + u32(0xFFFFFFFF) + b"float32"))], [])),
+    ("tensor_ndim", tab([settings(("t", v_tensor(ndim=0xFFFFFFFF)))], [])),
+    ("tensor_nbytes_u64_max", tab([settings(("t", v_tensor(nbytes=2**64 - 1)))], [])),
+    ("tensor_nbytes_2_63", tab([settings(("t", v_tensor(nbytes=2**63)))], [])),
+    ("tensor_nbytes_u32_max", tab([settings(("t", v_tensor(nbytes=0xFFFFFFFF)))], [])),
+    ("tensor_device_length", tab([settings(("t", b"\x09" + s("float32") + u32(0) + u32(0xFFFFFFFF) + b"cpu"))], [])),
+    ("n_groups", tab(GOOD_SETTINGS, [], n_groups=0xFFFFFFFF)),
+    ("n_groups_0x40000000", tab(GOOD_SETTINGS, [], n_groups=0x40000000)),
+    ("n_params", tab(GOOD_SETTINGS, [group(0, [], n=0xFFFFFFFF)])),
+    ("fqn_length", tab(GOOD_SETTINGS, [u32(0) + u32(1) + u32(0xFFFFFFFF) + b"a.weight"])),
+]
+
+
+@pytest.mark.parametrize("table", [c[1] for c in HUGE], ids=[c[0] for c in HUGE])
+def test_huge_length_field(table: bytes, core_backend: str) -> None:
+    """A 0xFFFFFFFF (or 2**64-1) count/length raises CheckpointFormatError without allocating for it."""
+    if core_backend == "python":
+        tracemalloc.start()
+        try:
+            decode_fails(table)
+            _current, peak = tracemalloc.get_traced_memory()
+        finally:
+            tracemalloc.stop()
+        assert peak < 1 << 20, f"decoding allocated {peak} bytes"
+    else:
+        decode_fails(table)
+    load_fails(with_table({}, table), FMT, "'optim'")
+
+
+def test_huge_length_fields_under_address_space_limit(core_backend: str, tmp_path: Path) -> None:
+    """In a child process whose address space is capped near its current size, no huge field allocates.
+
+    This catches a giant ``reserve``/``malloc`` in the C++ decoder that tracemalloc cannot see
+    (untouched pages do not show in RSS, but they do count against RLIMIT_AS). The Python core
+    is covered in-process by tracemalloc above, so only the C++ core pays for a child process.
+    """
+    if core_backend != "cpp":
+        pytest.skip("the Python core is checked with tracemalloc in test_huge_length_field")
+    cases = tmp_path / "cases.json"
+    cases.write_text(json.dumps({name: table.hex() for name, table in HUGE}))
+    script = textwrap.dedent(
+        f"""
+        import json, resource, sys
+        import torch  # noqa: F401  (imported before the cap)
+        from sparse_ckpt import _backend
+        from sparse_ckpt._tensor_parts import parts_to_tensor
+        from sparse_ckpt.errors import CheckpointFormatError
+        core = _backend.core
+        assert _backend.NAME == {core_backend!r}, _backend.NAME
+        cases = json.load(open({str(cases)!r}))
+        with open("/proc/self/status") as f:
+            vm = next(int(line.split()[1]) * 1024 for line in f if line.startswith("VmSize:"))
+        cap = vm + (256 << 20)
+        resource.setrlimit(resource.RLIMIT_AS, (cap, cap))
+        out = {{}}
+        for name, hexed in cases.items():
+            try:
+                core.decode_table("optim", bytes.fromhex(hexed), parts_to_tensor)
+                out[name] = "decoded"
+            except CheckpointFormatError:
+                out[name] = "CheckpointFormatError"
+            except BaseException as exc:
+                out[name] = type(exc).__name__ + ": " + str(exc)[:200]
+        print(json.dumps(out))
+        """
+    )
+    env = {**os.environ, "SPARSE_CKPT_BACKEND": core_backend, "PYTHONPATH": str(REPO)}
+    proc = subprocess.run(
+        [sys.executable, "-c", script], check=False, env=env, capture_output=True, text=True, timeout=120
+    )
+    assert proc.returncode == 0, proc.stderr[-2000:]
+    result = json.loads(proc.stdout.strip().splitlines()[-1])
+    assert result == {name: "CheckpointFormatError" for name, _ in HUGE}
+
+
+# --------------------------------------------------------------------------- dict-level defects
+
+
+def test_digest_mismatch_names_key() -> None:
+    """A valid table under a key whose digest is wrong (e.g. renamed or edited) is refused."""
+    _model, sd = saved()
+    key, table = table_of(sd)
+    bad_key = key[:-4] + ("0000" if not key.endswith("0000") else "1111")
+    load_fails(with_table(sd, table, key=bad_key), FMT, "'optim'", bad_key, "digest")
+
+
+def test_duplicate_fqn_within_group() -> None:
+    """An FQN listed twice in one group."""
+    table = tab(GOOD_SETTINGS, [group(0, ["a.weight", "a.bias", "a.weight"]), group(1, ["b.weight", "b.bias"])])
+    load_fails(with_table({}, table), FMT, "'optim'", "a.weight", "twice")
+
+
+def test_duplicate_fqn_across_groups() -> None:
+    """An FQN in two groups of one table (torch forbids a parameter in two groups) is refused even
+    when both groups have the same settings."""
+    same = tab(GOOD_SETTINGS[:1], [group(0, ["a.weight", "a.bias"]), group(0, ["b.weight", "a.bias", "b.bias"])])
+    load_fails(with_table({}, same), FMT, "'optim'", "a.bias", "group 1", "twice")
+
+
+def test_same_fqn_in_two_tables_with_different_settings() -> None:
+    """Two tables (two ranks) disagreeing on one FQN's settings."""
+    _model, sd = saved()
+    other = tab([settings(("lr", v_float(7.0)))], [group(0, ["a.weight"])])
+    sd[packed_table_key("optim", other)] = other
+    load_fails(sd, MISMATCH, "a.weight")
+
+
+def test_state_key_for_fqn_the_model_lacks() -> None:
+    """``state.ghost.weight.exp_avg``: no model parameter ``ghost.weight``."""
+    _model, sd = saved()
+    sd["state.ghost.weight.exp_avg"] = torch.zeros(2)
+    load_fails(sd, MISMATCH, "state.ghost.weight.exp_avg")
+
+
+def test_group_table_for_leaf_the_target_lacks() -> None:
+    """A table of leaf ``dense`` when the target has only leaf ``experts`` (strict)."""
+    torch.manual_seed(0)
+    model = Net()
+    multi = sc.MultiOptimizer(
+        model,
+        {"experts": torch.optim.SGD(model.a.parameters(), lr=0.1), "dense": torch.optim.SGD(model.b.parameters(), lr=0.2)},
+    )
+    sd = sc.sparse_state_dict(model, multi)
+    target = {"experts": torch.optim.SGD(model.a.parameters(), lr=0.5)}
+    before = target["experts"].state_dict()
+    with pytest.raises(MISMATCH) as info:
+        sc.load_sparse_state_dict(model, target, sd)
+    assert "'dense'" in str(info.value) and "b.weight" in str(info.value)
+    assert _equal(target["experts"].state_dict(), before)
+
+
+def test_empty_group_of_leaf_the_target_lacks() -> None:
+    """An empty group can only be matched by (leaf, index); a leaf the target lacks is an error."""
+    _model, sd = saved()
+    extra = tab(GOOD_SETTINGS[:1], [group(0, [])])
+    sd[packed_table_key("ghostleaf", extra)] = extra
+    load_fails(sd, MISMATCH, "ghostleaf")
+
+
+@pytest.mark.parametrize(
+    ("value", "words"),
+    [
+        (torch.zeros(2, 2), ["'exp_avg'", "'a.weight'", "(2, 2)"]),
+        (torch.zeros(3, 5), ["'exp_avg'", "'a.weight'", "(3, 5)"]),
+        (torch.zeros(3, 4, dtype=torch.complex64), ["'exp_avg'", "'a.weight'", "complex64"]),
+    ],
+    ids=["shape_2x2", "shape_3x5", "complex"],
+)
+def test_state_tensor_wrong_shape_or_dtype(value: torch.Tensor, words: list[str]) -> None:
+    """A state tensor that cannot belong to the parameter."""
+    _model, sd = saved()
+    sd["state.a.weight.exp_avg"] = value
+    load_fails(sd, MISMATCH, *words)
+
+
+@pytest.mark.parametrize(
+    "value",
+    ["a string", bytearray(b"SCKT"), memoryview(b"SCKT"), 17, None, torch.zeros(4, dtype=torch.uint8), [b"SCKT"]],
+    ids=["str", "bytearray", "memoryview", "int", "None", "tensor", "list"],
+)
+def test_non_bytes_value_under_packed_key(value: Any) -> None:
+    """Only ``bytes`` may sit under ``param_groups.__packed__.*``."""
+    _model, sd = saved()
+    key, _table = table_of(sd)
+    load_fails(with_table(sd, value, key=key), FMT, key, type(value).__name__)
+
+
+@pytest.mark.parametrize(
+    "key", [3, ("state", "a.weight"), None, b"state.a.weight.exp_avg", 1.5], ids=["int", "tuple", "None", "bytes", "float"]
+)
+def test_non_string_key(key: Any) -> None:
+    """A key that is not a ``str``."""
+    _model, sd = saved()
+    sd[key] = torch.zeros(1)
+    load_fails(sd, FMT, repr(key))
+
+
+@pytest.mark.parametrize(
+    "key", ["param_groups.__packed__.optim", "param_groups.__packed__..abc", "param_groups.__packed__.optim."]
+)
+def test_malformed_packed_key(key: str) -> None:
+    """A packed key without leaf or digest."""
+    _model, sd = saved()
+    _key, table = table_of(sd)
+    load_fails(with_table(sd, table, key=key), FMT, key)
+
+
+def test_flat_entry_with_unsupported_value() -> None:
+    """A flat ``param_groups.{fqn}.{key}`` whose value the codec cannot represent."""
+    torch.manual_seed(0)
+    model = Net()
+    opt = torch.optim.SGD(model.parameters(), lr=0.1)
+    sd = sc.sparse_state_dict(model, opt, format="flat")
+    sd["param_groups.a.weight.lr"] = {1, 2}
+    with pytest.raises(FMT) as info:
+        sc.load_sparse_state_dict(model, torch.optim.SGD(model.parameters(), lr=0.1), sd)
+    assert "a.weight" in str(info.value) and "'lr'" in str(info.value) and "set" in str(info.value)
+
+
+def test_state_nested_under_tensor() -> None:
+    """``state.{fqn}.exp_avg`` and ``state.{fqn}.exp_avg.x`` cannot both exist."""
+    _model, sd = saved()
+    sd["state.a.weight.exp_avg.x"] = torch.zeros(1)
+    load_fails(sd, FMT, "a.weight", "exp_avg")
+
+
+def test_table_lists_fqn_the_model_lacks() -> None:
+    """A settings table whose FQNs are unknown to the target model (strict)."""
+    table = tab(GOOD_SETTINGS, [group(0, ["a.weight", "a.bias", "zzz"]), group(1, ["b.weight", "b.bias"]), group(1, [])])
+    load_fails(with_table({}, table), MISMATCH, "zzz")
+
