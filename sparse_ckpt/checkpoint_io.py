@@ -84,7 +84,11 @@ def load_entries(path: str | os.PathLike[str], metadata: Metadata, keys: Iterabl
     if target:
         with warnings.catch_warnings():
             warnings.simplefilter("ignore", UserWarning)  # "assuming the intent is to load in a single process"
-            dcp.load(target, checkpoint_id=os.fspath(path), no_dist=True)
+            # SparseLoadPlanner reads packed group tables with weights_only=True (never unpickling code);
+            # other non-tensor items are read as DCP reads them.
+            from .dcp import SparseLoadPlanner
+
+            dcp.load(target, checkpoint_id=os.fspath(path), planner=SparseLoadPlanner(), no_dist=True)
     return target
 
 
