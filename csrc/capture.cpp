@@ -32,7 +32,6 @@ Py_ssize_t count_params_hint(py::handle param_groups, py::handle params_key) {
 }  // namespace
 
 py::tuple pack_optimizer(py::object leaf, py::object param_groups, py::object state, py::object tensor_type) {
-    GcPause gc_pause;
     py::object params_key = steal(PyUnicode_InternFromString("params"));
     // id(p) -> packed id; every key p stays alive in id_to_param
     IdMap mapping(static_cast<size_t>(count_params_hint(param_groups, params_key)));
@@ -100,7 +99,6 @@ py::tuple pack_optimizer(py::object leaf, py::object param_groups, py::object st
 
 py::tuple remap_to_fqns(py::object leaf, py::object packed_groups, py::object packed_state, py::object id_to_param,
                         py::object fqn_of) {
-    GcPause gc_pause;
     const Py_ssize_t n_ids = length(id_to_param);
     const bool ids_is_list = PyList_CheckExact(id_to_param.ptr());
     const bool fqn_fast = plain_dict(fqn_of, "get");

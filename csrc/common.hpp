@@ -49,32 +49,6 @@ inline void ensure_ready(PyObject* s) {
 #endif
 }
 
-// ------------------------------------------------------------------ gc
-
-/// Suspends the cyclic garbage collector for one core call and restores the caller's setting on
-/// exit (also when an exception propagates). A core call allocates O(P) containers that are never
-/// garbage; left running, the generational collector would rescan the whole heap several times
-/// per call, which costs more than the call itself at 10^5 parameters. Results are unaffected.
-class GcPause {
-public:
-#if PY_VERSION_HEX >= 0x030A0000
-    GcPause() : was_enabled_(PyGC_Disable() == 1) {}
-    ~GcPause() {
-        if (was_enabled_) PyGC_Enable();
-    }
-#else
-    GcPause() {}  // no C API to pause the collector before Python 3.10
-    ~GcPause() {}
-#endif
-    GcPause(const GcPause&) = delete;
-    GcPause& operator=(const GcPause&) = delete;
-
-#if PY_VERSION_HEX >= 0x030A0000
-private:
-    bool was_enabled_;
-#endif
-};
-
 // ------------------------------------------------------------------ messages
 
 /// ``repr(obj)``

@@ -42,7 +42,6 @@ py::object setdefault_dict(py::handle node, py::handle key) {
 }  // namespace
 
 py::object flatten_state(py::object state_fqn) {
-    GcPause gc_pause;
     py::object out = steal(PyDict_New());
     py::object dot = steal(PyUnicode_FromString("."));
     py::object state_prefix = steal(PyUnicode_FromString("state."));
@@ -59,7 +58,6 @@ py::object flatten_state(py::object state_fqn) {
 }
 
 py::object flatten_groups(py::object groups_fqn) {
-    GcPause gc_pause;
     py::object out = steal(PyDict_New());
     py::object dot = steal(PyUnicode_FromString("."));
     py::object head = steal(PyUnicode_FromString("param_groups."));
@@ -84,7 +82,6 @@ py::object flatten_groups(py::object groups_fqn) {
 }
 
 py::tuple unflatten(py::object flat, py::object known_fqns) {
-    GcPause gc_pause;
     static constexpr const char kState[] = "state.";
     static constexpr Py_ssize_t kStateLen = sizeof(kState) - 1;
     static constexpr const char kGroups[] = "param_groups.";

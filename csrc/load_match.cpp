@@ -85,7 +85,6 @@ py::tuple match_groups(py::object leaf, py::object target_fqns, py::object setti
 }
 
 py::tuple assign_state_ids(py::object target_fqns, py::object state_by_fqn) {
-    GcPause gc_pause;
     const bool fast = plain_dict(state_by_fqn, "get");
     py::object packed_state = steal(PyDict_New());
     py::object used = steal(PyList_New(0));

@@ -405,7 +405,6 @@ py::bytes encode_table(py::object leaf, py::object groups_fqn, py::object tensor
 }
 
 py::tuple decode_table(py::object leaf, py::object data, py::object from_parts) {
-    GcPause gc_pause;
     if (!PyBytes_Check(data.ptr())) {
         raise_format_error(Msg() << "leaf " << py_repr(leaf) << ": group table is a " << type_name(data)
                                  << ", expected bytes");

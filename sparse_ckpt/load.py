@@ -13,6 +13,7 @@ import torch
 from torch import nn
 
 from . import _backend
+from ._gc import gc_paused
 from .apply import commit_prepared, prepare_packed, rollback, run_post_hooks, snapshot
 from .decode import DecodedCheckpoint, decode_checkpoint, fmt_list
 from .errors import CheckpointMismatchError
@@ -129,6 +130,11 @@ def load_sparse_state_dict(
     state, belong to other ranks and are not "extra"; the model's own parameters must still be present.
     On any error every optimizer is left exactly as it was.
     """
+    with gc_paused():
+        _load(model, optimizer, state_dict, strict, allow_unowned)
+
+
+def _load(model: nn.Module, optimizer: Any, state_dict: Mapping[str, Any], strict: bool, allow_unowned: bool) -> None:
     fmap = build_fqn_map(model)
     leaves = named_leaves(optimizer)
     ckpt = decode_checkpoint(state_dict, fmap)

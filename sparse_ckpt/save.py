@@ -10,6 +10,7 @@ from torch import nn
 
 from . import _backend
 from ._core_py import PACKED_MARKER
+from ._gc import gc_paused
 from ._tensor_parts import tensor_to_parts
 from .capture import capture_packed
 from .errors import CheckpointMismatchError
@@ -48,6 +49,11 @@ def sparse_state_dict(model: nn.Module, optimizer: Any, *, format: Format = "pac
     """
     if format not in FORMATS:
         raise ValueError(f"format must be one of {FORMATS}, got {format!r}")
+    with gc_paused():
+        return _sparse_state_dict(model, optimizer, format)
+
+
+def _sparse_state_dict(model: nn.Module, optimizer: Any, format: Format) -> dict[str, Any]:
     core = _backend.core
     fmap = build_fqn_map(model)
     out: dict[str, Any] = {}

@@ -1,0 +1,68 @@
+"""The GC pause around save/load nests, is thread-safe, and always restores the caller's setting."""
+
+from __future__ import annotations
+
+import gc
+import threading
+
+import pytest
+import torch
+from torch import nn
+
+import sparse_ckpt as sc
+from sparse_ckpt._gc import gc_paused
+
+
+@pytest.fixture
+def gc_state():
+    was = gc.isenabled()
+    yield
+    (gc.enable if was else gc.disable)()
+
+
+@pytest.mark.parametrize("enabled", [True, False])
+def test_save_and_load_restore_setting(enabled: bool, gc_state) -> None:
+    model = nn.Linear(3, 2)
+    opt = torch.optim.AdamW(model.parameters(), lr=0.1)
+    seen: list[bool] = []
+    opt.register_state_dict_pre_hook(lambda o: seen.append(gc.isenabled()))
+    (gc.enable if enabled else gc.disable)()
+    sd = sc.sparse_state_dict(model, opt)
+    sc.load_sparse_state_dict(model, opt, sd)
+    assert seen == [False]
+    assert gc.isenabled() is enabled
+
+
+def test_setting_restored_after_error(gc_state) -> None:
+    gc.enable()
+    model = nn.Linear(3, 2)
+    opt = torch.optim.AdamW(model.parameters(), lr=0.1)
+    with pytest.raises(sc.CheckpointMismatchError):
+        sc.load_sparse_state_dict(model, opt, {})
+    assert gc.isenabled()
+
+
+def test_interleaved_threads_never_leave_gc_disabled(gc_state) -> None:
+    """Thread A enters, B enters, A leaves, B leaves: the collector ends enabled."""
+    gc.enable()
+    a_in, b_in, a_out = threading.Event(), threading.Event(), threading.Event()
+
+    def first() -> None:
+        with gc_paused():
+            a_in.set()
+            b_in.wait(5)
+        a_out.set()
+
+    def second() -> None:
+        a_in.wait(5)
+        with gc_paused():
+            b_in.set()
+            a_out.wait(5)
+            assert not gc.isenabled()
+
+    threads = [threading.Thread(target=first), threading.Thread(target=second)]
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join(10)
+    assert gc.isenabled()
