@@ -1,0 +1,322 @@
+"""Synthetic MoE models and AdamW optimizers for the bench (DESIGN §8).
+
+A model of ``L`` layers, each with ``E`` experts (``gate_proj``, ``up_proj``, ``down_proj``) and
+dense parameters (attention ``q/k/v/o_proj``, ``router``, two norms), named like DeepSeek-V3 in
+Hugging Face: ``layers.{l}.mlp.experts.{e}.gate_proj.weight``. Two group layouts:
+
+* ``layer``: one AdamW param group per layer (all of its parameters);
+* ``param``: one group per parameter (norms without weight decay, so two distinct settings).
+
+A fraction of the experts (default 0.5, chosen per layer with a seeded RNG) never gets a gradient
+and therefore has no optimizer state. Tensors are tiny by default (shape ``(2,)``): the cost under
+test is metadata. ``hidden=N`` gives ``(N, N)`` weights (``(N,)`` norms, ``(E, N)`` router).
+
+Building AdamW with tens of thousands of groups through its constructor is O(groups^2) (torch's
+``add_param_group`` rebuilds the set of every earlier group's parameters for each new group), so
+:func:`build_adamw` constructs it with one group and installs the other groups exactly as
+``add_param_group`` would have written them (``test_bench_quick`` checks the equality). State is
+populated either by filling ``optimizer.state`` in the exact shape one real AdamW step creates
+(``fill``, default) or by one real ``step()`` with gradients on the stateful parameters (``step``).
+"""
+
+from __future__ import annotations
+
+import random
+import re
+import time
+from collections.abc import Callable, Iterator
+from dataclasses import dataclass, field
+from typing import Any
+
+import torch
+from torch import nn
+
+LAYOUTS = ("layer", "param")
+STATE_INITS = ("fill", "step")
+DENSE_NAMES = ("attn.q_proj", "attn.k_proj", "attn.v_proj", "attn.o_proj", "mlp.router", "input_norm", "post_attn_norm")
+EXPERT_NAMES = ("gate_proj", "up_proj", "down_proj")
+NORM_NAMES = ("input_norm", "post_attn_norm")
+ADAMW_KWARGS: dict[str, Any] = {"lr": 3e-4, "betas": (0.9, 0.95), "weight_decay": 0.1, "foreach": False}
+"""AdamW settings of every group (``foreach=False``: the single-tensor path, fine for tiny tensors)."""
+NORM_OVERRIDES: dict[str, Any] = {"weight_decay": 0.0}
+"""Per-group override for norm weights in the ``param`` layout."""
+
+
+@dataclass(frozen=True)
+class Scale:
+    """``layers x experts`` of a synthetic MoE model."""
+
+    layers: int
+    experts: int
+
+    @property
+    def label(self) -> str:
+        """``"{layers}x{experts}"``."""
+        return f"{self.layers}x{self.experts}"
+
+    @property
+    def n_params(self) -> int:
+        """Number of parameters (tensors) of the model."""
+        return self.layers * (self.experts * len(EXPERT_NAMES) + len(DENSE_NAMES))
+
+
+def parse_scales(text: str) -> list[Scale]:
+    """Parse ``"8x64,24x128"`` into scales (order kept, duplicates dropped)."""
+    out: list[Scale] = []
+    for item in text.split(","):
+        item = item.strip().lower()
+        if not item:
+            continue
+        m = re.fullmatch(r"(\d+)x(\d+)", item)
+        if m is None or int(m.group(1)) < 1 or int(m.group(2)) < 1:
+            raise ValueError(f"scale {item!r} is not LAYERSxEXPERTS with both >= 1 (e.g. 8x64)")
+        scale = Scale(int(m.group(1)), int(m.group(2)))
+        if scale not in out:
+            out.append(scale)
+    if not out:
+        raise ValueError("no scale given")
+    return out
+
+
+class Weight(nn.Module):
+    """A module holding one ``weight`` parameter (cheaper to build than ``nn.Linear``)."""
+
+    def __init__(self, shape: tuple[int, ...], device: torch.device) -> None:
+        super().__init__()
+        self.weight = nn.Parameter(torch.full(shape, 0.02, device=device))
+
+
+class Expert(nn.Module):
+    """One routed expert: ``gate_proj``, ``up_proj``, ``down_proj``."""
+
+    def __init__(self, shape: tuple[int, ...], device: torch.device) -> None:
+        super().__init__()
+        self.gate_proj = Weight(shape, device)
+        self.up_proj = Weight(shape, device)
+        self.down_proj = Weight(shape, device)
+
+
+class Attention(nn.Module):
+    """Attention projections ``q/k/v/o_proj``."""
+
+    def __init__(self, shape: tuple[int, ...], device: torch.device) -> None:
+        super().__init__()
+        self.q_proj = Weight(shape, device)
+        self.k_proj = Weight(shape, device)
+        self.v_proj = Weight(shape, device)
+        self.o_proj = Weight(shape, device)
+
+
+class MoEMlp(nn.Module):
+    """``router`` plus ``experts``."""
+
+    def __init__(self, experts: int, shape: tuple[int, ...], router_shape: tuple[int, ...], device: torch.device) -> None:
+        super().__init__()
+        self.router = Weight(router_shape, device)
+        self.experts = nn.ModuleList(Expert(shape, device) for _ in range(experts))
+
+
+class Layer(nn.Module):
+    """One decoder layer: norms, attention and the MoE MLP."""
+
+    def __init__(self, experts: int, hidden: int, device: torch.device) -> None:
+        super().__init__()
+        weight = (hidden, hidden) if hidden else (2,)
+        norm = (hidden,) if hidden else (2,)
+        router = (experts, hidden) if hidden else (2,)
+        self.input_norm = Weight(norm, device)
+        self.attn = Attention(weight, device)
+        self.post_attn_norm = Weight(norm, device)
+        self.mlp = MoEMlp(experts, weight, router, device)
+
+
+class MoEModel(nn.Module):
+    """``layers.{l}`` decoder layers (parameters only; there is no forward)."""
+
+    def __init__(self, scale: Scale, hidden: int, device: torch.device) -> None:
+        super().__init__()
+        self.layers = nn.ModuleList(Layer(scale.experts, hidden, device) for _ in range(scale.layers))
+
+
+def layer_params(layer: Layer) -> Iterator[tuple[str, nn.Parameter, bool]]:
+    """``(local name, param, is_expert)`` of one layer, dense first, in a fixed order."""
+    for name in DENSE_NAMES:
+        mod: Any = layer
+        for part in name.split("."):
+            mod = getattr(mod, part)
+        yield name, mod.weight, False
+    for e, expert in enumerate(layer.mlp.experts):
+        for name in EXPERT_NAMES:
+            yield f"mlp.experts.{e}.{name}", getattr(expert, name).weight, True
+
+
+def torch_group(spec: dict[str, Any], defaults: dict[str, Any]) -> dict[str, Any]:
+    """The group dict ``Optimizer.add_param_group(spec)`` stores: spec's keys, then missing defaults."""
+    group = dict(spec)
+    group["params"] = list(group["params"])
+    for key, value in defaults.items():
+        group.setdefault(key, value)
+    return group
+
+
+def build_adamw(specs: list[dict[str, Any]], **kwargs: Any) -> torch.optim.AdamW:
+    """``torch.optim.AdamW(specs, **kwargs)`` in O(groups) instead of torch's O(groups^2).
+
+    The optimizer is constructed with the first group only; the remaining groups are appended
+    exactly as ``add_param_group`` would have stored them (minus its disjointness check, which
+    the fixture guarantees by construction).
+    """
+    opt = torch.optim.AdamW([specs[0]], **kwargs)
+    opt.param_groups.extend(torch_group(spec, opt.defaults) for spec in specs[1:])
+    return opt
+
+
+@dataclass
+class Fixture:
+    """A model, a source optimizer with sparse state, and a factory for fresh load targets."""
+
+    scale: Scale
+    layout: str
+    model: MoEModel
+    specs: list[dict[str, Any]]
+    optimizer: torch.optim.AdamW
+    stateful: list[nn.Parameter]
+    build_s: float = 0.0
+    info: dict[str, Any] = field(default_factory=dict)
+
+    def new_optimizer(self) -> torch.optim.AdamW:
+        """A fresh AdamW with the same groups and no state (a load target)."""
+        return build_adamw(self.specs, **ADAMW_KWARGS)
+
+    @property
+    def n_params(self) -> int:
+        """Number of parameters in the optimizer."""
+        return sum(len(g["params"]) for g in self.optimizer.param_groups)
+
+
+def group_specs(model: MoEModel, layout: str) -> list[dict[str, Any]]:
+    """Param-group specs (what a user passes to the constructor) for ``layout``."""
+    if layout not in LAYOUTS:
+        raise ValueError(f"layout must be one of {LAYOUTS}, got {layout!r}")
+    specs: list[dict[str, Any]] = []
+    for layer in model.layers:
+        if layout == "layer":
+            specs.append({"params": [p for _n, p, _e in layer_params(layer)]})
+        else:
+            for name, p, _e in layer_params(layer):
+                spec: dict[str, Any] = {"params": [p]}
+                if name in NORM_NAMES:
+                    spec.update(NORM_OVERRIDES)
+                specs.append(spec)
+    return specs
+
+
+def stateful_params(model: MoEModel, no_state_fraction: float, seed: int) -> list[nn.Parameter]:
+    """Dense params plus, per layer, the experts that get a gradient (seeded choice)."""
+    if not 0.0 <= no_state_fraction <= 1.0:
+        raise ValueError(f"no_state_fraction must be in [0, 1], got {no_state_fraction}")
+    rng = random.Random(seed)
+    out: list[nn.Parameter] = []
+    for layer in model.layers:
+        n = len(layer.mlp.experts)
+        idle = set(rng.sample(range(n), round(n * no_state_fraction)))
+        for name, p, is_expert in layer_params(layer):
+            if not is_expert or int(name.split(".")[2]) not in idle:
+                out.append(p)
+    return out
+
+
+_TEMPLATE_CACHE: dict[tuple[Any, ...], dict[str, Any]] = {}
+
+
+def state_template(param: torch.Tensor, group: dict[str, Any]) -> dict[str, Any]:
+    """The state one real AdamW step creates for a parameter like ``param`` in ``group``."""
+    settings = {k: v for k, v in group.items() if k != "params"}
+    key = (tuple(param.shape), param.dtype, param.device, repr(sorted(settings.items())))
+    cached = _TEMPLATE_CACHE.get(key)
+    if cached is None:
+        p = nn.Parameter(torch.zeros_like(param))
+        opt = torch.optim.AdamW([{"params": [p], **settings}])
+        p.grad = torch.full_like(p, 0.01)
+        opt.step()
+        cached = _TEMPLATE_CACHE[key] = opt.state[p]
+    return cached
+
+
+def fill_state(opt: torch.optim.Optimizer, stateful: list[nn.Parameter]) -> None:
+    """Write AdamW state for ``stateful`` without stepping: same keys, order, dtypes, shapes."""
+    group_of = {id(p): g for g in opt.param_groups for p in g["params"]}
+    for p in stateful:
+        template = state_template(p, group_of[id(p)])
+        opt.state[p] = {
+            k: v.clone() if v.shape != p.shape or k == "step" else torch.full_like(p, 0.001)
+            for k, v in template.items()
+        }
+
+
+def step_state(opt: torch.optim.Optimizer, stateful: list[nn.Parameter]) -> None:
+    """One real ``step()`` with gradients on ``stateful`` only; grads are cleared afterwards."""
+    for p in stateful:
+        p.grad = torch.full_like(p, 0.01)
+    opt.step()
+    for p in stateful:
+        p.grad = None
+
+
+class FixtureCache:
+    """Build each ``(scale, layout)`` fixture once per run (one model per scale)."""
+
+    def __init__(
+        self,
+        *,
+        hidden: int = 0,
+        device: str = "cpu",
+        no_state_fraction: float = 0.5,
+        state_init: str = "fill",
+        seed: int = 0,
+    ) -> None:
+        if state_init not in STATE_INITS:
+            raise ValueError(f"state_init must be one of {STATE_INITS}, got {state_init!r}")
+        self.hidden = hidden
+        self.device = torch.device(device)
+        self.no_state_fraction = no_state_fraction
+        self.state_init = state_init
+        self.seed = seed
+        self._models: dict[Scale, tuple[MoEModel, list[nn.Parameter]]] = {}
+        self._fixtures: dict[tuple[Scale, str], Fixture] = {}
+
+    def get(self, scale: Scale, layout: str) -> Fixture:
+        """The cached fixture for ``(scale, layout)``, built on first use."""
+        key = (scale, layout)
+        fx = self._fixtures.get(key)
+        if fx is None:
+            fx = self._fixtures[key] = self._build(scale, layout)
+        return fx
+
+    def drop_scale(self, scale: Scale) -> None:
+        """Forget every fixture of ``scale`` (frees memory once a scale is done)."""
+        self._models.pop(scale, None)
+        for key in [k for k in self._fixtures if k[0] == scale]:
+            del self._fixtures[key]
+
+    def _build(self, scale: Scale, layout: str) -> Fixture:
+        t0 = time.perf_counter()
+        if scale not in self._models:
+            model = MoEModel(scale, self.hidden, self.device)
+            self._models[scale] = (model, stateful_params(model, self.no_state_fraction, self.seed))
+        model, stateful = self._models[scale]
+        specs = group_specs(model, layout)
+        opt = build_adamw(specs, **ADAMW_KWARGS)
+        populate: Callable[[torch.optim.Optimizer, list[nn.Parameter]], None]
+        populate = fill_state if self.state_init == "fill" else step_state
+        populate(opt, stateful)
+        fx = Fixture(scale, layout, model, specs, opt, stateful)
+        fx.build_s = time.perf_counter() - t0
+        fx.info = {
+            "n_params": fx.n_params,
+            "n_stateful": len(opt.state),
+            "n_groups": len(opt.param_groups),
+            "n_state_tensors": sum(len(s) for s in opt.state.values()),
+            "fixture_build_s": fx.build_s,
+        }
+        return fx

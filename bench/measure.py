@@ -1,0 +1,442 @@
+"""What the bench measures and how it times it.
+
+Every measured operation is a :class:`Method` (an id such as ``sparse/save/cpp/packed`` plus
+its family, backend, format and part). :class:`FixtureContext` prepares, once per fixture and
+untimed, the inputs the methods need (the floor's packed dict, the sparse dicts, DSD's input,
+the core functions' arguments, DCP directories). :func:`time_method` runs one warm-up call and
+then ``repeats`` timed calls, each with fresh untimed set-up (e.g. a new, stateless load target).
+"""
+
+from __future__ import annotations
+
+import gc
+import importlib
+import os
+import shutil
+import statistics
+import tempfile
+import time
+import warnings
+from collections.abc import Callable, Iterator
+from contextlib import contextmanager
+from dataclasses import dataclass, field
+from functools import cached_property
+from types import ModuleType
+from typing import Any
+
+import torch
+
+import sparse_ckpt as sc
+from sparse_ckpt import _backend, _core_py
+from sparse_ckpt._tensor_parts import parts_to_tensor, tensor_to_parts
+from sparse_ckpt.decode import decode_checkpoint
+from sparse_ckpt.fqn import build_fqn_map
+
+from .fixtures import ADAMW_KWARGS, Fixture, build_adamw, fill_state
+
+BACKENDS = ("cpp", "python")
+FORMATS = ("packed", "flat")
+DCP_PARTS = ("all", "groups")
+LEAF = "optim"
+CORE_FUNCTIONS = (
+    "pack_optimizer",
+    "remap_to_fqns",
+    "flatten_state",
+    "flatten_groups",
+    "encode_table",
+    "decode_table",
+    "unflatten.packed",
+    "unflatten.flat",
+    "match_groups",
+    "assign_state_ids",
+)
+SPARSE_FAMILIES = ("sparse", "core")
+"""Families whose figures are sparse_ckpt's own (the growth target applies to them)."""
+
+
+@dataclass(frozen=True)
+class Method:
+    """One measured operation."""
+
+    family: str
+    """``floor``, ``sparse``, ``dsd``, ``dcp`` or ``core``."""
+    op: str
+    """``state_dict``, ``save``, ``load``, ``get``, ``set`` or a core function name."""
+    backend: str | None = None
+    fmt: str | None = None
+    part: str | None = None
+    """DCP only: ``all`` (state + groups) or ``groups`` (param-group metadata alone)."""
+
+    @property
+    def id(self) -> str:
+        """``family/op[/backend][/fmt][/part]``."""
+        return "/".join(x for x in (self.family, self.op, self.backend, self.fmt, self.part) if x)
+
+    @property
+    def label(self) -> str:
+        """Human-readable name for tables and plots."""
+        names = {
+            ("floor", "state_dict"): "optimizer.state_dict() (floor)",
+            ("floor", "load_state_dict"): "optimizer.load_state_dict() (floor)",
+            ("sparse", "save"): "sparse_state_dict",
+            ("sparse", "load"): "load_sparse_state_dict",
+            ("dsd", "get"): "DSD get_optimizer_state_dict",
+            ("dsd", "set"): "DSD set_optimizer_state_dict",
+            ("dcp", "save"): "dcp.save",
+            ("dcp", "load"): "dcp.load",
+        }
+        base = names.get((self.family, self.op), f"core.{self.op}")
+        if self.part == "groups":
+            base += " (param groups only)"
+        return base
+
+
+def plan_methods() -> list[Method]:
+    """Every method, in run order (the same list for every scale and layout)."""
+    out = [Method("floor", "state_dict"), Method("floor", "load_state_dict")]
+    for backend in BACKENDS:
+        for fmt in FORMATS:
+            out.append(Method("sparse", "save", backend, fmt))
+            out.append(Method("sparse", "load", backend, fmt))
+    out += [Method("dsd", "get"), Method("dsd", "set")]
+    for fmt in FORMATS:
+        for part in DCP_PARTS:
+            out.append(Method("dcp", "save", None, fmt, part))
+            out.append(Method("dcp", "load", None, fmt, part))
+    for backend in BACKENDS:
+        for name in CORE_FUNCTIONS:
+            op, _, fmt = name.partition(".")
+            out.append(Method("core", op, backend, fmt or None))
+    return out
+
+
+# --------------------------------------------------------------------------- backends
+
+
+def backend_modules() -> dict[str, ModuleType | str]:
+    """``{"python": module, "cpp": module or the reason it is unavailable}``."""
+    out: dict[str, ModuleType | str] = {"python": _core_py}
+    try:
+        out["cpp"] = importlib.import_module("sparse_ckpt._C")
+    except ImportError as exc:
+        out["cpp"] = f"sparse_ckpt._C is not importable: {exc}"
+    return out
+
+
+@contextmanager
+def use_backend(name: str, module: ModuleType) -> Iterator[None]:
+    """Swap sparse_ckpt's core for the duration (in-process, as the test suite does)."""
+    saved = (_backend.core, _backend.NAME)
+    _backend.core, _backend.NAME = module, name
+    try:
+        yield
+    finally:
+        _backend.core, _backend.NAME = saved
+
+
+# --------------------------------------------------------------------------- DSD (isolated imports)
+
+
+def dsd_functions() -> tuple[Callable[..., Any], Callable[..., Any]]:
+    """``(get, set)`` wrappers of torch DSD with ``flatten_optimizer_state_dict=True``.
+
+    All DSD imports live here so that the rest of the bench does not depend on them.
+    """
+    from torch.distributed.checkpoint.state_dict import (
+        StateDictOptions,
+        get_optimizer_state_dict,
+        set_optimizer_state_dict,
+    )
+
+    options = StateDictOptions(flatten_optimizer_state_dict=True)
+
+    def get(model: torch.nn.Module, optimizer: torch.optim.Optimizer) -> dict[str, Any]:
+        return get_optimizer_state_dict(model, optimizer, options=options)
+
+    def set_(model: torch.nn.Module, optimizer: torch.optim.Optimizer, state_dict: dict[str, Any]) -> None:
+        set_optimizer_state_dict(model, optimizer, state_dict, options=options)
+
+    return get, set_
+
+
+def dsd_sparse_roundtrip_probe(fx: Fixture) -> str:
+    """Can DSD set load DSD get's dict of a *sparse* optimizer into a fresh one? ``"ok"`` or the error."""
+    get, set_ = dsd_functions()
+    try:
+        sd = get(fx.model, fx.optimizer)
+        set_(fx.model, fx.new_optimizer(), sd)
+    except Exception as exc:  # noqa: BLE001 - reported, not handled
+        return f"fails: {type(exc).__name__}: {exc}"
+    return "ok"
+
+
+# --------------------------------------------------------------------------- DCP
+
+
+def dcp_save(state_dict: dict[str, Any], path: str) -> None:
+    """``dcp.save`` to ``path`` without a process group."""
+    import torch.distributed.checkpoint as dcp
+
+    dcp.save(state_dict, storage_writer=dcp.FileSystemWriter(path))
+
+
+def dcp_load(state_dict: dict[str, Any], path: str) -> None:
+    """``dcp.load`` from ``path`` into ``state_dict`` without a process group."""
+    import torch.distributed.checkpoint as dcp
+
+    dcp.load(state_dict, storage_reader=dcp.FileSystemReader(path))
+
+
+def dcp_stats(path: str) -> dict[str, int]:
+    """Number of DCP items (entries of the metadata) and bytes on disk of a checkpoint."""
+    import torch.distributed.checkpoint as dcp
+
+    meta = dcp.FileSystemReader(path).read_metadata()
+    size = 0
+    for root, _dirs, files in os.walk(path):
+        size += sum(os.path.getsize(os.path.join(root, f)) for f in files)
+    return {"items": len(meta.state_dict_metadata), "bytes": size}
+
+
+def silence_known_warnings() -> None:
+    """DCP warns that it runs without a process group; that is intended here."""
+    warnings.filterwarnings("ignore", message=".*torch.distributed is disabled.*")
+    warnings.filterwarnings("ignore", message=".*assuming the intent is to.*")
+    warnings.filterwarnings("ignore", category=FutureWarning, module=r"torch\.distributed.*")
+
+
+# --------------------------------------------------------------------------- per-fixture inputs
+
+
+@dataclass
+class FixtureContext:
+    """Untimed inputs for every method of one fixture (computed lazily, once)."""
+
+    fx: Fixture
+    tmp_root: str
+    device: str = "cpu"
+    _dirs: dict[str, str] = field(default_factory=dict)
+
+    @cached_property
+    def floor_packed(self) -> dict[str, Any]:
+        """``optimizer.state_dict()`` of the source optimizer."""
+        return self.fx.optimizer.state_dict()
+
+    @cached_property
+    def sparse(self) -> dict[str, dict[str, Any]]:
+        """``{"packed": sparse dict, "flat": sparse dict}`` (python core; both cores agree)."""
+        with use_backend("python", _core_py):
+            return {fmt: sc.sparse_state_dict(self.fx.model, self.fx.optimizer, format=fmt) for fmt in FORMATS}
+
+    def dcp_input(self, fmt: str, part: str) -> dict[str, Any]:
+        """The dict DCP saves: the whole sparse dict or its param-group entries alone."""
+        sd = self.sparse[fmt]
+        if part == "groups":
+            return {k: v for k, v in sd.items() if not k.startswith("state.")}
+        return sd
+
+    @cached_property
+    def dense_twin_dsd(self) -> dict[str, Any]:
+        """DSD get of a twin optimizer with state on *every* parameter (DSD set's input).
+
+        DSD set cannot load what DSD get wrote for a sparse optimizer (see
+        :func:`dsd_sparse_roundtrip_probe`), so its timing uses a dense checkpoint.
+        """
+        get, _ = dsd_functions()
+        twin = build_adamw(self.fx.specs, **ADAMW_KWARGS)
+        fill_state(twin, [p for g in twin.param_groups for p in g["params"]])
+        return get(self.fx.model, twin)
+
+    @cached_property
+    def core_inputs(self) -> dict[str, Any]:
+        """Arguments of the core functions, computed with the python core."""
+        opt = self.fx.optimizer
+        fmap = build_fqn_map(self.fx.model)
+        c = _core_py
+        groups, state, ids = c.pack_optimizer(LEAF, opt.param_groups, opt.state, torch.Tensor)
+        groups_fqn, state_fqn = c.remap_to_fqns(LEAF, groups, state, ids, fmap.fqn_of)
+        table = c.encode_table(LEAF, groups_fqn, torch.Tensor, tensor_to_parts)
+        with use_backend("python", _core_py):
+            ckpt = decode_checkpoint(self.sparse["packed"], fmap)
+        target = [[fmap.fqn_of[id(p)] for p in g["params"]] for g in opt.param_groups]
+        return {
+            "opt": opt,
+            "fmap": fmap,
+            "groups": groups,
+            "state": state,
+            "ids": ids,
+            "groups_fqn": groups_fqn,
+            "state_fqn": state_fqn,
+            "table": table,
+            "target": target,
+            "settings_of": ckpt.settings_of,
+            "state_of": ckpt.state_of,
+        }
+
+    def new_dir(self, key: str) -> str:
+        """A fresh empty directory for one DCP save of ``key``; the previous one is removed."""
+        old = self._dirs.get(key)
+        if old is not None:
+            shutil.rmtree(old, ignore_errors=True)
+        path = tempfile.mkdtemp(prefix=f"{key.replace('/', '_')}_", dir=self.tmp_root)
+        self._dirs[key] = path
+        return path
+
+    def saved_dir(self, key: str) -> str | None:
+        """The directory of the last DCP save of ``key``."""
+        return self._dirs.get(key)
+
+    def close(self) -> None:
+        """Remove every DCP directory."""
+        for path in self._dirs.values():
+            shutil.rmtree(path, ignore_errors=True)
+        self._dirs.clear()
+
+    def load_target(self, sd: dict[str, Any]) -> dict[str, Any]:
+        """A DCP load target shaped like ``sd``: fresh tensors, non-tensor values as placeholders."""
+        return {k: torch.empty_like(v) if isinstance(v, torch.Tensor) else v for k, v in sd.items()}
+
+
+Runner = tuple[Callable[[Any], Any], Callable[[], Any] | None]
+"""``(call, setup)``: ``call(setup())`` is timed; ``setup`` (untimed) may be ``None``."""
+
+
+def runner_for(m: Method, ctx: FixtureContext, core: ModuleType | None) -> Runner:
+    """The timed call (and its untimed per-sample set-up) for method ``m`` on ``ctx``."""
+    fx = ctx.fx
+    if m.family == "floor":
+        if m.op == "state_dict":
+            return (lambda _: fx.optimizer.state_dict()), None
+        packed = ctx.floor_packed
+        return (lambda target: target.load_state_dict(packed)), fx.new_optimizer
+    if m.family == "sparse":
+        fmt = m.fmt or "packed"
+        if m.op == "save":
+            return (lambda _: sc.sparse_state_dict(fx.model, fx.optimizer, format=fmt)), None  # type: ignore[arg-type]
+        sd = ctx.sparse[fmt]
+        return (lambda target: sc.load_sparse_state_dict(fx.model, target, sd)), fx.new_optimizer
+    if m.family == "dsd":
+        get, set_ = dsd_functions()
+        if m.op == "get":
+            return (lambda _: get(fx.model, fx.optimizer)), None
+        dense = ctx.dense_twin_dsd
+        return (lambda target: set_(fx.model, target, dense)), fx.new_optimizer
+    if m.family == "dcp":
+        sd = ctx.dcp_input(m.fmt or "packed", m.part or "all")
+        key = f"{m.fmt}_{m.part}"
+        if m.op == "save":
+            return (lambda path: dcp_save(sd, path)), (lambda: ctx.new_dir(key))
+
+        def load_setup() -> tuple[dict[str, Any], str]:
+            path = ctx.saved_dir(key)
+            if path is None:
+                path = ctx.new_dir(key)
+                dcp_save(sd, path)
+            return ctx.load_target(sd), path
+
+        return (lambda arg: dcp_load(*arg)), load_setup
+    if m.family == "core":
+        assert core is not None
+        return _core_runner(m, ctx, core), None
+    raise ValueError(f"unknown method {m.id}")
+
+
+def _core_runner(m: Method, ctx: FixtureContext, core: ModuleType) -> Callable[[Any], Any]:
+    a = ctx.core_inputs
+    op = m.op
+    if op == "pack_optimizer":
+        return lambda _: core.pack_optimizer(LEAF, a["opt"].param_groups, a["opt"].state, torch.Tensor)
+    if op == "remap_to_fqns":
+        return lambda _: core.remap_to_fqns(LEAF, a["groups"], a["state"], a["ids"], a["fmap"].fqn_of)
+    if op == "flatten_state":
+        return lambda _: core.flatten_state(a["state_fqn"])
+    if op == "flatten_groups":
+        return lambda _: core.flatten_groups(a["groups_fqn"])
+    if op == "encode_table":
+        return lambda _: core.encode_table(LEAF, a["groups_fqn"], torch.Tensor, tensor_to_parts)
+    if op == "decode_table":
+        return lambda _: core.decode_table(LEAF, a["table"], parts_to_tensor)
+    if op == "unflatten":
+        sd = ctx.sparse[m.fmt or "packed"]
+        return lambda _: core.unflatten(sd, a["fmap"].canonical)
+    if op == "match_groups":
+        return lambda _: core.match_groups(LEAF, a["target"], a["settings_of"])
+    if op == "assign_state_ids":
+        return lambda _: core.assign_state_ids(a["target"], a["state_of"])
+    raise ValueError(f"unknown core function {op}")
+
+
+# --------------------------------------------------------------------------- timing
+
+
+def device_sync(device: str) -> Callable[[], None]:
+    """A function that waits for the device's queued work (a no-op on CPU)."""
+    if device == "cuda":
+        return torch.cuda.synchronize
+    if device == "npu":
+        return torch.npu.synchronize  # type: ignore[attr-defined]
+    return lambda: None
+
+
+def _timed(call: Callable[[Any], Any], arg: Any, inner: int, sync: Callable[[], None], gc_off: bool) -> float:
+    # Like timeit: no collection inside the timed region (and no gc.collect() here, which takes
+    # ~1 s with torch's object graph loaded).
+    was_enabled = gc.isenabled()
+    if gc_off:
+        gc.disable()
+    try:
+        sync()
+        t0 = time.perf_counter()
+        for _ in range(inner):
+            call(arg)
+        sync()
+        return (time.perf_counter() - t0) / inner
+    finally:
+        if was_enabled:
+            gc.enable()
+
+
+def time_method(
+    runner: Runner,
+    *,
+    repeats: int,
+    budget_s: float,
+    sync: Callable[[], None] = lambda: None,
+    gc_off: bool = True,
+    min_sample_s: float = 0.005,
+) -> dict[str, Any]:
+    """Warm up once, then time up to ``repeats`` calls; return median/min/max/n and the samples.
+
+    Calls without per-sample set-up that take less than ``min_sample_s`` are repeated inside one
+    sample (``inner`` calls, the sample being their mean). When the warm-up shows that
+    ``repeats`` samples would exceed ``budget_s``, fewer are taken (at least one); when the
+    warm-up alone exceeds ``budget_s``, it is the only sample (``warmup_included``).
+    """
+    call, setup = runner
+    warm = _timed(call, setup() if setup else None, 1, sync, gc_off)
+    inner = 1
+    if setup is None and warm < min_sample_s:
+        inner = max(1, min(10_000, int(min_sample_s / max(warm, 1e-9))))
+    out: dict[str, Any] = {"status": "ok", "warmup_s": warm, "inner": inner, "repeats_requested": repeats}
+    if warm >= budget_s:
+        samples = [warm]
+        out["warmup_included"] = True
+        out["note"] = f"one call took {warm:.1f} s >= budget {budget_s:g} s: the warm-up is the only sample"
+    else:
+        n = min(repeats, max(1, int(budget_s // max(warm, 1e-9))))
+        if n < repeats:
+            out["note"] = f"{n} of {repeats} repeats (budget {budget_s:g} s)"
+        samples = [_timed(call, setup() if setup else None, inner, sync, gc_off) for _ in range(n)]
+    out.update(summarize(samples))
+    return out
+
+
+def summarize(samples: list[float]) -> dict[str, Any]:
+    """``median_s``, ``min_s``, ``max_s``, ``n`` and the ``samples_s`` themselves."""
+    return {
+        "median_s": statistics.median(samples),
+        "min_s": min(samples),
+        "max_s": max(samples),
+        "n": len(samples),
+        "samples_s": samples,
+    }
