@@ -175,6 +175,9 @@ def parse_args(argv: Sequence[str] | None) -> argparse.Namespace:
     p.add_argument("--dcp-max-items", type=int, default=None,
                    help=f"skip DCP save/load of dicts with more entries (default {DEFAULT_DCP_MAX_ITEMS:,}; "
                    f"--quick: {QUICK_DCP_MAX_ITEMS:,}; 0: no limit)")
+    p.add_argument("--floor-load-max-groups", type=int, default=0,
+                   help="skip the floor optimizer.load_state_dict() above this many param groups: torch's own "
+                   "load is O(params x groups), about an hour at 47 000 groups on 2 cores (default 0: no limit)")
     p.add_argument("--budget", type=float, default=None,
                    help=f"seconds per method and run: fewer repeats when exceeded (default {DEFAULT_BUDGET_S:g}; "
                    f"--quick: {QUICK_BUDGET_S:g})")
@@ -221,6 +224,12 @@ def skip_reason(m: Method, ctx: FixtureContext, args: argparse.Namespace, backen
     n_params = ctx.fx.n_params
     if m.family == "dsd" and args.dsd_max_params and n_params > args.dsd_max_params:
         return {"status": "skipped", "reason": f"{n_params:,} params > --dsd-max-params {args.dsd_max_params:,}"}
+    n_groups = len(ctx.fx.optimizer.param_groups)
+    if (m.family, m.op) == ("floor", "load_state_dict") and args.floor_load_max_groups and (
+        n_groups > args.floor_load_max_groups
+    ):
+        return {"status": "skipped", "reason": f"{n_groups:,} groups > --floor-load-max-groups "
+                f"{args.floor_load_max_groups:,} (torch's load_state_dict is O(params x groups))"}
     if m.family == "dcp" and args.dcp_max_items:
         n_items = len(ctx.dcp_input(m.fmt or "packed", m.part or "all"))
         if n_items > args.dcp_max_items:
