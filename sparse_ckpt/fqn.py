@@ -14,6 +14,8 @@ from dataclasses import dataclass, field
 import torch
 from torch import nn
 
+from ._torch_compat import named_parameters_canonical
+
 _ALWAYS_STRIPPED = frozenset({"_orig_mod", "_checkpoint_wrapped_module"})
 
 
@@ -59,19 +61,33 @@ def canonical_name(name: str, ddp_prefixes: set[str]) -> str:
 
 def build_fqn_map(model: nn.Module) -> FqnMap:
     """Walk ``model`` once and build its :class:`FqnMap`."""
-    ddp = _ddp_prefixes(model)
     fmap = FqnMap()
-    for raw, param in model.named_parameters(remove_duplicate=False):
-        # canonical_name only strips _ALWAYS_STRIPPED parts (and DDP `module.`): skip it for other names
-        fqn = canonical_name(raw, ddp) if ddp or any(s in raw for s in _ALWAYS_STRIPPED) else raw
-        primary = fmap.fqn_of.get(id(param))
+    named = named_parameters_canonical(model, _ALWAYS_STRIPPED, _ddp_type())
+    if named is None:
+        ddp = _ddp_prefixes(model)
+        named = (
+            # canonical_name only strips _ALWAYS_STRIPPED parts (and DDP `module.`): skip it for other names
+            (raw, canonical_name(raw, ddp) if ddp or any(s in raw for s in _ALWAYS_STRIPPED) else raw, param)
+            for raw, param in model.named_parameters(remove_duplicate=False)
+        )
+    fqn_of, canonical, param_of = fmap.fqn_of, fmap.canonical, fmap.param_of
+    for raw, fqn, param in named:
+        primary = fqn_of.get(id(param))
         if primary is None:
-            fmap.fqn_of[id(param)] = fqn
-            fmap.param_of[fqn] = param
+            fqn_of[id(param)] = fqn
+            param_of[fqn] = param
             primary = fqn
-        fmap.canonical.setdefault(fqn, primary)
-        fmap.canonical.setdefault(raw, primary)
+        canonical.setdefault(fqn, primary)
+        canonical.setdefault(raw, primary)
     return fmap
+
+
+def _ddp_type() -> type | None:
+    try:
+        from torch.nn.parallel import DistributedDataParallel
+    except ImportError:  # pragma: no cover - torch without distributed
+        return None
+    return DistributedDataParallel
 
 
 def optimizer_params(groups: Iterable[dict]) -> Iterable[torch.Tensor]:

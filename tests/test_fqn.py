@@ -225,3 +225,75 @@ def test_fqn_map_built_once_per_call(monkeypatch: pytest.MonkeyPatch, fmt: str) 
     assert counter[0] == 2
     settings = decoded_settings(model, sd) if fmt == "packed" else flat_settings(sd)
     assert len(settings) == len(list(model.parameters()))
+
+
+# ----------------------------------------------------------------------------- fast module walk ≡ public API
+
+
+def _public_canonical(model: nn.Module) -> list[tuple[str, str, int]]:
+    ddp = {n for n, m in model.named_modules(remove_duplicate=False) if isinstance(m, nn.parallel.DistributedDataParallel)}
+    return [(raw, canonical_name(raw, ddp), id(p)) for raw, p in model.named_parameters(remove_duplicate=False)]
+
+
+def _fast_canonical(model: nn.Module) -> list[tuple[str, str, int]] | None:
+    from sparse_ckpt._torch_compat import named_parameters_canonical
+    from sparse_ckpt.fqn import _ALWAYS_STRIPPED
+
+    out = named_parameters_canonical(model, _ALWAYS_STRIPPED, nn.parallel.DistributedDataParallel)
+    return None if out is None else [(raw, fqn, id(p)) for raw, fqn, p in out]
+
+
+def _odd_models() -> dict[str, nn.Module]:
+    shared = nn.Linear(2, 2)
+    with_none = nn.Linear(2, 2, bias=False)  # registers bias=None
+    holder = nn.Module()
+    holder._orig_mod = nn.Sequential(nn.Linear(2, 2), checkpoint_wrapper(nn.Linear(2, 1)))
+    holder.module = nn.Linear(1, 1)  # not under DDP: kept
+    holder.register_parameter("_orig_mod_like", nn.Parameter(torch.zeros(1)))
+    holder.skip = None  # a None submodule
+    deep = nn.Sequential()
+    cur = deep
+    for i in range(50):
+        nxt = nn.Sequential(nn.Linear(1, 1))
+        cur.add_module(f"d{i}", nxt)
+        cur = nxt
+    return {
+        "moe": make_moe(),
+        "shared_module_twice": nn.Sequential(shared, nn.ReLU(), shared, with_none),
+        "wrappers": holder,
+        "compiled": torch.compile(_seq(), backend="eager"),
+        "tied": Tied(head_first=True),
+        "deep": deep,
+    }
+
+
+@pytest.mark.parametrize("name", list(_odd_models()))
+def test_fast_walk_matches_named_parameters(name: str) -> None:
+    model = _odd_models()[name]
+    assert _fast_canonical(model) == _public_canonical(model)
+
+
+def test_fast_walk_matches_under_ddp(gloo_group: None) -> None:
+    inner = nn.Module()
+    inner.module = nn.Sequential(nn.Linear(2, 2), checkpoint_wrapper(nn.Linear(2, 2)))
+    ddp = nn.parallel.DistributedDataParallel(inner)
+    assert _fast_canonical(ddp) == _public_canonical(ddp)
+    assert [fqn for _r, fqn, _p in _fast_canonical(ddp)][:2] == ["module.0.weight", "module.0.bias"]
+
+
+class _RenamingModel(nn.Module):
+    """Overrides ``named_parameters`` (like FSDP1 does to clean names): its own names are used."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.inner = nn.Linear(2, 2)
+
+    def named_parameters(self, *args: Any, **kwargs: Any) -> Iterator[tuple[str, nn.Parameter]]:
+        for n, p in super().named_parameters(*args, **kwargs):
+            yield n.replace("inner.", "renamed."), p
+
+
+def test_overridden_named_parameters_is_honoured() -> None:
+    model = _RenamingModel()
+    assert _fast_canonical(model) is None
+    assert sorted(build_fqn_map(model).fqn_of.values()) == ["renamed.bias", "renamed.weight"]
