@@ -178,6 +178,9 @@ def parse_args(argv: Sequence[str] | None) -> argparse.Namespace:
     p.add_argument("--floor-load-max-groups", type=int, default=0,
                    help="skip the floor optimizer.load_state_dict() above this many param groups: torch's own "
                    "load is O(params x groups), about an hour at 47 000 groups on 2 cores (default 0: no limit)")
+    p.add_argument("--dsd-set-max-groups", type=int, default=0,
+                   help="skip DSD set_optimizer_state_dict above this many param groups: it calls torch's "
+                   "load_state_dict, O(params x groups) (default 0: no limit)")
     p.add_argument("--budget", type=float, default=None,
                    help=f"seconds per method and run: fewer repeats when exceeded (default {DEFAULT_BUDGET_S:g}; "
                    f"--quick: {QUICK_BUDGET_S:g})")
@@ -225,6 +228,9 @@ def skip_reason(m: Method, ctx: FixtureContext, args: argparse.Namespace, backen
     if m.family == "dsd" and args.dsd_max_params and n_params > args.dsd_max_params:
         return {"status": "skipped", "reason": f"{n_params:,} params > --dsd-max-params {args.dsd_max_params:,}"}
     n_groups = len(ctx.fx.optimizer.param_groups)
+    if (m.family, m.op) == ("dsd", "set") and args.dsd_set_max_groups and n_groups > args.dsd_set_max_groups:
+        return {"status": "skipped", "reason": f"{n_groups:,} groups > --dsd-set-max-groups "
+                f"{args.dsd_set_max_groups:,} (it calls torch's load_state_dict, O(params x groups))"}
     if (m.family, m.op) == ("floor", "load_state_dict") and args.floor_load_max_groups and (
         n_groups > args.floor_load_max_groups
     ):
@@ -261,6 +267,8 @@ def run_bench(args: argparse.Namespace, partial_path: str | None = None) -> dict
             "no_state_fraction": args.no_state_fraction,
             "dsd_max_params": args.dsd_max_params or None,
             "dcp_max_items": args.dcp_max_items or None,
+            "floor_load_max_groups": args.floor_load_max_groups or None,
+            "dsd_set_max_groups": args.dsd_set_max_groups or None,
             "budget_s": args.budget,
             "state_init": args.state_init,
             "gc": args.gc,

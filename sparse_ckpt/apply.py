@@ -52,19 +52,38 @@ def cast_value(param: torch.Tensor, value: Any, fused_or_capturable: bool, key: 
 
 
 _IMMUTABLE = (int, float, bool, str, bytes, type(None))
+_IMMUTABLE_TYPES = frozenset(_IMMUTABLE)
 
 
 def copy_settings(value: Any) -> Any:
-    """``copy.deepcopy`` for param-group values, with fast paths for the common types."""
+    """``copy.deepcopy`` for param-group values, with fast paths for the common types.
+
+    Immutable scalars and tuples of them are shared, as ``deepcopy`` shares them; containers are
+    rebuilt; anything else goes through ``deepcopy``.
+    """
+    kind = type(value)
+    if kind in _IMMUTABLE_TYPES:
+        return value
+    if kind is dict:
+        return {k: v if type(v) in _IMMUTABLE_TYPES else copy_settings(v) for k, v in value.items()}
+    if kind is list:
+        return [v if type(v) in _IMMUTABLE_TYPES else copy_settings(v) for v in value]
+    if kind is tuple:
+        if all(type(v) in _IMMUTABLE_TYPES for v in value):
+            return value
+        return tuple(copy_settings(v) for v in value)
     if isinstance(value, _IMMUTABLE):
         return value
-    if type(value) is dict:
-        return {k: copy_settings(v) for k, v in value.items()}
-    if type(value) is list:
-        return [copy_settings(v) for v in value]
-    if type(value) is tuple:
-        return tuple(copy_settings(v) for v in value)
     return deepcopy(value)
+
+
+def copy_group(group: dict[str, Any]) -> dict[str, Any]:
+    """A saved group's settings, copied; ``params`` is shared (the caller replaces it)."""
+    if type(group) is not dict:
+        return copy_settings(group)
+    return {
+        k: v if k == "params" or type(v) in _IMMUTABLE_TYPES else copy_settings(v) for k, v in group.items()
+    }
 
 
 @dataclass
@@ -97,7 +116,7 @@ def prepare_packed(leaf: str, optimizer: torch.optim.Optimizer, state_dict: dict
     raw_groups = state_dict["param_groups"]
     # Each group gets its own copy: settings decoded from a checkpoint are interned, and a
     # tensor lr shared between groups would let a scheduler's in-place update leak across them.
-    saved_groups = [copy_settings(g) for g in raw_groups]
+    saved_groups = [copy_group(g) for g in raw_groups]
     if len(groups) != len(saved_groups):
         raise CheckpointMismatchError(
             f"leaf {leaf!r}: loaded state dict has {len(saved_groups)} parameter groups, the optimizer {len(groups)}"

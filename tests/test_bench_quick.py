@@ -165,6 +165,45 @@ def test_targets_compute_ratios() -> None:
     assert row["status"] == "N/A" and "unavailable" in row["reason"]
 
 
+def test_skipped_baseline_falls_back_to_largest_measured_scale() -> None:
+    """A quadratic torch baseline skipped at the target scale is reported at the largest scale of
+    each layout where it was measured, with the scale named; the target row itself stays N/A."""
+
+    def fig(t: float) -> dict:
+        return {"status": "ok", "median_s": t, "min_s": t, "max_s": t, "n": 1}
+
+    skipped = {"status": "skipped", "reason": "47,275 groups > --dsd-set-max-groups 10,000"}
+    results = {
+        "machine": {"backends": {"cpp": "available", "python": "available"}},
+        "config": {"layouts": ["param", "layer"]},
+        "runs": [
+            {"scale": "24x128", "layout": "param", "n_params": 9384,
+             "figures": {"dsd/set": fig(30.0), "sparse/load/cpp/packed": fig(0.2)}},
+            {"scale": "8x64", "layout": "param", "n_params": 1592,
+             "figures": {"dsd/set": fig(1.0), "sparse/load/cpp/packed": fig(0.1)}},
+            {"scale": "61x256", "layout": "layer", "n_params": 47275,
+             "figures": {"dsd/set": fig(50.0), "sparse/load/cpp/packed": fig(1.0)}},
+            {"scale": "61x256", "layout": "param", "n_params": 47275,
+             "figures": {"dsd/set": skipped, "sparse/load/cpp/packed": fig(1.0)}},
+        ],
+    }
+    rows = [r for r in report.compute_targets(results)
+            if r["target"] == "DSD set_optimizer_state_dict / load_sparse_state_dict" and r["backend"] == "cpp"]
+    assert [r["status"] for r in rows] == ["N/A", "PASS", "MISS"]
+    assert "skipped" in rows[0]["reason"]
+    assert rows[1]["value"] == pytest.approx(150.0) and rows[1]["where"].startswith("24x128, param (largest")
+    assert rows[2]["value"] == pytest.approx(50.0) and rows[2]["where"].startswith("61x256, layer")
+
+
+def test_dsd_set_max_groups_skips_only_the_set(tmp_path: os.PathLike) -> None:
+    out = str(tmp_path)
+    assert main(["--quick", "--scales", "1x2", "--layouts", "param", "--repeats", "1", "--budget", "0.5",
+                 "--out", out, "--no-progress", "--methods", "dsd/", "--dsd-set-max-groups", "3"]) == 0
+    figs = _load(out)["runs"][0]["figures"]
+    assert figs["dsd/get"]["status"] == "ok"
+    assert figs["dsd/set"]["status"] == "skipped" and "--dsd-set-max-groups 3" in figs["dsd/set"]["reason"]
+
+
 def test_fast_constructor_matches_torch() -> None:
     """``build_adamw`` gives exactly the groups (keys, order, values) torch's constructor gives."""
     cache = FixtureCache()
