@@ -51,8 +51,34 @@ def cast_value(param: torch.Tensor, value: Any, fused_or_capturable: bool, key: 
     return value
 
 
+def cast_state(param: torch.Tensor, value: Any, fused_or_capturable: bool) -> Any:
+    """:func:`cast_value` of one parameter's state (``key=None``), with a fast path for the usual
+    ``{name: tensor}`` dict: the param's dtype/device are read once, not once per tensor."""
+    if type(value) is not dict:
+        return cast_value(param, value, fused_or_capturable, None)
+    floating = param.is_floating_point()
+    dtype, device = param.dtype, param.device
+    out = {}
+    for k, v in value.items():
+        if not isinstance(v, torch.Tensor):
+            out[k] = cast_value(param, v, fused_or_capturable, k)
+        elif k == "step":
+            out[k] = v.to(dtype=torch.float32, device=device) if fused_or_capturable else v
+        elif floating:
+            out[k] = v.to(dtype=dtype, device=device)
+        else:
+            out[k] = v.to(device=device)
+    return out
+
+
 _IMMUTABLE = (int, float, bool, str, bytes, type(None))
-_IMMUTABLE_TYPES = frozenset(_IMMUTABLE)
+IMMUTABLE_TYPES = frozenset(_IMMUTABLE)
+
+
+def is_immutable(value: Any) -> bool:
+    """An exact immutable scalar, or a tuple of them (``deepcopy`` returns such values as they are)."""
+    kind = type(value)
+    return kind in IMMUTABLE_TYPES or (kind is tuple and all(type(v) in IMMUTABLE_TYPES for v in value))
 
 
 def copy_settings(value: Any) -> Any:
@@ -62,14 +88,14 @@ def copy_settings(value: Any) -> Any:
     rebuilt; anything else goes through ``deepcopy``.
     """
     kind = type(value)
-    if kind in _IMMUTABLE_TYPES:
+    if kind in IMMUTABLE_TYPES:
         return value
     if kind is dict:
-        return {k: v if type(v) in _IMMUTABLE_TYPES else copy_settings(v) for k, v in value.items()}
+        return {k: v if type(v) in IMMUTABLE_TYPES else copy_settings(v) for k, v in value.items()}
     if kind is list:
-        return [v if type(v) in _IMMUTABLE_TYPES else copy_settings(v) for v in value]
+        return [v if type(v) in IMMUTABLE_TYPES else copy_settings(v) for v in value]
     if kind is tuple:
-        if all(type(v) in _IMMUTABLE_TYPES for v in value):
+        if all(type(v) in IMMUTABLE_TYPES for v in value):
             return value
         return tuple(copy_settings(v) for v in value)
     if isinstance(value, _IMMUTABLE):
@@ -82,7 +108,7 @@ def copy_group(group: dict[str, Any]) -> dict[str, Any]:
     if type(group) is not dict:
         return copy_settings(group)
     return {
-        k: v if k == "params" or type(v) in _IMMUTABLE_TYPES else copy_settings(v) for k, v in group.items()
+        k: v if k == "params" or type(v) in IMMUTABLE_TYPES else copy_settings(v) for k, v in group.items()
     }
 
 
@@ -99,16 +125,22 @@ class PreparedLoad:
     """The packed dict for an optimizer that overrides ``load_state_dict``."""
 
 
-def prepare_packed(leaf: str, optimizer: torch.optim.Optimizer, state_dict: dict[str, Any]) -> PreparedLoad:
+def prepare_packed(
+    leaf: str, optimizer: torch.optim.Optimizer, state_dict: dict[str, Any], *, groups_owned: bool = False
+) -> PreparedLoad:
     """First half of ``load_state_dict``: pre-hooks, validation, group copies, state cast.
 
     Mutates nothing (unless a user pre-hook does). For an optimizer that overrides
     ``load_state_dict`` nothing runs here; :func:`commit_prepared` calls its method.
+    ``groups_owned=True``: the caller built ``state_dict["param_groups"]`` as new dicts that share
+    no mutable value with anything (what torch's deepcopy gives); they are then used as they
+    are unless a pre-hook ran (a hook may keep or swap them, so they are copied as torch does).
     """
     if overrides_load_state_dict(optimizer):
         return PreparedLoad(leaf, optimizer, packed=state_dict)
     state_dict = state_dict.copy()
-    for pre_hook in load_state_dict_pre_hooks(optimizer):
+    pre_hooks = load_state_dict_pre_hooks(optimizer)
+    for pre_hook in pre_hooks:
         result = pre_hook(optimizer, state_dict)
         if result is not None:
             state_dict = result
@@ -116,7 +148,10 @@ def prepare_packed(leaf: str, optimizer: torch.optim.Optimizer, state_dict: dict
     raw_groups = state_dict["param_groups"]
     # Each group gets its own copy: settings decoded from a checkpoint are interned, and a
     # tensor lr shared between groups would let a scheduler's in-place update leak across them.
-    saved_groups = [copy_group(g) for g in raw_groups]
+    if groups_owned and not pre_hooks:
+        saved_groups = list(raw_groups)
+    else:
+        saved_groups = [copy_group(g) for g in raw_groups]
     if len(groups) != len(saved_groups):
         raise CheckpointMismatchError(
             f"leaf {leaf!r}: loaded state dict has {len(saved_groups)} parameter groups, the optimizer {len(groups)}"
@@ -130,15 +165,16 @@ def prepare_packed(leaf: str, optimizer: torch.optim.Optimizer, state_dict: dict
                 f"the optimizer's {len(group['params'])}"
             )
         id_map.update(zip(saved["params"], group["params"]))
-    for raw in raw_groups:  # torch takes the first group listing the id
-        special = bool(raw.get("fused", False) or raw.get("capturable", False))
-        for pid in raw["params"]:
-            flags.setdefault(pid, special)
+    specials = [bool(raw.get("fused", False) or raw.get("capturable", False)) for raw in raw_groups]
+    if any(specials):  # otherwise every flag is False, the default below
+        for raw, special in zip(raw_groups, specials):  # torch takes the first group listing the id
+            for pid in raw["params"]:
+                flags.setdefault(pid, special)
     state: defaultdict[Any, Any] = defaultdict(dict)
     for key, value in state_dict["state"].items():
         param = id_map.get(key)
         if param is not None:
-            state[param] = cast_value(param, value, flags.get(key, False), None)
+            state[param] = cast_state(param, value, flags.get(key, False))
         else:
             state[key] = value
     new_groups = []

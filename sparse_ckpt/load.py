@@ -14,7 +14,7 @@ from torch import nn
 
 from . import _backend
 from ._gc import gc_paused
-from .apply import commit_prepared, prepare_packed, rollback, run_post_hooks, snapshot
+from .apply import commit_prepared, copy_settings, is_immutable, prepare_packed, rollback, run_post_hooks, snapshot
 from .decode import DecodedCheckpoint, decode_checkpoint, fmt_list
 from .errors import CheckpointMismatchError
 from .fqn import FqnMap, build_fqn_map
@@ -36,26 +36,49 @@ def _target_fqns(leaf: str, optimizer: torch.optim.Optimizer, fmap: FqnMap) -> l
     return out
 
 
+def _packed_ids(param_groups: list[dict[str, Any]]) -> list[list[int]]:
+    """Each group's packed ids, as ``Optimizer.state_dict`` assigns them (ids advance by position;
+    a parameter listed again keeps its first id) -- without copying the groups' settings."""
+    first_id: dict[int, int] = {}
+    out: list[list[int]] = []
+    n = 0
+    for group in param_groups:
+        ids = []
+        for p in group["params"]:
+            ids.append(first_id.setdefault(id(p), n))
+            n += 1
+        out.append(ids)
+    return out
+
+
 def _check_state_shapes(leaf: str, fqn: str, param: torch.Tensor, state: Any, path: str = "") -> None:
-    """A saved state tensor with the param's rank must have the param's shape."""
+    """A saved state tensor with the param's rank must have the param's shape (dims of 1 allowed,
+    for Adafactor's factored row/col variance), and be complex exactly when the param is."""
     if not isinstance(state, dict):
         return
+    pshape = param.shape
+    pcomplex = param.is_complex()
     for key, value in state.items():
-        where = f"{path}{key}"
-        if isinstance(value, dict):
-            _check_state_shapes(leaf, fqn, param, value, f"{where}.")
-        elif isinstance(value, torch.Tensor) and key != "step":
-            # Same rank: every dim must match the param's or be 1 (Adafactor's factored row/col variance).
-            if value.dim() == param.dim() and any(s not in (p, 1) for s, p in zip(value.shape, param.shape)):
+        if isinstance(value, torch.Tensor):
+            if key == "step":
+                continue
+            vshape = value.shape
+            if vshape != pshape and len(vshape) == len(pshape) and any(
+                s not in (p, 1) for s, p in zip(vshape, pshape)
+            ):
+                where = f"{path}{key}"
                 raise CheckpointMismatchError(
-                    f"leaf {leaf!r}: state {where!r} of {fqn!r} has shape {tuple(value.shape)}, "
-                    f"the parameter {tuple(param.shape)}"
+                    f"leaf {leaf!r}: state {where!r} of {fqn!r} has shape {tuple(vshape)}, "
+                    f"the parameter {tuple(pshape)}"
                 )
-            if value.is_complex() != param.is_complex():
+            if value.is_complex() != pcomplex:
+                where = f"{path}{key}"
                 raise CheckpointMismatchError(
                     f"leaf {leaf!r}: state {where!r} of {fqn!r} has dtype {value.dtype}, "
                     f"incompatible with the parameter's {param.dtype}"
                 )
+        elif isinstance(value, dict):
+            _check_state_shapes(leaf, fqn, param, value, f"{path}{key}.")
 
 
 def plan_leaf(
@@ -75,7 +98,10 @@ def plan_leaf(
     missing.extend(leaf_missing)
     for fqns in target:
         used_settings.update(fqns)
-    packed_groups, _state, _ids = core.pack_optimizer(leaf, optimizer.param_groups, {}, torch.Tensor)
+    packed_ids = _packed_ids(optimizer.param_groups)
+    # Every group below is a new dict sharing no mutable value with the checkpoint, the optimizer
+    # or another group (as torch's deepcopy would give), so apply need not copy them again.
+    flat_copy_ok: dict[int, bool] = {}
     groups: list[dict[str, Any]] = []
     for gi, (group, settings) in enumerate(zip(optimizer.param_groups, chosen)):
         if not target[gi]:
@@ -86,11 +112,15 @@ def plan_leaf(
                     "no empty group at that leaf and index"
                 )
         if settings is None:
-            settings = {k: v for k, v in group.items() if k != "params"}
-        new = dict(settings)
+            new = copy_settings({k: v for k, v in group.items() if k != "params"})
+        else:  # interned (shared by many groups, alive in ckpt): decide once whether a flat copy is a deep one
+            flat = flat_copy_ok.get(id(settings))
+            if flat is None:
+                flat = flat_copy_ok[id(settings)] = all(is_immutable(v) for v in settings.values())
+            new = dict(settings) if flat else copy_settings(settings)
         if ckpt.names_of and target[gi] and any(f in ckpt.names_of for f in target[gi]):
             new = _with_param_names(new, group, target[gi], ckpt.names_of)
-        new["params"] = packed_groups[gi]["params"]
+        new["params"] = packed_ids[gi]
         groups.append(new)
     packed_state, used = core.assign_state_ids(target, ckpt.state_of)
     used_state.update(used)
@@ -150,7 +180,7 @@ def _load(model: nn.Module, optimizer: Any, state_dict: Mapping[str, Any], stric
         _raise_on_mismatch(ckpt, missing, used_settings, used_state, {leaf for leaf, _ in leaves}, owned)
     # Every leaf's pre-hooks and validation run before any leaf is changed, and post-hooks only
     # once every leaf is in place, so a failing leaf never follows another leaf's post-hooks.
-    prepared = [prepare_packed(leaf, opt, packed) for leaf, opt, packed in plans]
+    prepared = [prepare_packed(leaf, opt, packed, groups_owned=True) for leaf, opt, packed in plans]
     applied: list[tuple[torch.optim.Optimizer, tuple[Any, Any]]] = []
     try:
         for item in prepared:
