@@ -6,6 +6,11 @@
 
 namespace sckpt {
 
+// module_walk.cpp
+py::object walk_parameters(py::object model, py::object stripped, py::object module_wrapper,
+                           py::object base_named_modules, py::object base_named_parameters);
+py::tuple fqn_tables(py::object named);
+
 // capture.cpp
 py::tuple pack_optimizer(py::object leaf, py::object param_groups, py::object state, py::object tensor_type);
 py::tuple remap_to_fqns(py::object leaf, py::object packed_groups, py::object packed_state, py::object id_to_param,

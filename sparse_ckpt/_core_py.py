@@ -58,6 +58,80 @@ TensorToParts = Callable[[Any], tuple[str, tuple[int, ...], str, bytes]]
 PartsToTensor = Callable[[str, tuple[int, ...], str, bytes], Any]
 
 
+# --------------------------------------------------------------------------- parameter names
+
+
+def walk_parameters(
+    model: Any, stripped: Any, module_wrapper: type | None, base_named_modules: Any, base_named_parameters: Any
+) -> list[tuple[str, str, Any]] | None:
+    """``(raw name, canonical name, param)`` for every parameter of ``model``, in the order of
+    ``model.named_parameters(remove_duplicate=False)``, from one iterative walk over each module's
+    ``_parameters`` and ``_modules`` (what torch's recursive ``named_modules`` reads).
+
+    A name component in ``stripped``, or ``module`` directly under a ``module_wrapper`` instance
+    (DDP), is left out of the canonical name; while nothing was left out the canonical name is
+    the raw ``str`` object itself. Returns ``None`` when ``type(model).named_parameters`` is not
+    ``base_named_parameters`` or some module's ``type(m).named_modules`` is not
+    ``base_named_modules`` (the caller then uses the public API).
+    """
+    if type(model).named_parameters is not base_named_parameters:
+        return None
+    out: list[tuple[str, str, Any]] = []
+    stack: list[tuple[Any, str, str]] = [(model, "", "")]
+    while stack:
+        mod, raw, canon = stack.pop()
+        if type(mod).named_modules is not base_named_modules:
+            return None
+        params = mod._parameters
+        if params:
+            for k, v in params.items():
+                if v is None:
+                    continue
+                raw_k = f"{raw}.{k}" if raw else k
+                if k in stripped or (module_wrapper is not None and k == "module" and isinstance(mod, module_wrapper)):
+                    out.append((raw_k, canon, v))
+                elif canon is raw:
+                    out.append((raw_k, raw_k, v))
+                else:
+                    out.append((raw_k, f"{canon}.{k}" if canon else k, v))
+        children = mod._modules
+        if children:
+            for name, child in reversed(children.items()):
+                if child is None:
+                    continue
+                raw_c = f"{raw}.{name}" if raw else name
+                if name in stripped or (
+                    module_wrapper is not None and name == "module" and isinstance(mod, module_wrapper)
+                ):
+                    stack.append((child, raw_c, canon))
+                elif canon is raw:
+                    stack.append((child, raw_c, raw_c))
+                else:
+                    stack.append((child, raw_c, f"{canon}.{name}" if canon else name))
+    return out
+
+
+def fqn_tables(named: Any) -> tuple[dict[int, str], dict[str, str], dict[str, Any]]:
+    """``(fqn_of, canonical, param_of)`` from ``(raw, canonical name, param)`` triples.
+
+    ``fqn_of``: ``id(param)`` -> its first canonical name; ``canonical``: every canonical and raw
+    name -> the first canonical name of its parameter (first wins); ``param_of``: first canonical
+    name -> param.
+    """
+    fqn_of: dict[int, str] = {}
+    canonical: dict[str, str] = {}
+    param_of: dict[str, Any] = {}
+    for raw, fqn, param in named:
+        primary = fqn_of.get(id(param))
+        if primary is None:
+            fqn_of[id(param)] = fqn
+            param_of[fqn] = param
+            primary = fqn
+        canonical.setdefault(fqn, primary)
+        canonical.setdefault(raw, primary)
+    return fqn_of, canonical, param_of
+
+
 # --------------------------------------------------------------------------- capture
 
 

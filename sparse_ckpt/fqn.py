@@ -14,6 +14,7 @@ from dataclasses import dataclass, field
 import torch
 from torch import nn
 
+from . import _backend
 from ._torch_compat import named_parameters_canonical
 
 _ALWAYS_STRIPPED = frozenset({"_orig_mod", "_checkpoint_wrapped_module"})
@@ -70,15 +71,7 @@ def build_fqn_map(model: nn.Module) -> FqnMap:
             (raw, canonical_name(raw, ddp) if ddp or any(s in raw for s in _ALWAYS_STRIPPED) else raw, param)
             for raw, param in model.named_parameters(remove_duplicate=False)
         )
-    fqn_of, canonical, param_of = fmap.fqn_of, fmap.canonical, fmap.param_of
-    for raw, fqn, param in named:
-        primary = fqn_of.get(id(param))
-        if primary is None:
-            fqn_of[id(param)] = fqn
-            param_of[fqn] = param
-            primary = fqn
-        canonical.setdefault(fqn, primary)
-        canonical.setdefault(raw, primary)
+    fmap.fqn_of, fmap.canonical, fmap.param_of = _backend.core.fqn_tables(named)
     return fmap
 
 

@@ -41,6 +41,8 @@ except ImportError as _exc:  # pragma: no cover - CI always builds the extension
     pytest.skip(f"C++ extension sparse_ckpt._C is not built: {_exc}", allow_module_level=True)
 
 FUNCTIONS = (
+    "walk_parameters",
+    "fqn_tables",
     "pack_optimizer",
     "remap_to_fqns",
     "flatten_state",
@@ -934,6 +936,104 @@ def test_assign_state_ids_edge_cases() -> None:
     check("assign_state_ids", [("a", "b")], collections.OrderedDict(b=s))
     check("assign_state_ids", [iter(["a", "b"])], {"b": s}, fresh=lambda: ([iter(["a", "b"])], {"b": s}))
     check("assign_state_ids", 5, {})
+
+
+# --------------------------------------------------------------------------- parameter names
+
+_BASES = (torch.nn.Module.named_modules, torch.nn.Module.named_parameters)
+_STRIPPED = frozenset({"_orig_mod", "_checkpoint_wrapped_module"})
+
+
+class _Wrapper(torch.nn.Module):
+    """Stands in for DDP: its ``module`` child is left out of canonical names."""
+
+
+class _OwnNamedModules(torch.nn.Module):
+    def named_modules(self, *args: Any, **kwargs: Any) -> Iterator[tuple[str, torch.nn.Module]]:
+        return super().named_modules(*args, **kwargs)
+
+
+class _OwnNamedParameters(torch.nn.Linear):
+    def named_parameters(self, *args: Any, **kwargs: Any) -> Iterator[tuple[str, torch.nn.Parameter]]:
+        return super().named_parameters(*args, **kwargs)
+
+
+class _OddDict(dict):
+    """A ``_modules``/``_parameters`` mapping with its own ``items`` (the generic path)."""
+
+    def items(self):  # type: ignore[override]
+        return list(super().items())
+
+
+def _walk_models() -> dict[str, torch.nn.Module]:
+    shared = torch.nn.Linear(2, 2)
+    wrapped = _Wrapper()
+    wrapped.module = torch.nn.Sequential(torch.nn.Linear(2, 2), torch.nn.Linear(2, 2))
+    wrapped.module.add_module("_orig_mod", torch.nn.Linear(1, 1))
+    outer = torch.nn.Module()
+    outer.w = wrapped
+    outer.module = torch.nn.Linear(1, 1)  # not under the wrapper: kept
+    outer.register_parameter("_orig_mod", torch.nn.Parameter(torch.zeros(1)))  # a stripped param name
+    outer.none_child = None
+    outer.register_parameter("none_param", None)
+    odd = torch.nn.Sequential(torch.nn.Linear(1, 1), torch.nn.Linear(1, 1))
+    odd._modules = _OddDict(odd._modules)
+    odd[0]._parameters = _OddDict(odd[0]._parameters)
+    nested_override = torch.nn.Sequential(torch.nn.Linear(1, 1), _OwnNamedModules())
+    unicode = torch.nn.Module()
+    unicode.add_module("ünï", torch.nn.Linear(1, 1))
+    return {
+        "plain": torch.nn.Sequential(torch.nn.Linear(2, 3), torch.nn.ReLU(), torch.nn.Linear(3, 1)),
+        "shared": torch.nn.Sequential(shared, shared),
+        "wrapped": outer,
+        "odd_mappings": odd,
+        "nested_override": nested_override,
+        "own_named_parameters": _OwnNamedParameters(1, 1),
+        "unicode": unicode,
+        "empty": torch.nn.Module(),
+    }
+
+
+@pytest.mark.parametrize("name", list(_walk_models()))
+@pytest.mark.parametrize("wrapper", [None, _Wrapper])
+def test_walk_parameters(name: str, wrapper: type | None) -> None:
+    model = _walk_models()[name]
+    res = check("walk_parameters", model, _STRIPPED, wrapper, *_BASES)
+    assert res[0] == "ok"
+    if name in ("nested_override", "own_named_parameters"):
+        assert res[1] is None
+    else:
+        triples = res[1]
+        assert [(r, p) for r, _c, p in triples] == list(model.named_parameters(remove_duplicate=False))
+        # the identity trick: an unstripped canonical name is the raw str object itself
+        assert all(c is r for r, c, _p in triples if "_orig_mod" not in r and not r.startswith("w.module"))
+        check("fqn_tables", triples)
+    if name == "wrapped":
+        canon = [c for _r, c, _p in res[1]]
+        assert ("w.0.weight" in canon) == (wrapper is _Wrapper) and "module.weight" in canon and "" in canon
+
+
+def test_walk_parameters_errors() -> None:
+    check_error("walk_parameters", object(), _STRIPPED, None, *_BASES, exc=AttributeError)
+    broken = torch.nn.Linear(1, 1)
+    broken.__dict__["_parameters"] = 5
+    check_error("walk_parameters", broken, _STRIPPED, None, *_BASES, exc=AttributeError)
+    bad_stripped = torch.nn.Linear(1, 1)
+    check_error("walk_parameters", bad_stripped, 5, None, *_BASES, exc=TypeError)
+
+
+def test_fqn_tables_first_wins_and_errors() -> None:
+    a, b = torch.zeros(1), torch.zeros(2)
+    res = check("fqn_tables", [("x.w", "w", a), ("y.w", "w2", a), ("z", "z", b), ("w", "w", b)])
+    fqn_of, canonical, param_of = res[1]
+    assert fqn_of == {id(a): "w", id(b): "z"} and list(param_of) == ["w", "z"]
+    assert canonical == {"w": "w", "x.w": "w", "w2": "w", "y.w": "w", "z": "z"}
+    check("fqn_tables", fresh=lambda: (iter([("a", "a", a)]),))
+    check_error("fqn_tables", [("a", "a")], exc=ValueError)
+    check_error("fqn_tables", [("a", "a", a, 1)], exc=ValueError)
+    check_error("fqn_tables", [5], exc=TypeError)
+    check_error("fqn_tables", 5, exc=TypeError)
+    check_error("fqn_tables", [(["unhashable"], "a", a)], exc=TypeError)
 
 
 # --------------------------------------------------------------------------- end to end
