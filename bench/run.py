@@ -177,7 +177,7 @@ def parse_args(argv: Sequence[str] | None) -> argparse.Namespace:
                    f"--quick: {QUICK_DCP_MAX_ITEMS:,}; 0: no limit)")
     p.add_argument("--floor-load-max-groups", type=int, default=0,
                    help="skip the floor optimizer.load_state_dict() above this many param groups: torch's own "
-                   "load is O(params x groups), about an hour at 47 000 groups on 2 cores (default 0: no limit)")
+                   "load is O(params x groups): one call at 47 275 groups ran > 10 min on 2 cores (default 0: no limit)")
     p.add_argument("--dsd-set-max-groups", type=int, default=0,
                    help="skip DSD set_optimizer_state_dict above this many param groups: it calls torch's "
                    "load_state_dict, O(params x groups) (default 0: no limit)")
