@@ -1,4 +1,5 @@
 // flatten_state / flatten_groups / unflatten: DSD's flat key layout, both directions.
+#include <unordered_set>
 #include <vector>
 
 #include "core.hpp"
@@ -131,6 +132,7 @@ py::tuple unflatten(py::object flat, py::object known_fqns) {
     });
 
     py::object state_by_fqn = steal(PyDict_New());
+    std::unordered_set<PyObject*> owned;  // dicts built here (all alive in state_by_fqn until we return)
     py::object dot_str = steal(PyUnicode_FromString("."));
     const bool known_is_dict = PyDict_CheckExact(known_fqns.ptr());
     for (auto& kv : state_keys) {
@@ -159,7 +161,15 @@ py::tuple unflatten(py::object flat, py::object known_fqns) {
             check(PyList_Append(unmatched.ptr(), k));
             continue;
         }
-        py::object node = setdefault_dict(state_by_fqn, fqn);
+        py::object node;
+        if (PyObject* found = PyDict_GetItemWithError(state_by_fqn.ptr(), fqn.ptr())) {
+            node = borrow(found);
+        } else {
+            if (PyErr_Occurred()) throw py::error_already_set();
+            node = steal(PyDict_New());
+            check(PyDict_SetItem(state_by_fqn.ptr(), fqn.ptr(), node.ptr()));
+            owned.insert(node.ptr());
+        }
         py::object last;
         const Py_ssize_t next_dot = PyUnicode_FindChar(k, '.', dot + 1, len, 1);
         if (next_dot == -2) throw py::error_already_set();
@@ -170,10 +180,25 @@ py::tuple unflatten(py::object flat, py::object known_fqns) {
             py::object parts = steal(PyUnicode_Split(rest.ptr(), dot_str.ptr(), -1));
             const Py_ssize_t n_parts = PyList_GET_SIZE(parts.ptr());
             for (Py_ssize_t i = 0; i + 1 < n_parts; ++i) {
-                py::object child = setdefault_dict(node, PyList_GET_ITEM(parts.ptr(), i));
-                if (!PyDict_Check(child.ptr())) {
+                PyObject* part = PyList_GET_ITEM(parts.ptr(), i);
+                py::object fresh = steal(PyDict_New());
+                py::object child;
+                if (PyDict_CheckExact(node.ptr())) {
+                    PyObject* got = PyDict_SetDefault(node.ptr(), part, fresh.ptr());  // borrowed
+                    if (got == nullptr) throw py::error_already_set();
+                    child = borrow(got);
+                } else {
+                    child = steal(PyObject_CallMethod(node.ptr(), "setdefault", "OO", part, fresh.ptr()));
+                }
+                if (child.ptr() == fresh.ptr()) {
+                    owned.insert(fresh.ptr());
+                } else if (!PyDict_Check(child.ptr())) {
                     raise_format_error(Msg() << "state key " << py_repr(kv.first) << " nests under a non-dict value of "
                                              << py_repr(fqn));
+                } else if (owned.count(child.ptr()) == 0) {  // a dict value of the input: copy, never write into it
+                    child = steal(PyObject_CallMethod(child.ptr(), "copy", nullptr));
+                    check(PyObject_SetItem(node.ptr(), part, child.ptr()));
+                    owned.insert(child.ptr());
                 }
                 node = std::move(child);
             }

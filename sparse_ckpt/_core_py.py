@@ -262,7 +262,9 @@ def unflatten(
       * ``state.{fqn}.{k1}.{k2}`` -> ``state_by_fqn[fqn][k1][k2]``, where ``fqn`` is the longest
         prefix that is in ``known_fqns`` or among the flat param-group FQNs;
       * every other key, and state keys with no known FQN, -> ``unmatched_keys`` (input order).
-    Each key is resolved with O(depth) hash lookups; there are no prefix scans.
+    Each key is resolved with O(depth) hash lookups; there are no prefix scans. ``flat`` is never
+    modified: a dict value that nested keys extend (``state.w.a`` = ``{...}`` and ``state.w.a.b``)
+    is copied (``.copy()``) before it is written into.
     """
     settings_by_fqn: dict[str, dict] = {}
     packed: dict[str, bytes] = {}
@@ -290,6 +292,7 @@ def unflatten(
         else:
             unmatched.append(key)
     state_by_fqn: dict[str, dict] = {}
+    owned: set[int] = set()  # ids of the dicts built here (all alive in state_by_fqn until we return)
     for key in state_keys:
         body = key[len("state.") :]
         dot = body.rfind(".")
@@ -304,11 +307,21 @@ def unflatten(
             unmatched.append(key)
             continue
         parts = body[dot + 1 :].split(".")
-        node = state_by_fqn.setdefault(fqn, {})
+        node = state_by_fqn.get(fqn)
+        if node is None:
+            node = state_by_fqn[fqn] = {}
+            owned.add(id(node))
         for part in parts[:-1]:
-            child = node.setdefault(part, {})
-            if not isinstance(child, dict):
+            fresh: dict = {}
+            child = node.setdefault(part, fresh)
+            if child is fresh:
+                owned.add(id(fresh))
+            elif not isinstance(child, dict):
                 raise CheckpointFormatError(f"state key {key!r} nests under a non-dict value of {fqn!r}")
+            elif id(child) not in owned:  # a dict value of the input: copy it, never write into it
+                child = child.copy()
+                node[part] = child
+                owned.add(id(child))
             node = child
         if parts[-1] in node and isinstance(node[parts[-1]], dict):
             raise CheckpointFormatError(f"state key {key!r} collides with nested state of {fqn!r}")

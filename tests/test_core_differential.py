@@ -512,6 +512,22 @@ def test_unflatten_edge_cases() -> None:
     check("unflatten", [("state.a.x", 1)], {})  # flat not a mapping
 
 
+def test_unflatten_never_writes_into_the_input() -> None:
+    """A dict value that nested keys extend is copied first, on both cores (order of keys kept)."""
+    for mod in (P, C):
+        inner = {"x": 1, "deep": {"y": 2}}
+        od = collections.OrderedDict(k=1)
+        flat = {"state.w.a": inner, "state.w.a.b": 3, "state.w.a.deep.z": 4, "state.w.o": od, "state.w.o.q": 5}
+        before = copy.deepcopy(flat)
+        _settings, state, _tables, _unmatched = mod.unflatten(flat, {"w": "w"})
+        assert flat == before and inner == {"x": 1, "deep": {"y": 2}} and od == {"k": 1}
+        assert state == {"w": {"a": {"x": 1, "deep": {"y": 2, "z": 4}, "b": 3}, "o": {"k": 1, "q": 5}}}
+        assert type(state["w"]["o"]) is collections.OrderedDict and state["w"]["a"] is not inner
+        untouched = mod.unflatten({"state.w.a": inner}, {"w": "w"})[1]
+        assert untouched["w"]["a"] is inner  # values nobody extends are passed through as they are
+    check("unflatten", fresh=lambda: ({"state.w.a": {"x": {}}, "state.w.a.x.y": 1, "state.w.a.x.z": 2}, {"w": 1}))
+
+
 # --------------------------------------------------------------------------- table codec
 
 
