@@ -218,6 +218,13 @@ def parse_args(argv: Sequence[str] | None) -> argparse.Namespace:
     return args
 
 
+# Methods that end in torch's Optimizer.load_state_dict, O(params x groups): (option, reason).
+GROUP_LIMITS = {
+    ("floor", "load_state_dict"): ("--floor-load-max-groups", "torch's load_state_dict is O(params x groups)"),
+    ("dsd", "set"): ("--dsd-set-max-groups", "it calls torch's load_state_dict, O(params x groups)"),
+}
+
+
 def skip_reason(m: Method, ctx: FixtureContext, args: argparse.Namespace, backends: dict[str, Any]) -> dict | None:
     """``{"status": "skipped"|"unavailable", "reason": ...}`` or ``None`` to measure."""
     if m.backend is not None and isinstance(backends.get(m.backend), str):
@@ -227,15 +234,13 @@ def skip_reason(m: Method, ctx: FixtureContext, args: argparse.Namespace, backen
     n_params = ctx.fx.n_params
     if m.family == "dsd" and args.dsd_max_params and n_params > args.dsd_max_params:
         return {"status": "skipped", "reason": f"{n_params:,} params > --dsd-max-params {args.dsd_max_params:,}"}
-    n_groups = len(ctx.fx.optimizer.param_groups)
-    if (m.family, m.op) == ("dsd", "set") and args.dsd_set_max_groups and n_groups > args.dsd_set_max_groups:
-        return {"status": "skipped", "reason": f"{n_groups:,} groups > --dsd-set-max-groups "
-                f"{args.dsd_set_max_groups:,} (it calls torch's load_state_dict, O(params x groups))"}
-    if (m.family, m.op) == ("floor", "load_state_dict") and args.floor_load_max_groups and (
-        n_groups > args.floor_load_max_groups
-    ):
-        return {"status": "skipped", "reason": f"{n_groups:,} groups > --floor-load-max-groups "
-                f"{args.floor_load_max_groups:,} (torch's load_state_dict is O(params x groups))"}
+    limited = GROUP_LIMITS.get((m.family, m.op))
+    if limited is not None:
+        option, why = limited
+        limit = getattr(args, option.removeprefix("--").replace("-", "_"))
+        n_groups = len(ctx.fx.optimizer.param_groups)
+        if limit and n_groups > limit:
+            return {"status": "skipped", "reason": f"{n_groups:,} groups > {option} {limit:,} ({why})"}
     if m.family == "dcp" and args.dcp_max_items:
         n_items = len(ctx.dcp_input(m.fmt or "packed", m.part or "all"))
         if n_items > args.dcp_max_items:

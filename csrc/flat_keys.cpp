@@ -26,18 +26,26 @@ void flatten_into(PyObject* out, PyObject* prefix, py::handle value, PyObject* d
     });
 }
 
-/// ``node.setdefault(key, {})`` (a new reference).
-py::object setdefault_dict(py::handle node, py::handle key) {
+/// ``node.setdefault(key, {})`` (a new reference). With ``created``, it records whether the
+/// result is the new ``{}`` (rather than a value already in ``node``).
+py::object setdefault_dict(py::handle node, py::handle key, bool* created = nullptr) {
+    py::object fresh;
+    py::object out;
     if (PyDict_CheckExact(node.ptr())) {
         PyObject* found = PyDict_GetItemWithError(node.ptr(), key.ptr());
-        if (found != nullptr) return borrow(found);
-        if (PyErr_Occurred()) throw py::error_already_set();
-        py::object fresh = steal(PyDict_New());
-        check(PyDict_SetItem(node.ptr(), key.ptr(), fresh.ptr()));
-        return fresh;
+        if (found != nullptr) {
+            out = borrow(found);
+        } else {
+            if (PyErr_Occurred()) throw py::error_already_set();
+            fresh = out = steal(PyDict_New());
+            check(PyDict_SetItem(node.ptr(), key.ptr(), fresh.ptr()));
+        }
+    } else {
+        fresh = steal(PyDict_New());
+        out = steal(PyObject_CallMethod(node.ptr(), "setdefault", "OO", key.ptr(), fresh.ptr()));
     }
-    py::object fresh = steal(PyDict_New());
-    return steal(PyObject_CallMethod(node.ptr(), "setdefault", "OO", key.ptr(), fresh.ptr()));
+    if (created != nullptr) *created = out.ptr() == fresh.ptr();
+    return out;
 }
 
 }  // namespace
@@ -161,15 +169,9 @@ py::tuple unflatten(py::object flat, py::object known_fqns) {
             check(PyList_Append(unmatched.ptr(), k));
             continue;
         }
-        py::object node;
-        if (PyObject* found = PyDict_GetItemWithError(state_by_fqn.ptr(), fqn.ptr())) {
-            node = borrow(found);
-        } else {
-            if (PyErr_Occurred()) throw py::error_already_set();
-            node = steal(PyDict_New());
-            check(PyDict_SetItem(state_by_fqn.ptr(), fqn.ptr(), node.ptr()));
-            owned.insert(node.ptr());
-        }
+        bool created = false;
+        py::object node = setdefault_dict(state_by_fqn, fqn, &created);
+        if (created) owned.insert(node.ptr());
         py::object last;
         const Py_ssize_t next_dot = PyUnicode_FindChar(k, '.', dot + 1, len, 1);
         if (next_dot == -2) throw py::error_already_set();
@@ -181,17 +183,9 @@ py::tuple unflatten(py::object flat, py::object known_fqns) {
             const Py_ssize_t n_parts = PyList_GET_SIZE(parts.ptr());
             for (Py_ssize_t i = 0; i + 1 < n_parts; ++i) {
                 PyObject* part = PyList_GET_ITEM(parts.ptr(), i);
-                py::object fresh = steal(PyDict_New());
-                py::object child;
-                if (PyDict_CheckExact(node.ptr())) {
-                    PyObject* got = PyDict_SetDefault(node.ptr(), part, fresh.ptr());  // borrowed
-                    if (got == nullptr) throw py::error_already_set();
-                    child = borrow(got);
-                } else {
-                    child = steal(PyObject_CallMethod(node.ptr(), "setdefault", "OO", part, fresh.ptr()));
-                }
-                if (child.ptr() == fresh.ptr()) {
-                    owned.insert(fresh.ptr());
+                py::object child = setdefault_dict(node, part, &created);
+                if (created) {
+                    owned.insert(child.ptr());
                 } else if (!PyDict_Check(child.ptr())) {
                     raise_format_error(Msg() << "state key " << py_repr(kv.first) << " nests under a non-dict value of "
                                              << py_repr(fqn));

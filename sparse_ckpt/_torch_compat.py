@@ -34,7 +34,6 @@ def load_state_dict_post_hooks(opt: torch.optim.Optimizer) -> list[Callable[...,
     return list(getattr(opt, "_optimizer_load_state_dict_post_hooks", {}).values())
 
 
-
 _BASE_NAMED_MODULES = torch.nn.Module.named_modules
 _BASE_NAMED_PARAMETERS = torch.nn.Module.named_parameters
 

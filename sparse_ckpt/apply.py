@@ -35,13 +35,7 @@ def cast_value(param: torch.Tensor, value: Any, fused_or_capturable: bool, key: 
     as they are (torch's generic iterable branch turns a ``str`` into a generator's repr).
     """
     if isinstance(value, torch.Tensor):
-        if key == "step":
-            if fused_or_capturable:
-                return value.to(dtype=torch.float32, device=param.device)
-            return value
-        if param.is_floating_point():
-            return value.to(dtype=param.dtype, device=param.device)
-        return value.to(device=param.device)
+        return _cast_tensor(value, key, fused_or_capturable, param.is_floating_point(), param.dtype, param.device)
     if isinstance(value, dict):
         return {k: cast_value(param, v, fused_or_capturable, k) for k, v in value.items()}
     if isinstance(value, (str, bytes)):
@@ -58,17 +52,23 @@ def cast_state(param: torch.Tensor, value: Any, fused_or_capturable: bool) -> An
         return cast_value(param, value, fused_or_capturable, None)
     floating = param.is_floating_point()
     dtype, device = param.dtype, param.device
-    out = {}
-    for k, v in value.items():
-        if not isinstance(v, torch.Tensor):
-            out[k] = cast_value(param, v, fused_or_capturable, k)
-        elif k == "step":
-            out[k] = v.to(dtype=torch.float32, device=device) if fused_or_capturable else v
-        elif floating:
-            out[k] = v.to(dtype=dtype, device=device)
-        else:
-            out[k] = v.to(device=device)
-    return out
+    return {
+        k: _cast_tensor(v, k, fused_or_capturable, floating, dtype, device)
+        if isinstance(v, torch.Tensor)
+        else cast_value(param, v, fused_or_capturable, k)
+        for k, v in value.items()
+    }
+
+
+def _cast_tensor(
+    value: torch.Tensor, key: Any, fused_or_capturable: bool, floating: bool, dtype: torch.dtype, device: torch.device
+) -> torch.Tensor:
+    """One state tensor under torch's policy, given the param's floating-ness, dtype and device."""
+    if key == "step":
+        return value.to(dtype=torch.float32, device=device) if fused_or_capturable else value
+    if floating:
+        return value.to(dtype=dtype, device=device)
+    return value.to(device=device)
 
 
 _IMMUTABLE = (int, float, bool, str, bytes, type(None))
@@ -95,9 +95,7 @@ def copy_settings(value: Any) -> Any:
     if kind is list:
         return [v if type(v) in IMMUTABLE_TYPES else copy_settings(v) for v in value]
     if kind is tuple:
-        if all(type(v) in IMMUTABLE_TYPES for v in value):
-            return value
-        return tuple(copy_settings(v) for v in value)
+        return value if is_immutable(value) else tuple(copy_settings(v) for v in value)
     if isinstance(value, _IMMUTABLE):
         return value
     return deepcopy(value)

@@ -58,40 +58,6 @@ def split_table_key(rest: str) -> tuple[str, str]:
     return leaf, digest
 
 
-def _put_table_group(
-    out: DecodedCheckpoint,
-    source_of: dict[str, str],
-    fmap: FqnMap,
-    leaf: str,
-    gi: int,
-    fqns: list[str],
-    settings: dict,
-    seen: dict[str, int],
-) -> None:
-    """Record ``settings`` for every FQN of table group ``gi`` (the per-parameter hot loop)."""
-    source = f"table of leaf {leaf!r} group {gi}"
-    canonical, settings_of, table_leaf_of = fmap.canonical, out.settings_of, out.table_leaf_of
-    for fqn in fqns:
-        first = seen.get(fqn)
-        if first is not None:
-            raise CheckpointFormatError(
-                f"leaf {leaf!r} group {gi}: FQN {fqn!r} is listed twice (first in group {first})"
-            )
-        seen[fqn] = gi
-        canon = canonical.get(fqn, fqn)
-        prev = settings_of.get(canon)
-        if prev is None:
-            settings_of[canon] = settings
-            source_of[canon] = source
-            table_leaf_of.setdefault(canon, leaf)
-        elif prev is not settings:
-            raise CheckpointMismatchError(
-                f"conflicting saved settings for parameter {canon!r}: {source_of[canon]} and {source} differ"
-            )
-        else:
-            table_leaf_of.setdefault(canon, leaf)
-
-
 def decode_checkpoint(state_dict: Mapping[str, Any], fmap: FqnMap) -> DecodedCheckpoint:
     """Split and decode ``state_dict`` (packed and/or flat entries) against ``fmap``."""
     core = _backend.core
@@ -103,7 +69,8 @@ def decode_checkpoint(state_dict: Mapping[str, Any], fmap: FqnMap) -> DecodedChe
     def intern(blob: bytes, settings: dict) -> dict:
         return interned.setdefault(blob, settings)
 
-    def put_settings(fqn: str, settings: dict, source: str) -> None:
+    def put_settings(fqn: str, settings: dict, source: str) -> str:
+        """Record ``settings`` for ``fqn``; returns its canonical FQN."""
         canon = fmap.resolve(fqn)
         prev = out.settings_of.get(canon)
         if prev is None:
@@ -113,6 +80,7 @@ def decode_checkpoint(state_dict: Mapping[str, Any], fmap: FqnMap) -> DecodedChe
             raise CheckpointMismatchError(
                 f"conflicting saved settings for parameter {canon!r}: {source_of[canon]} and {source} differ"
             )
+        return canon
 
     for rest, table in tables.items():
         leaf, digest = split_table_key(rest)
@@ -146,7 +114,15 @@ def decode_checkpoint(state_dict: Mapping[str, Any], fmap: FqnMap) -> DecodedChe
                     raise CheckpointMismatchError(
                         f"leaf {leaf!r} group {gi}: tables of different ranks disagree on this empty group's settings"
                     )
-            _put_table_group(out, source_of, fmap, leaf, gi, fqns, s, seen)
+            source = f"table of leaf {leaf!r} group {gi}"  # once per group, not per parameter
+            for fqn in fqns:
+                first = seen.get(fqn)
+                if first is not None:
+                    raise CheckpointFormatError(
+                        f"leaf {leaf!r} group {gi}: FQN {fqn!r} is listed twice (first in group {first})"
+                    )
+                seen[fqn] = gi
+                out.table_leaf_of.setdefault(put_settings(fqn, s, source), leaf)
 
     for fqn, raw in settings_raw.items():
         if "param_names" in raw:  # DSD's flat layout repeats the group's whole list for each FQN

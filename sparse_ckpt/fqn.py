@@ -37,11 +37,10 @@ class FqnMap:
 
 
 def _ddp_prefixes(model: nn.Module) -> set[str]:
-    try:
-        from torch.nn.parallel import DistributedDataParallel as DDP
-    except ImportError:  # pragma: no cover - torch without distributed
+    ddp = _ddp_type()
+    if ddp is None:  # pragma: no cover - torch without distributed
         return set()
-    return {name for name, mod in model.named_modules(remove_duplicate=False) if isinstance(mod, DDP)}
+    return {name for name, mod in model.named_modules(remove_duplicate=False) if isinstance(mod, ddp)}
 
 
 def canonical_name(name: str, ddp_prefixes: set[str]) -> str:

@@ -36,21 +36,6 @@ def _target_fqns(leaf: str, optimizer: torch.optim.Optimizer, fmap: FqnMap) -> l
     return out
 
 
-def _packed_ids(param_groups: list[dict[str, Any]]) -> list[list[int]]:
-    """Each group's packed ids, as ``Optimizer.state_dict`` assigns them (ids advance by position;
-    a parameter listed again keeps its first id) -- without copying the groups' settings."""
-    first_id: dict[int, int] = {}
-    out: list[list[int]] = []
-    n = 0
-    for group in param_groups:
-        ids = []
-        for p in group["params"]:
-            ids.append(first_id.setdefault(id(p), n))
-            n += 1
-        out.append(ids)
-    return out
-
-
 def _check_state_shapes(leaf: str, fqn: str, param: torch.Tensor, state: Any, path: str = "") -> None:
     """A saved state tensor with the param's rank must have the param's shape (dims of 1 allowed,
     for Adafactor's factored row/col variance), and be complex exactly when the param is."""
@@ -98,7 +83,7 @@ def plan_leaf(
     missing.extend(leaf_missing)
     for fqns in target:
         used_settings.update(fqns)
-    packed_ids = _packed_ids(optimizer.param_groups)
+    packed_groups, _state, _ids = core.pack_optimizer(leaf, optimizer.param_groups, {}, torch.Tensor)
     # Every group below is a new dict sharing no mutable value with the checkpoint, the optimizer
     # or another group (as torch's deepcopy would give), so apply need not copy them again.
     flat_copy_ok: dict[int, bool] = {}
@@ -120,7 +105,7 @@ def plan_leaf(
             new = dict(settings) if flat else copy_settings(settings)
         if ckpt.names_of and target[gi] and any(f in ckpt.names_of for f in target[gi]):
             new = _with_param_names(new, group, target[gi], ckpt.names_of)
-        new["params"] = packed_ids[gi]
+        new["params"] = packed_groups[gi]["params"]
         groups.append(new)
     packed_state, used = core.assign_state_ids(target, ckpt.state_of)
     used_state.update(used)
