@@ -349,9 +349,9 @@ def _core_runner(m: Method, ctx: FixtureContext, core: ModuleType) -> Callable[[
     if op == "remap_to_fqns":
         return lambda _: core.remap_to_fqns(LEAF, a["groups"], a["state"], a["ids"], a["fmap"].fqn_of)
     if op == "flatten_state":
-        return lambda _: core.flatten_state(a["state_fqn"])
+        return lambda _: core.flatten_state(LEAF, a["state_fqn"], a["fmap"].param_of, True)
     if op == "flatten_groups":
-        return lambda _: core.flatten_groups(a["groups_fqn"])
+        return lambda _: core.flatten_groups(LEAF, a["groups_fqn"])
     if op == "encode_table":
         return lambda _: core.encode_table(LEAF, a["groups_fqn"], torch.Tensor, tensor_to_parts)
     if op == "decode_table":

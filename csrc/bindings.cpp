@@ -22,9 +22,10 @@ PYBIND11_MODULE(_C, m) {
     m.def("remap_to_fqns", &remap_to_fqns, py::arg("leaf"), py::arg("packed_groups"), py::arg("packed_state"),
           py::arg("id_to_param"), py::arg("fqn_of"),
           "Turn a packed (int-id) optimizer dict into (groups_fqn, state_fqn).");
-    m.def("flatten_state", &flatten_state, py::arg("state_fqn"),
-          "state.{fqn}.{key} for every state entry; nested dicts are flattened with '.'.");
-    m.def("flatten_groups", &flatten_groups, py::arg("groups_fqn"),
+    m.def("flatten_state", &flatten_state, py::arg("leaf"), py::arg("state_fqn"), py::arg("known_fqns"),
+          py::arg("escape"),
+          "state.{fqn}.{key} for every state entry; nested dicts are flattened with '.' (escaped parts if escape).");
+    m.def("flatten_groups", &flatten_groups, py::arg("leaf"), py::arg("groups_fqn"),
           "param_groups.{fqn}.{key} for every parameter of every group.");
     m.def("unflatten", &unflatten, py::arg("flat"), py::arg("known_fqns"),
           "Split a flat/packed optimizer dict: (settings_by_fqn, state_by_fqn, packed_tables, unmatched_keys).");

@@ -17,8 +17,8 @@ py::tuple remap_to_fqns(py::object leaf, py::object packed_groups, py::object pa
                         py::object fqn_of);
 
 // flat_keys.cpp
-py::object flatten_state(py::object state_fqn);
-py::object flatten_groups(py::object groups_fqn);
+py::object flatten_state(py::object leaf, py::object state_fqn, py::object known_fqns, bool escape);
+py::object flatten_groups(py::object leaf, py::object groups_fqn);
 py::tuple unflatten(py::object flat, py::object known_fqns);
 
 // table_codec.cpp

@@ -8,20 +8,143 @@ namespace sckpt {
 
 namespace {
 
+/// ``type(part) is str and "." not in part`` (the flat layout's rule); ``plain`` adds "and not
+/// part.startswith('~')" (the packed layout's rule, see sparse_ckpt/format.py).
+bool is_part(py::handle part, bool plain) {
+    PyObject* p = part.ptr();
+    if (!PyUnicode_CheckExact(p)) return false;
+    const Py_ssize_t len = PyUnicode_GET_LENGTH(p);
+    const Py_ssize_t dot = PyUnicode_FindChar(p, '.', 0, len, 1);
+    if (dot == -2) throw py::error_already_set();
+    if (dot != -1) return false;
+    return !plain || len == 0 || PyUnicode_READ_CHAR(p, 0) != '~';
+}
+
+py::object replace(py::handle s, const char* from, const char* to) {
+    py::object f = steal(PyUnicode_FromString(from));
+    py::object t = steal(PyUnicode_FromString(to));
+    return steal(PyUnicode_Replace(s.ptr(), f.ptr(), t.ptr(), -1));
+}
+
+/// format.escape_part: ``~s`` + quoted str, ``~i`` + int; a null object for other types.
+py::object escape_part(py::handle part) {
+    if (PyUnicode_Check(part.ptr())) {
+        py::object quoted = replace(replace(part, "%", "%25"), ".", "%2E");
+        py::object head = steal(PyUnicode_FromString("~s"));
+        return concat({head.ptr(), quoted.ptr()});
+    }
+    if (PyLong_CheckExact(part.ptr())) {
+        py::object head = steal(PyUnicode_FromString("~i"));
+        py::object text = steal(PyObject_Str(part.ptr()));
+        return concat({head.ptr(), text.ptr()});
+    }
+    return py::object();
+}
+
+/// format.unescape_part for a part starting with ``~`` of state key ``key``.
+py::object unescape_part(py::handle part, py::handle key) {
+    PyObject* p = part.ptr();
+    const Py_ssize_t len = PyUnicode_GET_LENGTH(p);
+    if (starts_with(p, "~s", 2)) {
+        py::object body = steal(PyUnicode_Substring(p, 2, len));
+        return replace(replace(body, "%2E", "."), "%25", "%");
+    }
+    if (starts_with(p, "~i", 2)) {
+        Py_ssize_t i = 2;
+        if (i < len && PyUnicode_READ_CHAR(p, i) == '-') ++i;
+        bool ok = i < len;
+        for (Py_ssize_t j = i; j < len && ok; ++j) {
+            const Py_UCS4 c = PyUnicode_READ_CHAR(p, j);
+            ok = c >= '0' && c <= '9';
+        }
+        if (ok) {
+            py::object text = steal(PyUnicode_Substring(p, 2, len));
+            return steal(PyLong_FromUnicodeObject(text.ptr(), 10));
+        }
+    }
+    raise_format_error(Msg() << "state key " << py_repr(key) << " has an invalid escaped part " << py_repr(part));
+}
+
+/// ``" -> ".join(repr(k) for k in path)``
+py::object path_repr(const std::vector<py::handle>& path) {
+    Msg m;
+    for (size_t i = 0; i < path.size(); ++i) {
+        if (i) m << " -> ";
+        m << py_repr(path[i]);
+    }
+    return m.str();
+}
+
+struct FlattenCtx {
+    PyObject* out;
+    PyObject* dot;
+    py::handle leaf;
+    py::handle fqn;
+    py::handle known;
+    bool escape;
+    Py_ssize_t state_len;  // len("state.")
+};
+
+bool known_contains(const FlattenCtx& c, PyObject* full) {
+    py::object body = steal(PyUnicode_Substring(full, c.state_len, PyUnicode_GET_LENGTH(full)));
+    const int found = PySequence_Contains(c.known.ptr(), body.ptr());
+    check(found);
+    return found != 0;
+}
+
+/// Python's ``_state_part``.
+py::object state_part(const FlattenCtx& c, py::handle key, std::vector<py::handle>& path) {
+    if (is_part(key, true)) return borrow(key.ptr());
+    if (c.escape) {
+        py::object escaped = escape_part(key);
+        if (escaped) return escaped;
+        path.push_back(key);
+        raise_format_error(Msg() << "leaf " << py_repr(c.leaf) << ": state key " << path_repr(path) << " of "
+                                 << py_repr(c.fqn) << " is a " << type_name(key) << "; state keys must be str or int");
+    }
+    if (is_part(key, false)) return borrow(key.ptr());
+    path.push_back(key);
+    raise_format_error(Msg() << "leaf " << py_repr(c.leaf) << ": state key " << path_repr(path) << " of "
+                             << py_repr(c.fqn)
+                             << " cannot be written in the flat format (a key must be a str without '.'); "
+                                "save with format='packed'");
+}
+
 /// Python's ``_flatten_into``; the recursion guard turns a self-referencing dict into the
 /// RecursionError Python raises instead of a C stack overflow.
-void flatten_into(PyObject* out, PyObject* prefix, py::handle value, PyObject* dot) {
+void flatten_into(const FlattenCtx& c, PyObject* prefix, py::handle value, std::vector<py::handle>& path) {
     if (Py_EnterRecursiveCall(" while calling a Python object") != 0) throw py::error_already_set();
     struct Leave {
         ~Leave() { Py_LeaveRecursiveCall(); }
     } leave;
     iterate_items(value, [&](py::handle key, py::handle item) {
-        py::object key_str = fmt(key);
-        py::object full = concat({prefix, dot, key_str.ptr()});
+        py::object part = state_part(c, key, path);
+        py::object full = concat({prefix, c.dot, part.ptr()});
         if (PyDict_Check(item.ptr())) {
-            flatten_into(out, full.ptr(), item, dot);
+            if (PyDict_GET_SIZE(item.ptr()) == 0) {
+                path.push_back(key);
+                raise_format_error(Msg() << "leaf " << py_repr(c.leaf) << ": state key " << path_repr(path) << " of "
+                                         << py_repr(c.fqn) << " holds an empty dict, which has no flat key");
+            }
+            if (known_contains(c, full.ptr())) {  // keys below would read as that parameter's state
+                py::object escaped;
+                if (c.escape && part.ptr() == key.ptr()) escaped = escape_part(key);
+                py::object alt;
+                if (escaped) alt = concat({prefix, c.dot, escaped.ptr()});
+                if (!escaped || known_contains(c, alt.ptr())) {
+                    path.push_back(key);
+                    py::object owner = steal(PyUnicode_Substring(full.ptr(), c.state_len, PyUnicode_GET_LENGTH(full.ptr())));
+                    raise_format_error(Msg() << "leaf " << py_repr(c.leaf) << ": nested state " << path_repr(path)
+                                             << " of " << py_repr(c.fqn) << " would be read back as state of parameter "
+                                             << py_repr(owner) << (c.escape ? "" : "; save with format='packed'"));
+                }
+                full = std::move(alt);
+            }
+            path.push_back(key);
+            flatten_into(c, full.ptr(), item, path);
+            path.pop_back();
         } else {
-            check(PyDict_SetItem(out, full.ptr(), item.ptr()));
+            check(PyDict_SetItem(c.out, full.ptr(), item.ptr()));
         }
     });
 }
@@ -50,30 +173,42 @@ py::object setdefault_dict(py::handle node, py::handle key, bool* created = null
 
 }  // namespace
 
-py::object flatten_state(py::object state_fqn) {
+py::object flatten_state(py::object leaf, py::object state_fqn, py::object known_fqns, bool escape) {
     py::object out = steal(PyDict_New());
     py::object dot = steal(PyUnicode_FromString("."));
     py::object state_prefix = steal(PyUnicode_FromString("state."));
     iterate_items(state_fqn, [&](py::handle fqn, py::handle state) {
         if (!PyDict_Check(state.ptr())) {
-            raise_format_error(Msg() << "state of " << py_repr(fqn) << " is a " << type_name(state)
-                                     << ", expected a dict");
+            raise_format_error(Msg() << "leaf " << py_repr(leaf) << ": state of " << py_repr(fqn) << " is a "
+                                     << type_name(state) << ", expected a dict");
         }
         py::object fqn_str = fmt(fqn);
         py::object prefix = concat({state_prefix.ptr(), fqn_str.ptr()});
-        flatten_into(out.ptr(), prefix.ptr(), state, dot.ptr());
+        FlattenCtx ctx{out.ptr(), dot.ptr(), leaf, fqn, known_fqns, escape, 6};
+        std::vector<py::handle> path;
+        flatten_into(ctx, prefix.ptr(), state, path);
     });
     return out;
 }
 
-py::object flatten_groups(py::object groups_fqn) {
+py::object flatten_groups(py::object leaf, py::object groups_fqn) {
     py::object out = steal(PyDict_New());
     py::object dot = steal(PyUnicode_FromString("."));
     py::object head = steal(PyUnicode_FromString("param_groups."));
+    long gi = -1;
     iterate(groups_fqn, [&](py::handle entry) {
+        ++gi;
         py::object parts[2];
         unpack(entry, 2, parts);
         py::handle settings = parts[0];
+        iterate_items(settings, [&](py::handle key, py::handle) {
+            if (!is_part(key, false)) {
+                raise_format_error(Msg() << "leaf " << py_repr(leaf) << " group " << gi << ": setting key "
+                                         << py_repr(key)
+                                         << " cannot be written in the flat format (a key must be a str without '.'); "
+                                            "save with format='packed'");
+            }
+        });
         iterate(parts[1], [&](py::handle fqn) {
             py::object prefix;  // "param_groups.{fqn}." built on the first key
             iterate_items(settings, [&](py::handle key, py::handle value) {
@@ -139,6 +274,10 @@ py::tuple unflatten(py::object flat, py::object known_fqns) {
         }
     });
 
+    if (PyCallable_Check(known_fqns.ptr())) {
+        known_fqns = steal(PyObject_CallFunctionObjArgs(known_fqns.ptr(), packed.ptr(), nullptr));
+    }
+    const bool unescape = PyDict_GET_SIZE(packed.ptr()) > 0;
     py::object state_by_fqn = steal(PyDict_New());
     std::unordered_set<PyObject*> owned;  // dicts built here (all alive in state_by_fqn until we return)
     py::object dot_str = steal(PyUnicode_FromString("."));
@@ -175,12 +314,22 @@ py::tuple unflatten(py::object flat, py::object known_fqns) {
         py::object last;
         const Py_ssize_t next_dot = PyUnicode_FindChar(k, '.', dot + 1, len, 1);
         if (next_dot == -2) throw py::error_already_set();
+        auto decoded = [&](py::object part) {
+            if (unescape && starts_with(part.ptr(), "~", 1)) return unescape_part(part, kv.first);
+            return part;
+        };
         if (next_dot == -1) {
-            last = steal(PyUnicode_Substring(k, dot + 1, len));
+            last = decoded(steal(PyUnicode_Substring(k, dot + 1, len)));
         } else {
             py::object rest = steal(PyUnicode_Substring(k, dot + 1, len));
             py::object parts = steal(PyUnicode_Split(rest.ptr(), dot_str.ptr(), -1));
             const Py_ssize_t n_parts = PyList_GET_SIZE(parts.ptr());
+            if (unescape) {
+                for (Py_ssize_t i = 0; i < n_parts; ++i) {
+                    py::object part = decoded(borrow(PyList_GET_ITEM(parts.ptr(), i)));
+                    check(PyList_SetItem(parts.ptr(), i, part.release().ptr()));
+                }
+            }
             for (Py_ssize_t i = 0; i + 1 < n_parts; ++i) {
                 PyObject* part = PyList_GET_ITEM(parts.ptr(), i);
                 py::object child = setdefault_dict(node, part, &created);

@@ -135,15 +135,28 @@ py::tuple fqn_tables(py::object named) {
         py::object key = steal(PyLong_FromVoidPtr(t[2].ptr()));
         PyObject* found = PyDict_GetItemWithError(fqn_of.ptr(), key.ptr());
         py::object primary;
+        py::object fqn = t[1];
         if (found == nullptr) {
             if (PyErr_Occurred()) throw py::error_already_set();
-            check(PyDict_SetItem(fqn_of.ptr(), key.ptr(), t[1].ptr()));
-            check(PyDict_SetItem(param_of.ptr(), t[1].ptr(), t[2].ptr()));
-            primary = t[1];
+            int taken = PyDict_Contains(param_of.ptr(), fqn.ptr());
+            check(taken);
+            if (taken) {  // another parameter has this canonical name: keep the raw one
+                taken = PyDict_Contains(param_of.ptr(), t[0].ptr());
+                check(taken);
+                if (taken) {
+                    raise_mismatch_error(Msg() << "parameter " << py_repr(t[0]) << " and another parameter both have the FQN "
+                                               << py_repr(fqn) << " and " << py_repr(t[0])
+                                               << " is taken too; rename one of them");
+                }
+                fqn = t[0];
+            }
+            check(PyDict_SetItem(fqn_of.ptr(), key.ptr(), fqn.ptr()));
+            check(PyDict_SetItem(param_of.ptr(), fqn.ptr(), t[2].ptr()));
+            primary = fqn;
         } else {
             primary = borrow(found);
         }
-        if (PyDict_SetDefault(canonical.ptr(), t[1].ptr(), primary.ptr()) == nullptr) throw py::error_already_set();
+        if (PyDict_SetDefault(canonical.ptr(), fqn.ptr(), primary.ptr()) == nullptr) throw py::error_already_set();
         if (PyDict_SetDefault(canonical.ptr(), t[0].ptr(), primary.ptr()) == nullptr) throw py::error_already_set();
     });
     return py::make_tuple(fqn_of, canonical, param_of);

@@ -29,11 +29,11 @@ from collections.abc import Callable, Mapping
 from typing import Any
 
 from .errors import CheckpointFormatError, CheckpointMismatchError, UnsupportedStateDictError
+from .format import ESCAPE, PACKED_MARKER, escape_part, is_flat_part, is_plain_part, unescape_part
 
 MAGIC = b"SCKT"
 VERSION = 1
 MAX_DEPTH = 32
-PACKED_MARKER = "__packed__"
 
 _TAG_NONE = 0
 _TAG_FALSE = 1
@@ -116,7 +116,8 @@ def fqn_tables(named: Any) -> tuple[dict[int, str], dict[str, str], dict[str, An
 
     ``fqn_of``: ``id(param)`` -> its first canonical name; ``canonical``: every canonical and raw
     name -> the first canonical name of its parameter (first wins); ``param_of``: first canonical
-    name -> param.
+    name -> param. A parameter whose canonical name already names another parameter (a root
+    ``w`` and a compiled ``_orig_mod.w``) keeps its raw name as FQN, so no two parameters share one.
     """
     fqn_of: dict[int, str] = {}
     canonical: dict[str, str] = {}
@@ -124,6 +125,13 @@ def fqn_tables(named: Any) -> tuple[dict[int, str], dict[str, str], dict[str, An
     for raw, fqn, param in named:
         primary = fqn_of.get(id(param))
         if primary is None:
+            if fqn in param_of:  # another parameter has this canonical name: keep the raw one
+                if raw in param_of:
+                    raise CheckpointMismatchError(
+                        f"parameter {raw!r} and another parameter both have the FQN {fqn!r} "
+                        f"and {raw!r} is taken too; rename one of them"
+                    )
+                fqn = raw
             fqn_of[id(param)] = fqn
             param_of[fqn] = param
             primary = fqn
@@ -222,29 +230,93 @@ def remap_to_fqns(
 # --------------------------------------------------------------------------- flat keys
 
 
-def _flatten_into(out: dict[str, Any], prefix: str, value: Mapping[Any, Any]) -> None:
+def _state_part(leaf: str, fqn: str, key: Any, path: tuple[Any, ...], escape: bool) -> str:
+    """The flat-key form of one state key part (escaped in the packed format), or raise."""
+    if is_plain_part(key):
+        return key
+    if escape:
+        escaped = escape_part(key)
+        if escaped is not None:
+            return escaped
+        raise CheckpointFormatError(
+            f"leaf {leaf!r}: state key {_path_repr((*path, key))} of {fqn!r} is a {type(key).__name__}; "
+            "state keys must be str or int"
+        )
+    if is_flat_part(key):
+        return key
+    raise CheckpointFormatError(
+        f"leaf {leaf!r}: state key {_path_repr((*path, key))} of {fqn!r} cannot be written in the flat "
+        "format (a key must be a str without '.'); save with format='packed'"
+    )
+
+
+def _path_repr(path: tuple[Any, ...]) -> str:
+    return " -> ".join(repr(k) for k in path)
+
+
+def _flatten_into(
+    out: dict[str, Any],
+    prefix: str,
+    value: Mapping[Any, Any],
+    leaf: str,
+    fqn: str,
+    path: tuple[Any, ...],
+    known_fqns: Any,
+    escape: bool,
+) -> None:
     for key, item in value.items():
-        full = f"{prefix}.{key}"
+        part = _state_part(leaf, fqn, key, path, escape)
+        full = f"{prefix}.{part}"
         if isinstance(item, dict):
-            _flatten_into(out, full, item)
+            if not item:
+                raise CheckpointFormatError(
+                    f"leaf {leaf!r}: state key {_path_repr((*path, key))} of {fqn!r} holds an empty dict, "
+                    "which has no flat key"
+                )
+            if full[len("state.") :] in known_fqns:  # keys below would read as that parameter's state
+                escaped = escape_part(key) if escape and part is key else None
+                if escaped is None or f"{prefix}.{escaped}"[len("state.") :] in known_fqns:
+                    raise CheckpointFormatError(
+                        f"leaf {leaf!r}: nested state {_path_repr((*path, key))} of {fqn!r} would be read back as "
+                        f"state of parameter {full[len('state.') :]!r}"
+                        + ("" if escape else "; save with format='packed'")
+                    )
+                full = f"{prefix}.{escaped}"
+            _flatten_into(out, full, item, leaf, fqn, (*path, key), known_fqns, escape)
         else:
             out[full] = item
 
 
-def flatten_state(state_fqn: Mapping[str, Any]) -> dict[str, Any]:
-    """``state.{fqn}.{key}`` for every state entry; nested dicts are flattened with ``.``."""
+def flatten_state(leaf: str, state_fqn: Mapping[str, Any], known_fqns: Any, escape: bool) -> dict[str, Any]:
+    """``state.{fqn}.{key}`` for every state entry; nested dicts are flattened with ``.``.
+
+    ``escape=True`` (packed format) escapes key parts that are not plain (see
+    :mod:`sparse_ckpt.format`) and nested parts whose dotted path is in ``known_fqns`` (another
+    parameter's FQN); ``escape=False`` (flat format) refuses them. Empty nested dicts are refused
+    (no flat key can hold them); an empty top-level state dict emits nothing (no state).
+    """
     out: dict[str, Any] = {}
     for fqn, state in state_fqn.items():
         if not isinstance(state, dict):
-            raise CheckpointFormatError(f"state of {fqn!r} is a {type(state).__name__}, expected a dict")
-        _flatten_into(out, f"state.{fqn}", state)
+            raise CheckpointFormatError(f"leaf {leaf!r}: state of {fqn!r} is a {type(state).__name__}, expected a dict")
+        _flatten_into(out, f"state.{fqn}", state, leaf, fqn, (), known_fqns, escape)
     return out
 
 
-def flatten_groups(groups_fqn: list[tuple[dict, list[str]]]) -> dict[str, Any]:
-    """``param_groups.{fqn}.{key}`` for every parameter of every group (DSD's flat layout)."""
+def flatten_groups(leaf: str, groups_fqn: list[tuple[dict, list[str]]]) -> dict[str, Any]:
+    """``param_groups.{fqn}.{key}`` for every parameter of every group (DSD's flat layout).
+
+    A setting key that is not a ``str`` or contains ``.`` cannot be read back from that layout
+    and is refused.
+    """
     out: dict[str, Any] = {}
-    for settings, fqns in groups_fqn:
+    for gi, (settings, fqns) in enumerate(groups_fqn):
+        for key, _value in settings.items():  # noqa: PERF102 - .items(), as the C++ twin reads a mapping
+            if not is_flat_part(key):
+                raise CheckpointFormatError(
+                    f"leaf {leaf!r} group {gi}: setting key {key!r} cannot be written in the flat format "
+                    "(a key must be a str without '.'); save with format='packed'"
+                )
         for fqn in fqns:
             for key, value in settings.items():
                 out[f"param_groups.{fqn}.{key}"] = value
@@ -252,7 +324,7 @@ def flatten_groups(groups_fqn: list[tuple[dict, list[str]]]) -> dict[str, Any]:
 
 
 def unflatten(
-    flat: Mapping[str, Any], known_fqns: Mapping[str, Any]
+    flat: Mapping[str, Any], known_fqns: Any
 ) -> tuple[dict[str, dict], dict[str, dict], dict[str, bytes], list[str]]:
     """Split a flat/packed optimizer dict into its parts.
 
@@ -260,8 +332,12 @@ def unflatten(
       * ``param_groups.{fqn}.{key}`` -> ``settings_by_fqn[fqn][key]`` (split at the last dot);
       * ``param_groups.__packed__.{rest}`` -> ``packed_tables[rest]`` (must be bytes);
       * ``state.{fqn}.{k1}.{k2}`` -> ``state_by_fqn[fqn][k1][k2]``, where ``fqn`` is the longest
-        prefix that is in ``known_fqns`` or among the flat param-group FQNs;
-      * every other key, and state keys with no known FQN, -> ``unmatched_keys`` (input order).
+        prefix that is in ``known_fqns`` or among the flat param-group FQNs. ``known_fqns`` is a
+        dict or set, or a callable that is given ``packed_tables`` once they are split off and
+        returns one (so state resolves against the FQNs the checkpoint's own tables list). When
+        there are packed tables, key parts starting with ``~`` are unescaped (see
+        :mod:`sparse_ckpt.format`);
+      * every other key, and state keys with no known FQN, -> ``unmatched_keys``.
     Each key is resolved with O(depth) hash lookups; there are no prefix scans. ``flat`` is never
     modified: a dict value that nested keys extend (``state.w.a`` = ``{...}`` and ``state.w.a.b``)
     is copied (``.copy()``) before it is written into.
@@ -291,6 +367,9 @@ def unflatten(
             settings_by_fqn.setdefault(body[:dot], {})[body[dot + 1 :]] = value
         else:
             unmatched.append(key)
+    if callable(known_fqns):
+        known_fqns = known_fqns(packed)
+    unescape = bool(packed)
     state_by_fqn: dict[str, dict] = {}
     owned: set[int] = set()  # ids of the dicts built here (all alive in state_by_fqn until we return)
     for key in state_keys:
@@ -306,7 +385,9 @@ def unflatten(
         if fqn is None:
             unmatched.append(key)
             continue
-        parts = body[dot + 1 :].split(".")
+        parts: list[Any] = body[dot + 1 :].split(".")
+        if unescape:
+            parts = [unescape_part(p, key) if p.startswith(ESCAPE) else p for p in parts]
         node = state_by_fqn.get(fqn)
         if node is None:
             node = state_by_fqn[fqn] = {}

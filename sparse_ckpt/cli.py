@@ -340,9 +340,9 @@ def convert_optimizer(
                     prev = seen.setdefault(fqn, group.blob)
                     if prev != group.blob:
                         raise CheckpointMismatchError(f"conflicting saved settings for parameter {fqn!r}")
-                out.update(core.flatten_groups([(group.settings, group.fqns)]))
+                out.update(core.flatten_groups(name, [(group.settings, group.fqns)]))
         for group in flat_groups:
-            out.update(core.flatten_groups([(group.settings, group.fqns)]))
+            out.update(core.flatten_groups(_FLAT_LEAF_IN_MIXED, [(group.settings, group.fqns)]))
     elif to == "packed":
         for key, value in values.items():
             if key.startswith(_PACKED_PREFIX):

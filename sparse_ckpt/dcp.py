@@ -34,9 +34,9 @@ from torch.distributed.checkpoint.planner import ReadItem
 from torch.distributed.tensor import DTensor
 from torch.distributed.tensor import empty as dtensor_empty
 
-from ._core_py import PACKED_MARKER
 from .checkpoint_io import metadata_path, set_path
 from .errors import CheckpointFormatError, CheckpointMismatchError
+from .format import GROUPS_PREFIX, PACKED_PREFIX, PLANNER_GUARD_KEY, STATE_PREFIX, owner_fqn
 from .fqn import FqnMap, build_fqn_map
 from .leaves import named_leaves
 from .load import load_sparse_state_dict
@@ -45,7 +45,44 @@ from .save import FORMATS, Format, sparse_state_dict
 __all__ = ["SparseLoadPlanner", "SparseOptimizerState", "SparseStateDict"]
 
 _PLANNER_HINT = "pass planner=sparse_ckpt.SparseLoadPlanner() to dcp.load"
-_PACKED_PREFIX = f"param_groups.{PACKED_MARKER}."
+
+
+class _PlannerGuard(torch.Tensor):
+    """A one-element tensor that refuses to be a load target (see :data:`PLANNER_GUARD_KEY`).
+
+    Saved, it is an ordinary ``uint8`` tensor item (DCP writes a plain copy, so the checkpoint
+    holds no custom class). As a load target it raises while ``DefaultLoadPlanner`` plans the
+    reads -- before any byte reaches the optimizer's live tensors -- with a message naming
+    :class:`SparseLoadPlanner`, which drops it from the target instead.
+    """
+
+    @staticmethod
+    def make() -> _PlannerGuard:
+        return torch.Tensor._make_subclass(_PlannerGuard, torch.ones(1, dtype=torch.uint8))  # type: ignore[return-value]
+
+    def plain(self) -> torch.Tensor:
+        """The value as a plain tensor."""
+        return torch.ones(1, dtype=torch.uint8)
+
+    def __get_tensor_shard__(self, index: Any) -> torch.Tensor:  # DCP save: what to write
+        return self.plain()
+
+    def __create_chunk_list__(self) -> Any:  # DCP load planning: refuse
+        raise CheckpointMismatchError(
+            "a sparse_ckpt optimizer state (SparseOptimizerState or MultiOptimizer) can only be loaded with "
+            "its planner, which builds the load target from the checkpoint; " + _PLANNER_HINT
+        )
+
+    def __reduce_ex__(self, protocol: Any) -> Any:  # pickle and deepcopy: a plain tensor
+        return self.plain().__reduce_ex__(protocol)
+
+    def __deepcopy__(self, memo: Any) -> torch.Tensor:
+        return self.plain()
+
+    @classmethod
+    def __torch_function__(cls, func: Any, types: Any, args: Any = (), kwargs: Any = None) -> Any:
+        # Any torch operation on the guard (async staging copies it) yields plain tensors.
+        return super().__torch_function__(func, (torch.Tensor,), args, kwargs or {})
 
 
 class SparseStateDict(dict):
@@ -55,26 +92,28 @@ class SparseStateDict(dict):
     sets ``planned``. Pickling and (deep) copies produce a plain ``dict`` of the same items.
     """
 
-    __slots__ = ("needs_plan", "owner", "planned", "unresolved")
+    __slots__ = ("owner", "planned", "unresolved")
 
-    def __init__(self, items: Mapping[str, Any], owner: SparseOptimizerState, needs_plan: bool) -> None:
+    def __init__(self, items: Mapping[str, Any], owner: SparseOptimizerState) -> None:
         super().__init__(items)
         self.owner = owner
         self.planned = False
-        self.needs_plan = needs_plan
-        """The optimizer had a parameter without state when the dict was made."""
         self.unresolved: list[str] = []
         """Checkpoint state keys the planner skipped whose FQN it could not attribute to anyone."""
 
     def __reduce_ex__(self, protocol: Any) -> tuple[Any, ...]:
-        return (dict, (), None, None, iter(self.items()))
+        return (dict, (), None, None, iter(self.copy().items()))
 
     def __reduce__(self) -> tuple[Any, ...]:
         return self.__reduce_ex__(2)
 
     def copy(self) -> dict[str, Any]:  # type: ignore[override]
-        """A plain ``dict`` with the same items."""
-        return dict(self)
+        """A plain ``dict`` with the same items (the planner guard as a plain tensor)."""
+        out = dict(self)
+        guard = out.get(PLANNER_GUARD_KEY)
+        if isinstance(guard, _PlannerGuard):
+            out[PLANNER_GUARD_KEY] = guard.plain()
+        return out
 
 
 class SparseOptimizerState:
@@ -102,39 +141,28 @@ class SparseOptimizerState:
         self.strict = strict
 
     def state_dict(self) -> SparseStateDict:
-        """The sparse optimizer dict (see :func:`sparse_ckpt.sparse_state_dict`), tagged for the planner."""
-        sd = sparse_state_dict(self.model, self.optimizer, format=self.format)
-        return SparseStateDict(sd, self, self._has_stateless_param())
+        """The sparse optimizer dict (see :func:`sparse_ckpt.sparse_state_dict`), tagged for the planner.
+
+        It also holds the planner guard (:data:`sparse_ckpt.format.PLANNER_GUARD_KEY`): a tiny
+        tensor item that makes ``dcp.load`` without :class:`SparseLoadPlanner` fail while planning,
+        before DCP reads anything into the optimizer's live state tensors.
+        """
+        sd: dict[str, Any] = {PLANNER_GUARD_KEY: _PlannerGuard.make()}  # first: DCP plans keys in order
+        sd.update(sparse_state_dict(self.model, self.optimizer, format=self.format))
+        return SparseStateDict(sd, self)
 
     def load_state_dict(self, state_dict: Mapping[str, Any]) -> None:
         """Restore from what DCP read (see :func:`sparse_ckpt.load_sparse_state_dict`).
 
-        Refuses a :class:`SparseStateDict` that :class:`SparseLoadPlanner` did not plan when the
-        optimizer had a parameter without state: DCP would have read only the keys the target
-        already had, so state saved for that parameter would be silently dropped.
+        The planner guard entry is ignored. Transactional: on any error the optimizer is as it was.
         """
-        data: Mapping[str, Any] = state_dict
-        if isinstance(state_dict, SparseStateDict):
-            if not state_dict.planned and state_dict.needs_plan:
-                raise CheckpointMismatchError(
-                    "this optimizer has parameters without state, and the load target was not built from the "
-                    "checkpoint, so state saved for them would be silently dropped; " + _PLANNER_HINT
-                )
-            if state_dict.unresolved:
-                data = dict(state_dict)
-                data.update(dict.fromkeys(state_dict.unresolved))
+        data = dict(state_dict)
+        data.pop(PLANNER_GUARD_KEY, None)
+        if isinstance(state_dict, SparseStateDict) and state_dict.unresolved:
+            data.update(dict.fromkeys(state_dict.unresolved))
         load_sparse_state_dict(
             self.model, self.optimizer, data, strict=self.strict, allow_unowned=_multi_rank()
         )
-
-    def _has_stateless_param(self) -> bool:
-        for _leaf, opt in named_leaves(self.optimizer):
-            state = opt.state
-            for group in opt.param_groups:
-                for p in group["params"]:
-                    if not state.get(p):
-                        return True
-        return False
 
     def __reduce_ex__(self, protocol: Any) -> Any:
         raise TypeError(
@@ -181,31 +209,36 @@ class SparseLoadPlanner(DefaultLoadPlanner):
     ) -> None:
         """Rebuild the optimizer sub-dicts from ``metadata``, then set up as ``DefaultLoadPlanner``."""
         targets = list(_find_targets(state_dict, ()))
+        self._optimizer_keys: set[str] = set()
         if targets and metadata is not None:
             paths = {key: metadata_path(metadata, key) for key in metadata.state_dict_metadata}
             for path, target in targets:
-                _rebuild_target(path, target, metadata, paths)
+                self._optimizer_keys.update(_rebuild_target(path, target, metadata, paths))
         super().set_up_planner(state_dict, metadata, is_coordinator)
 
     def load_bytes(self, read_item: ReadItem, value: io.BytesIO) -> None:
-        """Read packed group tables with ``torch.load(weights_only=True)``; other items as DCP does.
+        """Read every non-tensor optimizer item with ``torch.load(weights_only=True)``; others as DCP does.
 
         ``DefaultLoadPlanner.load_bytes`` unpickles every bytes item with ``weights_only=False``,
-        so a tampered table item could run code before the table decoder ever sees it. A table is
-        plain ``bytes``; anything else under a packed key is a :class:`CheckpointFormatError`.
+        so a tampered optimizer item could run code before the library ever sees it. Packed group
+        tables must be plain ``bytes``; flat ``param_groups`` values and non-tensor state values
+        may be anything the restricted unpickler accepts. Refusals are
+        :class:`CheckpointFormatError` naming the key.
         """
-        if _PACKED_PREFIX in read_item.dest_index.fqn:
-            value = _plain_bytes_item(read_item.dest_index.fqn, value)
+        key = read_item.dest_index.fqn
+        if key in getattr(self, "_optimizer_keys", ()) or PACKED_PREFIX in key:
+            value = _weights_only_item(key, value, table=PACKED_PREFIX in key)
         super().load_bytes(read_item, value)
 
 
-def _plain_bytes_item(key: str, value: io.BytesIO) -> io.BytesIO:
-    """Check that a DCP bytes item holds plain ``bytes``; return a fresh stream of it for DCP."""
+def _weights_only_item(key: str, value: io.BytesIO, table: bool) -> io.BytesIO:
+    """Unpickle a DCP bytes item with ``weights_only=True``; return a fresh stream of it for DCP."""
+    what = "packed group table" if table else "optimizer item"
     try:
         obj = torch.load(value, weights_only=True)
     except Exception as exc:  # noqa: BLE001 - any refusal of the restricted unpickler
-        raise CheckpointFormatError(f"packed group table {key!r} is not a plain bytes item ({exc})") from None
-    if not isinstance(obj, bytes):
+        raise CheckpointFormatError(f"{what} {key!r} is not a plain data item ({exc})") from None
+    if table and not isinstance(obj, bytes):
         raise CheckpointFormatError(f"packed group table {key!r} holds a {type(obj).__name__}, expected bytes")
     out = io.BytesIO()
     torch.save(obj, out)
@@ -236,13 +269,15 @@ def _rebuild_target(
     target: SparseStateDict,
     metadata: Metadata,
     paths: Mapping[str, tuple[str | int, ...]],
-) -> None:
+) -> list[str]:
+    """Replace ``target``'s content by the checkpoint's entries under ``path``; returns their
+    flattened DCP keys (the items this optimizer dict reads)."""
     depth = len(path)
-    entries: list[tuple[tuple[str | int, ...], Any]] = []
+    entries: list[tuple[tuple[str | int, ...], Any, str]] = []
     for key, md in metadata.state_dict_metadata.items():
         p = paths[key]
-        if len(p) > depth and p[:depth] == path and isinstance(p[depth], str):
-            entries.append((p[depth:], md))
+        if len(p) > depth and p[:depth] == path and isinstance(p[depth], str) and p[depth] != PLANNER_GUARD_KEY:
+            entries.append((p[depth:], md, key))
     where = ".".join(map(str, path))
     if not entries:
         raise CheckpointMismatchError(
@@ -250,26 +285,29 @@ def _rebuild_target(
         )
     fmap = build_fqn_map(target.owner.model)
     flat_fqns = {
-        str(rel[0])[len("param_groups.") :].rpartition(".")[0]
-        for rel, _md in entries
-        if str(rel[0]).startswith("param_groups.") and not str(rel[0]).startswith(_PACKED_PREFIX)
+        str(rel[0])[len(GROUPS_PREFIX) :].rpartition(".")[0]
+        for rel, _md, _key in entries
+        if str(rel[0]).startswith(GROUPS_PREFIX) and not str(rel[0]).startswith(PACKED_PREFIX)
     }
     new: dict[str, Any] = {}
+    keys: list[str] = []
     unresolved: list[str] = []
-    for rel, md in entries:
+    for rel, md, key in entries:
         inner = str(rel[0])
         value: Any
-        if inner.startswith(_PACKED_PREFIX):
+        if inner.startswith(PACKED_PREFIX):
             value = _allocate(md, None, "")
-        elif inner.startswith("param_groups."):
-            fqn = inner[len("param_groups.") :].rpartition(".")[0]
+        elif inner.startswith(GROUPS_PREFIX):
+            fqn = inner[len(GROUPS_PREFIX) :].rpartition(".")[0]
             if fqn and fqn not in fmap.canonical:
                 continue  # another rank's parameter
             value = _allocate(md, None, "")
-        elif inner.startswith("state."):
-            fqn = _longest_prefix(inner[len("state.") :], fmap.canonical)
+        elif inner.startswith(STATE_PREFIX):
+            # Which local parameter's buffer to allocate like: a guess by the target's FQNs (the
+            # tables are not read yet); the load resolves every key by the checkpoint's own FQNs.
+            fqn = owner_fqn(inner[len(STATE_PREFIX) :], fmap.canonical)
             if fqn is None:
-                if _longest_prefix(inner[len("state.") :], flat_fqns) is None:
+                if owner_fqn(inner[len(STATE_PREFIX) :], flat_fqns) is None:
                     unresolved.append(inner)
                 continue  # another rank's parameter (or nobody's: unresolved, checked on load)
             key_leaf = inner.rpartition(".")[2] if len(rel) == 1 else str(rel[-1])
@@ -277,25 +315,16 @@ def _rebuild_target(
         else:
             value = _allocate(md, None, "")
         set_path(new, rel, value)
+        keys.append(key)
     target.clear()
     target.update(new)
     target.planned = True
     target.unresolved = unresolved
+    return keys
 
 
 def _param(fmap: FqnMap, fqn: str) -> torch.Tensor:
     return fmap.param_of[fmap.canonical[fqn]]
-
-
-def _longest_prefix(body: str, known: Mapping[str, Any] | set[str]) -> str | None:
-    """Longest proper dotted prefix of ``body`` that is in ``known``."""
-    dot = body.rfind(".")
-    while dot > 0:
-        candidate = body[:dot]
-        if candidate in known:
-            return candidate
-        dot = body.rfind(".", 0, dot)
-    return None
 
 
 def _allocate(md: Any, like: torch.Tensor | None, key_leaf: str) -> Any:

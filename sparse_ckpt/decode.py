@@ -15,8 +15,8 @@ import torch
 from . import _backend
 from ._tensor_parts import parts_to_tensor, tensor_to_parts
 from .errors import CheckpointFormatError, CheckpointMismatchError
+from .format import PACKED_PREFIX, split_table_key, table_digest
 from .fqn import FqnMap
-from .save import table_digest
 
 
 @dataclass
@@ -41,6 +41,9 @@ class DecodedCheckpoint:
     for FQNs whose saved group had ``param_names``; ``None`` when the entry is not known.
     ``param_names`` is per-parameter metadata, so it is kept out of the interned settings: two
     groups that differ only in their names do not conflict, and names follow FQNs on load."""
+    names_list_of: dict[str, list] = field(default_factory=dict)
+    """Flat format: canonical FQN -> its saved group's whole ``param_names`` list (DSD's flat layout
+    repeats the list for every FQN of the group, without positions)."""
 
 
 def fmt_list(items: list[str], limit: int = 10) -> str:
@@ -50,19 +53,38 @@ def fmt_list(items: list[str], limit: int = 10) -> str:
     return f"{shown} (+{more} more)" if more > 0 else shown
 
 
-def split_table_key(rest: str) -> tuple[str, str]:
-    """``"{leaf}.{digest}"`` -> ``(leaf, digest)``."""
-    leaf, dot, digest = rest.rpartition(".")
-    if not dot or not leaf or not digest:
-        raise CheckpointFormatError(f"packed group table key 'param_groups.__packed__.{rest}' has no leaf/digest")
-    return leaf, digest
-
-
 def decode_checkpoint(state_dict: Mapping[str, Any], fmap: FqnMap) -> DecodedCheckpoint:
-    """Split and decode ``state_dict`` (packed and/or flat entries) against ``fmap``."""
+    """Split and decode ``state_dict`` (packed and/or flat entries) against ``fmap``.
+
+    State keys are resolved against the checkpoint's own FQNs (those its tables or flat
+    param-group entries list, and the model's aliases of them), never against the target model's
+    other FQNs, so one parameter's state can never land on another whose FQN is a prefix of the
+    saved key.
+    """
+    _refuse_other_layouts(state_dict)
     core = _backend.core
-    settings_raw, state_raw, tables, unmatched = core.unflatten(state_dict, fmap.canonical)
-    out = DecodedCheckpoint(unmatched_keys=list(unmatched), has_tables=bool(tables))
+    decoded: list[tuple[str, str, list[dict], list[bytes], list[tuple[int, list[str]]]]] = []
+
+    def table_fqns(tables: dict[str, bytes]) -> set[str]:
+        fqns: set[str] = set()
+        for rest, table in tables.items():
+            leaf, digest = split_table_key(rest)
+            if table_digest(table) != digest:
+                raise CheckpointFormatError(
+                    f"leaf {leaf!r}: group table '{PACKED_PREFIX}{rest}' does not match its digest "
+                    "(corrupt or edited checkpoint)"
+                )
+            settings, blobs, groups = core.decode_table(leaf, table, parts_to_tensor)
+            decoded.append((rest, leaf, settings, blobs, groups))
+            for _idx, group_fqns in groups:
+                fqns.update(group_fqns)
+        if len(fmap.canonical) > len(fmap.param_of):  # the model has aliases (tied or wrapped names)
+            saved = {fmap.resolve(f) for f in fqns}
+            fqns.update(alias for alias, canon in fmap.canonical.items() if canon in saved)
+        return fqns
+
+    settings_raw, state_raw, _tables, unmatched = core.unflatten(state_dict, table_fqns)
+    out = DecodedCheckpoint(unmatched_keys=list(unmatched), has_tables=bool(decoded))
     interned: dict[bytes, dict] = {}
     source_of: dict[str, str] = {}
 
@@ -82,17 +104,9 @@ def decode_checkpoint(state_dict: Mapping[str, Any], fmap: FqnMap) -> DecodedChe
             )
         return canon
 
-    for rest, table in tables.items():
-        leaf, digest = split_table_key(rest)
-        if table_digest(table) != digest:
-            raise CheckpointFormatError(
-                f"leaf {leaf!r}: group table 'param_groups.__packed__.{rest}' does not match its digest "
-                "(corrupt or edited checkpoint)"
-            )
-        settings, blobs, groups = core.decode_table(leaf, table, parts_to_tensor)
+    for _rest, leaf, settings, blobs, groups in decoded:
         if leaf not in out.table_leaves:
             out.table_leaves.append(leaf)
-        seen: dict[str, int] = {}  # torch forbids a parameter in two groups, so a table lists each FQN once
         unnamed: dict[int, dict] = {}
         for gi, (idx, fqns) in enumerate(groups):
             if fqns and "param_names" in settings[idx]:
@@ -114,14 +128,9 @@ def decode_checkpoint(state_dict: Mapping[str, Any], fmap: FqnMap) -> DecodedChe
                     raise CheckpointMismatchError(
                         f"leaf {leaf!r} group {gi}: tables of different ranks disagree on this empty group's settings"
                     )
+            # A parameter may sit in two groups of one leaf (torch allows it): the settings must agree.
             source = f"table of leaf {leaf!r} group {gi}"  # once per group, not per parameter
             for fqn in fqns:
-                first = seen.get(fqn)
-                if first is not None:
-                    raise CheckpointFormatError(
-                        f"leaf {leaf!r} group {gi}: FQN {fqn!r} is listed twice (first in group {first})"
-                    )
-                seen[fqn] = gi
                 out.table_leaf_of.setdefault(put_settings(fqn, s, source), leaf)
 
     for fqn, raw in settings_raw.items():
@@ -131,6 +140,7 @@ def decode_checkpoint(state_dict: Mapping[str, Any], fmap: FqnMap) -> DecodedChe
             name = None
             if isinstance(names, (list, tuple)):
                 name = fqn if fqn in names else names[0] if len(names) == 1 else None
+                out.names_list_of[fmap.resolve(fqn)] = list(names)
             out.names_of.setdefault(fmap.resolve(fqn), name if isinstance(name, str) else None)
         blob = core.encode_settings(f"flat:{fqn}", 0, raw, torch.Tensor, tensor_to_parts)
         put_settings(fqn, intern(blob, raw), f"flat entries of {fqn!r}")
@@ -143,3 +153,25 @@ def decode_checkpoint(state_dict: Mapping[str, Any], fmap: FqnMap) -> DecodedChe
             )
         out.state_of[canon] = state
     return out
+
+
+def _refuse_other_layouts(state_dict: Mapping[str, Any]) -> None:
+    """A torch ``Optimizer.state_dict()`` (or DSD's nested one) is not a sparse dict: say so."""
+    if not (isinstance(state_dict, Mapping) and "state" in state_dict and "param_groups" in state_dict):
+        return
+    state, groups = state_dict["state"], state_dict["param_groups"]
+    if not (isinstance(state, Mapping) and isinstance(groups, (list, tuple))):
+        return
+    keys = list(state)[:1] + [p for g in groups[:1] if isinstance(g, Mapping) for p in list(g.get("params", []))[:1]]
+    if any(isinstance(k, int) for k in keys) or (not keys and all(isinstance(g, Mapping) for g in groups)):
+        raise CheckpointFormatError(
+            "this is a torch.optim.Optimizer.state_dict() (int-keyed 'state' and a 'param_groups' list), not a "
+            "sparse_ckpt dict: load it with optimizer.load_state_dict(sd), or save with "
+            "sparse_ckpt.sparse_state_dict(model, optimizer) to get a dict load_sparse_state_dict reads"
+        )
+    raise CheckpointFormatError(
+        "this is a nested FQN-keyed optimizer dict ('state' and 'param_groups' entries, as torch DSD's "
+        "get_optimizer_state_dict returns without flatten_optimizer_state_dict=True), not a sparse_ckpt dict: "
+        "load it with torch.distributed.checkpoint.state_dict.set_optimizer_state_dict, or produce a flat one "
+        "with StateDictOptions(flatten_optimizer_state_dict=True), which load_sparse_state_dict reads"
+    )

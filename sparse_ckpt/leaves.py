@@ -11,8 +11,6 @@ from typing import Any
 
 import torch
 
-from .errors import CheckpointFormatError
-
 SINGLE_LEAF = "optim"
 
 
@@ -32,5 +30,5 @@ def named_leaves(optimizer: Any) -> list[tuple[str, torch.optim.Optimizer]]:
         )
     for name, _opt in pairs:
         if not isinstance(name, str) or not name:
-            raise CheckpointFormatError(f"leaf name {name!r} is not a non-empty string")
+            raise ValueError(f"leaf name {name!r} is not a non-empty string")
     return pairs

@@ -16,7 +16,7 @@ from . import _backend
 from ._gc import gc_paused
 from .apply import commit_prepared, copy_settings, is_immutable, prepare_packed, rollback, run_post_hooks, snapshot
 from .decode import DecodedCheckpoint, decode_checkpoint, fmt_list
-from .errors import CheckpointMismatchError
+from .errors import CheckpointMismatchError, SparseCheckpointError
 from .fqn import FqnMap, build_fqn_map
 from .leaves import named_leaves
 
@@ -38,18 +38,23 @@ def _target_fqns(leaf: str, optimizer: torch.optim.Optimizer, fmap: FqnMap) -> l
 
 def _check_state_shapes(leaf: str, fqn: str, param: torch.Tensor, state: Any, path: str = "") -> None:
     """A saved state tensor with the param's rank must have the param's shape (dims of 1 allowed,
-    for Adafactor's factored row/col variance), and be complex exactly when the param is."""
+    for Adafactor's factored row/col variance); one of another rank must not have the param's
+    number of elements (``(16,)`` or ``(1, 4, 4)`` for a ``(4, 4)`` param: the same values in the
+    wrong layout) unless it is 0-d; and it must be complex exactly when the param is."""
     if not isinstance(state, dict):
         return
     pshape = param.shape
     pcomplex = param.is_complex()
+    pnumel = param.numel()
     for key, value in state.items():
         if isinstance(value, torch.Tensor):
             if key == "step":
                 continue
             vshape = value.shape
-            if vshape != pshape and len(vshape) == len(pshape) and any(
-                s not in (p, 1) for s, p in zip(vshape, pshape)
+            if vshape != pshape and (
+                any(s not in (p, 1) for s, p in zip(vshape, pshape))
+                if len(vshape) == len(pshape)
+                else len(vshape) > 0 and pnumel > 1 and value.numel() == pnumel
             ):
                 where = f"{path}{key}"
                 raise CheckpointMismatchError(
@@ -64,6 +69,10 @@ def _check_state_shapes(leaf: str, fqn: str, param: torch.Tensor, state: Any, pa
                 )
         elif isinstance(value, dict):
             _check_state_shapes(leaf, fqn, param, value, f"{path}{key}.")
+
+
+_FLAT_STATE_OPTIMIZERS = (torch.optim.LBFGS,)
+"""Optimizers whose state tensors are flat vectors over all their parameters (no shape check)."""
 
 
 def plan_leaf(
@@ -104,24 +113,40 @@ def plan_leaf(
                 flat = flat_copy_ok[id(settings)] = all(is_immutable(v) for v in settings.values())
             new = dict(settings) if flat else copy_settings(settings)
         if ckpt.names_of and target[gi] and any(f in ckpt.names_of for f in target[gi]):
-            new = _with_param_names(new, group, target[gi], ckpt.names_of)
+            new = _with_param_names(new, group, target[gi], ckpt.names_of, ckpt.names_list_of)
         new["params"] = packed_groups[gi]["params"]
         groups.append(new)
     packed_state, used = core.assign_state_ids(target, ckpt.state_of)
     used_state.update(used)
-    for fqn in used:
-        _check_state_shapes(leaf, fqn, fmap.param_of[fqn], ckpt.state_of[fqn])
+    if not isinstance(optimizer, _FLAT_STATE_OPTIMIZERS):
+        for fqn in used:
+            _check_state_shapes(leaf, fqn, fmap.param_of[fqn], ckpt.state_of[fqn])
     return {"state": packed_state, "param_groups": groups}
 
 
 def _with_param_names(
-    settings: dict[str, Any], group: dict[str, Any], fqns: list[str], names_of: dict[str, str | None]
+    settings: dict[str, Any],
+    group: dict[str, Any],
+    fqns: list[str],
+    names_of: dict[str, str | None],
+    names_list_of: dict[str, list],
 ) -> dict[str, Any]:
     """Put ``param_names`` back (first, where torch's packed groups have it) for a target group
-    whose saved groups had names: each FQN's saved name when all are known, else the target's own."""
+    whose saved groups had names: each FQN's saved name when all are known; else (flat format,
+    which keeps a group's whole list but no positions) the saved list when every FQN of the group
+    carries the same list of the group's length; else the target's own."""
     saved = [names_of.get(f) for f in fqns]
     if all(isinstance(n, str) for n in saved):
         return {"param_names": saved, **settings}
+    lists = [names_list_of.get(f) for f in fqns]
+    first = lists[0]
+    if (
+        first is not None
+        and len(first) == len(fqns)
+        and all(x == first for x in lists[1:])
+        and all(isinstance(n, str) for n in first)
+    ):
+        return {"param_names": list(first), **settings}
     if "param_names" in group:
         return {"param_names": list(group["param_names"]), **settings}
     return settings
@@ -170,13 +195,38 @@ def _load(model: nn.Module, optimizer: Any, state_dict: Mapping[str, Any], stric
     try:
         for item in prepared:
             applied.append((item.optimizer, snapshot(item.optimizer)))
-            commit_prepared(item)
+            try:
+                commit_prepared(item)
+            except SparseCheckpointError:
+                raise
+            except Exception as exc:  # the optimizer class refused the state (its __setstate__)
+                if item.packed is not None:
+                    raise  # the class's own load_state_dict raised: its error is the clearest
+                raise CheckpointMismatchError(_misfit_message(item.leaf, item.optimizer, fmap, ckpt, exc)) from exc
         for item in prepared:
             run_post_hooks(item)
     except BaseException:
         for opt, saved in reversed(applied):
             rollback(opt, saved)
         raise
+
+
+def _misfit_message(leaf: str, optimizer: torch.optim.Optimizer, fmap: FqnMap, ckpt: DecodedCheckpoint, exc: Exception) -> str:
+    """Why a leaf's optimizer class refused the saved state: which state keys it was given."""
+    cls = type(optimizer).__name__
+    examples: dict[tuple[str, ...], str] = {}
+    for group in optimizer.param_groups:
+        for p in group["params"]:
+            fqn = fmap.fqn_of.get(id(p))
+            state = ckpt.state_of.get(fqn) if fqn is not None else None
+            if isinstance(state, dict):
+                examples.setdefault(tuple(map(str, state)), fqn)  # type: ignore[arg-type]
+    shown = "; ".join(f"{fqn!r} has {list(keys)}" for keys, fqn in list(examples.items())[:3])
+    return (
+        f"leaf {leaf!r}: the saved state does not fit {cls} ({cls}.__setstate__ raised "
+        f"{type(exc).__name__}: {exc}); saved state keys: {shown or 'none'}. Was the checkpoint written by "
+        "another optimizer class?"
+    )
 
 
 def _raise_on_mismatch(

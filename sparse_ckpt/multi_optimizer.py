@@ -9,8 +9,6 @@ import torch
 from torch import nn
 from torch.utils.hooks import RemovableHandle
 
-from .errors import CheckpointFormatError
-
 
 class _MultiHandle:
     """Removes a hook registered on every leaf."""
@@ -34,6 +32,10 @@ class MultiOptimizer:
 
     ``step``/``zero_grad`` fan out to every leaf; ``state_dict``/``load_state_dict`` use the
     sparse, exact format of :func:`sparse_ckpt.sparse_state_dict`. Leaves keep insertion order.
+
+    It is a DCP ``Stateful`` that behaves exactly like ``SparseOptimizerState(model, self)``: put
+    it straight into ``dcp.save({"optim": mo})`` / ``dcp.async_save`` and load it with
+    ``dcp.load({"optim": mo}, planner=sparse_ckpt.SparseLoadPlanner())``.
     """
 
     def __init__(self, model: nn.Module, optimizers: Mapping[str, torch.optim.Optimizer]) -> None:
@@ -44,7 +46,7 @@ class MultiOptimizer:
         seen: dict[int, str] = {}
         for name, opt in optimizers.items():
             if not isinstance(name, str) or not name:
-                raise CheckpointFormatError(f"leaf name {name!r} is not a non-empty string")
+                raise ValueError(f"leaf name {name!r} is not a non-empty string")
             if not isinstance(opt, torch.optim.Optimizer):
                 raise TypeError(f"leaf {name!r} is a {type(opt).__name__}, not a torch.optim.Optimizer")
             for group in opt.param_groups:
@@ -120,13 +122,16 @@ class MultiOptimizer:
         return _MultiHandle([opt.register_step_post_hook(hook) for opt in self._optimizers.values()])
 
     def state_dict(self) -> dict[str, Any]:
-        """The sparse, packed state dict of all leaves (see :func:`sparse_ckpt.sparse_state_dict`)."""
-        from .save import sparse_state_dict
+        """The sparse, packed state dict of all leaves, as :meth:`SparseOptimizerState.state_dict` returns it.
 
-        return sparse_state_dict(self.model, self)
+        A DCP load target as well: load it with ``planner=sparse_ckpt.SparseLoadPlanner()``.
+        """
+        from .dcp import SparseOptimizerState
+
+        return SparseOptimizerState(self.model, self).state_dict()
 
     def load_state_dict(self, state_dict: Mapping[str, Any], strict: bool = True) -> None:
-        """Restore from a sparse (packed or flat) state dict (see :func:`sparse_ckpt.load_sparse_state_dict`)."""
-        from .load import load_sparse_state_dict
+        """Restore from a sparse (packed or flat) state dict, as :meth:`SparseOptimizerState.load_state_dict`."""
+        from .dcp import SparseOptimizerState
 
-        load_sparse_state_dict(self.model, self, state_dict, strict=strict)
+        SparseOptimizerState(self.model, self, strict=strict).load_state_dict(state_dict)

@@ -25,6 +25,8 @@ from torch import nn
 import sparse_ckpt as sc
 from sparse_ckpt import _backend
 from sparse_ckpt._tensor_parts import parts_to_tensor, tensor_to_parts
+from sparse_ckpt.decode import decode_checkpoint
+from sparse_ckpt.fqn import build_fqn_map
 from sparse_ckpt.save import packed_table_key
 
 REPO = Path(__file__).resolve().parents[1]
@@ -414,17 +416,26 @@ def test_digest_mismatch_names_key() -> None:
     load_fails(with_table(sd, table, key=bad_key), FMT, "'optim'", bad_key, "digest")
 
 
-def test_duplicate_fqn_within_group() -> None:
-    """An FQN listed twice in one group."""
+def test_duplicate_fqn_within_group_decodes() -> None:
+    """An FQN listed twice in one group is what torch saves for a parameter given twice to a group:
+    it decodes to one FQN with that group's settings."""
     table = tab(GOOD_SETTINGS, [group(0, ["a.weight", "a.bias", "a.weight"]), group(1, ["b.weight", "b.bias"])])
-    load_fails(with_table({}, table), FMT, "'optim'", "a.weight", "twice")
+    ckpt = decode_checkpoint(with_table({}, table), build_fqn_map(Net()))
+    assert ckpt.settings_of["a.weight"] == {"lr": 0.01}
+    assert ckpt.settings_of["b.bias"] == {"lr": 0.02}
 
 
-def test_duplicate_fqn_across_groups() -> None:
-    """An FQN in two groups of one table (torch forbids a parameter in two groups) is refused even
-    when both groups have the same settings."""
+def test_duplicate_fqn_across_groups_same_settings_decodes() -> None:
+    """An FQN in two groups with the same settings (``opt.param_groups.extend(opt.param_groups)``)."""
     same = tab(GOOD_SETTINGS[:1], [group(0, ["a.weight", "a.bias"]), group(0, ["b.weight", "a.bias", "b.bias"])])
-    load_fails(with_table({}, same), FMT, "'optim'", "a.bias", "group 1", "twice")
+    ckpt = decode_checkpoint(with_table({}, same), build_fqn_map(Net()))
+    assert ckpt.settings_of["a.bias"] is ckpt.settings_of["b.weight"]
+
+
+def test_duplicate_fqn_across_groups_different_settings() -> None:
+    """An FQN in two groups with different settings: a load by FQN cannot tell which applies."""
+    differ = tab(GOOD_SETTINGS, [group(0, ["a.weight", "a.bias"]), group(1, ["b.weight", "a.bias", "b.bias"])])
+    load_fails(with_table({}, differ), MISMATCH, "a.bias", "group 1")
 
 
 def test_same_fqn_in_two_tables_with_different_settings() -> None:

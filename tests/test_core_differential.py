@@ -168,7 +168,7 @@ def test_core_leaves_gc_alone() -> None:
 
             C.decode_table("l", DECODE_CASES["tensor"], from_parts)
             with pytest.raises(CheckpointFormatError):
-                C.flatten_state({"a": 1})
+                C.flatten_state("l", {"a": 1}, {}, True)
             assert seen == [enabled] and gc.isenabled() is enabled
     finally:
         (gc.enable if was else gc.disable)()
@@ -412,29 +412,79 @@ state_values = st.recursive(
     groups_fqn(st.dictionaries(any_keys, st.integers(), max_size=3), fqn_names),
 )
 def test_flatten(state_fqn: dict, groups: list) -> None:
-    check("flatten_state", state_fqn)
-    check("flatten_groups", groups)
-    check("flatten_state", collections.OrderedDict(reversed(list(state_fqn.items()))))
+    known = {"a", "b.x", "ab", "a.a"}
+    for escape in (True, False):
+        check("flatten_state", "l", state_fqn, known, escape)
+        check("flatten_state", "l", collections.OrderedDict(reversed(list(state_fqn.items()))), known, escape)
+    check("flatten_groups", "l", groups)
+
+
+@PROPS
+@given(
+    st.dictionaries(
+        st.sampled_from(["w", "w.x", "v"]),
+        st.dictionaries(st.one_of(st.text(alphabet="a.~%s", max_size=4), st.integers(-3, 3)), state_values, max_size=3),
+        max_size=3,
+    )
+)
+def test_escaped_state_round_trips(state_fqn: dict) -> None:
+    """Packed: any str/int state keys (dots, '~', '%', nesting that looks like another FQN) come back
+    exactly from unflatten, on both cores; flat refuses exactly what it cannot hold."""
+    known = {"w", "w.x", "v"}
+    outcome_ = check("flatten_state", "l", state_fqn, known, True)
+    if outcome_[0] != "ok":
+        return
+    flat = dict(outcome_[1])
+    flat["param_groups.__packed__.l.0"] = b""  # any table: the dict is packed, parts are unescaped
+    _settings, state_by, _tables, unmatched = check("unflatten", flat, lambda _tables: known)[1]
+    expected = {f: s for f, s in state_fqn.items() if _non_empty_leaves(s)}
+    assert not unmatched
+    assert same(state_by, expected), (state_by, expected)
+
+
+def _non_empty_leaves(state: Any) -> bool:
+    return not isinstance(state, dict) or any(_non_empty_leaves(v) for v in state.values())
 
 
 def test_flatten_edge_cases() -> None:
-    check_error("flatten_state", {"a": [1]}, exc=CheckpointFormatError, match="is a list, expected a dict")
-    check("flatten_state", {"a": collections.OrderedDict(b=1, c={"d": 2})})
+    check_error("flatten_state", "l", {"a": [1]}, {}, True, exc=CheckpointFormatError, match="is a list, expected a dict")
+    check("flatten_state", "l", {"a": collections.OrderedDict(b=1, c={"d": 2})}, {}, True)
     od = collections.OrderedDict(x=1, y=2)
     od.move_to_end("x")  # items() order differs from the dict storage order
-    check("flatten_state", {"w": {"s": od}})
-    check("flatten_state", {1.5: {None: 1, (1, 2): {"z": 3}}})
-    check("flatten_state", 5)
-    check("flatten_groups", [({"lr": 1}, ["a", "b"]), ({}, ["c"]), ({"x": 2}, [])])
-    check("flatten_groups", [({"lr": 1}, ["a"], "extra")])
-    check("flatten_groups", [({"lr": 1},)])
-    check("flatten_groups", [5])
-    check("flatten_groups", [([("lr", 1)], ["a"])])
+    check("flatten_state", "l", {"w": {"s": od}}, {}, False)
+    check("flatten_state", "l", {1.5: {None: 1, (1, 2): {"z": 3}}}, {}, True)
+    check("flatten_state", "l", 5, {}, True)
+    assert check("flatten_state", "l", {"w": {"ema.decay": 1, 7: 2, "~t": 3, "%": 4}}, {}, True)[1] == {
+        "state.w.~sema%2Edecay": 1, "state.w.~i7": 2, "state.w.~s~t": 3, "state.w.%": 4
+    }
+    check_error("flatten_state", "l", {"w": {"ema.decay": 1}}, {}, False, exc=CheckpointFormatError,
+                match="'ema.decay' of 'w' cannot be written in the flat format")
+    check_error("flatten_state", "l", {"w": {7: 1}}, {}, False, exc=CheckpointFormatError, match="7")
+    check_error("flatten_state", "l", {"w": {(1,): 1}}, {}, True, exc=CheckpointFormatError,
+                match="is a tuple; state keys must be str or int")
+    check_error("flatten_state", "l", {"w": {"a": {}}}, {}, True, exc=CheckpointFormatError, match="empty dict")
+    assert check("flatten_state", "l", {"x": {"exp_avg": {"b": 1}}}, {"x", "x.exp_avg"}, True)[1] == {
+        "state.x.~sexp_avg.b": 1
+    }
+    check_error("flatten_state", "l", {"x": {"exp_avg": {"b": 1}}}, {"x", "x.exp_avg"}, False,
+                exc=CheckpointFormatError, match="would be read back as state of parameter 'x.exp_avg'")
+    check("flatten_groups", "l", [({"lr": 1}, ["a", "b"]), ({}, ["c"]), ({"x": 2}, [])])
+    check("flatten_groups", "l", [({"lr": 1}, ["a"], "extra")])
+    check("flatten_groups", "l", [({"lr": 1},)])
+    check("flatten_groups", "l", [5])
+    check("flatten_groups", "l", [([("lr", 1)], ["a"])])
+    check_error("flatten_groups", "l", [({"my.lr": 1}, ["a"])], exc=CheckpointFormatError, match="group 0: setting key")
+    check_error("flatten_groups", "l", [({3: 1}, ["a"])], exc=CheckpointFormatError, match="setting key 3")
+    check_error("unflatten", {"state.w.~x": 1, "param_groups.__packed__.l.0": b""}, {"w"},
+                exc=CheckpointFormatError, match="invalid escaped part '~x'")
+    check_error("unflatten", {"state.w.~i1x": 1, "param_groups.__packed__.l.0": b""}, {"w"},
+                exc=CheckpointFormatError, match="invalid escaped part")
+    assert check("unflatten", {"state.w.~sa": 1}, {"w"})[1][1] == {"w": {"~sa": 1}}  # flat: never unescaped
     loop: dict = {}
     loop["self"] = loop
     for mod in (P, C):
         with pytest.raises(RecursionError):
-            mod.flatten_state({"a": loop})
+            mod.flatten_state("l", {"a": loop}, {}, True)
 
 
 @st.composite
@@ -1071,7 +1121,8 @@ def test_end_to_end_with_real_optimizer() -> None:
     groups_fqn_, state_fqn = check("remap_to_fqns", "optim", groups, state, ids, fqn_of)[1]
     blob = check("encode_table", "optim", groups_fqn_, torch.Tensor, tensor_to_parts)[1]
     check("decode_table", "optim", blob, parts_to_tensor)
-    flat = {**check("flatten_state", state_fqn)[1], **check("flatten_groups", groups_fqn_)[1]}
+    flat = {**check("flatten_state", "optim", state_fqn, set(fqn_of.values()), True)[1],
+            **check("flatten_groups", "optim", groups_fqn_)[1]}
     flat[f"param_groups.__packed__.optim.{len(blob)}"] = blob
     known = {n: n for n in fqn_of.values()}
     _settings, state_by_fqn, _tables, _unmatched = check("unflatten", flat, known)[1]

@@ -13,11 +13,13 @@ import torch
 import torch.distributed.checkpoint as dcp
 from helpers import assert_optimizer_equal, make_moe, snapshot_optimizer, train
 from torch import nn
+from torch.distributed.checkpoint import DefaultLoadPlanner
 from torch.distributed.checkpoint.api import CheckpointException
 from torch.distributed.checkpoint.state_dict import StateDictOptions, get_optimizer_state_dict
 
 import sparse_ckpt as sc
 from sparse_ckpt.dcp import SparseStateDict
+from sparse_ckpt.format import PLANNER_GUARD_KEY
 
 pytestmark = pytest.mark.filterwarnings("ignore:torch.distributed is disabled:UserWarning")
 
@@ -93,35 +95,49 @@ def test_fresh_optimizer_resumes_exactly(tmp_path: Path, fmt: str) -> None:
     assert_resumed(model, opt, model2, opt2)
 
 
-def test_without_planner_fails_clearly(tmp_path: Path) -> None:
+@pytest.mark.parametrize("fmt", ["packed", "flat"])
+@pytest.mark.parametrize("as_multi", [False, True], ids=["SparseOptimizerState", "MultiOptimizer"])
+@pytest.mark.parametrize(
+    "planner",
+    [None, DefaultLoadPlanner(), DefaultLoadPlanner(allow_partial_load=True)],
+    ids=["no-planner", "default", "default-partial"],
+)
+def test_without_planner_fails_before_reading(tmp_path: Path, fmt: str, as_multi: bool, planner: Any) -> None:
+    """Without SparseLoadPlanner, dcp.load fails while planning -- before any byte reaches the live
+    state tensors -- naming the planner; also when every setting and state key would match."""
     model, opt = trained()
-    save(tmp_path, model, opt)
+    dcp.save({"model": model.state_dict(), "optim": opt if as_multi and fmt == "packed"
+              else sc.SparseOptimizerState(model, opt, format=fmt)}, checkpoint_id=tmp_path)
 
-    # Fresh settings differ (idle lr): the fresh table's digest is not in the checkpoint, so DCP's own
-    # planner raises before our code runs -- the message names the packed-table key.
-    model2, opt2 = build(seed=1)
+    # A target that matches the checkpoint key for key: same settings, state for every saved param,
+    # but different values -- DCP alone would read straight into these live tensors.
+    model2, opt2 = trained(seed=1)
     before = snapshot_optimizer(opt2)
-    with pytest.raises(CheckpointException, match=r"Missing key in checkpoint state_dict: optim\.param_groups\.__packed__\."):
-        dcp.load({"optim": sc.SparseOptimizerState(model2, opt2)}, checkpoint_id=tmp_path)
+    params_before = copy.deepcopy(model2.state_dict())
+    target = opt2 if as_multi else sc.SparseOptimizerState(model2, opt2, format=fmt)
+    with pytest.raises(CheckpointException, match=r"planner=sparse_ckpt\.SparseLoadPlanner\(\)"):
+        dcp.load({"model": model2.state_dict(), "optim": target}, checkpoint_id=tmp_path, planner=planner)
     assert_optimizer_equal(before, opt2)
-
-    # Same settings (every table digest matches): DCP alone would read the tables and no state at all.
-    for group in opt2["idle"].param_groups:
-        group["lr"] = IDLE_LR
-    before = snapshot_optimizer(opt2)
-    with pytest.raises(sc.CheckpointMismatchError, match=r"planner=sparse_ckpt\.SparseLoadPlanner\(\)"):
-        dcp.load({"optim": sc.SparseOptimizerState(model2, opt2)}, checkpoint_id=tmp_path)
-    assert_optimizer_equal(before, opt2)
-    assert not opt2["dense"].state
+    for k, v in params_before.items():  # the model part of the same dcp.load was not read either
+        assert torch.equal(model2.state_dict()[k], v), k
 
 
-def test_flat_without_planner_fails_clearly(tmp_path: Path) -> None:
+def test_guard_is_a_plain_tensor_item(tmp_path: Path) -> None:
+    """The planner guard is saved as an ordinary uint8 tensor (no custom class in the checkpoint)
+    and is dropped by SparseLoadPlanner; pickles and copies of the dict hold a plain tensor."""
     model, opt = trained()
-    save(tmp_path, model, opt, "flat")
+    sd = opt.state_dict()
+    assert PLANNER_GUARD_KEY in sd
+    for copied in (pickle.loads(pickle.dumps(sd)), copy.deepcopy(sd), sd.copy()):
+        assert type(copied[PLANNER_GUARD_KEY]) is torch.Tensor
+    dcp.save({"model": model.state_dict(), "optim": opt}, checkpoint_id=tmp_path)
+    md = dcp.FileSystemReader(str(tmp_path)).read_metadata().state_dict_metadata[f"optim.{PLANNER_GUARD_KEY}"]
+    assert md.properties.dtype == torch.uint8 and tuple(md.size) == (1,)
     model2, opt2 = build(seed=1)
-    with pytest.raises(sc.CheckpointMismatchError, match="SparseLoadPlanner"):
-        dcp.load({"optim": sc.SparseOptimizerState(model2, opt2, format="flat")}, checkpoint_id=tmp_path)
-    assert not opt2["dense"].state
+    msd = model2.state_dict()
+    dcp.load({"model": msd, "optim": opt2}, checkpoint_id=tmp_path, planner=sc.SparseLoadPlanner())
+    model2.load_state_dict(msd)
+    assert_resumed(model, opt, model2, opt2)
 
 
 def test_load_into_optimizer_with_state(tmp_path: Path) -> None:

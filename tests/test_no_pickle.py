@@ -56,6 +56,7 @@ def python_findings(path: Path) -> list[str]:
 # ``dict`` or refusing outright. Nothing here is called when a checkpoint is read.
 ALLOWED_SCOPES = {
     ("sparse_ckpt/dcp.py", "SparseStateDict.__reduce_ex__"),
+    ("sparse_ckpt/dcp.py", "_PlannerGuard.__reduce_ex__"),  # pickles as a plain uint8 tensor
     ("sparse_ckpt/dcp.py", "SparseStateDict.__reduce__"),
     ("sparse_ckpt/dcp.py", "SparseOptimizerState.__reduce_ex__"),
     ("sparse_ckpt/dcp.py", "SparseOptimizerState.__deepcopy__"),
