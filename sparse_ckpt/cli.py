@@ -33,7 +33,6 @@ import torch.distributed.checkpoint as dcp
 from torch.distributed.checkpoint.metadata import Metadata, TensorStorageMetadata
 
 from . import _backend
-from ._core_py import PACKED_MARKER
 from ._tensor_parts import parts_to_tensor, tensor_to_parts
 from .checkpoint_io import (
     NotACheckpointError,
@@ -44,12 +43,11 @@ from .checkpoint_io import (
     read_metadata,
     set_path,
 )
-from .decode import split_table_key
 from .errors import CheckpointFormatError, CheckpointMismatchError, SparseCheckpointError
+from .format import ESCAPE, PACKED_PREFIX, packed_table_key, split_table_key, table_digest
 from .leaves import SINGLE_LEAF
-from .save import packed_table_key, table_digest
 
-_PACKED_PREFIX = f"param_groups.{PACKED_MARKER}."
+_PACKED_PREFIX = PACKED_PREFIX
 _FLAT_LEAF_IN_MIXED = "(flat entries)"
 
 
@@ -322,6 +320,12 @@ def convert_optimizer(
     leaves, flat_groups, _state, _unmatched = _split_optimizer(values)
     out = {k: v for k, v in values.items() if not k.startswith("param_groups.")}
     if to == "flat":
+        escaped = [k for k in values if k.startswith("state.") and f".{ESCAPE}" in k]
+        if escaped and leaves:
+            raise CheckpointFormatError(
+                f"state key {escaped[0]!r} has an escaped part (a state key that is not a plain str, or nested "
+                "state that reads as another FQN): the flat layout cannot hold it"
+            )
         seen: dict[str, bytes] = {}
         for name, groups in leaves.items():
             for gi, group in enumerate(groups):

@@ -123,6 +123,20 @@ def test_convert_round_trip(checkpoint: tuple[Path, nn.Module, sc.MultiOptimizer
         assert not opt2["idle"].state and opt2["idle"].param_groups[0]["lr"] == 0.0025
 
 
+def test_convert_to_flat_refuses_escaped_state_keys(tmp_path: Path) -> None:
+    """A packed checkpoint with a state key the flat layout cannot hold (here ``'ema.decay'``)."""
+    model = nn.Linear(2, 2)
+    opt = torch.optim.SGD(model.parameters(), lr=0.1, momentum=0.9)
+    model(torch.ones(1, 2)).sum().backward()
+    opt.step()
+    opt.state[model.weight]["ema.decay"] = torch.tensor(0.9)
+    dcp.save({"optim": sc.SparseOptimizerState(model, opt)}, checkpoint_id=tmp_path / "src")
+    r = run_cli("convert", str(tmp_path / "src"), str(tmp_path / "dst"), "--to", "flat")
+    assert r.returncode == 1 and "escaped part" in r.stderr and "ema%2Edecay" in r.stderr, r.stderr
+    r = run_cli("inspect", str(tmp_path / "src"))  # the planner guard item is not an optimizer entry
+    assert r.returncode == 0 and "__sparse_ckpt__" not in r.stdout and "unrecognised" not in r.stdout, r.stdout
+
+
 def test_not_a_checkpoint_exits_2(tmp_path: Path) -> None:
     empty = tmp_path / "empty"
     empty.mkdir()
