@@ -7,7 +7,7 @@ Public API: :func:`sparse_state_dict`, :func:`load_sparse_state_dict`, :class:`M
 from __future__ import annotations
 
 from ._backend import backend
-from .adapters import register_state_dict_adapter, unregister_state_dict_adapter
+from .adapters import AdapterHandle, register_state_dict_adapter
 from .dcp import SparseLoadPlanner, SparseOptimizerState
 from .errors import (
     CheckpointFormatError,
@@ -23,6 +23,7 @@ from .save import sparse_state_dict
 __version__ = "0.1.0"
 
 __all__ = [
+    "AdapterHandle",
     "CheckpointFormatError",
     "CheckpointMismatchError",
     "MultiOptimizer",
@@ -35,5 +36,4 @@ __all__ = [
     "load_sparse_state_dict",
     "register_state_dict_adapter",
     "sparse_state_dict",
-    "unregister_state_dict_adapter",
 ]

@@ -22,20 +22,42 @@ _lock = threading.Lock()
 _adapters: dict[type, StateDictAdapter] = {}
 
 
-def register_state_dict_adapter(cls: type, adapter: StateDictAdapter) -> None:
-    """Allow optimizers of class ``cls`` (and subclasses) that override ``state_dict``."""
+class AdapterHandle:
+    """Returned by :func:`register_state_dict_adapter`; ``remove()`` unregisters (like torch's hook handles).
+
+    Removing is idempotent and removes only this registration: if ``cls`` was registered again
+    meanwhile, the newer adapter stays. Usable as a context manager.
+    """
+
+    def __init__(self, cls: type, adapter: StateDictAdapter) -> None:
+        self.cls = cls
+        self.adapter = adapter
+
+    def remove(self) -> None:
+        """Unregister this adapter (no error if it is already gone)."""
+        with _lock:
+            if _adapters.get(self.cls) is self.adapter:
+                del _adapters[self.cls]
+
+    def __enter__(self) -> AdapterHandle:  # noqa: PYI034 - py3.9 has no typing.Self
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        self.remove()
+
+
+def register_state_dict_adapter(cls: type, adapter: StateDictAdapter) -> AdapterHandle:
+    """Allow optimizers of class ``cls`` (and subclasses) that override ``state_dict``.
+
+    Returns a handle whose ``remove()`` unregisters the adapter.
+    """
     if not isinstance(cls, type):
         raise TypeError(f"register_state_dict_adapter expects a class, got {cls!r}")
     if not callable(adapter):
         raise TypeError(f"adapter for {cls.__name__} is not callable: {adapter!r}")
     with _lock:
         _adapters[cls] = adapter
-
-
-def unregister_state_dict_adapter(cls: type) -> None:
-    """Remove the adapter registered for ``cls`` (no error if there is none)."""
-    with _lock:
-        _adapters.pop(cls, None)
+    return AdapterHandle(cls, adapter)
 
 
 def adapter_for(cls: type) -> StateDictAdapter | None:

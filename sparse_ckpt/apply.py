@@ -1,4 +1,4 @@
-"""Apply a torch-format packed dict to an optimizer in O(P) (DESIGN §4.3-4.4).
+"""Apply a torch-format packed dict to an optimizer in O(P).
 
 Observable sequence identical to ``torch.optim.Optimizer.load_state_dict``: shallow copy,
 pre-hooks (may replace the dict), validation, deep-copied groups, state cast with torch's
@@ -71,8 +71,7 @@ def _cast_tensor(
     return value.to(device=device)
 
 
-_IMMUTABLE = (int, float, bool, str, bytes, type(None))
-IMMUTABLE_TYPES = frozenset(_IMMUTABLE)
+IMMUTABLE_TYPES = frozenset((int, float, bool, str, bytes, type(None)))
 
 
 def is_immutable(value: Any) -> bool:
@@ -96,7 +95,7 @@ def copy_settings(value: Any) -> Any:
         return [v if type(v) in IMMUTABLE_TYPES else copy_settings(v) for v in value]
     if kind is tuple:
         return value if is_immutable(value) else tuple(copy_settings(v) for v in value)
-    if isinstance(value, _IMMUTABLE):
+    if isinstance(value, tuple(IMMUTABLE_TYPES)):
         return value
     return deepcopy(value)
 
@@ -202,13 +201,6 @@ def run_post_hooks(prepared: PreparedLoad) -> None:
         return
     for post_hook in load_state_dict_post_hooks(prepared.optimizer):
         post_hook(prepared.optimizer)
-
-
-def apply_packed(leaf: str, optimizer: torch.optim.Optimizer, state_dict: dict[str, Any]) -> None:
-    """Load a torch-format packed dict into ``optimizer`` (hooks included), in O(P)."""
-    prepared = prepare_packed(leaf, optimizer, state_dict)
-    commit_prepared(prepared)
-    run_post_hooks(prepared)
 
 
 def snapshot(optimizer: torch.optim.Optimizer) -> tuple[Any, Any]:

@@ -1,4 +1,4 @@
-"""torch.distributed.checkpoint (DCP) integration (DESIGN §6).
+"""torch.distributed.checkpoint (DCP) integration.
 
 :class:`SparseOptimizerState` is a DCP ``Stateful``: ``dcp.save``/``dcp.async_save`` call its
 ``state_dict()`` (the sparse dict of :func:`sparse_ckpt.sparse_state_dict`), ``dcp.load`` calls
@@ -39,7 +39,7 @@ from .errors import CheckpointFormatError, CheckpointMismatchError
 from .format import GROUPS_PREFIX, PACKED_PREFIX, PLANNER_GUARD_KEY, STATE_PREFIX, owner_fqn
 from .fqn import FqnMap, build_fqn_map
 from .leaves import named_leaves
-from .load import load_sparse_state_dict
+from .load import load_owned
 from .save import FORMATS, Format, sparse_state_dict
 
 __all__ = ["SparseLoadPlanner", "SparseOptimizerState", "SparseStateDict"]
@@ -160,9 +160,7 @@ class SparseOptimizerState:
         data.pop(PLANNER_GUARD_KEY, None)
         if isinstance(state_dict, SparseStateDict) and state_dict.unresolved:
             data.update(dict.fromkeys(state_dict.unresolved))
-        load_sparse_state_dict(
-            self.model, self.optimizer, data, strict=self.strict, allow_unowned=_multi_rank()
-        )
+        load_owned(self.model, self.optimizer, data, strict=self.strict, allow_unowned=_multi_rank())
 
     def __reduce_ex__(self, protocol: Any) -> Any:
         raise TypeError(

@@ -1,4 +1,4 @@
-"""Decode a sparse/flat optimizer dict into ``fqn -> settings`` and ``fqn -> state`` (DESIGN §4.1).
+"""Decode a sparse/flat optimizer dict into ``fqn -> settings`` and ``fqn -> state``.
 
 Settings are *interned*: equal settings (equal encoded bytes) are one dict object, so the core
 can compare them by identity. Aliases of tied parameters resolve to their canonical FQN.

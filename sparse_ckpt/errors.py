@@ -1,4 +1,4 @@
-"""Exception hierarchy of sparse_ckpt (DESIGN §9).
+"""Exception hierarchy of sparse_ckpt.
 
 Every error raised on purpose by the library derives from :class:`SparseCheckpointError`,
 and its message names the leaf, group, FQN and key involved where they are known.

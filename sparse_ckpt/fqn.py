@@ -1,4 +1,4 @@
-"""Canonical parameter FQNs of a model (DESIGN §5).
+"""Canonical parameter FQNs of a model.
 
 FQNs come from ``model.named_parameters(remove_duplicate=False)`` with the wrapper prefixes
 that torch DSD strips removed: DDP's ``module.``, ``torch.compile``'s ``_orig_mod.`` and
@@ -8,7 +8,6 @@ first FQN; every alias is accepted when loading.
 
 from __future__ import annotations
 
-from collections.abc import Iterable
 from dataclasses import dataclass, field
 
 import torch
@@ -80,9 +79,3 @@ def _ddp_type() -> type | None:
     except ImportError:  # pragma: no cover - torch without distributed
         return None
     return DistributedDataParallel
-
-
-def optimizer_params(groups: Iterable[dict]) -> Iterable[torch.Tensor]:
-    """All parameters of the given param groups, in order."""
-    for group in groups:
-        yield from group["params"]

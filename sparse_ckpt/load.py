@@ -1,4 +1,4 @@
-"""``load_sparse_state_dict``: restore groups and existing state by FQN (DESIGN §4).
+"""``load_sparse_state_dict``: restore groups and existing state by FQN.
 
 Everything is validated before anything is mutated; if applying a later leaf fails, the leaves
 already applied are rolled back, so on any error every optimizer is as it was.
@@ -158,7 +158,6 @@ def load_sparse_state_dict(
     state_dict: Mapping[str, Any],
     *,
     strict: bool = True,
-    allow_unowned: bool = False,
 ) -> None:
     """Restore param-group settings and existing state from ``state_dict`` (packed or flat).
 
@@ -166,10 +165,15 @@ def load_sparse_state_dict(
     saved. Parameters without saved state get no state (no synthetic step). ``strict=True``
     raises :class:`CheckpointMismatchError` on missing or extra FQNs; ``strict=False`` keeps a
     group's current settings when none of its FQNs is saved and ignores extra entries.
-    ``allow_unowned=True`` (multi-rank DCP loads): saved FQNs the model does not own, and their
-    state, belong to other ranks and are not "extra"; the model's own parameters must still be present.
     On any error every optimizer is left exactly as it was.
     """
+    load_owned(model, optimizer, state_dict, strict=strict, allow_unowned=False)
+
+
+def load_owned(model: nn.Module, optimizer: Any, state_dict: Mapping[str, Any], *, strict: bool, allow_unowned: bool) -> None:
+    """:func:`load_sparse_state_dict` for the library's DCP and export paths. ``allow_unowned=True``
+    (multi-rank loads): saved FQNs the model does not own, and their state, belong to other ranks
+    and are not "extra"; the model's own parameters must still be present."""
     with gc_paused():
         _load(model, optimizer, state_dict, strict, allow_unowned)
 

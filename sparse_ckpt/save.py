@@ -1,4 +1,4 @@
-"""``sparse_state_dict``: the exact, sparse optimizer state dict (DESIGN §2-§3)."""
+"""``sparse_state_dict``: the exact, sparse optimizer state dict."""
 
 from __future__ import annotations
 

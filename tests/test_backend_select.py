@@ -1,4 +1,4 @@
-"""Backend selection at import time (DESIGN §7).
+"""Backend selection at import time.
 
 ``SPARSE_CKPT_BACKEND=python`` forces the pure-Python core, ``cpp`` forces the extension (an
 ``ImportError`` when it is not built, never a silent fallback), anything else is an ``ImportError``;

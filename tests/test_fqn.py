@@ -1,4 +1,4 @@
-"""Canonical FQNs (DESIGN §5): wrapper prefixes, tied parameters, one FQN map per call."""
+"""Canonical FQNs: wrapper prefixes, tied parameters, one FQN map per call."""
 
 from __future__ import annotations
 

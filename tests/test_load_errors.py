@@ -1,4 +1,4 @@
-"""Errors of ``load_sparse_state_dict`` and its transactional guarantee (DESIGN §4.5, §9).
+"""Errors of ``load_sparse_state_dict`` and its transactional guarantee.
 
 Every error -- checkpoint/target mismatches, corrupt tables, errors raised by user hooks or by an
 optimizer's own ``load_state_dict``/``__setstate__`` on a *later* leaf -- leaves every optimizer's

@@ -1,4 +1,4 @@
-"""Load semantics of ``load_sparse_state_dict`` (DESIGN §4): what is restored, what is not,
+"""Load semantics of ``load_sparse_state_dict``: what is restored, what is not,
 how tensors are cast, how load hooks run, and that applying is O(P) (structurally, by counting).
 
 Every test runs once per core backend (``tests/conftest.py``).

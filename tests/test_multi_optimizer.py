@@ -1,4 +1,4 @@
-"""``MultiOptimizer``: fan-out, container protocol, hooks, and its sparse state dict (DESIGN §1)."""
+"""``MultiOptimizer``: fan-out, container protocol, hooks, and its sparse state dict."""
 
 from __future__ import annotations
 

@@ -1,6 +1,6 @@
 """Reliability of load: ``load_sparse_state_dict`` is transactional.
 
-For every error class a load can raise (DESIGN §9: :class:`CheckpointMismatchError`,
+For every error class a load can raise (:class:`CheckpointMismatchError`,
 :class:`CheckpointFormatError`; and any exception from a user hook or a custom
 ``load_state_dict`` in a later leaf), the target optimizers are exactly as before -- same
 ``state``/``param_groups`` objects, equal values -- and training continues bit for bit as if the

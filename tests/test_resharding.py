@@ -1,4 +1,4 @@
-"""Resharding: settings and state follow FQNs, not leaf names or group positions (DESIGN §4.2).
+"""Resharding: settings and state follow FQNs, not leaf names or group positions.
 
 Saved with leaves {experts, dense}; loaded into one optimizer holding everything, into a layout
 that splits the experts over two leaves, with parameters moved between groups of a leaf, from

@@ -1,4 +1,4 @@
-"""state_dict hooks, reentrancy, unsupported overrides and ownership errors during save (DESIGN §3, §5)."""
+"""state_dict hooks, reentrancy, unsupported overrides and ownership errors during save."""
 
 from __future__ import annotations
 
@@ -17,6 +17,7 @@ from helpers import (
 from torch import nn
 
 import sparse_ckpt as sc
+from sparse_ckpt import adapters as adapters_mod
 
 FQNS = ("a.weight", "a.bias", "b.weight")
 
@@ -224,7 +225,7 @@ def adapters() -> Iterator[list[type]]:
     registered: list[type] = []
     yield registered
     for cls in registered:
-        sc.unregister_state_dict_adapter(cls)
+        adapters_mod._adapters.pop(cls, None)
 
 
 def test_subclass_overriding_state_dict_is_refused_then_adapted(model: Two, adapters: list[type]) -> None:
@@ -276,12 +277,26 @@ def test_patched_instance_state_dict_is_refused_then_adapted(model: Two, adapter
 
 def test_unregistering_an_adapter_refuses_again(model: Two, adapters: list[type]) -> None:
     opt = OverridingAdam(model.parameters())
-    sc.register_state_dict_adapter(OverridingAdam, OverridingAdam.state_dict)
+    handle = sc.register_state_dict_adapter(OverridingAdam, OverridingAdam.state_dict)
     adapters.append(OverridingAdam)
     sc.sparse_state_dict(model, opt)
-    sc.unregister_state_dict_adapter(OverridingAdam)
+    handle.remove()
+    handle.remove()  # idempotent
     with pytest.raises(sc.UnsupportedStateDictError):
         sc.sparse_state_dict(model, opt)
+    with sc.register_state_dict_adapter(OverridingAdam, OverridingAdam.state_dict):
+        sc.sparse_state_dict(model, opt)
+    with pytest.raises(sc.UnsupportedStateDictError):
+        sc.sparse_state_dict(model, opt)
+
+
+def test_removing_an_old_handle_keeps_a_newer_registration(model: Two, adapters: list[type]) -> None:
+    opt = OverridingAdam(model.parameters())
+    old = sc.register_state_dict_adapter(OverridingAdam, OverridingAdam.state_dict)
+    adapters.append(OverridingAdam)
+    sc.register_state_dict_adapter(OverridingAdam, lambda o: OverridingAdam.state_dict(o))
+    old.remove()
+    sc.sparse_state_dict(model, opt)  # the newer adapter is still registered
 
 
 def test_not_an_optimizer_is_refused(model: Two) -> None:

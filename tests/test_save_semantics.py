@@ -1,4 +1,4 @@
-"""Save semantics (DESIGN §3): the motivating case -- a leaf that never stepped keeps its scheduled lr.
+"""Save semantics: the motivating case -- a leaf that never stepped keeps its scheduled lr.
 
 Two Linear layers, one AdamW leaf each. The first leaf trains; the second never steps, but a real
 scheduler moved its lr from 0.01 to 0.0025. The sparse dict must carry 0.0025 for every parameter

@@ -1,4 +1,4 @@
-"""Differential test (DESIGN §3): ``capture_packed`` must equal ``optimizer.state_dict()`` exactly.
+"""Differential test: ``capture_packed`` must equal ``optimizer.state_dict()`` exactly.
 
 Hypothesis draws tiny optimizers -- AdamW, SGD with momentum, Adagrad, RMSprop; float or tensor
 lr; several groups (possibly empty) with mixed settings and user keys; a shuffled parameter
