@@ -18,6 +18,7 @@ import torch
 
 from ._torch_compat import load_state_dict_post_hooks, load_state_dict_pre_hooks
 from .errors import CheckpointMismatchError
+from .format import STEP_KEY
 
 _BASE_LOAD_STATE_DICT = torch.optim.Optimizer.load_state_dict
 
@@ -64,7 +65,7 @@ def _cast_tensor(
     value: torch.Tensor, key: Any, fused_or_capturable: bool, floating: bool, dtype: torch.dtype, device: torch.device
 ) -> torch.Tensor:
     """One state tensor under torch's policy, given the param's floating-ness, dtype and device."""
-    if key == "step":
+    if key == STEP_KEY:
         return value.to(dtype=torch.float32, device=device) if fused_or_capturable else value
     if floating:
         return value.to(dtype=dtype, device=device)

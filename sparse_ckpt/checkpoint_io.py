@@ -1,4 +1,4 @@
-"""Read a DCP checkpoint directory without a model (used by the CLI and the load planner).
+"""Read a DCP checkpoint directory without a model (used by the CLI).
 
 Only public DCP API is used: ``FileSystemReader.read_metadata`` for the metadata, and ``dcp.load``
 (no process group) into a target dict built from that metadata -- plain CPU tensors of the saved
@@ -10,18 +10,31 @@ from __future__ import annotations
 
 import os
 import warnings
-from collections.abc import Iterable, Mapping
+from collections.abc import Iterable
 from dataclasses import dataclass
-from typing import Any, Union
+from typing import Any
 
 import torch
 import torch.distributed.checkpoint as dcp
 from torch.distributed.checkpoint import FileSystemReader
 from torch.distributed.checkpoint.metadata import Metadata, TensorStorageMetadata
 
+from ._dcp_paths import ObjPath, metadata_path, set_path
+from .dcp import SparseLoadPlanner
 from .errors import CheckpointFormatError
 
-ObjPath = tuple[Union[str, int], ...]
+__all__ = [
+    "METADATA_FILE",
+    "NotACheckpointError",
+    "ObjPath",
+    "OptimizerEntries",
+    "find_optimizers",
+    "load_entries",
+    "metadata_path",
+    "read_metadata",
+    "set_path",
+]
+
 METADATA_FILE = ".metadata"
 
 
@@ -41,37 +54,6 @@ def read_metadata(path: str | os.PathLike[str]) -> Metadata:
     return FileSystemReader(path).read_metadata()
 
 
-def metadata_path(metadata: Metadata, key: str) -> ObjPath:
-    """The object path DCP recorded for flattened ``key`` (``(key,)`` when none was recorded)."""
-    planner_data = metadata.planner_data
-    if isinstance(planner_data, Mapping):
-        p = planner_data.get(key)
-        if p:
-            return tuple(p)
-    return (key,)
-
-
-def set_path(root: dict[str, Any], path: ObjPath, value: Any) -> None:
-    """Put ``value`` at ``path`` below ``root``, creating dicts (str keys) and lists (int keys)."""
-    node: Any = root
-    for i, key in enumerate(path):
-        last = i == len(path) - 1
-        if isinstance(node, list):
-            assert isinstance(key, int)
-            node.extend([None] * (key + 1 - len(node)))
-            if last:
-                node[key] = value
-            else:
-                if node[key] is None:
-                    node[key] = {} if isinstance(path[i + 1], str) else []
-                node = node[key]
-        else:
-            if last:
-                node[key] = value
-            else:
-                node = node.setdefault(key, {} if isinstance(path[i + 1], str) else [])
-
-
 def load_entries(path: str | os.PathLike[str], metadata: Metadata, keys: Iterable[str]) -> dict[str, Any]:
     """Read the given flattened keys in this process: ``{key: tensor or object}``."""
     target: dict[str, Any] = {}
@@ -86,8 +68,6 @@ def load_entries(path: str | os.PathLike[str], metadata: Metadata, keys: Iterabl
             warnings.simplefilter("ignore", UserWarning)  # "assuming the intent is to load in a single process"
             # SparseLoadPlanner reads packed group tables with weights_only=True (never unpickling code);
             # other non-tensor items are read as DCP reads them.
-            from .dcp import SparseLoadPlanner
-
             dcp.load(target, checkpoint_id=os.fspath(path), planner=SparseLoadPlanner(), no_dist=True)
     return target
 

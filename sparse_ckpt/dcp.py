@@ -34,9 +34,9 @@ from torch.distributed.checkpoint.planner import ReadItem
 from torch.distributed.tensor import DTensor
 from torch.distributed.tensor import empty as dtensor_empty
 
-from .checkpoint_io import metadata_path, set_path
+from ._dcp_paths import metadata_path, set_path
 from .errors import CheckpointFormatError, CheckpointMismatchError
-from .format import GROUPS_PREFIX, PACKED_PREFIX, PLANNER_GUARD_KEY, STATE_PREFIX, owner_fqn
+from .format import GROUPS_PREFIX, PACKED_PREFIX, PLANNER_GUARD_KEY, STATE_PREFIX, STEP_KEY, owner_fqn
 from .fqn import FqnMap, build_fqn_map
 from .leaves import named_leaves
 from .load import load_owned
@@ -331,7 +331,7 @@ def _allocate(md: Any, like: torch.Tensor | None, key_leaf: str) -> Any:
         return None
     size = tuple(md.size)
     dtype = md.properties.dtype
-    if like is not None and key_leaf != "step" and size == tuple(like.shape):
+    if like is not None and key_leaf != STEP_KEY and size == tuple(like.shape):
         if isinstance(like, DTensor):
             return dtensor_empty(size, dtype=dtype, device_mesh=like.device_mesh, placements=like.placements)
         return torch.empty(size, dtype=dtype, device=like.device)

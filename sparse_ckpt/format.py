@@ -31,6 +31,9 @@ PACKED_MARKER = "__packed__"
 STATE_PREFIX = "state."
 GROUPS_PREFIX = "param_groups."
 PACKED_PREFIX = f"{GROUPS_PREFIX}{PACKED_MARKER}."
+STEP_KEY = "step"
+"""The state key torch treats specially: not cast to the param's dtype (unless fused/capturable),
+not shape-checked, and allocated as a plain tensor by the load planner."""
 PLANNER_GUARD_KEY = "__sparse_ckpt__.load_with.SparseLoadPlanner"
 """Key of the planner guard (see :mod:`sparse_ckpt.dcp`); never part of a decoded checkpoint."""
 

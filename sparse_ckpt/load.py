@@ -17,6 +17,7 @@ from ._gc import gc_paused
 from .apply import commit_prepared, copy_settings, is_immutable, prepare_packed, rollback, run_post_hooks, snapshot
 from .decode import DecodedCheckpoint, decode_checkpoint, fmt_list
 from .errors import CheckpointMismatchError, SparseCheckpointError
+from .format import STATE_PREFIX, STEP_KEY, owner_fqn
 from .fqn import FqnMap, build_fqn_map
 from .leaves import named_leaves
 
@@ -48,7 +49,7 @@ def _check_state_shapes(leaf: str, fqn: str, param: torch.Tensor, state: Any, pa
     pnumel = param.numel()
     for key, value in state.items():
         if isinstance(value, torch.Tensor):
-            if key == "step":
+            if key == STEP_KEY:
                 continue
             vshape = value.shape
             if vshape != pshape and (
@@ -271,13 +272,7 @@ def _raise_on_mismatch(
 
 def _unowned_state_fqn(key: str, saved_fqns: Mapping[str, Any], owned: Mapping[str, Any]) -> str | None:
     """The saved, not owned FQN that ``state.{fqn}.{...}`` key ``key`` belongs to (longest prefix), else None."""
-    if not key.startswith("state."):
+    if not key.startswith(STATE_PREFIX):
         return None
-    body = key[len("state.") :]
-    dot = body.rfind(".")
-    while dot > 0:
-        candidate = body[:dot]
-        if candidate in saved_fqns:
-            return None if candidate in owned else candidate
-        dot = body.rfind(".", 0, dot)
-    return None
+    fqn = owner_fqn(key[len(STATE_PREFIX) :], saved_fqns)
+    return None if fqn is None or fqn in owned else fqn

@@ -1,0 +1,54 @@
+# ruff: noqa: N999 - the extension module is named _C
+"""Type stub of sparse_ckpt._C, the C++ twin of sparse_ckpt._core_py (same functions, same signatures).
+
+Checked against ``_core_py`` by tests/test_structure.py.
+"""
+
+from collections.abc import Callable, Mapping
+from typing import Any, TypeAlias
+
+TensorToParts: TypeAlias = Callable[[Any], tuple[str, tuple[int, ...], str, bytes]]
+PartsToTensor: TypeAlias = Callable[[str, tuple[int, ...], str, bytes], Any]
+
+MAGIC: bytes
+VERSION: int
+MAX_DEPTH: int
+PACKED_MARKER: str
+
+def assign_state_ids(target_fqns: list[list[str]], state_by_fqn: Mapping[str, Any]) -> tuple[dict[int, Any], list[str]]: ...
+
+def decode_table(leaf: str, data: bytes, from_parts: PartsToTensor) -> tuple[list[dict], list[bytes], list[tuple[int, list[str]]]]: ...
+
+def encode_settings(leaf: str, group_index: int, settings: Mapping[Any, Any], tensor_type: type, to_parts: TensorToParts) -> bytes: ...
+
+def encode_table(leaf: str, groups_fqn: list[tuple[dict, list[str]]], tensor_type: type, to_parts: TensorToParts) -> bytes: ...
+
+def flatten_groups(leaf: str, groups_fqn: list[tuple[dict, list[str]]]) -> dict[str, Any]: ...
+
+def flatten_state(leaf: str, state_fqn: Mapping[str, Any], known_fqns: Any, escape: bool) -> dict[str, Any]: ...
+
+def fqn_tables(named: Any) -> tuple[dict[int, str], dict[str, str], dict[str, Any]]: ...
+
+def match_groups(
+    leaf: str, target_fqns: list[list[str]], settings_of: Mapping[str, Any]
+) -> tuple[list[Any], list[str]]: ...
+
+def pack_optimizer(
+    leaf: str, param_groups: list[dict], state: Mapping[Any, Any], tensor_type: type
+) -> tuple[list[dict], dict[Any, Any], list[Any]]: ...
+
+def remap_to_fqns(
+    leaf: str,
+    packed_groups: list[dict],
+    packed_state: Mapping[Any, Any],
+    id_to_param: list[Any],
+    fqn_of: Mapping[int, str],
+) -> tuple[list[tuple[dict, list[str]]], dict[str, Any]]: ...
+
+def unflatten(
+    flat: Mapping[str, Any], known_fqns: Any
+) -> tuple[dict[str, dict], dict[str, dict], dict[str, bytes], list[str]]: ...
+
+def walk_parameters(
+    model: Any, stripped: Any, module_wrapper: type | None, base_named_modules: Any, base_named_parameters: Any
+) -> list[tuple[str, str, Any]] | None: ...

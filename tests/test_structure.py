@@ -1,0 +1,86 @@
+"""Structure checks: no import cycles in the package, the C++ core's constants and signatures
+match the Python twin (``_core_py``) and the key grammar (``sparse_ckpt.format``), and the
+``_C.pyi`` stub describes exactly the functions both cores have."""
+
+from __future__ import annotations
+
+import ast
+import importlib
+import inspect
+from pathlib import Path
+
+import pytest
+
+from sparse_ckpt import _core_py, format
+
+PACKAGE = Path(__file__).resolve().parent.parent / "sparse_ckpt"
+
+
+def _imports(path: Path) -> set[str]:
+    """Package-internal modules ``path`` imports, at module level or inside functions."""
+    found: set[str] = set()
+    for node in ast.walk(ast.parse(path.read_text())):
+        if isinstance(node, ast.ImportFrom) and node.level == 1:
+            if node.module:
+                found.add(node.module.split(".")[0])
+            else:
+                found.update(alias.name for alias in node.names)
+        elif isinstance(node, ast.ImportFrom) and (node.module or "").startswith("sparse_ckpt."):
+            found.add(node.module.split(".")[1])
+    return found
+
+
+def test_no_import_cycles() -> None:
+    graph = {p.stem: _imports(p) for p in PACKAGE.glob("*.py") if p.stem != "__init__"}
+    graph = {m: {d for d in deps if d in graph} for m, deps in graph.items()}
+    done: set[str] = set()
+
+    def visit(node: str, stack: list[str]) -> None:
+        if node in stack:
+            raise AssertionError("import cycle: " + " -> ".join([*stack[stack.index(node):], node]))
+        if node in done:
+            return
+        for dep in sorted(graph[node]):
+            visit(dep, [*stack, node])
+        done.add(node)
+
+    for module in sorted(graph):
+        visit(module, [])
+
+
+def test_cycle_check_can_fail(tmp_path: Path) -> None:
+    (tmp_path / "a.py").write_text("from .b import x\n")
+    (tmp_path / "b.py").write_text("def f():\n    from .a import y\n")
+    assert _imports(tmp_path / "a.py") == {"b"} and _imports(tmp_path / "b.py") == {"a"}
+
+
+def _cpp():
+    try:
+        return importlib.import_module("sparse_ckpt._C")
+    except ImportError:
+        pytest.skip("C++ extension not built")
+
+
+def test_cpp_constants_match_the_format_module() -> None:
+    c = _cpp()
+    assert c.PACKED_MARKER == format.PACKED_MARKER == _core_py.PACKED_MARKER
+    assert c.MAGIC == _core_py.MAGIC and c.VERSION == _core_py.VERSION and c.MAX_DEPTH == _core_py.MAX_DEPTH
+    assert format.PACKED_PREFIX == f"param_groups.{c.PACKED_MARKER}."
+
+
+def _stub_functions() -> dict[str, list[str]]:
+    tree = ast.parse((PACKAGE / "_C.pyi").read_text())
+    return {n.name: [a.arg for a in n.args.args] for n in tree.body if isinstance(n, ast.FunctionDef)}
+
+
+def test_stub_matches_both_cores() -> None:
+    c = _cpp()
+    stub = _stub_functions()
+    cpp_functions = {n for n in dir(c) if not n.startswith("_") and callable(getattr(c, n))}
+    assert set(stub) == cpp_functions
+    for name, params in stub.items():
+        assert params == list(inspect.signature(getattr(_core_py, name)).parameters), name
+        doc = getattr(c, name).__doc__ or ""
+        assert doc.startswith(f"{name}("), name
+        cpp_params = [p.split(":")[0].strip() for p in doc[len(name) + 1 : doc.index(")")].split(",") if p.strip()]
+        assert cpp_params == params, (name, cpp_params, params)
