@@ -1,257 +1,67 @@
-"""``python -m sparse_ckpt``: inspect and convert the optimizer part of DCP checkpoints.
+"""``python -m sparse_ckpt``: inspect, verify, diff, convert and export the optimizer part of DCP checkpoints.
 
-``inspect CKPT_DIR [--key K] [--json]``
+``inspect CKPT [--key K] [--params] [--json]``
     Per optimizer (auto-detected: entries under ``<key>.state.*`` / ``<key>.param_groups.*``) and
     per leaf: the groups with their settings, how many parameters have state and how many do not,
-    the state keys with their dtypes, and the bytes they take.
+    the state keys with their dtypes, the bytes they take, and for MoE FQNs (``...experts.N...``)
+    how many experts per layer have state. ``--params`` lists the parameters without state and
+    the per-layer expert table. Items whose data file is missing or too short make it exit 1.
+
+``verify CKPT [--json]``
+    Read every item (storage bounds, zip CRC-32, then through DCP) and decode every optimizer;
+    list what is missing, truncated or corrupt. Exit 1 when anything is wrong.
+
+``diff A B [--key K] [--json] [--exit-code]``
+    Per leaf: groups whose settings changed, parameters that gained or lost state or moved
+    between groups, state dtype/shape changes. ``--exit-code``: exit 3 when they differ.
 
 ``convert SRC DST --to packed|flat [--key K] [--leaf NAME] [--drop-empty-groups]``
-    Rewrite the optimizer part between formats; every other entry is copied unchanged. State
-    keys are identical in both formats; only the param-group entries change. Flat format stores
-    neither leaf names nor group boundaries, so flat -> packed writes one leaf (``--leaf``,
-    default ``optim``, the name of a single optimizer) with one group per distinct settings, in
-    order of first appearance; loading matches by FQN, so the result loads into any leaf layout.
-    Groups without parameters cannot be expressed in flat format: packed -> flat refuses them
-    unless ``--drop-empty-groups``. The whole checkpoint is read into memory (one process).
+    Rewrite the optimizer part between formats; every other entry is copied unchanged.
 
-Exit status: 0 success, 1 checkpoint/format error, 2 usage error or a directory that is not a
-(complete) DCP checkpoint.
+``export CKPT OUT [--key K] [--leaf NAME]``
+    Write the optimizer part as safetensors + JSON, no pickle (see :mod:`sparse_ckpt.export`).
+
+The work is done by :mod:`sparse_ckpt.checkpoint_tools` and :mod:`sparse_ckpt.export`; this
+module parses arguments and prints. Exit status: 0 success, 1 checkpoint/format error (one line
+on stderr, no traceback), 2 usage error or a directory that is not a (complete) DCP checkpoint,
+3 ``diff --exit-code`` found differences.
 """
 
 from __future__ import annotations
 
 import argparse
 import json
-import math
 import os
 import sys
-from collections.abc import Mapping, Sequence
+from collections.abc import Callable, Mapping, Sequence
 from typing import Any
 
 import torch
-import torch.distributed.checkpoint as dcp
-from torch.distributed.checkpoint.metadata import Metadata, TensorStorageMetadata
+from torch.distributed.checkpoint import CheckpointException
 
-from . import _backend
-from ._tensor_parts import parts_to_tensor, tensor_to_parts
-from .checkpoint_io import (
-    NotACheckpointError,
-    OptimizerEntries,
-    find_optimizers,
-    load_entries,
-    metadata_path,
-    read_metadata,
-    set_path,
+from . import __version__, _backend
+from .checkpoint_io import NotACheckpointError
+from .checkpoint_tools import (
+    UsageError,
+    convert_checkpoint,
+    convert_optimizer,
+    diff_checkpoints,
+    inspect_checkpoint,
+    inspect_details,
+    jsonable,
+    verify_checkpoint,
 )
-from .errors import CheckpointFormatError, CheckpointMismatchError, SparseCheckpointError
-from .format import ESCAPE, PACKED_PREFIX, packed_table_key, split_table_key, table_digest
+from .errors import SparseCheckpointError
 from .leaves import SINGLE_LEAF
 
-_PACKED_PREFIX = PACKED_PREFIX
-_FLAT_LEAF_IN_MIXED = "(flat entries)"
+__all__ = ["UsageError", "convert_checkpoint", "convert_optimizer", "inspect_checkpoint", "main"]
 
-
-class UsageError(Exception):
-    """A bad command line or destination (exit status 2)."""
-
-
-# --------------------------------------------------------------------------- decoding
-
-
-class _Group:
-    def __init__(self, settings: dict[str, Any], blob: bytes) -> None:
-        self.settings = settings
-        self.blob = blob
-        self.fqns: list[str] = []
-        self.settings_vary = False
-
-
-def _decode_tables(values: Mapping[str, Any]) -> dict[str, list[_Group]]:
-    """Packed tables -> ``leaf -> groups`` (tables of one leaf merged by group index)."""
-    core = _backend.core
-    leaves: dict[str, list[_Group]] = {}
-    for inner, table in values.items():
-        if not inner.startswith(_PACKED_PREFIX):
-            continue
-        if not isinstance(table, bytes):
-            raise CheckpointFormatError(f"packed group table {inner!r} is a {type(table).__name__}, expected bytes")
-        leaf, digest = split_table_key(inner[len(_PACKED_PREFIX) :])
-        if table_digest(table) != digest:
-            raise CheckpointFormatError(f"leaf {leaf!r}: group table {inner!r} does not match its digest")
-        settings, blobs, groups = core.decode_table(leaf, table, parts_to_tensor)
-        merged = leaves.setdefault(leaf, [])
-        for gi, (idx, fqns) in enumerate(groups):
-            if gi == len(merged):
-                merged.append(_Group(settings[idx], blobs[idx]))
-            elif merged[gi].blob != blobs[idx]:
-                merged[gi].settings_vary = True
-            merged[gi].fqns.extend(fqns)
-    return leaves
-
-
-def _flat_groups(settings_by_fqn: Mapping[str, dict[str, Any]]) -> list[_Group]:
-    """Flat settings -> one group per distinct settings, in order of first appearance."""
-    core = _backend.core
-    groups: dict[bytes, _Group] = {}
-    for fqn, raw in settings_by_fqn.items():
-        blob = core.encode_settings(f"flat:{fqn}", 0, raw, torch.Tensor, tensor_to_parts)
-        group = groups.get(blob)
-        if group is None:
-            group = groups[blob] = _Group(raw, blob)
-        group.fqns.append(fqn)
-    return list(groups.values())
-
-
-def _split_optimizer(values: Mapping[str, Any]) -> tuple[dict[str, list[_Group]], list[_Group], dict, list[str]]:
-    """``(packed leaves, flat groups, state_by_fqn, unmatched keys)`` of one optimizer's entries."""
-    leaves = _decode_tables(values)
-    known = {fqn: fqn for groups in leaves.values() for g in groups for fqn in g.fqns}
-    settings_by_fqn, state_by_fqn, _tables, unmatched = _backend.core.unflatten(values, known)
-    return leaves, _flat_groups(settings_by_fqn), state_by_fqn, list(unmatched)
-
-
-# --------------------------------------------------------------------------- inspect
+EXIT_OK, EXIT_ERROR, EXIT_USAGE, EXIT_DIFFERENT = 0, 1, 2, 3
+_LIST_LIMIT = 10
 
 
 def _dtype_name(dtype: torch.dtype) -> str:
     return str(dtype).removeprefix("torch.")
-
-
-def _walk_state(node: Mapping[str, Any], prefix: str = "") -> list[tuple[str, Any]]:
-    out: list[tuple[str, Any]] = []
-    for key, value in node.items():
-        if isinstance(value, dict):
-            out.extend(_walk_state(value, f"{prefix}{key}."))
-        else:
-            out.append((f"{prefix}{key}", value))
-    return out
-
-
-def _jsonable(value: Any) -> Any:
-    if isinstance(value, float) and not math.isfinite(value):
-        return str(value)
-    if value is None or isinstance(value, (bool, int, float, str)):
-        return value
-    if isinstance(value, (tuple, list)):
-        return [_jsonable(v) for v in value]
-    if isinstance(value, torch.Tensor):
-        return {
-            "tensor": _dtype_name(value.dtype),
-            "shape": list(value.shape),
-            "values": _jsonable(value.detach().cpu().reshape(-1).tolist()),
-        }
-    if isinstance(value, bytes):
-        return {"bytes_hex": value.hex()}
-    if isinstance(value, dict):
-        return {str(k): _jsonable(v) for k, v in value.items()}
-    return repr(value)
-
-
-def _summarize_leaf(name: str, groups: list[_Group], state_by_fqn: Mapping[str, Any]) -> dict[str, Any]:
-    out_groups = []
-    keys: dict[str, dict[str, Any]] = {}
-    total_bytes = 0
-    with_state = without = 0
-    for gi, group in enumerate(groups):
-        n_with = 0
-        for fqn in group.fqns:
-            state = state_by_fqn.get(fqn)
-            if not state:
-                continue
-            n_with += 1
-            for key, md in _walk_state(state):
-                info = keys.setdefault(key, {"dtypes": [], "count": 0, "bytes": 0})
-                info["count"] += 1
-                if isinstance(md, TensorStorageMetadata):
-                    dtype = _dtype_name(md.properties.dtype)
-                    nbytes = math.prod(md.size) * md.properties.dtype.itemsize
-                else:
-                    dtype, nbytes = "object", 0
-                if dtype not in info["dtypes"]:
-                    info["dtypes"].append(dtype)
-                info["bytes"] += nbytes
-                total_bytes += nbytes
-        entry = {
-            "index": gi,
-            "settings": _jsonable(group.settings),
-            "params": len(group.fqns),
-            "with_state": n_with,
-            "without_state": len(group.fqns) - n_with,
-        }
-        if group.settings_vary:
-            entry["settings_vary_across_tables"] = True
-        out_groups.append(entry)
-        with_state += n_with
-        without += len(group.fqns) - n_with
-    return {
-        "name": name,
-        "params": with_state + without,
-        "with_state": with_state,
-        "without_state": without,
-        "groups": out_groups,
-        "state_keys": keys,
-        "state_bytes": total_bytes,
-    }
-
-
-def _disk_bytes(metadata: Metadata) -> dict[str, int]:
-    out: dict[str, int] = {}
-    storage = metadata.storage_data
-    if isinstance(storage, Mapping):
-        for index, info in storage.items():
-            length = getattr(info, "length", None)
-            if isinstance(length, int):
-                out[index.fqn] = out.get(index.fqn, 0) + length
-    return out
-
-
-def inspect_checkpoint(path: str, key: str | None = None) -> dict[str, Any]:
-    """Describe every optimizer in the checkpoint at ``path`` (the ``--json`` schema)."""
-    return _inspect(path, key)[0]
-
-
-def _inspect(path: str, key: str | None) -> tuple[dict[str, Any], dict[tuple[str, str, int], dict[str, Any]]]:
-    """The report, and each group's settings as Python values keyed by (optimizer, leaf, group index)."""
-    raw: dict[tuple[str, str, int], dict[str, Any]] = {}
-    metadata = read_metadata(path)
-    disk = _disk_bytes(metadata)
-    optimizers = []
-    for opt in _select(find_optimizers(metadata), key):
-        pg = {inner: flat for inner, flat in opt.inner.items() if not inner.startswith("state.")}
-        loaded = load_entries(path, metadata, pg.values())
-        values: dict[str, Any] = {inner: loaded[flat] for inner, flat in pg.items()}
-        for inner, flat in opt.inner.items():
-            if inner.startswith("state."):
-                values[inner] = metadata.state_dict_metadata[flat]
-        leaves, flat_groups, state_by_fqn, unmatched = _split_optimizer(values)
-        fmt = "mixed" if leaves and flat_groups else "packed" if leaves else "flat"
-        named = list(leaves.items())
-        if flat_groups:
-            named.append((_FLAT_LEAF_IN_MIXED if leaves else SINGLE_LEAF, flat_groups))
-        summaries = [_summarize_leaf(name, groups, state_by_fqn) for name, groups in named]
-        for name, groups in named:
-            for gi, g in enumerate(groups):
-                raw[(opt.name, name, gi)] = g.settings
-        grouped = {fqn for _name, groups in named for g in groups for fqn in g.fqns}
-        orphans = sorted(fqn for fqn in state_by_fqn if fqn not in grouped)
-        table_bytes = sum(len(v) for k, v in values.items() if k.startswith(_PACKED_PREFIX))
-        optimizers.append(
-            {
-                "key": opt.name,
-                "format": fmt,
-                "leaves": summaries,
-                "params": sum(s["params"] for s in summaries),
-                "with_state": sum(s["with_state"] for s in summaries),
-                "without_state": sum(s["without_state"] for s in summaries),
-                "state_bytes": sum(s["state_bytes"] for s in summaries),
-                "table_bytes": table_bytes,
-                "disk_bytes": sum(disk.get(flat, 0) for flat in opt.inner.values()),
-                "items": len(opt.inner),
-                "state_without_group": orphans,
-                "unmatched_keys": unmatched,
-            }
-        )
-    return {"checkpoint": os.fspath(path), "optimizers": optimizers}, raw
 
 
 def _fmt_value(value: Any) -> str:
@@ -262,7 +72,46 @@ def _fmt_value(value: Any) -> str:
     return repr(value)
 
 
-def _format_text(report: dict[str, Any], groups_raw: dict[tuple[str, str, int], dict[str, Any]]) -> str:
+def _fmt_names(items: Sequence[Any], limit: int = _LIST_LIMIT) -> str:
+    shown = ", ".join(repr(x) for x in items[:limit])
+    return f"{shown} (+{len(items) - limit} more)" if len(items) > limit else shown
+
+
+def _ids(ids: Sequence[int]) -> str:
+    return ", ".join(map(str, ids))
+
+
+# --------------------------------------------------------------------------- inspect
+
+
+def _expert_lines(experts: list[dict[str, Any]], params: bool) -> list[str]:
+    if not experts:
+        return []
+    total = sum(e["experts"] for e in experts)
+    with_state = sum(e["with_state"] for e in experts)
+    partial = sum(e["partial"] for e in experts)
+    ratios = sorted((e["with_state"], e["experts"]) for e in experts)
+    lo, hi = ratios[0], ratios[-1]
+    span = f"{lo[0]}/{lo[1]}" if lo == hi else f"{lo[0]}/{lo[1]} to {hi[0]}/{hi[1]}"
+    extra = f", {partial} partial" if partial else ""
+    lines = [
+        (f"    experts with state: {with_state}/{total} in {len(experts)} layer(s) "
+        f"(per layer: {span}{extra}; FQNs '...experts.N...')")
+    ]
+    if params:
+        width = max(len(e["layer"]) for e in experts)
+        for e in experts:
+            line = f"      {e['layer']:<{width}}  {e['with_state']}/{e['experts']} with state"
+            if e["partial"]:
+                line += f", partial: {_ids(e['partial_ids'])}"
+            if e["without_state"]:
+                line += f"; without state: {_ids(e['without_state_ids'])}"
+            lines.append(line)
+    return lines
+
+
+def format_inspect(report: dict[str, Any], groups_raw: dict[tuple[str, str, int], dict[str, Any]]) -> str:
+    """The text form of an ``inspect`` report."""
     lines = [f"checkpoint: {report['checkpoint']}"]
     if not report["optimizers"]:
         lines.append("no optimizer entries found (no '<key>.state.*' / '<key>.param_groups.*' entries)")
@@ -289,156 +138,221 @@ def _format_text(report: dict[str, Any], groups_raw: dict[tuple[str, str, int], 
                 )
                 lines.append(f"      {settings}")
             for name, info in leaf["state_keys"].items():
-                lines.append(
-                    f"    state {name}: {'/'.join(info['dtypes'])} x{info['count']}, {info['bytes']} bytes"
-                )
+                lines.append(f"    state {name}: {'/'.join(info['dtypes'])} x{info['count']}, {info['bytes']} bytes")
+            params = "params_without_state" in leaf
+            lines.extend(_expert_lines(leaf["experts"], params))
+            if params:
+                lines.append(f"    parameters without state ({len(leaf['params_without_state'])}):")
+                lines.extend(f"      {fqn}" for fqn in leaf["params_without_state"])
         if opt["state_without_group"]:
             lines.append(f"  state of {len(opt['state_without_group'])} FQN(s) in no group")
         if opt["unmatched_keys"]:
             lines.append(f"  {len(opt['unmatched_keys'])} unrecognised key(s)")
+    for p in report.get("storage_problems", []):
+        lines.append(f"storage problem: {p['key']}: {p['problem']}")
     return "\n".join(lines)
 
 
-# --------------------------------------------------------------------------- convert
+# --------------------------------------------------------------------------- verify
 
 
-def _select(found: list[OptimizerEntries], key: str | None) -> list[OptimizerEntries]:
-    if key is None:
-        return found
-    chosen = [opt for opt in found if opt.name == key]
-    if not chosen:
-        names = ", ".join(repr(o.name) for o in found) or "none"
-        raise UsageError(f"no optimizer entries under key {key!r} (found: {names})")
-    return chosen
+def format_verify(report: dict[str, Any]) -> str:
+    """The text form of a ``verify`` report."""
+    lines = [
+        f"checkpoint: {report['checkpoint']}",
+        (f"{report['items']} item(s) in {report['files']} file(s), {report['bytes']} bytes; "
+        f"{report['read']} read; optimizers: {', '.join(repr(o or '(top level)') for o in report['optimizers']) or 'none'}"),
+    ]
+    if report["crc_unchecked"]:
+        lines.append(f"{report['crc_unchecked']} item part(s) without a CRC-32 (read, not checksummed)")
+    for p in report["problems"]:
+        lines.append(f"problem: {p['key']}: {p['problem']}")
+    lines.append("OK" if report["ok"] else f"{len(report['problems'])} problem(s)")
+    return "\n".join(lines)
 
 
-def convert_optimizer(
-    values: Mapping[str, Any], to: str, *, leaf: str = SINGLE_LEAF, drop_empty_groups: bool = False
-) -> dict[str, Any]:
-    """One optimizer's entries rewritten in format ``to``; state and unknown entries are kept."""
-    core = _backend.core
-    leaves, flat_groups, _state, _unmatched = _split_optimizer(values)
-    out = {k: v for k, v in values.items() if not k.startswith("param_groups.")}
-    if to == "flat":
-        escaped = [k for k in values if k.startswith("state.") and f".{ESCAPE}" in k]
-        if escaped and leaves:
-            raise CheckpointFormatError(
-                f"state key {escaped[0]!r} has an escaped part (a state key that is not a plain str, or nested "
-                "state that reads as another FQN): the flat layout cannot hold it"
-            )
-        seen: dict[str, bytes] = {}
-        for name, groups in leaves.items():
-            for gi, group in enumerate(groups):
-                if not group.fqns:
-                    if drop_empty_groups:
-                        continue
-                    raise CheckpointMismatchError(
-                        f"leaf {name!r} group {gi} has no parameters; flat format cannot express it "
-                        "(pass --drop-empty-groups to drop it)"
-                    )
-                if group.settings_vary:
-                    raise CheckpointMismatchError(
-                        f"leaf {name!r} group {gi}: ranks' tables hold different settings for this group"
-                    )
-                for fqn in group.fqns:
-                    prev = seen.setdefault(fqn, group.blob)
-                    if prev != group.blob:
-                        raise CheckpointMismatchError(f"conflicting saved settings for parameter {fqn!r}")
-                out.update(core.flatten_groups(name, [(group.settings, group.fqns)]))
-        for group in flat_groups:
-            out.update(core.flatten_groups(_FLAT_LEAF_IN_MIXED, [(group.settings, group.fqns)]))
-    elif to == "packed":
-        for key, value in values.items():
-            if key.startswith(_PACKED_PREFIX):
-                out[key] = value
-        if flat_groups:
-            if leaf in leaves:
-                raise UsageError(f"leaf {leaf!r} already has packed tables; pick another --leaf")
-            groups_fqn = [(g.settings, g.fqns) for g in flat_groups]
-            table = core.encode_table(leaf, groups_fqn, torch.Tensor, tensor_to_parts)
-            out[packed_table_key(leaf, table)] = table
-    else:
-        raise UsageError(f"--to must be 'packed' or 'flat', got {to!r}")
-    return out
+# --------------------------------------------------------------------------- diff
 
 
-def convert_checkpoint(
-    src: str,
-    dst: str,
-    to: str,
-    *,
-    key: str | None = None,
-    leaf: str = SINGLE_LEAF,
-    drop_empty_groups: bool = False,
-) -> list[str]:
-    """Write ``src`` to ``dst`` with its optimizer part in format ``to``; returns the keys converted."""
-    metadata = read_metadata(src)
-    if os.path.abspath(src) == os.path.abspath(dst):
-        raise UsageError("SRC and DST must differ")
-    if os.path.exists(dst) and (not os.path.isdir(dst) or os.listdir(dst)):
-        raise UsageError(f"destination {dst!r} exists and is not an empty directory")
-    opts = _select(find_optimizers(metadata), key)
-    if not opts:
-        raise UsageError(f"{src!r} holds no optimizer entries ('<key>.state.*' / '<key>.param_groups.*')")
-    everything = load_entries(src, metadata, metadata.state_dict_metadata.keys())
-    converted = {flat for opt in opts for flat in opt.inner.values()}
-    new_opts = []
-    for opt in opts:
-        values = {inner: everything[flat] for inner, flat in opt.inner.items()}
-        new_opts.append((opt.prefix, convert_optimizer(values, to, leaf=leaf, drop_empty_groups=drop_empty_groups)))
-    nested: dict[str, Any] = {}
-    for flat, value in everything.items():
-        if flat not in converted:
-            set_path(nested, metadata_path(metadata, flat), value)
-    for prefix, entries in new_opts:
-        for inner, value in entries.items():
-            set_path(nested, (*prefix, inner), value)
-    os.makedirs(dst, exist_ok=True)
-    dcp.save(nested, checkpoint_id=dst, no_dist=True)
-    return [opt.name for opt in opts]
+def _sig(s: dict[str, Any] | None) -> str:
+    if s is None:
+        return "absent"
+    return s["dtype"] if s["shape"] is None else f"{s['dtype']} {tuple(s['shape'])}"
+
+
+def format_diff(report: dict[str, Any]) -> str:
+    """The text form of a ``diff`` report."""
+    lines = [f"a: {report['a']}", f"b: {report['b']}"]
+    for name in report["optimizers_only_in_a"]:
+        lines.append(f"optimizer {name or '(top level)'}: only in a")
+    for name in report["optimizers_only_in_b"]:
+        lines.append(f"optimizer {name or '(top level)'}: only in b")
+    for opt in report["optimizers"]:
+        ka, kb = opt["key_a"] or "(top level)", opt["key_b"] or "(top level)"
+        lines.append(f"optimizer {ka}" + (f" -> {kb}:" if ka != kb else ":"))
+        for leaf in opt["leaves"]:
+            where = f"  leaf {leaf['name']!r}"
+            if "only_in" in leaf:
+                lines.append(f"{where}: only in {leaf['only_in']} ({leaf['groups']} group(s), {leaf['params']} params)")
+                continue
+            for g in leaf.get("groups", []):
+                gw = f"{where} group {g['index']}"
+                if "only_in" in g:
+                    lines.append(f"{gw}: only in {g['only_in']} ({g['params']} params)")
+                    continue
+                s = g.get("settings", {})
+                for k, (va, vb) in s.get("changed", {}).items():
+                    lines.append(f"{gw}: {k} {_fmt_value(va)} -> {_fmt_value(vb)}")
+                for k, v in s.get("removed", {}).items():
+                    lines.append(f"{gw}: {k} removed (was {_fmt_value(v)})")
+                for k, v in s.get("added", {}).items():
+                    lines.append(f"{gw}: {k} added ({_fmt_value(v)})")
+                if g.get("params_added"):
+                    lines.append(f"{gw}: +{len(g['params_added'])} param(s): {_fmt_names(g['params_added'])}")
+                if g.get("params_removed"):
+                    lines.append(f"{gw}: -{len(g['params_removed'])} param(s): {_fmt_names(g['params_removed'])}")
+            if leaf.get("gained_state"):
+                lines.append(f"{where}: {len(leaf['gained_state'])} param(s) gained state: {_fmt_names(leaf['gained_state'])}")
+            if leaf.get("lost_state"):
+                lines.append(f"{where}: {len(leaf['lost_state'])} param(s) lost state: {_fmt_names(leaf['lost_state'])}")
+            changes = leaf.get("state_changes", [])
+            for c in changes[:_LIST_LIMIT]:
+                lines.append(f"{where}: state {c['key']} of {c['fqn']!r}: {_sig(c['a'])} -> {_sig(c['b'])}")
+            if len(changes) > _LIST_LIMIT:
+                lines.append(f"{where}: ... {len(changes) - _LIST_LIMIT} more state change(s)")
+        if opt.get("params_only_in_a"):
+            lines.append(f"  {len(opt['params_only_in_a'])} param(s) only in a: {_fmt_names(opt['params_only_in_a'])}")
+        if opt.get("params_only_in_b"):
+            lines.append(f"  {len(opt['params_only_in_b'])} param(s) only in b: {_fmt_names(opt['params_only_in_b'])}")
+    n = report["differences"]
+    lines.append("no differences" if n == 0 else f"{n} difference(s)")
+    return "\n".join(lines)
+
+
+def _diff_json(report: Mapping[str, Any]) -> Any:
+    """The diff report with settings values made JSON-friendly."""
+    return jsonable(report)
 
 
 # --------------------------------------------------------------------------- entry point
 
 
+def _version() -> str:
+    return f"sparse_ckpt {__version__} (torch {torch.__version__}, core {_backend.NAME})"
+
+
 def _parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(
-        prog="python -m sparse_ckpt", description="Inspect and convert sparse_ckpt optimizer state in DCP checkpoints."
+        prog="python -m sparse_ckpt",
+        description="Inspect, verify, diff, convert and export sparse_ckpt optimizer state in DCP checkpoints.",
     )
+    parser.add_argument("--version", action="version", version=_version())
     sub = parser.add_subparsers(dest="command", required=True)
+    key_help = "the optimizer's key in the checkpoint (default: every one detected)"
     p = sub.add_parser("inspect", help="describe the optimizer state of a checkpoint")
     p.add_argument("checkpoint", help="DCP checkpoint directory")
-    p.add_argument("--key", help="the optimizer's key in the checkpoint (default: every one detected)")
+    p.add_argument("--key", help=key_help)
+    p.add_argument("--params", action="store_true", help="list parameters without state and experts per layer")
     p.add_argument("--json", action="store_true", help="machine-readable output")
+    v = sub.add_parser("verify", help="read every item and report missing, truncated or corrupt ones")
+    v.add_argument("checkpoint", help="DCP checkpoint directory")
+    v.add_argument("--json", action="store_true", help="machine-readable output")
+    d = sub.add_parser("diff", help="compare the optimizer parts of two checkpoints")
+    d.add_argument("a", help="first DCP checkpoint directory")
+    d.add_argument("b", help="second DCP checkpoint directory")
+    d.add_argument("--key", help="the optimizer's key in both (default: the only one, or equal keys)")
+    d.add_argument("--json", action="store_true", help="machine-readable output")
+    d.add_argument("--exit-code", action="store_true", help=f"exit {EXIT_DIFFERENT} when they differ")
     c = sub.add_parser("convert", help="rewrite the optimizer part between packed and flat format")
     c.add_argument("src", help="source DCP checkpoint directory")
     c.add_argument("dst", help="destination directory (new or empty)")
     c.add_argument("--to", required=True, choices=("packed", "flat"), help="target format")
-    c.add_argument("--key", help="the optimizer's key in the checkpoint (default: every one detected)")
+    c.add_argument("--key", help=key_help)
     c.add_argument("--leaf", default=SINGLE_LEAF, help="leaf name for flat -> packed (default: %(default)s)")
-    c.add_argument(
-        "--drop-empty-groups", action="store_true", help="packed -> flat: drop groups without parameters"
-    )
+    c.add_argument("--drop-empty-groups", action="store_true", help="packed -> flat: drop groups without parameters")
+    e = sub.add_parser("export", help="write the optimizer part as safetensors + JSON (no pickle)")
+    e.add_argument("checkpoint", help="DCP checkpoint directory")
+    e.add_argument("out", help="destination directory (new or empty)")
+    e.add_argument("--key", help="the optimizer's key (default: the checkpoint's only optimizer)")
+    e.add_argument("--leaf", default=SINGLE_LEAF, help="leaf name for flat-format settings (default: %(default)s)")
     return parser
 
 
+def _run(args: argparse.Namespace, out: Callable[[str], None], err: Callable[[str], None]) -> int:
+    if args.command == "inspect":
+        report, raw = inspect_details(args.checkpoint, args.key, params=args.params)
+        out(json.dumps(report, indent=2) if args.json else format_inspect(report, raw))
+        if report["storage_problems"]:
+            n = len(report["storage_problems"])
+            err(f"error: {n} storage problem(s) (missing or truncated data); run `python -m sparse_ckpt verify`")
+            return EXIT_ERROR
+        return EXIT_OK
+    if args.command == "verify":
+        report = verify_checkpoint(args.checkpoint)
+        out(json.dumps(report, indent=2) if args.json else format_verify(report))
+        return EXIT_OK if report["ok"] else EXIT_ERROR
+    if args.command == "diff":
+        report = diff_checkpoints(args.a, args.b, args.key)
+        out(json.dumps(_diff_json(report), indent=2) if args.json else format_diff(report))
+        return EXIT_DIFFERENT if args.exit_code and report["differences"] else EXIT_OK
+    if args.command == "convert":
+        keys = convert_checkpoint(
+            args.src, args.dst, args.to, key=args.key, leaf=args.leaf, drop_empty_groups=args.drop_empty_groups
+        )
+        shown = ", ".join(repr(k or "(top level)") for k in keys)
+        out(f"wrote {args.dst}: optimizer {shown} in {args.to} format")
+        return EXIT_OK
+    from .export import export_checkpoint  # safetensors is needed only here
+
+    s = export_checkpoint(args.checkpoint, args.out, args.key, leaf=args.leaf)
+    out(
+        f"wrote {s.out_dir}: optimizer {s.key or '(top level)'!r} ({s.source_format}), leaves {s.leaves}, "
+        f"{s.tensors} state tensor(s) ({s.tensor_bytes} bytes), {s.tables} table(s) ({s.table_bytes} bytes), "
+        f"{s.values} JSON value(s); {s.file_bytes} bytes on disk in {s.seconds:.2f} s"
+    )
+    return EXIT_OK
+
+
 def main(argv: Sequence[str] | None = None) -> int:
-    """Run the CLI; returns the exit status."""
+    """Run the CLI; returns the exit status. Errors are one line on stderr, never a traceback."""
     args = _parser().parse_args(argv)
+
+    def out(text: str) -> None:
+        text += "\n"
+        for i in range(0, len(text), 1 << 16):  # pieces: a reader that went away is noticed early
+            sys.stdout.write(text[i : i + (1 << 16)])
+        sys.stdout.flush()
+
+    def err(text: str) -> None:
+        print(text, file=sys.stderr)
+
     try:
-        if args.command == "inspect":
-            report, raw = _inspect(args.checkpoint, args.key)
-            print(json.dumps(report, indent=2) if args.json else _format_text(report, raw))
-        else:
-            keys = convert_checkpoint(
-                args.src, args.dst, args.to, key=args.key, leaf=args.leaf, drop_empty_groups=args.drop_empty_groups
-            )
-            shown = ", ".join(repr(k or "(top level)") for k in keys)
-            print(f"wrote {args.dst}: optimizer {shown} in {args.to} format")
+        return _run(args, out, err)
+    except BrokenPipeError:
+        # The reader went away (`... | head`): stop quietly; point stdout at devnull so the
+        # interpreter's final flush does not raise again.
+        try:
+            devnull = os.open(os.devnull, os.O_WRONLY)
+            os.dup2(devnull, sys.stdout.fileno())
+        except (OSError, ValueError, AttributeError):
+            pass
+        return EXIT_ERROR
     except (NotACheckpointError, UsageError) as exc:
-        print(f"error: {exc}", file=sys.stderr)
-        return 2
-    except SparseCheckpointError as exc:
-        print(f"error: {exc}", file=sys.stderr)
-        return 1
-    return 0
+        err(f"error: {exc}")
+        return EXIT_USAGE
+    except (SparseCheckpointError, OSError, ImportError) as exc:
+        err(f"error: {_first_line(exc)}")
+        return EXIT_ERROR
+    except CheckpointException as exc:  # a BaseException: DCP failed outside sparse_ckpt's readers
+        failures = getattr(exc, "failures", {}) or {}
+        inner = next(iter(failures.values()))[0] if failures else exc
+        err(f"error: cannot read checkpoint: {type(inner).__name__}: {_first_line(inner)}")
+        return EXIT_ERROR
+    except KeyboardInterrupt:
+        err("interrupted")
+        return 130
+
+
+def _first_line(exc: BaseException) -> str:
+    lines = str(exc).strip().splitlines()
+    return lines[0] if lines else type(exc).__name__

@@ -1,11 +1,16 @@
-"""``python -m sparse_ckpt inspect|convert`` in a subprocess."""
+"""``python -m sparse_ckpt inspect|verify|diff|convert|export``: exit codes and output, in a subprocess
+where the interpreter matters (tracebacks, closed pipes), else in-process through ``cli.main``."""
 
 from __future__ import annotations
 
+import io
 import json
 import os
+import shutil
+import struct
 import subprocess
 import sys
+import zipfile
 from pathlib import Path
 
 import pytest
@@ -166,3 +171,224 @@ def test_usage_errors_exit_2_in_process(
     with pytest.raises(SystemExit) as exc:
         cli.main(["convert", str(path), str(tmp_path / "x"), "--to", "dense"])
     assert exc.value.code == 2
+
+
+# --------------------------------------------------------------------------- inspect --params, experts
+
+
+def test_inspect_params_and_expert_counts(
+    checkpoint: tuple[Path, nn.Module, sc.MultiOptimizer], capsys: pytest.CaptureFixture[str]
+) -> None:
+    path, _model, _opt = checkpoint
+    assert cli.main(["inspect", str(path), "--params"]) == 0
+    out = capsys.readouterr().out
+    assert "experts with state: 2/3 in 1 layer(s) (per layer: 2/3; FQNs '...experts.N...')" in out
+    assert "      experts  2/3 with state; without state: 2" in out
+    assert "    parameters without state (3):\n      experts.2.up.weight\n      experts.2.up.bias\n" in out
+    assert "experts with state: 0/1 in 1 layer(s)" in out  # leaf 'idle' holds expert 3
+    assert cli.main(["inspect", str(path)]) == 0
+    plain = capsys.readouterr().out
+    assert "experts with state: 2/3" in plain and "parameters without state" not in plain
+
+    report = cli.inspect_checkpoint(str(path), params=True)
+    leaves = {leaf["name"]: leaf for leaf in report["optimizers"][0]["leaves"]}
+    [layer] = leaves["experts"]["experts"]
+    assert layer == {"layer": "experts", "experts": 3, "with_state": 2, "partial": 0, "without_state": 1,
+                     "without_state_ids": [2], "partial_ids": []}
+    assert leaves["idle"]["params_without_state"] == ["experts.3.up.weight", "experts.3.up.bias", "experts.3.down.weight"]
+    assert "params_without_state" not in cli.inspect_checkpoint(str(path))["optimizers"][0]["leaves"][0]
+
+
+def test_expert_summary_layers_and_partial_experts() -> None:
+    from sparse_ckpt.checkpoint_tools import expert_summary
+
+    fqns = [f"model.layers.{layer}.mlp.experts.{e}.{w}" for layer in (10, 2) for e in range(4) for w in ("w1", "w2")]
+    fqns += ["model.layers.2.mlp.shared_experts.w1", "model.layers.2.attn.q.weight"]  # not routed experts
+    stateful = {f for f in fqns if ".experts.0." in f or ".experts.3.w1" in f or "layers.10.mlp.experts.1." in f}
+    rows = expert_summary(fqns, stateful.__contains__)
+    assert [r["layer"] for r in rows] == ["model.layers.2.mlp.experts", "model.layers.10.mlp.experts"]
+    assert [(r["with_state"], r["partial"], r["without_state"]) for r in rows] == [(1, 1, 2), (2, 1, 1)]
+    assert rows[0]["partial_ids"] == [3] and rows[0]["without_state_ids"] == [1, 2]
+
+
+def _wide_checkpoint(path: Path) -> None:
+    """An optimizer over 4 x 1000 stateless experts: `inspect --params` prints > 64 KiB."""
+    model = nn.Module()
+    model.layers = nn.ModuleList(nn.Module() for _ in range(4))
+    for layer in model.layers:
+        layer.experts = nn.ModuleList(nn.Linear(1, 1, bias=False) for _ in range(1000))
+    opt = torch.optim.SGD(model.parameters(), lr=0.1)
+    dcp.save({"optim": sc.SparseOptimizerState(model, opt)}, checkpoint_id=path)
+
+
+@pytest.mark.parametrize("unbuffered", [False, True])
+def test_closed_pipe_is_quiet(tmp_path: Path, unbuffered: bool, core_backend: str) -> None:
+    """``inspect --params | head -1``: no traceback, exit 1 (with PYTHONUNBUFFERED=1 Python's text layer
+    may drop the write that fails, so the status can be 0 there; still no traceback)."""
+    if core_backend == "cpp":
+        pytest.skip("the interpreter's pipe handling does not depend on the core backend")
+    path = tmp_path / "wide"
+    _wide_checkpoint(path)
+    env = dict(os.environ, PYTHONPATH=os.pathsep.join(filter(None, [str(REPO), os.environ.get("PYTHONPATH")])))
+    env.pop("PYTHONUNBUFFERED", None)
+    if unbuffered:
+        env["PYTHONUNBUFFERED"] = "1"
+    proc = subprocess.Popen(
+        [sys.executable, "-m", "sparse_ckpt", "inspect", str(path), "--params"],
+        cwd=REPO, env=env, stdout=subprocess.PIPE, stderr=subprocess.PIPE,
+    )
+    assert proc.stdout is not None and proc.stderr is not None
+    first = proc.stdout.readline()
+    proc.stdout.close()  # what `| head -1` does
+    err = proc.stderr.read().decode()
+    proc.stderr.close()
+    assert proc.wait(timeout=120) in ((0, 1) if unbuffered else (1,))
+    assert first.startswith(b"checkpoint: ")
+    assert "Traceback" not in err and "BrokenPipe" not in err and "Exception ignored" not in err, err
+
+
+def test_broken_pipe_in_process(checkpoint: tuple[Path, nn.Module, sc.MultiOptimizer],
+                                monkeypatch: pytest.MonkeyPatch) -> None:
+    class Closed(io.StringIO):
+        def write(self, _text: str) -> int:
+            raise BrokenPipeError(32, "Broken pipe")
+
+    monkeypatch.setattr(sys, "stdout", Closed())
+    assert cli.main(["inspect", str(checkpoint[0])]) == 1
+
+
+# --------------------------------------------------------------------------- damaged checkpoints
+
+
+def _one_line_error(capsys: pytest.CaptureFixture[str]) -> str:
+    err = capsys.readouterr().err.strip()
+    assert err.startswith("error: ") and "\n" not in err and "Traceback" not in err, err
+    return err
+
+
+def test_damaged_checkpoints_exit_1_with_one_line(
+    checkpoint: tuple[Path, nn.Module, sc.MultiOptimizer], tmp_path: Path, capsys: pytest.CaptureFixture[str]
+) -> None:
+    path = checkpoint[0]
+    [data] = [p.name for p in path.iterdir() if p.suffix == ".distcp"]
+
+    garbage = tmp_path / "garbage"
+    shutil.copytree(path, garbage)
+    (garbage / ".metadata").write_bytes(b"\x00not a pickle" * 20)
+    for command in ("inspect", "verify"):
+        assert cli.main([command, str(garbage)]) == 1
+        assert ".metadata' cannot be read" in _one_line_error(capsys)
+    assert cli.main(["diff", str(path), str(garbage)]) == 1
+    _one_line_error(capsys)
+
+    no_data = tmp_path / "no_data"
+    shutil.copytree(path, no_data)
+    (no_data / data).unlink()
+    assert cli.main(["inspect", str(no_data)]) == 1
+    assert "FileNotFoundError" in _one_line_error(capsys)
+    assert cli.main(["verify", str(no_data)]) == 1
+    assert f"data file '{data}' is missing" in capsys.readouterr().out
+    assert cli.main(["export", str(no_data), str(tmp_path / "out")]) == 1
+    assert "FileNotFoundError" in _one_line_error(capsys)
+
+    r = run_cli("inspect", str(garbage))  # and really no traceback from the interpreter
+    assert r.returncode == 1 and r.stderr.count("\n") == 1 and "Traceback" not in r.stderr, r.stderr
+
+
+def test_verify_finds_truncation_and_bit_flips(
+    checkpoint: tuple[Path, nn.Module, sc.MultiOptimizer], tmp_path: Path, capsys: pytest.CaptureFixture[str]
+) -> None:
+    path = checkpoint[0]
+    assert cli.main(["verify", str(path)]) == 0
+    out = capsys.readouterr().out
+    assert out.rstrip().endswith("OK") and "problem" not in out
+    assert cli.main(["verify", str(path), "--json"]) == 0
+    report = json.loads(capsys.readouterr().out)
+    md = dcp.FileSystemReader(str(path)).read_metadata()
+    assert report["ok"] and report["items"] == report["read"] == len(md.state_dict_metadata) and report["crc_unchecked"] == 0
+
+    [data] = [p.name for p in path.iterdir() if p.suffix == ".distcp"]
+    truncated = tmp_path / "truncated"
+    shutil.copytree(path, truncated)
+    with open(truncated / data, "r+b") as f:
+        f.truncate(os.path.getsize(truncated / data) - 100)
+    assert cli.main(["inspect", str(truncated)]) == 1  # inspect checks file sizes too
+    captured = capsys.readouterr()
+    assert "storage problem: " in captured.out and "run `python -m sparse_ckpt verify`" in captured.err
+    assert cli.main(["verify", str(truncated)]) == 1
+    out = capsys.readouterr().out
+    assert "truncated: needs bytes" in out and out.rstrip().endswith("1 problem(s)"), out
+
+    # One byte of a state tensor's data flipped: torch.load accepts it, the item's CRC-32 does not.
+    flipped = tmp_path / "flipped"
+    shutil.copytree(path, flipped)
+    key = "optim.state.experts.0.up.weight.exp_avg"
+    [info] = [s for i, s in md.storage_data.items() if i.fqn == key]
+    blob = (path / data).read_bytes()
+    member = next(z for z in zipfile.ZipFile(io.BytesIO(blob[info.offset: info.offset + info.length])).infolist()
+                  if "/data/" in z.filename)
+    at = info.offset + member.header_offset
+    name_len, extra_len = struct.unpack("<HH", blob[at + 26: at + 30])
+    at += 30 + name_len + extra_len + 3
+    (flipped / data).write_bytes(blob[:at] + bytes([blob[at] ^ 0x40]) + blob[at + 1:])
+    assert cli.main(["verify", str(flipped), "--json"]) == 1
+    [problem] = json.loads(capsys.readouterr().out)["problems"]
+    assert problem["key"] == key and "CRC" in problem["problem"], problem
+
+
+# --------------------------------------------------------------------------- diff, --version, export
+
+
+def test_diff(checkpoint: tuple[Path, nn.Module, sc.MultiOptimizer], tmp_path: Path,
+              capsys: pytest.CaptureFixture[str]) -> None:
+    path, model, opt = checkpoint
+    assert cli.main(["diff", str(path), str(path), "--exit-code"]) == 0
+    assert capsys.readouterr().out.rstrip().endswith("no differences")
+
+    train(model, opt, 1, only_experts=[2], seed=5)  # expert 2 gains state
+    opt["dense"].param_groups[0]["lr"] = 0.005
+    st = opt["dense"].state[model.embed.weight]
+    st["exp_avg"] = st["exp_avg"].to(torch.bfloat16)
+    moved = opt["experts"].param_groups[1]["params"].pop()  # experts.1.down.weight -> idle
+    opt["idle"].param_groups[0]["params"].append(moved)
+    opt["idle"].state[moved] = opt["experts"].state.pop(moved)
+    other = tmp_path / "b"
+    dcp.save({"model": model.state_dict(), "optim": sc.SparseOptimizerState(model, opt)}, checkpoint_id=other)
+
+    assert cli.main(["diff", str(path), str(other)]) == 0
+    out = capsys.readouterr().out
+    assert "  leaf 'dense' group 0: lr 0.01 -> 0.005" in out
+    assert "  leaf 'experts': 3 param(s) gained state: 'experts.2.up.weight', 'experts.2.up.bias', 'experts.2.down.weight'" in out
+    assert "  leaf 'experts' group 1: -1 param(s): 'experts.1.down.weight'" in out
+    assert "  leaf 'idle' group 0: +1 param(s): 'experts.1.down.weight'" in out
+    assert "  leaf 'dense': state exp_avg of 'embed.weight': float32 (8, 8) -> bfloat16 (8, 8)" in out
+    assert cli.main(["diff", str(path), str(other), "--exit-code", "--json"]) == 3
+    report = json.loads(capsys.readouterr().out)
+    [o] = report["optimizers"]
+    dense = next(leaf for leaf in o["leaves"] if leaf["name"] == "dense")
+    assert dense["groups"][0]["settings"]["changed"]["lr"] == [0.01, 0.005]
+    assert dense["state_changes"] == [{"fqn": "embed.weight", "key": "exp_avg", "a": {"dtype": "float32", "shape": [8, 8]},
+                                       "b": {"dtype": "bfloat16", "shape": [8, 8]}}]
+    assert report["differences"] == 1 + 3 + 2 + 1
+
+
+def test_version(capsys: pytest.CaptureFixture[str]) -> None:
+    with pytest.raises(SystemExit) as exc:
+        cli.main(["--version"])
+    assert exc.value.code == 0
+    assert capsys.readouterr().out.startswith(f"sparse_ckpt {sc.__version__} (torch ")
+
+
+def test_export_command(checkpoint: tuple[Path, nn.Module, sc.MultiOptimizer], tmp_path: Path) -> None:
+    path, model, opt = checkpoint
+    out = tmp_path / "export"
+    r = run_cli("export", str(path), str(out), "--key", "optim")
+    assert r.returncode == 0, r.stderr
+    assert r.stdout.startswith(f"wrote {out}: optimizer 'optim' (packed), leaves ['dense', 'experts', 'idle'], ")
+    from sparse_ckpt.export import load_export
+
+    model2, opt2 = build(seed=1)
+    model2.load_state_dict(model.state_dict())
+    load_export(model2, opt2, out)
+    assert_optimizer_equal(opt, opt2, grads=False)
+    assert cli.main(["export", str(path), str(out)]) == 2  # not an empty directory

@@ -1,0 +1,498 @@
+"""Pickle-free export of a checkpoint's optimizer part: safetensors + JSON, and its loader.
+
+A DCP checkpoint's ``.metadata`` and its non-tensor items are pickles. :func:`export_checkpoint`
+writes one optimizer of a DCP checkpoint into a directory that holds no pickle at all:
+
+* ``optimizer.safetensors`` -- every state tensor, full (unsharded), named by the checkpoint's
+  flat key (``state.{fqn}.{key}``), and every packed group table as a 1-d ``uint8`` tensor named
+  by its key (``param_groups.__packed__.{leaf}.{digest}``). Flat-format group settings are
+  packed into one table of leaf ``leaf`` (one group per distinct settings), so an export always
+  carries binary tables (the codec of :mod:`sparse_ckpt.format`, which never unpickles).
+* ``manifest.json`` (written last: an export is complete exactly when it exists) -- format and
+  version, the source, the leaves with their group and parameter counts, and non-tensor state
+  values, which must be JSON-representable (``None``, ``bool``, ``int``, ``float``, ``str``,
+  lists and tuples of these; tuples and non-finite floats are tagged so they come back exactly).
+
+:func:`load_export` restores it into any model/optimizer layout through the same by-FQN path as
+:func:`sparse_ckpt.load_sparse_state_dict` (strict/non-strict, transactional). In a process
+group of more than one rank each rank reads only its own parameters' state from the file (other
+ranks' FQNs are not "extra"), and state of a DTensor parameter becomes a DTensor with the
+parameter's mesh and placements (sliced locally, no communication), as ``SparseLoadPlanner`` does.
+"""
+
+from __future__ import annotations
+
+import json
+import math
+import os
+import struct
+import time
+from collections.abc import Iterable, Iterator, Mapping
+from dataclasses import dataclass, field
+from typing import Any
+
+import torch
+from torch import nn
+from torch.distributed.checkpoint.metadata import TensorStorageMetadata
+from torch.distributed.tensor import DTensor, distribute_tensor
+
+from . import __version__, _backend
+from ._tensor_parts import parts_to_tensor
+from .checkpoint_io import find_optimizers
+from .checkpoint_tools import (
+    BATCH_BYTES,
+    UsageError,
+    batches,
+    check_new_dir,
+    named_groups,
+    open_checkpoint,
+    pack_flat_groups,
+    read_entries,
+    select_optimizers,
+    split_optimizer,
+)
+from .dcp import _multi_rank
+from .errors import CheckpointFormatError
+from .format import PACKED_PREFIX, STATE_PREFIX, STEP_KEY, owner_fqn, split_table_key, table_digest
+from .fqn import FqnMap, build_fqn_map
+from .leaves import SINGLE_LEAF
+from .load import load_owned
+
+__all__ = [
+    "EXPORT_FORMAT",
+    "EXPORT_VERSION",
+    "MANIFEST_FILE",
+    "TENSORS_FILE",
+    "ExportSummary",
+    "export_checkpoint",
+    "load_export",
+    "read_export",
+]
+
+EXPORT_FORMAT = "sparse_ckpt.export"
+EXPORT_VERSION = 1
+MANIFEST_FILE = "manifest.json"
+TENSORS_FILE = "optimizer.safetensors"
+
+_ST_DTYPES: dict[torch.dtype, str] = {
+    torch.float64: "F64",
+    torch.float32: "F32",
+    torch.float16: "F16",
+    torch.bfloat16: "BF16",
+    torch.int64: "I64",
+    torch.int32: "I32",
+    torch.int16: "I16",
+    torch.int8: "I8",
+    torch.uint8: "U8",
+    torch.bool: "BOOL",
+    torch.complex64: "C64",
+    torch.float8_e4m3fn: "F8_E4M3",
+    torch.float8_e5m2: "F8_E5M2",
+}
+"""torch dtype -> safetensors dtype name (the types safetensors >= 0.6 reads into torch)."""
+_MAX_HEADER = 100_000_000
+"""safetensors refuses headers above 100 MB."""
+
+
+@dataclass
+class ExportSummary:
+    """What :func:`export_checkpoint` wrote."""
+
+    out_dir: str
+    key: str
+    """The optimizer's key in the source checkpoint (``""``: the top level)."""
+    source_format: str
+    """``packed``, ``flat`` or ``mixed`` (flat settings are always exported as a packed table)."""
+    leaves: list[str] = field(default_factory=list)
+    tensors: int = 0
+    tensor_bytes: int = 0
+    tables: int = 0
+    table_bytes: int = 0
+    values: int = 0
+    file_bytes: int = 0
+    """Bytes of ``optimizer.safetensors`` + ``manifest.json``."""
+    seconds: float = 0.0
+
+
+def _require_safetensors() -> Any:
+    try:
+        import safetensors
+    except ImportError:
+        raise ImportError("sparse_ckpt.export needs the safetensors package: pip install safetensors") from None
+    return safetensors
+
+
+# --------------------------------------------------------------------------- JSON values
+
+
+def encode_value(key: str, value: Any) -> Any:
+    """A non-tensor state value as exact JSON (tuples and non-finite floats tagged), or refuse it."""
+    kind = type(value)
+    if value is None or kind in (bool, int, str):
+        return value
+    if kind is float:
+        return value if math.isfinite(value) else {"float": repr(value)}
+    if kind is list:
+        return [encode_value(key, v) for v in value]
+    if kind is tuple:
+        return {"tuple": [encode_value(key, v) for v in value]}
+    raise CheckpointFormatError(
+        f"state value {key!r} is a {kind.__name__}: an export holds only tensors and JSON values "
+        "(None, bool, int, float, str, lists and tuples of these)"
+    )
+
+
+def decode_value(key: str, value: Any) -> Any:
+    """Inverse of :func:`encode_value`."""
+    if value is None or type(value) in (bool, int, float, str):
+        return value
+    if type(value) is list:
+        return [decode_value(key, v) for v in value]
+    if type(value) is dict and len(value) == 1:
+        if "tuple" in value and type(value["tuple"]) is list:
+            return tuple(decode_value(key, v) for v in value["tuple"])
+        if value.get("float") in ("nan", "inf", "-inf"):
+            return float(value["float"])
+    raise CheckpointFormatError(f"{MANIFEST_FILE}: state value {key!r} is not a valid exported value")
+
+
+# --------------------------------------------------------------------------- safetensors writer
+
+
+def _st_dtype(key: str, dtype: torch.dtype) -> str:
+    name = _ST_DTYPES.get(dtype)
+    if name is None:
+        raise CheckpointFormatError(f"state {key!r} has dtype {dtype}, which safetensors cannot hold")
+    return name
+
+
+def _write_safetensors(
+    path: str,
+    layout: list[tuple[str, torch.dtype, tuple[int, ...]]],
+    tensors: Iterable[tuple[str, torch.Tensor]],
+    metadata: Mapping[str, str],
+) -> int:
+    """Stream ``tensors`` (in ``layout`` order) into a safetensors file; returns the file's bytes.
+
+    The header is built from ``layout`` up front, so tensors are written as they arrive and only
+    one batch needs to be in memory.
+    """
+    header: dict[str, Any] = {"__metadata__": dict(metadata)}
+    offset = 0
+    for name, dtype, shape in layout:
+        n = math.prod(shape) * dtype.itemsize
+        header[name] = {"dtype": _st_dtype(name, dtype), "shape": list(shape), "data_offsets": [offset, offset + n]}
+        offset += n
+    raw = json.dumps(header, separators=(",", ":"), allow_nan=False).encode("utf-8")
+    raw += b" " * (-len(raw) % 8)
+    if len(raw) > _MAX_HEADER:
+        raise CheckpointFormatError(f"the safetensors header would take {len(raw)} bytes (limit {_MAX_HEADER})")
+    expected = iter(layout)
+    written = 0
+    with open(path, "wb") as f:
+        f.write(struct.pack("<Q", len(raw)))
+        f.write(raw)
+        for name, tensor in tensors:
+            want = next(expected, None)
+            if want is None or want[0] != name or tensor.dtype != want[1] or tuple(tensor.shape) != want[2]:
+                raise CheckpointFormatError(f"internal: tensor {name!r} does not match the planned layout {want}")
+            if tensor.numel():
+                flat = tensor.detach().to("cpu").contiguous().reshape(-1).view(torch.uint8)
+                f.write(flat.numpy().data)
+                written += flat.numel()
+        if next(expected, None) is not None or written != offset:
+            raise CheckpointFormatError("internal: fewer tensors written than planned")
+        f.flush()
+        os.fsync(f.fileno())
+    return 8 + len(raw) + offset
+
+
+# --------------------------------------------------------------------------- export
+
+
+def export_checkpoint(
+    ckpt_dir: str | os.PathLike[str],
+    out_dir: str | os.PathLike[str],
+    key: str | None = None,
+    *,
+    leaf: str = SINGLE_LEAF,
+    batch_bytes: int = BATCH_BYTES,
+) -> ExportSummary:
+    """Export the optimizer under ``key`` of DCP checkpoint ``ckpt_dir`` to ``out_dir`` (new or empty).
+
+    ``key=None`` takes the checkpoint's only optimizer (a :class:`UsageError` when there are
+    several). ``leaf`` names the table that flat-format settings are packed into. State tensors
+    are read ``batch_bytes`` at a time, so memory stays bounded whatever the checkpoint's size.
+    Everything is validated (tables, dtypes, JSON values) before the first file is written.
+    """
+    _require_safetensors()
+    t0 = time.perf_counter()
+    metadata = open_checkpoint(ckpt_dir)
+    found = select_optimizers(find_optimizers(metadata), key)
+    if not found:
+        raise UsageError(f"{os.fspath(ckpt_dir)!r} holds no optimizer entries ('<key>.state.*' / '<key>.param_groups.*')")
+    if len(found) > 1:
+        names = ", ".join(repr(o.name) for o in found)
+        raise UsageError(f"{os.fspath(ckpt_dir)!r} holds {len(found)} optimizers ({names}): pass --key")
+    check_new_dir(out_dir)
+    opt = found[0]
+    sdm = metadata.state_dict_metadata
+    group_keys = [inner for inner in opt.inner if not inner.startswith(STATE_PREFIX)]
+    state_keys = [inner for inner in opt.inner if inner.startswith(STATE_PREFIX)]
+    tensor_keys = [k for k in state_keys if isinstance(sdm[opt.inner[k]], TensorStorageMetadata)]
+    value_keys = [k for k in state_keys if not isinstance(sdm[opt.inner[k]], TensorStorageMetadata)]
+    small = read_entries(ckpt_dir, metadata, [opt.inner[k] for k in group_keys + value_keys])
+    values: dict[str, Any] = {k: small[opt.inner[k]] for k in group_keys + value_keys}
+    values.update({k: sdm[opt.inner[k]] for k in tensor_keys})
+    leaves, flat, state_by_fqn, _unmatched = split_optimizer(values)  # checks digests and decodes tables
+    fmt = "mixed" if leaves and flat else "packed" if leaves else "flat"
+    tables = {k: v for k, v in values.items() if k.startswith(PACKED_PREFIX)}
+    if flat:
+        tables.update(pack_flat_groups(flat, leaf, leaves))
+    named = named_groups(leaves, [])
+    if flat:
+        named.append((leaf, flat))
+    encoded = {k: encode_value(k, values[k]) for k in value_keys}
+    layout: list[tuple[str, torch.dtype, tuple[int, ...]]] = [
+        (k, torch.uint8, (len(t),)) for k, t in tables.items()
+    ]
+    for k in tensor_keys:
+        md = sdm[opt.inner[k]]
+        _st_dtype(k, md.properties.dtype)
+        layout.append((k, md.properties.dtype, tuple(md.size)))
+
+    def stream() -> Iterator[tuple[str, torch.Tensor]]:
+        for k, t in tables.items():
+            yield k, torch.frombuffer(bytearray(t), dtype=torch.uint8) if t else torch.empty(0, dtype=torch.uint8)
+        inner_of = {opt.inner[k]: k for k in tensor_keys}
+        for batch in batches(metadata, [opt.inner[k] for k in tensor_keys], batch_bytes):
+            got = read_entries(ckpt_dir, metadata, batch)
+            for flat_key in batch:
+                yield inner_of[flat_key], got.pop(flat_key)
+
+    leaves_info = [
+        {
+            "name": name,
+            "groups": len(groups),
+            "params": sum(len(g.fqns) for g in groups),
+            "with_state": sum(1 for g in groups for f in g.fqns if state_by_fqn.get(f)),
+            "settings_vary_across_tables": any(g.settings_vary for g in groups),
+        }
+        for name, groups in named
+    ]
+    out = os.fspath(out_dir)
+    os.makedirs(out, exist_ok=True)
+    st_path = os.path.join(out, TENSORS_FILE)
+    tmp = st_path + ".tmp"
+    st_bytes = _write_safetensors(tmp, layout, stream(), {"format": EXPORT_FORMAT, "version": str(EXPORT_VERSION)})
+    os.replace(tmp, st_path)
+    manifest = {
+        "format": EXPORT_FORMAT,
+        "version": EXPORT_VERSION,
+        "created_by": f"sparse_ckpt {__version__}",
+        "source": {"checkpoint": os.path.abspath(os.fspath(ckpt_dir)), "key": opt.name, "format": fmt},
+        "tensors": {"file": TENSORS_FILE, "bytes": st_bytes, "count": len(tensor_keys)},
+        "tables": [{"key": k, "bytes": len(t)} for k, t in tables.items()],
+        "leaves": leaves_info,
+        "values": encoded,
+    }
+    text = json.dumps(manifest, indent=1, allow_nan=False).encode("utf-8")
+    man_path = os.path.join(out, MANIFEST_FILE)
+    with open(man_path + ".tmp", "wb") as f:
+        f.write(text)
+        f.flush()
+        os.fsync(f.fileno())
+    os.replace(man_path + ".tmp", man_path)
+    return ExportSummary(
+        out_dir=out,
+        key=opt.name,
+        source_format=fmt,
+        leaves=[name for name, _groups in named],
+        tensors=len(tensor_keys),
+        tensor_bytes=sum(math.prod(s) * d.itemsize for k, d, s in layout if not k.startswith(PACKED_PREFIX)),
+        tables=len(tables),
+        table_bytes=sum(len(t) for t in tables.values()),
+        values=len(encoded),
+        file_bytes=st_bytes + len(text),
+        seconds=time.perf_counter() - t0,
+    )
+
+
+# --------------------------------------------------------------------------- reading an export
+
+
+def read_manifest(out_dir: str | os.PathLike[str]) -> dict[str, Any]:
+    """The export's manifest, checked for format and version (:class:`CheckpointFormatError`)."""
+    path = os.path.join(os.fspath(out_dir), MANIFEST_FILE)
+    if not os.path.isfile(path):
+        raise CheckpointFormatError(f"{os.fspath(out_dir)!r} has no {MANIFEST_FILE}: incomplete or not a sparse_ckpt export")
+    try:
+        with open(path, encoding="utf-8") as f:
+            manifest = json.load(f)
+    except (OSError, ValueError) as exc:
+        raise CheckpointFormatError(f"{path!r} is not valid JSON ({exc})") from None
+    if not isinstance(manifest, dict) or manifest.get("format") != EXPORT_FORMAT:
+        raise CheckpointFormatError(f"{path!r} is not a sparse_ckpt export manifest")
+    if manifest.get("version") != EXPORT_VERSION:
+        raise CheckpointFormatError(
+            f"{path!r}: export version {manifest.get('version')!r} is not supported (this sparse_ckpt reads {EXPORT_VERSION})"
+        )
+    tensors = manifest.get("tensors")
+    if not (isinstance(tensors, dict) and tensors.get("file") == TENSORS_FILE and isinstance(tensors.get("bytes"), int)):
+        raise CheckpointFormatError(f"{path!r}: 'tensors' must name {TENSORS_FILE!r} and its size")
+    if not isinstance(manifest.get("tables"), list) or not isinstance(manifest.get("values"), dict):
+        raise CheckpointFormatError(f"{path!r}: 'tables' must be a list and 'values' an object")
+    st_path = os.path.join(os.fspath(out_dir), TENSORS_FILE)
+    size = os.path.getsize(st_path) if os.path.isfile(st_path) else None
+    if size != tensors["bytes"]:
+        what = "is missing" if size is None else f"has {size} bytes, the manifest says {tensors['bytes']}"
+        raise CheckpointFormatError(f"{st_path!r} {what} (truncated or modified export)")
+    return manifest
+
+
+def _file_order(path: str, names: set[str]) -> list[str]:
+    """``names`` in the order of their data in the file (``safe_open`` lists them sorted), which is
+    the checkpoint's order: state keys of one parameter come back in their saved order."""
+    with open(path, "rb") as f:
+        (n,) = struct.unpack("<Q", f.read(8))
+        header = json.loads(f.read(n))  # already validated by safe_open
+    order = sorted(
+        (k for k in header if k in names), key=lambda k: header[k]["data_offsets"][0]
+    )  # stable: zero-size tensors keep their header order
+    return order
+
+
+class _Tensors:
+    """The export's safetensors file, opened lazily; every failure is a :class:`CheckpointFormatError`."""
+
+    def __init__(self, out_dir: str | os.PathLike[str]) -> None:
+        safetensors = _require_safetensors()
+        self.path = os.path.join(os.fspath(out_dir), TENSORS_FILE)
+        try:
+            self._file = safetensors.safe_open(self.path, framework="pt", device="cpu")
+            self._handle = self._file.__enter__()
+            names = set(self._handle.keys())
+            meta = self._handle.metadata() or {}
+        except Exception as exc:  # noqa: BLE001 - SafetensorError and friends
+            raise CheckpointFormatError(f"{self.path!r} is not a readable safetensors file ({exc})") from None
+        self.keys = _file_order(self.path, names)
+        if meta.get("format") != EXPORT_FORMAT or meta.get("version") != str(EXPORT_VERSION):
+            self.close()
+            raise CheckpointFormatError(f"{self.path!r} is not a sparse_ckpt export (version {EXPORT_VERSION})")
+
+    def get(self, name: str) -> torch.Tensor:
+        try:
+            return self._handle.get_tensor(name)
+        except Exception as exc:  # noqa: BLE001
+            raise CheckpointFormatError(f"{self.path!r}: tensor {name!r} cannot be read ({exc})") from None
+
+    def close(self) -> None:
+        self._file.__exit__(None, None, None)
+
+
+def _open(out_dir: str | os.PathLike[str]) -> tuple[dict[str, Any], _Tensors, dict[str, bytes], list[str]]:
+    """``(manifest, tensors file, tables, state tensor names)`` with names checked against the manifest."""
+    manifest = read_manifest(out_dir)
+    tensors = _Tensors(out_dir)
+    try:
+        table_keys = [t.get("key") for t in manifest["tables"] if isinstance(t, dict)]
+        names = set(tensors.keys)
+        for k in table_keys:
+            if not isinstance(k, str) or not k.startswith(PACKED_PREFIX) or k not in names:
+                raise CheckpointFormatError(f"{MANIFEST_FILE}: table {k!r} is not in {TENSORS_FILE}")
+        state_names = [n for n in tensors.keys if not n.startswith(PACKED_PREFIX)]
+        bad = [n for n in state_names if not n.startswith(STATE_PREFIX)]
+        bad += [n for n in tensors.keys if n.startswith(PACKED_PREFIX) and n not in table_keys]
+        bad += [k for k in manifest["values"] if not k.startswith(STATE_PREFIX) or k in names]
+        if bad:
+            raise CheckpointFormatError(f"{TENSORS_FILE}/{MANIFEST_FILE}: unexpected or duplicate entry {bad[0]!r}")
+        tables: dict[str, bytes] = {}
+        for k in table_keys:
+            t = tensors.get(k)
+            if t.dtype != torch.uint8 or t.dim() != 1:
+                raise CheckpointFormatError(f"{TENSORS_FILE}: table {k!r} is not a 1-d uint8 tensor")
+            tables[k] = t.numpy().tobytes()
+    except BaseException:
+        tensors.close()
+        raise
+    return manifest, tensors, tables, state_names
+
+
+def read_export(out_dir: str | os.PathLike[str]) -> dict[str, Any]:
+    """The whole export as a sparse optimizer dict (tables as ``bytes``, full CPU tensors, values),
+    ready for :func:`sparse_ckpt.load_sparse_state_dict`. No pickle is read."""
+    manifest, tensors, tables, state_names = _open(out_dir)
+    try:
+        sd: dict[str, Any] = dict(tables)
+        for name in state_names:
+            sd[name] = tensors.get(name)
+    finally:
+        tensors.close()
+    for k, v in manifest["values"].items():
+        sd[k] = decode_value(k, v)
+    return sd
+
+
+def _table_fqns(tables: Mapping[str, bytes], fmap: FqnMap) -> set[str]:
+    """The FQNs the tables list (digests checked), plus the model's aliases of them."""
+    core = _backend.core
+    fqns: set[str] = set()
+    for key, table in tables.items():
+        leaf, digest = split_table_key(key[len(PACKED_PREFIX) :])
+        if table_digest(table) != digest:
+            raise CheckpointFormatError(f"leaf {leaf!r}: group table {key!r} does not match its digest")
+        _settings, _blobs, groups = core.decode_table(leaf, table, parts_to_tensor)
+        for _idx, group_fqns in groups:
+            fqns.update(group_fqns)
+    if len(fmap.canonical) > len(fmap.param_of):
+        saved = {fmap.resolve(f) for f in fqns}
+        fqns.update(alias for alias, canon in fmap.canonical.items() if canon in saved)
+    return fqns
+
+
+def _like_param(name: str, value: torch.Tensor, param: torch.Tensor | None) -> torch.Tensor:
+    """State of a DTensor parameter as a DTensor with its mesh and placements (local slicing, no
+    collective), when shaped like it and not ``step``; else ``value`` unchanged."""
+    if not isinstance(param, DTensor) or name.rpartition(".")[2] == STEP_KEY or tuple(value.shape) != tuple(param.shape):
+        return value
+    dt = distribute_tensor(value, param.device_mesh, param.placements, src_data_rank=None)
+    local = dt.to_local()
+    if local.untyped_storage().nbytes() > local.numel() * local.element_size():
+        # A view into the full tensor: keep only this rank's shard alive.
+        dt = DTensor.from_local(local.clone(), param.device_mesh, param.placements, run_check=False,
+                                shape=dt.shape, stride=dt.stride())
+    return dt
+
+
+def load_export(model: nn.Module, optimizer: Any, out_dir: str | os.PathLike[str], *, strict: bool = True) -> None:
+    """Restore an export written by :func:`export_checkpoint` into ``optimizer`` (any layout).
+
+    Same semantics as :func:`sparse_ckpt.load_sparse_state_dict`: matched by FQN, parameters
+    without saved state get none, ``strict`` missing/extra checks, and on any error every
+    optimizer is exactly as before. In a process group of more than one rank, only state of the
+    local model's parameters is read and saved FQNs the model does not own belong to other ranks;
+    state of a DTensor parameter becomes a DTensor placed like it. Reads no pickle.
+    """
+    multi = _multi_rank()
+    fmap = build_fqn_map(model)
+    manifest, tensors, tables, state_names = _open(out_dir)
+    try:
+        known = _table_fqns(tables, fmap)
+        sd: dict[str, Any] = dict(tables)
+
+        def owner(name: str) -> tuple[bool, torch.Tensor | None]:
+            """(take it, the local parameter it belongs to)."""
+            fqn = owner_fqn(name[len(STATE_PREFIX) :], known)
+            param = None if fqn is None else fmap.param_of.get(fmap.resolve(fqn))
+            return not (multi and fqn is not None and param is None), param
+
+        for name in state_names:
+            take, param = owner(name)
+            if take:
+                sd[name] = _like_param(name, tensors.get(name), param)
+    finally:
+        tensors.close()
+    for name, value in manifest["values"].items():
+        if owner(name)[0]:
+            sd[name] = decode_value(name, value)
+    load_owned(model, optimizer, sd, strict=strict, allow_unowned=multi)
