@@ -66,9 +66,8 @@ def load_entries(path: str | os.PathLike[str], metadata: Metadata, keys: Iterabl
     if target:
         with warnings.catch_warnings():
             warnings.simplefilter("ignore", UserWarning)  # "assuming the intent is to load in a single process"
-            # SparseLoadPlanner reads packed group tables with weights_only=True (never unpickling code);
-            # other non-tensor items are read as DCP reads them.
-            dcp.load(target, checkpoint_id=os.fspath(path), planner=SparseLoadPlanner(), no_dist=True)
+            # Every non-tensor item is read with weights_only=True (never unpickling code).
+            dcp.load(target, checkpoint_id=os.fspath(path), planner=SparseLoadPlanner(_all_weights_only=True), no_dist=True)
     return target
 
 

@@ -194,8 +194,15 @@ class SparseLoadPlanner(DefaultLoadPlanner):
     target is planned exactly as by ``DefaultLoadPlanner``.
     """
 
-    def __init__(self, *, flatten_sharded_tensors: bool = True, allow_partial_load: bool = False) -> None:
-        """``allow_partial_load``: as ``DefaultLoadPlanner``'s, for the entries that are not optimizer dicts."""
+    def __init__(
+        self, *, flatten_sharded_tensors: bool = True, allow_partial_load: bool = False, _all_weights_only: bool = False
+    ) -> None:
+        """``allow_partial_load``: as ``DefaultLoadPlanner``'s, for the entries that are not optimizer dicts.
+
+        ``_all_weights_only`` (the library's own checkpoint reader): read *every* bytes item with
+        ``weights_only=True``, not only the optimizer's.
+        """
+        self._all_weights_only = _all_weights_only
         super().__init__(
             flatten_state_dict=True,
             flatten_sharded_tensors=flatten_sharded_tensors,
@@ -224,7 +231,7 @@ class SparseLoadPlanner(DefaultLoadPlanner):
         :class:`CheckpointFormatError` naming the key.
         """
         key = read_item.dest_index.fqn
-        if key in getattr(self, "_optimizer_keys", ()) or PACKED_PREFIX in key:
+        if self._all_weights_only or key in getattr(self, "_optimizer_keys", ()) or PACKED_PREFIX in key:
             value = _weights_only_item(key, value, table=PACKED_PREFIX in key)
         super().load_bytes(read_item, value)
 
