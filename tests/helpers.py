@@ -5,8 +5,14 @@
 * :func:`snapshot_optimizer` / :func:`assert_optimizer_equal` -- exact (``torch.equal``) comparison
   of optimizer state, param groups, grads and parameters, positionally (so two optimizers over two
   copies of a model compare too).
-* :func:`assert_deep_equal` -- recursive equality of dicts (key order included), sequences,
-  tensors (dtype, shape, device and values) and scalars.
+* :func:`assert_deep_equal` / :func:`deep_equal` / :func:`deep_diff` -- recursive exact equality
+  of dicts (key order included unless told), sequences, tensors (dtype, shape, device and values)
+  and scalars; options make NaN handling and the dict test stricter where a test needs it.
+* :func:`clone_value` / :func:`clone_state_dict` -- deep copies with tensors cloned (for frozen
+  "before" values and for what a storage round trip gives).
+* :func:`fqn_view` -- ``(fqn -> state, fqn -> settings)`` of optimizers, comparable across models.
+
+Hand-built packed-table bytes live in ``tests/table_bytes.py``.
 """
 
 from __future__ import annotations
@@ -14,7 +20,7 @@ from __future__ import annotations
 import copy
 import math
 from collections.abc import Callable, Iterable, Mapping, Sequence
-from typing import Any
+from typing import Any, Literal
 
 import torch
 from torch import nn
@@ -118,6 +124,19 @@ def clone_value(value: Any) -> Any:
     return copy.deepcopy(value)
 
 
+def clone_state_dict(sd: Mapping[str, Any], *, detach: bool = True) -> dict[str, Any]:
+    """A flat state dict as a round trip through storage gives it: nothing shared with live objects.
+
+    Top-level tensors are cloned -- ``detach()``-ed first, unless ``detach=False`` (plain
+    ``Tensor.clone``, which keeps autograd history); every other value is ``copy.deepcopy``-ed
+    whole (unlike :func:`clone_value`, which rebuilds containers and detaches nested tensors).
+    """
+    return {
+        k: ((v.detach().clone() if detach else v.clone()) if isinstance(v, torch.Tensor) else copy.deepcopy(v))
+        for k, v in sd.items()
+    }
+
+
 def _positions(optimizer: torch.optim.Optimizer) -> dict[int, tuple[int, int]]:
     pos: dict[int, tuple[int, int]] = {}
     for gi, group in enumerate(optimizer.param_groups):
@@ -151,13 +170,22 @@ def snapshot_optimizer(optimizer: Any) -> dict[str, Any]:
     return snap
 
 
-def assert_optimizer_equal(a: Any, b: Any, *, identity: bool = False, grads: bool = True) -> None:
+def assert_optimizer_equal(
+    a: Any,
+    b: Any,
+    *,
+    identity: bool = False,
+    grads: bool = True,
+    nan_equal: NanEqual = "all",
+    mapping: type = Mapping,
+) -> None:
     """Assert two optimizers (or snapshots) hold exactly equal state, groups, grads and params.
 
     Either argument may be an optimizer-like object or a :func:`snapshot_optimizer` result.
     ``identity=True`` also compares parameter and ``.grad`` object identity (only meaningful
     when both describe the same optimizer, e.g. a snapshot before and after an operation).
     ``grads=False`` skips ``.grad`` (e.g. right after loading into a fresh copy of the model).
+    ``nan_equal`` and ``mapping`` are passed to :func:`assert_deep_equal`.
     """
     sa = a if _is_snapshot(a) else snapshot_optimizer(a)
     sb = b if _is_snapshot(b) else snapshot_optimizer(b)
@@ -165,7 +193,7 @@ def assert_optimizer_equal(a: Any, b: Any, *, identity: bool = False, grads: boo
     for leaf in sa:
         la, lb = sa[leaf], sb[leaf]
         for part in ("groups", "state", "grads", "params") if grads else ("groups", "state", "params"):
-            assert_deep_equal(la[part], lb[part], f"leaf {leaf!r} {part}")
+            assert_deep_equal(la[part], lb[part], f"leaf {leaf!r} {part}", nan_equal=nan_equal, mapping=mapping)
         assert [len(g) for g in la["param_ids"]] == [len(g) for g in lb["param_ids"]], f"leaf {leaf!r} group sizes"
         if identity:
             assert la["param_ids"] == lb["param_ids"], f"leaf {leaf!r}: param identity/order changed"
@@ -176,40 +204,114 @@ def _is_snapshot(x: Any) -> bool:
     return isinstance(x, dict) and all(isinstance(v, dict) and "param_ids" in v for v in x.values()) and bool(x)
 
 
-def assert_deep_equal(a: Any, b: Any, where: str = "value", *, check_order: bool = True) -> None:
-    """Recursive exact equality; dict key order is compared too unless ``check_order=False``."""
+NanEqual = Literal["all", "floats", "none"]
+
+
+def deep_diff(
+    a: Any,
+    b: Any,
+    where: str = "value",
+    *,
+    check_order: bool = True,
+    nan_equal: NanEqual = "all",
+    mapping: type = Mapping,
+) -> str | None:
+    """The first difference between ``a`` and ``b`` as a message, or ``None`` when they are equal.
+
+    Recursive exact comparison:
+
+    * tensors: both tensors, same dtype, shape and device, ``torch.equal`` values;
+    * mappings (instances of ``mapping``): same keys -- in the same order unless
+      ``check_order=False`` -- and equal values.  ``mapping=dict`` is the stricter
+      ``isinstance(x, dict)`` test: the other side must be a dict too, and a non-dict mapping is
+      compared as a plain value;
+    * lists and tuples: same type and length, equal items;
+    * anything else: same type and ``==``.
+
+    ``nan_equal`` says where NaN equals NaN: ``"all"`` (Python floats, and floating tensors with
+    NaNs in the same places), ``"floats"`` (Python floats only; tensors follow ``torch.equal``),
+    ``"none"`` (nowhere: plain ``==`` and ``torch.equal``).
+    """
     if isinstance(a, torch.Tensor) or isinstance(b, torch.Tensor):
-        assert isinstance(a, torch.Tensor) and isinstance(b, torch.Tensor), f"{where}: {type(a)} vs {type(b)}"
-        assert a.dtype == b.dtype, f"{where}: dtype {a.dtype} vs {b.dtype}"
-        assert a.shape == b.shape, f"{where}: shape {tuple(a.shape)} vs {tuple(b.shape)}"
-        assert a.device == b.device, f"{where}: device {a.device} vs {b.device}"
-        assert torch.equal(a, b) or _both_nan_equal(a, b), f"{where}: tensors differ\n{a}\n{b}"
-        return
-    if isinstance(a, Mapping):
-        assert isinstance(b, Mapping), f"{where}: {type(a).__name__} vs {type(b).__name__}"
+        if not (isinstance(a, torch.Tensor) and isinstance(b, torch.Tensor)):
+            return f"{where}: {type(a)} vs {type(b)}"
+        if a.dtype != b.dtype:
+            return f"{where}: dtype {a.dtype} vs {b.dtype}"
+        if a.shape != b.shape:
+            return f"{where}: shape {tuple(a.shape)} vs {tuple(b.shape)}"
+        if a.device != b.device:
+            return f"{where}: device {a.device} vs {b.device}"
+        if not (torch.equal(a, b) or (nan_equal == "all" and _both_nan_equal(a, b))):
+            return f"{where}: tensors differ\n{a}\n{b}"
+        return None
+    options: dict[str, Any] = {"check_order": check_order, "nan_equal": nan_equal, "mapping": mapping}
+    if isinstance(a, mapping):
+        if not isinstance(b, mapping):
+            return f"{where}: {type(a).__name__} vs {type(b).__name__}"
         if check_order:
-            assert list(a.keys()) == list(b.keys()), f"{where}: keys {list(a.keys())} vs {list(b.keys())}"
-        else:
-            assert set(a.keys()) == set(b.keys()), f"{where}: keys {sorted(map(str, a))} vs {sorted(map(str, b))}"
+            if list(a.keys()) != list(b.keys()):
+                return f"{where}: keys {list(a.keys())} vs {list(b.keys())}"
+        elif set(a.keys()) != set(b.keys()):
+            return f"{where}: keys {sorted(map(str, a))} vs {sorted(map(str, b))}"
         for k in a:
-            assert_deep_equal(a[k], b[k], f"{where}[{k!r}]", check_order=check_order)
-        return
+            diff = deep_diff(a[k], b[k], f"{where}[{k!r}]", **options)
+            if diff is not None:
+                return diff
+        return None
     if isinstance(a, (list, tuple)):
-        assert type(a) is type(b), f"{where}: {type(a).__name__} vs {type(b).__name__}"
-        assert len(a) == len(b), f"{where}: length {len(a)} vs {len(b)}"
+        if type(a) is not type(b):
+            return f"{where}: {type(a).__name__} vs {type(b).__name__}"
+        if len(a) != len(b):
+            return f"{where}: length {len(a)} vs {len(b)}"
         for i, (x, y) in enumerate(zip(a, b)):
-            assert_deep_equal(x, y, f"{where}[{i}]", check_order=check_order)
-        return
-    assert type(a) is type(b), f"{where}: {type(a).__name__} {a!r} vs {type(b).__name__} {b!r}"
-    if isinstance(a, float) and math.isnan(a):
-        assert math.isnan(b), f"{where}: nan vs {b!r}"
-        return
-    assert a == b, f"{where}: {a!r} vs {b!r}"
+            diff = deep_diff(x, y, f"{where}[{i}]", **options)
+            if diff is not None:
+                return diff
+        return None
+    if type(a) is not type(b):
+        return f"{where}: {type(a).__name__} {a!r} vs {type(b).__name__} {b!r}"
+    if nan_equal != "none" and isinstance(a, float) and math.isnan(a):
+        return None if math.isnan(b) else f"{where}: nan vs {b!r}"
+    if a == b:  # ``==`` (not ``!=``), exactly as an ``assert a == b``
+        return None
+    return f"{where}: {a!r} vs {b!r}"
+
+
+def assert_deep_equal(a: Any, b: Any, where: str = "value", **options: Any) -> None:
+    """Assert recursive exact equality; ``options`` (``check_order``, ``nan_equal``, ``mapping``)
+    and the rules are :func:`deep_diff`'s."""
+    diff = deep_diff(a, b, where, **options)
+    assert diff is None, diff
+
+
+def deep_equal(a: Any, b: Any, **options: Any) -> bool:
+    """Whether ``a`` and ``b`` are recursively, exactly equal; ``options`` are :func:`deep_diff`'s."""
+    return deep_diff(a, b, **options) is None
 
 
 def _both_nan_equal(a: torch.Tensor, b: torch.Tensor) -> bool:
     return bool(a.is_floating_point() and torch.equal(torch.nan_to_num(a, nan=0.0), torch.nan_to_num(b, nan=0.0))
                 and torch.equal(a.isnan(), b.isnan()))
+
+
+def fqn_view(
+    model: nn.Module, optimizers: Iterable[torch.optim.Optimizer]
+) -> tuple[dict[str, Any], dict[str, dict[str, Any]]]:
+    """``(fqn -> state, fqn -> settings)`` over several optimizers, comparable across models.
+
+    Names come from ``model.named_parameters()``; a parameter's settings are its group's entries
+    other than ``params``. The values are the live objects, not copies.
+    """
+    names = {id(p): n for n, p in model.named_parameters()}
+    state: dict[str, Any] = {}
+    settings: dict[str, dict[str, Any]] = {}
+    for opt in optimizers:
+        for p, s in opt.state.items():
+            state[names[id(p)]] = s
+        for g in opt.param_groups:
+            for p in g["params"]:
+                settings[names[id(p)]] = {k: v for k, v in g.items() if k != "params"}
+    return state, settings
 
 
 def param_fqns(model: nn.Module) -> dict[int, str]:

@@ -10,7 +10,6 @@ from __future__ import annotations
 
 import json
 import os
-import struct
 import subprocess
 import sys
 import textwrap
@@ -20,11 +19,11 @@ from typing import Any
 
 import pytest
 import torch
+from helpers import deep_equal
+from table_bytes import decode, encode, group, i64, s, settings, tab, u32, v_float, v_tensor
 from torch import nn
 
 import sparse_ckpt as sc
-from sparse_ckpt import _backend
-from sparse_ckpt._tensor_parts import parts_to_tensor, tensor_to_parts
 from sparse_ckpt.decode import decode_checkpoint
 from sparse_ckpt.fqn import build_fqn_map
 from sparse_ckpt.save import packed_table_key
@@ -83,6 +82,10 @@ def fresh_target() -> tuple[Net, torch.optim.Adam]:
     return model, opt
 
 
+# "Unchanged" is exact: key order included, NaN never equal, dicts required to be dicts.
+SAME = {"nan_equal": "none", "mapping": dict}
+
+
 def table_of(sd: dict[str, Any]) -> tuple[str, bytes]:
     """The single packed table of ``sd``: ``(key, bytes)``."""
     ((key, table),) = [(k, v) for k, v in sd.items() if isinstance(k, str) and k.startswith(PACKED)]
@@ -115,13 +118,8 @@ def load_fails(
     for name in names:
         assert name in message, f"{name!r} not named in: {message}"
     assert opt.state is state_obj and opt.param_groups is groups_obj
-    assert _equal(opt.state_dict(), before)
+    assert deep_equal(opt.state_dict(), before, **SAME)
     return message
-
-
-def decode(table: Any, leaf: str = "optim") -> Any:
-    """The active core's ``decode_table``."""
-    return _backend.core.decode_table(leaf, table, parts_to_tensor)
 
 
 def decode_fails(table: Any, *names: str, leaf: str = "optim") -> str:
@@ -135,65 +133,10 @@ def decode_fails(table: Any, *names: str, leaf: str = "optim") -> str:
     return message
 
 
-def _equal(a: Any, b: Any) -> bool:
-    if isinstance(a, torch.Tensor) or isinstance(b, torch.Tensor):
-        return isinstance(a, torch.Tensor) and isinstance(b, torch.Tensor) and a.dtype == b.dtype and torch.equal(a, b)
-    if isinstance(a, dict):
-        return isinstance(b, dict) and list(a) == list(b) and all(_equal(a[k], b[k]) for k in a)
-    if isinstance(a, (list, tuple)):
-        return type(a) is type(b) and len(a) == len(b) and all(_equal(x, y) for x, y in zip(a, b))
-    return type(a) is type(b) and a == b
-
-
 # --------------------------------------------------------------------------- hand-built tables
 
 
-def u16(n: int) -> bytes:
-    return struct.pack("<H", n)
-
-
-def u32(n: int) -> bytes:
-    return struct.pack("<I", n)
-
-
-def u64(n: int) -> bytes:
-    return struct.pack("<Q", n)
-
-
-def i64(n: int) -> bytes:
-    return struct.pack("<q", n)
-
-
-def s(text: str | bytes, length: int | None = None) -> bytes:
-    raw = text.encode() if isinstance(text, str) else text
-    return u32(len(raw) if length is None else length) + raw
-
-
-def v_float(x: float) -> bytes:
-    return b"\x04" + struct.pack("<d", x)
-
-
-def v_tensor(dtype: str = "float32", shape: tuple[int, ...] = (), data: bytes = b"\x00\x00\x80\x3f", *,
-             ndim: int | None = None, nbytes: int | None = None, device: str = "cpu") -> bytes:
-    body = b"\x09" + s(dtype) + u32(len(shape) if ndim is None else ndim) + b"".join(i64(d) for d in shape)
-    return body + s(device) + u64(len(data) if nbytes is None else nbytes) + data
-
-
-def settings(*pairs: tuple[str, bytes], n: int | None = None) -> bytes:
-    return u32(len(pairs) if n is None else n) + b"".join(s(k) + v for k, v in pairs)
-
-
-def group(idx: int, fqns: list[str], n: int | None = None) -> bytes:
-    return u32(idx) + u32(len(fqns) if n is None else n) + b"".join(s(f) for f in fqns)
-
-
-def tab(setts: list[bytes], groups: list[bytes], *, n_settings: int | None = None, n_groups: int | None = None,
-        version: int = 1, magic: bytes = b"SCKT") -> bytes:
-    """A version-1 table from encoded parts; counts can be overridden to lie."""
-    return (
-        magic + u16(version) + u32(len(setts) if n_settings is None else n_settings) + b"".join(setts)
-        + u32(len(groups) if n_groups is None else n_groups) + b"".join(groups)
-    )
+# The encoders (u16, u32, s, v_float, v_tensor, settings, group, tab, ...) are in tests/table_bytes.py.
 
 
 GOOD_GROUPS = [group(0, ["a.weight", "a.bias"]), group(1, ["b.weight", "b.bias"]), group(1, [])]
@@ -203,11 +146,8 @@ GOOD_SETTINGS = [settings(("lr", v_float(0.01))), settings(("lr", v_float(0.02))
 def test_hand_built_table_matches_encoder() -> None:
     """The hand-built layout is the real one, so the defects below are precise."""
     built = tab(GOOD_SETTINGS, GOOD_GROUPS)
-    encoded = _backend.core.encode_table(
-        "optim",
-        [({"lr": 0.01}, ["a.weight", "a.bias"]), ({"lr": 0.02}, ["b.weight", "b.bias"]), ({"lr": 0.02}, [])],
-        torch.Tensor,
-        tensor_to_parts,
+    encoded = encode(
+        "optim", [({"lr": 0.01}, ["a.weight", "a.bias"]), ({"lr": 0.02}, ["b.weight", "b.bias"]), ({"lr": 0.02}, [])]
     )
     assert built == encoded
     _setts, _blobs, groups = decode(built)
@@ -265,7 +205,7 @@ def test_every_flipped_byte_decodes_or_raises_format_error() -> None:
         try:
             sc.load_sparse_state_dict(model, opt, with_table(sd, bytes(bad)))
         except (FMT, MISMATCH):
-            assert _equal(opt.state_dict(), before)
+            assert deep_equal(opt.state_dict(), before, **SAME)
         else:
             model, opt = fresh_target()
             before = opt.state_dict()
@@ -467,7 +407,7 @@ def test_group_table_for_leaf_the_target_lacks() -> None:
     with pytest.raises(MISMATCH) as info:
         sc.load_sparse_state_dict(model, target, sd)
     assert "'dense'" in str(info.value) and "b.weight" in str(info.value)
-    assert _equal(target["experts"].state_dict(), before)
+    assert deep_equal(target["experts"].state_dict(), before, **SAME)
 
 
 def test_empty_group_of_leaf_the_target_lacks() -> None:

@@ -28,6 +28,8 @@ import pytest
 import torch
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
+from table_bytes import group, tab, u16, u32, v_tensor
+from table_bytes import s as sstr
 
 from sparse_ckpt import _core_py as P
 from sparse_ckpt._tensor_parts import parts_to_tensor, tensor_to_parts
@@ -733,33 +735,17 @@ def test_encode_iter_to_parts() -> None:
 # --------------------------------------------------------------------------- decode
 
 
-def u32(n: int) -> bytes:
-    return struct.pack("<I", n)
-
-
-def sstr(text: str | bytes) -> bytes:
-    raw = text.encode("utf-8") if isinstance(text, str) else text
-    return u32(len(raw)) + raw
-
-
-HEADER = P.MAGIC + struct.pack("<H", P.VERSION)
+HEADER = P.MAGIC + u16(P.VERSION)
 
 
 def table(settings_blobs: list[bytes], groups: list[tuple[int, list[bytes | str]]], trailer: bytes = b"") -> bytes:
-    out = HEADER + u32(len(settings_blobs)) + b"".join(settings_blobs) + u32(len(groups))
-    for idx, fqns in groups:
-        out += u32(idx) + u32(len(fqns)) + b"".join(sstr(f) for f in fqns)
-    return out + trailer
+    """A table (``_core_py``'s magic and version) of settings blobs, ``(index, fqns)`` groups and a trailer."""
+    return tab(settings_blobs, [group(idx, fqns) for idx, fqns in groups], magic=P.MAGIC, version=P.VERSION) + trailer
 
 
 def one_value(value_bytes: bytes) -> bytes:
     """A table with one settings entry ``{"k": <raw value>}`` and no groups."""
     return table([u32(1) + sstr("k") + value_bytes], [])
-
-
-def tensor_bytes(dtype: str | bytes, shape: list[int], device: str, data: bytes, nbytes: int | None = None) -> bytes:
-    out = bytes([9]) + sstr(dtype) + u32(len(shape)) + b"".join(struct.pack("<q", d) for d in shape)
-    return out + sstr(device) + struct.pack("<Q", len(data) if nbytes is None else nbytes) + data
 
 
 DECODE_CASES = {
@@ -801,17 +787,17 @@ DECODE_CASES = {
     "nested 33": one_value((b"\x07" + u32(1)) * 33 + b"\x00"),
     "nested 34": one_value((b"\x08" + u32(1)) * 34 + b"\x00"),
     "nested 40 truncated": one_value((b"\x07" + u32(1)) * 40),
-    "tensor": one_value(tensor_bytes("float32", [2], "cpu", struct.pack("<ff", 1.5, -0.0))),
-    "tensor 0-d": one_value(tensor_bytes("int64", [], "cpu", struct.pack("<q", 5))),
-    "tensor empty": one_value(tensor_bytes("float32", [0, 3], "cpu", b"")),
-    "tensor bad dtype": one_value(tensor_bytes("float128", [1], "cpu", b"\0" * 16)),
-    "tensor size mismatch": one_value(tensor_bytes("float32", [3], "cpu", b"\0" * 8)),
-    "tensor negative dim": one_value(tensor_bytes("float32", [-1], "cpu", b"")),
-    "tensor huge dims": one_value(tensor_bytes("float32", [2**62, 4], "cpu", b"")),
+    "tensor": one_value(v_tensor("float32", [2], struct.pack("<ff", 1.5, -0.0))),
+    "tensor 0-d": one_value(v_tensor("int64", [], struct.pack("<q", 5))),
+    "tensor empty": one_value(v_tensor("float32", [0, 3], b"")),
+    "tensor bad dtype": one_value(v_tensor("float128", [1], b"\0" * 16)),
+    "tensor size mismatch": one_value(v_tensor("float32", [3], b"\0" * 8)),
+    "tensor negative dim": one_value(v_tensor("float32", [-1], b"")),
+    "tensor huge dims": one_value(v_tensor("float32", [2**62, 4], b"")),
     "tensor huge ndim": one_value(b"\x09" + sstr("float32") + u32(0xFFFFFFFF)),
-    "tensor huge nbytes": one_value(tensor_bytes("float32", [2], "cpu", b"", nbytes=2**64 - 1)),
-    "tensor bad device utf8": one_value(tensor_bytes("float32", [1], b"\xff", b"\0" * 4)),
-    "tensor odd device": one_value(tensor_bytes("float32", [1], "nosuchdevice", b"\0" * 4)),
+    "tensor huge nbytes": one_value(v_tensor("float32", [2], b"", nbytes=2**64 - 1)),
+    "tensor bad device utf8": one_value(v_tensor("float32", [1], b"\0" * 4, device=b"\xff")),
+    "tensor odd device": one_value(v_tensor("float32", [1], b"\0" * 4, device="nosuchdevice")),
     "tensor truncated dims": one_value(b"\x09" + sstr("float32") + u32(2) + b"\0" * 9),
 }
 
@@ -856,7 +842,7 @@ class _Stop(BaseException):
     "error", [ValueError("bad"), TypeError("ty\ud800pe"), CheckpointFormatError("own"), KeyError("k"), _Stop("stop")]
 )
 def test_decode_from_parts_errors(error: BaseException) -> None:
-    data = one_value(tensor_bytes("float32", [1], "cpu", b"\0" * 4))
+    data = one_value(v_tensor("float32", [1], b"\0" * 4))
 
     def from_parts(*args: Any) -> Any:
         raise error

@@ -19,6 +19,7 @@ import pytest
 import torch
 import torch.distributed as dist
 from _dsd import dsd_get, dsd_set
+from helpers import assert_deep_equal, fqn_view
 from torch import nn
 
 import sparse_ckpt as sc
@@ -59,35 +60,9 @@ def _train(model: _Net, opts: list[torch.optim.Optimizer], with_grad: list[nn.Pa
             g["lr"] = g["lr"] * 0.25
 
 
-def _view(model: nn.Module, opts: list[torch.optim.Optimizer]) -> tuple[dict[str, Any], dict[str, dict[str, Any]]]:
-    """``(fqn -> state, fqn -> settings)``; settings compared without key order (DSD puts
-    ``params`` first in the groups it loads, torch last)."""
-    names = {id(p): n for n, p in model.named_parameters()}
-    state: dict[str, Any] = {}
-    settings: dict[str, dict[str, Any]] = {}
-    for opt in opts:
-        for p, s in opt.state.items():
-            state[names[id(p)]] = s
-        for g in opt.param_groups:
-            for p in g["params"]:
-                settings[names[id(p)]] = {k: v for k, v in g.items() if k != "params"}
-    return state, settings
-
-
-def _same(a: Any, b: Any, where: str = "value") -> None:
-    if isinstance(a, torch.Tensor) or isinstance(b, torch.Tensor):
-        assert isinstance(a, torch.Tensor) and isinstance(b, torch.Tensor), where
-        assert a.dtype == b.dtype and a.device == b.device and torch.equal(a, b), where
-    elif isinstance(a, dict):
-        assert isinstance(b, dict) and sorted(a) == sorted(b), f"{where}: {sorted(a)} != {sorted(b)}"
-        for k in a:
-            _same(a[k], b[k], f"{where}[{k!r}]")
-    elif isinstance(a, (list, tuple)):
-        assert type(a) is type(b) and len(a) == len(b), where
-        for i, (x, y) in enumerate(zip(a, b)):
-            _same(x, y, f"{where}[{i}]")
-    else:
-        assert type(a) is type(b) and a == b, f"{where}: {a!r} != {b!r}"
+# The views are compared without key order (DSD puts ``params`` first in the groups it loads,
+# torch last), with NaN never equal and dicts required to be dicts.
+SAME = {"check_order": False, "nan_equal": "none", "mapping": dict}
 
 
 def test_dsd_needs_no_process_group_here() -> None:
@@ -113,8 +88,8 @@ def test_dsd_flat_dict_loads_like_dsd_set(make: Any) -> None:
     ours, theirs = make(ours_model, lr=0.5), make(dsd_model, lr=0.5)
     sc.load_sparse_state_dict(ours_model, ours, flat)
     dsd_set(dsd_model, theirs, flat)
-    _same(_view(ours_model, [ours]), _view(dsd_model, [theirs]), "ours vs DSD")
-    _same(_view(ours_model, [ours]), _view(src_model, [src]), "ours vs source")
+    assert_deep_equal(fqn_view(ours_model, [ours]), fqn_view(dsd_model, [theirs]), "ours vs DSD", **SAME)
+    assert_deep_equal(fqn_view(ours_model, [ours]), fqn_view(src_model, [src]), "ours vs source", **SAME)
     assert [g["lr"] for g in ours.param_groups] == [g["lr"] for g in src.param_groups]
 
 
@@ -130,7 +105,7 @@ def test_dsd_flat_dict_of_two_optimizers_loads_into_a_multioptimizer() -> None:
     theirs = [torch.optim.AdamW(_layer(dsd_model, 0, 1), lr=0.5), torch.optim.SGD(_layer(dsd_model, 2), lr=0.5, momentum=0.9)]
     sc.load_sparse_state_dict(model, ours, flat)
     dsd_set(dsd_model, theirs, flat)
-    _same(_view(model, [o for _, o in ours.leaves()]), _view(dsd_model, theirs))
+    assert_deep_equal(fqn_view(model, [o for _, o in ours.leaves()]), fqn_view(dsd_model, theirs), **SAME)
 
 
 # --------------------------------------------------------------------------- (b) ours -> DSD
@@ -148,8 +123,8 @@ def test_our_flat_dict_loads_with_dsd_when_every_param_has_state(make: Any) -> N
     ours, theirs = make(ours_model, lr=0.5), make(dsd_model, lr=0.5)
     sc.load_sparse_state_dict(ours_model, ours, flat)
     dsd_set(dsd_model, theirs, flat)
-    _same(_view(ours_model, [ours]), _view(dsd_model, [theirs]), "ours vs DSD")
-    _same(_view(ours_model, [ours]), _view(src_model, [src]), "ours vs source")
+    assert_deep_equal(fqn_view(ours_model, [ours]), fqn_view(dsd_model, [theirs]), "ours vs DSD", **SAME)
+    assert_deep_equal(fqn_view(ours_model, [ours]), fqn_view(src_model, [src]), "ours vs source", **SAME)
 
 
 # --------------------------------------------------------------------------- (c) sparse flat -> DSD
@@ -189,7 +164,7 @@ def test_dsd_on_sparse_flat_dict_adamw_fresh_target_raises_after_inventing_state
     ours_model = _Net(seed=1)
     ours = _adamw(ours_model, lr=0.5)
     sc.load_sparse_state_dict(ours_model, ours, flat)
-    _same(_view(ours_model, [ours]), _view(src_model, [src]))
+    assert_deep_equal(fqn_view(ours_model, [ours]), fqn_view(src_model, [src]), **SAME)
     assert all(p not in ours.state for p in _layer(ours_model, 2))
 
 
@@ -224,7 +199,7 @@ def test_dsd_on_any_flat_dict_with_stale_grads_drops_all_state() -> None:
     ours = _adamw(ours_model, lr=0.5)
     ours_model.layers[0].weight.grad = torch.zeros(3, 3)
     sc.load_sparse_state_dict(ours_model, ours, flat)
-    _same(_view(ours_model, [ours]), _view(src_model, [src]))
+    assert_deep_equal(fqn_view(ours_model, [ours]), fqn_view(src_model, [src]), **SAME)
 
 
 # --------------------------------------------------------------------------- (d) DSD get on a never-stepped optimizer

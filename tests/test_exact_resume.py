@@ -14,6 +14,7 @@ from typing import Any
 
 import pytest
 import torch
+from helpers import assert_deep_equal, clone_state_dict
 from torch import nn
 
 import sparse_ckpt as sc
@@ -86,19 +87,14 @@ def _train_step(model: _MoE, opt: sc.MultiOptimizer, scheds: list[Any], t: int) 
         s.step()
 
 
-def _clone(sd: dict[str, Any]) -> dict[str, Any]:
-    """What a round trip through storage gives: nothing shared with the live objects."""
-    return {k: (v.detach().clone() if isinstance(v, torch.Tensor) else copy.deepcopy(v)) for k, v in sd.items()}
-
-
 def _run(fmt: str | None) -> tuple[_MoE, sc.MultiOptimizer]:
     model = _MoE(seed=0)
     opt, scheds = _build(model)
     for t in range(N_STEPS):
         _train_step(model, opt, scheds, t)
     if fmt is not None:
-        model_sd = _clone(model.state_dict())
-        opt_sd = _clone(sc.sparse_state_dict(model, opt, format=fmt))
+        model_sd = clone_state_dict(model.state_dict())
+        opt_sd = clone_state_dict(sc.sparse_state_dict(model, opt, format=fmt))
         sched_sds = [copy.deepcopy(s.state_dict()) for s in scheds]
         del model, opt, scheds
         model = _MoE(seed=1)
@@ -112,20 +108,8 @@ def _run(fmt: str | None) -> tuple[_MoE, sc.MultiOptimizer]:
     return model, opt
 
 
-def _same(a: Any, b: Any, where: str) -> None:
-    if isinstance(a, torch.Tensor) or isinstance(b, torch.Tensor):
-        assert isinstance(a, torch.Tensor) and isinstance(b, torch.Tensor), where
-        assert a.dtype == b.dtype and torch.equal(a, b), where
-    elif isinstance(a, dict):
-        assert isinstance(b, dict) and sorted(map(str, a)) == sorted(map(str, b)), where
-        for k in a:
-            _same(a[k], b[k], f"{where}[{k!r}]")
-    elif isinstance(a, (list, tuple)):
-        assert len(a) == len(b), where
-        for i, (x, y) in enumerate(zip(a, b)):
-            _same(x, y, f"{where}[{i}]")
-    else:
-        assert a == b, f"{where}: {a!r} != {b!r}"
+# Leaf views are compared without key order, with NaN never equal and dicts required to be dicts.
+SAME = {"check_order": False, "nan_equal": "none", "mapping": dict}
 
 
 def _leaf_view(model: nn.Module, opt: torch.optim.Optimizer) -> tuple[dict[str, Any], list[Any]]:
@@ -151,8 +135,8 @@ def test_resume_is_bit_exact(fmt: str, uninterrupted: tuple[_MoE, sc.MultiOptimi
         assert leaf == ref_leaf
         state, groups = _leaf_view(model, o)
         ref_state, ref_groups = _leaf_view(ref_model, r)
-        _same(state, ref_state, f"{leaf}.state")
-        _same(groups, ref_groups, f"{leaf}.param_groups")
+        assert_deep_equal(state, ref_state, f"{leaf}.state", **SAME)
+        assert_deep_equal(groups, ref_groups, f"{leaf}.param_groups", **SAME)
 
     # never-routed experts and the never-stepping head still have no optimizer state
     stateful = {n for n, p in model.named_parameters() if any(p in o.state for _, o in opt.leaves())}

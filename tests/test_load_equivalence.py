@@ -14,6 +14,7 @@ import warnings
 from typing import Any
 
 import torch
+from helpers import assert_deep_equal, clone_state_dict
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 from torch import nn
@@ -24,21 +25,8 @@ KINDS = ("adamw", "sgd", "adagrad", "rmsprop")
 SHAPES = ((2,), (2, 3), ())
 
 
-def _same(a: Any, b: Any, where: str = "value") -> None:
-    if isinstance(a, torch.Tensor) or isinstance(b, torch.Tensor):
-        assert isinstance(a, torch.Tensor) and isinstance(b, torch.Tensor), where
-        assert a.dtype == b.dtype and a.device == b.device and a.shape == b.shape, where
-        assert torch.equal(a, b), f"{where}: {a} != {b}"
-    elif isinstance(a, dict):
-        assert isinstance(b, dict) and list(a) == list(b), f"{where}: keys {list(a)} != {list(b)}"
-        for k in a:
-            _same(a[k], b[k], f"{where}[{k!r}]")
-    elif isinstance(a, (list, tuple)):
-        assert type(a) is type(b) and len(a) == len(b), where
-        for i, (x, y) in enumerate(zip(a, b)):
-            _same(x, y, f"{where}[{i}]")
-    else:
-        assert type(a) is type(b) and a == b, f"{where}: {a!r} != {b!r}"
+# Exact comparison, key order included, with NaN never equal and dicts required to be dicts.
+SAME = {"nan_equal": "none", "mapping": dict}
 
 
 def _model(shapes: list[tuple[int, ...]], dtype: torch.dtype) -> nn.ParameterList:
@@ -75,10 +63,6 @@ def _step(model: nn.ParameterList, opt: torch.optim.Optimizer, mask: list[bool],
     opt.step()
 
 
-def _clone_sd(sd: dict[str, Any]) -> dict[str, Any]:
-    return {k: (v.clone() if isinstance(v, torch.Tensor) else copy.deepcopy(v)) for k, v in sd.items()}
-
-
 def _state_by_index(model: nn.ParameterList, opt: torch.optim.Optimizer) -> dict[int, Any]:
     index = {id(p): i for i, p in enumerate(model)}
     return {index[id(p)]: s for p, s in opt.state.items()}
@@ -93,8 +77,8 @@ def _assert_equivalent(ma: nn.ParameterList, a: torch.optim.Optimizer, mb: nn.Pa
     sa, sb = _state_by_index(ma, a), _state_by_index(mb, b)
     assert sorted(sa) == sorted(sb)
     for i in sa:
-        _same(sa[i], sb[i], f"state[{i}]")
-    _same(_groups_by_index(ma, a), _groups_by_index(mb, b), "param_groups")
+        assert_deep_equal(sa[i], sb[i], f"state[{i}]", **SAME)
+    assert_deep_equal(_groups_by_index(ma, a), _groups_by_index(mb, b), "param_groups", **SAME)
 
 
 @st.composite
@@ -136,7 +120,7 @@ def test_sparse_round_trip_equals_torch_load_state_dict(case: dict[str, Any]) ->
             warnings.simplefilter("ignore", UserWarning)
             sched.step()
 
-    sd = _clone_sd(sc.sparse_state_dict(src_model, src, format=case["format"]))
+    sd = clone_state_dict(sc.sparse_state_dict(src_model, src, format=case["format"]), detach=False)
     model = _model(case["shapes"], case["target_dtype"])
     opt = _optimizer(case, model)
     sc.load_sparse_state_dict(model, opt, sd)

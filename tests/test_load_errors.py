@@ -8,12 +8,12 @@ Also the ``strict=False`` rules for missing and extra FQNs.
 
 from __future__ import annotations
 
-import copy
 from collections.abc import Callable
 from typing import Any
 
 import pytest
 import torch
+from helpers import assert_optimizer_equal, snapshot_optimizer
 from torch import nn
 
 import sparse_ckpt as sc
@@ -70,35 +70,6 @@ def _prime(model: _Net, opt: Any) -> None:
     opt.step()
     for p in model.parameters():
         p.grad = None
-
-
-def _snap(opt: Any) -> list[tuple[list[tuple[int, Any]], list[tuple[dict, list[int]]]]]:
-    """Deep copy of every leaf's state (keyed by param identity) and groups (params by identity)."""
-    out = []
-    for _, leaf in opt.leaves():
-        state = [(id(p), copy.deepcopy(s)) for p, s in leaf.state.items()]
-        groups = [
-            (copy.deepcopy({k: v for k, v in g.items() if k != "params"}), [id(p) for p in g["params"]])
-            for g in leaf.param_groups
-        ]
-        out.append((state, groups))
-    return out
-
-
-def _same(a: Any, b: Any, where: str = "value") -> None:
-    if isinstance(a, torch.Tensor) or isinstance(b, torch.Tensor):
-        assert isinstance(a, torch.Tensor) and isinstance(b, torch.Tensor), where
-        assert a.dtype == b.dtype and a.device == b.device and torch.equal(a, b), where
-    elif isinstance(a, dict):
-        assert isinstance(b, dict) and list(a) == list(b), f"{where}: {list(a)} != {list(b)}"
-        for k in a:
-            _same(a[k], b[k], f"{where}[{k!r}]")
-    elif isinstance(a, (list, tuple)):
-        assert type(a) is type(b) and len(a) == len(b), where
-        for i, (x, y) in enumerate(zip(a, b)):
-            _same(x, y, f"{where}[{i}]")
-    else:
-        assert type(a) is type(b) and a == b, f"{where}: {a!r} != {b!r}"
 
 
 # --------------------------------------------------------------------------- failing leaves
@@ -269,11 +240,11 @@ def test_error_leaves_every_optimizer_unchanged(name: str, primed: bool) -> None
         opt["b"].armed = False
         _prime(model, opt)
         opt["b"].armed = armed
-    before = _snap(opt)
+    before = snapshot_optimizer(opt)
     state_objs = [leaf.state for _, leaf in opt.leaves()]
     with pytest.raises(exc, match=pattern):
         sc.load_sparse_state_dict(model, opt, sd)
-    _same(_snap(opt), before, "optimizer")
+    assert_optimizer_equal(opt, before, identity=True, nan_equal="none", mapping=dict)
     assert [leaf.state for _, leaf in opt.leaves()] == state_objs
     assert all(p.grad is None for p in model.parameters())
     # the same target then loads a good checkpoint (nothing half-applied or locked)
@@ -287,7 +258,7 @@ def test_failure_in_second_leaf_rolls_back_first_leaf_that_was_already_installed
     """The first leaf *was* installed (its new state observed mid-load), then rolled back."""
     model, opt = _target(cls_b=_LoadThenFail)
     _prime(model, opt)
-    before = _snap(opt)
+    before = snapshot_optimizer(opt)
     seen: list[float] = []
     orig = opt["b"].load_state_dict
 
@@ -299,7 +270,7 @@ def test_failure_in_second_leaf_rolls_back_first_leaf_that_was_already_installed
     with pytest.raises(_Boom):
         sc.load_sparse_state_dict(model, opt, _source())
     assert seen == [0.0025]
-    _same(_snap(opt), before, "optimizer")
+    assert_optimizer_equal(opt, before, identity=True, nan_equal="none", mapping=dict)
 
 
 def test_post_hooks_do_not_run_when_a_later_leaf_fails() -> None:

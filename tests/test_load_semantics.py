@@ -11,6 +11,7 @@ from typing import Any
 
 import pytest
 import torch
+from helpers import assert_deep_equal
 from torch import nn
 
 import sparse_ckpt as sc
@@ -89,22 +90,9 @@ def _train(model: _Net, opt: Any, kind: str, steps: int = 2) -> None:
 # --------------------------------------------------------------------------- deep compare
 
 
-def _same(a: Any, b: Any, where: str = "value") -> None:
-    """Exact equality: dicts (keys and key order), sequences, tensors (dtype/device/values)."""
-    if isinstance(a, torch.Tensor) or isinstance(b, torch.Tensor):
-        assert isinstance(a, torch.Tensor) and isinstance(b, torch.Tensor), where
-        assert a.dtype == b.dtype and a.device == b.device and a.shape == b.shape, where
-        assert torch.equal(a, b), where
-    elif isinstance(a, dict):
-        assert isinstance(b, dict) and list(a) == list(b), f"{where}: keys {list(a)} != {list(b)}"
-        for k in a:
-            _same(a[k], b[k], f"{where}[{k!r}]")
-    elif isinstance(a, (list, tuple)):
-        assert type(a) is type(b) and len(a) == len(b), where
-        for i, (x, y) in enumerate(zip(a, b)):
-            _same(x, y, f"{where}[{i}]")
-    else:
-        assert type(a) is type(b) and a == b, f"{where}: {a!r} != {b!r}"
+# Exact comparison (dicts: keys and key order; sequences; tensors: dtype/device/shape/values), with
+# NaN never equal and dicts required to be dicts.
+SAME = {"nan_equal": "none", "mapping": dict}
 
 
 def _by_fqn(model: nn.Module, opt: torch.optim.Optimizer) -> tuple[dict[str, Any], list[tuple[dict, list[str]]]]:
@@ -120,8 +108,8 @@ def _assert_leaf_equal(ma: nn.Module, a: torch.optim.Optimizer, mb: nn.Module, b
     sb, gb = _by_fqn(mb, b)
     assert sorted(sa) == sorted(sb)
     for fqn in sa:
-        _same(sa[fqn], sb[fqn], f"state[{fqn!r}]")
-    _same(ga, gb, "param_groups")
+        assert_deep_equal(sa[fqn], sb[fqn], f"state[{fqn!r}]", **SAME)
+    assert_deep_equal(ga, gb, "param_groups", **SAME)
 
 
 # --------------------------------------------------------------------------- what is restored
@@ -352,8 +340,8 @@ def test_pre_hook_sees_torch_format_packed_dict(fmt: str) -> None:
     assert all(type(k) is int for k in got["state"])
     assert sorted(got["state"]) == sorted(want["state"]) == [0, 1, 4, 5]
     for k in want["state"]:
-        _same(got["state"][k], want["state"][k], f"state[{k}]")
-    _same(got["param_groups"], want["param_groups"], "param_groups")
+        assert_deep_equal(got["state"][k], want["state"][k], f"state[{k}]", **SAME)
+    assert_deep_equal(got["param_groups"], want["param_groups"], "param_groups", **SAME)
     assert [g["params"] for g in got["param_groups"]] == [[0, 1, 2, 3], [4, 5], [6, 7]]
 
 
@@ -544,8 +532,8 @@ def test_packed_empty_group_is_matched_by_leaf_and_index() -> None:
     assert [g["lr"] for g in opt.param_groups] == [0.1, 0.3, 0.1]
     ref = torch.optim.SGD([{"params": _layer(model, 0)}, {"params": []}, {"params": _layer(model, 1)}], lr=0.9)
     ref.load_state_dict(src.state_dict())
-    _same([{k: v for k, v in g.items() if k != "params"} for g in opt.param_groups],
-          [{k: v for k, v in g.items() if k != "params"} for g in ref.param_groups])
+    assert_deep_equal([{k: v for k, v in g.items() if k != "params"} for g in opt.param_groups],
+                      [{k: v for k, v in g.items() if k != "params"} for g in ref.param_groups], **SAME)
 
     # an empty target group at an index where the checkpoint has none: strict error, else kept
     other = torch.optim.SGD([{"params": _layer(model, 0)}, {"params": _layer(model, 1)}, {"params": [], "lr": 0.7}], lr=0.9)

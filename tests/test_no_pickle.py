@@ -21,6 +21,7 @@ from typing import Any
 
 import pytest
 import torch
+from helpers import deep_equal
 from torch import nn
 
 import sparse_ckpt as sc
@@ -392,14 +393,4 @@ def test_dcp_packed_item_holding_a_pickle_is_not_executed(tmp_path: Path) -> Non
         )
     assert "packed group table" in str(info.value), info.value
     assert _TRIGGERED == []
-    assert _equal_sd(victim.state_dict(), before)
-
-
-def _equal_sd(a: Any, b: Any) -> bool:
-    if isinstance(a, torch.Tensor):
-        return isinstance(b, torch.Tensor) and torch.equal(a, b)
-    if isinstance(a, dict):
-        return isinstance(b, dict) and a.keys() == b.keys() and all(_equal_sd(a[k], b[k]) for k in a)
-    if isinstance(a, (list, tuple)):
-        return len(a) == len(b) and all(_equal_sd(x, y) for x, y in zip(a, b))
-    return a == b
+    assert deep_equal(victim.state_dict(), before, check_order=False, nan_equal="none", mapping=dict)

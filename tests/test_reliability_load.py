@@ -18,11 +18,11 @@ from typing import Any
 
 import pytest
 import torch
+from helpers import clone_value, deep_equal
+from table_bytes import encode
 from torch import nn
 
 import sparse_ckpt as sc
-from sparse_ckpt import _backend
-from sparse_ckpt._tensor_parts import tensor_to_parts
 from sparse_ckpt.save import packed_table_key
 
 PACKED = "param_groups.__packed__."
@@ -87,37 +87,11 @@ def _retable(sd: dict[str, Any], table: bytes, leaf: str = "optim") -> dict[str,
     return out
 
 
-def _encode(leaf: str, groups: list[tuple[dict, list[str]]]) -> bytes:
-    return _backend.core.encode_table(leaf, groups, torch.Tensor, tensor_to_parts)
-
-
 # --------------------------------------------------------------------------- deep compare
 
 
-def _freeze(value: Any) -> Any:
-    if isinstance(value, torch.Tensor):
-        return value.detach().clone()
-    if isinstance(value, dict):
-        return {k: _freeze(v) for k, v in value.items()}
-    if isinstance(value, (list, tuple)):
-        return type(value)(_freeze(v) for v in value)
-    return copy.deepcopy(value)
-
-
-def _equal(a: Any, b: Any) -> bool:
-    if isinstance(a, torch.Tensor) or isinstance(b, torch.Tensor):
-        return (
-            isinstance(a, torch.Tensor)
-            and isinstance(b, torch.Tensor)
-            and a.dtype == b.dtype
-            and a.shape == b.shape
-            and torch.equal(a, b)
-        )
-    if isinstance(a, dict):
-        return isinstance(b, dict) and list(a) == list(b) and all(_equal(a[k], b[k]) for k in a)
-    if isinstance(a, (list, tuple)):
-        return type(a) is type(b) and len(a) == len(b) and all(_equal(x, y) for x, y in zip(a, b))
-    return type(a) is type(b) and a == b
+# "Unchanged" is exact: key order included, NaN never equal, dicts required to be dicts.
+SAME = {"nan_equal": "none", "mapping": dict}
 
 
 @dataclass
@@ -142,9 +116,11 @@ class OptSnapshot:
             groups_obj=opt.param_groups,
             group_objs=list(opt.param_groups),
             entry_objs=list(opt.state.items()),
-            state=[(k, _freeze(v)) for k, v in opt.state.items()],
-            groups=[({k: _freeze(v) for k, v in g.items() if k != "params"}, list(g["params"])) for g in opt.param_groups],
-            defaults=_freeze(opt.defaults),
+            state=[(k, clone_value(v)) for k, v in opt.state.items()],
+            groups=[
+                ({k: clone_value(v) for k, v in g.items() if k != "params"}, list(g["params"])) for g in opt.param_groups
+            ],
+            defaults=clone_value(opt.defaults),
         )
 
     def assert_unchanged(self) -> None:
@@ -157,11 +133,12 @@ class OptSnapshot:
         ), "a param group dict was replaced"
         assert [(k, id(v)) for k, v in opt.state.items()] == [(k, id(v)) for k, v in self.entry_objs]
         for key, frozen in self.state:
-            assert _equal(opt.state[key], frozen), f"state of a {tuple(key.shape)} parameter changed"
+            assert deep_equal(opt.state[key], frozen, **SAME), f"state of a {tuple(key.shape)} parameter changed"
         for gi, (group, (settings, params)) in enumerate(zip(opt.param_groups, self.groups)):
             assert len(group["params"]) == len(params) and all(a is b for a, b in zip(group["params"], params))
-            assert _equal({k: v for k, v in group.items() if k != "params"}, settings), f"group {gi} changed"
-        assert _equal(opt.defaults, self.defaults), "defaults changed"
+            now_settings = {k: v for k, v in group.items() if k != "params"}
+            assert deep_equal(now_settings, settings, **SAME), f"group {gi} changed"
+        assert deep_equal(opt.defaults, self.defaults, **SAME), "defaults changed"
 
 
 def test_snapshot_detects_changes() -> None:
@@ -224,7 +201,7 @@ def sc_group_settings_conflict() -> Case:
 
 def sc_tables_conflict() -> Case:
     sd = source()
-    other = _encode("optim", [({"lr": 9.0}, ["a.weight"])])
+    other = encode("optim", [({"lr": 9.0}, ["a.weight"])])
     sd[packed_table_key("optim", other)] = other
     return _single(sd)
 
@@ -249,7 +226,7 @@ def sc_leaf_missing_in_target() -> Case:
 
 def sc_empty_group_of_missing_leaf() -> Case:
     sd = source()
-    table = _encode("ghostleaf", [({"lr": 0.1}, [])])
+    table = encode("ghostleaf", [({"lr": 0.1}, [])])
     sd[packed_table_key("ghostleaf", table)] = table
     return _single(sd)
 
@@ -309,7 +286,7 @@ def sc_packed_key_without_digest() -> Case:
 def sc_duplicate_fqn_in_table() -> Case:
     """One FQN in two groups with different settings (torch allows a parameter in two groups)."""
     sd = source()
-    table = _encode("optim", [({"lr": 0.01}, ["a.weight", "a.bias"]), ({"lr": 0.003}, ["b.weight", "a.weight"])])
+    table = encode("optim", [({"lr": 0.01}, ["a.weight", "a.bias"]), ({"lr": 0.003}, ["b.weight", "a.weight"])])
     return _single(_retable(sd, table))
 
 
@@ -455,7 +432,7 @@ def test_failed_load_changes_nothing(scenario: Callable[[], Case], error: type[B
     for p, q in zip(case.model.parameters(), twin_model.parameters()):
         assert torch.equal(p, q)
     for opt, twin in zip(case.leaves, twin_leaves):
-        assert _equal(opt.state_dict(), twin.state_dict())
+        assert deep_equal(opt.state_dict(), twin.state_dict(), **SAME)
 
 
 def test_valid_load_after_failed_load() -> None:
@@ -465,4 +442,4 @@ def test_valid_load_after_failed_load() -> None:
         sc.load_sparse_state_dict(model, opt, sc_truncated_table().state_dict)
     sd = source()
     sc.load_sparse_state_dict(model, opt, sd)
-    assert _equal(sc.sparse_state_dict(model, opt), sd)
+    assert deep_equal(sc.sparse_state_dict(model, opt), sd, **SAME)

@@ -10,12 +10,12 @@ tensor was modified in place (its version counter did not move).
 from __future__ import annotations
 
 import copy
-import math
 from collections.abc import Callable
 from typing import Any
 
 import pytest
 import torch
+from helpers import clone_value, deep_equal
 from torch import nn
 
 import sparse_ckpt as sc
@@ -84,34 +84,9 @@ def make(name: str, history: str) -> tuple[Net, torch.optim.Optimizer]:
 # --------------------------------------------------------------------------- deep snapshots
 
 
-def _freeze(value: Any) -> Any:
-    """A detached deep copy used to compare values later (tensors cloned)."""
-    if isinstance(value, torch.Tensor):
-        return value.detach().clone()
-    if isinstance(value, dict):
-        return {k: _freeze(v) for k, v in value.items()}
-    if isinstance(value, (list, tuple)):
-        return type(value)(_freeze(v) for v in value)
-    return copy.deepcopy(value)
-
-
-def _same_value(a: Any, b: Any) -> bool:
-    if isinstance(a, torch.Tensor) or isinstance(b, torch.Tensor):
-        return (
-            isinstance(a, torch.Tensor)
-            and isinstance(b, torch.Tensor)
-            and a.dtype == b.dtype
-            and a.shape == b.shape
-            and a.device == b.device
-            and torch.equal(a, b)
-        )
-    if isinstance(a, dict):
-        return isinstance(b, dict) and list(a) == list(b) and all(_same_value(a[k], b[k]) for k in a)
-    if isinstance(a, (list, tuple)):
-        return type(a) is type(b) and len(a) == len(b) and all(_same_value(x, y) for x, y in zip(a, b))
-    if isinstance(a, float) and isinstance(b, float) and math.isnan(a) and math.isnan(b):
-        return True
-    return type(a) is type(b) and a == b
+# "Unchanged" is exact: key order included, dicts required to be dicts; a NaN Python float equals
+# NaN (a tensor holding NaN follows ``torch.equal``, so never equals itself).
+SAME = {"nan_equal": "floats", "mapping": dict}
 
 
 def _objects(value: Any, out: list[tuple[int, int | None]]) -> None:
@@ -146,13 +121,13 @@ class Snapshot:
                     "opt": opt,
                     "state_obj": opt.state,
                     "state_keys": [k for k, _ in state_items],
-                    "state_vals": [_freeze(v) for _k, v in state_items],
+                    "state_vals": [clone_value(v) for _k, v in state_items],
                     "groups_obj": opt.param_groups,
                     "groups": [
-                        ({k: _freeze(v) for k, v in g.items() if k != "params"}, list(g["params"]))
+                        ({k: clone_value(v) for k, v in g.items() if k != "params"}, list(g["params"]))
                         for g in opt.param_groups
                     ],
-                    "defaults": _freeze(opt.defaults),
+                    "defaults": clone_value(opt.defaults),
                     "ids": ids,
                 }
             )
@@ -175,7 +150,7 @@ class Snapshot:
             assert opt.state is snap["state_obj"], "optimizer.state replaced"
             assert list(opt.state.keys()) == snap["state_keys"], "optimizer.state gained or lost entries"
             for key, frozen in zip(snap["state_keys"], snap["state_vals"]):
-                assert _same_value(opt.state[key], frozen), f"state of a {tuple(key.shape)} parameter changed"
+                assert deep_equal(opt.state[key], frozen, **SAME), f"state of a {tuple(key.shape)} parameter changed"
             assert opt.param_groups is snap["groups_obj"], "optimizer.param_groups replaced"
             assert len(opt.param_groups) == len(snap["groups"])
             for gi, (group, (settings, params)) in enumerate(zip(opt.param_groups, snap["groups"])):
@@ -183,8 +158,8 @@ class Snapshot:
                     f"group {gi} params changed"
                 )
                 now_settings = {k: v for k, v in group.items() if k != "params"}
-                assert _same_value(now_settings, settings), f"group {gi} settings changed"
-            assert _same_value(opt.defaults, snap["defaults"]), "optimizer.defaults changed"
+                assert deep_equal(now_settings, settings, **SAME), f"group {gi} settings changed"
+            assert deep_equal(opt.defaults, snap["defaults"], **SAME), "optimizer.defaults changed"
             ids: list[tuple[int, int | None]] = []
             _objects(opt.param_groups, ids)
             for v in opt.state.values():
@@ -236,7 +211,7 @@ def test_save_never_mutates(name: str, history: str) -> None:
         for key, value in out.items():
             if isinstance(value, torch.Tensor) and key.endswith(".exp_avg"):
                 assert torch.isfinite(value).all()
-    assert _same_value(opt.state_dict(), reference)
+    assert deep_equal(opt.state_dict(), reference, **SAME)
 
 
 class HookError(RuntimeError):

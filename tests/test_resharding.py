@@ -12,6 +12,7 @@ from typing import Any
 
 import pytest
 import torch
+from helpers import assert_deep_equal, fqn_view
 from torch import nn
 
 import sparse_ckpt as sc
@@ -54,34 +55,8 @@ def _train(model: _Model, opt: Any, with_grad: list[nn.Parameter], steps: int = 
         p.grad = None
 
 
-def _fqn_view(model: nn.Module, opts: list[torch.optim.Optimizer]) -> tuple[dict[str, Any], dict[str, dict[str, Any]]]:
-    """``(fqn -> state, fqn -> settings)`` over several optimizers."""
-    names = {id(p): n for n, p in model.named_parameters()}
-    state: dict[str, Any] = {}
-    settings: dict[str, dict[str, Any]] = {}
-    for opt in opts:
-        for p, s in opt.state.items():
-            state[names[id(p)]] = s
-        for g in opt.param_groups:
-            for p in g["params"]:
-                settings[names[id(p)]] = {k: v for k, v in g.items() if k != "params"}
-    return state, settings
-
-
-def _same(a: Any, b: Any, where: str = "value") -> None:
-    if isinstance(a, torch.Tensor) or isinstance(b, torch.Tensor):
-        assert isinstance(a, torch.Tensor) and isinstance(b, torch.Tensor), where
-        assert a.dtype == b.dtype and torch.equal(a, b), where
-    elif isinstance(a, dict):
-        assert isinstance(b, dict) and sorted(a) == sorted(b), f"{where}: {sorted(a)} != {sorted(b)}"
-        for k in a:
-            _same(a[k], b[k], f"{where}[{k!r}]")
-    elif isinstance(a, (list, tuple)):
-        assert type(a) is type(b) and len(a) == len(b), where
-        for i, (x, y) in enumerate(zip(a, b)):
-            _same(x, y, f"{where}[{i}]")
-    else:
-        assert type(a) is type(b) and a == b, f"{where}: {a!r} != {b!r}"
+# Views are compared without key order, with NaN never equal and dicts required to be dicts.
+SAME = {"check_order": False, "nan_equal": "none", "mapping": dict}
 
 
 def _source() -> tuple[_Model, sc.MultiOptimizer]:
@@ -109,7 +84,7 @@ def test_two_leaves_into_one_optimizer(fmt: str) -> None:
     opt = torch.optim.AdamW(list(model.parameters()), lr=0.5)
     sc.load_sparse_state_dict(model, opt, sd)
     assert opt.param_groups[0]["lr"] == 0.0025
-    _same(_fqn_view(model, [opt]), _fqn_view(src_model, [o for _, o in src.leaves()]))
+    assert_deep_equal(fqn_view(model, [opt]), fqn_view(src_model, [o for _, o in src.leaves()]), **SAME)
     assert all(p not in opt.state for p in _e(model, 3))
 
 
@@ -129,8 +104,8 @@ def test_experts_split_over_two_leaves(fmt: str) -> None:
         },
     )
     sc.load_sparse_state_dict(model, opt, sd)
-    src_view = _fqn_view(src_model, [o for _, o in src.leaves()])
-    _same(_fqn_view(model, [o for _, o in opt.leaves()]), src_view)
+    src_view = fqn_view(src_model, [o for _, o in src.leaves()])
+    assert_deep_equal(fqn_view(model, [o for _, o in opt.leaves()]), src_view, **SAME)
     assert opt["experts_a"].param_groups[0]["lr"] == src["experts"].param_groups[0]["lr"]
     assert opt["experts_b"].param_groups[0]["lr"] == src["experts"].param_groups[1]["lr"]
     assert set(opt["experts_b"].state) == set(_e(model, 2))
@@ -151,7 +126,7 @@ def test_parameter_moved_to_another_group_of_the_leaf(fmt: str) -> None:
     sc.load_sparse_state_dict(model, opt, sd)
     assert (opt.param_groups[0]["lr"], opt.param_groups[0]["momentum"]) == (0.2, 0.5)
     assert (opt.param_groups[1]["lr"], opt.param_groups[1]["momentum"]) == (0.1, 0.9)
-    _same(_fqn_view(model, [opt]), _fqn_view(src_model, [src]))
+    assert_deep_equal(fqn_view(model, [opt]), fqn_view(src_model, [src]), **SAME)
     # the resumed SGD step uses each parameter's own momentum buffer
     ref_model = _Model(seed=1)
     ref = torch.optim.SGD([{"params": _e(ref_model, 0), "lr": 0.1}, {"params": _e(ref_model, 1, 2), "lr": 0.2, "momentum": 0.5}], lr=0.3, momentum=0.9)
