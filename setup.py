@@ -79,18 +79,45 @@ class CMakeBuild(build_ext):
             raise RuntimeError(f"CMake did not produce {ext_path}")
 
 
+def _long_description() -> str:
+    readme = ROOT / "README.md"
+    return readme.read_text(encoding="utf-8") if readme.exists() else ""
+
+
+# The benchmark lives in the top-level ``bench/`` folder (``python -m bench`` in a checkout) and
+# ships inside the wheel as ``sparse_ckpt.bench`` (``python -m sparse_ckpt.bench``,
+# ``sparse-ckpt-bench``); its modules import each other relatively, so both names work.
+# ``bench/results/`` (the committed run) and ``bench/out/`` are data, not shipped.
+BENCH_PACKAGE = "sparse_ckpt.bench"
+
 setup(
     name="sparse_ckpt",
     version="0.1.0",
     description="Exact, sparse optimizer checkpoints for torch.distributed.checkpoint",
-    packages=find_packages(exclude=["tests", "tests.*", "bench", "bench.*"]),
+    long_description=_long_description(),
+    long_description_content_type="text/markdown",
+    # No license metadata: the repository has no LICENSE file yet (see the lead's decision).
+    classifiers=[
+        "Development Status :: 3 - Alpha",
+        "Intended Audience :: Developers",
+        "Intended Audience :: Science/Research",
+        "Operating System :: POSIX :: Linux",
+        "Programming Language :: C++",
+        "Programming Language :: Python :: 3",
+        "Programming Language :: Python :: 3 :: Only",
+        "Topic :: Scientific/Engineering :: Artificial Intelligence",
+    ],
+    packages=[*find_packages(exclude=["tests", "tests.*", "bench", "bench.*"]), BENCH_PACKAGE],
+    package_dir={BENCH_PACKAGE: "bench"},
+    package_data={"sparse_ckpt": ["_C.pyi"], BENCH_PACKAGE: ["README.md"]},
+    entry_points={"console_scripts": ["sparse-ckpt-bench = sparse_ckpt.bench.run:console_main"]},
     ext_modules=[CMakeExtension("sparse_ckpt._C")],
     cmdclass={"build_ext": CMakeBuild},
     python_requires=">=3.9",
-    install_requires=["torch>=2.6", "numpy"],
+    install_requires=["torch>=2.6", "numpy", "safetensors>=0.4"],
     extras_require={
         "test": ["pytest", "hypothesis", "ruff"],
-        "bench": ["matplotlib", "tqdm"],
+        "bench": ["matplotlib>=3.7", "tqdm"],  # 3.7: fig.legend(loc="outside ...")
         "npu": ["torch-npu"],
     },
     zip_safe=False,

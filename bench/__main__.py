@@ -1,5 +1,6 @@
-"""``python -m bench``: run the benchmark (see ``bench/README.md``)."""
+"""``python -m bench`` (checkout) / ``python -m sparse_ckpt.bench`` (wheel): run the benchmark (see README.md)."""
 
-from bench.run import main
+from .run import main
 
-raise SystemExit(main())
+if __name__ == "__main__":
+    raise SystemExit(main())

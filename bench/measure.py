@@ -54,6 +54,35 @@ SPARSE_FAMILIES = ("sparse", "core")
 """Families whose figures are sparse_ckpt's own (the growth target applies to them)."""
 
 
+def method_id(family: str, op: str, backend: str | None = None, fmt: str | None = None, part: str | None = None) -> str:
+    """The id of a method (``family/op[/backend][/fmt][/part]``), without building its :class:`Method`."""
+    return "/".join(x for x in (family, op, backend, fmt, part) if x)
+
+
+def sparse_id(op: str, backend: str, fmt: str = "packed") -> str:
+    """``sparse/{save,load}/{backend}/{fmt}``."""
+    return method_id("sparse", op, backend, fmt)
+
+
+def dcp_id(op: str, fmt: str, part: str) -> str:
+    """``dcp/{save,load}/{fmt}/{part}``."""
+    return method_id("dcp", op, None, fmt, part)
+
+
+def core_id(function: str, backend: str) -> str:
+    """``core/{fn}/{backend}[/{fmt}]`` for an entry of :data:`CORE_FUNCTIONS` (``unflatten.packed``)."""
+    op, _, fmt = function.partition(".")
+    return method_id("core", op, backend, fmt or None)
+
+
+# Method ids that the targets, the plots and the command line refer to by name: a renamed method
+# changes these, and report.check_method_ids() fails loudly instead of a target turning N/A.
+FLOOR_STATE_DICT = method_id("floor", "state_dict")
+FLOOR_LOAD_STATE_DICT = method_id("floor", "load_state_dict")
+DSD_GET = method_id("dsd", "get")
+DSD_SET = method_id("dsd", "set")
+
+
 @dataclass(frozen=True)
 class Method:
     """One measured operation."""
@@ -70,7 +99,7 @@ class Method:
     @property
     def id(self) -> str:
         """``family/op[/backend][/fmt][/part]``."""
-        return "/".join(x for x in (self.family, self.op, self.backend, self.fmt, self.part) if x)
+        return method_id(self.family, self.op, self.backend, self.fmt, self.part)
 
     @property
     def label(self) -> str:
@@ -107,7 +136,13 @@ def plan_methods() -> list[Method]:
         for name in CORE_FUNCTIONS:
             op, _, fmt = name.partition(".")
             out.append(Method("core", op, backend, fmt or None))
+    assert [m.id for m in out if m.family == "core"] == [core_id(f, b) for b in BACKENDS for f in CORE_FUNCTIONS]
     return out
+
+
+def planned_ids() -> frozenset[str]:
+    """The ids of :func:`plan_methods` (what a full run measures or records as skipped)."""
+    return frozenset(m.id for m in plan_methods())
 
 
 # --------------------------------------------------------------------------- backends

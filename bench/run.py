@@ -1,37 +1,46 @@
-"""Command line of the bench: ``python bench/run.py`` or ``python -m bench`` (DESIGN §8).
+"""Command line of the bench: ``python -m bench`` in a checkout, ``python -m sparse_ckpt.bench`` or
+``sparse-ckpt-bench`` from an installed wheel (also ``python bench/run.py``).
 
 Measures, for synthetic MoE AdamW optimizers, the floor (``optimizer.state_dict()`` /
 ``load_state_dict``), ``sparse_state_dict`` / ``load_sparse_state_dict`` (both core backends,
 both formats), torch DSD get/set, DCP save/load of the resulting dicts and the core functions
-alone. Writes ``results.json``, ``results.md`` and ``scaling.png`` to ``--out``.
+alone. Writes ``results.json``, ``results.md``, ``headline.png``, ``scaling.png`` and ``core.png``
+to ``--out``.
 """
 
 from __future__ import annotations
 
 import argparse
-import io
 import json
 import os
 import platform
 import shlex
+import shutil
 import sys
 import tempfile
 import time
 from collections.abc import Iterator, Sequence
 from typing import Any, TextIO
 
-if __package__ in (None, ""):  # ``python bench/run.py``: make the repo root importable
+SCRIPT = __package__ in (None, "")
+"""Started as ``python bench/run.py`` (not ``-m``)."""
+if SCRIPT:  # import the folder as package ``bench``
     sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+    import bench  # noqa: F401
+
+    __package__ = "bench"  # lets the relative imports below resolve
 
 import torch
 
 import sparse_ckpt
-from bench import report
-from bench.fixtures import LAYOUTS, STATE_INITS, FixtureCache, Scale, parse_scales
-from bench.measure import (
+
+from . import report
+from .fixtures import LAYOUTS, STATE_INITS, FixtureCache, Scale, parse_scales
+from .measure import (
     FixtureContext,
     Method,
     backend_modules,
+    dcp_stats,
     device_sync,
     dsd_sparse_roundtrip_probe,
     plan_methods,
@@ -49,7 +58,30 @@ QUICK_BUDGET_S = 2.0
 QUICK_DCP_MAX_ITEMS = 1_500
 DEFAULT_DCP_MAX_ITEMS = 150_000
 DEFAULT_BUDGET_S = 60.0
-DEFAULT_OUT = os.path.join(os.path.dirname(os.path.abspath(__file__)), "out")
+PROGRESS_MODES = ("auto", "bar", "lines", "off")
+CONSOLE_SCRIPT = "sparse-ckpt-bench"
+INSTALLED_OUT = "sparse_ckpt_bench_out"
+
+
+def in_checkout() -> bool:
+    """Whether this package is the ``bench/`` folder of a source checkout (not an installed wheel)."""
+    here = os.path.dirname(os.path.abspath(__file__))
+    return os.path.basename(here) == "bench" and os.path.exists(os.path.join(os.path.dirname(here), "setup.py"))
+
+
+def default_out() -> str:
+    """``bench/out`` (git-ignored) in a checkout; ``./sparse_ckpt_bench_out`` for an installed wheel."""
+    if in_checkout():
+        return os.path.join(os.path.dirname(os.path.abspath(__file__)), "out")
+    return os.path.abspath(INSTALLED_OUT)
+
+
+def default_prog() -> str:
+    """How this bench was started, for the usage line and the recorded command."""
+    if SCRIPT:
+        rel = os.path.relpath(__file__)
+        return f"python {__file__ if rel.startswith('..') else rel}"
+    return f"python -m {__package__}"
 
 
 class DeviceUnavailable(RuntimeError):
@@ -142,23 +174,63 @@ class TextBar:
         self.stream.flush()
 
 
-def progress_bar(total: int, enabled: bool = True) -> Any:
-    """tqdm when installed, else :class:`TextBar` (``enabled=False``: a bar that prints nothing)."""
-    if not enabled:
-        return TextBar(total, stream=io.StringIO())
-    try:
-        from tqdm import tqdm
-    except ImportError:
-        return TextBar(total)
-    return tqdm(total=total, unit="fig", dynamic_ncols=True)
+class Progress:
+    """Progress on stderr: ``bar`` (tqdm, else :class:`TextBar`) redraws one line, for a terminal;
+    ``lines`` prints one line per finished step (for logs and CI, where ``\\r`` makes one endless line);
+    ``off`` prints nothing. ``auto``: ``bar`` when the stream is a TTY, else ``lines``."""
+
+    def __init__(self, total: int, mode: str = "auto", stream: TextIO | None = None) -> None:
+        self.stream = sys.stderr if stream is None else stream
+        if mode == "auto":
+            isatty = getattr(self.stream, "isatty", None)
+            mode = "bar" if isatty is not None and isatty() else "lines"
+        self.mode, self.total, self.n = mode, total, 0
+        self.t0 = time.perf_counter()
+        self.bar: Any = None
+        if mode == "bar":
+            try:
+                from tqdm import tqdm
+            except ImportError:
+                self.bar = TextBar(total, stream=self.stream)
+            else:
+                self.bar = tqdm(total=total, unit="fig", dynamic_ncols=True, file=self.stream)
+
+    def start(self, desc: str) -> None:
+        """Step ``desc`` begins (shown by the bar)."""
+        if self.bar is not None:
+            self.bar.set_description(desc)
+
+    def done(self, desc: str, detail: str = "") -> None:
+        """Step ``desc`` finished: advance the bar, or print its line."""
+        self.n += 1
+        if self.bar is not None:
+            self.bar.update(1)
+        elif self.mode == "lines":
+            width = len(str(self.total))
+            elapsed = time.perf_counter() - self.t0
+            line = f"[{self.n:>{width}}/{self.total} {elapsed:6.1f}s] {desc}" + (f": {detail}" if detail else "")
+            print(line[:200], file=self.stream, flush=True)
+
+    def close(self) -> None:
+        """End the bar."""
+        if self.bar is not None:
+            self.bar.close()
+
+
+def figure_detail(fig: dict[str, Any]) -> str:
+    """One figure in a few words, for the progress lines."""
+    if fig.get("status") == "ok":
+        inner = f" × {fig['inner']}" if fig.get("inner", 1) > 1 else ""
+        return f"{report.fmt_time(fig['median_s'])} (n={fig['n']}{inner})"
+    return f"{fig.get('status')}: {fig.get('reason', '')}"
 
 
 # --------------------------------------------------------------------------- main loop
 
 
-def parse_args(argv: Sequence[str] | None) -> argparse.Namespace:
+def parse_args(argv: Sequence[str] | None, prog: str | None = None) -> argparse.Namespace:
     """The command line (see ``bench/README.md``)."""
-    p = argparse.ArgumentParser(prog="python -m bench", description=__doc__,
+    p = argparse.ArgumentParser(prog=prog or default_prog(), description=__doc__,
                                 formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("--device", choices=("cpu", "cuda", "npu"), default="cpu", help="where params and state live")
     p.add_argument("--scales", default=None, help=f"LxE list (default {DEFAULT_SCALES}; --quick: {QUICK_SCALES})")
@@ -167,7 +239,8 @@ def parse_args(argv: Sequence[str] | None) -> argparse.Namespace:
     p.add_argument("--repeats", type=int, default=None, help=f"timed repeats after one warm-up (default 5; "
                    f"--quick: {QUICK_REPEATS})")
     p.add_argument("--quick", action="store_true", help="small scales, few repeats: < 2 min on 2 cores")
-    p.add_argument("--out", default=DEFAULT_OUT, help="output directory (default bench/out)")
+    p.add_argument("--out", default=None, help=f"output directory (default: bench/out in a checkout, "
+                   f"./{INSTALLED_OUT} for an installed wheel)")
     p.add_argument("--hidden", type=int, default=0, help="realistic tensors: (N, N) weights (default: tiny (2,))")
     p.add_argument("--no-state-fraction", type=float, default=0.5, help="fraction of experts without state")
     p.add_argument("--dsd-max-params", type=int, default=None,
@@ -191,10 +264,18 @@ def parse_args(argv: Sequence[str] | None) -> argparse.Namespace:
     p.add_argument("--gc", action="store_true", help="keep the garbage collector enabled while timing")
     p.add_argument("--seed", type=int, default=0)
     p.add_argument("--tmp", default=None, help="directory for DCP checkpoints (default: system temp)")
-    p.add_argument("--no-progress", action="store_true", help="no progress bar")
+    p.add_argument("--progress", choices=PROGRESS_MODES, default="auto",
+                   help="progress on stderr: bar (redrawn line), lines (one per finished figure), off; "
+                   "auto (default): bar on a terminal, lines otherwise")
+    p.add_argument("--no-progress", action="store_true", help="same as --progress off")
     p.add_argument("--report", metavar="RESULTS_JSON", default=None,
-                   help="measure nothing: re-render results.md and scaling.png (into --out) from a results.json")
+                   help="measure nothing: re-render results.md and the figures (into --out) from a results.json")
     args = p.parse_args(argv)
+    if args.out is None:
+        args.out = default_out()
+    args.out = os.path.abspath(args.out)
+    if args.no_progress:
+        args.progress = "off"
     if args.scales is None:
         args.scales = QUICK_SCALES if args.quick else DEFAULT_SCALES
     if args.repeats is None:
@@ -248,20 +329,12 @@ def skip_reason(m: Method, ctx: FixtureContext, args: argparse.Namespace, backen
     return None
 
 
-def run_bench(args: argparse.Namespace, partial_path: str | None = None) -> dict[str, Any]:
-    """Measure everything ``args`` asks for; return the results dict (without targets).
-
-    With ``partial_path``, the results so far are written there after every (scale, layout).
-    """
-    silence_known_warnings()
-    backends = backend_modules()
-    methods = plan_methods()
-    cache = FixtureCache(hidden=args.hidden, device=args.device, no_state_fraction=args.no_state_fraction,
-                         state_init=args.state_init, seed=args.seed)
-    sync = device_sync(args.device)
-    results: dict[str, Any] = {
+def new_results(args: argparse.Namespace, backends: dict[str, Any], methods: list[Method]) -> dict[str, Any]:
+    """The results dict before anything is measured: command, machine, configuration."""
+    return {
         "schema": "sparse_ckpt-bench/1",
-        "command": "python -m bench " + " ".join(shlex.quote(a) for a in (args.argv or [])),
+        "command": " ".join([getattr(args, "prog", None) or default_prog(),
+                             *(shlex.quote(a) for a in (getattr(args, "argv", None) or []))]),
         "machine": machine_info(args.device, backends),
         "config": {
             "scales": [s.label for s in args.scale_list],
@@ -283,6 +356,23 @@ def run_bench(args: argparse.Namespace, partial_path: str | None = None) -> dict
         "runs": [],
         "notes": {},
     }
+
+
+def run_bench(args: argparse.Namespace, partial_path: str | None = None,
+              results: dict[str, Any] | None = None) -> dict[str, Any]:
+    """Measure everything ``args`` asks for; return the results dict (without targets).
+
+    ``results``: the dict from :func:`new_results` to fill (default: a new one). With
+    ``partial_path``, the results so far are written there after every (scale, layout).
+    """
+    silence_known_warnings()
+    backends = backend_modules()
+    methods = plan_methods()
+    if results is None:
+        results = new_results(args, backends, methods)
+    cache = FixtureCache(hidden=args.hidden, device=args.device, no_state_fraction=args.no_state_fraction,
+                         state_init=args.state_init, seed=args.seed)
+    sync = device_sync(args.device)
     probe = FixtureCache(device=args.device).get(Scale(2, 4), "layer")
     results["notes"]["dsd_sparse_roundtrip"] = (
         "DSD set_optimizer_state_dict on a fresh optimizer, given DSD get_optimizer_state_dict of an optimizer "
@@ -290,22 +380,25 @@ def run_bench(args: argparse.Namespace, partial_path: str | None = None) -> dict
         "timed with DSD get of a twin optimizer that has state on every parameter."
     )
     total = len(args.scale_list) * len(args.layout_list) * (len(methods) + 1)
-    bar = progress_bar(total, enabled=not args.no_progress)
+    progress = Progress(total, getattr(args, "progress", "auto"))
     tmp_root = tempfile.mkdtemp(prefix="sparse_ckpt_bench_", dir=args.tmp)
     try:
         for scale in args.scale_list:
             for layout in args.layout_list:
-                bar.set_description(f"{scale.label} {layout}: building fixture")
+                desc = f"{scale.label} {layout}"
+                progress.start(f"{desc}: building fixture")
+                t0 = time.perf_counter()
                 fx = cache.get(scale, layout)
-                bar.update(1)
+                progress.done(f"{desc} fixture", f"{fx.n_params:,} params, {len(fx.optimizer.param_groups):,} groups "
+                              f"({time.perf_counter() - t0:.1f} s)")
                 run: dict[str, Any] = {"scale": scale.label, "layers": scale.layers, "experts": scale.experts,
                                        "layout": layout, **fx.info, "figures": {}}
                 ctx = FixtureContext(fx, tmp_root, args.device)
                 try:
                     for m in methods:
-                        bar.set_description(f"{scale.label} {layout}: {m.id}")
-                        run["figures"][m.id] = measure_one(m, ctx, args, backends, sync)
-                        bar.update(1)
+                        progress.start(f"{desc}: {m.id}")
+                        fig = run["figures"][m.id] = measure_one(m, ctx, args, backends, sync)
+                        progress.done(f"{desc} {m.id}", figure_detail(fig))
                 finally:
                     ctx.close()
                 results["runs"].append(run)
@@ -315,9 +408,7 @@ def run_bench(args: argparse.Namespace, partial_path: str | None = None) -> dict
                         json.dump(results, f, indent=1, default=str)
             cache.drop_scale(scale)
     finally:
-        bar.close()
-        import shutil
-
+        progress.close()
         shutil.rmtree(tmp_root, ignore_errors=True)
     return results
 
@@ -341,52 +432,75 @@ def measure_one(m: Method, ctx: FixtureContext, args: argparse.Namespace, backen
     except Exception as exc:  # noqa: BLE001 - recorded in the results, the bench goes on
         return {**meta, "status": "error", "reason": f"{type(exc).__name__}: {exc}"}
     if m.family == "dcp" and m.op == "save":
-        from bench.measure import dcp_stats
-
         path = ctx.saved_dir(f"{m.fmt}_{m.part}")
         if path is not None:
             fig.update(dcp_stats(path))
     return {**meta, **fig}
 
 
-def main(argv: Sequence[str] | None = None) -> int:
-    """Run the bench; return the process exit code (2: bad arguments or device unavailable)."""
-    argv = list(sys.argv[1:] if argv is None else argv)
-    args = parse_args(argv)
-    args.argv = argv
-    if args.report:
-        with open(args.report, encoding="utf-8") as f:
-            results = json.load(f)
-        print_summary(results, report.write_all(results, args.out))
-        return 0
-    try:
-        check_device(args.device)
-    except DeviceUnavailable as exc:
-        print(f"error: {exc}", file=sys.stderr)
-        return 2
-    t0 = time.perf_counter()
-    partial = os.path.join(args.out, "results.partial.json")
-    results = run_bench(args, partial)
-    results["elapsed_s"] = time.perf_counter() - t0
-    paths = report.write_all(results, args.out)
-    if os.path.exists(partial):
-        os.remove(partial)
-    print_summary(results, paths)
-    return 0
+# --------------------------------------------------------------------------- stdout
 
 
-def print_summary(results: dict[str, Any], paths: dict[str, Any], stream: TextIO = sys.stdout) -> None:
-    """The targets table and compact per-run tables on stdout."""
+RULE = "=" * 100
+
+
+def _limit(value: Any) -> str:
+    return f"{value:,}" if value else "none"
+
+
+def header_lines(results: dict[str, Any], out_dir: str, source: str | None = None) -> list[str]:
+    """What a person needs to read the numbers: mode, command, machine, software, backends, scales."""
+    m, c = results["machine"], results["config"]
+    judged, why = report.targets_mode(results)
+    mode = "full run" if not c.get("quick") else "QUICK mode"
+    if not judged:
+        mode += f" — targets are INDICATIVE only ({why})"
+    device = m["device"] + (f" ({m['device_name']})" if m.get("device_name") else "")
+    backends = ", ".join(f"{k} {v}" for k, v in m["backends"].items())
+    scales = ", ".join(f"{label} ({parse_scales(label)[0].n_params:,} params)" for label in c["scales"])
+    lines = [
+        RULE,
+        f"sparse_ckpt bench: {mode}",
+        f"command   {results['command']}",
+        f"machine   {m['cpu_model']}, {m['cores']} cores ({m.get('torch_threads', '?')} torch threads); {m['platform']}",
+        f"software  python {m['python']}, torch {m['torch']}, sparse_ckpt {m['sparse_ckpt']}",
+        f"backends  {backends}; default {m['default_backend']}",
+        f"device    {device}",
+        f"scales    {scales}; layouts {', '.join(c['layouts'])} (one group per layer / per parameter)",
+        (f"timing    {c['repeats']} repeats after 1 warm-up, budget {c['budget_s']:g} s per figure, gc "
+         f"{'on' if c['gc'] else 'off'}; skip limits: DSD params {_limit(c['dsd_max_params'])}, DCP items "
+         f"{_limit(c['dcp_max_items'])}, floor-load groups {_limit(c['floor_load_max_groups'])}, DSD-set groups "
+         f"{_limit(c['dsd_set_max_groups'])}"),
+        f"output    {out_dir}",
+    ]
+    if source:
+        lines.append(f"re-render of {source}")
+    return [*lines, RULE]
+
+
+def print_header(results: dict[str, Any], out_dir: str, source: str | None = None,
+                 stream: TextIO | None = None) -> None:
+    """The header, flushed at once (the progress goes to stderr meanwhile)."""
+    stream = sys.stdout if stream is None else stream
+    for line in header_lines(results, out_dir, source):
+        print(line, file=stream)
+    stream.flush()
+
+
+def print_summary(results: dict[str, Any], paths: dict[str, Any], stream: TextIO | None = None) -> None:
+    """The per-run tables, the targets table and the files written, on stdout."""
+    stream = sys.stdout if stream is None else stream
     for line in _summary_lines(results):
         print(line, file=stream)
     print(file=stream)
     print(f"wrote {paths['json']}", file=stream)
     print(f"wrote {paths['md']}", file=stream)
-    if paths["png"]:
-        print(f"wrote {paths['png']}", file=stream)
-    else:
+    for png in paths["pngs"]:
+        print(f"wrote {png}", file=stream)
+    if paths["plot_message"]:
         print(f"note: {paths['plot_message']}", file=stream)
-    print(f"elapsed {results['elapsed_s']:.0f} s", file=stream)
+    if "elapsed_s" in results:
+        print(f"elapsed {results['elapsed_s']:.0f} s", file=stream)
 
 
 def _summary_lines(results: dict[str, Any]) -> Iterator[str]:
@@ -395,7 +509,48 @@ def _summary_lines(results: dict[str, Any]) -> Iterator[str]:
         yield from report.run_markdown(run)
     yield ""
     yield "## Targets"
+    banner = report.indicative_banner(results)
+    if banner:
+        yield ""
+        yield f"*** {banner} ***"
+        yield ""
     yield from report.targets_markdown(results["targets"])
+
+
+def main(argv: Sequence[str] | None = None, prog: str | None = None) -> int:
+    """Run the bench; return the process exit code (2: bad arguments or device unavailable)."""
+    argv = list(sys.argv[1:] if argv is None else argv)
+    prog = prog or default_prog()
+    args = parse_args(argv, prog)
+    args.argv, args.prog = argv, prog
+    if args.report:
+        with open(args.report, encoding="utf-8") as f:
+            results = json.load(f)
+        print_header(results, args.out, source=os.path.abspath(args.report))
+        print_summary(results, report.write_all(results, args.out))
+        return 0
+    try:
+        check_device(args.device)
+    except DeviceUnavailable as exc:
+        print(f"error: {exc}", file=sys.stderr)
+        return 2
+    t0 = time.perf_counter()
+    silence_known_warnings()
+    results = new_results(args, backend_modules(), plan_methods())
+    print_header(results, args.out)
+    partial = os.path.join(args.out, "results.partial.json")
+    results = run_bench(args, partial, results)
+    results["elapsed_s"] = time.perf_counter() - t0
+    paths = report.write_all(results, args.out)
+    if os.path.exists(partial):
+        os.remove(partial)
+    print_summary(results, paths)
+    return 0
+
+
+def console_main() -> int:
+    """The ``sparse-ckpt-bench`` console script."""
+    return main(prog=CONSOLE_SCRIPT)
 
 
 if __name__ == "__main__":

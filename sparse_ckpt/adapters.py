@@ -62,9 +62,8 @@ def register_state_dict_adapter(cls: type, adapter: StateDictAdapter) -> Adapter
 
 def adapter_for(cls: type) -> StateDictAdapter | None:
     """The adapter registered for ``cls`` or its nearest registered base class."""
-    with _lock:
-        for base in cls.__mro__:
-            found = _adapters.get(base)
-            if found is not None:
-                return found
+    for base in cls.__mro__:  # lock-free: each read is one atomic dict lookup (nothing an interrupt can leave held)
+        found = _adapters.get(base)
+        if found is not None:
+            return found
     return None

@@ -1,15 +1,15 @@
 """Capture one optimizer leaf exactly as ``torch.optim.Optimizer.state_dict`` would (DESIGN §3).
 
-Order: refuse unsupported ``state_dict`` overrides, take the per-optimizer reentrancy guard,
-run the pre-hooks, pack (snapshotting ``packed id -> parameter``), run the post-hooks, and
-release the guard on every exit path. Nothing here steps, touches ``.grad`` or creates state.
+Order: refuse unsupported ``state_dict`` overrides, refuse a capture of an optimizer already
+being captured (a hook calling back, or another thread: found on the live stacks, so there is no
+guard to release and none an interrupt can leave behind), run the pre-hooks, pack (snapshotting
+``packed id -> parameter``), run the post-hooks. Nothing here steps, touches ``.grad`` or creates state.
 """
 
 from __future__ import annotations
 
-import threading
-from collections.abc import Iterator
-from contextlib import contextmanager
+import sys
+from types import FrameType
 from typing import Any
 
 import torch
@@ -21,26 +21,26 @@ from .errors import CheckpointFormatError, ReentrantSerializationError, Unsuppor
 
 _BASE_STATE_DICT = torch.optim.Optimizer.state_dict
 
-_guard_lock = threading.Lock()
-_in_capture: set[int] = set()
 
+def _refuse_if_capturing(leaf: str, optimizer: Any, frame: FrameType) -> None:
+    """Raise :class:`ReentrantSerializationError` when ``optimizer`` is already being captured.
 
-@contextmanager
-def capture_guard(leaf: str, optimizer: Any) -> Iterator[None]:
-    """Mark ``optimizer`` as being serialized; a second entry raises, from any thread."""
-    key = id(optimizer)
-    with _guard_lock:
-        if key in _in_capture:
-            raise ReentrantSerializationError(
-                f"leaf {leaf!r}: optimizer {type(optimizer).__name__} is already being serialized "
-                "(a state_dict hook called back into serialization, or another thread is serializing it)"
-            )
-        _in_capture.add(key)
-    try:
-        yield
-    finally:
-        with _guard_lock:
-            _in_capture.discard(key)
+    ``frame`` is the caller's :func:`capture_packed` frame. Every thread's live stack is scanned
+    for *another* frame of the same function whose ``optimizer`` is this one: a hook that calls
+    back into serialization (this thread) or a concurrent call (another thread). There is no
+    "in progress" mark to take or release, so no interrupt, at any point, can leave one behind.
+    Of two threads that overlap, the later one to scan sees the earlier and refuses; both may.
+    """
+    code = frame.f_code
+    for top in sys._current_frames().values():
+        f: FrameType | None = top
+        while f is not None:
+            if f.f_code is code and f is not frame and f.f_locals.get("optimizer") is optimizer:
+                raise ReentrantSerializationError(
+                    f"leaf {leaf!r}: optimizer {type(optimizer).__name__} is already being serialized "
+                    "(a state_dict hook called back into serialization, or another thread is serializing it)"
+                )
+            f = f.f_back
 
 
 def _copy_dicts(value: Any) -> Any:
@@ -79,25 +79,25 @@ def capture_packed(leaf: str, optimizer: torch.optim.Optimizer) -> tuple[dict[st
     ``packed id -> parameter`` snapshot taken before any post-hook ran.
     """
     adapter = check_supported(leaf, optimizer)
-    with capture_guard(leaf, optimizer):
-        core = _backend.core
-        if adapter is not None:
-            _groups, _state, id_to_param = core.pack_optimizer(leaf, optimizer.param_groups, {}, torch.Tensor)
-            state_dict = adapter(optimizer)
-        else:
-            for pre_hook in state_dict_pre_hooks(optimizer):
-                pre_hook(optimizer)
-            groups, state, id_to_param = core.pack_optimizer(
-                leaf, optimizer.param_groups, optimizer.state, torch.Tensor
-            )
-            post_hooks = state_dict_post_hooks(optimizer)
-            if post_hooks:  # torch hands hooks the live per-param dicts; edits must not reach the optimizer
-                state = {k: _copy_dicts(v) for k, v in state.items()}
-            state_dict = {"state": state, "param_groups": groups}
-            for post_hook in post_hooks:
-                result = post_hook(optimizer, state_dict)
-                if result is not None:
-                    state_dict = result
+    # ``optimizer`` must stay bound to the argument for the whole call: the reentrancy check of
+    # other calls reads it from this frame.
+    _refuse_if_capturing(leaf, optimizer, sys._getframe())
+    core = _backend.core
+    if adapter is not None:
+        _groups, _state, id_to_param = core.pack_optimizer(leaf, optimizer.param_groups, {}, torch.Tensor)
+        state_dict = adapter(optimizer)
+    else:
+        for pre_hook in state_dict_pre_hooks(optimizer):
+            pre_hook(optimizer)
+        groups, state, id_to_param = core.pack_optimizer(leaf, optimizer.param_groups, optimizer.state, torch.Tensor)
+        post_hooks = state_dict_post_hooks(optimizer)
+        if post_hooks:  # torch hands hooks the live per-param dicts; edits must not reach the optimizer
+            state = {k: _copy_dicts(v) for k, v in state.items()}
+        state_dict = {"state": state, "param_groups": groups}
+        for post_hook in post_hooks:
+            result = post_hook(optimizer, state_dict)
+            if result is not None:
+                state_dict = result
     if not isinstance(state_dict, dict) or "state" not in state_dict or "param_groups" not in state_dict:
         raise CheckpointFormatError(
             f"leaf {leaf!r}: state_dict produced {type(state_dict).__name__} without 'state' and "

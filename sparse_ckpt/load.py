@@ -200,20 +200,28 @@ def _load(model: nn.Module, optimizer: Any, state_dict: Mapping[str, Any], stric
     try:
         for item in prepared:
             applied.append((item.optimizer, snapshot(item.optimizer)))
-            try:
-                commit_prepared(item)
-            except SparseCheckpointError:
-                raise
-            except Exception as exc:  # the optimizer class refused the state (its __setstate__)
-                if item.packed is not None:
-                    raise  # the class's own load_state_dict raised: its error is the clearest
-                raise CheckpointMismatchError(_misfit_message(item.leaf, item.optimizer, fmap, ckpt, exc)) from exc
+            _commit(item, fmap, ckpt)
         for item in prepared:
             run_post_hooks(item)
     except BaseException:
         for opt, saved in reversed(applied):
             rollback(opt, saved)
         raise
+
+
+def _commit(item: Any, fmap: FqnMap, ckpt: DecodedCheckpoint) -> None:
+    """Install one prepared leaf; the class refusing the state becomes a mismatch naming the keys.
+
+    A function of its own: a nested ``try:`` line is covered by neither handler (an interrupt
+    there would skip the caller's rollback)."""
+    try:
+        commit_prepared(item)
+    except SparseCheckpointError:
+        raise
+    except Exception as exc:  # the optimizer class refused the state (its __setstate__)
+        if item.packed is not None:
+            raise  # the class's own load_state_dict raised: its error is the clearest
+        raise CheckpointMismatchError(_misfit_message(item.leaf, item.optimizer, fmap, ckpt, exc)) from exc
 
 
 def _misfit_message(leaf: str, optimizer: torch.optim.Optimizer, fmap: FqnMap, ckpt: DecodedCheckpoint, exc: Exception) -> str:

@@ -9,16 +9,20 @@ run once (under the ``python`` backend parameter).
 from __future__ import annotations
 
 import importlib.util
+import io
 import json
 import math
 import os
+import subprocess
+import sys
 
 import pytest
 import torch
 
 from bench import report
+from bench import run as bench_run
 from bench.fixtures import ADAMW_KWARGS, FixtureCache, Scale, build_adamw, group_specs, parse_scales, step_state
-from bench.measure import plan_methods
+from bench.measure import plan_methods, planned_ids
 from bench.run import main
 
 STATUSES = {"ok", "skipped", "unavailable"}
@@ -102,20 +106,108 @@ def test_skips_and_unavailable_are_explicit(bench_out: str) -> None:
 def test_targets_and_outputs(bench_out: str) -> None:
     res = _load(bench_out)
     rows = res["targets"]
-    assert rows and all(r["status"] in {"PASS", "MISS", "N/A"} for r in rows)
+    # quick mode: no verdicts, only indicative ratios (and N/A where a figure is missing)
+    assert res["targets_mode"]["judged"] is False and "quick" in res["targets_mode"]["why"]
+    assert rows and all(r["status"] in {report.INDICATIVE, report.NA} for r in rows)
+    assert all(r["verdict"] in {report.PASS, report.MISS, report.NA} for r in rows)
+    assert all((r["status"] == report.NA) == (r["verdict"] == report.NA) for r in rows)
     names = {r["target"] for r in rows}
-    assert "sparse_state_dict / floor state_dict()" in names
-    assert "DCP param groups: flat bytes / packed bytes" in names
+    assert report.SAVE_COST.name in names and report.DCP_BYTES.name in names
     with open(os.path.join(bench_out, "results.md"), encoding="utf-8") as f:
         md = f.read()
     assert "## Targets" in md and "### 2x4, one group per param" in md
+    assert "INDICATIVE ONLY (quick mode" in md and "| PASS |" not in md and "| MISS |" not in md
+    assert "indicative: within" in md or "indicative: outside" in md
     assert md.count("| method | backend | format | median (min–max) | n | note |") == 4
-    png = os.path.join(bench_out, "scaling.png")
+    pngs = [os.path.join(bench_out, name) for name in report.FIGURE_NAMES]
     if importlib.util.find_spec("matplotlib") is not None:
-        with open(png, "rb") as f:
-            assert f.read(8) == b"\x89PNG\r\n\x1a\n"
+        for png in pngs:
+            with open(png, "rb") as f:
+                assert f.read(8) == b"\x89PNG\r\n\x1a\n", png
     else:
-        assert not os.path.exists(png)
+        assert not any(os.path.exists(png) for png in pngs)
+
+
+def test_method_ids_are_named_constants() -> None:
+    """Every id the targets and plots divide is one the bench plans: renaming a method fails loudly."""
+    ids = planned_ids()
+    assert set(report.target_method_ids()) <= ids
+    assert set(report.plot_method_ids()) <= ids
+    report.check_method_ids()
+    with pytest.raises(RuntimeError, match="core/encode/cpp"):
+        report.check_method_ids(["core/encode/cpp"])
+    assert set(report.CORE_TARGET_FUNCTIONS) <= set(report.CORE_FUNCTIONS)
+
+
+def test_full_run_at_target_scale_gets_verdicts() -> None:
+    """Only a non-quick run with 61x256 / param gets PASS/MISS; anything else is INDICATIVE."""
+
+    def fig(t: float) -> dict:
+        return {"status": "ok", "median_s": t, "min_s": t, "max_s": t, "n": 1}
+
+    def results(scale: str, quick: bool) -> dict:
+        figures = {report.FLOOR_STATE_DICT: fig(1.0), "sparse/save/cpp/packed": fig(3.0)}
+        return {"machine": {"backends": {"cpp": "available", "python": "available"}},
+                "config": {"layouts": ["param"], "scales": [scale], "quick": quick},
+                "runs": [{"scale": scale, "layout": "param", "n_params": 10, "figures": figures}]}
+
+    def save_row(res: dict) -> dict:
+        return next(r for r in report.compute_targets(res) if r["target"] == report.SAVE_COST.name
+                    and r["backend"] == "cpp")
+
+    assert save_row(results("61x256", False))["status"] == report.MISS
+    for scale, quick in (("61x256", True), ("8x64", False)):
+        row = save_row(results(scale, quick))
+        assert row["status"] == report.INDICATIVE and row["verdict"] == report.MISS
+        assert report.indicative_banner(results(scale, quick))
+    assert report.indicative_banner(results("61x256", False)) is None
+
+
+def test_header_and_progress_lines(capsys: pytest.CaptureFixture[str], tmp_path) -> None:
+    """stdout starts with a header a person can read; a non-TTY stderr gets one line per figure, no \\r."""
+    assert main(["--quick", "--scales", "1x2", "--layouts", "param", "--repeats", "1", "--budget", "0.2",
+                 "--out", str(tmp_path), "--methods", "floor/"]) == 0
+    out, err = capsys.readouterr()
+    head = out.splitlines()[:12]
+    assert head[0] == bench_run.RULE and head[1].startswith("sparse_ckpt bench: QUICK mode") and "INDICATIVE" in head[1]
+    text = "\n".join(head)
+    for key in ("command   python -m bench --quick --scales 1x2", "machine ", "torch 2.", "backends  python available",
+                "device    cpu", "scales    1x2 (13 params)", f"output    {tmp_path}"):
+        assert key in text, key
+    assert "\r" not in err
+    lines = err.splitlines()
+    assert len(lines) == 1 + len(plan_methods()), "one line per fixture and per figure"
+    total = str(len(lines))
+    assert lines[0].startswith(f"[{'1':>{len(total)}}/{total} ") and "1x2 param fixture" in lines[0]
+    assert any("floor/state_dict: " in line and "µs" in line for line in lines)
+    assert any("skipped: not selected by --methods" in line for line in lines)
+    assert "*** INDICATIVE ONLY" in out and f"wrote {tmp_path}" in out
+
+
+def test_progress_modes() -> None:
+    class Tty(io.StringIO):
+        def isatty(self) -> bool:
+            return True
+
+    assert bench_run.Progress(3, "auto", Tty()).mode == "bar"
+    assert bench_run.Progress(3, "auto", io.StringIO()).mode == "lines"
+    quiet = io.StringIO()
+    bar = bench_run.Progress(2, "off", quiet)
+    bar.done("a", "b")
+    bar.close()
+    assert quiet.getvalue() == ""
+
+
+def test_checkout_entry_points(tmp_path) -> None:
+    """In a checkout: ``python -m bench`` / ``python bench/run.py`` / ``bench.resume``; output under bench/out."""
+    root = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+    assert bench_run.in_checkout() and bench_run.default_out() == os.path.join(root, "bench", "out")
+    env = {k: v for k, v in os.environ.items() if k != "PYTHONPATH"}
+    for cmd in ([sys.executable, "-m", "bench", "--help"], [sys.executable, "bench/run.py", "--help"],
+                [sys.executable, "-m", "bench.resume", "--help"]):
+        proc = subprocess.run(cmd, check=False, cwd=root, env=env, capture_output=True, text=True, timeout=120)
+        assert proc.returncode == 0, (cmd, proc.stderr)
+        assert proc.stdout.startswith("usage: "), cmd
 
 
 def test_targets_compute_ratios() -> None:
@@ -145,6 +237,7 @@ def test_targets_compute_ratios() -> None:
         "runs": [{"scale": "61x256", "layout": "param", "n_params": 47275, "figures": figures}],
     }
     rows = {(r["target"], r["backend"]): r for r in report.compute_targets(results)}
+    assert all(r["status"] == r["verdict"] for r in rows.values()), "a full run at 61x256 gets verdicts"
     save = rows[("sparse_state_dict / floor state_dict()", "cpp")]
     assert save["value"] == pytest.approx(1.5) and save["status"] == "PASS"
     assert rows[("sparse_state_dict / floor state_dict()", "python")]["status"] == "MISS"

@@ -1,4 +1,5 @@
-"""The GC pause around save/load nests, is thread-safe, and always restores the caller's setting."""
+"""The GC pause around save/load nests, is thread-safe, and always restores the caller's setting
+(interrupts at every line: tests/test_interrupt_safety.py)."""
 
 from __future__ import annotations
 
@@ -10,7 +11,7 @@ import torch
 from torch import nn
 
 import sparse_ckpt as sc
-from sparse_ckpt._gc import gc_paused
+from sparse_ckpt._gc import gc_paused, pauses_in_progress
 
 
 @pytest.fixture
@@ -66,3 +67,24 @@ def test_interleaved_threads_never_leave_gc_disabled(gc_state) -> None:
     for t in threads:
         t.join(10)
     assert gc.isenabled()
+
+
+def test_pause_never_exited_ends_when_freed(gc_state) -> None:
+    """A signal at the entry of contextlib's ``__exit__`` (before any frame of ours) leaves the
+    pause's generator suspended; freeing the context manager closes it, which ends the pause."""
+    gc.enable()
+    cm = gc_paused()
+    cm.__enter__()
+    assert not gc.isenabled() and pauses_in_progress() == 1
+    del cm
+    assert gc.isenabled() and pauses_in_progress() == 0
+
+
+def test_inner_end_keeps_outer_pause(gc_state) -> None:
+    """Every exit ends its pause twice (for interrupt safety); that never ends the outer pause."""
+    gc.enable()
+    with gc_paused():
+        with gc_paused():
+            pass
+        assert not gc.isenabled() and pauses_in_progress() == 1
+    assert gc.isenabled() and pauses_in_progress() == 0
