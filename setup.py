@@ -11,12 +11,14 @@ from __future__ import annotations
 
 import importlib
 import os
+import re
 import shlex
 import shutil
 import subprocess
 import sys
 from pathlib import Path
 
+import setuptools
 from setuptools import Extension, find_packages, setup
 from setuptools.command.build_ext import build_ext
 
@@ -84,6 +86,24 @@ def _long_description() -> str:
     return readme.read_text(encoding="utf-8") if readme.exists() else ""
 
 
+def _version() -> str:
+    """``__version__`` of ``sparse_ckpt/_version.py``, read as text: importing the package would
+    import torch, which the isolated build environment does not have."""
+    text = (ROOT / "sparse_ckpt" / "_version.py").read_text(encoding="utf-8")
+    found = re.search(r'^__version__ = "([^"]+)"$', text, re.MULTILINE)
+    if found is None:
+        raise RuntimeError('sparse_ckpt/_version.py has no line __version__ = "X.Y.Z"')
+    return found.group(1)
+
+
+LICENSE = "Apache-2.0"  # SPDX identifier of the LICENSE file (shipped by setuptools' default license_files)
+# PEP 639's License-Expression needs setuptools >= 77, which refuses license classifiers next to
+# it; older setuptools (pyproject.toml allows >= 64) get the License field and the OSI classifier.
+PEP_639 = int(setuptools.__version__.split(".")[0]) >= 77
+LICENSE_METADATA = {"license_expression": LICENSE} if PEP_639 else {"license": LICENSE}
+LICENSE_CLASSIFIERS = [] if PEP_639 else ["License :: OSI Approved :: Apache Software License"]
+
+
 # The benchmark lives in the top-level ``bench/`` folder (``python -m bench`` in a checkout) and
 # ships inside the wheel as ``sparse_ckpt.bench`` (``python -m sparse_ckpt.bench``,
 # ``sparse-ckpt-bench``); its modules import each other relatively, so both names work.
@@ -92,11 +112,17 @@ BENCH_PACKAGE = "sparse_ckpt.bench"
 
 setup(
     name="sparse_ckpt",
-    version="0.1.0",
+    version=_version(),
     description="Exact, sparse optimizer checkpoints for torch.distributed.checkpoint",
     long_description=_long_description(),
     long_description_content_type="text/markdown",
-    # No license metadata: the repository has no LICENSE file yet (see the lead's decision).
+    **LICENSE_METADATA,
+    # Placeholders: the project has no public home yet; replace example.com with the real one.
+    project_urls={
+        "Homepage": "https://example.com/sparse_ckpt",
+        "Source": "https://example.com/sparse_ckpt/source",
+        "Issues": "https://example.com/sparse_ckpt/issues",
+    },
     classifiers=[
         "Development Status :: 3 - Alpha",
         "Intended Audience :: Developers",
@@ -106,6 +132,7 @@ setup(
         "Programming Language :: Python :: 3",
         "Programming Language :: Python :: 3 :: Only",
         "Topic :: Scientific/Engineering :: Artificial Intelligence",
+        *LICENSE_CLASSIFIERS,
     ],
     packages=[*find_packages(exclude=["tests", "tests.*", "bench", "bench.*"]), BENCH_PACKAGE],
     package_dir={BENCH_PACKAGE: "bench"},

@@ -1,13 +1,27 @@
 """sparse_ckpt: exact, sparse optimizer checkpoints for torch.distributed.checkpoint.
 
-Public API: :func:`sparse_state_dict`, :func:`load_sparse_state_dict`, :class:`MultiOptimizer`,
-:func:`register_state_dict_adapter`, the error classes, and :func:`backend`.
+Public API:
+
+* save and load: :func:`sparse_state_dict`, :func:`load_sparse_state_dict`, :class:`MultiOptimizer`,
+  :func:`register_state_dict_adapter` (and its :class:`AdapterHandle`);
+* DCP: :class:`SparseOptimizerState` (a Stateful) and :class:`SparseLoadPlanner`;
+* checkpoint tools (the library side of ``python -m sparse_ckpt``): :func:`inspect_checkpoint`,
+  :func:`verify_checkpoint`, :func:`diff_checkpoints`, :func:`convert_checkpoint`, and
+  :class:`UsageError` (a bad argument or destination);
+* pickle-free export (safetensors + JSON): :func:`export_checkpoint`, :func:`load_export`,
+  :func:`read_export` (``safetensors`` is imported only when one of them runs);
+* errors: :class:`SparseCheckpointError` and its subclasses :class:`UnsupportedStateDictError`,
+  :class:`ReentrantSerializationError`, :class:`CheckpointMismatchError`,
+  :class:`CheckpointFormatError`;
+* :func:`backend` (``"cpp"`` or ``"python"``) and ``__version__``.
 """
 
 from __future__ import annotations
 
 from ._backend import backend
+from ._version import __version__  # before .export, which reads it from the package while it initialises
 from .adapters import AdapterHandle, register_state_dict_adapter
+from .checkpoint_tools import UsageError, convert_checkpoint, diff_checkpoints, inspect_checkpoint, verify_checkpoint
 from .dcp import SparseLoadPlanner, SparseOptimizerState
 from .errors import (
     CheckpointFormatError,
@@ -16,11 +30,10 @@ from .errors import (
     SparseCheckpointError,
     UnsupportedStateDictError,
 )
+from .export import export_checkpoint, load_export, read_export
 from .load import load_sparse_state_dict
 from .multi_optimizer import MultiOptimizer
 from .save import sparse_state_dict
-
-__version__ = "0.1.0"
 
 __all__ = [
     "AdapterHandle",
@@ -32,8 +45,17 @@ __all__ = [
     "SparseLoadPlanner",
     "SparseOptimizerState",
     "UnsupportedStateDictError",
+    "UsageError",
+    "__version__",
     "backend",
+    "convert_checkpoint",
+    "diff_checkpoints",
+    "export_checkpoint",
+    "inspect_checkpoint",
+    "load_export",
     "load_sparse_state_dict",
+    "read_export",
     "register_state_dict_adapter",
     "sparse_state_dict",
+    "verify_checkpoint",
 ]

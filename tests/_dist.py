@@ -6,6 +6,11 @@ process group on a free port in each, calls ``fn(rank, world_size, *args)``, and
 the process group. A worker's exception fails the parent test with the worker's traceback; the
 other ranks are terminated. The core backend of the parent test (``SPARSE_CKPT_BACKEND``) is
 used by the workers.
+
+The FSDP2 model the multi-rank tests share: :class:`FsdpNet` and :func:`build_fsdp` (the net,
+``fully_shard``-ed or plain, with a ``MultiOptimizer`` of leaves ``body`` and ``head``),
+:func:`train_body` (steps ``body`` only, so ``head`` never gets state) and :func:`trained_fsdp`
+(two such steps, ``head``'s lr moved to :data:`HEAD_LR`), and :func:`assert_state_placed_like_params`.
 """
 
 from __future__ import annotations
@@ -21,6 +26,11 @@ from typing import Any
 import torch
 import torch.distributed as dist
 import torch.multiprocessing as mp
+from torch import nn
+from torch.distributed.fsdp import fully_shard
+from torch.distributed.tensor import DTensor
+
+import sparse_ckpt as sc
 
 
 def free_port() -> int:
@@ -86,4 +96,88 @@ def run_ranks(fn: Callable[..., Any], world_size: int, *args: Any, timeout: floa
                 p.kill()
 
 
-__all__ = ["free_port", "run_ranks"]
+# --------------------------------------------------------------------------- the FSDP2 model
+
+DIM = 8
+HEAD_LR = 0.0025
+"""The lr :func:`trained_fsdp` gives leaf ``head`` (which never steps): a scheduler-moved value."""
+
+
+class FsdpNet(nn.Module):
+    """Two ``Linear(DIM, DIM)`` layers (tanh) and a 5-row head."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.layers = nn.ModuleList(nn.Linear(DIM, DIM) for _ in range(2))
+        self.head = nn.Linear(DIM, 5)  # 5 rows: uneven shards on 2 ranks, an empty one on 4
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        for layer in self.layers:
+            x = torch.tanh(layer(x))
+        return self.head(x)
+
+
+def build_fsdp(seed: int, sharded: bool) -> tuple[FsdpNet, sc.MultiOptimizer]:
+    """:class:`FsdpNet` (each layer and the root ``fully_shard``-ed when ``sharded``; needs a process
+    group) and a MultiOptimizer with leaves ``body`` (the layers) and ``head``, AdamW lr 0.01."""
+    torch.manual_seed(seed)
+    model = FsdpNet()
+    if sharded:
+        for layer in model.layers:
+            fully_shard(layer)
+        fully_shard(model)
+    opt = sc.MultiOptimizer(
+        model,
+        {
+            "body": torch.optim.AdamW(model.layers.parameters(), lr=0.01),
+            "head": torch.optim.AdamW(model.head.parameters(), lr=0.01),
+        },
+    )
+    return model, opt
+
+
+def train_body(model: FsdpNet, opt: sc.MultiOptimizer, steps: int, seed: int) -> None:
+    """``steps`` deterministic steps of leaf ``body`` only (``head`` gets grads, never state)."""
+    for i in range(steps):
+        opt.zero_grad()
+        x = torch.randn(4, DIM, generator=torch.Generator().manual_seed(seed + i))
+        model(x).pow(2).mean().backward()
+        opt["body"].step()
+
+
+def trained_fsdp(sharded: bool) -> tuple[FsdpNet, sc.MultiOptimizer]:
+    """``build_fsdp(0, sharded)`` after two :func:`train_body` steps, ``head``'s lr set to :data:`HEAD_LR`."""
+    model, opt = build_fsdp(0, sharded)
+    train_body(model, opt, 2, seed=0)
+    for group in opt["head"].param_groups:
+        group["lr"] = HEAD_LR
+    return model, opt
+
+
+def assert_state_placed_like_params(model: nn.Module, opt: sc.MultiOptimizer) -> None:
+    """Each state tensor sits like its parameter: a DTensor with the parameter's mesh, placements
+    and local shape for a DTensor parameter (``step`` excepted: a plain tensor), else a plain
+    tensor on the parameter's device."""
+    for _leaf, o in opt.leaves():
+        for p, st in o.state.items():
+            for k, v in st.items():
+                if k == "step":
+                    assert not isinstance(v, DTensor)
+                elif isinstance(p, DTensor):
+                    assert isinstance(v, DTensor) and v.placements == p.placements and v.device_mesh == p.device_mesh
+                    assert v.to_local().shape == p.to_local().shape
+                else:
+                    assert not isinstance(v, DTensor) and v.device == p.device
+
+
+__all__ = [
+    "DIM",
+    "HEAD_LR",
+    "FsdpNet",
+    "assert_state_placed_like_params",
+    "build_fsdp",
+    "free_port",
+    "run_ranks",
+    "train_body",
+    "trained_fsdp",
+]

@@ -15,21 +15,14 @@ from typing import Any
 
 import pytest
 import torch
+from helpers import assert_deep_equal, deep_equal
 from torch import nn
 
 import sparse_ckpt as sc
 
 TIMEOUT = 20.0
-
-
-def _equal(a: Any, b: Any) -> bool:
-    if isinstance(a, torch.Tensor) or isinstance(b, torch.Tensor):
-        return isinstance(a, torch.Tensor) and isinstance(b, torch.Tensor) and a.dtype == b.dtype and torch.equal(a, b)
-    if isinstance(a, dict):
-        return isinstance(b, dict) and list(a) == list(b) and all(_equal(a[k], b[k]) for k in a)
-    if isinstance(a, (list, tuple)):
-        return type(a) is type(b) and len(a) == len(b) and all(_equal(x, y) for x, y in zip(a, b))
-    return type(a) is type(b) and a == b
+# The strictest deep_equal: NaN equals nothing (as in torch.equal), a dict equals only a dict.
+EXACT: dict[str, Any] = {"nan_equal": "none", "mapping": dict}
 
 
 def make(seed: int) -> tuple[nn.Module, torch.optim.Optimizer]:
@@ -83,8 +76,9 @@ def test_two_optimizers_in_parallel(fmt: str) -> None:
     results = run_threads([lambda: sc.sparse_state_dict(m1, o1, format=fmt), lambda: sc.sparse_state_dict(m2, o2, format=fmt)])
     assert [status for status, _ in results] == ["ok", "ok"], results
     assert sorted(inside) == ["o1", "o2"]
-    assert _equal(results[0][1], ref1) and _equal(results[1][1], ref2)
-    assert not _equal(ref1, ref2)
+    assert_deep_equal(results[0][1], ref1, "thread 1", **EXACT)
+    assert_deep_equal(results[1][1], ref2, "thread 2", **EXACT)
+    assert not deep_equal(ref1, ref2, **EXACT)
 
 
 def test_same_optimizer_from_two_threads_forced_overlap() -> None:
@@ -113,13 +107,14 @@ def test_same_optimizer_from_two_threads_forced_overlap() -> None:
             release.set()
 
     results = run_threads([first, second])
-    assert results[0][0] == "ok" and _equal(results[0][1], reference)
+    assert results[0][0] == "ok", results[0]
+    assert_deep_equal(results[0][1], reference, "first thread", **EXACT)
     status, err = results[1]
     assert status == "error" and isinstance(err, sc.ReentrantSerializationError), results[1]
     assert "'optim'" in str(err) and "AdamW" in str(err)
     assert calls[0] == 1  # the refused call ran no hook
     handle.remove()
-    assert _equal(sc.sparse_state_dict(model, opt), reference)  # the guard was released
+    assert_deep_equal(sc.sparse_state_dict(model, opt), reference, "guard released", **EXACT)
 
 
 def test_same_optimizer_hammered() -> None:
@@ -146,13 +141,13 @@ def test_same_optimizer_hammered() -> None:
                 continue
             expected = reference if fmt == "packed" else reference_flat
             with lock:
-                outcomes.append("ok" if _equal(out, expected) else "TORN")
+                outcomes.append("ok" if deep_equal(out, expected, **EXACT) else "TORN")
 
     results = run_threads([lambda f=fmt: worker(f) for fmt in ("packed", "flat", "packed", "flat")])
     assert all(status == "ok" for status, _ in results), results
     assert "TORN" not in outcomes
     assert outcomes.count("ok") > 0 and len(outcomes) == 100
-    assert _equal(sc.sparse_state_dict(model, opt), reference)
+    assert_deep_equal(sc.sparse_state_dict(model, opt), reference, "after the threads", **EXACT)
 
 
 def test_hook_may_serialize_another_optimizer() -> None:
@@ -162,7 +157,8 @@ def test_hook_may_serialize_another_optimizer() -> None:
     nested: list[dict] = []
     o1.register_state_dict_post_hook(lambda _o, _sd: nested.append(sc.sparse_state_dict(m2, o2)))
     sc.sparse_state_dict(m1, o1)
-    assert len(nested) == 1 and _equal(nested[0], ref2)
+    assert len(nested) == 1
+    assert_deep_equal(nested[0], ref2, "nested", **EXACT)
 
     o2.register_state_dict_pre_hook(lambda _o: sc.sparse_state_dict(m2, o2))
     with pytest.raises(sc.ReentrantSerializationError):
@@ -185,9 +181,11 @@ def test_guard_released_after_error_in_other_thread() -> None:
     o1.register_state_dict_post_hook(fail_once)
     results = run_threads([lambda: sc.sparse_state_dict(m1, o1), lambda: sc.sparse_state_dict(m2, o2)])
     assert results[0][0] == "error" and isinstance(results[0][1], RuntimeError)
-    assert results[1][0] == "ok" and _equal(results[1][1], ref2)
+    assert results[1][0] == "ok", results[1]
+    assert_deep_equal(results[1][1], ref2, "other thread", **EXACT)
     results = run_threads([lambda: sc.sparse_state_dict(m1, o1)])
-    assert results[0][0] == "ok" and _equal(results[0][1], ref1)
+    assert results[0][0] == "ok", results[0]
+    assert_deep_equal(results[0][1], ref1, "retry", **EXACT)
 
 
 def test_parallel_loads_into_different_optimizers() -> None:
@@ -206,4 +204,5 @@ def test_parallel_loads_into_different_optimizers() -> None:
         [lambda: sc.load_sparse_state_dict(t1m, t1, sd1), lambda: sc.load_sparse_state_dict(t2m, t2, sd2)]
     )
     assert [s for s, _ in results] == ["ok", "ok"], results
-    assert _equal(sc.sparse_state_dict(t1m, t1), sd1) and _equal(sc.sparse_state_dict(t2m, t2), sd2)
+    assert_deep_equal(sc.sparse_state_dict(t1m, t1), sd1, "target 1", **EXACT)
+    assert_deep_equal(sc.sparse_state_dict(t2m, t2), sd2, "target 2", **EXACT)

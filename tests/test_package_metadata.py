@@ -1,0 +1,182 @@
+"""Package metadata and the public API.
+
+* One version: ``sparse_ckpt/_version.py`` is the only place it is written; ``setup.py`` reads it
+  without importing the package (the isolated build environment has no torch) and the installed
+  distribution's metadata carries the same version as ``sparse_ckpt.__version__``.
+* The license: ``LICENSE`` is the Apache License 2.0 and setup.py declares it.
+* The public API: every ``__all__`` name resolves, the re-exports are the modules' own objects,
+  the module docstring lists them, and ``import sparse_ckpt`` does not import ``safetensors``.
+
+The subprocess probes are backend independent; they run once per session (``functools.cache``),
+so the second conftest backend parameter costs nothing.
+"""
+
+from __future__ import annotations
+
+import functools
+import importlib.metadata
+import json
+import os
+import re
+import subprocess
+import sys
+from pathlib import Path
+from urllib.parse import unquote, urlparse
+from urllib.request import url2pathname
+
+import pytest
+
+import sparse_ckpt
+from sparse_ckpt import checkpoint_tools, export
+
+ROOT = Path(__file__).resolve().parents[1]
+PACKAGE = Path(sparse_ckpt.__file__).resolve().parent
+
+# Runs setup.py with torch and sparse_ckpt unimportable, capturing the keywords of its setup() call
+# (nothing is built), and checks that setuptools accepts them.
+SETUP_PROBE = """
+import json, runpy, sys, warnings
+sys.modules["torch"] = None
+sys.modules["sparse_ckpt"] = None
+import setuptools
+kwargs = {}
+setuptools.setup = lambda **kw: kwargs.update(kw)
+runpy.run_path("setup.py", run_name="__main__")
+with warnings.catch_warnings():
+    warnings.simplefilter("error")  # e.g. "Unknown distribution option"
+    setuptools.Distribution(dict(kwargs))
+print(json.dumps({
+    "version": kwargs["version"],
+    "license": kwargs.get("license"),
+    "license_expression": kwargs.get("license_expression"),
+    "classifiers": kwargs["classifiers"],
+    "project_urls": kwargs.get("project_urls", {}),
+    "extras": sorted(kwargs["extras_require"]),
+}))
+"""
+
+IMPORT_PROBE = """
+import json, sys
+import sparse_ckpt
+print(json.dumps({"safetensors": "safetensors" in sys.modules}))
+"""
+
+
+def _probe(code: str) -> dict:
+    env = dict(os.environ)
+    env["PYTHONPATH"] = os.pathsep.join(filter(None, [str(ROOT), env.get("PYTHONPATH")]))
+    proc = subprocess.run(
+        [sys.executable, "-c", code], cwd=ROOT, env=env, capture_output=True, text=True, timeout=300, check=False
+    )
+    assert proc.returncode == 0, proc.stderr
+    return json.loads(proc.stdout.strip().splitlines()[-1])
+
+
+@functools.cache
+def setup_metadata() -> dict:
+    return _probe(SETUP_PROBE)
+
+
+@functools.cache
+def fresh_import() -> dict:
+    return _probe(IMPORT_PROBE)
+
+
+# ----------------------------------------------------------------------------- version
+
+
+def test_version_is_written_once() -> None:
+    text = (PACKAGE / "_version.py").read_text(encoding="utf-8")
+    assert re.search(r'^__version__ = "([^"]+)"$', text, re.MULTILINE).group(1) == sparse_ckpt.__version__
+    for path in (ROOT / "setup.py", PACKAGE / "__init__.py"):
+        assert sparse_ckpt.__version__ not in path.read_text(encoding="utf-8"), f"{path.name} repeats the version"
+
+
+def test_setup_reads_the_version_without_torch() -> None:
+    assert setup_metadata()["version"] == sparse_ckpt.__version__
+
+
+def _describes_imported_package(dist: importlib.metadata.Distribution) -> bool:
+    """Whether ``dist`` is the distribution of the ``sparse_ckpt`` imported here.
+
+    A regular install (and the in-tree ``sparse_ckpt.egg-info`` that ``pip install -e .`` or
+    ``setup.py egg_info`` writes) lists the package's files next to its metadata; a PEP 660
+    editable install keeps its metadata in site-packages and names the project directory in
+    ``direct_url.json``. Any other ``sparse_ckpt`` on the path (another checkout) is not ours.
+    """
+    init = Path(dist.locate_file("sparse_ckpt/__init__.py"))
+    if init.exists() and init.resolve() == PACKAGE / "__init__.py":
+        return True
+    direct_url = json.loads(dist.read_text("direct_url.json") or "{}")
+    if not direct_url.get("dir_info", {}).get("editable"):
+        return False
+    url = urlparse(direct_url.get("url", ""))
+    return url.scheme == "file" and Path(url2pathname(unquote(url.path))).resolve() == PACKAGE.parent
+
+
+def test_version_matches_installed_distribution() -> None:
+    """Every installed metadata that describes this checkout has ``sparse_ckpt.__version__``.
+
+    An editable install's metadata is written at install time: after a version bump it is stale
+    until ``pip install -e .`` runs again, and this test says so.
+    """
+    found = list(importlib.metadata.distributions(name="sparse_ckpt"))
+    if not found:
+        pytest.skip("sparse_ckpt is not installed (e.g. built with setup.py build_ext --inplace)")
+    ours = [d for d in found if _describes_imported_package(d)]
+    if not ours:
+        where = [str(d.locate_file("")) for d in found]
+        pytest.skip(f"no installed sparse_ckpt metadata describes {PACKAGE.parent} (found at {where})")
+    for dist in ours:
+        assert dist.version == sparse_ckpt.__version__, (
+            f"installed metadata at {dist.locate_file('')} says {dist.version}, the package says "
+            f"{sparse_ckpt.__version__}: reinstall (pip install -e .)"
+        )
+
+
+# ----------------------------------------------------------------------------- license
+
+
+def test_license_file_and_metadata() -> None:
+    text = (ROOT / "LICENSE").read_text(encoding="utf-8")
+    assert text.startswith("Copyright 2026 The sparse_ckpt authors\n")
+    assert "Apache License\n                           Version 2.0, January 2004" in text
+    assert "END OF TERMS AND CONDITIONS" in text and text.rstrip().endswith("limitations under the License.")
+    md = setup_metadata()
+    if md["license_expression"] is not None:  # setuptools >= 77 (PEP 639)
+        assert md["license_expression"] == "Apache-2.0"
+        assert not [c for c in md["classifiers"] if c.startswith("License ::")]
+    else:
+        assert md["license"] == "Apache-2.0"
+        assert "License :: OSI Approved :: Apache Software License" in md["classifiers"]
+    assert {"Homepage", "Source", "Issues"} <= set(md["project_urls"])
+
+
+def test_readme_install_commands_name_existing_extras() -> None:
+    readme = (ROOT / "README.md").read_text(encoding="utf-8")
+    named = re.findall(r'"(?:sparse_ckpt|\.)\[([\w,]+)\]"', readme)  # "sparse_ckpt[bench]", -e ".[test]"
+    extras = {e for group in named for e in group.split(",")}
+    assert extras and extras <= set(setup_metadata()["extras"]), extras
+
+
+# ----------------------------------------------------------------------------- public API
+
+
+def test_public_names_resolve_and_are_documented() -> None:
+    doc = sparse_ckpt.__doc__ or ""
+    for name in sparse_ckpt.__all__:
+        assert hasattr(sparse_ckpt, name), name
+        assert re.search(rf"\b{re.escape(name)}\b", doc), f"{name} is not in the module docstring"
+
+
+def test_reexports_are_the_modules_objects() -> None:
+    for name in ("export_checkpoint", "load_export", "read_export"):
+        assert getattr(sparse_ckpt, name) is getattr(export, name)
+        assert name in export.__all__
+    for name in ("inspect_checkpoint", "verify_checkpoint", "diff_checkpoints", "convert_checkpoint", "UsageError"):
+        assert getattr(sparse_ckpt, name) is getattr(checkpoint_tools, name)
+        assert name in checkpoint_tools.__all__
+
+
+def test_import_does_not_load_safetensors() -> None:
+    assert fresh_import() == {"safetensors": False}
