@@ -1,4 +1,5 @@
-"""Synthetic MoE models and AdamW optimizers for the bench (DESIGN §8).
+"""Synthetic MoE models and AdamW optimizers for the bench (a DeepSeek-V3-shaped MoE; see "How the
+fixtures are built" in ``bench/README.md``).
 
 A model of ``L`` layers, each with ``E`` experts (``gate_proj``, ``up_proj``, ``down_proj``) and
 dense parameters (attention ``q/k/v/o_proj``, ``router``, two norms), named like DeepSeek-V3 in
@@ -17,14 +18,21 @@ Building AdamW with tens of thousands of groups through its constructor is O(gro
 ``add_param_group`` would have written them (``test_bench_quick`` checks the equality). State is
 populated either by filling ``optimizer.state`` in the exact shape one real AdamW step creates
 (``fill``, default) or by one real ``step()`` with gradients on the stateful parameters (``step``).
+
+A fixture is built with Python's cyclic garbage collector paused (:func:`gc_paused`): the model,
+the optimizer and its state are millions of objects at ``200x1024``, and the collector's full
+passes over them, not the construction itself, would dominate the build (measured here at
+``200x1024``: well over half the build time, and 18 s instead of 2 s for one fresh optimizer).
 """
 
 from __future__ import annotations
 
+import gc
 import random
 import re
 import time
 from collections.abc import Callable, Iterator
+from contextlib import contextmanager
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -40,6 +48,20 @@ ADAMW_KWARGS: dict[str, Any] = {"lr": 3e-4, "betas": (0.9, 0.95), "weight_decay"
 """AdamW settings of every group (``foreach=False``: the single-tensor path, fine for tiny tensors)."""
 NORM_OVERRIDES: dict[str, Any] = {"weight_decay": 0.0}
 """Per-group override for norm weights in the ``param`` layout."""
+N_LEAVES = 1
+"""Optimizer leaves of a fixture: one ``torch.optim.AdamW`` (sparse_ckpt names it ``optim``)."""
+
+
+@contextmanager
+def gc_paused() -> Iterator[None]:
+    """Pause the cyclic garbage collector (restored on exit); reference counting still frees memory."""
+    was_enabled = gc.isenabled()
+    gc.disable()
+    try:
+        yield
+    finally:
+        if was_enabled:
+            gc.enable()
 
 
 @dataclass(frozen=True)
@@ -232,8 +254,12 @@ _TEMPLATE_CACHE: dict[tuple[Any, ...], dict[str, Any]] = {}
 def state_template(param: torch.Tensor, group: dict[str, Any]) -> dict[str, Any]:
     """The state one real AdamW step creates for a parameter like ``param`` in ``group``."""
     settings = {k: v for k, v in group.items() if k != "params"}
-    key = (tuple(param.shape), param.dtype, param.device, repr(sorted(settings.items())))
-    cached = _TEMPLATE_CACHE.get(key)
+    try:
+        key: tuple[Any, ...] = (tuple(param.shape), param.dtype, param.device, tuple(settings.items()))
+        cached = _TEMPLATE_CACHE.get(key)
+    except TypeError:  # an unhashable setting (e.g. a tensor lr)
+        key = (tuple(param.shape), param.dtype, param.device, repr(sorted(settings.items())))
+        cached = _TEMPLATE_CACHE.get(key)
     if cached is None:
         p = nn.Parameter(torch.zeros_like(param))
         opt = torch.optim.AdamW([{"params": [p], **settings}])
@@ -293,6 +319,10 @@ class FixtureCache:
             fx = self._fixtures[key] = self._build(scale, layout)
         return fx
 
+    def drop(self, scale: Scale, layout: str) -> None:
+        """Forget the ``(scale, layout)`` fixture (its optimizer and state); the model stays cached."""
+        self._fixtures.pop((scale, layout), None)
+
     def drop_scale(self, scale: Scale) -> None:
         """Forget every fixture of ``scale`` (frees memory once a scale is done)."""
         self._models.pop(scale, None)
@@ -301,22 +331,30 @@ class FixtureCache:
 
     def _build(self, scale: Scale, layout: str) -> Fixture:
         t0 = time.perf_counter()
-        if scale not in self._models:
-            model = MoEModel(scale, self.hidden, self.device)
-            self._models[scale] = (model, stateful_params(model, self.no_state_fraction, self.seed))
-        model, stateful = self._models[scale]
-        specs = group_specs(model, layout)
-        opt = build_adamw(specs, **ADAMW_KWARGS)
-        populate: Callable[[torch.optim.Optimizer, list[nn.Parameter]], None]
-        populate = fill_state if self.state_init == "fill" else step_state
-        populate(opt, stateful)
-        fx = Fixture(scale, layout, model, specs, opt, stateful)
-        fx.build_s = time.perf_counter() - t0
-        fx.info = {
-            "n_params": fx.n_params,
-            "n_stateful": len(opt.state),
-            "n_groups": len(opt.param_groups),
-            "n_state_tensors": sum(len(s) for s in opt.state.values()),
-            "fixture_build_s": fx.build_s,
-        }
+        with gc_paused():
+            if scale not in self._models:
+                model = MoEModel(scale, self.hidden, self.device)
+                self._models[scale] = (model, stateful_params(model, self.no_state_fraction, self.seed))
+            model, stateful = self._models[scale]
+            specs = group_specs(model, layout)
+            opt = build_adamw(specs, **ADAMW_KWARGS)
+            populate: Callable[[torch.optim.Optimizer, list[nn.Parameter]], None]
+            populate = fill_state if self.state_init == "fill" else step_state
+            populate(opt, stateful)
+            fx = Fixture(scale, layout, model, specs, opt, stateful)
+            fx.info = {
+                "n_params": fx.n_params,
+                "n_stateful": len(opt.state),
+                "n_groups": len(opt.param_groups),
+                "n_state_tensors": sum(len(s) for s in opt.state.values()),
+                "n_param_shaped_state": param_shaped_state_tensors(opt),
+                "n_leaves": N_LEAVES,
+            }
+        fx.build_s = fx.info["fixture_build_s"] = time.perf_counter() - t0
         return fx
+
+
+def param_shaped_state_tensors(opt: torch.optim.Optimizer) -> int:
+    """State tensors shaped like their parameter (AdamW: ``exp_avg``, ``exp_avg_sq``; not the 0-dim ``step``)."""
+    return sum(1 for p, s in opt.state.items() for v in s.values()
+               if isinstance(v, torch.Tensor) and v.shape == p.shape)

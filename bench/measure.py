@@ -5,6 +5,12 @@ its family, backend, format and part). :class:`FixtureContext` prepares, once pe
 untimed, the inputs the methods need (the floor's packed dict, the sparse dicts, DSD's input,
 the core functions' arguments, DCP directories). :func:`time_method` runs one warm-up call and
 then ``repeats`` timed calls, each with fresh untimed set-up (e.g. a new, stateless load target).
+
+DCP is measured for five dicts: the sparse dict in both formats, whole (``all``) and its param
+groups alone (``groups``); the whole optimizer through :class:`sparse_ckpt.SparseOptimizerState`
+and :class:`sparse_ckpt.SparseLoadPlanner` (``packed/stateful``: what a user of the library runs);
+and the *naive layout* (``naive/all``): ``dcp.save({"optim": fqn-keyed optimizer.state_dict()})``,
+what a user writes without sparse_ckpt (see :func:`naive_state_dict`).
 """
 
 from __future__ import annotations
@@ -32,11 +38,23 @@ from sparse_ckpt._tensor_parts import parts_to_tensor, tensor_to_parts
 from sparse_ckpt.decode import decode_checkpoint
 from sparse_ckpt.fqn import build_fqn_map
 
-from .fixtures import ADAMW_KWARGS, Fixture, build_adamw, fill_state
+from .fixtures import ADAMW_KWARGS, Fixture, build_adamw, fill_state, gc_paused
 
 BACKENDS = ("cpp", "python")
 FORMATS = ("packed", "flat")
-DCP_PARTS = ("all", "groups")
+NAIVE = "naive"
+"""DCP format id of the naive layout (:func:`naive_state_dict`)."""
+STATEFUL = "stateful"
+"""DCP part id of the whole optimizer saved as a ``SparseOptimizerState`` and loaded with the planner."""
+DCP_VARIANTS = (
+    ("packed", "all"),
+    ("packed", "groups"),
+    ("packed", STATEFUL),
+    ("flat", "all"),
+    ("flat", "groups"),
+    (NAIVE, "all"),
+)
+"""``(format, part)`` of every DCP figure, in run order."""
 LEAF = "optim"
 CORE_FUNCTIONS = (
     "pack_optimizer",
@@ -81,6 +99,12 @@ FLOOR_STATE_DICT = method_id("floor", "state_dict")
 FLOOR_LOAD_STATE_DICT = method_id("floor", "load_state_dict")
 DSD_GET = method_id("dsd", "get")
 DSD_SET = method_id("dsd", "set")
+DCP_STATEFUL_SAVE = dcp_id("save", "packed", STATEFUL)
+DCP_STATEFUL_LOAD = dcp_id("load", "packed", STATEFUL)
+DCP_NAIVE_SAVE = dcp_id("save", NAIVE, "all")
+DCP_NAIVE_LOAD = dcp_id("load", NAIVE, "all")
+DCP_PACKED_SAVE = dcp_id("save", "packed", "all")
+DCP_PACKED_GROUPS_SAVE = dcp_id("save", "packed", "groups")
 
 
 @dataclass(frozen=True)
@@ -94,7 +118,8 @@ class Method:
     backend: str | None = None
     fmt: str | None = None
     part: str | None = None
-    """DCP only: ``all`` (state + groups) or ``groups`` (param-group metadata alone)."""
+    """DCP only: ``all`` (state + groups), ``groups`` (param-group metadata alone) or ``stateful``
+    (the whole optimizer as a ``SparseOptimizerState``, loaded with ``SparseLoadPlanner``)."""
 
     @property
     def id(self) -> str:
@@ -117,6 +142,10 @@ class Method:
         base = names.get((self.family, self.op), f"core.{self.op}")
         if self.part == "groups":
             base += " (param groups only)"
+        elif self.part == STATEFUL:
+            base += " (SparseOptimizerState)" if self.op == "save" else " (SparseLoadPlanner)"
+        elif self.fmt == NAIVE:
+            base += " (naive layout)"
         return base
 
 
@@ -128,10 +157,9 @@ def plan_methods() -> list[Method]:
             out.append(Method("sparse", "save", backend, fmt))
             out.append(Method("sparse", "load", backend, fmt))
     out += [Method("dsd", "get"), Method("dsd", "set")]
-    for fmt in FORMATS:
-        for part in DCP_PARTS:
-            out.append(Method("dcp", "save", None, fmt, part))
-            out.append(Method("dcp", "load", None, fmt, part))
+    for fmt, part in DCP_VARIANTS:
+        out.append(Method("dcp", "save", None, fmt, part))
+        out.append(Method("dcp", "load", None, fmt, part))
     for backend in BACKENDS:
         for name in CORE_FUNCTIONS:
             op, _, fmt = name.partition(".")
@@ -215,11 +243,44 @@ def dcp_save(state_dict: dict[str, Any], path: str) -> None:
     dcp.save(state_dict, storage_writer=dcp.FileSystemWriter(path))
 
 
-def dcp_load(state_dict: dict[str, Any], path: str) -> None:
+def dcp_load(state_dict: dict[str, Any], path: str, planner: Any = None) -> None:
     """``dcp.load`` from ``path`` into ``state_dict`` without a process group."""
     import torch.distributed.checkpoint as dcp
 
-    dcp.load(state_dict, storage_reader=dcp.FileSystemReader(path))
+    dcp.load(state_dict, storage_reader=dcp.FileSystemReader(path), planner=planner)
+
+
+def naive_state_dict(model: torch.nn.Module, optimizer: torch.optim.Optimizer) -> dict[str, Any]:
+    """The naive layout: ``optimizer.state_dict()`` with parameter ids replaced by FQNs.
+
+    ``{"state": {fqn: {"step": ..., "exp_avg": ..., ...}}, "param_groups": [{..., "params": [fqn, ...]}]}``
+    is what a user writes without sparse_ckpt (``dcp.save({"optim": naive_state_dict(...)})``). DCP
+    flattens it to one item per state value, ``optim.state.{fqn}.{key}`` (``step`` included), and one
+    item per group key, ``optim.param_groups.{i}.{key}`` (``params``, the FQN list, is one item).
+    """
+    fqn_of = {id(p): name for name, p in model.named_parameters()}
+    order = [fqn_of[id(p)] for g in optimizer.param_groups for p in g["params"]]
+    sd = optimizer.state_dict()  # torch numbers the parameters in param_groups order
+    return {
+        "state": {order[i]: dict(s) for i, s in sd["state"].items()},
+        "param_groups": [{**g, "params": [order[i] for i in g["params"]]} for g in sd["param_groups"]],
+    }
+
+
+def naive_items(optimizer: torch.optim.Optimizer) -> int:
+    """DCP items of :func:`naive_state_dict` (one per state value, one per group key), without building it."""
+    return sum(len(s) for s in optimizer.state.values()) + sum(len(g) for g in optimizer.param_groups)
+
+
+def nested_load_target(value: Any) -> Any:
+    """A DCP load target shaped like ``value``: fresh tensors; other leaves kept as placeholders."""
+    if isinstance(value, torch.Tensor):
+        return torch.empty_like(value)
+    if isinstance(value, dict):
+        return {k: nested_load_target(v) for k, v in value.items()}
+    if isinstance(value, list):
+        return [nested_load_target(v) for v in value]
+    return value
 
 
 def dcp_stats(path: str) -> dict[str, int]:
@@ -243,6 +304,18 @@ def silence_known_warnings() -> None:
 # --------------------------------------------------------------------------- per-fixture inputs
 
 
+class _SparseDicts(dict):
+    """``{format: sparse_state_dict(model, optimizer, format=format)}``, each made when first asked for."""
+
+    def __init__(self, fx: Fixture) -> None:
+        super().__init__()
+        self.fx = fx
+
+    def __missing__(self, fmt: str) -> dict[str, Any]:
+        sd = self[fmt] = sc.sparse_state_dict(self.fx.model, self.fx.optimizer, format=fmt)  # type: ignore[arg-type]
+        return sd
+
+
 @dataclass
 class FixtureContext:
     """Untimed inputs for every method of one fixture (computed lazily, once)."""
@@ -258,17 +331,34 @@ class FixtureContext:
         return self.fx.optimizer.state_dict()
 
     @cached_property
-    def sparse(self) -> dict[str, dict[str, Any]]:
-        """``{"packed": sparse dict, "flat": sparse dict}`` (python core; both cores agree)."""
-        with use_backend("python", _core_py):
-            return {fmt: sc.sparse_state_dict(self.fx.model, self.fx.optimizer, format=fmt) for fmt in FORMATS}
+    def sparse(self) -> _SparseDicts:
+        """``sparse[fmt]``: the sparse dict of the source optimizer in format ``fmt``, made on first use by
+        the active core (both cores give the same dict)."""
+        return _SparseDicts(self.fx)
+
+    @cached_property
+    def naive(self) -> dict[str, Any]:
+        """What the naive layout saves: ``{"optim": naive_state_dict(model, optimizer)}``."""
+        return {LEAF: naive_state_dict(self.fx.model, self.fx.optimizer)}
 
     def dcp_input(self, fmt: str, part: str) -> dict[str, Any]:
-        """The dict DCP saves: the whole sparse dict or its param-group entries alone."""
+        """The dict DCP saves: the whole sparse dict or its param-group entries alone, or the naive dict.
+
+        (``packed/stateful`` saves a ``SparseOptimizerState``, whose ``state_dict()`` DCP calls; its
+        entries are those of the packed sparse dict.)
+        """
+        if fmt == NAIVE:
+            return self.naive
         sd = self.sparse[fmt]
         if part == "groups":
             return {k: v for k, v in sd.items() if not k.startswith("state.")}
         return sd
+
+    def dcp_entries(self, fmt: str, part: str) -> int:
+        """How many entries (DCP items, about) the DCP figure ``fmt/part`` writes, for ``--dcp-max-items``."""
+        if fmt == NAIVE:
+            return naive_items(self.fx.optimizer)
+        return len(self.dcp_input(fmt, part))
 
     @cached_property
     def dense_twin_dsd(self) -> dict[str, Any]:
@@ -329,7 +419,7 @@ class FixtureContext:
 
     def load_target(self, sd: dict[str, Any]) -> dict[str, Any]:
         """A DCP load target shaped like ``sd``: fresh tensors, non-tensor values as placeholders."""
-        return {k: torch.empty_like(v) if isinstance(v, torch.Tensor) else v for k, v in sd.items()}
+        return nested_load_target(sd)
 
 
 Runner = tuple[Callable[[Any], Any], Callable[[], Any] | None]
@@ -357,8 +447,10 @@ def runner_for(m: Method, ctx: FixtureContext, core: ModuleType | None) -> Runne
         dense = ctx.dense_twin_dsd
         return (lambda target: set_(fx.model, target, dense)), fx.new_optimizer
     if m.family == "dcp":
-        sd = ctx.dcp_input(m.fmt or "packed", m.part or "all")
         key = f"{m.fmt}_{m.part}"
+        if m.part == STATEFUL:
+            return _stateful_runner(m, ctx, key)
+        sd = ctx.dcp_input(m.fmt or "packed", m.part or "all")
         if m.op == "save":
             return (lambda path: dcp_save(sd, path)), (lambda: ctx.new_dir(key))
 
@@ -374,6 +466,33 @@ def runner_for(m: Method, ctx: FixtureContext, core: ModuleType | None) -> Runne
         assert core is not None
         return _core_runner(m, ctx, core), None
     raise ValueError(f"unknown method {m.id}")
+
+
+def _stateful_runner(m: Method, ctx: FixtureContext, key: str) -> Runner:
+    """The whole optimizer through the library's DCP API (default core backend), as a user runs it.
+
+    Save: ``dcp.save({"optim": SparseOptimizerState(model, optimizer)})`` (DCP calls its
+    ``state_dict()``, i.e. ``sparse_state_dict``, inside the timed call). Load:
+    ``dcp.load({"optim": SparseOptimizerState(model, fresh)}, planner=SparseLoadPlanner())``: the
+    planner builds the target from the checkpoint's metadata, DCP reads, and ``load_state_dict``
+    restores the fresh optimizer (built untimed), all timed.
+    """
+    fx = ctx.fx
+
+    def save(path: str) -> None:
+        dcp_save({LEAF: sc.SparseOptimizerState(fx.model, fx.optimizer)}, path)
+
+    if m.op == "save":
+        return save, (lambda: ctx.new_dir(key))
+
+    def load_setup() -> tuple[dict[str, Any], str]:
+        path = ctx.saved_dir(key)
+        if path is None:
+            path = ctx.new_dir(key)
+            save(path)
+        return {LEAF: sc.SparseOptimizerState(fx.model, fx.new_optimizer())}, path
+
+    return (lambda arg: dcp_load(*arg, planner=sc.SparseLoadPlanner())), load_setup
 
 
 def _core_runner(m: Method, ctx: FixtureContext, core: ModuleType) -> Callable[[Any], Any]:
@@ -448,7 +567,14 @@ def time_method(
     warm-up alone exceeds ``budget_s``, it is the only sample (``warmup_included``).
     """
     call, setup = runner
-    warm = _timed(call, setup() if setup else None, 1, sync, gc_off)
+
+    def prepare() -> Any:
+        if setup is None:
+            return None
+        with gc_paused():  # untimed; a fresh 616 000-group optimizer takes 9x longer with the collector on
+            return setup()
+
+    warm = _timed(call, prepare(), 1, sync, gc_off)
     inner = 1
     if setup is None and warm < min_sample_s:
         inner = max(1, min(10_000, int(min_sample_s / max(warm, 1e-9))))
@@ -461,7 +587,7 @@ def time_method(
         n = min(repeats, max(1, int(budget_s // max(warm, 1e-9))))
         if n < repeats:
             out["note"] = f"{n} of {repeats} repeats (budget {budget_s:g} s)"
-        samples = [_timed(call, setup() if setup else None, inner, sync, gc_off) for _ in range(n)]
+        samples = [_timed(call, prepare(), inner, sync, gc_off) for _ in range(n)]
     out.update(summarize(samples))
     return out
 

@@ -11,6 +11,7 @@ to ``--out``.
 from __future__ import annotations
 
 import argparse
+import gc
 import json
 import os
 import platform
@@ -20,6 +21,7 @@ import sys
 import tempfile
 import time
 from collections.abc import Iterator, Sequence
+from contextlib import nullcontext
 from typing import Any, TextIO
 
 SCRIPT = __package__ in (None, "")
@@ -35,7 +37,7 @@ import torch
 import sparse_ckpt
 
 from . import report
-from .fixtures import LAYOUTS, STATE_INITS, FixtureCache, Scale, parse_scales
+from .fixtures import LAYOUTS, STATE_INITS, FixtureCache, Scale, gc_paused, parse_scales
 from .measure import (
     FixtureContext,
     Method,
@@ -50,7 +52,7 @@ from .measure import (
     use_backend,
 )
 
-DEFAULT_SCALES = "8x64,24x128,61x256"
+DEFAULT_SCALES = "8x64,24x128,61x256,120x512,200x1024"
 QUICK_SCALES = "2x8,4x16"
 QUICK_REPEATS = 3
 QUICK_DSD_MAX_PARAMS = 10_000
@@ -59,6 +61,9 @@ QUICK_DCP_MAX_ITEMS = 1_500
 DEFAULT_DCP_MAX_ITEMS = 150_000
 DEFAULT_BUDGET_S = 60.0
 PROGRESS_MODES = ("auto", "bar", "lines", "off")
+FREEZE_MIN_PARAMS = 20_000
+"""From this many parameters on, the heap is frozen between figures (:func:`freeze_heap`); below it
+the collector's passes are cheap and the freezing itself would cost more than it saves."""
 CONSOLE_SCRIPT = "sparse-ckpt-bench"
 INSTALLED_OUT = "sparse_ckpt_bench_out"
 
@@ -251,6 +256,9 @@ def parse_args(argv: Sequence[str] | None, prog: str | None = None) -> argparse.
     p.add_argument("--floor-load-max-groups", type=int, default=0,
                    help="skip the floor optimizer.load_state_dict() above this many param groups: torch's own "
                    "load is O(params x groups): one call at 47 275 groups ran > 10 min on 2 cores (default 0: no limit)")
+    p.add_argument("--floor-load-max-params", type=int, default=0,
+                   help="skip the floor optimizer.load_state_dict() above this many params (whatever the groups): "
+                   "with one group per layer it is O(params^2) (20 s at 47 275 params here) (default 0: no limit)")
     p.add_argument("--dsd-set-max-groups", type=int, default=0,
                    help="skip DSD set_optimizer_state_dict above this many param groups: it calls torch's "
                    "load_state_dict, O(params x groups) (default 0: no limit)")
@@ -299,11 +307,19 @@ def parse_args(argv: Sequence[str] | None, prog: str | None = None) -> argparse.
     return args
 
 
-# Methods that end in torch's Optimizer.load_state_dict, O(params x groups): (option, reason).
+# Methods that end in torch's Optimizer.load_state_dict, O(params x groups): (option, what it counts,
+# reason). With one group per parameter the group count is the limit that bites; with one group per
+# layer the parameter count (torch's load is also O(params^2) there: 1.2 s at 24x128, 20 s at 61x256).
 GROUP_LIMITS = {
-    ("floor", "load_state_dict"): ("--floor-load-max-groups", "torch's load_state_dict is O(params x groups)"),
-    ("dsd", "set"): ("--dsd-set-max-groups", "it calls torch's load_state_dict, O(params x groups)"),
+    ("floor", "load_state_dict"): (
+        ("--floor-load-max-groups", "n_groups", "torch's load_state_dict is O(params x groups)"),
+        ("--floor-load-max-params", "n_params", "torch's load_state_dict is O(params x groups), O(params^2) here"),
+    ),
+    ("dsd", "set"): (
+        ("--dsd-set-max-groups", "n_groups", "it calls torch's load_state_dict, O(params x groups)"),
+    ),
 }
+LIMIT_UNITS = {"n_groups": "groups", "n_params": "params"}
 
 
 def skip_reason(m: Method, ctx: FixtureContext, args: argparse.Namespace, backends: dict[str, Any]) -> dict | None:
@@ -312,18 +328,16 @@ def skip_reason(m: Method, ctx: FixtureContext, args: argparse.Namespace, backen
         return {"status": "unavailable", "reason": backends[m.backend]}
     if args.methods and not m.id.startswith(tuple(x for x in args.methods.split(",") if x)):
         return {"status": "skipped", "reason": f"not selected by --methods {args.methods}"}
-    n_params = ctx.fx.n_params
+    n_params = ctx.fx.info["n_params"]
     if m.family == "dsd" and args.dsd_max_params and n_params > args.dsd_max_params:
         return {"status": "skipped", "reason": f"{n_params:,} params > --dsd-max-params {args.dsd_max_params:,}"}
-    limited = GROUP_LIMITS.get((m.family, m.op))
-    if limited is not None:
-        option, why = limited
+    for option, what, why in GROUP_LIMITS.get((m.family, m.op), ()):
         limit = getattr(args, option.removeprefix("--").replace("-", "_"))
-        n_groups = len(ctx.fx.optimizer.param_groups)
-        if limit and n_groups > limit:
-            return {"status": "skipped", "reason": f"{n_groups:,} groups > {option} {limit:,} ({why})"}
+        count = ctx.fx.info[what]
+        if limit and count > limit:
+            return {"status": "skipped", "reason": f"{count:,} {LIMIT_UNITS[what]} > {option} {limit:,} ({why})"}
     if m.family == "dcp" and args.dcp_max_items:
-        n_items = len(ctx.dcp_input(m.fmt or "packed", m.part or "all"))
+        n_items = ctx.dcp_entries(m.fmt or "packed", m.part or "all")
         if n_items > args.dcp_max_items:
             return {"status": "skipped", "reason": f"{n_items:,} entries > --dcp-max-items {args.dcp_max_items:,}"}
     return None
@@ -346,6 +360,7 @@ def new_results(args: argparse.Namespace, backends: dict[str, Any], methods: lis
             "dsd_max_params": args.dsd_max_params or None,
             "dcp_max_items": args.dcp_max_items or None,
             "floor_load_max_groups": args.floor_load_max_groups or None,
+            "floor_load_max_params": args.floor_load_max_params or None,
             "dsd_set_max_groups": args.dsd_set_max_groups or None,
             "budget_s": args.budget,
             "state_init": args.state_init,
@@ -384,11 +399,14 @@ def run_bench(args: argparse.Namespace, partial_path: str | None = None,
     tmp_root = tempfile.mkdtemp(prefix="sparse_ckpt_bench_", dir=args.tmp)
     try:
         for scale in args.scale_list:
+            big = scale.n_params >= FREEZE_MIN_PARAMS
             for layout in args.layout_list:
                 desc = f"{scale.label} {layout}"
                 progress.start(f"{desc}: building fixture")
                 t0 = time.perf_counter()
                 fx = cache.get(scale, layout)
+                if big and not args.gc:
+                    freeze_heap()  # built with the collector paused; its little garbage is frozen along
                 progress.done(f"{desc} fixture", f"{fx.n_params:,} params, {len(fx.optimizer.param_groups):,} groups "
                               f"({time.perf_counter() - t0:.1f} s)")
                 run: dict[str, Any] = {"scale": scale.label, "layers": scale.layers, "experts": scale.experts,
@@ -401,16 +419,42 @@ def run_bench(args: argparse.Namespace, partial_path: str | None = None,
                         progress.done(f"{desc} {m.id}", figure_detail(fig))
                 finally:
                     ctx.close()
+                    del ctx, fx
+                    cache.drop(scale, layout)  # the model stays for the next layout
+                    if big:
+                        thaw_heap()
                 results["runs"].append(run)
                 if partial_path:
                     os.makedirs(os.path.dirname(partial_path) or ".", exist_ok=True)
                     with open(partial_path, "w", encoding="utf-8") as f:
                         json.dump(results, f, indent=1, default=str)
             cache.drop_scale(scale)
+            if big:
+                thaw_heap()
     finally:
         progress.close()
         shutil.rmtree(tmp_root, ignore_errors=True)
     return results
+
+
+def freeze_heap(young_only: bool = False) -> None:
+    """Move every live object (the fixture, prepared inputs) out of the collector's reach
+    (``gc.freeze``), so that collections between samples scan only new objects; with ``young_only``,
+    first collect the garbage made since the last freeze (e.g. reference cycles of earlier samples).
+
+    Without it, at ``200x1024`` every full collection walks millions of fixture objects (seconds each)
+    in the untimed gaps; the timed calls run with the collector off either way (``--gc`` keeps it on
+    and does not freeze). :func:`thaw_heap` undoes it when a fixture is dropped.
+    """
+    if young_only:
+        gc.collect()  # after a freeze, only the objects made since then are tracked
+    gc.freeze()
+
+
+def thaw_heap() -> None:
+    """Undo :func:`freeze_heap` and collect (frees what dropped fixtures left in reference cycles)."""
+    gc.unfreeze()
+    gc.collect()
 
 
 def measure_one(m: Method, ctx: FixtureContext, args: argparse.Namespace, backends: dict[str, Any],
@@ -422,13 +466,12 @@ def measure_one(m: Method, ctx: FixtureContext, args: argparse.Namespace, backen
         return {**meta, **skip}
     module = backends.get(m.backend) if m.backend else None
     try:
-        if m.backend is not None:
-            with use_backend(m.backend, module):  # type: ignore[arg-type]
-                fig = time_method(runner_for(m, ctx, module), repeats=args.repeats, budget_s=args.budget, sync=sync,
-                                  gc_off=not args.gc)
-        else:
-            fig = time_method(runner_for(m, ctx, None), repeats=args.repeats, budget_s=args.budget, sync=sync,
-                              gc_off=not args.gc)
+        with use_backend(m.backend, module) if m.backend is not None else nullcontext():  # type: ignore[arg-type]
+            with gc_paused():  # untimed: the runner prepares the fixture's inputs on first use
+                runner = runner_for(m, ctx, module)
+            if not args.gc and ctx.fx.info["n_params"] >= FREEZE_MIN_PARAMS:
+                freeze_heap(young_only=True)
+            fig = time_method(runner, repeats=args.repeats, budget_s=args.budget, sync=sync, gc_off=not args.gc)
     except Exception as exc:  # noqa: BLE001 - recorded in the results, the bench goes on
         return {**meta, "status": "error", "reason": f"{type(exc).__name__}: {exc}"}
     if m.family == "dcp" and m.op == "save":
@@ -453,8 +496,10 @@ def header_lines(results: dict[str, Any], out_dir: str, source: str | None = Non
     m, c = results["machine"], results["config"]
     judged, why = report.targets_mode(results)
     mode = "full run" if not c.get("quick") else "QUICK mode"
-    if not judged:
+    if c.get("quick"):
         mode += f" — targets are INDICATIVE only ({why})"
+    elif not judged:
+        mode += f" — targets whose scale is not run are INDICATIVE ({why})"
     device = m["device"] + (f" ({m['device_name']})" if m.get("device_name") else "")
     backends = ", ".join(f"{k} {v}" for k, v in m["backends"].items())
     scales = ", ".join(f"{label} ({parse_scales(label)[0].n_params:,} params)" for label in c["scales"])
@@ -469,8 +514,8 @@ def header_lines(results: dict[str, Any], out_dir: str, source: str | None = Non
         f"scales    {scales}; layouts {', '.join(c['layouts'])} (one group per layer / per parameter)",
         (f"timing    {c['repeats']} repeats after 1 warm-up, budget {c['budget_s']:g} s per figure, gc "
          f"{'on' if c['gc'] else 'off'}; skip limits: DSD params {_limit(c['dsd_max_params'])}, DCP items "
-         f"{_limit(c['dcp_max_items'])}, floor-load groups {_limit(c['floor_load_max_groups'])}, DSD-set groups "
-         f"{_limit(c['dsd_set_max_groups'])}"),
+         f"{_limit(c['dcp_max_items'])}, floor-load groups {_limit(c['floor_load_max_groups'])} / params "
+         f"{_limit(c.get('floor_load_max_params'))}, DSD-set groups {_limit(c['dsd_set_max_groups'])}"),
         f"output    {out_dir}",
     ]
     if source:
@@ -515,6 +560,11 @@ def _summary_lines(results: dict[str, Any]) -> Iterator[str]:
         yield f"*** {banner} ***"
         yield ""
     yield from report.targets_markdown(results["targets"])
+    if results.get("info"):
+        yield ""
+        yield "## Information (no targets)"
+        yield ""
+        yield from report.info_markdown(results["info"])
 
 
 def main(argv: Sequence[str] | None = None, prog: str | None = None) -> int:

@@ -19,10 +19,31 @@ import sys
 import pytest
 import torch
 
+import sparse_ckpt as sc
 from bench import report
 from bench import run as bench_run
-from bench.fixtures import ADAMW_KWARGS, FixtureCache, Scale, build_adamw, group_specs, parse_scales, step_state
-from bench.measure import plan_methods, planned_ids
+from bench.fixtures import (
+    ADAMW_KWARGS,
+    FixtureCache,
+    Scale,
+    build_adamw,
+    group_specs,
+    param_shaped_state_tensors,
+    parse_scales,
+    step_state,
+)
+from bench.measure import (
+    DCP_NAIVE_SAVE,
+    DCP_STATEFUL_SAVE,
+    LEAF,
+    FixtureContext,
+    Method,
+    naive_items,
+    naive_state_dict,
+    plan_methods,
+    planned_ids,
+    runner_for,
+)
 from bench.run import main
 
 STATUSES = {"ok", "skipped", "unavailable"}
@@ -108,14 +129,25 @@ def test_targets_and_outputs(bench_out: str) -> None:
     rows = res["targets"]
     # quick mode: no verdicts, only indicative ratios (and N/A where a figure is missing)
     assert res["targets_mode"]["judged"] is False and "quick" in res["targets_mode"]["why"]
-    assert rows and all(r["status"] in {report.INDICATIVE, report.NA} for r in rows)
+    assert [r["target"] for r in rows] == [t.name for t in report.TARGETS]
+    assert all(r["status"] in {report.INDICATIVE, report.NA} for r in rows)
     assert all(r["verdict"] in {report.PASS, report.MISS, report.NA} for r in rows)
     assert all((r["status"] == report.NA) == (r["verdict"] == report.NA) for r in rows)
-    names = {r["target"] for r in rows}
-    assert report.SAVE_COST.name in names and report.DCP_BYTES.name in names
+    by_name = {r["target"]: r for r in rows}
+    for t in (report.SAVE_COST_PARAM, report.SAVE_COST_LAYER, report.LOAD_COST_PARAM, report.LOAD_COST_LAYER,
+              report.BACKEND_SPEEDUP, report.DCP_ITEMS_PARAM, report.DCP_ITEMS_LAYER, report.DCP_VS_NAIVE_LAYER):
+        row = by_name[t.name]
+        assert row["value"] is not None and row["where"].startswith(f"2x4, {t.layout} (largest measured"), t.name
+    # the naive layout of 2x4 with one group per param exceeds --dcp-max-items 200: measured at 1x2 instead
+    assert by_name[report.DCP_VS_NAIVE_PARAM.name]["where"].startswith("1x2, param (largest measured; 24x128")
+    for t in (report.GROWTH_SAVE_PARAM, report.GROWTH_LOAD_LAYER):  # needs 61x256 and 200x1024: no fallback
+        assert by_name[t.name]["status"] == report.NA and "not run" in by_name[t.name]["reason"]
+    info = {(r["name"], r["where"].split(",")[1].split()[0] if "," in r["where"] else ""): r for r in res["info"]}
+    assert (report.INFO_DCP_GROUPS_BYTES, "param") in info and (report.INFO_DSD_SET, "layer") in info
     with open(os.path.join(bench_out, "results.md"), encoding="utf-8") as f:
         md = f.read()
     assert "## Targets" in md and "### 2x4, one group per param" in md
+    assert "## Information (no targets)" in md and "## Growth of every figure (information)" in md
     assert "INDICATIVE ONLY (quick mode" in md and "| PASS |" not in md and "| MISS |" not in md
     assert "indicative: within" in md or "indicative: outside" in md
     assert md.count("| method | backend | format | median (min–max) | n | note |") == 4
@@ -128,6 +160,58 @@ def test_targets_and_outputs(bench_out: str) -> None:
         assert not any(os.path.exists(png) for png in pngs)
 
 
+def test_dcp_item_counts(bench_out: str) -> None:
+    """The naive layout writes one item per state value and per group key; the run records what the
+    DCP items target divides by (param-shaped state tensors, leaves)."""
+    res = _load(bench_out)
+    cache = FixtureCache()
+    for run in res["runs"]:
+        fx = cache.get(Scale(run["layers"], run["experts"]), run["layout"])
+        assert run["n_param_shaped_state"] == param_shaped_state_tensors(fx.optimizer) == 2 * run["n_stateful"]
+        assert run["n_leaves"] == 1
+        naive = run["figures"][DCP_NAIVE_SAVE]
+        if naive["status"] == "ok":
+            assert naive["items"] == naive_items(fx.optimizer) == run["n_state_tensors"] + 12 * run["n_groups"]
+        else:
+            assert "--dcp-max-items" in naive["reason"]
+        stateful = run["figures"][DCP_STATEFUL_SAVE]
+        assert stateful["status"] == "ok" and stateful["items"] == run["figures"]["dcp/save/packed/all"]["items"] + 1
+
+
+@pytest.mark.filterwarnings("ignore:torch.distributed is disabled")
+def test_dcp_naive_and_stateful_round_trip(tmp_path) -> None:
+    """What the DCP figures time really round-trips: the naive dict into its target, and the whole
+    optimizer (SparseOptimizerState + SparseLoadPlanner) into a fresh optimizer."""
+    fx = FixtureCache().get(Scale(2, 4), "param")
+    ctx = FixtureContext(fx, str(tmp_path))
+    try:
+        naive = naive_state_dict(fx.model, fx.optimizer)
+        assert set(naive["state"]) == {n for n, p in fx.model.named_parameters() if p in fx.optimizer.state}
+        fqn_of = {id(p): n for n, p in fx.model.named_parameters()}
+        assert [g["params"] for g in naive["param_groups"]] == [[fqn_of[id(p)] for p in g["params"]]
+                                                                for g in fx.optimizer.param_groups]
+        for m in (Method("dcp", "save", None, "naive", "all"), Method("dcp", "save", None, "packed", "stateful")):
+            call, setup = runner_for(m, ctx, None)
+            call(setup())
+        call, setup = runner_for(Method("dcp", "load", None, "naive", "all"), ctx, None)
+        target, path = setup()
+        call((target, path))
+        loaded = target[LEAF]
+        assert loaded["param_groups"] == naive["param_groups"]
+        for fqn, state in naive["state"].items():
+            assert all(torch.equal(loaded["state"][fqn][k], v) for k, v in state.items())
+        call, setup = runner_for(Method("dcp", "load", None, "packed", "stateful"), ctx, None)
+        target, path = setup()
+        fresh = target[LEAF].optimizer
+        assert not fresh.state
+        call((target, path))
+        assert sc.sparse_state_dict(fx.model, fresh).keys() == sc.sparse_state_dict(fx.model, fx.optimizer).keys()
+        assert fresh.state_dict()["param_groups"] == fx.optimizer.state_dict()["param_groups"]
+        assert len(fresh.state) == len(fx.optimizer.state)
+    finally:
+        ctx.close()
+
+
 def test_method_ids_are_named_constants() -> None:
     """Every id the targets and plots divide is one the bench plans: renaming a method fails loudly."""
     ids = planned_ids()
@@ -136,24 +220,33 @@ def test_method_ids_are_named_constants() -> None:
     report.check_method_ids()
     with pytest.raises(RuntimeError, match="core/encode/cpp"):
         report.check_method_ids(["core/encode/cpp"])
-    assert set(report.CORE_TARGET_FUNCTIONS) <= set(report.CORE_FUNCTIONS)
+    assert set(report.INFO_CORE_FUNCTIONS) <= set(report.CORE_FUNCTIONS)
+    assert len({t.name for t in report.TARGETS}) == len(report.TARGETS)
+
+
+def _fig(t: float, **extra: object) -> dict:
+    return {"status": "ok", "median_s": t, "min_s": t, "max_s": t, "n": 1, **extra}
+
+
+def _results(runs: list[dict], quick: bool = False, cpp: str = "available") -> dict:
+    return {"machine": {"backends": {"cpp": cpp, "python": "available"}},
+            "config": {"layouts": ["param", "layer"], "scales": sorted({r["scale"] for r in runs}), "quick": quick},
+            "runs": runs}
+
+
+def _run(scale: str, layout: str, figures: dict, **info: object) -> dict:
+    return {"scale": scale, "layout": layout, "n_params": parse_scales(scale)[0].n_params, "figures": figures, **info}
 
 
 def test_full_run_at_target_scale_gets_verdicts() -> None:
-    """Only a non-quick run with 61x256 / param gets PASS/MISS; anything else is INDICATIVE."""
-
-    def fig(t: float) -> dict:
-        return {"status": "ok", "median_s": t, "min_s": t, "max_s": t, "n": 1}
+    """Only a non-quick run that measured a row's own scale gets PASS/MISS; anything else is INDICATIVE."""
 
     def results(scale: str, quick: bool) -> dict:
-        figures = {report.FLOOR_STATE_DICT: fig(1.0), "sparse/save/cpp/packed": fig(3.0)}
-        return {"machine": {"backends": {"cpp": "available", "python": "available"}},
-                "config": {"layouts": ["param"], "scales": [scale], "quick": quick},
-                "runs": [{"scale": scale, "layout": "param", "n_params": 10, "figures": figures}]}
+        figures = {report.FLOOR_STATE_DICT: _fig(1.0), "sparse/save/cpp/packed": _fig(3.0)}
+        return _results([_run(scale, "param", figures)], quick)
 
     def save_row(res: dict) -> dict:
-        return next(r for r in report.compute_targets(res) if r["target"] == report.SAVE_COST.name
-                    and r["backend"] == "cpp")
+        return next(r for r in report.compute_targets(res) if r["target"] == report.SAVE_COST_PARAM.name)
 
     assert save_row(results("61x256", False))["status"] == report.MISS
     for scale, quick in (("61x256", True), ("8x64", False)):
@@ -161,8 +254,6 @@ def test_full_run_at_target_scale_gets_verdicts() -> None:
         assert row["status"] == report.INDICATIVE and row["verdict"] == report.MISS
         assert report.indicative_banner(results(scale, quick))
     assert report.indicative_banner(results("61x256", False)) is None
-
-
 def test_header_and_progress_lines(capsys: pytest.CaptureFixture[str], tmp_path) -> None:
     """stdout starts with a header a person can read; a non-TTY stderr gets one line per figure, no \\r."""
     assert main(["--quick", "--scales", "1x2", "--layouts", "param", "--repeats", "1", "--budget", "0.2",
@@ -211,81 +302,101 @@ def test_checkout_entry_points(tmp_path) -> None:
 
 
 def test_targets_compute_ratios() -> None:
-    """The targets table divides the right medians and judges the thresholds."""
-
-    def fig(t: float, **extra: object) -> dict:
-        return {"status": "ok", "median_s": t, "min_s": t, "max_s": t, "n": 1, **extra}
-
-    figures = {
-        "floor/state_dict": fig(1.0),
-        "floor/load_state_dict": fig(10.0),
-        "sparse/save/cpp/packed": fig(1.5),
-        "sparse/load/cpp/packed": fig(2.0),
-        "sparse/save/python/packed": fig(3.0),
-        "sparse/load/python/packed": fig(40.0),
-        "dsd/set": fig(400.0),
-        "core/pack_optimizer/python": fig(3.0),
-        "core/pack_optimizer/cpp": fig(1.0),
-        "dcp/save/packed/groups": fig(0.01, bytes=1000),
-        "dcp/load/packed/groups": fig(0.01, bytes=0),
-        "dcp/save/flat/groups": fig(0.5, bytes=10_000),
-        "dcp/load/flat/groups": fig(0.4),
+    """The targets table divides the right medians and judges the thresholds, each at its own scale."""
+    cost = {
+        "floor/state_dict": _fig(1.0),
+        "floor/load_state_dict": _fig(10.0),
+        "sparse/save/cpp/packed": _fig(1.5),
+        "sparse/load/cpp/packed": _fig(2.0),
+        "sparse/save/python/packed": _fig(6.0),
+        "sparse/load/python/packed": _fig(4.0),
+        "dsd/set": _fig(400.0),
     }
-    results = {
-        "machine": {"backends": {"cpp": "available", "python": "available"}},
-        "config": {"layouts": ["param"]},
-        "runs": [{"scale": "61x256", "layout": "param", "n_params": 47275, "figures": figures}],
-    }
-    rows = {(r["target"], r["backend"]): r for r in report.compute_targets(results)}
-    assert all(r["status"] == r["verdict"] for r in rows.values()), "a full run at 61x256 gets verdicts"
-    save = rows[("sparse_state_dict / floor state_dict()", "cpp")]
-    assert save["value"] == pytest.approx(1.5) and save["status"] == "PASS"
-    assert rows[("sparse_state_dict / floor state_dict()", "python")]["status"] == "MISS"
-    dsd = rows[("DSD set_optimizer_state_dict / load_sparse_state_dict", "cpp")]
-    assert dsd["value"] == pytest.approx(200.0) and dsd["status"] == "PASS"
-    assert rows[("DSD set_optimizer_state_dict / load_sparse_state_dict", "python")]["status"] == "MISS"
-    assert rows[("load_sparse_state_dict / floor load_state_dict()", "python")]["status"] == "MISS"
-    assert rows[("core.pack_optimizer: python / cpp", "cpp")]["status"] == "PASS"
-    assert rows[("core.remap_to_fqns: python / cpp", "cpp")]["status"] == "N/A"
-    dcp_t = rows[("DCP save+load of param groups: flat time / packed time", "—")]
-    assert dcp_t["value"] == pytest.approx(45.0) and dcp_t["status"] == "MISS"
-    dcp_b = rows[("DCP param groups: flat bytes / packed bytes", "—")]
-    assert dcp_b["value"] == pytest.approx(10.0) and dcp_b["status"] == "MISS"
-    results["machine"]["backends"]["cpp"] = "unavailable (not built)"
-    figures["sparse/save/cpp/packed"] = {"status": "unavailable", "reason": "not built"}
-    rows = {(r["target"], r["backend"]): r for r in report.compute_targets(results)}
-    row = rows[("sparse_state_dict / floor state_dict()", "cpp")]
-    assert row["status"] == "N/A" and "unavailable" in row["reason"]
+    layer = {**cost, "sparse/save/cpp/packed": _fig(3.0), "sparse/load/cpp/packed": _fig(5.0)}
+
+    def dcp(stateful: float, naive: float, items: int) -> dict:
+        return {"dcp/save/packed/stateful": _fig(stateful, items=items + 1, bytes=100),
+                "dcp/load/packed/stateful": _fig(stateful),
+                "dcp/save/naive/all": _fig(naive, items=5 * items, bytes=300), "dcp/load/naive/all": _fig(naive),
+                "dcp/save/packed/all": _fig(stateful, items=items, bytes=100),
+                "dcp/save/packed/groups": _fig(0.01, items=1, bytes=10)}
+
+    runs = [
+        _run("61x256", "param", cost),
+        _run("61x256", "layer", layer),
+        # 24x128: param passes both DCP targets; layer has one item per step still (14 329 > 9 552 + 1 + 1)
+        _run("24x128", "param", dcp(1.0, 2.0, 9554), n_param_shaped_state=9552, n_leaves=1),
+        _run("24x128", "layer", dcp(1.0, 1.2, 14329), n_param_shaped_state=9552, n_leaves=1),
+    ]
+    rows = {r["target"]: r for r in report.compute_targets(_results(runs))}
+    assert all(r["status"] == r["verdict"] for r in rows.values()), "a full run gets verdicts at its scales"
+
+    def check(t: report.Target, value: float | None, status: str) -> dict:
+        row = rows[t.name]
+        assert row["status"] == status, (t.name, row)
+        if value is None:
+            assert row["value"] is None and row["reason"]
+        else:
+            assert row["value"] == pytest.approx(value), t.name
+        return row
+
+    check(report.SAVE_COST_PARAM, 1.5, "PASS")
+    check(report.SAVE_COST_LAYER, 3.0, "MISS")
+    check(report.LOAD_COST_PARAM, 2.0, "PASS")  # ÷ state_dict(), not load_state_dict()
+    check(report.LOAD_COST_LAYER, 5.0, "PASS")
+    check(report.BACKEND_SPEEDUP, 10.0 / 3.5, "MISS")
+    assert "24x128, param" in check(report.DCP_VS_NAIVE_PARAM, 0.5, "PASS")["where"]
+    check(report.DCP_VS_NAIVE_LAYER, 1.0 / 1.2, "MISS")
+    items = check(report.DCP_ITEMS_PARAM, 1.0, "PASS")
+    assert "9,554 items; bound 9,554 = 9,552 param-shaped state tensors + 1 leaf + 1 table item" in items["detail"]
+    check(report.DCP_ITEMS_LAYER, 14329 / 9554, "MISS")
+    growth = check(report.GROWTH_SAVE_PARAM, None, "N/A")
+    assert growth["reason"] == "200x1024 with one group per param not run"
+    info = {(r["name"], r["where"]): r for r in report.compute_info(_results(runs))}
+    assert info[(report.INFO_DSD_SET, "61x256, param")]["value"] == pytest.approx(200.0)
+    assert info[(report.INFO_LOAD_VS_TORCH_LOAD, "61x256, param")]["value"] == pytest.approx(0.2)
+    assert info[(report.INFO_DCP_NAIVE_BYTES, "24x128, param")]["value"] == pytest.approx(3.0)
+
+    cost["sparse/save/cpp/packed"] = {"status": "unavailable", "reason": "not built"}
+    rows = {r["target"]: r for r in report.compute_targets(_results(runs, cpp="unavailable (not built)"))}
+    row = rows[report.SAVE_COST_PARAM.name]
+    assert row["status"] == "N/A" and "cpp backend unavailable" in row["reason"]
+
+
+def test_growth_targets() -> None:
+    """Per-parameter growth 61x256 -> 200x1024 of sparse save/load, divided by torch's state_dict()'s."""
+    p_small, p_big = Scale(61, 256).n_params, Scale(200, 1024).n_params
+    k = p_big / p_small  # a linear cost grows by k
+    small = {"floor/state_dict": _fig(1.0), "sparse/save/cpp/packed": _fig(1.0), "sparse/load/cpp/packed": _fig(2.0)}
+    big = {"floor/state_dict": _fig(1.1 * k), "sparse/save/cpp/packed": _fig(1.2 * k),
+           "sparse/load/cpp/packed": _fig(2 * 1.6 * k)}
+    runs = [_run("61x256", "param", small), _run("200x1024", "param", big)]
+    rows = {r["target"]: r for r in report.compute_targets(_results(runs))}
+    save, load = rows[report.GROWTH_SAVE_PARAM.name], rows[report.GROWTH_LOAD_PARAM.name]
+    assert save["value"] == pytest.approx(1.2 / 1.1) and save["status"] == "PASS"
+    assert load["value"] == pytest.approx(1.6 / 1.1) and load["status"] == "MISS"
+    assert "torch 1.10×" in save["detail"]
+    assert rows[report.GROWTH_SAVE_LAYER.name]["status"] == "N/A"
+    quick = {r["target"]: r for r in report.compute_targets(_results(runs, quick=True))}
+    assert quick[report.GROWTH_SAVE_PARAM.name]["status"] == report.INDICATIVE
+    table = {(r["figure"], r["where"]): r for r in report.growth_rows(_results(runs))}
+    row = table[("sparse/load/cpp/packed", "200x1024 / 61x256, param")]
+    assert row["time_ratio"] == pytest.approx(1.6 * k) and row["per_param"] == pytest.approx(1.6)
 
 
 def test_skipped_baseline_falls_back_to_largest_measured_scale() -> None:
-    """A quadratic torch baseline skipped at the target scale is reported at the largest scale of
-    each layout where it was measured, with the scale named; the target row itself stays N/A."""
-
-    def fig(t: float) -> dict:
-        return {"status": "ok", "median_s": t, "min_s": t, "max_s": t, "n": 1}
-
+    """A quadratic torch baseline skipped at the target scale is reported (as information) at the
+    largest scale of each layout where it was measured, with the scale named."""
     skipped = {"status": "skipped", "reason": "47,275 groups > --dsd-set-max-groups 10,000"}
-    results = {
-        "machine": {"backends": {"cpp": "available", "python": "available"}},
-        "config": {"layouts": ["param", "layer"]},
-        "runs": [
-            {"scale": "24x128", "layout": "param", "n_params": 9384,
-             "figures": {"dsd/set": fig(30.0), "sparse/load/cpp/packed": fig(0.2)}},
-            {"scale": "8x64", "layout": "param", "n_params": 1592,
-             "figures": {"dsd/set": fig(1.0), "sparse/load/cpp/packed": fig(0.1)}},
-            {"scale": "61x256", "layout": "layer", "n_params": 47275,
-             "figures": {"dsd/set": fig(50.0), "sparse/load/cpp/packed": fig(1.0)}},
-            {"scale": "61x256", "layout": "param", "n_params": 47275,
-             "figures": {"dsd/set": skipped, "sparse/load/cpp/packed": fig(1.0)}},
-        ],
-    }
-    rows = [r for r in report.compute_targets(results)
-            if r["target"] == "DSD set_optimizer_state_dict / load_sparse_state_dict" and r["backend"] == "cpp"]
-    assert [r["status"] for r in rows] == ["N/A", "PASS", "MISS"]
-    assert "skipped" in rows[0]["reason"]
-    assert rows[1]["value"] == pytest.approx(150.0) and rows[1]["where"].startswith("24x128, param (largest")
-    assert rows[2]["value"] == pytest.approx(50.0) and rows[2]["where"].startswith("61x256, layer")
+    runs = [
+        _run("24x128", "param", {"dsd/set": _fig(30.0), "sparse/load/cpp/packed": _fig(0.2)}),
+        _run("8x64", "param", {"dsd/set": _fig(1.0), "sparse/load/cpp/packed": _fig(0.1)}),
+        _run("61x256", "layer", {"dsd/set": _fig(50.0), "sparse/load/cpp/packed": _fig(1.0)}),
+        _run("61x256", "param", {"dsd/set": skipped, "sparse/load/cpp/packed": _fig(1.0)}),
+    ]
+    rows = [r for r in report.compute_info(_results(runs)) if r["name"] == report.INFO_DSD_SET]
+    assert [(r["where"].split(" —")[0], r["value"]) for r in rows] == [("24x128, param", pytest.approx(150.0)),
+                                                                      ("61x256, layer", pytest.approx(50.0))]
 
 
 def test_dsd_set_max_groups_skips_only_the_set(tmp_path: os.PathLike) -> None:
