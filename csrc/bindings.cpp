@@ -25,10 +25,14 @@ PYBIND11_MODULE(_C, m) {
     m.def("flatten_state", &flatten_state, py::arg("leaf"), py::arg("state_fqn"), py::arg("known_fqns"),
           py::arg("escape"),
           "state.{fqn}.{key} for every state entry; nested dicts are flattened with '.' (escaped parts if escape).");
+    m.def("flatten_packed_state", &flatten_packed_state, py::arg("leaf"), py::arg("state_fqn"), py::arg("known_fqns"),
+          py::arg("tensor_type"), py::arg("scalar_parts"),
+          "flatten_state(escape=True) with each parameter's leading scalars hoisted: (items, scalar_groups).");
     m.def("flatten_groups", &flatten_groups, py::arg("leaf"), py::arg("groups_fqn"),
           "param_groups.{fqn}.{key} for every parameter of every group.");
     m.def("unflatten", &unflatten, py::arg("flat"), py::arg("known_fqns"),
-          "Split a flat/packed optimizer dict: (settings_by_fqn, state_by_fqn, packed_tables, unmatched_keys).");
+          "Split a flat/packed optimizer dict: (settings_by_fqn, state_by_fqn, packed_tables, scalar_tables, "
+          "unmatched_keys).");
     m.def("encode_settings", &encode_settings, py::arg("leaf"), py::arg("group_index"), py::arg("settings"),
           py::arg("tensor_type"), py::arg("to_parts"), "Encode one group's settings.");
     m.def("encode_table", &encode_table, py::arg("leaf"), py::arg("groups_fqn"), py::arg("tensor_type"),
@@ -39,4 +43,20 @@ PYBIND11_MODULE(_C, m) {
           "For each target group pick the saved settings of its FQNs: (chosen, missing).");
     m.def("assign_state_ids", &assign_state_ids, py::arg("target_fqns"), py::arg("state_by_fqn"),
           "Give saved state to the target's packed ids: (packed_state, used_fqns).");
+    m.def("fqns_of_groups", &fqns_of_groups, py::arg("leaf"), py::arg("param_groups"), py::arg("fqn_of"),
+          "The canonical FQN of every parameter of every group, in group order.");
+    m.def("build_groups", &build_groups, py::arg("param_groups"), py::arg("chosen"), py::arg("copy_settings"), py::arg("keep_names"),
+          "The new param groups of a load: one new dict per group, params from the live group.");
+    m.def("cast_states", &cast_states, py::arg("leaf"), py::arg("param_groups"), py::arg("target"),
+          py::arg("new_groups"), py::arg("state_of"), py::arg("state"), py::arg("tensor_type"),
+          py::arg("check_shapes"), py::arg("cast_tensor"), py::arg("cast_value"),
+          "Put each target parameter's saved state, cast as torch would, into state; return the used FQNs.");
+    m.def("merge_table_settings", &merge_table_settings, py::arg("leaf"), py::arg("settings"), py::arg("groups"),
+          py::arg("canonical"), py::arg("settings_of"), py::arg("source_of"), py::arg("table_leaf_of"),
+          "Record a decoded table's settings by canonical FQN; return the indices of its empty groups.");
+    m.def("capture_fqns", &capture_fqns, py::arg("leaf"), py::arg("param_groups"), py::arg("state"),
+          py::arg("fqn_of"), py::arg("tensor_type"),
+          "(groups_fqn, state_fqn) of a live optimizer leaf in one pass (no state_dict post-hooks).");
+    m.def("claim_owners", &claim_owners, py::arg("leaf"), py::arg("groups_fqn"), py::arg("owner"),
+          "Record leaf as owner of its FQNs; return (fqn, group index) of repeated listings.");
 }

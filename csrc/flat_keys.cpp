@@ -1,4 +1,7 @@
-// flatten_state / flatten_groups / unflatten: DSD's flat key layout, both directions.
+// flatten_state / flatten_packed_state / flatten_groups / unflatten: the flat key layout (DSD's,
+// and the packed format's per-item state with its scalar tables), both directions.
+#include <string>
+#include <unordered_map>
 #include <unordered_set>
 #include <vector>
 
@@ -110,6 +113,41 @@ py::object state_part(const FlattenCtx& c, py::handle key, std::vector<py::handl
                                 "save with format='packed'");
 }
 
+void flatten_into(const FlattenCtx& c, PyObject* prefix, py::handle value, std::vector<py::handle>& path);
+
+/// Python's ``_flatten_item``: one entry ``key: item`` of the (nested) state under ``prefix``.
+void flatten_item(const FlattenCtx& c, PyObject* prefix, py::handle key, py::handle item,
+                  std::vector<py::handle>& path) {
+    py::object part = state_part(c, key, path);
+    py::object full = concat({prefix, c.dot, part.ptr()});
+    if (PyDict_Check(item.ptr())) {
+        if (PyDict_GET_SIZE(item.ptr()) == 0) {
+            path.push_back(key);
+            raise_format_error(Msg() << "leaf " << py_repr(c.leaf) << ": state key " << path_repr(path) << " of "
+                                     << py_repr(c.fqn) << " holds an empty dict, which has no flat key");
+        }
+        if (known_contains(c, full.ptr())) {  // keys below would read as that parameter's state
+            py::object escaped;
+            if (c.escape && part.ptr() == key.ptr()) escaped = escape_part(key);
+            py::object alt;
+            if (escaped) alt = concat({prefix, c.dot, escaped.ptr()});
+            if (!escaped || known_contains(c, alt.ptr())) {
+                path.push_back(key);
+                py::object owner = steal(PyUnicode_Substring(full.ptr(), c.state_len, PyUnicode_GET_LENGTH(full.ptr())));
+                raise_format_error(Msg() << "leaf " << py_repr(c.leaf) << ": nested state " << path_repr(path)
+                                         << " of " << py_repr(c.fqn) << " would be read back as state of parameter "
+                                         << py_repr(owner) << (c.escape ? "" : "; save with format='packed'"));
+            }
+            full = std::move(alt);
+        }
+        path.push_back(key);
+        flatten_into(c, full.ptr(), item, path);
+        path.pop_back();
+    } else {
+        check(PyDict_SetItem(c.out, full.ptr(), item.ptr()));
+    }
+}
+
 /// Python's ``_flatten_into``; the recursion guard turns a self-referencing dict into the
 /// RecursionError Python raises instead of a C stack overflow.
 void flatten_into(const FlattenCtx& c, PyObject* prefix, py::handle value, std::vector<py::handle>& path) {
@@ -117,36 +155,7 @@ void flatten_into(const FlattenCtx& c, PyObject* prefix, py::handle value, std::
     struct Leave {
         ~Leave() { Py_LeaveRecursiveCall(); }
     } leave;
-    iterate_items(value, [&](py::handle key, py::handle item) {
-        py::object part = state_part(c, key, path);
-        py::object full = concat({prefix, c.dot, part.ptr()});
-        if (PyDict_Check(item.ptr())) {
-            if (PyDict_GET_SIZE(item.ptr()) == 0) {
-                path.push_back(key);
-                raise_format_error(Msg() << "leaf " << py_repr(c.leaf) << ": state key " << path_repr(path) << " of "
-                                         << py_repr(c.fqn) << " holds an empty dict, which has no flat key");
-            }
-            if (known_contains(c, full.ptr())) {  // keys below would read as that parameter's state
-                py::object escaped;
-                if (c.escape && part.ptr() == key.ptr()) escaped = escape_part(key);
-                py::object alt;
-                if (escaped) alt = concat({prefix, c.dot, escaped.ptr()});
-                if (!escaped || known_contains(c, alt.ptr())) {
-                    path.push_back(key);
-                    py::object owner = steal(PyUnicode_Substring(full.ptr(), c.state_len, PyUnicode_GET_LENGTH(full.ptr())));
-                    raise_format_error(Msg() << "leaf " << py_repr(c.leaf) << ": nested state " << path_repr(path)
-                                             << " of " << py_repr(c.fqn) << " would be read back as state of parameter "
-                                             << py_repr(owner) << (c.escape ? "" : "; save with format='packed'"));
-                }
-                full = std::move(alt);
-            }
-            path.push_back(key);
-            flatten_into(c, full.ptr(), item, path);
-            path.pop_back();
-        } else {
-            check(PyDict_SetItem(c.out, full.ptr(), item.ptr()));
-        }
-    });
+    iterate_items(value, [&](py::handle key, py::handle item) { flatten_item(c, prefix, key, item, path); });
 }
 
 /// ``node.setdefault(key, {})`` (a new reference). With ``created``, it records whether the
@@ -191,6 +200,59 @@ py::object flatten_state(py::object leaf, py::object state_fqn, py::object known
     return out;
 }
 
+py::tuple flatten_packed_state(py::object leaf, py::object state_fqn, py::object known_fqns, py::object tensor_type,
+                               py::object scalar_parts) {
+    py::object out = steal(PyDict_New());
+    py::object groups = steal(PyList_New(0));
+    std::vector<py::object> group_fqns;  // the fqns list of each group (also alive in ``groups``)
+    std::unordered_map<std::string, size_t> index_of;
+    py::object dot = steal(PyUnicode_FromString("."));
+    py::object state_prefix = steal(PyUnicode_FromString("state."));
+    std::string blob;
+    iterate_items(state_fqn, [&](py::handle fqn, py::handle state) {
+        if (!PyDict_Check(state.ptr())) {
+            raise_format_error(Msg() << "leaf " << py_repr(leaf) << ": state of " << py_repr(fqn) << " is a "
+                                     << type_name(state) << ", expected a dict");
+        }
+        py::object fqn_str = fmt(fqn);
+        py::object prefix = concat({state_prefix.ptr(), fqn_str.ptr()});
+        FlattenCtx ctx{out.ptr(), dot.ptr(), leaf, fqn, known_fqns, true, 6};
+        std::vector<py::handle> path;
+        py::object scalars;  // created on the first scalar
+        blob.assign(4, '\0');  // u32 n_keys, written below
+        bool leading = true;
+        iterate_items(state, [&](py::handle key, py::handle item) {
+            if (leading) {
+                if (is_part(key, true) &&
+                    encode_scalar_record(blob, leaf, fqn, key, item, tensor_type, scalar_parts)) {
+                    if (!scalars) scalars = steal(PyDict_New());
+                    check(PyDict_SetItem(scalars.ptr(), key.ptr(), item.ptr()));
+                    return;
+                }
+                leading = false;
+            }
+            flatten_item(ctx, prefix.ptr(), key, item, path);
+        });
+        if (!scalars) return;
+        const Py_ssize_t n = PyDict_GET_SIZE(scalars.ptr());
+        std::string ident;
+        put_len_u32(ident, n);
+        blob.replace(0, 4, ident);
+        auto found = index_of.find(blob);
+        if (found == index_of.end()) {
+            index_of.emplace(blob, group_fqns.size());
+            py::object fqns = steal(PyList_New(0));
+            check(PyList_Append(fqns.ptr(), fqn.ptr()));
+            py::object entry = py::make_tuple(scalars, fqns);
+            check(PyList_Append(groups.ptr(), entry.ptr()));
+            group_fqns.push_back(std::move(fqns));
+        } else {
+            check(PyList_Append(group_fqns[found->second].ptr(), fqn.ptr()));
+        }
+    });
+    return py::make_tuple(out, groups);
+}
+
 py::object flatten_groups(py::object leaf, py::object groups_fqn) {
     py::object out = steal(PyDict_New());
     py::object dot = steal(PyUnicode_FromString("."));
@@ -232,9 +294,12 @@ py::tuple unflatten(py::object flat, py::object known_fqns) {
     static constexpr Py_ssize_t kGroupsLen = sizeof(kGroups) - 1;
     static constexpr const char kPacked[] = "param_groups.__packed__.";
     static constexpr Py_ssize_t kPackedLen = sizeof(kPacked) - 1;
+    static constexpr const char kScalars[] = "state.__packed__.";
+    static constexpr Py_ssize_t kScalarsLen = sizeof(kScalars) - 1;
 
     py::object settings_by_fqn = steal(PyDict_New());
     py::object packed = steal(PyDict_New());
+    py::object scalars = steal(PyDict_New());
     py::object unmatched = steal(PyList_New(0));
     // (key, value seen while iterating); the value is reused only when ``flat[key]`` is a plain
     // dict lookup, otherwise ``flat[key]`` is evaluated again as in Python.
@@ -248,7 +313,14 @@ py::tuple unflatten(py::object flat, py::object known_fqns) {
             raise_format_error(Msg() << "optimizer state dict key " << py_repr(key) << " is not a string");
         }
         const Py_ssize_t len = PyUnicode_GET_LENGTH(k);
-        if (starts_with(k, kState, kStateLen)) {
+        if (starts_with(k, kScalars, kScalarsLen)) {
+            if (!PyBytes_Check(value.ptr())) {
+                raise_format_error(Msg() << "scalar table " << py_repr(key) << " is a " << type_name(value)
+                                         << ", expected bytes");
+            }
+            py::object rest = steal(PyUnicode_Substring(k, kScalarsLen, len));
+            check(PyDict_SetItem(scalars.ptr(), rest.ptr(), value.ptr()));
+        } else if (starts_with(k, kState, kStateLen)) {
             state_keys.emplace_back(borrow(k), flat_is_dict ? borrow(value.ptr()) : py::object());
         } else if (starts_with(k, kPacked, kPackedLen)) {
             if (!PyBytes_Check(value.ptr())) {
@@ -277,7 +349,7 @@ py::tuple unflatten(py::object flat, py::object known_fqns) {
     if (PyCallable_Check(known_fqns.ptr())) {
         known_fqns = steal(PyObject_CallFunctionObjArgs(known_fqns.ptr(), packed.ptr(), nullptr));
     }
-    const bool unescape = PyDict_GET_SIZE(packed.ptr()) > 0;
+    const bool unescape = PyDict_GET_SIZE(packed.ptr()) > 0 || PyDict_GET_SIZE(scalars.ptr()) > 0;
     py::object state_by_fqn = steal(PyDict_New());
     std::unordered_set<PyObject*> owned;  // dicts built here (all alive in state_by_fqn until we return)
     py::object dot_str = steal(PyUnicode_FromString("."));
@@ -359,7 +431,7 @@ py::tuple unflatten(py::object flat, py::object known_fqns) {
         py::object value = flat_is_dict ? kv.second : steal(PyObject_GetItem(flat.ptr(), k));
         check(PyObject_SetItem(node.ptr(), last.ptr(), value.ptr()));
     }
-    return py::make_tuple(settings_by_fqn, state_by_fqn, packed, unmatched);
+    return py::make_tuple(settings_by_fqn, state_by_fqn, packed, scalars, unmatched);
 }
 
 }  // namespace sckpt

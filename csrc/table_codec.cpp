@@ -37,14 +37,20 @@ enum Tag : uint8_t {
 
 /// The ``where`` of an encode error, built only when an error is raised:
 /// ``leaf {leaf!r} group {group}`` plus `` key {key!r}`` when ``key`` is set.
+/// With ``fqn`` set (a scalar-table record): ``leaf {leaf!r}: state {key!r} of {fqn!r}``.
 struct Where {
     py::handle leaf;
     py::handle group_obj;      // formatted with format() when set
     Py_ssize_t group_num = 0;  // used when group_obj is not set
     py::handle key;            // optional
+    py::handle fqn;            // set for a scalar-table record
 
     py::object str() const {
         Msg m;
+        if (fqn) {
+            m << "leaf " << py_repr(leaf) << ": state " << py_repr(key) << " of " << py_repr(fqn);
+            return m.str();
+        }
         m << "leaf " << py_repr(leaf) << " group ";
         if (group_obj) {
             m << fmt(group_obj);
@@ -168,8 +174,9 @@ private:
         raise_format_error(Msg() << where.str() << ": string is not valid unicode (" << fmt(reason) << ")");
     }
 
-    void tensor(std::string& out, py::handle v, const Where& where) const {
-        py::object parts = steal(PyObject_CallOneArg(to_parts_.ptr(), v.ptr()));
+public:
+    /// ``_encode_tensor_parts``: a tensor value from its ``(dtype, shape, device_type, data)``.
+    void tensor_parts(std::string& out, py::handle parts, const Where& where) const {
         py::object p[4];  // dtype, shape, device_type, data
         unpack(parts, 4, p);
         put_u8(out, kTagTensor);
@@ -179,6 +186,12 @@ private:
         str(out, p[2], where);
         put_u64(out, static_cast<uint64_t>(length(p[3])));
         append_buffer(out, p[3]);
+    }
+
+private:
+    void tensor(std::string& out, py::handle v, const Where& where) const {
+        py::object parts = steal(PyObject_CallOneArg(to_parts_.ptr(), v.ptr()));
+        tensor_parts(out, parts, where);
     }
 
     py::handle tensor_type_;
@@ -324,6 +337,53 @@ py::object decode_value(Reader& r, py::handle from_parts, int depth) {
 }
 
 }  // namespace
+
+bool encode_scalar_record(std::string& out, py::handle leaf, py::handle fqn, py::handle key, py::handle value,
+                          py::handle tensor_type, py::handle scalar_parts) {
+    Py_ssize_t n = 0;
+    const char* raw = PyUnicode_AsUTF8AndSize(key.ptr(), &n);
+    if (raw == nullptr) {
+        if (!PyErr_ExceptionMatches(PyExc_UnicodeEncodeError)) throw py::error_already_set();
+        PyErr_Clear();
+        return false;
+    }
+    const size_t start = out.size();
+    put_len_u32(out, n);
+    out.append(raw, static_cast<size_t>(n));
+    PyObject* o = value.ptr();
+    PyTypeObject* kind = Py_TYPE(o);
+    if (kind == &PyBool_Type) {
+        put_u8(out, o == Py_True ? kTagTrue : kTagFalse);
+    } else if (kind == &PyLong_Type) {
+        int overflow = 0;
+        const long long x = PyLong_AsLongLongAndOverflow(o, &overflow);
+        if (x == -1 && PyErr_Occurred()) throw py::error_already_set();
+        if (overflow) {
+            out.resize(start);
+            return false;
+        }
+        put_u8(out, kTagInt);
+        put_i64(out, static_cast<int64_t>(x));
+    } else if (kind == &PyFloat_Type) {
+        put_u8(out, kTagFloat);
+        put_f64(out, PyFloat_AS_DOUBLE(o));
+    } else if (reinterpret_cast<PyObject*>(kind) == tensor_type.ptr()) {
+        py::object parts = steal(PyObject_CallOneArg(scalar_parts.ptr(), o));
+        if (parts.is_none()) {
+            out.resize(start);
+            return false;
+        }
+        Where where;
+        where.leaf = leaf;
+        where.key = key;
+        where.fqn = fqn;
+        Encoder(tensor_type, py::none()).tensor_parts(out, parts, where);
+    } else {
+        out.resize(start);
+        return false;
+    }
+    return true;
+}
 
 py::bytes encode_settings(py::object leaf, py::object group_index, py::object settings, py::object tensor_type,
                           py::object to_parts) {

@@ -9,6 +9,7 @@ from typing import Any, TypeAlias
 
 TensorToParts: TypeAlias = Callable[[Any], tuple[str, tuple[int, ...], str, bytes]]
 PartsToTensor: TypeAlias = Callable[[str, tuple[int, ...], str, bytes], Any]
+ScalarParts: TypeAlias = Callable[[Any], tuple[str, tuple[int, ...], str, bytes] | None]
 
 MAGIC: bytes
 VERSION: int
@@ -16,6 +17,29 @@ MAX_DEPTH: int
 PACKED_MARKER: str
 
 def assign_state_ids(target_fqns: list[list[str]], state_by_fqn: Mapping[str, Any]) -> tuple[dict[int, Any], list[str]]: ...
+
+def build_groups(
+    param_groups: list[dict], chosen: list[dict | None], copy_settings: Callable[[Any], Any], keep_names: bool
+) -> list[dict]: ...
+
+def cast_states(
+    leaf: str,
+    param_groups: list[dict],
+    target: list[list[str]],
+    new_groups: list[dict],
+    state_of: dict[str, Any],
+    state: dict,
+    tensor_type: type,
+    check_shapes: Callable[[str, str, Any, Any], None] | None,
+    cast_tensor: Callable[[Any, Any, bool, bool, Any, Any], Any],
+    cast_value: Callable[[Any, Any, bool, Any], Any],
+) -> list[str]: ...
+
+def capture_fqns(
+    leaf: str, param_groups: list[dict], state: dict, fqn_of: dict[int, str], tensor_type: type
+) -> tuple[list[tuple[dict, list[str]]], dict[str, Any]]: ...
+
+def claim_owners(leaf: str, groups_fqn: list[tuple[dict, list[str]]], owner: dict[str, str]) -> list[tuple[str, int]]: ...
 
 def decode_table(leaf: str, data: bytes, from_parts: PartsToTensor) -> tuple[list[dict], list[bytes], list[tuple[int, list[str]]]]: ...
 
@@ -25,13 +49,29 @@ def encode_table(leaf: str, groups_fqn: list[tuple[dict, list[str]]], tensor_typ
 
 def flatten_groups(leaf: str, groups_fqn: list[tuple[dict, list[str]]]) -> dict[str, Any]: ...
 
+def flatten_packed_state(
+    leaf: str, state_fqn: Mapping[str, Any], known_fqns: Any, tensor_type: type, scalar_parts: ScalarParts
+) -> tuple[dict[str, Any], list[tuple[dict[str, Any], list[str]]]]: ...
+
 def flatten_state(leaf: str, state_fqn: Mapping[str, Any], known_fqns: Any, escape: bool) -> dict[str, Any]: ...
 
 def fqn_tables(named: Any) -> tuple[dict[int, str], dict[str, str], dict[str, Any]]: ...
 
+def fqns_of_groups(leaf: str, param_groups: list[dict], fqn_of: dict[int, str]) -> list[list[str]]: ...
+
 def match_groups(
     leaf: str, target_fqns: list[list[str]], settings_of: Mapping[str, Any]
 ) -> tuple[list[Any], list[str]]: ...
+
+def merge_table_settings(
+    leaf: str,
+    settings: list[dict],
+    groups: list[tuple[int, list[str]]],
+    canonical: dict[str, str],
+    settings_of: dict[str, dict],
+    source_of: dict[str, Any],
+    table_leaf_of: dict[str, str],
+) -> list[int]: ...
 
 def pack_optimizer(
     leaf: str, param_groups: list[dict], state: Mapping[Any, Any], tensor_type: type
@@ -47,7 +87,7 @@ def remap_to_fqns(
 
 def unflatten(
     flat: Mapping[str, Any], known_fqns: Any
-) -> tuple[dict[str, dict], dict[str, dict], dict[str, bytes], list[str]]: ...
+) -> tuple[dict[str, dict], dict[str, dict], dict[str, bytes], dict[str, bytes], list[str]]: ...
 
 def walk_parameters(
     model: Any, stripped: Any, module_wrapper: type | None, base_named_modules: Any, base_named_parameters: Any

@@ -28,6 +28,8 @@ import struct
 from collections.abc import Callable, Mapping
 from typing import Any
 
+from ._core_py_load import build_groups, cast_states, fqns_of_groups, merge_table_settings  # noqa: F401 - twins
+from ._core_py_save import capture_fqns, claim_owners  # noqa: F401 - twin of csrc/save_pass.cpp
 from .errors import CheckpointFormatError, CheckpointMismatchError, UnsupportedStateDictError
 from .format import ESCAPE, PACKED_MARKER, escape_part, is_flat_part, is_plain_part, unescape_part
 
@@ -56,6 +58,7 @@ _INT64_MAX = 2**63 - 1
 
 TensorToParts = Callable[[Any], tuple[str, tuple[int, ...], str, bytes]]
 PartsToTensor = Callable[[str, tuple[int, ...], str, bytes], Any]
+ScalarParts = Callable[[Any], "tuple[str, tuple[int, ...], str, bytes] | None"]
 
 
 # --------------------------------------------------------------------------- parameter names
@@ -265,26 +268,41 @@ def _flatten_into(
     escape: bool,
 ) -> None:
     for key, item in value.items():
-        part = _state_part(leaf, fqn, key, path, escape)
-        full = f"{prefix}.{part}"
-        if isinstance(item, dict):
-            if not item:
+        _flatten_item(out, prefix, key, item, leaf, fqn, path, known_fqns, escape)
+
+
+def _flatten_item(
+    out: dict[str, Any],
+    prefix: str,
+    key: Any,
+    item: Any,
+    leaf: str,
+    fqn: str,
+    path: tuple[Any, ...],
+    known_fqns: Any,
+    escape: bool,
+) -> None:
+    """One entry ``key: item`` of the (nested) state under ``prefix``."""
+    part = _state_part(leaf, fqn, key, path, escape)
+    full = f"{prefix}.{part}"
+    if isinstance(item, dict):
+        if not item:
+            raise CheckpointFormatError(
+                f"leaf {leaf!r}: state key {_path_repr((*path, key))} of {fqn!r} holds an empty dict, "
+                "which has no flat key"
+            )
+        if full[len("state.") :] in known_fqns:  # keys below would read as that parameter's state
+            escaped = escape_part(key) if escape and part is key else None
+            if escaped is None or f"{prefix}.{escaped}"[len("state.") :] in known_fqns:
                 raise CheckpointFormatError(
-                    f"leaf {leaf!r}: state key {_path_repr((*path, key))} of {fqn!r} holds an empty dict, "
-                    "which has no flat key"
+                    f"leaf {leaf!r}: nested state {_path_repr((*path, key))} of {fqn!r} would be read back as "
+                    f"state of parameter {full[len('state.') :]!r}"
+                    + ("" if escape else "; save with format='packed'")
                 )
-            if full[len("state.") :] in known_fqns:  # keys below would read as that parameter's state
-                escaped = escape_part(key) if escape and part is key else None
-                if escaped is None or f"{prefix}.{escaped}"[len("state.") :] in known_fqns:
-                    raise CheckpointFormatError(
-                        f"leaf {leaf!r}: nested state {_path_repr((*path, key))} of {fqn!r} would be read back as "
-                        f"state of parameter {full[len('state.') :]!r}"
-                        + ("" if escape else "; save with format='packed'")
-                    )
-                full = f"{prefix}.{escaped}"
-            _flatten_into(out, full, item, leaf, fqn, (*path, key), known_fqns, escape)
-        else:
-            out[full] = item
+            full = f"{prefix}.{escaped}"
+        _flatten_into(out, full, item, leaf, fqn, (*path, key), known_fqns, escape)
+    else:
+        out[full] = item
 
 
 def flatten_state(leaf: str, state_fqn: Mapping[str, Any], known_fqns: Any, escape: bool) -> dict[str, Any]:
@@ -301,6 +319,85 @@ def flatten_state(leaf: str, state_fqn: Mapping[str, Any], known_fqns: Any, esca
             raise CheckpointFormatError(f"leaf {leaf!r}: state of {fqn!r} is a {type(state).__name__}, expected a dict")
         _flatten_into(out, f"state.{fqn}", state, leaf, fqn, (), known_fqns, escape)
     return out
+
+
+def _scalar_record(
+    leaf: str, fqn: Any, key: Any, value: Any, tensor_type: type, scalar_parts: ScalarParts
+) -> bytes | None:
+    """The table-codec bytes of one state entry (``str key, value``) that belongs in a scalar
+    table, or ``None`` when it stays a per-item entry: the key must be a plain part that UTF-8
+    can encode, the value an exact ``bool``, a 64-bit ``int``, a ``float``, or a ``tensor_type``
+    (exact type) for which ``scalar_parts`` returns tensor parts (not ``None``)."""
+    if not is_plain_part(key):
+        return None
+    try:
+        raw_key = key.encode("utf-8")
+    except UnicodeEncodeError:
+        return None
+    out = bytearray(_U32.pack(len(raw_key)))
+    out += raw_key
+    kind = type(value)
+    if kind is bool:
+        out.append(_TAG_TRUE if value else _TAG_FALSE)
+    elif kind is int:
+        if value < _INT64_MIN or value > _INT64_MAX:
+            return None
+        out.append(_TAG_INT)
+        out += _I64.pack(value)
+    elif kind is float:
+        out.append(_TAG_FLOAT)
+        out += _F64.pack(value)
+    elif kind is tensor_type:
+        parts = scalar_parts(value)
+        if parts is None:
+            return None
+        _encode_tensor_parts(out, parts, f"leaf {leaf!r}: state {key!r} of {fqn!r}")
+    else:
+        return None
+    return bytes(out)
+
+
+def flatten_packed_state(
+    leaf: str, state_fqn: Mapping[str, Any], known_fqns: Any, tensor_type: type, scalar_parts: ScalarParts
+) -> tuple[dict[str, Any], list[tuple[dict[str, Any], list[str]]]]:
+    """:func:`flatten_state` (``escape=True``) of the packed format, version 2, with the scalars
+    hoisted into a scalar table's groups.
+
+    Returns ``(items, scalar_groups)``. Each parameter's *leading run* of state entries that
+    :func:`_scalar_record` accepts (in the state dict's order) is left out of ``items``;
+    ``scalar_groups`` lists ``(scalars, fqns)``: every distinct scalar dict (distinct by its
+    encoded bytes, in order of first appearance; a new dict holding the saved values) with the
+    FQNs whose leading run is exactly it, in state order -- ready for :func:`encode_table`.
+    ``scalar_parts`` is called once per candidate tensor. Errors are :func:`flatten_state`'s.
+    """
+    out: dict[str, Any] = {}
+    groups: list[tuple[dict[str, Any], list[str]]] = []
+    index_of: dict[bytes, int] = {}
+    for fqn, state in state_fqn.items():
+        if not isinstance(state, dict):
+            raise CheckpointFormatError(f"leaf {leaf!r}: state of {fqn!r} is a {type(state).__name__}, expected a dict")
+        prefix = f"state.{fqn}"
+        scalars: dict[str, Any] = {}
+        blob = bytearray()
+        leading = True
+        for key, item in state.items():
+            if leading:
+                record = _scalar_record(leaf, fqn, key, item, tensor_type, scalar_parts)
+                if record is not None:
+                    scalars[key] = item
+                    blob += record
+                    continue
+                leading = False
+            _flatten_item(out, prefix, key, item, leaf, fqn, (), known_fqns, True)
+        if scalars:
+            ident = _U32.pack(len(scalars)) + bytes(blob)
+            idx = index_of.get(ident)
+            if idx is None:
+                index_of[ident] = len(groups)
+                groups.append((scalars, [fqn]))
+            else:
+                groups[idx][1].append(fqn)
+    return out, groups
 
 
 def flatten_groups(leaf: str, groups_fqn: list[tuple[dict, list[str]]]) -> dict[str, Any]:
@@ -325,17 +422,18 @@ def flatten_groups(leaf: str, groups_fqn: list[tuple[dict, list[str]]]) -> dict[
 
 def unflatten(
     flat: Mapping[str, Any], known_fqns: Any
-) -> tuple[dict[str, dict], dict[str, dict], dict[str, bytes], list[str]]:
+) -> tuple[dict[str, dict], dict[str, dict], dict[str, bytes], dict[str, bytes], list[str]]:
     """Split a flat/packed optimizer dict into its parts.
 
-    Returns ``(settings_by_fqn, state_by_fqn, packed_tables, unmatched_keys)``:
+    Returns ``(settings_by_fqn, state_by_fqn, packed_tables, scalar_tables, unmatched_keys)``:
       * ``param_groups.{fqn}.{key}`` -> ``settings_by_fqn[fqn][key]`` (split at the last dot);
       * ``param_groups.__packed__.{rest}`` -> ``packed_tables[rest]`` (must be bytes);
+      * ``state.__packed__.{rest}`` -> ``scalar_tables[rest]`` (must be bytes; decoded by the caller);
       * ``state.{fqn}.{k1}.{k2}`` -> ``state_by_fqn[fqn][k1][k2]``, where ``fqn`` is the longest
         prefix that is in ``known_fqns`` or among the flat param-group FQNs. ``known_fqns`` is a
         dict or set, or a callable that is given ``packed_tables`` once they are split off and
         returns one (so state resolves against the FQNs the checkpoint's own tables list). When
-        there are packed tables, key parts starting with ``~`` are unescaped (see
+        there are packed or scalar tables, key parts starting with ``~`` are unescaped (see
         :mod:`sparse_ckpt.format`);
       * every other key, and state keys with no known FQN, -> ``unmatched_keys``.
     Each key is resolved with O(depth) hash lookups; there are no prefix scans. ``flat`` is never
@@ -344,13 +442,19 @@ def unflatten(
     """
     settings_by_fqn: dict[str, dict] = {}
     packed: dict[str, bytes] = {}
+    scalars: dict[str, bytes] = {}
     unmatched: list[str] = []
     state_keys: list[str] = []
     packed_prefix = f"param_groups.{PACKED_MARKER}."
+    scalars_prefix = f"state.{PACKED_MARKER}."
     for key, value in flat.items():
         if not isinstance(key, str):
             raise CheckpointFormatError(f"optimizer state dict key {key!r} is not a string")
-        if key.startswith("state."):
+        if key.startswith(scalars_prefix):
+            if not isinstance(value, bytes):
+                raise CheckpointFormatError(f"scalar table {key!r} is a {type(value).__name__}, expected bytes")
+            scalars[key[len(scalars_prefix) :]] = value
+        elif key.startswith("state."):
             state_keys.append(key)
         elif key.startswith(packed_prefix):
             if not isinstance(value, bytes):
@@ -369,7 +473,7 @@ def unflatten(
             unmatched.append(key)
     if callable(known_fqns):
         known_fqns = known_fqns(packed)
-    unescape = bool(packed)
+    unescape = bool(packed) or bool(scalars)
     state_by_fqn: dict[str, dict] = {}
     owned: set[int] = set()  # ids of the dicts built here (all alive in state_by_fqn until we return)
     for key in state_keys:
@@ -407,7 +511,7 @@ def unflatten(
         if parts[-1] in node and isinstance(node[parts[-1]], dict):
             raise CheckpointFormatError(f"state key {key!r} collides with nested state of {fqn!r}")
         node[parts[-1]] = flat[key]
-    return settings_by_fqn, state_by_fqn, packed, unmatched
+    return settings_by_fqn, state_by_fqn, packed, scalars, unmatched
 
 
 # --------------------------------------------------------------------------- table codec
@@ -441,17 +545,22 @@ def _encode_value(out: bytearray, value: Any, tensor_type: type, to_parts: Tenso
         for item in value:
             _encode_value(out, item, tensor_type, to_parts, where, depth + 1)
     elif isinstance(value, tensor_type):
-        dtype, shape, device_type, data = to_parts(value)
-        out.append(_TAG_TENSOR)
-        _encode_str(out, dtype, where)
-        out += _U32.pack(len(shape))
-        for dim in shape:
-            out += _I64.pack(dim)
-        _encode_str(out, device_type, where)
-        out += _U64.pack(len(data))
-        out += data
+        _encode_tensor_parts(out, to_parts(value), where)
     else:
         raise CheckpointFormatError(f"{where}: unsupported value type {type(value).__name__}")
+
+
+def _encode_tensor_parts(out: bytearray, parts: Any, where: str) -> None:
+    """A tensor value (tag and payload) from its ``(dtype, shape, device_type, data)`` parts."""
+    dtype, shape, device_type, data = parts
+    out.append(_TAG_TENSOR)
+    _encode_str(out, dtype, where)
+    out += _U32.pack(len(shape))
+    for dim in shape:
+        out += _I64.pack(dim)
+    _encode_str(out, device_type, where)
+    out += _U64.pack(len(data))
+    out += data
 
 
 def _encode_str(out: bytearray, text: str, where: str) -> None:
@@ -703,4 +812,5 @@ def assign_state_ids(target_fqns: list[list[str]], state_by_fqn: Mapping[str, An
                     used.append(fqn)
             pid += 1
     return packed_state, used
+
 

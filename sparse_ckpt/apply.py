@@ -36,7 +36,7 @@ def cast_value(param: torch.Tensor, value: Any, fused_or_capturable: bool, key: 
     as they are (torch's generic iterable branch turns a ``str`` into a generator's repr).
     """
     if isinstance(value, torch.Tensor):
-        return _cast_tensor(value, key, fused_or_capturable, param.is_floating_point(), param.dtype, param.device)
+        return cast_tensor(value, key, fused_or_capturable, param.is_floating_point(), param.dtype, param.device)
     if isinstance(value, dict):
         return {k: cast_value(param, v, fused_or_capturable, k) for k, v in value.items()}
     if isinstance(value, (str, bytes)):
@@ -54,14 +54,14 @@ def cast_state(param: torch.Tensor, value: Any, fused_or_capturable: bool) -> An
     floating = param.is_floating_point()
     dtype, device = param.dtype, param.device
     return {
-        k: _cast_tensor(v, k, fused_or_capturable, floating, dtype, device)
+        k: cast_tensor(v, k, fused_or_capturable, floating, dtype, device)
         if isinstance(v, torch.Tensor)
         else cast_value(param, v, fused_or_capturable, k)
         for k, v in value.items()
     }
 
 
-def _cast_tensor(
+def cast_tensor(
     value: torch.Tensor, key: Any, fused_or_capturable: bool, floating: bool, dtype: torch.dtype, device: torch.device
 ) -> torch.Tensor:
     """One state tensor under torch's policy, given the param's floating-ness, dtype and device."""

@@ -1,4 +1,4 @@
-"""Capture one optimizer leaf exactly as ``torch.optim.Optimizer.state_dict`` would (DESIGN §3).
+"""Capture one optimizer leaf exactly as ``torch.optim.Optimizer.state_dict`` would.
 
 Order: refuse unsupported ``state_dict`` overrides, refuse a capture of an optimizer already
 being captured (a hook calling back, or another thread: found on the live stacks, so there is no
@@ -32,15 +32,21 @@ def _refuse_if_capturing(leaf: str, optimizer: Any, frame: FrameType) -> None:
     Of two threads that overlap, the later one to scan sees the earlier and refuses; both may.
     """
     code = frame.f_code
-    for top in sys._current_frames().values():
-        f: FrameType | None = top
-        while f is not None:
-            if f.f_code is code and f is not frame and f.f_locals.get("optimizer") is optimizer:
-                raise ReentrantSerializationError(
-                    f"leaf {leaf!r}: optimizer {type(optimizer).__name__} is already being serialized "
-                    "(a state_dict hook called back into serialization, or another thread is serializing it)"
-                )
-            f = f.f_back
+    frames = sys._current_frames()
+    f: FrameType | None = None
+    try:
+        for f in frames.values():
+            while f is not None:
+                if f.f_code is code and f is not frame and f.f_locals.get("optimizer") is optimizer:
+                    raise ReentrantSerializationError(
+                        f"leaf {leaf!r}: optimizer {type(optimizer).__name__} is already being serialized "
+                        "(a state_dict hook called back into serialization, or another thread is serializing it)"
+                    )
+                f = f.f_back
+    finally:
+        # A local that refers to this call's own stack is a reference cycle (frame -> locals ->
+        # frame): drop them, or every save leaves its whole call stack to the cyclic collector.
+        del frames, f
 
 
 def _copy_dicts(value: Any) -> Any:
@@ -78,6 +84,31 @@ def capture_packed(leaf: str, optimizer: torch.optim.Optimizer) -> tuple[dict[st
     ``packed_dict`` equals what ``optimizer.state_dict()`` returns; ``id_to_param`` is the
     ``packed id -> parameter`` snapshot taken before any post-hook ran.
     """
+    _fused, packed = _capture(leaf, optimizer, None)
+    assert packed is not None
+    return packed
+
+
+def capture_by_fqn(
+    leaf: str, optimizer: torch.optim.Optimizer, fqn_of: dict[int, str]
+) -> tuple[list[tuple[dict, list[str]]], dict[str, Any]]:
+    """What :func:`capture_packed` captures, keyed by FQN: ``(groups_fqn, state_fqn)``.
+
+    Without ``state_dict`` post-hooks (and adapters) nothing can see or change the packed dict,
+    so the core goes from the live groups and state to FQNs in one pass, with no int ids."""
+    fused, packed = _capture(leaf, optimizer, fqn_of)
+    if fused is not None:
+        return fused
+    assert packed is not None
+    state_dict, id_to_param = packed
+    return _backend.core.remap_to_fqns(leaf, state_dict["param_groups"], state_dict["state"], id_to_param, fqn_of)
+
+
+def _capture(
+    leaf: str, optimizer: torch.optim.Optimizer, fqn_of: dict[int, str] | None
+) -> tuple[tuple[list, dict] | None, tuple[dict[str, Any], list[Any]] | None]:
+    """The capture sequence: ``(by_fqn, None)`` from the one-pass core path (only with ``fqn_of``
+    and no post-hooks or adapter), else ``(None, (packed_dict, id_to_param))``."""
     adapter = check_supported(leaf, optimizer)
     # ``optimizer`` must stay bound to the argument for the whole call: the reentrancy check of
     # other calls reads it from this frame.
@@ -89,6 +120,8 @@ def capture_packed(leaf: str, optimizer: torch.optim.Optimizer) -> tuple[dict[st
     else:
         for pre_hook in state_dict_pre_hooks(optimizer):
             pre_hook(optimizer)
+        if fqn_of is not None and not state_dict_post_hooks(optimizer):
+            return core.capture_fqns(leaf, optimizer.param_groups, optimizer.state, fqn_of, torch.Tensor), None
         groups, state, id_to_param = core.pack_optimizer(leaf, optimizer.param_groups, optimizer.state, torch.Tensor)
         post_hooks = state_dict_post_hooks(optimizer)
         if post_hooks:  # torch hands hooks the live per-param dicts; edits must not reach the optimizer
@@ -103,4 +136,4 @@ def capture_packed(leaf: str, optimizer: torch.optim.Optimizer) -> tuple[dict[st
             f"leaf {leaf!r}: state_dict produced {type(state_dict).__name__} without 'state' and "
             "'param_groups' entries"
         )
-    return state_dict, id_to_param
+    return None, (state_dict, id_to_param)

@@ -78,7 +78,8 @@ class OptimizerEntries:
     prefix: ObjPath
     """Object path of the optimizer dict (``()`` when it is the checkpoint's top level)."""
     inner: dict[str, str]
-    """Key inside the optimizer dict (``state.*``, ``param_groups.*``) -> flattened checkpoint key."""
+    """Key inside the optimizer dict (``state.*``, ``param_groups.*``; the packed format's scalar
+    tables ``state.__packed__.*`` among the ``state.*`` keys) -> flattened checkpoint key."""
 
     @property
     def name(self) -> str:

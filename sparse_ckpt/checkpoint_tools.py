@@ -12,6 +12,13 @@ schemas):
   state or moved, state shape/dtype changes;
 * :func:`convert_checkpoint` -- rewrite the optimizer part between packed and flat format.
 
+Settings and tables (group and scalar tables) are read; per-item state is seen through its DCP
+metadata only. The scalars of scalar tables (packed version 2) lead each parameter's state as on
+load, so every report is the same for a version-1 and a version-2 checkpoint of one optimizer
+(except item counts and bytes). ``convert --to flat`` turns scalar tables into per-item state
+(DSD's layout); ``--to packed`` keeps state entries as they are (a flat source's per-item state
+stays per item, which every reader reads).
+
 Reading never runs code from the checkpoint beyond DCP's own ``.metadata`` unpickling:
 optimizer items are read with ``torch.load(weights_only=True)``, other non-tensor items are
 either not unpickled at all (``verify``) or read as DCP reads them (``convert``, which must copy
@@ -47,8 +54,22 @@ from .checkpoint_io import (
     set_path,
 )
 from .dcp import SparseLoadPlanner, _weights_only_item
+from .decode import decode_scalar_tables, merge_scalars
 from .errors import CheckpointFormatError, CheckpointMismatchError, SparseCheckpointError
-from .format import ESCAPE, GROUPS_PREFIX, PACKED_PREFIX, STATE_PREFIX, packed_table_key, split_table_key, table_digest
+from .format import (
+    ESCAPE,
+    GROUPS_PREFIX,
+    PACKED_PREFIX,
+    SCALARS_PREFIX,
+    STATE_PREFIX,
+    escape_part,
+    is_flat_part,
+    is_plain_part,
+    is_table_key,
+    packed_table_key,
+    split_table_key,
+    table_digest,
+)
 from .leaves import SINGLE_LEAF
 
 __all__ = [
@@ -161,7 +182,7 @@ class _ItemPlanner(SparseLoadPlanner):
         elif key in self.unpickle_keys:
             DefaultLoadPlanner.load_bytes(self, read_item, value)
         else:
-            DefaultLoadPlanner.load_bytes(self, read_item, _weights_only_item(key, value, table=PACKED_PREFIX in key))
+            DefaultLoadPlanner.load_bytes(self, read_item, _weights_only_item(key, value, table=is_table_key(key)))
 
 
 def item_bytes(md: Any) -> int:
@@ -274,12 +295,20 @@ def flat_groups(settings_by_fqn: Mapping[str, dict[str, Any]]) -> list[Group]:
 def split_optimizer(values: Mapping[str, Any]) -> tuple[dict[str, list[Group]], list[Group], dict, list[str]]:
     """``(packed leaves, flat groups, state_by_fqn, unmatched keys)`` of one optimizer's entries.
 
-    State values may be DCP metadata objects instead of tensors (only their keys matter here).
+    Per-item state values may be DCP metadata objects instead of tensors (only their keys matter
+    here); scalar tables must be their bytes, and their scalars (values: CPU tensors and Python
+    scalars) lead each FQN's state as on load.
     """
     leaves = decode_tables(values)
     known = {fqn: fqn for groups in leaves.values() for g in groups for fqn in g.fqns}
-    settings_by_fqn, state_by_fqn, _tables, unmatched = _backend.core.unflatten(values, known)
-    return leaves, flat_groups(settings_by_fqn), state_by_fqn, list(unmatched)
+    settings_by_fqn, state_by_fqn, _tables, scalar_tables, unmatched = _backend.core.unflatten(values, known)
+    unmatched = list(unmatched)
+    if scalar_tables:
+        scalars_of = decode_scalar_tables(
+            scalar_tables, is_known=lambda f: f in known or f in settings_by_fqn, unmatched=unmatched
+        )
+        state_by_fqn = merge_scalars(state_by_fqn, scalars_of)
+    return leaves, flat_groups(settings_by_fqn), state_by_fqn, unmatched
 
 
 def named_groups(leaves: dict[str, list[Group]], flat: list[Group]) -> list[tuple[str, list[Group]]]:
@@ -301,15 +330,32 @@ def select_optimizers(found: list[OptimizerEntries], key: str | None) -> list[Op
     return chosen
 
 
-def optimizer_values(path: str | os.PathLike[str], metadata: Metadata, opt: OptimizerEntries) -> dict[str, Any]:
-    """One optimizer's entries: ``param_groups.*`` values read, ``state.*`` as their DCP metadata."""
-    pg = {inner: flat for inner, flat in opt.inner.items() if not inner.startswith(STATE_PREFIX)}
-    loaded = read_entries(path, metadata, pg.values())
-    values: dict[str, Any] = {inner: loaded[flat] for inner, flat in pg.items()}
+def is_state_item(inner: str) -> bool:
+    """An optimizer entry that is one per-item state value (``state.*`` but not a scalar table):
+    the tools look at its DCP metadata only; every other entry (settings, tables) is read."""
+    return inner.startswith(STATE_PREFIX) and not inner.startswith(SCALARS_PREFIX)
+
+
+def read_keys(opt: OptimizerEntries) -> list[str]:
+    """The flattened keys of ``opt``'s entries that the tools read (see :func:`is_state_item`)."""
+    return [flat for inner, flat in opt.inner.items() if not is_state_item(inner)]
+
+
+def entry_values(opt: OptimizerEntries, metadata: Metadata, read: Mapping[str, Any]) -> dict[str, Any]:
+    """``opt``'s entries by inner key: per-item state as its DCP metadata, every other entry as
+    read (``read``: flattened key -> value; entries missing from it are left out)."""
+    values: dict[str, Any] = {}
     for inner, flat in opt.inner.items():
-        if inner.startswith(STATE_PREFIX):
+        if is_state_item(inner):
             values[inner] = metadata.state_dict_metadata[flat]
+        elif flat in read:
+            values[inner] = read[flat]
     return values
+
+
+def optimizer_values(path: str | os.PathLike[str], metadata: Metadata, opt: OptimizerEntries) -> dict[str, Any]:
+    """One optimizer's entries: settings and tables read, per-item ``state.*`` as their DCP metadata."""
+    return entry_values(opt, metadata, read_entries(path, metadata, read_keys(opt)))
 
 
 # --------------------------------------------------------------------------- storage checks
@@ -533,10 +579,8 @@ def _summarize_leaf(name: str, groups: list[Group], state_by_fqn: Mapping[str, A
             for key, md in walk_state(state):
                 info = keys.setdefault(key, {"dtypes": [], "count": 0, "bytes": 0})
                 info["count"] += 1
-                if isinstance(md, TensorStorageMetadata):
-                    dtype, nbytes = _dtype_name(md.properties.dtype), item_bytes(md)
-                else:
-                    dtype, nbytes = "object", 0
+                dtype = _state_sig(md)[0]
+                nbytes = item_bytes(md) if isinstance(md, TensorStorageMetadata) else _tensor_bytes(md)
                 if dtype not in info["dtypes"]:
                     info["dtypes"].append(dtype)
                 info["bytes"] += nbytes
@@ -609,7 +653,7 @@ def inspect_details(
                 raw[(opt.name, name, gi)] = g.settings
         grouped = {fqn for _name, groups in named for g in groups for fqn in g.fqns}
         orphans = sorted(fqn for fqn in state_by_fqn if fqn not in grouped)
-        table_bytes = sum(len(v) for k, v in values.items() if k.startswith(PACKED_PREFIX))
+        tables = [v for k, v in values.items() if k.startswith((PACKED_PREFIX, SCALARS_PREFIX))]
         optimizers.append(
             {
                 "key": opt.name,
@@ -619,7 +663,8 @@ def inspect_details(
                 "with_state": sum(s["with_state"] for s in summaries),
                 "without_state": sum(s["without_state"] for s in summaries),
                 "state_bytes": sum(s["state_bytes"] for s in summaries),
-                "table_bytes": table_bytes,
+                "table_bytes": sum(len(t) for t in tables if isinstance(t, bytes)),
+                "scalar_tables": sum(1 for k in values if k.startswith(SCALARS_PREFIX)),
                 "disk_bytes": sum(disk.get(flat_key, 0) for flat_key in opt.inner.values()),
                 "items": len(opt.inner),
                 "state_without_group": orphans,
@@ -654,7 +699,7 @@ def verify_checkpoint(path: str | os.PathLike[str], *, batch_bytes: int = BATCH_
     raw_keys = {
         key for key, md in metadata.state_dict_metadata.items() if not isinstance(md, TensorStorageMetadata) and key not in opt_keys
     }
-    group_keys = {flat for opt in optimizers for inner, flat in opt.inner.items() if not inner.startswith(STATE_PREFIX)}
+    group_keys = {flat for opt in optimizers for flat in read_keys(opt)}
     kept: dict[str, Any] = {}
     read = 0
     intact = [key for key in metadata.state_dict_metadata if key not in bad]
@@ -675,10 +720,7 @@ def verify_checkpoint(path: str | os.PathLike[str], *, batch_bytes: int = BATCH_
     for opt in optimizers:
         if any(flat in bad for flat in opt.inner.values()):
             continue  # already reported; decoding would only repeat it
-        values = {inner: kept[flat] for inner, flat in opt.inner.items() if flat in kept}
-        for inner, flat in opt.inner.items():
-            if inner.startswith(STATE_PREFIX):
-                values[inner] = metadata.state_dict_metadata[flat]
+        values = entry_values(opt, metadata, kept)
         name = opt.name or "(top level)"
         try:
             leaves, flat, state_by_fqn, unmatched = split_optimizer(values)
@@ -721,11 +763,28 @@ class _View:
             if state:
                 self.state[fqn] = {k: _state_sig(md) for k, md in walk_state(state)}
 
+    def homed(self, leaf: str) -> list[str]:
+        """FQNs of ``leaf``'s groups whose home (first group listing them) is ``leaf``, in group order."""
+        return [f for g in self.leaves[leaf] for f in g.fqns if self.where.get(f, (None,))[0] == leaf]
+
+    def state_not_in(self, other: _View, fqns: Iterable[str]) -> list[str]:
+        """Those of ``fqns`` with state here that ``other`` lists without state."""
+        return [f for f in fqns if f in self.state and f in other.where and f not in other.state]
+
 
 def _state_sig(md: Any) -> tuple[str, tuple[int, ...] | None]:
+    """``(dtype name, shape)`` of a state value: a per-item entry's DCP metadata, or a value of a
+    scalar table (a tensor, or a Python scalar: ``"object"`` like a per-item non-tensor)."""
     if isinstance(md, TensorStorageMetadata):
         return _dtype_name(md.properties.dtype), tuple(md.size)
+    if isinstance(md, torch.Tensor):
+        return _dtype_name(md.dtype), tuple(md.shape)
     return "object", None
+
+
+def _tensor_bytes(value: Any) -> int:
+    """Bytes of a scalar table's tensor value (0 for any other value)."""
+    return value.numel() * value.element_size() if isinstance(value, torch.Tensor) else 0
 
 
 def same_value(a: Any, b: Any) -> bool:
@@ -748,18 +807,21 @@ def same_value(a: Any, b: Any) -> bool:
     return bool(a == b)
 
 
-def _settings_diff(a: Mapping[str, Any], b: Mapping[str, Any]) -> dict[str, Any]:
-    out: dict[str, Any] = {}
-    changed = {k: (a[k], b[k]) for k in a if k in b and not same_value(a[k], b[k])}
-    removed = {k: a[k] for k in a if k not in b}
-    added = {k: b[k] for k in b if k not in a}
-    if changed:
-        out["changed"] = changed
-    if removed:
-        out["removed"] = removed
-    if added:
-        out["added"] = added
+def _add_non_empty(out: dict[str, Any], **entries: Any) -> dict[str, Any]:
+    """``out`` with every non-empty one of ``entries`` added (in order); returns ``out``."""
+    for key, value in entries.items():
+        if value:
+            out[key] = value
     return out
+
+
+def _settings_diff(a: Mapping[str, Any], b: Mapping[str, Any]) -> dict[str, Any]:
+    return _add_non_empty(
+        {},
+        changed={k: (a[k], b[k]) for k in a if k in b and not same_value(a[k], b[k])},
+        removed={k: a[k] for k in a if k not in b},
+        added={k: b[k] for k in b if k not in a},
+    )
 
 
 def _diff_pair(a: _View, b: _View) -> dict[str, Any]:
@@ -785,18 +847,16 @@ def _diff_pair(a: _View, b: _View) -> dict[str, Any]:
             if settings:
                 entry["settings"] = settings
             in_a, in_b = set(ga[gi].fqns), set(gb[gi].fqns)
-            added = [f for f in gb[gi].fqns if f not in in_a]
-            removed = [f for f in ga[gi].fqns if f not in in_b]
-            if added:
-                entry["params_added"] = added
-            if removed:
-                entry["params_removed"] = removed
+            _add_non_empty(
+                entry,
+                params_added=[f for f in gb[gi].fqns if f not in in_a],
+                params_removed=[f for f in ga[gi].fqns if f not in in_b],
+            )
             if len(entry) > 1:
                 group_diffs.append(entry)
-        fqns_b = [f for g in gb for f in g.fqns if b.where.get(f, (None,))[0] == name]
-        fqns_a = [f for g in ga for f in g.fqns if a.where.get(f, (None,))[0] == name]
-        gained = [f for f in fqns_b if f in b.state and f in a.where and f not in a.state]
-        lost = [f for f in fqns_a if f in a.state and f in b.where and f not in b.state]
+        fqns_a, fqns_b = a.homed(name), b.homed(name)
+        gained = b.state_not_in(a, fqns_b)
+        lost = a.state_not_in(b, fqns_a)
         changes = []
         for fqn in fqns_b:
             sa, sb = a.state.get(fqn), b.state.get(fqn)
@@ -805,25 +865,16 @@ def _diff_pair(a: _View, b: _View) -> dict[str, Any]:
             for k in list(sa) + [k for k in sb if k not in sa]:
                 if sa.get(k) != sb.get(k):
                     changes.append({"fqn": fqn, "key": k, "a": _sig_json(sa.get(k)), "b": _sig_json(sb.get(k))})
-        entry = {"name": name}
-        if group_diffs:
-            entry["groups"] = group_diffs
-        if gained:
-            entry["gained_state"] = gained
-        if lost:
-            entry["lost_state"] = lost
-        if changes:
-            entry["state_changes"] = changes
+        entry = _add_non_empty(
+            {"name": name}, groups=group_diffs, gained_state=gained, lost_state=lost, state_changes=changes
+        )
         if len(entry) > 1:
             leaves.append(entry)
     only_a = [f for f in a.where if f not in b.where]
     only_b = [f for f in b.where if f not in a.where]
-    out: dict[str, Any] = {"key_a": a.name, "key_b": b.name, "leaves": leaves}
-    if only_a:
-        out["params_only_in_a"] = only_a
-    if only_b:
-        out["params_only_in_b"] = only_b
-    return out
+    return _add_non_empty(
+        {"key_a": a.name, "key_b": b.name, "leaves": leaves}, params_only_in_a=only_a, params_only_in_b=only_b
+    )
 
 
 def _sig_json(sig: tuple[str, tuple[int, ...] | None] | None) -> dict[str, Any] | None:
@@ -889,7 +940,9 @@ def convert_optimizer(
     leaves, flat, _state, _unmatched = split_optimizer(values)
     out = {k: v for k, v in values.items() if not k.startswith(GROUPS_PREFIX)}
     if to == "flat":
-        escaped = [k for k in values if k.startswith(STATE_PREFIX) and f".{ESCAPE}" in k]
+        # DSD's layout has no tables: scalars become per-item state again (each FQN's first).
+        out = {**expand_scalar_tables(values, flat=True), **{k: v for k, v in out.items() if not k.startswith(SCALARS_PREFIX)}}
+        escaped = [k for k in values if is_state_item(k) and f".{ESCAPE}" in k]
         if escaped and leaves:
             raise CheckpointFormatError(
                 f"state key {escaped[0]!r} has an escaped part (a state key that is not a plain str, or nested "
@@ -924,6 +977,43 @@ def convert_optimizer(
             out.update(pack_flat_groups(flat, leaf, leaves))
     else:
         raise UsageError(f"--to must be 'packed' or 'flat', got {to!r}")
+    return out
+
+
+def expand_scalar_tables(values: Mapping[str, Any], *, flat: bool) -> dict[str, Any]:
+    """The scalar tables among ``values`` as the per-item entries (``state.{fqn}.{key}``) of
+    packed version 1, FQN by FQN, each FQN's in its saved order; every entry gets its own tensor.
+
+    ``flat=True``: a key the flat layout cannot hold is a :class:`CheckpointFormatError`;
+    otherwise it is escaped (packed). A key that ``values`` already holds is a
+    :class:`CheckpointFormatError` (a scalar also saved per item).
+    """
+    tables = {k[len(SCALARS_PREFIX) :]: v for k, v in values.items() if k.startswith(SCALARS_PREFIX)}
+    if not tables:
+        return {}
+    for k, v in tables.items():
+        if not isinstance(v, bytes):
+            raise CheckpointFormatError(f"scalar table '{SCALARS_PREFIX}{k}' is a {type(v).__name__}, expected bytes")
+    out: dict[str, Any] = {}
+    state = merge_scalars({}, decode_scalar_tables(tables))
+    for fqn, scalars in state.items():
+        for key, value in scalars.items():
+            if is_flat_part(key) if flat else is_plain_part(key):
+                part = key
+            elif flat:
+                raise CheckpointFormatError(
+                    f"scalar state {key!r} of {fqn!r} cannot be written in the flat format (a key must be a str "
+                    "without '.')"
+                )
+            else:
+                part = escape_part(key)
+            item = f"{STATE_PREFIX}{fqn}.{part}"
+            if item in values:
+                raise CheckpointFormatError(
+                    f"state key {key!r} of {fqn!r} is both in a scalar table and the per-item entry {item!r} "
+                    "(corrupt or edited checkpoint)"
+                )
+            out[item] = value
     return out
 
 

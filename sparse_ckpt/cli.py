@@ -5,7 +5,9 @@
     per leaf: the groups with their settings, how many parameters have state and how many do not,
     the state keys with their dtypes, the bytes they take, and for MoE FQNs (``...experts.N...``)
     how many experts per layer have state. ``--params`` lists the parameters without state and
-    the per-layer expert table. Items whose data file is missing or too short make it exit 1.
+    the per-layer expert table. Scalars held in a packed checkpoint's scalar tables (``step``, ...)
+    count as state exactly like per-item entries; the optimizer line says how many scalar tables
+    there are. Items whose data file is missing or too short make it exit 1.
 
 ``verify CKPT [--json]``
     Read every item (storage bounds, zip CRC-32, then through DCP) and decode every optimizer;
@@ -110,6 +112,12 @@ def _expert_lines(experts: list[dict[str, Any]], params: bool) -> list[str]:
     return lines
 
 
+def _scalar_note(opt: Mapping[str, Any]) -> str:
+    """`` (N scalar table(s))`` for a packed version-2 optimizer, else empty."""
+    n = opt.get("scalar_tables", 0)
+    return f" ({n} scalar table{'s' if n != 1 else ''})" if n else ""
+
+
 def format_inspect(report: dict[str, Any], groups_raw: dict[tuple[str, str, int], dict[str, Any]]) -> str:
     """The text form of an ``inspect`` report."""
     lines = [f"checkpoint: {report['checkpoint']}"]
@@ -120,7 +128,8 @@ def format_inspect(report: dict[str, Any], groups_raw: dict[tuple[str, str, int]
         lines.append(
             f"optimizer {key!s}: {opt['format']} format, {len(opt['leaves'])} leaf/leaves, {opt['params']} params "
             f"({opt['with_state']} with state, {opt['without_state']} without), {opt['items']} items, "
-            f"state {opt['state_bytes']} bytes, tables {opt['table_bytes']} bytes, on disk {opt['disk_bytes']} bytes"
+            f"state {opt['state_bytes']} bytes, tables {opt['table_bytes']} bytes{_scalar_note(opt)}, "
+            f"on disk {opt['disk_bytes']} bytes"
         )
         for leaf in opt["leaves"]:
             lines.append(

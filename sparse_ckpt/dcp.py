@@ -36,7 +36,16 @@ from torch.distributed.tensor import empty as dtensor_empty
 
 from ._dcp_paths import metadata_path, set_path
 from .errors import CheckpointFormatError, CheckpointMismatchError
-from .format import GROUPS_PREFIX, PACKED_PREFIX, PLANNER_GUARD_KEY, STATE_PREFIX, STEP_KEY, owner_fqn
+from .format import (
+    GROUPS_PREFIX,
+    PACKED_PREFIX,
+    PLANNER_GUARD_KEY,
+    SCALARS_PREFIX,
+    STATE_PREFIX,
+    STEP_KEY,
+    is_table_key,
+    owner_fqn,
+)
 from .fqn import FqnMap, build_fqn_map
 from .leaves import named_leaves
 from .load import load_owned
@@ -184,8 +193,8 @@ class SparseLoadPlanner(DefaultLoadPlanner):
     """A ``DefaultLoadPlanner`` that makes optimizer load targets match the checkpoint.
 
     For every :class:`SparseStateDict` in the load target it replaces the dict's content by the
-    checkpoint's optimizer entries under the same path: all packed group tables (every rank's),
-    flat ``param_groups`` entries and ``state`` tensors of the parameters the *local* model owns
+    checkpoint's optimizer entries under the same path: all packed group and scalar tables
+    (every rank's), flat ``param_groups`` entries and ``state`` tensors of the parameters the *local* model owns
     (other ranks' experts are not read), and any other entry under the path. State tensors shaped
     like their parameter are allocated like it (a DTensor parameter: same mesh and placements;
     a plain one: same device), with the checkpoint's dtype; other tensors (``step``, ...) are plain
@@ -226,25 +235,26 @@ class SparseLoadPlanner(DefaultLoadPlanner):
 
         ``DefaultLoadPlanner.load_bytes`` unpickles every bytes item with ``weights_only=False``,
         so a tampered optimizer item could run code before the library ever sees it. Packed group
-        tables must be plain ``bytes``; flat ``param_groups`` values and non-tensor state values
+        and scalar tables must be plain ``bytes``; flat ``param_groups`` values and non-tensor state values
         may be anything the restricted unpickler accepts. Refusals are
         :class:`CheckpointFormatError` naming the key.
         """
         key = read_item.dest_index.fqn
-        if self._all_weights_only or key in getattr(self, "_optimizer_keys", ()) or PACKED_PREFIX in key:
-            value = _weights_only_item(key, value, table=PACKED_PREFIX in key)
+        table = is_table_key(key)
+        if self._all_weights_only or table or key in getattr(self, "_optimizer_keys", ()):
+            value = _weights_only_item(key, value, table=table)
         super().load_bytes(read_item, value)
 
 
 def _weights_only_item(key: str, value: io.BytesIO, table: bool) -> io.BytesIO:
     """Unpickle a DCP bytes item with ``weights_only=True``; return a fresh stream of it for DCP."""
-    what = "packed group table" if table else "optimizer item"
+    what = ("scalar table" if SCALARS_PREFIX in key else "packed group table") if table else "optimizer item"
     try:
         obj = torch.load(value, weights_only=True)
     except Exception as exc:  # noqa: BLE001 - any refusal of the restricted unpickler
         raise CheckpointFormatError(f"{what} {key!r} is not a plain data item ({exc})") from None
     if table and not isinstance(obj, bytes):
-        raise CheckpointFormatError(f"packed group table {key!r} holds a {type(obj).__name__}, expected bytes")
+        raise CheckpointFormatError(f"{what} {key!r} holds a {type(obj).__name__}, expected bytes")
     out = io.BytesIO()
     torch.save(obj, out)
     out.seek(0)
@@ -300,7 +310,7 @@ def _rebuild_target(
     for rel, md, key in entries:
         inner = str(rel[0])
         value: Any
-        if inner.startswith(PACKED_PREFIX):
+        if inner.startswith((PACKED_PREFIX, SCALARS_PREFIX)):  # every rank's tables
             value = _allocate(md, None, "")
         elif inner.startswith(GROUPS_PREFIX):
             fqn = inner[len(GROUPS_PREFIX) :].rpartition(".")[0]

@@ -2,11 +2,13 @@
 
 Settings are *interned*: equal settings (equal encoded bytes) are one dict object, so the core
 can compare them by identity. Aliases of tied parameters resolve to their canonical FQN.
+Scalar tables (packed format, version 2) are merged into each parameter's state: its scalars
+first, then its per-item entries (the saved order).
 """
 
 from __future__ import annotations
 
-from collections.abc import Mapping
+from collections.abc import Callable, Mapping
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -15,7 +17,7 @@ import torch
 from . import _backend
 from ._tensor_parts import parts_to_tensor, tensor_to_parts
 from .errors import CheckpointFormatError, CheckpointMismatchError
-from .format import PACKED_PREFIX, split_table_key, table_digest
+from .format import PACKED_PREFIX, SCALARS_PREFIX, STATE_PREFIX, source_text, split_table_key, table_digest
 from .fqn import FqnMap
 
 
@@ -83,10 +85,17 @@ def decode_checkpoint(state_dict: Mapping[str, Any], fmap: FqnMap) -> DecodedChe
             fqns.update(alias for alias, canon in fmap.canonical.items() if canon in saved)
         return fqns
 
-    settings_raw, state_raw, _tables, unmatched = core.unflatten(state_dict, table_fqns)
+    known: list[set[str]] = []
+
+    def table_fqns_kept(tables: dict[str, bytes]) -> set[str]:
+        fqns = table_fqns(tables)
+        known.append(fqns)
+        return fqns
+
+    settings_raw, state_raw, _tables, scalar_tables, unmatched = core.unflatten(state_dict, table_fqns_kept)
     out = DecodedCheckpoint(unmatched_keys=list(unmatched), has_tables=bool(decoded))
     interned: dict[bytes, dict] = {}
-    source_of: dict[str, str] = {}
+    source_of: dict[str, Any] = {}  # canonical FQN -> where its settings came from (see source_text)
 
     def intern(blob: bytes, settings: dict) -> dict:
         return interned.setdefault(blob, settings)
@@ -100,13 +109,21 @@ def decode_checkpoint(state_dict: Mapping[str, Any], fmap: FqnMap) -> DecodedChe
             source_of[canon] = source
         elif prev is not settings:
             raise CheckpointMismatchError(
-                f"conflicting saved settings for parameter {canon!r}: {source_of[canon]} and {source} differ"
+                f"conflicting saved settings for parameter {canon!r}: {source_text(source_of[canon])} and "
+                f"{source_text(source)} differ"
             )
         return canon
 
     for _rest, leaf, settings, blobs, groups in decoded:
         if leaf not in out.table_leaves:
             out.table_leaves.append(leaf)
+        if not any("param_names" in s for s in settings):  # the usual table: one core pass over its FQNs
+            shared = [intern(blob, s) for blob, s in zip(blobs, settings)]
+            for gi in core.merge_table_settings(
+                leaf, shared, groups, fmap.canonical, out.settings_of, source_of, out.table_leaf_of
+            ):
+                _put_empty_group(out, leaf, gi, shared[groups[gi][0]])
+            continue
         unnamed: dict[int, dict] = {}
         for gi, (idx, fqns) in enumerate(groups):
             if fqns and "param_names" in settings[idx]:
@@ -123,13 +140,9 @@ def decode_checkpoint(state_dict: Mapping[str, Any], fmap: FqnMap) -> DecodedChe
             else:
                 s = intern(blobs[idx], settings[idx])
             if not fqns:
-                prev = out.empty_groups.setdefault((leaf, gi), s)
-                if prev is not s:
-                    raise CheckpointMismatchError(
-                        f"leaf {leaf!r} group {gi}: tables of different ranks disagree on this empty group's settings"
-                    )
+                _put_empty_group(out, leaf, gi, s)
             # A parameter may sit in two groups of one leaf (torch allows it): the settings must agree.
-            source = f"table of leaf {leaf!r} group {gi}"  # once per group, not per parameter
+            source = (leaf, gi)  # once per group, not per parameter
             for fqn in fqns:
                 out.table_leaf_of.setdefault(put_settings(fqn, s, source), leaf)
 
@@ -145,14 +158,146 @@ def decode_checkpoint(state_dict: Mapping[str, Any], fmap: FqnMap) -> DecodedChe
         blob = core.encode_settings(f"flat:{fqn}", 0, raw, torch.Tensor, tensor_to_parts)
         put_settings(fqn, intern(blob, raw), f"flat entries of {fqn!r}")
 
-    for fqn, state in state_raw.items():
-        canon = fmap.resolve(fqn)
-        if canon in out.state_of:
-            raise CheckpointMismatchError(
-                f"parameter {canon!r} has saved state under two names ({fqn!r} is an alias)"
-            )
-        out.state_of[canon] = state
+    if len(fmap.canonical) == len(fmap.param_of):  # no aliases: every FQN is its own canonical name
+        out.state_of = state_raw
+    else:
+        for fqn, state in state_raw.items():
+            canon = fmap.resolve(fqn)
+            if canon in out.state_of:
+                raise CheckpointMismatchError(
+                    f"parameter {canon!r} has saved state under two names ({fqn!r} is an alias)"
+                )
+            out.state_of[canon] = state
+    if scalar_tables:  # merged by canonical FQN: a table may name a parameter by an alias
+        fqns = known[0] if known else set()
+        scalars_of = decode_scalar_tables(
+            scalar_tables,
+            resolve=fmap.resolve,
+            is_known=lambda f: f in fqns or f in settings_raw,
+            unmatched=out.unmatched_keys,
+        )
+        out.state_of = merge_scalars(out.state_of, scalars_of)
     return out
+
+
+def _put_empty_group(out: DecodedCheckpoint, leaf: str, gi: int, settings: dict) -> None:
+    """Record a table group without parameters; tables of several ranks must agree on it."""
+    prev = out.empty_groups.setdefault((leaf, gi), settings)
+    if prev is not settings:
+        raise CheckpointMismatchError(
+            f"leaf {leaf!r} group {gi}: tables of different ranks disagree on this empty group's settings"
+        )
+
+
+def _cpu_parts_to_tensor(dtype: str, shape: tuple[int, ...], device_type: str, data: bytes) -> torch.Tensor:
+    """:func:`parts_to_tensor` onto CPU whatever the saved device: a scalar table's tensors come
+    back as DCP gives a per-item ``step`` (torch's load policy then places them)."""
+    return parts_to_tensor(dtype, shape, "cpu", data)
+
+
+def decode_scalar_tables(
+    tables: Mapping[str, bytes],
+    *,
+    resolve: Callable[[str], str] | None = None,
+    is_known: Callable[[str], bool] | None = None,
+    unmatched: list[str] | None = None,
+) -> dict[str, tuple[dict[str, Any], str]]:
+    """Scalar tables (``{leaf}.{digest}`` -> bytes, as ``core.unflatten`` returns them) ->
+    ``FQN -> (scalars, leaf)``.
+
+    Digests are checked and tensors decoded onto CPU. FQNs are keyed by ``resolve(fqn)`` (the
+    canonical FQN of an alias; the saved FQN without ``resolve``). Scalars of a saved FQN that is
+    not ``is_known`` (no table or flat settings of the checkpoint list it) are left out and
+    reported in ``unmatched`` as the per-item keys (``state.{fqn}.{key}``) a version-1 checkpoint
+    would have had, so strict loads treat them exactly alike. Tables of one leaf (several ranks')
+    merge; an FQN in two tables (or under two aliases) must have the same scalars (the same
+    encoded bytes), else :class:`CheckpointMismatchError` naming the leaves, the FQN and the first
+    differing key. The scalar dicts are shared by every FQN of their table group: copy them
+    (:func:`merge_scalars`) before they become state.
+    """
+    core = _backend.core
+    found: dict[str, tuple[dict[str, Any], str]] = {}
+    blob_of: dict[str, bytes] = {}
+    for rest, table in tables.items():
+        leaf, digest = split_table_key(rest, SCALARS_PREFIX)
+        key = f"{SCALARS_PREFIX}{rest}"
+        if table_digest(table) != digest:
+            raise CheckpointFormatError(
+                f"leaf {leaf!r}: scalar table {key!r} does not match its digest (corrupt or edited checkpoint)"
+            )
+        try:
+            scalars, blobs, groups = core.decode_table(leaf, table, _cpu_parts_to_tensor)
+        except CheckpointFormatError as exc:
+            raise CheckpointFormatError(f"scalar table {key!r}: {exc}") from None
+        for idx, fqns in groups:
+            blob = blobs[idx]
+            for saved in fqns:
+                if is_known is not None and not is_known(saved):
+                    if unmatched is not None:
+                        unmatched.extend(f"{STATE_PREFIX}{saved}.{k}" for k in scalars[idx])
+                    continue
+                fqn = saved if resolve is None else resolve(saved)
+                prev = blob_of.get(fqn)
+                if prev is None:
+                    blob_of[fqn] = blob
+                    found[fqn] = (scalars[idx], leaf)
+                elif prev is not blob and prev != blob:
+                    first, first_leaf = found[fqn]
+                    raise CheckpointMismatchError(
+                        f"leaf {leaf!r}: parameter {fqn!r} has different scalar state in two scalar tables "
+                        f"(of leaf {first_leaf!r} and leaf {leaf!r}; key {_first_differing(leaf, first, scalars[idx])!r})"
+                    )
+    return found
+
+
+def _first_differing(leaf: str, a: Mapping[str, Any], b: Mapping[str, Any]) -> str:
+    """The first key whose entry differs between two scalar dicts (by encoded bytes)."""
+    core = _backend.core
+
+    def enc(d: Mapping[str, Any], k: str) -> bytes:
+        return core.encode_settings(leaf, 0, {k: d[k]}, torch.Tensor, tensor_to_parts)
+
+    for k in a:
+        if k not in b or enc(a, k) != enc(b, k):
+            return k
+    return next((k for k in b if k not in a), "?")
+
+
+def merge_scalars(state_of: dict[str, dict], scalars_of: Mapping[str, tuple[dict[str, Any], str]]) -> dict[str, dict]:
+    """Each FQN's state: its scalars (from :func:`decode_scalar_tables`) first, then its per-item
+    entries (``state_of``, keyed alike), in a new dict; FQNs with scalars only come last.
+
+    Every FQN gets its own scalar dict and its own tensors (an optimizer steps each ``step`` in
+    place). A scalar key that is also a per-item key is a :class:`CheckpointFormatError`.
+    """
+    handed: set[int] = set()
+
+    def own(scalars: dict[str, Any]) -> dict[str, Any]:
+        if id(scalars) not in handed:
+            handed.add(id(scalars))
+            return dict(scalars)
+        return {k: v.clone() if isinstance(v, torch.Tensor) else v for k, v in scalars.items()}
+
+    merged: dict[str, dict] = {}
+    for fqn, state in state_of.items():
+        entry = scalars_of.get(fqn)
+        if entry is None:
+            merged[fqn] = state
+            continue
+        scalars, leaf = entry
+        if not scalars.keys().isdisjoint(state):
+            clash = next(k for k in state if k in scalars)
+            raise CheckpointFormatError(
+                f"leaf {leaf!r}: state key {clash!r} of {fqn!r} is both in a scalar table and the per-item entry "
+                f"'{STATE_PREFIX}{fqn}.{clash}' (corrupt or edited checkpoint)"
+            )
+        new = own(scalars)
+        new.update(state)
+        merged[fqn] = new
+    for fqn, (scalars, _leaf) in scalars_of.items():
+        if fqn not in state_of and scalars:
+            merged[fqn] = own(scalars)
+    return merged
 
 
 def _refuse_other_layouts(state_dict: Mapping[str, Any]) -> None:

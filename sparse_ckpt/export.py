@@ -4,7 +4,9 @@ A DCP checkpoint's ``.metadata`` and its non-tensor items are pickles. :func:`ex
 writes one optimizer of a DCP checkpoint into a directory that holds no pickle at all:
 
 * ``optimizer.safetensors`` -- every state tensor, full (unsharded), named by the checkpoint's
-  flat key (``state.{fqn}.{key}``), and every packed group table as a 1-d ``uint8`` tensor named
+  flat key (``state.{fqn}.{key}``; the scalars of a packed version-2 checkpoint's scalar tables
+  are exported as such per-item entries too, so an export's layout does not depend on the
+  checkpoint's packed version), and every packed group table as a 1-d ``uint8`` tensor named
   by its key (``param_groups.__packed__.{leaf}.{digest}``). Flat-format group settings are
   packed into one table of leaf ``leaf`` (one group per distinct settings), so an export always
   carries binary tables (the codec of :mod:`sparse_ckpt.format`, which never unpickles).
@@ -44,6 +46,8 @@ from .checkpoint_tools import (
     UsageError,
     batches,
     check_new_dir,
+    expand_scalar_tables,
+    is_state_item,
     named_groups,
     open_checkpoint,
     pack_flat_groups,
@@ -53,7 +57,7 @@ from .checkpoint_tools import (
 )
 from .dcp import _multi_rank
 from .errors import CheckpointFormatError
-from .format import PACKED_PREFIX, STATE_PREFIX, STEP_KEY, owner_fqn, split_table_key, table_digest
+from .format import PACKED_PREFIX, SCALARS_PREFIX, STATE_PREFIX, STEP_KEY, owner_fqn, split_table_key, table_digest
 from .fqn import FqnMap, build_fqn_map
 from .leaves import SINGLE_LEAF
 from .load import load_owned
@@ -159,6 +163,12 @@ def decode_value(key: str, value: Any) -> Any:
 # --------------------------------------------------------------------------- safetensors writer
 
 
+def _check_dtype(key: str, dtype: torch.dtype) -> torch.dtype:
+    """``dtype``, when safetensors can hold it (else :class:`CheckpointFormatError`)."""
+    _st_dtype(key, dtype)
+    return dtype
+
+
 def _st_dtype(key: str, dtype: torch.dtype) -> str:
     name = _ST_DTYPES.get(dtype)
     if name is None:
@@ -237,8 +247,8 @@ def export_checkpoint(
     check_new_dir(out_dir)
     opt = found[0]
     sdm = metadata.state_dict_metadata
-    group_keys = [inner for inner in opt.inner if not inner.startswith(STATE_PREFIX)]
-    state_keys = [inner for inner in opt.inner if inner.startswith(STATE_PREFIX)]
+    group_keys = [inner for inner in opt.inner if not is_state_item(inner)]  # settings and tables
+    state_keys = [inner for inner in opt.inner if is_state_item(inner)]
     tensor_keys = [k for k in state_keys if isinstance(sdm[opt.inner[k]], TensorStorageMetadata)]
     value_keys = [k for k in state_keys if not isinstance(sdm[opt.inner[k]], TensorStorageMetadata)]
     small = read_entries(ckpt_dir, metadata, [opt.inner[k] for k in group_keys + value_keys])
@@ -252,10 +262,17 @@ def export_checkpoint(
     named = named_groups(leaves, [])
     if flat:
         named.append((leaf, flat))
-    encoded = {k: encode_value(k, values[k]) for k in value_keys}
+    # Scalar tables are exported as the per-item entries of packed version 1 (each FQN's first),
+    # so an export's layout does not depend on the checkpoint's packed version.
+    scalars = expand_scalar_tables(values, flat=False)
+    scalar_tensors = {k: v for k, v in scalars.items() if isinstance(v, torch.Tensor)}
+    encoded = {k: encode_value(k, v) for k, v in scalars.items() if k not in scalar_tensors}
+    encoded.update({k: encode_value(k, values[k]) for k in value_keys})
     layout: list[tuple[str, torch.dtype, tuple[int, ...]]] = [
         (k, torch.uint8, (len(t),)) for k, t in tables.items()
     ]
+    for k, t in scalar_tensors.items():
+        layout.append((k, _check_dtype(k, t.dtype), tuple(t.shape)))
     for k in tensor_keys:
         md = sdm[opt.inner[k]]
         _st_dtype(k, md.properties.dtype)
@@ -264,6 +281,7 @@ def export_checkpoint(
     def stream() -> Iterator[tuple[str, torch.Tensor]]:
         for k, t in tables.items():
             yield k, torch.frombuffer(bytearray(t), dtype=torch.uint8) if t else torch.empty(0, dtype=torch.uint8)
+        yield from scalar_tensors.items()
         inner_of = {opt.inner[k]: k for k in tensor_keys}
         for batch in batches(metadata, [opt.inner[k] for k in tensor_keys], batch_bytes):
             got = read_entries(ckpt_dir, metadata, batch)
@@ -291,7 +309,7 @@ def export_checkpoint(
         "version": EXPORT_VERSION,
         "created_by": f"sparse_ckpt {__version__}",
         "source": {"checkpoint": os.path.abspath(os.fspath(ckpt_dir)), "key": opt.name, "format": fmt},
-        "tensors": {"file": TENSORS_FILE, "bytes": st_bytes, "count": len(tensor_keys)},
+        "tensors": {"file": TENSORS_FILE, "bytes": st_bytes, "count": len(scalar_tensors) + len(tensor_keys)},
         "tables": [{"key": k, "bytes": len(t)} for k, t in tables.items()],
         "leaves": leaves_info,
         "values": encoded,
@@ -308,7 +326,7 @@ def export_checkpoint(
         key=opt.name,
         source_format=fmt,
         leaves=[name for name, _groups in named],
-        tensors=len(tensor_keys),
+        tensors=len(scalar_tensors) + len(tensor_keys),
         tensor_bytes=sum(math.prod(s) * d.itemsize for k, d, s in layout if not k.startswith(PACKED_PREFIX)),
         tables=len(tables),
         table_bytes=sum(len(t) for t in tables.values()),
@@ -401,9 +419,11 @@ def _open(out_dir: str | os.PathLike[str]) -> tuple[dict[str, Any], _Tensors, di
             if not isinstance(k, str) or not k.startswith(PACKED_PREFIX) or k not in names:
                 raise CheckpointFormatError(f"{MANIFEST_FILE}: table {k!r} is not in {TENSORS_FILE}")
         state_names = [n for n in tensors.keys if not n.startswith(PACKED_PREFIX)]
-        bad = [n for n in state_names if not n.startswith(STATE_PREFIX)]
+        bad = [n for n in state_names if not n.startswith(STATE_PREFIX) or n.startswith(SCALARS_PREFIX)]
         bad += [n for n in tensors.keys if n.startswith(PACKED_PREFIX) and n not in table_keys]
-        bad += [k for k in manifest["values"] if not k.startswith(STATE_PREFIX) or k in names]
+        bad += [
+            k for k in manifest["values"] if not k.startswith(STATE_PREFIX) or k.startswith(SCALARS_PREFIX) or k in names
+        ]
         if bad:
             raise CheckpointFormatError(f"{TENSORS_FILE}/{MANIFEST_FILE}: unexpected or duplicate entry {bad[0]!r}")
         tables: dict[str, bytes] = {}

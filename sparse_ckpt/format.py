@@ -3,13 +3,28 @@
 A sparse optimizer dict is a plain ``dict[str, value]``:
 
 * ``state.{fqn}.{k1}[.{k2}...]`` -- one per-parameter state value (nested state dicts are
-  flattened with ``.``), identical in the packed and the flat format (torch DSD's layout);
+  flattened with ``.``); the flat format writes every state value this way (torch DSD's layout);
+* ``state.__packed__.{leaf}.{digest}`` -- packed format (version 2): a leaf's binary *scalar
+  table*, ``digest`` being :func:`table_digest` of its bytes (see below);
 * ``param_groups.{fqn}.{key}`` -- flat format: one group setting of one parameter;
 * ``param_groups.__packed__.{leaf}.{digest}`` -- packed format: a leaf's binary group table,
   ``digest`` being :func:`table_digest` of the table bytes;
 * :data:`PLANNER_GUARD_KEY` -- only in the dicts a DCP ``Stateful`` of sparse_ckpt returns: a
   one-element tensor that makes ``dcp.load`` without :class:`sparse_ckpt.SparseLoadPlanner`
   fail while planning, before any byte is read.
+
+**Scalar tables** (packed format, version 2). Per leaf, the *leading run* of each parameter's
+top-level state entries (in the state dict's own order) whose key is a plain part (see below)
+and whose value is a plain 0-d ``torch.Tensor`` (exact type, a dtype the table codec holds, no
+autograd) or an exact ``bool``/``int`` (64-bit)/``float`` is not written per item but into one
+scalar table: the group-table codec, each "group" being one distinct scalar dict and the FQNs
+that have exactly it (Adam's ``step`` of every parameter of an MoE leaf is usually one group).
+The rest of the entries are ``state.{fqn}.{key}`` items as before. On load a parameter's state
+is its scalars (in table order) followed by its per-item entries, so key order is exact;
+scalar tensors are rebuilt on CPU (torch's load policy then moves ``step`` to the parameter's
+device only for fused/capturable groups). Tables of one leaf from several ranks merge; one FQN
+in two tables must have the same scalars. Packed version 1 (every state value per item) stays
+readable. ``__packed__`` is reserved: no parameter FQN may start with ``__packed__.``.
 
 **State key parts** (packed format). A state key part that is a ``str`` without ``.`` and not
 starting with ``~`` is written as it is (so ordinary checkpoints are byte-for-byte DSD's
@@ -24,6 +39,7 @@ time.
 from __future__ import annotations
 
 import hashlib
+from typing import Any
 
 from .errors import CheckpointFormatError
 
@@ -31,6 +47,8 @@ PACKED_MARKER = "__packed__"
 STATE_PREFIX = "state."
 GROUPS_PREFIX = "param_groups."
 PACKED_PREFIX = f"{GROUPS_PREFIX}{PACKED_MARKER}."
+SCALARS_PREFIX = f"{STATE_PREFIX}{PACKED_MARKER}."
+"""Prefix of the packed format's per-leaf scalar tables (``state.__packed__.{leaf}.{digest}``)."""
 STEP_KEY = "step"
 """The state key torch treats specially: not cast to the param's dtype (unless fused/capturable),
 not shape-checked, and allocated as a plain tensor by the load planner."""
@@ -52,12 +70,28 @@ def packed_table_key(leaf: str, table: bytes) -> str:
     return f"{PACKED_PREFIX}{leaf}.{table_digest(table)}"
 
 
-def split_table_key(rest: str) -> tuple[str, str]:
-    """``"{leaf}.{digest}"`` (a table key without :data:`PACKED_PREFIX`) -> ``(leaf, digest)``."""
+def scalar_table_key(leaf: str, table: bytes) -> str:
+    """``state.__packed__.{leaf}.{digest}``."""
+    return f"{SCALARS_PREFIX}{leaf}.{table_digest(table)}"
+
+
+def split_table_key(rest: str, prefix: str = PACKED_PREFIX) -> tuple[str, str]:
+    """``"{leaf}.{digest}"`` (a table key without ``prefix``: :data:`PACKED_PREFIX` for a group
+    table, :data:`SCALARS_PREFIX` for a scalar table) -> ``(leaf, digest)``."""
     leaf, dot, digest = rest.rpartition(".")
     if not dot or not leaf or not digest:
-        raise CheckpointFormatError(f"packed group table key '{PACKED_PREFIX}{rest}' has no leaf/digest")
+        raise CheckpointFormatError(f"{table_kind(prefix)} key '{prefix}{rest}' has no leaf/digest")
     return leaf, digest
+
+
+def table_kind(prefix: str) -> str:
+    """``"packed group table"`` or ``"scalar table"``, for messages."""
+    return "scalar table" if prefix == SCALARS_PREFIX else "packed group table"
+
+
+def is_table_key(key: str) -> bool:
+    """A (flattened) DCP key of a group or scalar table: its value must be plain ``bytes``."""
+    return PACKED_PREFIX in key or SCALARS_PREFIX in key
 
 
 def is_plain_part(part: object) -> bool:
@@ -100,3 +134,11 @@ def owner_fqn(body: str, known: object) -> str | None:
             return candidate
         dot = body.rfind(".", 0, dot)
     return None
+
+
+def source_text(source: Any) -> str:
+    """Where a parameter's saved settings came from, for messages: a ``(leaf, group index)`` of a
+    packed table (what the core records, cheaply, per group), or a text (flat entries)."""
+    if type(source) is tuple:
+        return f"table of leaf {source[0]!r} group {source[1]}"
+    return str(source)

@@ -6,7 +6,9 @@ already applied are rolled back, so on any error every optimizer is as it was.
 
 from __future__ import annotations
 
+from collections import defaultdict
 from collections.abc import Mapping
+from itertools import chain
 from typing import Any
 
 import torch
@@ -14,27 +16,24 @@ from torch import nn
 
 from . import _backend
 from ._gc import gc_paused
-from .apply import commit_prepared, copy_settings, is_immutable, prepare_packed, rollback, run_post_hooks, snapshot
+from ._torch_compat import load_state_dict_pre_hooks
+from .apply import (
+    PreparedLoad,
+    cast_tensor,
+    cast_value,
+    commit_prepared,
+    copy_settings,
+    overrides_load_state_dict,
+    prepare_packed,
+    rollback,
+    run_post_hooks,
+    snapshot,
+)
 from .decode import DecodedCheckpoint, decode_checkpoint, fmt_list
 from .errors import CheckpointMismatchError, SparseCheckpointError
 from .format import STATE_PREFIX, STEP_KEY, owner_fqn
 from .fqn import FqnMap, build_fqn_map
 from .leaves import named_leaves
-
-
-def _target_fqns(leaf: str, optimizer: torch.optim.Optimizer, fmap: FqnMap) -> list[list[str]]:
-    out: list[list[str]] = []
-    for gi, group in enumerate(optimizer.param_groups):
-        fqns = []
-        for p in group["params"]:
-            fqn = fmap.fqn_of.get(id(p))
-            if fqn is None:
-                raise CheckpointMismatchError(
-                    f"leaf {leaf!r} group {gi}: optimizer parameter of shape {tuple(p.shape)} is not owned by the model"
-                )
-            fqns.append(fqn)
-        out.append(fqns)
-    return out
 
 
 def _check_state_shapes(leaf: str, fqn: str, param: torch.Tensor, state: Any, path: str = "") -> None:
@@ -85,44 +84,59 @@ def plan_leaf(
     missing: list[str],
     used_settings: set[str],
     used_state: set[str],
-) -> dict[str, Any]:
-    """Build the torch-format packed dict for one target leaf (no mutation)."""
+) -> PreparedLoad | dict[str, Any]:
+    """Plan one target leaf (no mutation).
+
+    The common case -- ``Optimizer.load_state_dict`` not overridden, no load pre-hooks, no saved
+    ``param_names`` -- is built by the core in one pass straight into what ``__setstate__``
+    takes (a :class:`PreparedLoad`), with no int ids in between. Otherwise the torch-format
+    packed dict is returned, for :func:`prepare_packed` (which runs the hooks on it)."""
     core = _backend.core
-    target = _target_fqns(leaf, optimizer, fmap)
+    target = core.fqns_of_groups(leaf, optimizer.param_groups, fmap.fqn_of)
     chosen, leaf_missing = core.match_groups(leaf, target, ckpt.settings_of)
     missing.extend(leaf_missing)
-    for fqns in target:
-        used_settings.update(fqns)
+    used_settings.update(chain.from_iterable(target))
+    chosen = _with_empty_groups(leaf, target, chosen, ckpt, strict)
+    check = None if isinstance(optimizer, _FLAT_STATE_OPTIMIZERS) else _check_state_shapes
+    if not ckpt.names_of and not overrides_load_state_dict(optimizer) and not load_state_dict_pre_hooks(optimizer):
+        groups = core.build_groups(optimizer.param_groups, chosen, copy_settings, True)
+        state: defaultdict[Any, Any] = defaultdict(dict)
+        used = core.cast_states(
+            leaf, optimizer.param_groups, target, groups, ckpt.state_of, state, torch.Tensor, check, cast_tensor, cast_value
+        )
+        used_state.update(used)
+        return PreparedLoad(leaf, optimizer, state=state, param_groups=groups)
     packed_groups, _state, _ids = core.pack_optimizer(leaf, optimizer.param_groups, {}, torch.Tensor)
     # Every group below is a new dict sharing no mutable value with the checkpoint, the optimizer
     # or another group (as torch's deepcopy would give), so apply need not copy them again.
-    flat_copy_ok: dict[int, bool] = {}
-    groups: list[dict[str, Any]] = []
-    for gi, (group, settings) in enumerate(zip(optimizer.param_groups, chosen)):
-        if not target[gi]:
+    groups = core.build_groups(optimizer.param_groups, chosen, copy_settings, False)
+    for gi, new in enumerate(groups):
+        if ckpt.names_of and target[gi] and any(f in ckpt.names_of for f in target[gi]):
+            new = groups[gi] = _with_param_names(new, optimizer.param_groups[gi], target[gi], ckpt.names_of, ckpt.names_list_of)
+        new["params"] = packed_groups[gi]["params"]
+    packed_state, used = core.assign_state_ids(target, ckpt.state_of)
+    used_state.update(used)
+    if check is not None:
+        for fqn in used:
+            check(leaf, fqn, fmap.param_of[fqn], ckpt.state_of[fqn])
+    return {"state": packed_state, "param_groups": groups}
+
+
+def _with_empty_groups(
+    leaf: str, target: list[list[str]], chosen: list[Any], ckpt: DecodedCheckpoint, strict: bool
+) -> list[Any]:
+    """``chosen`` with each target group that has no parameters given the checkpoint's empty group
+    at the same leaf and index (packed format); strict refuses a missing one."""
+    for gi, fqns in enumerate(target):
+        if not fqns:
             settings = ckpt.empty_groups.get((leaf, gi))
             if settings is None and strict and ckpt.has_tables:
                 raise CheckpointMismatchError(
                     f"leaf {leaf!r} group {gi}: the target group has no parameters and the checkpoint has "
                     "no empty group at that leaf and index"
                 )
-        if settings is None:
-            new = copy_settings({k: v for k, v in group.items() if k != "params"})
-        else:  # interned (shared by many groups, alive in ckpt): decide once whether a flat copy is a deep one
-            flat = flat_copy_ok.get(id(settings))
-            if flat is None:
-                flat = flat_copy_ok[id(settings)] = all(is_immutable(v) for v in settings.values())
-            new = dict(settings) if flat else copy_settings(settings)
-        if ckpt.names_of and target[gi] and any(f in ckpt.names_of for f in target[gi]):
-            new = _with_param_names(new, group, target[gi], ckpt.names_of, ckpt.names_list_of)
-        new["params"] = packed_groups[gi]["params"]
-        groups.append(new)
-    packed_state, used = core.assign_state_ids(target, ckpt.state_of)
-    used_state.update(used)
-    if not isinstance(optimizer, _FLAT_STATE_OPTIMIZERS):
-        for fqn in used:
-            _check_state_shapes(leaf, fqn, fmap.param_of[fqn], ckpt.state_of[fqn])
-    return {"state": packed_state, "param_groups": groups}
+            chosen[gi] = settings
+    return chosen
 
 
 def _with_param_names(
@@ -195,7 +209,10 @@ def _load(model: nn.Module, optimizer: Any, state_dict: Mapping[str, Any], stric
         _raise_on_mismatch(ckpt, missing, used_settings, used_state, {leaf for leaf, _ in leaves}, owned)
     # Every leaf's pre-hooks and validation run before any leaf is changed, and post-hooks only
     # once every leaf is in place, so a failing leaf never follows another leaf's post-hooks.
-    prepared = [prepare_packed(leaf, opt, packed, groups_owned=True) for leaf, opt, packed in plans]
+    prepared = [
+        plan if isinstance(plan, PreparedLoad) else prepare_packed(leaf, opt, plan, groups_owned=True)
+        for leaf, opt, plan in plans
+    ]
     applied: list[tuple[torch.optim.Optimizer, tuple[Any, Any]]] = []
     try:
         for item in prepared:

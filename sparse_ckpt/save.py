@@ -10,14 +10,32 @@ from torch import nn
 from . import _backend
 from ._gc import gc_paused
 from ._tensor_parts import tensor_to_parts
-from .capture import capture_packed
-from .errors import CheckpointMismatchError
-from .format import packed_table_key, table_digest
+from .capture import capture_by_fqn
+from .errors import CheckpointFormatError, CheckpointMismatchError
+from .format import PACKED_MARKER, packed_table_key, scalar_table_key, table_digest
 from .fqn import FqnMap, build_fqn_map
 from .leaves import named_leaves
 
 Format = Literal["packed", "flat"]
 FORMATS = ("packed", "flat")
+
+_SCALAR_TABLES = True
+"""Packed format version 2: each leaf's leading scalar state goes into one scalar table (see
+:mod:`sparse_ckpt.format`). ``False`` writes packed version 1, every state value as its own item
+-- private, for tests of the version-1 reader only."""
+
+_RESERVED_FQN = f"{PACKED_MARKER}."
+
+_SCALAR_DTYPES: dict[torch.dtype, tuple[str, torch.dtype | None]] = {
+    dt: (str(dt).removeprefix("torch."), torch.int16 if dt == torch.bfloat16 else None)
+    for dt in (
+        torch.float64, torch.float32, torch.float16, torch.bfloat16,
+        torch.complex64, torch.complex128,
+        torch.int64, torch.int32, torch.int16, torch.int8, torch.uint8, torch.bool,
+    )
+}
+"""The dtypes the table codec holds (``_tensor_parts``), each with the dtype a CPU tensor is
+viewed as for ``numpy()`` (bfloat16 has no numpy dtype)."""
 
 
 __all__ = ["FORMATS", "Format", "capture_leaf", "packed_table_key", "sparse_state_dict", "table_digest"]
@@ -27,8 +45,7 @@ def capture_leaf(
     leaf: str, optimizer: torch.optim.Optimizer, fmap: FqnMap
 ) -> tuple[list[tuple[dict, list[str]]], dict[str, Any]]:
     """Capture one leaf as ``(groups_fqn, state_fqn)``."""
-    packed, id_to_param = capture_packed(leaf, optimizer)
-    return _backend.core.remap_to_fqns(leaf, packed["param_groups"], packed["state"], id_to_param, fmap.fqn_of)
+    return capture_by_fqn(leaf, optimizer, fmap.fqn_of)
 
 
 def sparse_state_dict(model: nn.Module, optimizer: Any, *, format: Format = "packed") -> dict[str, Any]:
@@ -52,23 +69,65 @@ def _sparse_state_dict(model: nn.Module, optimizer: Any, format: Format) -> dict
     owner: dict[str, str] = {}
     for leaf, opt in named_leaves(optimizer):
         groups_fqn, state_fqn = capture_leaf(leaf, opt, fmap)
-        first_group: dict[str, int] = {}
-        for gi, (_settings, fqns) in enumerate(groups_fqn):
-            for fqn in fqns:
-                prev = owner.setdefault(fqn, leaf)
-                if prev != leaf:
-                    raise CheckpointMismatchError(
-                        f"parameter {fqn!r} is in both leaf {prev!r} and leaf {leaf!r}"
-                    )
-                if first_group.setdefault(fqn, gi) != gi:
-                    _check_same_settings(leaf, fqn, groups_fqn, first_group[fqn], gi)
-        out.update(core.flatten_state(leaf, state_fqn, fmap.param_of, format == "packed"))
+        repeats = core.claim_owners(leaf, groups_fqn, owner)
+        if repeats:  # a parameter in two groups of this leaf (torch allows it)
+            _check_repeats(leaf, groups_fqn, repeats)
+        _refuse_reserved(leaf, state_fqn)
+        if format == "packed" and _SCALAR_TABLES:
+            items, scalar_groups = core.flatten_packed_state(leaf, state_fqn, fmap.param_of, torch.Tensor, _scalar_parts)
+            if scalar_groups:
+                scalars = core.encode_table(leaf, scalar_groups, torch.Tensor, tensor_to_parts)
+                out[scalar_table_key(leaf, scalars)] = scalars
+            out.update(items)
+        else:
+            out.update(core.flatten_state(leaf, state_fqn, fmap.param_of, format == "packed"))
         if format == "flat":
             out.update(core.flatten_groups(leaf, groups_fqn))
         else:
             table = core.encode_table(leaf, groups_fqn, torch.Tensor, tensor_to_parts)
             out[packed_table_key(leaf, table)] = table
     return out
+
+
+def _scalar_parts(t: torch.Tensor) -> tuple[str, tuple[int, ...], str, bytes] | None:
+    """The codec parts of a state tensor that goes into a scalar table, else ``None``.
+
+    The core calls it for every state value of exact type ``torch.Tensor`` in a parameter's
+    leading run. It takes 0-d tensors of a dtype the codec holds, strided, without autograd,
+    conj/neg bits or meta storage; the parts are exactly :func:`tensor_to_parts`'s (a fast path
+    for CPU tensors, the usual case, reads the element's bytes through numpy).
+    """
+    if t.ndim != 0 or t.requires_grad:
+        return None
+    spec = _SCALAR_DTYPES.get(t.dtype)
+    if spec is None or t.layout is not torch.strided or t.is_conj() or t.is_neg():
+        return None
+    device = t.device.type
+    if device != "cpu":
+        return None if device == "meta" else tensor_to_parts(t)
+    name, view = spec
+    return name, (), "cpu", (t if view is None else t.view(view)).numpy().tobytes()
+
+
+def _refuse_reserved(leaf: str, state_fqn: dict[str, Any]) -> None:
+    """State of an FQN starting with ``__packed__.`` would read back as a table: refuse it."""
+    for fqn in state_fqn:
+        if type(fqn) is str and fqn.startswith(_RESERVED_FQN):
+            raise CheckpointFormatError(
+                f"leaf {leaf!r}: parameter {fqn!r} has state, and FQNs starting with {_RESERVED_FQN!r} are "
+                "reserved for the checkpoint's tables; rename the module"
+            )
+
+
+def _check_repeats(leaf: str, groups_fqn: list[tuple[dict, list[str]]], repeats: list[tuple[str, int]]) -> None:
+    """Each repeated listing ``(fqn, group)`` must carry the settings of the FQN's first group."""
+    first_group: dict[str, int] = {}
+    for gi, (_settings, fqns) in enumerate(groups_fqn):
+        for fqn in fqns:
+            first_group.setdefault(fqn, gi)
+    for fqn, gi in repeats:
+        if first_group[fqn] != gi:
+            _check_same_settings(leaf, fqn, groups_fqn, first_group[fqn], gi)
 
 
 def _check_same_settings(leaf: str, fqn: str, groups_fqn: list[tuple[dict, list[str]]], first: int, again: int) -> None:

@@ -21,6 +21,7 @@ from torch import nn
 
 import sparse_ckpt as sc
 from sparse_ckpt import cli
+from sparse_ckpt.checkpoint_tools import expand_scalar_tables, open_checkpoint, read_entries
 
 pytestmark = pytest.mark.filterwarnings("ignore:torch.distributed is disabled:UserWarning")
 
@@ -110,7 +111,15 @@ def test_convert_round_trip(checkpoint: tuple[Path, nn.Module, sc.MultiOptimizer
     flat_keys = keys(flat)
     assert not any("__packed__" in k for k in flat_keys)
     assert "optim.param_groups.experts.3.up.weight.lr" in flat_keys
-    state = {k for k in keys(path) if not k.startswith("optim.param_groups.")}
+    # model + state unchanged; the scalar tables became per-item state (DSD's layout has no tables)
+    md = open_checkpoint(path)
+    tables = [k for k in md.state_dict_metadata if k.startswith("optim.state.__packed__.")]
+    assert len(tables) == 2  # leaves 'dense' and 'experts' (leaf 'idle' has no state)
+    read = read_entries(path, md, tables)
+    expanded = expand_scalar_tables({k.removeprefix("optim."): v for k, v in read.items()}, flat=True)
+    assert expanded and all(k.endswith(".step") for k in expanded)
+    state = {k for k in keys(path) if not k.startswith("optim.param_groups.") and k not in tables}
+    state |= {f"optim.{k}" for k in expanded}
     assert {k for k in flat_keys if not k.startswith("optim.param_groups.")} == state  # model + state unchanged
     packed_keys = keys(packed)
     assert {k for k in packed_keys if not k.startswith("optim.param_groups.")} == state

@@ -48,6 +48,7 @@ FUNCTIONS = (
     "pack_optimizer",
     "remap_to_fqns",
     "flatten_state",
+    "flatten_packed_state",
     "flatten_groups",
     "unflatten",
     "encode_settings",
@@ -438,7 +439,7 @@ def test_escaped_state_round_trips(state_fqn: dict) -> None:
         return
     flat = dict(outcome_[1])
     flat["param_groups.__packed__.l.0"] = b""  # any table: the dict is packed, parts are unescaped
-    _settings, state_by, _tables, unmatched = check("unflatten", flat, lambda _tables: known)[1]
+    _settings, state_by, _tables, _scalars, unmatched = check("unflatten", flat, lambda _tables: known)[1]
     expected = {f: s for f, s in state_fqn.items() if _non_empty_leaves(s)}
     assert not unmatched
     assert same(state_by, expected), (state_by, expected)
@@ -571,13 +572,156 @@ def test_unflatten_never_writes_into_the_input() -> None:
         od = collections.OrderedDict(k=1)
         flat = {"state.w.a": inner, "state.w.a.b": 3, "state.w.a.deep.z": 4, "state.w.o": od, "state.w.o.q": 5}
         before = copy.deepcopy(flat)
-        _settings, state, _tables, _unmatched = mod.unflatten(flat, {"w": "w"})
+        _settings, state, _tables, _scalars, _unmatched = mod.unflatten(flat, {"w": "w"})
         assert flat == before and inner == {"x": 1, "deep": {"y": 2}} and od == {"k": 1}
         assert state == {"w": {"a": {"x": 1, "deep": {"y": 2, "z": 4}, "b": 3}, "o": {"k": 1, "q": 5}}}
         assert type(state["w"]["o"]) is collections.OrderedDict and state["w"]["a"] is not inner
         untouched = mod.unflatten({"state.w.a": inner}, {"w": "w"})[1]
         assert untouched["w"]["a"] is inner  # values nobody extends are passed through as they are
     check("unflatten", fresh=lambda: ({"state.w.a": {"x": {}}, "state.w.a.x.y": 1, "state.w.a.x.z": 2}, {"w": 1}))
+
+
+# --------------------------------------------------------------------------- scalar tables (packed v2)
+
+_REQ_GRAD = torch.tensor(1.0, requires_grad=True)
+SCALAR_CANDIDATES = [
+    torch.tensor(3.0), torch.tensor(3.0), torch.tensor(4.0), torch.tensor(2, dtype=torch.int64),
+    torch.tensor(1.5, dtype=torch.bfloat16), torch.tensor(float("nan")), torch.tensor(True),
+    torch.tensor(1 + 2j, dtype=torch.complex64), torch.arange(4.0)[2],  # a 0-d view into a larger storage
+    torch.zeros(2), torch.zeros(1, 1), torch.nn.Parameter(torch.tensor(1.0)), _REQ_GRAD,
+    torch.tensor(7, dtype=torch.uint16) if _uint16 else torch.zeros(0),
+    True, False, 0, -(2**63), 2**63 - 1, 2**63, -(2**63) - 1, 0.5, -0.0, math.nan, math.inf,
+    "s", None, b"x", (1,), [2], {"n": 1},
+]
+scalar_keys = st.one_of(
+    st.sampled_from(["step", "eta", "mu", "", "a.b", "~x", "%", "é", "\ud800", "exp_avg"]),
+    st.integers(-2, 2), st.sampled_from([None, 1.5, (1,)]),
+)
+scalar_states = st.dictionaries(scalar_keys, st.sampled_from(SCALAR_CANDIDATES), max_size=4)
+
+
+def _scalar_parts(t: Any) -> Any:
+    from sparse_ckpt.save import _scalar_parts as parts
+
+    return parts(t)
+
+
+@PROPS
+@given(st.dictionaries(st.sampled_from(["w", "v", "w.x", "u", 3]), st.one_of(scalar_states, st.just({})), max_size=4))
+def test_flatten_packed_state(state_fqn: dict) -> None:
+    """Both cores hoist the same leading scalars; items plus hoisted scalars are flatten_state's output."""
+    known = {"w", "v", "w.x", "u"}
+    res = check("flatten_packed_state", "l", state_fqn, known, torch.Tensor, _scalar_parts)
+    check("flatten_packed_state", "l", collections.OrderedDict(reversed(list(state_fqn.items()))), known,
+          torch.Tensor, _scalar_parts)
+    full = check("flatten_state", "l", state_fqn, known, True)
+    assert res[0] == full[0]
+    if res[0] != "ok":
+        return
+    items, groups = res[1]
+    hoisted: dict[str, Any] = {}
+    for scalars, fqns in groups:
+        assert scalars and fqns
+        for fqn in fqns:
+            for key, value in scalars.items():
+                hoisted[f"state.{fqn}.{key}"] = value
+    assert not set(hoisted) & set(items)
+    assert same(dict(sorted({**hoisted, **items}.items())), dict(sorted(full[1].items())))
+    for fqn, state in state_fqn.items():  # exactly the leading run went into the table
+        run = []
+        for key, value in state.items():
+            if P._scalar_record("l", fqn, key, value, torch.Tensor, _scalar_parts) is None:
+                break
+            run.append(key)
+        in_groups = [list(s) for s, fqns in groups if fqn in fqns]
+        assert in_groups == ([run] if run else [])
+    # distinct groups encode differently; encode_table of the groups round-trips on both cores
+    blobs = [P.encode_settings("l", 0, s, torch.Tensor, tensor_to_parts) for s, _ in groups]
+    assert len(set(blobs)) == len(blobs)
+    if any(type(f) is not str for _s, fqns in groups for f in fqns):
+        return  # encode_table refuses it (model FQNs are always str)
+    enc = check("encode_table", "l", groups, torch.Tensor, tensor_to_parts)
+    assert enc[0] == "ok"
+    assert check("decode_table", "l", enc[1], parts_to_tensor)[1][2] == [(i, f) for i, (_s, f) in enumerate(groups)]
+
+
+def test_flatten_packed_state_edge_cases() -> None:
+    t = torch.tensor(5.0)
+    adam = {"step": t, "exp_avg": torch.zeros(2), "exp_avg_sq": torch.zeros(2)}
+    items, groups = check("flatten_packed_state", "l", {"a": adam, "b": dict(adam), "c": {"step": torch.tensor(6.0)}},
+                          {}, torch.Tensor, _scalar_parts)[1]
+    assert list(items) == ["state.a.exp_avg", "state.a.exp_avg_sq", "state.b.exp_avg", "state.b.exp_avg_sq"]
+    assert [(list(s), f) for s, f in groups] == [(["step"], ["a", "b"]), (["step"], ["c"])]
+    assert groups[0][0]["step"] is t  # the saved value itself (encode_table copies it out)
+    # only the leading run: a scalar after a non-scalar stays per item, in order
+    items, groups = check("flatten_packed_state", "l", {"w": {"n": 1, "m": torch.zeros(2), "k": 2}}, {},
+                          torch.Tensor, _scalar_parts)[1]
+    assert list(items) == ["state.w.m", "state.w.k"] and groups == [({"n": 1}, ["w"])]
+    # key order is part of a group's identity
+    _items, groups = check("flatten_packed_state", "l", {"a": {"x": 1, "y": 2}, "b": {"y": 2, "x": 1}}, {},
+                           torch.Tensor, _scalar_parts)[1]
+    assert len(groups) == 2
+    # errors are flatten_state's, in the same order
+    for bad in ({"a": [1]}, {"a": {"n": 1, "d": {}}}, {"a": {"n": 1, (1,): 2}}, 5):
+        assert check("flatten_packed_state", "l", bad, {}, torch.Tensor, _scalar_parts)[2:] == \
+            check("flatten_state", "l", bad, {}, True)[2:]
+    check("flatten_packed_state", "l", {"x": {"n": 1, "exp_avg": {"b": 1}}}, {"x", "x.exp_avg"}, torch.Tensor,
+          _scalar_parts)
+    for value in SCALAR_CANDIDATES:  # the CPU fast path gives exactly tensor_to_parts's parts
+        if type(value) is torch.Tensor and _scalar_parts(value) is not None:
+            assert _scalar_parts(value) == tensor_to_parts(value), value
+    meta = torch.tensor(1.0).to("meta")
+    assert _scalar_parts(meta) is None and _scalar_parts(torch.tensor(1.0).conj()) is not None
+    assert _scalar_parts(torch.tensor(1j).conj()) is None and _scalar_parts(torch.tensor(1.0, dtype=torch.float8_e4m3fn)) is None
+    loop: dict = {"n": 1}
+    loop["self"] = loop
+    for mod in (P, C):
+        with pytest.raises(RecursionError):
+            mod.flatten_packed_state("l", {"a": loop}, {}, torch.Tensor, _scalar_parts)
+
+
+@pytest.mark.parametrize(
+    "result",
+    [
+        None,
+        ("float32", (), "cpu", b"\0" * 4),
+        ("float32", (), "cpu"),
+        5,
+        ("\ud800", (), "cpu", b""),
+        ("float32", (1.5,), "cpu", b""),
+        ("float32", (), "cpu", 12),
+        ("float32", (), "cpu", bytearray(b"abcd")),
+        ValueError("boom"),
+    ],
+)
+def test_flatten_packed_state_scalar_parts_results(result: Any) -> None:
+    check("flatten_packed_state", "l", {"w": {"step": TENSORS[0], "n": 1}}, {}, torch.Tensor, _parts(result))
+
+
+def test_flatten_packed_state_callback_mutates() -> None:
+    def fresh() -> tuple:
+        state = {"step": torch.tensor(1.0), "n": 1}
+
+        def parts(t: Any) -> Any:
+            state["new"] = 1
+            return tensor_to_parts(t)
+
+        return "l", {"w": state}, {}, torch.Tensor, parts
+
+    check("flatten_packed_state", fresh=fresh)
+
+
+def test_unflatten_scalar_tables() -> None:
+    flat = {"state.__packed__.l.0": b"x", "param_groups.__packed__.l.1": b"y", "state.w.~i1": 2,
+            "state.__packed__": 3, "state.w.__packed__.q": 4}
+    res = check("unflatten", fresh=lambda: (dict(flat), {"w": 1}))[1]
+    assert res[3] == {"l.0": b"x"} and res[2] == {"l.1": b"y"}
+    assert res[1] == {"w": {1: 2, "__packed__": {"q": 4}}} and res[4] == ["state.__packed__"]
+    # scalar tables alone make the dict packed (escaped parts are decoded)
+    assert check("unflatten", {"state.__packed__.l.0": b"", "state.w.~i1": 2}, {"w"})[1][1] == {"w": {1: 2}}
+    for bad in ("notbytes", bytearray(b"x"), None, torch.zeros(1)):
+        check_error("unflatten", {"state.__packed__.l.0": bad}, {}, exc=CheckpointFormatError,
+                    match="scalar table 'state.__packed__.l.0' is a")
 
 
 # --------------------------------------------------------------------------- table codec
@@ -1111,6 +1255,6 @@ def test_end_to_end_with_real_optimizer() -> None:
             **check("flatten_groups", "optim", groups_fqn_)[1]}
     flat[f"param_groups.__packed__.optim.{len(blob)}"] = blob
     known = {n: n for n in fqn_of.values()}
-    _settings, state_by_fqn, _tables, _unmatched = check("unflatten", flat, known)[1]
+    _settings, state_by_fqn, _tables, _scalars, _unmatched = check("unflatten", flat, known)[1]
     target = [list(fqns) for _, fqns in groups_fqn_]
     check("assign_state_ids", target, state_by_fqn)

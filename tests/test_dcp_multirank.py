@@ -14,9 +14,15 @@ import pytest
 import torch
 import torch.distributed as dist
 import torch.distributed.checkpoint as dcp
-from _dist import run_ranks
+from _dist import (  # the FSDP2 model and its builders
+    HEAD_LR,
+    assert_state_placed_like_params,
+    build_fsdp,
+    run_ranks,
+    train_body,
+    trained_fsdp,
+)
 from torch import nn
-from torch.distributed.fsdp import fully_shard
 from torch.distributed.tensor import DTensor
 
 import sparse_ckpt as sc
@@ -24,57 +30,8 @@ from sparse_ckpt.cli import inspect_checkpoint
 
 pytestmark = pytest.mark.filterwarnings("ignore:torch.distributed is disabled:UserWarning")
 
-DIM = 8
-HEAD_LR = 0.0025
 
-
-# --------------------------------------------------------------------------- FSDP2 model
-
-
-class Net(nn.Module):
-    def __init__(self) -> None:
-        super().__init__()
-        self.layers = nn.ModuleList(nn.Linear(DIM, DIM) for _ in range(2))
-        self.head = nn.Linear(DIM, 5)  # 5 rows: uneven shards on 2 ranks, an empty one on 4
-
-    def forward(self, x: torch.Tensor) -> torch.Tensor:
-        for layer in self.layers:
-            x = torch.tanh(layer(x))
-        return self.head(x)
-
-
-def build(seed: int, sharded: bool) -> tuple[Net, sc.MultiOptimizer]:
-    """Net (layers fully_shard'ed when ``sharded``) and leaves body (steps) / head (never steps)."""
-    torch.manual_seed(seed)
-    model = Net()
-    if sharded:
-        for layer in model.layers:
-            fully_shard(layer)
-        fully_shard(model)
-    opt = sc.MultiOptimizer(
-        model,
-        {
-            "body": torch.optim.AdamW(model.layers.parameters(), lr=0.01),
-            "head": torch.optim.AdamW(model.head.parameters(), lr=0.01),
-        },
-    )
-    return model, opt
-
-
-def train_body(model: Net, opt: sc.MultiOptimizer, steps: int, seed: int) -> None:
-    for i in range(steps):
-        opt.zero_grad()
-        x = torch.randn(4, DIM, generator=torch.Generator().manual_seed(seed + i))
-        model(x).pow(2).mean().backward()
-        opt["body"].step()
-
-
-def trained(sharded: bool) -> tuple[Net, sc.MultiOptimizer]:
-    model, opt = build(0, sharded)
-    train_body(model, opt, 2, seed=0)
-    for group in opt["head"].param_groups:
-        group["lr"] = HEAD_LR
-    return model, opt
+# --------------------------------------------------------------------------- snapshots, save, load
 
 
 def full(t: torch.Tensor) -> torch.Tensor:
@@ -118,24 +75,11 @@ def load(path: str, model: nn.Module, opt: sc.MultiOptimizer) -> None:
     model.load_state_dict(msd)
 
 
-def assert_state_placed_like_params(model: nn.Module, opt: sc.MultiOptimizer) -> None:
-    for _leaf, o in opt.leaves():
-        for p, st in o.state.items():
-            for k, v in st.items():
-                if k == "step":
-                    assert not isinstance(v, DTensor)
-                elif isinstance(p, DTensor):
-                    assert isinstance(v, DTensor) and v.placements == p.placements and v.device_mesh == p.device_mesh
-                    assert v.to_local().shape == p.to_local().shape
-                else:
-                    assert not isinstance(v, DTensor) and v.device == p.device
-
-
 # --------------------------------------------------------------------------- (a) FSDP2 resume
 
 
 def _fsdp_resume(rank: int, world_size: int, ckpt: str) -> None:
-    model, opt = trained(sharded=True)
+    model, opt = trained_fsdp(sharded=True)
     before = snapshot(model, opt)
     local_before = [p.to_local().clone() for p in model.parameters()]
     save(ckpt, model, opt)
@@ -143,7 +87,7 @@ def _fsdp_resume(rank: int, world_size: int, ckpt: str) -> None:
     assert all(torch.equal(a, p.to_local()) for a, p in zip(local_before, model.parameters()))
     assert not opt["head"].state
 
-    model2, opt2 = build(seed=1, sharded=True)
+    model2, opt2 = build_fsdp(seed=1, sharded=True)
     assert not torch.equal(model2.layers[0].weight.to_local(), model.layers[0].weight.to_local())
     load(ckpt, model2, opt2)
     for (name, p), p2 in zip(model.named_parameters(), model2.parameters()):
@@ -172,7 +116,7 @@ def test_fsdp2_two_ranks_resume(tmp_path: Path) -> None:
 
 
 def _save_sharded(rank: int, world_size: int, ckpt: str, ref: str) -> None:
-    model, opt = trained(sharded=True)
+    model, opt = trained_fsdp(sharded=True)
     snap = snapshot(model, opt)
     save(ckpt, model, opt)
     if rank == 0:
@@ -181,7 +125,7 @@ def _save_sharded(rank: int, world_size: int, ckpt: str, ref: str) -> None:
 
 def _load_resharded(rank: int, world_size: int, sources: list[tuple[str, str]], ckpt: str, ref: str) -> None:
     for src, src_ref in sources:
-        model, opt = build(seed=5, sharded=True)
+        model, opt = build_fsdp(seed=5, sharded=True)
         load(src, model, opt)
         assert_snap_equal(snapshot(model, opt), torch.load(src_ref), f"rank {rank} loading {src}")
         assert not opt["head"].state
@@ -196,7 +140,7 @@ def _load_resharded(rank: int, world_size: int, sources: list[tuple[str, str]], 
 def test_world_size_changes(tmp_path: Path) -> None:
     """1 -> 2, 4 -> 2 and 2 -> 1 (a plain, unsharded model in a process without a process group)."""
     ck1, ck2, ck4 = (str(tmp_path / f"ws{n}") for n in (1, 2, 4))
-    model, opt = trained(sharded=False)
+    model, opt = trained_fsdp(sharded=False)
     torch.save(snapshot(model, opt), tmp_path / "ref1.pt")
     save(ck1, model, opt)
 
@@ -204,7 +148,7 @@ def test_world_size_changes(tmp_path: Path) -> None:
     run_ranks(_load_resharded, 2, [(ck4, str(tmp_path / "ref4.pt")), (ck1, str(tmp_path / "ref1.pt"))],
               ck2, str(tmp_path / "ref2.pt"))
 
-    model, opt = build(seed=9, sharded=False)
+    model, opt = build_fsdp(seed=9, sharded=False)
     load(ck2, model, opt)
     assert_snap_equal(snapshot(model, opt), torch.load(tmp_path / "ref2.pt"), "2 -> 1")
     assert not opt["head"].state and [g["lr"] for g in opt["head"].param_groups] == [HEAD_LR]
@@ -266,8 +210,9 @@ def _expert_parallel(rank: int, world_size: int, ckpt: str) -> None:
     dcp.save({"model": model.state_dict(), "app": {"optim": st.state_dict()}}, checkpoint_id=ckpt)
 
     tables = [k for k in dcp.FileSystemReader(ckpt).read_metadata().state_dict_metadata if "__packed__" in k]
-    assert len([k for k in tables if ".__packed__.experts." in k]) == 2, tables  # one per rank, none overwritten
-    assert len([k for k in tables if ".__packed__.shared." in k]) == 1, tables  # identical: written once
+    for kind in ("param_groups", "state"):  # group tables and scalar (step) tables
+        assert len([k for k in tables if f".{kind}.__packed__.experts." in k]) == 2, tables  # one per rank
+        assert len([k for k in tables if f".{kind}.__packed__.shared." in k]) == 1, tables  # identical: written once
 
     model2, opt2 = build_ep(rank, seed=9)
     st2 = sc.SparseOptimizerState(model2, opt2)
@@ -277,7 +222,7 @@ def _expert_parallel(rank: int, world_size: int, ckpt: str) -> None:
     planned = target["app"]["optim"]
     other = {str(2 * (1 - rank)), str(2 * (1 - rank) + 1)}
     assert not [k for k in planned if k.startswith("state.experts.") and k.split(".")[2] in other], list(planned)
-    assert len([k for k in planned if "__packed__" in k]) == 3  # every rank's tables are read
+    assert len([k for k in planned if "__packed__" in k]) == 6  # every rank's group and scalar tables are read
     st2.load_state_dict(planned)
 
     assert [g["lr"] for g in opt2["experts"].param_groups] == [expert_lr(rank)]

@@ -15,10 +15,9 @@ import pytest
 import torch
 import torch.distributed as dist
 import torch.distributed.checkpoint as dcp
-from _dist import run_ranks
+from _dist import HEAD_LR, assert_state_placed_like_params, build_fsdp, run_ranks, train_body, trained_fsdp
 from helpers import assert_optimizer_equal, make_moe, snapshot_optimizer, train
 from torch import nn
-from torch.distributed.fsdp import fully_shard
 from torch.distributed.tensor import DTensor
 
 import sparse_ckpt as sc
@@ -333,42 +332,7 @@ def test_several_optimizers_need_a_key(tmp_path: Path) -> None:
     assert export_checkpoint(tmp_path / "ckpt", tmp_path / "out", key="b").leaves == ["optim"]
 
 
-# --------------------------------------------------------------------------- two ranks
-
-DIM = 8
-
-
-class Net(nn.Module):
-    def __init__(self) -> None:
-        super().__init__()
-        self.layers = nn.ModuleList(nn.Linear(DIM, DIM) for _ in range(2))
-        self.head = nn.Linear(DIM, 5)  # 5 rows: uneven shards on 2 ranks
-
-    def forward(self, x: torch.Tensor) -> torch.Tensor:
-        for layer in self.layers:
-            x = torch.tanh(layer(x))
-        return self.head(x)
-
-
-def build_net(seed: int, sharded: bool) -> tuple[Net, sc.MultiOptimizer]:
-    torch.manual_seed(seed)
-    model = Net()
-    if sharded:
-        for layer in model.layers:
-            fully_shard(layer)
-        fully_shard(model)
-    opt = sc.MultiOptimizer(
-        model,
-        {"body": torch.optim.AdamW(model.layers.parameters(), lr=0.01), "head": torch.optim.AdamW(model.head.parameters(), lr=0.01)},
-    )
-    return model, opt
-
-
-def train_body(model: Net, opt: sc.MultiOptimizer, steps: int, seed: int) -> None:
-    for i in range(steps):
-        opt.zero_grad()
-        model(torch.randn(4, DIM, generator=torch.Generator().manual_seed(seed + i))).pow(2).mean().backward()
-        opt["body"].step()
+# --------------------------------------------------------------------------- two ranks (FSDP2 model: tests/_dist.py)
 
 
 def full_snapshot(model: nn.Module, opt: sc.MultiOptimizer) -> dict[str, Any]:
@@ -378,10 +342,7 @@ def full_snapshot(model: nn.Module, opt: sc.MultiOptimizer) -> dict[str, Any]:
 
 
 def _save_fsdp(rank: int, world_size: int, ckpt: str, ref: str) -> None:
-    model, opt = build_net(0, sharded=True)
-    train_body(model, opt, 2, seed=0)
-    for group in opt["head"].param_groups:
-        group["lr"] = IDLE_LR
+    model, opt = trained_fsdp(sharded=True)
     snap = full_snapshot(model, opt)
     dcp.save({"model": model.state_dict(), "optim": sc.SparseOptimizerState(model, opt)}, checkpoint_id=ckpt)
     if rank == 0:
@@ -390,7 +351,7 @@ def _save_fsdp(rank: int, world_size: int, ckpt: str, ref: str) -> None:
 
 def _load_fsdp(rank: int, world_size: int, ckpt: str, out: str, ref: str) -> None:
     reference = torch.load(ref, weights_only=True)
-    via_export, via_dcp = build_net(5, sharded=True), build_net(6, sharded=True)
+    via_export, via_dcp = build_fsdp(5, sharded=True), build_fsdp(6, sharded=True)
     for model, opt in (via_export, via_dcp):
         msd = model.state_dict()
         dcp.load({"model": msd}, checkpoint_id=ckpt)
@@ -400,15 +361,12 @@ def _load_fsdp(rank: int, world_size: int, ckpt: str, out: str, ref: str) -> Non
     dcp.load({"optim": sc.SparseOptimizerState(model, opt)}, checkpoint_id=ckpt, planner=sc.SparseLoadPlanner())
 
     model, opt = via_export
-    assert not opt["head"].state and [g["lr"] for g in opt["head"].param_groups] == [IDLE_LR]
+    assert not opt["head"].state and [g["lr"] for g in opt["head"].param_groups] == [HEAD_LR]
+    assert_state_placed_like_params(model, opt)
     for p, st in opt["body"].state.items():
         assert isinstance(p, DTensor)
         for k, v in st.items():
-            if k == "step":
-                assert not isinstance(v, DTensor)
-            else:
-                assert isinstance(v, DTensor) and v.placements == p.placements and v.device_mesh == p.device_mesh
-                assert v.to_local().shape == p.to_local().shape
+            if k != "step":
                 local = v.to_local()
                 assert local.untyped_storage().nbytes() == local.numel() * local.element_size(), "keeps the full tensor"
     assert_same_by_fqn(full_snapshot(*via_export)["opt"], reference["opt"], ordered=False)
@@ -427,7 +385,7 @@ def test_fsdp2_two_rank_checkpoint(tmp_path: Path) -> None:
     report = verify_checkpoint(ckpt)  # sharded items: one storage record per chunk
     assert report["ok"] and report["read"] == report["items"], report["problems"]
     export_checkpoint(ckpt, out)
-    model, opt = build_net(3, sharded=False)
+    model, opt = build_fsdp(3, sharded=False)
     load_export(model, opt, out)
     assert_same_by_fqn(by_fqn(model, opt), torch.load(ref, weights_only=True)["opt"], ordered=False)
     run_ranks(_load_fsdp, 2, str(ckpt), str(out), str(ref))

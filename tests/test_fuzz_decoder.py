@@ -271,18 +271,22 @@ def test_unflatten_random(seed: int) -> None:
 def check_unflatten(flat: dict[Any, Any], known: dict[str, Any]) -> None:
     """Only CheckpointFormatError may escape; a successful split accounts for every key."""
     try:
-        settings_by, state_by, packed, unmatched = _backend.core.unflatten(flat, known)
+        settings_by, state_by, packed, scalars, unmatched = _backend.core.unflatten(flat, known)
     except CheckpointFormatError:
         return
     assert all(isinstance(k, str) for k in flat)
     assert all(isinstance(v, bytes) for v in packed.values())
+    assert all(isinstance(v, bytes) for v in scalars.values())
     assert set(unmatched) <= set(flat)
     if not any(isinstance(v, dict) for v in flat.values()):  # dict values would merge with nested state
-        n_state = sum(1 for k in flat if k.startswith("state.")) - sum(1 for k in unmatched if k.startswith("state."))
+        n_state = sum(1 for k in flat if k.startswith("state.") and not k.startswith("state.__packed__."))
+        n_state -= sum(1 for k in unmatched if k.startswith("state."))
         assert n_state == sum(_leaves(v) for v in state_by.values())
     for key, value in flat.items():
         if key.startswith("param_groups.__packed__."):
             assert packed[key[len("param_groups.__packed__.") :]] is value
+        if key.startswith("state.__packed__."):
+            assert scalars[key[len("state.__packed__.") :]] is value
     assert all(isinstance(v, dict) for v in settings_by.values())
 
 

@@ -13,6 +13,7 @@ import copy
 import warnings
 from typing import Any
 
+import pytest
 import torch
 from helpers import assert_deep_equal, clone_state_dict
 from hypothesis import HealthCheck, given, settings
@@ -20,6 +21,7 @@ from hypothesis import strategies as st
 from torch import nn
 
 import sparse_ckpt as sc
+import sparse_ckpt.save
 
 KINDS = ("adamw", "sgd", "adagrad", "rmsprop")
 SHAPES = ((2,), (2, 3), ())
@@ -142,9 +144,11 @@ def test_sparse_round_trip_equals_torch_load_state_dict(case: dict[str, Any]) ->
         assert torch.equal(p, q)
 
 
-def test_state_tensors_are_taken_not_copied_like_torch() -> None:
+@pytest.mark.parametrize("scalar_tables", [True, False], ids=["packed-v2", "packed-v1"])
+def test_state_tensors_are_taken_not_copied_like_torch(scalar_tables: bool, monkeypatch: pytest.MonkeyPatch) -> None:
     """torch's ``load_state_dict`` keeps the dict's own tensors when dtype and device already match
     (``Tensor.to`` is a no-op) and copies them when a cast is needed; sparse_ckpt does the same."""
+    monkeypatch.setattr(sc.save, "_SCALAR_TABLES", scalar_tables)
     model = _model([(2,), (3,)], torch.float32)
     src = torch.optim.AdamW(list(model))
     _step(model, src, [True, True], seed=0)
@@ -161,4 +165,12 @@ def test_state_tensors_are_taken_not_copied_like_torch() -> None:
     opt64 = torch.optim.AdamW(list(m64))
     sc.load_sparse_state_dict(m64, opt64, sd)
     assert opt64.state[m64[0]]["exp_avg"] is not sd["state.0.exp_avg"]
-    assert opt64.state[m64[0]]["step"] is sd["state.0.step"]  # `step` is never cast here
+    if not scalar_tables:
+        assert opt64.state[m64[0]]["step"] is sd["state.0.step"]  # `step` is never cast here
+        return
+    # packed version 2: `step` comes from the scalar table, a CPU tensor of its own per parameter
+    # (an optimizer steps it in place), never cast here
+    steps = [opt64.state[p]["step"] for p in m64]
+    assert steps[0] is not steps[1] and steps[0].untyped_storage().data_ptr() != steps[1].untyped_storage().data_ptr()
+    for p, q in zip(m64, model):
+        assert opt64.state[p]["step"].dtype == torch.float32 and torch.equal(opt64.state[p]["step"], src.state[q]["step"])

@@ -81,7 +81,8 @@ def test_no_state_for_unrouted_experts_or_vision(drill: resume.DrillResult) -> N
         assert resume.check_checkpoint_keys(path, CFG) > 0
         [report] = inspect_checkpoint(str(path))["optimizers"]
         leaves = {leaf["name"]: leaf for leaf in report["leaves"]}
-        assert list(leaves) == ["experts", "dense", "vision"]
+        # leaves in order of their tables in the metadata, which DCP's cross-rank dedup decides
+        assert sorted(leaves) == ["dense", "experts", "vision"]
         n_unrouted = CFG.n_blocks * (CFG.n_experts - CFG.routed) * 2
         assert leaves["experts"]["without_state"] == n_unrouted, path
         assert leaves["dense"]["without_state"] == 0, path

@@ -14,6 +14,7 @@ from helpers import (
     snapshot_optimizer,
     state_keys,
 )
+from scalar_tables import v1_state_keys
 from torch import nn
 
 import sparse_ckpt as sc
@@ -106,7 +107,7 @@ def test_post_hook_returning_new_dict_is_honored(model: Two, fmt: str) -> None:
     settings = _settings(model, sd, fmt)
     assert {f: s["lr"] for f, s in settings.items()} == {"a.weight": 1.0, "a.bias": 1.0, "b.weight": 2.0}
     assert all(s["note"] == "hooked" for s in settings.values())
-    assert sorted({k.rsplit(".", 1)[0] for k in state_keys(sd)}) == ["state.a.bias", "state.a.weight"]
+    assert sorted({k.rsplit(".", 1)[0] for k in v1_state_keys(sd)}) == ["state.a.bias", "state.a.weight"]
     assert_optimizer_equal(before, opt, identity=True)
 
 
@@ -152,7 +153,7 @@ def test_raising_hook_propagates_and_releases_guard(model: Two, where: str) -> N
         sc.sparse_state_dict(model, opt)
     handle.remove()
     sd = sc.sparse_state_dict(model, opt)  # the guard was released: no ReentrantSerializationError
-    assert len(state_keys(sd)) == 9
+    assert len(v1_state_keys(sd)) == 9
     assert_optimizer_equal(before, opt, identity=True)
 
 
@@ -197,7 +198,7 @@ def test_hook_serializing_a_different_optimizer_works(model: Two) -> None:
     assert flat_settings(results[0])["b.weight"]["lr"] == 0.3
     assert state_keys(results[0]) == []
     assert set(flat_settings(sd)) == {"a.weight", "a.bias"}
-    assert state_keys(sd) == ["state.a.weight.momentum_buffer", "state.a.bias.momentum_buffer"]
+    assert v1_state_keys(sd) == ["state.a.weight.momentum_buffer", "state.a.bias.momentum_buffer"]
     # And the leaf of the same MultiOptimizer that is not being captured may be serialized from a hook.
     mo = sc.MultiOptimizer(model, {"a": a, "b": b})
     sd_mo = sc.sparse_state_dict(model, mo)
@@ -240,7 +241,7 @@ def test_subclass_overriding_state_dict_is_refused_then_adapted(model: Two, adap
         settings = _settings(model, sd, fmt)
         assert all(s["custom"] == "yes" for s in settings.values())
         assert settings["b.weight"]["lr"] == 0.5
-        assert len(state_keys(sd)) == 9
+        assert len(v1_state_keys(sd)) == 9
 
 
 def test_subclass_of_adapted_class_uses_base_adapter(model: Two, adapters: list[type]) -> None:
@@ -333,7 +334,7 @@ def test_leaf_without_state_emits_settings_only_and_runs_nothing(model: Two, fmt
 
     sd = sc.sparse_state_dict(model, opt, format=fmt)
 
-    assert state_keys(sd) == []
+    assert v1_state_keys(sd) == []
     settings = _settings(model, sd, fmt)
     assert {f: s["lr"] for f, s in settings.items()} == {"a.weight": 0.02, "a.bias": 0.02, "b.weight": 0.03}
     assert steps[0] == 0

@@ -18,6 +18,7 @@ import torch
 from helpers import assert_deep_equal, decoded_settings, flat_settings, state_keys
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
+from scalar_tables import as_v1, scalar_table_keys
 from torch import nn
 
 import sparse_ckpt as sc
@@ -168,8 +169,24 @@ def check_case(case: Case) -> None:
     assert_deep_equal({k: flat[k] for k in state_keys(flat)}, expected_state, "flat state")
 
     packed_sd = sc.sparse_state_dict(model, opt)
-    assert_deep_equal({k: packed_sd[k] for k in state_keys(packed_sd)}, expected_state, "packed state")
+    has_scalars = any(type(v) is torch.Tensor and v.dim() == 0 for st_ in torch_sd["state"].values() for v in st_.values())
+    assert len(scalar_table_keys(packed_sd)) <= int(has_scalars)  # one leaf: at most one table
+    v1 = as_v1(packed_sd, name_of.values())  # with the scalar tables expanded: the per-item layout
+    # FQNs whose whole state is scalars (a 0-d parameter's) sit in the table, not in state order:
+    # the order of FQNs is not kept, each FQN's key order is.
+    assert_deep_equal({k: v1[k] for k in state_keys(v1)}, expected_state, "packed state", check_order=False)
+    assert _keys_by_fqn(state_keys(v1), name_of.values()) == _keys_by_fqn(list(expected_state), name_of.values())
     assert_deep_equal(decoded_settings(model, packed_sd), expected_settings, "packed settings", check_order=False)
+
+
+def _keys_by_fqn(keys: list[str], fqns: Any) -> dict[str, list[str]]:
+    known = set(fqns)
+    out: dict[str, list[str]] = {}
+    for k in keys:
+        body = k[len("state.") :]
+        fqn = max((f for f in known if body.startswith(f + ".")), key=len)
+        out.setdefault(fqn, []).append(body[len(fqn) + 1 :])
+    return out
 
 
 @settings(max_examples=200, deadline=None, database=None, suppress_health_check=[HealthCheck.function_scoped_fixture])

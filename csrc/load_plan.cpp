@@ -1,0 +1,319 @@
+// fqns_of_groups / build_groups / cast_states: one pass per leaf from a decoded checkpoint to what
+// Optimizer.__setstate__ takes. Twins of sparse_ckpt/_core_py_load.py (same calls of the
+// callbacks, in the same order; same outputs and errors for the documented input types).
+#include <algorithm>
+
+#include "core.hpp"
+
+namespace sckpt {
+
+namespace {
+
+bool exact_immutable(PyObject* v) {
+    return v == Py_None || PyLong_CheckExact(v) || PyFloat_CheckExact(v) || PyBool_Check(v) ||
+           PyUnicode_CheckExact(v) || PyBytes_CheckExact(v);
+}
+
+/// ``_flat_immutable``: every value an immutable scalar or a tuple of them.
+bool flat_immutable(PyObject* settings) {
+    Py_ssize_t pos = 0;
+    PyObject* k = nullptr;
+    PyObject* v = nullptr;
+    while (PyDict_Next(settings, &pos, &k, &v)) {
+        if (exact_immutable(v)) continue;
+        if (PyTuple_CheckExact(v)) {
+            bool all = true;
+            for (Py_ssize_t i = 0; i < PyTuple_GET_SIZE(v) && all; ++i) all = exact_immutable(PyTuple_GET_ITEM(v, i));
+            if (all) continue;
+        }
+        return false;
+    }
+    return true;
+}
+
+/// ``group["params"]`` of an optimizer group (a dict).
+py::object group_params(py::handle group, const py::object& key) {
+    PyObject* params = PyDict_GetItemWithError(group.ptr(), key.ptr());
+    if (params == nullptr) {
+        if (PyErr_Occurred()) throw py::error_already_set();
+        raise_builtin(PyExc_KeyError, steal(PyUnicode_FromString("params")));
+    }
+    return borrow(params);
+}
+
+py::object attr(py::handle obj, const py::object& name) { return steal(PyObject_GetAttr(obj.ptr(), name.ptr())); }
+
+py::object interned(const char* s) { return steal(PyUnicode_InternFromString(s)); }
+
+/// Attribute names looked up once per call (a C-string lookup would build and hash a new str
+/// for every tensor).
+struct Names {
+    py::object shape = interned("shape");
+    py::object dtype = interned("dtype");
+    py::object device = interned("device");
+    py::object is_floating_point = interned("is_floating_point");
+    py::object fused = interned("fused");
+    py::object capturable = interned("capturable");
+    py::object step = interned("step");
+    py::object params = interned("params");
+};
+
+bool rich_eq(py::handle a, py::handle b) {
+    PyObject* r = PyObject_RichCompare(a.ptr(), b.ptr(), Py_EQ);
+    if (r == nullptr) throw py::error_already_set();
+    const int truth = PyObject_IsTrue(r);
+    Py_DECREF(r);
+    check(truth);
+    return truth != 0;
+}
+
+/// ``key == "step"`` for the state keys the decoder produces (str or int).
+bool is_step(PyObject* key, const Names& n) {
+    if (key == n.step.ptr()) return true;
+    return PyUnicode_Check(key) && PyUnicode_CompareWithASCIIString(key, "step") == 0;
+}
+
+/// ``_shapes_plain``
+bool shapes_plain(py::handle p, PyObject* state, PyObject* tensor_type, const Names& n) {
+    if (!PyDict_CheckExact(state)) return false;
+    py::object shape;
+    py::object dtype;
+    Py_ssize_t pos = 0;
+    PyObject* k = nullptr;
+    PyObject* v = nullptr;
+    while (PyDict_Next(state, &pos, &k, &v)) {
+        py::object key = borrow(k);
+        py::object value = borrow(v);
+        const int is_tensor = PyObject_IsInstance(v, tensor_type);
+        check(is_tensor);
+        if (is_tensor) {
+            if (is_step(k, n)) continue;
+            if (!shape) {
+                shape = attr(p, n.shape);
+                dtype = attr(p, n.dtype);
+            }
+            if (attr(value, n.dtype).ptr() != dtype.ptr() || !rich_eq(attr(value, n.shape), shape)) return false;
+        } else if (PyDict_CheckExact(v)) {
+            return false;
+        }
+    }
+    return true;
+}
+
+}  // namespace
+
+py::object fqns_of_groups(py::object leaf, py::object param_groups, py::object fqn_of) {
+    const Names names;
+    py::object out = steal(PyList_New(0));
+    Py_ssize_t gi = 0;
+    iterate(param_groups, [&](py::handle group) {
+        py::object fqns = steal(PyList_New(0));
+        iterate(group_params(group, names.params), [&](py::handle p) {
+            py::object pid = steal(PyLong_FromVoidPtr(p.ptr()));
+            PyObject* fqn = PyDict_GetItemWithError(fqn_of.ptr(), pid.ptr());
+            if (fqn == nullptr) {
+                if (PyErr_Occurred()) throw py::error_already_set();
+                py::object shape = steal(PySequence_Tuple(attr(p, names.shape).ptr()));
+                raise_mismatch_error(Msg() << "leaf " << py_repr(leaf) << " group " << static_cast<long long>(gi)
+                                           << ": optimizer parameter of shape " << py_repr(shape)
+                                           << " is not owned by the model");
+            }
+            check(PyList_Append(fqns.ptr(), fqn));
+        });
+        check(PyList_Append(out.ptr(), fqns.ptr()));
+        ++gi;
+    });
+    return out;
+}
+
+py::object build_groups(py::object param_groups, py::object chosen, py::object copy_settings, bool keep_names) {
+    py::object out = steal(PyList_New(0));
+    const Names names;
+    const py::object& params_key = names.params;
+    py::object names_key = interned("param_names");
+    IdMap flat_ok;  // id(settings) -> 0/1
+    const Py_ssize_t n_groups = length(param_groups);
+    const Py_ssize_t n_chosen = length(chosen);
+    for (Py_ssize_t gi = 0; gi < n_groups && gi < n_chosen; ++gi) {
+        py::object group = steal(PySequence_GetItem(param_groups.ptr(), gi));
+        py::object settings = steal(PySequence_GetItem(chosen.ptr(), gi));
+        py::object fresh;
+        if (settings.is_none()) {
+            py::object own = copy_without_params(group, params_key);
+            fresh = steal(PyObject_CallOneArg(copy_settings.ptr(), own.ptr()));
+        } else {
+            const Py_ssize_t* known = flat_ok.find(settings.ptr());
+            bool flat;
+            if (known != nullptr) {
+                flat = *known != 0;
+            } else {
+                flat = flat_immutable(settings.ptr());
+                flat_ok.emplace(settings.ptr(), flat ? 1 : 0);
+            }
+            fresh = flat ? steal(PyDict_Copy(settings.ptr())) : steal(PyObject_CallOneArg(copy_settings.ptr(), settings.ptr()));
+        }
+        check(PyObject_SetItem(fresh.ptr(), params_key.ptr(), group_params(group, names.params).ptr()));
+        const int group_named = keep_names ? PyDict_Contains(group.ptr(), names_key.ptr()) : 0;
+        check(group_named);
+        if (group_named) {
+            const int new_named = PySequence_Contains(fresh.ptr(), names_key.ptr());
+            check(new_named);
+            if (!new_named) {
+                PyObject* names = PyDict_GetItemWithError(group.ptr(), names_key.ptr());
+                if (names == nullptr) throw py::error_already_set();
+                check(PyObject_SetItem(fresh.ptr(), names_key.ptr(), names));
+            }
+        }
+        check(PyList_Append(out.ptr(), fresh.ptr()));
+    }
+    return out;
+}
+
+py::object cast_states(py::object leaf, py::object param_groups, py::object target, py::object new_groups,
+                       py::object state_of, py::object state, py::object tensor_type, py::object check_shapes,
+                       py::object cast_tensor, py::object cast_value) {
+    const Names names;
+    py::object used = steal(PyList_New(0));
+    IdMap seen;
+    PyObject* tt = tensor_type.ptr();
+    const Py_ssize_t n = std::min({length(param_groups), length(target), length(new_groups)});
+    for (Py_ssize_t gi = 0; gi < n; ++gi) {
+        py::object group = steal(PySequence_GetItem(param_groups.ptr(), gi));
+        py::object fqns = steal(PySequence_GetItem(target.ptr(), gi));
+        py::object fresh = steal(PySequence_GetItem(new_groups.ptr(), gi));
+        bool special = false;
+        for (const py::object* flag : {&names.fused, &names.capturable}) {
+            PyObject* v = PyDict_GetItemWithError(fresh.ptr(), flag->ptr());
+            if (v == nullptr && PyErr_Occurred()) throw py::error_already_set();
+            if (v != nullptr) {
+                const int truth = PyObject_IsTrue(v);
+                check(truth);
+                if (truth) {
+                    special = true;
+                    break;
+                }
+            }
+        }
+        py::object special_obj = py::bool_(special);
+        py::object params = group_params(group, names.params);
+        const Py_ssize_t np = std::min(length(params), length(fqns));
+        for (Py_ssize_t i = 0; i < np; ++i) {
+            py::object p = steal(PySequence_GetItem(params.ptr(), i));
+            if (!seen.emplace(p.ptr(), 0).second) continue;
+            py::object fqn = steal(PySequence_GetItem(fqns.ptr(), i));
+            PyObject* saved_raw = PyDict_GetItemWithError(state_of.ptr(), fqn.ptr());
+            if (saved_raw == nullptr) {
+                if (PyErr_Occurred()) throw py::error_already_set();
+                continue;
+            }
+            py::object saved = borrow(saved_raw);
+            if (saved.is_none()) continue;
+            check(PyList_Append(used.ptr(), fqn.ptr()));
+            if (!check_shapes.is_none() && !shapes_plain(p, saved.ptr(), tt, names)) {
+                steal(PyObject_CallFunctionObjArgs(check_shapes.ptr(), leaf.ptr(), fqn.ptr(), p.ptr(), saved.ptr(),
+                                                   nullptr));
+            }
+            if (!PyDict_CheckExact(saved.ptr())) {
+                py::object v = steal(PyObject_CallFunctionObjArgs(cast_value.ptr(), p.ptr(), saved.ptr(),
+                                                                  special_obj.ptr(), Py_None, nullptr));
+                check(PyObject_SetItem(state.ptr(), p.ptr(), v.ptr()));
+                continue;
+            }
+            py::object floating_obj = steal(PyObject_CallMethodNoArgs(p.ptr(), names.is_floating_point.ptr()));
+            const int floating = PyObject_IsTrue(floating_obj.ptr());
+            check(floating);
+            py::object dtype = attr(p, names.dtype);
+            py::object device = attr(p, names.device);
+            py::object out = steal(PyDict_New());
+            Py_ssize_t pos = 0;
+            PyObject* k = nullptr;
+            PyObject* v = nullptr;
+            while (PyDict_Next(saved.ptr(), &pos, &k, &v)) {
+                py::object key = borrow(k);
+                py::object value = borrow(v);
+                const int is_tensor = PyObject_IsInstance(v, tt);
+                check(is_tensor);
+                py::object cast;
+                if (is_tensor) {
+                    bool keep;
+                    if (is_step(k, names)) {
+                        keep = !special;
+                    } else {
+                        keep = (!floating || attr(value, names.dtype).ptr() == dtype.ptr()) && rich_eq(attr(value, names.device), device);
+                    }
+                    if (keep) {
+                        cast = value;
+                    } else {
+                        py::object fl = py::bool_(floating != 0);
+                        cast = steal(PyObject_CallFunctionObjArgs(cast_tensor.ptr(), v, k, special_obj.ptr(), fl.ptr(),
+                                                                  dtype.ptr(), device.ptr(), nullptr));
+                    }
+                } else {
+                    cast = steal(PyObject_CallFunctionObjArgs(cast_value.ptr(), p.ptr(), v, special_obj.ptr(), k, nullptr));
+                }
+                check(PyDict_SetItem(out.ptr(), k, cast.ptr()));
+            }
+            check(PyObject_SetItem(state.ptr(), p.ptr(), out.ptr()));
+        }
+    }
+    return used;
+}
+
+namespace {
+
+/// ``source_text``
+py::object source_text(py::handle source) {
+    if (PyTuple_CheckExact(source.ptr())) {
+        return Msg() << "table of leaf " << py_repr(PyTuple_GET_ITEM(source.ptr(), 0)) << " group "
+                     << fmt(PyTuple_GET_ITEM(source.ptr(), 1));
+    }
+    return steal(PyObject_Str(source.ptr()));
+}
+
+}  // namespace
+
+py::object merge_table_settings(py::object leaf, py::object settings, py::object groups, py::object canonical,
+                                py::object settings_of, py::object source_of, py::object table_leaf_of) {
+    py::object empty = steal(PyList_New(0));
+    Py_ssize_t gi = 0;
+    iterate(groups, [&](py::handle group) {
+        py::object parts[2];
+        unpack(group, 2, parts);
+        const py::object& fqns = parts[1];
+        if (length(fqns) == 0) {
+            check(PyList_Append(empty.ptr(), steal(PyLong_FromSsize_t(gi)).ptr()));
+            ++gi;
+            return;
+        }
+        py::object s = steal(PyObject_GetItem(settings.ptr(), parts[0].ptr()));
+        py::object source;
+        iterate(fqns, [&](py::handle fqn) {
+            PyObject* c = PyDict_GetItemWithError(canonical.ptr(), fqn.ptr());
+            if (c == nullptr && PyErr_Occurred()) throw py::error_already_set();
+            py::object canon = borrow(c != nullptr ? c : fqn.ptr());
+            PyObject* prev = PyDict_GetItemWithError(settings_of.ptr(), canon.ptr());
+            if (prev == nullptr && PyErr_Occurred()) throw py::error_already_set();
+            if (prev == nullptr || prev == Py_None) {
+                check(PyDict_SetItem(settings_of.ptr(), canon.ptr(), s.ptr()));
+                if (!source) {
+                    py::object index = steal(PyLong_FromSsize_t(gi));
+                    source = steal(PyTuple_Pack(2, leaf.ptr(), index.ptr()));
+                }
+                check(PyDict_SetItem(source_of.ptr(), canon.ptr(), source.ptr()));
+            } else if (prev != s.ptr()) {
+                py::object before = steal(PyObject_GetItem(source_of.ptr(), canon.ptr()));
+                py::object index = steal(PyLong_FromSsize_t(gi));
+                py::object here = steal(PyTuple_Pack(2, leaf.ptr(), index.ptr()));
+                raise_mismatch_error(Msg() << "conflicting saved settings for parameter " << py_repr(canon) << ": "
+                                           << source_text(before) << " and " << source_text(here) << " differ");
+            }
+            if (PyDict_SetDefault(table_leaf_of.ptr(), canon.ptr(), leaf.ptr()) == nullptr) {
+                throw py::error_already_set();
+            }
+        });
+        ++gi;
+    });
+    return empty;
+}
+
+}  // namespace sckpt

@@ -1,0 +1,197 @@
+"""Python twins of ``csrc/load_plan.cpp``: one pass per leaf from a decoded checkpoint to the
+objects ``Optimizer.__setstate__`` takes (part of :mod:`sparse_ckpt._core_py`).
+
+Input contract (narrow on purpose; :mod:`sparse_ckpt.load` passes only these): ``param_groups``
+is an optimizer's ``param_groups`` (a list of dicts, each with a ``"params"`` list);
+``fqn_of``/``settings_of``/``state_of`` are plain dicts; state values are plain dicts.
+Anything outside the fast paths is handed to the callbacks the caller passes, so both twins
+make the same calls in the same order.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+from typing import Any
+
+from .errors import CheckpointMismatchError
+from .format import source_text
+
+_IMMUTABLE = (int, float, bool, str, bytes, type(None))
+_STEP = "step"
+
+
+def fqns_of_groups(leaf: str, param_groups: list[dict], fqn_of: dict[int, str]) -> list[list[str]]:
+    """The canonical FQN of every parameter of every group, in group order.
+
+    A parameter the model does not own raises :class:`CheckpointMismatchError` naming the leaf,
+    the group and the parameter's shape.
+    """
+    out: list[list[str]] = []
+    for gi, group in enumerate(param_groups):
+        fqns: list[str] = []
+        for p in group["params"]:
+            fqn = fqn_of.get(id(p))
+            if fqn is None:
+                raise CheckpointMismatchError(
+                    f"leaf {leaf!r} group {gi}: optimizer parameter of shape {tuple(p.shape)} is not owned by the model"
+                )
+            fqns.append(fqn)
+        out.append(fqns)
+    return out
+
+
+def _flat_immutable(settings: dict) -> bool:
+    for v in settings.values():
+        kind = type(v)
+        if kind in _IMMUTABLE:
+            continue
+        if kind is tuple and all(type(x) in _IMMUTABLE for x in v):
+            continue
+        return False
+    return True
+
+
+def build_groups(
+    param_groups: list[dict], chosen: list[dict | None], copy_settings: Callable[[Any], Any], keep_names: bool
+) -> list[dict]:
+    """The new param groups (what torch's ``load_state_dict`` builds), one new dict per group.
+
+    ``chosen[g]`` is the (interned) saved settings of group ``g``, or ``None`` to keep the
+    group's own settings. Settings whose values are all immutable scalars (or tuples of them)
+    are copied with ``dict(...)``; any other is copied by ``copy_settings`` (a deep copy), so no
+    two groups share a mutable value. ``"params"`` is the live group's list, and the group's
+    ``"param_names"`` is kept when the saved settings have none (both as torch does).
+    """
+    flat_ok: dict[int, bool] = {}
+    out: list[dict] = []
+    for group, settings in zip(param_groups, chosen):
+        if settings is None:
+            new = copy_settings({k: v for k, v in group.items() if k != "params"})
+        else:
+            flat = flat_ok.get(id(settings))
+            if flat is None:
+                flat = flat_ok[id(settings)] = _flat_immutable(settings)
+            new = dict(settings) if flat else copy_settings(settings)
+        new["params"] = group["params"]
+        if keep_names and "param_names" in group and "param_names" not in new:
+            new["param_names"] = group["param_names"]
+        out.append(new)
+    return out
+
+
+def _shapes_plain(p: Any, state: Any, tensor_type: type) -> bool:
+    """True when every state tensor other than ``step`` has the param's shape and dtype (the
+    common case, which needs no further check)."""
+    if type(state) is not dict:
+        return False
+    shape = dtype = None
+    for k, v in state.items():
+        if isinstance(v, tensor_type):
+            if k == _STEP:
+                continue
+            if shape is None:
+                shape, dtype = p.shape, p.dtype
+            if v.dtype is not dtype or v.shape != shape:
+                return False
+        elif type(v) is dict:
+            return False
+    return True
+
+
+def cast_states(
+    leaf: str,
+    param_groups: list[dict],
+    target: list[list[str]],
+    new_groups: list[dict],
+    state_of: dict[str, Any],
+    state: dict,
+    tensor_type: type,
+    check_shapes: Callable[[str, str, Any, Any], None] | None,
+    cast_tensor: Callable[[Any, Any, bool, bool, Any, Any], Any],
+    cast_value: Callable[[Any, Any, bool, Any], Any],
+) -> list[str]:
+    """Put each target parameter's saved state, cast as torch would, into ``state`` (keyed by
+    the parameter); return the FQNs whose state was used, in order.
+
+    A parameter listed in several groups takes its state once, with the fused/capturable flag
+    of the first new group listing it (torch's rule). ``check_shapes(leaf, fqn, param, saved)``
+    (``None``: no check) runs for every used state that is not plainly the param's shape and
+    dtype. Tensors are cast by ``cast_tensor(value, key, special, floating, dtype, device)``
+    unless the cast would return the tensor itself (non-``step`` with the param's dtype -- for a
+    floating param -- and device; ``step`` outside fused/capturable groups); a non-dict state
+    or a non-tensor value goes to ``cast_value(param, value, special, key)``.
+    """
+    used: list[str] = []
+    seen: set[int] = set()
+    for group, fqns, new in zip(param_groups, target, new_groups):
+        special = bool(new.get("fused", False) or new.get("capturable", False))
+        for p, fqn in zip(group["params"], fqns):
+            if id(p) in seen:
+                continue
+            seen.add(id(p))
+            saved = state_of.get(fqn)
+            if saved is None:
+                continue
+            used.append(fqn)
+            if check_shapes is not None and not _shapes_plain(p, saved, tensor_type):
+                check_shapes(leaf, fqn, p, saved)
+            if type(saved) is not dict:
+                state[p] = cast_value(p, saved, special, None)
+                continue
+            floating = p.is_floating_point()
+            dtype, device = p.dtype, p.device
+            out: dict = {}
+            for k, v in saved.items():
+                if isinstance(v, tensor_type):
+                    if k == _STEP:
+                        out[k] = cast_tensor(v, k, special, floating, dtype, device) if special else v
+                    elif (not floating or v.dtype is dtype) and v.device == device:
+                        out[k] = v
+                    else:
+                        out[k] = cast_tensor(v, k, special, floating, dtype, device)
+                else:
+                    out[k] = cast_value(p, v, special, k)
+            state[p] = out
+    return used
+
+
+def merge_table_settings(
+    leaf: str,
+    settings: list[dict],
+    groups: list[tuple[int, list[str]]],
+    canonical: dict[str, str],
+    settings_of: dict[str, dict],
+    source_of: dict[str, Any],
+    table_leaf_of: dict[str, str],
+) -> list[int]:
+    """Record one decoded table's settings by canonical FQN; return the indices of its groups
+    without parameters.
+
+    ``groups`` is :func:`decode_table`'s ``(settings index, fqns)`` list and ``settings`` the
+    (interned) settings objects by settings index. Each FQN resolves
+    through ``canonical`` (aliases), takes ``settings_of[canon]`` unless already set
+    (``source_of[canon]`` is then ``(leaf, g)``), and ``table_leaf_of.setdefault(canon, leaf)``.
+    Another settings object already recorded for the FQN raises :class:`CheckpointMismatchError`.
+    """
+    empty: list[int] = []
+    for gi, (idx, fqns) in enumerate(groups):
+        if not fqns:
+            empty.append(gi)
+            continue
+        s = settings[idx]
+        source: tuple[str, int] | None = None
+        for fqn in fqns:
+            canon = canonical.get(fqn, fqn)
+            prev = settings_of.get(canon)
+            if prev is None:
+                settings_of[canon] = s
+                if source is None:
+                    source = (leaf, gi)
+                source_of[canon] = source
+            elif prev is not s:
+                raise CheckpointMismatchError(
+                    f"conflicting saved settings for parameter {canon!r}: {source_text(source_of[canon])} and "
+                    f"{source_text((leaf, gi))} differ"
+                )
+            table_leaf_of.setdefault(canon, leaf)
+    return empty

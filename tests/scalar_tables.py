@@ -1,0 +1,57 @@
+"""Test helpers for the packed format's scalar tables (packed version 2).
+
+* :func:`as_v1` -- a packed dict with its scalar tables expanded into the per-item entries that
+  packed version 1 writes (``state.{fqn}.{key}``), in version 1's key order, so tests written
+  against the per-item layout keep checking exactly the same keys and values;
+* :func:`v1_state_keys` -- the ``state.*`` keys of that view;
+* :func:`scalar_table_keys` -- the scalar-table keys of a dict.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Iterable, Mapping
+from typing import Any
+
+from sparse_ckpt.decode import decode_scalar_tables, merge_scalars
+from sparse_ckpt.format import SCALARS_PREFIX, STATE_PREFIX, owner_fqn
+
+
+def scalar_table_keys(sd: Mapping[str, Any]) -> list[str]:
+    """The ``state.__packed__.*`` keys of ``sd``."""
+    return [k for k in sd if k.startswith(SCALARS_PREFIX)]
+
+
+def as_v1(sd: Mapping[str, Any], fqns: Iterable[str] = ()) -> dict[str, Any]:
+    """``sd`` as packed version 1 would have it: each FQN's scalars (tensors on CPU) as per-item
+    entries right before its first other entry (FQNs with only scalars: after every other key).
+
+    ``fqns``: every FQN of the model, to tell which FQN a per-item key belongs to when one FQN
+    is a prefix of another (the scalar tables' own FQNs are always known).
+    """
+    tables = {k[len(SCALARS_PREFIX) :]: v for k, v in sd.items() if k.startswith(SCALARS_PREFIX)}
+    if not tables:
+        return dict(sd)
+    scalars = merge_scalars({}, decode_scalar_tables(tables))
+    known = set(fqns) | set(scalars)
+    out: dict[str, Any] = {}
+
+    def emit(fqn: str) -> None:
+        for key, value in scalars.pop(fqn).items():
+            out[f"{STATE_PREFIX}{fqn}.{key}"] = value
+
+    for key, value in sd.items():
+        if key.startswith(SCALARS_PREFIX):
+            continue
+        if key.startswith(STATE_PREFIX):
+            fqn = owner_fqn(key[len(STATE_PREFIX) :], known)
+            if fqn is not None and fqn in scalars:
+                emit(fqn)
+        out[key] = value
+    for fqn in list(scalars):
+        emit(fqn)
+    return out
+
+
+def v1_state_keys(sd: Mapping[str, Any], fqns: Iterable[str] = ()) -> list[str]:
+    """The ``state.*`` keys of :func:`as_v1` of ``sd``."""
+    return [k for k in as_v1(sd, fqns) if k.startswith(STATE_PREFIX)]

@@ -1,0 +1,283 @@
+"""Differential tests of the load-plan and save-ownership core functions (``csrc/load_plan.cpp``,
+``csrc/save_pass.cpp``) against their Python twins: same results, same callback calls in the
+same order, same exceptions and messages. Random inputs (hypothesis, derandomized) plus edge cases.
+"""
+
+from __future__ import annotations
+
+import importlib
+import os
+import struct
+from collections import defaultdict
+from collections.abc import Callable
+from typing import Any
+
+import pytest
+import torch
+from hypothesis import HealthCheck, given, settings
+from hypothesis import strategies as st
+
+from sparse_ckpt import _core_py as P
+from sparse_ckpt.apply import cast_tensor, cast_value, copy_settings
+from sparse_ckpt.errors import CheckpointMismatchError
+from sparse_ckpt.load import _check_state_shapes
+
+try:
+    C = importlib.import_module("sparse_ckpt._C")
+except ImportError as _exc:  # pragma: no cover - CI always builds the extension
+    if os.environ.get("SPARSE_CKPT_REQUIRE_CPP"):
+        raise
+    pytest.skip(f"C++ extension sparse_ckpt._C is not built: {_exc}", allow_module_level=True)
+
+PROPS = settings(
+    max_examples=200, deadline=None, derandomize=True, database=None, suppress_health_check=[HealthCheck.too_slow]
+)
+
+
+@pytest.fixture(scope="module", autouse=True, params=["cpp"])
+def core_backend(request: pytest.FixtureRequest) -> str:
+    """These tests call both cores directly (one run; id ``cpp`` for ``-k cpp``)."""
+    return request.param
+
+
+def same(a: Any, b: Any) -> bool:
+    """Deep equality with types, dict order, float bits and tensor identity-or-bytes."""
+    if type(a) is not type(b):
+        return False
+    if isinstance(a, torch.Tensor):
+        return a is b or (a.dtype, a.shape, a.device) == (b.dtype, b.shape, b.device) and torch.equal(a, b)
+    if isinstance(a, float):
+        return struct.pack("<d", a) == struct.pack("<d", b)
+    if isinstance(a, dict):
+        return len(a) == len(b) and all(
+            (ka is kb or same(ka, kb)) and same(va, vb) for (ka, va), (kb, vb) in zip(a.items(), b.items())
+        )
+    if isinstance(a, (list, tuple)):
+        return len(a) == len(b) and all(same(x, y) for x, y in zip(a, b))
+    return a == b if isinstance(a, (str, bytes, int, type(None))) else a is b
+
+
+def outcome(fn: Callable[[], Any]) -> tuple:
+    try:
+        return ("ok", fn())
+    except Exception as exc:  # noqa: BLE001 - the exception is what we compare
+        return ("err", type(exc), str(exc))
+
+
+def both(run: Callable[[Any], Any]) -> tuple:
+    """``run(core)`` on both cores; assert equal outcomes; return the Python one."""
+    py, cc = outcome(lambda: run(P)), outcome(lambda: run(C))
+    if py[0] == cc[0] == "ok":
+        assert same(py[1], cc[1]), f"results differ\npython: {py[1]!r}\ncpp:    {cc[1]!r}"
+    else:
+        assert py == cc, f"outcomes differ\npython: {py!r}\ncpp:    {cc!r}"
+    return py
+
+
+# --------------------------------------------------------------------------- fqns_of_groups
+
+
+@PROPS
+@given(st.lists(st.lists(st.integers(0, 5), max_size=4), max_size=4), st.sets(st.integers(0, 5)))
+def test_fqns_of_groups(layout: list[list[int]], unowned: set[int]) -> None:
+    params = [torch.nn.Parameter(torch.zeros(i + 1)) for i in range(6)]
+    groups = [{"params": [params[i] for i in g], "lr": 0.1} for g in layout]
+    fqn_of = {id(p): f"m.w{i}" for i, p in enumerate(params) if i not in unowned}
+    result = both(lambda core: core.fqns_of_groups("leaf", groups, fqn_of))
+    if result[0] == "err":
+        assert result[1] is CheckpointMismatchError and "is not owned by the model" in result[2]
+
+
+# --------------------------------------------------------------------------- build_groups
+
+SETTINGS = [
+    {"lr": 0.1, "betas": (0.9, 0.99), "foreach": None, "name": "x", "b": b"y", "flag": True},
+    {"lr": 0.2, "milestones": [1, 2], "nested": {"a": [1]}},
+    {"lr": torch.tensor(0.3), "betas": (0.9, [0.99])},
+    {"param_names": ["saved.w"], "lr": 0.4},
+]
+
+
+@PROPS
+@given(
+    st.lists(st.tuples(st.sampled_from([None, 0, 1, 2, 3]), st.booleans()), max_size=6),
+    st.booleans(),
+)
+def test_build_groups(spec: list[tuple[int | None, bool]], keep_names: bool) -> None:
+    params = [torch.nn.Parameter(torch.zeros(1)) for _ in spec]
+    groups = []
+    for i, (_choice, named) in enumerate(spec):
+        g: dict[str, Any] = {"params": [params[i]], "lr": 0.01, "momentum": [0.5]}
+        if named:
+            g["param_names"] = [f"own.{i}"]
+        groups.append(g)
+    chosen = [None if c is None else SETTINGS[c] for c, _n in spec]
+    result = both(lambda core: core.build_groups(groups, chosen, copy_settings, keep_names))
+    built = result[1]
+    for g, new, c in zip(groups, built, chosen):
+        assert new["params"] is g["params"]
+        source = c if c is not None else g
+        for key, value in source.items():
+            if key != "params" and isinstance(value, (list, dict)):
+                assert new[key] is not value  # copied, never shared
+
+
+# --------------------------------------------------------------------------- cast_states
+
+DTYPES = [torch.float32, torch.float64, torch.bfloat16, torch.int64]
+
+
+@st.composite
+def cast_inputs(draw: st.DrawFn) -> tuple:
+    n = draw(st.integers(1, 5))
+    params = [torch.nn.Parameter(torch.zeros(2, dtype=d), requires_grad=d.is_floating_point) for d in
+              [draw(st.sampled_from(DTYPES[:3])) for _ in range(n)]]
+    layout = draw(st.lists(st.lists(st.integers(0, n - 1), max_size=3), min_size=1, max_size=3))
+    flags = draw(st.lists(st.sampled_from([{}, {"fused": True}, {"capturable": True}, {"fused": None}]),
+                          min_size=len(layout), max_size=len(layout)))
+    state_of: dict[str, Any] = {}
+    for i in range(n):
+        kind = draw(st.sampled_from(["none", "adam", "mixed", "nested", "scalar", "badshape"]))
+        if kind == "adam":
+            state_of[f"w{i}"] = {"step": torch.tensor(3.0), "exp_avg": torch.ones(2, dtype=params[i].dtype)}
+        elif kind == "mixed":
+            state_of[f"w{i}"] = {"step": torch.tensor(1.0, dtype=torch.float64), "m": torch.ones(2, dtype=torch.float64),
+                                 "count": 7, "ints": torch.ones(2, dtype=torch.int64)}
+        elif kind == "nested":
+            state_of[f"w{i}"] = {"inner": {"step": torch.tensor(2.0), "v": torch.ones(2)}, "lst": [torch.ones(1)]}
+        elif kind == "scalar":
+            state_of[f"w{i}"] = [torch.ones(2)]
+        elif kind == "badshape":
+            state_of[f"w{i}"] = {"exp_avg": torch.ones(3)}
+    return params, layout, flags, state_of
+
+
+@PROPS
+@given(cast_inputs(), st.booleans())
+def test_cast_states(inputs: tuple, with_check: bool) -> None:
+    params, layout, flags, state_of = inputs
+    groups = [{"params": [params[i] for i in g]} for g in layout]
+    target = [[f"w{i}" for i in g] for g in layout]
+    new_groups = [{**f, "params": g["params"]} for f, g in zip(flags, groups)]
+
+    def run(core: Any) -> tuple:
+        calls: list[tuple] = []
+
+        def check(leaf: str, fqn: str, p: Any, saved: Any) -> None:
+            calls.append(("check", fqn))
+            _check_state_shapes(leaf, fqn, p, saved)
+
+        def ct(*args: Any) -> Any:
+            calls.append(("tensor", args[1], args[2], args[3]))
+            return cast_tensor(*args)
+
+        def cv(*args: Any) -> Any:
+            calls.append(("value", args[3], args[2]))
+            return cast_value(*args)
+
+        state: defaultdict = defaultdict(dict)
+        used = core.cast_states("leaf", groups, target, new_groups, state_of, state, torch.Tensor,
+                                check if with_check else None, ct, cv)
+        keyed = [(params.index(p), v) for p, v in state.items()]
+        return used, keyed, calls
+
+    result = both(run)
+    if result[0] == "ok":
+        _used, keyed, _calls = result[1]
+        for i, value in keyed:  # every tensor follows torch's cast policy
+            if isinstance(value, dict):
+                for k, v in value.items():
+                    if isinstance(v, torch.Tensor) and k != "step" and params[i].is_floating_point():
+                        assert v.dtype == params[i].dtype
+
+
+def test_cast_states_keeps_tensors_that_need_no_cast() -> None:
+    p = torch.nn.Parameter(torch.zeros(2))
+    saved = {"step": torch.tensor(1.0), "exp_avg": torch.ones(2), "half": torch.ones(2, dtype=torch.float16)}
+    for core in (P, C):
+        state: dict = {}
+        core.cast_states("l", [{"params": [p]}], [["w"]], [{"params": [p]}], {"w": saved}, state, torch.Tensor,
+                         None, cast_tensor, cast_value)
+        out = state[p]
+        assert out["step"] is saved["step"] and out["exp_avg"] is saved["exp_avg"]
+        assert out["half"].dtype == torch.float32
+        fused: dict = {}
+        step64 = {"step": torch.tensor(1.0, dtype=torch.float64)}
+        core.cast_states("l", [{"params": [p]}], [["w"]], [{"fused": True, "params": [p]}], {"w": step64}, fused,
+                         torch.Tensor, None, cast_tensor, cast_value)
+        assert fused[p]["step"].dtype == torch.float32  # fused/capturable: float32 on the param's device
+        plain: dict = {}
+        core.cast_states("l", [{"params": [p]}], [["w"]], [{"params": [p]}], {"w": step64}, plain,
+                         torch.Tensor, None, cast_tensor, cast_value)
+        assert plain[p]["step"] is step64["step"]  # otherwise step is left alone
+
+
+# --------------------------------------------------------------------------- merge_table_settings
+
+
+@PROPS
+@given(
+    st.lists(st.tuples(st.integers(0, 2), st.lists(st.sampled_from(["a", "b", "c", "alias_a", "d"]), max_size=3)),
+             max_size=5),
+    st.booleans(),
+)
+def test_merge_table_settings(groups: list[tuple[int, list[str]]], preset: bool) -> None:
+    settings_list = [{"lr": 0.1}, {"lr": 0.2}, {"lr": 0.3}]
+    canonical = {"a": "a", "alias_a": "a", "b": "b"}
+
+    def run(core: Any) -> tuple:
+        settings_of: dict = {"d": settings_list[0]} if preset else {}
+        source_of: dict = {"d": "flat entries of 'd'"} if preset else {}
+        table_leaf_of: dict = {}
+        empty = core.merge_table_settings("leaf", settings_list, groups, canonical, settings_of, source_of,
+                                          table_leaf_of)
+        return empty, settings_of, source_of, table_leaf_of
+
+    result = both(run)
+    if result[0] == "err":
+        assert result[1] is CheckpointMismatchError and "conflicting saved settings" in result[2]
+
+
+# --------------------------------------------------------------------------- claim_owners
+
+
+@PROPS
+@given(st.lists(st.lists(st.sampled_from(["a", "b", "c", "d"]), max_size=3), max_size=4),
+       st.dictionaries(st.sampled_from(["a", "b", "x"]), st.sampled_from(["leaf", "other"]), max_size=2))
+def test_claim_owners(fqn_groups: list[list[str]], before: dict[str, str]) -> None:
+    groups_fqn = [({"lr": 0.1}, fqns) for fqns in fqn_groups]
+
+    def run(core: Any) -> tuple:
+        owner = dict(before)
+        return core.claim_owners("leaf", groups_fqn, owner), owner
+
+    result = both(run)
+    if result[0] == "err":
+        assert result[1] is CheckpointMismatchError and "is in both leaf 'other' and leaf 'leaf'" in result[2]
+
+
+# --------------------------------------------------------------------------- capture_fqns
+
+
+@PROPS
+@given(
+    st.lists(st.lists(st.integers(0, 4), max_size=4), max_size=4),
+    st.lists(st.integers(0, 5), max_size=5),
+    st.sets(st.integers(0, 4), max_size=2),
+    st.booleans(),
+)
+def test_capture_fqns(layout: list[list[int]], with_state: list[int], unowned: set[int], odd_key: bool) -> None:
+    """Both cores agree, and on inputs the composition accepts, the one pass equals
+    ``remap_to_fqns(pack_optimizer(...))`` (what the library did before the one pass)."""
+    params = [torch.nn.Parameter(torch.zeros(i + 1)) for i in range(6)]  # params[5] is in no group
+    groups = [{"params": [params[i] for i in g], "lr": 0.1, "betas": (0.9, 0.99)} for g in layout]
+    state: dict[Any, Any] = {params[i]: {"step": torch.tensor(float(i))} for i in with_state}
+    if odd_key:
+        state["not a tensor"] = {}
+    fqn_of = {id(p): f"m.w{i}" for i, p in enumerate(params) if i not in unowned}
+    result = both(lambda core: core.capture_fqns("leaf", groups, state, fqn_of, torch.Tensor))
+    reference = outcome(lambda: P.remap_to_fqns("leaf", *P.pack_optimizer("leaf", groups, state, torch.Tensor), fqn_of))
+    if result[0] == "ok":
+        assert reference[0] == "ok" and same(result[1], reference[1])
+    else:
+        assert reference[0] == "err" and result[1] is reference[1]
