@@ -85,26 +85,27 @@ py::tuple match_groups(py::object leaf, py::object target_fqns, py::object setti
 }
 
 py::tuple assign_state_ids(py::object target_fqns, py::object state_by_fqn) {
-    const bool fast = plain_dict(state_by_fqn, "get");
-    py::object packed_state = steal(PyDict_New());
-    py::object used = steal(PyList_New(0));
-    py::object seen = steal(PySet_New(nullptr));
+    py::object pid_of = steal(PyDict_New());
     Py_ssize_t pid = 0;
     iterate(target_fqns, [&](py::handle fqns) {
         iterate(fqns, [&](py::handle fqn) {
-            const int known = PySequence_Contains(seen.ptr(), fqn.ptr());
+            const int known = PyDict_Contains(pid_of.ptr(), fqn.ptr());
             check(known);
-            if (!known) {
-                check(PySet_Add(seen.ptr(), fqn.ptr()));
-                py::object s = mapping_get(state_by_fqn, fqn, fast);
-                if (!s.is_none()) {
-                    py::object key = steal(PyLong_FromSsize_t(pid));
-                    check(PyDict_SetItem(packed_state.ptr(), key.ptr(), s.ptr()));
-                    check(PyList_Append(used.ptr(), fqn.ptr()));
-                }
-            }
+            if (!known) check(PyDict_SetItem(pid_of.ptr(), fqn.ptr(), steal(PyLong_FromSsize_t(pid)).ptr()));
             ++pid;
         });
+    });
+    py::object packed_state = steal(PyDict_New());
+    py::object used = steal(PyList_New(0));
+    iterate_items(state_by_fqn, [&](py::handle fqn, py::handle s) {
+        if (s.is_none()) return;
+        PyObject* id = PyDict_GetItemWithError(pid_of.ptr(), fqn.ptr());
+        if (id == nullptr) {
+            if (PyErr_Occurred()) throw py::error_already_set();
+            return;
+        }
+        check(PyDict_SetItem(packed_state.ptr(), id, s.ptr()));
+        check(PyList_Append(used.ptr(), fqn.ptr()));
     });
     return py::make_tuple(packed_state, used);
 }

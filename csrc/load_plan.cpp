@@ -173,9 +173,9 @@ py::object cast_states(py::object leaf, py::object param_groups, py::object targ
                        py::object state_of, py::object state, py::object tensor_type, py::object check_shapes,
                        py::object cast_tensor, py::object cast_value) {
     const Names names;
-    py::object used = steal(PyList_New(0));
-    IdMap seen;
     PyObject* tt = tensor_type.ptr();
+    // fqn -> (param, special) of the first group listing it
+    py::object where = steal(PyDict_New());
     const Py_ssize_t n = std::min({length(param_groups), length(target), length(new_groups)});
     for (Py_ssize_t gi = 0; gi < n; ++gi) {
         py::object group = steal(PySequence_GetItem(param_groups.ptr(), gi));
@@ -194,68 +194,77 @@ py::object cast_states(py::object leaf, py::object param_groups, py::object targ
                 }
             }
         }
-        py::object special_obj = py::bool_(special);
+        PyObject* special_obj = special ? Py_True : Py_False;
         py::object params = group_params(group, names.params);
         const Py_ssize_t np = std::min(length(params), length(fqns));
         for (Py_ssize_t i = 0; i < np; ++i) {
-            py::object p = steal(PySequence_GetItem(params.ptr(), i));
-            if (!seen.emplace(p.ptr(), 0).second) continue;
             py::object fqn = steal(PySequence_GetItem(fqns.ptr(), i));
-            PyObject* saved_raw = PyDict_GetItemWithError(state_of.ptr(), fqn.ptr());
-            if (saved_raw == nullptr) {
-                if (PyErr_Occurred()) throw py::error_already_set();
-                continue;
-            }
-            py::object saved = borrow(saved_raw);
-            if (saved.is_none()) continue;
-            check(PyList_Append(used.ptr(), fqn.ptr()));
-            if (!check_shapes.is_none() && !shapes_plain(p, saved.ptr(), tt, names)) {
-                steal(PyObject_CallFunctionObjArgs(check_shapes.ptr(), leaf.ptr(), fqn.ptr(), p.ptr(), saved.ptr(),
-                                                   nullptr));
-            }
-            if (!PyDict_CheckExact(saved.ptr())) {
-                py::object v = steal(PyObject_CallFunctionObjArgs(cast_value.ptr(), p.ptr(), saved.ptr(),
-                                                                  special_obj.ptr(), Py_None, nullptr));
-                check(PyObject_SetItem(state.ptr(), p.ptr(), v.ptr()));
-                continue;
-            }
-            py::object floating_obj = steal(PyObject_CallMethodNoArgs(p.ptr(), names.is_floating_point.ptr()));
-            const int floating = PyObject_IsTrue(floating_obj.ptr());
-            check(floating);
-            py::object dtype = attr(p, names.dtype);
-            py::object device = attr(p, names.device);
-            py::object out = steal(PyDict_New());
-            Py_ssize_t pos = 0;
-            PyObject* k = nullptr;
-            PyObject* v = nullptr;
-            while (PyDict_Next(saved.ptr(), &pos, &k, &v)) {
-                py::object key = borrow(k);
-                py::object value = borrow(v);
-                const int is_tensor = PyObject_IsInstance(v, tt);
-                check(is_tensor);
-                py::object cast;
-                if (is_tensor) {
-                    bool keep;
-                    if (is_step(k, names)) {
-                        keep = !special;
-                    } else {
-                        keep = (!floating || attr(value, names.dtype).ptr() == dtype.ptr()) && rich_eq(attr(value, names.device), device);
-                    }
-                    if (keep) {
-                        cast = value;
-                    } else {
-                        py::object fl = py::bool_(floating != 0);
-                        cast = steal(PyObject_CallFunctionObjArgs(cast_tensor.ptr(), v, k, special_obj.ptr(), fl.ptr(),
-                                                                  dtype.ptr(), device.ptr(), nullptr));
-                    }
-                } else {
-                    cast = steal(PyObject_CallFunctionObjArgs(cast_value.ptr(), p.ptr(), v, special_obj.ptr(), k, nullptr));
-                }
-                check(PyDict_SetItem(out.ptr(), k, cast.ptr()));
-            }
-            check(PyObject_SetItem(state.ptr(), p.ptr(), out.ptr()));
+            const int known = PyDict_Contains(where.ptr(), fqn.ptr());
+            check(known);
+            if (known) continue;
+            py::object p = steal(PySequence_GetItem(params.ptr(), i));
+            py::object hit = steal(PyTuple_Pack(2, p.ptr(), special_obj));
+            check(PyDict_SetItem(where.ptr(), fqn.ptr(), hit.ptr()));
         }
     }
+    py::object used = steal(PyList_New(0));
+    iterate_items(state_of, [&](py::handle fqn, py::handle saved) {
+        PyObject* hit = PyDict_GetItemWithError(where.ptr(), fqn.ptr());
+        if (hit == nullptr) {
+            if (PyErr_Occurred()) throw py::error_already_set();
+            return;
+        }
+        if (saved.is_none()) return;
+        py::object p = borrow(PyTuple_GET_ITEM(hit, 0));
+        py::object special_obj = borrow(PyTuple_GET_ITEM(hit, 1));
+        const bool special = special_obj.ptr() == Py_True;
+        check(PyList_Append(used.ptr(), fqn.ptr()));
+        if (!check_shapes.is_none() && !shapes_plain(p, saved.ptr(), tt, names)) {
+            steal(PyObject_CallFunctionObjArgs(check_shapes.ptr(), leaf.ptr(), fqn.ptr(), p.ptr(), saved.ptr(), nullptr));
+        }
+        if (!PyDict_CheckExact(saved.ptr())) {
+            py::object v = steal(
+                PyObject_CallFunctionObjArgs(cast_value.ptr(), p.ptr(), saved.ptr(), special_obj.ptr(), Py_None, nullptr));
+            check(PyObject_SetItem(state.ptr(), p.ptr(), v.ptr()));
+            return;
+        }
+        py::object floating_obj = steal(PyObject_CallMethodNoArgs(p.ptr(), names.is_floating_point.ptr()));
+        const int floating = PyObject_IsTrue(floating_obj.ptr());
+        check(floating);
+        py::object dtype = attr(p, names.dtype);
+        py::object device = attr(p, names.device);
+        py::object out = steal(PyDict_New());
+        Py_ssize_t pos = 0;
+        PyObject* k = nullptr;
+        PyObject* v = nullptr;
+        while (PyDict_Next(saved.ptr(), &pos, &k, &v)) {
+            py::object key = borrow(k);
+            py::object value = borrow(v);
+            const int is_tensor = PyObject_IsInstance(v, tt);
+            check(is_tensor);
+            py::object cast;
+            if (is_tensor) {
+                bool keep;
+                if (is_step(k, names)) {
+                    keep = !special;
+                } else {
+                    keep = (!floating || attr(value, names.dtype).ptr() == dtype.ptr()) &&
+                           rich_eq(attr(value, names.device), device);
+                }
+                if (keep) {
+                    cast = value;
+                } else {
+                    py::object fl = py::bool_(floating != 0);
+                    cast = steal(PyObject_CallFunctionObjArgs(cast_tensor.ptr(), v, k, special_obj.ptr(), fl.ptr(),
+                                                              dtype.ptr(), device.ptr(), nullptr));
+                }
+            } else {
+                cast = steal(PyObject_CallFunctionObjArgs(cast_value.ptr(), p.ptr(), v, special_obj.ptr(), k, nullptr));
+            }
+            check(PyDict_SetItem(out.ptr(), k, cast.ptr()));
+        }
+        check(PyObject_SetItem(state.ptr(), p.ptr(), out.ptr()));
+    });
     return used;
 }
 

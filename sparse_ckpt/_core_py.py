@@ -795,22 +795,23 @@ def assign_state_ids(target_fqns: list[list[str]], state_by_fqn: Mapping[str, An
     """Give saved state to the target's packed ids (torch's id assignment order).
 
     Returns ``(packed_state, used_fqns)``: ``packed_state`` maps the id of every target
-    parameter whose FQN has saved state to that state, in id order; ``used_fqns`` lists those
-    FQNs (so the caller can find saved state that no target parameter took).
+    parameter whose FQN has saved state to that state, in ``state_by_fqn``'s order (the saved
+    dict's order, which torch's ``load_state_dict`` keeps); ``used_fqns`` lists those FQNs in the
+    same order (so the caller can find saved state that no target parameter took).
     """
-    packed_state: dict[int, Any] = {}
-    used: list[str] = []
-    seen: set[str] = set()
+    pid_of: dict[str, int] = {}
     pid = 0
     for fqns in target_fqns:
         for fqn in fqns:
-            if fqn not in seen:
-                seen.add(fqn)
-                s = state_by_fqn.get(fqn)
-                if s is not None:
-                    packed_state[pid] = s
-                    used.append(fqn)
+            if fqn not in pid_of:
+                pid_of[fqn] = pid
             pid += 1
+    packed_state: dict[int, Any] = {}
+    used: list[str] = []
+    for fqn, s in state_by_fqn.items():
+        if s is not None and fqn in pid_of:
+            packed_state[pid_of[fqn]] = s
+            used.append(fqn)
     return packed_state, used
 
 

@@ -111,47 +111,49 @@ def cast_states(
     cast_value: Callable[[Any, Any, bool, Any], Any],
 ) -> list[str]:
     """Put each target parameter's saved state, cast as torch would, into ``state`` (keyed by
-    the parameter); return the FQNs whose state was used, in order.
+    the parameter), in ``state_of``'s order (torch keeps the saved dict's order); return the
+    FQNs whose state was used, in that order.
 
-    A parameter listed in several groups takes its state once, with the fused/capturable flag
-    of the first new group listing it (torch's rule). ``check_shapes(leaf, fqn, param, saved)``
-    (``None``: no check) runs for every used state that is not plainly the param's shape and
-    dtype. Tensors are cast by ``cast_tensor(value, key, special, floating, dtype, device)``
-    unless the cast would return the tensor itself (non-``step`` with the param's dtype -- for a
-    floating param -- and device; ``step`` outside fused/capturable groups); a non-dict state
-    or a non-tensor value goes to ``cast_value(param, value, special, key)``.
+    A parameter listed in several groups takes the fused/capturable flag of the first new group
+    listing it (torch's rule). ``check_shapes(leaf, fqn, param, saved)`` (``None``: no check) runs
+    for every used state that is not plainly the param's shape and dtype. Tensors are cast by
+    ``cast_tensor(value, key, special, floating, dtype, device)`` unless the cast would return the
+    tensor itself (non-``step`` with the param's dtype -- for a floating param -- and device;
+    ``step`` outside fused/capturable groups); a non-dict state or a non-tensor value goes to
+    ``cast_value(param, value, special, key)``.
     """
-    used: list[str] = []
-    seen: set[int] = set()
+    where: dict[str, tuple[Any, bool]] = {}
     for group, fqns, new in zip(param_groups, target, new_groups):
         special = bool(new.get("fused", False) or new.get("capturable", False))
         for p, fqn in zip(group["params"], fqns):
-            if id(p) in seen:
-                continue
-            seen.add(id(p))
-            saved = state_of.get(fqn)
-            if saved is None:
-                continue
-            used.append(fqn)
-            if check_shapes is not None and not _shapes_plain(p, saved, tensor_type):
-                check_shapes(leaf, fqn, p, saved)
-            if type(saved) is not dict:
-                state[p] = cast_value(p, saved, special, None)
-                continue
-            floating = p.is_floating_point()
-            dtype, device = p.dtype, p.device
-            out: dict = {}
-            for k, v in saved.items():
-                if isinstance(v, tensor_type):
-                    if k == _STEP:
-                        out[k] = cast_tensor(v, k, special, floating, dtype, device) if special else v
-                    elif (not floating or v.dtype is dtype) and v.device == device:
-                        out[k] = v
-                    else:
-                        out[k] = cast_tensor(v, k, special, floating, dtype, device)
+            if fqn not in where:
+                where[fqn] = (p, special)
+    used: list[str] = []
+    for fqn, saved in state_of.items():
+        hit = where.get(fqn)
+        if hit is None or saved is None:
+            continue
+        p, special = hit
+        used.append(fqn)
+        if check_shapes is not None and not _shapes_plain(p, saved, tensor_type):
+            check_shapes(leaf, fqn, p, saved)
+        if type(saved) is not dict:
+            state[p] = cast_value(p, saved, special, None)
+            continue
+        floating = p.is_floating_point()
+        dtype, device = p.dtype, p.device
+        out: dict = {}
+        for k, v in saved.items():
+            if isinstance(v, tensor_type):
+                if k == _STEP:
+                    out[k] = cast_tensor(v, k, special, floating, dtype, device) if special else v
+                elif (not floating or v.dtype is dtype) and v.device == device:
+                    out[k] = v
                 else:
-                    out[k] = cast_value(p, v, special, k)
-            state[p] = out
+                    out[k] = cast_tensor(v, k, special, floating, dtype, device)
+            else:
+                out[k] = cast_value(p, v, special, k)
+        state[p] = out
     return used
 
 

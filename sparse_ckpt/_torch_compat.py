@@ -51,3 +51,26 @@ def named_parameters_canonical(
     ``named_parameters``/``named_modules``; the caller then uses the public API.
     """
     return _backend.core.walk_parameters(model, stripped, module_wrapper, _BASE_NAMED_MODULES, _BASE_NAMED_PARAMETERS)
+
+
+def _dcp_load_code() -> Any:
+    """The code object of ``torch.distributed.checkpoint.load`` (unwrapped), or ``None``."""
+    try:
+        import inspect
+
+        from torch.distributed.checkpoint import state_dict_loader
+    except ImportError:  # pragma: no cover - torch without distributed
+        return None
+    fn = inspect.unwrap(getattr(state_dict_loader, "load", None) or (lambda: None))
+    return getattr(fn, "__code__", None)
+
+
+_DCP_LOAD_CODE = _dcp_load_code()
+
+
+def called_by_dcp_load(frame: Any) -> bool:
+    """``True`` when ``frame`` is ``torch.distributed.checkpoint.load`` itself: a ``Stateful``'s
+    ``state_dict()`` called from there builds a *load target* (which DCP then plans and fills),
+    not a dict to save. ``False`` whenever that cannot be told (another torch layout): the caller
+    then does what it does for a save, which is always correct, only slower."""
+    return _DCP_LOAD_CODE is not None and frame is not None and frame.f_code is _DCP_LOAD_CODE

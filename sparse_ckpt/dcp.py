@@ -22,6 +22,7 @@ dragging the model along), so ``dcp.async_save`` staging works on it.
 from __future__ import annotations
 
 import io
+import sys
 from collections.abc import Iterator, Mapping
 from typing import Any
 
@@ -35,6 +36,7 @@ from torch.distributed.tensor import DTensor
 from torch.distributed.tensor import empty as dtensor_empty
 
 from ._dcp_paths import metadata_path, set_path
+from ._torch_compat import called_by_dcp_load
 from .errors import CheckpointFormatError, CheckpointMismatchError
 from .format import (
     GROUPS_PREFIX,
@@ -101,7 +103,7 @@ class SparseStateDict(dict):
     sets ``planned``. Pickling and (deep) copies produce a plain ``dict`` of the same items.
     """
 
-    __slots__ = ("owner", "planned", "unresolved")
+    __slots__ = ("fmap", "owner", "planned", "unresolved")
 
     def __init__(self, items: Mapping[str, Any], owner: SparseOptimizerState) -> None:
         super().__init__(items)
@@ -109,6 +111,9 @@ class SparseStateDict(dict):
         self.planned = False
         self.unresolved: list[str] = []
         """Checkpoint state keys the planner skipped whose FQN it could not attribute to anyone."""
+        self.fmap: FqnMap | None = None
+        """The FQN map the planner built for this load target; the load of the same dict (the same
+        ``dcp.load``) reuses it instead of walking the model again."""
 
     def __reduce_ex__(self, protocol: Any) -> tuple[Any, ...]:
         return (dict, (), None, None, iter(self.copy().items()))
@@ -157,7 +162,11 @@ class SparseOptimizerState:
         before DCP reads anything into the optimizer's live state tensors.
         """
         sd: dict[str, Any] = {PLANNER_GUARD_KEY: _PlannerGuard.make()}  # first: DCP plans keys in order
-        sd.update(sparse_state_dict(self.model, self.optimizer, format=self.format))
+        if not called_by_dcp_load(sys._getframe(1)):
+            # A load target needs no content: SparseLoadPlanner rebuilds it from the checkpoint's
+            # metadata (and without that planner the guard refuses the load), so dcp.load does not
+            # pay for a capture of the optimizer it is about to overwrite.
+            sd.update(sparse_state_dict(self.model, self.optimizer, format=self.format))
         return SparseStateDict(sd, self)
 
     def load_state_dict(self, state_dict: Mapping[str, Any]) -> None:
@@ -167,9 +176,13 @@ class SparseOptimizerState:
         """
         data = dict(state_dict)
         data.pop(PLANNER_GUARD_KEY, None)
-        if isinstance(state_dict, SparseStateDict) and state_dict.unresolved:
-            data.update(dict.fromkeys(state_dict.unresolved))
-        load_owned(self.model, self.optimizer, data, strict=self.strict, allow_unowned=_multi_rank())
+        fmap = None
+        if isinstance(state_dict, SparseStateDict):
+            if state_dict.unresolved:
+                data.update(dict.fromkeys(state_dict.unresolved))
+            if state_dict.owner is self:
+                fmap = state_dict.fmap
+        load_owned(self.model, self.optimizer, data, strict=self.strict, allow_unowned=_multi_rank(), fmap=fmap)
 
     def __reduce_ex__(self, protocol: Any) -> Any:
         raise TypeError(
@@ -298,7 +311,7 @@ def _rebuild_target(
         raise CheckpointMismatchError(
             f"the checkpoint has no optimizer entries under {where!r} (saved under another key, or no optimizer)"
         )
-    fmap = build_fqn_map(target.owner.model)
+    fmap = target.fmap = build_fqn_map(target.owner.model)
     flat_fqns = {
         str(rel[0])[len(GROUPS_PREFIX) :].rpartition(".")[0]
         for rel, _md, _key in entries

@@ -185,16 +185,33 @@ def load_sparse_state_dict(
     load_owned(model, optimizer, state_dict, strict=strict, allow_unowned=False)
 
 
-def load_owned(model: nn.Module, optimizer: Any, state_dict: Mapping[str, Any], *, strict: bool, allow_unowned: bool) -> None:
+def load_owned(
+    model: nn.Module,
+    optimizer: Any,
+    state_dict: Mapping[str, Any],
+    *,
+    strict: bool,
+    allow_unowned: bool,
+    fmap: FqnMap | None = None,
+) -> None:
     """:func:`load_sparse_state_dict` for the library's DCP and export paths. ``allow_unowned=True``
     (multi-rank loads): saved FQNs the model does not own, and their state, belong to other ranks
-    and are not "extra"; the model's own parameters must still be present."""
+    and are not "extra"; the model's own parameters must still be present. ``fmap``: the model's
+    FQN map when the caller built it during the same operation (the DCP planner), else built here."""
     with gc_paused():
-        _load(model, optimizer, state_dict, strict, allow_unowned)
+        _load(model, optimizer, state_dict, strict, allow_unowned, fmap)
 
 
-def _load(model: nn.Module, optimizer: Any, state_dict: Mapping[str, Any], strict: bool, allow_unowned: bool) -> None:
-    fmap = build_fqn_map(model)
+def _load(
+    model: nn.Module,
+    optimizer: Any,
+    state_dict: Mapping[str, Any],
+    strict: bool,
+    allow_unowned: bool,
+    fmap: FqnMap | None,
+) -> None:
+    if fmap is None:
+        fmap = build_fqn_map(model)
     leaves = named_leaves(optimizer)
     ckpt = decode_checkpoint(state_dict, fmap)
     missing: list[str] = []

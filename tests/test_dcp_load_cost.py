@@ -1,0 +1,84 @@
+"""What one ``dcp.load`` of a SparseOptimizerState costs: no capture of the load target (its
+state_dict hooks do not run, nothing of it is serialized) and one FQN map (built by the planner,
+reused by the load). Counts, never times."""
+
+from __future__ import annotations
+
+import sys
+from pathlib import Path
+from typing import Any
+
+import pytest
+import torch
+import torch.distributed.checkpoint as dcp
+from helpers import assert_optimizer_equal, make_moe, train
+
+import sparse_ckpt as sc
+import sparse_ckpt.dcp as sc_dcp
+import sparse_ckpt.load as sc_load
+from sparse_ckpt._torch_compat import called_by_dcp_load
+from sparse_ckpt.format import PLANNER_GUARD_KEY
+
+pytestmark = pytest.mark.filterwarnings("ignore:torch.distributed is disabled:UserWarning")
+
+
+def _trained(seed: int) -> tuple[torch.nn.Module, torch.optim.Optimizer]:
+    model = make_moe(seed)
+    opt = torch.optim.AdamW(model.parameters(), lr=0.01)
+    train(model, opt, 2, only_experts=[0, 1])
+    return model, opt
+
+
+@pytest.mark.parametrize("fmt", ["packed", "flat"])
+def test_load_target_is_not_captured_and_fqn_map_built_once(tmp_path: Path, fmt: str, monkeypatch) -> None:
+    model, opt = _trained(0)
+    dcp.save({"optim": sc.SparseOptimizerState(model, opt, format=fmt)}, checkpoint_id=tmp_path / "c")
+
+    model2 = make_moe(0)
+    model2.load_state_dict(model.state_dict())
+    opt2 = torch.optim.AdamW(model2.parameters(), lr=0.5)
+    hook_calls: list[str] = []
+    opt2.register_state_dict_pre_hook(lambda o: hook_calls.append("pre"))
+    opt2.register_state_dict_post_hook(lambda o, sd: hook_calls.append("post"))
+    builds: list[int] = []
+    real = sc_dcp.build_fqn_map
+
+    def counting(m: Any) -> Any:
+        builds.append(1)
+        return real(m)
+
+    monkeypatch.setattr(sc_dcp, "build_fqn_map", counting)
+    monkeypatch.setattr(sc_load, "build_fqn_map", counting)
+    dcp.load({"optim": sc.SparseOptimizerState(model2, opt2)}, checkpoint_id=tmp_path / "c",
+             planner=sc.SparseLoadPlanner())
+    assert hook_calls == []  # the load target was never captured (torch's state_dict would run hooks)
+    assert len(builds) == 1  # the planner's map is the load's
+    assert_optimizer_equal(opt2, opt, grads=False)  # state in the saved order, as torch keeps it
+
+
+def test_state_dict_outside_dcp_load_is_full() -> None:
+    """Called by anyone but dcp.load (dcp.save, the user), state_dict() is the whole sparse dict."""
+    model, opt = _trained(1)
+    st = sc.SparseOptimizerState(model, opt)
+    sd = st.state_dict()
+    assert PLANNER_GUARD_KEY in sd and len(sd) == 1 + len(sc.sparse_state_dict(model, opt))
+    assert not called_by_dcp_load(sys._getframe())
+
+
+def test_fmap_of_another_state_is_not_reused(tmp_path: Path) -> None:
+    """A planned dict handed to another SparseOptimizerState's load_state_dict: that state walks
+    its own model (the planner's map belongs to the dict's owner)."""
+    model, opt = _trained(2)
+    dcp.save({"optim": sc.SparseOptimizerState(model, opt)}, checkpoint_id=tmp_path / "c")
+    model2 = make_moe(2)
+    opt2 = torch.optim.AdamW(model2.parameters(), lr=0.5)
+    st2 = sc.SparseOptimizerState(model2, opt2)
+    target = {"optim": st2.state_dict()}
+    dcp.load(target, checkpoint_id=tmp_path / "c", planner=sc.SparseLoadPlanner())
+    planned = target["optim"]
+    assert planned.fmap is not None
+    model3 = make_moe(2)
+    model3.load_state_dict(model.state_dict())
+    opt3 = torch.optim.AdamW(model3.parameters(), lr=0.5)
+    sc.SparseOptimizerState(model3, opt3).load_state_dict(planned)
+    assert_optimizer_equal(opt3, opt, grads=False)
