@@ -68,6 +68,14 @@ bool rich_eq(py::handle a, py::handle b) {
 }
 
 /// ``key == "step"`` for the state keys the decoder produces (str or int).
+/// ``isinstance(v, tensor_type)``, without the generic protocol for the exact type (the usual case).
+bool is_tensor_of(PyObject* v, PyObject* tensor_type) {
+    if (reinterpret_cast<PyObject*>(Py_TYPE(v)) == tensor_type) return true;
+    const int r = PyObject_IsInstance(v, tensor_type);
+    check(r);
+    return r != 0;
+}
+
 bool is_step(PyObject* key, const Names& n) {
     if (key == n.step.ptr()) return true;
     return PyUnicode_Check(key) && PyUnicode_CompareWithASCIIString(key, "step") == 0;
@@ -84,9 +92,7 @@ bool shapes_plain(py::handle p, PyObject* state, PyObject* tensor_type, const Na
     while (PyDict_Next(state, &pos, &k, &v)) {
         py::object key = borrow(k);
         py::object value = borrow(v);
-        const int is_tensor = PyObject_IsInstance(v, tensor_type);
-        check(is_tensor);
-        if (is_tensor) {
+        if (is_tensor_of(v, tensor_type)) {
             if (is_step(k, n)) continue;
             if (!shape) {
                 shape = attr(p, n.shape);
@@ -240,10 +246,8 @@ py::object cast_states(py::object leaf, py::object param_groups, py::object targ
         while (PyDict_Next(saved.ptr(), &pos, &k, &v)) {
             py::object key = borrow(k);
             py::object value = borrow(v);
-            const int is_tensor = PyObject_IsInstance(v, tt);
-            check(is_tensor);
             py::object cast;
-            if (is_tensor) {
+            if (is_tensor_of(v, tt)) {
                 bool keep;
                 if (is_step(k, names)) {
                     keep = !special;
