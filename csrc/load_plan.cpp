@@ -1,6 +1,7 @@
-// fqns_of_groups / build_groups / cast_states: one pass per leaf from a decoded checkpoint to what
-// Optimizer.__setstate__ takes. Twins of sparse_ckpt/_core_py_load.py (same calls of the
-// callbacks, in the same order; same outputs and errors for the documented input types).
+// The load hot path: fqns_of_groups / build_groups / cast_states (one pass per leaf from a decoded
+// checkpoint to what Optimizer.__setstate__ takes) and merge_table_settings (a decoded table's
+// settings by canonical FQN). Twins of sparse_ckpt/_core_py_load.py (same calls of the callbacks,
+// in the same order; same outputs and errors for the documented input types).
 #include <algorithm>
 
 #include "core.hpp"
