@@ -26,7 +26,7 @@ PYBIND11_MODULE(_C, m) {
           py::arg("escape"),
           "state.{fqn}.{key} for every state entry; nested dicts are flattened with '.' (escaped parts if escape).");
     m.def("flatten_packed_state", &flatten_packed_state, py::arg("leaf"), py::arg("state_fqn"), py::arg("known_fqns"),
-          py::arg("tensor_type"), py::arg("scalar_parts"),
+          py::arg("tensor_type"), py::arg("cpu_dtypes"), py::arg("strided"), py::arg("scalar_parts"),
           "flatten_state(escape=True) with each parameter's leading scalars hoisted: (items, scalar_groups).");
     m.def("flatten_groups", &flatten_groups, py::arg("leaf"), py::arg("groups_fqn"),
           "param_groups.{fqn}.{key} for every parameter of every group.");
@@ -54,6 +54,8 @@ PYBIND11_MODULE(_C, m) {
     m.def("merge_table_settings", &merge_table_settings, py::arg("leaf"), py::arg("settings"), py::arg("groups"),
           py::arg("canonical"), py::arg("settings_of"), py::arg("source_of"), py::arg("table_leaf_of"),
           "Record a decoded table's settings by canonical FQN; return the indices of its empty groups.");
+    m.def("merge_scalars", &merge_scalars, py::arg("state_of"), py::arg("scalars_of"), py::arg("tensor_type"),
+          "Each FQN's state: its scalars (own dicts and tensors) first, then its per-item entries.");
     m.def("capture_fqns", &capture_fqns, py::arg("leaf"), py::arg("param_groups"), py::arg("state"),
           py::arg("fqn_of"), py::arg("tensor_type"),
           "(groups_fqn, state_fqn) of a live optimizer leaf in one pass (no state_dict post-hooks).");

@@ -21,18 +21,51 @@ py::object flatten_state(py::object leaf, py::object state_fqn, py::object known
 py::object flatten_groups(py::object leaf, py::object groups_fqn);
 py::tuple unflatten(py::object flat, py::object known_fqns);
 py::tuple flatten_packed_state(py::object leaf, py::object state_fqn, py::object known_fqns, py::object tensor_type,
-                               py::object scalar_parts);
+                               py::object cpu_dtypes, py::object strided, py::object scalar_parts);
 
 // table_codec.cpp
 py::bytes encode_settings(py::object leaf, py::object group_index, py::object settings, py::object tensor_type,
                           py::object to_parts);
 py::bytes encode_table(py::object leaf, py::object groups_fqn, py::object tensor_type, py::object to_parts);
 py::tuple decode_table(py::object leaf, py::object data, py::object from_parts);
+/// ``obj.name`` for objects of one exact type: when that type uses the generic attribute lookup
+/// and ``name`` is a data descriptor of it (a getset, as torch's tensor properties are), the
+/// descriptor found once is called directly -- what the generic lookup does for a data
+/// descriptor, without the per-object type lookup. Otherwise it is ``PyObject_GetAttr``. Valid
+/// while the type's attributes do not change (the core's callbacks do not change them).
+class TypeAttr {
+public:
+    TypeAttr(py::handle type, const char* name);
+    py::object get(PyObject* obj) const {
+        if (descr_) return steal(get_(descr_.ptr(), obj, type_.ptr()));
+        return steal(PyObject_GetAttr(obj, name_.ptr()));
+    }
+
+private:
+    py::object name_;
+    py::object type_;
+    py::object descr_;
+    descrgetfunc get_ = nullptr;
+};
+
+/// What flatten_packed_state needs to tell a scalar-table entry (see _core_py._scalar_record):
+/// the callers' objects and the attributes read of a 0-d ``tensor_type`` value.
+struct ScalarSpec {
+    ScalarSpec(py::handle tensor_type_, py::handle cpu_dtypes_, py::handle strided_, py::handle scalar_parts_);
+    py::handle tensor_type;
+    py::handle cpu_dtypes;  // exact dict: dtype -> (str name, int itemsize), checked by the constructor;
+                            // no complex dtype (the only ones with a conj bit)
+    py::handle strided;
+    py::handle scalar_parts;
+    TypeAttr ndim, dtype, requires_grad, is_cpu, layout;
+    py::object is_neg, data_ptr;  // method names
+};
+
 /// ``_core_py._scalar_record`` for a ``key`` that is a plain part (an exact str): appends the
 /// entry's table-codec bytes to ``out`` and returns true, or leaves ``out`` as it was and
 /// returns false when the entry is no scalar-table entry. Used by flatten_packed_state.
 bool encode_scalar_record(std::string& out, py::handle leaf, py::handle fqn, py::handle key, py::handle value,
-                          py::handle tensor_type, py::handle scalar_parts);
+                          const ScalarSpec& spec);
 
 // load_match.cpp
 py::tuple match_groups(py::object leaf, py::object target_fqns, py::object settings_of);
@@ -46,6 +79,7 @@ py::object cast_states(py::object leaf, py::object param_groups, py::object targ
                        py::object cast_tensor, py::object cast_value);
 py::object merge_table_settings(py::object leaf, py::object settings, py::object groups, py::object canonical,
                                 py::object settings_of, py::object source_of, py::object table_leaf_of);
+py::object merge_scalars(py::object state_of, py::object scalars_of, py::object tensor_type);
 
 // save_pass.cpp
 py::tuple capture_fqns(py::object leaf, py::object param_groups, py::object state, py::object fqn_of,

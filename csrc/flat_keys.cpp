@@ -201,7 +201,8 @@ py::object flatten_state(py::object leaf, py::object state_fqn, py::object known
 }
 
 py::tuple flatten_packed_state(py::object leaf, py::object state_fqn, py::object known_fqns, py::object tensor_type,
-                               py::object scalar_parts) {
+                               py::object cpu_dtypes, py::object strided, py::object scalar_parts) {
+    const ScalarSpec spec(tensor_type, cpu_dtypes, strided, scalar_parts);
     py::object out = steal(PyDict_New());
     py::object groups = steal(PyList_New(0));
     std::vector<py::object> group_fqns;  // the fqns list of each group (also alive in ``groups``)
@@ -209,6 +210,7 @@ py::tuple flatten_packed_state(py::object leaf, py::object state_fqn, py::object
     py::object dot = steal(PyUnicode_FromString("."));
     py::object state_prefix = steal(PyUnicode_FromString("state."));
     std::string blob;
+    std::vector<std::pair<py::object, py::object>> scalars;
     iterate_items(state_fqn, [&](py::handle fqn, py::handle state) {
         if (!PyDict_Check(state.ptr())) {
             raise_format_error(Msg() << "leaf " << py_repr(leaf) << ": state of " << py_repr(fqn) << " is a "
@@ -218,32 +220,31 @@ py::tuple flatten_packed_state(py::object leaf, py::object state_fqn, py::object
         py::object prefix = concat({state_prefix.ptr(), fqn_str.ptr()});
         FlattenCtx ctx{out.ptr(), dot.ptr(), leaf, fqn, known_fqns, true, 6};
         std::vector<py::handle> path;
-        py::object scalars;  // created on the first scalar
+        scalars.clear();  // (key, value) of the leading run; a dict is built only for a new group
         blob.assign(4, '\0');  // u32 n_keys, written below
         bool leading = true;
         iterate_items(state, [&](py::handle key, py::handle item) {
             if (leading) {
-                if (is_part(key, true) &&
-                    encode_scalar_record(blob, leaf, fqn, key, item, tensor_type, scalar_parts)) {
-                    if (!scalars) scalars = steal(PyDict_New());
-                    check(PyDict_SetItem(scalars.ptr(), key.ptr(), item.ptr()));
+                if (is_part(key, true) && encode_scalar_record(blob, leaf, fqn, key, item, spec)) {
+                    scalars.emplace_back(borrow(key.ptr()), borrow(item.ptr()));
                     return;
                 }
                 leading = false;
             }
             flatten_item(ctx, prefix.ptr(), key, item, path);
         });
-        if (!scalars) return;
-        const Py_ssize_t n = PyDict_GET_SIZE(scalars.ptr());
+        if (scalars.empty()) return;
         std::string ident;
-        put_len_u32(ident, n);
+        put_len_u32(ident, static_cast<Py_ssize_t>(scalars.size()));
         blob.replace(0, 4, ident);
         auto found = index_of.find(blob);
         if (found == index_of.end()) {
             index_of.emplace(blob, group_fqns.size());
+            py::object dict = steal(PyDict_New());
+            for (const auto& kv : scalars) check(PyDict_SetItem(dict.ptr(), kv.first.ptr(), kv.second.ptr()));
             py::object fqns = steal(PyList_New(0));
             check(PyList_Append(fqns.ptr(), fqn.ptr()));
-            py::object entry = py::make_tuple(scalars, fqns);
+            py::object entry = py::make_tuple(dict, fqns);
             check(PyList_Append(groups.ptr(), entry.ptr()));
             group_fqns.push_back(std::move(fqns));
         } else {

@@ -331,3 +331,101 @@ py::object merge_table_settings(py::object leaf, py::object settings, py::object
 }
 
 }  // namespace sckpt
+
+namespace sckpt {
+
+namespace {
+
+/// ``_core_py_load._scalar_entry``: the scalar dict and leaf of a ``scalars_of`` value.
+std::pair<PyObject*, PyObject*> scalar_entry(py::handle fqn, PyObject* entry) {
+    if (!PyTuple_CheckExact(entry) || PyTuple_GET_SIZE(entry) != 2 || !PyDict_CheckExact(PyTuple_GET_ITEM(entry, 0))) {
+        raise_builtin(PyExc_TypeError, Msg() << "merge_scalars: scalars_of[" << py_repr(fqn)
+                                             << "] must be a (dict, leaf) tuple, got " << type_name(entry));
+    }
+    return {PyTuple_GET_ITEM(entry, 0), PyTuple_GET_ITEM(entry, 1)};
+}
+
+}  // namespace
+
+py::object merge_scalars(py::object state_of, py::object scalars_of, py::object tensor_type) {
+    if (!PyDict_CheckExact(state_of.ptr())) {
+        raise_builtin(PyExc_TypeError, Msg() << "merge_scalars: state_of must be a dict, got " << type_name(state_of));
+    }
+    if (!PyDict_CheckExact(scalars_of.ptr())) {
+        raise_builtin(PyExc_TypeError, Msg() << "merge_scalars: scalars_of must be a dict, got "
+                                             << type_name(scalars_of));
+    }
+    py::object clone = steal(PyUnicode_InternFromString("clone"));
+    IdMap handed;  // scalar dicts already handed out (all alive in scalars_of)
+    // ``own(scalars)``: the dict itself copied for its first taker, with cloned tensors after.
+    auto own = [&](PyObject* scalars) -> py::object {
+        if (handed.emplace(scalars, 0).second) return steal(PyDict_Copy(scalars));
+        py::object out = steal(PyDict_New());
+        Py_ssize_t pos = 0;
+        PyObject* k = nullptr;
+        PyObject* v = nullptr;
+        while (PyDict_Next(scalars, &pos, &k, &v)) {
+            py::object key = borrow(k);
+            py::object value = borrow(v);
+            int is_tensor = Py_TYPE(v) == reinterpret_cast<PyTypeObject*>(tensor_type.ptr()) ? 1 : 0;
+            if (!is_tensor) {
+                is_tensor = PyObject_IsInstance(v, tensor_type.ptr());
+                check(is_tensor);
+            }
+            if (is_tensor) value = steal(PyObject_CallMethodNoArgs(v, clone.ptr()));
+            check(PyDict_SetItem(out.ptr(), k, value.ptr()));
+        }
+        return out;
+    };
+    py::object merged = steal(PyDict_New());
+    Py_ssize_t pos = 0;
+    PyObject* f = nullptr;
+    PyObject* s = nullptr;
+    while (PyDict_Next(state_of.ptr(), &pos, &f, &s)) {
+        py::object fqn = borrow(f);
+        py::object state = borrow(s);
+        PyObject* entry = PyDict_GetItemWithError(scalars_of.ptr(), f);
+        if (entry == nullptr || entry == Py_None) {
+            if (entry == nullptr && PyErr_Occurred()) throw py::error_already_set();
+            check(PyDict_SetItem(merged.ptr(), f, s));
+            continue;
+        }
+        py::object held = borrow(entry);
+        auto [scalars, leaf] = scalar_entry(fqn, entry);
+        if (!PyDict_CheckExact(s)) {
+            raise_builtin(PyExc_TypeError, Msg() << "merge_scalars: state_of[" << py_repr(fqn) << "] must be a dict, got "
+                                                 << type_name(state));
+        }
+        Py_ssize_t kpos = 0;
+        PyObject* k = nullptr;
+        PyObject* v = nullptr;
+        while (PyDict_Next(s, &kpos, &k, &v)) {
+            const int clash = PyDict_Contains(scalars, k);
+            check(clash);
+            if (clash) {
+                py::object key = borrow(k);
+                raise_format_error(Msg() << "leaf " << py_repr(leaf) << ": state key " << py_repr(key) << " of "
+                                         << py_repr(fqn) << " is both in a scalar table and the per-item entry 'state."
+                                         << fmt(fqn) << "." << fmt(key) << "' (corrupt or edited checkpoint)");
+            }
+        }
+        py::object fresh = own(scalars);
+        check(PyDict_Update(fresh.ptr(), s));
+        check(PyDict_SetItem(merged.ptr(), f, fresh.ptr()));
+    }
+    pos = 0;
+    while (PyDict_Next(scalars_of.ptr(), &pos, &f, &s)) {
+        py::object fqn = borrow(f);
+        py::object entry = borrow(s);
+        const int present = PyDict_Contains(state_of.ptr(), f);
+        check(present);
+        if (present) continue;
+        PyObject* scalars = scalar_entry(fqn, s).first;
+        if (PyDict_GET_SIZE(scalars) == 0) continue;
+        py::object fresh = own(scalars);
+        check(PyDict_SetItem(merged.ptr(), f, fresh.ptr()));
+    }
+    return merged;
+}
+
+}  // namespace sckpt

@@ -338,8 +338,97 @@ py::object decode_value(Reader& r, py::handle from_parts, int depth) {
 
 }  // namespace
 
+namespace {
+
+constexpr long long kMaxItemsize = 16;
+
+/// ``_core_py._check_cpu_dtypes``
+void check_cpu_dtypes(py::handle cpu_dtypes) {
+    PyObject* d = cpu_dtypes.ptr();
+    if (!PyDict_CheckExact(d)) {
+        raise_builtin(PyExc_TypeError, Msg() << "flatten_packed_state: cpu_dtypes must be a dict, got "
+                                             << type_name(cpu_dtypes));
+    }
+    Py_ssize_t pos = 0;
+    PyObject* k = nullptr;
+    PyObject* v = nullptr;
+    while (PyDict_Next(d, &pos, &k, &v)) {
+        bool ok = PyTuple_CheckExact(v) && PyTuple_GET_SIZE(v) == 2 && PyUnicode_CheckExact(PyTuple_GET_ITEM(v, 0)) &&
+                  PyLong_CheckExact(PyTuple_GET_ITEM(v, 1));
+        if (ok) {
+            int overflow = 0;
+            const long long size = PyLong_AsLongLongAndOverflow(PyTuple_GET_ITEM(v, 1), &overflow);
+            if (size == -1 && PyErr_Occurred()) throw py::error_already_set();
+            ok = overflow == 0 && size >= 1 && size <= kMaxItemsize;
+        }
+        if (!ok) {
+            py::object spec = borrow(v);
+            raise_builtin(PyExc_TypeError,
+                          Msg() << "flatten_packed_state: cpu_dtypes values must be (str, int) tuples with an item "
+                                   "size from 1 to "
+                                << kMaxItemsize << ", got " << py_repr(spec));
+        }
+    }
+}
+
+py::object intern(const char* name) { return steal(PyUnicode_InternFromString(name)); }
+
+/// ``_core_py._cpu_scalar_data``: true with the dtype name and the element's bytes when the
+/// 0-d tensor ``o`` is a plain CPU scalar of a ``cpu_dtypes`` dtype.
+bool cpu_scalar_data(PyObject* o, const ScalarSpec& spec, py::object& name, std::string& data) {
+    py::object dtype = spec.dtype.get(o);
+    PyObject* entry = PyDict_GetItemWithError(spec.cpu_dtypes.ptr(), dtype.ptr());
+    if (entry == nullptr) {
+        if (PyErr_Occurred()) throw py::error_already_set();
+        return false;
+    }
+    py::object held = borrow(entry);  // the dict may change while the tensor's attributes are read
+    if (spec.requires_grad.get(o).ptr() != Py_False) return false;
+    if (spec.is_cpu.get(o).ptr() != Py_True) return false;
+    if (spec.layout.get(o).ptr() != spec.strided.ptr()) return false;
+    if (steal(PyObject_CallMethodNoArgs(o, spec.is_neg.ptr())).ptr() != Py_False) return false;
+    py::object ptr = steal(PyObject_CallMethodNoArgs(o, spec.data_ptr.ptr()));
+    if (!PyLong_CheckExact(ptr.ptr())) return false;
+    int overflow = 0;
+    const long long address = PyLong_AsLongLongAndOverflow(ptr.ptr(), &overflow);
+    if (address == -1 && PyErr_Occurred()) throw py::error_already_set();
+    if (overflow != 0 || address <= 0) return false;
+    name = borrow(PyTuple_GET_ITEM(held.ptr(), 0));
+    const long long size = PyLong_AsLongLong(PyTuple_GET_ITEM(held.ptr(), 1));  // 1..16, checked up front
+    data.assign(reinterpret_cast<const char*>(static_cast<uintptr_t>(address)), static_cast<size_t>(size));
+    return true;
+}
+
+}  // namespace
+
+TypeAttr::TypeAttr(py::handle type, const char* name) : name_(intern(name)) {
+    if (!PyType_Check(type.ptr())) return;
+    auto* t = reinterpret_cast<PyTypeObject*>(type.ptr());
+    if (t->tp_getattro != PyObject_GenericGetAttr) return;
+    PyObject* d = _PyType_Lookup(t, name_.ptr());  // borrowed; no exception set
+    if (d == nullptr || Py_TYPE(d)->tp_descr_get == nullptr || Py_TYPE(d)->tp_descr_set == nullptr) return;
+    type_ = borrow(type.ptr());
+    descr_ = borrow(d);
+    get_ = Py_TYPE(d)->tp_descr_get;
+}
+
+ScalarSpec::ScalarSpec(py::handle tensor_type_, py::handle cpu_dtypes_, py::handle strided_, py::handle scalar_parts_)
+    : tensor_type(tensor_type_),
+      cpu_dtypes(cpu_dtypes_),
+      strided(strided_),
+      scalar_parts(scalar_parts_),
+      ndim(tensor_type_, "ndim"),
+      dtype(tensor_type_, "dtype"),
+      requires_grad(tensor_type_, "requires_grad"),
+      is_cpu(tensor_type_, "is_cpu"),
+      layout(tensor_type_, "layout"),
+      is_neg(intern("is_neg")),
+      data_ptr(intern("data_ptr")) {
+    check_cpu_dtypes(cpu_dtypes);
+}
+
 bool encode_scalar_record(std::string& out, py::handle leaf, py::handle fqn, py::handle key, py::handle value,
-                          py::handle tensor_type, py::handle scalar_parts) {
+                          const ScalarSpec& spec) {
     Py_ssize_t n = 0;
     const char* raw = PyUnicode_AsUTF8AndSize(key.ptr(), &n);
     if (raw == nullptr) {
@@ -367,9 +456,16 @@ bool encode_scalar_record(std::string& out, py::handle leaf, py::handle fqn, py:
     } else if (kind == &PyFloat_Type) {
         put_u8(out, kTagFloat);
         put_f64(out, PyFloat_AS_DOUBLE(o));
-    } else if (reinterpret_cast<PyObject*>(kind) == tensor_type.ptr()) {
-        py::object parts = steal(PyObject_CallOneArg(scalar_parts.ptr(), o));
-        if (parts.is_none()) {
+    } else if (reinterpret_cast<PyObject*>(kind) == spec.tensor_type.ptr()) {
+        py::object ndim = spec.ndim.get(o);
+        bool zero = false;
+        if (PyLong_CheckExact(ndim.ptr())) {
+            int overflow = 0;
+            const long long d = PyLong_AsLongLongAndOverflow(ndim.ptr(), &overflow);
+            if (d == -1 && PyErr_Occurred()) throw py::error_already_set();
+            zero = overflow == 0 && d == 0;
+        }
+        if (!zero) {
             out.resize(start);
             return false;
         }
@@ -377,7 +473,25 @@ bool encode_scalar_record(std::string& out, py::handle leaf, py::handle fqn, py:
         where.leaf = leaf;
         where.key = key;
         where.fqn = fqn;
-        Encoder(tensor_type, py::none()).tensor_parts(out, parts, where);
+        const Encoder enc(spec.tensor_type, py::none());
+        py::object name;
+        std::string data;
+        if (cpu_scalar_data(o, spec, name, data)) {
+            put_u8(out, kTagTensor);
+            enc.str(out, name, where);
+            put_u32(out, 0);  // shape ()
+            put_u32(out, 3);
+            out.append("cpu", 3);
+            put_u64(out, static_cast<uint64_t>(data.size()));
+            out += data;
+        } else {
+            py::object parts = steal(PyObject_CallOneArg(spec.scalar_parts.ptr(), o));
+            if (parts.is_none()) {
+                out.resize(start);
+                return false;
+            }
+            enc.tensor_parts(out, parts, where);
+        }
     } else {
         out.resize(start);
         return false;

@@ -50,7 +50,13 @@ def encode_table(leaf: str, groups_fqn: list[tuple[dict, list[str]]], tensor_typ
 def flatten_groups(leaf: str, groups_fqn: list[tuple[dict, list[str]]]) -> dict[str, Any]: ...
 
 def flatten_packed_state(
-    leaf: str, state_fqn: Mapping[str, Any], known_fqns: Any, tensor_type: type, scalar_parts: ScalarParts
+    leaf: str,
+    state_fqn: Mapping[str, Any],
+    known_fqns: Any,
+    tensor_type: type,
+    cpu_dtypes: dict,
+    strided: Any,
+    scalar_parts: ScalarParts,
 ) -> tuple[dict[str, Any], list[tuple[dict[str, Any], list[str]]]]: ...
 
 def flatten_state(leaf: str, state_fqn: Mapping[str, Any], known_fqns: Any, escape: bool) -> dict[str, Any]: ...
@@ -62,6 +68,10 @@ def fqns_of_groups(leaf: str, param_groups: list[dict], fqn_of: dict[int, str]) 
 def match_groups(
     leaf: str, target_fqns: list[list[str]], settings_of: Mapping[str, Any]
 ) -> tuple[list[Any], list[str]]: ...
+
+def merge_scalars(
+    state_of: dict[str, dict], scalars_of: dict[str, tuple[dict[str, Any], str]], tensor_type: type
+) -> dict[str, dict]: ...
 
 def merge_table_settings(
     leaf: str,

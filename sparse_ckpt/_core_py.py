@@ -24,11 +24,18 @@ Identical settings are stored once; the table lists distinct settings in order o
 
 from __future__ import annotations
 
+import ctypes
 import struct
 from collections.abc import Callable, Mapping
 from typing import Any
 
-from ._core_py_load import build_groups, cast_states, fqns_of_groups, merge_table_settings  # noqa: F401 - twins
+from ._core_py_load import (  # noqa: F401 - twins of csrc/load_plan.cpp
+    build_groups,
+    cast_states,
+    fqns_of_groups,
+    merge_scalars,
+    merge_table_settings,
+)
 from ._core_py_save import capture_fqns, claim_owners  # noqa: F401 - twin of csrc/save_pass.cpp
 from .errors import CheckpointFormatError, CheckpointMismatchError, UnsupportedStateDictError
 from .format import ESCAPE, PACKED_MARKER, escape_part, is_flat_part, is_plain_part, unescape_part
@@ -55,6 +62,8 @@ _U64 = struct.Struct("<Q")
 _F64 = struct.Struct("<d")
 _INT64_MIN = -(2**63)
 _INT64_MAX = 2**63 - 1
+_MAX_ITEMSIZE = 16
+_ADDRESS_END = 2**63
 
 TensorToParts = Callable[[Any], tuple[str, tuple[int, ...], str, bytes]]
 PartsToTensor = Callable[[str, tuple[int, ...], str, bytes], Any]
@@ -321,13 +330,65 @@ def flatten_state(leaf: str, state_fqn: Mapping[str, Any], known_fqns: Any, esca
     return out
 
 
+def _check_cpu_dtypes(cpu_dtypes: Any) -> None:
+    """``cpu_dtypes`` of :func:`flatten_packed_state`: an exact dict of ``dtype -> (name, itemsize)``."""
+    if type(cpu_dtypes) is not dict:
+        raise TypeError(f"flatten_packed_state: cpu_dtypes must be a dict, got {type(cpu_dtypes).__name__}")
+    for spec in cpu_dtypes.values():
+        if not (
+            type(spec) is tuple
+            and len(spec) == 2
+            and type(spec[0]) is str
+            and type(spec[1]) is int
+            and 1 <= spec[1] <= _MAX_ITEMSIZE
+        ):
+            raise TypeError(
+                "flatten_packed_state: cpu_dtypes values must be (str, int) tuples with an item size "
+                f"from 1 to {_MAX_ITEMSIZE}, got {spec!r}"
+            )
+
+
+def _cpu_scalar_data(value: Any, cpu_dtypes: dict, strided: Any) -> tuple[str, bytes] | None:
+    """``(dtype name, element bytes)`` of a 0-d ``tensor_type`` value that the core reads itself:
+    its ``dtype`` is in ``cpu_dtypes``, ``requires_grad`` and ``is_neg()`` are ``False``,
+    ``is_cpu`` is ``True``, ``layout`` is ``strided`` and ``data_ptr()`` is a positive 64-bit
+    int; the bytes are the element's ``itemsize`` bytes at ``data_ptr()``. ``None``: any other
+    0-d tensor. ``cpu_dtypes`` holds no complex dtype, the only ones with a conj bit.
+
+    The C++ twin reads the properties through the data descriptors it looks up on
+    ``tensor_type`` once per call (what attribute access does for a data descriptor), so the
+    callbacks must not change ``tensor_type``'s attributes."""
+    spec = cpu_dtypes.get(value.dtype)
+    if (
+        spec is None
+        or value.requires_grad is not False
+        or value.is_cpu is not True
+        or value.layout is not strided
+        or value.is_neg() is not False
+    ):
+        return None
+    ptr = value.data_ptr()
+    if type(ptr) is not int or not 0 < ptr < _ADDRESS_END:
+        return None
+    return spec[0], ctypes.string_at(ptr, spec[1])
+
+
 def _scalar_record(
-    leaf: str, fqn: Any, key: Any, value: Any, tensor_type: type, scalar_parts: ScalarParts
+    leaf: str,
+    fqn: Any,
+    key: Any,
+    value: Any,
+    tensor_type: type,
+    cpu_dtypes: dict,
+    strided: Any,
+    scalar_parts: ScalarParts,
 ) -> bytes | None:
     """The table-codec bytes of one state entry (``str key, value``) that belongs in a scalar
     table, or ``None`` when it stays a per-item entry: the key must be a plain part that UTF-8
     can encode, the value an exact ``bool``, a 64-bit ``int``, a ``float``, or a ``tensor_type``
-    (exact type) for which ``scalar_parts`` returns tensor parts (not ``None``)."""
+    (exact type) whose ``ndim`` is ``0`` and which is either a plain CPU scalar
+    (:func:`_cpu_scalar_data`, read without a callback) or one for which ``scalar_parts``
+    returns tensor parts (not ``None``)."""
     if not is_plain_part(key):
         return None
     try:
@@ -348,9 +409,16 @@ def _scalar_record(
         out.append(_TAG_FLOAT)
         out += _F64.pack(value)
     elif kind is tensor_type:
-        parts = scalar_parts(value)
-        if parts is None:
+        ndim = value.ndim
+        if type(ndim) is not int or ndim != 0:
             return None
+        fast = _cpu_scalar_data(value, cpu_dtypes, strided)
+        if fast is not None:
+            parts: Any = (fast[0], (), "cpu", fast[1])
+        else:
+            parts = scalar_parts(value)
+            if parts is None:
+                return None
         _encode_tensor_parts(out, parts, f"leaf {leaf!r}: state {key!r} of {fqn!r}")
     else:
         return None
@@ -358,7 +426,13 @@ def _scalar_record(
 
 
 def flatten_packed_state(
-    leaf: str, state_fqn: Mapping[str, Any], known_fqns: Any, tensor_type: type, scalar_parts: ScalarParts
+    leaf: str,
+    state_fqn: Mapping[str, Any],
+    known_fqns: Any,
+    tensor_type: type,
+    cpu_dtypes: dict,
+    strided: Any,
+    scalar_parts: ScalarParts,
 ) -> tuple[dict[str, Any], list[tuple[dict[str, Any], list[str]]]]:
     """:func:`flatten_state` (``escape=True``) of the packed format, version 2, with the scalars
     hoisted into a scalar table's groups.
@@ -368,8 +442,15 @@ def flatten_packed_state(
     ``scalar_groups`` lists ``(scalars, fqns)``: every distinct scalar dict (distinct by its
     encoded bytes, in order of first appearance; a new dict holding the saved values) with the
     FQNs whose leading run is exactly it, in state order -- ready for :func:`encode_table`.
-    ``scalar_parts`` is called once per candidate tensor. Errors are :func:`flatten_state`'s.
+
+    ``cpu_dtypes`` (an exact dict, else :class:`TypeError`) maps each ``dtype`` whose plain CPU
+    0-d tensors the core encodes itself to ``(codec dtype name, item size)`` (no complex dtype:
+    the core does not read the conj bit); ``strided`` is the
+    strided layout object. ``scalar_parts`` is called only for the other 0-d tensors (another
+    device or dtype, autograd, conj/neg bits...), never for tensors with ``ndim != 0``. Errors
+    are :func:`flatten_state`'s.
     """
+    _check_cpu_dtypes(cpu_dtypes)
     out: dict[str, Any] = {}
     groups: list[tuple[dict[str, Any], list[str]]] = []
     index_of: dict[bytes, int] = {}
@@ -382,7 +463,7 @@ def flatten_packed_state(
         leading = True
         for key, item in state.items():
             if leading:
-                record = _scalar_record(leaf, fqn, key, item, tensor_type, scalar_parts)
+                record = _scalar_record(leaf, fqn, key, item, tensor_type, cpu_dtypes, strided, scalar_parts)
                 if record is not None:
                     scalars[key] = item
                     blob += record

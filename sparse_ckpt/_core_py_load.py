@@ -13,7 +13,7 @@ from __future__ import annotations
 from collections.abc import Callable
 from typing import Any
 
-from .errors import CheckpointMismatchError
+from .errors import CheckpointFormatError, CheckpointMismatchError
 from .format import source_text
 
 _IMMUTABLE = (int, float, bool, str, bytes, type(None))
@@ -197,3 +197,67 @@ def merge_table_settings(
                 )
             table_leaf_of.setdefault(canon, leaf)
     return empty
+
+
+
+def _scalar_entry(fqn: Any, entry: Any) -> tuple[dict[str, Any], Any]:
+    """A ``scalars_of`` value of :func:`merge_scalars`: an exact ``(dict, leaf)`` tuple."""
+    if type(entry) is not tuple or len(entry) != 2 or type(entry[0]) is not dict:
+        raise TypeError(f"merge_scalars: scalars_of[{fqn!r}] must be a (dict, leaf) tuple, got {type(entry).__name__}")
+    return entry
+
+
+def merge_scalars(
+    state_of: dict[str, dict], scalars_of: dict[str, tuple[dict[str, Any], str]], tensor_type: type
+) -> dict[str, dict]:
+    """Each FQN's state: its scalars first, then its per-item entries, in a new dict.
+
+    ``state_of`` is ``FQN -> per-item state`` (an exact dict of exact dicts, as ``unflatten``
+    builds it); ``scalars_of`` is an exact dict ``FQN -> (scalars, leaf)`` (exact tuples of an
+    exact dict and the leaf name) as ``decode.decode_scalar_tables`` returns it; one scalar dict
+    may be shared by many FQNs. Other types raise :class:`TypeError` naming the argument. FQNs
+    keep ``state_of``'s order (those without scalars keep their state object); FQNs with scalars
+    only follow in ``scalars_of``'s order (an empty scalar dict gives them no entry).
+
+    Every FQN with scalars gets a dict of its own, and its own tensors: the first FQN (in that
+    order) to take a shared scalar dict gets its values, every later one ``value.clone()`` of
+    each ``tensor_type`` value (an optimizer steps ``step`` in place). A scalar key that is also
+    a per-item key of the FQN raises :class:`CheckpointFormatError` naming the first such key
+    (in the per-item state's order).
+    """
+    if type(state_of) is not dict:
+        raise TypeError(f"merge_scalars: state_of must be a dict, got {type(state_of).__name__}")
+    if type(scalars_of) is not dict:
+        raise TypeError(f"merge_scalars: scalars_of must be a dict, got {type(scalars_of).__name__}")
+    handed: set[int] = set()
+
+    def own(scalars: dict[str, Any]) -> dict[str, Any]:
+        if id(scalars) not in handed:
+            handed.add(id(scalars))
+            return dict(scalars)
+        return {k: v.clone() if isinstance(v, tensor_type) else v for k, v in scalars.items()}
+
+    merged: dict[str, dict] = {}
+    for fqn, state in state_of.items():
+        entry = scalars_of.get(fqn)
+        if entry is None:
+            merged[fqn] = state
+            continue
+        scalars, leaf = _scalar_entry(fqn, entry)
+        if type(state) is not dict:
+            raise TypeError(f"merge_scalars: state_of[{fqn!r}] must be a dict, got {type(state).__name__}")
+        for k in state:
+            if k in scalars:
+                raise CheckpointFormatError(
+                    f"leaf {leaf!r}: state key {k!r} of {fqn!r} is both in a scalar table and the per-item entry "
+                    f"'state.{fqn}.{k}' (corrupt or edited checkpoint)"
+                )
+        new = own(scalars)
+        new.update(state)
+        merged[fqn] = new
+    for fqn, entry in scalars_of.items():
+        if fqn not in state_of:
+            scalars, _leaf = _scalar_entry(fqn, entry)
+            if scalars:
+                merged[fqn] = own(scalars)
+    return merged

@@ -172,8 +172,8 @@ def decode_checkpoint(state_dict: Mapping[str, Any], fmap: FqnMap) -> DecodedChe
         fqns = known[0] if known else set()
         scalars_of = decode_scalar_tables(
             scalar_tables,
-            resolve=fmap.resolve,
-            is_known=lambda f: f in fqns or f in settings_raw,
+            resolve=fmap.resolve if len(fmap.canonical) > len(fmap.param_of) else None,  # else no aliases
+            is_known=(lambda f: f in fqns or f in settings_raw) if settings_raw else fqns.__contains__,
             unmatched=out.unmatched_keys,
         )
         out.state_of = merge_scalars(out.state_of, scalars_of)
@@ -231,17 +231,17 @@ def decode_scalar_tables(
             raise CheckpointFormatError(f"scalar table {key!r}: {exc}") from None
         for idx, fqns in groups:
             blob = blobs[idx]
+            entry = (scalars[idx], leaf)
             for saved in fqns:
                 if is_known is not None and not is_known(saved):
                     if unmatched is not None:
                         unmatched.extend(f"{STATE_PREFIX}{saved}.{k}" for k in scalars[idx])
                     continue
                 fqn = saved if resolve is None else resolve(saved)
-                prev = blob_of.get(fqn)
-                if prev is None:
-                    blob_of[fqn] = blob
-                    found[fqn] = (scalars[idx], leaf)
-                elif prev is not blob and prev != blob:
+                prev = blob_of.setdefault(fqn, blob)
+                if prev is blob:
+                    found.setdefault(fqn, entry)
+                elif prev != blob:
                     first, first_leaf = found[fqn]
                     raise CheckpointMismatchError(
                         f"leaf {leaf!r}: parameter {fqn!r} has different scalar state in two scalar tables "
@@ -269,35 +269,13 @@ def merge_scalars(state_of: dict[str, dict], scalars_of: Mapping[str, tuple[dict
 
     Every FQN gets its own scalar dict and its own tensors (an optimizer steps each ``step`` in
     place). A scalar key that is also a per-item key is a :class:`CheckpointFormatError`.
+    The core's ``merge_scalars`` (exact dicts; copies are made here for other mappings).
     """
-    handed: set[int] = set()
-
-    def own(scalars: dict[str, Any]) -> dict[str, Any]:
-        if id(scalars) not in handed:
-            handed.add(id(scalars))
-            return dict(scalars)
-        return {k: v.clone() if isinstance(v, torch.Tensor) else v for k, v in scalars.items()}
-
-    merged: dict[str, dict] = {}
-    for fqn, state in state_of.items():
-        entry = scalars_of.get(fqn)
-        if entry is None:
-            merged[fqn] = state
-            continue
-        scalars, leaf = entry
-        if not scalars.keys().isdisjoint(state):
-            clash = next(k for k in state if k in scalars)
-            raise CheckpointFormatError(
-                f"leaf {leaf!r}: state key {clash!r} of {fqn!r} is both in a scalar table and the per-item entry "
-                f"'{STATE_PREFIX}{fqn}.{clash}' (corrupt or edited checkpoint)"
-            )
-        new = own(scalars)
-        new.update(state)
-        merged[fqn] = new
-    for fqn, (scalars, _leaf) in scalars_of.items():
-        if fqn not in state_of and scalars:
-            merged[fqn] = own(scalars)
-    return merged
+    if type(state_of) is not dict:
+        state_of = dict(state_of)
+    if type(scalars_of) is not dict:
+        scalars_of = dict(scalars_of)
+    return _backend.core.merge_scalars(state_of, scalars_of, torch.Tensor)
 
 
 def _refuse_other_layouts(state_dict: Mapping[str, Any]) -> None:

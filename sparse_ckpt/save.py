@@ -37,6 +37,14 @@ _SCALAR_DTYPES: dict[torch.dtype, tuple[str, torch.dtype | None]] = {
 """The dtypes the table codec holds (``_tensor_parts``), each with the dtype a CPU tensor is
 viewed as for ``numpy()`` (bfloat16 has no numpy dtype)."""
 
+_CPU_DTYPES: dict[torch.dtype, tuple[str, int]] = {
+    dt: (spec[0], dt.itemsize) for dt, spec in _SCALAR_DTYPES.items() if not dt.is_complex
+}
+"""``cpu_dtypes`` of ``core.flatten_packed_state``: the core reads a plain CPU 0-d tensor of these
+dtypes itself (its element's bytes), exactly the parts :func:`_scalar_parts` gives for it.
+Complex dtypes (the only ones with a conj bit, which the core does not read) go through
+:func:`_scalar_parts`."""
+
 
 __all__ = ["FORMATS", "Format", "capture_leaf", "packed_table_key", "sparse_state_dict", "table_digest"]
 
@@ -74,7 +82,9 @@ def _sparse_state_dict(model: nn.Module, optimizer: Any, format: Format) -> dict
             _check_repeats(leaf, groups_fqn, repeats)
         _refuse_reserved(leaf, state_fqn)
         if format == "packed" and _SCALAR_TABLES:
-            items, scalar_groups = core.flatten_packed_state(leaf, state_fqn, fmap.param_of, torch.Tensor, _scalar_parts)
+            items, scalar_groups = core.flatten_packed_state(
+                leaf, state_fqn, fmap.param_of, torch.Tensor, _CPU_DTYPES, torch.strided, _scalar_parts
+            )
             if scalar_groups:
                 scalars = core.encode_table(leaf, scalar_groups, torch.Tensor, tensor_to_parts)
                 out[scalar_table_key(leaf, scalars)] = scalars
@@ -92,10 +102,11 @@ def _sparse_state_dict(model: nn.Module, optimizer: Any, format: Format) -> dict
 def _scalar_parts(t: torch.Tensor) -> tuple[str, tuple[int, ...], str, bytes] | None:
     """The codec parts of a state tensor that goes into a scalar table, else ``None``.
 
-    The core calls it for every state value of exact type ``torch.Tensor`` in a parameter's
-    leading run. It takes 0-d tensors of a dtype the codec holds, strided, without autograd,
-    conj/neg bits or meta storage; the parts are exactly :func:`tensor_to_parts`'s (a fast path
-    for CPU tensors, the usual case, reads the element's bytes through numpy).
+    The core calls it for the 0-d state values of exact type ``torch.Tensor`` in a parameter's
+    leading run that it does not encode itself (the plain CPU ones, see :data:`_CPU_DTYPES`):
+    other devices, autograd, conj/neg bits, other dtypes or layouts. It takes 0-d tensors of a
+    dtype the codec holds, strided, without autograd, conj/neg bits or meta storage; the parts
+    are exactly :func:`tensor_to_parts`'s (CPU tensors read the element's bytes through numpy).
     """
     if t.ndim != 0 or t.requires_grad:
         return None

@@ -34,6 +34,7 @@ from table_bytes import s as sstr
 from sparse_ckpt import _core_py as P
 from sparse_ckpt._tensor_parts import parts_to_tensor, tensor_to_parts
 from sparse_ckpt.errors import CheckpointFormatError
+from sparse_ckpt.save import _CPU_DTYPES as CPU_DTYPES
 
 try:
     C = importlib.import_module("sparse_ckpt._C")
@@ -611,9 +612,9 @@ def _scalar_parts(t: Any) -> Any:
 def test_flatten_packed_state(state_fqn: dict) -> None:
     """Both cores hoist the same leading scalars; items plus hoisted scalars are flatten_state's output."""
     known = {"w", "v", "w.x", "u"}
-    res = check("flatten_packed_state", "l", state_fqn, known, torch.Tensor, _scalar_parts)
+    res = check("flatten_packed_state", "l", state_fqn, known, torch.Tensor, CPU_DTYPES, torch.strided, _scalar_parts)
     check("flatten_packed_state", "l", collections.OrderedDict(reversed(list(state_fqn.items()))), known,
-          torch.Tensor, _scalar_parts)
+          torch.Tensor, CPU_DTYPES, torch.strided, _scalar_parts)
     full = check("flatten_state", "l", state_fqn, known, True)
     assert res[0] == full[0]
     if res[0] != "ok":
@@ -630,7 +631,7 @@ def test_flatten_packed_state(state_fqn: dict) -> None:
     for fqn, state in state_fqn.items():  # exactly the leading run went into the table
         run = []
         for key, value in state.items():
-            if P._scalar_record("l", fqn, key, value, torch.Tensor, _scalar_parts) is None:
+            if P._scalar_record("l", fqn, key, value, torch.Tensor, CPU_DTYPES, torch.strided, _scalar_parts) is None:
                 break
             run.append(key)
         in_groups = [list(s) for s, fqns in groups if fqn in fqns]
@@ -649,24 +650,24 @@ def test_flatten_packed_state_edge_cases() -> None:
     t = torch.tensor(5.0)
     adam = {"step": t, "exp_avg": torch.zeros(2), "exp_avg_sq": torch.zeros(2)}
     items, groups = check("flatten_packed_state", "l", {"a": adam, "b": dict(adam), "c": {"step": torch.tensor(6.0)}},
-                          {}, torch.Tensor, _scalar_parts)[1]
+                          {}, torch.Tensor, CPU_DTYPES, torch.strided, _scalar_parts)[1]
     assert list(items) == ["state.a.exp_avg", "state.a.exp_avg_sq", "state.b.exp_avg", "state.b.exp_avg_sq"]
     assert [(list(s), f) for s, f in groups] == [(["step"], ["a", "b"]), (["step"], ["c"])]
     assert groups[0][0]["step"] is t  # the saved value itself (encode_table copies it out)
     # only the leading run: a scalar after a non-scalar stays per item, in order
     items, groups = check("flatten_packed_state", "l", {"w": {"n": 1, "m": torch.zeros(2), "k": 2}}, {},
-                          torch.Tensor, _scalar_parts)[1]
+                          torch.Tensor, CPU_DTYPES, torch.strided, _scalar_parts)[1]
     assert list(items) == ["state.w.m", "state.w.k"] and groups == [({"n": 1}, ["w"])]
     # key order is part of a group's identity
     _items, groups = check("flatten_packed_state", "l", {"a": {"x": 1, "y": 2}, "b": {"y": 2, "x": 1}}, {},
-                           torch.Tensor, _scalar_parts)[1]
+                           torch.Tensor, CPU_DTYPES, torch.strided, _scalar_parts)[1]
     assert len(groups) == 2
     # errors are flatten_state's, in the same order
     for bad in ({"a": [1]}, {"a": {"n": 1, "d": {}}}, {"a": {"n": 1, (1,): 2}}, 5):
-        assert check("flatten_packed_state", "l", bad, {}, torch.Tensor, _scalar_parts)[2:] == \
+        assert check("flatten_packed_state", "l", bad, {}, torch.Tensor, CPU_DTYPES, torch.strided, _scalar_parts)[2:] == \
             check("flatten_state", "l", bad, {}, True)[2:]
     check("flatten_packed_state", "l", {"x": {"n": 1, "exp_avg": {"b": 1}}}, {"x", "x.exp_avg"}, torch.Tensor,
-          _scalar_parts)
+          CPU_DTYPES, torch.strided, _scalar_parts)
     for value in SCALAR_CANDIDATES:  # the CPU fast path gives exactly tensor_to_parts's parts
         if type(value) is torch.Tensor and _scalar_parts(value) is not None:
             assert _scalar_parts(value) == tensor_to_parts(value), value
@@ -677,7 +678,7 @@ def test_flatten_packed_state_edge_cases() -> None:
     loop["self"] = loop
     for mod in (P, C):
         with pytest.raises(RecursionError):
-            mod.flatten_packed_state("l", {"a": loop}, {}, torch.Tensor, _scalar_parts)
+            mod.flatten_packed_state("l", {"a": loop}, {}, torch.Tensor, CPU_DTYPES, torch.strided, _scalar_parts)
 
 
 @pytest.mark.parametrize(
@@ -695,7 +696,7 @@ def test_flatten_packed_state_edge_cases() -> None:
     ],
 )
 def test_flatten_packed_state_scalar_parts_results(result: Any) -> None:
-    check("flatten_packed_state", "l", {"w": {"step": TENSORS[0], "n": 1}}, {}, torch.Tensor, _parts(result))
+    check("flatten_packed_state", "l", {"w": {"step": TENSORS[0], "n": 1}}, {}, torch.Tensor, CPU_DTYPES, torch.strided, _parts(result))
 
 
 def test_flatten_packed_state_callback_mutates() -> None:
@@ -706,7 +707,7 @@ def test_flatten_packed_state_callback_mutates() -> None:
             state["new"] = 1
             return tensor_to_parts(t)
 
-        return "l", {"w": state}, {}, torch.Tensor, parts
+        return "l", {"w": state}, {}, torch.Tensor, CPU_DTYPES, torch.strided, parts
 
     check("flatten_packed_state", fresh=fresh)
 
@@ -1258,3 +1259,26 @@ def test_end_to_end_with_real_optimizer() -> None:
     _settings, state_by_fqn, _tables, _scalars, _unmatched = check("unflatten", flat, known)[1]
     target = [list(fqns) for _, fqns in groups_fqn_]
     check("assign_state_ids", target, state_by_fqn)
+
+
+def test_flatten_packed_state_cpu_fast_path_matches_scalar_parts() -> None:
+    """The core's own read of a plain CPU 0-d tensor gives the bytes the ``scalar_parts`` callback
+    would: the same scalar groups and the same encoded table with and without ``cpu_dtypes``."""
+    values = [torch.tensor(v, dtype=dt) for dt in CPU_DTYPES for v in (0, 1, 3)]
+    values += [torch.arange(4.0)[2], torch.tensor(-0.0), torch.tensor(float("nan")), torch.tensor(5.0).neg()]
+    state = {f"p{i}": {"step": v, "m": torch.zeros(2)} for i, v in enumerate(values)}
+    calls: list[Any] = []
+
+    def counting(t: Any) -> Any:
+        calls.append(t)
+        return _scalar_parts(t)
+
+    for core in (P, C):
+        calls.clear()
+        fast = core.flatten_packed_state("l", state, {}, torch.Tensor, CPU_DTYPES, torch.strided, counting)
+        n_fast = len(calls)
+        slow = core.flatten_packed_state("l", state, {}, torch.Tensor, {}, torch.strided, counting)
+        assert n_fast < len(calls) == len(values)
+        assert same(fast, slow)
+        assert core.encode_table("l", fast[1], torch.Tensor, tensor_to_parts) == \
+            core.encode_table("l", slow[1], torch.Tensor, tensor_to_parts)

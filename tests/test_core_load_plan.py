@@ -5,6 +5,7 @@ same order, same exceptions and messages. Random inputs (hypothesis, derandomize
 
 from __future__ import annotations
 
+import collections
 import importlib
 import os
 import struct
@@ -19,7 +20,7 @@ from hypothesis import strategies as st
 
 from sparse_ckpt import _core_py as P
 from sparse_ckpt.apply import cast_tensor, cast_value, copy_settings
-from sparse_ckpt.errors import CheckpointMismatchError
+from sparse_ckpt.errors import CheckpointFormatError, CheckpointMismatchError
 from sparse_ckpt.load import _check_state_shapes
 
 try:
@@ -281,3 +282,49 @@ def test_capture_fqns(layout: list[list[int]], with_state: list[int], unowned: s
         assert reference[0] == "ok" and same(result[1], reference[1])
     else:
         assert reference[0] == "err" and result[1] is reference[1]
+
+
+# --------------------------------------------------------------------------- merge_scalars
+
+
+@PROPS
+@given(
+    st.dictionaries(st.sampled_from(["a", "b", "c"]), st.sampled_from([{}, {"exp_avg": 1}, {"step": 9}]), max_size=3),
+    st.dictionaries(st.sampled_from(["a", "b", "d", "e"]), st.sampled_from([0, 1, 2]), max_size=4),
+)
+def test_merge_scalars(state_spec: dict[str, dict], scalar_spec: dict[str, int | None]) -> None:
+    """Same merged dicts, same order, same clash error; a shared scalar dict is handed out once,
+    every later taker gets clones (tensors never shared between two FQNs)."""
+
+    def fresh() -> tuple:
+        shared = [{"step": torch.tensor(3.0), "n": 1}, {}, {"step": torch.tensor(1.0, dtype=torch.float64)}]
+        state_of = {f: {k: torch.full((2,), float(v)) for k, v in s.items()} for f, s in state_spec.items()}
+        scalars_of = {f: None if i is None else (shared[i], "leaf") for f, i in scalar_spec.items()}
+        return state_of, scalars_of
+
+    result = both(lambda core: core.merge_scalars(*fresh(), torch.Tensor))
+    if result[0] == "err":
+        assert result[1] is CheckpointFormatError and "both in a scalar table" in result[2]
+        return
+    merged = result[1]
+    seen: set[int] = set()
+    for state in merged.values():
+        for value in state.values():
+            if isinstance(value, torch.Tensor):
+                assert id(value) not in seen
+                seen.add(id(value))
+
+
+def test_merge_scalars_types() -> None:
+    ok = ({"a": {}}, {"a": ({"step": 1}, "leaf")})
+    for bad in (
+        (collections.OrderedDict(ok[0]), ok[1]),
+        (ok[0], collections.OrderedDict(ok[1])),
+        (ok[0], {"a": [{"step": 1}, "leaf"]}),
+        (ok[0], {"a": ({"step": 1},)}),
+        ({"a": collections.OrderedDict()}, ok[1]),
+        ({}, {"z": (collections.OrderedDict(step=1), "leaf")}),
+    ):
+        res = both(lambda core, bad=bad: core.merge_scalars(*bad, torch.Tensor))
+        assert res[0] == "err" and res[1] is TypeError and "merge_scalars" in res[2]
+    assert both(lambda core: core.merge_scalars(*ok, torch.Tensor))[1] == {"a": {"step": 1}}
