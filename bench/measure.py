@@ -105,6 +105,10 @@ DCP_NAIVE_SAVE = dcp_id("save", NAIVE, "all")
 DCP_NAIVE_LOAD = dcp_id("load", NAIVE, "all")
 DCP_PACKED_SAVE = dcp_id("save", "packed", "all")
 DCP_PACKED_GROUPS_SAVE = dcp_id("save", "packed", "groups")
+EXPORT_SAVE = method_id("export", "save")
+EXPORT_LOAD = method_id("export", "load")
+EXPORT_SOURCE = f"packed_{STATEFUL}"
+"""The DCP checkpoint an export is made from: the ``dcp/save/packed/stateful`` one."""
 
 
 @dataclass(frozen=True)
@@ -112,7 +116,7 @@ class Method:
     """One measured operation."""
 
     family: str
-    """``floor``, ``sparse``, ``dsd``, ``dcp`` or ``core``."""
+    """``floor``, ``sparse``, ``dsd``, ``dcp``, ``export`` or ``core``."""
     op: str
     """``state_dict``, ``save``, ``load``, ``get``, ``set`` or a core function name."""
     backend: str | None = None
@@ -138,6 +142,8 @@ class Method:
             ("dsd", "set"): "DSD set_optimizer_state_dict",
             ("dcp", "save"): "dcp.save",
             ("dcp", "load"): "dcp.load",
+            ("export", "save"): "export_checkpoint (safetensors + JSON, from the SparseOptimizerState checkpoint)",
+            ("export", "load"): "load_export",
         }
         base = names.get((self.family, self.op), f"core.{self.op}")
         if self.part == "groups":
@@ -160,6 +166,7 @@ def plan_methods() -> list[Method]:
     for fmt, part in DCP_VARIANTS:
         out.append(Method("dcp", "save", None, fmt, part))
         out.append(Method("dcp", "load", None, fmt, part))
+    out += [Method("export", "save"), Method("export", "load")]
     for backend in BACKENDS:
         for name in CORE_FUNCTIONS:
             op, _, fmt = name.partition(".")
@@ -288,10 +295,7 @@ def dcp_stats(path: str) -> dict[str, int]:
     import torch.distributed.checkpoint as dcp
 
     meta = dcp.FileSystemReader(path).read_metadata()
-    size = 0
-    for root, _dirs, files in os.walk(path):
-        size += sum(os.path.getsize(os.path.join(root, f)) for f in files)
-    return {"items": len(meta.state_dict_metadata), "bytes": size}
+    return {"items": len(meta.state_dict_metadata), "bytes": dir_bytes(path)}
 
 
 def silence_known_warnings() -> None:
@@ -462,6 +466,8 @@ def runner_for(m: Method, ctx: FixtureContext, core: ModuleType | None) -> Runne
             return ctx.load_target(sd), path
 
         return (lambda arg: dcp_load(*arg)), load_setup
+    if m.family == "export":
+        return _export_runner(m, ctx)
     if m.family == "core":
         assert core is not None
         return _core_runner(m, ctx, core), None
@@ -493,6 +499,37 @@ def _stateful_runner(m: Method, ctx: FixtureContext, key: str) -> Runner:
         return {LEAF: sc.SparseOptimizerState(fx.model, fx.new_optimizer())}, path
 
     return (lambda arg: dcp_load(*arg, planner=sc.SparseLoadPlanner())), load_setup
+
+
+def _export_runner(m: Method, ctx: FixtureContext) -> Runner:
+    """The pickle-free export: ``export_checkpoint`` of the whole-optimizer DCP checkpoint
+    (``dcp/save/packed/stateful``'s, saved untimed when that figure did not run) into a new
+    directory; ``load_export`` of it into a fresh optimizer (built untimed)."""
+    fx = ctx.fx
+
+    def source() -> str:
+        path = ctx.saved_dir(EXPORT_SOURCE)
+        if path is None:
+            path = ctx.new_dir(EXPORT_SOURCE)
+            dcp_save({LEAF: sc.SparseOptimizerState(fx.model, fx.optimizer)}, path)
+        return path
+
+    if m.op == "save":
+        return (lambda arg: sc.export_checkpoint(*arg, key=LEAF)), (lambda: (source(), ctx.new_dir("export")))
+
+    def load_setup() -> tuple[Any, str]:
+        path = ctx.saved_dir("export")
+        if path is None:
+            path = ctx.new_dir("export")
+            sc.export_checkpoint(source(), path, key=LEAF)
+        return fx.new_optimizer(), path
+
+    return (lambda arg: sc.load_export(fx.model, *arg)), load_setup
+
+
+def dir_bytes(path: str) -> int:
+    """Bytes of every file under ``path``."""
+    return sum(os.path.getsize(os.path.join(root, f)) for root, _dirs, files in os.walk(path) for f in files)
 
 
 def _core_runner(m: Method, ctx: FixtureContext, core: ModuleType) -> Callable[[Any], Any]:

@@ -263,6 +263,9 @@ def targets_mode(results: dict[str, Any]) -> tuple[bool, str]:
     if results["config"].get("quick"):
         return False, f"quick mode: toy scales {', '.join(scales)}"
     if _find_run(results, TARGET_SCALE, TARGET_LAYOUT) is None:
+        layouts = results["config"].get("layouts") or []
+        if not results["runs"] and TARGET_SCALE in scales and TARGET_LAYOUT in layouts:  # the header, before any run
+            return True, f"{TARGET_SCALE}, one group per {TARGET_LAYOUT} (in this run's scales)"
         return False, f"{TARGET_SCALE} with one group per {TARGET_LAYOUT} was not run (scales {', '.join(scales)})"
     return True, f"{TARGET_SCALE}, one group per {TARGET_LAYOUT}"
 
@@ -562,6 +565,8 @@ def run_markdown(run: dict[str, Any]) -> list[str]:
         note = fig.get("note", "")
         if "items" in fig:
             note = f"{fig['items']:,} items, {fmt_bytes(fig['bytes'])}" + (f"; {note}" if note else "")
+        elif "bytes" in fig:
+            note = fmt_bytes(fig["bytes"]) + (f"; {note}" if note else "")
         n = fig.get("n", "")
         if n and fig.get("inner", 1) > 1:
             n = f"{n} × {fig['inner']}"

@@ -39,11 +39,13 @@ import sparse_ckpt
 from . import report
 from .fixtures import LAYOUTS, STATE_INITS, FixtureCache, Scale, gc_paused, parse_scales
 from .measure import (
+    EXPORT_SAVE,
     FixtureContext,
     Method,
     backend_modules,
     dcp_stats,
     device_sync,
+    dir_bytes,
     dsd_sparse_roundtrip_probe,
     plan_methods,
     runner_for,
@@ -336,7 +338,7 @@ def skip_reason(m: Method, ctx: FixtureContext, args: argparse.Namespace, backen
         count = ctx.fx.info[what]
         if limit and count > limit:
             return {"status": "skipped", "reason": f"{count:,} {LIMIT_UNITS[what]} > {option} {limit:,} ({why})"}
-    if m.family == "dcp" and args.dcp_max_items:
+    if m.family in ("dcp", "export") and args.dcp_max_items:
         n_items = ctx.dcp_entries(m.fmt or "packed", m.part or "all")
         if n_items > args.dcp_max_items:
             return {"status": "skipped", "reason": f"{n_items:,} entries > --dcp-max-items {args.dcp_max_items:,}"}
@@ -478,6 +480,10 @@ def measure_one(m: Method, ctx: FixtureContext, args: argparse.Namespace, backen
         path = ctx.saved_dir(f"{m.fmt}_{m.part}")
         if path is not None:
             fig.update(dcp_stats(path))
+    if m.id == EXPORT_SAVE:
+        path = ctx.saved_dir("export")
+        if path is not None:
+            fig["bytes"] = dir_bytes(path)
     return {**meta, **fig}
 
 

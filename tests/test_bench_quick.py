@@ -100,6 +100,8 @@ def test_results_json_schema(bench_out: str) -> None:
             if fig["family"] == "dcp" and fig["op"] == "save":
                 assert isinstance(fig["items"], int) and fig["items"] >= 1
                 assert isinstance(fig["bytes"], int) and fig["bytes"] > 0
+            if fig["family"] == "export" and fig["op"] == "save" and fig["status"] == "ok":
+                assert isinstance(fig["bytes"], int) and fig["bytes"] > 0  # the export directory's size
 
 
 def test_skips_and_unavailable_are_explicit(bench_out: str) -> None:
@@ -114,7 +116,7 @@ def test_skips_and_unavailable_are_explicit(bench_out: str) -> None:
         for mid, fig in figs.items():
             if fig["backend"] == "cpp" and not cpp_ok:
                 assert fig["status"] == "unavailable", mid
-            elif fig["family"] == "dcp" and fig["status"] == "skipped":
+            elif fig["family"] in ("dcp", "export") and fig["status"] == "skipped":
                 assert "--dcp-max-items" in fig["reason"], mid
             elif fig["family"] != "dsd":
                 assert fig["status"] == "ok", (mid, fig)
@@ -460,3 +462,14 @@ def test_missing_device_exits_2(capsys: pytest.CaptureFixture[str], tmp_path) ->
     assert main(["--device", "cuda", "--out", str(tmp_path)]) == 2
     assert "cuda" in capsys.readouterr().err
     assert not (tmp_path / "results.json").exists()
+
+
+def test_targets_mode_header_before_any_run() -> None:
+    """The header (printed before any figure) of a full run that includes the target scale and
+    layout says the targets will be judged; once runs exist, only a measured target scale counts."""
+    config = {"scales": ["8x64", report.TARGET_SCALE], "layouts": ["layer", report.TARGET_LAYOUT], "quick": False}
+    assert report.targets_mode({"config": config, "runs": []})[0] is True
+    assert report.targets_mode({"config": {**config, "scales": ["8x64"]}, "runs": []})[0] is False
+    assert report.targets_mode({"config": {**config, "layouts": ["layer"]}, "runs": []})[0] is False
+    small = [{"scale": "8x64", "layout": report.TARGET_LAYOUT}]
+    assert report.targets_mode({"config": config, "runs": small})[0] is False
