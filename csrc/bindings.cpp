@@ -10,9 +10,10 @@ PYBIND11_MODULE(_C, m) {
     m.attr("MAX_DEPTH") = kMaxDepth;
     m.attr("PACKED_MARKER") = py::str(kPackedMarker);
 
-    m.def("walk_parameters", &walk_parameters, py::arg("model"), py::arg("stripped"), py::arg("module_wrapper"),
-          py::arg("base_named_modules"), py::arg("base_named_parameters"),
-          "(raw name, canonical name, param) in named_parameters(remove_duplicate=False) order, or None.");
+    m.def("map_parameters", &map_parameters, py::arg("model"), py::arg("stripped"), py::arg("module_wrapper"),
+          py::arg("base_named_modules"), py::arg("base_named_parameters"), py::arg("cached"),
+          "(memo, fqn_of, canonical, param_of) of a model, reusing the memo of an earlier call when the "
+          "model's modules, keys and parameters are still the same objects; None for an override.");
     m.def("fqn_tables", &fqn_tables, py::arg("named"),
           "(fqn_of, canonical, param_of) from (raw, canonical name, param) triples.");
     m.def("pack_optimizer", &pack_optimizer, py::arg("leaf"), py::arg("param_groups"), py::arg("state"),

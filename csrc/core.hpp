@@ -7,8 +7,8 @@
 namespace sckpt {
 
 // module_walk.cpp
-py::object walk_parameters(py::object model, py::object stripped, py::object module_wrapper,
-                           py::object base_named_modules, py::object base_named_parameters);
+py::object map_parameters(py::object model, py::object stripped, py::object module_wrapper,
+                          py::object base_named_modules, py::object base_named_parameters, py::object cached);
 py::tuple fqn_tables(py::object named);
 
 // capture.cpp

@@ -1,5 +1,7 @@
-// walk_parameters / fqn_tables: a model's parameter names (the FQN map) in one iterative walk.
+// map_parameters / fqn_tables: a model's parameter names (the FQN map) in one iterative walk,
+// and the replay that tells in one identity-comparing pass whether a map made earlier still holds.
 #include <algorithm>
+#include <array>
 
 #include "core.hpp"
 
@@ -26,20 +28,6 @@ py::object join_name(py::handle prefix, py::handle name, const Names& names) {
     return concat({fmt(prefix).ptr(), names.dot.ptr(), fmt(name).ptr()});
 }
 
-/// ``name in stripped or (wrapper is not None and name == "module" and isinstance(owner, wrapper))``
-bool is_stripped(py::handle name, py::handle owner, py::handle stripped, py::handle wrapper, py::handle module_str) {
-    const int in_stripped = PySequence_Contains(stripped.ptr(), name.ptr());
-    check(in_stripped);
-    if (in_stripped) return true;
-    if (wrapper.is_none()) return false;
-    const int is_module = PyObject_RichCompareBool(name.ptr(), module_str.ptr(), Py_EQ);
-    check(is_module);
-    if (!is_module) return false;
-    const int inst = PyObject_IsInstance(owner.ptr(), wrapper.ptr());
-    check(inst);
-    return inst != 0;
-}
-
 /// ``type(obj).<name> is base``
 bool type_attr_is(py::handle obj, py::handle name, py::handle base) {
     py::object attr = steal(PyObject_GetAttr(reinterpret_cast<PyObject*>(Py_TYPE(obj.ptr())), name.ptr()));
@@ -53,34 +41,100 @@ bool truthy(py::handle obj) {
     return t != 0;
 }
 
+/// ``type(k) is str and k == "module"``
+bool is_module_key(PyObject* k) { return PyUnicode_CheckExact(k) && PyUnicode_CompareWithASCIIString(k, "module") == 0; }
+
+/// ``id(obj)``, ``0`` for ``None`` (the trace's word for a slot holding ``None``).
+uint64_t id_word(PyObject* obj) { return obj == Py_None ? 0 : static_cast<uint64_t>(reinterpret_cast<uintptr_t>(obj)); }
+
+/// The walk's per-call state: the caller's objects and what it learnt of module types.
+struct Walk {
+    const Names names;
+    py::handle stripped;
+    py::handle wrapper;
+    py::handle base_named_modules;
+    IdMap type_ok;  // type -> 1 when its named_modules is the base one (types outlive the call: modules hold them)
+
+    bool named_modules_ok(PyObject* mod) {
+        PyObject* type = reinterpret_cast<PyObject*>(Py_TYPE(mod));
+        if (const Py_ssize_t* known = type_ok.find(type)) return *known != 0;
+        const bool ok = type_attr_is(mod, names.named_modules, base_named_modules);
+        type_ok.emplace(type, ok ? 1 : 0);
+        return ok;
+    }
+
+    /// ``name in stripped or (wrapper is not None and name == "module" and isinstance(owner, wrapper))``
+    bool is_stripped(py::handle name, py::handle owner) const {
+        const int in_stripped = PySequence_Contains(stripped.ptr(), name.ptr());
+        check(in_stripped);
+        if (in_stripped) return true;
+        if (wrapper.is_none()) return false;
+        const int is_module = PyObject_RichCompareBool(name.ptr(), names.module.ptr(), Py_EQ);
+        check(is_module);
+        if (!is_module) return false;
+        const int inst = PyObject_IsInstance(owner.ptr(), wrapper.ptr());
+        check(inst);
+        return inst != 0;
+    }
+
+    /// The trace's wrapper word of a module: 0 when no key of it is ``"module"`` (or there is no
+    /// wrapper), else 1 + ``isinstance(mod, wrapper)``.
+    uint64_t wrapper_word(PyObject* mod, bool has_module_key) const {
+        if (!has_module_key || wrapper.is_none()) return 0;
+        const int inst = PyObject_IsInstance(mod, wrapper.ptr());
+        check(inst);
+        return 1 + static_cast<uint64_t>(inst != 0);
+    }
+};
+
+/// What the walk saw, in walk order, for a later replay: per module ``id(module)``, the number
+/// of ``_parameters`` entries and each value's ``id`` (0 for None), the number of ``_modules``
+/// entries and each child's ``id``, the wrapper word; every key in ``keys``.
+struct Trace {
+    std::vector<uint64_t> words;
+    py::object keys = steal(PyList_New(0));
+    bool replayable = true;  // false once a mapping is not an exact dict or a key not an exact str
+
+    void key(py::handle k) {
+        if (!PyUnicode_CheckExact(k.ptr())) replayable = false;
+        check(PyList_Append(keys.ptr(), k.ptr()));
+    }
+};
+
 struct Frame {
     py::object mod;
     py::object raw;
     py::object canon;
 };
 
-}  // namespace
-
-py::object walk_parameters(py::object model, py::object stripped, py::object module_wrapper,
-                           py::object base_named_modules, py::object base_named_parameters) {
-    const Names names;
+/// ``_core_py._walk``: the ``(raw name, canonical name, param)`` triples, or ``None`` (an override).
+py::object walk(Walk& w, py::handle model, py::handle base_named_parameters, Trace& trace) {
+    const Names& names = w.names;
     if (!type_attr_is(model, names.named_parameters, base_named_parameters)) return py::none();
     py::object out = steal(PyList_New(0));
     std::vector<Frame> stack;
-    stack.push_back(Frame{model, names.empty, names.empty});
+    stack.push_back(Frame{borrow(model.ptr()), names.empty, names.empty});
     std::vector<std::pair<py::object, py::object>> children_items;
     while (!stack.empty()) {
         Frame frame = std::move(stack.back());
         stack.pop_back();
-        if (!type_attr_is(frame.mod, names.named_modules, base_named_modules)) return py::none();
+        if (!w.named_modules_ok(frame.mod.ptr())) return py::none();
+        trace.words.push_back(id_word(frame.mod.ptr()));
+        bool has_module_key = false;
         const bool canon_is_raw = frame.canon.ptr() == frame.raw.ptr();
         py::object params = steal(PyObject_GetAttr(frame.mod.ptr(), names.parameters.ptr()));
+        if (!PyDict_CheckExact(params.ptr())) trace.replayable = false;
+        const size_t count_at = trace.words.size();
+        trace.words.push_back(0);
         if (truthy(params)) {
             iterate_items(params, [&](py::handle k, py::handle v) {
+                trace.key(k);
+                trace.words.push_back(id_word(v.ptr()));
+                has_module_key = has_module_key || is_module_key(k.ptr());
                 if (v.is_none()) return;
                 py::object raw_k = join_name(frame.raw, k, names);
                 py::object canon_k;
-                if (is_stripped(k, frame.mod, stripped, module_wrapper, names.module)) {
+                if (w.is_stripped(k, frame.mod)) {
                     canon_k = frame.canon;
                 } else if (canon_is_raw) {
                     canon_k = raw_k;
@@ -90,30 +144,40 @@ py::object walk_parameters(py::object model, py::object stripped, py::object mod
                 check(PyList_Append(out.ptr(), py::make_tuple(raw_k, canon_k, v).ptr()));
             });
         }
+        trace.words[count_at] = trace.words.size() - count_at - 1;
         py::object children = steal(PyObject_GetAttr(frame.mod.ptr(), names.modules.ptr()));
-        if (!truthy(children)) continue;
-        // for name, child in reversed(children.items()): pushed in reverse, so popped in order
         children_items.clear();
-        if (plain_dict(children, "items")) {
-            Py_ssize_t pos = 0;
-            PyObject* k = nullptr;
-            PyObject* v = nullptr;
-            while (PyDict_Next(children.ptr(), &pos, &k, &v)) children_items.emplace_back(borrow(k), borrow(v));
-            std::reverse(children_items.begin(), children_items.end());
-        } else {
-            py::object items = steal(PyObject_CallMethod(children.ptr(), "items", nullptr));
-            py::object rev = steal(PyObject_CallFunctionObjArgs(reinterpret_cast<PyObject*>(&PyReversed_Type),
-                                                                items.ptr(), nullptr));
-            iterate(rev, [&](py::handle pair) {
-                py::object kv[2];
-                unpack(pair, 2, kv);
-                children_items.emplace_back(kv[0], kv[1]);
-            });
+        if (truthy(children)) {
+            // for name, child in reversed(children.items()): pushed in reverse, so popped in order
+            if (plain_dict(children, "items")) {
+                Py_ssize_t pos = 0;
+                PyObject* k = nullptr;
+                PyObject* v = nullptr;
+                while (PyDict_Next(children.ptr(), &pos, &k, &v)) children_items.emplace_back(borrow(k), borrow(v));
+            } else {
+                py::object items = steal(PyObject_CallMethod(children.ptr(), "items", nullptr));
+                py::object rev = steal(PyObject_CallFunctionObjArgs(reinterpret_cast<PyObject*>(&PyReversed_Type),
+                                                                    items.ptr(), nullptr));
+                iterate(rev, [&](py::handle pair) {
+                    py::object kv[2];
+                    unpack(pair, 2, kv);
+                    children_items.emplace_back(kv[0], kv[1]);
+                });
+                std::reverse(children_items.begin(), children_items.end());
+            }
         }
+        if (!PyDict_CheckExact(children.ptr())) trace.replayable = false;
+        trace.words.push_back(children_items.size());
         for (auto& [name, child] : children_items) {
+            trace.key(name);
+            trace.words.push_back(id_word(child.ptr()));
+            has_module_key = has_module_key || is_module_key(name.ptr());
+        }
+        for (auto it = children_items.rbegin(); it != children_items.rend(); ++it) {
+            auto& [name, child] = *it;
             if (child.is_none()) continue;
             py::object raw_c = join_name(frame.raw, name, names);
-            if (is_stripped(name, frame.mod, stripped, module_wrapper, names.module)) {
+            if (w.is_stripped(name, frame.mod)) {
                 stack.push_back(Frame{child, raw_c, frame.canon});
             } else if (canon_is_raw) {
                 stack.push_back(Frame{child, raw_c, raw_c});
@@ -121,14 +185,18 @@ py::object walk_parameters(py::object model, py::object stripped, py::object mod
                 stack.push_back(Frame{child, raw_c, join_name(frame.canon, name, names)});
             }
         }
+        trace.words.push_back(w.wrapper_word(frame.mod.ptr(), has_module_key));
     }
     return out;
 }
 
-py::tuple fqn_tables(py::object named) {
+/// ``_core_py._tables``: ``(fqn_of, canonical, param_of, slots)``; ``slots[i]`` is the name
+/// ``param_of`` holds the i-th triple's parameter under, or ``None`` for a repeated parameter.
+std::array<py::object, 4> tables(py::handle named) {
     py::object fqn_of = steal(PyDict_New());
     py::object canonical = steal(PyDict_New());
     py::object param_of = steal(PyDict_New());
+    py::object slots = steal(PyList_New(0));
     iterate(named, [&](py::handle item) {
         py::object t[3];
         unpack(item, 3, t);
@@ -152,13 +220,138 @@ py::tuple fqn_tables(py::object named) {
             }
             check(PyDict_SetItem(fqn_of.ptr(), key.ptr(), fqn.ptr()));
             check(PyDict_SetItem(param_of.ptr(), fqn.ptr(), t[2].ptr()));
+            check(PyList_Append(slots.ptr(), fqn.ptr()));
             primary = fqn;
         } else {
             primary = borrow(found);
+            check(PyList_Append(slots.ptr(), Py_None));
         }
         if (PyDict_SetDefault(canonical.ptr(), fqn.ptr(), primary.ptr()) == nullptr) throw py::error_already_set();
         if (PyDict_SetDefault(canonical.ptr(), t[0].ptr(), primary.ptr()) == nullptr) throw py::error_already_set();
     });
+    return {fqn_of, canonical, param_of, slots};
+}
+
+/// ``a == b`` for two exact str objects.
+bool same_key(PyObject* a, PyObject* b) {
+    if (a == b) return true;
+    if (!PyUnicode_CheckExact(b)) return false;
+    const int c = PyUnicode_Compare(a, b);
+    if (c == -1 && PyErr_Occurred()) throw py::error_already_set();
+    return c == 0;
+}
+
+/// The memo's fields (``_core_py.map_parameters`` documents them).
+enum MemoField { kStripped, kWrapper, kWords, kKeys, kSlots, kFqnOf, kCanonical, kMemoSize };
+
+/// ``_core_py._replay``: walk ``model`` comparing every module, key and value with the memo's
+/// trace; the new ``param_of`` when all of them are the same, else ``None``.
+py::object replay(Walk& w, py::handle model, py::handle base_named_parameters, py::handle memo) {
+    const Names& names = w.names;
+    if (!type_attr_is(model, names.named_parameters, base_named_parameters)) return py::none();
+    py::object words_obj = borrow(PyTuple_GET_ITEM(memo.ptr(), kWords));
+    PyObject* keys = PyTuple_GET_ITEM(memo.ptr(), kKeys);
+    PyObject* slots = PyTuple_GET_ITEM(memo.ptr(), kSlots);
+    if (!PyBytes_CheckExact(words_obj.ptr()) || !PyTuple_CheckExact(keys) || !PyTuple_CheckExact(slots)) {
+        raise_builtin(PyExc_TypeError, Msg() << "map_parameters: cached is not a memo of map_parameters");
+    }
+    const size_t n_words = static_cast<size_t>(PyBytes_GET_SIZE(words_obj.ptr())) / sizeof(uint64_t);
+    const char* word_bytes = PyBytes_AS_STRING(words_obj.ptr());
+    const Py_ssize_t n_keys = PyTuple_GET_SIZE(keys);
+    const Py_ssize_t n_slots = PyTuple_GET_SIZE(slots);
+    size_t wi = 0;
+    Py_ssize_t ki = 0;
+    Py_ssize_t si = 0;
+    auto next_word = [&](uint64_t& out) {
+        if (wi >= n_words) return false;
+        std::memcpy(&out, word_bytes + wi * sizeof(uint64_t), sizeof(uint64_t));
+        ++wi;
+        return true;
+    };
+    // ``k`` is the next key and ``v`` the next value of the trace
+    auto same_entry = [&](PyObject* k, PyObject* v) {
+        uint64_t word = 0;
+        if (ki >= n_keys || !next_word(word) || word != id_word(v)) return false;
+        return same_key(PyTuple_GET_ITEM(keys, ki++), k);
+    };
+    py::object param_of = steal(PyDict_New());
+    std::vector<py::object> stack{borrow(model.ptr())};
+    std::vector<PyObject*> children;  // borrowed from the module's _modules, pushed (owned) at once
+    while (!stack.empty()) {
+        py::object held = std::move(stack.back());
+        stack.pop_back();
+        PyObject* mod = held.ptr();
+        uint64_t word = 0;
+        if (!next_word(word) || word != id_word(mod) || !w.named_modules_ok(mod)) return py::none();
+        bool has_module_key = false;
+        py::object params = steal(PyObject_GetAttr(mod, names.parameters.ptr()));
+        if (!PyDict_CheckExact(params.ptr()) || !next_word(word) ||
+            word != static_cast<uint64_t>(PyDict_GET_SIZE(params.ptr()))) {
+            return py::none();
+        }
+        Py_ssize_t pos = 0;
+        PyObject* k = nullptr;
+        PyObject* v = nullptr;
+        while (PyDict_Next(params.ptr(), &pos, &k, &v)) {
+            if (!same_entry(k, v)) return py::none();
+            has_module_key = has_module_key || is_module_key(k);
+            if (v == Py_None) continue;
+            if (si >= n_slots) return py::none();
+            PyObject* slot = PyTuple_GET_ITEM(slots, si++);
+            if (slot != Py_None) check(PyDict_SetItem(param_of.ptr(), slot, v));
+        }
+        py::object mods = steal(PyObject_GetAttr(mod, names.modules.ptr()));
+        if (!PyDict_CheckExact(mods.ptr()) || !next_word(word) ||
+            word != static_cast<uint64_t>(PyDict_GET_SIZE(mods.ptr()))) {
+            return py::none();
+        }
+        children.clear();
+        pos = 0;
+        while (PyDict_Next(mods.ptr(), &pos, &k, &v)) {
+            if (!same_entry(k, v)) return py::none();
+            has_module_key = has_module_key || is_module_key(k);
+            if (v != Py_None) children.push_back(v);
+        }
+        for (auto it = children.rbegin(); it != children.rend(); ++it) stack.push_back(borrow(*it));
+        if (!next_word(word) || word != w.wrapper_word(mod, has_module_key)) return py::none();
+    }
+    if (wi != n_words || ki != n_keys || si != n_slots) return py::none();
+    return param_of;
+}
+
+}  // namespace
+
+py::object map_parameters(py::object model, py::object stripped, py::object module_wrapper,
+                          py::object base_named_modules, py::object base_named_parameters, py::object cached) {
+    Walk w{Names(), stripped, module_wrapper, base_named_modules, IdMap()};
+    if (!cached.is_none()) {
+        if (!PyTuple_CheckExact(cached.ptr()) || PyTuple_GET_SIZE(cached.ptr()) != kMemoSize) {
+            raise_builtin(PyExc_TypeError, Msg() << "map_parameters: cached is not a memo of map_parameters");
+        }
+        if (PyTuple_GET_ITEM(cached.ptr(), kStripped) == stripped.ptr() &&
+            PyTuple_GET_ITEM(cached.ptr(), kWrapper) == module_wrapper.ptr()) {
+            py::object param_of = replay(w, model, base_named_parameters, cached);
+            if (!param_of.is_none()) {
+                return py::make_tuple(cached, borrow(PyTuple_GET_ITEM(cached.ptr(), kFqnOf)),
+                                      borrow(PyTuple_GET_ITEM(cached.ptr(), kCanonical)), param_of);
+            }
+        }
+    }
+    Trace trace;
+    py::object named = walk(w, model, base_named_parameters, trace);
+    if (named.is_none()) return py::none();
+    auto [fqn_of, canonical, param_of, slots] = tables(named);
+    py::object memo = py::none();
+    if (trace.replayable) {
+        py::bytes words(reinterpret_cast<const char*>(trace.words.data()), trace.words.size() * sizeof(uint64_t));
+        memo = py::make_tuple(stripped, module_wrapper, words, steal(PyList_AsTuple(trace.keys.ptr())),
+                              steal(PyList_AsTuple(slots.ptr())), fqn_of, canonical);
+    }
+    return py::make_tuple(memo, fqn_of, canonical, param_of);
+}
+
+py::tuple fqn_tables(py::object named) {
+    auto [fqn_of, canonical, param_of, slots] = tables(named);
     return py::make_tuple(fqn_of, canonical, param_of);
 }
 

@@ -65,6 +65,15 @@ def fqn_tables(named: Any) -> tuple[dict[int, str], dict[str, str], dict[str, An
 
 def fqns_of_groups(leaf: str, param_groups: list[dict], fqn_of: dict[int, str]) -> list[list[str]]: ...
 
+def map_parameters(
+    model: Any,
+    stripped: Any,
+    module_wrapper: type | None,
+    base_named_modules: Any,
+    base_named_parameters: Any,
+    cached: tuple | None,
+) -> tuple[tuple | None, dict[int, str], dict[str, str], dict[str, Any]] | None: ...
+
 def match_groups(
     leaf: str, target_fqns: list[list[str]], settings_of: Mapping[str, Any]
 ) -> tuple[list[Any], list[str]]: ...
@@ -98,7 +107,3 @@ def remap_to_fqns(
 def unflatten(
     flat: Mapping[str, Any], known_fqns: Any
 ) -> tuple[dict[str, dict], dict[str, dict], dict[str, bytes], dict[str, bytes], list[str]]: ...
-
-def walk_parameters(
-    model: Any, stripped: Any, module_wrapper: type | None, base_named_modules: Any, base_named_parameters: Any
-) -> list[tuple[str, str, Any]] | None: ...

@@ -38,19 +38,19 @@ _BASE_NAMED_MODULES = torch.nn.Module.named_modules
 _BASE_NAMED_PARAMETERS = torch.nn.Module.named_parameters
 
 
-def named_parameters_canonical(
-    model: torch.nn.Module, stripped: frozenset[str], module_wrapper: type | None
-) -> list[tuple[str, str, torch.Tensor]] | None:
-    """``(raw name, canonical name, param)`` in ``model.named_parameters(remove_duplicate=False)`` order.
-
-    One iterative walk over ``Module._modules``/``Module._parameters`` (the core's
-    ``walk_parameters``): ``named_modules`` is a recursive generator whose cost per module grows
-    with depth, which at 100 000+ modules dominated ``sparse_state_dict``. A name component in
-    ``stripped``, or ``module`` directly under a ``module_wrapper`` instance (DDP), is left out of
-    the canonical name. Returns ``None`` when the model or a submodule overrides
+def map_parameters(
+    model: torch.nn.Module, stripped: frozenset[str], module_wrapper: type | None, cached: tuple | None
+) -> tuple[tuple | None, dict[int, str], dict[str, str], dict[str, torch.Tensor]] | None:
+    """The core's ``map_parameters``: the FQN map from one iterative walk over
+    ``Module._modules``/``Module._parameters`` (or a replay of ``cached``), in
+    ``model.named_parameters(remove_duplicate=False)`` order. ``named_modules`` is a recursive
+    generator whose cost per module grows with depth, which at 100 000+ modules dominated
+    ``sparse_state_dict``. Returns ``None`` when the model or a submodule overrides
     ``named_parameters``/``named_modules``; the caller then uses the public API.
     """
-    return _backend.core.walk_parameters(model, stripped, module_wrapper, _BASE_NAMED_MODULES, _BASE_NAMED_PARAMETERS)
+    return _backend.core.map_parameters(
+        model, stripped, module_wrapper, _BASE_NAMED_MODULES, _BASE_NAMED_PARAMETERS, cached
+    )
 
 
 def _dcp_load_code() -> Any:

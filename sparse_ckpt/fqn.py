@@ -4,17 +4,24 @@ FQNs come from ``model.named_parameters(remove_duplicate=False)`` with the wrapp
 that torch DSD strips removed: DDP's ``module.``, ``torch.compile``'s ``_orig_mod.`` and
 activation checkpointing's ``_checkpoint_wrapped_module.``. A tied parameter is saved under its
 first FQN; every alias is accepted when loading.
+
+The map of a model is kept between calls (weakly: it never keeps the model, a module or a
+parameter alive) and reused only after one pass over the live module tree finds every module,
+name and parameter to be the same object in the same place as when the map was built; any
+difference (a module or parameter added, removed, replaced or renamed, a wrapper added) rebuilds
+it. :func:`clear_fqn_cache` drops the kept maps.
 """
 
 from __future__ import annotations
 
+import weakref
 from dataclasses import dataclass, field
 
 import torch
 from torch import nn
 
 from . import _backend
-from ._torch_compat import named_parameters_canonical
+from ._torch_compat import map_parameters
 
 _ALWAYS_STRIPPED = frozenset({"_orig_mod", "_checkpoint_wrapped_module"})
 
@@ -58,19 +65,50 @@ def canonical_name(name: str, ddp_prefixes: set[str]) -> str:
     return ".".join(kept)
 
 
+_MEMOS: weakref.WeakKeyDictionary[nn.Module, tuple] = weakref.WeakKeyDictionary()
+"""model -> the core's ``map_parameters`` memo of it (both cores make and read the same memos)."""
+
+
 def build_fqn_map(model: nn.Module) -> FqnMap:
-    """Walk ``model`` once and build its :class:`FqnMap`."""
-    fmap = FqnMap()
-    named = named_parameters_canonical(model, _ALWAYS_STRIPPED, _ddp_type())
-    if named is None:
+    """The :class:`FqnMap` of ``model``: built by one walk, or the kept map of an earlier call when a
+    walk that compares identities finds the model's modules, names and parameters unchanged."""
+    cached = _memo_of(model)
+    mapped = map_parameters(model, _ALWAYS_STRIPPED, _ddp_type(), cached)
+    if mapped is None:  # named_parameters/named_modules overridden: the public API
+        _keep(model, None)
         ddp = _ddp_prefixes(model)
         named = (
             # canonical_name only strips _ALWAYS_STRIPPED parts (and DDP `module.`): skip it for other names
             (raw, canonical_name(raw, ddp) if ddp or any(s in raw for s in _ALWAYS_STRIPPED) else raw, param)
             for raw, param in model.named_parameters(remove_duplicate=False)
         )
-    fmap.fqn_of, fmap.canonical, fmap.param_of = _backend.core.fqn_tables(named)
-    return fmap
+        return FqnMap(*_backend.core.fqn_tables(named))
+    memo, fqn_of, canonical, param_of = mapped
+    if memo is not cached:
+        _keep(model, memo)
+    return FqnMap(fqn_of, canonical, param_of)
+
+
+def clear_fqn_cache() -> None:
+    """Drop every model's kept FQN map (the next call on a model builds it anew)."""
+    _MEMOS.clear()
+
+
+def _memo_of(model: nn.Module) -> tuple | None:
+    try:
+        return _MEMOS.get(model)
+    except TypeError:  # not hashable or not weakly referable: nothing is kept for it
+        return None
+
+
+def _keep(model: nn.Module, memo: tuple | None) -> None:
+    try:
+        if memo is None:
+            _MEMOS.pop(model, None)
+        else:
+            _MEMOS[model] = memo
+    except TypeError:  # not hashable or not weakly referable
+        pass
 
 
 def _ddp_type() -> type | None:

@@ -44,7 +44,7 @@ except ImportError as _exc:  # pragma: no cover - CI always builds the extension
     pytest.skip(f"C++ extension sparse_ckpt._C is not built: {_exc}", allow_module_level=True)
 
 FUNCTIONS = (
-    "walk_parameters",
+    "map_parameters",
     "fqn_tables",
     "pack_optimizer",
     "remap_to_fqns",
@@ -1191,32 +1191,134 @@ def _walk_models() -> dict[str, torch.nn.Module]:
     }
 
 
+def _map(model: Any, wrapper: type | None, cached: tuple | None = None) -> tuple:
+    """``map_parameters`` on both cores: the (common) outcome."""
+    return check("map_parameters", model, _STRIPPED, wrapper, *_BASES, cached)
+
+
 @pytest.mark.parametrize("name", list(_walk_models()))
 @pytest.mark.parametrize("wrapper", [None, _Wrapper])
-def test_walk_parameters(name: str, wrapper: type | None) -> None:
+def test_map_parameters(name: str, wrapper: type | None) -> None:
     model = _walk_models()[name]
-    res = check("walk_parameters", model, _STRIPPED, wrapper, *_BASES)
+    res = _map(model, wrapper)
     assert res[0] == "ok"
     if name in ("nested_override", "own_named_parameters"):
         assert res[1] is None
-    else:
-        triples = res[1]
-        assert [(r, p) for r, _c, p in triples] == list(model.named_parameters(remove_duplicate=False))
-        # the identity trick: an unstripped canonical name is the raw str object itself
-        assert all(c is r for r, c, _p in triples if "_orig_mod" not in r and not r.startswith("w.module"))
-        check("fqn_tables", triples)
+        return
+    memo, fqn_of, canonical, param_of = res[1]
+    assert (memo is None) == (name == "odd_mappings")  # a mapping that is not an exact dict: no replay
+    expected = P.fqn_tables(P._walk(model, _STRIPPED, wrapper, *_BASES, P._Trace()))
+    assert same((fqn_of, canonical, param_of), expected)
+    assert list(param_of.values()) == list(dict.fromkeys(p for _n, p in model.named_parameters(remove_duplicate=False)))
     if name == "wrapped":
-        canon = [c for _r, c, _p in res[1]]
-        assert ("w.0.weight" in canon) == (wrapper is _Wrapper) and "module.weight" in canon and "" in canon
+        assert ("w.0.weight" in param_of) == (wrapper is _Wrapper) and "module.weight" in param_of and "" in param_of
+    if memo is not None:  # an unchanged model replays the memo (either core's: they are the same bytes)
+        for core in (P, C):
+            again = core.map_parameters(model, _STRIPPED, wrapper, *_BASES, memo)
+            assert again[0] is memo and again[1] is memo[5] and again[2] is memo[6]
+            assert same(again[3], param_of) and all(a is b for a, b in zip(again[3].values(), param_of.values()))
+        # another stripped set or wrapper: built anew
+        other = _map(model, None if wrapper else _Wrapper, memo)[1]
+        assert other[0] is not memo
 
 
-def test_walk_parameters_errors() -> None:
-    check_error("walk_parameters", object(), _STRIPPED, None, *_BASES, exc=AttributeError)
+def test_map_parameters_triples_are_named_parameters() -> None:
+    for name, model in _walk_models().items():
+        triples = P._walk(model, _STRIPPED, None, *_BASES, P._Trace())
+        if triples is not None:
+            assert [(r, p) for r, _c, p in triples] == list(model.named_parameters(remove_duplicate=False)), name
+            # the identity trick: an unstripped canonical name is the raw str object itself
+            assert all(c is r for r, c, _p in triples if "_orig_mod" not in r), name
+
+
+def _mutations() -> dict[str, Callable[[torch.nn.Module], None]]:
+    def tie(m: torch.nn.Module) -> None:
+        m[1].weight = m[0].weight
+
+    def rename(m: torch.nn.Module) -> None:
+        m[0]._parameters = {"w2" if k == "weight" else k: v for k, v in m[0]._parameters.items()}
+
+    def reorder(m: torch.nn.Module) -> None:
+        m[0]._parameters = dict(reversed(list(m[0]._parameters.items())))
+
+    def swap_children(m: torch.nn.Module) -> None:
+        m._modules = {"0": m._modules["1"], "1": m._modules["0"], **{k: v for k, v in m._modules.items() if k not in "01"}}
+
+    def wrap(m: torch.nn.Module) -> None:
+        w = _Wrapper()
+        w.module = m[0]
+        m[0] = w
+
+    def plain_child_named_module(m: torch.nn.Module) -> None:
+        m[0].add_module("module", torch.nn.Linear(1, 1))
+
+    def odd(m: torch.nn.Module) -> None:
+        m._modules = _OddDict(m._modules)
+
+    return {
+        "replace_param": lambda m: setattr(m[0], "weight", torch.nn.Parameter(torch.zeros(3, 2))),
+        "direct_dict_write": lambda m: m[0]._parameters.__setitem__("bias", torch.nn.Parameter(torch.zeros(3))),
+        "add_param": lambda m: m[2].register_parameter("extra", torch.nn.Parameter(torch.zeros(1))),
+        "none_param": lambda m: m[0].register_parameter("bias", None),
+        "delete_param": lambda m: delattr(m[0], "bias"),
+        "rename_param": rename,
+        "reorder_params": reorder,
+        "tie": tie,
+        "add_module": lambda m: m.append(torch.nn.Linear(1, 1)),
+        "delete_module": lambda m: m.__delitem__(2),
+        "replace_module": lambda m: m.__setitem__(2, torch.nn.Linear(3, 1)),
+        "swap_children": swap_children,
+        "wrap": wrap,
+        "child_named_module": plain_child_named_module,
+        "stripped_name": lambda m: m.add_module("_orig_mod", torch.nn.Linear(1, 1)),
+        "odd_mapping": odd,
+        "override_named_modules": lambda m: m.__setitem__(1, _OwnNamedModules()),
+    }
+
+
+@pytest.mark.parametrize("mutation", list(_mutations()))
+@pytest.mark.parametrize("wrapper", [None, _Wrapper])
+def test_map_parameters_replay_sees_every_change(mutation: str, wrapper: type | None) -> None:
+    model = torch.nn.Sequential(torch.nn.Linear(2, 3), torch.nn.ReLU(), torch.nn.Linear(3, 1))
+    memo = _map(model, wrapper)[1][0]
+    _mutations()[mutation](model)
+    res = _map(model, wrapper, memo)
+    fresh = _map(model, wrapper)
+    assert res[0] == fresh[0] == "ok"
+    if fresh[1] is None:
+        assert res[1] is None
+        return
+    assert res[1][0] is not memo
+    assert same(res[1], fresh[1])
+    public = [(n, p) for n, p in model.named_parameters(remove_duplicate=False)]
+    assert list(res[1][3].values()) == list(dict.fromkeys(p for _n, p in public))
+
+
+def test_map_parameters_memo_holds_no_module_or_parameter() -> None:
+    import weakref
+
+    model = torch.nn.Sequential(torch.nn.Linear(2, 3), torch.nn.Linear(3, 1))
+    memo = _map(model, None)[1][0]
+    refs = [weakref.ref(model[1]), weakref.ref(model[1].weight)]
+    del model[1]
+    gc.collect()
+    assert all(r() is None for r in refs)
+    assert _map(model, None, memo)[1][0] is not memo
+
+
+def test_map_parameters_errors() -> None:
+    check_error("map_parameters", object(), _STRIPPED, None, *_BASES, None, exc=AttributeError)
     broken = torch.nn.Linear(1, 1)
     broken.__dict__["_parameters"] = 5
-    check_error("walk_parameters", broken, _STRIPPED, None, *_BASES, exc=AttributeError)
+    check_error("map_parameters", broken, _STRIPPED, None, *_BASES, None, exc=AttributeError)
     bad_stripped = torch.nn.Linear(1, 1)
-    check_error("walk_parameters", bad_stripped, 5, None, *_BASES, exc=TypeError)
+    check_error("map_parameters", bad_stripped, 5, None, *_BASES, None, exc=TypeError)
+    check_error("map_parameters", bad_stripped, _STRIPPED, None, *_BASES, (1, 2), exc=TypeError, match="not a memo")
+    memo = _map(bad_stripped, None)[1][0]
+    forged = (*memo[:2], "words", *memo[3:])
+    check_error("map_parameters", bad_stripped, _STRIPPED, None, *_BASES, forged, exc=TypeError, match="not a memo")
+    truncated = (*memo[:2], memo[2][:-8], *memo[3:])
+    assert _map(bad_stripped, None, truncated)[1][0] is not truncated
 
 
 def test_fqn_tables_first_wins_and_errors() -> None:

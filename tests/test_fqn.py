@@ -17,6 +17,7 @@ from torch.distributed.checkpoint.state_dict import StateDictOptions, get_optimi
 
 import sparse_ckpt as sc
 import sparse_ckpt.save
+from sparse_ckpt import _backend
 from sparse_ckpt.fqn import build_fqn_map, canonical_name
 
 PLAIN = ["0.weight", "0.bias", "1.weight", "1.bias"]
@@ -231,17 +232,21 @@ def test_fqn_map_built_once_per_call(monkeypatch: pytest.MonkeyPatch, fmt: str) 
 # ----------------------------------------------------------------------------- fast module walk ≡ public API
 
 
-def _public_canonical(model: nn.Module) -> list[tuple[str, str, int]]:
+def _public_canonical(model: nn.Module) -> tuple[dict, dict, list[tuple[str, int]]]:
+    """The FQN map from the public API: ``(fqn_of, canonical, [(fqn, id(param))])``."""
     ddp = {n for n, m in model.named_modules(remove_duplicate=False) if isinstance(m, nn.parallel.DistributedDataParallel)}
-    return [(raw, canonical_name(raw, ddp), id(p)) for raw, p in model.named_parameters(remove_duplicate=False)]
+    named = [(raw, canonical_name(raw, ddp), p) for raw, p in model.named_parameters(remove_duplicate=False)]
+    fqn_of, canonical, param_of = _backend.core.fqn_tables(named)
+    return fqn_of, canonical, [(fqn, id(p)) for fqn, p in param_of.items()]
 
 
-def _fast_canonical(model: nn.Module) -> list[tuple[str, str, int]] | None:
-    from sparse_ckpt._torch_compat import named_parameters_canonical
+def _fast_canonical(model: nn.Module) -> tuple[dict, dict, list[tuple[str, int]]] | None:
+    """The same from the core's one-walk ``map_parameters``."""
+    from sparse_ckpt._torch_compat import map_parameters
     from sparse_ckpt.fqn import _ALWAYS_STRIPPED
 
-    out = named_parameters_canonical(model, _ALWAYS_STRIPPED, nn.parallel.DistributedDataParallel)
-    return None if out is None else [(raw, fqn, id(p)) for raw, fqn, p in out]
+    out = map_parameters(model, _ALWAYS_STRIPPED, nn.parallel.DistributedDataParallel, None)
+    return None if out is None else (out[1], out[2], [(fqn, id(p)) for fqn, p in out[3].items()])
 
 
 def _odd_models() -> dict[str, nn.Module]:
@@ -279,7 +284,7 @@ def test_fast_walk_matches_under_ddp(gloo_group: None) -> None:
     inner.module = nn.Sequential(nn.Linear(2, 2), checkpoint_wrapper(nn.Linear(2, 2)))
     ddp = nn.parallel.DistributedDataParallel(inner)
     assert _fast_canonical(ddp) == _public_canonical(ddp)
-    assert [fqn for _r, fqn, _p in _fast_canonical(ddp)][:2] == ["module.0.weight", "module.0.bias"]
+    assert [fqn for fqn, _p in _fast_canonical(ddp)[2]][:2] == ["module.0.weight", "module.0.bias"]
 
 
 class _RenamingModel(nn.Module):
@@ -298,3 +303,65 @@ def test_overridden_named_parameters_is_honoured() -> None:
     model = _RenamingModel()
     assert _fast_canonical(model) is None
     assert sorted(build_fqn_map(model).fqn_of.values()) == ["renamed.bias", "renamed.weight"]
+
+
+# ----------------------------------------------------------------------------- the kept map
+
+
+def test_kept_map_reused_while_the_model_is_unchanged() -> None:
+    model = make_moe(0, n_experts=4, dim=4)
+    first = build_fqn_map(model)
+    again = build_fqn_map(model)
+    assert again.fqn_of is first.fqn_of and again.canonical is first.canonical
+    assert again.param_of == first.param_of and again.param_of is not first.param_of
+
+
+def _tie_experts(model: nn.Module) -> None:
+    model.experts[1].up.weight = model.experts[0].up.weight
+
+
+def _compile_child(model: nn.Module) -> None:
+    model.experts[0] = torch.compile(model.experts[0], backend="eager")
+
+
+_CHANGES = {
+    "replace_param": lambda m: setattr(m.experts[0].up, "weight", nn.Parameter(torch.zeros_like(m.experts[0].up.weight))),
+    "add_expert": lambda m: m.experts.append(type(m.experts[0])(4)),
+    "delete_expert": lambda m: m.experts.__delitem__(1),
+    "direct_dict_write": lambda m: m.experts[0].up._parameters.__setitem__("extra", nn.Parameter(torch.zeros(1))),
+    "tie": _tie_experts,
+    "compile_child": _compile_child,
+}
+
+
+@pytest.mark.parametrize("change", list(_CHANGES))
+def test_kept_map_follows_every_change(change: str) -> None:
+    model = make_moe(0, n_experts=4, dim=4)
+    build_fqn_map(model)
+    _CHANGES[change](model)
+    opt = torch.optim.SGD(model.parameters(), lr=0.1)
+    kept = build_fqn_map(model)
+    sparse_ckpt.fqn.clear_fqn_cache()
+    fresh = build_fqn_map(model)
+    assert kept.fqn_of == fresh.fqn_of and kept.canonical == fresh.canonical
+    assert list(kept.param_of.items()) == list(fresh.param_of.items())
+    assert list(kept.param_of.values()) == list(dict.fromkeys(model.parameters()))
+    sd = sc.sparse_state_dict(model, opt)  # saves under the new names
+    assert set(decoded_settings(model, sd)) == set(fresh.param_of)
+
+
+def test_kept_map_keeps_nothing_alive() -> None:
+    import gc
+    import weakref
+
+    model = make_moe(0, n_experts=4, dim=4)
+    build_fqn_map(model)
+    dropped = weakref.ref(model.experts[3])
+    del model.experts[3]
+    gc.collect()
+    assert dropped() is None  # the kept map holds no module or parameter
+    kept = len(sparse_ckpt.fqn._MEMOS)
+    gone = weakref.ref(model)
+    del model
+    gc.collect()
+    assert gone() is None and len(sparse_ckpt.fqn._MEMOS) <= kept - 1  # its map went with it
