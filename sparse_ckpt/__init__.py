@@ -19,7 +19,7 @@ Public API:
 from __future__ import annotations
 
 from ._backend import backend
-from ._version import __version__  # before .export, which reads it from the package while it initialises
+from ._version import __version__
 from .adapters import AdapterHandle, register_state_dict_adapter
 from .checkpoint_tools import UsageError, convert_checkpoint, diff_checkpoints, inspect_checkpoint, verify_checkpoint
 from .dcp import SparseLoadPlanner, SparseOptimizerState

@@ -13,11 +13,9 @@ from __future__ import annotations
 from collections.abc import Callable
 from typing import Any
 
+from ._values import is_immutable
 from .errors import CheckpointFormatError, CheckpointMismatchError
-from .format import source_text
-
-_IMMUTABLE = (int, float, bool, str, bytes, type(None))
-_STEP = "step"
+from .format import STEP_KEY, source_text
 
 
 def fqns_of_groups(leaf: str, param_groups: list[dict], fqn_of: dict[int, str]) -> list[list[str]]:
@@ -41,14 +39,7 @@ def fqns_of_groups(leaf: str, param_groups: list[dict], fqn_of: dict[int, str]) 
 
 
 def _flat_immutable(settings: dict) -> bool:
-    for v in settings.values():
-        kind = type(v)
-        if kind in _IMMUTABLE:
-            continue
-        if kind is tuple and all(type(x) in _IMMUTABLE for x in v):
-            continue
-        return False
-    return True
+    return all(is_immutable(v) for v in settings.values())
 
 
 def build_groups(
@@ -87,7 +78,7 @@ def _shapes_plain(p: Any, state: Any, tensor_type: type) -> bool:
     shape = dtype = None
     for k, v in state.items():
         if isinstance(v, tensor_type):
-            if k == _STEP:
+            if k == STEP_KEY:
                 continue
             if shape is None:
                 shape, dtype = p.shape, p.dtype
@@ -145,7 +136,7 @@ def cast_states(
         out: dict = {}
         for k, v in saved.items():
             if isinstance(v, tensor_type):
-                if k == _STEP:
+                if k == STEP_KEY:
                     out[k] = cast_tensor(v, k, special, floating, dtype, device) if special else v
                 elif (not floating or v.dtype is dtype) and v.device == device:
                     out[k] = v

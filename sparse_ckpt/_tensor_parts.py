@@ -8,7 +8,7 @@ from __future__ import annotations
 
 import torch
 
-_DTYPES: dict[str, torch.dtype] = {
+CODEC_DTYPES: dict[str, torch.dtype] = {
     str(dt).removeprefix("torch."): dt
     for dt in (
         torch.float64, torch.float32, torch.float16, torch.bfloat16,
@@ -16,12 +16,13 @@ _DTYPES: dict[str, torch.dtype] = {
         torch.int64, torch.int32, torch.int16, torch.int8, torch.uint8, torch.bool,
     )
 }
+"""The dtypes the table codec holds, by the name a table stores (``"float32"``); the only list of them."""
 
 
 def tensor_to_parts(t: torch.Tensor) -> tuple[str, tuple[int, ...], str, bytes]:
     """Describe ``t`` as dtype name, shape, device type and its raw little-endian bytes."""
     name = str(t.dtype).removeprefix("torch.")
-    if name not in _DTYPES:
+    if name not in CODEC_DTYPES:
         raise TypeError(f"tensor dtype {t.dtype} is not supported in param-group settings")
     local = t.detach()
     if hasattr(local, "full_tensor"):  # DTensor settings are replicated; store the full value
@@ -33,7 +34,7 @@ def tensor_to_parts(t: torch.Tensor) -> tuple[str, tuple[int, ...], str, bytes]:
 
 def parts_to_tensor(dtype: str, shape: tuple[int, ...], device_type: str, data: bytes) -> torch.Tensor:
     """Rebuild a tensor; it lands on ``device_type`` when that device is available, else CPU."""
-    dt = _DTYPES.get(dtype)
+    dt = CODEC_DTYPES.get(dtype)
     if dt is None:
         raise ValueError(f"unknown tensor dtype {dtype!r}")
     if any(d < 0 for d in shape):

@@ -17,6 +17,7 @@ from typing import Any
 import torch
 
 from ._torch_compat import load_state_dict_post_hooks, load_state_dict_pre_hooks
+from ._values import IMMUTABLE_TYPES, is_immutable
 from .errors import CheckpointMismatchError
 from .format import STEP_KEY
 
@@ -70,15 +71,6 @@ def cast_tensor(
     if floating:
         return value.to(dtype=dtype, device=device)
     return value.to(device=device)
-
-
-IMMUTABLE_TYPES = frozenset((int, float, bool, str, bytes, type(None)))
-
-
-def is_immutable(value: Any) -> bool:
-    """An exact immutable scalar, or a tuple of them (``deepcopy`` returns such values as they are)."""
-    kind = type(value)
-    return kind in IMMUTABLE_TYPES or (kind is tuple and all(type(v) in IMMUTABLE_TYPES for v in value))
 
 
 def copy_settings(value: Any) -> Any:

@@ -41,7 +41,8 @@ from typing import Any
 import torch
 from torch.distributed.checkpoint import CheckpointException
 
-from . import __version__, _backend
+from . import _backend
+from ._version import __version__
 from .checkpoint_io import NotACheckpointError
 from .checkpoint_tools import (
     UsageError,

@@ -38,8 +38,9 @@ from torch import nn
 from torch.distributed.checkpoint.metadata import TensorStorageMetadata
 from torch.distributed.tensor import DTensor, distribute_tensor
 
-from . import __version__, _backend
+from . import _backend
 from ._tensor_parts import parts_to_tensor
+from ._version import __version__
 from .checkpoint_io import find_optimizers
 from .checkpoint_tools import (
     BATCH_BYTES,

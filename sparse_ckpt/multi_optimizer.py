@@ -41,6 +41,11 @@ class MultiOptimizer:
     def __init__(self, model: nn.Module, optimizers: Mapping[str, torch.optim.Optimizer]) -> None:
         if not isinstance(model, nn.Module):
             raise TypeError(f"model must be an nn.Module, got {type(model).__name__}")
+        if not isinstance(optimizers, Mapping):
+            raise TypeError(
+                f"optimizers must be a mapping of leaf name to optimizer (e.g. {{'experts': opt}}), "
+                f"got {type(optimizers).__name__}"
+            )
         if not optimizers:
             raise ValueError("MultiOptimizer needs at least one optimizer")
         seen: dict[int, str] = {}

@@ -9,7 +9,7 @@ from torch import nn
 
 from . import _backend
 from ._gc import gc_paused
-from ._tensor_parts import tensor_to_parts
+from ._tensor_parts import CODEC_DTYPES, tensor_to_parts
 from .capture import capture_by_fqn
 from .errors import CheckpointFormatError, CheckpointMismatchError
 from .format import PACKED_MARKER, packed_table_key, scalar_table_key, table_digest
@@ -27,12 +27,7 @@ _SCALAR_TABLES = True
 _RESERVED_FQN = f"{PACKED_MARKER}."
 
 _SCALAR_DTYPES: dict[torch.dtype, tuple[str, torch.dtype | None]] = {
-    dt: (str(dt).removeprefix("torch."), torch.int16 if dt == torch.bfloat16 else None)
-    for dt in (
-        torch.float64, torch.float32, torch.float16, torch.bfloat16,
-        torch.complex64, torch.complex128,
-        torch.int64, torch.int32, torch.int16, torch.int8, torch.uint8, torch.bool,
-    )
+    dt: (name, torch.int16 if dt == torch.bfloat16 else None) for name, dt in CODEC_DTYPES.items()
 }
 """The dtypes the table codec holds (``_tensor_parts``), each with the dtype a CPU tensor is
 viewed as for ``numpy()`` (bfloat16 has no numpy dtype)."""

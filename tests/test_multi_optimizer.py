@@ -252,6 +252,15 @@ def test_bad_constructor_arguments() -> None:
         sc.sparse_state_dict(model, [torch.optim.SGD(model.parameters(), lr=0.1)])
 
 
+@pytest.mark.parametrize("bad", [[("a", "opt")], ("opt",), 5, "experts"])
+def test_optimizers_not_a_mapping_is_a_type_error(bad: Any) -> None:
+    model = make_moe(0)
+    opt = torch.optim.SGD(model.parameters(), lr=0.1)
+    value = [(n, opt) for n, _ in bad] if isinstance(bad, list) else (opt,) if isinstance(bad, tuple) else bad
+    with pytest.raises(TypeError, match="mapping of leaf name to optimizer"):
+        sc.MultiOptimizer(model, value)  # type: ignore[arg-type]
+
+
 # ----------------------------------------------------------------------------- other optimizer arguments
 
 
