@@ -9,6 +9,15 @@ PYBIND11_MODULE(_C, m) {
     m.attr("VERSION") = kVersion;
     m.attr("MAX_DEPTH") = kMaxDepth;
     m.attr("PACKED_MARKER") = py::str(kPackedMarker);
+    m.attr("STATE_PREFIX") = py::str(kStatePrefix);
+    m.attr("GROUPS_PREFIX") = py::str(kGroupsPrefix);
+    m.attr("PACKED_PREFIX") = py::str(kPackedPrefix);
+    m.attr("SCALARS_PREFIX") = py::str(kScalarsPrefix);
+    m.attr("ESCAPE") = py::str(kEscape);
+    m.attr("ESCAPE_STR") = py::str(kEscapeStr);
+    m.attr("ESCAPE_INT") = py::str(kEscapeInt);
+    m.attr("STEP_KEY") = py::str(kStepKey);
+    m.attr("WRAPPER_CHILD") = py::str(kWrapperChild);
 
     m.def("map_parameters", &map_parameters, py::arg("model"), py::arg("stripped"), py::arg("module_wrapper"),
           py::arg("base_named_modules"), py::arg("base_named_parameters"), py::arg("cached"),

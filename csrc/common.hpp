@@ -24,7 +24,26 @@ namespace sckpt {
 inline constexpr const char kMagic[] = "SCKT";
 inline constexpr int kVersion = 1;
 inline constexpr int kMaxDepth = 32;
-inline constexpr const char kPackedMarker[] = "__packed__";
+// The key grammar of sparse_ckpt/format.py (tests/test_structure.py checks that they are equal).
+#define SCKPT_STATE "state."
+#define SCKPT_GROUPS "param_groups."
+#define SCKPT_PACKED_MARKER "__packed__"
+inline constexpr const char kPackedMarker[] = SCKPT_PACKED_MARKER;
+inline constexpr const char kStatePrefix[] = SCKPT_STATE;
+inline constexpr const char kGroupsPrefix[] = SCKPT_GROUPS;
+inline constexpr const char kPackedPrefix[] = SCKPT_GROUPS SCKPT_PACKED_MARKER ".";
+inline constexpr const char kScalarsPrefix[] = SCKPT_STATE SCKPT_PACKED_MARKER ".";
+inline constexpr const char kEscape[] = "~";
+inline constexpr const char kEscapeStr[] = "~s";
+inline constexpr const char kEscapeInt[] = "~i";
+inline constexpr const char kStepKey[] = "step";
+inline constexpr const char kWrapperChild[] = "module";
+
+/// Length of a string constant (without its NUL).
+template <size_t N>
+constexpr Py_ssize_t lit_len(const char (&)[N]) {
+    return static_cast<Py_ssize_t>(N - 1);
+}
 
 // ------------------------------------------------------------------ references
 

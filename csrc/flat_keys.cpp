@@ -20,7 +20,7 @@ bool is_part(py::handle part, bool plain) {
     const Py_ssize_t dot = PyUnicode_FindChar(p, '.', 0, len, 1);
     if (dot == -2) throw py::error_already_set();
     if (dot != -1) return false;
-    return !plain || len == 0 || PyUnicode_READ_CHAR(p, 0) != '~';
+    return !plain || len == 0 || PyUnicode_READ_CHAR(p, 0) != static_cast<Py_UCS4>(kEscape[0]);
 }
 
 py::object replace(py::handle s, const char* from, const char* to) {
@@ -33,11 +33,11 @@ py::object replace(py::handle s, const char* from, const char* to) {
 py::object escape_part(py::handle part) {
     if (PyUnicode_Check(part.ptr())) {
         py::object quoted = replace(replace(part, "%", "%25"), ".", "%2E");
-        py::object head = steal(PyUnicode_FromString("~s"));
+        py::object head = steal(PyUnicode_FromString(kEscapeStr));
         return concat({head.ptr(), quoted.ptr()});
     }
     if (PyLong_CheckExact(part.ptr())) {
-        py::object head = steal(PyUnicode_FromString("~i"));
+        py::object head = steal(PyUnicode_FromString(kEscapeInt));
         py::object text = steal(PyObject_Str(part.ptr()));
         return concat({head.ptr(), text.ptr()});
     }
@@ -48,12 +48,12 @@ py::object escape_part(py::handle part) {
 py::object unescape_part(py::handle part, py::handle key) {
     PyObject* p = part.ptr();
     const Py_ssize_t len = PyUnicode_GET_LENGTH(p);
-    if (starts_with(p, "~s", 2)) {
-        py::object body = steal(PyUnicode_Substring(p, 2, len));
+    if (starts_with(p, kEscapeStr, lit_len(kEscapeStr))) {
+        py::object body = steal(PyUnicode_Substring(p, lit_len(kEscapeStr), len));
         return replace(replace(body, "%2E", "."), "%25", "%");
     }
-    if (starts_with(p, "~i", 2)) {
-        Py_ssize_t i = 2;
+    if (starts_with(p, kEscapeInt, lit_len(kEscapeInt))) {
+        Py_ssize_t i = lit_len(kEscapeInt);
         if (i < len && PyUnicode_READ_CHAR(p, i) == '-') ++i;
         bool ok = i < len;
         for (Py_ssize_t j = i; j < len && ok; ++j) {
@@ -61,7 +61,7 @@ py::object unescape_part(py::handle part, py::handle key) {
             ok = c >= '0' && c <= '9';
         }
         if (ok) {
-            py::object text = steal(PyUnicode_Substring(p, 2, len));
+            py::object text = steal(PyUnicode_Substring(p, lit_len(kEscapeInt), len));
             return steal(PyLong_FromUnicodeObject(text.ptr(), 10));
         }
     }
@@ -85,7 +85,7 @@ struct FlattenCtx {
     py::handle fqn;
     py::handle known;
     bool escape;
-    Py_ssize_t state_len;  // len("state.")
+    Py_ssize_t state_len;  // len(kStatePrefix)
 };
 
 bool known_contains(const FlattenCtx& c, PyObject* full) {
@@ -185,7 +185,7 @@ py::object setdefault_dict(py::handle node, py::handle key, bool* created = null
 py::object flatten_state(py::object leaf, py::object state_fqn, py::object known_fqns, bool escape) {
     py::object out = steal(PyDict_New());
     py::object dot = steal(PyUnicode_FromString("."));
-    py::object state_prefix = steal(PyUnicode_FromString("state."));
+    py::object state_prefix = steal(PyUnicode_FromString(kStatePrefix));
     iterate_items(state_fqn, [&](py::handle fqn, py::handle state) {
         if (!PyDict_Check(state.ptr())) {
             raise_format_error(Msg() << "leaf " << py_repr(leaf) << ": state of " << py_repr(fqn) << " is a "
@@ -193,7 +193,7 @@ py::object flatten_state(py::object leaf, py::object state_fqn, py::object known
         }
         py::object fqn_str = fmt(fqn);
         py::object prefix = concat({state_prefix.ptr(), fqn_str.ptr()});
-        FlattenCtx ctx{out.ptr(), dot.ptr(), leaf, fqn, known_fqns, escape, 6};
+        FlattenCtx ctx{out.ptr(), dot.ptr(), leaf, fqn, known_fqns, escape, lit_len(kStatePrefix)};
         std::vector<py::handle> path;
         flatten_into(ctx, prefix.ptr(), state, path);
     });
@@ -208,7 +208,7 @@ py::tuple flatten_packed_state(py::object leaf, py::object state_fqn, py::object
     std::vector<py::object> group_fqns;  // the fqns list of each group (also alive in ``groups``)
     std::unordered_map<std::string, size_t> index_of;
     py::object dot = steal(PyUnicode_FromString("."));
-    py::object state_prefix = steal(PyUnicode_FromString("state."));
+    py::object state_prefix = steal(PyUnicode_FromString(kStatePrefix));
     std::string blob;
     std::vector<std::pair<py::object, py::object>> scalars;
     iterate_items(state_fqn, [&](py::handle fqn, py::handle state) {
@@ -218,7 +218,7 @@ py::tuple flatten_packed_state(py::object leaf, py::object state_fqn, py::object
         }
         py::object fqn_str = fmt(fqn);
         py::object prefix = concat({state_prefix.ptr(), fqn_str.ptr()});
-        FlattenCtx ctx{out.ptr(), dot.ptr(), leaf, fqn, known_fqns, true, 6};
+        FlattenCtx ctx{out.ptr(), dot.ptr(), leaf, fqn, known_fqns, true, lit_len(kStatePrefix)};
         std::vector<py::handle> path;
         scalars.clear();  // (key, value) of the leading run; a dict is built only for a new group
         blob.assign(4, '\0');  // u32 n_keys, written below
@@ -257,7 +257,7 @@ py::tuple flatten_packed_state(py::object leaf, py::object state_fqn, py::object
 py::object flatten_groups(py::object leaf, py::object groups_fqn) {
     py::object out = steal(PyDict_New());
     py::object dot = steal(PyUnicode_FromString("."));
-    py::object head = steal(PyUnicode_FromString("param_groups."));
+    py::object head = steal(PyUnicode_FromString(kGroupsPrefix));
     long gi = -1;
     iterate(groups_fqn, [&](py::handle entry) {
         ++gi;
@@ -289,14 +289,10 @@ py::object flatten_groups(py::object leaf, py::object groups_fqn) {
 }
 
 py::tuple unflatten(py::object flat, py::object known_fqns) {
-    static constexpr const char kState[] = "state.";
-    static constexpr Py_ssize_t kStateLen = sizeof(kState) - 1;
-    static constexpr const char kGroups[] = "param_groups.";
-    static constexpr Py_ssize_t kGroupsLen = sizeof(kGroups) - 1;
-    static constexpr const char kPacked[] = "param_groups.__packed__.";
-    static constexpr Py_ssize_t kPackedLen = sizeof(kPacked) - 1;
-    static constexpr const char kScalars[] = "state.__packed__.";
-    static constexpr Py_ssize_t kScalarsLen = sizeof(kScalars) - 1;
+    static constexpr Py_ssize_t kStateLen = lit_len(kStatePrefix);
+    static constexpr Py_ssize_t kGroupsLen = lit_len(kGroupsPrefix);
+    static constexpr Py_ssize_t kPackedLen = lit_len(kPackedPrefix);
+    static constexpr Py_ssize_t kScalarsLen = lit_len(kScalarsPrefix);
 
     py::object settings_by_fqn = steal(PyDict_New());
     py::object packed = steal(PyDict_New());
@@ -314,23 +310,23 @@ py::tuple unflatten(py::object flat, py::object known_fqns) {
             raise_format_error(Msg() << "optimizer state dict key " << py_repr(key) << " is not a string");
         }
         const Py_ssize_t len = PyUnicode_GET_LENGTH(k);
-        if (starts_with(k, kScalars, kScalarsLen)) {
+        if (starts_with(k, kScalarsPrefix, kScalarsLen)) {
             if (!PyBytes_Check(value.ptr())) {
                 raise_format_error(Msg() << "scalar table " << py_repr(key) << " is a " << type_name(value)
                                          << ", expected bytes");
             }
             py::object rest = steal(PyUnicode_Substring(k, kScalarsLen, len));
             check(PyDict_SetItem(scalars.ptr(), rest.ptr(), value.ptr()));
-        } else if (starts_with(k, kState, kStateLen)) {
+        } else if (starts_with(k, kStatePrefix, kStateLen)) {
             state_keys.emplace_back(borrow(k), flat_is_dict ? borrow(value.ptr()) : py::object());
-        } else if (starts_with(k, kPacked, kPackedLen)) {
+        } else if (starts_with(k, kPackedPrefix, kPackedLen)) {
             if (!PyBytes_Check(value.ptr())) {
                 raise_format_error(Msg() << "packed group table " << py_repr(key) << " is a " << type_name(value)
                                          << ", expected bytes");
             }
             py::object rest = steal(PyUnicode_Substring(k, kPackedLen, len));
             check(PyDict_SetItem(packed.ptr(), rest.ptr(), value.ptr()));
-        } else if (starts_with(k, kGroups, kGroupsLen)) {
+        } else if (starts_with(k, kGroupsPrefix, kGroupsLen)) {
             const Py_ssize_t dot = PyUnicode_FindChar(k, '.', kGroupsLen, len, -1);
             if (dot == -2) throw py::error_already_set();
             // body-relative: dot <= 0 or dot == len(body) - 1
@@ -388,7 +384,7 @@ py::tuple unflatten(py::object flat, py::object known_fqns) {
         const Py_ssize_t next_dot = PyUnicode_FindChar(k, '.', dot + 1, len, 1);
         if (next_dot == -2) throw py::error_already_set();
         auto decoded = [&](py::object part) {
-            if (unescape && starts_with(part.ptr(), "~", 1)) return unescape_part(part, kv.first);
+            if (unescape && starts_with(part.ptr(), kEscape, lit_len(kEscape))) return unescape_part(part, kv.first);
             return part;
         };
         if (next_dot == -1) {

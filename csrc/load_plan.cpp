@@ -55,7 +55,7 @@ struct Names {
     py::object is_floating_point = interned("is_floating_point");
     py::object fused = interned("fused");
     py::object capturable = interned("capturable");
-    py::object step = interned("step");
+    py::object step = interned(kStepKey);
     py::object params = interned("params");
 };
 
@@ -68,7 +68,7 @@ bool rich_eq(py::handle a, py::handle b) {
     return truth != 0;
 }
 
-/// ``key == "step"`` for the state keys the decoder produces (str or int).
+/// ``key == STEP_KEY`` for the state keys the decoder produces (str or int).
 /// ``isinstance(v, tensor_type)``, without the generic protocol for the exact type (the usual case).
 bool is_tensor_of(PyObject* v, PyObject* tensor_type) {
     if (reinterpret_cast<PyObject*>(Py_TYPE(v)) == tensor_type) return true;
@@ -79,7 +79,7 @@ bool is_tensor_of(PyObject* v, PyObject* tensor_type) {
 
 bool is_step(PyObject* key, const Names& n) {
     if (key == n.step.ptr()) return true;
-    return PyUnicode_Check(key) && PyUnicode_CompareWithASCIIString(key, "step") == 0;
+    return PyUnicode_Check(key) && PyUnicode_CompareWithASCIIString(key, kStepKey) == 0;
 }
 
 /// ``_shapes_plain``

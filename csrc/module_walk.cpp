@@ -15,7 +15,7 @@ struct Names {
     py::object modules = steal(PyUnicode_InternFromString("_modules"));
     py::object named_modules = steal(PyUnicode_InternFromString("named_modules"));
     py::object named_parameters = steal(PyUnicode_InternFromString("named_parameters"));
-    py::object module = steal(PyUnicode_InternFromString("module"));
+    py::object module = steal(PyUnicode_InternFromString(kWrapperChild));
     py::object dot = steal(PyUnicode_InternFromString("."));
     py::object empty = steal(PyUnicode_FromString(""));
 };
@@ -41,8 +41,8 @@ bool truthy(py::handle obj) {
     return t != 0;
 }
 
-/// ``type(k) is str and k == "module"``
-bool is_module_key(PyObject* k) { return PyUnicode_CheckExact(k) && PyUnicode_CompareWithASCIIString(k, "module") == 0; }
+/// ``type(k) is str and k == WRAPPER_CHILD``
+bool is_module_key(PyObject* k) { return PyUnicode_CheckExact(k) && PyUnicode_CompareWithASCIIString(k, kWrapperChild) == 0; }
 
 /// ``id(obj)``, ``0`` for ``None`` (the trace's word for a slot holding ``None``).
 uint64_t id_word(PyObject* obj) { return obj == Py_None ? 0 : static_cast<uint64_t>(reinterpret_cast<uintptr_t>(obj)); }
@@ -63,7 +63,7 @@ struct Walk {
         return ok;
     }
 
-    /// ``name in stripped or (wrapper is not None and name == "module" and isinstance(owner, wrapper))``
+    /// ``name in stripped or (wrapper is not None and name == WRAPPER_CHILD and isinstance(owner, wrapper))``
     bool is_stripped(py::handle name, py::handle owner) const {
         const int in_stripped = PySequence_Contains(stripped.ptr(), name.ptr());
         check(in_stripped);
@@ -77,7 +77,7 @@ struct Walk {
         return inst != 0;
     }
 
-    /// The trace's wrapper word of a module: 0 when no key of it is ``"module"`` (or there is no
+    /// The trace's wrapper word of a module: 0 when no key of it is ``WRAPPER_CHILD`` (or there is no
     /// wrapper), else 1 + ``isinstance(mod, wrapper)``.
     uint64_t wrapper_word(PyObject* mod, bool has_module_key) const {
         if (!has_module_key || wrapper.is_none()) return 0;

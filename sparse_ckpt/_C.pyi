@@ -15,6 +15,15 @@ MAGIC: bytes
 VERSION: int
 MAX_DEPTH: int
 PACKED_MARKER: str
+STATE_PREFIX: str
+GROUPS_PREFIX: str
+PACKED_PREFIX: str
+SCALARS_PREFIX: str
+ESCAPE: str
+ESCAPE_STR: str
+ESCAPE_INT: str
+STEP_KEY: str
+WRAPPER_CHILD: str
 
 def assign_state_ids(target_fqns: list[list[str]], state_by_fqn: Mapping[str, Any]) -> tuple[dict[int, Any], list[str]]: ...
 

@@ -39,7 +39,23 @@ from ._core_py_load import (  # noqa: F401 - twins of csrc/load_plan.cpp
 )
 from ._core_py_save import capture_fqns, claim_owners  # noqa: F401 - twin of csrc/save_pass.cpp
 from .errors import CheckpointFormatError, CheckpointMismatchError, UnsupportedStateDictError
-from .format import ESCAPE, PACKED_MARKER, escape_part, is_flat_part, is_plain_part, unescape_part
+from .format import (  # noqa: F401 - the key grammar's constants are the core's too (_C exports the same)
+    ESCAPE,
+    ESCAPE_INT,
+    ESCAPE_STR,
+    GROUPS_PREFIX,
+    PACKED_MARKER,
+    PACKED_PREFIX,
+    SCALARS_PREFIX,
+    STATE_PREFIX,
+    STEP_KEY,
+    WRAPPER_CHILD,
+    escape_part,
+    is_flat_part,
+    is_plain_part,
+    owner_fqn,
+    unescape_part,
+)
 
 MAGIC = b"SCKT"
 VERSION = 1
@@ -100,7 +116,7 @@ def map_parameters(
     slots, fqn_of, canonical)``, where ``words`` (native ``uint64``) and ``keys`` are what the walk
     saw -- per module its ``id``, the number of ``_parameters`` entries and each value's ``id`` (0
     for ``None``), the number of ``_modules`` entries and each child's ``id``, and a wrapper word
-    (0 when no key of the module is ``"module"`` or there is no wrapper, else 1 + ``isinstance``);
+    (0 when no key of the module is ``WRAPPER_CHILD`` or there is no wrapper, else 1 + ``isinstance``);
     ``keys`` every key in that order -- and ``slots[i]`` the name ``param_of`` holds the i-th
     parameter found under (``None`` for a repeat). ``memo`` is ``None`` when some mapping is not an
     exact ``dict`` or some key not an exact ``str``. Given a memo as ``cached`` (same ``stripped``
@@ -148,7 +164,7 @@ def _id_word(obj: Any) -> int:
 
 
 def _is_module_key(k: Any) -> bool:
-    return type(k) is str and k == "module"
+    return type(k) is str and k == WRAPPER_CHILD
 
 
 def _wrapper_word(mod: Any, module_wrapper: type | None, has_module_key: bool) -> int:
@@ -192,7 +208,7 @@ def _walk(
                 if v is None:
                     continue
                 raw_k = f"{raw}.{k}" if raw else k
-                if k in stripped or (module_wrapper is not None and k == "module" and isinstance(mod, module_wrapper)):
+                if k in stripped or (module_wrapper is not None and k == WRAPPER_CHILD and isinstance(mod, module_wrapper)):
                     out.append((raw_k, canon, v))
                 elif canon is raw:
                     out.append((raw_k, raw_k, v))
@@ -212,7 +228,7 @@ def _walk(
             if child is None:
                 continue
             raw_c = f"{raw}.{name}" if raw else name
-            if name in stripped or (module_wrapper is not None and name == "module" and isinstance(mod, module_wrapper)):
+            if name in stripped or (module_wrapper is not None and name == WRAPPER_CHILD and isinstance(mod, module_wrapper)):
                 stack.append((child, raw_c, canon))
             elif canon is raw:
                 stack.append((child, raw_c, raw_c))
@@ -475,12 +491,12 @@ def _flatten_item(
                 f"leaf {leaf!r}: state key {_path_repr((*path, key))} of {fqn!r} holds an empty dict, "
                 "which has no flat key"
             )
-        if full[len("state.") :] in known_fqns:  # keys below would read as that parameter's state
+        if full[len(STATE_PREFIX) :] in known_fqns:  # keys below would read as that parameter's state
             escaped = escape_part(key) if escape and part is key else None
-            if escaped is None or f"{prefix}.{escaped}"[len("state.") :] in known_fqns:
+            if escaped is None or f"{prefix}.{escaped}"[len(STATE_PREFIX) :] in known_fqns:
                 raise CheckpointFormatError(
                     f"leaf {leaf!r}: nested state {_path_repr((*path, key))} of {fqn!r} would be read back as "
-                    f"state of parameter {full[len('state.') :]!r}"
+                    f"state of parameter {full[len(STATE_PREFIX) :]!r}"
                     + ("" if escape else "; save with format='packed'")
                 )
             full = f"{prefix}.{escaped}"
@@ -501,7 +517,7 @@ def flatten_state(leaf: str, state_fqn: Mapping[str, Any], known_fqns: Any, esca
     for fqn, state in state_fqn.items():
         if not isinstance(state, dict):
             raise CheckpointFormatError(f"leaf {leaf!r}: state of {fqn!r} is a {type(state).__name__}, expected a dict")
-        _flatten_into(out, f"state.{fqn}", state, leaf, fqn, (), known_fqns, escape)
+        _flatten_into(out, f"{STATE_PREFIX}{fqn}", state, leaf, fqn, (), known_fqns, escape)
     return out
 
 
@@ -632,7 +648,7 @@ def flatten_packed_state(
     for fqn, state in state_fqn.items():
         if not isinstance(state, dict):
             raise CheckpointFormatError(f"leaf {leaf!r}: state of {fqn!r} is a {type(state).__name__}, expected a dict")
-        prefix = f"state.{fqn}"
+        prefix = f"{STATE_PREFIX}{fqn}"
         scalars: dict[str, Any] = {}
         blob = bytearray()
         leading = True
@@ -672,7 +688,7 @@ def flatten_groups(leaf: str, groups_fqn: list[tuple[dict, list[str]]]) -> dict[
                 )
         for fqn in fqns:
             for key, value in settings.items():
-                out[f"param_groups.{fqn}.{key}"] = value
+                out[f"{GROUPS_PREFIX}{fqn}.{key}"] = value
     return out
 
 
@@ -701,25 +717,23 @@ def unflatten(
     scalars: dict[str, bytes] = {}
     unmatched: list[str] = []
     state_keys: list[str] = []
-    packed_prefix = f"param_groups.{PACKED_MARKER}."
-    scalars_prefix = f"state.{PACKED_MARKER}."
     for key, value in flat.items():
         if not isinstance(key, str):
             raise CheckpointFormatError(f"optimizer state dict key {key!r} is not a string")
-        if key.startswith(scalars_prefix):
+        if key.startswith(SCALARS_PREFIX):
             if not isinstance(value, bytes):
                 raise CheckpointFormatError(f"scalar table {key!r} is a {type(value).__name__}, expected bytes")
-            scalars[key[len(scalars_prefix) :]] = value
-        elif key.startswith("state."):
+            scalars[key[len(SCALARS_PREFIX) :]] = value
+        elif key.startswith(STATE_PREFIX):
             state_keys.append(key)
-        elif key.startswith(packed_prefix):
+        elif key.startswith(PACKED_PREFIX):
             if not isinstance(value, bytes):
                 raise CheckpointFormatError(
                     f"packed group table {key!r} is a {type(value).__name__}, expected bytes"
                 )
-            packed[key[len(packed_prefix) :]] = value
-        elif key.startswith("param_groups."):
-            body = key[len("param_groups.") :]
+            packed[key[len(PACKED_PREFIX) :]] = value
+        elif key.startswith(GROUPS_PREFIX):
+            body = key[len(GROUPS_PREFIX) :]
             dot = body.rfind(".")
             if dot <= 0 or dot == len(body) - 1:
                 unmatched.append(key)
@@ -733,19 +747,12 @@ def unflatten(
     state_by_fqn: dict[str, dict] = {}
     owned: set[int] = set()  # ids of the dicts built here (all alive in state_by_fqn until we return)
     for key in state_keys:
-        body = key[len("state.") :]
-        dot = body.rfind(".")
-        fqn = None
-        while dot > 0:
-            candidate = body[:dot]
-            if candidate in known_fqns or candidate in settings_by_fqn:
-                fqn = candidate
-                break
-            dot = body.rfind(".", 0, dot)
+        body = key[len(STATE_PREFIX) :]
+        fqn = owner_fqn(body, known_fqns, settings_by_fqn)
         if fqn is None:
             unmatched.append(key)
             continue
-        parts: list[Any] = body[dot + 1 :].split(".")
+        parts: list[Any] = body[len(fqn) + 1 :].split(".")
         if unescape:
             parts = [unescape_part(p, key) if p.startswith(ESCAPE) else p for p in parts]
         node = state_by_fqn.get(fqn)

@@ -15,7 +15,7 @@ from typing import Any
 
 from ._values import is_immutable
 from .errors import CheckpointFormatError, CheckpointMismatchError
-from .format import STEP_KEY, source_text
+from .format import STEP_KEY, source_text, state_key
 
 
 def fqns_of_groups(leaf: str, param_groups: list[dict], fqn_of: dict[int, str]) -> list[list[str]]:
@@ -241,7 +241,7 @@ def merge_scalars(
             if k in scalars:
                 raise CheckpointFormatError(
                     f"leaf {leaf!r}: state key {k!r} of {fqn!r} is both in a scalar table and the per-item entry "
-                    f"'state.{fqn}.{k}' (corrupt or edited checkpoint)"
+                    f"'{state_key(fqn, k)}' (corrupt or edited checkpoint)"
                 )
         new = own(scalars)
         new.update(state)

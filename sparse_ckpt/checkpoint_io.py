@@ -22,6 +22,7 @@ from torch.distributed.checkpoint.metadata import Metadata, TensorStorageMetadat
 from ._dcp_paths import ObjPath, metadata_path, set_path
 from .dcp import SparseLoadPlanner
 from .errors import CheckpointFormatError
+from .format import GROUPS_PREFIX, OPTIMIZER_PREFIXES
 
 __all__ = [
     "METADATA_FILE",
@@ -102,7 +103,7 @@ def find_optimizers(metadata: Metadata) -> list[OptimizerEntries]:
             continue
         prefix, inner = split
         found.setdefault(prefix, OptimizerEntries(prefix, {})).inner[inner] = key
-        if inner.startswith("param_groups."):
+        if inner.startswith(GROUPS_PREFIX):
             has_groups.add(prefix)
     return [entries for prefix, entries in found.items() if prefix in has_groups]
 
@@ -111,18 +112,17 @@ def _split(p: ObjPath) -> tuple[ObjPath, str] | None:
     if len(p) == 1 and isinstance(p[0], str):
         # No recorded nesting: find the optimizer namespace in the dotted key itself.
         key = p[0]
-        for marker in ("state.", "param_groups."):
-            if key.startswith(marker):
-                return (), key
+        if key.startswith(OPTIMIZER_PREFIXES):
+            return (), key
         best = None
-        for marker in (".state.", ".param_groups."):
-            i = key.find(marker)
+        for marker in OPTIMIZER_PREFIXES:
+            i = key.find(f".{marker}")
             if i > 0 and (best is None or i < best):
                 best = i
         if best is None:
             return None
         return (key[:best],), key[best + 1 :]
     last = p[-1]
-    if isinstance(last, str) and last.startswith(("state.", "param_groups.")):
+    if isinstance(last, str) and last.startswith(OPTIMIZER_PREFIXES):
         return p[:-1], last
     return None

@@ -43,7 +43,7 @@ from torch.distributed.checkpoint.metadata import Metadata, StorageMeta, TensorS
 from torch.distributed.checkpoint.planner import ReadItem
 
 from . import _backend
-from ._tensor_parts import parts_to_tensor, tensor_to_parts
+from ._tensor_parts import tensor_to_parts
 from .checkpoint_io import (
     METADATA_FILE,
     NotACheckpointError,
@@ -54,21 +54,20 @@ from .checkpoint_io import (
     set_path,
 )
 from .dcp import SparseLoadPlanner, _weights_only_item
-from .decode import decode_scalar_tables, merge_scalars
+from .decode import decode_group_tables, decode_scalar_tables, merge_scalars
 from .errors import CheckpointFormatError, CheckpointMismatchError, SparseCheckpointError
 from .format import (
-    ESCAPE,
     GROUPS_PREFIX,
     PACKED_PREFIX,
     SCALARS_PREFIX,
-    STATE_PREFIX,
     escape_part,
+    has_escaped_part,
     is_flat_part,
     is_plain_part,
+    is_state_item,
     is_table_key,
     packed_table_key,
-    split_table_key,
-    table_digest,
+    state_key,
 )
 from .leaves import SINGLE_LEAF
 
@@ -257,23 +256,15 @@ class Group:
 
 
 def decode_tables(values: Mapping[str, Any]) -> dict[str, list[Group]]:
-    """Packed tables -> ``leaf -> groups`` (tables of one leaf merged by group index)."""
-    core = _backend.core
+    """Packed tables among ``values`` -> ``leaf -> groups`` (tables of one leaf merged by group index)."""
+    tables = {inner[len(PACKED_PREFIX) :]: v for inner, v in values.items() if inner.startswith(PACKED_PREFIX)}
     leaves: dict[str, list[Group]] = {}
-    for inner, table in values.items():
-        if not inner.startswith(PACKED_PREFIX):
-            continue
-        if not isinstance(table, bytes):
-            raise CheckpointFormatError(f"packed group table {inner!r} is a {type(table).__name__}, expected bytes")
-        leaf, digest = split_table_key(inner[len(PACKED_PREFIX) :])
-        if table_digest(table) != digest:
-            raise CheckpointFormatError(f"leaf {leaf!r}: group table {inner!r} does not match its digest")
-        settings, blobs, groups = core.decode_table(leaf, table, parts_to_tensor)
-        merged = leaves.setdefault(leaf, [])
-        for gi, (idx, fqns) in enumerate(groups):
+    for table in decode_group_tables(tables):
+        merged = leaves.setdefault(table.leaf, [])
+        for gi, (idx, fqns) in enumerate(table.groups):
             if gi == len(merged):
-                merged.append(Group(settings[idx], blobs[idx]))
-            elif merged[gi].blob != blobs[idx]:
+                merged.append(Group(table.settings[idx], table.blobs[idx]))
+            elif merged[gi].blob != table.blobs[idx]:
                 merged[gi].settings_vary = True
             merged[gi].fqns.extend(fqns)
     return leaves
@@ -330,14 +321,9 @@ def select_optimizers(found: list[OptimizerEntries], key: str | None) -> list[Op
     return chosen
 
 
-def is_state_item(inner: str) -> bool:
-    """An optimizer entry that is one per-item state value (``state.*`` but not a scalar table):
-    the tools look at its DCP metadata only; every other entry (settings, tables) is read."""
-    return inner.startswith(STATE_PREFIX) and not inner.startswith(SCALARS_PREFIX)
-
-
 def read_keys(opt: OptimizerEntries) -> list[str]:
-    """The flattened keys of ``opt``'s entries that the tools read (see :func:`is_state_item`)."""
+    """The flattened keys of ``opt``'s entries that the tools read: every entry but the per-item
+    state values (:func:`~sparse_ckpt.format.is_state_item`), whose DCP metadata is enough."""
     return [flat for inner, flat in opt.inner.items() if not is_state_item(inner)]
 
 
@@ -942,7 +928,7 @@ def convert_optimizer(
     if to == "flat":
         # DSD's layout has no tables: scalars become per-item state again (each FQN's first).
         out = {**expand_scalar_tables(values, flat=True), **{k: v for k, v in out.items() if not k.startswith(SCALARS_PREFIX)}}
-        escaped = [k for k in values if is_state_item(k) and f".{ESCAPE}" in k]
+        escaped = [k for k in values if is_state_item(k) and has_escaped_part(k)]
         if escaped and leaves:
             raise CheckpointFormatError(
                 f"state key {escaped[0]!r} has an escaped part (a state key that is not a plain str, or nested "
@@ -1007,7 +993,7 @@ def expand_scalar_tables(values: Mapping[str, Any], *, flat: bool) -> dict[str, 
                 )
             else:
                 part = escape_part(key)
-            item = f"{STATE_PREFIX}{fqn}.{part}"
+            item = state_key(fqn, part)
             if item in values:
                 raise CheckpointFormatError(
                     f"state key {key!r} of {fqn!r} is both in a scalar table and the per-item entry {item!r} "

@@ -46,7 +46,10 @@ from .format import (
     STATE_PREFIX,
     STEP_KEY,
     is_table_key,
+    last_part,
     owner_fqn,
+    split_group_key,
+    table_kind,
 )
 from .fqn import FqnMap, build_fqn_map
 from .leaves import named_leaves
@@ -261,7 +264,7 @@ class SparseLoadPlanner(DefaultLoadPlanner):
 
 def _weights_only_item(key: str, value: io.BytesIO, table: bool) -> io.BytesIO:
     """Unpickle a DCP bytes item with ``weights_only=True``; return a fresh stream of it for DCP."""
-    what = ("scalar table" if SCALARS_PREFIX in key else "packed group table") if table else "optimizer item"
+    what = table_kind(SCALARS_PREFIX if SCALARS_PREFIX in key else PACKED_PREFIX) if table else "optimizer item"
     try:
         obj = torch.load(value, weights_only=True)
     except Exception as exc:  # noqa: BLE001 - any refusal of the restricted unpickler
@@ -312,11 +315,7 @@ def _rebuild_target(
             f"the checkpoint has no optimizer entries under {where!r} (saved under another key, or no optimizer)"
         )
     fmap = target.fmap = build_fqn_map(target.owner.model)
-    flat_fqns = {
-        str(rel[0])[len(GROUPS_PREFIX) :].rpartition(".")[0]
-        for rel, _md, _key in entries
-        if str(rel[0]).startswith(GROUPS_PREFIX) and not str(rel[0]).startswith(PACKED_PREFIX)
-    }
+    flat_fqns = {split[0] for rel, _md, _key in entries if (split := split_group_key(str(rel[0]))) is not None}
     new: dict[str, Any] = {}
     keys: list[str] = []
     unresolved: list[str] = []
@@ -326,7 +325,7 @@ def _rebuild_target(
         if inner.startswith((PACKED_PREFIX, SCALARS_PREFIX)):  # every rank's tables
             value = _allocate(md, None, "")
         elif inner.startswith(GROUPS_PREFIX):
-            fqn = inner[len(GROUPS_PREFIX) :].rpartition(".")[0]
+            fqn = split_group_key(inner)[0]  # type: ignore[index] - not a table: a flat group key
             if fqn and fqn not in fmap.canonical:
                 continue  # another rank's parameter
             value = _allocate(md, None, "")
@@ -338,7 +337,7 @@ def _rebuild_target(
                 if owner_fqn(inner[len(STATE_PREFIX) :], flat_fqns) is None:
                     unresolved.append(inner)
                 continue  # another rank's parameter (or nobody's: unresolved, checked on load)
-            key_leaf = inner.rpartition(".")[2] if len(rel) == 1 else str(rel[-1])
+            key_leaf = last_part(inner) if len(rel) == 1 else str(rel[-1])
             value = _allocate(md, _param(fmap, fqn), key_leaf)
         else:
             value = _allocate(md, None, "")

@@ -17,7 +17,7 @@ import torch
 from . import _backend
 from ._tensor_parts import parts_to_tensor, tensor_to_parts
 from .errors import CheckpointFormatError, CheckpointMismatchError
-from .format import PACKED_PREFIX, SCALARS_PREFIX, STATE_PREFIX, source_text, split_table_key, table_digest
+from .format import PACKED_PREFIX, SCALARS_PREFIX, check_table, source_text, state_key
 from .fqn import FqnMap
 
 
@@ -48,6 +48,45 @@ class DecodedCheckpoint:
     repeats the list for every FQN of the group, without positions)."""
 
 
+@dataclass(frozen=True)
+class GroupTable:
+    """One decoded packed group table (see :func:`decode_group_tables`)."""
+
+    rest: str
+    """The table's key without :data:`~sparse_ckpt.format.PACKED_PREFIX`: ``{leaf}.{digest}``."""
+    leaf: str
+    settings: list[dict]
+    """The distinct settings, in order of first use."""
+    blobs: list[bytes]
+    """Each distinct settings' encoded bytes (equal bytes = equal settings)."""
+    groups: list[tuple[int, list[str]]]
+    """Per group: ``(index into settings, its FQNs)``."""
+
+
+def decode_group_tables(tables: Mapping[str, Any]) -> list[GroupTable]:
+    """Packed group tables (``{leaf}.{digest}`` -> bytes) checked (type, digest) and decoded, in order.
+    The one decoder of group tables: load, the DCP planner's tools, the CLI and export use it."""
+    core = _backend.core
+    out: list[GroupTable] = []
+    for rest, table in tables.items():
+        leaf = check_table(PACKED_PREFIX, rest, table)
+        settings, blobs, groups = core.decode_table(leaf, table, parts_to_tensor)
+        out.append(GroupTable(rest, leaf, settings, blobs, groups))
+    return out
+
+
+def table_fqns(tables: list[GroupTable], fmap: FqnMap | None = None) -> set[str]:
+    """Every FQN the tables list, plus the aliases ``fmap``'s model has of them (tied or wrapped names)."""
+    fqns: set[str] = set()
+    for table in tables:
+        for _idx, group_fqns in table.groups:
+            fqns.update(group_fqns)
+    if fmap is not None and len(fmap.canonical) > len(fmap.param_of):  # the model has aliases
+        saved = {fmap.resolve(f) for f in fqns}
+        fqns.update(alias for alias, canon in fmap.canonical.items() if canon in saved)
+    return fqns
+
+
 def fmt_list(items: list[str], limit: int = 10) -> str:
     """``'a', 'b', ... (+N more)`` -- the first ``limit`` items and a count of the rest."""
     shown = ", ".join(repr(x) for x in items[:limit])
@@ -65,34 +104,16 @@ def decode_checkpoint(state_dict: Mapping[str, Any], fmap: FqnMap) -> DecodedChe
     """
     _refuse_other_layouts(state_dict)
     core = _backend.core
-    decoded: list[tuple[str, str, list[dict], list[bytes], list[tuple[int, list[str]]]]] = []
-
-    def table_fqns(tables: dict[str, bytes]) -> set[str]:
-        fqns: set[str] = set()
-        for rest, table in tables.items():
-            leaf, digest = split_table_key(rest)
-            if table_digest(table) != digest:
-                raise CheckpointFormatError(
-                    f"leaf {leaf!r}: group table '{PACKED_PREFIX}{rest}' does not match its digest "
-                    "(corrupt or edited checkpoint)"
-                )
-            settings, blobs, groups = core.decode_table(leaf, table, parts_to_tensor)
-            decoded.append((rest, leaf, settings, blobs, groups))
-            for _idx, group_fqns in groups:
-                fqns.update(group_fqns)
-        if len(fmap.canonical) > len(fmap.param_of):  # the model has aliases (tied or wrapped names)
-            saved = {fmap.resolve(f) for f in fqns}
-            fqns.update(alias for alias, canon in fmap.canonical.items() if canon in saved)
-        return fqns
-
+    decoded: list[GroupTable] = []
     known: list[set[str]] = []
 
-    def table_fqns_kept(tables: dict[str, bytes]) -> set[str]:
-        fqns = table_fqns(tables)
-        known.append(fqns)
-        return fqns
+    def known_fqns(tables: dict[str, bytes]) -> set[str]:
+        """The state keys' owners: the tables' FQNs (and aliases), called by the core once it has the tables."""
+        decoded.extend(decode_group_tables(tables))
+        known.append(table_fqns(decoded, fmap))
+        return known[-1]
 
-    settings_raw, state_raw, _tables, scalar_tables, unmatched = core.unflatten(state_dict, table_fqns_kept)
+    settings_raw, state_raw, _tables, scalar_tables, unmatched = core.unflatten(state_dict, known_fqns)
     out = DecodedCheckpoint(unmatched_keys=list(unmatched), has_tables=bool(decoded))
     interned: dict[bytes, dict] = {}
     source_of: dict[str, Any] = {}  # canonical FQN -> where its settings came from (see source_text)
@@ -114,7 +135,8 @@ def decode_checkpoint(state_dict: Mapping[str, Any], fmap: FqnMap) -> DecodedChe
             )
         return canon
 
-    for _rest, leaf, settings, blobs, groups in decoded:
+    for table in decoded:
+        leaf, settings, blobs, groups = table.leaf, table.settings, table.blobs, table.groups
         if leaf not in out.table_leaves:
             out.table_leaves.append(leaf)
         if not any("param_names" in s for s in settings):  # the usual table: one core pass over its FQNs
@@ -219,12 +241,8 @@ def decode_scalar_tables(
     found: dict[str, tuple[dict[str, Any], str]] = {}
     blob_of: dict[str, bytes] = {}
     for rest, table in tables.items():
-        leaf, digest = split_table_key(rest, SCALARS_PREFIX)
+        leaf = check_table(SCALARS_PREFIX, rest, table)
         key = f"{SCALARS_PREFIX}{rest}"
-        if table_digest(table) != digest:
-            raise CheckpointFormatError(
-                f"leaf {leaf!r}: scalar table {key!r} does not match its digest (corrupt or edited checkpoint)"
-            )
         try:
             scalars, blobs, groups = core.decode_table(leaf, table, _cpu_parts_to_tensor)
         except CheckpointFormatError as exc:
@@ -235,7 +253,7 @@ def decode_scalar_tables(
             for saved in fqns:
                 if is_known is not None and not is_known(saved):
                     if unmatched is not None:
-                        unmatched.extend(f"{STATE_PREFIX}{saved}.{k}" for k in scalars[idx])
+                        unmatched.extend(state_key(saved, k) for k in scalars[idx])
                     continue
                 fqn = saved if resolve is None else resolve(saved)
                 prev = blob_of.setdefault(fqn, blob)

@@ -38,8 +38,6 @@ from torch import nn
 from torch.distributed.checkpoint.metadata import TensorStorageMetadata
 from torch.distributed.tensor import DTensor, distribute_tensor
 
-from . import _backend
-from ._tensor_parts import parts_to_tensor
 from ._version import __version__
 from .checkpoint_io import find_optimizers
 from .checkpoint_tools import (
@@ -48,7 +46,6 @@ from .checkpoint_tools import (
     batches,
     check_new_dir,
     expand_scalar_tables,
-    is_state_item,
     named_groups,
     open_checkpoint,
     pack_flat_groups,
@@ -57,9 +54,10 @@ from .checkpoint_tools import (
     split_optimizer,
 )
 from .dcp import _multi_rank
+from .decode import decode_group_tables, table_fqns
 from .errors import CheckpointFormatError
-from .format import PACKED_PREFIX, SCALARS_PREFIX, STATE_PREFIX, STEP_KEY, owner_fqn, split_table_key, table_digest
-from .fqn import FqnMap, build_fqn_map
+from .format import PACKED_PREFIX, SCALARS_PREFIX, STATE_PREFIX, STEP_KEY, is_state_item, last_part, owner_fqn
+from .fqn import build_fqn_map
 from .leaves import SINGLE_LEAF
 from .load import load_owned
 
@@ -454,27 +452,10 @@ def read_export(out_dir: str | os.PathLike[str]) -> dict[str, Any]:
     return sd
 
 
-def _table_fqns(tables: Mapping[str, bytes], fmap: FqnMap) -> set[str]:
-    """The FQNs the tables list (digests checked), plus the model's aliases of them."""
-    core = _backend.core
-    fqns: set[str] = set()
-    for key, table in tables.items():
-        leaf, digest = split_table_key(key[len(PACKED_PREFIX) :])
-        if table_digest(table) != digest:
-            raise CheckpointFormatError(f"leaf {leaf!r}: group table {key!r} does not match its digest")
-        _settings, _blobs, groups = core.decode_table(leaf, table, parts_to_tensor)
-        for _idx, group_fqns in groups:
-            fqns.update(group_fqns)
-    if len(fmap.canonical) > len(fmap.param_of):
-        saved = {fmap.resolve(f) for f in fqns}
-        fqns.update(alias for alias, canon in fmap.canonical.items() if canon in saved)
-    return fqns
-
-
 def _like_param(name: str, value: torch.Tensor, param: torch.Tensor | None) -> torch.Tensor:
     """State of a DTensor parameter as a DTensor with its mesh and placements (local slicing, no
     collective), when shaped like it and not ``step``; else ``value`` unchanged."""
-    if not isinstance(param, DTensor) or name.rpartition(".")[2] == STEP_KEY or tuple(value.shape) != tuple(param.shape):
+    if not isinstance(param, DTensor) or last_part(name) == STEP_KEY or tuple(value.shape) != tuple(param.shape):
         return value
     dt = distribute_tensor(value, param.device_mesh, param.placements, src_data_rank=None)
     local = dt.to_local()
@@ -498,7 +479,7 @@ def load_export(model: nn.Module, optimizer: Any, out_dir: str | os.PathLike[str
     fmap = build_fqn_map(model)
     manifest, tensors, tables, state_names = _open(out_dir)
     try:
-        known = _table_fqns(tables, fmap)
+        known = table_fqns(decode_group_tables({k[len(PACKED_PREFIX) :]: t for k, t in tables.items()}), fmap)
         sd: dict[str, Any] = dict(tables)
 
         def owner(name: str) -> tuple[bool, torch.Tensor | None]:

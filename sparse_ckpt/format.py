@@ -34,6 +34,11 @@ another parameter's FQN is escaped too. The decoder resolves a state key against
 checkpoint's own FQNs (the longest one that prefixes the key), then unescapes the remaining
 parts. The flat format cannot escape (DSD would misread it), so it refuses such keys at save
 time.
+
+**FQNs** (:mod:`sparse_ckpt.fqn`): a parameter's canonical FQN is its
+``named_parameters(remove_duplicate=False)`` name without the wrapper parts torch DSD drops:
+every part in :data:`STRIPPED_PARTS`, and :data:`WRAPPER_CHILD` directly under a wrapper
+instance (DDP). Adding a wrapper prefix means adding it here (and a test).
 """
 
 from __future__ import annotations
@@ -52,12 +57,21 @@ SCALARS_PREFIX = f"{STATE_PREFIX}{PACKED_MARKER}."
 STEP_KEY = "step"
 """The state key torch treats specially: not cast to the param's dtype (unless fused/capturable),
 not shape-checked, and allocated as a plain tensor by the load planner."""
+OPTIMIZER_PREFIXES = (STATE_PREFIX, GROUPS_PREFIX)
+"""The first part of every key of an optimizer dict."""
+RESERVED_FQN_PREFIX = f"{PACKED_MARKER}."
+"""No parameter with state may have an FQN starting with this: its keys would read as a table."""
 PLANNER_GUARD_KEY = "__sparse_ckpt__.load_with.SparseLoadPlanner"
 """Key of the planner guard (see :mod:`sparse_ckpt.dcp`); never part of a decoded checkpoint."""
 
+STRIPPED_PARTS = frozenset({"_orig_mod", "_checkpoint_wrapped_module"})
+"""FQN parts left out wherever they are: ``torch.compile``'s and activation checkpointing's wrappers."""
+WRAPPER_CHILD = "module"
+"""The FQN part left out directly under a wrapper instance (DDP's ``module.``), and only there."""
+
 ESCAPE = "~"
-_ESC_STR = "~s"
-_ESC_INT = "~i"
+ESCAPE_STR = "~s"
+ESCAPE_INT = "~i"
 
 
 def table_digest(table: bytes) -> str:
@@ -84,6 +98,20 @@ def split_table_key(rest: str, prefix: str = PACKED_PREFIX) -> tuple[str, str]:
     return leaf, digest
 
 
+def check_table(prefix: str, rest: str, table: object) -> str:
+    """The leaf of table ``{prefix}{rest}`` (``prefix``: :data:`PACKED_PREFIX` or
+    :data:`SCALARS_PREFIX`) after checking that it is ``bytes`` matching the key's digest."""
+    kind = table_kind(prefix)
+    if not isinstance(table, bytes):
+        raise CheckpointFormatError(f"{kind} '{prefix}{rest}' is a {type(table).__name__}, expected bytes")
+    leaf, digest = split_table_key(rest, prefix)
+    if table_digest(table) != digest:
+        raise CheckpointFormatError(
+            f"leaf {leaf!r}: {kind} '{prefix}{rest}' does not match its digest (corrupt or edited checkpoint)"
+        )
+    return leaf
+
+
 def table_kind(prefix: str) -> str:
     """``"packed group table"`` or ``"scalar table"``, for messages."""
     return "scalar table" if prefix == SCALARS_PREFIX else "packed group table"
@@ -92,6 +120,40 @@ def table_kind(prefix: str) -> str:
 def is_table_key(key: str) -> bool:
     """A (flattened) DCP key of a group or scalar table: its value must be plain ``bytes``."""
     return PACKED_PREFIX in key or SCALARS_PREFIX in key
+
+
+def is_state_item(key: str) -> bool:
+    """A key of one per-item state value (``state.{fqn}.{...}``; not a scalar table)."""
+    return key.startswith(STATE_PREFIX) and not key.startswith(SCALARS_PREFIX)
+
+
+def state_key(fqn: str, part: object) -> str:
+    """``state.{fqn}.{part}``: the per-item key of one (already escaped, if needed) state part."""
+    return f"{STATE_PREFIX}{fqn}.{part}"
+
+
+def split_group_key(key: str) -> tuple[str, str] | None:
+    """A flat ``param_groups.{fqn}.{setting}`` key -> ``(fqn, setting)``; ``None`` for a table key
+    or a key of another kind. (``fqn`` is ``""`` for a root parameter's key without a dot.)"""
+    if not key.startswith(GROUPS_PREFIX) or key.startswith(PACKED_PREFIX):
+        return None
+    fqn, _dot, setting = key[len(GROUPS_PREFIX) :].rpartition(".")
+    return fqn, setting
+
+
+def last_part(key: str) -> str:
+    """The last dotted part of a key (a per-item state key's own state key, unless nested)."""
+    return key.rpartition(".")[2]
+
+
+def has_escaped_part(key: str) -> bool:
+    """A key with an escaped part (see *State key parts*): the flat layout cannot hold it."""
+    return f".{ESCAPE}" in key
+
+
+def is_reserved_fqn(fqn: object) -> bool:
+    """An FQN the packed format cannot hold state of (see :data:`RESERVED_FQN_PREFIX`)."""
+    return type(fqn) is str and fqn.startswith(RESERVED_FQN_PREFIX)
 
 
 def is_plain_part(part: object) -> bool:
@@ -107,17 +169,17 @@ def is_flat_part(part: object) -> bool:
 def escape_part(part: object) -> str | None:
     """The escaped form of a state key part (``None`` for a type that cannot be escaped)."""
     if isinstance(part, str):
-        return _ESC_STR + part.replace("%", "%25").replace(".", "%2E")
+        return ESCAPE_STR + part.replace("%", "%25").replace(".", "%2E")
     if type(part) is int:
-        return f"{_ESC_INT}{part}"
+        return f"{ESCAPE_INT}{part}"
     return None
 
 
 def unescape_part(part: str, key: str) -> str | int:
     """Inverse of :func:`escape_part` for a part (of state key ``key``) that starts with ``~``."""
-    if part.startswith(_ESC_STR):
+    if part.startswith(ESCAPE_STR):
         return part[2:].replace("%2E", ".").replace("%25", "%")
-    if part.startswith(_ESC_INT):
+    if part.startswith(ESCAPE_INT):
         text = part[2:]
         digits = text.removeprefix("-")
         if digits and digits.isascii() and digits.isdigit():
@@ -125,13 +187,16 @@ def unescape_part(part: str, key: str) -> str | int:
     raise CheckpointFormatError(f"state key {key!r} has an invalid escaped part {part!r}")
 
 
-def owner_fqn(body: str, known: object) -> str | None:
-    """The longest proper dotted prefix of ``body`` that is in ``known`` (a dict or set), else None."""
+def owner_fqn(body: str, *known: object) -> str | None:
+    """The longest proper dotted prefix of ``body`` (a state key without ``state.``) that is in one
+    of the ``known`` containers (dicts or sets of FQNs), else None: the parameter the key belongs to.
+    O(depth) hash lookups, no scan."""
     dot = body.rfind(".")
     while dot > 0:
         candidate = body[:dot]
-        if candidate in known:  # type: ignore[operator]
-            return candidate
+        for container in known:
+            if candidate in container:  # type: ignore[operator]
+                return candidate
         dot = body.rfind(".", 0, dot)
     return None
 

@@ -22,8 +22,7 @@ from torch import nn
 
 from . import _backend
 from ._torch_compat import map_parameters
-
-_ALWAYS_STRIPPED = frozenset({"_orig_mod", "_checkpoint_wrapped_module"})
+from .format import STRIPPED_PARTS, WRAPPER_CHILD
 
 
 @dataclass
@@ -57,9 +56,9 @@ def canonical_name(name: str, ddp_prefixes: set[str]) -> str:
     for part in parts:
         prefix = ".".join(raw_prefix)
         raw_prefix.append(part)
-        if part in _ALWAYS_STRIPPED:
+        if part in STRIPPED_PARTS:
             continue
-        if part == "module" and prefix in ddp_prefixes:
+        if part == WRAPPER_CHILD and prefix in ddp_prefixes:
             continue
         kept.append(part)
     return ".".join(kept)
@@ -73,13 +72,13 @@ def build_fqn_map(model: nn.Module) -> FqnMap:
     """The :class:`FqnMap` of ``model``: built by one walk, or the kept map of an earlier call when a
     walk that compares identities finds the model's modules, names and parameters unchanged."""
     cached = _memo_of(model)
-    mapped = map_parameters(model, _ALWAYS_STRIPPED, _ddp_type(), cached)
+    mapped = map_parameters(model, STRIPPED_PARTS, _ddp_type(), cached)
     if mapped is None:  # named_parameters/named_modules overridden: the public API
         _keep(model, None)
         ddp = _ddp_prefixes(model)
         named = (
-            # canonical_name only strips _ALWAYS_STRIPPED parts (and DDP `module.`): skip it for other names
-            (raw, canonical_name(raw, ddp) if ddp or any(s in raw for s in _ALWAYS_STRIPPED) else raw, param)
+            # canonical_name only strips STRIPPED_PARTS (and DDP's WRAPPER_CHILD): skip it for other names
+            (raw, canonical_name(raw, ddp) if ddp or any(s in raw for s in STRIPPED_PARTS) else raw, param)
             for raw, param in model.named_parameters(remove_duplicate=False)
         )
         return FqnMap(*_backend.core.fqn_tables(named))

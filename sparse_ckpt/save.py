@@ -12,7 +12,7 @@ from ._gc import gc_paused
 from ._tensor_parts import CODEC_DTYPES, tensor_to_parts
 from .capture import capture_by_fqn
 from .errors import CheckpointFormatError, CheckpointMismatchError
-from .format import PACKED_MARKER, packed_table_key, scalar_table_key, table_digest
+from .format import RESERVED_FQN_PREFIX, is_reserved_fqn, packed_table_key, scalar_table_key, table_digest
 from .fqn import FqnMap, build_fqn_map
 from .leaves import named_leaves
 
@@ -23,8 +23,6 @@ _SCALAR_TABLES = True
 """Packed format version 2: each leaf's leading scalar state goes into one scalar table (see
 :mod:`sparse_ckpt.format`). ``False`` writes packed version 1, every state value as its own item
 -- private, for tests of the version-1 reader only."""
-
-_RESERVED_FQN = f"{PACKED_MARKER}."
 
 _SCALAR_DTYPES: dict[torch.dtype, tuple[str, torch.dtype | None]] = {
     dt: (name, torch.int16 if dt == torch.bfloat16 else None) for name, dt in CODEC_DTYPES.items()
@@ -118,9 +116,9 @@ def _scalar_parts(t: torch.Tensor) -> tuple[str, tuple[int, ...], str, bytes] | 
 def _refuse_reserved(leaf: str, state_fqn: dict[str, Any]) -> None:
     """State of an FQN starting with ``__packed__.`` would read back as a table: refuse it."""
     for fqn in state_fqn:
-        if type(fqn) is str and fqn.startswith(_RESERVED_FQN):
+        if is_reserved_fqn(fqn):
             raise CheckpointFormatError(
-                f"leaf {leaf!r}: parameter {fqn!r} has state, and FQNs starting with {_RESERVED_FQN!r} are "
+                f"leaf {leaf!r}: parameter {fqn!r} has state, and FQNs starting with {RESERVED_FQN_PREFIX!r} are "
                 "reserved for the checkpoint's tables; rename the module"
             )
 

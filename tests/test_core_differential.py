@@ -34,6 +34,7 @@ from table_bytes import s as sstr
 from sparse_ckpt import _core_py as P
 from sparse_ckpt._tensor_parts import parts_to_tensor, tensor_to_parts
 from sparse_ckpt.errors import CheckpointFormatError
+from sparse_ckpt.format import STRIPPED_PARTS
 from sparse_ckpt.save import _CPU_DTYPES as CPU_DTYPES
 
 try:
@@ -1138,7 +1139,7 @@ def test_assign_state_ids_edge_cases() -> None:
 # --------------------------------------------------------------------------- parameter names
 
 _BASES = (torch.nn.Module.named_modules, torch.nn.Module.named_parameters)
-_STRIPPED = frozenset({"_orig_mod", "_checkpoint_wrapped_module"})
+_STRIPPED = STRIPPED_PARTS
 
 
 class _Wrapper(torch.nn.Module):

@@ -71,11 +71,30 @@ def _cpp():
         pytest.skip("C++ extension not built")
 
 
+GRAMMAR_CONSTANTS = (
+    "PACKED_MARKER",
+    "STATE_PREFIX",
+    "GROUPS_PREFIX",
+    "PACKED_PREFIX",
+    "SCALARS_PREFIX",
+    "ESCAPE",
+    "ESCAPE_STR",
+    "ESCAPE_INT",
+    "STEP_KEY",
+    "WRAPPER_CHILD",
+)
+"""The key grammar's constants the C++ core has its own copy of (csrc/common.hpp)."""
+
+
 def test_cpp_constants_match_the_format_module() -> None:
     c = _cpp()
-    assert c.PACKED_MARKER == format.PACKED_MARKER == _core_py.PACKED_MARKER
+    for name in GRAMMAR_CONSTANTS:
+        assert getattr(c, name) == getattr(format, name) == getattr(_core_py, name), name
+        assert type(getattr(c, name)) is str, name
     assert c.MAGIC == _core_py.MAGIC and c.VERSION == _core_py.VERSION and c.MAX_DEPTH == _core_py.MAX_DEPTH
-    assert format.PACKED_PREFIX == f"param_groups.{c.PACKED_MARKER}."
+    assert format.PACKED_PREFIX == f"{format.GROUPS_PREFIX}{format.PACKED_MARKER}."
+    assert format.SCALARS_PREFIX == f"{format.STATE_PREFIX}{format.PACKED_MARKER}."
+    assert format.ESCAPE_STR.startswith(format.ESCAPE) and format.ESCAPE_INT.startswith(format.ESCAPE)
 
 
 def _stub_functions() -> dict[str, list[str]]:
