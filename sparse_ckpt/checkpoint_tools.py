@@ -12,6 +12,16 @@ schemas):
   state or moved, state shape/dtype changes;
 * :func:`convert_checkpoint` -- rewrite the optimizer part between packed and flat format.
 
+Also public, as the building blocks of those functions and of :mod:`sparse_ckpt.export`:
+:func:`open_checkpoint` (the metadata, or a one-line error), :func:`select_optimizers`,
+:func:`read_entries` and :func:`batches` (read items a bounded number of bytes at a time),
+:func:`split_optimizer` (one optimizer's entries -> packed :class:`Group` lists per leaf, flat
+groups, state by FQN), :func:`named_groups`, :func:`expand_scalar_tables`,
+:func:`pack_flat_groups`, :func:`convert_optimizer`, :func:`inspect_details`,
+:func:`storage_problems`, :func:`expert_summary`, :func:`check_new_dir`, :func:`dtype_name`,
+:func:`jsonable`, :data:`BATCH_BYTES` and :data:`FLAT_LEAF_IN_MIXED`; :class:`UsageError` is a
+bad argument or destination.
+
 Settings and tables (group and scalar tables) are read; per-item state is seen through its DCP
 metadata only. The scalars of scalar tables (packed version 2) lead each parameter's state as on
 load, so every report is the same for a version-1 and a version-2 checkpoint of one optimizer
@@ -53,7 +63,7 @@ from .checkpoint_io import (
     read_metadata,
     set_path,
 )
-from .dcp import SparseLoadPlanner, _weights_only_item
+from .dcp import SparseLoadPlanner, weights_only_item
 from .decode import decode_group_tables, decode_scalar_tables, merge_scalars
 from .errors import CheckpointFormatError, CheckpointMismatchError, SparseCheckpointError
 from .format import (
@@ -72,16 +82,24 @@ from .format import (
 from .leaves import SINGLE_LEAF
 
 __all__ = [
+    "BATCH_BYTES",
     "FLAT_LEAF_IN_MIXED",
     "Group",
     "UsageError",
+    "batches",
+    "check_new_dir",
     "convert_checkpoint",
     "convert_optimizer",
     "diff_checkpoints",
+    "dtype_name",
+    "expand_scalar_tables",
     "expert_summary",
     "inspect_checkpoint",
     "inspect_details",
+    "jsonable",
+    "named_groups",
     "open_checkpoint",
+    "pack_flat_groups",
     "read_entries",
     "select_optimizers",
     "split_optimizer",
@@ -181,7 +199,7 @@ class _ItemPlanner(SparseLoadPlanner):
         elif key in self.unpickle_keys:
             DefaultLoadPlanner.load_bytes(self, read_item, value)
         else:
-            DefaultLoadPlanner.load_bytes(self, read_item, _weights_only_item(key, value, table=is_table_key(key)))
+            DefaultLoadPlanner.load_bytes(self, read_item, weights_only_item(key, value, table=is_table_key(key)))
 
 
 def item_bytes(md: Any) -> int:
@@ -473,7 +491,8 @@ def storage_problems(
 # --------------------------------------------------------------------------- inspect
 
 
-def _dtype_name(dtype: torch.dtype) -> str:
+def dtype_name(dtype: torch.dtype) -> str:
+    """``torch.float32`` -> ``"float32"`` (how reports name dtypes)."""
     return str(dtype).removeprefix("torch.")
 
 
@@ -498,7 +517,7 @@ def jsonable(value: Any) -> Any:
         return [jsonable(v) for v in value]
     if isinstance(value, torch.Tensor):
         return {
-            "tensor": _dtype_name(value.dtype),
+            "tensor": dtype_name(value.dtype),
             "shape": list(value.shape),
             "values": jsonable(value.detach().cpu().reshape(-1).tolist()),
         }
@@ -762,9 +781,9 @@ def _state_sig(md: Any) -> tuple[str, tuple[int, ...] | None]:
     """``(dtype name, shape)`` of a state value: a per-item entry's DCP metadata, or a value of a
     scalar table (a tensor, or a Python scalar: ``"object"`` like a per-item non-tensor)."""
     if isinstance(md, TensorStorageMetadata):
-        return _dtype_name(md.properties.dtype), tuple(md.size)
+        return dtype_name(md.properties.dtype), tuple(md.size)
     if isinstance(md, torch.Tensor):
-        return _dtype_name(md.dtype), tuple(md.shape)
+        return dtype_name(md.dtype), tuple(md.shape)
     return "object", None
 
 

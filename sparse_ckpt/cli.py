@@ -47,9 +47,8 @@ from .checkpoint_io import NotACheckpointError
 from .checkpoint_tools import (
     UsageError,
     convert_checkpoint,
-    convert_optimizer,
     diff_checkpoints,
-    inspect_checkpoint,
+    dtype_name,
     inspect_details,
     jsonable,
     verify_checkpoint,
@@ -57,21 +56,17 @@ from .checkpoint_tools import (
 from .errors import SparseCheckpointError
 from .leaves import SINGLE_LEAF
 
-__all__ = ["UsageError", "convert_checkpoint", "convert_optimizer", "inspect_checkpoint", "main"]
+__all__ = ["main"]
 
 EXIT_OK, EXIT_ERROR, EXIT_USAGE, EXIT_DIFFERENT = 0, 1, 2, 3
 _LIST_LIMIT = 10
 
 
-def _dtype_name(dtype: torch.dtype) -> str:
-    return str(dtype).removeprefix("torch.")
-
-
 def _fmt_value(value: Any) -> str:
     if isinstance(value, torch.Tensor):
         if value.numel() == 1:
-            return f"tensor({value.item()!r}, {_dtype_name(value.dtype)})"
-        return f"tensor(shape={tuple(value.shape)}, {_dtype_name(value.dtype)})"
+            return f"tensor({value.item()!r}, {dtype_name(value.dtype)})"
+        return f"tensor(shape={tuple(value.shape)}, {dtype_name(value.dtype)})"
     return repr(value)
 
 
@@ -239,11 +234,6 @@ def format_diff(report: dict[str, Any]) -> str:
     return "\n".join(lines)
 
 
-def _diff_json(report: Mapping[str, Any]) -> Any:
-    """The diff report with settings values made JSON-friendly."""
-    return jsonable(report)
-
-
 # --------------------------------------------------------------------------- entry point
 
 
@@ -303,7 +293,7 @@ def _run(args: argparse.Namespace, out: Callable[[str], None], err: Callable[[st
         return EXIT_OK if report["ok"] else EXIT_ERROR
     if args.command == "diff":
         report = diff_checkpoints(args.a, args.b, args.key)
-        out(json.dumps(_diff_json(report), indent=2) if args.json else format_diff(report))
+        out(json.dumps(jsonable(report), indent=2) if args.json else format_diff(report))
         return EXIT_DIFFERENT if args.exit_code and report["differences"] else EXIT_OK
     if args.command == "convert":
         keys = convert_checkpoint(

@@ -185,7 +185,7 @@ class SparseOptimizerState:
                 data.update(dict.fromkeys(state_dict.unresolved))
             if state_dict.owner is self:
                 fmap = state_dict.fmap
-        load_owned(self.model, self.optimizer, data, strict=self.strict, allow_unowned=_multi_rank(), fmap=fmap)
+        load_owned(self.model, self.optimizer, data, strict=self.strict, allow_unowned=multi_rank(), fmap=fmap)
 
     def __reduce_ex__(self, protocol: Any) -> Any:
         raise TypeError(
@@ -201,7 +201,7 @@ class SparseOptimizerState:
         return f"SparseOptimizerState(format={self.format!r}, strict={self.strict}, optimizer={self.optimizer!r})"
 
 
-def _multi_rank() -> bool:
+def multi_rank() -> bool:
     return dist.is_available() and dist.is_initialized() and dist.get_world_size() > 1
 
 
@@ -258,11 +258,11 @@ class SparseLoadPlanner(DefaultLoadPlanner):
         key = read_item.dest_index.fqn
         table = is_table_key(key)
         if self._all_weights_only or table or key in getattr(self, "_optimizer_keys", ()):
-            value = _weights_only_item(key, value, table=table)
+            value = weights_only_item(key, value, table=table)
         super().load_bytes(read_item, value)
 
 
-def _weights_only_item(key: str, value: io.BytesIO, table: bool) -> io.BytesIO:
+def weights_only_item(key: str, value: io.BytesIO, table: bool) -> io.BytesIO:
     """Unpickle a DCP bytes item with ``weights_only=True``; return a fresh stream of it for DCP."""
     what = table_kind(SCALARS_PREFIX if SCALARS_PREFIX in key else PACKED_PREFIX) if table else "optimizer item"
     try:

@@ -53,7 +53,7 @@ from .checkpoint_tools import (
     select_optimizers,
     split_optimizer,
 )
-from .dcp import _multi_rank
+from .dcp import multi_rank
 from .decode import decode_group_tables, table_fqns
 from .errors import CheckpointFormatError
 from .format import PACKED_PREFIX, SCALARS_PREFIX, STATE_PREFIX, STEP_KEY, is_state_item, last_part, owner_fqn
@@ -475,7 +475,7 @@ def load_export(model: nn.Module, optimizer: Any, out_dir: str | os.PathLike[str
     local model's parameters is read and saved FQNs the model does not own belong to other ranks;
     state of a DTensor parameter becomes a DTensor placed like it. Reads no pickle.
     """
-    multi = _multi_rank()
+    multi = multi_rank()
     fmap = build_fqn_map(model)
     manifest, tensors, tables, state_names = _open(out_dir)
     try:

@@ -199,13 +199,13 @@ def test_inspect_params_and_expert_counts(
     plain = capsys.readouterr().out
     assert "experts with state: 2/3" in plain and "parameters without state" not in plain
 
-    report = cli.inspect_checkpoint(str(path), params=True)
+    report = sc.inspect_checkpoint(str(path), params=True)
     leaves = {leaf["name"]: leaf for leaf in report["optimizers"][0]["leaves"]}
     [layer] = leaves["experts"]["experts"]
     assert layer == {"layer": "experts", "experts": 3, "with_state": 2, "partial": 0, "without_state": 1,
                      "without_state_ids": [2], "partial_ids": []}
     assert leaves["idle"]["params_without_state"] == ["experts.3.up.weight", "experts.3.up.bias", "experts.3.down.weight"]
-    assert "params_without_state" not in cli.inspect_checkpoint(str(path))["optimizers"][0]["leaves"][0]
+    assert "params_without_state" not in sc.inspect_checkpoint(str(path))["optimizers"][0]["leaves"][0]
 
 
 def test_expert_summary_layers_and_partial_experts() -> None:

@@ -22,7 +22,7 @@ import torch.distributed.checkpoint as dcp
 
 import sparse_ckpt as sc
 from bench import resume
-from sparse_ckpt.cli import inspect_checkpoint
+from sparse_ckpt import inspect_checkpoint
 
 pytestmark = pytest.mark.filterwarnings("ignore::UserWarning", "ignore::FutureWarning")
 
