@@ -51,28 +51,12 @@ py::tuple pack_optimizer(py::object leaf, py::object param_groups, py::object st
             ids_seen.push_back(entry.first);
             ++offset;
         });
-        py::object ids;
-        PyObject* pl = params.ptr();
-        if ((PyList_CheckExact(pl) || PyTuple_CheckExact(pl)) &&
-            Py_SIZE(pl) == static_cast<Py_ssize_t>(ids_seen.size())) {
-            // No Python code ran since the first pass, so the sequence holds the same objects.
-            const Py_ssize_t n = Py_SIZE(pl);
-            ids = steal(PyList_New(n));
-            for (Py_ssize_t i = 0; i < n; ++i) {
-                py::object id = steal(PyLong_FromSsize_t(ids_seen[static_cast<size_t>(i)]));
-                PyList_SET_ITEM(ids.ptr(), i, id.release().ptr());
-            }
-        } else {
-            ids = steal(PyList_New(0));
-            iterate(params, [&](py::handle p) {
-                const Py_ssize_t* found = mapping.find(p.ptr());
-                if (found == nullptr) {
-                    py::object key = steal(PyLong_FromVoidPtr(p.ptr()));
-                    raise_builtin(PyExc_KeyError, key);
-                }
-                py::object id = steal(PyLong_FromSsize_t(*found));
-                check(PyList_Append(ids.ptr(), id.ptr()));
-            });
+        // ``iterate`` read a list or tuple and ran no Python code: one id per position.
+        const auto n = static_cast<Py_ssize_t>(ids_seen.size());
+        py::object ids = steal(PyList_New(n));
+        for (Py_ssize_t i = 0; i < n; ++i) {
+            py::object id = steal(PyLong_FromSsize_t(ids_seen[static_cast<size_t>(i)]));
+            PyList_SET_ITEM(ids.ptr(), i, id.release().ptr());
         }
         check(PyObject_SetItem(packed.ptr(), params_key.ptr(), ids.ptr()));
         check(PyList_Append(packed_groups.ptr(), packed.ptr()));
@@ -99,9 +83,8 @@ py::tuple pack_optimizer(py::object leaf, py::object param_groups, py::object st
 
 py::tuple remap_to_fqns(py::object leaf, py::object packed_groups, py::object packed_state, py::object id_to_param,
                         py::object fqn_of) {
-    const Py_ssize_t n_ids = length(id_to_param);
-    const bool ids_is_list = PyList_CheckExact(id_to_param.ptr());
-    const bool fqn_fast = plain_dict(fqn_of, "get");
+    if (!PyList_Check(id_to_param.ptr())) raise_type("a list", id_to_param);
+    if (!PyDict_Check(fqn_of.ptr())) raise_type("a dict", fqn_of);
     py::object params_key = steal(PyUnicode_InternFromString("params"));
 
     // fqn_for(pid, where): ``where`` is "group {gi}" (gi >= 0) or "state" (gi < 0), built lazily.
@@ -116,18 +99,11 @@ py::tuple remap_to_fqns(py::object leaf, py::object packed_groups, py::object pa
             int overflow = 0;
             v = PyLong_AsLongLongAndOverflow(p, &overflow);
             if (v == -1 && PyErr_Occurred()) throw py::error_already_set();
-            valid = overflow == 0 && v >= 0 && v < n_ids;
+            valid = overflow == 0 && v >= 0 && v < PyList_GET_SIZE(id_to_param.ptr());
         }
         py::object param;
         if (valid) {
-            if (ids_is_list) {
-                if (v >= PyList_GET_SIZE(id_to_param.ptr())) {
-                    raise_builtin(PyExc_IndexError, Msg() << "list index out of range");
-                }
-                param = borrow(PyList_GET_ITEM(id_to_param.ptr(), static_cast<Py_ssize_t>(v)));
-            } else {
-                param = steal(PyObject_GetItem(id_to_param.ptr(), p));
-            }
+            param = borrow(PyList_GET_ITEM(id_to_param.ptr(), static_cast<Py_ssize_t>(v)));
             valid = !param.is_none();
         }
         if (!valid) {
@@ -135,7 +111,7 @@ py::tuple remap_to_fqns(py::object leaf, py::object packed_groups, py::object pa
                                      << py_repr(pid) << ", which the optimizer never assigned");
         }
         py::object key = steal(PyLong_FromVoidPtr(param.ptr()));
-        py::object fqn = mapping_get(fqn_of, key, fqn_fast);
+        py::object fqn = dict_get(fqn_of, key);
         if (fqn.is_none()) {
             raise_mismatch_error(Msg() << "leaf " << py_repr(leaf) << ": " << where_of(gi)
                                        << ": optimizer parameter of shape " << shape_of(param)
@@ -147,7 +123,8 @@ py::tuple remap_to_fqns(py::object leaf, py::object packed_groups, py::object pa
     py::object groups_fqn = steal(PyList_New(0));
     Py_ssize_t gi = 0;
     iterate(packed_groups, [&](py::handle group) {
-        const int has = PySequence_Contains(group.ptr(), params_key.ptr());
+        if (!PyDict_Check(group.ptr())) raise_type("a dict", group);
+        const int has = PyDict_Contains(group.ptr(), params_key.ptr());
         check(has);
         if (!has) {
             raise_format_error(Msg() << "leaf " << py_repr(leaf) << ": group " << static_cast<long long>(gi)
@@ -155,19 +132,8 @@ py::tuple remap_to_fqns(py::object leaf, py::object packed_groups, py::object pa
         }
         py::object settings = copy_without_params(group, params_key);
         py::object params = steal(PyObject_GetItem(group.ptr(), params_key.ptr()));
-        py::object fqns;
-        PyObject* pl = params.ptr();
-        if (PyTuple_CheckExact(pl)) {
-            const Py_ssize_t n = PyTuple_GET_SIZE(pl);
-            fqns = steal(PyList_New(n));
-            for (Py_ssize_t i = 0; i < n; ++i) {
-                PyList_SET_ITEM(fqns.ptr(), i, fqn_for(PyTuple_GET_ITEM(pl, i), gi).release().ptr());
-            }
-        } else {
-            // A list is read live: ``fqn_of.get`` may run Python code.
-            fqns = steal(PyList_New(0));
-            iterate(params, [&](py::handle pid) { check(PyList_Append(fqns.ptr(), fqn_for(pid, gi).ptr())); });
-        }
+        py::object fqns = steal(PyList_New(0));
+        iterate(params, [&](py::handle pid) { check(PyList_Append(fqns.ptr(), fqn_for(pid, gi).ptr())); });
         check(PyList_Append(groups_fqn.ptr(), py::make_tuple(settings, fqns).ptr()));
         ++gi;
     });

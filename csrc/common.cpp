@@ -4,78 +4,27 @@
 
 namespace sckpt {
 
-void unpack(py::handle v, int n, py::object* out) {
-    PyObject* o = v.ptr();
-    if (PyTuple_CheckExact(o) || PyList_CheckExact(o)) {
-        const Py_ssize_t size = Py_SIZE(o);
-        if (size == n) {
-            PyObject** items = PySequence_Fast_ITEMS(o);
-            for (int i = 0; i < n; ++i) out[i] = borrow(items[i]);
-            return;
-        }
-        if (size < n) {
-            raise_builtin(PyExc_ValueError, Msg() << "not enough values to unpack (expected " << n << ", got "
-                                                  << static_cast<long long>(size) << ")");
-        }
-#if PY_VERSION_HEX >= 0x030E0000
-        raise_builtin(PyExc_ValueError, Msg() << "too many values to unpack (expected " << n << ", got "
-                                              << static_cast<long long>(size) << ")");
-#else
-        raise_builtin(PyExc_ValueError, Msg() << "too many values to unpack (expected " << n << ")");
-#endif
-    }
-    PyObject* raw_it = PyObject_GetIter(o);
-    if (raw_it == nullptr) {
-        if (PyErr_ExceptionMatches(PyExc_TypeError) && Py_TYPE(o)->tp_iter == nullptr && !PySequence_Check(o)) {
-            PyErr_Clear();
-            PyErr_Format(PyExc_TypeError, "cannot unpack non-iterable %.200s object", Py_TYPE(o)->tp_name);
-        }
-        throw py::error_already_set();
-    }
-    py::object it = py::reinterpret_steal<py::object>(raw_it);
-    for (int i = 0; i < n; ++i) {
-        PyObject* item = PyIter_Next(it.ptr());
-        if (item == nullptr) {
-            if (PyErr_Occurred()) throw py::error_already_set();
-            raise_builtin(PyExc_ValueError, Msg() << "not enough values to unpack (expected " << n << ", got " << i << ")");
-        }
-        out[i] = py::reinterpret_steal<py::object>(item);
-    }
-    PyObject* extra = PyIter_Next(it.ptr());
-    if (extra == nullptr) {
-        if (PyErr_Occurred()) throw py::error_already_set();
-        return;
-    }
-    Py_DECREF(extra);
-#if PY_VERSION_HEX >= 0x030E0000
-    if (PyDict_CheckExact(o) && PyDict_GET_SIZE(o) > n) {
-        raise_builtin(PyExc_ValueError, Msg() << "too many values to unpack (expected " << n << ", got "
-                                              << static_cast<long long>(PyDict_GET_SIZE(o)) << ")");
-    }
-#endif
-    raise_builtin(PyExc_ValueError, Msg() << "too many values to unpack (expected " << n << ")");
+void raise_type(const char* what, py::handle obj) {
+    raise_builtin(PyExc_TypeError, Msg() << "expected " << what << ", got " << type_name(obj));
 }
 
-bool plain_dict(py::handle m, const char* method) {
-    PyObject* d = m.ptr();
-    if (PyDict_CheckExact(d)) return true;
-    if (!PyDict_Check(d)) return false;
-    PyTypeObject* type = Py_TYPE(d);
-    if (type->tp_dictoffset != 0) return false;  // instance attributes could shadow the method
-#ifdef Py_TPFLAGS_MANAGED_DICT
-    if (PyType_HasFeature(type, Py_TPFLAGS_MANAGED_DICT)) return false;
-#endif
-    PyObject* mine = PyObject_GetAttrString(reinterpret_cast<PyObject*>(type), method);
-    if (mine == nullptr) {
-        PyErr_Clear();
-        return false;
+void unpack(py::handle v, int n, py::object* out) {
+    PyObject* o = v.ptr();
+    if (!PyTuple_Check(o)) raise_type("a tuple", v);
+    const Py_ssize_t size = PyTuple_GET_SIZE(o);
+    if (size != n) {
+        raise_builtin(PyExc_ValueError, Msg() << "expected a tuple of " << n << " items, got "
+                                              << static_cast<long long>(size));
     }
-    PyObject* base = PyObject_GetAttrString(reinterpret_cast<PyObject*>(&PyDict_Type), method);
-    const bool same = mine == base;
-    Py_DECREF(mine);
-    Py_XDECREF(base);
-    if (base == nullptr) PyErr_Clear();
-    return same;
+    for (int i = 0; i < n; ++i) out[i] = borrow(PyTuple_GET_ITEM(o, i));
+}
+
+void put_len_u32(std::string& out, Py_ssize_t n) {
+    if (n < 0 || static_cast<uint64_t>(n) > 0xFFFFFFFFull) {
+        raise_format_error(Msg() << "length " << static_cast<long long>(n)
+                                 << " does not fit the table format (at most 4294967295)");
+    }
+    put_u32(out, static_cast<uint32_t>(n));
 }
 
 namespace {

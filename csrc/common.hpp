@@ -1,8 +1,5 @@
-// Shared helpers of the sparse_ckpt C++ core: CPython iteration with Python's semantics,
-// tuple unpacking with CPython's messages, str building, and little-endian byte output.
-//
-// Every helper mirrors what the corresponding Python statement in sparse_ckpt/_core_py.py does,
-// including the error a malformed input raises, so the two backends stay interchangeable.
+// Shared helpers of the sparse_ckpt C++ core: reading the contract's lists, tuples and dicts,
+// str building, and little-endian byte output.
 #pragma once
 
 #define PY_SSIZE_T_CLEAN
@@ -111,9 +108,17 @@ private:
 };
 
 // ------------------------------------------------------------------ iteration
+//
+// The core's input contract (see sparse_ckpt/_core_py.py): sequences are lists or tuples,
+// mappings are dicts (a subclass is read as a dict), pairs are tuples. The helpers below read
+// exactly those and raise TypeError/ValueError for anything else; they never fall back to
+// Python's generic protocols.
 
-/// ``for item in obj: f(item)`` with CPython's semantics (a list is read live, index by index).
-/// ``f`` may return ``bool``; ``false`` stops the loop (like ``break``).
+/// ``TypeError(f"expected {what}, got {type(obj).__name__}")``
+[[noreturn]] void raise_type(const char* what, py::handle obj);
+
+/// ``for item in obj: f(item)`` for a list (read live, index by index) or a tuple. ``f`` may
+/// return ``bool``; ``false`` stops the loop (like ``break``).
 template <class F>
 void iterate(py::handle obj, F&& f) {
     PyObject* o = obj.ptr();
@@ -125,80 +130,63 @@ void iterate(py::handle obj, F&& f) {
             return true;
         }
     };
-    if (PyList_CheckExact(o)) {
+    if (PyList_Check(o)) {
         for (Py_ssize_t i = 0; i < PyList_GET_SIZE(o); ++i) {
             py::object item = borrow(PyList_GET_ITEM(o, i));
             if (!call(item)) return;
         }
-    } else if (PyTuple_CheckExact(o)) {
+    } else if (PyTuple_Check(o)) {
         const Py_ssize_t n = PyTuple_GET_SIZE(o);
         for (Py_ssize_t i = 0; i < n; ++i) {
             py::object item = borrow(PyTuple_GET_ITEM(o, i));
             if (!call(item)) return;
         }
     } else {
-        py::object it = steal(PyObject_GetIter(o));
-        while (PyObject* raw = PyIter_Next(it.ptr())) {
-            py::object item = py::reinterpret_steal<py::object>(raw);
-            if (!call(item)) return;
-        }
-        if (PyErr_Occurred()) throw py::error_already_set();
+        raise_type("a list or tuple", obj);
     }
 }
 
-/// ``a, b, ... = v`` into ``out[0..n)``, with CPython's error messages.
+/// ``a, b, ... = v`` for a tuple of exactly ``n`` items into ``out[0..n)``.
 void unpack(py::handle v, int n, py::object* out);
 
-/// True when ``m`` is a dict whose ``method`` is ``dict``'s own (no override, no instance
-/// attribute), so the C API on it does exactly what calling ``m.method(...)`` would.
-bool plain_dict(py::handle m, const char* method);
-
-/// ``for key, value in m.items(): f(key, value)``. Plain dicts are walked with PyDict_Next
-/// and raise Python's RuntimeError when resized meanwhile.
+/// ``for key, value in m.items(): f(key, value)`` for a dict (a subclass is read as a dict);
+/// raises Python's RuntimeError when ``f`` resizes it.
 template <class F>
 void iterate_items(py::handle m, F&& f) {
     PyObject* d = m.ptr();
-    if (plain_dict(m, "items")) {
-        const Py_ssize_t size = PyDict_GET_SIZE(d);
-        Py_ssize_t pos = 0;
-        PyObject* k = nullptr;
-        PyObject* v = nullptr;
-        while (PyDict_Next(d, &pos, &k, &v)) {
-            py::object key = borrow(k);
-            py::object value = borrow(v);
-            f(key, value);
-            if (PyDict_GET_SIZE(d) != size) {
-                raise_builtin(PyExc_RuntimeError, Msg() << "dictionary changed size during iteration");
-            }
+    if (!PyDict_Check(d)) raise_type("a dict", m);
+    const Py_ssize_t size = PyDict_GET_SIZE(d);
+    Py_ssize_t pos = 0;
+    PyObject* k = nullptr;
+    PyObject* v = nullptr;
+    while (PyDict_Next(d, &pos, &k, &v)) {
+        py::object key = borrow(k);
+        py::object value = borrow(v);
+        f(key, value);
+        if (PyDict_GET_SIZE(d) != size) {
+            raise_builtin(PyExc_RuntimeError, steal(PyUnicode_FromString("dictionary changed size during iteration")));
         }
-        return;
     }
-    py::object items = steal(PyObject_CallMethod(d, "items", nullptr));
-    iterate(items, [&](py::handle pair) {
-        py::object kv[2];
-        unpack(pair, 2, kv);
-        f(kv[0], kv[1]);
-    });
 }
 
-/// ``m.get(key)`` (a new reference; ``None`` when absent). ``fast`` = ``plain_dict(m, "get")``.
-inline py::object mapping_get(py::handle m, py::handle key, bool fast) {
-    if (fast) {
-        PyObject* v = PyDict_GetItemWithError(m.ptr(), key.ptr());
-        if (v == nullptr) {
-            if (PyErr_Occurred()) throw py::error_already_set();
-            return py::none();
-        }
-        return borrow(v);
+/// ``m.get(key)`` of a dict (a new reference; ``None`` when absent).
+inline py::object dict_get(py::handle m, py::handle key) {
+    if (!PyDict_Check(m.ptr())) raise_type("a dict", m);
+    PyObject* v = PyDict_GetItemWithError(m.ptr(), key.ptr());
+    if (v == nullptr) {
+        if (PyErr_Occurred()) throw py::error_already_set();
+        return py::none();
     }
-    return steal(PyObject_CallMethod(m.ptr(), "get", "O", key.ptr()));
+    return borrow(v);
 }
 
-/// ``len(obj)``
+/// ``len(obj)`` of a list, tuple or dict (the contract's containers).
 inline Py_ssize_t length(py::handle obj) {
-    Py_ssize_t n = PyObject_Size(obj.ptr());
-    if (n < 0) throw py::error_already_set();
-    return n;
+    PyObject* o = obj.ptr();
+    if (PyList_Check(o)) return PyList_GET_SIZE(o);
+    if (PyTuple_Check(o)) return PyTuple_GET_SIZE(o);
+    if (PyDict_Check(o)) return PyDict_GET_SIZE(o);
+    raise_type("a list, tuple or dict", obj);
 }
 
 /// ``{k: v for k, v in group.items() if k != "params"}``
@@ -304,13 +292,9 @@ inline void put_f64(std::string& out, double v) {
     std::memcpy(&bits, &v, sizeof bits);
     put_le(out, bits, 8);
 }
-/// ``_U32.pack(n)`` of a length, raising ``struct.error`` like Python when it does not fit.
-inline void put_len_u32(std::string& out, Py_ssize_t n) {
-    if (n < 0 || static_cast<uint64_t>(n) > 0xFFFFFFFFull) {
-        raise_struct_error("'I' format requires 0 <= number <= 4294967295");
-    }
-    put_u32(out, static_cast<uint32_t>(n));
-}
+/// ``_core_py._len32(n)``: a length as u32; a length the table format cannot hold is a
+/// CheckpointFormatError.
+void put_len_u32(std::string& out, Py_ssize_t n);
 
 inline uint64_t get_le(const char* p, int nbytes) {
     uint64_t v = 0;

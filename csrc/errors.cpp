@@ -25,12 +25,6 @@ void raise_builtin(PyObject* exc_type, const py::object& msg) {
     throw py::error_already_set();
 }
 
-void raise_struct_error(const char* msg) {
-    py::object cls = py::module_::import("struct").attr("error");
-    PyErr_SetString(cls.ptr(), msg);
-    throw py::error_already_set();
-}
-
 bool matches_sc(const py::error_already_set& err, const char* cls_name) {
     return err.matches(error_class(cls_name));
 }

@@ -19,8 +19,6 @@ namespace sckpt {
 [[noreturn]] void raise_unsupported_error(const py::object& msg);  // UnsupportedStateDictError
 /// Raise a builtin exception type (ValueError, TypeError, RuntimeError, ...).
 [[noreturn]] void raise_builtin(PyObject* exc_type, const py::object& msg);
-/// Raise ``struct.error(msg)`` (what ``struct.pack`` raises for out-of-range values).
-[[noreturn]] void raise_struct_error(const char* msg);
 /// True when the caught error is a ``sparse_ckpt.errors.<cls_name>`` (or a subclass).
 bool matches_sc(const py::error_already_set& err, const char* cls_name);
 

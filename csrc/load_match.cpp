@@ -21,42 +21,40 @@ bool values_equal(py::handle va, py::handle vb) {
     return truth != 0;
 }
 
-/// ``_first_differing_key``
+/// The first key of dict ``a`` that dict ``b`` lacks, with ``compare``: or whose value differs
+/// (a null object when there is none).
+py::object first_key_not_in(PyObject* a, PyObject* b, bool compare) {
+    Py_ssize_t pos = 0;
+    PyObject* k = nullptr;
+    PyObject* va = nullptr;
+    while (PyDict_Next(a, &pos, &k, &va)) {
+        py::object key = borrow(k);
+        PyObject* vb = PyDict_GetItemWithError(b, k);
+        if (vb == nullptr) {
+            if (PyErr_Occurred()) throw py::error_already_set();
+            return key;
+        }
+        if (!compare) continue;
+        py::object held_a = borrow(va);
+        py::object held_b = borrow(vb);
+        if (Py_TYPE(va) != Py_TYPE(vb) || !values_equal(held_a, held_b)) return key;
+    }
+    return py::object();
+}
+
+/// ``_first_differing_key``: of two settings dicts.
 py::object first_differing_key(py::handle a, py::handle b) {
-    py::object result;
-    iterate(a, [&](py::handle key) -> bool {
-        const int in_b = PySequence_Contains(b.ptr(), key.ptr());
-        check(in_b);
-        if (!in_b) {
-            result = borrow(key.ptr());
-            return false;
-        }
-        py::object va = steal(PyObject_GetItem(a.ptr(), key.ptr()));
-        py::object vb = steal(PyObject_GetItem(b.ptr(), key.ptr()));
-        if (Py_TYPE(va.ptr()) != Py_TYPE(vb.ptr()) || !values_equal(va, vb)) {
-            result = borrow(key.ptr());
-            return false;
-        }
-        return true;
-    });
-    if (result) return result;
-    iterate(b, [&](py::handle key) -> bool {
-        const int in_a = PySequence_Contains(a.ptr(), key.ptr());
-        check(in_a);
-        if (!in_a) {
-            result = borrow(key.ptr());
-            return false;
-        }
-        return true;
-    });
-    if (result) return result;
+    if (!PyDict_Check(a.ptr())) raise_type("a dict", a);
+    if (!PyDict_Check(b.ptr())) raise_type("a dict", b);
+    py::object key = first_key_not_in(a.ptr(), b.ptr(), true);
+    if (!key) key = first_key_not_in(b.ptr(), a.ptr(), false);
+    if (key) return key;
     return steal(PyUnicode_FromString("?"));
 }
 
 }  // namespace
 
 py::tuple match_groups(py::object leaf, py::object target_fqns, py::object settings_of) {
-    const bool fast = plain_dict(settings_of, "get");
     py::object chosen = steal(PyList_New(0));
     py::object missing = steal(PyList_New(0));
     Py_ssize_t gi = 0;
@@ -64,7 +62,7 @@ py::tuple match_groups(py::object leaf, py::object target_fqns, py::object setti
         py::object pick;
         py::object pick_fqn;
         iterate(fqns, [&](py::handle fqn) {
-            py::object s = mapping_get(settings_of, fqn, fast);
+            py::object s = dict_get(settings_of, fqn);
             if (s.is_none()) {
                 check(PyList_Append(missing.ptr(), fqn.ptr()));
             } else if (!pick) {

@@ -1,6 +1,5 @@
 // map_parameters / fqn_tables: a model's parameter names (the FQN map) in one iterative walk,
 // and the replay that tells in one identity-comparing pass whether a map made earlier still holds.
-#include <algorithm>
 #include <array>
 
 #include "core.hpp"
@@ -46,6 +45,26 @@ bool is_module_key(PyObject* k) { return PyUnicode_CheckExact(k) && PyUnicode_Co
 
 /// ``id(obj)``, ``0`` for ``None`` (the trace's word for a slot holding ``None``).
 uint64_t id_word(PyObject* obj) { return obj == Py_None ? 0 : static_cast<uint64_t>(reinterpret_cast<uintptr_t>(obj)); }
+
+/// ``for k, v in m.items(): f(k, v)`` as torch's ``named_modules`` reads a module's
+/// ``_parameters``/``_modules``: an exact dict directly, any other mapping (an ``OrderedDict``,
+/// say) through its own ``items()``, whose pairs must be tuples.
+template <class F>
+void for_each_entry(py::handle m, F&& f) {
+    if (PyDict_CheckExact(m.ptr())) {
+        iterate_items(m, f);
+        return;
+    }
+    py::object items = steal(PyObject_CallMethod(m.ptr(), "items", nullptr));
+    py::object it = steal(PyObject_GetIter(items.ptr()));
+    while (PyObject* raw = PyIter_Next(it.ptr())) {
+        py::object pair = steal(raw);
+        py::object kv[2];
+        unpack(pair, 2, kv);
+        f(kv[0], kv[1]);
+    }
+    if (PyErr_Occurred()) throw py::error_already_set();
+}
 
 /// The walk's per-call state: the caller's objects and what it learnt of module types.
 struct Walk {
@@ -127,7 +146,7 @@ py::object walk(Walk& w, py::handle model, py::handle base_named_parameters, Tra
         const size_t count_at = trace.words.size();
         trace.words.push_back(0);
         if (truthy(params)) {
-            iterate_items(params, [&](py::handle k, py::handle v) {
+            for_each_entry(params, [&](py::handle k, py::handle v) {
                 trace.key(k);
                 trace.words.push_back(id_word(v.ptr()));
                 has_module_key = has_module_key || is_module_key(k.ptr());
@@ -148,23 +167,7 @@ py::object walk(Walk& w, py::handle model, py::handle base_named_parameters, Tra
         py::object children = steal(PyObject_GetAttr(frame.mod.ptr(), names.modules.ptr()));
         children_items.clear();
         if (truthy(children)) {
-            // for name, child in reversed(children.items()): pushed in reverse, so popped in order
-            if (plain_dict(children, "items")) {
-                Py_ssize_t pos = 0;
-                PyObject* k = nullptr;
-                PyObject* v = nullptr;
-                while (PyDict_Next(children.ptr(), &pos, &k, &v)) children_items.emplace_back(borrow(k), borrow(v));
-            } else {
-                py::object items = steal(PyObject_CallMethod(children.ptr(), "items", nullptr));
-                py::object rev = steal(PyObject_CallFunctionObjArgs(reinterpret_cast<PyObject*>(&PyReversed_Type),
-                                                                    items.ptr(), nullptr));
-                iterate(rev, [&](py::handle pair) {
-                    py::object kv[2];
-                    unpack(pair, 2, kv);
-                    children_items.emplace_back(kv[0], kv[1]);
-                });
-                std::reverse(children_items.begin(), children_items.end());
-            }
+            for_each_entry(children, [&](py::handle k, py::handle v) { children_items.emplace_back(borrow(k.ptr()), borrow(v.ptr())); });
         }
         if (!PyDict_CheckExact(children.ptr())) trace.replayable = false;
         trace.words.push_back(children_items.size());
@@ -173,6 +176,7 @@ py::object walk(Walk& w, py::handle model, py::handle base_named_parameters, Tra
             trace.words.push_back(id_word(child.ptr()));
             has_module_key = has_module_key || is_module_key(name.ptr());
         }
+        // pushed in reverse, so popped in order
         for (auto it = children_items.rbegin(); it != children_items.rend(); ++it) {
             auto& [name, child] = *it;
             if (child.is_none()) continue;

@@ -36,7 +36,7 @@ py::tuple capture_fqns(py::object leaf, py::object param_groups, py::object stat
     // ``params`` above keeps every group's list alive only while its group is walked; the
     // parameters themselves stay alive in the groups (the caller holds the optimizer).
     py::object odd_key;
-    iterate(state, [&](py::handle key) {
+    iterate_items(state, [&](py::handle key, py::handle) {
         const int is_tensor = PyObject_IsInstance(key.ptr(), tensor_type.ptr());
         check(is_tensor);
         if (is_tensor) {

@@ -62,36 +62,19 @@ struct Where {
     }
 };
 
-/// ``out += data`` for a bytes-like object (bytearray's ``+=``).
-void append_buffer(std::string& out, py::handle data) {
-    PyObject* d = data.ptr();
-    if (PyBytes_Check(d)) {
-        out.append(PyBytes_AS_STRING(d), static_cast<size_t>(PyBytes_GET_SIZE(d)));
-        return;
-    }
-    Py_buffer view;
-    if (PyObject_GetBuffer(d, &view, PyBUF_SIMPLE) != 0) {
-        PyErr_Clear();
-        PyErr_Format(PyExc_TypeError, "can't concat %.100s to bytearray", Py_TYPE(d)->tp_name);
-        throw py::error_already_set();
-    }
-    out.append(static_cast<const char*>(view.buf), static_cast<size_t>(view.len));
-    PyBuffer_Release(&view);
+/// ``out += data`` for the ``bytes`` a ``to_parts`` callback returns.
+void append_bytes(std::string& out, py::handle data) {
+    if (!PyBytes_Check(data.ptr())) raise_type("tensor data as bytes", data);
+    out.append(PyBytes_AS_STRING(data.ptr()), static_cast<size_t>(PyBytes_GET_SIZE(data.ptr())));
 }
 
-/// ``_I64.pack(dim)`` (struct's 'q' conversion and errors).
+/// ``_I64.pack(dim)`` of a tensor dimension (an int of 64 bits).
 int64_t pack_i64(py::handle dim) {
-    py::object as_int;
-    PyObject* d = dim.ptr();
-    if (!PyLong_Check(d)) {
-        if (!PyIndex_Check(d)) raise_struct_error("required argument is not an integer");
-        as_int = steal(PyNumber_Index(d));
-        d = as_int.ptr();
-    }
+    if (!PyLong_Check(dim.ptr())) raise_type("an int tensor dimension", dim);
     int overflow = 0;
-    const long long v = PyLong_AsLongLongAndOverflow(d, &overflow);
+    const long long v = PyLong_AsLongLongAndOverflow(dim.ptr(), &overflow);
     if (v == -1 && PyErr_Occurred()) throw py::error_already_set();
-    if (overflow) raise_struct_error("argument out of range");
+    if (overflow) raise_builtin(PyExc_ValueError, Msg() << "expected a tensor dimension of 64 bits, got " << fmt(dim));
     return static_cast<int64_t>(v);
 }
 
@@ -102,25 +85,12 @@ public:
     /// ``_encode_str``
     void str(std::string& out, py::handle text, const Where& where) const {
         PyObject* t = text.ptr();
-        if (PyUnicode_Check(t)) {
-            Py_ssize_t n = 0;
-            const char* s = PyUnicode_AsUTF8AndSize(t, &n);
-            if (s == nullptr) unicode_error(where);
-            put_len_u32(out, n);
-            out.append(s, static_cast<size_t>(n));
-            return;
-        }
-        // Not a str: do what ``text.encode("utf-8")`` and the appends do in Python.
-        py::object raw;
-        try {
-            raw = steal(PyObject_CallMethod(t, "encode", "s", "utf-8"));
-        } catch (py::error_already_set& err) {
-            if (!err.matches(PyExc_UnicodeEncodeError)) throw;
-            err.restore();
-            unicode_error(where);
-        }
-        put_len_u32(out, length(raw));
-        append_buffer(out, raw);
+        if (!PyUnicode_Check(t)) raise_type("a str", text);
+        Py_ssize_t n = 0;
+        const char* s = PyUnicode_AsUTF8AndSize(t, &n);
+        if (s == nullptr) unicode_error(where);
+        put_len_u32(out, n);
+        out.append(s, static_cast<size_t>(n));
     }
 
     /// ``_encode_value``
@@ -184,8 +154,9 @@ public:
         put_len_u32(out, length(p[1]));
         iterate(p[1], [&](py::handle dim) { put_i64(out, pack_i64(dim)); });
         str(out, p[2], where);
-        put_u64(out, static_cast<uint64_t>(length(p[3])));
-        append_buffer(out, p[3]);
+        if (!PyBytes_Check(p[3].ptr())) raise_type("tensor data as bytes", p[3]);
+        put_u64(out, static_cast<uint64_t>(PyBytes_GET_SIZE(p[3].ptr())));
+        append_bytes(out, p[3]);
     }
 
 private:

@@ -1,10 +1,11 @@
 # ruff: noqa: N999 - the extension module is named _C
-"""Type stub of sparse_ckpt._C, the C++ twin of sparse_ckpt._core_py (same functions, same signatures).
+"""Type stub of sparse_ckpt._C, the C++ twin of sparse_ckpt._core_py (same functions, same signatures;
+the argument types are the core's input contract, see sparse_ckpt._core_py).
 
 Checked against ``_core_py`` by tests/test_structure.py.
 """
 
-from collections.abc import Callable, Mapping
+from collections.abc import Callable
 from typing import Any, TypeAlias
 
 TensorToParts: TypeAlias = Callable[[Any], tuple[str, tuple[int, ...], str, bytes]]
@@ -25,7 +26,7 @@ ESCAPE_INT: str
 STEP_KEY: str
 WRAPPER_CHILD: str
 
-def assign_state_ids(target_fqns: list[list[str]], state_by_fqn: Mapping[str, Any]) -> tuple[dict[int, Any], list[str]]: ...
+def assign_state_ids(target_fqns: list[list[str]], state_by_fqn: dict[str, Any]) -> tuple[dict[int, Any], list[str]]: ...
 
 def build_groups(
     param_groups: list[dict], chosen: list[dict | None], copy_settings: Callable[[Any], Any], keep_names: bool
@@ -52,7 +53,7 @@ def claim_owners(leaf: str, groups_fqn: list[tuple[dict, list[str]]], owner: dic
 
 def decode_table(leaf: str, data: bytes, from_parts: PartsToTensor) -> tuple[list[dict], list[bytes], list[tuple[int, list[str]]]]: ...
 
-def encode_settings(leaf: str, group_index: int, settings: Mapping[Any, Any], tensor_type: type, to_parts: TensorToParts) -> bytes: ...
+def encode_settings(leaf: str, group_index: int, settings: dict[Any, Any], tensor_type: type, to_parts: TensorToParts) -> bytes: ...
 
 def encode_table(leaf: str, groups_fqn: list[tuple[dict, list[str]]], tensor_type: type, to_parts: TensorToParts) -> bytes: ...
 
@@ -60,7 +61,7 @@ def flatten_groups(leaf: str, groups_fqn: list[tuple[dict, list[str]]]) -> dict[
 
 def flatten_packed_state(
     leaf: str,
-    state_fqn: Mapping[str, Any],
+    state_fqn: dict[str, Any],
     known_fqns: Any,
     tensor_type: type,
     cpu_dtypes: dict,
@@ -68,7 +69,7 @@ def flatten_packed_state(
     scalar_parts: ScalarParts,
 ) -> tuple[dict[str, Any], list[tuple[dict[str, Any], list[str]]]]: ...
 
-def flatten_state(leaf: str, state_fqn: Mapping[str, Any], known_fqns: Any, escape: bool) -> dict[str, Any]: ...
+def flatten_state(leaf: str, state_fqn: dict[str, Any], known_fqns: Any, escape: bool) -> dict[str, Any]: ...
 
 def fqn_tables(named: Any) -> tuple[dict[int, str], dict[str, str], dict[str, Any]]: ...
 
@@ -84,7 +85,7 @@ def map_parameters(
 ) -> tuple[tuple | None, dict[int, str], dict[str, str], dict[str, Any]] | None: ...
 
 def match_groups(
-    leaf: str, target_fqns: list[list[str]], settings_of: Mapping[str, Any]
+    leaf: str, target_fqns: list[list[str]], settings_of: dict[str, Any]
 ) -> tuple[list[Any], list[str]]: ...
 
 def merge_scalars(
@@ -102,17 +103,17 @@ def merge_table_settings(
 ) -> list[int]: ...
 
 def pack_optimizer(
-    leaf: str, param_groups: list[dict], state: Mapping[Any, Any], tensor_type: type
+    leaf: str, param_groups: list[dict], state: dict[Any, Any], tensor_type: type
 ) -> tuple[list[dict], dict[Any, Any], list[Any]]: ...
 
 def remap_to_fqns(
     leaf: str,
     packed_groups: list[dict],
-    packed_state: Mapping[Any, Any],
+    packed_state: dict[Any, Any],
     id_to_param: list[Any],
-    fqn_of: Mapping[int, str],
+    fqn_of: dict[int, str],
 ) -> tuple[list[tuple[dict, list[str]]], dict[str, Any]]: ...
 
 def unflatten(
-    flat: Mapping[str, Any], known_fqns: Any
+    flat: dict[str, Any], known_fqns: Any
 ) -> tuple[dict[str, dict], dict[str, dict], dict[str, bytes], dict[str, bytes], list[str]]: ...

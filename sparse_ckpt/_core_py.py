@@ -1,9 +1,28 @@
 """Pure-Python reference core. ``csrc/`` implements the same functions as ``sparse_ckpt._C``.
 
 This module is the contract of the core: every function here has a C++ twin with identical
-outputs (including dict key order) and identical exception types and messages. The core owns
-only the hot loops; it knows nothing of hooks, DCP or torch beyond the ``tensor_type`` and the
-tensor (de)serialising callbacks it is handed.
+outputs (including dict key order) and identical exception types and messages for every input
+inside the contract below. The core owns only the hot loops; it knows nothing of hooks, DCP or
+torch beyond the ``tensor_type`` and the tensor (de)serialising callbacks it is handed.
+
+Input contract (narrow on purpose: the library checks and converts user data once, at the Python
+boundary -- ``capture`` checks what post-hooks and adapters return, ``decode`` turns any mapping
+into a dict -- before it reaches the core):
+
+  * sequences (param groups, ``params``, FQN lists, ``groups_fqn``, tensor shapes) are lists or
+    tuples; pairs and triples (``(settings, fqns)``, ``(index, fqns)``, ``(raw, fqn, param)``,
+    what ``to_parts`` returns) are tuples of exactly that length;
+  * mappings are dicts; a dict subclass (``optimizer.state``'s ``defaultdict``, an
+    ``OrderedDict`` in a state or a group) is read as a dict, in its storage order, without
+    calling its own methods (the Python twin uses ``dict.items(d)`` where one can arrive);
+  * tables and tensor data are ``bytes``; keys, FQNs, leaf, dtype and device names are ``str``
+    (the codec raises its own :class:`CheckpointFormatError` for a non-str key or FQN); tensor
+    dimensions are 64-bit ints.
+
+Outside it the C++ core raises ``TypeError``/``ValueError`` (``expected ..., got ...``) and never
+reads the input another way; the Python twin does what Python does. One function reads Python's
+protocols on purpose: ``map_parameters`` walks ``_parameters``/``_modules`` mappings that are not
+exact dicts through their own ``items()``, as torch's ``named_parameters`` does.
 
 Vocabulary:
   * ``groups_fqn``: ``list[tuple[dict, list[str]]]`` -- one ``(settings, fqns)`` per param group,
@@ -216,7 +235,7 @@ def _walk(
                     out.append((raw_k, f"{canon}.{k}" if canon else k, v))
         words[count_at] = len(words) - count_at - 1
         children = mod._modules
-        items = list(reversed(list(reversed(children.items())))) if children else []
+        items = list(children.items()) if children else []
         if type(children) is not dict:
             trace.replayable = False
         words.append(len(items))
@@ -360,7 +379,7 @@ def pack_optimizer(
     id_to_param: list[Any] = []
     packed_groups: list[dict] = []
     for group in param_groups:
-        packed = {k: v for k, v in group.items() if k != "params"}
+        packed = {k: v for k, v in dict.items(group) if k != "params"}
         params = group["params"]
         start = len(id_to_param)
         for offset, p in enumerate(params):
@@ -417,7 +436,7 @@ def remap_to_fqns(
     for gi, group in enumerate(packed_groups):
         if "params" not in group:
             raise CheckpointFormatError(f"leaf {leaf!r}: group {gi} has no 'params' entry")
-        settings = {k: v for k, v in group.items() if k != "params"}
+        settings = {k: v for k, v in dict.items(group) if k != "params"}
         fqns = [fqn_for(pid, f"group {gi}") for pid in group["params"]]
         groups_fqn.append((settings, fqns))
     state_fqn: dict[str, Any] = {}
@@ -467,7 +486,7 @@ def _flatten_into(
     known_fqns: Any,
     escape: bool,
 ) -> None:
-    for key, item in value.items():
+    for key, item in dict.items(value):
         _flatten_item(out, prefix, key, item, leaf, fqn, path, known_fqns, escape)
 
 
@@ -652,7 +671,7 @@ def flatten_packed_state(
         scalars: dict[str, Any] = {}
         blob = bytearray()
         leading = True
-        for key, item in state.items():
+        for key, item in dict.items(state):
             if leading:
                 record = _scalar_record(leaf, fqn, key, item, tensor_type, cpu_dtypes, strided, scalar_parts)
                 if record is not None:
@@ -680,14 +699,14 @@ def flatten_groups(leaf: str, groups_fqn: list[tuple[dict, list[str]]]) -> dict[
     """
     out: dict[str, Any] = {}
     for gi, (settings, fqns) in enumerate(groups_fqn):
-        for key, _value in settings.items():  # noqa: PERF102 - .items(), as the C++ twin reads a mapping
+        for key in dict.keys(settings):
             if not is_flat_part(key):
                 raise CheckpointFormatError(
                     f"leaf {leaf!r} group {gi}: setting key {key!r} cannot be written in the flat format "
                     "(a key must be a str without '.'); save with format='packed'"
                 )
         for fqn in fqns:
-            for key, value in settings.items():
+            for key, value in dict.items(settings):
                 out[f"{GROUPS_PREFIX}{fqn}.{key}"] = value
     return out
 
@@ -839,7 +858,7 @@ def encode_settings(leaf: str, group_index: int, settings: Mapping[Any, Any], te
     """Encode one group's settings (the ``settings`` production of the table format)."""
     out = bytearray()
     out += _U32.pack(len(settings))
-    for key, value in settings.items():
+    for key, value in dict.items(settings):
         if not isinstance(key, str):
             raise CheckpointFormatError(f"leaf {leaf!r} group {group_index}: setting key {key!r} is not a string")
         where = f"leaf {leaf!r} group {group_index} key {key!r}"

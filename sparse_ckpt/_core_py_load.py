@@ -57,7 +57,7 @@ def build_groups(
     out: list[dict] = []
     for group, settings in zip(param_groups, chosen):
         if settings is None:
-            new = copy_settings({k: v for k, v in group.items() if k != "params"})
+            new = copy_settings({k: v for k, v in dict.items(group) if k != "params"})
         else:
             flat = flat_ok.get(id(settings))
             if flat is None:
@@ -134,7 +134,7 @@ def cast_states(
         floating = p.is_floating_point()
         dtype, device = p.dtype, p.device
         out: dict = {}
-        for k, v in saved.items():
+        for k, v in dict.items(saved):
             if isinstance(v, tensor_type):
                 if k == STEP_KEY:
                     out[k] = cast_tensor(v, k, special, floating, dtype, device) if special else v

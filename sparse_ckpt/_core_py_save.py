@@ -24,7 +24,7 @@ def capture_fqns(
     groups_fqn: list[tuple[dict, list[str]]] = []
     unowned: tuple[int, Any] | None = None
     for gi, group in enumerate(param_groups):
-        settings = {k: v for k, v in group.items() if k != "params"}
+        settings = {k: v for k, v in dict.items(group) if k != "params"}
         fqns: list[str] = []
         for p in group["params"]:
             in_groups.add(id(p))

@@ -131,9 +131,31 @@ def _capture(
             result = post_hook(optimizer, state_dict)
             if result is not None:
                 state_dict = result
+    _check_packed(leaf, state_dict)
+    return None, (state_dict, id_to_param)
+
+
+def _check_packed(leaf: str, state_dict: Any) -> None:
+    """What a post-hook or an adapter produced must be a torch-format dict the core reads: a dict
+    with a ``state`` dict and a ``param_groups`` list (or tuple) of dicts whose ``params`` are lists
+    (or tuples)."""
     if not isinstance(state_dict, dict) or "state" not in state_dict or "param_groups" not in state_dict:
         raise CheckpointFormatError(
             f"leaf {leaf!r}: state_dict produced {type(state_dict).__name__} without 'state' and "
             "'param_groups' entries"
         )
-    return None, (state_dict, id_to_param)
+    state, groups = state_dict["state"], state_dict["param_groups"]
+    if not isinstance(state, dict):
+        raise CheckpointFormatError(f"leaf {leaf!r}: state_dict produced 'state' as a {type(state).__name__}, not a dict")
+    if not isinstance(groups, (list, tuple)):
+        raise CheckpointFormatError(
+            f"leaf {leaf!r}: state_dict produced 'param_groups' as a {type(groups).__name__}, not a list"
+        )
+    for gi, group in enumerate(groups):
+        if not isinstance(group, dict):
+            raise CheckpointFormatError(f"leaf {leaf!r}: group {gi} is a {type(group).__name__}, not a dict")
+        params = group.get("params", [])
+        if not isinstance(params, (list, tuple)):
+            raise CheckpointFormatError(
+                f"leaf {leaf!r}: group {gi} 'params' is a {type(params).__name__}, not a list"
+            )

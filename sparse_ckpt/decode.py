@@ -113,7 +113,8 @@ def decode_checkpoint(state_dict: Mapping[str, Any], fmap: FqnMap) -> DecodedChe
         known.append(table_fqns(decoded, fmap))
         return known[-1]
 
-    settings_raw, state_raw, _tables, scalar_tables, unmatched = core.unflatten(state_dict, known_fqns)
+    flat = state_dict if type(state_dict) is dict else dict(state_dict)  # the core reads dicts
+    settings_raw, state_raw, _tables, scalar_tables, unmatched = core.unflatten(flat, known_fqns)
     out = DecodedCheckpoint(unmatched_keys=list(unmatched), has_tables=bool(decoded))
     interned: dict[bytes, dict] = {}
     source_of: dict[str, Any] = {}  # canonical FQN -> where its settings came from (see source_text)

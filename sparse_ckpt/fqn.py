@@ -76,11 +76,11 @@ def build_fqn_map(model: nn.Module) -> FqnMap:
     if mapped is None:  # named_parameters/named_modules overridden: the public API
         _keep(model, None)
         ddp = _ddp_prefixes(model)
-        named = (
+        named = [
             # canonical_name only strips STRIPPED_PARTS (and DDP's WRAPPER_CHILD): skip it for other names
             (raw, canonical_name(raw, ddp) if ddp or any(s in raw for s in STRIPPED_PARTS) else raw, param)
             for raw, param in model.named_parameters(remove_duplicate=False)
-        )
+        ]
         return FqnMap(*_backend.core.fqn_tables(named))
     memo, fqn_of, canonical, param_of = mapped
     if memo is not cached:

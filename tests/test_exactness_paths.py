@@ -355,10 +355,10 @@ def test_planner_reads_flat_group_values_weights_only(tmp_path: Path, capsys: py
 
 
 def test_weights_only_item_passes_plain_values() -> None:
-    from sparse_ckpt.dcp import _weights_only_item
+    from sparse_ckpt.dcp import weights_only_item
 
     buf = io.BytesIO()
     torch.save({"a": [1, 2.0, "x", None]}, buf)
     buf.seek(0)
-    out = _weights_only_item("k", buf, table=False)
+    out = weights_only_item("k", buf, table=False)
     assert torch.load(out, weights_only=True) == {"a": [1, 2.0, "x", None]}
