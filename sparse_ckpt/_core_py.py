@@ -100,6 +100,7 @@ _INT64_MIN = -(2**63)
 _INT64_MAX = 2**63 - 1
 _MAX_ITEMSIZE = 16
 _ADDRESS_END = 2**63
+_U32_MAX = 2**32 - 1
 
 TensorToParts = Callable[[Any], tuple[str, tuple[int, ...], str, bytes]]
 PartsToTensor = Callable[[str, tuple[int, ...], str, bytes], Any]
@@ -605,7 +606,7 @@ def _scalar_record(
         raw_key = key.encode("utf-8")
     except UnicodeEncodeError:
         return None
-    out = bytearray(_U32.pack(len(raw_key)))
+    out = bytearray(_len32(len(raw_key)))
     out += raw_key
     kind = type(value)
     if kind is bool:
@@ -681,7 +682,7 @@ def flatten_packed_state(
                 leading = False
             _flatten_item(out, prefix, key, item, leaf, fqn, (), known_fqns, True)
         if scalars:
-            ident = _U32.pack(len(scalars)) + bytes(blob)
+            ident = _len32(len(scalars)) + bytes(blob)
             idx = index_of.get(ident)
             if idx is None:
                 index_of[ident] = len(groups)
@@ -799,6 +800,13 @@ def unflatten(
 # --------------------------------------------------------------------------- table codec
 
 
+def _len32(n: int) -> bytes:
+    """A length as u32; one the table format cannot hold is a :class:`CheckpointFormatError`."""
+    if n > _U32_MAX:
+        raise CheckpointFormatError(f"length {n} does not fit the table format (at most {_U32_MAX})")
+    return _U32.pack(n)
+
+
 def _encode_value(out: bytearray, value: Any, tensor_type: type, to_parts: TensorToParts, where: str, depth: int) -> None:
     if depth > MAX_DEPTH:
         raise CheckpointFormatError(f"{where}: value nested deeper than {MAX_DEPTH} levels")
@@ -819,11 +827,11 @@ def _encode_value(out: bytearray, value: Any, tensor_type: type, to_parts: Tenso
         _encode_str(out, value, where)
     elif isinstance(value, bytes):
         out.append(_TAG_BYTES)
-        out += _U32.pack(len(value))
+        out += _len32(len(value))
         out += value
     elif isinstance(value, (tuple, list)):
         out.append(_TAG_TUPLE if isinstance(value, tuple) else _TAG_LIST)
-        out += _U32.pack(len(value))
+        out += _len32(len(value))
         for item in value:
             _encode_value(out, item, tensor_type, to_parts, where, depth + 1)
     elif isinstance(value, tensor_type):
@@ -837,7 +845,7 @@ def _encode_tensor_parts(out: bytearray, parts: Any, where: str) -> None:
     dtype, shape, device_type, data = parts
     out.append(_TAG_TENSOR)
     _encode_str(out, dtype, where)
-    out += _U32.pack(len(shape))
+    out += _len32(len(shape))
     for dim in shape:
         out += _I64.pack(dim)
     _encode_str(out, device_type, where)
@@ -850,14 +858,14 @@ def _encode_str(out: bytearray, text: str, where: str) -> None:
         raw = text.encode("utf-8")
     except UnicodeEncodeError as exc:
         raise CheckpointFormatError(f"{where}: string is not valid unicode ({exc.reason})") from None
-    out += _U32.pack(len(raw))
+    out += _len32(len(raw))
     out += raw
 
 
 def encode_settings(leaf: str, group_index: int, settings: Mapping[Any, Any], tensor_type: type, to_parts: TensorToParts) -> bytes:
     """Encode one group's settings (the ``settings`` production of the table format)."""
     out = bytearray()
-    out += _U32.pack(len(settings))
+    out += _len32(len(settings))
     for key, value in dict.items(settings):
         if not isinstance(key, str):
             raise CheckpointFormatError(f"leaf {leaf!r} group {group_index}: setting key {key!r} is not a string")
@@ -883,13 +891,13 @@ def encode_table(leaf: str, groups_fqn: list[tuple[dict, list[str]]], tensor_typ
         refs.append(idx)
     out = bytearray(MAGIC)
     out += _U16.pack(VERSION)
-    out += _U32.pack(len(blobs))
+    out += _len32(len(blobs))
     for blob in blobs:
         out += blob
-    out += _U32.pack(len(groups_fqn))
+    out += _len32(len(groups_fqn))
     for gi, ((_settings, fqns), idx) in enumerate(zip(groups_fqn, refs)):
         out += _U32.pack(idx)
-        out += _U32.pack(len(fqns))
+        out += _len32(len(fqns))
         for fqn in fqns:
             if not isinstance(fqn, str):
                 raise CheckpointFormatError(f"leaf {leaf!r} group {gi}: FQN {fqn!r} is not a string")

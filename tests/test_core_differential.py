@@ -20,6 +20,7 @@ import gc
 import importlib
 import math
 import os
+import re
 import struct
 from collections.abc import Callable, Iterator, Mapping
 from typing import Any
@@ -1395,3 +1396,13 @@ def test_flatten_packed_state_cpu_fast_path_matches_scalar_parts() -> None:
         assert same(fast, slow)
         assert core.encode_table("l", fast[1], torch.Tensor, tensor_to_parts) == \
             core.encode_table("l", slow[1], torch.Tensor, tensor_to_parts)
+
+
+def test_lengths_over_u32_are_format_errors() -> None:
+    """A length the table format cannot hold (over 2**32 - 1) is the library's error, not
+    struct.error (the Python core's helper; csrc/common.cpp put_len_u32 raises the same message --
+    a 4 GiB value is no test input)."""
+    msg = re.escape("length 4294967296 does not fit the table format (at most 4294967295)")
+    with pytest.raises(CheckpointFormatError, match=msg):
+        P._len32(2**32)
+    assert P._len32(2**32 - 1) == b"\xff\xff\xff\xff"
