@@ -22,7 +22,7 @@ import os
 import warnings
 from collections.abc import Callable, Iterable
 from dataclasses import dataclass
-from typing import Any
+from typing import Any, Optional
 
 from .measure import (
     BACKENDS,
@@ -270,7 +270,7 @@ def targets_mode(results: dict[str, Any]) -> tuple[bool, str]:
     return True, f"{TARGET_SCALE}, one group per {TARGET_LAYOUT}"
 
 
-Measure = Callable[[dict[str, Any]], tuple[float | None, str, str]]
+Measure = Callable[[dict[str, Any]], tuple[Optional[float], str, str]]  # Optional, not "| None": evaluated on import (3.9)
 """``run -> (value, why it is missing, detail)``."""
 
 
