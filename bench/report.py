@@ -37,6 +37,8 @@ from .measure import (
     DCP_VARIANTS,
     DSD_GET,
     DSD_SET,
+    EXPORT_LOAD,
+    EXPORT_SAVE,
     FLOOR_LOAD_STATE_DICT,
     FLOOR_STATE_DICT,
     NAIVE,
@@ -139,13 +141,24 @@ INFO_DSD_GET = "DSD get_optimizer_state_dict / sparse_state_dict"
 INFO_DCP_GROUPS_TIME = "DCP save+load of param groups: flat / packed time"
 INFO_DCP_GROUPS_BYTES = "DCP param groups: flat / packed bytes"
 INFO_DCP_NAIVE_BYTES = "DCP bytes: naive layout / whole optimizer (SparseOptimizerState)"
+INFO_EXPORT_BYTES = "export dir bytes / DCP dir bytes (export_checkpoint vs dcp.save of SparseOptimizerState)"
+INFO_EXPORT_SAVE = "export_checkpoint / dcp.save time (SparseOptimizerState)"
+INFO_EXPORT_LOAD = "load_export / dcp.load time (SparseOptimizerState + SparseLoadPlanner)"
+EXPORT_INFO = (
+    (INFO_EXPORT_BYTES, EXPORT_SAVE, DCP_STATEFUL_SAVE, "bytes"),
+    (INFO_EXPORT_SAVE, EXPORT_SAVE, DCP_STATEFUL_SAVE, "median_s"),
+    (INFO_EXPORT_LOAD, EXPORT_LOAD, DCP_STATEFUL_LOAD, "median_s"),
+)
+"""``(name, export figure, DCP figure, field)`` of the export rows: the pickle-free export (made from the
+``dcp/save/packed/stateful`` checkpoint) against that DCP checkpoint, at every scale and layout where
+both were measured."""
 
 
 def target_method_ids() -> list[str]:
     """Every method id the targets and the information rows divide."""
     ids = [FLOOR_STATE_DICT, FLOOR_LOAD_STATE_DICT, DSD_GET, DSD_SET, SAVE, LOAD, SAVE_PY, LOAD_PY,
            DCP_STATEFUL_SAVE, DCP_STATEFUL_LOAD, DCP_NAIVE_SAVE, DCP_NAIVE_LOAD, DCP_PACKED_SAVE,
-           DCP_PACKED_GROUPS_SAVE, *DCP_GROUP_IDS]
+           DCP_PACKED_GROUPS_SAVE, *DCP_GROUP_IDS, EXPORT_SAVE, EXPORT_LOAD]
     ids += [core_id(fn, b) for fn in INFO_CORE_FUNCTIONS for b in ("python", "cpp")]
     return ids
 
@@ -453,6 +466,33 @@ def compute_info(results: dict[str, Any]) -> list[dict[str, Any]]:
                                                 run["figures"][DCP_STATEFUL_SAVE]["bytes"])
         rows.append(_info(INFO_DCP_NAIVE_BYTES, "—", value, f"{run['scale']}, {layout}" if run else "—",
                           "not measured at any scale"))
+    return rows + export_info(results)
+
+
+def _field(run: dict[str, Any], method_id: str, field: str) -> float | None:
+    """``median_s`` (or ``bytes``, > 0) of a measured figure, else ``None``."""
+    fig = run["figures"].get(method_id, {})
+    if fig.get("status") != OK or not fig.get(field):
+        return None
+    return float(fig[field])
+
+
+def export_info(results: dict[str, Any]) -> list[dict[str, Any]]:
+    """The export rows (:data:`EXPORT_INFO`): export ÷ DCP of the whole optimizer in directory bytes, save
+    time and load time, one row per scale and layout where both figures were measured (one group per
+    :data:`TARGET_LAYOUT` first); a row with the reason when that is nowhere."""
+    layouts = sorted(results["config"]["layouts"], key=lambda lay: lay != TARGET_LAYOUT)
+    fmt = {"bytes": lambda v: fmt_bytes(int(v)), "median_s": fmt_time}
+    rows: list[dict[str, Any]] = []
+    for name, num, den, field in EXPORT_INFO:
+        found = []
+        for layout in layouts:
+            for run in _runs_of(results, layout):
+                a, b = _field(run, num, field), _field(run, den, field)
+                if a is not None and b is not None:
+                    found.append(_info(name, "—", a / b, f"{run['scale']}, {layout}",
+                                       detail=f"{fmt[field](a)} vs {fmt[field](b)}"))
+        rows += found or [_info(name, "—", None, "—", f"{num} and {den} not both measured at any scale")]
     return rows
 
 

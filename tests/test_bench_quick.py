@@ -146,6 +146,8 @@ def test_targets_and_outputs(bench_out: str) -> None:
         assert by_name[t.name]["status"] == report.NA and "not run" in by_name[t.name]["reason"]
     info = {(r["name"], r["where"].split(",")[1].split()[0] if "," in r["where"] else ""): r for r in res["info"]}
     assert (report.INFO_DCP_GROUPS_BYTES, "param") in info and (report.INFO_DSD_SET, "layer") in info
+    export = [r for r in res["info"] if r["name"] == report.INFO_EXPORT_BYTES]
+    assert export and all(r["value"] is not None and r["value"] > 0 for r in export), export
     with open(os.path.join(bench_out, "results.md"), encoding="utf-8") as f:
         md = f.read()
     assert "## Targets" in md and "### 2x4, one group per param" in md
@@ -593,3 +595,46 @@ def test_plot_coverage_and_coinciding_series() -> None:
     assert report.coinciding(a, b, runs) == pytest.approx(3 / 103)  # a measured only where b is
     assert report.coinciding(b, a, runs) is None  # b goes further than a: leaving it out would lose points
     assert report.coinciding(c, b, runs) == pytest.approx(47 / 103)
+
+
+def test_export_vs_dcp_info_rows() -> None:
+    """Export ÷ DCP of the whole optimizer (dir bytes, save time, load time): one information row per
+    scale and layout where both figures were measured, none where either was skipped."""
+    skipped = {"status": "skipped", "reason": "9,999 entries > --dcp-max-items 200"}
+
+    def figs(export_s: float, export_bytes: int, load_s: float, dcp_s: float, dcp_bytes: int, dcp_load_s: float) -> dict:
+        return {"export/save": _fig(export_s, bytes=export_bytes), "export/load": _fig(load_s),
+                "dcp/save/packed/stateful": _fig(dcp_s, items=10, bytes=dcp_bytes),
+                "dcp/load/packed/stateful": _fig(dcp_load_s)}
+
+    runs = [
+        _run("8x64", "param", figs(0.5, 900, 0.2, 1.0, 1000, 0.8)),
+        _run("24x128", "param", figs(3.0, 5000, 1.0, 2.0, 4000, 4.0)),
+        _run("8x64", "layer", figs(0.25, 450, 0.1, 1.0, 500, 0.5)),
+        _run("61x256", "param", {**figs(1.0, 1, 1.0, 1.0, 1, 1.0), "export/save": skipped, "export/load": skipped}),
+    ]
+    res = _results(runs)
+    rows = report.export_info(res)
+    assert rows == [r for r in report.compute_info(res) if r["name"].startswith(("export", "load_export"))]
+    got = {(r["name"], r["where"]): r["value"] for r in rows}
+    assert got == {
+        (report.INFO_EXPORT_BYTES, "8x64, param"): pytest.approx(0.9),
+        (report.INFO_EXPORT_BYTES, "24x128, param"): pytest.approx(1.25),
+        (report.INFO_EXPORT_BYTES, "8x64, layer"): pytest.approx(0.9),
+        (report.INFO_EXPORT_SAVE, "8x64, param"): pytest.approx(0.5),
+        (report.INFO_EXPORT_SAVE, "24x128, param"): pytest.approx(1.5),
+        (report.INFO_EXPORT_SAVE, "8x64, layer"): pytest.approx(0.25),
+        (report.INFO_EXPORT_LOAD, "8x64, param"): pytest.approx(0.25),
+        (report.INFO_EXPORT_LOAD, "24x128, param"): pytest.approx(0.25),
+        (report.INFO_EXPORT_LOAD, "8x64, layer"): pytest.approx(0.2),
+    }, "61x256: export skipped, no row"
+    assert [r["where"] for r in rows[:3]] == ["8x64, param", "24x128, param", "8x64, layer"]
+    detail = {(r["name"], r["where"]): r["detail"] for r in rows}
+    assert detail[(report.INFO_EXPORT_BYTES, "24x128, param")] == "4.9 KiB vs 3.9 KiB"
+    assert detail[(report.INFO_EXPORT_LOAD, "24x128, param")] == "1.00 s vs 4.00 s"
+    md = "\n".join(report.info_markdown(rows))
+    assert f"| {report.INFO_EXPORT_SAVE} | — | 1.50× | 24x128, param — 3.00 s vs 2.00 s |" in md
+
+    none = report.export_info(_results([runs[3]]))
+    assert [(r["name"], r["value"]) for r in none] == [(n, None) for n, *_ in report.EXPORT_INFO]
+    assert all("export/" in r["reason"] and "not both measured" in r["reason"] for r in none)
