@@ -28,7 +28,7 @@ from contextlib import contextmanager
 from dataclasses import dataclass, field
 from functools import cached_property
 from types import ModuleType
-from typing import Any
+from typing import Any, Optional
 
 import torch
 
@@ -426,7 +426,7 @@ class FixtureContext:
         return nested_load_target(sd)
 
 
-Runner = tuple[Callable[[Any], Any], Callable[[], Any] | None]
+Runner = tuple[Callable[[Any], Any], Optional[Callable[[], Any]]]  # Optional, not "| None": evaluated on import (3.9)
 """``(call, setup)``: ``call(setup())`` is timed; ``setup`` (untimed) may be ``None``."""
 
 

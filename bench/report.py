@@ -18,11 +18,12 @@ cpp solid and python dashed in the same colour).
 from __future__ import annotations
 
 import json
+import math
 import os
 import warnings
 from collections.abc import Callable, Iterable
 from dataclasses import dataclass
-from typing import Any
+from typing import Any, Optional
 
 from .measure import (
     BACKENDS,
@@ -36,6 +37,8 @@ from .measure import (
     DCP_VARIANTS,
     DSD_GET,
     DSD_SET,
+    EXPORT_LOAD,
+    EXPORT_SAVE,
     FLOOR_LOAD_STATE_DICT,
     FLOOR_STATE_DICT,
     NAIVE,
@@ -138,13 +141,24 @@ INFO_DSD_GET = "DSD get_optimizer_state_dict / sparse_state_dict"
 INFO_DCP_GROUPS_TIME = "DCP save+load of param groups: flat / packed time"
 INFO_DCP_GROUPS_BYTES = "DCP param groups: flat / packed bytes"
 INFO_DCP_NAIVE_BYTES = "DCP bytes: naive layout / whole optimizer (SparseOptimizerState)"
+INFO_EXPORT_BYTES = "export dir bytes / DCP dir bytes (export_checkpoint vs dcp.save of SparseOptimizerState)"
+INFO_EXPORT_SAVE = "export_checkpoint / dcp.save time (SparseOptimizerState)"
+INFO_EXPORT_LOAD = "load_export / dcp.load time (SparseOptimizerState + SparseLoadPlanner)"
+EXPORT_INFO = (
+    (INFO_EXPORT_BYTES, EXPORT_SAVE, DCP_STATEFUL_SAVE, "bytes"),
+    (INFO_EXPORT_SAVE, EXPORT_SAVE, DCP_STATEFUL_SAVE, "median_s"),
+    (INFO_EXPORT_LOAD, EXPORT_LOAD, DCP_STATEFUL_LOAD, "median_s"),
+)
+"""``(name, export figure, DCP figure, field)`` of the export rows: the pickle-free export (made from the
+``dcp/save/packed/stateful`` checkpoint) against that DCP checkpoint, at every scale and layout where
+both were measured."""
 
 
 def target_method_ids() -> list[str]:
     """Every method id the targets and the information rows divide."""
     ids = [FLOOR_STATE_DICT, FLOOR_LOAD_STATE_DICT, DSD_GET, DSD_SET, SAVE, LOAD, SAVE_PY, LOAD_PY,
            DCP_STATEFUL_SAVE, DCP_STATEFUL_LOAD, DCP_NAIVE_SAVE, DCP_NAIVE_LOAD, DCP_PACKED_SAVE,
-           DCP_PACKED_GROUPS_SAVE, *DCP_GROUP_IDS]
+           DCP_PACKED_GROUPS_SAVE, *DCP_GROUP_IDS, EXPORT_SAVE, EXPORT_LOAD]
     ids += [core_id(fn, b) for fn in INFO_CORE_FUNCTIONS for b in ("python", "cpp")]
     return ids
 
@@ -270,7 +284,7 @@ def targets_mode(results: dict[str, Any]) -> tuple[bool, str]:
     return True, f"{TARGET_SCALE}, one group per {TARGET_LAYOUT}"
 
 
-Measure = Callable[[dict[str, Any]], tuple[float | None, str, str]]
+Measure = Callable[[dict[str, Any]], tuple[Optional[float], str, str]]  # Optional, not "| None": evaluated on import (3.9)
 """``run -> (value, why it is missing, detail)``."""
 
 
@@ -452,6 +466,33 @@ def compute_info(results: dict[str, Any]) -> list[dict[str, Any]]:
                                                 run["figures"][DCP_STATEFUL_SAVE]["bytes"])
         rows.append(_info(INFO_DCP_NAIVE_BYTES, "—", value, f"{run['scale']}, {layout}" if run else "—",
                           "not measured at any scale"))
+    return rows + export_info(results)
+
+
+def _field(run: dict[str, Any], method_id: str, field: str) -> float | None:
+    """``median_s`` (or ``bytes``, > 0) of a measured figure, else ``None``."""
+    fig = run["figures"].get(method_id, {})
+    if fig.get("status") != OK or not fig.get(field):
+        return None
+    return float(fig[field])
+
+
+def export_info(results: dict[str, Any]) -> list[dict[str, Any]]:
+    """The export rows (:data:`EXPORT_INFO`): export ÷ DCP of the whole optimizer in directory bytes, save
+    time and load time, one row per scale and layout where both figures were measured (one group per
+    :data:`TARGET_LAYOUT` first); a row with the reason when that is nowhere."""
+    layouts = sorted(results["config"]["layouts"], key=lambda lay: lay != TARGET_LAYOUT)
+    fmt = {"bytes": lambda v: fmt_bytes(int(v)), "median_s": fmt_time}
+    rows: list[dict[str, Any]] = []
+    for name, num, den, field in EXPORT_INFO:
+        found = []
+        for layout in layouts:
+            for run in _runs_of(results, layout):
+                a, b = _field(run, num, field), _field(run, den, field)
+                if a is not None and b is not None:
+                    found.append(_info(name, "—", a / b, f"{run['scale']}, {layout}",
+                                       detail=f"{fmt[field](a)} vs {fmt[field](b)}"))
+        rows += found or [_info(name, "—", None, "—", f"{num} and {den} not both measured at any scale")]
     return rows
 
 
@@ -642,6 +683,19 @@ CORE_PANELS = (
                                    "assign_state_ids")),
 )
 FIGURE_NAMES = ("headline.png", "scaling.png", "core.png")
+SAVEFIG = {"dpi": 100, "bbox_inches": "tight", "pad_inches": 0.15}
+"""How every figure is saved. The layout keeps every legend inside the figure (a test checks it);
+``bbox_inches="tight"`` is the safety net that would keep anything reaching past an edge in the image."""
+MISSING_NOTE = "a line ends where its figure was not measured (over one of the bench's limits; results.md says why)"
+COINCIDE_WITHIN = 0.10
+"""A series of the DCP bytes / items panels within this fraction of another one at every scale where
+it was measured is not drawn there (on a log axis spanning decades the two are one line); the legend says so."""
+DCP_COINCIDING = (
+    (("packed", "all"), ("packed", STATEFUL)),
+    (("flat", "all"), (NAIVE, "all")),
+)
+"""``(not drawn, kept)`` candidates of those panels: the packed dict and the whole optimizer differ by
+the leaf's item; the flat dict and the naive layout write about the same tensors."""
 
 
 @dataclass(frozen=True)
@@ -656,6 +710,9 @@ class Series:
     field: str = "median_s"
     """``median_s`` (summed over ``ids``), or ``bytes`` / ``items`` of ``ids[0]``."""
     marker: str = "o"
+    key: str = ""
+    """The entry of a legend shared by panels that draw related series in the same style (the save and
+    the load side); ``label`` when empty."""
 
     def value(self, run: dict[str, Any]) -> float | None:
         figs = [run["figures"].get(i, {}) for i in self.ids]
@@ -671,18 +728,23 @@ class Series:
 def _sparse_series(op: str, formats: tuple[str, ...] = ("packed",)) -> list[Series]:
     name = "sparse_state_dict" if op == "save" else "load_sparse_state_dict"
     return [Series(f"{name} ({fmt}), {b}" if len(formats) > 1 else f"{name}, {b}",
-                   (sparse_id(op, b, fmt),), C_SPARSE[fmt], BACKEND_STYLE[b])
+                   (sparse_id(op, b, fmt),), C_SPARSE[fmt], BACKEND_STYLE[b],
+                   key=f"sparse_ckpt ({fmt}), {b} core" if len(formats) > 1 else f"sparse_ckpt, {b} core")
             for fmt in formats for b in BACKENDS]
 
 
+FLOOR_KEY = "torch floor: optimizer.state_dict() / load_state_dict()"
+DSD_KEY = "DSD get / set_optimizer_state_dict"
+
+
 def _save_series(formats: tuple[str, ...] = ("packed",)) -> list[Series]:
-    return [Series("optimizer.state_dict() (floor)", (FLOOR_STATE_DICT,), C_FLOOR), *_sparse_series("save", formats),
-            Series("DSD get_optimizer_state_dict", (DSD_GET,), C_DSD)]
+    return [Series("optimizer.state_dict() (floor)", (FLOOR_STATE_DICT,), C_FLOOR, key=FLOOR_KEY),
+            *_sparse_series("save", formats), Series("DSD get_optimizer_state_dict", (DSD_GET,), C_DSD, key=DSD_KEY)]
 
 
 def _load_series(formats: tuple[str, ...] = ("packed",)) -> list[Series]:
-    return [Series("optimizer.load_state_dict() (floor)", (FLOOR_LOAD_STATE_DICT,), C_FLOOR),
-            *_sparse_series("load", formats), Series("DSD set_optimizer_state_dict", (DSD_SET,), C_DSD)]
+    return [Series("optimizer.load_state_dict() (floor)", (FLOOR_LOAD_STATE_DICT,), C_FLOOR, key=FLOOR_KEY),
+            *_sparse_series("load", formats), Series("DSD set_optimizer_state_dict", (DSD_SET,), C_DSD, key=DSD_KEY)]
 
 
 def _dcp_series(ops: tuple[str, ...], field: str = "median_s") -> dict[tuple[str, str], Series]:
@@ -706,18 +768,38 @@ def plot_method_ids() -> list[str]:
     return [i for s in series for i in s.ids]
 
 
-def _not_measured(series: Series, runs: list[dict[str, Any]]) -> str:
-    missing = [r["scale"] for r in runs if series.value(r) is None]
-    if not missing:
+def coverage(series: Series, runs: list[dict[str, Any]]) -> str:
+    """Legend suffix saying where ``series`` was measured over ``runs`` (sorted by size): ``""``
+    (everywhere), `` (up to 24x128)``, `` (only 8x64, 61x256)`` or `` (not measured)``."""
+    measured = [r["scale"] for r in runs if series.value(r) is not None]
+    if len(measured) == len(runs):
         return ""
-    if len(missing) == len(runs):
-        return " — not measured"
-    return f" — not measured at {', '.join(missing)}"
+    if not measured:
+        return " (not measured)"
+    if measured == [r["scale"] for r in runs[:len(measured)]]:
+        return f" (up to {measured[-1]})"
+    return f" (only {', '.join(measured)})"
+
+
+def coinciding(series: Series, other: Series, runs: list[dict[str, Any]]) -> float | None:
+    """The largest ``|series / other - 1|`` over ``runs`` when ``series`` was measured only where ``other``
+    was too (and somewhere); ``None`` otherwise."""
+    pairs = [(series.value(r), other.value(r)) for r in runs]
+    pairs = [(a, b) for a, b in pairs if a is not None]
+    if not pairs or any(b is None for _a, b in pairs):
+        return None
+    return max(abs(a / b - 1) for a, b in pairs)  # type: ignore[operator]
+
+
+def _style(s: Series) -> dict[str, Any]:
+    return {"linestyle": s.style, "color": s.color, "marker": s.marker, "markersize": 5 if s.marker == "o" else 4.5,
+            "linewidth": 1.6}
 
 
 def _draw(ax: Any, runs: list[dict[str, Any]], series: list[Series], ylabel: str, title: str,
           annotate_missing: bool = True) -> list[Any]:
-    """Plot ``series`` over ``runs`` on log-log axes; return the legend handles (one per series)."""
+    """Plot ``series`` over ``runs`` on log-log axes; return the legend handles (one per series, its label
+    with :func:`coverage` when ``annotate_missing``; greyed when not measured at all)."""
     from matplotlib.lines import Line2D
     from matplotlib.ticker import NullFormatter, NullLocator
 
@@ -725,15 +807,13 @@ def _draw(ax: Any, runs: list[dict[str, Any]], series: list[Series], ylabel: str
     for s in series:
         pts = [(r["n_params"], s.value(r)) for r in runs]
         pts = [(x, y) for x, y in pts if y is not None]
-        label = s.label + (_not_measured(s, runs) if annotate_missing else "")
+        label = s.label + (coverage(s, runs) if annotate_missing else "")
         if pts:
-            (line,) = ax.plot([p[0] for p in pts], [p[1] for p in pts], s.style, color=s.color, marker=s.marker,
-                              markersize=5 if s.marker == "o" else 4.5, linewidth=1.6, label=label)
+            (line,) = ax.plot([p[0] for p in pts], [p[1] for p in pts], label=label, **_style(s))
             handles.append(line)
         else:
-            handles.append(Line2D([], [], linestyle=s.style, color=s.color, marker=s.marker, alpha=0.35,
-                                  label=label))
-    if not any(h.get_xdata() is not None and len(h.get_xdata()) for h in handles):
+            handles.append(Line2D([], [], alpha=0.35, label=label, **_style(s)))
+    if not any(len(h.get_xdata()) for h in handles):
         ax.text(0.5, 0.5, "not measured", transform=ax.transAxes, ha="center", va="center", color="grey")
     ax.set_xscale("log")
     ax.set_yscale("log")
@@ -752,8 +832,24 @@ def _draw(ax: Any, runs: list[dict[str, Any]], series: list[Series], ylabel: str
     return handles
 
 
+def _key_handles(series: Iterable[Series], runs: list[dict[str, Any]]) -> list[Any]:
+    """One legend entry per :attr:`Series.key` (in the style of its first series), for a legend shared by
+    panels; greyed and marked "not measured" when no series of the key has a value in any of ``runs``."""
+    from matplotlib.lines import Line2D
+
+    keys: dict[str, list[Series]] = {}
+    for s in series:
+        keys.setdefault(s.key or s.label, []).append(s)
+    handles = []
+    for key, group in keys.items():
+        measured = any(s.value(r) is not None for s in group for r in runs)
+        handles.append(Line2D([], [], alpha=1.0 if measured else 0.35, **_style(group[0]),
+                              label=key if measured else f"{key} (not measured)"))
+    return handles
+
+
 def ratio_note(runs: list[dict[str, Any]], pairs: Iterable[tuple[str, Series, Series]], sep: str = "; ") -> str:
-    """``at 4x16: name 1.3×, ...``: ``num / den`` at the largest run where both were measured."""
+    """``name: 1.3× at 4x16; ...``: ``num / den`` at the largest run where both were measured."""
     parts = []
     for name, num, den in pairs:
         done = [r for r in runs if num.value(r) is not None and den.value(r) is not None]
@@ -761,13 +857,20 @@ def ratio_note(runs: list[dict[str, Any]], pairs: Iterable[tuple[str, Series, Se
             r = max(done, key=lambda r: r["n_params"])
             value = num.value(r) / den.value(r)  # type: ignore[operator]
             digits = 0 if value >= 100 else 1 if value >= 1 else 2
-            parts.append(f"{name} {value:.{digits}f}× ({r['scale']})")
+            parts.append(f"{name}: {value:,.{digits}f}× at {r['scale']}")
     return sep.join(parts)
 
 
 def _legend_below(ax: Any, handles: list[Any], ncol: int = 1) -> None:
     ax.legend(handles=handles, loc="upper center", bbox_to_anchor=(0.5, -0.22), ncol=ncol, fontsize=8,
               frameon=False, handlelength=3)
+
+
+def _figure_legend(fig: Any, handles: list[Any], title: str, ncol: int = 3) -> None:
+    """A legend below the whole (sub)figure, inside it (constrained layout makes room)."""
+    legend = fig.legend(handles=handles, title=title, loc="outside lower center", ncol=ncol, fontsize=8,
+                        title_fontsize=8, frameon=False, handlelength=3)
+    legend.get_title().set_multialignment("center")
 
 
 def _runs_of(results: dict[str, Any], layout: str) -> list[dict[str, Any]]:
@@ -784,12 +887,35 @@ def _title(title: str, note: str) -> str:
     return f"{title}\n{note}" if note else title
 
 
+def _drop_coinciding(series: dict[tuple[str, str], Series], runs: list[dict[str, Any]],
+                     dropped: dict[tuple[str, str], list[tuple[str, float]]], panel: str) -> list[Series]:
+    """``series`` without those of :data:`DCP_COINCIDING` that lie within :data:`COINCIDE_WITHIN` of
+    their partner; each one left out is recorded in ``dropped[(its label, partner's label)]``."""
+    out = dict(series)
+    for gone, kept in DCP_COINCIDING:
+        dev = coinciding(series[gone], series[kept], runs)
+        if dev is not None and dev < COINCIDE_WITHIN:
+            del out[gone]
+            dropped.setdefault((series[gone].label, series[kept].label), []).append((panel, dev))
+    return list(out.values())
+
+
+def _dropped_note(dropped: dict[tuple[str, str], list[tuple[str, float]]]) -> str:
+    """``not drawn where it coincides with another line: A ≈ B in the bytes and items panels (within 4%)``."""
+    parts = []
+    for (gone, kept), where in dropped.items():
+        panels = " and ".join(p for p, _dev in where)
+        parts.append(f"{gone} ≈ {kept} in the {panels} panel{'s' if len(where) > 1 else ''} "
+                     f"(within {math.ceil(100 * max(d for _p, d in where))}%): not drawn there")
+    return "\n".join(parts)
+
+
 def plot_headline(results: dict[str, Any], path: str, plt: Any) -> None:
     """Save and load time vs the floor and DSD; DCP packed vs flat in time, bytes and items."""
     layouts = list(results["config"]["layouts"])
     layout = TARGET_LAYOUT if TARGET_LAYOUT in layouts else layouts[0]
     runs = _runs_of(results, layout)
-    fig = plt.figure(figsize=(15, 10.5), layout="constrained")
+    fig = plt.figure(figsize=(15, 11), layout="constrained")
     gs = fig.add_gridspec(2, 6)
     ax_save, ax_load = fig.add_subplot(gs[0, 0:3]), fig.add_subplot(gs[0, 3:6])
     ax_t, ax_b, ax_i = fig.add_subplot(gs[1, 0:2]), fig.add_subplot(gs[1, 2:4]), fig.add_subplot(gs[1, 4:6])
@@ -800,46 +926,52 @@ def plot_headline(results: dict[str, Any], path: str, plt: Any) -> None:
     note_l = ratio_note(runs, [("cpp / floor", cpp_l, floor_l), ("DSD set / cpp", dsd_l, cpp_l)])
     for ax, series, title in ((ax_save, save, _title(f"save: optimizer → dict (one group per {layout})", note_s)),
                               (ax_load, load, _title(f"load: dict → fresh optimizer (one group per {layout})", note_l))):
-        handles = _draw(ax, runs, series, "seconds (median)", title)
-        long = max(len(h.get_label()) for h in handles) > 32
-        _legend_below(ax, handles, ncol=1 if long else 2)
+        _legend_below(ax, _draw(ax, runs, series, "seconds (median)", title), ncol=2)
     panels = ((ax_t, _dcp_series(("save", "load")), "seconds (median save + load)", "DCP save + load", "time"),
               (ax_b, _dcp_series(("save",), "bytes"), "bytes on disk", "DCP checkpoint size", "bytes"),
               (ax_i, _dcp_series(("save",), "items"), "items in the DCP metadata", "DCP items", "items"))
+    dropped: dict[tuple[str, str], list[tuple[str, float]]] = {}
     for ax, series, ylabel, title, what in panels:
-        note = ratio_note(runs, [("naive / SparseOptimizerState", series[(NAIVE, "all")], series[("packed", STATEFUL)]),
-                                 ("flat / packed, groups", series[("flat", "groups")], series[("packed", "groups")])],
-                          sep="\n")
-        handles = _draw(ax, runs, list(series.values()), ylabel, _title(f"{title} (one group per {layout})", note),
-                        ax is ax_t)
+        note = ratio_note(runs, [("naive layout / SparseOptimizerState", series[(NAIVE, "all")],
+                                  series[("packed", STATEFUL)]),
+                                 ("param groups alone, flat / packed", series[("flat", "groups")],
+                                  series[("packed", "groups")])], sep="\n")
+        drawn = list(series.values()) if ax is ax_t else _drop_coinciding(series, runs, dropped, what)
+        handles = _draw(ax, runs, drawn, ylabel, _title(f"{title} (one group per {layout})", note), ax is ax_t)
         if ax is ax_t:
             legend = handles
-    fig.legend(handles=legend, title="DCP (bottom row)", loc="outside lower center", ncol=3,
-               fontsize=8, title_fontsize=8, frameon=False, handlelength=3)
+    title = "DCP (bottom row)" + (f"\n{_dropped_note(dropped)}" if dropped else "")
+    _figure_legend(fig, legend, title)
     _suptitle(fig, results, "sparse_ckpt vs optimizer.state_dict() and DSD; DCP of sparse_ckpt vs the naive layout")
-    fig.savefig(path, dpi=100)
+    fig.savefig(path, **SAVEFIG)
 
 
 def plot_scaling(results: dict[str, Any], path: str, plt: Any) -> None:
-    """Every save/load/DSD/DCP figure, one row per layout, both formats and both backends."""
+    """Every save/load/DSD/DCP figure, both formats and both backends: the save / load panels above
+    (one row per layout), the DCP panels below, each block with one legend."""
     layouts = list(results["config"]["layouts"])
-    panels = (
-        ("save side", lambda: _save_series(("packed", "flat")), "seconds (median)"),
-        ("load side", lambda: _load_series(("packed", "flat")), "seconds (median)"),
-        ("dcp.save", lambda: list(_dcp_series(("save",)).values()), "seconds (median)"),
-        ("dcp.load", lambda: list(_dcp_series(("load",)).values()), "seconds (median)"),
+    blocks = (
+        ("sparse_ckpt vs torch's floor and DSD (sparse_ckpt: packed blue, flat purple; cpp core solid, python dashed)",
+         (("save side", _save_series(("packed", "flat"))), ("load side", _load_series(("packed", "flat")))),
+         ("save panels: optimizer.state_dict(), sparse_state_dict, DSD get; load panels: optimizer.load_state_dict(), "
+          "load_sparse_state_dict, DSD set")),
+        ("DCP: dcp.save and dcp.load of each dict",
+         (("dcp.save", list(_dcp_series(("save",)).values())), ("dcp.load", list(_dcp_series(("load",)).values()))),
+         ""),
     )
-    fig, axes = plt.subplots(len(layouts), len(panels), figsize=(5 * len(panels), 3.8 * len(layouts) + 2.2),
-                             squeeze=False, layout="constrained")
-    for row, layout in enumerate(layouts):
-        runs = _runs_of(results, layout)
-        for col, (title, make, ylabel) in enumerate(panels):
-            handles = _draw(axes[row][col], runs, make(), ylabel, f"{title} — one group per {layout}",
-                            annotate_missing=row == len(layouts) - 1)
-            if row == len(layouts) - 1:
-                _legend_below(axes[row][col], handles)
-    _suptitle(fig, results, "every save / load / DSD / DCP figure (cpp solid, python dashed)")
-    fig.savefig(path, dpi=100)
+    fig = plt.figure(figsize=(14, 6.8 * len(layouts) + 4), layout="constrained")
+    for sub, (title, panels, about) in zip(fig.subfigures(2, 1), blocks):
+        axes = sub.subplots(len(layouts), len(panels), squeeze=False)
+        for row, layout in enumerate(layouts):
+            runs = _runs_of(results, layout)
+            for col, (name, series) in enumerate(panels):
+                _draw(axes[row][col], runs, series, "seconds (median)", f"{name} — one group per {layout}",
+                      annotate_missing=False)
+        handles = _key_handles([s for _name, series in panels for s in series], results["runs"])
+        _figure_legend(sub, handles, "\n".join(x for x in (about, MISSING_NOTE) if x))
+        sub.suptitle(title, fontsize=10)
+    _suptitle(fig, results, "every save / load / DSD / DCP figure")
+    fig.savefig(path, **SAVEFIG)
 
 
 def plot_core(results: dict[str, Any], path: str, plt: Any) -> None:
@@ -861,7 +993,7 @@ def plot_core(results: dict[str, Any], path: str, plt: Any) -> None:
                 fn_key = [Line2D([], [], color=colors[fn], linewidth=2.5, label=f"core.{fn}") for fn in functions]
                 _legend_below(ax, fn_key + style_key, ncol=3)
     _suptitle(fig, results, "core functions alone (cpp solid, python dashed, same colour)")
-    fig.savefig(path, dpi=100)
+    fig.savefig(path, **SAVEFIG)
 
 
 def write_plots(results: dict[str, Any], out_dir: str) -> tuple[list[str], str | None]:

@@ -146,6 +146,8 @@ def test_targets_and_outputs(bench_out: str) -> None:
         assert by_name[t.name]["status"] == report.NA and "not run" in by_name[t.name]["reason"]
     info = {(r["name"], r["where"].split(",")[1].split()[0] if "," in r["where"] else ""): r for r in res["info"]}
     assert (report.INFO_DCP_GROUPS_BYTES, "param") in info and (report.INFO_DSD_SET, "layer") in info
+    export = [r for r in res["info"] if r["name"] == report.INFO_EXPORT_BYTES]
+    assert export and all(r["value"] is not None and r["value"] > 0 for r in export), export
     with open(os.path.join(bench_out, "results.md"), encoding="utf-8") as f:
         md = f.read()
     assert "## Targets" in md and "### 2x4, one group per param" in md
@@ -473,3 +475,166 @@ def test_targets_mode_header_before_any_run() -> None:
     assert report.targets_mode({"config": {**config, "layouts": ["layer"]}, "runs": []})[0] is False
     small = [{"scale": "8x64", "layout": report.TARGET_LAYOUT}]
     assert report.targets_mode({"config": config, "runs": small})[0] is False
+
+
+# --------------------------------------------------------------------------- figure layout
+
+PLOT_SCALES = ("8x64", "24x128", "61x256", "120x512", "200x1024")
+
+
+def _synthetic_full_results() -> dict:
+    """A full run's results over the default scales, with figures skipped at the larger scales the
+    way the bench's limits skip them (DSD, torch's load, flat and naive DCP, all DCP): the legends
+    then carry what was not measured, as a real run's do. Times, bytes and items are made up."""
+    runs = []
+    for i, scale in enumerate(PLOT_SCALES):
+        for layout in ("layer", "param"):
+            figures = {}
+            for k, mid in enumerate(sorted(planned_ids())):
+                skipped = ((mid.startswith("dsd/") and i >= 2) or (mid == "floor/load_state_dict" and i >= 2)
+                           or (mid.startswith("dcp/") and "/flat/all" in mid and i >= 2)
+                           or (mid.startswith(("dcp/", "export/")) and "/packed/groups" not in mid and i >= 3)
+                           or ("/naive/" in mid and layout == "param" and i >= 2))
+                if skipped:
+                    figures[mid] = {"status": "skipped", "reason": "over a --*-max-* limit"}
+                    continue
+                extra = {"items": 10 ** (i + 2) + k, "bytes": 10 ** (i + 5) + k} if "/save" in mid else {}
+                figures[mid] = _fig(1e-4 * 4 ** i * (1 + k % 7), **extra)
+            runs.append(_run(scale, layout, figures, n_param_shaped_state=100, n_leaves=1))
+    res = _results(runs)
+    res["config"]["layouts"] = ["layer", "param"]
+    res["machine"].update(cpu_model="Some CPU", cores=2, python="3.11.7", torch="2.13.0+cpu", device="cpu")
+    return res
+
+
+def _render_figures(results: dict, out: str) -> dict:
+    """``report.write_plots``, keeping each figure it saves (by file name) to inspect its layout."""
+    from matplotlib.figure import Figure
+
+    figures = {}
+    savefig = Figure.savefig
+
+    def keep(fig: Figure, fname: object, *args: object, **kwargs: object) -> None:
+        savefig(fig, fname, *args, **kwargs)
+        figures[os.path.basename(str(fname))] = fig
+
+    Figure.savefig = keep  # type: ignore[method-assign]
+    try:
+        paths, message = report.write_plots(results, out)
+    finally:
+        Figure.savefig = savefig  # type: ignore[method-assign]
+    assert message is None and [os.path.basename(p) for p in paths] == list(report.FIGURE_NAMES)
+    return figures
+
+
+def layout_problems(fig: object) -> list[str]:
+    """Legends outside the figure or overlapping each other or a plot they do not belong to; x tick
+    labels of one axes overlapping each other. Extents in pixels, from the figure's own renderer."""
+    from matplotlib.backends.backend_agg import FigureCanvasAgg
+    from matplotlib.legend import Legend
+
+    canvas = FigureCanvasAgg(fig)  # a closed figure keeps no renderer; drawing runs its layout again
+    canvas.draw()
+    renderer = canvas.get_renderer()
+    frame = fig.bbox  # type: ignore[attr-defined]
+
+    def overlap(a: object, b: object) -> float:
+        w = min(a.x1, b.x1) - max(a.x0, b.x0)  # type: ignore[attr-defined]
+        h = min(a.y1, b.y1) - max(a.y0, b.y0)  # type: ignore[attr-defined]
+        return w * h if w > 0.5 and h > 0.5 else 0.0
+
+    problems = []
+    legends = [lg for lg in fig.findobj(Legend) if lg.get_visible()]  # type: ignore[attr-defined]
+    boxes = [lg.get_window_extent(renderer) for lg in legends]
+    names = [f"legend {i} ({lg.texts[0].get_text()[:30]!r}...)" for i, lg in enumerate(legends)]
+    for name, box in zip(names, boxes):
+        if box.x0 < frame.x0 - 1 or box.y0 < frame.y0 - 1 or box.x1 > frame.x1 + 1 or box.y1 > frame.y1 + 1:
+            problems.append(f"{name} outside the figure: {[round(v) for v in box.extents]} vs {[round(v) for v in frame.extents]}")
+    for i in range(len(boxes)):
+        for j in range(i + 1, len(boxes)):
+            if overlap(boxes[i], boxes[j]):
+                problems.append(f"{names[i]} overlaps {names[j]}")
+    for ax in fig.axes:  # type: ignore[attr-defined]
+        plot_area = ax.get_window_extent(renderer)
+        for name, lg, box in zip(names, legends, boxes):
+            if lg.axes is not ax and overlap(box, plot_area):
+                problems.append(f"{name} overlaps the plot {ax.get_title()!r}")
+        ticks = [t.get_window_extent(renderer) for t in ax.get_xticklabels() if t.get_visible() and t.get_text()]
+        for a, b in zip(ticks, ticks[1:]):
+            if overlap(a, b):
+                problems.append(f"x tick labels collide in {ax.get_title()!r}")
+                break
+    return problems
+
+
+@pytest.mark.parametrize("source", ["full-scales", "quick-run"])
+def test_figure_legends_fit_and_do_not_overlap(source: str, request: pytest.FixtureRequest, tmp_path) -> None:
+    """Every legend of every figure lies inside the figure, overlaps no other legend and no plot it
+    does not belong to, and no two x tick labels of a plot collide (a full run's scales and a quick run's)."""
+    pytest.importorskip("matplotlib")
+    results = _synthetic_full_results() if source == "full-scales" else _load(request.getfixturevalue("bench_out"))
+    figures = _render_figures(results, str(tmp_path))
+    assert sorted(figures) == sorted(report.FIGURE_NAMES)
+    problems = {name: layout_problems(fig) for name, fig in figures.items()}
+    assert not any(problems.values()), "\n".join(f"{name}: {p}" for name, ps in problems.items() for p in ps)
+
+
+def test_plot_coverage_and_coinciding_series() -> None:
+    """Legend suffixes say how far a line goes; a bytes / items line is left out only where another
+    one covers every scale it was measured at, within :data:`report.COINCIDE_WITHIN`."""
+    skipped = {"status": "skipped", "reason": "limit"}
+    runs = [_run(s, "param", {"a": _fig(1.0, bytes=100), "b": _fig(1.0, bytes=103),
+                              "c": _fig(1.0, bytes=150) if s != "61x256" else skipped}) for s in PLOT_SCALES[:3]]
+    runs[2]["figures"]["a"] = skipped
+    a, b, c = (report.Series(n, (n,), "k", field="bytes") for n in "abc")
+    assert report.coverage(b, runs) == ""
+    assert report.coverage(a, runs) == " (up to 24x128)"
+    runs[0]["figures"]["a"] = skipped
+    assert report.coverage(a, runs) == " (only 24x128)"
+    assert report.coverage(report.Series("d", ("d",), "k"), runs) == " (not measured)"
+    assert report.coinciding(a, b, runs) == pytest.approx(3 / 103)  # a measured only where b is
+    assert report.coinciding(b, a, runs) is None  # b goes further than a: leaving it out would lose points
+    assert report.coinciding(c, b, runs) == pytest.approx(47 / 103)
+
+
+def test_export_vs_dcp_info_rows() -> None:
+    """Export ÷ DCP of the whole optimizer (dir bytes, save time, load time): one information row per
+    scale and layout where both figures were measured, none where either was skipped."""
+    skipped = {"status": "skipped", "reason": "9,999 entries > --dcp-max-items 200"}
+
+    def figs(export_s: float, export_bytes: int, load_s: float, dcp_s: float, dcp_bytes: int, dcp_load_s: float) -> dict:
+        return {"export/save": _fig(export_s, bytes=export_bytes), "export/load": _fig(load_s),
+                "dcp/save/packed/stateful": _fig(dcp_s, items=10, bytes=dcp_bytes),
+                "dcp/load/packed/stateful": _fig(dcp_load_s)}
+
+    runs = [
+        _run("8x64", "param", figs(0.5, 900, 0.2, 1.0, 1000, 0.8)),
+        _run("24x128", "param", figs(3.0, 5000, 1.0, 2.0, 4000, 4.0)),
+        _run("8x64", "layer", figs(0.25, 450, 0.1, 1.0, 500, 0.5)),
+        _run("61x256", "param", {**figs(1.0, 1, 1.0, 1.0, 1, 1.0), "export/save": skipped, "export/load": skipped}),
+    ]
+    res = _results(runs)
+    rows = report.export_info(res)
+    assert rows == [r for r in report.compute_info(res) if r["name"].startswith(("export", "load_export"))]
+    got = {(r["name"], r["where"]): r["value"] for r in rows}
+    assert got == {
+        (report.INFO_EXPORT_BYTES, "8x64, param"): pytest.approx(0.9),
+        (report.INFO_EXPORT_BYTES, "24x128, param"): pytest.approx(1.25),
+        (report.INFO_EXPORT_BYTES, "8x64, layer"): pytest.approx(0.9),
+        (report.INFO_EXPORT_SAVE, "8x64, param"): pytest.approx(0.5),
+        (report.INFO_EXPORT_SAVE, "24x128, param"): pytest.approx(1.5),
+        (report.INFO_EXPORT_SAVE, "8x64, layer"): pytest.approx(0.25),
+        (report.INFO_EXPORT_LOAD, "8x64, param"): pytest.approx(0.25),
+        (report.INFO_EXPORT_LOAD, "24x128, param"): pytest.approx(0.25),
+        (report.INFO_EXPORT_LOAD, "8x64, layer"): pytest.approx(0.2),
+    }, "61x256: export skipped, no row"
+    assert [r["where"] for r in rows[:3]] == ["8x64, param", "24x128, param", "8x64, layer"]
+    detail = {(r["name"], r["where"]): r["detail"] for r in rows}
+    assert detail[(report.INFO_EXPORT_BYTES, "24x128, param")] == "4.9 KiB vs 3.9 KiB"
+    assert detail[(report.INFO_EXPORT_LOAD, "24x128, param")] == "1.00 s vs 4.00 s"
+    md = "\n".join(report.info_markdown(rows))
+    assert f"| {report.INFO_EXPORT_SAVE} | — | 1.50× | 24x128, param — 3.00 s vs 2.00 s |" in md
+
+    none = report.export_info(_results([runs[3]]))
+    assert [(r["name"], r["value"]) for r in none] == [(n, None) for n, *_ in report.EXPORT_INFO]
+    assert all("export/" in r["reason"] and "not both measured" in r["reason"] for r in none)
