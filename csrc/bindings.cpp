@@ -62,8 +62,8 @@ PYBIND11_MODULE(_C, m) {
           py::arg("check_shapes"), py::arg("cast_tensor"), py::arg("cast_value"),
           "Put each target parameter's saved state, cast as torch would, into state; return the used FQNs.");
     m.def("merge_table_settings", &merge_table_settings, py::arg("leaf"), py::arg("settings"), py::arg("groups"),
-          py::arg("canonical"), py::arg("settings_of"), py::arg("source_of"), py::arg("table_leaf_of"),
-          "Record a decoded table's settings by canonical FQN; return the indices of its empty groups.");
+          py::arg("canonical"), py::arg("settings_of"),
+          "Record a decoded table's settings by canonical FQN: (indices of its empty groups, first clash or None).");
     m.def("merge_scalars", &merge_scalars, py::arg("state_of"), py::arg("scalars_of"), py::arg("tensor_type"),
           "Each FQN's state: its scalars (own dicts and tensors) first, then its per-item entries.");
     m.def("capture_fqns", &capture_fqns, py::arg("leaf"), py::arg("param_groups"), py::arg("state"),

@@ -27,8 +27,6 @@ void put_len_u32(std::string& out, Py_ssize_t n) {
     put_u32(out, static_cast<uint32_t>(n));
 }
 
-namespace {
-
 /// ``k != "params"`` for a key of any type.
 bool not_params(PyObject* k, PyObject* params) {
     if (k == params) return false;
@@ -40,8 +38,6 @@ bool not_params(PyObject* k, PyObject* params) {
     check(truth);
     return truth != 0;
 }
-
-}  // namespace
 
 py::object copy_without_params(py::handle group, py::handle params_key) {
     PyObject* params = params_key.ptr();

@@ -189,6 +189,9 @@ inline Py_ssize_t length(py::handle obj) {
     raise_type("a list, tuple or dict", obj);
 }
 
+/// ``k != "params"`` for a key of any type (``params`` is the interned ``"params"``).
+bool not_params(PyObject* k, PyObject* params);
+
 /// ``{k: v for k, v in group.items() if k != "params"}``
 py::object copy_without_params(py::handle group, py::handle params_key);
 

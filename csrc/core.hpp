@@ -28,7 +28,7 @@ py::bytes encode_settings(py::object leaf, py::object group_index, py::object se
                           py::object to_parts);
 py::bytes encode_table(py::object leaf, py::object groups_fqn, py::object tensor_type, py::object to_parts);
 py::tuple decode_table(py::object leaf, py::object data, py::object from_parts);
-/// ``obj.name`` for objects of one exact type: when that type uses the generic attribute lookup
+/// ``obj.name``, fastest for objects of one exact type: when that type uses the generic attribute lookup
 /// and ``name`` is a data descriptor of it (a getset, as torch's tensor properties are), the
 /// descriptor found once is called directly -- what the generic lookup does for a data
 /// descriptor, without the per-object type lookup. Otherwise it is ``PyObject_GetAttr``. Valid
@@ -37,7 +37,9 @@ class TypeAttr {
 public:
     TypeAttr(py::handle type, const char* name);
     py::object get(PyObject* obj) const {
-        if (descr_) return steal(get_(descr_.ptr(), obj, type_.ptr()));
+        if (descr_ && reinterpret_cast<PyObject*>(Py_TYPE(obj)) == type_.ptr()) {
+            return steal(get_(descr_.ptr(), obj, type_.ptr()));
+        }
         return steal(PyObject_GetAttr(obj, name_.ptr()));
     }
 
@@ -77,8 +79,8 @@ py::object build_groups(py::object param_groups, py::object chosen, py::object c
 py::object cast_states(py::object leaf, py::object param_groups, py::object target, py::object new_groups,
                        py::object state_of, py::object state, py::object tensor_type, py::object check_shapes,
                        py::object cast_tensor, py::object cast_value);
-py::object merge_table_settings(py::object leaf, py::object settings, py::object groups, py::object canonical,
-                                py::object settings_of, py::object source_of, py::object table_leaf_of);
+py::tuple merge_table_settings(py::object leaf, py::object settings, py::object groups, py::object canonical,
+                               py::object settings_of);
 py::object merge_scalars(py::object state_of, py::object scalars_of, py::object tensor_type);
 
 // save_pass.cpp

@@ -351,9 +351,47 @@ py::tuple unflatten(py::object flat, py::object known_fqns) {
     std::unordered_set<PyObject*> owned;  // dicts built here (all alive in state_by_fqn until we return)
     py::object dot_str = steal(PyUnicode_FromString("."));
     const bool known_is_dict = PyDict_CheckExact(known_fqns.ptr());
+    // Keys of one parameter come together: when a key is ``state.{previous owner}.{one part}``,
+    // that owner is its longest known prefix (a longer one would end at a dot of the part).
+    py::object prev_fqn;
+    Py_ssize_t prev_len = 0;
+    // The last parts met (``exp_avg``, ``step``, ...) reused as they are, not rebuilt per key.
+    std::vector<py::object> recent_parts;
     for (auto& kv : state_keys) {
         PyObject* k = kv.first.ptr();
         const Py_ssize_t len = PyUnicode_GET_LENGTH(k);
+        if (prev_fqn && len > kStateLen + prev_len + 1 &&
+            PyUnicode_READ_CHAR(k, kStateLen + prev_len) == '.' &&
+            PyUnicode_Tailmatch(k, prev_fqn.ptr(), kStateLen, kStateLen + prev_len, -1) == 1) {
+            const Py_ssize_t part_at = kStateLen + prev_len + 1;
+            const Py_ssize_t more = PyUnicode_FindChar(k, '.', part_at, len, 1);
+            if (more == -2) throw py::error_already_set();
+            if (more == -1) {
+                py::object part;
+                for (const py::object& r : recent_parts) {
+                    if (PyUnicode_GET_LENGTH(r.ptr()) == len - part_at &&
+                        PyUnicode_Tailmatch(k, r.ptr(), part_at, len, 1) == 1) {
+                        part = r;
+                        break;
+                    }
+                }
+                if (!part) {
+                    part = steal(PyUnicode_Substring(k, part_at, len));
+                    if (recent_parts.size() < 8) recent_parts.push_back(part);
+                }
+                if (unescape && starts_with(part.ptr(), kEscape, lit_len(kEscape))) part = unescape_part(part, kv.first);
+                py::object node = dict_get(state_by_fqn, prev_fqn);  // built for the previous key
+                const int present = PyDict_Contains(node.ptr(), part.ptr());
+                check(present);
+                if (present && PyDict_Check(PyDict_GetItemWithError(node.ptr(), part.ptr()))) {
+                    raise_format_error(Msg() << "state key " << py_repr(kv.first) << " collides with nested state of "
+                                             << py_repr(prev_fqn));
+                }
+                py::object value = kv.second ? kv.second : steal(PyObject_GetItem(flat.ptr(), k));
+                check(PyDict_SetItem(node.ptr(), part.ptr(), value.ptr()));
+                continue;
+            }
+        }
         Py_ssize_t dot = PyUnicode_FindChar(k, '.', kStateLen, len, -1);
         if (dot == -2) throw py::error_already_set();
         py::object fqn;
@@ -377,6 +415,8 @@ py::tuple unflatten(py::object flat, py::object known_fqns) {
             check(PyList_Append(unmatched.ptr(), k));
             continue;
         }
+        prev_fqn = fqn;
+        prev_len = PyUnicode_GET_LENGTH(fqn.ptr());
         bool created = false;
         py::object node = setdefault_dict(state_by_fqn, fqn, &created);
         if (created) owned.insert(node.ptr());

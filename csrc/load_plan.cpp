@@ -53,6 +53,7 @@ struct Names {
     py::object dtype = interned("dtype");
     py::object device = interned("device");
     py::object is_floating_point = interned("is_floating_point");
+    py::object is_cpu = interned("is_cpu");
     py::object fused = interned("fused");
     py::object capturable = interned("capturable");
     py::object step = interned(kStepKey);
@@ -82,30 +83,49 @@ bool is_step(PyObject* key, const Names& n) {
     return PyUnicode_Check(key) && PyUnicode_CompareWithASCIIString(key, kStepKey) == 0;
 }
 
-/// ``_shapes_plain``
-bool shapes_plain(py::handle p, PyObject* state, PyObject* tensor_type, const Names& n) {
-    if (!PyDict_CheckExact(state)) return false;
-    py::object shape;
-    py::object dtype;
-    Py_ssize_t pos = 0;
-    PyObject* k = nullptr;
-    PyObject* v = nullptr;
-    while (PyDict_Next(state, &pos, &k, &v)) {
-        py::object key = borrow(k);
-        py::object value = borrow(v);
-        if (is_tensor_of(v, tensor_type)) {
-            if (is_step(k, n)) continue;
-            if (!shape) {
-                shape = attr(p, n.shape);
-                dtype = attr(p, n.dtype);
-            }
-            if (attr(value, n.dtype).ptr() != dtype.ptr() || !rich_eq(attr(value, n.shape), shape)) return false;
-        } else if (PyDict_CheckExact(v)) {
-            return false;
-        }
+/// What cast_states reads of a parameter, each attribute at most once and only when needed.
+struct ParamView {
+    PyObject* p;
+    const Names& n;
+    py::object dtype, shape, device;
+    int is_cpu = -1;     // -1: not read yet
+    int floating = -1;
+
+    py::object& get_dtype() {
+        if (!dtype) dtype = attr(p, n.dtype);
+        return dtype;
     }
-    return true;
-}
+    py::object& get_shape() {
+        if (!shape) shape = attr(p, n.shape);
+        return shape;
+    }
+    py::object& get_device() {
+        if (!device) device = attr(p, n.device);
+        return device;
+    }
+    bool cpu() {
+        if (is_cpu < 0) is_cpu = attr(p, n.is_cpu).ptr() == Py_True ? 1 : 0;
+        return is_cpu != 0;
+    }
+    bool is_floating() {
+        if (floating < 0) {
+            py::object f = steal(PyObject_CallMethodNoArgs(p, n.is_floating_point.ptr()));
+            const int truth = PyObject_IsTrue(f.ptr());
+            check(truth);
+            floating = truth;
+        }
+        return floating != 0;
+    }
+};
+
+/// One saved state tensor's attributes, read once by the plain-ness check and reused by the cast.
+struct ValueView {
+    py::object key;
+    py::object value;
+    bool tensor;
+    bool step;
+    py::object dtype;  // read for a non-step tensor
+};
 
 }  // namespace
 
@@ -181,8 +201,11 @@ py::object cast_states(py::object leaf, py::object param_groups, py::object targ
                        py::object cast_tensor, py::object cast_value) {
     const Names names;
     PyObject* tt = tensor_type.ptr();
-    // fqn -> (param, special) of the first group listing it
+    const TypeAttr value_dtype(tensor_type, "dtype"), value_shape(tensor_type, "shape"),
+        value_device(tensor_type, "device"), value_is_cpu(tensor_type, "is_cpu");
+    // fqn -> param of the first group listing it; the fqns of fused/capturable groups
     py::object where = steal(PyDict_New());
+    py::object special_fqns = steal(PySet_New(nullptr));
     const Py_ssize_t n = std::min({length(param_groups), length(target), length(new_groups)});
     for (Py_ssize_t gi = 0; gi < n; ++gi) {
         py::object group = steal(PySequence_GetItem(param_groups.ptr(), gi));
@@ -201,133 +224,134 @@ py::object cast_states(py::object leaf, py::object param_groups, py::object targ
                 }
             }
         }
-        PyObject* special_obj = special ? Py_True : Py_False;
         py::object params = group_params(group, names.params);
         const Py_ssize_t np = std::min(length(params), length(fqns));
         for (Py_ssize_t i = 0; i < np; ++i) {
-            py::object fqn = steal(PySequence_GetItem(fqns.ptr(), i));
-            const int known = PyDict_Contains(where.ptr(), fqn.ptr());
-            check(known);
-            if (known) continue;
-            py::object p = steal(PySequence_GetItem(params.ptr(), i));
-            py::object hit = steal(PyTuple_Pack(2, p.ptr(), special_obj));
-            check(PyDict_SetItem(where.ptr(), fqn.ptr(), hit.ptr()));
+            PyObject* fqn = PySequence_Fast_ITEMS(fqns.ptr())[i];
+            const Py_ssize_t before = PyDict_GET_SIZE(where.ptr());
+            if (PyDict_SetDefault(where.ptr(), fqn, PySequence_Fast_ITEMS(params.ptr())[i]) == nullptr) {
+                throw py::error_already_set();
+            }
+            if (special && PyDict_GET_SIZE(where.ptr()) != before) check(PySet_Add(special_fqns.ptr(), fqn));
         }
     }
     py::object used = steal(PyList_New(0));
+    std::vector<ValueView> values;
     iterate_items(state_of, [&](py::handle fqn, py::handle saved) {
-        PyObject* hit = PyDict_GetItemWithError(where.ptr(), fqn.ptr());
-        if (hit == nullptr) {
+        PyObject* found = PyDict_GetItemWithError(where.ptr(), fqn.ptr());
+        if (found == nullptr) {
             if (PyErr_Occurred()) throw py::error_already_set();
             return;
         }
         if (saved.is_none()) return;
-        py::object p = borrow(PyTuple_GET_ITEM(hit, 0));
-        py::object special_obj = borrow(PyTuple_GET_ITEM(hit, 1));
-        const bool special = special_obj.ptr() == Py_True;
+        py::object p = borrow(found);
+        const int is_special = PySet_GET_SIZE(special_fqns.ptr()) ? PySet_Contains(special_fqns.ptr(), fqn.ptr()) : 0;
+        check(is_special);
+        const bool special = is_special != 0;
+        PyObject* special_obj = special ? Py_True : Py_False;
         check(PyList_Append(used.ptr(), fqn.ptr()));
-        if (!check_shapes.is_none() && !shapes_plain(p, saved.ptr(), tt, names)) {
+        ParamView pv{p.ptr(), names, {}, {}, {}};
+        const bool is_dict = PyDict_CheckExact(saved.ptr());
+        // ``_shapes_plain``: every non-step tensor has the param's dtype and shape (one read of each)
+        values.clear();
+        bool plain = is_dict;
+        if (is_dict) {
+            Py_ssize_t pos = 0;
+            PyObject* k = nullptr;
+            PyObject* v = nullptr;
+            while (PyDict_Next(saved.ptr(), &pos, &k, &v)) {
+                ValueView vv{borrow(k), borrow(v), is_tensor_of(v, tt), false, {}};
+                if (vv.tensor) {
+                    vv.step = is_step(k, names);
+                    if (!vv.step) {
+                        vv.dtype = value_dtype.get(v);
+                        if (plain && (vv.dtype.ptr() != pv.get_dtype().ptr() ||
+                                      !rich_eq(value_shape.get(v), pv.get_shape()))) {
+                            plain = false;
+                        }
+                    }
+                } else if (plain && PyDict_CheckExact(v)) {
+                    plain = false;
+                }
+                values.push_back(std::move(vv));
+            }
+        }
+        if (!check_shapes.is_none() && !plain) {
             steal(PyObject_CallFunctionObjArgs(check_shapes.ptr(), leaf.ptr(), fqn.ptr(), p.ptr(), saved.ptr(), nullptr));
         }
-        if (!PyDict_CheckExact(saved.ptr())) {
+        if (!is_dict) {
             py::object v = steal(
-                PyObject_CallFunctionObjArgs(cast_value.ptr(), p.ptr(), saved.ptr(), special_obj.ptr(), Py_None, nullptr));
+                PyObject_CallFunctionObjArgs(cast_value.ptr(), p.ptr(), saved.ptr(), special_obj, Py_None, nullptr));
             check(PyObject_SetItem(state.ptr(), p.ptr(), v.ptr()));
             return;
         }
-        py::object floating_obj = steal(PyObject_CallMethodNoArgs(p.ptr(), names.is_floating_point.ptr()));
-        const int floating = PyObject_IsTrue(floating_obj.ptr());
-        check(floating);
-        py::object dtype = attr(p, names.dtype);
-        py::object device = attr(p, names.device);
         py::object out = steal(PyDict_New());
-        Py_ssize_t pos = 0;
-        PyObject* k = nullptr;
-        PyObject* v = nullptr;
-        while (PyDict_Next(saved.ptr(), &pos, &k, &v)) {
-            py::object key = borrow(k);
-            py::object value = borrow(v);
+        for (ValueView& vv : values) {
             py::object cast;
-            if (is_tensor_of(v, tt)) {
+            if (vv.tensor) {
                 bool keep;
-                if (is_step(k, names)) {
+                if (vv.step) {
                     keep = !special;
                 } else {
-                    keep = (!floating || attr(value, names.dtype).ptr() == dtype.ptr()) &&
-                           rich_eq(attr(value, names.device), device);
+                    keep = !pv.is_floating() || vv.dtype.ptr() == pv.get_dtype().ptr();
+                    if (keep) {  // same device: both on the CPU (whose tensors all report 'cpu'), or equal devices
+                        const bool both_cpu = pv.cpu() && value_is_cpu.get(vv.value.ptr()).ptr() == Py_True;
+                        keep = both_cpu || rich_eq(value_device.get(vv.value.ptr()), pv.get_device());
+                    }
                 }
                 if (keep) {
-                    cast = value;
+                    cast = vv.value;
                 } else {
-                    py::object fl = py::bool_(floating != 0);
-                    cast = steal(PyObject_CallFunctionObjArgs(cast_tensor.ptr(), v, k, special_obj.ptr(), fl.ptr(),
-                                                              dtype.ptr(), device.ptr(), nullptr));
+                    py::object fl = py::bool_(pv.is_floating());
+                    cast = steal(PyObject_CallFunctionObjArgs(cast_tensor.ptr(), vv.value.ptr(), vv.key.ptr(), special_obj,
+                                                              fl.ptr(), pv.get_dtype().ptr(), pv.get_device().ptr(),
+                                                              nullptr));
                 }
             } else {
-                cast = steal(PyObject_CallFunctionObjArgs(cast_value.ptr(), p.ptr(), v, special_obj.ptr(), k, nullptr));
+                cast = steal(PyObject_CallFunctionObjArgs(cast_value.ptr(), p.ptr(), vv.value.ptr(), special_obj,
+                                                          vv.key.ptr(), nullptr));
             }
-            check(PyDict_SetItem(out.ptr(), k, cast.ptr()));
+            check(PyDict_SetItem(out.ptr(), vv.key.ptr(), cast.ptr()));
         }
         check(PyObject_SetItem(state.ptr(), p.ptr(), out.ptr()));
     });
     return used;
 }
 
-namespace {
-
-/// ``source_text``
-py::object source_text(py::handle source) {
-    if (PyTuple_CheckExact(source.ptr())) {
-        return Msg() << "table of leaf " << py_repr(PyTuple_GET_ITEM(source.ptr(), 0)) << " group "
-                     << fmt(PyTuple_GET_ITEM(source.ptr(), 1));
-    }
-    return steal(PyObject_Str(source.ptr()));
-}
-
-}  // namespace
-
-py::object merge_table_settings(py::object leaf, py::object settings, py::object groups, py::object canonical,
-                                py::object settings_of, py::object source_of, py::object table_leaf_of) {
+py::tuple merge_table_settings(py::object leaf, py::object settings, py::object groups, py::object canonical,
+                               py::object settings_of) {
+    (void)leaf;  // the caller names it in its message
+    if (!PyDict_Check(canonical.ptr())) raise_type("a dict", canonical);
+    if (!PyDict_Check(settings_of.ptr())) raise_type("a dict", settings_of);
     py::object empty = steal(PyList_New(0));
+    py::object clash = py::none();
     Py_ssize_t gi = 0;
-    iterate(groups, [&](py::handle group) {
+    iterate(groups, [&](py::handle group) -> bool {
         py::object parts[2];
         unpack(group, 2, parts);
         const py::object& fqns = parts[1];
         if (length(fqns) == 0) {
             check(PyList_Append(empty.ptr(), steal(PyLong_FromSsize_t(gi)).ptr()));
             ++gi;
-            return;
+            return true;
         }
         py::object s = steal(PyObject_GetItem(settings.ptr(), parts[0].ptr()));
-        py::object source;
-        iterate(fqns, [&](py::handle fqn) {
+        iterate(fqns, [&](py::handle fqn) -> bool {
             PyObject* c = PyDict_GetItemWithError(canonical.ptr(), fqn.ptr());
             if (c == nullptr && PyErr_Occurred()) throw py::error_already_set();
             py::object canon = borrow(c != nullptr ? c : fqn.ptr());
-            PyObject* prev = PyDict_GetItemWithError(settings_of.ptr(), canon.ptr());
-            if (prev == nullptr && PyErr_Occurred()) throw py::error_already_set();
-            if (prev == nullptr || prev == Py_None) {
-                check(PyDict_SetItem(settings_of.ptr(), canon.ptr(), s.ptr()));
-                if (!source) {
-                    py::object index = steal(PyLong_FromSsize_t(gi));
-                    source = steal(PyTuple_Pack(2, leaf.ptr(), index.ptr()));
-                }
-                check(PyDict_SetItem(source_of.ptr(), canon.ptr(), source.ptr()));
-            } else if (prev != s.ptr()) {
-                py::object before = steal(PyObject_GetItem(source_of.ptr(), canon.ptr()));
-                py::object index = steal(PyLong_FromSsize_t(gi));
-                py::object here = steal(PyTuple_Pack(2, leaf.ptr(), index.ptr()));
-                raise_mismatch_error(Msg() << "conflicting saved settings for parameter " << py_repr(canon) << ": "
-                                           << source_text(before) << " and " << source_text(here) << " differ");
+            PyObject* prev = PyDict_SetDefault(settings_of.ptr(), canon.ptr(), s.ptr());
+            if (prev == nullptr) throw py::error_already_set();
+            if (prev != s.ptr()) {
+                clash = py::make_tuple(canon, py::int_(gi));
+                return false;
             }
-            if (PyDict_SetDefault(table_leaf_of.ptr(), canon.ptr(), leaf.ptr()) == nullptr) {
-                throw py::error_already_set();
-            }
+            return true;
         });
         ++gi;
+        return clash.is_none();
     });
-    return empty;
+    return py::make_tuple(empty, clash);
 }
 
 }  // namespace sckpt

@@ -1,8 +1,45 @@
 // capture_fqns / claim_owners: the save-time pass from a live optimizer leaf to (groups_fqn,
 // state_fqn) and the ownership check. Twins of sparse_ckpt/_core_py_save.py.
+#include <unordered_map>
+
 #include "core.hpp"
 
 namespace sckpt {
+
+namespace {
+
+/// The identities of a group's keys and values, in order, without ``"params"`` (the key of
+/// ``_core_py_save``'s ``shared``): a hash and the pointers, kept in one reused buffer until a
+/// new settings dict needs its own copy.
+struct Ident {
+    std::vector<PyObject*> ptrs;
+    size_t hash = 0;
+    bool operator==(const Ident& o) const { return hash == o.hash && ptrs == o.ptrs; }
+};
+
+struct IdentHash {
+    size_t operator()(const Ident& id) const { return id.hash; }
+};
+
+void ident_of(py::handle group, PyObject* params_key, Ident& id) {
+    id.ptrs.clear();
+    uint64_t h = 1469598103934665603ULL;
+    if (!PyDict_Check(group.ptr())) raise_type("a dict", group);
+    Py_ssize_t pos = 0;
+    PyObject* k = nullptr;
+    PyObject* v = nullptr;
+    while (PyDict_Next(group.ptr(), &pos, &k, &v)) {
+        if (!not_params(k, params_key)) continue;
+        for (PyObject* p : {k, v}) {
+            id.ptrs.push_back(p);
+            h = (h ^ static_cast<uint64_t>(reinterpret_cast<uintptr_t>(p))) * 1099511628211ULL;
+            h ^= h >> 29;
+        }
+    }
+    id.hash = static_cast<size_t>(h);
+}
+
+}  // namespace
 
 py::tuple capture_fqns(py::object leaf, py::object param_groups, py::object state, py::object fqn_of,
                        py::object tensor_type) {
@@ -12,8 +49,20 @@ py::tuple capture_fqns(py::object leaf, py::object param_groups, py::object stat
     py::object unowned;  // the first group parameter the model does not own
     Py_ssize_t unowned_group = 0;
     Py_ssize_t gi = 0;
+    // groups whose keys and values are the same objects share one settings dict (every key and
+    // value stays alive in the optimizer's groups for the whole call)
+    std::unordered_map<Ident, py::object, IdentHash> shared;
+    Ident ident;
     iterate(param_groups, [&](py::handle group) {
-        py::object settings = copy_without_params(group, params_key);
+        ident_of(group, params_key.ptr(), ident);
+        auto found = shared.find(ident);
+        py::object settings;
+        if (found != shared.end()) {
+            settings = found->second;
+        } else {
+            settings = copy_without_params(group, params_key);
+            shared.emplace(ident, settings);
+        }
         py::object params = steal(PyObject_GetItem(group.ptr(), params_key.ptr()));
         py::object fqns = steal(PyList_New(0));
         iterate(params, [&](py::handle p) {

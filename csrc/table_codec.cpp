@@ -496,10 +496,16 @@ py::bytes encode_table(py::object leaf, py::object groups_fqn, py::object tensor
         index_of.reserve(n);
     }
     std::string blob;
+    IdMap index_of_id;  // settings object -> its index (``_core_py``'s index_of_id)
     Py_ssize_t gi = 0;
     iterate(groups_fqn, [&](py::handle entry) {
         py::object parts[2];
         unpack(entry, 2, parts);
+        if (const Py_ssize_t* known = index_of_id.find(parts[0].ptr())) {  // this settings object again
+            refs.push_back(static_cast<uint32_t>(*known));
+            ++gi;
+            return;
+        }
         Where where;
         where.leaf = leaf;
         where.group_num = gi;
@@ -515,6 +521,7 @@ py::bytes encode_table(py::object leaf, py::object groups_fqn, py::object tensor
         } else {
             idx = found->second;
         }
+        index_of_id.emplace(parts[0].ptr(), idx);  // alive in groups_fqn for the whole call
         refs.push_back(idx);
         ++gi;
     });

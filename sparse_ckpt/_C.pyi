@@ -98,9 +98,7 @@ def merge_table_settings(
     groups: list[tuple[int, list[str]]],
     canonical: dict[str, str],
     settings_of: dict[str, dict],
-    source_of: dict[str, Any],
-    table_leaf_of: dict[str, str],
-) -> list[int]: ...
+) -> tuple[list[int], tuple[str, int] | None]: ...
 
 def pack_optimizer(
     leaf: str, param_groups: list[dict], state: dict[Any, Any], tensor_type: type

@@ -876,18 +876,23 @@ def encode_settings(leaf: str, group_index: int, settings: Mapping[Any, Any], te
 
 
 def encode_table(leaf: str, groups_fqn: list[tuple[dict, list[str]]], tensor_type: type, to_parts: TensorToParts) -> bytes:
-    """Encode a leaf's groups as a version-1 table; deterministic, settings deduplicated."""
+    """Encode a leaf's groups as a version-1 table; deterministic, settings deduplicated (one
+    settings object listed by several groups is encoded once: callers do not change it meanwhile)."""
     if not isinstance(leaf, str):
         raise CheckpointFormatError(f"leaf name {leaf!r} is not a string")
     index_of: dict[bytes, int] = {}
+    index_of_id: dict[int, int] = {}  # id(settings) -> its index: a settings dict met again is not re-encoded
     blobs: list[bytes] = []
     refs: list[int] = []
     for gi, (settings, _fqns) in enumerate(groups_fqn):
-        blob = encode_settings(leaf, gi, settings, tensor_type, to_parts)
-        idx = index_of.get(blob)
+        idx = index_of_id.get(id(settings))
         if idx is None:
-            idx = index_of[blob] = len(blobs)
-            blobs.append(blob)
+            blob = encode_settings(leaf, gi, settings, tensor_type, to_parts)
+            idx = index_of.get(blob)
+            if idx is None:
+                idx = index_of[blob] = len(blobs)
+                blobs.append(blob)
+            index_of_id[id(settings)] = idx
         refs.append(idx)
     out = bytearray(MAGIC)
     out += _U16.pack(VERSION)

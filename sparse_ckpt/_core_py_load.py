@@ -15,7 +15,7 @@ from typing import Any
 
 from ._values import is_immutable
 from .errors import CheckpointFormatError, CheckpointMismatchError
-from .format import STEP_KEY, source_text, state_key
+from .format import STEP_KEY, state_key
 
 
 def fqns_of_groups(leaf: str, param_groups: list[dict], fqn_of: dict[int, str]) -> list[list[str]]:
@@ -113,18 +113,21 @@ def cast_states(
     ``step`` outside fused/capturable groups); a non-dict state or a non-tensor value goes to
     ``cast_value(param, value, special, key)``.
     """
-    where: dict[str, tuple[Any, bool]] = {}
+    where: dict[str, Any] = {}  # fqn -> the param of the first group listing it
+    special_fqns: set[str] = set()  # ... when that group is fused or capturable
     for group, fqns, new in zip(param_groups, target, new_groups):
         special = bool(new.get("fused", False) or new.get("capturable", False))
         for p, fqn in zip(group["params"], fqns):
             if fqn not in where:
-                where[fqn] = (p, special)
+                where[fqn] = p
+                if special:
+                    special_fqns.add(fqn)
     used: list[str] = []
     for fqn, saved in state_of.items():
-        hit = where.get(fqn)
-        if hit is None or saved is None:
+        p = where.get(fqn)
+        if p is None or saved is None:
             continue
-        p, special = hit
+        special = fqn in special_fqns
         used.append(fqn)
         if check_shapes is not None and not _shapes_plain(p, saved, tensor_type):
             check_shapes(leaf, fqn, p, saved)
@@ -154,17 +157,14 @@ def merge_table_settings(
     groups: list[tuple[int, list[str]]],
     canonical: dict[str, str],
     settings_of: dict[str, dict],
-    source_of: dict[str, Any],
-    table_leaf_of: dict[str, str],
-) -> list[int]:
-    """Record one decoded table's settings by canonical FQN; return the indices of its groups
-    without parameters.
+) -> tuple[list[int], tuple[str, int] | None]:
+    """Record one decoded table's settings by canonical FQN: ``(empty, clash)``.
 
     ``groups`` is :func:`decode_table`'s ``(settings index, fqns)`` list and ``settings`` the
-    (interned) settings objects by settings index. Each FQN resolves
-    through ``canonical`` (aliases), takes ``settings_of[canon]`` unless already set
-    (``source_of[canon]`` is then ``(leaf, g)``), and ``table_leaf_of.setdefault(canon, leaf)``.
-    Another settings object already recorded for the FQN raises :class:`CheckpointMismatchError`.
+    (interned) settings objects by settings index. Each FQN resolves through ``canonical``
+    (aliases) and takes ``settings_of[canon]`` unless already set. ``empty``: the indices of the
+    groups without parameters. ``clash``: ``(canon, group index)`` of the first FQN that already
+    has another settings object (the caller raises, naming both sources); the pass stops there.
     """
     empty: list[int] = []
     for gi, (idx, fqns) in enumerate(groups):
@@ -172,23 +172,11 @@ def merge_table_settings(
             empty.append(gi)
             continue
         s = settings[idx]
-        source: tuple[str, int] | None = None
         for fqn in fqns:
             canon = canonical.get(fqn, fqn)
-            prev = settings_of.get(canon)
-            if prev is None:
-                settings_of[canon] = s
-                if source is None:
-                    source = (leaf, gi)
-                source_of[canon] = source
-            elif prev is not s:
-                raise CheckpointMismatchError(
-                    f"conflicting saved settings for parameter {canon!r}: {source_text(source_of[canon])} and "
-                    f"{source_text((leaf, gi))} differ"
-                )
-            table_leaf_of.setdefault(canon, leaf)
-    return empty
-
+            if settings_of.setdefault(canon, s) is not s:
+                return empty, (canon, gi)
+    return empty, None
 
 
 def _scalar_entry(fqn: Any, entry: Any) -> tuple[dict[str, Any], Any]:

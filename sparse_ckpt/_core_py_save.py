@@ -16,6 +16,10 @@ def capture_fqns(
     gives when no ``state_dict`` post-hook runs (settings are each group without ``"params"``;
     state keeps ``optimizer.state``'s order and its per-parameter values, uncopied).
 
+    Groups whose keys and values are the same objects in the same order (torch shares each
+    default value among the groups that did not set it) share one settings dict, so the encoder
+    encodes it once; the settings are read-only to every caller.
+
     Errors, in this order: a state tensor in no group (:class:`UnsupportedStateDictError`), a
     group parameter the model does not own (:class:`CheckpointMismatchError`), a state key that
     is not a tensor (:class:`UnsupportedStateDictError`).
@@ -23,8 +27,12 @@ def capture_fqns(
     in_groups: set[int] = set()
     groups_fqn: list[tuple[dict, list[str]]] = []
     unowned: tuple[int, Any] | None = None
+    shared: dict[tuple[int, ...], dict] = {}  # the identities of a group's keys and values -> its settings
     for gi, group in enumerate(param_groups):
-        settings = {k: v for k, v in dict.items(group) if k != "params"}
+        ident = tuple(id(x) for kv in dict.items(group) if kv[0] != "params" for x in kv)
+        settings = shared.get(ident)
+        if settings is None:
+            settings = shared[ident] = {k: v for k, v in dict.items(group) if k != "params"}
         fqns: list[str] = []
         for p in group["params"]:
             in_groups.add(id(p))

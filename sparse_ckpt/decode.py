@@ -8,7 +8,7 @@ first, then its per-item entries (the saved order).
 
 from __future__ import annotations
 
-from collections.abc import Callable, Mapping
+from collections.abc import Callable, Iterable, Mapping
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -31,8 +31,10 @@ class DecodedCheckpoint:
     """Canonical FQN -> saved state (nested dicts)."""
     empty_groups: dict[tuple[str, int], dict] = field(default_factory=dict)
     """``(leaf, group index)`` -> settings of a group without parameters (packed format only)."""
-    table_leaf_of: dict[str, str] = field(default_factory=dict)
-    """Canonical FQN -> leaf of the packed table that carried its settings."""
+    tables: list[GroupTable] = field(default_factory=list)
+    """The decoded packed group tables, in order."""
+    resolve: Callable[[str], str] = str
+    """Saved FQN -> canonical FQN (the target model's alias resolution)."""
     table_leaves: list[str] = field(default_factory=list)
     """Leaf names of all packed tables, in order of appearance."""
     has_tables: bool = False
@@ -46,6 +48,31 @@ class DecodedCheckpoint:
     names_list_of: dict[str, list] = field(default_factory=dict)
     """Flat format: canonical FQN -> its saved group's whole ``param_names`` list (DSD's flat layout
     repeats the list for every FQN of the group, without positions)."""
+
+    def table_leaf_of(self, fqns: Iterable[str]) -> dict[str, str]:
+        """Canonical FQN -> leaf of the first packed table listing it, for ``fqns`` (for messages:
+        one pass over the tables, made only when a load fails)."""
+        wanted = set(fqns)
+        found: dict[str, str] = {}
+        for table in self.tables:
+            for _idx, group_fqns in table.groups:
+                for fqn in group_fqns:
+                    canon = self.resolve(fqn)
+                    if canon in wanted:
+                        found.setdefault(canon, table.leaf)
+        return found
+
+    def first_source(self, canon: str, flat_fqns: Iterable[str] = ()) -> Any:
+        """Where the first saved settings of ``canon`` are: ``(leaf, group index)`` of a table, or
+        the flat entries of one of ``flat_fqns`` (see :func:`~sparse_ckpt.format.source_text`)."""
+        for table in self.tables:
+            for gi, (_idx, group_fqns) in enumerate(table.groups):
+                if any(self.resolve(f) == canon for f in group_fqns):
+                    return (table.leaf, gi)
+        for fqn in flat_fqns:
+            if self.resolve(fqn) == canon:
+                return f"flat entries of {fqn!r}"
+        return "?"
 
 
 @dataclass(frozen=True)
@@ -115,25 +142,26 @@ def decode_checkpoint(state_dict: Mapping[str, Any], fmap: FqnMap) -> DecodedChe
 
     flat = state_dict if type(state_dict) is dict else dict(state_dict)  # the core reads dicts
     settings_raw, state_raw, _tables, scalar_tables, unmatched = core.unflatten(flat, known_fqns)
-    out = DecodedCheckpoint(unmatched_keys=list(unmatched), has_tables=bool(decoded))
+    out = DecodedCheckpoint(
+        unmatched_keys=list(unmatched), has_tables=bool(decoded), tables=decoded, resolve=fmap.resolve
+    )
     interned: dict[bytes, dict] = {}
-    source_of: dict[str, Any] = {}  # canonical FQN -> where its settings came from (see source_text)
 
     def intern(blob: bytes, settings: dict) -> dict:
         return interned.setdefault(blob, settings)
 
-    def put_settings(fqn: str, settings: dict, source: str) -> str:
+    def conflict(canon: str, source: Any) -> CheckpointMismatchError:
+        return CheckpointMismatchError(
+            f"conflicting saved settings for parameter {canon!r}: "
+            f"{source_text(out.first_source(canon, settings_raw))} and {source_text(source)} differ"
+        )
+
+    def put_settings(fqn: str, settings: dict, source: Any) -> str:
         """Record ``settings`` for ``fqn``; returns its canonical FQN."""
         canon = fmap.resolve(fqn)
-        prev = out.settings_of.get(canon)
-        if prev is None:
-            out.settings_of[canon] = settings
-            source_of[canon] = source
-        elif prev is not settings:
-            raise CheckpointMismatchError(
-                f"conflicting saved settings for parameter {canon!r}: {source_text(source_of[canon])} and "
-                f"{source_text(source)} differ"
-            )
+        prev = out.settings_of.setdefault(canon, settings)
+        if prev is not settings:
+            raise conflict(canon, source)
         return canon
 
     for table in decoded:
@@ -142,9 +170,10 @@ def decode_checkpoint(state_dict: Mapping[str, Any], fmap: FqnMap) -> DecodedChe
             out.table_leaves.append(leaf)
         if not any("param_names" in s for s in settings):  # the usual table: one core pass over its FQNs
             shared = [intern(blob, s) for blob, s in zip(blobs, settings)]
-            for gi in core.merge_table_settings(
-                leaf, shared, groups, fmap.canonical, out.settings_of, source_of, out.table_leaf_of
-            ):
+            empty, clash = core.merge_table_settings(leaf, shared, groups, fmap.canonical, out.settings_of)
+            if clash is not None:
+                raise conflict(clash[0], (leaf, clash[1]))
+            for gi in empty:
                 _put_empty_group(out, leaf, gi, shared[groups[gi][0]])
             continue
         unnamed: dict[int, dict] = {}
@@ -167,7 +196,7 @@ def decode_checkpoint(state_dict: Mapping[str, Any], fmap: FqnMap) -> DecodedChe
             # A parameter may sit in two groups of one leaf (torch allows it): the settings must agree.
             source = (leaf, gi)  # once per group, not per parameter
             for fqn in fqns:
-                out.table_leaf_of.setdefault(put_settings(fqn, s, source), leaf)
+                put_settings(fqn, s, source)
 
     for fqn, raw in settings_raw.items():
         if "param_names" in raw:  # DSD's flat layout repeats the group's whole list for each FQN

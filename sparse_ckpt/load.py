@@ -296,7 +296,7 @@ def _raise_on_mismatch(
         extra = [fqn for fqn in extra if fqn in owned]
         unmatched = [k for k in unmatched if _unowned_state_fqn(k, ckpt.settings_of, owned) is None]
     if extra:
-        leaves = sorted({ckpt.table_leaf_of[f] for f in extra if f in ckpt.table_leaf_of} - target_leaves)
+        leaves = sorted(set(ckpt.table_leaf_of(extra).values()) - target_leaves)
         where = f" (from table(s) of leaf {fmt_list(leaves)}, which the target lacks)" if leaves else ""
         raise CheckpointMismatchError(
             f"{len(extra)} saved parameter(s) are in no target optimizer group{where}: {fmt_list(extra)}"

@@ -228,15 +228,26 @@ def test_merge_table_settings(groups: list[tuple[int, list[str]]], preset: bool)
 
     def run(core: Any) -> tuple:
         settings_of: dict = {"d": settings_list[0]} if preset else {}
-        source_of: dict = {"d": "flat entries of 'd'"} if preset else {}
-        table_leaf_of: dict = {}
-        empty = core.merge_table_settings("leaf", settings_list, groups, canonical, settings_of, source_of,
-                                          table_leaf_of)
-        return empty, settings_of, source_of, table_leaf_of
+        empty, clash = core.merge_table_settings("leaf", settings_list, groups, canonical, settings_of)
+        return empty, clash, settings_of
 
     result = both(run)
-    if result[0] == "err":
-        assert result[1] is CheckpointMismatchError and "conflicting saved settings" in result[2]
+    assert result[0] == "ok"
+    empty, clash, settings_of = result[1]
+    # the reference: the first FQN whose canonical name already has another settings object
+    seen: dict = {"d": settings_list[0]} if preset else {}
+    expected = None
+    for gi, (idx, fqns) in enumerate(groups):
+        for fqn in fqns:
+            canon = canonical.get(fqn, fqn)
+            if seen.setdefault(canon, settings_list[idx]) is not settings_list[idx]:
+                expected = (canon, gi)
+                break
+        if expected:
+            break
+    assert clash == expected
+    if expected is None:
+        assert empty == [gi for gi, (_i, fqns) in enumerate(groups) if not fqns] and settings_of == seen
 
 
 # --------------------------------------------------------------------------- claim_owners
@@ -282,6 +293,33 @@ def test_capture_fqns(layout: list[list[int]], with_state: list[int], unowned: s
         assert reference[0] == "ok" and same(result[1], reference[1])
     else:
         assert reference[0] == "err" and result[1] is reference[1]
+
+
+def test_capture_fqns_shares_settings_of_identical_groups() -> None:
+    """Groups whose keys and values are the same objects share one settings dict (torch shares a
+    default among the groups that did not set it), in both cores; an equal value that is another
+    object, or another key order, gets its own dict; the table is the same bytes either way."""
+    from sparse_ckpt._tensor_parts import tensor_to_parts
+
+    lr, betas = 0.1, (0.9, 0.99)
+    params = [torch.nn.Parameter(torch.zeros(1)) for _ in range(5)]
+    groups = [
+        {"params": [params[0]], "lr": lr, "betas": betas},
+        {"params": [params[1]], "lr": lr, "betas": betas},  # same objects: shared
+        {"params": [params[2]], "lr": float("0.1"), "betas": betas},  # an equal lr, another object
+        {"params": [params[3]], "betas": betas, "lr": lr},  # another key order
+        {"lr": lr, "params": [params[4]], "betas": betas},  # "params" elsewhere: same settings objects
+    ]
+    fqn_of = {id(p): f"w{i}" for i, p in enumerate(params)}
+    for core in (P, C):
+        groups_fqn, _state = core.capture_fqns("leaf", groups, {}, fqn_of, torch.Tensor)
+        settings = [s for s, _f in groups_fqn]
+        assert settings[0] is settings[1] is settings[4]
+        assert settings[2] is not settings[0] and settings[3] is not settings[0] and settings[2] == settings[0]
+        unshared = [(dict(s), f) for s, f in groups_fqn]
+        assert core.encode_table("leaf", groups_fqn, torch.Tensor, tensor_to_parts) == core.encode_table(
+            "leaf", unshared, torch.Tensor, tensor_to_parts
+        )
 
 
 # --------------------------------------------------------------------------- merge_scalars
