@@ -293,7 +293,7 @@ py::object cast_states(py::object leaf, py::object param_groups, py::object targ
                 if (vv.step) {
                     keep = !special;
                 } else {
-                    keep = !pv.is_floating() || vv.dtype.ptr() == pv.get_dtype().ptr();
+                    keep = vv.dtype.ptr() == pv.get_dtype().ptr() || !pv.is_floating();
                     if (keep) {  // same device: both on the CPU (whose tensors all report 'cpu'), or equal devices
                         const bool both_cpu = pv.cpu() && value_is_cpu.get(vv.value.ptr()).ptr() == Py_True;
                         keep = both_cpu || rich_eq(value_device.get(vv.value.ptr()), pv.get_device());

@@ -13,7 +13,8 @@ Public API:
 * errors: :class:`SparseCheckpointError` and its subclasses :class:`UnsupportedStateDictError`,
   :class:`ReentrantSerializationError`, :class:`CheckpointMismatchError`,
   :class:`CheckpointFormatError`;
-* :func:`backend` (``"cpp"`` or ``"python"``) and ``__version__``.
+* :func:`clear_fqn_cache` (drop the FQN maps kept between calls), :func:`backend` (``"cpp"`` or
+  ``"python"``) and ``__version__``.
 """
 
 from __future__ import annotations
@@ -31,6 +32,7 @@ from .errors import (
     UnsupportedStateDictError,
 )
 from .export import export_checkpoint, load_export, read_export
+from .fqn import clear_fqn_cache
 from .load import load_sparse_state_dict
 from .multi_optimizer import MultiOptimizer
 from .save import sparse_state_dict
@@ -48,6 +50,7 @@ __all__ = [
     "UsageError",
     "__version__",
     "backend",
+    "clear_fqn_cache",
     "convert_checkpoint",
     "diff_checkpoints",
     "export_checkpoint",
