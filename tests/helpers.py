@@ -8,6 +8,9 @@
 * :func:`assert_deep_equal` / :func:`deep_equal` / :func:`deep_diff` -- recursive exact equality
   of dicts (key order included unless told), sequences, tensors (dtype, shape, device and values)
   and scalars; options make NaN handling and the dict test stricter where a test needs it.
+* :func:`same_bits` -- bit-exact deep comparison (types at every level, dict order, float bit
+  patterns, tensor dtype/shape/device/``requires_grad``/bytes) for differential tests of two
+  implementations of one function.
 * :func:`clone_value` / :func:`clone_state_dict` -- deep copies with tensors cloned (for frozen
   "before" values and for what a storage round trip gives).
 * :func:`fqn_view` -- ``(fqn -> state, fqn -> settings)`` of optimizers, comparable across models.
@@ -19,6 +22,7 @@ from __future__ import annotations
 
 import copy
 import math
+import struct
 from collections.abc import Callable, Iterable, Mapping, Sequence
 from typing import Any, Literal
 
@@ -287,6 +291,44 @@ def assert_deep_equal(a: Any, b: Any, where: str = "value", **options: Any) -> N
 def deep_equal(a: Any, b: Any, **options: Any) -> bool:
     """Whether ``a`` and ``b`` are recursively, exactly equal; ``options`` are :func:`deep_diff`'s."""
     return deep_diff(a, b, **options) is None
+
+
+def _tensor_bytes(t: torch.Tensor) -> bytes:
+    flat = t.detach().cpu().contiguous().reshape(-1)
+    return flat.view(torch.uint8).numpy().tobytes() if flat.numel() else b""
+
+
+def same_bits(a: Any, b: Any) -> bool:
+    """Whether ``a`` and ``b`` are the same to the bit (for comparing two implementations' results).
+
+    Stricter than :func:`deep_equal` at every level:
+
+    * the same type (``type(a) is type(b)``: ``bool`` is not ``int``, a ``Parameter`` is not a
+      ``Tensor``, an ``OrderedDict`` is not a ``dict``);
+    * tensors: the same dtype, shape, device and ``requires_grad``, and the same bytes (``-0.0``
+      differs from ``0.0``; NaNs compare by their bit patterns);
+    * floats: the same IEEE-754 bit pattern (``struct.pack("<d")``);
+    * dicts: the same length, and pairwise in order the same keys and values (both by ``same_bits``);
+    * lists and tuples: the same length and pairwise ``same_bits`` items;
+    * ``str``, ``bytes``, ``int``, ``None``: ``==``; any other object: the very same object (``is``),
+      e.g. an exception class or a callback.
+    """
+    if type(a) is not type(b):
+        return False
+    if isinstance(a, torch.Tensor):
+        return (a.dtype, a.shape, a.device, a.requires_grad, _tensor_bytes(a)) == (
+            b.dtype, b.shape, b.device, b.requires_grad, _tensor_bytes(b))
+    if isinstance(a, float):
+        return struct.pack("<d", a) == struct.pack("<d", b)
+    if isinstance(a, dict):
+        return len(a) == len(b) and all(
+            same_bits(ka, kb) and same_bits(va, vb) for (ka, va), (kb, vb) in zip(a.items(), b.items())
+        )
+    if isinstance(a, (list, tuple)):
+        return len(a) == len(b) and all(same_bits(x, y) for x, y in zip(a, b))
+    if a is None or isinstance(a, (str, bytes, int)):
+        return a == b
+    return a is b
 
 
 def _both_nan_equal(a: torch.Tensor, b: torch.Tensor) -> bool:
