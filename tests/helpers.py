@@ -13,7 +13,8 @@
   implementations of one function.
 * :func:`clone_value` / :func:`clone_state_dict` -- deep copies with tensors cloned (for frozen
   "before" values and for what a storage round trip gives).
-* :func:`fqn_view` -- ``(fqn -> state, fqn -> settings)`` of optimizers, comparable across models.
+* :func:`fqn_view` -- ``(fqn -> state, fqn -> settings)`` of optimizers, comparable across models
+  (``groups=True``: ``[(settings, fqns)]`` per param group instead of ``fqn -> settings``).
 
 Hand-built packed-table bytes live in ``tests/table_bytes.py``.
 """
@@ -337,23 +338,31 @@ def _both_nan_equal(a: torch.Tensor, b: torch.Tensor) -> bool:
 
 
 def fqn_view(
-    model: nn.Module, optimizers: Iterable[torch.optim.Optimizer]
-) -> tuple[dict[str, Any], dict[str, dict[str, Any]]]:
+    model: nn.Module, optimizers: Iterable[torch.optim.Optimizer], *, groups: bool = False
+) -> tuple[dict[str, Any], Any]:
     """``(fqn -> state, fqn -> settings)`` over several optimizers, comparable across models.
 
-    Names come from ``model.named_parameters()``; a parameter's settings are its group's entries
-    other than ``params``. The values are the live objects, not copies.
+    Names come from ``model.named_parameters()``; the state follows ``optimizer.state``'s order;
+    a parameter's settings are its group's entries other than ``params``. ``groups=True``: the
+    second item is instead ``[(settings, [fqn, ...]), ...]``, every param group in order
+    (optimizer by optimizer) -- for comparing the group layout too, not only each parameter's
+    settings (where ``params`` sits among a group's keys is not part of it). The values are the
+    live objects, not copies.
     """
     names = {id(p): n for n, p in model.named_parameters()}
     state: dict[str, Any] = {}
     settings: dict[str, dict[str, Any]] = {}
+    layout: list[tuple[dict[str, Any], list[str]]] = []
     for opt in optimizers:
         for p, s in opt.state.items():
             state[names[id(p)]] = s
         for g in opt.param_groups:
+            if groups:
+                layout.append(({k: v for k, v in g.items() if k != "params"}, [names[id(p)] for p in g["params"]]))
+                continue
             for p in g["params"]:
                 settings[names[id(p)]] = {k: v for k, v in g.items() if k != "params"}
-    return state, settings
+    return state, (layout if groups else settings)
 
 
 def param_fqns(model: nn.Module) -> dict[int, str]:
