@@ -181,6 +181,7 @@ def assert_optimizer_equal(
     *,
     identity: bool = False,
     grads: bool = True,
+    state_order: bool = True,
     nan_equal: NanEqual = "all",
     mapping: type = Mapping,
 ) -> None:
@@ -190,15 +191,24 @@ def assert_optimizer_equal(
     ``identity=True`` also compares parameter and ``.grad`` object identity (only meaningful
     when both describe the same optimizer, e.g. a snapshot before and after an operation).
     ``grads=False`` skips ``.grad`` (e.g. right after loading into a fresh copy of the model).
+    ``state_order=False``: the parameters may come in another order in ``optimizer.state``
+    (each parameter's own state keys are still compared in order).
     ``nan_equal`` and ``mapping`` are passed to :func:`assert_deep_equal`.
     """
     sa = a if _is_snapshot(a) else snapshot_optimizer(a)
     sb = b if _is_snapshot(b) else snapshot_optimizer(b)
     assert list(sa) == list(sb), f"leaves differ: {list(sa)} vs {list(sb)}"
+    options: dict[str, Any] = {"nan_equal": nan_equal, "mapping": mapping}
     for leaf in sa:
         la, lb = sa[leaf], sb[leaf]
         for part in ("groups", "state", "grads", "params") if grads else ("groups", "state", "params"):
-            assert_deep_equal(la[part], lb[part], f"leaf {leaf!r} {part}", nan_equal=nan_equal, mapping=mapping)
+            if part == "state" and not state_order:
+                keys_a, keys_b = sorted(la[part], key=repr), sorted(lb[part], key=repr)
+                assert set(keys_a) == set(keys_b), f"leaf {leaf!r} state: params {keys_a} vs {keys_b}"
+                for pos in keys_a:
+                    assert_deep_equal(la[part][pos], lb[part][pos], f"leaf {leaf!r} state[{pos!r}]", **options)
+                continue
+            assert_deep_equal(la[part], lb[part], f"leaf {leaf!r} {part}", **options)
         assert [len(g) for g in la["param_ids"]] == [len(g) for g in lb["param_ids"]], f"leaf {leaf!r} group sizes"
         if identity:
             assert la["param_ids"] == lb["param_ids"], f"leaf {leaf!r}: param identity/order changed"

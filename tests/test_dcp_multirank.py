@@ -98,7 +98,8 @@ def _load_resharded(rank: int, world_size: int, sources: list[tuple[str, str]], 
     for src, src_ref in sources:
         model, opt = build_fsdp(seed=5, sharded=True)
         load(src, model, opt)
-        assert_snapshots_equal(full_snapshot(model, opt), torch.load(src_ref), f"rank {rank} loading {src}", state_key_order=False)
+        where = f"rank {rank} loading {src}"
+        assert_snapshots_equal(full_snapshot(model, opt), torch.load(src_ref), where, state_key_order=False)
         assert not opt["head"].state
         assert_state_placed_like_params(model, opt)
     train_body(model, opt, 1, seed=200)

@@ -336,7 +336,9 @@ def _load_fsdp(rank: int, world_size: int, ckpt: str, out: str, ref: str) -> Non
             if k != "step":
                 local = v.to_local()
                 assert local.untyped_storage().nbytes() == local.numel() * local.element_size(), "keeps the full tensor"
-    assert_snapshots_equal(full_snapshot(*via_export), reference, f"rank {rank}: loaded", params=False, state_key_order=False)
+    assert_snapshots_equal(
+        full_snapshot(*via_export), reference, f"rank {rank}: loaded", params=False, state_key_order=False
+    )
     for m, o in (via_export, via_dcp):
         train_body(m, o, 1, seed=100)
     a, b = full_snapshot(*via_export), full_snapshot(*via_dcp)
@@ -353,7 +355,8 @@ def test_fsdp2_two_rank_checkpoint(tmp_path: Path) -> None:
     export_checkpoint(ckpt, out)
     model, opt = build_fsdp(3, sharded=False)
     load_export(model, opt, out)
-    assert_snapshots_equal(full_snapshot(model, opt), torch.load(ref, weights_only=True), params=False, state_key_order=False)
+    reference = torch.load(ref, weights_only=True)
+    assert_snapshots_equal(full_snapshot(model, opt), reference, params=False, state_key_order=False)
     run_ranks(_load_fsdp, 2, str(ckpt), str(out), str(ref))
 
 
