@@ -13,6 +13,7 @@
   implementations of one function.
 * :func:`clone_value` / :func:`clone_state_dict` -- deep copies with tensors cloned (for frozen
   "before" values and for what a storage round trip gives).
+* :func:`find_table_key` -- the one packed group-table key of a flat dict (of one leaf).
 * :func:`fqn_view` -- ``(fqn -> state, fqn -> settings)`` of optimizers, comparable across models
   (``groups=True``: ``[(settings, fqns)]`` per param group instead of ``fqn -> settings``).
 
@@ -30,6 +31,7 @@ from typing import Any, Literal
 import torch
 from torch import nn
 
+from sparse_ckpt.format import PACKED_PREFIX
 from sparse_ckpt.leaves import named_leaves
 
 
@@ -401,6 +403,20 @@ def flat_settings(sd: Mapping[str, Any]) -> dict[str, dict[str, Any]]:
             fqn, _, name = key[len("param_groups."):].rpartition(".")
             out.setdefault(fqn, {})[name] = value
     return out
+
+
+def find_table_key(sd: Mapping[Any, Any], leaf: str | None = None) -> str:
+    """The key of the one packed group table (``param_groups.__packed__.{leaf}.{digest}``,
+    :data:`sparse_ckpt.format.PACKED_PREFIX`) in a flat dict -- of leaf ``leaf`` when given
+    (exactly that leaf: not one whose name merely starts with it). Asserts there is exactly one;
+    keys that are not strings are passed over."""
+    keys = [
+        k for k in sd
+        if isinstance(k, str) and k.startswith(PACKED_PREFIX)
+        and (leaf is None or k[len(PACKED_PREFIX):].rpartition(".")[0] == leaf)
+    ]
+    assert len(keys) == 1, f"packed group tables{'' if leaf is None else f' of leaf {leaf!r}'}: {keys}"
+    return keys[0]
 
 
 def state_keys(sd: Mapping[str, Any]) -> list[str]:

@@ -18,14 +18,13 @@ from typing import Any
 
 import pytest
 import torch
-from helpers import clone_value, deep_equal
+from helpers import clone_value, deep_equal, find_table_key
 from table_bytes import encode
 from torch import nn
 
 import sparse_ckpt as sc
+from sparse_ckpt.format import PACKED_PREFIX
 from sparse_ckpt.save import packed_table_key
-
-PACKED = "param_groups.__packed__."
 
 
 class Net(nn.Module):
@@ -74,15 +73,9 @@ def target(lr_b: float = 0.02) -> tuple[Net, torch.optim.Adam]:
     return model, opt
 
 
-def _table_key(sd: dict[str, Any]) -> str:
-    keys = [k for k in sd if isinstance(k, str) and k.startswith(PACKED)]
-    assert len(keys) == 1, keys
-    return keys[0]
-
-
 def _retable(sd: dict[str, Any], table: bytes, leaf: str = "optim") -> dict[str, Any]:
     """Replace the table with ``table`` under a key whose digest matches it (a forged table)."""
-    out = {k: v for k, v in sd.items() if not (isinstance(k, str) and k.startswith(PACKED))}
+    out = {k: v for k, v in sd.items() if not (isinstance(k, str) and k.startswith(PACKED_PREFIX))}
     out[packed_table_key(leaf, table)] = table
     return out
 
@@ -245,7 +238,7 @@ def sc_state_wrong_dtype() -> Case:
 
 def sc_digest_mismatch() -> Case:
     sd = source()
-    key = _table_key(sd)
+    key = find_table_key(sd)
     table = bytearray(sd[key])
     table[-1] ^= 0x01
     sd[key] = bytes(table)
@@ -254,19 +247,19 @@ def sc_digest_mismatch() -> Case:
 
 def sc_truncated_table() -> Case:
     sd = source()
-    return _single(_retable(sd, sd[_table_key(sd)][:-3]))
+    return _single(_retable(sd, sd[find_table_key(sd)][:-3]))
 
 
 def sc_wrong_version() -> Case:
     sd = source()
-    table = bytearray(sd[_table_key(sd)])
+    table = bytearray(sd[find_table_key(sd)])
     table[4:6] = (99).to_bytes(2, "little")
     return _single(_retable(sd, bytes(table)))
 
 
 def sc_not_bytes_under_packed_key() -> Case:
     sd = source()
-    key = _table_key(sd)
+    key = find_table_key(sd)
     sd[key] = torch.frombuffer(bytearray(sd[key]), dtype=torch.uint8)
     return _single(sd)
 
@@ -279,7 +272,7 @@ def sc_non_string_key() -> Case:
 
 def sc_packed_key_without_digest() -> Case:
     sd = source()
-    sd["param_groups.__packed__.optim"] = sd.pop(_table_key(sd))
+    sd["param_groups.__packed__.optim"] = sd.pop(find_table_key(sd))
     return _single(sd)
 
 
