@@ -179,19 +179,15 @@ def assert_state_placed_like_params(model: nn.Module, opt: sc.MultiOptimizer) ->
 # --------------------------------------------------------------------------- full values, snapshots
 
 
+def _full_tensor(t: torch.Tensor) -> torch.Tensor:
+    return (t.full_tensor() if isinstance(t, DTensor) else t).detach().clone()
+
+
 def full_copy(value: Any) -> Any:
-    """A detached full copy of ``value``: a DTensor's full value (``full_tensor``, a collective:
-    every rank must copy the same DTensors in the same order), a tensor's clone, dicts, lists and
-    tuples copied item by item; any other value as it is."""
-    if isinstance(value, DTensor):
-        return value.full_tensor().detach().clone()
-    if isinstance(value, torch.Tensor):
-        return value.detach().clone()
-    if isinstance(value, dict):
-        return {k: full_copy(v) for k, v in value.items()}
-    if isinstance(value, (list, tuple)):
-        return type(value)(full_copy(v) for v in value)
-    return value
+    """A detached full copy of ``value`` (:func:`helpers.clone_value`): a DTensor's full value
+    (``full_tensor``, a collective: every rank must copy the same DTensors in the same order), a
+    tensor's clone, dicts, lists and tuples copied item by item, anything else deep-copied."""
+    return clone_value(value, _full_tensor)
 
 
 def full_snapshot(model: nn.Module, opt: Any) -> dict[str, Any]:

@@ -120,14 +120,15 @@ def train(
         optimizer.step()
 
 
-def clone_value(value: Any) -> Any:
-    """Deep copy of nested dicts/lists/tuples with tensors cloned (detached)."""
+def clone_value(value: Any, clone_tensor: Callable[[torch.Tensor], torch.Tensor] | None = None) -> Any:
+    """Deep copy of nested dicts/lists/tuples with tensors cloned (detached; by ``clone_tensor``
+    when given, e.g. ``_dist.full_copy``'s full value of a DTensor)."""
     if isinstance(value, torch.Tensor):
-        return value.detach().clone()
+        return value.detach().clone() if clone_tensor is None else clone_tensor(value)
     if isinstance(value, dict):
-        return {k: clone_value(v) for k, v in value.items()}
+        return {k: clone_value(v, clone_tensor) for k, v in value.items()}
     if isinstance(value, (list, tuple)):
-        return type(value)(clone_value(v) for v in value)
+        return type(value)(clone_value(v, clone_tensor) for v in value)
     return copy.deepcopy(value)
 
 
