@@ -5,6 +5,8 @@
 * :func:`snapshot_optimizer` / :func:`assert_optimizer_equal` -- exact (``torch.equal``) comparison
   of optimizer state, param groups, grads and parameters, positionally (so two optimizers over two
   copies of a model compare too).
+* :class:`IdentitySnapshot` -- a model and its optimizers by value *and* by identity (objects
+  replaced, tensors modified in place), for "this call changed nothing".
 * :func:`assert_deep_equal` / :func:`deep_equal` / :func:`deep_diff` -- recursive exact equality
   of dicts (key order included unless told), sequences, tensors (dtype, shape, device and values)
   and scalars; options make NaN handling and the dict test stricter where a test needs it.
@@ -216,6 +218,100 @@ def assert_optimizer_equal(
         if identity:
             assert la["param_ids"] == lb["param_ids"], f"leaf {leaf!r}: param identity/order changed"
             assert la["grad_ids"] == lb["grad_ids"], f"leaf {leaf!r}: a .grad object was replaced"
+
+
+def _tensor_version(t: torch.Tensor) -> int:
+    """In-place modification counter of ``t`` (isolated use of torch's private ``_version``)."""
+    return t._version
+
+
+def _objects(value: Any, out: list[tuple[int, int | None]]) -> None:
+    """Identity (and tensor version) of every container and tensor reachable from ``value``."""
+    out.append((id(value), _tensor_version(value) if isinstance(value, torch.Tensor) else None))
+    if isinstance(value, dict):
+        for v in value.values():
+            _objects(v, out)
+    elif isinstance(value, (list, tuple)):
+        for v in value:
+            _objects(v, out)
+
+
+class IdentitySnapshot:
+    """Everything observable about a model and its optimizers, by value and by identity: for
+    "this call changed nothing" (a save, a failed load).
+
+    :meth:`assert_unchanged` fails naming the first difference: a parameter or ``.grad``
+    replaced, modified in place (version counter) or of other values; ``optimizer.state``,
+    ``param_groups``, any group dict or any object inside them replaced or a tensor in them
+    modified in place; state, settings or ``defaults`` of other values (:func:`deep_equal`, key
+    order included, dicts required to be dicts, NaN as ``nan_equal`` says).
+    """
+
+    def __init__(
+        self, model: nn.Module, optimizers: Sequence[torch.optim.Optimizer], *, nan_equal: NanEqual = "floats"
+    ) -> None:
+        self.same: dict[str, Any] = {"nan_equal": nan_equal, "mapping": dict}
+        self.params = [(n, p, p.detach().clone(), _tensor_version(p)) for n, p in model.named_parameters()]
+        self.grads = [
+            (p.grad, None if p.grad is None else p.grad.clone(), None if p.grad is None else _tensor_version(p.grad))
+            for _n, p in model.named_parameters()
+        ]
+        self.opts = []
+        for opt in optimizers:
+            state_items = list(opt.state.items())
+            ids: list[tuple[int, int | None]] = []
+            _objects(opt.param_groups, ids)
+            for _k, v in state_items:
+                _objects(v, ids)
+            self.opts.append(
+                {
+                    "opt": opt,
+                    "state_obj": opt.state,
+                    "state_keys": [k for k, _ in state_items],
+                    "state_vals": [clone_value(v) for _k, v in state_items],
+                    "groups_obj": opt.param_groups,
+                    "groups": [
+                        ({k: clone_value(v) for k, v in g.items() if k != "params"}, list(g["params"]))
+                        for g in opt.param_groups
+                    ],
+                    "defaults": clone_value(opt.defaults),
+                    "ids": ids,
+                }
+            )
+
+    def assert_unchanged(self, model: nn.Module) -> None:
+        """Fail naming the first thing that differs from the snapshot."""
+        now = list(model.named_parameters())
+        assert [n for n, _ in now] == [n for n, *_ in self.params]
+        for (name, p, value, version), (_n, p_now) in zip(self.params, now):
+            assert p_now is p, f"parameter {name} replaced"
+            assert _tensor_version(p) == version, f"parameter {name} modified in place"
+            assert torch.equal(p.detach(), value), f"parameter {name} changed"
+        for (name, _p), (grad, value, version) in zip(now, self.grads):
+            assert _p.grad is grad, f".grad of {name} replaced"
+            if grad is not None:
+                assert _tensor_version(grad) == version, f".grad of {name} modified in place"
+                assert torch.equal(grad, value), f".grad of {name} changed"
+        for snap in self.opts:
+            opt = snap["opt"]
+            assert opt.state is snap["state_obj"], "optimizer.state replaced"
+            assert list(opt.state.keys()) == snap["state_keys"], "optimizer.state gained or lost entries"
+            for key, frozen in zip(snap["state_keys"], snap["state_vals"]):
+                assert deep_equal(opt.state[key], frozen, **self.same), f"state of a {tuple(key.shape)} parameter changed"
+            assert opt.param_groups is snap["groups_obj"], "optimizer.param_groups replaced"
+            assert len(opt.param_groups) == len(snap["groups"])
+            for gi, (group, (settings, params)) in enumerate(zip(opt.param_groups, snap["groups"])):
+                assert all(a is b for a, b in zip(group["params"], params)) and len(group["params"]) == len(params), (
+                    f"group {gi} params changed"
+                )
+                now_settings = {k: v for k, v in group.items() if k != "params"}
+                assert deep_equal(now_settings, settings, **self.same), f"group {gi} settings changed"
+            assert deep_equal(opt.defaults, snap["defaults"], **self.same), "optimizer.defaults changed"
+            ids: list[tuple[int, int | None]] = []
+            _objects(opt.param_groups, ids)
+            for v in opt.state.values():
+                _objects(v, ids)
+            assert ids == snap["ids"], "an object inside state/param_groups was replaced or modified in place"
 
 
 def _is_snapshot(x: Any) -> bool:

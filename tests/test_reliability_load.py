@@ -18,7 +18,7 @@ from typing import Any
 
 import pytest
 import torch
-from helpers import clone_value, deep_equal, find_table_key
+from helpers import IdentitySnapshot, deep_equal, find_table_key
 from table_bytes import encode
 from torch import nn
 
@@ -83,55 +83,9 @@ def _retable(sd: dict[str, Any], table: bytes, leaf: str = "optim") -> dict[str,
 # --------------------------------------------------------------------------- deep compare
 
 
-# "Unchanged" is exact: key order included, NaN never equal, dicts required to be dicts.
+# "Unchanged" is exact: key order included, NaN never equal, dicts required to be dicts (so is
+# IdentitySnapshot with nan_equal="none").
 SAME = {"nan_equal": "none", "mapping": dict}
-
-
-@dataclass
-class OptSnapshot:
-    """An optimizer's ``state``/``param_groups`` objects and a frozen copy of their values."""
-
-    opt: torch.optim.Optimizer
-    state_obj: Any
-    groups_obj: Any
-    group_objs: list[dict]
-    entry_objs: list[tuple[Any, Any]]
-    state: list[tuple[Any, Any]]
-    groups: list[tuple[dict, list[Any]]]
-    defaults: dict
-
-    @classmethod
-    def take(cls, opt: torch.optim.Optimizer) -> OptSnapshot:
-        """Snapshot ``opt``."""
-        return cls(
-            opt=opt,
-            state_obj=opt.state,
-            groups_obj=opt.param_groups,
-            group_objs=list(opt.param_groups),
-            entry_objs=list(opt.state.items()),
-            state=[(k, clone_value(v)) for k, v in opt.state.items()],
-            groups=[
-                ({k: clone_value(v) for k, v in g.items() if k != "params"}, list(g["params"])) for g in opt.param_groups
-            ],
-            defaults=clone_value(opt.defaults),
-        )
-
-    def assert_unchanged(self) -> None:
-        """Deep compare with the optimizer now."""
-        opt = self.opt
-        assert opt.state is self.state_obj, "optimizer.state replaced"
-        assert opt.param_groups is self.groups_obj, "optimizer.param_groups replaced"
-        assert all(a is b for a, b in zip(opt.param_groups, self.group_objs)) and len(opt.param_groups) == len(
-            self.group_objs
-        ), "a param group dict was replaced"
-        assert [(k, id(v)) for k, v in opt.state.items()] == [(k, id(v)) for k, v in self.entry_objs]
-        for key, frozen in self.state:
-            assert deep_equal(opt.state[key], frozen, **SAME), f"state of a {tuple(key.shape)} parameter changed"
-        for gi, (group, (settings, params)) in enumerate(zip(opt.param_groups, self.groups)):
-            assert len(group["params"]) == len(params) and all(a is b for a, b in zip(group["params"], params))
-            now_settings = {k: v for k, v in group.items() if k != "params"}
-            assert deep_equal(now_settings, settings, **SAME), f"group {gi} changed"
-        assert deep_equal(opt.defaults, self.defaults, **SAME), "defaults changed"
 
 
 def test_snapshot_detects_changes() -> None:
@@ -143,10 +97,10 @@ def test_snapshot_detects_changes() -> None:
         lambda m, o: sc.load_sparse_state_dict(m, o, sd),
     ):
         model, opt = target()
-        snap = OptSnapshot.take(opt)
+        snap = IdentitySnapshot(model, [opt], nan_equal="none")
         mutate(model, opt)
         with pytest.raises(AssertionError):
-            snap.assert_unchanged()
+            snap.assert_unchanged(model)
 
 
 # --------------------------------------------------------------------------- scenarios
@@ -405,16 +359,13 @@ def test_failed_load_changes_nothing(scenario: Callable[[], Case], error: type[B
     """The load raises ``error`` naming what is wrong; the target is as before and trains identically."""
     case = scenario()
     twin_model, twin_leaves = copy.deepcopy((case.model, case.leaves))
-    snaps = [OptSnapshot.take(opt) for opt in case.leaves]
-    params_before = [p.detach().clone() for p in case.model.parameters()]
+    snap = IdentitySnapshot(case.model, case.leaves, nan_equal="none")
     with pytest.raises(error) as info:
         sc.load_sparse_state_dict(case.model, case.optimizer, case.state_dict, strict=case.strict)
     message = str(info.value)
     for name in names:
         assert name in message, f"{name!r} not named in: {message}"
-    for snap in snaps:
-        snap.assert_unchanged()
-    assert all(torch.equal(p, q) for p, q in zip(case.model.parameters(), params_before))
+    snap.assert_unchanged(case.model)  # parameters, grads, state, groups: values and objects
     # the live job is not corrupted: the next step equals that of an untouched twin, bit for bit
     for model, leaves in ((case.model, case.leaves), (twin_model, twin_leaves)):
         for opt in leaves:
