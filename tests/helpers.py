@@ -19,7 +19,8 @@
 * :func:`fqn_view` -- ``(fqn -> state, fqn -> settings)`` of optimizers, comparable across models
   (``groups=True``: ``[(settings, fqns)]`` per param group instead of ``fqn -> settings``).
 
-Hand-built packed-table bytes live in ``tests/table_bytes.py``.
+Hand-built packed-table bytes live in ``tests/table_bytes.py``; full (DTensor) copies and
+snapshots by FQN across ranks in ``tests/_dist.py``.
 """
 
 from __future__ import annotations
@@ -422,6 +423,8 @@ def same_bits(a: Any, b: Any) -> bool:
     * lists and tuples: the same length and pairwise ``same_bits`` items;
     * ``str``, ``bytes``, ``int``, ``None``: ``==``; any other object: the very same object (``is``),
       e.g. an exception class or a callback.
+
+    The same rules as ``same()`` in ``tests/test_core_differential.py``, which can use this one.
     """
     if type(a) is not type(b):
         return False
