@@ -11,6 +11,10 @@ The FSDP2 model the multi-rank tests share: :class:`FsdpNet` and :func:`build_fs
 ``fully_shard``-ed or plain, with a ``MultiOptimizer`` of leaves ``body`` and ``head``),
 :func:`train_body` (steps ``body`` only, so ``head`` never gets state) and :func:`trained_fsdp`
 (two such steps, ``head``'s lr moved to :data:`HEAD_LR`), and :func:`assert_state_placed_like_params`.
+
+Full values across ranks: :func:`full_copy` (a DTensor's full value, a collective),
+:func:`full_snapshot` (parameters, optimizer state by FQN and param groups, all full copies) and
+:func:`assert_snapshots_equal` (exact, with or without the optimizer layout).
 """
 
 from __future__ import annotations
@@ -26,11 +30,13 @@ from typing import Any
 import torch
 import torch.distributed as dist
 import torch.multiprocessing as mp
+from helpers import assert_deep_equal, clone_value, fqn_view
 from torch import nn
 from torch.distributed.fsdp import fully_shard
 from torch.distributed.tensor import DTensor
 
 import sparse_ckpt as sc
+from sparse_ckpt.leaves import named_leaves
 
 
 def free_port() -> int:
@@ -170,13 +176,96 @@ def assert_state_placed_like_params(model: nn.Module, opt: sc.MultiOptimizer) ->
                     assert not isinstance(v, DTensor) and v.device == p.device
 
 
+# --------------------------------------------------------------------------- full values, snapshots
+
+
+def _full_tensor(t: torch.Tensor) -> torch.Tensor:
+    return (t.full_tensor() if isinstance(t, DTensor) else t).detach().clone()
+
+
+def full_copy(value: Any) -> Any:
+    """A detached full copy of ``value`` (:func:`helpers.clone_value`): a DTensor's full value
+    (``full_tensor``, a collective: every rank must copy the same DTensors in the same order), a
+    tensor's clone, dicts, lists and tuples copied item by item, anything else deep-copied."""
+    return clone_value(value, _full_tensor)
+
+
+def full_snapshot(model: nn.Module, opt: Any) -> dict[str, Any]:
+    """Full copies of a model and its optimizer (any optimizer argument: a MultiOptimizer, one
+    optimizer, a mapping), comparable across models, layouts and world sizes (``torch.save``-able):
+
+    * ``params``: ``fqn -> full value``, in ``named_parameters`` order;
+    * ``state``: ``leaf -> {fqn -> {key: full value}}``, FQNs sorted (the same copy order on every rank);
+    * ``groups``: ``leaf -> [(settings, [fqn, ...]), ...]`` (:func:`helpers.fqn_view` with ``groups=True``).
+
+    Every rank must call it at the same point (DTensors are copied by collectives).
+    """
+    snap: dict[str, Any] = {
+        "params": {n: full_copy(p) for n, p in model.named_parameters()},
+        "state": {},
+        "groups": {},
+    }
+    for leaf, o in named_leaves(opt):
+        state, groups = fqn_view(model, [o], groups=True)
+        snap["state"][leaf] = {fqn: full_copy(state[fqn]) for fqn in sorted(state)}
+        snap["groups"][leaf] = clone_value(groups)
+    return snap
+
+
+def _state_by_fqn(snap: dict[str, Any]) -> dict[str, Any]:
+    merged = {fqn: st for leaf_state in snap["state"].values() for fqn, st in leaf_state.items()}
+    return {fqn: merged[fqn] for fqn in sorted(merged)}
+
+
+def _settings_by_fqn(snap: dict[str, Any]) -> dict[str, Any]:
+    merged = {fqn: settings for groups in snap["groups"].values() for settings, fqns in groups for fqn in fqns}
+    return {fqn: merged[fqn] for fqn in sorted(merged)}
+
+
+def assert_snapshots_equal(
+    a: dict[str, Any],
+    b: dict[str, Any],
+    where: str = "snapshot",
+    *,
+    layout: bool = True,
+    params: bool = True,
+    state_key_order: bool = True,
+) -> None:
+    """Assert two :func:`full_snapshot` results are exactly equal (``helpers.assert_deep_equal``:
+    types, dtypes, shapes, devices, ``torch.equal`` values; NaN equals NaN only in a state's
+    Python floats).
+
+    ``layout=True``: the same leaves, each with the same groups (settings, FQNs, in order) and the
+    same state by FQN. ``layout=False`` (a checkpoint loaded into another layout): per FQN only --
+    the same state and the same group settings, whichever leaf and group hold the parameter.
+    ``params``: the same full parameter values too. ``state_key_order=False``: the keys within
+    one parameter's state may come in another order (after a multi-rank DCP save they follow
+    DCP's metadata, as a DCP load does).
+    """
+    if params:
+        assert_deep_equal(a["params"], b["params"], f"{where}: params", nan_equal="none")
+    if layout:
+        assert_deep_equal(a["groups"], b["groups"], f"{where}: groups", nan_equal="none")
+        assert list(a["state"]) == list(b["state"]), f"{where}: leaves {list(a['state'])} vs {list(b['state'])}"
+        pairs = [(f"{where}: state of leaf {leaf!r}", a["state"][leaf], b["state"][leaf]) for leaf in a["state"]]
+    else:
+        assert_deep_equal(_settings_by_fqn(a), _settings_by_fqn(b), f"{where}: settings", nan_equal="none")
+        pairs = [(f"{where}: state", _state_by_fqn(a), _state_by_fqn(b))]
+    for place, sa, sb in pairs:
+        assert list(sa) == list(sb), f"{place}: FQNs {list(sa)} vs {list(sb)}"
+        assert_deep_equal(sa, sb, place, check_order=state_key_order, nan_equal="floats")
+
+
 __all__ = [
     "DIM",
     "HEAD_LR",
     "FsdpNet",
+    "assert_snapshots_equal",
     "assert_state_placed_like_params",
     "build_fsdp",
     "free_port",
+    "full_copy",
+    "full_snapshot",
     "run_ranks",
     "train_body",
     "trained_fsdp",

@@ -5,26 +5,36 @@
 * :func:`snapshot_optimizer` / :func:`assert_optimizer_equal` -- exact (``torch.equal``) comparison
   of optimizer state, param groups, grads and parameters, positionally (so two optimizers over two
   copies of a model compare too).
+* :class:`IdentitySnapshot` -- a model and its optimizers by value *and* by identity (objects
+  replaced, tensors modified in place), for "this call changed nothing".
 * :func:`assert_deep_equal` / :func:`deep_equal` / :func:`deep_diff` -- recursive exact equality
   of dicts (key order included unless told), sequences, tensors (dtype, shape, device and values)
   and scalars; options make NaN handling and the dict test stricter where a test needs it.
+* :func:`same_bits` -- bit-exact deep comparison (types at every level, dict order, float bit
+  patterns, tensor dtype/shape/device/``requires_grad``/bytes) for differential tests of two
+  implementations of one function.
 * :func:`clone_value` / :func:`clone_state_dict` -- deep copies with tensors cloned (for frozen
   "before" values and for what a storage round trip gives).
-* :func:`fqn_view` -- ``(fqn -> state, fqn -> settings)`` of optimizers, comparable across models.
+* :func:`find_table_key` -- the one packed group-table key of a flat dict (of one leaf).
+* :func:`fqn_view` -- ``(fqn -> state, fqn -> settings)`` of optimizers, comparable across models
+  (``groups=True``: ``[(settings, fqns)]`` per param group instead of ``fqn -> settings``).
 
-Hand-built packed-table bytes live in ``tests/table_bytes.py``.
+Hand-built packed-table bytes live in ``tests/table_bytes.py``; full (DTensor) copies and
+snapshots by FQN across ranks in ``tests/_dist.py``.
 """
 
 from __future__ import annotations
 
 import copy
 import math
+import struct
 from collections.abc import Callable, Iterable, Mapping, Sequence
 from typing import Any, Literal
 
 import torch
 from torch import nn
 
+from sparse_ckpt.format import PACKED_PREFIX
 from sparse_ckpt.leaves import named_leaves
 
 
@@ -113,14 +123,15 @@ def train(
         optimizer.step()
 
 
-def clone_value(value: Any) -> Any:
-    """Deep copy of nested dicts/lists/tuples with tensors cloned (detached)."""
+def clone_value(value: Any, clone_tensor: Callable[[torch.Tensor], torch.Tensor] | None = None) -> Any:
+    """Deep copy of nested dicts/lists/tuples with tensors cloned (detached; by ``clone_tensor``
+    when given, e.g. ``_dist.full_copy``'s full value of a DTensor)."""
     if isinstance(value, torch.Tensor):
-        return value.detach().clone()
+        return value.detach().clone() if clone_tensor is None else clone_tensor(value)
     if isinstance(value, dict):
-        return {k: clone_value(v) for k, v in value.items()}
+        return {k: clone_value(v, clone_tensor) for k, v in value.items()}
     if isinstance(value, (list, tuple)):
-        return type(value)(clone_value(v) for v in value)
+        return type(value)(clone_value(v, clone_tensor) for v in value)
     return copy.deepcopy(value)
 
 
@@ -176,6 +187,7 @@ def assert_optimizer_equal(
     *,
     identity: bool = False,
     grads: bool = True,
+    state_order: bool = True,
     nan_equal: NanEqual = "all",
     mapping: type = Mapping,
 ) -> None:
@@ -185,19 +197,122 @@ def assert_optimizer_equal(
     ``identity=True`` also compares parameter and ``.grad`` object identity (only meaningful
     when both describe the same optimizer, e.g. a snapshot before and after an operation).
     ``grads=False`` skips ``.grad`` (e.g. right after loading into a fresh copy of the model).
+    ``state_order=False``: the parameters may come in another order in ``optimizer.state``
+    (each parameter's own state keys are still compared in order).
     ``nan_equal`` and ``mapping`` are passed to :func:`assert_deep_equal`.
     """
     sa = a if _is_snapshot(a) else snapshot_optimizer(a)
     sb = b if _is_snapshot(b) else snapshot_optimizer(b)
     assert list(sa) == list(sb), f"leaves differ: {list(sa)} vs {list(sb)}"
+    options: dict[str, Any] = {"nan_equal": nan_equal, "mapping": mapping}
     for leaf in sa:
         la, lb = sa[leaf], sb[leaf]
         for part in ("groups", "state", "grads", "params") if grads else ("groups", "state", "params"):
-            assert_deep_equal(la[part], lb[part], f"leaf {leaf!r} {part}", nan_equal=nan_equal, mapping=mapping)
+            if part == "state" and not state_order:
+                keys_a, keys_b = sorted(la[part], key=repr), sorted(lb[part], key=repr)
+                assert set(keys_a) == set(keys_b), f"leaf {leaf!r} state: params {keys_a} vs {keys_b}"
+                for pos in keys_a:
+                    assert_deep_equal(la[part][pos], lb[part][pos], f"leaf {leaf!r} state[{pos!r}]", **options)
+                continue
+            assert_deep_equal(la[part], lb[part], f"leaf {leaf!r} {part}", **options)
         assert [len(g) for g in la["param_ids"]] == [len(g) for g in lb["param_ids"]], f"leaf {leaf!r} group sizes"
         if identity:
             assert la["param_ids"] == lb["param_ids"], f"leaf {leaf!r}: param identity/order changed"
             assert la["grad_ids"] == lb["grad_ids"], f"leaf {leaf!r}: a .grad object was replaced"
+
+
+def _tensor_version(t: torch.Tensor) -> int:
+    """In-place modification counter of ``t`` (isolated use of torch's private ``_version``)."""
+    return t._version
+
+
+def _objects(value: Any, out: list[tuple[int, int | None]]) -> None:
+    """Identity (and tensor version) of every container and tensor reachable from ``value``."""
+    out.append((id(value), _tensor_version(value) if isinstance(value, torch.Tensor) else None))
+    if isinstance(value, dict):
+        for v in value.values():
+            _objects(v, out)
+    elif isinstance(value, (list, tuple)):
+        for v in value:
+            _objects(v, out)
+
+
+class IdentitySnapshot:
+    """Everything observable about a model and its optimizers, by value and by identity: for
+    "this call changed nothing" (a save, a failed load).
+
+    :meth:`assert_unchanged` fails naming the first difference: a parameter or ``.grad``
+    replaced, modified in place (version counter) or of other values; ``optimizer.state``,
+    ``param_groups``, any group dict or any object inside them replaced or a tensor in them
+    modified in place; state, settings or ``defaults`` of other values (:func:`deep_equal`, key
+    order included, dicts required to be dicts, NaN as ``nan_equal`` says).
+    """
+
+    def __init__(
+        self, model: nn.Module, optimizers: Sequence[torch.optim.Optimizer], *, nan_equal: NanEqual = "floats"
+    ) -> None:
+        self.same: dict[str, Any] = {"nan_equal": nan_equal, "mapping": dict}
+        self.params = [(n, p, p.detach().clone(), _tensor_version(p)) for n, p in model.named_parameters()]
+        self.grads = [
+            (p.grad, None if p.grad is None else p.grad.clone(), None if p.grad is None else _tensor_version(p.grad))
+            for _n, p in model.named_parameters()
+        ]
+        self.opts = []
+        for opt in optimizers:
+            state_items = list(opt.state.items())
+            ids: list[tuple[int, int | None]] = []
+            _objects(opt.param_groups, ids)
+            for _k, v in state_items:
+                _objects(v, ids)
+            self.opts.append(
+                {
+                    "opt": opt,
+                    "state_obj": opt.state,
+                    "state_keys": [k for k, _ in state_items],
+                    "state_vals": [clone_value(v) for _k, v in state_items],
+                    "groups_obj": opt.param_groups,
+                    "groups": [
+                        ({k: clone_value(v) for k, v in g.items() if k != "params"}, list(g["params"]))
+                        for g in opt.param_groups
+                    ],
+                    "defaults": clone_value(opt.defaults),
+                    "ids": ids,
+                }
+            )
+
+    def assert_unchanged(self, model: nn.Module) -> None:
+        """Fail naming the first thing that differs from the snapshot."""
+        now = list(model.named_parameters())
+        assert [n for n, _ in now] == [n for n, *_ in self.params]
+        for (name, p, value, version), (_n, p_now) in zip(self.params, now):
+            assert p_now is p, f"parameter {name} replaced"
+            assert _tensor_version(p) == version, f"parameter {name} modified in place"
+            assert torch.equal(p.detach(), value), f"parameter {name} changed"
+        for (name, _p), (grad, value, version) in zip(now, self.grads):
+            assert _p.grad is grad, f".grad of {name} replaced"
+            if grad is not None:
+                assert _tensor_version(grad) == version, f".grad of {name} modified in place"
+                assert torch.equal(grad, value), f".grad of {name} changed"
+        for snap in self.opts:
+            opt = snap["opt"]
+            assert opt.state is snap["state_obj"], "optimizer.state replaced"
+            assert list(opt.state.keys()) == snap["state_keys"], "optimizer.state gained or lost entries"
+            for key, frozen in zip(snap["state_keys"], snap["state_vals"]):
+                assert deep_equal(opt.state[key], frozen, **self.same), f"state of a {tuple(key.shape)} parameter changed"
+            assert opt.param_groups is snap["groups_obj"], "optimizer.param_groups replaced"
+            assert len(opt.param_groups) == len(snap["groups"])
+            for gi, (group, (settings, params)) in enumerate(zip(opt.param_groups, snap["groups"])):
+                assert all(a is b for a, b in zip(group["params"], params)) and len(group["params"]) == len(params), (
+                    f"group {gi} params changed"
+                )
+                now_settings = {k: v for k, v in group.items() if k != "params"}
+                assert deep_equal(now_settings, settings, **self.same), f"group {gi} settings changed"
+            assert deep_equal(opt.defaults, snap["defaults"], **self.same), "optimizer.defaults changed"
+            ids: list[tuple[int, int | None]] = []
+            _objects(opt.param_groups, ids)
+            for v in opt.state.values():
+                _objects(v, ids)
+            assert ids == snap["ids"], "an object inside state/param_groups was replaced or modified in place"
 
 
 def _is_snapshot(x: Any) -> bool:
@@ -289,29 +404,77 @@ def deep_equal(a: Any, b: Any, **options: Any) -> bool:
     return deep_diff(a, b, **options) is None
 
 
+def _tensor_bytes(t: torch.Tensor) -> bytes:
+    flat = t.detach().cpu().contiguous().reshape(-1)
+    return flat.view(torch.uint8).numpy().tobytes() if flat.numel() else b""
+
+
+def same_bits(a: Any, b: Any) -> bool:
+    """Whether ``a`` and ``b`` are the same to the bit (for comparing two implementations' results).
+
+    Stricter than :func:`deep_equal` at every level:
+
+    * the same type (``type(a) is type(b)``: ``bool`` is not ``int``, a ``Parameter`` is not a
+      ``Tensor``, an ``OrderedDict`` is not a ``dict``);
+    * tensors: the same dtype, shape, device and ``requires_grad``, and the same bytes (``-0.0``
+      differs from ``0.0``; NaNs compare by their bit patterns);
+    * floats: the same IEEE-754 bit pattern (``struct.pack("<d")``);
+    * dicts: the same length, and pairwise in order the same keys and values (both by ``same_bits``);
+    * lists and tuples: the same length and pairwise ``same_bits`` items;
+    * ``str``, ``bytes``, ``int``, ``None``: ``==``; any other object: the very same object (``is``),
+      e.g. an exception class or a callback.
+
+    The same rules as ``same()`` in ``tests/test_core_differential.py``, which can use this one.
+    """
+    if type(a) is not type(b):
+        return False
+    if isinstance(a, torch.Tensor):
+        return (a.dtype, a.shape, a.device, a.requires_grad, _tensor_bytes(a)) == (
+            b.dtype, b.shape, b.device, b.requires_grad, _tensor_bytes(b))
+    if isinstance(a, float):
+        return struct.pack("<d", a) == struct.pack("<d", b)
+    if isinstance(a, dict):
+        return len(a) == len(b) and all(
+            same_bits(ka, kb) and same_bits(va, vb) for (ka, va), (kb, vb) in zip(a.items(), b.items())
+        )
+    if isinstance(a, (list, tuple)):
+        return len(a) == len(b) and all(same_bits(x, y) for x, y in zip(a, b))
+    if a is None or isinstance(a, (str, bytes, int)):
+        return a == b
+    return a is b
+
+
 def _both_nan_equal(a: torch.Tensor, b: torch.Tensor) -> bool:
     return bool(a.is_floating_point() and torch.equal(torch.nan_to_num(a, nan=0.0), torch.nan_to_num(b, nan=0.0))
                 and torch.equal(a.isnan(), b.isnan()))
 
 
 def fqn_view(
-    model: nn.Module, optimizers: Iterable[torch.optim.Optimizer]
-) -> tuple[dict[str, Any], dict[str, dict[str, Any]]]:
+    model: nn.Module, optimizers: Iterable[torch.optim.Optimizer], *, groups: bool = False
+) -> tuple[dict[str, Any], Any]:
     """``(fqn -> state, fqn -> settings)`` over several optimizers, comparable across models.
 
-    Names come from ``model.named_parameters()``; a parameter's settings are its group's entries
-    other than ``params``. The values are the live objects, not copies.
+    Names come from ``model.named_parameters()``; the state follows ``optimizer.state``'s order;
+    a parameter's settings are its group's entries other than ``params``. ``groups=True``: the
+    second item is instead ``[(settings, [fqn, ...]), ...]``, every param group in order
+    (optimizer by optimizer) -- for comparing the group layout too, not only each parameter's
+    settings (where ``params`` sits among a group's keys is not part of it). The values are the
+    live objects, not copies.
     """
     names = {id(p): n for n, p in model.named_parameters()}
     state: dict[str, Any] = {}
     settings: dict[str, dict[str, Any]] = {}
+    layout: list[tuple[dict[str, Any], list[str]]] = []
     for opt in optimizers:
         for p, s in opt.state.items():
             state[names[id(p)]] = s
         for g in opt.param_groups:
+            if groups:
+                layout.append(({k: v for k, v in g.items() if k != "params"}, [names[id(p)] for p in g["params"]]))
+                continue
             for p in g["params"]:
                 settings[names[id(p)]] = {k: v for k, v in g.items() if k != "params"}
-    return state, settings
+    return state, (layout if groups else settings)
 
 
 def param_fqns(model: nn.Module) -> dict[int, str]:
@@ -340,6 +503,20 @@ def flat_settings(sd: Mapping[str, Any]) -> dict[str, dict[str, Any]]:
             fqn, _, name = key[len("param_groups."):].rpartition(".")
             out.setdefault(fqn, {})[name] = value
     return out
+
+
+def find_table_key(sd: Mapping[Any, Any], leaf: str | None = None) -> str:
+    """The key of the one packed group table (``param_groups.__packed__.{leaf}.{digest}``,
+    :data:`sparse_ckpt.format.PACKED_PREFIX`) in a flat dict -- of leaf ``leaf`` when given
+    (exactly that leaf: not one whose name merely starts with it). Asserts there is exactly one;
+    keys that are not strings are passed over."""
+    keys = [
+        k for k in sd
+        if isinstance(k, str) and k.startswith(PACKED_PREFIX)
+        and (leaf is None or k[len(PACKED_PREFIX):].rpartition(".")[0] == leaf)
+    ]
+    assert len(keys) == 1, f"packed group tables{'' if leaf is None else f' of leaf {leaf!r}'}: {keys}"
+    return keys[0]
 
 
 def state_keys(sd: Mapping[str, Any]) -> list[str]:

@@ -8,13 +8,13 @@ from __future__ import annotations
 import collections
 import importlib
 import os
-import struct
 from collections import defaultdict
 from collections.abc import Callable
 from typing import Any
 
 import pytest
 import torch
+from helpers import same_bits
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
@@ -41,23 +41,6 @@ def core_backend(request: pytest.FixtureRequest) -> str:
     return request.param
 
 
-def same(a: Any, b: Any) -> bool:
-    """Deep equality with types, dict order, float bits and tensor identity-or-bytes."""
-    if type(a) is not type(b):
-        return False
-    if isinstance(a, torch.Tensor):
-        return a is b or (a.dtype, a.shape, a.device) == (b.dtype, b.shape, b.device) and torch.equal(a, b)
-    if isinstance(a, float):
-        return struct.pack("<d", a) == struct.pack("<d", b)
-    if isinstance(a, dict):
-        return len(a) == len(b) and all(
-            (ka is kb or same(ka, kb)) and same(va, vb) for (ka, va), (kb, vb) in zip(a.items(), b.items())
-        )
-    if isinstance(a, (list, tuple)):
-        return len(a) == len(b) and all(same(x, y) for x, y in zip(a, b))
-    return a == b if isinstance(a, (str, bytes, int, type(None))) else a is b
-
-
 def outcome(fn: Callable[[], Any]) -> tuple:
     try:
         return ("ok", fn())
@@ -69,7 +52,7 @@ def both(run: Callable[[Any], Any]) -> tuple:
     """``run(core)`` on both cores; assert equal outcomes; return the Python one."""
     py, cc = outcome(lambda: run(P)), outcome(lambda: run(C))
     if py[0] == cc[0] == "ok":
-        assert same(py[1], cc[1]), f"results differ\npython: {py[1]!r}\ncpp:    {cc[1]!r}"
+        assert same_bits(py[1], cc[1]), f"results differ\npython: {py[1]!r}\ncpp:    {cc[1]!r}"
     else:
         assert py == cc, f"outcomes differ\npython: {py!r}\ncpp:    {cc!r}"
     return py
@@ -290,7 +273,7 @@ def test_capture_fqns(layout: list[list[int]], with_state: list[int], unowned: s
     result = both(lambda core: core.capture_fqns("leaf", groups, state, fqn_of, torch.Tensor))
     reference = outcome(lambda: P.remap_to_fqns("leaf", *P.pack_optimizer("leaf", groups, state, torch.Tensor), fqn_of))
     if result[0] == "ok":
-        assert reference[0] == "ok" and same(result[1], reference[1])
+        assert reference[0] == "ok" and same_bits(result[1], reference[1])
     else:
         assert reference[0] == "err" and result[1] is reference[1]
 

@@ -8,16 +8,17 @@ from __future__ import annotations
 
 import warnings
 from pathlib import Path
-from typing import Any
 
 import pytest
 import torch
 import torch.distributed as dist
 import torch.distributed.checkpoint as dcp
-from _dist import (  # the FSDP2 model and its builders
+from _dist import (  # the FSDP2 model and its builders, full snapshots
     HEAD_LR,
+    assert_snapshots_equal,
     assert_state_placed_like_params,
     build_fsdp,
+    full_snapshot,
     run_ranks,
     train_body,
     trained_fsdp,
@@ -31,37 +32,7 @@ from sparse_ckpt import inspect_checkpoint
 pytestmark = pytest.mark.filterwarnings("ignore:torch.distributed is disabled:UserWarning")
 
 
-# --------------------------------------------------------------------------- snapshots, save, load
-
-
-def full(t: torch.Tensor) -> torch.Tensor:
-    """The full value (a collective for DTensors: every rank calls it in the same order)."""
-    return (t.full_tensor() if isinstance(t, DTensor) else t).detach().clone()
-
-
-def snapshot(model: nn.Module, opt: sc.MultiOptimizer) -> dict[str, Any]:
-    """Full parameter values, full optimizer state by FQN, and every group's lr."""
-    names = {id(p): n for n, p in model.named_parameters()}
-    snap: dict[str, Any] = {"params": {n: full(p) for n, p in model.named_parameters()}, "state": {}, "lr": {}}
-    for leaf, o in opt.leaves():
-        snap["lr"][leaf] = [g["lr"] for g in o.param_groups]
-        for p, st in sorted(o.state.items(), key=lambda kv: names[id(kv[0])]):
-            snap["state"][f"{leaf}/{names[id(p)]}"] = {k: full(v) for k, v in st.items()}
-    return snap
-
-
-def assert_snap_equal(a: dict[str, Any], b: dict[str, Any], where: str) -> None:
-    assert a["lr"] == b["lr"], f"{where}: lr {a['lr']} vs {b['lr']}"
-    for part in ("params", "state"):
-        assert list(a[part]) == list(b[part]), f"{where}: {part} keys {list(a[part])} vs {list(b[part])}"
-    for name in a["params"]:
-        assert torch.equal(a["params"][name], b["params"][name]), f"{where}: param {name}"
-    for name, st in a["state"].items():
-        # Key order within one param's state follows DCP's metadata (multi-rank: not the save order).
-        assert sorted(st) == sorted(b["state"][name]), f"{where}: state keys of {name}"
-        for k, v in st.items():
-            other = b["state"][name][k]
-            assert v.dtype == other.dtype and torch.equal(v, other), f"{where}: state {name}.{k}"
+# --------------------------------------------------------------------------- save, load (snapshots: tests/_dist.py)
 
 
 def save(path: str, model: nn.Module, opt: sc.MultiOptimizer) -> None:
@@ -80,10 +51,10 @@ def load(path: str, model: nn.Module, opt: sc.MultiOptimizer) -> None:
 
 def _fsdp_resume(rank: int, world_size: int, ckpt: str) -> None:
     model, opt = trained_fsdp(sharded=True)
-    before = snapshot(model, opt)
+    before = full_snapshot(model, opt)
     local_before = [p.to_local().clone() for p in model.parameters()]
     save(ckpt, model, opt)
-    assert_snap_equal(snapshot(model, opt), before, "source after save")
+    assert_snapshots_equal(full_snapshot(model, opt), before, "source after save", state_key_order=False)
     assert all(torch.equal(a, p.to_local()) for a, p in zip(local_before, model.parameters()))
     assert not opt["head"].state
 
@@ -101,11 +72,11 @@ def _fsdp_resume(rank: int, world_size: int, ckpt: str) -> None:
             local2 = v2.to_local() if isinstance(v2, DTensor) else v2
             assert torch.equal(local, local2), f"rank {rank}: state {k}"
     assert_state_placed_like_params(model2, opt2)
-    assert_snap_equal(snapshot(model2, opt2), before, "loaded")
+    assert_snapshots_equal(full_snapshot(model2, opt2), before, "loaded", state_key_order=False)
 
     train_body(model, opt, 1, seed=100)
     train_body(model2, opt2, 1, seed=100)
-    assert_snap_equal(snapshot(model2, opt2), snapshot(model, opt), "next step")
+    assert_snapshots_equal(full_snapshot(model2, opt2), full_snapshot(model, opt), "next step", state_key_order=False)
 
 
 def test_fsdp2_two_ranks_resume(tmp_path: Path) -> None:
@@ -117,7 +88,7 @@ def test_fsdp2_two_ranks_resume(tmp_path: Path) -> None:
 
 def _save_sharded(rank: int, world_size: int, ckpt: str, ref: str) -> None:
     model, opt = trained_fsdp(sharded=True)
-    snap = snapshot(model, opt)
+    snap = full_snapshot(model, opt)
     save(ckpt, model, opt)
     if rank == 0:
         torch.save(snap, ref)
@@ -127,11 +98,12 @@ def _load_resharded(rank: int, world_size: int, sources: list[tuple[str, str]], 
     for src, src_ref in sources:
         model, opt = build_fsdp(seed=5, sharded=True)
         load(src, model, opt)
-        assert_snap_equal(snapshot(model, opt), torch.load(src_ref), f"rank {rank} loading {src}")
+        where = f"rank {rank} loading {src}"
+        assert_snapshots_equal(full_snapshot(model, opt), torch.load(src_ref), where, state_key_order=False)
         assert not opt["head"].state
         assert_state_placed_like_params(model, opt)
     train_body(model, opt, 1, seed=200)
-    snap = snapshot(model, opt)
+    snap = full_snapshot(model, opt)
     save(ckpt, model, opt)
     if rank == 0:
         torch.save(snap, ref)
@@ -141,7 +113,7 @@ def test_world_size_changes(tmp_path: Path) -> None:
     """1 -> 2, 4 -> 2 and 2 -> 1 (a plain, unsharded model in a process without a process group)."""
     ck1, ck2, ck4 = (str(tmp_path / f"ws{n}") for n in (1, 2, 4))
     model, opt = trained_fsdp(sharded=False)
-    torch.save(snapshot(model, opt), tmp_path / "ref1.pt")
+    torch.save(full_snapshot(model, opt), tmp_path / "ref1.pt")
     save(ck1, model, opt)
 
     run_ranks(_save_sharded, 4, ck4, str(tmp_path / "ref4.pt"))
@@ -150,7 +122,7 @@ def test_world_size_changes(tmp_path: Path) -> None:
 
     model, opt = build_fsdp(seed=9, sharded=False)
     load(ck2, model, opt)
-    assert_snap_equal(snapshot(model, opt), torch.load(tmp_path / "ref2.pt"), "2 -> 1")
+    assert_snapshots_equal(full_snapshot(model, opt), torch.load(tmp_path / "ref2.pt"), "2 -> 1", state_key_order=False)
     assert not opt["head"].state and [g["lr"] for g in opt["head"].param_groups] == [HEAD_LR]
     assert_state_placed_like_params(model, opt)
 

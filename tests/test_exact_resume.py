@@ -14,7 +14,7 @@ from typing import Any
 
 import pytest
 import torch
-from helpers import assert_deep_equal, clone_state_dict
+from helpers import assert_deep_equal, clone_state_dict, fqn_view
 from torch import nn
 
 import sparse_ckpt as sc
@@ -112,13 +112,6 @@ def _run(fmt: str | None) -> tuple[_MoE, sc.MultiOptimizer]:
 SAME = {"check_order": False, "nan_equal": "none", "mapping": dict}
 
 
-def _leaf_view(model: nn.Module, opt: torch.optim.Optimizer) -> tuple[dict[str, Any], list[Any]]:
-    names = {id(p): n for n, p in model.named_parameters()}
-    state = {names[id(p)]: s for p, s in opt.state.items()}
-    groups = [{k: ([names[id(p)] for p in v] if k == "params" else v) for k, v in g.items()} for g in opt.param_groups]
-    return state, groups
-
-
 @pytest.fixture(scope="module")
 def uninterrupted() -> tuple[_MoE, sc.MultiOptimizer]:
     """The reference N+M-step run (backend independent: nothing is saved)."""
@@ -133,8 +126,8 @@ def test_resume_is_bit_exact(fmt: str, uninterrupted: tuple[_MoE, sc.MultiOptimi
         assert name == ref_name and torch.equal(p, q), name
     for (leaf, o), (ref_leaf, r) in zip(opt.leaves(), ref_opt.leaves()):
         assert leaf == ref_leaf
-        state, groups = _leaf_view(model, o)
-        ref_state, ref_groups = _leaf_view(ref_model, r)
+        state, groups = fqn_view(model, [o], groups=True)
+        ref_state, ref_groups = fqn_view(ref_model, [r], groups=True)
         assert_deep_equal(state, ref_state, f"{leaf}.state", **SAME)
         assert_deep_equal(groups, ref_groups, f"{leaf}.param_groups", **SAME)
 

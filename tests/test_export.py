@@ -15,7 +15,16 @@ import pytest
 import torch
 import torch.distributed as dist
 import torch.distributed.checkpoint as dcp
-from _dist import HEAD_LR, assert_state_placed_like_params, build_fsdp, run_ranks, train_body, trained_fsdp
+from _dist import (
+    HEAD_LR,
+    assert_snapshots_equal,
+    assert_state_placed_like_params,
+    build_fsdp,
+    full_snapshot,
+    run_ranks,
+    train_body,
+    trained_fsdp,
+)
 from helpers import assert_optimizer_equal, make_moe, snapshot_optimizer, train
 from torch import nn
 from torch.distributed.tensor import DTensor
@@ -58,42 +67,6 @@ def save(path: Path, model: nn.Module, opt: Any, fmt: str = "packed") -> None:
     dcp.save({"model": model.state_dict(), "optim": sc.SparseOptimizerState(model, opt, format=fmt)}, checkpoint_id=path)
 
 
-def by_fqn(model: nn.Module, opt: Any) -> dict[str, Any]:
-    """``fqn -> (lr, {state key: value})`` over every leaf (full values of DTensors)."""
-    out: dict[str, Any] = {}
-    names = {id(p): n for n, p in model.named_parameters()}
-    leaves = opt.leaves() if hasattr(opt, "leaves") else [("optim", opt)]
-    for _leaf, o in leaves:
-        for group in o.param_groups:
-            for p in group["params"]:
-                st = {k: _full(v) for k, v in o.state.get(p, {}).items()}
-                out[names[id(p)]] = (group["lr"], st)
-    return out
-
-
-def _full(v: Any) -> Any:
-    """A detached full copy of a state value (state tensors change in place on the next step)."""
-    if isinstance(v, DTensor):
-        return v.full_tensor().detach().clone()
-    return v.detach().clone() if isinstance(v, torch.Tensor) else v
-
-
-def assert_same_by_fqn(a: dict[str, Any], b: dict[str, Any], *, ordered: bool = True) -> None:
-    """Equal lr and state per FQN; ``ordered=False``: key order within a state may differ (after a
-    multi-rank save it follows DCP's metadata, as for a DCP load)."""
-    assert sorted(a) == sorted(b)
-    for fqn, (lr_a, st_a) in a.items():
-        lr_b, st_b = b[fqn]
-        assert lr_a == lr_b, fqn
-        assert (list(st_a) if ordered else sorted(st_a)) == (list(st_b) if ordered else sorted(st_b)), fqn
-        for k, v in st_a.items():
-            w = st_b[k]
-            if isinstance(v, torch.Tensor):
-                assert v.dtype == w.dtype and torch.equal(v, w), (fqn, k)
-            else:
-                assert type(v) is type(w) and (v == w or (isinstance(v, float) and math.isnan(v) and math.isnan(w))), (fqn, k)
-
-
 @pytest.fixture
 def exported(tmp_path: Path) -> tuple[Path, Path, nn.Module, sc.MultiOptimizer]:
     model, opt = trained()
@@ -111,7 +84,7 @@ def test_round_trip_same_and_other_layout(exported: tuple[Path, Path, nn.Module,
     _ckpt, out, model, opt = exported
     assert sorted(p.name for p in out.iterdir()) == [MANIFEST_FILE, TENSORS_FILE]
 
-    saved = by_fqn(model, opt)
+    saved = full_snapshot(model, opt)
     params = model.state_dict()
     model2, opt2 = build(seed=1)
     model2.load_state_dict(params)
@@ -129,7 +102,7 @@ def test_round_trip_same_and_other_layout(exported: tuple[Path, Path, nn.Module,
     rest = [p for p in reversed(list(model3.parameters())) if all(p is not q for q in idle)]
     opt3 = torch.optim.AdamW([{"params": rest}, {"params": idle}], lr=0.5)
     load_export(model3, opt3, out)
-    assert_same_by_fqn(saved, by_fqn(model3, opt3))
+    assert_snapshots_equal(saved, full_snapshot(model3, opt3), "other layout", layout=False, params=False)
     assert [g["lr"] for g in opt3.param_groups] == [0.01, IDLE_LR]
 
 
@@ -143,7 +116,7 @@ def test_flat_checkpoint_and_streamed_batches(tmp_path: Path) -> None:
     assert (tmp_path / "a" / TENSORS_FILE).read_bytes() == (tmp_path / "b" / TENSORS_FILE).read_bytes()
     model2, opt2 = build(seed=1)
     load_export(model2, opt2, tmp_path / "b")
-    assert_same_by_fqn(by_fqn(model, opt), by_fqn(model2, opt2))
+    assert_snapshots_equal(full_snapshot(model, opt), full_snapshot(model2, opt2), params=False)
 
 
 def test_dtypes_and_json_values_round_trip_exactly(tmp_path: Path) -> None:
@@ -335,12 +308,6 @@ def test_several_optimizers_need_a_key(tmp_path: Path) -> None:
 # --------------------------------------------------------------------------- two ranks (FSDP2 model: tests/_dist.py)
 
 
-def full_snapshot(model: nn.Module, opt: sc.MultiOptimizer) -> dict[str, Any]:
-    snap = by_fqn(model, opt)
-    params = {n: (p.full_tensor() if isinstance(p, DTensor) else p).detach().clone() for n, p in model.named_parameters()}
-    return {"opt": snap, "params": params}
-
-
 def _save_fsdp(rank: int, world_size: int, ckpt: str, ref: str) -> None:
     model, opt = trained_fsdp(sharded=True)
     snap = full_snapshot(model, opt)
@@ -369,12 +336,13 @@ def _load_fsdp(rank: int, world_size: int, ckpt: str, out: str, ref: str) -> Non
             if k != "step":
                 local = v.to_local()
                 assert local.untyped_storage().nbytes() == local.numel() * local.element_size(), "keeps the full tensor"
-    assert_same_by_fqn(full_snapshot(*via_export)["opt"], reference["opt"], ordered=False)
+    assert_snapshots_equal(
+        full_snapshot(*via_export), reference, f"rank {rank}: loaded", params=False, state_key_order=False
+    )
     for m, o in (via_export, via_dcp):
         train_body(m, o, 1, seed=100)
     a, b = full_snapshot(*via_export), full_snapshot(*via_dcp)
-    assert_same_by_fqn(a["opt"], b["opt"])
-    assert all(torch.equal(a["params"][n], b["params"][n]) for n in a["params"]), f"rank {rank}: next step differs"
+    assert_snapshots_equal(a, b, f"rank {rank}: next step")
 
 
 def test_fsdp2_two_rank_checkpoint(tmp_path: Path) -> None:
@@ -387,7 +355,8 @@ def test_fsdp2_two_rank_checkpoint(tmp_path: Path) -> None:
     export_checkpoint(ckpt, out)
     model, opt = build_fsdp(3, sharded=False)
     load_export(model, opt, out)
-    assert_same_by_fqn(by_fqn(model, opt), torch.load(ref, weights_only=True)["opt"], ordered=False)
+    reference = torch.load(ref, weights_only=True)
+    assert_snapshots_equal(full_snapshot(model, opt), reference, params=False, state_key_order=False)
     run_ranks(_load_fsdp, 2, str(ckpt), str(out), str(ref))
 
 
@@ -416,15 +385,15 @@ def _save_ep(rank: int, world_size: int, ckpt: str) -> None:
     model.experts[str(2 * rank)](torch.tanh(model.shared(x))).pow(2).mean().backward()
     opt["experts"].step()
     dcp.save({"optim": sc.SparseOptimizerState(model, opt)}, checkpoint_id=ckpt)
-    torch.save(by_fqn(model, opt), f"{ckpt}.rank{rank}.pt")
+    torch.save(full_snapshot(model, opt), f"{ckpt}.rank{rank}.pt")
 
 
 def _load_ep(rank: int, world_size: int, ckpt: str, out: str) -> None:
     model = EPNet((2 * rank, 2 * rank + 1), seed=9)
     opt = _ep_opt(model)
     load_export(model, opt, out)  # the other rank's experts are not "extra"
-    got = by_fqn(model, opt)
-    assert_same_by_fqn(got, torch.load(f"{ckpt}.rank{rank}.pt", weights_only=True), ordered=False)
+    saved = torch.load(f"{ckpt}.rank{rank}.pt", weights_only=True)
+    assert_snapshots_equal(full_snapshot(model, opt), saved, f"rank {rank}", params=False, state_key_order=False)
     # a local parameter the export lacks still fails (strict)
     model2 = EPNet((2 * rank, 2 * rank + 1, 8 + rank), seed=9)
     opt2 = _ep_opt(model2)

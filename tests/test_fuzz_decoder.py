@@ -10,17 +10,17 @@ Every run under ``.ci/sanitize.sh`` also drives the C++ decoder through ASan/UBS
 from __future__ import annotations
 
 import random
-import struct
 from typing import Any
 
 import pytest
 import torch
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
+from table_bytes import encode, u16, u32, u64
 
 from sparse_ckpt import _backend
 from sparse_ckpt._core_py import MAGIC, VERSION
-from sparse_ckpt._tensor_parts import parts_to_tensor, tensor_to_parts
+from sparse_ckpt._tensor_parts import parts_to_tensor
 from sparse_ckpt.errors import CheckpointFormatError
 
 FUZZ = settings(
@@ -121,11 +121,6 @@ def random_groups(rnd: random.Random) -> list[tuple[dict, list[str]]]:
     return out
 
 
-def encode(leaf: str, groups: list[tuple[dict, list[str]]]) -> bytes:
-    """The active core's ``encode_table``."""
-    return _backend.core.encode_table(leaf, groups, torch.Tensor, tensor_to_parts)
-
-
 INTERESTING_U32 = [0, 1, 2, 7, 0x7F, 0x80, 0xFF, 0x100, 0x7FFF, 0xFFFF, 0x7FFFFFFF, 0x80000000, 0xFFFFFFFE, 0xFFFFFFFF]
 
 
@@ -148,9 +143,9 @@ def mutate(buf: bytearray, rnd: random.Random, other: bytes) -> bytes:
             buf[pos:] = other[rnd.randint(0, len(other)) :]
         elif kind == "u32":
             word = rnd.choice(INTERESTING_U32) if rnd.random() < 0.5 else len(buf) - pos + rnd.randint(-2, 2)
-            buf[pos : pos + 4] = struct.pack("<I", word % 2**32)
+            buf[pos : pos + 4] = u32(word % 2**32)
         elif kind == "u64":
-            buf[pos : pos + 8] = struct.pack("<Q", rnd.choice([2**64 - 1, 2**63, 2**63 - 1, 2**32, len(buf)]))
+            buf[pos : pos + 8] = u64(rnd.choice([2**64 - 1, 2**63, 2**63 - 1, 2**32, len(buf)]))
         elif kind == "tag":
             buf[pos:pos] = bytes([rnd.choice([0, 3, 4, 5, 6, 7, 8, 9, 10, 255])])
     return bytes(buf)
@@ -184,7 +179,7 @@ def try_decode(data: bytes, leaf: str = "fz", decoder: Any = None) -> bool:
 
 
 _TOKENS = [b"\x00", b"\x01\x00\x00\x00", b"\xff\xff\xff\xff", b"\x09", b"\x07", b"\x05", b"a", b"\x03" + bytes(8)]
-HEADER = MAGIC + struct.pack("<H", VERSION)
+HEADER = MAGIC + u16(VERSION)
 
 
 @settings(FUZZ, max_examples=300)

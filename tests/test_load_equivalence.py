@@ -15,7 +15,7 @@ from typing import Any
 
 import pytest
 import torch
-from helpers import assert_deep_equal, clone_state_dict
+from helpers import assert_deep_equal, clone_state_dict, fqn_view
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 from torch import nn
@@ -65,22 +65,13 @@ def _step(model: nn.ParameterList, opt: torch.optim.Optimizer, mask: list[bool],
     opt.step()
 
 
-def _state_by_index(model: nn.ParameterList, opt: torch.optim.Optimizer) -> dict[int, Any]:
-    index = {id(p): i for i, p in enumerate(model)}
-    return {index[id(p)]: s for p, s in opt.state.items()}
-
-
-def _groups_by_index(model: nn.ParameterList, opt: torch.optim.Optimizer) -> list[dict[str, Any]]:
-    index = {id(p): i for i, p in enumerate(model)}
-    return [{k: ([index[id(p)] for p in v] if k == "params" else v) for k, v in g.items()} for g in opt.param_groups]
-
-
 def _assert_equivalent(ma: nn.ParameterList, a: torch.optim.Optimizer, mb: nn.ParameterList, b: torch.optim.Optimizer) -> None:
-    sa, sb = _state_by_index(ma, a), _state_by_index(mb, b)
+    (sa, ga), (sb, gb) = fqn_view(ma, [a], groups=True), fqn_view(mb, [b], groups=True)  # names: list indices
     assert sorted(sa) == sorted(sb)
     for i in sa:
         assert_deep_equal(sa[i], sb[i], f"state[{i}]", **SAME)
-    assert_deep_equal(_groups_by_index(ma, a), _groups_by_index(mb, b), "param_groups", **SAME)
+    assert_deep_equal(ga, gb, "param_groups", **SAME)
+    assert [list(g) for g in a.param_groups] == [list(g) for g in b.param_groups]  # where `params` sits too
 
 
 @st.composite

@@ -13,7 +13,7 @@ from typing import Any
 
 import pytest
 import torch
-from helpers import assert_optimizer_equal, snapshot_optimizer
+from helpers import assert_optimizer_equal, find_table_key, snapshot_optimizer
 from torch import nn
 
 import sparse_ckpt as sc
@@ -106,10 +106,6 @@ def _target(layout: str = "ab", cls_b: type = torch.optim.SGD, n: int = 4, layer
     return model, sc.MultiOptimizer(model, {"a": a, "b": _leaf_b(model, cls_b, layers_b)})
 
 
-def _table_key(sd: dict[str, Any], leaf: str) -> str:
-    return next(k for k in sd if k.startswith(f"param_groups.__packed__.{leaf}."))
-
-
 # Each scenario: (build target, edit checkpoint) -> (model, opt, sd, exception class, message regex)
 Scenario = Callable[[], tuple[_Net, Any, dict[str, Any], type, str]]
 
@@ -159,7 +155,7 @@ def _bad_shape() -> tuple[_Net, Any, dict[str, Any], type, str]:
 def _corrupt_table() -> tuple[_Net, Any, dict[str, Any], type, str]:
     model, opt = _target()
     sd = _source()
-    key = _table_key(sd, "b")
+    key = find_table_key(sd, "b")
     broken = sd.pop(key)[:-3]  # truncated, but under a key whose digest matches
     sd[packed_table_key("b", broken)] = broken
     return model, opt, sd, sc.CheckpointFormatError, r"leaf 'b'.*truncated"
@@ -168,7 +164,7 @@ def _corrupt_table() -> tuple[_Net, Any, dict[str, Any], type, str]:
 def _digest_mismatch() -> tuple[_Net, Any, dict[str, Any], type, str]:
     model, opt = _target()
     sd = _source()
-    key = _table_key(sd, "a")
+    key = find_table_key(sd, "a")
     table = bytearray(sd[key])
     table[-1] ^= 0x01  # last byte of the last FQN
     sd[key] = bytes(table)

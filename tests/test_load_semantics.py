@@ -11,7 +11,7 @@ from typing import Any
 
 import pytest
 import torch
-from helpers import assert_deep_equal
+from helpers import assert_deep_equal, fqn_view
 from torch import nn
 
 import sparse_ckpt as sc
@@ -95,17 +95,9 @@ def _train(model: _Net, opt: Any, kind: str, steps: int = 2) -> None:
 SAME = {"nan_equal": "none", "mapping": dict}
 
 
-def _by_fqn(model: nn.Module, opt: torch.optim.Optimizer) -> tuple[dict[str, Any], list[tuple[dict, list[str]]]]:
-    """``(fqn -> state, [(settings, fqns)])`` of one optimizer, comparable across models."""
-    names = {id(p): n for n, p in model.named_parameters()}
-    state = {names[id(p)]: s for p, s in opt.state.items()}
-    groups = [({k: v for k, v in g.items() if k != "params"}, [names[id(p)] for p in g["params"]]) for g in opt.param_groups]
-    return state, groups
-
-
 def _assert_leaf_equal(ma: nn.Module, a: torch.optim.Optimizer, mb: nn.Module, b: torch.optim.Optimizer) -> None:
-    sa, ga = _by_fqn(ma, a)
-    sb, gb = _by_fqn(mb, b)
+    sa, ga = fqn_view(ma, [a], groups=True)
+    sb, gb = fqn_view(mb, [b], groups=True)
     assert sorted(sa) == sorted(sb)
     for fqn in sa:
         assert_deep_equal(sa[fqn], sb[fqn], f"state[{fqn!r}]", **SAME)

@@ -18,14 +18,13 @@ from typing import Any
 
 import pytest
 import torch
-from helpers import clone_value, deep_equal
+from helpers import IdentitySnapshot, deep_equal, find_table_key
 from table_bytes import encode
 from torch import nn
 
 import sparse_ckpt as sc
+from sparse_ckpt.format import PACKED_PREFIX
 from sparse_ckpt.save import packed_table_key
-
-PACKED = "param_groups.__packed__."
 
 
 class Net(nn.Module):
@@ -74,15 +73,9 @@ def target(lr_b: float = 0.02) -> tuple[Net, torch.optim.Adam]:
     return model, opt
 
 
-def _table_key(sd: dict[str, Any]) -> str:
-    keys = [k for k in sd if isinstance(k, str) and k.startswith(PACKED)]
-    assert len(keys) == 1, keys
-    return keys[0]
-
-
 def _retable(sd: dict[str, Any], table: bytes, leaf: str = "optim") -> dict[str, Any]:
     """Replace the table with ``table`` under a key whose digest matches it (a forged table)."""
-    out = {k: v for k, v in sd.items() if not (isinstance(k, str) and k.startswith(PACKED))}
+    out = {k: v for k, v in sd.items() if not (isinstance(k, str) and k.startswith(PACKED_PREFIX))}
     out[packed_table_key(leaf, table)] = table
     return out
 
@@ -90,55 +83,9 @@ def _retable(sd: dict[str, Any], table: bytes, leaf: str = "optim") -> dict[str,
 # --------------------------------------------------------------------------- deep compare
 
 
-# "Unchanged" is exact: key order included, NaN never equal, dicts required to be dicts.
+# "Unchanged" is exact: key order included, NaN never equal, dicts required to be dicts (so is
+# IdentitySnapshot with nan_equal="none").
 SAME = {"nan_equal": "none", "mapping": dict}
-
-
-@dataclass
-class OptSnapshot:
-    """An optimizer's ``state``/``param_groups`` objects and a frozen copy of their values."""
-
-    opt: torch.optim.Optimizer
-    state_obj: Any
-    groups_obj: Any
-    group_objs: list[dict]
-    entry_objs: list[tuple[Any, Any]]
-    state: list[tuple[Any, Any]]
-    groups: list[tuple[dict, list[Any]]]
-    defaults: dict
-
-    @classmethod
-    def take(cls, opt: torch.optim.Optimizer) -> OptSnapshot:
-        """Snapshot ``opt``."""
-        return cls(
-            opt=opt,
-            state_obj=opt.state,
-            groups_obj=opt.param_groups,
-            group_objs=list(opt.param_groups),
-            entry_objs=list(opt.state.items()),
-            state=[(k, clone_value(v)) for k, v in opt.state.items()],
-            groups=[
-                ({k: clone_value(v) for k, v in g.items() if k != "params"}, list(g["params"])) for g in opt.param_groups
-            ],
-            defaults=clone_value(opt.defaults),
-        )
-
-    def assert_unchanged(self) -> None:
-        """Deep compare with the optimizer now."""
-        opt = self.opt
-        assert opt.state is self.state_obj, "optimizer.state replaced"
-        assert opt.param_groups is self.groups_obj, "optimizer.param_groups replaced"
-        assert all(a is b for a, b in zip(opt.param_groups, self.group_objs)) and len(opt.param_groups) == len(
-            self.group_objs
-        ), "a param group dict was replaced"
-        assert [(k, id(v)) for k, v in opt.state.items()] == [(k, id(v)) for k, v in self.entry_objs]
-        for key, frozen in self.state:
-            assert deep_equal(opt.state[key], frozen, **SAME), f"state of a {tuple(key.shape)} parameter changed"
-        for gi, (group, (settings, params)) in enumerate(zip(opt.param_groups, self.groups)):
-            assert len(group["params"]) == len(params) and all(a is b for a, b in zip(group["params"], params))
-            now_settings = {k: v for k, v in group.items() if k != "params"}
-            assert deep_equal(now_settings, settings, **SAME), f"group {gi} changed"
-        assert deep_equal(opt.defaults, self.defaults, **SAME), "defaults changed"
 
 
 def test_snapshot_detects_changes() -> None:
@@ -150,10 +97,10 @@ def test_snapshot_detects_changes() -> None:
         lambda m, o: sc.load_sparse_state_dict(m, o, sd),
     ):
         model, opt = target()
-        snap = OptSnapshot.take(opt)
+        snap = IdentitySnapshot(model, [opt], nan_equal="none")
         mutate(model, opt)
         with pytest.raises(AssertionError):
-            snap.assert_unchanged()
+            snap.assert_unchanged(model)
 
 
 # --------------------------------------------------------------------------- scenarios
@@ -245,7 +192,7 @@ def sc_state_wrong_dtype() -> Case:
 
 def sc_digest_mismatch() -> Case:
     sd = source()
-    key = _table_key(sd)
+    key = find_table_key(sd)
     table = bytearray(sd[key])
     table[-1] ^= 0x01
     sd[key] = bytes(table)
@@ -254,19 +201,19 @@ def sc_digest_mismatch() -> Case:
 
 def sc_truncated_table() -> Case:
     sd = source()
-    return _single(_retable(sd, sd[_table_key(sd)][:-3]))
+    return _single(_retable(sd, sd[find_table_key(sd)][:-3]))
 
 
 def sc_wrong_version() -> Case:
     sd = source()
-    table = bytearray(sd[_table_key(sd)])
+    table = bytearray(sd[find_table_key(sd)])
     table[4:6] = (99).to_bytes(2, "little")
     return _single(_retable(sd, bytes(table)))
 
 
 def sc_not_bytes_under_packed_key() -> Case:
     sd = source()
-    key = _table_key(sd)
+    key = find_table_key(sd)
     sd[key] = torch.frombuffer(bytearray(sd[key]), dtype=torch.uint8)
     return _single(sd)
 
@@ -279,7 +226,7 @@ def sc_non_string_key() -> Case:
 
 def sc_packed_key_without_digest() -> Case:
     sd = source()
-    sd["param_groups.__packed__.optim"] = sd.pop(_table_key(sd))
+    sd["param_groups.__packed__.optim"] = sd.pop(find_table_key(sd))
     return _single(sd)
 
 
@@ -412,16 +359,13 @@ def test_failed_load_changes_nothing(scenario: Callable[[], Case], error: type[B
     """The load raises ``error`` naming what is wrong; the target is as before and trains identically."""
     case = scenario()
     twin_model, twin_leaves = copy.deepcopy((case.model, case.leaves))
-    snaps = [OptSnapshot.take(opt) for opt in case.leaves]
-    params_before = [p.detach().clone() for p in case.model.parameters()]
+    snap = IdentitySnapshot(case.model, case.leaves, nan_equal="none")
     with pytest.raises(error) as info:
         sc.load_sparse_state_dict(case.model, case.optimizer, case.state_dict, strict=case.strict)
     message = str(info.value)
     for name in names:
         assert name in message, f"{name!r} not named in: {message}"
-    for snap in snaps:
-        snap.assert_unchanged()
-    assert all(torch.equal(p, q) for p, q in zip(case.model.parameters(), params_before))
+    snap.assert_unchanged(case.model)  # parameters, grads, state, groups: values and objects
     # the live job is not corrupted: the next step equals that of an untouched twin, bit for bit
     for model, leaves in ((case.model, case.leaves), (twin_model, twin_leaves)):
         for opt in leaves:

@@ -15,17 +15,12 @@ from typing import Any
 
 import pytest
 import torch
-from helpers import clone_value, deep_equal
+from helpers import IdentitySnapshot, deep_equal
 from torch import nn
 
 import sparse_ckpt as sc
 
 FORMATS = ("packed", "flat")
-
-
-def _tensor_version(t: torch.Tensor) -> int:
-    """In-place modification counter of ``t`` (isolated use of torch's private ``_version``)."""
-    return t._version
 
 
 OPTIMIZERS: dict[str, Callable[[list[dict]], torch.optim.Optimizer]] = {
@@ -81,90 +76,13 @@ def make(name: str, history: str) -> tuple[Net, torch.optim.Optimizer]:
     return model, opt
 
 
-# --------------------------------------------------------------------------- deep snapshots
+# --------------------------------------------------------------------------- deep snapshots (helpers.IdentitySnapshot)
 
 
 # "Unchanged" is exact: key order included, dicts required to be dicts; a NaN Python float equals
-# NaN (a tensor holding NaN follows ``torch.equal``, so never equals itself).
+# NaN (a tensor holding NaN follows ``torch.equal``, so never equals itself); the same for
+# IdentitySnapshot (its default nan_equal="floats").
 SAME = {"nan_equal": "floats", "mapping": dict}
-
-
-def _objects(value: Any, out: list[tuple[int, int | None]]) -> None:
-    """Identity (and tensor version) of every container and tensor reachable from ``value``."""
-    out.append((id(value), _tensor_version(value) if isinstance(value, torch.Tensor) else None))
-    if isinstance(value, dict):
-        for v in value.values():
-            _objects(v, out)
-    elif isinstance(value, (list, tuple)):
-        for v in value:
-            _objects(v, out)
-
-
-class Snapshot:
-    """Everything observable about a model and its optimizer(s), by value and by identity."""
-
-    def __init__(self, model: nn.Module, optimizers: list[torch.optim.Optimizer]) -> None:
-        self.params = [(n, p, p.detach().clone(), _tensor_version(p)) for n, p in model.named_parameters()]
-        self.grads = [
-            (p.grad, None if p.grad is None else p.grad.clone(), None if p.grad is None else _tensor_version(p.grad))
-            for _n, p in model.named_parameters()
-        ]
-        self.opts = []
-        for opt in optimizers:
-            state_items = list(opt.state.items())
-            ids: list[tuple[int, int | None]] = []
-            _objects(opt.param_groups, ids)
-            for _k, v in state_items:
-                _objects(v, ids)
-            self.opts.append(
-                {
-                    "opt": opt,
-                    "state_obj": opt.state,
-                    "state_keys": [k for k, _ in state_items],
-                    "state_vals": [clone_value(v) for _k, v in state_items],
-                    "groups_obj": opt.param_groups,
-                    "groups": [
-                        ({k: clone_value(v) for k, v in g.items() if k != "params"}, list(g["params"]))
-                        for g in opt.param_groups
-                    ],
-                    "defaults": clone_value(opt.defaults),
-                    "ids": ids,
-                }
-            )
-
-    def assert_unchanged(self, model: nn.Module) -> None:
-        """Fail naming the first thing that differs from the snapshot."""
-        now = list(model.named_parameters())
-        assert [n for n, _ in now] == [n for n, *_ in self.params]
-        for (name, p, value, version), (_n, p_now) in zip(self.params, now):
-            assert p_now is p, f"parameter {name} replaced"
-            assert _tensor_version(p) == version, f"parameter {name} modified in place"
-            assert torch.equal(p.detach(), value), f"parameter {name} changed"
-        for (name, _p), (grad, value, version) in zip(now, self.grads):
-            assert _p.grad is grad, f".grad of {name} replaced"
-            if grad is not None:
-                assert _tensor_version(grad) == version, f".grad of {name} modified in place"
-                assert torch.equal(grad, value), f".grad of {name} changed"
-        for snap in self.opts:
-            opt = snap["opt"]
-            assert opt.state is snap["state_obj"], "optimizer.state replaced"
-            assert list(opt.state.keys()) == snap["state_keys"], "optimizer.state gained or lost entries"
-            for key, frozen in zip(snap["state_keys"], snap["state_vals"]):
-                assert deep_equal(opt.state[key], frozen, **SAME), f"state of a {tuple(key.shape)} parameter changed"
-            assert opt.param_groups is snap["groups_obj"], "optimizer.param_groups replaced"
-            assert len(opt.param_groups) == len(snap["groups"])
-            for gi, (group, (settings, params)) in enumerate(zip(opt.param_groups, snap["groups"])):
-                assert all(a is b for a, b in zip(group["params"], params)) and len(group["params"]) == len(params), (
-                    f"group {gi} params changed"
-                )
-                now_settings = {k: v for k, v in group.items() if k != "params"}
-                assert deep_equal(now_settings, settings, **SAME), f"group {gi} settings changed"
-            assert deep_equal(opt.defaults, snap["defaults"], **SAME), "optimizer.defaults changed"
-            ids: list[tuple[int, int | None]] = []
-            _objects(opt.param_groups, ids)
-            for v in opt.state.values():
-                _objects(v, ids)
-            assert ids == snap["ids"], "an object inside state/param_groups was replaced or modified in place"
 
 
 # --------------------------------------------------------------------------- tests
@@ -185,7 +103,7 @@ def test_snapshot_detects_mutation() -> None:
     ]
     for mutate in mutations:
         model, opt = make("Adam", "partial")
-        snap = Snapshot(model, [opt])
+        snap = IdentitySnapshot(model, [opt])
         mutate(model, opt)
         with pytest.raises(AssertionError):
             snap.assert_unchanged(model)
@@ -197,7 +115,7 @@ def test_save_never_mutates(name: str, history: str) -> None:
     """Packed and flat saves leave optimizer, parameters and gradients untouched."""
     model, opt = make(name, history)
     reference = copy.deepcopy(opt.state_dict())
-    snap = Snapshot(model, [opt])
+    snap = IdentitySnapshot(model, [opt])
     n_state = len(opt.state)
     outs = {fmt: sc.sparse_state_dict(model, opt, format=fmt) for fmt in FORMATS}
     snap.assert_unchanged(model)
@@ -246,7 +164,7 @@ def test_raising_hook_leaves_optimizer_unchanged(where: str, fmt: str) -> None:
     opt.register_state_dict_pre_hook(pre("second_pre"))
     opt.register_state_dict_post_hook(post("first_post"))
     opt.register_state_dict_post_hook(post("second_post"))
-    snap = Snapshot(model, [opt])
+    snap = IdentitySnapshot(model, [opt])
     with pytest.raises(HookError, match=where):
         sc.sparse_state_dict(model, opt, format=fmt)
     order = ["first_pre", "second_pre", "first_post", "second_post"]
@@ -293,7 +211,7 @@ def test_post_hook_mutating_serialized_dict(mutate: Callable[[dict], None], rais
             raise HookError("after mutating")
 
     opt.register_state_dict_post_hook(hook)
-    snap = Snapshot(model, [opt])
+    snap = IdentitySnapshot(model, [opt])
     for fmt in FORMATS:
         if raises:
             with pytest.raises(HookError):
@@ -325,7 +243,7 @@ def test_multi_optimizer_second_leaf_hook_raises(fmt: str) -> None:
         raise HookError("dense")
 
     dense.register_state_dict_post_hook(boom)
-    snap = Snapshot(model, [experts, dense])
+    snap = IdentitySnapshot(model, [experts, dense])
     with pytest.raises(HookError):
         sc.sparse_state_dict(model, multi, format=fmt)
     assert seen == ["experts"]
