@@ -66,6 +66,33 @@ void for_each_entry(py::handle m, F&& f) {
     if (PyErr_Occurred()) throw py::error_already_set();
 }
 
+/// A module container the trace can record and a replay read again exactly: an exact dict or an
+/// exact ``OrderedDict`` (``ModuleList.__delitem__`` leaves one behind), whose ``items()`` run no
+/// Python code.
+bool replayable_mapping(PyObject* m) { return PyDict_CheckExact(m) || PyODict_CheckExact(m); }
+
+/// ``(key, value)`` of a replayable mapping in ``items()`` order, stopping when ``f`` returns false;
+/// false when it stopped. An exact dict is read in place; an OrderedDict through its items.
+template <class F>
+bool each_entry(PyObject* m, F&& f) {
+    if (PyDict_CheckExact(m)) {
+        Py_ssize_t pos = 0;
+        PyObject* k = nullptr;
+        PyObject* v = nullptr;
+        while (PyDict_Next(m, &pos, &k, &v)) {
+            if (!f(k, v)) return false;
+        }
+        return true;
+    }
+    py::object items = steal(PyObject_CallMethod(m, "items", nullptr));
+    py::object list = steal(PySequence_List(items.ptr()));
+    for (Py_ssize_t i = 0; i < PyList_GET_SIZE(list.ptr()); ++i) {
+        PyObject* pair = PyList_GET_ITEM(list.ptr(), i);
+        if (!f(PyTuple_GET_ITEM(pair, 0), PyTuple_GET_ITEM(pair, 1))) return false;
+    }
+    return true;
+}
+
 /// The walk's per-call state: the caller's objects and what it learnt of module types.
 struct Walk {
     const Names names;
@@ -112,7 +139,7 @@ struct Walk {
 struct Trace {
     std::vector<uint64_t> words;
     py::object keys = steal(PyList_New(0));
-    bool replayable = true;  // false once a mapping is not an exact dict or a key not an exact str
+    bool replayable = true;  // false once a mapping is not replayable_mapping or a key not an exact str
 
     void key(py::handle k) {
         if (!PyUnicode_CheckExact(k.ptr())) replayable = false;
@@ -142,7 +169,7 @@ py::object walk(Walk& w, py::handle model, py::handle base_named_parameters, Tra
         bool has_module_key = false;
         const bool canon_is_raw = frame.canon.ptr() == frame.raw.ptr();
         py::object params = steal(PyObject_GetAttr(frame.mod.ptr(), names.parameters.ptr()));
-        if (!PyDict_CheckExact(params.ptr())) trace.replayable = false;
+        if (!replayable_mapping(params.ptr())) trace.replayable = false;
         const size_t count_at = trace.words.size();
         trace.words.push_back(0);
         if (truthy(params)) {
@@ -169,7 +196,7 @@ py::object walk(Walk& w, py::handle model, py::handle base_named_parameters, Tra
         if (truthy(children)) {
             for_each_entry(children, [&](py::handle k, py::handle v) { children_items.emplace_back(borrow(k.ptr()), borrow(v.ptr())); });
         }
-        if (!PyDict_CheckExact(children.ptr())) trace.replayable = false;
+        if (!replayable_mapping(children.ptr())) trace.replayable = false;
         trace.words.push_back(children_items.size());
         for (auto& [name, child] : children_items) {
             trace.key(name);
@@ -280,7 +307,7 @@ py::object replay(Walk& w, py::handle model, py::handle base_named_parameters, p
     };
     py::object param_of = steal(PyDict_New());
     std::vector<py::object> stack{borrow(model.ptr())};
-    std::vector<PyObject*> children;  // borrowed from the module's _modules, pushed (owned) at once
+    std::vector<py::object> children;
     while (!stack.empty()) {
         py::object held = std::move(stack.back());
         stack.pop_back();
@@ -289,34 +316,34 @@ py::object replay(Walk& w, py::handle model, py::handle base_named_parameters, p
         if (!next_word(word) || word != id_word(mod) || !w.named_modules_ok(mod)) return py::none();
         bool has_module_key = false;
         py::object params = steal(PyObject_GetAttr(mod, names.parameters.ptr()));
-        if (!PyDict_CheckExact(params.ptr()) || !next_word(word) ||
+        if (!replayable_mapping(params.ptr()) || !next_word(word) ||
             word != static_cast<uint64_t>(PyDict_GET_SIZE(params.ptr()))) {
             return py::none();
         }
-        Py_ssize_t pos = 0;
-        PyObject* k = nullptr;
-        PyObject* v = nullptr;
-        while (PyDict_Next(params.ptr(), &pos, &k, &v)) {
-            if (!same_entry(k, v)) return py::none();
+        const bool params_same = each_entry(params.ptr(), [&](PyObject* k, PyObject* v) {
+            if (!same_entry(k, v)) return false;
             has_module_key = has_module_key || is_module_key(k);
-            if (v == Py_None) continue;
-            if (si >= n_slots) return py::none();
+            if (v == Py_None) return true;
+            if (si >= n_slots) return false;
             PyObject* slot = PyTuple_GET_ITEM(slots, si++);
             if (slot != Py_None) check(PyDict_SetItem(param_of.ptr(), slot, v));
-        }
+            return true;
+        });
+        if (!params_same) return py::none();
         py::object mods = steal(PyObject_GetAttr(mod, names.modules.ptr()));
-        if (!PyDict_CheckExact(mods.ptr()) || !next_word(word) ||
+        if (!replayable_mapping(mods.ptr()) || !next_word(word) ||
             word != static_cast<uint64_t>(PyDict_GET_SIZE(mods.ptr()))) {
             return py::none();
         }
         children.clear();
-        pos = 0;
-        while (PyDict_Next(mods.ptr(), &pos, &k, &v)) {
-            if (!same_entry(k, v)) return py::none();
+        const bool mods_same = each_entry(mods.ptr(), [&](PyObject* k, PyObject* v) {
+            if (!same_entry(k, v)) return false;
             has_module_key = has_module_key || is_module_key(k);
-            if (v != Py_None) children.push_back(v);
-        }
-        for (auto it = children.rbegin(); it != children.rend(); ++it) stack.push_back(borrow(*it));
+            if (v != Py_None) children.emplace_back(borrow(v));
+            return true;
+        });
+        if (!mods_same) return py::none();
+        for (auto it = children.rbegin(); it != children.rend(); ++it) stack.push_back(*it);
         if (!next_word(word) || word != w.wrapper_word(mod, has_module_key)) return py::none();
     }
     if (wi != n_words || ki != n_keys || si != n_slots) return py::none();

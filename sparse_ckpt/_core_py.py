@@ -44,6 +44,7 @@ Identical settings are stored once; the table lists distinct settings in order o
 from __future__ import annotations
 
 import array
+import collections
 import ctypes
 import struct
 from collections.abc import Callable, Mapping
@@ -139,7 +140,7 @@ def map_parameters(
     (0 when no key of the module is ``WRAPPER_CHILD`` or there is no wrapper, else 1 + ``isinstance``);
     ``keys`` every key in that order -- and ``slots[i]`` the name ``param_of`` holds the i-th
     parameter found under (``None`` for a repeat). ``memo`` is ``None`` when some mapping is not an
-    exact ``dict`` or some key not an exact ``str``. Given a memo as ``cached`` (same ``stripped``
+    exact ``dict`` or ``OrderedDict`` or some key not an exact ``str``. Given a memo as ``cached`` (same ``stripped``
     and ``module_wrapper`` objects), the model is walked once comparing every module, key and
     value with it; when all are the same objects in the same places (so a fresh walk would give
     the same names), the result is ``(cached, cached fqn_of, cached canonical, param_of)`` with
@@ -163,6 +164,11 @@ def map_parameters(
     if trace.replayable:
         memo = (stripped, module_wrapper, trace.words.tobytes(), tuple(trace.keys), tuple(slots), fqn_of, canonical)
     return memo, fqn_of, canonical, param_of
+
+
+_REPLAYABLE = (dict, collections.OrderedDict)
+"""Module containers a trace records and a replay reads again exactly (``ModuleList.__delitem__``
+leaves an ``OrderedDict``); any other mapping is walked through its ``items()`` but not replayed."""
 
 
 class _Trace:
@@ -216,7 +222,7 @@ def _walk(
         words.append(id(mod))
         has_module_key = False
         params = mod._parameters
-        if type(params) is not dict:
+        if type(params) not in _REPLAYABLE:
             trace.replayable = False
         count_at = len(words)
         words.append(0)
@@ -237,7 +243,7 @@ def _walk(
         words[count_at] = len(words) - count_at - 1
         children = mod._modules
         items = list(children.items()) if children else []
-        if type(children) is not dict:
+        if type(children) not in _REPLAYABLE:
             trace.replayable = False
         words.append(len(items))
         for name, child in items:
@@ -281,7 +287,7 @@ def _replay(
             wi += 1
             has_module_key = False
             params = mod._parameters
-            if type(params) is not dict or words[wi] != len(params):
+            if type(params) not in _REPLAYABLE or words[wi] != len(params):
                 return None
             wi += 1
             for k, v in params.items():
@@ -297,7 +303,7 @@ def _replay(
                 if slot is not None:
                     param_of[slot] = v
             children = mod._modules
-            if type(children) is not dict or words[wi] != len(children):
+            if type(children) not in _REPLAYABLE or words[wi] != len(children):
                 return None
             wi += 1
             found = []

@@ -27,6 +27,7 @@ from typing import Any
 
 import pytest
 import torch
+from helpers import same_bits
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 from table_bytes import group, tab, u16, u32, v_tensor
@@ -87,28 +88,8 @@ def core_backend(request: pytest.FixtureRequest) -> str:
 # --------------------------------------------------------------------------- comparison
 
 
-def _raw(t: torch.Tensor) -> bytes:
-    flat = t.detach().cpu().contiguous().reshape(-1)
-    return flat.view(torch.uint8).numpy().tobytes() if flat.numel() else b""
-
-
-def same(a: Any, b: Any) -> bool:
-    """Deep equality that also checks types, dict order, float bits and tensor bytes."""
-    if type(a) is not type(b):
-        return False
-    if isinstance(a, torch.Tensor):
-        return (a.dtype, a.shape, a.device, a.requires_grad, _raw(a)) == (b.dtype, b.shape, b.device, b.requires_grad, _raw(b))
-    if isinstance(a, float):
-        return struct.pack("<d", a) == struct.pack("<d", b)
-    if isinstance(a, dict):
-        return len(a) == len(b) and all(
-            same(ka, kb) and same(va, vb) for (ka, va), (kb, vb) in zip(a.items(), b.items())
-        )
-    if isinstance(a, (list, tuple)):
-        return len(a) == len(b) and all(same(x, y) for x, y in zip(a, b))
-    if a is None or isinstance(a, (str, bytes, int)):
-        return a == b
-    return a is b
+same = same_bits
+"""Deep equality that also checks types, dict order, float bits and tensor bytes (helpers.same_bits)."""
 
 
 def outcome(fn: Callable[..., Any], args: tuple) -> tuple:
@@ -1306,6 +1287,21 @@ def test_map_parameters_replay_sees_every_change(mutation: str, wrapper: type | 
     assert same(res[1], fresh[1])
     public = [(n, p) for n, p in model.named_parameters(remove_duplicate=False)]
     assert list(res[1][3].values()) == list(dict.fromkeys(p for _n, p in public))
+
+
+def test_map_parameters_replays_ordered_dict_containers() -> None:
+    """``del seq[i]`` leaves ``_modules`` an ``OrderedDict``: still replayed (in items() order), and
+    a ``move_to_end`` (items() order changes, the dict's storage order does not) is seen."""
+    model = torch.nn.Sequential(torch.nn.Linear(2, 3), torch.nn.ReLU(), torch.nn.Linear(3, 1), torch.nn.Linear(1, 1))
+    del model[1]
+    assert type(model._modules) is collections.OrderedDict
+    memo = _map(model, None)[1][0]
+    assert memo is not None
+    for core in (P, C):
+        assert core.map_parameters(model, _STRIPPED, None, *_BASES, memo)[0] is memo
+    model._modules.move_to_end("0")
+    res = _map(model, None, memo)[1]
+    assert res[0] is not memo and list(res[3]) == [n for n, _ in model.named_parameters()]
 
 
 def test_map_parameters_memo_holds_no_module_or_parameter() -> None:
