@@ -39,6 +39,7 @@ from .measure import (
     DSD_SET,
     EXPORT_LOAD,
     EXPORT_SAVE,
+    FIRST_CALL,
     FLOOR_LOAD_STATE_DICT,
     FLOOR_STATE_DICT,
     NAIVE,
@@ -46,6 +47,7 @@ from .measure import (
     STATEFUL,
     core_id,
     dcp_id,
+    method_id,
     planned_ids,
     sparse_id,
 )
@@ -130,11 +132,15 @@ TARGETS = (SAVE_COST_PARAM, SAVE_COST_LAYER, LOAD_COST_PARAM, LOAD_COST_LAYER, B
 SAVE = sparse_id("save", TARGET_BACKEND, TARGET_FORMAT)
 LOAD = sparse_id("load", TARGET_BACKEND, TARGET_FORMAT)
 SAVE_PY = sparse_id("save", "python", TARGET_FORMAT)
+SAVE_FIRST = method_id("sparse", "save", TARGET_BACKEND, TARGET_FORMAT, FIRST_CALL)
+LOAD_FIRST = method_id("sparse", "load", TARGET_BACKEND, TARGET_FORMAT, FIRST_CALL)
 LOAD_PY = sparse_id("load", "python", TARGET_FORMAT)
 DCP_GROUP_IDS = (dcp_id("save", "packed", "groups"), dcp_id("load", "packed", "groups"),
                  dcp_id("save", "flat", "groups"), dcp_id("load", "flat", "groups"))
 INFO_CORE_FUNCTIONS = ("pack_optimizer", "remap_to_fqns", "encode_table")
 """Core functions whose python / cpp ratio is listed as information."""
+INFO_FIRST_SAVE = "sparse_state_dict: first call (FQN map built) / later calls (kept map checked)"
+INFO_FIRST_LOAD = "load_sparse_state_dict: first call (FQN map built) / later calls (kept map checked)"
 INFO_DSD_SET = "DSD set_optimizer_state_dict / load_sparse_state_dict"
 INFO_LOAD_VS_TORCH_LOAD = "load_sparse_state_dict / optimizer.load_state_dict()"
 INFO_DSD_GET = "DSD get_optimizer_state_dict / sparse_state_dict"
@@ -158,7 +164,7 @@ def target_method_ids() -> list[str]:
     """Every method id the targets and the information rows divide."""
     ids = [FLOOR_STATE_DICT, FLOOR_LOAD_STATE_DICT, DSD_GET, DSD_SET, SAVE, LOAD, SAVE_PY, LOAD_PY,
            DCP_STATEFUL_SAVE, DCP_STATEFUL_LOAD, DCP_NAIVE_SAVE, DCP_NAIVE_LOAD, DCP_PACKED_SAVE,
-           DCP_PACKED_GROUPS_SAVE, *DCP_GROUP_IDS, EXPORT_SAVE, EXPORT_LOAD]
+           DCP_PACKED_GROUPS_SAVE, *DCP_GROUP_IDS, EXPORT_SAVE, EXPORT_LOAD, SAVE_FIRST, LOAD_FIRST]
     ids += [core_id(fn, b) for fn in INFO_CORE_FUNCTIONS for b in ("python", "cpp")]
     return ids
 
@@ -432,7 +438,8 @@ def compute_info(results: dict[str, Any]) -> list[dict[str, Any]]:
     skipped there (torch's quadratic baselines, DCP of flat dicts), at the largest scale of each layout
     where both sides were measured (named in ``where``)."""
     rows: list[dict[str, Any]] = []
-    pairs = ((INFO_DSD_SET, DSD_SET, LOAD), (INFO_LOAD_VS_TORCH_LOAD, LOAD, FLOOR_LOAD_STATE_DICT),
+    pairs = ((INFO_FIRST_SAVE, SAVE_FIRST, SAVE), (INFO_FIRST_LOAD, LOAD_FIRST, LOAD),
+             (INFO_DSD_SET, DSD_SET, LOAD), (INFO_LOAD_VS_TORCH_LOAD, LOAD, FLOOR_LOAD_STATE_DICT),
              (INFO_DSD_GET, DSD_GET, SAVE))
     for name, num, den in pairs:
         for layout in (TARGET_LAYOUT, "layer"):
