@@ -76,7 +76,17 @@ def _fmt_names(items: Sequence[Any], limit: int = _LIST_LIMIT) -> str:
 
 
 def _ids(ids: Sequence[int]) -> str:
-    return ", ".join(map(str, ids))
+    """Expert ids with runs of consecutive ids as ranges: ``0-3, 7, 9-199`` (text output only;
+    ``--json`` lists every id)."""
+    parts: list[str] = []
+    i = 0
+    while i < len(ids):
+        j = i
+        while j + 1 < len(ids) and ids[j + 1] == ids[j] + 1:
+            j += 1
+        parts.append(str(ids[i]) if i == j else f"{ids[i]}-{ids[j]}")
+        i = j + 1
+    return ", ".join(parts)
 
 
 # --------------------------------------------------------------------------- inspect
