@@ -256,8 +256,10 @@ def _wide_checkpoint(path: Path) -> None:
 
 @pytest.mark.parametrize("unbuffered", [False, True])
 def test_closed_pipe_is_quiet(tmp_path: Path, unbuffered: bool, core_backend: str) -> None:
-    """``inspect --params | head -1``: no traceback, exit 1 (with PYTHONUNBUFFERED=1 Python's text layer
-    may drop the write that fails, so the status can be 0 there; still no traceback)."""
+    """``inspect --params | head -1``: nothing at all on stderr, exit 1 -- what the "Note on SIGPIPE"
+    of Python's signal module documentation recommends (README, CLI, exit status). With
+    PYTHONUNBUFFERED=1 Python's text layer may drop the write that fails, so the status can be 0
+    there; stderr is still empty."""
     if core_backend == "cpp":
         pytest.skip("the interpreter's pipe handling does not depend on the core backend")
     path = tmp_path / "wide"
@@ -278,16 +280,18 @@ def test_closed_pipe_is_quiet(tmp_path: Path, unbuffered: bool, core_backend: st
     assert proc.wait(timeout=120) in ((0, 1) if unbuffered else (1,))
     assert first.startswith(b"checkpoint: ")
     assert "Traceback" not in err and "BrokenPipe" not in err and "Exception ignored" not in err, err
+    assert err == "", err
 
 
 def test_broken_pipe_in_process(checkpoint: tuple[Path, nn.Module, sc.MultiOptimizer],
-                                monkeypatch: pytest.MonkeyPatch) -> None:
+                                monkeypatch: pytest.MonkeyPatch, capsys: pytest.CaptureFixture[str]) -> None:
     class Closed(io.StringIO):
         def write(self, _text: str) -> int:
             raise BrokenPipeError(32, "Broken pipe")
 
     monkeypatch.setattr(sys, "stdout", Closed())
     assert cli.main(["inspect", str(checkpoint[0])]) == 1
+    assert capsys.readouterr().err == ""
 
 
 # --------------------------------------------------------------------------- damaged checkpoints
