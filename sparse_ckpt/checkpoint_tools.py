@@ -16,7 +16,8 @@ Also public, as the building blocks of those functions and of :mod:`sparse_ckpt.
 :func:`open_checkpoint` (the metadata, or a one-line error), :func:`select_optimizers`,
 :func:`read_entries` and :func:`batches` (read items a bounded number of bytes at a time),
 :func:`split_optimizer` (one optimizer's entries -> packed :class:`Group` lists per leaf, flat
-groups, state by FQN), :func:`named_groups`, :func:`expand_scalar_tables`,
+groups, state by FQN), :func:`decode_tables` (packed tables -> :class:`Group` lists per leaf),
+:func:`named_groups`, :func:`expand_scalar_tables`,
 :func:`pack_flat_groups`, :func:`convert_optimizer`, :func:`inspect_details`,
 :func:`storage_problems`, :func:`expert_summary`, :func:`check_new_dir`, :func:`dtype_name`,
 :func:`jsonable`, :data:`BATCH_BYTES` and :data:`FLAT_LEAF_IN_MIXED`; :class:`UsageError` is a
@@ -90,6 +91,7 @@ __all__ = [
     "check_new_dir",
     "convert_checkpoint",
     "convert_optimizer",
+    "decode_tables",
     "diff_checkpoints",
     "dtype_name",
     "expand_scalar_tables",

@@ -26,7 +26,8 @@
 The work is done by :mod:`sparse_ckpt.checkpoint_tools` and :mod:`sparse_ckpt.export`; this
 module parses arguments and prints. Exit status: 0 success, 1 checkpoint/format error (one line
 on stderr, no traceback), 2 usage error or a directory that is not a (complete) DCP checkpoint,
-3 ``diff --exit-code`` found differences.
+3 ``diff --exit-code`` found differences. Output into a pipe closed early (``| head``) ends
+quietly with exit 1, as the "Note on SIGPIPE" in Python's :mod:`signal` documentation recommends.
 """
 
 from __future__ import annotations
@@ -76,7 +77,17 @@ def _fmt_names(items: Sequence[Any], limit: int = _LIST_LIMIT) -> str:
 
 
 def _ids(ids: Sequence[int]) -> str:
-    return ", ".join(map(str, ids))
+    """Expert ids with runs of consecutive ids as ranges: ``0-3, 7, 9-199`` (text output only;
+    ``--json`` lists every id)."""
+    parts: list[str] = []
+    i = 0
+    while i < len(ids):
+        j = i
+        while j + 1 < len(ids) and ids[j + 1] == ids[j] + 1:
+            j += 1
+        parts.append(str(ids[i]) if i == j else f"{ids[i]}-{ids[j]}")
+        i = j + 1
+    return ", ".join(parts)
 
 
 # --------------------------------------------------------------------------- inspect
@@ -330,7 +341,8 @@ def main(argv: Sequence[str] | None = None) -> int:
         return _run(args, out, err)
     except BrokenPipeError:
         # The reader went away (`... | head`): stop quietly; point stdout at devnull so the
-        # interpreter's final flush does not raise again.
+        # interpreter's final flush does not raise again, and exit 1 (the recipe of the "Note on
+        # SIGPIPE" in Python's signal module documentation: Python exits 1 on EPIPE).
         try:
             devnull = os.open(os.devnull, os.O_WRONLY)
             os.dup2(devnull, sys.stdout.fileno())

@@ -14,6 +14,12 @@ writes one optimizer of a DCP checkpoint into a directory that holds no pickle a
   version, the source, the leaves with their group and parameter counts, and non-tensor state
   values, which must be JSON-representable (``None``, ``bool``, ``int``, ``float``, ``str``,
   lists and tuples of these; tuples and non-finite floats are tagged so they come back exactly).
+  Each leaf also carries ``param_groups``, a human-readable JSON rendering of its group tables
+  (:func:`render_groups`): the distinct settings (lr, betas, ...; encoded by
+  :func:`encode_setting`) and per group its settings' index, parameter counts and first FQNs.
+  The rendering is informational only: :func:`load_export` and :func:`read_export` read the
+  settings from the binary tables in ``optimizer.safetensors`` (their digests protect them) and
+  never from the rendering, so editing it changes nothing that is loaded.
 
 :func:`load_export` restores it into any model/optimizer layout through the same by-FQN path as
 :func:`sparse_ckpt.load_sparse_state_dict` (strict/non-strict, transactional). In a process
@@ -42,9 +48,12 @@ from ._version import __version__
 from .checkpoint_io import find_optimizers
 from .checkpoint_tools import (
     BATCH_BYTES,
+    Group,
     UsageError,
     batches,
     check_new_dir,
+    decode_tables,
+    dtype_name,
     expand_scalar_tables,
     named_groups,
     open_checkpoint,
@@ -145,6 +154,33 @@ def encode_value(key: str, value: Any) -> Any:
     )
 
 
+def encode_setting(key: str, value: Any) -> Any:
+    """A param-group setting as JSON, for the manifest's informational ``param_groups`` rendering.
+
+    The encoding of :func:`encode_value` (tuples and non-finite floats tagged), plus the other
+    values a group table can hold: a tensor as ``{"tensor": dtype, "shape": [...], "values":
+    [...]}`` (its elements flattened in row-major order, each encoded the same way; a complex
+    element as ``{"complex": [real, imag]}``) and ``bytes`` as ``{"bytes_hex": "..."}``.
+    """
+    kind = type(value)
+    if isinstance(value, torch.Tensor):
+        flat = value.detach().to("cpu").reshape(-1)
+        if flat.is_complex():
+            elements: list[Any] = [
+                {"complex": [encode_value(key, v.real), encode_value(key, v.imag)]} for v in flat.tolist()
+            ]
+        else:
+            elements = [encode_value(key, v) for v in flat.tolist()]
+        return {"tensor": dtype_name(value.dtype), "shape": list(value.shape), "values": elements}
+    if kind is bytes:
+        return {"bytes_hex": value.hex()}
+    if kind is list:
+        return [encode_setting(key, v) for v in value]
+    if kind is tuple:
+        return {"tuple": [encode_setting(key, v) for v in value]}
+    return encode_value(key, value)
+
+
 def decode_value(key: str, value: Any) -> Any:
     """Inverse of :func:`encode_value`."""
     if value is None or type(value) in (bool, int, float, str):
@@ -157,6 +193,74 @@ def decode_value(key: str, value: Any) -> Any:
         if value.get("float") in ("nan", "inf", "-inf"):
             return float(value["float"])
     raise CheckpointFormatError(f"{MANIFEST_FILE}: state value {key!r} is not a valid exported value")
+
+
+# --------------------------------------------------------------------------- group settings as JSON
+
+
+MANIFEST_WIDTH = 120
+"""``manifest.json`` puts an object or array on one line when it fits in this many columns."""
+
+
+class OneLine(dict[str, Any]):
+    """A JSON object :func:`manifest_text` always writes on one line (a group of the rendering)."""
+
+
+def manifest_text(value: Any, level: int = 0) -> str:
+    """``value`` as strict JSON (no NaN/Infinity), indented by one space per level, with every
+    object or array that fits in :data:`MANIFEST_WIDTH` columns on one line (a setting's tagged
+    value, say) and every :class:`OneLine` object on one line whatever its width (so one group
+    takes one line, however many groups a leaf has). Linear time."""
+    if isinstance(value, OneLine):
+        return json.dumps(value, allow_nan=False)
+    if not isinstance(value, (dict, list)) or not value:
+        return json.dumps(value, allow_nan=False)
+    if isinstance(value, dict):
+        items = [f"{json.dumps(k)}: {manifest_text(v, level + 1)}" for k, v in value.items()]
+        opening, closing = "{", "}"
+    else:
+        items = [manifest_text(v, level + 1) for v in value]
+        opening, closing = "[", "]"
+    if not any("\n" in item for item in items):
+        line = opening + ", ".join(items) + closing
+        if level + len(line) <= MANIFEST_WIDTH:
+            return line
+    pad = "\n" + " " * (level + 1)
+    return opening + pad + ("," + pad).join(items) + "\n" + " " * level + closing
+
+
+FIRST_FQNS = 3
+"""How many FQNs of each group the manifest's ``param_groups`` rendering lists."""
+
+
+def render_groups(groups: list[Group], state_by_fqn: Mapping[str, Any]) -> dict[str, Any]:
+    """One leaf's groups as the manifest's informational JSON rendering of its packed table(s).
+
+    Like the table itself, distinct settings are listed once (``settings``, in order of first
+    use, each rendered by :func:`encode_setting`) and each group (``groups``, in index order)
+    names its settings by index, with its number of parameters, how many of them have state and
+    its first :data:`FIRST_FQNS` FQNs. A group whose ranks' tables disagree (expert parallelism)
+    shows the first table's settings and ``"settings_vary_across_tables": true``.
+    """
+    index_of: dict[bytes, int] = {}
+    settings: list[dict[str, Any]] = []
+    out_groups: list[dict[str, Any]] = []
+    for gi, group in enumerate(groups):
+        si = index_of.get(group.blob)
+        if si is None:
+            si = index_of[group.blob] = len(settings)
+            settings.append({k: encode_setting(k, v) for k, v in group.settings.items()})
+        entry = OneLine({
+            "index": gi,
+            "settings": si,
+            "params": len(group.fqns),
+            "with_state": sum(1 for f in group.fqns if state_by_fqn.get(f)),
+            "first_fqns": group.fqns[:FIRST_FQNS],
+        })
+        if group.settings_vary:
+            entry["settings_vary_across_tables"] = True
+        out_groups.append(entry)
+    return {"settings": settings, "groups": out_groups}
 
 
 # --------------------------------------------------------------------------- safetensors writer
@@ -256,11 +360,11 @@ def export_checkpoint(
     leaves, flat, state_by_fqn, _unmatched = split_optimizer(values)  # checks digests and decodes tables
     fmt = "mixed" if leaves and flat else "packed" if leaves else "flat"
     tables = {k: v for k, v in values.items() if k.startswith(PACKED_PREFIX)}
-    if flat:
-        tables.update(pack_flat_groups(flat, leaf, leaves))
     named = named_groups(leaves, [])
     if flat:
-        named.append((leaf, flat))
+        flat_table = pack_flat_groups(flat, leaf, leaves)
+        tables.update(flat_table)
+        named.extend(decode_tables(flat_table).items())  # the groups as the exported table holds them
     # Scalar tables are exported as the per-item entries of packed version 1 (each FQN's first),
     # so an export's layout does not depend on the checkpoint's packed version.
     scalars = expand_scalar_tables(values, flat=False)
@@ -294,6 +398,7 @@ def export_checkpoint(
             "params": sum(len(g.fqns) for g in groups),
             "with_state": sum(1 for g in groups for f in g.fqns if state_by_fqn.get(f)),
             "settings_vary_across_tables": any(g.settings_vary for g in groups),
+            "param_groups": render_groups(groups, state_by_fqn),
         }
         for name, groups in named
     ]
@@ -313,7 +418,7 @@ def export_checkpoint(
         "leaves": leaves_info,
         "values": encoded,
     }
-    text = json.dumps(manifest, indent=1, allow_nan=False).encode("utf-8")
+    text = (manifest_text(manifest) + "\n").encode("utf-8")
     man_path = os.path.join(out, MANIFEST_FILE)
     with open(man_path + ".tmp", "wb") as f:
         f.write(text)

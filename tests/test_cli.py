@@ -220,6 +220,30 @@ def test_expert_summary_layers_and_partial_experts() -> None:
     assert rows[0]["partial_ids"] == [3] and rows[0]["without_state_ids"] == [1, 2]
 
 
+def test_expert_ids_as_ranges_in_text_only(tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
+    """``--params`` text compresses runs of expert ids (``0-3, 7, 9-199``); ``--json`` keeps every id."""
+    assert cli._ids([]) == ""
+    assert cli._ids([5]) == "5"
+    assert cli._ids([0, 1, 2, 3, 7, 9, 10]) == "0-3, 7, 9-10"
+    assert cli._ids([1, 3, 5]) == "1, 3, 5"
+
+    model = nn.Module()
+    model.experts = nn.ModuleList(nn.Linear(1, 1, bias=False) for _ in range(200))
+    opt = torch.optim.SGD(model.parameters(), lr=0.1, momentum=0.9)
+    for e in (4, 5, 6, 8):  # only these experts were routed: they have momentum buffers
+        model.experts[e].weight.grad = torch.ones(1, 1)
+    opt.step()
+    dcp.save({"optim": sc.SparseOptimizerState(model, opt)}, checkpoint_id=tmp_path / "ckpt")
+
+    assert cli.main(["inspect", str(tmp_path / "ckpt"), "--params"]) == 0
+    out = capsys.readouterr().out
+    assert "      experts  4/200 with state; without state: 0-3, 7, 9-199\n" in out
+    assert cli.main(["inspect", str(tmp_path / "ckpt"), "--params", "--json"]) == 0
+    [leaf] = json.loads(capsys.readouterr().out)["optimizers"][0]["leaves"]
+    [layer] = leaf["experts"]
+    assert layer["without_state_ids"] == [*range(4), 7, *range(9, 200)]
+
+
 def _wide_checkpoint(path: Path) -> None:
     """An optimizer over 4 x 1000 stateless experts: `inspect --params` prints > 64 KiB."""
     model = nn.Module()
@@ -232,8 +256,10 @@ def _wide_checkpoint(path: Path) -> None:
 
 @pytest.mark.parametrize("unbuffered", [False, True])
 def test_closed_pipe_is_quiet(tmp_path: Path, unbuffered: bool, core_backend: str) -> None:
-    """``inspect --params | head -1``: no traceback, exit 1 (with PYTHONUNBUFFERED=1 Python's text layer
-    may drop the write that fails, so the status can be 0 there; still no traceback)."""
+    """``inspect --params | head -1``: nothing at all on stderr, exit 1 -- what the "Note on SIGPIPE"
+    of Python's signal module documentation recommends (README, CLI, exit status). With
+    PYTHONUNBUFFERED=1 Python's text layer may drop the write that fails, so the status can be 0
+    there; stderr is still empty."""
     if core_backend == "cpp":
         pytest.skip("the interpreter's pipe handling does not depend on the core backend")
     path = tmp_path / "wide"
@@ -254,16 +280,18 @@ def test_closed_pipe_is_quiet(tmp_path: Path, unbuffered: bool, core_backend: st
     assert proc.wait(timeout=120) in ((0, 1) if unbuffered else (1,))
     assert first.startswith(b"checkpoint: ")
     assert "Traceback" not in err and "BrokenPipe" not in err and "Exception ignored" not in err, err
+    assert err == "", err
 
 
 def test_broken_pipe_in_process(checkpoint: tuple[Path, nn.Module, sc.MultiOptimizer],
-                                monkeypatch: pytest.MonkeyPatch) -> None:
+                                monkeypatch: pytest.MonkeyPatch, capsys: pytest.CaptureFixture[str]) -> None:
     class Closed(io.StringIO):
         def write(self, _text: str) -> int:
             raise BrokenPipeError(32, "Broken pipe")
 
     monkeypatch.setattr(sys, "stdout", Closed())
     assert cli.main(["inspect", str(checkpoint[0])]) == 1
+    assert capsys.readouterr().err == ""
 
 
 # --------------------------------------------------------------------------- damaged checkpoints

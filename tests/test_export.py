@@ -6,7 +6,9 @@ from __future__ import annotations
 import io
 import json
 import math
+import os
 import pickle
+import pickletools
 import struct
 from pathlib import Path
 from typing import Any
@@ -25,13 +27,21 @@ from _dist import (
     train_body,
     trained_fsdp,
 )
-from helpers import assert_optimizer_equal, make_moe, snapshot_optimizer, train
+from helpers import assert_deep_equal, assert_optimizer_equal, make_moe, snapshot_optimizer, train
 from torch import nn
 from torch.distributed.tensor import DTensor
 
 import sparse_ckpt as sc
 from sparse_ckpt.checkpoint_tools import UsageError, open_checkpoint, read_entries, verify_checkpoint
-from sparse_ckpt.export import MANIFEST_FILE, TENSORS_FILE, export_checkpoint, load_export, read_export
+from sparse_ckpt.export import (
+    FIRST_FQNS,
+    MANIFEST_FILE,
+    TENSORS_FILE,
+    export_checkpoint,
+    load_export,
+    manifest_text,
+    read_export,
+)
 
 pytestmark = pytest.mark.filterwarnings("ignore:torch.distributed is disabled:UserWarning")
 
@@ -168,6 +178,150 @@ def test_dtypes_and_json_values_round_trip_exactly(tmp_path: Path) -> None:
     assert st2["ema.decay"] == 0.99 and torch.equal(st2["mask"], st["mask"]) and st2["empty"].shape == (0,)
 
 
+# --------------------------------------------------------------------------- manifest: group settings as JSON
+
+
+def unrender(value: Any) -> Any:
+    """The settings value a manifest's ``param_groups`` rendering documents (README, Export):
+    tuples and non-finite floats tagged as for state values, tensors as dtype/shape/values."""
+    if isinstance(value, list):
+        return [unrender(v) for v in value]
+    if isinstance(value, dict):
+        if set(value) == {"tuple"}:
+            return tuple(unrender(v) for v in value["tuple"])
+        if set(value) == {"float"}:
+            return float(value["float"])
+        if set(value) == {"bytes_hex"}:
+            return bytes.fromhex(value["bytes_hex"])
+        if set(value) == {"tensor", "shape", "values"}:
+            items = [complex(*v["complex"]) if isinstance(v, dict) and "complex" in v else unrender(v)
+                     for v in value["values"]]
+            return torch.tensor(items, dtype=getattr(torch, value["tensor"])).reshape(value["shape"])
+        raise AssertionError(f"unknown tagged value {value!r}")
+    return value
+
+
+def strict_json(path: Path) -> Any:
+    """``path`` parsed as strict JSON (NaN/Infinity refused), and equal to the manifest writer's
+    rendering of what it parsed (the text round-trips)."""
+
+    def refuse(name: str) -> Any:
+        raise AssertionError(f"non-standard JSON constant {name}")
+
+    text = path.read_text(encoding="utf-8")
+    data = json.loads(text, parse_constant=refuse)
+    assert json.loads(manifest_text(data)) == data
+    return data
+
+
+def rendered_groups(manifest: dict[str, Any]) -> dict[str, dict[str, Any]]:
+    return {leaf["name"]: leaf["param_groups"] for leaf in manifest["leaves"]}
+
+
+def settings_of(optimizer: torch.optim.Optimizer) -> list[dict[str, Any]]:
+    return [{k: v for k, v in g.items() if k != "params"} for g in optimizer.param_groups]
+
+
+def assert_rendering_matches(rendering: dict[str, Any], optimizer: torch.optim.Optimizer) -> None:
+    """Per group, the rendered settings are exactly the optimizer's (values, types, key order)."""
+    assert [g["index"] for g in rendering["groups"]] == list(range(len(optimizer.param_groups)))
+    for group, want in zip(rendering["groups"], settings_of(optimizer)):
+        got = {k: unrender(v) for k, v in rendering["settings"][group["settings"]].items()}
+        assert_deep_equal(got, want, f"group {group['index']}", nan_equal="floats")
+
+
+@pytest.mark.parametrize("fmt", ["packed", "flat"])
+def test_manifest_renders_group_settings_one_leaf(tmp_path: Path, fmt: str) -> None:
+    """Every group's settings are in manifest.json as JSON values: a scheduler-moved lr, a betas
+    tuple, a tensor lr, a non-finite float; plus counts and first FQNs. Valid strict JSON."""
+    model = nn.Sequential(nn.Linear(3, 4), nn.Linear(4, 2), nn.Linear(2, 2))
+    opt = torch.optim.AdamW(
+        [
+            {"params": model[0].parameters()},
+            {"params": model[1].parameters(), "lr": torch.tensor(0.5), "foreach": False, "weight_decay": float("inf")},
+            {"params": model[2].parameters(), "betas": (0.5, 0.75)},
+        ],
+        lr=0.01,
+        betas=(0.8, 0.9),
+    )
+    sched = torch.optim.lr_scheduler.StepLR(opt, step_size=1, gamma=0.25)
+    model[0](torch.ones(2, 3)).sum().backward()  # only the first group gets state
+    opt.step()
+    sched.step()
+    assert opt.param_groups[0]["lr"] == 0.0025
+    save(tmp_path / "ckpt", model, opt, fmt=fmt)
+    export_checkpoint(tmp_path / "ckpt", tmp_path / "out")
+
+    manifest = strict_json(tmp_path / "out" / MANIFEST_FILE)
+    rendering = rendered_groups(manifest)["optim"]
+    assert_rendering_matches(rendering, opt)
+    first = rendering["settings"][rendering["groups"][0]["settings"]]
+    assert first["lr"] == 0.0025 and first["betas"] == {"tuple": [0.8, 0.9]}
+    second = rendering["settings"][rendering["groups"][1]["settings"]]
+    assert second["lr"] == {"tensor": "float32", "shape": [], "values": [0.125]}
+    assert second["weight_decay"] == {"float": "inf"}
+    assert [{k: g[k] for k in ("params", "with_state", "first_fqns")} for g in rendering["groups"]] == [
+        {"params": 2, "with_state": 2, "first_fqns": ["0.weight", "0.bias"]},
+        {"params": 2, "with_state": 0, "first_fqns": ["1.weight", "1.bias"]},
+        {"params": 2, "with_state": 0, "first_fqns": ["2.weight", "2.bias"]},
+    ]
+    assert len(rendering["settings"]) == 3  # each distinct settings once
+
+
+def _two_leaves(seed: int) -> tuple[nn.Module, sc.MultiOptimizer]:
+    """README's toy MoE: 4 experts (one group) and a dense layer, one AdamW leaf each."""
+    torch.manual_seed(seed)
+    model = nn.ModuleDict({"experts": nn.ModuleList(nn.Linear(4, 4) for _ in range(4)), "dense": nn.Linear(4, 4)})
+    opt = sc.MultiOptimizer(model, {
+        "experts": torch.optim.AdamW(model["experts"].parameters(), lr=0.01),
+        "dense": torch.optim.AdamW(model["dense"].parameters(), lr=0.01, betas=(0.8, 0.95)),
+    })
+    return model, opt
+
+
+def test_manifest_renders_group_settings_two_leaves(tmp_path: Path) -> None:
+    """A MultiOptimizer's leaves each get their rendering; it is informational: load_export reads
+    the binary tables, so an edited rendering changes nothing that is loaded."""
+    model, opt = _two_leaves(0)
+    sched = torch.optim.lr_scheduler.StepLR(opt["dense"], step_size=1, gamma=0.25)
+    opt.zero_grad()
+    model["experts"][0](model["dense"](torch.randn(8, 4))).pow(2).mean().backward()  # only expert 0 routed
+    opt.step()
+    sched.step()
+    save(tmp_path / "ckpt", model, opt)
+    export_checkpoint(tmp_path / "ckpt", tmp_path / "out")
+
+    manifest = strict_json(tmp_path / "out" / MANIFEST_FILE)
+    rendering = rendered_groups(manifest)
+    assert sorted(rendering) == ["dense", "experts"]
+    for name in rendering:
+        assert_rendering_matches(rendering[name], opt[name])
+    dense = rendering["dense"]
+    assert dense["settings"][0]["lr"] == 0.0025 and dense["settings"][0]["betas"] == {"tuple": [0.8, 0.95]}
+    assert dense["groups"] == [
+        {"index": 0, "settings": 0, "params": 2, "with_state": 2, "first_fqns": ["dense.weight", "dense.bias"]}
+    ]
+    experts = rendering["experts"]
+    assert experts["settings"][0]["lr"] == 0.01 and experts["settings"][0]["betas"] == {"tuple": [0.9, 0.999]}
+    assert experts["groups"] == [{
+        "index": 0, "settings": 0, "params": 8, "with_state": 2,
+        "first_fqns": ["experts.0.weight", "experts.0.bias", "experts.1.weight"][:FIRST_FQNS],
+    }]
+
+    # Edit the rendering: what load_export installs still comes from the binary tables.
+    path = tmp_path / "out" / MANIFEST_FILE
+    edited = json.loads(path.read_text())
+    for leaf in edited["leaves"]:
+        for settings in leaf["param_groups"]["settings"]:
+            settings["lr"] = 99.0
+    path.write_text(json.dumps(edited))
+    model2, opt2 = _two_leaves(1)
+    model2.load_state_dict(model.state_dict())
+    load_export(model2, opt2, tmp_path / "out")
+    assert opt2["dense"].param_groups[0]["lr"] == 0.0025 and opt2["experts"].param_groups[0]["lr"] == 0.01
+    assert_optimizer_equal(opt, opt2, grads=False)
+
+
 def test_refuses_values_that_need_pickle(tmp_path: Path) -> None:
     model = nn.Linear(2, 2)
     opt = torch.optim.SGD(model.parameters(), lr=0.1)
@@ -260,12 +414,46 @@ class _Forbidden(Exception):
     pass
 
 
+_PICKLE_HEADERS = tuple(bytes([0x80, protocol]) for protocol in range(2, 6))  # PROTO 2..5 at offset 0
+_TORCH_ZIP = b"PK\x03\x04"  # torch.save's zip archive (which holds a pickle)
+
+
+def _pickle_or_torch_zip(data: bytes) -> str | None:
+    """What makes ``data`` a pickle or a ``torch.save`` file, or ``None``: a protocol 2-5 header,
+    the zip magic, or a complete pickle stream from offset 0 (``pickletools.genops`` reaches STOP,
+    which also catches the header-less protocols 0 and 1)."""
+    if data.startswith(_PICKLE_HEADERS):
+        return f"pickle protocol {data[1]} header"
+    if data.startswith(_TORCH_ZIP):
+        return "torch.save zip magic"
+    try:
+        for opcode, _arg, pos in pickletools.genops(data):
+            if opcode.name == "STOP":
+                return f"a complete pickle stream ({pos + 1} bytes)"
+    except Exception:  # noqa: BLE001 - any opcode/argument error: not a pickle stream
+        return None
+    return None
+
+
+def test_pickle_detector_finds_pickles(tmp_path: Path) -> None:
+    """The scan of the next test can fail: every pickle protocol and torch.save's file are found."""
+    for protocol in range(pickle.HIGHEST_PROTOCOL + 1):
+        assert _pickle_or_torch_zip(pickle.dumps({"lr": (0.9, 0.999)}, protocol=protocol)), protocol
+    torch.save({"lr": torch.ones(2)}, tmp_path / "t.pt")
+    assert _pickle_or_torch_zip((tmp_path / "t.pt").read_bytes()) == "torch.save zip magic"
+    assert _pickle_or_torch_zip(b'{"format": "sparse_ckpt.export"}') is None
+
+
 def test_export_holds_no_pickle_and_loading_never_unpickles(
     exported: tuple[Path, Path, nn.Module, sc.MultiOptimizer],
 ) -> None:
     _ckpt, out, model, opt = exported
-    for path in out.iterdir():
+    files = [Path(root, name) for root, _dirs, names in os.walk(out) for name in names]
+    assert sorted(p.name for p in files) == [MANIFEST_FILE, TENSORS_FILE]  # no temporary or extra file
+    for path in files:
         data = path.read_bytes()
+        found = _pickle_or_torch_zip(data)
+        assert found is None, f"{path.name} is a pickle / torch.save file: {found}"
         assert not data.startswith((b"\x80", b"PK\x03\x04")), f"{path.name} looks like a pickle / torch.save file"
         if path.name == MANIFEST_FILE:
             json.loads(data)
