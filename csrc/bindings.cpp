@@ -3,7 +3,8 @@
 
 PYBIND11_MODULE(_C, m) {
     using namespace sckpt;
-    m.doc() = "C++ core of sparse_ckpt: the twin of sparse_ckpt._core_py (same outputs, errors and messages).";
+    m.doc() = "C++ core of sparse_ckpt: the twin of sparse_ckpt._core_py (same outputs, errors and messages for "
+              "every input of the core's contract; see sparse_ckpt._core_py).";
 
     m.attr("MAGIC") = py::bytes(kMagic, 4);
     m.attr("VERSION") = kVersion;
@@ -58,7 +59,7 @@ PYBIND11_MODULE(_C, m) {
     m.def("build_groups", &build_groups, py::arg("param_groups"), py::arg("chosen"), py::arg("copy_settings"), py::arg("keep_names"),
           "The new param groups of a load: one new dict per group, params from the live group.");
     m.def("cast_states", &cast_states, py::arg("leaf"), py::arg("param_groups"), py::arg("target"),
-          py::arg("new_groups"), py::arg("state_of"), py::arg("state"), py::arg("tensor_type"),
+          py::arg("chosen"), py::arg("state_of"), py::arg("state"), py::arg("tensor_type"),
           py::arg("check_shapes"), py::arg("cast_tensor"), py::arg("cast_value"),
           "Put each target parameter's saved state, cast as torch would, into state; return the used FQNs.");
     m.def("merge_table_settings", &merge_table_settings, py::arg("leaf"), py::arg("settings"), py::arg("groups"),

@@ -272,6 +272,7 @@ inline bool starts_with(PyObject* s, const char* lit, Py_ssize_t n) {
     if (PyUnicode_GET_LENGTH(s) < n) return false;
     const int kind = PyUnicode_KIND(s);
     const void* data = PyUnicode_DATA(s);
+    if (kind == PyUnicode_1BYTE_KIND) return std::memcmp(data, lit, static_cast<size_t>(n)) == 0;  // lit is ASCII
     for (Py_ssize_t i = 0; i < n; ++i) {
         if (PyUnicode_READ(kind, data, i) != static_cast<Py_UCS4>(static_cast<unsigned char>(lit[i]))) return false;
     }

@@ -76,7 +76,7 @@ py::tuple assign_state_ids(py::object target_fqns, py::object state_by_fqn);
 // load_plan.cpp
 py::object fqns_of_groups(py::object leaf, py::object param_groups, py::object fqn_of);
 py::object build_groups(py::object param_groups, py::object chosen, py::object copy_settings, bool keep_names);
-py::object cast_states(py::object leaf, py::object param_groups, py::object target, py::object new_groups,
+py::object cast_states(py::object leaf, py::object param_groups, py::object target, py::object chosen,
                        py::object state_of, py::object state, py::object tensor_type, py::object check_shapes,
                        py::object cast_tensor, py::object cast_value);
 py::tuple merge_table_settings(py::object leaf, py::object settings, py::object groups, py::object canonical,

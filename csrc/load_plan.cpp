@@ -196,7 +196,7 @@ py::object build_groups(py::object param_groups, py::object chosen, py::object c
     return out;
 }
 
-py::object cast_states(py::object leaf, py::object param_groups, py::object target, py::object new_groups,
+py::object cast_states(py::object leaf, py::object param_groups, py::object target, py::object chosen,
                        py::object state_of, py::object state, py::object tensor_type, py::object check_shapes,
                        py::object cast_tensor, py::object cast_value) {
     const Names names;
@@ -206,23 +206,33 @@ py::object cast_states(py::object leaf, py::object param_groups, py::object targ
     // fqn -> param of the first group listing it; the fqns of fused/capturable groups
     py::object where = steal(PyDict_New());
     py::object special_fqns = steal(PySet_New(nullptr));
-    const Py_ssize_t n = std::min({length(param_groups), length(target), length(new_groups)});
-    for (Py_ssize_t gi = 0; gi < n; ++gi) {
-        py::object group = steal(PySequence_GetItem(param_groups.ptr(), gi));
-        py::object fqns = steal(PySequence_GetItem(target.ptr(), gi));
-        py::object fresh = steal(PySequence_GetItem(new_groups.ptr(), gi));
-        bool special = false;
+    const Py_ssize_t n = std::min({length(param_groups), length(target), length(chosen)});
+    IdMap special_of;  // chosen settings object -> 0/1 (a few interned objects serve many groups)
+    auto flags_of = [&](PyObject* settings) {
+        if (!PyDict_Check(settings)) raise_type("a dict", settings);
         for (const py::object* flag : {&names.fused, &names.capturable}) {
-            PyObject* v = PyDict_GetItemWithError(fresh.ptr(), flag->ptr());
+            PyObject* v = PyDict_GetItemWithError(settings, flag->ptr());
             if (v == nullptr && PyErr_Occurred()) throw py::error_already_set();
             if (v != nullptr) {
                 const int truth = PyObject_IsTrue(v);
                 check(truth);
-                if (truth) {
-                    special = true;
-                    break;
-                }
+                if (truth) return true;
             }
+        }
+        return false;
+    };
+    for (Py_ssize_t gi = 0; gi < n; ++gi) {
+        py::object group = steal(PySequence_GetItem(param_groups.ptr(), gi));
+        py::object fqns = steal(PySequence_GetItem(target.ptr(), gi));
+        py::object settings = steal(PySequence_GetItem(chosen.ptr(), gi));
+        bool special;
+        if (settings.is_none()) {  // the group keeps its own settings
+            special = flags_of(group.ptr());
+        } else if (const Py_ssize_t* known = special_of.find(settings.ptr())) {
+            special = *known != 0;
+        } else {
+            special = flags_of(settings.ptr());
+            special_of.emplace(settings.ptr(), special ? 1 : 0);  // alive in chosen for the whole call
         }
         py::object params = group_params(group, names.params);
         const Py_ssize_t np = std::min(length(params), length(fqns));

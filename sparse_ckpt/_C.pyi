@@ -36,7 +36,7 @@ def cast_states(
     leaf: str,
     param_groups: list[dict],
     target: list[list[str]],
-    new_groups: list[dict],
+    chosen: list[dict | None],
     state_of: dict[str, Any],
     state: dict,
     tensor_type: type,

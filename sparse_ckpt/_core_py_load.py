@@ -93,7 +93,7 @@ def cast_states(
     leaf: str,
     param_groups: list[dict],
     target: list[list[str]],
-    new_groups: list[dict],
+    chosen: list[dict | None],
     state_of: dict[str, Any],
     state: dict,
     tensor_type: type,
@@ -106,7 +106,8 @@ def cast_states(
     FQNs whose state was used, in that order.
 
     A parameter listed in several groups takes the fused/capturable flag of the first new group
-    listing it (torch's rule). ``check_shapes(leaf, fqn, param, saved)`` (``None``: no check) runs
+    listing it (torch's rule); a new group's flags are its ``chosen`` settings' (those of
+    :func:`build_groups`), or the group's own when ``chosen`` is ``None``. ``check_shapes(leaf, fqn, param, saved)`` (``None``: no check) runs
     for every used state that is not plainly the param's shape and dtype. Tensors are cast by
     ``cast_tensor(value, key, special, floating, dtype, device)`` unless the cast would return the
     tensor itself (non-``step`` with the param's dtype -- for a floating param -- and device;
@@ -115,8 +116,14 @@ def cast_states(
     """
     where: dict[str, Any] = {}  # fqn -> the param of the first group listing it
     special_fqns: set[str] = set()  # ... when that group is fused or capturable
-    for group, fqns, new in zip(param_groups, target, new_groups):
-        special = bool(new.get("fused", False) or new.get("capturable", False))
+    special_of: dict[int, bool] = {}  # id(chosen settings) -> its flag
+    for group, fqns, settings in zip(param_groups, target, chosen):
+        if settings is None:  # the group keeps its own settings
+            special = _fused_or_capturable(group)
+        else:
+            special = special_of.get(id(settings))
+            if special is None:
+                special = special_of[id(settings)] = _fused_or_capturable(settings)
         for p, fqn in zip(group["params"], fqns):
             if fqn not in where:
                 where[fqn] = p
@@ -149,6 +156,10 @@ def cast_states(
                 out[k] = cast_value(p, v, special, k)
         state[p] = out
     return used
+
+
+def _fused_or_capturable(settings: dict) -> bool:
+    return bool(settings.get("fused", False) or settings.get("capturable", False))
 
 
 def merge_table_settings(

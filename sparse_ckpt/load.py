@@ -102,7 +102,7 @@ def plan_leaf(
         groups = core.build_groups(optimizer.param_groups, chosen, copy_settings, True)
         state: defaultdict[Any, Any] = defaultdict(dict)
         used = core.cast_states(
-            leaf, optimizer.param_groups, target, groups, ckpt.state_of, state, torch.Tensor, check, cast_tensor, cast_value
+            leaf, optimizer.param_groups, target, chosen, ckpt.state_of, state, torch.Tensor, check, cast_tensor, cast_value
         )
         used_state.update(used)
         return PreparedLoad(leaf, optimizer, state=state, param_groups=groups)
@@ -127,6 +127,8 @@ def _with_empty_groups(
 ) -> list[Any]:
     """``chosen`` with each target group that has no parameters given the checkpoint's empty group
     at the same leaf and index (packed format); strict refuses a missing one."""
+    if 0 not in map(len, target):  # no empty group (the usual case): no Python loop over the groups
+        return chosen
     for gi, fqns in enumerate(target):
         if not fqns:
             settings = ckpt.empty_groups.get((leaf, gi))
@@ -289,8 +291,12 @@ def _raise_on_mismatch(
         raise CheckpointMismatchError(
             f"{len(missing)} optimizer parameter(s) have no saved param-group settings: {fmt_list(missing)}"
         )
-    extra = [fqn for fqn in ckpt.settings_of if fqn not in used_settings]
-    extra += [fqn for fqn in ckpt.state_of if fqn not in used_state and fqn not in ckpt.settings_of]
+    extra: list[str] = []
+    # set differences first (C speed); the ordered lists only when something is extra
+    if ckpt.settings_of.keys() - used_settings:
+        extra = [fqn for fqn in ckpt.settings_of if fqn not in used_settings]
+    if ckpt.state_of.keys() - used_state - ckpt.settings_of.keys():
+        extra += [fqn for fqn in ckpt.state_of if fqn not in used_state and fqn not in ckpt.settings_of]
     unmatched = ckpt.unmatched_keys
     if owned is not None:
         extra = [fqn for fqn in extra if fqn in owned]

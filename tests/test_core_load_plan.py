@@ -142,7 +142,10 @@ def test_cast_states(inputs: tuple, with_check: bool) -> None:
     params, layout, flags, state_of = inputs
     groups = [{"params": [params[i] for i in g]} for g in layout]
     target = [[f"w{i}" for i in g] for g in layout]
-    new_groups = [{**f, "params": g["params"]} for f, g in zip(flags, groups)]
+    chosen = [f if i % 2 else None for i, f in enumerate(flags)]  # None: the group's own settings
+    for g, f, c in zip(groups, flags, chosen):
+        if c is None:
+            g.update(f)
 
     def run(core: Any) -> tuple:
         calls: list[tuple] = []
@@ -160,7 +163,7 @@ def test_cast_states(inputs: tuple, with_check: bool) -> None:
             return cast_value(*args)
 
         state: defaultdict = defaultdict(dict)
-        used = core.cast_states("leaf", groups, target, new_groups, state_of, state, torch.Tensor,
+        used = core.cast_states("leaf", groups, target, chosen, state_of, state, torch.Tensor,
                                 check if with_check else None, ct, cv)
         keyed = [(params.index(p), v) for p, v in state.items()]
         return used, keyed, calls
@@ -180,18 +183,18 @@ def test_cast_states_keeps_tensors_that_need_no_cast() -> None:
     saved = {"step": torch.tensor(1.0), "exp_avg": torch.ones(2), "half": torch.ones(2, dtype=torch.float16)}
     for core in (P, C):
         state: dict = {}
-        core.cast_states("l", [{"params": [p]}], [["w"]], [{"params": [p]}], {"w": saved}, state, torch.Tensor,
+        core.cast_states("l", [{"params": [p]}], [["w"]], [None], {"w": saved}, state, torch.Tensor,
                          None, cast_tensor, cast_value)
         out = state[p]
         assert out["step"] is saved["step"] and out["exp_avg"] is saved["exp_avg"]
         assert out["half"].dtype == torch.float32
         fused: dict = {}
         step64 = {"step": torch.tensor(1.0, dtype=torch.float64)}
-        core.cast_states("l", [{"params": [p]}], [["w"]], [{"fused": True, "params": [p]}], {"w": step64}, fused,
+        core.cast_states("l", [{"params": [p]}], [["w"]], [{"fused": True}], {"w": step64}, fused,
                          torch.Tensor, None, cast_tensor, cast_value)
         assert fused[p]["step"].dtype == torch.float32  # fused/capturable: float32 on the param's device
         plain: dict = {}
-        core.cast_states("l", [{"params": [p]}], [["w"]], [{"params": [p]}], {"w": step64}, plain,
+        core.cast_states("l", [{"params": [p]}], [["w"]], [{"lr": 0.1}], {"w": step64}, plain,
                          torch.Tensor, None, cast_tensor, cast_value)
         assert plain[p]["step"] is step64["step"]  # otherwise step is left alone
 
