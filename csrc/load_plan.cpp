@@ -395,20 +395,12 @@ py::object merge_scalars(py::object state_of, py::object scalars_of, py::object 
     auto own = [&](PyObject* scalars) -> py::object {
         if (handed.emplace(scalars, 0).second) return steal(PyDict_Copy(scalars));
         py::object out = steal(PyDict_New());
-        Py_ssize_t pos = 0;
-        PyObject* k = nullptr;
-        PyObject* v = nullptr;
-        while (PyDict_Next(scalars, &pos, &k, &v)) {
-            py::object key = borrow(k);
-            py::object value = borrow(v);
-            int is_tensor = Py_TYPE(v) == reinterpret_cast<PyTypeObject*>(tensor_type.ptr()) ? 1 : 0;
-            if (!is_tensor) {
-                is_tensor = PyObject_IsInstance(v, tensor_type.ptr());
-                check(is_tensor);
-            }
-            if (is_tensor) value = steal(PyObject_CallMethodNoArgs(v, clone.ptr()));
-            check(PyDict_SetItem(out.ptr(), k, value.ptr()));
-        }
+        iterate_items(scalars, [&](py::handle key, py::handle value) {
+            py::object taken = is_tensor_of(value.ptr(), tensor_type.ptr())
+                                   ? steal(PyObject_CallMethodNoArgs(value.ptr(), clone.ptr()))
+                                   : borrow(value.ptr());
+            check(PyDict_SetItem(out.ptr(), key.ptr(), taken.ptr()));
+        });
         return out;
     };
     py::object merged = steal(PyDict_New());
