@@ -373,7 +373,7 @@ def fqn_tables(named: Any) -> tuple[dict[int, str], dict[str, str], dict[str, An
 
 
 def pack_optimizer(
-    leaf: str, param_groups: list[dict], state: Mapping[Any, Any], tensor_type: type
+    leaf: str, param_groups: list[dict], state: dict[Any, Any], tensor_type: type
 ) -> tuple[list[dict], dict[Any, Any], list[Any]]:
     """Pack ``param_groups``/``state`` exactly as ``torch.optim.Optimizer.state_dict`` does.
 
@@ -414,9 +414,9 @@ def pack_optimizer(
 def remap_to_fqns(
     leaf: str,
     packed_groups: list[dict],
-    packed_state: Mapping[Any, Any],
+    packed_state: dict[Any, Any],
     id_to_param: list[Any],
-    fqn_of: Mapping[int, str],
+    fqn_of: dict[int, str],
 ) -> tuple[list[tuple[dict, list[str]]], dict[str, Any]]:
     """Turn a packed (int-id) optimizer dict into ``(groups_fqn, state_fqn)``.
 
@@ -486,7 +486,7 @@ def _path_repr(path: tuple[Any, ...]) -> str:
 def _flatten_into(
     out: dict[str, Any],
     prefix: str,
-    value: Mapping[Any, Any],
+    value: dict[Any, Any],
     leaf: str,
     fqn: str,
     path: tuple[Any, ...],
@@ -531,7 +531,7 @@ def _flatten_item(
         out[full] = item
 
 
-def flatten_state(leaf: str, state_fqn: Mapping[str, Any], known_fqns: Any, escape: bool) -> dict[str, Any]:
+def flatten_state(leaf: str, state_fqn: dict[str, Any], known_fqns: Any, escape: bool) -> dict[str, Any]:
     """``state.{fqn}.{key}`` for every state entry; nested dicts are flattened with ``.``.
 
     ``escape=True`` (packed format) escapes key parts that are not plain (see
@@ -644,7 +644,7 @@ def _scalar_record(
 
 def flatten_packed_state(
     leaf: str,
-    state_fqn: Mapping[str, Any],
+    state_fqn: dict[str, Any],
     known_fqns: Any,
     tensor_type: type,
     cpu_dtypes: dict,
@@ -719,7 +719,7 @@ def flatten_groups(leaf: str, groups_fqn: list[tuple[dict, list[str]]]) -> dict[
 
 
 def unflatten(
-    flat: Mapping[str, Any], known_fqns: Any
+    flat: dict[str, Any], known_fqns: Any
 ) -> tuple[dict[str, dict], dict[str, dict], dict[str, bytes], dict[str, bytes], list[str]]:
     """Split a flat/packed optimizer dict into its parts.
 
@@ -868,7 +868,7 @@ def _encode_str(out: bytearray, text: str, where: str) -> None:
     out += raw
 
 
-def encode_settings(leaf: str, group_index: int, settings: Mapping[Any, Any], tensor_type: type, to_parts: TensorToParts) -> bytes:
+def encode_settings(leaf: str, group_index: int, settings: dict[Any, Any], tensor_type: type, to_parts: TensorToParts) -> bytes:
     """Encode one group's settings (the ``settings`` production of the table format)."""
     out = bytearray()
     out += _len32(len(settings))
@@ -1042,7 +1042,7 @@ def decode_table(leaf: str, data: bytes, from_parts: PartsToTensor) -> tuple[lis
 
 
 def match_groups(
-    leaf: str, target_fqns: list[list[str]], settings_of: Mapping[str, Any]
+    leaf: str, target_fqns: list[list[str]], settings_of: dict[str, Any]
 ) -> tuple[list[Any], list[str]]:
     """For each target group pick the saved settings of its FQNs.
 
@@ -1092,7 +1092,7 @@ def _first_differing_key(a: Mapping[str, Any], b: Mapping[str, Any]) -> str:
     return "?"
 
 
-def assign_state_ids(target_fqns: list[list[str]], state_by_fqn: Mapping[str, Any]) -> tuple[dict[int, Any], list[str]]:
+def assign_state_ids(target_fqns: list[list[str]], state_by_fqn: dict[str, Any]) -> tuple[dict[int, Any], list[str]]:
     """Give saved state to the target's packed ids (torch's id assignment order).
 
     Returns ``(packed_state, used_fqns)``: ``packed_state`` maps the id of every target

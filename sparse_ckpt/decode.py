@@ -8,7 +8,7 @@ first, then its per-item entries (the saved order).
 
 from __future__ import annotations
 
-from collections.abc import Callable, Iterable, Mapping
+from collections.abc import Callable, Iterable, Iterator, Mapping
 from dataclasses import dataclass, field
 from itertools import chain
 from typing import Any
@@ -50,26 +50,29 @@ class DecodedCheckpoint:
     """Flat format: canonical FQN -> its saved group's whole ``param_names`` list (DSD's flat layout
     repeats the list for every FQN of the group, without positions)."""
 
+    def _table_listings(self) -> Iterator[tuple[str, int, str]]:
+        """``(leaf, group index, canonical FQN)`` of every FQN the tables list, in table order."""
+        for table in self.tables:
+            for gi, (_idx, group_fqns) in enumerate(table.groups):
+                for fqn in group_fqns:
+                    yield table.leaf, gi, self.resolve(fqn)
+
     def table_leaf_of(self, fqns: Iterable[str]) -> dict[str, str]:
         """Canonical FQN -> leaf of the first packed table listing it, for ``fqns`` (for messages:
         one pass over the tables, made only when a load fails)."""
         wanted = set(fqns)
         found: dict[str, str] = {}
-        for table in self.tables:
-            for _idx, group_fqns in table.groups:
-                for fqn in group_fqns:
-                    canon = self.resolve(fqn)
-                    if canon in wanted:
-                        found.setdefault(canon, table.leaf)
+        for leaf, _gi, canon in self._table_listings():
+            if canon in wanted:
+                found.setdefault(canon, leaf)
         return found
 
     def first_source(self, canon: str, flat_fqns: Iterable[str] = ()) -> Any:
         """Where the first saved settings of ``canon`` are: ``(leaf, group index)`` of a table, or
         the flat entries of one of ``flat_fqns`` (see :func:`~sparse_ckpt.format.source_text`)."""
-        for table in self.tables:
-            for gi, (_idx, group_fqns) in enumerate(table.groups):
-                if any(self.resolve(f) == canon for f in group_fqns):
-                    return (table.leaf, gi)
+        for leaf, gi, listed in self._table_listings():
+            if listed == canon:
+                return (leaf, gi)
         for fqn in flat_fqns:
             if self.resolve(fqn) == canon:
                 return f"flat entries of {fqn!r}"
