@@ -11,7 +11,7 @@ from __future__ import annotations
 import os
 import warnings
 from collections.abc import Iterable
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import Any
 
 import torch
@@ -22,7 +22,7 @@ from torch.distributed.checkpoint.metadata import Metadata, TensorStorageMetadat
 from ._dcp_paths import ObjPath, metadata_path, set_path
 from .dcp import SparseLoadPlanner
 from .errors import CheckpointFormatError
-from .format import GROUPS_PREFIX, OPTIMIZER_PREFIXES
+from .format import GROUPS_PREFIX, OPTIMIZER_PREFIXES, is_foreign_guard
 
 __all__ = [
     "METADATA_FILE",
@@ -81,6 +81,9 @@ class OptimizerEntries:
     inner: dict[str, str]
     """Key inside the optimizer dict (``state.*``, ``param_groups.*``; the packed format's scalar
     tables ``state.__packed__.*`` among the ``state.*`` keys) -> flattened checkpoint key."""
+    guards: list[str] = field(default_factory=list)
+    """Flattened keys of its foreign-loader guards (:func:`sparse_ckpt.format.foreign_guard_keys`),
+    not in ``inner``: they hold nothing to read."""
 
     @property
     def name(self) -> str:
@@ -102,7 +105,11 @@ def find_optimizers(metadata: Metadata) -> list[OptimizerEntries]:
         if split is None:
             continue
         prefix, inner = split
-        found.setdefault(prefix, OptimizerEntries(prefix, {})).inner[inner] = key
+        entries = found.setdefault(prefix, OptimizerEntries(prefix, {}))
+        if is_foreign_guard(inner, metadata.state_dict_metadata[key]):
+            entries.guards.append(key)  # for loaders that do not know the format; nothing to read
+            continue
+        entries.inner[inner] = key
         if inner.startswith(GROUPS_PREFIX):
             has_groups.add(prefix)
     return [entries for prefix, entries in found.items() if prefix in has_groups]

@@ -72,6 +72,8 @@ from .format import (
     PACKED_PREFIX,
     SCALARS_PREFIX,
     escape_part,
+    foreign_guard_keys,
+    foreign_guard_value,
     has_escaped_part,
     is_flat_part,
     is_plain_part,
@@ -99,6 +101,7 @@ __all__ = [
     "inspect_checkpoint",
     "inspect_details",
     "jsonable",
+    "loader_needed",
     "named_groups",
     "open_checkpoint",
     "pack_flat_groups",
@@ -676,10 +679,33 @@ def inspect_details(
                 "items": len(opt.inner),
                 "state_without_group": orphans,
                 "unmatched_keys": unmatched,
+                "foreign_guards": len(opt.guards),
             }
         )
+        optimizers[-1]["loader"] = loader_needed(optimizers[-1])
     report = {"checkpoint": os.fspath(path), "optimizers": optimizers, "storage_problems": problems}
     return report, raw
+
+
+LOADER = "sparse_ckpt: dcp.load(..., planner=sparse_ckpt.SparseLoadPlanner()) into a SparseOptimizerState or MultiOptimizer"
+
+
+def loader_needed(summary: Mapping[str, Any]) -> str:
+    """Which loader restores an optimizer that :func:`inspect_checkpoint` summarised, and what others do."""
+    if summary["format"] == "flat":
+        if summary["without_state"]:
+            return (
+                f"{LOADER}; torch DSD's set_optimizer_state_dict(flatten_optimizer_state_dict=True) would invent state "
+                f"for its {summary['without_state']} parameter(s) without state"
+            )
+        return f"{LOADER}, or torch DSD's set_optimizer_state_dict(flatten_optimizer_state_dict=True)"
+    if summary["foreign_guards"]:
+        return f"{LOADER}; other loaders are refused while planning (foreign-loader guards)"
+    return (
+        f"{LOADER}; it has no foreign-loader guard (written by sparse_state_dict() directly, or by sparse_ckpt before "
+        "guards): a loader that does not know the format and uses allow_partial_load=True would silently miss its "
+        "settings and scalar state"
+    )
 
 
 # --------------------------------------------------------------------------- verify
@@ -724,6 +750,7 @@ def verify_checkpoint(path: str | os.PathLike[str], *, batch_bytes: int = BATCH_
         read += len(got)
         kept.update({k: v for k, v in got.items() if k in group_keys})
         del got
+    loaders: dict[str, str] = {}
     for opt in optimizers:
         if any(flat in bad for flat in opt.inner.values()):
             continue  # already reported; decoding would only repeat it
@@ -734,8 +761,12 @@ def verify_checkpoint(path: str | os.PathLike[str], *, batch_bytes: int = BATCH_
         except SparseCheckpointError as exc:
             problems.append({"key": name, "file": None, "problem": f"optimizer {name!r}: {exc}"})
             continue
-        grouped = {fqn for _leaf, groups in named_groups(leaves, flat) for g in groups for fqn in g.fqns}
+        named = named_groups(leaves, flat)
+        grouped = {fqn for _leaf, groups in named for g in groups for fqn in g.fqns}
         orphans = [fqn for fqn in state_by_fqn if fqn not in grouped]
+        without = len({f for f in grouped if not state_by_fqn.get(f)})
+        fmt = "mixed" if leaves and flat else "packed" if leaves else "flat"
+        loaders[opt.name] = loader_needed({"format": fmt, "without_state": without, "foreign_guards": len(opt.guards)})
         if orphans:
             problems.append({"key": name, "file": None, "problem": f"optimizer {name!r}: state of {len(orphans)} parameter(s) in no group (e.g. {orphans[0]!r})"})
         if unmatched:
@@ -746,6 +777,7 @@ def verify_checkpoint(path: str | os.PathLike[str], *, batch_bytes: int = BATCH_
         **stats,
         "read": read,
         "optimizers": [opt.name for opt in optimizers],
+        "loaders": loaders,
         "problems": problems,
     }
 
@@ -982,6 +1014,9 @@ def convert_optimizer(
                 out[key] = value
         if flat:
             out.update(pack_flat_groups(flat, leaf, leaves))
+        # what sparse_ckpt's Stateful writes: guards that make loaders that do not know the format fail
+        firsts = [next((f for g in groups for f in g.fqns), None) for groups in (*leaves.values(), flat)]
+        out.update(dict.fromkeys(foreign_guard_keys([f for f in firsts if f is not None]), foreign_guard_value()))
     else:
         raise UsageError(f"--to must be 'packed' or 'flat', got {to!r}")
     return out
@@ -1049,7 +1084,7 @@ def convert_checkpoint(
     opts = select_optimizers(find_optimizers(metadata), key)
     if not opts:
         raise UsageError(f"{src!r} holds no optimizer entries ('<key>.state.*' / '<key>.param_groups.*')")
-    converted = {flat for opt in opts for flat in opt.inner.values()}
+    converted = {flat for opt in opts for flat in (*opt.inner.values(), *opt.guards)}
     others = [k for k in metadata.state_dict_metadata if k not in converted]
     everything = read_entries(src, metadata, metadata.state_dict_metadata.keys(), unpickle_keys=set(others))
     new_opts = []

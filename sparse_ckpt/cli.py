@@ -138,6 +138,7 @@ def format_inspect(report: dict[str, Any], groups_raw: dict[tuple[str, str, int]
             f"state {opt['state_bytes']} bytes, tables {opt['table_bytes']} bytes{_scalar_note(opt)}, "
             f"on disk {opt['disk_bytes']} bytes"
         )
+        lines.append(f"  loads with {opt['loader']}")
         for leaf in opt["leaves"]:
             lines.append(
                 f"  leaf {leaf['name']!r}: {len(leaf['groups'])} group(s), {leaf['params']} params "
@@ -179,6 +180,8 @@ def format_verify(report: dict[str, Any]) -> str:
         (f"{report['items']} item(s) in {report['files']} file(s), {report['bytes']} bytes; "
         f"{report['read']} read; optimizers: {', '.join(repr(o or '(top level)') for o in report['optimizers']) or 'none'}"),
     ]
+    for name, loader in report.get("loaders", {}).items():
+        lines.append(f"optimizer {name or '(top level)'!r} loads with {loader}")
     if report["crc_unchecked"]:
         lines.append(f"{report['crc_unchecked']} item part(s) without a CRC-32 (read, not checksummed)")
     for p in report["problems"]:

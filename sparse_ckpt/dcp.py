@@ -45,6 +45,7 @@ from .format import (
     SCALARS_PREFIX,
     STATE_PREFIX,
     STEP_KEY,
+    is_foreign_guard,
     is_table_key,
     last_part,
     owner_fqn,
@@ -53,7 +54,7 @@ from .format import (
 )
 from .fqn import FqnMap, Model, build_fqn_map, check_model
 from .load import load_owned
-from .save import FORMATS, Format, sparse_state_dict
+from .save import FORMATS, Format, guarded_state_dict
 
 __all__ = ["SparseLoadPlanner", "SparseOptimizerState", "SparseStateDict"]
 
@@ -138,7 +139,8 @@ class SparseOptimizerState:
     ``model`` is an ``nn.Module`` or a list of pipeline-parallel parts. ``optimizer`` is a
     ``torch.optim.Optimizer``, a :class:`sparse_ckpt.MultiOptimizer`, a ``Mapping[str, Optimizer]`` or a
     trainer's optimizer container (see :func:`sparse_ckpt.leaves.named_leaves`); both are checked
-    here. ``format`` is ``"packed"`` (default) or ``"flat"`` (torch DSD's flat layout). ``strict`` is passed to :func:`sparse_ckpt.load_sparse_state_dict`. Load it with
+    here. ``format`` is ``"packed"`` (default) or ``"flat"`` (torch DSD's flat layout). ``strict`` is
+    passed to :func:`sparse_ckpt.load_sparse_state_dict`. Load it with
     ``dcp.load(..., planner=sparse_ckpt.SparseLoadPlanner())``.
 
     In a process group of more than one rank, saved FQNs that the local model does not own are
@@ -161,14 +163,17 @@ class SparseOptimizerState:
 
         It also holds the planner guard (:data:`sparse_ckpt.format.PLANNER_GUARD_KEY`): a tiny
         tensor item that makes ``dcp.load`` without :class:`SparseLoadPlanner` fail while planning,
-        before DCP reads anything into the optimizer's live state tensors.
+        before DCP reads anything into the optimizer's live state tensors. In the packed format it
+        holds the foreign-loader guards too (:func:`sparse_ckpt.format.foreign_guard_keys`), which make
+        a loader that does not know the format (torch DSD's flat or nested layout, also with
+        ``allow_partial_load=True``) fail while planning instead of silently skipping the settings.
         """
         sd: dict[str, Any] = {PLANNER_GUARD_KEY: _PlannerGuard.make()}  # first: DCP plans keys in order
         if not called_by_dcp_load(sys._getframe(1)):
             # A load target needs no content: SparseLoadPlanner rebuilds it from the checkpoint's
             # metadata (and without that planner the guard refuses the load), so dcp.load does not
             # pay for a capture of the optimizer it is about to overwrite.
-            sd.update(sparse_state_dict(self.model, self.optimizer, format=self.format))
+            sd.update(guarded_state_dict(self.model, self.optimizer, self.format))
         return SparseStateDict(sd, self)
 
     def load_state_dict(self, state_dict: Mapping[str, Any]) -> None:
@@ -323,6 +328,8 @@ def _rebuild_target(
         value: Any
         if inner.startswith((PACKED_PREFIX, SCALARS_PREFIX)):  # every rank's tables
             value = _allocate(md, None, "")
+        elif is_foreign_guard(inner, md):
+            continue  # for loaders that do not know the format; nothing to read
         elif inner.startswith(GROUPS_PREFIX):
             fqn = split_group_key(inner)[0]  # type: ignore[index] - not a table: a flat group key
             if fqn and fqn not in fmap.canonical:

@@ -18,7 +18,7 @@ import torch
 from . import _backend
 from ._tensor_parts import parts_to_tensor, tensor_to_parts
 from .errors import CheckpointFormatError, CheckpointMismatchError
-from .format import PACKED_PREFIX, SCALARS_PREFIX, check_table, source_text, state_key
+from .format import PACKED_PREFIX, SCALARS_PREFIX, check_table, source_text, state_key, without_foreign_guards
 from .fqn import FqnMap
 
 
@@ -142,6 +142,7 @@ def decode_checkpoint(state_dict: Mapping[str, Any], fmap: FqnMap) -> DecodedChe
         return known[-1]
 
     flat = state_dict if type(state_dict) is dict else dict(state_dict)  # the core reads dicts
+    flat = without_foreign_guards(flat)
     settings_raw, state_raw, _tables, scalar_tables, unmatched = core.unflatten(flat, known_fqns)
     out = DecodedCheckpoint(
         unmatched_keys=list(unmatched), has_tables=bool(decoded), tables=decoded, resolve=fmap.resolve
