@@ -54,6 +54,7 @@ from .format import (
 from .fqn import FqnMap, build_fqn_map
 from .leaves import named_leaves
 from .load import load_owned
+from .nested import NESTED_KEYS
 from .save import FORMATS, Format, sparse_state_dict
 
 __all__ = ["SparseLoadPlanner", "SparseOptimizerState", "SparseStateDict"]
@@ -217,6 +218,11 @@ class SparseLoadPlanner(DefaultLoadPlanner):
     CPU tensors; bytes items get a placeholder that DCP replaces. The optimizer itself is not
     touched until ``load_state_dict``, which validates before mutating. Everything else in the
     target is planned exactly as by ``DefaultLoadPlanner``.
+
+    A checkpoint in torch DSD's *nested* layout (``{"state": {fqn: {...}}, "param_groups": [...]}``,
+    what ``get_optimizer_state_dict`` returns by default and Accelerate's FSDP2 ``save_state``
+    writes) is read the same way -- every group, the local parameters' state -- and loaded by FQN
+    (see :mod:`sparse_ckpt.nested`), so existing checkpoints migrate without DSD's synthetic step.
     """
 
     def __init__(
@@ -322,7 +328,15 @@ def _rebuild_target(
     for rel, md, key in entries:
         inner = str(rel[0])
         value: Any
-        if inner.startswith((PACKED_PREFIX, SCALARS_PREFIX)):  # every rank's tables
+        if len(rel) > 2 and inner in NESTED_KEYS:  # DSD's nested layout: ('state', fqn, key...) / ('param_groups', i, key)
+            if inner == NESTED_KEYS[0]:
+                fqn = str(rel[1])
+                if fqn not in fmap.canonical:
+                    continue  # another rank's parameter (the load checks the dict's own groups)
+                value = _allocate(md, _param(fmap, fqn), str(rel[-1]))
+            else:
+                value = _allocate(md, None, "")
+        elif inner.startswith((PACKED_PREFIX, SCALARS_PREFIX)):  # every rank's tables
             value = _allocate(md, None, "")
         elif inner.startswith(GROUPS_PREFIX):
             fqn = split_group_key(inner)[0]  # type: ignore[index] - not a table: a flat group key
