@@ -55,6 +55,7 @@ from .fqn import FqnMap, build_fqn_map
 from .leaves import named_leaves
 from .load import load_owned
 from .nested import NESTED_KEYS
+from .origin import ORIGIN_KEY, origin_here, refuse_rank0_only_save
 from .save import FORMATS, Format, sparse_state_dict
 
 __all__ = ["SparseLoadPlanner", "SparseOptimizerState", "SparseStateDict"]
@@ -104,14 +105,18 @@ class SparseStateDict(dict):
     """The dict :meth:`SparseOptimizerState.state_dict` returns: a plain ``dict`` tagged with its owner.
 
     DCP flattens it like any dict. :class:`SparseLoadPlanner` recognises it in a load target and
-    sets ``planned``. Pickling and (deep) copies produce a plain ``dict`` of the same items.
+    sets ``planned``. Pickling and (deep) copies produce a plain ``dict`` of the same items; in a
+    process group of several ranks plus the origin record :data:`~sparse_ckpt.origin.ORIGIN_KEY`,
+    so that a load on another rank refuses it (:mod:`sparse_ckpt.origin`).
     """
 
-    __slots__ = ("fmap", "owner", "planned", "unresolved")
+    __slots__ = ("fmap", "origin", "owner", "planned", "unresolved")
 
     def __init__(self, items: Mapping[str, Any], owner: SparseOptimizerState) -> None:
         super().__init__(items)
         self.owner = owner
+        self.origin = origin_here()
+        """``(rank, world size)`` that made it, in a group of several ranks (see :mod:`sparse_ckpt.origin`)."""
         self.planned = False
         self.unresolved: list[str] = []
         """Checkpoint state keys the planner skipped whose FQN it could not attribute to anyone."""
@@ -120,7 +125,10 @@ class SparseStateDict(dict):
         ``dcp.load``) reuses it instead of walking the model again."""
 
     def __reduce_ex__(self, protocol: Any) -> tuple[Any, ...]:
-        return (dict, (), None, None, iter(self.copy().items()))
+        items = self.copy()
+        if self.origin is not None:  # one rank's state: a load on another rank must refuse it
+            items[ORIGIN_KEY] = {"rank": self.origin[0], "world_size": self.origin[1]}
+        return (dict, (), None, None, iter(items.items()))
 
     def __reduce__(self) -> tuple[Any, ...]:
         return self.__reduce_ex__(2)
@@ -165,6 +173,7 @@ class SparseOptimizerState:
         tensor item that makes ``dcp.load`` without :class:`SparseLoadPlanner` fail while planning,
         before DCP reads anything into the optimizer's live state tensors.
         """
+        refuse_rank0_only_save(self.optimizer)
         sd: dict[str, Any] = {PLANNER_GUARD_KEY: _PlannerGuard.make()}  # first: DCP plans keys in order
         if not called_by_dcp_load(sys._getframe(1)):
             # A load target needs no content: SparseLoadPlanner rebuilds it from the checkpoint's
