@@ -17,8 +17,8 @@ both lrs:
    is refused by ``load_custom_state`` on rank 1.
 
 Accelerate runs FSDP only on accelerator devices; on CPU it picks ``MULTI_CPU`` (DDP). The drill
-forces FSDP2 by setting the distributed type explicitly (see :func:`fsdp2_accelerator`, also in
-the README). Skipped when accelerate is not installed.
+forces FSDP2 by setting the distributed type explicitly: the README's recipe, which the drill
+runs as written, like the README's usage block. Skipped when accelerate is not installed.
 """
 
 from __future__ import annotations
@@ -44,12 +44,15 @@ accelerate = pytest.importorskip(
 )
 
 from _dist import assert_snapshots_equal, full_snapshot, run_ranks
+from test_readme_snippets import python_blocks
 
 from sparse_ckpt.integrations import accelerate as integration
 
 pytestmark = pytest.mark.filterwarnings("ignore::UserWarning", "ignore::FutureWarning", "ignore::DeprecationWarning")
 
 REPO = Path(__file__).resolve().parents[1]
+README = REPO / "README.md"
+README_SECTION = "Use with Accelerate"
 LR = 0.01
 LAMBDAS = (lambda s: 0.5**s, lambda s: 0.25**s)  # dense, vision
 
@@ -66,25 +69,25 @@ class Net(nn.Module):
         return torch.tanh(self.dense(x))
 
 
+def readme_blocks() -> list[tuple[int, str]]:
+    """The two ``python`` blocks of the README's "Use with Accelerate": the usage and the CPU recipe."""
+    return python_blocks(README.read_text(encoding="utf-8"), README_SECTION)
+
+
+def run_block(block: tuple[int, str], namespace: dict[str, Any]) -> dict[str, Any]:
+    line, code = block
+    exec(compile("\n" * (line - 1) + code, str(README), "exec"), namespace)  # noqa: S102 - our own README
+    return namespace
+
+
+_recipe: dict[str, Any] = {}
+
+
 def fsdp2_accelerator(world_size: int) -> Any:
-    """An ``Accelerator`` running FSDP2 on CPU over an explicit CPU device mesh.
-
-    On CPU Accelerate chooses ``DistributedType.MULTI_CPU``; the distributed type is set to
-    ``FSDP`` on both ``AcceleratorState`` and ``PartialState`` (a later ``Accelerator()`` copies
-    it from ``PartialState``), with an FSDP2 plugin and a ``dp_shard`` mesh built on ``"cpu"``.
-    """
-    from accelerate import Accelerator
-    from accelerate.state import PartialState
-    from accelerate.utils import DistributedType, FullyShardedDataParallelPlugin, ParallelismConfig
-
-    acc = Accelerator(cpu=True)
-    for state in (acc.state, PartialState()):
-        state.distributed_type = DistributedType.FSDP
-    config = ParallelismConfig(dp_shard_size=world_size)
-    acc.state.fsdp_plugin = FullyShardedDataParallelPlugin(fsdp_version=2)
-    acc.state.parallelism_config = config
-    acc.state.device_mesh = config.get_device_mesh("cpu")
-    return acc
+    """The README's ``fsdp2_accelerator`` (its CPU recipe, run as written): FSDP2 on CPU over a CPU mesh."""
+    if not _recipe:
+        run_block(readme_blocks()[1], _recipe)
+    return _recipe["fsdp2_accelerator"](world_size)
 
 
 def prepared(world_size: int, seed: int = 0) -> tuple[Any, nn.Module, Any, Any]:
@@ -143,7 +146,16 @@ def drill(rank: int, world_size: int, root_dir: str) -> None:
     assert len(opt.optimizer.state) == 4  # the failed load left DSD's invented state behind
 
     # ---------------------------------------------------------------- 2. with the integration
-    integration.install()
+    os.chdir(root)  # the README's usage block, as written (it calls install())
+    torch.manual_seed(0)
+    net = Net()
+    adam = torch.optim.AdamW([{"params": net.dense.parameters()}, {"params": net.vision.parameters()}], lr=LR)
+    names = {"accelerator": fsdp2_accelerator(world_size), "model": net, "optimizer": adam,
+             "scheduler": torch.optim.lr_scheduler.LambdaLR(adam, list(LAMBDAS))}
+    run_block(readme_blocks()[0], names)
+    assert integration.installed()
+    report = sc.inspect_checkpoint(root / "ckpt" / "accelerate" / "optimizer_0")["optimizers"][0]
+    assert (report["key"], report["format"], report["with_state"]) == ("optimizer", "packed", 0)
     integration.install()  # idempotent
     acc, model, opt, sched = prepared(world_size)
     acc.save_state(root / "sparse_first")
@@ -194,6 +206,11 @@ def drill(rank: int, world_size: int, root_dir: str) -> None:
         with pytest.raises(sc.CrossRankStateError, match=r"made on rank 0 of 2 and is being loaded on rank 1 of 2"):
             load_custom_state(state, str(pickled), 0)
     same(snapshot(model, opt, sched), kept, "after loading the pickled dict")
+
+
+def test_readme_section_has_its_two_blocks() -> None:
+    usage, recipe = readme_blocks()
+    assert "sc_accelerate.install()" in usage[1] and "def fsdp2_accelerator(" in recipe[1]
 
 
 def test_accelerate_fsdp2_save_state_load_state_drill(tmp_path: Path, core_backend: str) -> None:
