@@ -60,6 +60,9 @@ from .save import FORMATS, Format, sparse_state_dict
 __all__ = ["SparseLoadPlanner", "SparseOptimizerState", "SparseStateDict"]
 
 _PLANNER_HINT = "pass planner=sparse_ckpt.SparseLoadPlanner() to dcp.load"
+_NOT_READ = (PLANNER_GUARD_KEY, ORIGIN_KEY)
+"""Entries of an optimizer dict the planner never reads back: the planner guard, and an origin record
+(only pickles carry one; a DCP checkpoint is each rank's own, so one that reached the disk is not read)."""
 
 
 class _PlannerGuard(torch.Tensor):
@@ -321,7 +324,7 @@ def _rebuild_target(
     entries: list[tuple[tuple[str | int, ...], Any, str]] = []
     for key, md in metadata.state_dict_metadata.items():
         p = paths[key]
-        if len(p) > depth and p[:depth] == path and isinstance(p[depth], str) and p[depth] != PLANNER_GUARD_KEY:
+        if len(p) > depth and p[:depth] == path and isinstance(p[depth], str) and p[depth] not in _NOT_READ:
             entries.append((p[depth:], md, key))
     where = ".".join(map(str, path))
     if not entries:

@@ -144,6 +144,7 @@ def drill(rank: int, world_size: int, root_dir: str) -> None:
     with pytest.raises(CheckpointException, match=r"Missing key in checkpoint state_dict: optimizer\.state\.vision\.weight\.step"):
         acc.load_state(root / "stock")
     assert len(opt.optimizer.state) == 4  # the failed load left DSD's invented state behind
+    assert [g["lr"] for g in opt.param_groups] == [LR, LR]  # and the fresh lrs: vision's moved lr is lost
 
     # ---------------------------------------------------------------- 2. with the integration
     os.chdir(root)  # the README's usage block, as written (it calls install())

@@ -285,3 +285,16 @@ def test_a_dict_recording_another_rank_is_refused_and_changes_nothing() -> None:
         sc.SparseOptimizerState(target_model, target).load_state_dict({**sd, ORIGIN_KEY: "rank 0"})
     sc.load_sparse_state_dict(target_model, target, {**sd, ORIGIN_KEY: {"rank": 0, "world_size": 1}})  # this process
     assert_deep_equal(view(target_model, target), view(model, opt))
+
+
+def test_an_origin_record_that_reached_a_dcp_checkpoint_is_not_read(tmp_path: Path) -> None:
+    """Only pickles carry the record; a DCP checkpoint is every rank's own, so a record that a custom
+    stager let onto disk is skipped by the planner (it would name one rank for all)."""
+    model, opt = trained()
+    sd = {**sc.SparseOptimizerState(model, opt).state_dict().copy(), ORIGIN_KEY: {"rank": 1, "world_size": 2}}
+    dcp.save({"optim": sd}, checkpoint_id=str(tmp_path / "ckpt"), no_dist=True)
+    target_model = Net()
+    target = adamw(target_model)
+    dcp.load({"optim": sc.SparseOptimizerState(target_model, target)}, checkpoint_id=str(tmp_path / "ckpt"),
+             planner=sc.SparseLoadPlanner(), no_dist=True)
+    assert_deep_equal(view(target_model, target), view(model, opt))
