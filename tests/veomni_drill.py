@@ -214,11 +214,10 @@ def worker(rank: int, world_size: int, root: str) -> None:
     cpu_shim()
     from veomni.checkpoint import build_checkpointer
     from veomni.checkpoint.dcp_checkpointer import DistributedCheckpointer
+    from veomni.distributed.parallel_state import init_parallel_state
 
     import sparse_ckpt as sc
     import sparse_ckpt.integrations.veomni as sc_veomni
-
-    from veomni.distributed.parallel_state import init_parallel_state
 
     base = Path(root)
     init_parallel_state(dp_size=world_size, dp_mode="fsdp2", device_type="cpu")  # what VeOmni's trainer sets up

@@ -42,7 +42,6 @@ from __future__ import annotations
 import functools
 import threading
 import warnings
-from collections.abc import Mapping
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -162,7 +161,7 @@ def sparse_checkpointer_class(base: type | None = None, *, migrate_stock: bool =
     return _checkpointer_class(migrate_stock)
 
 
-@functools.lru_cache(maxsize=None)
+@functools.cache
 def _checkpointer_class(migrate_stock: bool) -> type:
     from torch.distributed import checkpoint as dcp
     from veomni.checkpoint.dcp_checkpointer import DistributedCheckpointer, ModelState, OptimizerState
@@ -291,7 +290,7 @@ def _checkpointer_class(migrate_stock: bool) -> type:
         dcp.load(state_dict=load_state, storage_reader=reader, process_group=process_group, planner=planner)
         report = None
         if stock is not None:
-            report = stock.apply(path, model, _optimizer_arg(state[OPTIMIZER_KEY]))
+            report = stock.apply(path, model, state[OPTIMIZER_KEY])
         cls._load_extra_state(checkpoint_dir=path, state=state)
         if report is not None:
             warnings.warn(str(report), StockCheckpointWarning, stacklevel=3)
@@ -301,18 +300,6 @@ def _checkpointer_class(migrate_stock: bool) -> type:
     SparseDistributedCheckpointer.__qualname__ = "SparseDistributedCheckpointer"
     SparseDistributedCheckpointer.__module__ = __name__
     return SparseDistributedCheckpointer
-
-
-def _optimizer_arg(optimizer: Any) -> Any:
-    """What sparse_ckpt is given for VeOmni's optimizer: its ``MultiOptimizer``'s leaves by ``key_names``.
-
-    (Until the core accepts VeOmni's ``MultiOptimizer`` itself: containers-ready.)
-    """
-    sub = getattr(optimizer, "optimizers_dict", None)
-    names = getattr(optimizer, "key_names", None)
-    if isinstance(sub, Mapping) and names is not None:
-        return {name: sub[name] for name in names}
-    return optimizer
 
 
 def _sparse_optimizer_state(model: Any, optimizer: Any, parallel_state: Any) -> SparseOptimizerState:
@@ -334,7 +321,7 @@ def _sparse_optimizer_state(model: Any, optimizer: Any, parallel_state: Any) -> 
                 "write different experts under one key. Save this run with VeOmni's stock checkpointer "
                 "(sparse_ckpt.integrations.veomni.uninstall() before the trainer is built)"
             )
-    return SparseOptimizerState(model, _optimizer_arg(optimizer))
+    return SparseOptimizerState(model, optimizer)
 
 
 # --------------------------------------------------------------------------- stock checkpoints
