@@ -192,3 +192,91 @@ def test_readme_use_with_veomni(tmp_path: Path, monkeypatch: pytest.MonkeyPatch,
     assert not optimizer2.optimizers_dict["vit"].state
     for (name, a), b in zip(model.named_parameters(), model2.parameters()):
         assert torch.equal(a, b), name
+
+
+# --------------------------------------------------------------------------- the checkpointer, one rank
+
+
+def test_trainable_only_stage_dir_and_model_only(tmp_path: Path, one_rank_group: None) -> None:
+    """VeOmni's save/load options behave as stock VeOmni's: trainable_only (frozen weights neither saved
+    nor required), stage_dir (written there, then promoted), a checkpoint without an optimizer."""
+    model, mo, _ = trained()
+    model.tower.requires_grad_(False)  # a LoRA-style frozen base: not in the optimizer
+    opt = mo.optimizers_dict["body"]
+    sparse = sc_veomni.sparse_checkpointer_class()
+    sparse.save(str(tmp_path / "ckpt"), {"model": model, "optimizer": opt}, trainable_only=True,
+                stage_dir=str(tmp_path / "stage"))
+    assert (tmp_path / "ckpt/.metadata").is_file() and not any((tmp_path / "stage").iterdir())
+    model2, mo2, _ = build(seed=1)
+    frozen = model2.tower.weight.detach().clone()
+    sparse.load(str(tmp_path / "ckpt"), {"model": model2, "optimizer": mo2.optimizers_dict["body"]}, trainable_only=True)
+    assert torch.equal(model2.body.weight, model.body.weight) and torch.equal(model2.tower.weight, frozen)
+    assert mo2.optimizers_dict["body"].param_groups[0]["lr"] == 0.0025
+    model3, mo3, _ = build(seed=1)
+    with pytest.raises(BaseException, match=r"model\.tower\.weight"):  # DCP's CheckpointException, as stock's
+        sparse.load(str(tmp_path / "ckpt"), {"model": model3, "optimizer": mo3.optimizers_dict["body"]})
+    sparse.save(str(tmp_path / "model_only"), {"model": model})
+    with pytest.raises(sc.CheckpointMismatchError, match="has no optimizer"):
+        sparse.load(str(tmp_path / "model_only"), {"model": model3, "optimizer": mo3})
+    sparse.load(str(tmp_path / "model_only"), {"model": model3})
+    assert torch.equal(model3.body.weight, model.body.weight)
+
+
+def test_ddp_backend(tmp_path: Path, one_rank_group: None) -> None:
+    """build_checkpointer("dcp", "ddp"): a DDP-wrapped model (FQNs without ``module.``) resumes exactly."""
+    model, mo, _ = trained()
+    with sc_veomni.install():
+        checkpointer = build_checkpointer("dcp", "ddp")
+        ddp = nn.parallel.DistributedDataParallel(model)
+        checkpointer.save(str(tmp_path / "ckpt"), {"model": ddp, "optimizer": mo}, global_steps=3)
+        model2, mo2, _ = build(seed=1)
+        checkpointer.load(str(tmp_path / "ckpt/global_step_3"), {"model": nn.parallel.DistributedDataParallel(model2),
+                                                                "optimizer": mo2})
+    assert mo2.optimizers_dict["vit"].param_groups[0]["lr"] == 0.0025 and not mo2.optimizers_dict["vit"].state
+    for key in ("exp_avg", "exp_avg_sq", "step"):
+        assert torch.equal(mo2.optimizers_dict["body"].state[model2.body.weight][key],
+                           mo.optimizers_dict["body"].state[model.body.weight][key])
+
+
+@pytest.mark.parametrize("single", [True, False], ids=["one-AdamW-nested", "MultiOptimizer-flat"])
+def test_stock_checkpoint_migration(tmp_path: Path, one_rank_group: None, single: bool) -> None:
+    """Both layouts stock VeOmni writes (DSD nested for one optimizer, DSD flat for its MultiOptimizer)
+    migrate: settings and state where saved, none invented, every gap reported."""
+    model, mo, _ = trained()
+    optimizer = torch.optim.AdamW(model.parameters(), lr=0.01) if single else mo
+    if single:  # one AdamW in which only body stepped (twice), tower's lr moved
+        for i in range(2):
+            model(torch.randn(3, 4, generator=torch.Generator().manual_seed(i))).sum().backward()
+            optimizer.step()
+            optimizer.zero_grad()
+        optimizer.param_groups[0]["lr"] = 0.005
+    DistributedCheckpointer.save(str(tmp_path / "stock"), {"model": model, "optimizer": optimizer, "extra_state": {"s": 1}})
+    model2, mo2, _ = build(seed=1)
+    optimizer2 = torch.optim.AdamW(model2.parameters(), lr=0.01) if single else mo2
+    state = {"model": model2, "optimizer": optimizer2, "extra_state": {}}
+    with pytest.warns(sc_veomni.StockCheckpointWarning, match="without saved state"):
+        report = sc_veomni.load_stock_checkpoint(str(tmp_path / "stock"), state)
+    assert state["extra_state"] == {"s": 1}
+    gaps = {g.leaf: (g.params, g.no_settings, g.no_state) for g in report.leaves}
+    if single:
+        assert gaps == {"optim": (4, [], ["tower.weight", "tower.bias"])}
+        assert optimizer2.param_groups[0]["lr"] == 0.005
+        leaves2, leaves1 = {"optim": optimizer2}, {"optim": optimizer}
+    else:
+        assert gaps == {"body": (2, [], []), "vit": (2, ["tower.weight", "tower.bias"], ["tower.weight", "tower.bias"])}
+        assert mo2.optimizers_dict["body"].param_groups[0]["lr"] == 0.0025
+        assert mo2.optimizers_dict["vit"].param_groups[0]["lr"] == 0.01  # stock never saved it: kept, reported
+        leaves2, leaves1 = mo2.optimizers_dict, mo.optimizers_dict
+    assert not report.complete
+    for name, opt2 in leaves2.items():
+        names2 = {id(p): n for n, p in model2.named_parameters()}
+        names1 = {id(p): n for n, p in model.named_parameters()}
+        got = {names2[id(p)]: st for p, st in opt2.state.items()}
+        want = {names1[id(p)]: st for p, st in leaves1[name].state.items()}
+        assert got.keys() == want.keys(), name  # nothing invented
+        for fqn, saved in want.items():
+            for key, value in saved.items():
+                assert torch.equal(got[fqn][key], value), (fqn, key)
+    sc_veomni.sparse_checkpointer_class().save(str(tmp_path / "sparse"), {"model": model, "optimizer": optimizer})
+    with pytest.raises(sc.CheckpointMismatchError, match="no optimizer saved by stock VeOmni"):
+        sc_veomni.load_stock_checkpoint(str(tmp_path / "sparse"), state)

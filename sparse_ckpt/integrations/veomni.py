@@ -277,6 +277,11 @@ def _checkpointer_class(migrate_stock: bool) -> type:
                     raise CheckpointMismatchError(_stock_refusal(path, metadata))
                 stock = _StockTarget(metadata, build_fqn_map(model))
                 load_state[OPTIMIZER_KEY] = stock.target
+            elif layout == "none":
+                raise CheckpointMismatchError(
+                    f"{path} has no optimizer (it was saved without state[{OPTIMIZER_KEY!r}]): leave "
+                    f"{OPTIMIZER_KEY!r} out of the state to load the model and extra_state only"
+                )
             elif require_stock:
                 raise CheckpointMismatchError(
                     f"{path} holds no optimizer saved by stock VeOmni ({layout} layout under {OPTIMIZER_KEY!r}): "
