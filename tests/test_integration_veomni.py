@@ -178,3 +178,20 @@ def test_unpatched_veomni_reading_a_sparse_checkpoint(facts: dict[str, Any]) -> 
     state = by_fqn(facts["foreign_state"])
     assert {f: state[f] for f in STEPPED} == {f: {**ADAM, "step": 1.0} for f in STEPPED}  # step 1, not 3
     assert {f: state[f] for f in NEVER_STEPPED} == dict.fromkeys(NEVER_STEPPED, INVENTED)
+
+
+def test_unpatched_veomni_reading_a_sparse_single_optimizer_checkpoint(facts: dict[str, Any]) -> None:
+    """The same with one AdamW (DSD's nested layout: settings asked for per group index)."""
+    params = STEPPED + NEVER_STEPPED
+    target = set(facts["foreign_single_target_keys"])
+    assert {k for k in target if k.startswith("optimizer.param_groups.")} >= {
+        "optimizer.param_groups.0.lr", "optimizer.param_groups.0.params"
+    }
+    assert {k for k in target if k.startswith("optimizer.state.")} == {
+        f"optimizer.state.{f}.{k}" for f in params for k in ("exp_avg", "exp_avg_sq", "step")
+    }
+    assert facts["foreign_single_error"] is None
+    assert facts["foreign_single_lrs"] == {"optim": [0.01]}
+    state = by_fqn(facts["foreign_single_state"])
+    assert {f: state[f] for f in STEPPED} == {f: {**ADAM, "step": 1.0} for f in STEPPED}
+    assert {f: state[f] for f in NEVER_STEPPED} == dict.fromkeys(NEVER_STEPPED, INVENTED)

@@ -285,6 +285,15 @@ def worker(rank: int, world_size: int, root: str) -> None:
     facts["foreign_state"] = state_summary(snapshot(model, optimizer))
     facts["foreign_lrs"] = lrs(optimizer)
     facts["foreign_target_keys"] = probe
+    model, optimizer, scheduler = build(mesh, seed=7, multi=False)
+    facts["foreign_single_target_keys"] = _stock_load_target_keys(model, optimizer)
+    try:
+        stock.load(facts["sparse_single"]["path"], {"model": model, "optimizer": optimizer, "extra_state": {}})
+        facts["foreign_single_error"] = None
+    except Exception as exc:  # noqa: BLE001 - the fact pinned is what happens
+        facts["foreign_single_error"] = f"{type(exc).__name__}: {exc}"
+    facts["foreign_single_state"] = state_summary(snapshot(model, optimizer))
+    facts["foreign_single_lrs"] = lrs(optimizer)
     from torch.distributed.checkpoint import FileSystemReader
 
     facts["sparse_ckpt_keys"] = sorted(
@@ -314,11 +323,23 @@ def worker(rank: int, world_size: int, root: str) -> None:
 
 
 def _stock_load_target_keys(model: nn.Module, optimizer: Any) -> list[str]:
-    """The optimizer keys stock VeOmni's load target asks DCP for (built on a throwaway copy's state)."""
+    """The optimizer keys stock VeOmni's load target asks DCP for (DCP's flattening: dicts and lists of
+    dicts are walked, other values are items); the state building it invented is dropped again."""
     from veomni.checkpoint.dcp_checkpointer import OptimizerState
 
-    sd = OptimizerState(model, optimizer, load=True).state_dict()  # VeOmni's MultiOptimizer: a flat dict
-    flat = [f"optimizer.{key}" for key in sd]
-    for opt in leaves(optimizer).values():  # undo the state that building the target invented
+    keys: list[str] = []
+
+    def walk(prefix: str, value: Any) -> None:
+        if isinstance(value, dict):
+            for k, v in value.items():
+                walk(f"{prefix}.{k}", v)
+        elif isinstance(value, list) and value and all(isinstance(v, dict) for v in value):
+            for i, v in enumerate(value):
+                walk(f"{prefix}.{i}", v)
+        else:
+            keys.append(prefix)
+
+    walk("optimizer", OptimizerState(model, optimizer, load=True).state_dict())
+    for opt in leaves(optimizer).values():
         opt.state.clear()
-    return sorted(flat)
+    return sorted(keys)
