@@ -145,8 +145,10 @@ def test_install_is_idempotent_and_undone() -> None:
         assert issubclass(sparse, DistributedCheckpointer) and sparse is not DistributedCheckpointer
         with pytest.raises(ValueError, match="Unsupported distributed backend"):  # VeOmni's own check
             build_checkpointer("dcp", "megatron")
+        assert sparse is sc_veomni.SparseDistributedCheckpointer and not sparse.migrate_stock_checkpoints
         sc_veomni.install(migrate_stock=True)
-        assert build_checkpointer("dcp", "fsdp2").migrate_stock_checkpoints
+        migrating = build_checkpointer("dcp", "fsdp2")
+        assert migrating.migrate_stock_checkpoints and issubclass(migrating, sc_veomni.SparseDistributedCheckpointer)
         handle.remove()
         handle.remove()
         assert not sc_veomni.installed()

@@ -100,12 +100,11 @@ def install(*, migrate_stock: bool = False) -> InstallHandle:
     by stock VeOmni (see :func:`load_stock_checkpoint`) instead of refusing it.
     Returns a handle whose ``remove()`` undoes it (see :func:`uninstall`).
     """
-    from veomni.checkpoint import CHECKPOINTER_REGISTRY
-
+    registry = _registry()
     with _lock:
-        current = CHECKPOINTER_REGISTRY["dcp"]
+        current = registry["dcp"]
         previous = getattr(current, "_sparse_ckpt_previous", current)
-        CHECKPOINTER_REGISTRY["dcp"] = _factory(previous, migrate_stock)
+        registry["dcp"] = _factory(previous, migrate_stock)
     return InstallHandle()
 
 
@@ -115,20 +114,32 @@ def uninstall() -> None:
     Checkpointer classes already built keep working (they are the trainer's until it is rebuilt).
     No error when not installed.
     """
-    from veomni.checkpoint import CHECKPOINTER_REGISTRY
-
+    registry = _registry()
     with _lock:
-        current = CHECKPOINTER_REGISTRY["dcp"]
+        current = registry["dcp"]
         previous = getattr(current, "_sparse_ckpt_previous", None)
         if previous is not None:
-            CHECKPOINTER_REGISTRY["dcp"] = previous
+            registry["dcp"] = previous
 
 
 def installed() -> bool:
     """Whether ``build_checkpointer("dcp", ...)`` currently returns the sparse checkpointer."""
-    from veomni.checkpoint import CHECKPOINTER_REGISTRY
+    return hasattr(_registry()["dcp"], "_sparse_ckpt_previous")
 
-    return hasattr(CHECKPOINTER_REGISTRY["dcp"], "_sparse_ckpt_previous")
+
+def _registry() -> Any:
+    """VeOmni's checkpointer registry (what ``build_checkpointer`` looks ``"dcp"`` up in)."""
+    try:
+        from veomni.checkpoint import CHECKPOINTER_REGISTRY
+    except ModuleNotFoundError as exc:
+        if exc.name != "veomni":
+            raise
+        raise ModuleNotFoundError(
+            "sparse_ckpt.integrations.veomni needs VeOmni (tested with veomni==0.1.12: "
+            "pip install --no-deps -r .ci/requirements-veomni.txt in a checkout)",
+            name="veomni",
+        ) from None
+    return CHECKPOINTER_REGISTRY
 
 
 def _factory(previous: Any, migrate_stock: bool) -> Any:
@@ -163,13 +174,33 @@ def sparse_checkpointer_class(base: type | None = None, *, migrate_stock: bool =
 
 @functools.cache
 def _checkpointer_class(migrate_stock: bool) -> type:
+    """The class (built once, on first use: it subclasses VeOmni's); the migrating one subclasses the other."""
+    if migrate_stock:
+        base = _checkpointer_class(False)
+        return type(base.__name__, (base,), {"__module__": __name__, "__doc__": base.__doc__,
+                                             "migrate_stock_checkpoints": True})
+    return _build_class()
+
+
+def __getattr__(name: str) -> Any:
+    """``SparseDistributedCheckpointer``: the class (imports VeOmni on first access)."""
+    if name == "SparseDistributedCheckpointer":
+        return _checkpointer_class(False)
+    raise AttributeError(f"module {__name__!r} has no attribute {name!r}")
+
+
+def _build_class() -> type:
     from torch.distributed import checkpoint as dcp
     from veomni.checkpoint.dcp_checkpointer import DistributedCheckpointer, ModelState, OptimizerState
 
     class SparseDistributedCheckpointer(DistributedCheckpointer):
-        """VeOmni's ``DistributedCheckpointer`` whose optimizer part is sparse_ckpt's (see the module docstring)."""
+        """VeOmni's ``DistributedCheckpointer`` whose optimizer part is sparse_ckpt's (see the module docstring).
 
-        migrate_stock_checkpoints = migrate_stock
+        ``migrate_stock_checkpoints``: whether ``load`` migrates a stock VeOmni checkpoint (the class
+        ``install(migrate_stock=True)`` returns, a subclass of this one) instead of refusing it.
+        """
+
+        migrate_stock_checkpoints = False
 
         @classmethod
         def save(
@@ -244,8 +275,35 @@ def _checkpointer_class(migrate_stock: bool) -> type:
             A checkpoint written by stock VeOmni is refused unless this class migrates them
             (``install(migrate_stock=True)``); see :func:`load_stock_checkpoint`.
             """
-            _load(cls, path, state, process_group, storage_reader, trainable_only, parallel_state, cls.migrate_stock_checkpoints)
+            cls.load_checkpoint(
+                path,
+                state,
+                process_group=process_group,
+                storage_reader=storage_reader,
+                trainable_only=trainable_only,
+                parallel_state=parallel_state,
+                migrate=cls.migrate_stock_checkpoints,
+            )
             return state
+
+        @classmethod
+        def load_checkpoint(
+            cls,
+            path: str,
+            state: dict[str, Any],
+            *,
+            process_group: Any = None,
+            storage_reader: Any = None,
+            trainable_only: bool = False,
+            parallel_state: Any = None,
+            migrate: bool = False,
+            require_stock: bool = False,
+        ) -> StockMigrationReport | None:
+            """``load`` with its options explicit: ``migrate`` a stock checkpoint (else refuse it),
+            ``require_stock`` (refuse anything else); returns the migration report, if one was made."""
+            return _load(
+                cls, path, state, process_group, storage_reader, trainable_only, parallel_state, migrate, require_stock
+            )
 
     def _load(
         cls: type,
@@ -256,7 +314,7 @@ def _checkpointer_class(migrate_stock: bool) -> type:
         trainable_only: bool,
         parallel_state: Any,
         migrate: bool,
-        require_stock: bool = False,
+        require_stock: bool,
     ) -> StockMigrationReport | None:
         if state is None:
             raise ValueError("State dict must be provided to load a distributed checkpoint.")
@@ -298,10 +356,9 @@ def _checkpointer_class(migrate_stock: bool) -> type:
             report = stock.apply(path, model, state[OPTIMIZER_KEY])
         cls._load_extra_state(checkpoint_dir=path, state=state)
         if report is not None:
-            warnings.warn(str(report), StockCheckpointWarning, stacklevel=3)
+            warnings.warn(str(report), StockCheckpointWarning, stacklevel=4)  # the caller of load()
         return report
 
-    SparseDistributedCheckpointer._load = staticmethod(_load)  # type: ignore[attr-defined]
     SparseDistributedCheckpointer.__qualname__ = "SparseDistributedCheckpointer"
     SparseDistributedCheckpointer.__module__ = __name__
     return SparseDistributedCheckpointer
@@ -486,9 +543,15 @@ def load_stock_checkpoint(
     installed checkpointer) to get a sparse_ckpt checkpoint. Refuses a checkpoint that is not a
     stock one.
     """
-    cls = _checkpointer_class(True)
-    report = cls._load(  # type: ignore[attr-defined]
-        cls, path, state, process_group, storage_reader, trainable_only, parallel_state, True, True
+    report = _checkpointer_class(False).load_checkpoint(
+        path,
+        state,
+        process_group=process_group,
+        storage_reader=storage_reader,
+        trainable_only=trainable_only,
+        parallel_state=parallel_state,
+        migrate=True,
+        require_stock=True,
     )
-    assert report is not None
+    assert report is not None  # require_stock: a stock checkpoint was migrated, or load_checkpoint raised
     return report
