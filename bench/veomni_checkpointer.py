@@ -106,6 +106,11 @@ def worker(rank: int, world_size: int, port: int, args: argparse.Namespace, root
         dist.destroy_process_group()
 
 
+def with_optimizer(kind: str, state: dict[str, Any], optimizer: Any) -> dict[str, Any]:
+    """VeOmni's checkpoint state: ``state`` plus the optimizer, except in the model-only row."""
+    return state if kind == "model" else {**state, "optimizer": optimizer}
+
+
 def _measure(rank: int, world_size: int, args: argparse.Namespace, root: Path) -> None:
     from torch.distributed.device_mesh import init_device_mesh
     from veomni.checkpoint import build_checkpointer
@@ -133,17 +138,13 @@ def _measure(rank: int, world_size: int, args: argparse.Namespace, root: Path) -
         saves, loads = [], []
         for r in range(args.repeats):
             path = root / kind / f"r{r}"
-            state = {"model": model, "optimizer": mo, "extra_state": {"global_step": 2}}
-            if kind == "model":
-                del state["optimizer"]
+            state = with_optimizer(kind, {"model": model, "extra_state": {"global_step": 2}}, mo)
             dist.barrier()
             t0 = time.perf_counter()
             checkpointer.save(str(path), state)
             saves.append(slowest(time.perf_counter() - t0))
             model2, mo2, _s = build(args, mesh)
-            target = {"model": model2, "optimizer": mo2, "extra_state": {}}
-            if kind == "model":
-                del target["optimizer"]
+            target = with_optimizer(kind, {"model": model2, "extra_state": {}}, mo2)
             dist.barrier()
             t0 = time.perf_counter()
             checkpointer.load(str(path), target)

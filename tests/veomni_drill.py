@@ -150,10 +150,25 @@ def ckpt_state(model: nn.Module, optimizer: Any, scheduler: Any, step: int) -> d
     }
 
 
+def state_of(model: nn.Module, optimizer: Any) -> dict[str, Any]:
+    """What VeOmni's ``_load_checkpoint`` passes to ``load``."""
+    return {"model": model, "optimizer": optimizer, "extra_state": {}}
+
+
+def error_of(kind: type[BaseException], fn: Any, *args: Any) -> str | None:
+    """``fn(*args)``; the message of the ``kind`` error it raised (prefixed by the class name for
+    ``Exception``), ``None`` when it returned."""
+    try:
+        fn(*args)
+    except kind as exc:
+        return f"{type(exc).__name__}: {exc}" if kind is Exception else str(exc)
+    return None
+
+
 def restore(checkpointer: Any, path: str, mesh: Any, multi: bool = True) -> tuple[TinyVeMoE, Any, Any, dict]:
     """Fresh objects (another seed) loaded as VeOmni's ``_load_checkpoint`` does."""
     model, optimizer, scheduler = build(mesh, seed=7, multi=multi)
-    state = {"model": model, "optimizer": optimizer, "extra_state": {}}
+    state = state_of(model, optimizer)
     checkpointer.load(path, state)
     scheduler.load_state_dict(state["extra_state"]["lr_scheduler"])
     return model, optimizer, scheduler, state["extra_state"]
@@ -249,13 +264,9 @@ def worker(rank: int, world_size: int, root: str) -> None:
     stock_path = facts["stock"]["path"]
     model, optimizer, scheduler = build(mesh, seed=7)
     before = snapshot(model, optimizer)
-    try:
-        sparse.load(stock_path, {"model": model, "optimizer": optimizer, "extra_state": {}})
-        facts["stock_refused"] = None
-    except sc.CheckpointMismatchError as exc:
-        facts["stock_refused"] = str(exc)
+    facts["stock_refused"] = error_of(sc.CheckpointMismatchError, sparse.load, stock_path, state_of(model, optimizer))
     facts["stock_refusal_left_unchanged"] = same(before, snapshot(model, optimizer))
-    state = {"model": model, "optimizer": optimizer, "extra_state": {}}
+    state = state_of(model, optimizer)
     with warnings.catch_warnings(record=True) as caught:
         warnings.simplefilter("always")
         report = sc_veomni.load_stock_checkpoint(stock_path, state)
@@ -269,7 +280,7 @@ def worker(rank: int, world_size: int, root: str) -> None:
     model, optimizer, scheduler = build(mesh, seed=7)
     with warnings.catch_warnings(record=True) as caught:
         warnings.simplefilter("always")
-        migrating.load(stock_path, {"model": model, "optimizer": optimizer, "extra_state": {}})
+        migrating.load(stock_path, state_of(model, optimizer))
     facts["trainer_migration_warned"] = sum(issubclass(w.category, sc_veomni.StockCheckpointWarning) for w in caught)
     sc_veomni.install()
 
@@ -277,21 +288,14 @@ def worker(rank: int, world_size: int, root: str) -> None:
     sparse_path = facts["sparse"]["path"]
     model, optimizer, scheduler = build(mesh, seed=7)
     probe = _stock_load_target_keys(model, optimizer)
-    try:
-        stock.load(sparse_path, {"model": model, "optimizer": optimizer, "extra_state": {}})
-        facts["foreign_load_error"] = None
-    except Exception as exc:  # noqa: BLE001 - the fact pinned is what happens
-        facts["foreign_load_error"] = f"{type(exc).__name__}: {exc}"
+    facts["foreign_load_error"] = error_of(Exception, stock.load, sparse_path, state_of(model, optimizer))
     facts["foreign_state"] = state_summary(snapshot(model, optimizer))
     facts["foreign_lrs"] = lrs(optimizer)
     facts["foreign_target_keys"] = probe
     model, optimizer, scheduler = build(mesh, seed=7, multi=False)
     facts["foreign_single_target_keys"] = _stock_load_target_keys(model, optimizer)
-    try:
-        stock.load(facts["sparse_single"]["path"], {"model": model, "optimizer": optimizer, "extra_state": {}})
-        facts["foreign_single_error"] = None
-    except Exception as exc:  # noqa: BLE001 - the fact pinned is what happens
-        facts["foreign_single_error"] = f"{type(exc).__name__}: {exc}"
+    single_path = facts["sparse_single"]["path"]
+    facts["foreign_single_error"] = error_of(Exception, stock.load, single_path, state_of(model, optimizer))
     facts["foreign_single_state"] = state_summary(snapshot(model, optimizer))
     facts["foreign_single_lrs"] = lrs(optimizer)
     from torch.distributed.checkpoint import FileSystemReader
@@ -303,11 +307,8 @@ def worker(rank: int, world_size: int, root: str) -> None:
     # ExtraParallel models are refused before anything is written.
     model, optimizer, scheduler = build(mesh, seed=0)
     model._fqn2spec_info = {"experts.0.weight": None}
-    try:
-        sparse.save(str(base / "ep"), ckpt_state(model, optimizer, scheduler, 3))
-        facts["ep_refused"] = None
-    except sc.UnsupportedStateDictError as exc:
-        facts["ep_refused"] = str(exc)
+    ep_state = ckpt_state(model, optimizer, scheduler, 3)
+    facts["ep_refused"] = error_of(sc.UnsupportedStateDictError, sparse.save, str(base / "ep"), ep_state)
     facts["ep_wrote"] = os.path.exists(base / "ep")
 
     handle.remove()

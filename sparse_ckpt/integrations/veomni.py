@@ -190,8 +190,7 @@ def __getattr__(name: str) -> Any:
 
 
 def _build_class() -> type:
-    from torch.distributed import checkpoint as dcp
-    from veomni.checkpoint.dcp_checkpointer import DistributedCheckpointer, ModelState, OptimizerState
+    from veomni.checkpoint.dcp_checkpointer import DistributedCheckpointer, OptimizerState
 
     class SparseDistributedCheckpointer(DistributedCheckpointer):
         """VeOmni's ``DistributedCheckpointer`` whose optimizer part is sparse_ckpt's (see the module docstring).
@@ -275,93 +274,74 @@ def _build_class() -> type:
             A checkpoint written by stock VeOmni is refused unless this class migrates them
             (``install(migrate_stock=True)``); see :func:`load_stock_checkpoint`.
             """
-            cls.load_checkpoint(
-                path,
-                state,
-                process_group=process_group,
-                storage_reader=storage_reader,
-                trainable_only=trainable_only,
-                parallel_state=parallel_state,
-                migrate=cls.migrate_stock_checkpoints,
-            )
+            _load(cls, path, state, process_group, storage_reader, trainable_only, parallel_state,
+                  migrate=cls.migrate_stock_checkpoints, require_stock=False)
             return state
-
-        @classmethod
-        def load_checkpoint(
-            cls,
-            path: str,
-            state: dict[str, Any],
-            *,
-            process_group: Any = None,
-            storage_reader: Any = None,
-            trainable_only: bool = False,
-            parallel_state: Any = None,
-            migrate: bool = False,
-            require_stock: bool = False,
-        ) -> StockMigrationReport | None:
-            """``load`` with its options explicit: ``migrate`` a stock checkpoint (else refuse it),
-            ``require_stock`` (refuse anything else); returns the migration report, if one was made."""
-            return _load(
-                cls, path, state, process_group, storage_reader, trainable_only, parallel_state, migrate, require_stock
-            )
-
-    def _load(
-        cls: type,
-        path: str,
-        state: dict[str, Any],
-        process_group: Any,
-        storage_reader: Any,
-        trainable_only: bool,
-        parallel_state: Any,
-        migrate: bool,
-        require_stock: bool,
-    ) -> StockMigrationReport | None:
-        if state is None:
-            raise ValueError("State dict must be provided to load a distributed checkpoint.")
-        if "model" not in state:
-            raise ValueError("Model must be provided to load a distributed checkpoint.")
-        model = state["model"]
-        reader = storage_reader if storage_reader is not None else cls._create_storage_reader(path)
-        load_state: dict[str, Any] = {
-            "model": ModelState(model, trainable_only=trainable_only, parallel_state=parallel_state)
-        }
-        stock: _StockTarget | None = None
-        if OPTIMIZER_KEY in state:
-            sparse = _sparse_optimizer_state(model, state[OPTIMIZER_KEY], parallel_state)
-            metadata = reader.read_metadata()
-            layout = optimizer_layout(metadata)
-            if layout == "stock":
-                if not migrate:
-                    raise CheckpointMismatchError(_stock_refusal(path, metadata))
-                stock = _StockTarget(metadata, build_fqn_map(model))
-                load_state[OPTIMIZER_KEY] = stock.target
-            elif layout == "none":
-                raise CheckpointMismatchError(
-                    f"{path} has no optimizer (it was saved without state[{OPTIMIZER_KEY!r}]): leave "
-                    f"{OPTIMIZER_KEY!r} out of the state to load the model and extra_state only"
-                )
-            elif require_stock:
-                raise CheckpointMismatchError(
-                    f"{path} holds no optimizer saved by stock VeOmni ({layout} layout under {OPTIMIZER_KEY!r}): "
-                    "load it with the checkpointer's load()"
-                )
-            else:
-                load_state[OPTIMIZER_KEY] = sparse
-        elif require_stock:
-            raise ValueError("load_stock_checkpoint needs state['optimizer']: it migrates the optimizer")
-        planner = SparseLoadPlanner(allow_partial_load=trainable_only, _all_weights_only=stock is not None)
-        dcp.load(state_dict=load_state, storage_reader=reader, process_group=process_group, planner=planner)
-        report = None
-        if stock is not None:
-            report = stock.apply(path, model, state[OPTIMIZER_KEY])
-        cls._load_extra_state(checkpoint_dir=path, state=state)
-        if report is not None:
-            warnings.warn(str(report), StockCheckpointWarning, stacklevel=4)  # the caller of load()
-        return report
 
     SparseDistributedCheckpointer.__qualname__ = "SparseDistributedCheckpointer"
     SparseDistributedCheckpointer.__module__ = __name__
     return SparseDistributedCheckpointer
+
+
+def _load(
+    cls: Any,
+    path: str,
+    state: dict[str, Any],
+    process_group: Any,
+    storage_reader: Any,
+    trainable_only: bool,
+    parallel_state: Any,
+    *,
+    migrate: bool,
+    require_stock: bool,
+) -> StockMigrationReport | None:
+    """The load of :class:`SparseDistributedCheckpointer` ``cls``: ``migrate`` a stock checkpoint (else
+    refuse it), ``require_stock`` (refuse anything else); returns the migration report, if one was made."""
+    from torch.distributed import checkpoint as dcp
+    from veomni.checkpoint.dcp_checkpointer import ModelState
+
+    if state is None:
+        raise ValueError("State dict must be provided to load a distributed checkpoint.")
+    if "model" not in state:
+        raise ValueError("Model must be provided to load a distributed checkpoint.")
+    model = state["model"]
+    reader = storage_reader if storage_reader is not None else cls._create_storage_reader(path)
+    load_state: dict[str, Any] = {
+        "model": ModelState(model, trainable_only=trainable_only, parallel_state=parallel_state)
+    }
+    stock: _StockTarget | None = None
+    if OPTIMIZER_KEY in state:
+        sparse = _sparse_optimizer_state(model, state[OPTIMIZER_KEY], parallel_state)
+        metadata = reader.read_metadata()
+        layout = optimizer_layout(metadata)
+        if layout == "stock":
+            if not migrate:
+                raise CheckpointMismatchError(_stock_refusal(path, metadata))
+            stock = _StockTarget(metadata, build_fqn_map(model))
+            load_state[OPTIMIZER_KEY] = stock.target
+        elif layout == "none":
+            raise CheckpointMismatchError(
+                f"{path} has no optimizer (it was saved without state[{OPTIMIZER_KEY!r}]): leave "
+                f"{OPTIMIZER_KEY!r} out of the state to load the model and extra_state only"
+            )
+        elif require_stock:
+            raise CheckpointMismatchError(
+                f"{path} holds no optimizer saved by stock VeOmni ({layout} layout under {OPTIMIZER_KEY!r}): "
+                "load it with the checkpointer's load()"
+            )
+        else:
+            load_state[OPTIMIZER_KEY] = sparse
+    elif require_stock:
+        raise ValueError("load_stock_checkpoint needs state['optimizer']: it migrates the optimizer")
+    planner = SparseLoadPlanner(allow_partial_load=trainable_only, _all_weights_only=stock is not None)
+    dcp.load(state_dict=load_state, storage_reader=reader, process_group=process_group, planner=planner)
+    report = None
+    if stock is not None:
+        report = stock.apply(path, model, state[OPTIMIZER_KEY])
+    cls._load_extra_state(checkpoint_dir=path, state=state)
+    if report is not None:
+        warnings.warn(str(report), StockCheckpointWarning, stacklevel=3)  # the caller of load()
+    return report
 
 
 def _sparse_optimizer_state(model: Any, optimizer: Any, parallel_state: Any) -> SparseOptimizerState:
@@ -543,15 +523,8 @@ def load_stock_checkpoint(
     installed checkpointer) to get a sparse_ckpt checkpoint. Refuses a checkpoint that is not a
     stock one.
     """
-    report = _checkpointer_class(False).load_checkpoint(
-        path,
-        state,
-        process_group=process_group,
-        storage_reader=storage_reader,
-        trainable_only=trainable_only,
-        parallel_state=parallel_state,
-        migrate=True,
-        require_stock=True,
-    )
+    cls = _checkpointer_class(False)
+    report = _load(cls, path, state, process_group, storage_reader, trainable_only, parallel_state,
+                   migrate=True, require_stock=True)
     assert report is not None  # require_stock: a stock checkpoint was migrated, or load_checkpoint raised
     return report
