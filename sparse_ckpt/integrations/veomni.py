@@ -1,0 +1,530 @@
+"""sparse_ckpt inside VeOmni: its own checkpointer saves and restores the optimizer sparsely and exactly.
+
+::
+
+    import sparse_ckpt.integrations.veomni as sc_veomni
+
+    sc_veomni.install()  # once, before VeOmni's trainer builds its checkpointer
+    checkpointer = veomni.checkpoint.build_checkpointer("dcp", "fsdp2")  # "ddp" too
+    checkpointer.save(path, {"model": model, "optimizer": optimizer, "extra_state": {...}}, global_steps=step)
+    checkpointer.load(path, {"model": model, "optimizer": optimizer, "extra_state": {}})
+
+After :func:`install`, ``build_checkpointer("dcp", ...)`` returns :class:`SparseDistributedCheckpointer`
+classes: VeOmni's ``DistributedCheckpointer`` with the same ``save``/``load``/``wait_for_pending_save``
+signatures and behaviour (``extra_state`` files, ``global_steps`` sub-directories, ``save_async``
+with the same pending-save future VeOmni's other code waits on, ``trainable_only`` for the model,
+``stage_dir``, ``save_to_lowest_rank``), except that the optimizer part is a
+:class:`sparse_ckpt.SparseOptimizerState` saved with DCP and loaded with
+:class:`sparse_ckpt.SparseLoadPlanner`: every leaf's param-group settings (a scheduler-moved lr of
+a leaf that never stepped included) and exactly the state that exists, nothing invented on load.
+The model part is VeOmni's own ``ModelState``, untouched, so HF export of the weights is unchanged.
+
+``optimizer`` is what VeOmni's ``build_optimizer`` returns: a torch optimizer (one leaf named
+``"optim"``) or VeOmni's ``MultiOptimizer`` (leaves named by its ``key_names``).
+
+Checkpoints written by stock VeOmni (torch DSD's layout) are refused by ``load`` with an error
+naming the opt-in migration: :func:`load_stock_checkpoint` (returns a :class:`StockMigrationReport`),
+or ``install(migrate_stock=True)`` so the trainer's own ``load`` migrates them. A migration loads
+what the stock checkpoint has, keeps the current settings of parameters it has no settings for
+and gives no state to parameters it has no state for, and reports both per leaf in a
+:class:`StockCheckpointWarning` (never silently).
+
+Not supported: VeOmni's ExtraParallel (expert-parallel) FSDP2 layout (a model with
+``_fqn2spec_info`` under ``dp_mode="fsdp2"``): VeOmni re-adds the expert dimension to every
+expert state tensor when it saves; the sparse checkpointer refuses such a model on ``save`` and
+``load`` with :class:`sparse_ckpt.UnsupportedStateDictError` before anything is written or read.
+
+VeOmni is imported only inside these functions; importing this module does not need it.
+"""
+
+from __future__ import annotations
+
+import functools
+import threading
+import warnings
+from dataclasses import dataclass, field
+from typing import Any
+
+from torch.distributed.checkpoint.metadata import Metadata
+
+from .._dcp_paths import metadata_path
+from ..dcp import SparseLoadPlanner, SparseOptimizerState, multi_rank
+from ..dcp import _allocate as allocate_like
+from ..errors import CheckpointMismatchError, UnsupportedStateDictError
+from ..format import GROUPS_PREFIX, PACKED_PREFIX, PLANNER_GUARD_KEY, SCALARS_PREFIX, STATE_PREFIX, last_part, owner_fqn
+from ..fqn import FqnMap, build_fqn_map
+from ..leaves import named_leaves
+from ..load import load_owned
+
+__all__ = [
+    "InstallHandle",
+    "LeafGaps",
+    "StockCheckpointWarning",
+    "StockMigrationReport",
+    "install",
+    "installed",
+    "load_stock_checkpoint",
+    "sparse_checkpointer_class",
+    "uninstall",
+]
+
+OPTIMIZER_KEY = "optimizer"
+"""The top-level key VeOmni's checkpointer saves the optimizer under."""
+_PREFIX = f"{OPTIMIZER_KEY}."
+_lock = threading.Lock()
+
+
+# --------------------------------------------------------------------------- install / uninstall
+
+
+class InstallHandle:
+    """Returned by :func:`install`; ``remove()`` (or leaving the ``with`` block) calls :func:`uninstall`."""
+
+    def remove(self) -> None:
+        """Undo :func:`install` (no error if it is already undone)."""
+        uninstall()
+
+    def __enter__(self) -> InstallHandle:  # noqa: PYI034 - py3.9 has no typing.Self
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        self.remove()
+
+
+def install(*, migrate_stock: bool = False) -> InstallHandle:
+    """Make VeOmni's ``build_checkpointer("dcp", "fsdp2"|"ddp")`` return :class:`SparseDistributedCheckpointer`.
+
+    Idempotent (installing again only updates ``migrate_stock``). Call it before VeOmni's trainer
+    builds its checkpointer (its ``CheckpointerCallback`` calls ``build_checkpointer`` once, when
+    the trainer is constructed). ``migrate_stock=True`` lets ``load`` migrate a checkpoint written
+    by stock VeOmni (see :func:`load_stock_checkpoint`) instead of refusing it.
+    Returns a handle whose ``remove()`` undoes it (see :func:`uninstall`).
+    """
+    registry = _registry()
+    with _lock:
+        current = registry["dcp"]
+        previous = getattr(current, "_sparse_ckpt_previous", current)
+        registry["dcp"] = _factory(previous, migrate_stock)
+    return InstallHandle()
+
+
+def uninstall() -> None:
+    """Give ``build_checkpointer("dcp", ...)`` back the factory it had before :func:`install`.
+
+    Checkpointer classes already built keep working (they are the trainer's until it is rebuilt).
+    No error when not installed.
+    """
+    registry = _registry()
+    with _lock:
+        current = registry["dcp"]
+        previous = getattr(current, "_sparse_ckpt_previous", None)
+        if previous is not None:
+            registry["dcp"] = previous
+
+
+def installed() -> bool:
+    """Whether ``build_checkpointer("dcp", ...)`` currently returns the sparse checkpointer."""
+    return hasattr(_registry()["dcp"], "_sparse_ckpt_previous")
+
+
+def _registry() -> Any:
+    """VeOmni's checkpointer registry (what ``build_checkpointer`` looks ``"dcp"`` up in)."""
+    try:
+        from veomni.checkpoint import CHECKPOINTER_REGISTRY
+    except ModuleNotFoundError as exc:
+        if exc.name != "veomni":
+            raise
+        raise ModuleNotFoundError(
+            "sparse_ckpt.integrations.veomni needs VeOmni (tested with veomni==0.1.12: "
+            "pip install --no-deps -r .ci/requirements-veomni.txt in a checkout)",
+            name="veomni",
+        ) from None
+    return CHECKPOINTER_REGISTRY
+
+
+def _factory(previous: Any, migrate_stock: bool) -> Any:
+    def dcp_checkpointer(dist_backend: str) -> type:
+        base = previous(dist_backend)  # VeOmni's own check of dist_backend ("ddp" or "fsdp2")
+        return sparse_checkpointer_class(base, migrate_stock=migrate_stock)
+
+    dcp_checkpointer._sparse_ckpt_previous = previous  # type: ignore[attr-defined]
+    return dcp_checkpointer
+
+
+# --------------------------------------------------------------------------- the checkpointer
+
+
+def sparse_checkpointer_class(base: type | None = None, *, migrate_stock: bool = False) -> type:
+    """The :class:`SparseDistributedCheckpointer` class (what ``build_checkpointer`` returns after :func:`install`).
+
+    ``base`` must be VeOmni's ``DistributedCheckpointer`` (the default); another class (a
+    checkpointer someone else registered for ``"dcp"``) is refused with a ``TypeError``.
+    """
+    from veomni.checkpoint.dcp_checkpointer import DistributedCheckpointer
+
+    if base is None:
+        base = DistributedCheckpointer
+    if base is not DistributedCheckpointer:
+        raise TypeError(
+            f"sparse_ckpt.integrations.veomni wraps VeOmni's DistributedCheckpointer, but the 'dcp' checkpointer "
+            f"registered before install() returned {base!r}; uninstall that override first"
+        )
+    return _checkpointer_class(migrate_stock)
+
+
+@functools.cache
+def _checkpointer_class(migrate_stock: bool) -> type:
+    """The class (built once, on first use: it subclasses VeOmni's); the migrating one subclasses the other."""
+    if migrate_stock:
+        base = _checkpointer_class(False)
+        return type(base.__name__, (base,), {"__module__": __name__, "__doc__": base.__doc__,
+                                             "migrate_stock_checkpoints": True})
+    return _build_class()
+
+
+def __getattr__(name: str) -> Any:
+    """``SparseDistributedCheckpointer``: the class (imports VeOmni on first access)."""
+    if name == "SparseDistributedCheckpointer":
+        return _checkpointer_class(False)
+    raise AttributeError(f"module {__name__!r} has no attribute {name!r}")
+
+
+def _build_class() -> type:
+    from veomni.checkpoint.dcp_checkpointer import DistributedCheckpointer, OptimizerState
+
+    class SparseDistributedCheckpointer(DistributedCheckpointer):
+        """VeOmni's ``DistributedCheckpointer`` whose optimizer part is sparse_ckpt's (see the module docstring).
+
+        ``migrate_stock_checkpoints``: whether ``load`` migrates a stock VeOmni checkpoint (the class
+        ``install(migrate_stock=True)`` returns, a subclass of this one) instead of refusing it.
+        """
+
+        migrate_stock_checkpoints = False
+
+        @classmethod
+        def save(
+            cls,
+            path: str,
+            state: dict[str, Any],
+            save_async: bool = False,
+            global_steps: int | None = None,
+            storage_writer: Any = None,
+            trainable_only: bool = False,
+            save_to_lowest_rank: bool = False,
+            parallel_state: Any = None,
+            stage_dir: str | None = None,
+        ) -> None:
+            """VeOmni's ``save``; the optimizer is checked before anything is written, then saved sparsely."""
+            if "model" in state and "optimizer" in state:
+                _sparse_optimizer_state(state["model"], state["optimizer"], parallel_state)
+            super().save(
+                path,
+                state,
+                save_async=save_async,
+                global_steps=global_steps,
+                storage_writer=storage_writer,
+                trainable_only=trainable_only,
+                save_to_lowest_rank=save_to_lowest_rank,
+                parallel_state=parallel_state,
+                stage_dir=stage_dir,
+            )
+
+        @classmethod
+        def execute_save(
+            cls, save_state: dict[str, Any], storage_writer: Any, save_async: bool, save_to_lowest_rank: bool = False
+        ) -> None:
+            """VeOmni's ``execute_save`` with its optimizer wrapper replaced by a ``SparseOptimizerState``.
+
+            Runs on ``DistributedCheckpointer`` itself, so an async save's future is the one VeOmni's
+            own code waits on (``DistributedCheckpointer.wait_for_pending_save()``).
+            """
+            wrapped = save_state.get(OPTIMIZER_KEY)
+            if wrapped is not None:
+                if not isinstance(wrapped, OptimizerState):
+                    raise TypeError(
+                        f"VeOmni's save passed a {type(wrapped).__name__} as its optimizer state, not its "
+                        "OptimizerState: this VeOmni version is not one sparse_ckpt.integrations.veomni supports"
+                    )
+                sparse = _sparse_optimizer_state(wrapped.model, wrapped.optimizer, wrapped.parallel_state)
+                save_state = {**save_state, OPTIMIZER_KEY: sparse}
+            DistributedCheckpointer.execute_save(
+                save_state=save_state,
+                storage_writer=storage_writer,
+                save_async=save_async,
+                save_to_lowest_rank=save_to_lowest_rank,
+            )
+
+        @classmethod
+        def wait_for_pending_save(cls) -> None:
+            """VeOmni's: block until a pending async save is done (the future lives on ``DistributedCheckpointer``)."""
+            DistributedCheckpointer.wait_for_pending_save()
+
+        @classmethod
+        def load(
+            cls,
+            path: str,
+            state: dict[str, Any],
+            process_group: Any = None,
+            storage_reader: Any = None,
+            trainable_only: bool = False,
+            parallel_state: Any = None,
+        ) -> dict[str, Any]:
+            """VeOmni's ``load``, the optimizer restored exactly with ``SparseLoadPlanner``.
+
+            A checkpoint written by stock VeOmni is refused unless this class migrates them
+            (``install(migrate_stock=True)``); see :func:`load_stock_checkpoint`.
+            """
+            _load(cls, path, state, process_group, storage_reader, trainable_only, parallel_state,
+                  migrate=cls.migrate_stock_checkpoints, require_stock=False)
+            return state
+
+    SparseDistributedCheckpointer.__qualname__ = "SparseDistributedCheckpointer"
+    SparseDistributedCheckpointer.__module__ = __name__
+    return SparseDistributedCheckpointer
+
+
+def _load(
+    cls: Any,
+    path: str,
+    state: dict[str, Any],
+    process_group: Any,
+    storage_reader: Any,
+    trainable_only: bool,
+    parallel_state: Any,
+    *,
+    migrate: bool,
+    require_stock: bool,
+) -> StockMigrationReport | None:
+    """The load of :class:`SparseDistributedCheckpointer` ``cls``: ``migrate`` a stock checkpoint (else
+    refuse it), ``require_stock`` (refuse anything else); returns the migration report, if one was made."""
+    from torch.distributed import checkpoint as dcp
+    from veomni.checkpoint.dcp_checkpointer import ModelState
+
+    if state is None:
+        raise ValueError("State dict must be provided to load a distributed checkpoint.")
+    if "model" not in state:
+        raise ValueError("Model must be provided to load a distributed checkpoint.")
+    model = state["model"]
+    reader = storage_reader if storage_reader is not None else cls._create_storage_reader(path)
+    load_state: dict[str, Any] = {
+        "model": ModelState(model, trainable_only=trainable_only, parallel_state=parallel_state)
+    }
+    stock: _StockTarget | None = None
+    if OPTIMIZER_KEY in state:
+        sparse = _sparse_optimizer_state(model, state[OPTIMIZER_KEY], parallel_state)
+        metadata = reader.read_metadata()
+        layout = optimizer_layout(metadata)
+        if layout == "stock":
+            if not migrate:
+                raise CheckpointMismatchError(_stock_refusal(path, metadata))
+            stock = _StockTarget(metadata, build_fqn_map(model))
+            load_state[OPTIMIZER_KEY] = stock.target
+        elif layout == "none":
+            raise CheckpointMismatchError(
+                f"{path} has no optimizer (it was saved without state[{OPTIMIZER_KEY!r}]): leave "
+                f"{OPTIMIZER_KEY!r} out of the state to load the model and extra_state only"
+            )
+        elif require_stock:
+            raise CheckpointMismatchError(
+                f"{path} holds no optimizer saved by stock VeOmni ({layout} layout under {OPTIMIZER_KEY!r}): "
+                "load it with the checkpointer's load()"
+            )
+        else:
+            load_state[OPTIMIZER_KEY] = sparse
+    elif require_stock:
+        raise ValueError("load_stock_checkpoint needs state['optimizer']: it migrates the optimizer")
+    planner = SparseLoadPlanner(allow_partial_load=trainable_only, _all_weights_only=stock is not None)
+    dcp.load(state_dict=load_state, storage_reader=reader, process_group=process_group, planner=planner)
+    report = None
+    if stock is not None:
+        report = stock.apply(path, model, state[OPTIMIZER_KEY])
+    cls._load_extra_state(checkpoint_dir=path, state=state)
+    if report is not None:
+        warnings.warn(str(report), StockCheckpointWarning, stacklevel=3)  # the caller of load()
+    return report
+
+
+def _sparse_optimizer_state(model: Any, optimizer: Any, parallel_state: Any) -> SparseOptimizerState:
+    """The ``SparseOptimizerState`` for VeOmni's model and optimizer, after refusing what it cannot save."""
+    spec = getattr(model, "_fqn2spec_info", None)
+    if spec is not None:
+        if parallel_state is None:
+            from veomni.distributed.parallel_state import get_parallel_state
+
+            parallel_state = get_parallel_state()
+        if getattr(parallel_state, "dp_mode", None) == "fsdp2":
+            names = sorted(spec)
+            shown = ", ".join(names[:3]) + (", ..." if len(names) > 3 else "")
+            raise UnsupportedStateDictError(
+                f"sparse_ckpt.integrations.veomni does not support VeOmni's ExtraParallel (expert-parallel) FSDP2 "
+                f"layout: the model has _fqn2spec_info ({len(names)} ExtraParallel FQNs: {shown}) and dp_mode is "
+                "'fsdp2'. VeOmni re-adds the expert dimension to expert state tensors when it saves "
+                "(restore_extra_parallel_dim); the sparse checkpointer does not, so expert-parallel ranks would "
+                "write different experts under one key. Save this run with VeOmni's stock checkpointer "
+                "(sparse_ckpt.integrations.veomni.uninstall() before the trainer is built)"
+            )
+    return SparseOptimizerState(model, optimizer)
+
+
+# --------------------------------------------------------------------------- stock checkpoints
+
+
+def optimizer_layout(metadata: Metadata) -> str:
+    """Which optimizer a VeOmni checkpoint holds under ``optimizer``: ``"sparse"`` (sparse_ckpt's),
+    ``"stock"`` (stock VeOmni's: torch DSD's flat or nested layout) or ``"none"``."""
+    found = False
+    for key in metadata.state_dict_metadata:
+        if key.startswith(_PREFIX):
+            inner = key[len(_PREFIX) :]
+            if inner == PLANNER_GUARD_KEY or inner.startswith((PACKED_PREFIX, SCALARS_PREFIX)):
+                return "sparse"
+            found = True
+    return "stock" if found else "none"
+
+
+def _stock_refusal(path: str, metadata: Metadata) -> str:
+    items = sum(1 for key in metadata.state_dict_metadata if key.startswith(_PREFIX))
+    return (
+        f"{path} holds an optimizer saved by VeOmni's stock DistributedCheckpointer (torch DSD's layout, {items} "
+        f"items under {OPTIMIZER_KEY!r}), not by sparse_ckpt: it may lack the settings (lr) of sub-optimizers "
+        "that had no state and the state of parameters that never stepped. Opt in to migrating it: "
+        "sparse_ckpt.integrations.veomni.load_stock_checkpoint(path, state) (returns a per-leaf report of what "
+        "had no saved settings or state), or install(migrate_stock=True) so that load() migrates it and warns "
+        "with that report. Checkpoints saved afterwards are sparse_ckpt's"
+    )
+
+
+class StockCheckpointWarning(UserWarning):
+    """Issued when a stock VeOmni checkpoint was migrated; its message is the :class:`StockMigrationReport`."""
+
+
+@dataclass
+class LeafGaps:
+    """What a stock checkpoint had no entries for, for one optimizer leaf (canonical FQNs, in group order)."""
+
+    leaf: str
+    params: int
+    """Parameters of the leaf."""
+    no_settings: list[str] = field(default_factory=list)
+    """Parameters without saved param-group settings: their group kept the optimizer's current settings."""
+    no_state: list[str] = field(default_factory=list)
+    """Parameters without saved state: they have none (as before their first step)."""
+
+
+@dataclass
+class StockMigrationReport:
+    """Per leaf, what a migrated stock VeOmni checkpoint had no settings or state for."""
+
+    path: str
+    leaves: list[LeafGaps]
+
+    @property
+    def complete(self) -> bool:
+        """Every parameter had saved settings and state."""
+        return not any(g.no_settings or g.no_state for g in self.leaves)
+
+    def __str__(self) -> str:
+        lines = [f"migrated the stock VeOmni optimizer checkpoint {self.path} into sparse_ckpt's checkpointer:"]
+        for g in self.leaves:
+            lines.append(
+                f"  leaf {g.leaf!r} ({g.params} params): {len(g.no_settings)} without saved settings"
+                f"{_examples(g.no_settings, ' (kept the current settings: ', ')')}, {len(g.no_state)} without saved "
+                f"state{_examples(g.no_state, ' (left without state: ', ')')}"
+            )
+        return "\n".join(lines)
+
+
+def _examples(fqns: list[str], before: str, after: str, limit: int = 5) -> str:
+    if not fqns:
+        return ""
+    more = f", ... {len(fqns) - limit} more" if len(fqns) > limit else ""
+    return before + ", ".join(fqns[:limit]) + more + after
+
+
+class _StockTarget:
+    """The load target for a stock VeOmni optimizer (DSD flat or nested), read key by key.
+
+    Keys are the checkpoint's own flattened keys below ``optimizer.`` (DCP matches flattened keys,
+    so a flat-keyed target reads a nested checkpoint too); state tensors shaped like their
+    parameter are allocated like it (a DTensor: same mesh and placements), so each rank reads its
+    shard. :meth:`apply` turns nested ``param_groups.{i}.{key}`` entries into the flat
+    ``param_groups.{fqn}.{key}`` entries ``load_sparse_state_dict`` reads, loads non-strictly and
+    reports the gaps.
+    """
+
+    def __init__(self, metadata: Metadata, fmap: FqnMap) -> None:
+        self.fmap = fmap
+        self.target: dict[str, Any] = {}
+        self.nested_groups: dict[int, dict[str, str]] = {}
+        for key, md in metadata.state_dict_metadata.items():
+            if not key.startswith(_PREFIX):
+                continue
+            inner = key[len(_PREFIX) :]
+            path = metadata_path(metadata, key)
+            if len(path) == 4 and path[1] == "param_groups" and isinstance(path[2], int):
+                self.nested_groups.setdefault(path[2], {})[str(path[3])] = inner
+                self.target[inner] = allocate_like(md, None, "")
+            elif inner.startswith(STATE_PREFIX):
+                fqn = owner_fqn(inner[len(STATE_PREFIX) :], fmap.canonical)
+                if fqn is None:
+                    continue  # another rank's parameter
+                like = fmap.param_of[fmap.canonical[fqn]]
+                self.target[inner] = allocate_like(md, like, last_part(inner))
+            else:
+                self.target[inner] = allocate_like(md, None, "")
+
+    def apply(self, path: str, model: Any, optimizer: Any) -> StockMigrationReport:
+        """Load what was read into ``optimizer`` (``strict=False``) and report the gaps per leaf."""
+        data = dict(self.target)
+        for _index, keys in sorted(self.nested_groups.items()):
+            values = {name: data.pop(inner) for name, inner in keys.items()}
+            fqns = values.pop("params", None) or []
+            for fqn in fqns:
+                for name, value in values.items():
+                    data[f"{GROUPS_PREFIX}{fqn}.{name}"] = value
+        fmap = self.fmap
+        settings_of = {fmap.resolve(k[len(GROUPS_PREFIX) :].rpartition(".")[0]) for k in data if k.startswith(GROUPS_PREFIX)}
+        state_of = {owner_fqn(k[len(STATE_PREFIX) :], fmap.canonical) for k in data if k.startswith(STATE_PREFIX)}
+        state_of = {fmap.resolve(f) for f in state_of if f is not None}
+        load_owned(model, optimizer, data, strict=False, allow_unowned=multi_rank(), fmap=fmap)
+        leaves = []
+        for name, opt in named_leaves(optimizer):
+            fqns = [fmap.fqn_of[id(p)] for group in opt.param_groups for p in group["params"]]
+            leaves.append(
+                LeafGaps(
+                    leaf=name,
+                    params=len(fqns),
+                    no_settings=[f for f in fqns if f not in settings_of],
+                    no_state=[f for f in fqns if f not in state_of],
+                )
+            )
+        return StockMigrationReport(path=path, leaves=leaves)
+
+
+def load_stock_checkpoint(
+    path: str,
+    state: dict[str, Any],
+    *,
+    process_group: Any = None,
+    storage_reader: Any = None,
+    trainable_only: bool = False,
+    parallel_state: Any = None,
+) -> StockMigrationReport:
+    """Load a checkpoint written by stock VeOmni's ``DistributedCheckpointer`` (the opt-in migration).
+
+    ``state`` is what VeOmni's ``load`` takes (``model``, ``optimizer``, optionally ``extra_state``),
+    and is filled the same way: the model and ``extra_state`` exactly as stock VeOmni loads them; the
+    optimizer from what the checkpoint has (DSD's flat layout of a ``MultiOptimizer`` or the nested
+    one of a single optimizer), matched by FQN. Parameters with no saved settings keep their
+    group's current settings (stock VeOmni saves no settings for a sub-optimizer without state:
+    a scheduler-moved lr of a leaf that never stepped is lost; restore the scheduler and step it
+    to recompute it), parameters with no saved state get none (nothing is invented). Returns the
+    per-leaf report, also issued as a :class:`StockCheckpointWarning`. Save again (with the
+    installed checkpointer) to get a sparse_ckpt checkpoint. Refuses a checkpoint that is not a
+    stock one.
+    """
+    cls = _checkpointer_class(False)
+    report = _load(cls, path, state, process_group, storage_reader, trainable_only, parallel_state,
+                   migrate=True, require_stock=True)
+    assert report is not None  # require_stock: a stock checkpoint was migrated, or load_checkpoint raised
+    return report
