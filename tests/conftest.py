@@ -45,7 +45,7 @@ def forbid_fork(monkeypatch):
             "a forked rank cannot use CUDA once the parent has touched it"
         )
 
-    monkeypatch.setattr(os, "fork", refuse)
+    monkeypatch.setattr(os, "fork", refuse)  # fork on purpose: the guard replaces it
 
 
 @pytest.fixture(params=BACKENDS, autouse=True)

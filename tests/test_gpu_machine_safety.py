@@ -16,9 +16,9 @@ even for a Gloo/CPU run. Neither shows on a CPU-only machine, so:
 from __future__ import annotations
 
 import ast
+import functools
 import multiprocessing
 import os
-from collections.abc import Iterator
 from pathlib import Path
 
 import pytest
@@ -35,11 +35,23 @@ MP_MODULES = {"multiprocessing", "mp", "torch.multiprocessing"}
 """Names a multiprocessing module is used under here; ``<module>.Process(...)`` uses the default context."""
 
 
-def _sources() -> Iterator[tuple[str, ast.AST]]:
+@functools.lru_cache(maxsize=1)
+def _sources() -> list[tuple[str, ast.AST, list[str]]]:
+    """``(path, tree, lines)`` of every Python file of :data:`SCANNED` (parsed once per session)."""
+    out = []
     for top in SCANNED:
         for path in sorted((ROOT / top).rglob("*.py")):
             rel = path.relative_to(ROOT).as_posix()
-            yield rel, ast.parse(path.read_text(encoding="utf-8"), filename=rel)
+            text = path.read_text(encoding="utf-8")
+            out.append((rel, ast.parse(text, filename=rel), text.splitlines()))
+    return out
+
+
+@pytest.fixture
+def once(core_backend: str) -> None:
+    """Tests that do not depend on the core backend run once."""
+    if core_backend != "python":
+        pytest.skip("does not depend on the core backend")
 
 
 def _dotted(node: ast.AST) -> str:
@@ -50,31 +62,30 @@ def _dotted(node: ast.AST) -> str:
     return ""
 
 
-def _is_fork(node: ast.AST | None) -> bool:
-    return isinstance(node, ast.Constant) and node.value == "fork"
+ON_PURPOSE = "# fork on purpose"
+"""A line with this comment may name the start method ``"fork"`` (the guards and this scan)."""
 
 
-def fork_uses(tree: ast.AST) -> list[tuple[int, str]]:
-    """``(line, what)`` for every call in ``tree`` that starts processes by fork."""
-    found = []
+def fork_uses(tree: ast.AST, lines: list[str] | None = None) -> list[tuple[int, str]]:
+    """``(line, what)`` for everything in ``tree`` that starts processes by fork: the start method
+    ``"fork"`` named anywhere (``get_context("fork")``, ``start_method=method`` after ``method = "fork"``,
+    ...), ``os.fork()``, and multiprocessing's default context (``mp.Process``, ``Pool``,
+    ``ProcessPoolExecutor`` without ``mp_context``). ``lines``: the source, for :data:`ON_PURPOSE`."""
+    found: dict[int, str] = {}
     for node in ast.walk(tree):
+        if isinstance(node, ast.Constant) and node.value == "fork":  # fork on purpose: what the scan looks for
+            found.setdefault(node.lineno, 'the start method "fork"')
         if not isinstance(node, ast.Call):
             continue
         name = _dotted(node.func)
         last = name.rsplit(".", 1)[-1]
-        keywords = {k.arg: k.value for k in node.keywords}
-        first = node.args[0] if node.args else None
         if name == "os.fork" or last == "forkpty":
-            found.append((node.lineno, f"{name}()"))
-        elif last in ("get_context", "set_start_method") and (_is_fork(first) or _is_fork(keywords.get("method"))):
-            found.append((node.lineno, f'{name}("fork")'))
-        elif _is_fork(keywords.get("start_method")):
-            found.append((node.lineno, f'{name}(start_method="fork")'))
+            found.setdefault(node.lineno, f"{name}()")
         elif last in ("Process", "Pool") and name.rsplit(".", 1)[0] in MP_MODULES:
-            found.append((node.lineno, f"{name}(...) (the default context: fork on Linux)"))
-        elif last == "ProcessPoolExecutor" and "mp_context" not in keywords:
-            found.append((node.lineno, "ProcessPoolExecutor without mp_context (the default context: fork on Linux)"))
-    return found
+            found.setdefault(node.lineno, f"{name}(...) (the default context: fork on Linux)")
+        elif last == "ProcessPoolExecutor" and "mp_context" not in {k.arg for k in node.keywords}:
+            found.setdefault(node.lineno, "ProcessPoolExecutor without mp_context (the default context: fork on Linux)")
+    return sorted((line, what) for line, what in found.items() if not (lines and ON_PURPOSE in lines[line - 1]))
 
 
 def meshless_fully_shard(tree: ast.AST) -> list[int]:
@@ -90,7 +101,7 @@ def meshless_fully_shard(tree: ast.AST) -> list[int]:
 
 
 def test_scanners_see_what_they_look_for() -> None:
-    tree = ast.parse(
+    source = (
         "import multiprocessing as mp, os\n"
         "mp.get_context('fork')\n"
         "multiprocessing.set_start_method(method='fork')\n"
@@ -98,6 +109,7 @@ def test_scanners_see_what_they_look_for() -> None:
         "os.fork()\n"
         "mp.Process(target=f)\n"
         "ProcessPoolExecutor(2)\n"
+        "method = 'fork' if linux else 'spawn'\n"
         "fully_shard(layer)\n"
         "fsdp.fully_shard(model, reshard_after_forward=False)\n"
         "fully_shard(model, mesh=None)\n"
@@ -107,26 +119,29 @@ def test_scanners_see_what_they_look_for() -> None:
         "ProcessPoolExecutor(2, mp_context=ctx)\n"
         "fully_shard(layer, mesh=mesh)\n"
         "fully_shard(layer, **kw)\n"
+        "ctx = mp.get_context('fork')  # fork on purpose\n"
     )
-    assert [line for line, _ in fork_uses(tree)] == [2, 3, 4, 5, 6, 7]
-    assert meshless_fully_shard(tree) == [8, 9, 10]
+    tree = ast.parse(source)
+    assert [line for line, _ in fork_uses(tree, source.splitlines())] == [2, 3, 4, 5, 6, 7, 8]
+    assert [line for line, _ in fork_uses(tree)] == [2, 3, 4, 5, 6, 7, 8, 17]  # (without the source lines)
+    assert meshless_fully_shard(tree) == [9, 10, 11]
 
 
-def test_no_fork_in_the_source() -> None:
-    found = [f"{rel}:{line}: {what}" for rel, tree in _sources() for line, what in fork_uses(tree)]
+def test_no_fork_in_the_source(once: None) -> None:
+    found = [f"{rel}:{line}: {what}" for rel, tree, lines in _sources() for line, what in fork_uses(tree, lines)]
     assert not found, "processes started by fork (a forked rank cannot use CUDA once its parent has touched it; " \
                       "use bench/ranks.py's forkserver/spawn):\n" + "\n".join(found)
 
 
-def test_every_fully_shard_gets_a_mesh() -> None:
-    found = [f"{rel}:{line}" for rel, tree in _sources() for line in meshless_fully_shard(tree)]
+def test_every_fully_shard_gets_a_mesh(once: None) -> None:
+    found = [f"{rel}:{line}" for rel, tree, _lines in _sources() for line in meshless_fully_shard(tree)]
     assert not found, "fully_shard without mesh= builds the default mesh on the machine's accelerator (CUDA on a " \
                       "GPU machine) even for a Gloo/CPU run; pass mesh=init_device_mesh('cpu', ...):\n" + "\n".join(found)
 
 
 def test_ranks_never_start_by_fork(forbid_fork: None) -> None:
     assert ranks.rank_start_method() in ("forkserver", "spawn")
-    method = "fork"  # (a variable: the source scan above looks for the literal)
+    method = "fork"  # fork on purpose: the guard must refuse it
     with pytest.raises(ForkForbidden):
         multiprocessing.get_context(method).Process(target=os.getpid).start()
 
@@ -139,7 +154,5 @@ def _default_mesh_refused(rank: int, world_size: int) -> None:
     assert sharded.weight.device_mesh.device_type == "cpu"
 
 
-def test_ranks_refuse_the_default_mesh(core_backend: str, forbid_fork: None) -> None:
-    if core_backend != "python":
-        pytest.skip("the guard does not depend on the core backend")
+def test_ranks_refuse_the_default_mesh(once: None, forbid_fork: None) -> None:
     run_ranks(_default_mesh_refused, 2)
