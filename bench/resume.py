@@ -1,7 +1,8 @@
 """The resume drill (issue 11): train, checkpoint asynchronously, get SIGKILLed mid-save, resume exactly.
 
 ``python -m bench.resume --nproc 2`` (also ``--nproc 1`` / ``--nproc 4``, ``--steps``, ``--every``,
-``--kill-at``, ``--resume-sizes``) trains the way users train and checks what users rely on:
+``--kill-at``, ``--resume-sizes``, ``--device cpu|cuda|npu``) trains the way users train and checks
+what users rely on:
 
 * **Model:** a small vision-language MoE (:class:`DrillModel`): a frozen vision tower, an adapter,
   token embeddings, MoE blocks and a head, ``fully_shard`` per block and at the root (FSDP2). The
@@ -14,7 +15,7 @@
   "sched": SchedulerState, "train": TrainState}, checkpoint_id=<run>/step-<n>)`` on a dedicated Gloo
   group (as torchtitan does: the save's collectives run in a background thread and must not
   interleave with FSDP's), waiting for the previous save first.
-* **Kill:** the run is SIGKILLed (its whole process group: launcher and ranks) while the save of
+* **Kill:** the run is SIGKILLed (every rank's process group) while the save of
   step ``kill_at`` is in flight: :class:`StallingWriter` writes that checkpoint's data files, signals
   and stalls before DCP can write ``.metadata``.
 * **Resume:** fresh processes at every size in ``resume_sizes`` load the last *complete* checkpoint
@@ -22,6 +23,10 @@
   train on to ``steps``; parameters, optimizer state, lrs and scheduler states must equal an
   uninterrupted run bit for bit. Every rank gets the same batch, so FSDP's gradient averaging over a
   power-of-two number of identical values is exact and results do not depend on the world size.
+* **Devices:** ``--device cpu`` (default): Gloo ranks on the CPU; ``cuda``: NCCL, rank r on ``cuda:r``
+  (one rank per GPU, deterministic kernels); ``npu``: ``torch_npu``, HCCL. Ranks start from a fork
+  server or by spawn (``.ranks``), never by fork, and ``fully_shard`` always gets an explicit mesh
+  on the run's device, so a CPU run also works on a GPU machine.
 
 :func:`run_drill` is what the CLI and ``tests/test_resume_drill.py`` call; the pieces
 (:func:`train_run`, :func:`run_ranks`, :func:`run_killed`, :func:`compare_snapshots`, ...) are
@@ -33,19 +38,14 @@ from __future__ import annotations
 import argparse
 import dataclasses
 import json
-import multiprocessing
 import os
 import re
 import shutil
-import signal
 import sys
 import tempfile
 import time
-import traceback
-import warnings
 from collections.abc import Callable, Mapping, Sequence
 from concurrent.futures import Future
-from datetime import timedelta
 from pathlib import Path
 from typing import Any
 
@@ -54,11 +54,23 @@ import torch.distributed as dist
 import torch.distributed.checkpoint as dcp
 from torch import nn
 from torch.distributed.checkpoint.state_dict import get_model_state_dict, set_model_state_dict
+from torch.distributed.device_mesh import init_device_mesh
 from torch.distributed.fsdp import fully_shard
 from torch.distributed.tensor import DTensor
 from torch.optim.lr_scheduler import CosineAnnealingLR, LambdaLR, LinearLR, LRScheduler
 
 import sparse_ckpt as sc
+
+from .devices import (
+    DEVICES,
+    DeviceUnavailable,
+    check_device,
+    check_world_sizes,
+    current_device,
+    device_count,
+    synchronize,
+)
+from .ranks import run_killed, run_ranks
 
 __all__ = [
     "DrillConfig",
@@ -71,6 +83,7 @@ __all__ = [
     "VisionDecay",
     "build",
     "compare_snapshots",
+    "default_resume_sizes",
     "latest_complete",
     "main",
     "run_drill",
@@ -110,6 +123,8 @@ class DrillConfig:
     tokens: int = 8
     patches: int = 4
     seed: int = 0
+    device: str = "cpu"
+    """Where the ranks train: ``cpu`` (Gloo), ``cuda`` (NCCL, one rank per GPU) or ``npu`` (HCCL)."""
 
     def save_steps(self) -> list[int]:
         """The steps after which a checkpoint is saved."""
@@ -232,7 +247,8 @@ def make_batch(cfg: DrillConfig, step: int) -> tuple[torch.Tensor, torch.Tensor,
 
 
 def build(cfg: DrillConfig) -> tuple[DrillModel, sc.MultiOptimizer, dict[str, LRScheduler]]:
-    """The deterministic model (FSDP2-sharded when a process group is up), its MultiOptimizer and schedulers.
+    """The deterministic model (FSDP2-sharded on ``cfg.device`` when a process group is up, else on the
+    CPU), its MultiOptimizer and schedulers.
 
     With the default sizes every shard is a multiple of 32 elements at world sizes 1, 2 and 4, so the
     optimizer's elementwise kernels cannot treat an element differently at another world size (a
@@ -246,10 +262,13 @@ def build(cfg: DrillConfig) -> tuple[DrillModel, sc.MultiOptimizer, dict[str, LR
         torch.random.set_rng_state(gen_state)
     model.vision.requires_grad_(False)
     if dist.is_initialized():
-        fully_shard(model.vision)
+        # An explicit mesh on the run's device: without one, fully_shard builds its default mesh on the
+        # machine's accelerator (CUDA on a GPU machine) even when the run is Gloo on CPU.
+        mesh = init_device_mesh(cfg.device, (dist.get_world_size(),))
+        fully_shard(model.vision, mesh=mesh)
         for block in model.blocks:
-            fully_shard(block)
-        fully_shard(model)
+            fully_shard(block, mesh=mesh)
+        fully_shard(model, mesh=mesh)
     experts = [p for block in model.blocks for p in block.experts.parameters()]
     routers = [block.router.weight for block in model.blocks]
     dense = [*model.adapter.parameters(), *model.embed.parameters(), *model.head.parameters()]
@@ -376,8 +395,8 @@ def latest_complete(run_dir: str | os.PathLike[str]) -> tuple[int, Path] | None:
 
 
 def _full(t: torch.Tensor) -> torch.Tensor:
-    """The unsharded value (a collective for DTensors: every rank calls it in the same order)."""
-    return (t.full_tensor() if isinstance(t, DTensor) else t).detach().clone()
+    """The unsharded value on the CPU (a collective for DTensors: every rank calls it in the same order)."""
+    return (t.full_tensor() if isinstance(t, DTensor) else t).detach().cpu().clone()
 
 
 def _check_sparse_state(model: nn.Module, mo: sc.MultiOptimizer, cfg: DrillConfig, where: str) -> None:
@@ -435,7 +454,8 @@ def train_run(
     model, mo, scheds = build(cfg)
     train_state = TrainState()
     app = {"model": ModelState(model), "optim": mo, "sched": SchedulerState(scheds), "train": train_state}
-    info: dict[str, Any] = {"world_size": world_size, "backend": sc.backend(), "saves": []}
+    info: dict[str, Any] = {"world_size": world_size, "backend": sc.backend(), "device": cfg.device, "saves": []}
+    device = current_device(cfg.device)
     if resume_from is not None:
         found = latest_complete(resume_from)
         assert found is not None, f"no complete checkpoint in {resume_from}"
@@ -451,7 +471,7 @@ def train_run(
     window: list[float] = []
     for step in range(train_state.step + 1, cfg.steps + 1):
         t0 = time.perf_counter()
-        tokens, images, target = make_batch(cfg, step)
+        tokens, images, target = (t.to(device) for t in make_batch(cfg, step))
         mo.zero_grad()
         loss = (model(tokens, images) - target).pow(2).mean()
         loss.backward()
@@ -459,6 +479,7 @@ def train_run(
         for sched in scheds.values():
             sched.step()
         train_state.step = step
+        synchronize(cfg.device)
         window.append(time.perf_counter() - t0)
         if step % cfg.every == 0:
             t1 = time.perf_counter()
@@ -486,122 +507,6 @@ def train_run(
         torch.save(snap, out / SNAPSHOT)
         (out / TIMINGS).write_text(json.dumps(info, indent=1))
     dist.barrier()
-
-
-# --------------------------------------------------------------------------- launching ranks
-
-
-def _select_backend() -> None:
-    """Use ``SPARSE_CKPT_BACKEND`` in a forked rank even if the parent swapped the core in-process."""
-    name = os.environ.get("SPARSE_CKPT_BACKEND", "").strip().lower()
-    if name not in ("python", "cpp"):
-        return
-    import importlib
-
-    from sparse_ckpt import _backend
-
-    _backend.core = importlib.import_module("sparse_ckpt._core_py" if name == "python" else "sparse_ckpt._C")
-    _backend.NAME = name
-
-
-def _rank_entry(fn: Callable[..., Any], rank: int, world_size: int, store: str, err_dir: str, args: tuple[Any, ...]) -> None:
-    code = 0
-    try:
-        torch.set_num_threads(1)
-        _select_backend()
-        warnings.filterwarnings("ignore", category=UserWarning)
-        warnings.filterwarnings("ignore", category=FutureWarning)
-        dist.init_process_group(
-            "gloo", init_method=f"file://{store}", rank=rank, world_size=world_size, timeout=timedelta(seconds=120)
-        )
-        try:
-            fn(rank, world_size, *args)
-        finally:
-            dist.destroy_process_group()
-    except BaseException:  # noqa: BLE001 - report any failure (DCP's CheckpointException is a BaseException)
-        Path(err_dir, f"error-rank{rank}.txt").write_text(traceback.format_exc())
-        code = 1
-    sys.stdout.flush()
-    sys.stderr.flush()
-    os._exit(code)
-
-
-def _start_ranks(fn: Callable[..., Any], world_size: int, err_dir: str, args: tuple[Any, ...]) -> list[Any]:
-    ctx = multiprocessing.get_context("fork")
-    store = tempfile.mktemp(prefix="pgstore-", dir=err_dir)
-    procs = [ctx.Process(target=_rank_entry, args=(fn, r, world_size, store, err_dir, args)) for r in range(world_size)]
-    for p in procs:
-        p.start()
-    return procs
-
-
-def _rank_errors(err_dir: str) -> str:
-    return "\n".join(p.read_text() for p in sorted(Path(err_dir).glob("error-rank*.txt")))
-
-
-def run_ranks(fn: Callable[..., Any], world_size: int, *args: Any, err_dir: str, timeout: float = 300.0) -> None:
-    """Run ``fn(rank, world_size, *args)`` on ``world_size`` forked Gloo ranks; raise on any failure.
-
-    A failing rank writes its traceback to ``err_dir``; the others are then terminated.
-    """
-    procs = _start_ranks(fn, world_size, err_dir, args)
-    deadline = time.monotonic() + timeout
-    try:
-        while any(p.is_alive() for p in procs):
-            if any(p.exitcode not in (None, 0) for p in procs) or time.monotonic() > deadline:
-                break
-            time.sleep(0.02)
-    finally:
-        for p in procs:
-            if p.is_alive():
-                p.terminate()
-        for p in procs:
-            p.join(10)
-            if p.is_alive():
-                p.kill()
-                p.join()
-    errors = _rank_errors(err_dir)
-    if errors or any(p.exitcode != 0 for p in procs):
-        codes = [p.exitcode for p in procs]
-        raise RuntimeError(f"{world_size} ranks of {fn.__name__}: exit codes {codes}\n{errors}")
-
-
-def _killable_launcher(fn: Callable[..., Any], world_size: int, err_dir: str, args: tuple[Any, ...]) -> None:
-    os.setsid()  # a process group of its own: the launcher and its ranks die together
-    procs = _start_ranks(fn, world_size, err_dir, args)
-    for p in procs:
-        p.join()
-    os._exit(0)
-
-
-def run_killed(
-    fn: Callable[..., Any], world_size: int, *args: Any, markers: Sequence[Path], err_dir: str, timeout: float = 300.0
-) -> float:
-    """Run ``fn`` like :func:`run_ranks` in a new process group; SIGKILL the group once all ``markers`` exist.
-
-    Returns the seconds from the start to the kill. Raises if a rank fails or ends before the markers.
-    """
-    ctx = multiprocessing.get_context("fork")
-    launcher = ctx.Process(target=_killable_launcher, args=(fn, world_size, err_dir, args))
-    t0 = time.monotonic()
-    launcher.start()
-    try:
-        while not all(m.exists() for m in markers):
-            errors = _rank_errors(err_dir)
-            if errors or not launcher.is_alive() or time.monotonic() - t0 > timeout:
-                raise RuntimeError(
-                    f"the run to kill ended or failed before stalling in its save (launcher exit code "
-                    f"{launcher.exitcode}, {time.monotonic() - t0:.1f} s)\n{errors}"
-                )
-            time.sleep(0.01)
-        elapsed = time.monotonic() - t0
-    finally:
-        try:
-            os.killpg(launcher.pid, signal.SIGKILL)
-        except ProcessLookupError:
-            pass
-        launcher.join(10)
-    return elapsed
 
 
 # --------------------------------------------------------------------------- the drill
@@ -676,6 +581,8 @@ def run_drill(
     nproc: int = 2,
     resume_sizes: Sequence[int] = (2, 1, 4),
     root: str | os.PathLike[str] | None = None,
+    *,
+    rank_fn: Callable[..., None] = train_run,
 ) -> DrillResult:
     """The whole drill under ``root`` (a new temp directory if ``None``); raises ``AssertionError`` on a mismatch.
 
@@ -683,6 +590,9 @@ def run_drill(
     2. ``killed/``: the same run, SIGKILLed while the save of ``cfg.kill_step()`` is in flight;
     3. ``resume-<n>/`` for every ``n`` in ``resume_sizes``: resume from ``killed/``'s newest complete
        checkpoint at ``n`` ranks and train to ``cfg.steps``; compare with the reference.
+
+    Ranks run on ``cfg.device``. ``rank_fn``: what every rank runs, :func:`train_run` or a picklable
+    function that calls it with the same arguments (a test may wrap it to add checks inside the ranks).
     """
     base = Path(tempfile.mkdtemp(prefix="resume-drill-") if root is None else root)
     kill = cfg.kill_step()
@@ -691,7 +601,7 @@ def run_drill(
         (d / "ckpt").mkdir(parents=True, exist_ok=True)
 
     ref_dir = dirs["reference"]
-    run_ranks(train_run, nproc, cfg, str(ref_dir / "ckpt"), str(ref_dir), err_dir=str(ref_dir))
+    run_ranks(rank_fn, nproc, cfg, str(ref_dir / "ckpt"), str(ref_dir), err_dir=str(ref_dir), device=cfg.device)
     reference = json.loads((ref_dir / TIMINGS).read_text())
     ref_snap = torch.load(ref_dir / SNAPSHOT, weights_only=True)
     if dist.is_initialized():
@@ -704,7 +614,8 @@ def run_drill(
     kdir = dirs["killed"]
     markers = [kdir / f"stalled-{r}" for r in range(nproc)]
     killed_after = run_killed(
-        train_run, nproc, cfg, str(kdir / "ckpt"), str(kdir), None, kill, markers=markers, err_dir=str(kdir)
+        rank_fn, nproc, cfg, str(kdir / "ckpt"), str(kdir), None, kill, markers=markers, err_dir=str(kdir),
+        device=cfg.device,
     )
     ckpts = sorted((p for p in (kdir / "ckpt").iterdir() if _STEP_DIR.match(p.name)), key=lambda p: int(p.name[5:]))
     incomplete = [p.name for p in ckpts if not (p / ".metadata").exists()]
@@ -718,7 +629,8 @@ def run_drill(
     result = DrillResult(cfg, nproc, base, kill, found[1].name, reference, killed_after, incomplete)
     for n in resume_sizes:
         rdir = dirs[f"resume-{n}"]
-        run_ranks(train_run, n, cfg, str(rdir / "ckpt"), str(rdir), str(kdir / "ckpt"), err_dir=str(rdir))
+        run_ranks(rank_fn, n, cfg, str(rdir / "ckpt"), str(rdir), str(kdir / "ckpt"), err_dir=str(rdir),
+                  device=cfg.device)
         info = json.loads((rdir / TIMINGS).read_text())
         snap = torch.load(rdir / SNAPSHOT, weights_only=True)
         check_snapshot_sparsity(snap, cfg, initial)
@@ -738,7 +650,7 @@ def _ms(seconds: float) -> str:
 
 def format_saves(title: str, info: Mapping[str, Any]) -> list[str]:
     """One line per save: the checkpoint stall next to the mean step time."""
-    lines = [f"{title} ({info['world_size']} rank(s), core {info['backend']})"]
+    lines = [f"{title} ({info['world_size']} rank(s) on {info.get('device', 'cpu')}, core {info['backend']})"]
     if "load_s" in info:
         lines.append(f"  load {info['resumed_from']}: {_ms(info['load_s'])}")
     for s in info["saves"]:
@@ -759,6 +671,12 @@ def _sizes(text: str) -> list[int]:
     return sizes
 
 
+def default_resume_sizes(nproc: int, devices: int | None) -> list[int]:
+    """``nproc`` first, then those of 1, 2 and 4 that differ from it and that ``devices`` accelerators
+    allow (one rank each; ``None``: the CPU, no limit)."""
+    return [nproc, *(n for n in (1, 2, 4) if n != nproc and (devices is None or n <= devices))]
+
+
 def main(argv: Sequence[str] | None = None) -> int:
     """``python -m bench.resume``: run the drill, print stalls, step times and the resume checks."""
     parser = argparse.ArgumentParser(prog="python -m bench.resume", description=__doc__.split("\n\n")[0])
@@ -768,7 +686,9 @@ def main(argv: Sequence[str] | None = None) -> int:
     parser.add_argument("--kill-at", type=int, default=None, help="the save step in flight when killed "
                         "(default: the second to last save)")
     parser.add_argument("--resume-sizes", type=_sizes, default=None, help="world sizes to resume at (default 1,2,4 "
-                        "with --nproc first)")
+                        "with --nproc first; on cuda/npu only those the devices present allow)")
+    parser.add_argument("--device", choices=DEVICES, default="cpu", help="cpu: Gloo ranks (default); cuda: NCCL, one "
+                        "rank per GPU (--nproc and --resume-sizes at most the GPUs present); npu: torch_npu, HCCL")
     parser.add_argument("--dim", type=int, default=DrillConfig.dim, help="model width (default %(default)s)")
     parser.add_argument("--hidden", type=int, default=DrillConfig.hidden, help="expert width (default %(default)s)")
     parser.add_argument("--experts", type=int, default=DrillConfig.n_experts, help="experts per block (default "
@@ -781,15 +701,24 @@ def main(argv: Sequence[str] | None = None) -> int:
     if args.nproc < 1:
         parser.error("--nproc must be >= 1")
     cfg = DrillConfig(steps=args.steps, every=args.every, kill_at=args.kill_at, dim=args.dim, hidden=args.hidden,
-                      n_experts=args.experts, routed=min(args.routed, args.experts), n_blocks=args.blocks)
+                      n_experts=args.experts, routed=min(args.routed, args.experts), n_blocks=args.blocks,
+                      device=args.device)
     try:
         kill = cfg.kill_step()
     except ValueError as exc:
         parser.error(str(exc))
-    sizes = args.resume_sizes or [args.nproc, *(n for n in (1, 2, 4) if n != args.nproc)]
-    print(f"resume drill: {args.nproc} rank(s), {cfg.steps} steps, save every {cfg.every}, SIGKILL during the save of "
-          f"step {kill}, resume at {','.join(map(str, sizes))}; core {sc.backend()}; torch {torch.__version__}",
-          flush=True)
+    try:
+        check_device(args.device)
+        present = device_count(args.device)
+        sizes = args.resume_sizes or default_resume_sizes(args.nproc, present)
+        check_world_sizes(args.device, [args.nproc, *sizes])
+    except DeviceUnavailable as exc:
+        print(f"error: {exc}", file=sys.stderr)
+        return 2
+    where = args.device if present is None else f"{args.device} ({present} present)"
+    print(f"resume drill: {args.nproc} rank(s) on {where}, {cfg.steps} steps, save every {cfg.every}, SIGKILL during "
+          f"the save of step {kill}, resume at {','.join(map(str, sizes))}; core {sc.backend()}; "
+          f"torch {torch.__version__}", flush=True)
     root = args.out
     tmp = None
     if root is None:

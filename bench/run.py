@@ -37,6 +37,7 @@ import torch
 import sparse_ckpt
 
 from . import report
+from .devices import DeviceUnavailable, check_device
 from .fixtures import LAYOUTS, STATE_INITS, FixtureCache, Scale, gc_paused, parse_scales
 from .measure import (
     EXPORT_SAVE,
@@ -89,30 +90,6 @@ def default_prog() -> str:
         rel = os.path.relpath(__file__)
         return f"python {__file__ if rel.startswith('..') else rel}"
     return f"python -m {__package__}"
-
-
-class DeviceUnavailable(RuntimeError):
-    """The requested ``--device`` cannot be used on this machine."""
-
-
-def check_device(name: str) -> None:
-    """Import what ``name`` needs and make sure one such device is present."""
-    if name == "cpu":
-        return
-    if name == "cuda":
-        if not torch.cuda.is_available():
-            raise DeviceUnavailable("--device cuda: torch.cuda.is_available() is False (no GPU or a CPU-only torch)")
-        return
-    if name == "npu":
-        try:
-            import torch_npu  # noqa: F401
-        except ImportError as exc:
-            raise DeviceUnavailable(f"--device npu: torch_npu is not importable ({exc})") from None
-        npu = getattr(torch, "npu", None)
-        if npu is None or not npu.is_available():
-            raise DeviceUnavailable("--device npu: torch_npu is installed but no NPU is available")
-        return
-    raise DeviceUnavailable(f"unknown device {name!r}")
 
 
 def cpu_model() -> str:

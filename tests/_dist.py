@@ -1,11 +1,16 @@
 """Run a function on N Gloo ranks in real processes (multi-rank tests).
 
-``run_ranks(fn, world_size, *args)`` starts ``world_size`` processes (``fork`` where available:
-no re-import of torch, so a 2-rank group starts in well under a second), initialises a Gloo
-process group on a free port in each, calls ``fn(rank, world_size, *args)``, and always destroys
-the process group. A worker's exception fails the parent test with the worker's traceback; the
-other ranks are terminated. The core backend of the parent test (``SPARSE_CKPT_BACKEND``) is
-used by the workers.
+``run_ranks(fn, world_size, *args)`` runs ``fn(rank, world_size, *args)`` on ``world_size`` Gloo
+ranks through the drill's launcher (``bench/ranks.py``: ranks forked from a fork server that never
+touched a device, or spawned; never forked from the test process, which crashes on GPU machines)
+and always destroys the process group. ``fn`` must be a module-level function. A worker's exception
+fails the parent test with the worker's traceback; the other ranks are terminated. The workers use
+the parent test's core backend.
+
+Every rank runs with :func:`forbid_default_mesh`: ``fully_shard`` without ``mesh=`` (or torch's
+default mesh, which it builds on the machine's accelerator, CUDA on a GPU machine) raises, so a
+multi-rank test passes here only if it would also run on a GPU machine. :func:`cpu_mesh` is the
+explicit mesh to pass instead.
 
 The FSDP2 model the multi-rank tests share: :class:`FsdpNet` and :func:`build_fsdp` (the net,
 ``fully_shard``-ed or plain, with a ``MultiOptimizer`` of leaves ``body`` and ``head``),
@@ -19,92 +24,81 @@ Full values across ranks: :func:`full_copy` (a DTensor's full value, a collectiv
 
 from __future__ import annotations
 
-import datetime
-import os
-import socket
-import sys
-import time
+import functools
+import inspect
+import shutil
+import tempfile
 from collections.abc import Callable
 from typing import Any
 
 import torch
 import torch.distributed as dist
-import torch.multiprocessing as mp
 from helpers import assert_deep_equal, clone_value, fqn_view
 from torch import nn
+from torch.distributed.device_mesh import DeviceMesh, init_device_mesh
 from torch.distributed.fsdp import fully_shard
 from torch.distributed.tensor import DTensor
 
 import sparse_ckpt as sc
+from bench import ranks
 from sparse_ckpt.leaves import named_leaves
 
 
-def free_port() -> int:
-    """A TCP port that was free a moment ago (bind to port 0)."""
-    with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as s:
-        s.bind(("127.0.0.1", 0))
-        return int(s.getsockname()[1])
+class DefaultMeshForbidden(RuntimeError):
+    """Raised in a rank when torch is about to build ``fully_shard``'s default mesh."""
 
 
-def _select_backend(name: str | None) -> None:
-    if not name:
-        return
-    import importlib
-
-    from sparse_ckpt import _backend
-
-    module = "sparse_ckpt._core_py" if name == "python" else "sparse_ckpt._C"
-    _backend.core = importlib.import_module(module)
-    _backend.NAME = name
+_DEFAULT_MESH_BUILDERS = ("_init_default_mesh", "_init_default_fully_shard_mesh")
+"""The names under which torch's ``fully_shard`` calls its default-mesh builder (torch 2.13; 2.6-2.10)."""
 
 
-def _entry(
-    rank: int, fn: Callable[..., Any], world_size: int, port: int, backend: str | None, args: tuple[Any, ...]
-) -> None:
-    os.environ["MASTER_ADDR"] = "127.0.0.1"
-    os.environ["MASTER_PORT"] = str(port)
-    os.environ["RANK"] = str(rank)
-    os.environ["WORLD_SIZE"] = str(world_size)
-    torch.set_num_threads(1)
-    _select_backend(backend)
-    dist.init_process_group(
-        "gloo", rank=rank, world_size=world_size, timeout=datetime.timedelta(seconds=60)
-    )
+def forbid_default_mesh() -> None:
+    """In this process, make ``fully_shard(module)`` without ``mesh=`` raise :class:`DefaultMeshForbidden`.
+
+    torch builds that default mesh on ``torch._C._get_accelerator()``: CUDA on a GPU machine, even
+    when the run is Gloo on CPU, so code that relies on it crashes there. The builder is a private
+    torch function, replaced in the namespace ``fully_shard`` is defined in; if none of the known
+    names is found, the torch version is not supported here and this raises ``RuntimeError`` (update
+    :data:`_DEFAULT_MESH_BUILDERS`), rather than guarding nothing.
+    """
+    namespace = inspect.unwrap(fully_shard).__globals__  # (the public function is a decorated wrapper)
+    names = [n for n in _DEFAULT_MESH_BUILDERS if n in namespace]
+    if not names:
+        where = namespace.get("__name__")
+        raise RuntimeError(f"torch {torch.__version__}: {where} has none of {_DEFAULT_MESH_BUILDERS}")
+
+    def refuse(*_args: Any, **_kwargs: Any) -> DeviceMesh:
+        raise DefaultMeshForbidden(
+            "fully_shard was called without mesh=: torch would build its default mesh on the machine's "
+            "accelerator (CUDA on a GPU machine, even for a Gloo/CPU run); pass mesh=cpu_mesh()"
+        )
+
+    for name in names:
+        namespace[name] = refuse
+
+
+def cpu_mesh() -> DeviceMesh:
+    """A 1-D CPU device mesh over the whole process group (what ``fully_shard`` gets in the tests)."""
+    return init_device_mesh("cpu", (dist.get_world_size(),))
+
+
+def _run_guarded(fn: Callable[..., Any], rank: int, world_size: int, *args: Any) -> None:
+    forbid_default_mesh()
+    fn(rank, world_size, *args)
+
+
+def guarded(fn: Callable[..., Any]) -> Callable[..., None]:
+    """``fn`` (a rank function) run under :func:`forbid_default_mesh`; picklable when ``fn`` is."""
+    return functools.partial(_run_guarded, fn)
+
+
+def run_ranks(fn: Callable[..., Any], world_size: int, *args: Any, timeout: float = 120.0) -> None:
+    """Run ``fn(rank, world_size, *args)`` on ``world_size`` Gloo ranks; re-raise a worker's failure."""
+    err_dir = tempfile.mkdtemp(prefix="ranks-")
     try:
-        fn(rank, world_size, *args)
+        ranks.run_ranks(guarded(fn), world_size, *args, err_dir=err_dir, timeout=timeout)
     finally:
-        dist.destroy_process_group()
-
-
-def run_ranks(
-    fn: Callable[..., Any], world_size: int, *args: Any, timeout: float = 120.0, start_method: str | None = None
-) -> None:
-    """Run ``fn(rank, world_size, *args)`` on ``world_size`` Gloo ranks; re-raise a worker's failure.
-
-    ``start_method``: ``"spawn"`` for workers that must not inherit the parent's state (a trainer
-    package's singletons, a GPU runtime); default ``fork`` on Linux (fast), else ``spawn``."""
-    method = start_method or ("fork" if sys.platform.startswith("linux") else "spawn")
-    backend = os.environ.get("SPARSE_CKPT_BACKEND")
-    ctx = mp.start_processes(
-        _entry,
-        args=(fn, world_size, free_port(), backend, args),
-        nprocs=world_size,
-        join=False,
-        start_method=method,
-    )
-    deadline = time.monotonic() + timeout
-    try:
-        while not ctx.join(timeout=max(0.1, min(5.0, deadline - time.monotonic()))):
-            if time.monotonic() > deadline:
-                raise TimeoutError(f"{world_size} ranks running {fn.__name__} did not finish within {timeout} s")
-    finally:
-        for p in ctx.processes:
-            if p.is_alive():
-                p.terminate()
-        for p in ctx.processes:
-            p.join(5)
-            if p.is_alive():
-                p.kill()
+        shutil.rmtree(err_dir, ignore_errors=True)
 
 
 # --------------------------------------------------------------------------- the FSDP2 model
@@ -134,9 +128,10 @@ def build_fsdp(seed: int, sharded: bool) -> tuple[FsdpNet, sc.MultiOptimizer]:
     torch.manual_seed(seed)
     model = FsdpNet()
     if sharded:
+        mesh = cpu_mesh()
         for layer in model.layers:
-            fully_shard(layer)
-        fully_shard(model)
+            fully_shard(layer, mesh=mesh)
+        fully_shard(model, mesh=mesh)
     opt = sc.MultiOptimizer(
         model,
         {
@@ -264,13 +259,16 @@ def assert_snapshots_equal(
 __all__ = [
     "DIM",
     "HEAD_LR",
+    "DefaultMeshForbidden",
     "FsdpNet",
     "assert_snapshots_equal",
     "assert_state_placed_like_params",
     "build_fsdp",
-    "free_port",
+    "cpu_mesh",
+    "forbid_default_mesh",
     "full_copy",
     "full_snapshot",
+    "guarded",
     "run_ranks",
     "train_body",
     "trained_fsdp",

@@ -4,6 +4,10 @@ The autouse fixture ``core_backend`` is parametrized over ``python`` and ``cpp``
 ``sparse_ckpt._backend.core`` for the test and sets ``SPARSE_CKPT_BACKEND`` so that processes a
 test spawns (multi-rank tests) use the same backend. ``cpp`` is skipped only when the extension
 is not built and ``SPARSE_CKPT_REQUIRE_CPP`` is unset (CI sets it, so a missing build fails).
+
+``forbid_fork`` (used by the modules that start ranks) makes ``os.fork`` raise in the test process:
+ranks forked from a process that may have touched CUDA crash on GPU machines, so they must start
+from a fork server or by spawn (``bench/ranks.py``).
 """
 
 from __future__ import annotations
@@ -25,6 +29,23 @@ def _cpp_core():
         if os.environ.get("SPARSE_CKPT_REQUIRE_CPP"):
             raise
         pytest.skip(f"C++ extension not built: {exc}")
+
+
+class ForkForbidden(RuntimeError):
+    """``os.fork`` was called in the test process under ``forbid_fork``."""
+
+
+@pytest.fixture
+def forbid_fork(monkeypatch):
+    """``os.fork`` (what the ``fork`` start method of multiprocessing calls) raises for the test's duration."""
+
+    def refuse(*_args, **_kwargs):
+        raise ForkForbidden(
+            "os.fork() in the test process: start ranks with forkserver or spawn (bench/ranks.py), "
+            "a forked rank cannot use CUDA once the parent has touched it"
+        )
+
+    monkeypatch.setattr(os, "fork", refuse)  # fork on purpose: the guard replaces it
 
 
 @pytest.fixture(params=BACKENDS, autouse=True)

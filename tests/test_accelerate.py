@@ -217,7 +217,7 @@ def test_readme_section_has_its_two_blocks() -> None:
 def test_accelerate_fsdp2_save_state_load_state_drill(tmp_path: Path, core_backend: str) -> None:
     if core_backend == "python" and importlib.util.find_spec("sparse_ckpt._C") is not None:
         pytest.skip("the 2-rank drill runs once, on the C++ core (most of its time is starting ranks)")
-    run_ranks(drill, 2, str(tmp_path), start_method="spawn", timeout=300)
+    run_ranks(drill, 2, str(tmp_path), timeout=300)
 
 
 # --------------------------------------------------------------------------- one process

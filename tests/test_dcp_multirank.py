@@ -29,7 +29,10 @@ from torch.distributed.tensor import DTensor
 import sparse_ckpt as sc
 from sparse_ckpt import inspect_checkpoint
 
-pytestmark = pytest.mark.filterwarnings("ignore:torch.distributed is disabled:UserWarning")
+pytestmark = [
+    pytest.mark.filterwarnings("ignore:torch.distributed is disabled:UserWarning"),
+    pytest.mark.usefixtures("forbid_fork"),  # ranks start from a fork server or by spawn (tests/conftest.py)
+]
 
 
 # --------------------------------------------------------------------------- save, load (snapshots: tests/_dist.py)

@@ -43,7 +43,10 @@ from sparse_ckpt.export import (
     read_export,
 )
 
-pytestmark = pytest.mark.filterwarnings("ignore:torch.distributed is disabled:UserWarning")
+pytestmark = [
+    pytest.mark.filterwarnings("ignore:torch.distributed is disabled:UserWarning"),
+    pytest.mark.usefixtures("forbid_fork"),  # ranks start from a fork server or by spawn (tests/conftest.py)
+]
 
 IDLE_LR = 0.0025
 

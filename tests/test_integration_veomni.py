@@ -59,7 +59,7 @@ def core_backend(request: pytest.FixtureRequest) -> Iterator[str]:
 @pytest.fixture(scope="module")
 def facts(core_backend: str, tmp_path_factory: pytest.TempPathFactory) -> dict[str, Any]:
     root = tmp_path_factory.mktemp("veomni-drill")
-    run_ranks(veomni_drill.worker, 2, str(root), timeout=240, start_method="spawn")
+    run_ranks(veomni_drill.worker, 2, str(root), timeout=240)
     return torch.load(root / "facts.pt", weights_only=False)
 
 

@@ -310,17 +310,39 @@ def test_load_interrupted_at_every_line(kind: str, hooks: bool, gc_setting: None
     sweep(load, check, restore)
 
 
-def _alarm(_signum: int, _frame: Any) -> None:
-    raise KeyboardInterrupt
+SIGALRM_MIN_TRIALS = 100
+"""Interrupts :func:`test_real_sigalrm_interrupts` needs in all, and (``SIGALRM_MIN_INSIDE``) inside saves and
+inside loads each: it runs until it has them (or the time cap), however slow or loaded the machine."""
+SIGALRM_MIN_INSIDE = 30
+SIGALRM_TIME_CAP_S = 120.0
+
+
+class _Landings:
+    """A SIGALRM handler raising KeyboardInterrupt that counts where it landed: inside a save, inside a
+    load (``call`` names the call in progress) or between calls."""
+
+    def __init__(self) -> None:
+        self.call: str | None = None
+        self.counts = {"save": 0, "load": 0, "between": 0}
+
+    def __call__(self, _signum: int, _frame: Any) -> None:
+        self.counts[self.call or "between"] += 1
+        self.call = None
+        raise KeyboardInterrupt
+
+    def total(self) -> int:
+        return sum(self.counts.values())
 
 
 def test_real_sigalrm_interrupts(gc_setting: None) -> None:
     """A one-shot SIGALRM raising KeyboardInterrupt at random points of repeated saves and of loads.
 
     A save trial repeats saves until the signal lands (inside one, or in the loop between two);
-    a load trial resets the target, loads once and spins until it lands. Afterwards: the GC is
-    enabled, no pause or lock is left, a loaded target is unchanged or fully loaded, and a save
-    of the same optimizer succeeds and is exact.
+    a load trial resets the target, loads once and spins until it lands. After every interrupt
+    that landed: the GC is enabled, no pause or lock is left, a loaded target is unchanged or fully
+    loaded, and a save of the same optimizer succeeds and is exact. Trials go on until at least
+    ``SIGALRM_MIN_TRIALS`` interrupts landed, ``SIGALRM_MIN_INSIDE`` of them inside saves and as many
+    inside loads (a count of samples, not of time: a slow or loaded machine just takes longer).
     """
     if not hasattr(signal, "setitimer") or threading.current_thread() is not threading.main_thread():
         pytest.skip("needs signal.setitimer in the main thread")
@@ -339,11 +361,17 @@ def test_real_sigalrm_interrupts(gc_setting: None) -> None:
     for _ in range(20):
         sc.load_sparse_state_dict(target_model, target, reference)
     per_call = (time.perf_counter() - t0) / 20
-    previous = signal.signal(signal.SIGALRM, _alarm)
+    landings = _Landings()
+    previous = signal.signal(signal.SIGALRM, landings)
     trials = broken = 0
-    deadline = time.perf_counter() + 1.0
+    t0 = time.perf_counter()
+
+    def enough() -> bool:
+        c = landings.counts
+        return trials >= SIGALRM_MIN_TRIALS and min(c["save"], c["load"]) >= SIGALRM_MIN_INSIDE
+
     try:
-        while time.perf_counter() < deadline:
+        while not enough() and time.perf_counter() - t0 < SIGALRM_TIME_CAP_S:
             trials += 1
             loading = trials % 2 == 0
             if loading:
@@ -351,14 +379,19 @@ def test_real_sigalrm_interrupts(gc_setting: None) -> None:
             try:
                 signal.setitimer(signal.ITIMER_REAL, rng.uniform(1e-6, 1.5 * per_call))
                 if loading:
+                    landings.call = "load"
                     sc.load_sparse_state_dict(target_model, target, reference)
+                    landings.call = None
                 while True:
                     if not loading:
+                        landings.call = "save"
                         sc.sparse_state_dict(model, opt)
+                        landings.call = None
             except KeyboardInterrupt:
                 pass
             finally:
                 signal.setitimer(signal.ITIMER_REAL, 0)
+                landings.call = None
             ok = gc.isenabled() and _gc.pauses_in_progress() == 0
             try:
                 assert_nothing_held(True, "a random point")
@@ -377,8 +410,11 @@ def test_real_sigalrm_interrupts(gc_setting: None) -> None:
     finally:
         signal.setitimer(signal.ITIMER_REAL, 0)
         signal.signal(signal.SIGALRM, previous)
-    assert trials > 100
-    assert broken == 0, f"{broken} of {trials} interrupts left something broken"
+    elapsed = time.perf_counter() - t0
+    assert landings.total() == trials, f"{trials} trials, but {landings.counts} interrupts landed"
+    assert enough(), f"only {trials} interrupts landed in {elapsed:.0f} s ({landings.counts}); the test needs " \
+                     f"{SIGALRM_MIN_TRIALS}, {SIGALRM_MIN_INSIDE} inside saves and inside loads each"
+    assert broken == 0, f"{broken} of {trials} interrupts ({landings.counts}) left something broken"
 
 
 def test_interrupted_pause_never_ends_another_threads_pause(gc_setting: None) -> None:

@@ -22,7 +22,7 @@ from helpers import (
 
 import sparse_ckpt as sc
 from sparse_ckpt.dcp import SparseStateDict
-from sparse_ckpt.format import PACKED_MARKER, PLANNER_GUARD_KEY
+from sparse_ckpt.format import PACKED_MARKER, PLANNER_GUARD_KEY, is_foreign_guard
 
 
 def _mo(model: Any, lr_experts: float = 0.01, lr_dense: float = 0.02) -> sc.MultiOptimizer:
@@ -173,7 +173,9 @@ def test_state_dict_equals_sparse_state_dict() -> None:
     train(model, mo, 2, only_experts=[1, 3])
     sd = mo.state_dict()
     assert isinstance(sd, SparseStateDict) and PLANNER_GUARD_KEY in sd  # the DCP Stateful's dict
-    sd = {k: v for k, v in sd.items() if k != PLANNER_GUARD_KEY}
+    guards = {k for k, v in sd.items() if is_foreign_guard(k, v)}  # one per leaf (its first FQN), one nested
+    assert guards == {"param_groups.experts.0.up.weight.lr", "param_groups.embed.weight.lr", "param_groups.0.lr"}
+    sd = {k: v for k, v in sd.items() if k != PLANNER_GUARD_KEY and k not in guards}
     assert_deep_equal(sd, sc.sparse_state_dict(model, mo), "mo.state_dict() vs sparse_state_dict")
     tables = [k for k in sd if k.startswith(f"param_groups.{PACKED_MARKER}.")]
     assert [k.split(".")[2] for k in tables] == ["experts", "dense"]

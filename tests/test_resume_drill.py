@@ -2,11 +2,13 @@
 
 One drill per backend (cached for the tests of this module): an uninterrupted 2-rank FSDP2 run of
 a MoE + frozen vision tower model with a three-leaf ``MultiOptimizer`` and async saves every 2
-steps; the same run SIGKILLed (its whole process group) while the save of step 6 is in flight;
+steps; the same run SIGKILLed (every rank's process group) while the save of step 6 is in flight;
 resumes from the last complete checkpoint (step 4) at world sizes 2, 1 and 4, trained on to step 8.
 The tests then check what the drill found: the killed checkpoint is incomplete, every resume is
 bit-identical to the uninterrupted run, and no optimizer state exists for unrouted experts or the
 frozen vision leaf. A broken resume (one app-state key not loaded) must fail the comparison.
+The drills run as on a GPU machine: no fork in this process (``forbid_fork``) and no default mesh
+in the ranks (``_dist.guarded``).
 """
 
 from __future__ import annotations
@@ -19,12 +21,16 @@ from typing import Any
 import pytest
 import torch
 import torch.distributed.checkpoint as dcp
+from _dist import guarded
 
 import sparse_ckpt as sc
 from bench import resume
 from sparse_ckpt import inspect_checkpoint
 
-pytestmark = pytest.mark.filterwarnings("ignore::UserWarning", "ignore::FutureWarning")
+pytestmark = [
+    pytest.mark.filterwarnings("ignore::UserWarning", "ignore::FutureWarning"),
+    pytest.mark.usefixtures("forbid_fork"),  # ranks start from a fork server or by spawn (tests/conftest.py)
+]
 
 CFG = resume.DrillConfig(steps=8, every=2)  # saves at 2, 4, 6, 8; the save of step 6 is killed
 RESUME_SIZES = (2, 1, 4)
@@ -36,7 +42,9 @@ def drill(core_backend: str, tmp_path_factory: pytest.TempPathFactory) -> resume
     """The drill of the active backend (run once per backend, then reused)."""
     if core_backend not in _DRILLS:
         root = tmp_path_factory.mktemp(f"drill-{core_backend}")
-        _DRILLS[core_backend] = resume.run_drill(CFG, nproc=2, resume_sizes=RESUME_SIZES, root=root)
+        _DRILLS[core_backend] = resume.run_drill(
+            CFG, nproc=2, resume_sizes=RESUME_SIZES, root=root, rank_fn=guarded(resume.train_run)
+        )
     result = _DRILLS[core_backend]
     assert result.reference["backend"] == core_backend
     return result
@@ -99,7 +107,7 @@ def test_no_state_for_unrouted_experts_or_vision(drill: resume.DrillResult) -> N
 @pytest.mark.parametrize("skip", ["optim", "sched"])
 def test_broken_resume_is_caught(drill: resume.DrillResult, tmp_path: Path, skip: str) -> None:
     """Resuming without the optimizer (or the schedulers) trains on, but the comparison fails."""
-    resume.run_ranks(resume.train_run, 2, CFG, str(tmp_path / "ckpt"), str(tmp_path),
+    resume.run_ranks(guarded(resume.train_run), 2, CFG, str(tmp_path / "ckpt"), str(tmp_path),
                      str(drill.root / "killed" / "ckpt"), None, (skip,), err_dir=str(tmp_path))
     ref = torch.load(drill.root / "reference" / resume.SNAPSHOT, weights_only=True)
     got = torch.load(tmp_path / resume.SNAPSHOT, weights_only=True)
@@ -138,3 +146,26 @@ def test_cli(core_backend: str, tmp_path: Path) -> None:
     assert "SIGKILL" in text and "last complete: step-2" in text and "resume drill: PASS" in text
     assert text.count("stall") >= 4 + 1 and "mean step" in text
     assert f"core {sc.backend()}" in text
+
+
+def test_default_resume_sizes() -> None:
+    assert resume.default_resume_sizes(2, None) == [2, 1, 4]  # CPU: every size
+    assert resume.default_resume_sizes(1, 1) == [1]  # one GPU: one rank
+    assert resume.default_resume_sizes(2, 2) == [2, 1]
+    assert resume.default_resume_sizes(4, 8) == [4, 1, 2]
+
+
+@pytest.mark.skipif(torch.cuda.is_available(), reason="CUDA is present here: the drill would run")
+def test_cli_device_cuda_without_a_gpu(capsys: pytest.CaptureFixture[str]) -> None:
+    assert resume.main(["--device", "cuda"]) == 2
+    assert "--device cuda: torch.cuda.is_available() is False" in capsys.readouterr().err
+
+
+def test_cli_device_cuda_one_rank_per_gpu(monkeypatch: pytest.MonkeyPatch, capsys: pytest.CaptureFixture[str]) -> None:
+    """More ranks than GPUs is refused before any process starts, naming the count (one GPU simulated)."""
+    monkeypatch.setattr(torch.cuda, "is_available", lambda: True)
+    monkeypatch.setattr(torch.cuda, "device_count", lambda: 1)
+    for argv in (["--nproc", "2"], ["--nproc", "1", "--resume-sizes", "1,2"]):
+        assert resume.main(["--device", "cuda", *argv]) == 2
+        err = capsys.readouterr().err
+        assert "one rank per GPU: a world size of 2 needs 2 GPUs, this machine has 1" in err, err
