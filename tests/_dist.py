@@ -76,9 +76,15 @@ def _entry(
         dist.destroy_process_group()
 
 
-def run_ranks(fn: Callable[..., Any], world_size: int, *args: Any, timeout: float = 120.0) -> None:
-    """Run ``fn(rank, world_size, *args)`` on ``world_size`` Gloo ranks; re-raise a worker's failure."""
-    method = "fork" if sys.platform.startswith("linux") else "spawn"
+def run_ranks(
+    fn: Callable[..., Any], world_size: int, *args: Any, timeout: float = 120.0, start_method: str | None = None
+) -> None:
+    """Run ``fn(rank, world_size, *args)`` on ``world_size`` Gloo ranks; re-raise a worker's failure.
+
+    ``start_method``: ``"spawn"`` for workers that must not inherit the parent's state (each
+    re-imports torch and ``fn``'s module, so ``fn`` must be a module-level function); default
+    ``fork`` where available."""
+    method = start_method or ("fork" if sys.platform.startswith("linux") else "spawn")
     backend = os.environ.get("SPARSE_CKPT_BACKEND")
     ctx = mp.start_processes(
         _entry,
