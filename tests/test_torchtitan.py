@@ -19,12 +19,11 @@ import pytest
 
 pytest.importorskip("torchtitan", reason="torchtitan is not installed (pip install --no-deps -r .ci/requirements-torchtitan.txt)")
 
-import torch  # noqa: E402
-from _dist import assert_snapshots_equal, full_snapshot, run_ranks  # noqa: E402
-from torch.distributed.device_mesh import init_device_mesh  # noqa: E402
+import _titan as tt
+from _dist import assert_snapshots_equal, full_snapshot, run_ranks
+from torch.distributed.device_mesh import init_device_mesh
 
-import _titan as tt  # noqa: E402
-from sparse_ckpt.integrations.torchtitan import SparseCheckpointManager  # noqa: E402
+from sparse_ckpt.integrations.torchtitan import SparseCheckpointManager
 
 pytestmark = pytest.mark.filterwarnings("ignore::UserWarning")
 

@@ -212,8 +212,8 @@ def _optimizer_arg(optimizers: Any) -> Any:
 
 def _describe(obj: Any) -> str:
     if isinstance(obj, (list, tuple)):
-        return f"a {type(obj).__name__} of {[type(o).__name__ for o in obj][:5]}"
-    return f"a {type(obj).__name__}"
+        return f"{type(obj).__name__} of {[type(o).__name__ for o in obj][:5]}"
+    return type(obj).__name__
 
 
 class _TitanOptimizerState(SparseOptimizerState):
@@ -238,7 +238,11 @@ class _TitanOptimizerState(SparseOptimizerState):
             return
         prefix = f"{where}."
         if not any(k.startswith(prefix) for k in keys):
-            return  # no optimizer at all: the planner says so
+            raise CheckpointMismatchError(
+                f"the checkpoint has no {where!r} entries (a model-only checkpoint: last_save_model_only=True or a "
+                f"seed checkpoint); resume from it with exclude_from_loading=[{where!r}], or start a new run from it "
+                "with initial_load_path and initial_load_model_only=True"
+            )
         if not self.migrate:
             raise CheckpointMismatchError(
                 f"the checkpoint's {where!r} entry was not written by sparse_ckpt (no "
