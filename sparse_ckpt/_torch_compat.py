@@ -34,6 +34,11 @@ def load_state_dict_post_hooks(opt: torch.optim.Optimizer) -> list[Callable[...,
     return list(getattr(opt, "_optimizer_load_state_dict_post_hooks", {}).values())
 
 
+def tensor_version(value: Any) -> int | None:
+    """A tensor's version counter (bumped by every in-place change), ``None`` for other values."""
+    return value._version if isinstance(value, torch.Tensor) else None
+
+
 _BASE_NAMED_MODULES = torch.nn.Module.named_modules
 _BASE_NAMED_PARAMETERS = torch.nn.Module.named_parameters
 

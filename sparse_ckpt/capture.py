@@ -15,9 +15,10 @@ from typing import Any
 import torch
 
 from . import _backend
-from ._torch_compat import state_dict_post_hooks, state_dict_pre_hooks
+from ._torch_compat import state_dict_post_hooks, state_dict_pre_hooks, tensor_version
 from .adapters import adapter_for
 from .errors import CheckpointFormatError, ReentrantSerializationError, UnsupportedStateDictError
+from .leaves import held_optimizers_hint, named_leaves
 
 _BASE_STATE_DICT = torch.optim.Optimizer.state_dict
 
@@ -60,7 +61,7 @@ def check_supported(leaf: str, optimizer: Any) -> Any:
     """Return the registered adapter (or ``None``) for ``optimizer``; refuse unsupported ones."""
     if not isinstance(optimizer, torch.optim.Optimizer):
         raise UnsupportedStateDictError(
-            f"leaf {leaf!r}: {type(optimizer).__name__} is not a torch.optim.Optimizer"
+            f"leaf {leaf!r}: {type(optimizer).__name__} is not a torch.optim.Optimizer{held_optimizers_hint(optimizer)}"
         )
     cls = type(optimizer)
     adapter = adapter_for(cls)
@@ -71,11 +72,21 @@ def check_supported(leaf: str, optimizer: Any) -> Any:
             "sparse_ckpt.register_state_dict_adapter)"
         )
     if getattr(cls, "state_dict", None) is not _BASE_STATE_DICT and adapter is None:
+        hint = held_optimizers_hint(optimizer)
         raise UnsupportedStateDictError(
-            f"leaf {leaf!r}: {cls.__name__} overrides state_dict; register how to capture it with "
-            "sparse_ckpt.register_state_dict_adapter"
+            f"leaf {leaf!r}: {cls.__name__} overrides state_dict"
+            + (hint or "; register how to capture it with sparse_ckpt.register_state_dict_adapter")
         )
     return adapter
+
+
+def check_leaves(optimizer: Any) -> list[tuple[str, torch.optim.Optimizer]]:
+    """:func:`sparse_ckpt.leaves.named_leaves`, each leaf checked as a save would check it (so a wrong
+    object fails where it is handed over, not later inside ``dcp.save``)."""
+    leaves = named_leaves(optimizer)
+    for leaf, opt in leaves:
+        check_supported(leaf, opt)
+    return leaves
 
 
 def capture_packed(leaf: str, optimizer: torch.optim.Optimizer) -> tuple[dict[str, Any], list[Any]]:
@@ -116,7 +127,9 @@ def _capture(
     core = _backend.core
     if adapter is not None:
         _groups, _state, id_to_param = core.pack_optimizer(leaf, optimizer.param_groups, {}, torch.Tensor)
+        before = live_fingerprint(optimizer)
         state_dict = adapter(optimizer)
+        _refuse_if_changed(leaf, optimizer, before, adapter)
     else:
         for pre_hook in state_dict_pre_hooks(optimizer):
             pre_hook(optimizer)
@@ -133,6 +146,42 @@ def _capture(
                 state_dict = result
     _check_packed(leaf, state_dict)
     return None, (state_dict, id_to_param)
+
+
+def live_fingerprint(optimizer: torch.optim.Optimizer) -> tuple[list[Any], list[Any]]:
+    """What identifies an optimizer's live groups and state: each group's dict, parameters and setting
+    values (by identity), each state entry's parameter, dict, keys and values (by identity, tensors
+    with their version counter, which every in-place change bumps). Equal fingerprints: unchanged."""
+    groups = [
+        (id(g), [id(p) for p in g["params"]], [(k, id(v)) for k, v in g.items() if k != "params"])
+        for g in optimizer.param_groups
+    ]
+    state = [
+        (id(p), id(s), [(k, id(v), tensor_version(v)) for k, v in s.items()] if isinstance(s, dict) else None)
+        for p, s in optimizer.state.items()
+    ]
+    return groups, state
+
+
+def _refuse_if_changed(leaf: str, optimizer: Any, before: tuple[list[Any], list[Any]], adapter: Any) -> None:
+    """An adapter may only read: raise when the live optimizer's groups or state changed under it
+    (e.g. a ``state_dict`` that runs torch DSD's synthetic step and creates state)."""
+    after = live_fingerprint(optimizer)
+    if after == before:
+        return
+    what = []
+    if after[0] != before[0]:
+        what.append("its param groups")
+    if len(after[1]) != len(before[1]):
+        what.append(f"its state ({len(before[1])} -> {len(after[1])} parameters with state)")
+    elif after[1] != before[1]:
+        what.append("its state values")
+    name = getattr(adapter, "__qualname__", None) or type(adapter).__name__
+    raise UnsupportedStateDictError(
+        f"leaf {leaf!r}: the state_dict adapter {name} changed the live {type(optimizer).__name__} "
+        f"({' and '.join(what)}) while it was being saved; an adapter must only read the optimizer (one that "
+        "calls torch DSD's get_optimizer_state_dict runs a synthetic step that creates state)"
+    )
 
 
 def _check_packed(leaf: str, state_dict: Any) -> None:

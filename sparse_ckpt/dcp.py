@@ -28,7 +28,6 @@ from typing import Any
 
 import torch
 import torch.distributed as dist
-from torch import nn
 from torch.distributed.checkpoint import DefaultLoadPlanner
 from torch.distributed.checkpoint.metadata import BytesStorageMetadata, Metadata, TensorStorageMetadata
 from torch.distributed.checkpoint.planner import ReadItem
@@ -37,6 +36,7 @@ from torch.distributed.tensor import empty as dtensor_empty
 
 from ._dcp_paths import metadata_path, set_path
 from ._torch_compat import called_by_dcp_load
+from .capture import check_leaves
 from .errors import CheckpointFormatError, CheckpointMismatchError
 from .format import (
     GROUPS_PREFIX,
@@ -51,8 +51,7 @@ from .format import (
     split_group_key,
     table_kind,
 )
-from .fqn import FqnMap, build_fqn_map
-from .leaves import named_leaves
+from .fqn import FqnMap, Model, build_fqn_map, check_model
 from .load import load_owned
 from .save import FORMATS, Format, sparse_state_dict
 
@@ -136,9 +135,10 @@ class SparseStateDict(dict):
 class SparseOptimizerState:
     """A DCP ``Stateful`` holding a model and its optimizer(s), saved sparsely and exactly.
 
-    ``optimizer`` is a ``torch.optim.Optimizer``, a :class:`sparse_ckpt.MultiOptimizer` or a
-    ``Mapping[str, Optimizer]``. ``format`` is ``"packed"`` (default) or ``"flat"`` (torch DSD's
-    flat layout). ``strict`` is passed to :func:`sparse_ckpt.load_sparse_state_dict`. Load it with
+    ``model`` is an ``nn.Module`` or a list of pipeline-parallel parts. ``optimizer`` is a
+    ``torch.optim.Optimizer``, a :class:`sparse_ckpt.MultiOptimizer`, a ``Mapping[str, Optimizer]`` or a
+    trainer's optimizer container (see :func:`sparse_ckpt.leaves.named_leaves`); both are checked
+    here. ``format`` is ``"packed"`` (default) or ``"flat"`` (torch DSD's flat layout). ``strict`` is passed to :func:`sparse_ckpt.load_sparse_state_dict`. Load it with
     ``dcp.load(..., planner=sparse_ckpt.SparseLoadPlanner())``.
 
     In a process group of more than one rank, saved FQNs that the local model does not own are
@@ -146,12 +146,11 @@ class SparseOptimizerState:
     process they are. The model's own parameters must always be in the checkpoint (strict mode).
     """
 
-    def __init__(self, model: nn.Module, optimizer: Any, *, format: Format = "packed", strict: bool = True) -> None:
+    def __init__(self, model: Model, optimizer: Any, *, format: Format = "packed", strict: bool = True) -> None:
         if format not in FORMATS:
             raise ValueError(f"format must be one of {FORMATS}, got {format!r}")
-        if not isinstance(model, nn.Module):
-            raise TypeError(f"model must be an nn.Module, got {type(model).__name__}")
-        named_leaves(optimizer)  # validate the optimizer argument now, not at save time
+        check_model(model)
+        check_leaves(optimizer)  # validate the optimizer argument now, not inside dcp.save
         self.model = model
         self.optimizer = optimizer
         self.format: Format = format

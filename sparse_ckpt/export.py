@@ -40,7 +40,6 @@ from dataclasses import dataclass, field
 from typing import Any
 
 import torch
-from torch import nn
 from torch.distributed.checkpoint.metadata import TensorStorageMetadata
 from torch.distributed.tensor import DTensor, distribute_tensor
 
@@ -66,7 +65,7 @@ from .dcp import multi_rank
 from .decode import decode_group_tables, table_fqns
 from .errors import CheckpointFormatError
 from .format import PACKED_PREFIX, SCALARS_PREFIX, STATE_PREFIX, STEP_KEY, is_state_item, last_part, owner_fqn
-from .fqn import build_fqn_map
+from .fqn import Model, build_fqn_map
 from .leaves import SINGLE_LEAF
 from .load import load_owned
 
@@ -571,7 +570,7 @@ def _like_param(name: str, value: torch.Tensor, param: torch.Tensor | None) -> t
     return dt
 
 
-def load_export(model: nn.Module, optimizer: Any, out_dir: str | os.PathLike[str], *, strict: bool = True) -> None:
+def load_export(model: Model, optimizer: Any, out_dir: str | os.PathLike[str], *, strict: bool = True) -> None:
     """Restore an export written by :func:`export_checkpoint` into ``optimizer`` (any layout).
 
     Same semantics as :func:`sparse_ckpt.load_sparse_state_dict`: matched by FQN, parameters

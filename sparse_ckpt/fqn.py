@@ -10,12 +10,19 @@ parameter alive) and reused only after one pass over the live module tree finds 
 name and parameter to be the same object in the same place as when the map was built; any
 difference (a module or parameter added, removed, replaced or renamed, a wrapper added) rebuilds
 it. :func:`clear_fqn_cache` drops the kept maps.
+
+A *model* is an ``nn.Module`` or a list/tuple of them: the parts of a pipeline-parallel model
+(torchtitan's ``model_parts``). Each part's parameters keep that part's own names (as torchtitan
+names them); an FQN that two parts both have is an error, since a checkpoint keyed by FQN could
+not tell them apart. A parameter object in two parts is one parameter, saved under its first FQN.
 """
 
 from __future__ import annotations
 
 import weakref
+from collections.abc import Sequence
 from dataclasses import dataclass, field
+from typing import Any, Union
 
 import torch
 from torch import nn
@@ -68,9 +75,64 @@ _MEMOS: weakref.WeakKeyDictionary[nn.Module, tuple] = weakref.WeakKeyDictionary(
 """model -> the core's ``map_parameters`` memo of it (both cores make and read the same memos)."""
 
 
-def build_fqn_map(model: nn.Module) -> FqnMap:
-    """The :class:`FqnMap` of ``model``: built by one walk, or the kept map of an earlier call when a
-    walk that compares identities finds the model's modules, names and parameters unchanged."""
+Model = Union[nn.Module, Sequence[nn.Module]]
+"""What sparse_ckpt accepts as a model: a module, or the list of a pipeline-parallel model's parts."""
+
+
+def check_model(model: Any) -> None:
+    """Raise ``TypeError`` unless ``model`` is an ``nn.Module`` or a non-empty list/tuple of them."""
+    if isinstance(model, nn.Module):
+        return
+    if isinstance(model, (list, tuple)):
+        if not model:
+            raise TypeError("model is an empty list; pass the nn.Module, or the list of its pipeline-parallel parts")
+        for i, part in enumerate(model):
+            if not isinstance(part, nn.Module):
+                raise TypeError(f"model part {i} is a {type(part).__name__}, not an nn.Module")
+        return
+    raise TypeError(
+        f"model must be an nn.Module or a list of nn.Module (pipeline-parallel model parts), got {type(model).__name__}"
+    )
+
+
+def build_fqn_map(model: Model) -> FqnMap:
+    """The :class:`FqnMap` of ``model`` (a module or a list of parts): built by one walk, or the kept map
+    of an earlier call when a walk that compares identities finds the modules, names and parameters unchanged."""
+    if isinstance(model, nn.Module):
+        return _module_fqn_map(model)
+    check_model(model)
+    if len(model) == 1:
+        return _module_fqn_map(model[0])
+    return _merge_parts([_module_fqn_map(part) for part in model])
+
+
+def _merge_parts(maps: list[FqnMap]) -> FqnMap:
+    """One map of several parts' maps (the parts' own maps, possibly kept ones, are not changed)."""
+    out = FqnMap()
+    owner: dict[str, int] = {}
+    for i, part in enumerate(maps):
+        for name in part.canonical:
+            first = owner.setdefault(name, i)
+            if first != i:
+                raise ValueError(
+                    f"parameter FQN {name!r} is in model part {first} and model part {i}; a checkpoint keyed by "
+                    "FQN cannot tell them apart (name the parts' parameters uniquely)"
+                )
+        renamed: dict[str, str] = {}
+        for pid, fqn in part.fqn_of.items():
+            first_fqn = out.fqn_of.setdefault(pid, fqn)
+            if first_fqn != fqn:  # one parameter object in two parts: an alias of its first FQN
+                renamed[fqn] = first_fqn
+            else:
+                out.param_of[fqn] = part.param_of[fqn]
+        if renamed:
+            out.canonical.update({name: renamed.get(fqn, fqn) for name, fqn in part.canonical.items()})
+        else:
+            out.canonical.update(part.canonical)
+    return out
+
+
+def _module_fqn_map(model: nn.Module) -> FqnMap:
     cached = _memo_of(model)
     mapped = map_parameters(model, STRIPPED_PARTS, _ddp_type(), cached)
     if mapped is None:  # named_parameters/named_modules overridden: the public API

@@ -12,7 +12,6 @@ from itertools import chain
 from typing import Any
 
 import torch
-from torch import nn
 
 from . import _backend
 from ._gc import gc_paused
@@ -32,7 +31,7 @@ from .apply import (
 from .decode import DecodedCheckpoint, decode_checkpoint, fmt_list
 from .errors import CheckpointMismatchError, SparseCheckpointError
 from .format import STATE_PREFIX, STEP_KEY, owner_fqn
-from .fqn import FqnMap, build_fqn_map
+from .fqn import FqnMap, Model, build_fqn_map
 from .leaves import named_leaves
 
 
@@ -170,7 +169,7 @@ def _with_param_names(
 
 
 def load_sparse_state_dict(
-    model: nn.Module,
+    model: Model,
     optimizer: Any,
     state_dict: Mapping[str, Any],
     *,
@@ -188,7 +187,7 @@ def load_sparse_state_dict(
 
 
 def load_owned(
-    model: nn.Module,
+    model: Model,
     optimizer: Any,
     state_dict: Mapping[str, Any],
     *,
@@ -205,7 +204,7 @@ def load_owned(
 
 
 def _load(
-    model: nn.Module,
+    model: Model,
     optimizer: Any,
     state_dict: Mapping[str, Any],
     strict: bool,

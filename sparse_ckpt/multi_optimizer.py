@@ -6,8 +6,10 @@ from collections.abc import Callable, Iterator, Mapping
 from typing import Any
 
 import torch
-from torch import nn
 from torch.utils.hooks import RemovableHandle
+
+from .fqn import Model, check_model
+from .leaves import container_leaves, named_leaves
 
 
 class _MultiHandle:
@@ -30,6 +32,12 @@ class _MultiHandle:
 class MultiOptimizer:
     """Named optimizer leaves over one model, e.g. ``{"experts": AdamW(...), "dense": AdamW(...)}``.
 
+    ``model`` is an ``nn.Module`` or a list of pipeline-parallel parts. ``optimizers`` is a mapping
+    of leaf name to optimizer (thin wrappers such as Accelerate's ``AcceleratedOptimizer`` are
+    unwrapped), or a trainer's container (VeOmni ``MultiOptimizer``, torchtitan
+    ``OptimizersContainer``), whose leaves it takes (:func:`sparse_ckpt.leaves.named_leaves`); this
+    object then steps those leaves itself, not through the container.
+
     ``step``/``zero_grad`` fan out to every leaf; ``state_dict``/``load_state_dict`` use the
     sparse, exact format of :func:`sparse_ckpt.sparse_state_dict`. Leaves keep insertion order.
 
@@ -38,18 +46,22 @@ class MultiOptimizer:
     ``dcp.load({"optim": mo}, planner=sparse_ckpt.SparseLoadPlanner())``.
     """
 
-    def __init__(self, model: nn.Module, optimizers: Mapping[str, torch.optim.Optimizer]) -> None:
-        if not isinstance(model, nn.Module):
-            raise TypeError(f"model must be an nn.Module, got {type(model).__name__}")
-        if not isinstance(optimizers, Mapping):
-            raise TypeError(
-                f"optimizers must be a mapping of leaf name to optimizer (e.g. {{'experts': opt}}), "
-                f"got {type(optimizers).__name__}"
-            )
-        if not optimizers:
+    def __init__(self, model: Model, optimizers: Any) -> None:
+        check_model(model)
+        if isinstance(optimizers, Mapping):
+            pairs = named_leaves(optimizers)
+        else:
+            pairs = container_leaves(optimizers)
+            if pairs is None:
+                raise TypeError(
+                    f"optimizers must be a mapping of leaf name to optimizer (e.g. {{'experts': opt}}) or a trainer's "
+                    f"optimizer container (VeOmni MultiOptimizer, torchtitan OptimizersContainer), "
+                    f"got {type(optimizers).__name__}"
+                )
+        if not pairs:
             raise ValueError("MultiOptimizer needs at least one optimizer")
         seen: dict[int, str] = {}
-        for name, opt in optimizers.items():
+        for name, opt in pairs:
             if not isinstance(name, str) or not name:
                 raise ValueError(f"leaf name {name!r} is not a non-empty string")
             if not isinstance(opt, torch.optim.Optimizer):
@@ -60,7 +72,7 @@ class MultiOptimizer:
                     if other != name:
                         raise ValueError(f"a parameter of shape {tuple(p.shape)} is in leaf {other!r} and leaf {name!r}")
         self.model = model
-        self._optimizers = dict(optimizers)
+        self._optimizers = dict(pairs)
 
     # ----------------------------------------------------------------- container protocol
     def leaves(self) -> list[tuple[str, torch.optim.Optimizer]]:

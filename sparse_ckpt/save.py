@@ -5,7 +5,6 @@ from __future__ import annotations
 from typing import Any, Literal
 
 import torch
-from torch import nn
 
 from . import _backend
 from ._gc import gc_paused
@@ -13,7 +12,7 @@ from ._tensor_parts import CODEC_DTYPES, tensor_to_parts
 from .capture import capture_by_fqn
 from .errors import CheckpointFormatError, CheckpointMismatchError
 from .format import RESERVED_FQN_PREFIX, is_reserved_fqn, packed_table_key, scalar_table_key, table_digest
-from .fqn import FqnMap, build_fqn_map
+from .fqn import FqnMap, Model, build_fqn_map
 from .leaves import named_leaves
 
 Format = Literal["packed", "flat"]
@@ -49,7 +48,7 @@ def capture_leaf(
     return capture_by_fqn(leaf, optimizer, fmap.fqn_of)
 
 
-def sparse_state_dict(model: nn.Module, optimizer: Any, *, format: Format = "packed") -> dict[str, Any]:
+def sparse_state_dict(model: Model, optimizer: Any, *, format: Format = "packed") -> dict[str, Any]:
     """Return the optimizer's exact state as a flat ``dict[str, value]`` that DCP can save.
 
     Only state that exists is emitted (``state.{fqn}.{key}``); every group's settings are kept,
@@ -63,7 +62,7 @@ def sparse_state_dict(model: nn.Module, optimizer: Any, *, format: Format = "pac
         return _sparse_state_dict(model, optimizer, format)
 
 
-def _sparse_state_dict(model: nn.Module, optimizer: Any, format: Format) -> dict[str, Any]:
+def _sparse_state_dict(model: Model, optimizer: Any, format: Format) -> dict[str, Any]:
     core = _backend.core
     fmap = build_fqn_map(model)
     out: dict[str, Any] = {}
