@@ -19,6 +19,8 @@ from torch import nn
 from torch.distributed.fsdp import fully_shard
 from torchtitan.components.optimizer import LRSchedulersContainer, OptimizersContainer, ParamGroupConfig
 
+from sparse_ckpt.leaves import named_leaves
+
 DIM = 8
 LAYERS = 2
 EXPERTS = 4
@@ -143,8 +145,8 @@ def manager(config_cls: Any, base_folder: str, model: nn.Module, optimizers: Any
 
 
 def leaves(optimizers: OptimizersContainer) -> dict[str, torch.optim.Optimizer]:
-    """The container's optimizers by sparse_ckpt's leaf names."""
-    return {f"optim{i}": o for i, o in enumerate(optimizers.optimizers)}
+    """The container's optimizers by sparse_ckpt's leaf names (``optim0``, ``optim1``, ...)."""
+    return dict(named_leaves(optimizers))
 
 
 def lrs(optimizers: OptimizersContainer) -> list[float]:

@@ -51,11 +51,11 @@ def _drill_mode(rank: int, mesh, folder: str, async_mode: str) -> None:
     stateless = [f"layers.{i}.experts.{e}.{w}" for i in range(tt.LAYERS) for e in (1, 3) for w in ("weight", "bias")]
     saved_fqns = _state_fqns(model, optimizers)
     assert saved_fqns["optim0"] == [] and not set(stateless) & set(saved_fqns["optim1"]), saved_fqns
-    snap = full_snapshot(model, tt.leaves(optimizers))
+    snap = full_snapshot(model, optimizers)
     assert mgr.save(2) is True
     mgr.maybe_wait_for_staging()
     mgr.maybe_wait_for_saving()
-    assert_snapshots_equal(full_snapshot(model, tt.leaves(optimizers)), snap, "live objects after save")
+    assert_snapshots_equal(full_snapshot(model, optimizers), snap, "live objects after save")
     assert _state_fqns(model, optimizers) == saved_fqns, "the save created state in the live optimizer"
     mgr.close()
 
@@ -70,14 +70,14 @@ def _drill_mode(rank: int, mesh, folder: str, async_mode: str) -> None:
     assert (ts2.step, loader2.position, s2.schedulers[0].last_epoch) == (2, 7, 2)
     assert tt.lrs(o2) == tt.lrs(optimizers) == [tt.LR * 3 / tt.WARMUP] * 2
     assert _state_fqns(m2, o2) == saved_fqns, "state invented on load"
-    assert_snapshots_equal(full_snapshot(m2, tt.leaves(o2)), snap, "restored")
+    assert_snapshots_equal(full_snapshot(m2, o2), snap, "restored")
 
     # The next steps: every expert routed, aux used (their first real steps) -- bit-exact.
     for objs in (ref, live, fresh):
         tt.train(*objs, after, tt.ROUTED_AFTER, use_aux=True, rank=rank)
-    expected = full_snapshot(ref[0], tt.leaves(ref[1]))
-    assert_snapshots_equal(full_snapshot(m2, tt.leaves(o2)), expected, "resumed run vs uninterrupted run")
-    assert_snapshots_equal(full_snapshot(model, tt.leaves(optimizers)), expected, "saving run vs uninterrupted run")
+    expected = full_snapshot(ref[0], ref[1])
+    assert_snapshots_equal(full_snapshot(m2, o2), expected, "resumed run vs uninterrupted run")
+    assert_snapshots_equal(full_snapshot(model, optimizers), expected, "saving run vs uninterrupted run")
     assert tt.lrs(o2) == tt.lrs(ref[1])
 
 

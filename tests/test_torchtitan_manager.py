@@ -17,10 +17,14 @@ pytest.importorskip("torchtitan", reason="torchtitan is not installed (pip insta
 import _titan as tt
 import torch
 import torch.distributed as dist
+import torch.distributed.checkpoint as dcp
+from torch import nn
 from torch.distributed.checkpoint import HuggingFaceStorageReader
 from torchtitan.components.checkpoint import CheckpointManager
+from torchtitan.components.optimizer import LRSchedulersContainer, OptimizersContainer, ParamGroupConfig
 from torchtitan.protocols.state_dict_adapter import BaseStateDictAdapter
 
+import sparse_ckpt as sc
 from sparse_ckpt import CheckpointMismatchError
 from sparse_ckpt.integrations.torchtitan import SparseCheckpointManager
 
@@ -145,13 +149,70 @@ def test_pinned_memory_async_needs_an_accelerator(tmp_path, one_rank) -> None:
     stock.close()
 
 
+class Stage(nn.Module):
+    """One pipeline stage the way torchtitan splits a model: the kept layers under their original
+    indices (``layers`` a ``ModuleDict``), ``aux`` on the last stage only."""
+
+    def __init__(self, layer_ids: list[int], last: bool) -> None:
+        super().__init__()
+        self.layers = nn.ModuleDict({str(i): tt.MoELayer(tt.DIM, tt.EXPERTS) for i in layer_ids})
+        self.aux = nn.Linear(tt.DIM, tt.DIM) if last else None
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        for layer in self.layers.values():
+            x = layer(x, tt.ROUTED_BEFORE)
+        return self.aux(x) if self.aux is not None else x
+
+
+def _stages(seed: int, ids: tuple[list[int], list[int]] = ([0], [1])) -> tuple[list[Stage], Any, Any]:
+    torch.manual_seed(seed)
+    parts = [Stage(ids[0], last=False), Stage(ids[1], last=True)]
+    optimizers = OptimizersContainer.Config(
+        implementation="for-loop",
+        param_groups=[ParamGroupConfig(pattern=r".*", optimizer_name="AdamW", optimizer_kwargs={"lr": tt.LR})],
+    ).build(model_parts=parts)
+    return parts, optimizers, LRSchedulersContainer.Config(warmup_steps=tt.WARMUP).build(optimizers=optimizers, training_steps=100)
+
+
+def _build_parts(config: Any, objs: tuple, base: str) -> Any:
+    return config.build(dataloader=tt.Loader(), model_parts=objs[0], optimizers=objs[1], lr_schedulers=objs[2],
+                        states={"train_state": tt.TrainState()}, sd_adapter=None, base_folder=base)
+
+
+def test_pipeline_parallel_model_parts(tmp_path, one_rank) -> None:
+    parts, optimizers, schedulers = objs = _stages(0)
+    for step in range(2):
+        optimizers.zero_grad()
+        parts[1](parts[0](torch.randn(4, tt.DIM, generator=torch.Generator().manual_seed(step)))).pow(2).mean().backward()
+        optimizers.step()
+        schedulers.step()
+    assert [len(o.state) for o in optimizers.optimizers] == [5, 7]  # router + experts 0, 2; part 1 also aux
+    mgr = _build_parts(Config(enable=True, interval=1, keep_latest_k=0), objs, str(tmp_path))
+    mgr.save(2)
+    mgr.close()
+    fresh = _stages(1)
+    mgr2 = _build_parts(Config(enable=True, keep_latest_k=0), fresh, str(tmp_path))
+    assert mgr2.load() is True
+    mgr2.close()
+    for a, b in zip(optimizers.optimizers, fresh[1].optimizers):
+        assert [g["lr"] for g in a.param_groups] == [g["lr"] for g in b.param_groups] == [tt.LR * 3 / tt.WARMUP]
+        for p, q in zip(a.param_groups[0]["params"], b.param_groups[0]["params"]):
+            assert a.state.get(p, {}).keys() == b.state.get(q, {}).keys()
+            for key, value in a.state.get(p, {}).items():
+                assert torch.equal(value, b.state[q][key])
+    # two stages with the same FQNs (layers.0 in both): refused when the manager is built
+    with pytest.raises(ValueError, match=r"'layers\.0\.router\.weight' is in model part 0 and model part 1"):
+        _build_parts(Config(enable=True), _stages(0, ([0], [0])), str(tmp_path / "dup"))
+
+
 def test_wrong_objects_fail_when_built(tmp_path) -> None:
     model, optimizers, schedulers = tt.build(0)
     cases = [
-        ({"model_parts": model.state_dict()}, TypeError, r"model_parts must be an nn.Module or a non-empty list.*OrderedDict"),
-        ({"model_parts": []}, TypeError, r"model_parts must be"),
-        ({"optimizers": schedulers}, TypeError, r"LRSchedulersContainer"),
-        ({"optimizers": [optimizers]}, TypeError, r"list"),
+        ({"model_parts": model.state_dict()}, TypeError, r"model must be an nn.Module or a list of nn.Module.*OrderedDict"),
+        ({"model_parts": []}, TypeError, r"model is an empty list"),
+        ({"model_parts": [model, model.state_dict()]}, TypeError, r"model part 1 is a OrderedDict, not an nn.Module"),
+        ({"optimizers": schedulers}, TypeError, r"expected a torch.optim.Optimizer.*got LRSchedulersContainer"),
+        ({"optimizers": [optimizers]}, TypeError, r"expected a torch.optim.Optimizer.*got list"),
     ]
     for change, exc, pattern in cases:
         kwargs = {"dataloader": None, "model_parts": [model], "optimizers": optimizers, "lr_schedulers": schedulers,
@@ -164,6 +225,18 @@ def test_wrong_objects_fail_when_built(tmp_path) -> None:
     # disabled: built without looking at the objects, as the stock manager
     assert Config(enable=False).build(dataloader=None, model_parts=None, optimizers=None, lr_schedulers=None,
                                       states={}, sd_adapter=None).load() is False
+
+
+def test_the_container_itself_in_plain_dcp(tmp_path) -> None:
+    """What a user tries first: ``SparseOptimizerState(model_parts, container)`` straight into DCP."""
+    model, optimizers, _ = _trained()
+    state = sc.SparseOptimizerState([model], optimizers)
+    dcp.save({"optimizer": state}, checkpoint_id=str(tmp_path))
+    assert [len(o.state) for o in optimizers.optimizers] == [0, 10], "the save invented state"
+    fresh = tt.build(1)
+    target = sc.SparseOptimizerState([fresh[0]], fresh[1])
+    dcp.load({"optimizer": target}, checkpoint_id=str(tmp_path), planner=sc.SparseLoadPlanner())
+    assert [len(o.state) for o in fresh[1].optimizers] == [0, 10] and tt.lrs(fresh[1]) == tt.lrs(optimizers)
 
 
 def test_config_is_the_stock_config_plus_migration() -> None:

@@ -177,7 +177,7 @@ def _stock(rank: int, world_size: int, base: str) -> None:
 def _snap(objs) -> dict:
     """:func:`full_snapshot` with each group's settings in key order: a load of the flat layout puts
     ``param_names`` last, as torch's own ``load_state_dict`` does."""
-    snap = full_snapshot(objs[0], tt.leaves(objs[1]))
+    snap = full_snapshot(objs[0], objs[1])
     snap["groups"] = {leaf: [(dict(sorted(s.items())), f) for s, f in g] for leaf, g in snap["groups"].items()}
     return snap
 

@@ -31,14 +31,13 @@ from typing import Any
 
 import torch
 import torch.distributed.checkpoint as dcp
-from torch import nn
 from torch.distributed.checkpoint.api import CheckpointException
 from torch.distributed.checkpoint.metadata import Metadata
 
 from ..dcp import SparseLoadPlanner, SparseOptimizerState, SparseStateDict
 from ..errors import CheckpointMismatchError, SparseCheckpointError
 from ..format import PLANNER_GUARD_KEY
-from ..fqn import build_fqn_map
+from ..fqn import Model, build_fqn_map
 from ..leaves import named_leaves
 from ._stock_migration import DroppedState, MigrationReport, drop_synthetic_state, flat_fqns, state_keys_by_fqn
 
@@ -98,7 +97,7 @@ class SparseCheckpointManager(CheckpointManager):
         config: Config,
         *,
         dataloader: Any,
-        model_parts: list[nn.Module],
+        model_parts: Model,
         optimizers: Any,
         lr_schedulers: Any,
         states: dict[str, Any],
@@ -187,41 +186,13 @@ def _own_failure(exc: CheckpointException) -> BaseException | None:
     return failures[0] if failures else None
 
 
-def _model_arg(model_parts: Any) -> Any:
-    """The model argument of :class:`SparseOptimizerState` for torchtitan's ``model_parts``."""
-    if isinstance(model_parts, nn.Module):
-        return model_parts
-    parts = list(model_parts) if isinstance(model_parts, (list, tuple)) else None
-    if not parts or not all(isinstance(p, nn.Module) for p in parts):
-        raise TypeError(
-            "model_parts must be an nn.Module or a non-empty list of nn.Module (torchtitan's model_parts), "
-            f"got {_describe(model_parts)}"
-        )
-    if len(parts) > 1:  # TODO(containers-ready): pass the list itself
-        raise NotImplementedError("pipeline-parallel model_parts (more than one part) are not supported yet")
-    return parts[0]
-
-
-def _optimizer_arg(optimizers: Any) -> Any:
-    """The optimizer argument of :class:`SparseOptimizerState` for torchtitan's ``OptimizersContainer``."""
-    inner = getattr(optimizers, "optimizers", None)  # TODO(containers-ready): pass the container itself
-    if isinstance(inner, list) and all(isinstance(o, torch.optim.Optimizer) for o in inner):
-        return {f"optim{i}": o for i, o in enumerate(inner)}
-    return optimizers
-
-
-def _describe(obj: Any) -> str:
-    if isinstance(obj, (list, tuple)):
-        return f"{type(obj).__name__} of {[type(o).__name__ for o in obj][:5]}"
-    return type(obj).__name__
-
-
 class _TitanOptimizerState(SparseOptimizerState):
     """The ``optimizer`` entry of the manager's states: a :class:`SparseOptimizerState` over the
     container that also reads stock checkpoints when migration is on (see :class:`_TitanLoadPlanner`)."""
 
-    def __init__(self, model_parts: Any, optimizers: Any, *, migrate: bool, drop_synthetic: bool) -> None:
-        super().__init__(_model_arg(model_parts), _optimizer_arg(optimizers))
+    def __init__(self, model_parts: Model, optimizers: Any, *, migrate: bool, drop_synthetic: bool) -> None:
+        super().__init__(model_parts, optimizers)
+        build_fqn_map(model_parts)  # pipeline stages that share an FQN fail now, not at the first save (the map is kept)
         self.migrate = migrate
         self.drop_synthetic = drop_synthetic
         self.stock_source = False
