@@ -19,10 +19,10 @@ import pytest
 
 pytest.importorskip("torchtitan", reason="torchtitan is not installed (pip install --no-deps -r .ci/requirements-torchtitan.txt)")
 
-import _titan as tt
 from _dist import assert_snapshots_equal, full_snapshot, run_ranks
 from torch.distributed.device_mesh import init_device_mesh
 
+from bench import titan_scenario as tt
 from sparse_ckpt.integrations.torchtitan import SparseCheckpointManager
 
 pytestmark = pytest.mark.filterwarnings("ignore::UserWarning")

@@ -14,7 +14,6 @@ import pytest
 
 pytest.importorskip("torchtitan", reason="torchtitan is not installed (pip install --no-deps -r .ci/requirements-torchtitan.txt)")
 
-import _titan as tt
 import torch
 import torch.distributed as dist
 import torch.distributed.checkpoint as dcp
@@ -25,6 +24,7 @@ from torchtitan.components.optimizer import LRSchedulersContainer, OptimizersCon
 from torchtitan.protocols.state_dict_adapter import BaseStateDictAdapter
 
 import sparse_ckpt as sc
+from bench import titan_scenario as tt
 from sparse_ckpt import CheckpointMismatchError
 from sparse_ckpt.integrations.torchtitan import SparseCheckpointManager
 

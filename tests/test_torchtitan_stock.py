@@ -17,22 +17,18 @@ does with the checkpoints on either side:
 
 from __future__ import annotations
 
-from dataclasses import dataclass
-
 import pytest
 
 pytest.importorskip("torchtitan", reason="torchtitan is not installed (pip install --no-deps -r .ci/requirements-torchtitan.txt)")
 
-import _titan as tt
 import torch
-import torch.distributed.checkpoint as dcp
 from _dist import assert_snapshots_equal, full_snapshot, run_ranks
-from torch.distributed.checkpoint import DefaultLoadPlanner
 from torch.distributed.checkpoint.api import CheckpointException
 from torch.distributed.device_mesh import init_device_mesh
 from torch.distributed.tensor import DTensor
-from torchtitan.components.checkpoint import MODEL, CheckpointManager
+from torchtitan.components.checkpoint import CheckpointManager
 
+from bench import titan_scenario as tt
 from sparse_ckpt import CheckpointMismatchError
 from sparse_ckpt.integrations.torchtitan import SparseCheckpointManager
 
@@ -41,18 +37,6 @@ pytestmark = pytest.mark.filterwarnings("ignore::UserWarning")
 UPSTREAM = "torchtitan 0.3.0's stock behaviour changed (fixed upstream?): update this pin and the README"
 UNROUTED = [f"layers.{i}.experts.{e}.{w}" for i in range(tt.LAYERS) for e in (1, 3) for w in ("weight", "bias")]
 AUX = ["aux.bias", "aux.weight"]
-
-
-class PartialLoadManager(CheckpointManager):
-    """The stock manager with ``allow_partial_load=True``: what a user tries next."""
-
-    @dataclass(kw_only=True, slots=True)
-    class Config(CheckpointManager.Config):
-        pass
-
-    def dcp_load(self, state_dict, checkpoint_id, from_hf, from_quantized) -> None:
-        dcp.load(state_dict, checkpoint_id=checkpoint_id, planner=DefaultLoadPlanner(allow_partial_load=True))
-        self.states[MODEL].load_state_dict(state_dict)
 
 
 def _state(model, optimizers) -> dict[str, dict]:
@@ -111,7 +95,7 @@ def _stock(rank: int, world_size: int, base: str) -> None:
 
     # -- with allow_partial_load: invented state for the unrouted experts, the next steps differ
     partial = tt.build(1, mesh)
-    mgr = tt.manager(PartialLoadManager.Config, stock_dir, *partial, tt.TrainState())
+    mgr = tt.manager(tt.PartialLoadManager.Config, stock_dir, *partial, tt.TrainState())
     assert mgr.load() is True
     mgr.close()
     got = _state(*partial[:2])
@@ -165,7 +149,7 @@ def _stock(rank: int, world_size: int, base: str) -> None:
     texts = _failure_texts(_load_error(CheckpointManager.Config, sparse_dir, mesh))
     assert texts == {"Missing key in checkpoint state_dict: optimizer.state.aux.weight.step."}, f"{UPSTREAM}: {texts}"
     foreign = tt.build(1, mesh)
-    mgr = tt.manager(PartialLoadManager.Config, sparse_dir, *foreign, tt.TrainState())
+    mgr = tt.manager(tt.PartialLoadManager.Config, sparse_dir, *foreign, tt.TrainState())
     assert mgr.load() is True  # silently wrong:
     mgr.close()
     got = _state(*foreign[:2])

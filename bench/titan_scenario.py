@@ -1,4 +1,4 @@
-"""The torchtitan scenario shared by tests/test_torchtitan*.py and bench/torchtitan_compare.py.
+"""The torchtitan scenario shared by tests/test_torchtitan*.py and bench/titan_compare.py.
 
 A small MoE-ish model (``layers.{i}.router`` and ``layers.{i}.experts.{e}``, plus ``aux``, a
 ``Linear`` used only when asked), built with torchtitan's own ``OptimizersContainer.Config``
@@ -12,11 +12,15 @@ module only after ``pytest.importorskip("torchtitan")``.
 from __future__ import annotations
 
 from collections.abc import Sequence
+from dataclasses import dataclass
 from typing import Any
 
 import torch
+import torch.distributed.checkpoint as dcp
 from torch import nn
+from torch.distributed.checkpoint import DefaultLoadPlanner
 from torch.distributed.fsdp import fully_shard
+from torchtitan.components.checkpoint import MODEL, CheckpointManager
 from torchtitan.components.optimizer import LRSchedulersContainer, OptimizersContainer, ParamGroupConfig
 
 from sparse_ckpt.leaves import named_leaves
@@ -85,6 +89,14 @@ def build(seed: int, mesh: Any = None, **shape: int) -> tuple[TitanMoE, Optimize
     return model, optimizers, schedulers
 
 
+def routed_experts(experts: int, fraction: float) -> tuple[int, ...]:
+    """Every ``round(1 / fraction)``-th expert (all of them for 1.0): the experts that get tokens."""
+    if fraction >= 1.0:
+        return tuple(range(experts))
+    stride = max(1, round(1 / fraction))
+    return tuple(range(0, experts, stride))
+
+
 def train(
     model: TitanMoE,
     optimizers: OptimizersContainer,
@@ -97,7 +109,7 @@ def train(
     """One deterministic step per number in ``steps`` (the batch depends on the step and the rank)."""
     for step in steps:
         optimizers.zero_grad()
-        x = torch.randn(4, DIM, generator=torch.Generator().manual_seed(1000 * step + rank))
+        x = torch.randn(4, model.aux.in_features, generator=torch.Generator().manual_seed(1000 * step + rank))
         model(x, routed, use_aux).pow(2).mean().backward()
         optimizers.step()
         schedulers.step()
@@ -152,3 +164,16 @@ def leaves(optimizers: OptimizersContainer) -> dict[str, torch.optim.Optimizer]:
 def lrs(optimizers: OptimizersContainer) -> list[float]:
     """Every group's lr, leaf by leaf."""
     return [float(g["lr"]) for o in optimizers.optimizers for g in o.param_groups]
+
+
+class PartialLoadManager(CheckpointManager):
+    """torchtitan's stock manager loading with ``allow_partial_load=True`` (what a user tries when the
+    stock load fails with ``Missing key in checkpoint state_dict``); saves exactly as the stock one."""
+
+    @dataclass(kw_only=True, slots=True)
+    class Config(CheckpointManager.Config):
+        pass
+
+    def dcp_load(self, state_dict: dict[str, Any], checkpoint_id: str, from_hf: bool, from_quantized: bool) -> None:
+        dcp.load(state_dict, checkpoint_id=checkpoint_id, planner=DefaultLoadPlanner(allow_partial_load=True))
+        self.states[MODEL].load_state_dict(state_dict)
