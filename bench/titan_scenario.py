@@ -66,12 +66,16 @@ class TitanMoE(nn.Module):
         return self.aux(x) if use_aux else x
 
 
-def build(seed: int, mesh: Any = None, **shape: int) -> tuple[TitanMoE, OptimizersContainer, LRSchedulersContainer]:
-    """The model (each layer and the root ``fully_shard``-ed on ``mesh`` when given), torchtitan's
-    ``OptimizersContainer`` (``optim0``: Adam over ``aux``; ``optim1``: AdamW over the rest; the
-    for-loop implementation, as on CPU) and its ``LRSchedulersContainer``."""
+def build(
+    seed: int, mesh: Any = None, device: str | torch.device | None = None, **shape: int
+) -> tuple[TitanMoE, OptimizersContainer, LRSchedulersContainer]:
+    """The model (on ``device`` when given; each layer and the root ``fully_shard``-ed on ``mesh``
+    when given), torchtitan's ``OptimizersContainer`` (``optim0``: Adam over ``aux``; ``optim1``:
+    AdamW over the rest; the for-loop implementation, as on CPU) and its ``LRSchedulersContainer``."""
     torch.manual_seed(seed)
     model = TitanMoE(**shape)
+    if device is not None:
+        model.to(device)
     if mesh is not None:
         for layer in model.layers:
             fully_shard(layer, mesh=mesh)
@@ -110,6 +114,7 @@ def train(
     for step in steps:
         optimizers.zero_grad()
         x = torch.randn(4, model.aux.in_features, generator=torch.Generator().manual_seed(1000 * step + rank))
+        x = x.to(model.aux.weight.device)
         model(x, routed, use_aux).pow(2).mean().backward()
         optimizers.step()
         schedulers.step()

@@ -6,6 +6,7 @@ message that says what to pass instead. The real torchtitan package; skipped wit
 
 from __future__ import annotations
 
+import logging
 import os
 from pathlib import Path
 from typing import Any
@@ -17,6 +18,7 @@ pytest.importorskip("torchtitan", reason="torchtitan is not installed (pip insta
 import torch
 import torch.distributed as dist
 import torch.distributed.checkpoint as dcp
+from _dist import free_port
 from torch import nn
 from torch.distributed.checkpoint import HuggingFaceStorageReader
 from torchtitan.components.checkpoint import CheckpointManager
@@ -77,6 +79,35 @@ def test_keep_latest_k_and_exclude_from_loading(tmp_path, one_rank) -> None:
     assert mgr3.load(step=2) is True
     mgr3.close()
     assert _state_count(again[1]) == [0, 10] and again[2].schedulers[0].last_epoch == 2
+
+
+def test_migration_report_and_log(tmp_path, one_rank, caplog) -> None:
+    """One process: the never-stepped Adam's synthetic state is dropped and logged; a real first step
+    (``aux`` used in step 2 only: ``step == 1``, moments not zero) is kept."""
+    for aux_step, dropped in (((), ["aux.bias", "aux.weight"]), ((2,), [])):
+        base = str(tmp_path / f"aux{len(aux_step)}")
+        objs = tt.build(0)
+        for step in (1, 2):
+            tt.train(*objs, range(step, step + 1), tt.ROUTED_BEFORE, use_aux=step in aux_step)
+        stock = tt.manager(CheckpointManager.Config, base, *objs, tt.TrainState(2))
+        stock.save(2)
+        stock.close()
+        fresh = tt.build(1)
+        mgr = tt.manager(Config, base, *fresh, tt.TrainState(), migrate_stock_checkpoints=True, drop_synthetic_state=True)
+        caplog.clear()
+        with caplog.at_level(logging.WARNING, logger="sparse_ckpt.integrations.torchtitan"):
+            assert mgr.load() is True
+        mgr.close()
+        report = mgr.migration_report
+        assert report.checkpoint_id.endswith("step-2") and sorted(d.fqn for d in report.dropped) == dropped
+        assert len(fresh[1].optimizers[0].state) == 2 - len(dropped)
+        messages = [r.getMessage() for r in caplog.records]
+        if dropped:
+            assert any("leaf 'optim0': dropped the synthetic-step state" in m and "aux.bias" in m for m in messages), messages
+        else:
+            assert [float(s["step"]) for s in fresh[1].optimizers[0].state.values()] == [1.0, 1.0]
+            assert not any("dropped" in m for m in messages), messages
+        assert any("leaf 'optim1': 8 parameter(s) have no state: layers.0.experts.1.weight" in m for m in messages), messages
 
 
 class IdentityAdapter(BaseStateDictAdapter):
@@ -203,6 +234,31 @@ def test_pipeline_parallel_model_parts(tmp_path, one_rank) -> None:
     # two stages with the same FQNs (layers.0 in both): refused when the manager is built
     with pytest.raises(ValueError, match=r"'layers\.0\.router\.weight' is in model part 0 and model part 1"):
         _build_parts(Config(enable=True), _stages(0, ([0], [0])), str(tmp_path / "dup"))
+
+
+@pytest.mark.skipif(not torch.accelerator.is_available(), reason="async_with_pinned_mem needs an accelerator (this host has none)")
+def test_pinned_memory_async_on_an_accelerator(tmp_path, one_rank, monkeypatch) -> None:
+    monkeypatch.setenv("MASTER_ADDR", "127.0.0.1")  # the background save process sets up its own group
+    monkeypatch.setenv("MASTER_PORT", str(free_port()))
+    device = torch.accelerator.current_accelerator()
+    objs = tt.build(0, device=device)
+    tt.train(*objs, range(1, 3), tt.ROUTED_BEFORE, use_aux=False)
+    copies = {n: [{k: v.clone() for k, v in s.items()} for s in o.state.values()] for n, o in tt.leaves(objs[1]).items()}
+    mgr = tt.manager(Config, str(tmp_path), *objs, tt.TrainState(2), async_mode="async_with_pinned_mem")
+    assert mgr.save(2) is True
+    mgr.maybe_wait_for_staging()
+    mgr.maybe_wait_for_saving()
+    mgr.close()
+    assert _state_count(objs[1]) == [0, 10], "the save created state"
+    fresh = tt.build(1, device=device)
+    mgr2 = tt.manager(Config, str(tmp_path), *fresh, tt.TrainState(), async_mode="async_with_pinned_mem")
+    assert mgr2.load() is True
+    mgr2.close()
+    assert _state_count(fresh[1]) == [0, 10] and tt.lrs(fresh[1]) == tt.lrs(objs[1])
+    for name, opt in tt.leaves(fresh[1]).items():
+        for saved, loaded in zip(copies[name], opt.state.values()):
+            for key, value in saved.items():
+                assert torch.equal(value.cpu(), loaded[key].cpu()), (name, key)
 
 
 def test_wrong_objects_fail_when_built(tmp_path) -> None:
