@@ -120,34 +120,33 @@ def train(
         schedulers.step()
 
 
-class TrainState:
-    """What torchtitan's trainer saves as ``train_state`` (a DCP Stateful)."""
+class Counter:
+    """A DCP Stateful holding one int under ``key``: what torchtitan's trainer saves as ``train_state``
+    (``Counter("step")``) and a stand-in for its dataloader entry (``Counter("position")``)."""
 
-    def __init__(self, step: int = 0) -> None:
-        self.step = step
-
-    def state_dict(self) -> dict[str, Any]:
-        return {"step": self.step}
-
-    def load_state_dict(self, sd: dict[str, Any]) -> None:
-        self.step = int(sd["step"])
-
-
-class Loader:
-    """A stand-in for torchtitan's dataloader entry (a DCP Stateful with a position)."""
-
-    def __init__(self, position: int = 0) -> None:
-        self.position = position
+    def __init__(self, key: str, value: int = 0) -> None:
+        self.key = key
+        self.value = value
 
     def state_dict(self) -> dict[str, Any]:
-        return {"position": self.position}
+        return {self.key: self.value}
 
     def load_state_dict(self, sd: dict[str, Any]) -> None:
-        self.position = int(sd["position"])
+        self.value = int(sd[self.key])
+
+
+def TrainState(step: int = 0) -> Counter:
+    """The ``train_state`` entry: ``Counter("step", step)``."""
+    return Counter("step", step)
+
+
+def Loader(position: int = 0) -> Counter:
+    """The ``dataloader`` entry: ``Counter("position", position)``."""
+    return Counter("position", position)
 
 
 def manager(config_cls: Any, base_folder: str, model: nn.Module, optimizers: Any, schedulers: Any,
-            train_state: TrainState, loader: Loader | None = None, **config: Any) -> Any:
+            train_state: Counter, loader: Counter | None = None, **config: Any) -> Any:
     """``config_cls(enable=True, interval=1, ...)`` built the way torchtitan's trainer builds its manager."""
     fields = {"enable": True, "interval": 1, "keep_latest_k": 0, **config}
     return config_cls(**fields).build(

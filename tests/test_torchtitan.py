@@ -67,7 +67,7 @@ def _drill_mode(rank: int, mesh, folder: str, async_mode: str) -> None:
     assert mgr2.load() is True
     mgr2.close()
     assert mgr2.migration_report is None
-    assert (ts2.step, loader2.position, s2.schedulers[0].last_epoch) == (2, 7, 2)
+    assert (ts2.value, loader2.value, s2.schedulers[0].last_epoch) == (2, 7, 2)
     assert tt.lrs(o2) == tt.lrs(optimizers) == [tt.LR * 3 / tt.WARMUP] * 2
     assert _state_fqns(m2, o2) == saved_fqns, "state invented on load"
     assert_snapshots_equal(full_snapshot(m2, o2), snap, "restored")

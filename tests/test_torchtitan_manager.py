@@ -60,7 +60,7 @@ def test_keep_latest_k_and_exclude_from_loading(tmp_path, one_rank) -> None:
     mgr = tt.manager(Config, str(tmp_path), *objs, tt.TrainState(), tt.Loader(), keep_latest_k=2)
     for step in range(1, 4):
         tt.train(*objs, range(step, step + 1), tt.ROUTED_BEFORE, use_aux=False)
-        mgr.states["train_state"].step = step
+        mgr.states["train_state"].value = step
         assert mgr.save(step) is True
     mgr.close()  # joins the purge thread
     assert sorted(os.listdir(tmp_path / "checkpoint")) == ["step-2", "step-3"]
@@ -70,7 +70,7 @@ def test_keep_latest_k_and_exclude_from_loading(tmp_path, one_rank) -> None:
     mgr2 = tt.manager(Config, str(tmp_path), *fresh, ts, loader, exclude_from_loading=["optimizer", "dataloader"])
     assert mgr2.load() is True
     mgr2.close()
-    assert ts.step == 3 and loader.position == 5 and fresh[2].schedulers[0].last_epoch == 3
+    assert ts.value == 3 and loader.value == 5 and fresh[2].schedulers[0].last_epoch == 3
     assert _state_count(fresh[1]) == [0, 0], "the excluded optimizer was loaded"
     assert all(torch.equal(a, b) for a, b in zip(model.parameters(), fresh[0].parameters()))
 
