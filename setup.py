@@ -3,8 +3,9 @@
 ``pip install .`` / ``pip wheel .`` pull pybind11, cmake and ninja into the isolated build
 environment (see pyproject.toml). For development: ``pip install -e .`` or
 ``python setup.py build_ext --inplace`` (puts ``_C*.so`` into ``sparse_ckpt/``).
-Extra CMake arguments come from ``SPARSE_CKPT_CMAKE_ARGS``, e.g.
-``SPARSE_CKPT_CMAKE_ARGS="-DSPARSE_CKPT_SANITIZE=ON"``.
+Extra CMake arguments come from ``CMAKE_ARGS`` (the convention of scikit-build and pybind's
+cmake_example), e.g. ``CMAKE_ARGS="-DCMAKE_CXX_COMPILER=clang++"``. A build tree configured from
+another source directory (a copied checkout with its ``build/``) is detected and configured anew.
 """
 
 from __future__ import annotations
@@ -69,8 +70,9 @@ class CMakeBuild(build_ext):
             f"-DSPARSE_CKPT_OUTPUT_DIR={ext_dir}",
             "-DSPARSE_CKPT_SANITIZE=OFF",  # explicit, so a cached ON never outlives its request
         ]
-        args += shlex.split(os.environ.get("SPARSE_CKPT_CMAKE_ARGS", ""))
+        args += shlex.split(os.environ.get("CMAKE_ARGS", ""))
         build_temp = Path(self.build_temp).resolve() / "cmake"
+        _drop_foreign_cache(build_temp, Path(ext.sourcedir))
         build_temp.mkdir(parents=True, exist_ok=True)
         subprocess.run([cmake, "-S", ext.sourcedir, "-B", os.fspath(build_temp), *args], check=True)
         build = [cmake, "--build", os.fspath(build_temp)]
@@ -79,6 +81,19 @@ class CMakeBuild(build_ext):
         subprocess.run(build, check=True)
         if not ext_path.exists():
             raise RuntimeError(f"CMake did not produce {ext_path}")
+
+
+def _drop_foreign_cache(build_temp: Path, sourcedir: Path) -> None:
+    """Remove ``build_temp`` when its CMake cache belongs to another source directory (a checkout
+    copied with its ``build/``): CMake refuses to reuse it ("does not match the source ... used to
+    generate cache")."""
+    cache = build_temp / "CMakeCache.txt"
+    if not cache.is_file():
+        return
+    found = re.search(r"^CMAKE_HOME_DIRECTORY:INTERNAL=(.*)$", cache.read_text(errors="replace"), re.MULTILINE)
+    if found is None or Path(found.group(1)).resolve() != sourcedir.resolve():
+        print(f"sparse_ckpt: {build_temp} was configured for another source directory; configuring anew")
+        shutil.rmtree(build_temp)
 
 
 def _long_description() -> str:

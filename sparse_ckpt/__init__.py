@@ -11,8 +11,8 @@ Public API:
 * pickle-free export (safetensors + JSON): :func:`export_checkpoint`, :func:`load_export`,
   :func:`read_export` (``safetensors`` is imported only when one of them runs);
 * errors: :class:`SparseCheckpointError` and its subclasses :class:`UnsupportedStateDictError`,
-  :class:`ReentrantSerializationError`, :class:`CheckpointMismatchError`,
-  :class:`CheckpointFormatError`;
+  :class:`ReentrantSerializationError`, :class:`CheckpointMismatchError` (and its
+  :class:`CrossRankStateError`), :class:`CheckpointFormatError`;
 * :func:`clear_fqn_cache` (drop the FQN maps kept between calls), :func:`backend` (``"cpp"`` or
   ``"python"``) and ``__version__``.
 """
@@ -27,6 +27,7 @@ from .dcp import SparseLoadPlanner, SparseOptimizerState
 from .errors import (
     CheckpointFormatError,
     CheckpointMismatchError,
+    CrossRankStateError,
     ReentrantSerializationError,
     SparseCheckpointError,
     UnsupportedStateDictError,
@@ -41,6 +42,7 @@ __all__ = [
     "AdapterHandle",
     "CheckpointFormatError",
     "CheckpointMismatchError",
+    "CrossRankStateError",
     "MultiOptimizer",
     "ReentrantSerializationError",
     "SparseCheckpointError",

@@ -11,7 +11,7 @@ from __future__ import annotations
 import os
 import warnings
 from collections.abc import Iterable
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import Any
 
 import torch
@@ -22,7 +22,8 @@ from torch.distributed.checkpoint.metadata import Metadata, TensorStorageMetadat
 from ._dcp_paths import ObjPath, metadata_path, set_path
 from .dcp import SparseLoadPlanner
 from .errors import CheckpointFormatError
-from .format import GROUPS_PREFIX, OPTIMIZER_PREFIXES
+from .format import GROUPS_PREFIX, OPTIMIZER_PREFIXES, is_foreign_guard
+from .nested import NESTED_KEYS
 
 __all__ = [
     "METADATA_FILE",
@@ -34,6 +35,7 @@ __all__ = [
     "metadata_path",
     "read_metadata",
     "set_path",
+    "unrecognised_optimizer_items",
 ]
 
 METADATA_FILE = ".metadata"
@@ -81,6 +83,15 @@ class OptimizerEntries:
     inner: dict[str, str]
     """Key inside the optimizer dict (``state.*``, ``param_groups.*``; the packed format's scalar
     tables ``state.__packed__.*`` among the ``state.*`` keys) -> flattened checkpoint key."""
+    guards: list[str] = field(default_factory=list)
+    """Flattened keys of its foreign-loader guards (:func:`sparse_ckpt.format.foreign_guard_keys`),
+    not in ``inner``: they hold nothing to read."""
+    nested: dict[str, ObjPath] = field(default_factory=dict)
+    """torch DSD's nested layout (``{"state": {fqn: {...}}, "param_groups": [...]}``): each such
+    inner key (the item's dotted path below the prefix) -> its object path below the prefix
+    (``("state", fqn, key)``, ``("param_groups", i, key)``); empty for sparse and flat entries.
+    :func:`sparse_ckpt.checkpoint_tools.sparse_values` rewrites their values into the packed
+    equivalent (:mod:`sparse_ckpt.nested`)."""
 
     @property
     def name(self) -> str:
@@ -89,10 +100,11 @@ class OptimizerEntries:
 
 
 def find_optimizers(metadata: Metadata) -> list[OptimizerEntries]:
-    """Optimizer dicts in the checkpoint: object paths with ``state.*``/``param_groups.*`` children.
+    """Optimizer dicts in the checkpoint: object paths with ``state.*``/``param_groups.*`` children,
+    or with torch DSD's nested ``state`` / ``param_groups`` children (see :attr:`OptimizerEntries.nested`).
 
     A prefix counts only when it has at least one ``param_groups`` entry (every optimizer has
-    group settings, flat or packed), so a model submodule named ``state`` is not mistaken for one.
+    group settings, flat, packed or nested), so a model submodule named ``state`` is not mistaken for one.
     """
     found: dict[ObjPath, OptimizerEntries] = {}
     has_groups: set[ObjPath] = set()
@@ -100,12 +112,56 @@ def find_optimizers(metadata: Metadata) -> list[OptimizerEntries]:
         p = metadata_path(metadata, key)
         split = _split(p)
         if split is None:
+            nested = _split_nested(p)
+            if nested is None:
+                continue
+            prefix, rel = nested
+            inner = ".".join(map(str, rel))
+            entries = found.setdefault(prefix, OptimizerEntries(prefix, {}))
+            entries.inner[inner] = key
+            entries.nested[inner] = rel
+            if rel[0] == NESTED_KEYS[1]:
+                has_groups.add(prefix)
             continue
         prefix, inner = split
-        found.setdefault(prefix, OptimizerEntries(prefix, {})).inner[inner] = key
+        entries = found.setdefault(prefix, OptimizerEntries(prefix, {}))
+        if is_foreign_guard(inner, metadata.state_dict_metadata[key]):
+            entries.guards.append(key)  # for loaders that do not know the format; nothing to read
+            continue
+        entries.inner[inner] = key
         if inner.startswith(GROUPS_PREFIX):
             has_groups.add(prefix)
     return [entries for prefix, entries in found.items() if prefix in has_groups]
+
+
+def unrecognised_optimizer_items(metadata: Metadata, found: list[OptimizerEntries]) -> list[str]:
+    """Checkpoint keys that look like optimizer state or settings (a ``state`` / ``param_groups``
+    part in their path, or a part starting with ``state.`` / ``param_groups.``) but belong to no
+    optimizer of ``found``: what a report must mention instead of "no optimizer entries"."""
+    known = {flat for opt in found for flat in (*opt.inner.values(), *opt.guards)}
+    out = []
+    for key in metadata.state_dict_metadata:
+        if key in known:
+            continue
+        parts = metadata_path(metadata, key)
+        if any(isinstance(x, str) and (x in NESTED_KEYS or x.startswith(OPTIMIZER_PREFIXES)) for x in parts) or any(
+            f".{marker}" in key for marker in OPTIMIZER_PREFIXES
+        ):
+            out.append(key)
+    return out
+
+
+def _split_nested(p: ObjPath) -> tuple[ObjPath, ObjPath] | None:
+    """``(prefix, ("state", fqn, key...))`` or ``(prefix, ("param_groups", i, key...))`` for an item of
+    DSD's nested layout (the first such part of the path), else None."""
+    for i, part in enumerate(p):
+        if len(p) - i < 3:
+            return None
+        if part == NESTED_KEYS[0] and isinstance(p[i + 1], str):
+            return p[:i], p[i:]
+        if part == NESTED_KEYS[1] and isinstance(p[i + 1], int):
+            return p[:i], p[i:]
+    return None
 
 
 def _split(p: ObjPath) -> tuple[ObjPath, str] | None:

@@ -63,6 +63,7 @@ from .checkpoint_io import (
     metadata_path,
     read_metadata,
     set_path,
+    unrecognised_optimizer_items,
 )
 from .dcp import SparseLoadPlanner, weights_only_item
 from .decode import decode_group_tables, decode_scalar_tables, merge_scalars
@@ -72,6 +73,8 @@ from .format import (
     PACKED_PREFIX,
     SCALARS_PREFIX,
     escape_part,
+    foreign_guard_keys,
+    foreign_guard_value,
     has_escaped_part,
     is_flat_part,
     is_plain_part,
@@ -81,6 +84,7 @@ from .format import (
     state_key,
 )
 from .leaves import SINGLE_LEAF
+from .nested import NESTED_KEYS, nested_to_sparse
 
 __all__ = [
     "BATCH_BYTES",
@@ -99,11 +103,13 @@ __all__ = [
     "inspect_checkpoint",
     "inspect_details",
     "jsonable",
+    "loader_needed",
     "named_groups",
     "open_checkpoint",
     "pack_flat_groups",
     "read_entries",
     "select_optimizers",
+    "sparse_values",
     "split_optimizer",
     "storage_problems",
     "verify_checkpoint",
@@ -349,14 +355,33 @@ def read_keys(opt: OptimizerEntries) -> list[str]:
 
 def entry_values(opt: OptimizerEntries, metadata: Metadata, read: Mapping[str, Any]) -> dict[str, Any]:
     """``opt``'s entries by inner key: per-item state as its DCP metadata, every other entry as
-    read (``read``: flattened key -> value; entries missing from it are left out)."""
+    read (``read``: flattened key -> value; entries missing from it are left out); DSD's nested
+    entries rewritten into their packed equivalent (:func:`sparse_values`)."""
     values: dict[str, Any] = {}
     for inner, flat in opt.inner.items():
         if is_state_item(inner):
             values[inner] = metadata.state_dict_metadata[flat]
         elif flat in read:
             values[inner] = read[flat]
-    return values
+    return sparse_values(opt, values)
+
+
+def sparse_values(opt: OptimizerEntries, values: Mapping[str, Any]) -> dict[str, Any]:
+    """``values`` (``opt``'s entries by inner key) with torch DSD's nested entries rebuilt into
+    their dict and rewritten into its packed equivalent (:func:`sparse_ckpt.nested.nested_to_sparse`:
+    one group table of leaf ``optim``, ``state.{fqn}.{key}`` entries); any other entry as it is."""
+    if not opt.nested:
+        return dict(values)
+    out: dict[str, Any] = {}
+    root: dict[str, Any] = {NESTED_KEYS[0]: {}, NESTED_KEYS[1]: []}
+    for inner, value in values.items():
+        rel = opt.nested.get(inner)
+        if rel is None:
+            out[inner] = value
+        else:
+            set_path(root, rel, value)
+    out.update(nested_to_sparse(root))
+    return out
 
 
 def optimizer_values(path: str | os.PathLike[str], metadata: Metadata, opt: OptimizerEntries) -> dict[str, Any]:
@@ -652,7 +677,7 @@ def inspect_details(
     for opt in select_optimizers(find_optimizers(metadata), key):
         values = optimizer_values(path, metadata, opt)
         leaves, flat, state_by_fqn, unmatched = split_optimizer(values)
-        fmt = "mixed" if leaves and flat else "packed" if leaves else "flat"
+        fmt = "nested" if opt.nested else "mixed" if leaves and flat else "packed" if leaves else "flat"
         named = named_groups(leaves, flat)
         summaries = [_summarize_leaf(name, groups, state_by_fqn, params) for name, groups in named]
         for name, groups in named:
@@ -660,7 +685,7 @@ def inspect_details(
                 raw[(opt.name, name, gi)] = g.settings
         grouped = {fqn for _name, groups in named for g in groups for fqn in g.fqns}
         orphans = sorted(fqn for fqn in state_by_fqn if fqn not in grouped)
-        tables = [v for k, v in values.items() if k.startswith((PACKED_PREFIX, SCALARS_PREFIX))]
+        tables = [] if opt.nested else [v for k, v in values.items() if k.startswith((PACKED_PREFIX, SCALARS_PREFIX))]
         optimizers.append(
             {
                 "key": opt.name,
@@ -676,10 +701,43 @@ def inspect_details(
                 "items": len(opt.inner),
                 "state_without_group": orphans,
                 "unmatched_keys": unmatched,
+                "foreign_guards": len(opt.guards),
             }
         )
-    report = {"checkpoint": os.fspath(path), "optimizers": optimizers, "storage_problems": problems}
+        optimizers[-1]["loader"] = loader_needed(optimizers[-1])
+    report = {
+        "checkpoint": os.fspath(path),
+        "optimizers": optimizers,
+        "unrecognised_optimizer_items": unrecognised_optimizer_items(metadata, find_optimizers(metadata)),
+        "storage_problems": problems,
+    }
     return report, raw
+
+
+LOADER = "sparse_ckpt: dcp.load(..., planner=sparse_ckpt.SparseLoadPlanner()) into a SparseOptimizerState or MultiOptimizer"
+
+
+def loader_needed(summary: Mapping[str, Any]) -> str:
+    """Which loader restores an optimizer that :func:`inspect_checkpoint` summarised, and what others do."""
+    if summary["format"] == "nested":
+        dsd = "torch DSD's set_optimizer_state_dict (it wrote it)"
+        if summary["without_state"]:
+            dsd += f", which would invent state for its {summary['without_state']} parameter(s) without state"
+        return f"{LOADER} (read by FQN, nothing invented; `convert --to packed` migrates it), or {dsd}"
+    if summary["format"] == "flat":
+        if summary["without_state"]:
+            return (
+                f"{LOADER}; torch DSD's set_optimizer_state_dict(flatten_optimizer_state_dict=True) would invent state "
+                f"for its {summary['without_state']} parameter(s) without state"
+            )
+        return f"{LOADER}, or torch DSD's set_optimizer_state_dict(flatten_optimizer_state_dict=True)"
+    if summary["foreign_guards"]:
+        return f"{LOADER}; other loaders are refused while planning (foreign-loader guards)"
+    return (
+        f"{LOADER}; it has no foreign-loader guard (written by sparse_state_dict() directly, or by sparse_ckpt before "
+        "guards): a loader that does not know the format and uses allow_partial_load=True would silently miss its "
+        "settings and scalar state"
+    )
 
 
 # --------------------------------------------------------------------------- verify
@@ -724,6 +782,7 @@ def verify_checkpoint(path: str | os.PathLike[str], *, batch_bytes: int = BATCH_
         read += len(got)
         kept.update({k: v for k, v in got.items() if k in group_keys})
         del got
+    loaders: dict[str, str] = {}
     for opt in optimizers:
         if any(flat in bad for flat in opt.inner.values()):
             continue  # already reported; decoding would only repeat it
@@ -734,8 +793,12 @@ def verify_checkpoint(path: str | os.PathLike[str], *, batch_bytes: int = BATCH_
         except SparseCheckpointError as exc:
             problems.append({"key": name, "file": None, "problem": f"optimizer {name!r}: {exc}"})
             continue
-        grouped = {fqn for _leaf, groups in named_groups(leaves, flat) for g in groups for fqn in g.fqns}
+        named = named_groups(leaves, flat)
+        grouped = {fqn for _leaf, groups in named for g in groups for fqn in g.fqns}
         orphans = [fqn for fqn in state_by_fqn if fqn not in grouped]
+        without = len({f for f in grouped if not state_by_fqn.get(f)})
+        fmt = "nested" if opt.nested else "mixed" if leaves and flat else "packed" if leaves else "flat"
+        loaders[opt.name] = loader_needed({"format": fmt, "without_state": without, "foreign_guards": len(opt.guards)})
         if orphans:
             problems.append({"key": name, "file": None, "problem": f"optimizer {name!r}: state of {len(orphans)} parameter(s) in no group (e.g. {orphans[0]!r})"})
         if unmatched:
@@ -746,6 +809,7 @@ def verify_checkpoint(path: str | os.PathLike[str], *, batch_bytes: int = BATCH_
         **stats,
         "read": read,
         "optimizers": [opt.name for opt in optimizers],
+        "loaders": loaders,
         "problems": problems,
     }
 
@@ -982,6 +1046,9 @@ def convert_optimizer(
                 out[key] = value
         if flat:
             out.update(pack_flat_groups(flat, leaf, leaves))
+        # what sparse_ckpt's Stateful writes: guards that make loaders that do not know the format fail
+        firsts = [next((f for g in groups for f in g.fqns), None) for groups in (*leaves.values(), flat)]
+        out.update(dict.fromkeys(foreign_guard_keys([f for f in firsts if f is not None]), foreign_guard_value()))
     else:
         raise UsageError(f"--to must be 'packed' or 'flat', got {to!r}")
     return out
@@ -1049,12 +1116,12 @@ def convert_checkpoint(
     opts = select_optimizers(find_optimizers(metadata), key)
     if not opts:
         raise UsageError(f"{src!r} holds no optimizer entries ('<key>.state.*' / '<key>.param_groups.*')")
-    converted = {flat for opt in opts for flat in opt.inner.values()}
+    converted = {flat for opt in opts for flat in (*opt.inner.values(), *opt.guards)}
     others = [k for k in metadata.state_dict_metadata if k not in converted]
     everything = read_entries(src, metadata, metadata.state_dict_metadata.keys(), unpickle_keys=set(others))
     new_opts = []
     for opt in opts:
-        values = {inner: everything[flat] for inner, flat in opt.inner.items()}
+        values = sparse_values(opt, {inner: everything[flat] for inner, flat in opt.inner.items()})
         new_opts.append((opt.prefix, convert_optimizer(values, to, leaf=leaf, drop_empty_groups=drop_empty_groups)))
     nested: dict[str, Any] = {}
     for flat_key in others:

@@ -125,19 +125,25 @@ def _scalar_note(opt: Mapping[str, Any]) -> str:
     return f" ({n} scalar table{'s' if n != 1 else ''})" if n else ""
 
 
+_FORMATS = {"nested": "torch DSD nested (its groups read as leaf 'optim')"}
+"""How the text report names a format (the ``--json`` report has the short name)."""
+
+
 def format_inspect(report: dict[str, Any], groups_raw: dict[tuple[str, str, int], dict[str, Any]]) -> str:
     """The text form of an ``inspect`` report."""
     lines = [f"checkpoint: {report['checkpoint']}"]
-    if not report["optimizers"]:
+    odd = report.get("unrecognised_optimizer_items", [])
+    if not report["optimizers"] and not odd:
         lines.append("no optimizer entries found (no '<key>.state.*' / '<key>.param_groups.*' entries)")
     for opt in report["optimizers"]:
         key = opt["key"] or "(top level)"
         lines.append(
-            f"optimizer {key!s}: {opt['format']} format, {len(opt['leaves'])} leaf/leaves, {opt['params']} params "
+            f"optimizer {key!s}: {_FORMATS.get(opt['format'], opt['format'])} format, {len(opt['leaves'])} leaf/leaves, {opt['params']} params "
             f"({opt['with_state']} with state, {opt['without_state']} without), {opt['items']} items, "
             f"state {opt['state_bytes']} bytes, tables {opt['table_bytes']} bytes{_scalar_note(opt)}, "
             f"on disk {opt['disk_bytes']} bytes"
         )
+        lines.append(f"  loads with {opt['loader']}")
         for leaf in opt["leaves"]:
             lines.append(
                 f"  leaf {leaf['name']!r}: {len(leaf['groups'])} group(s), {leaf['params']} params "
@@ -164,6 +170,11 @@ def format_inspect(report: dict[str, Any], groups_raw: dict[tuple[str, str, int]
             lines.append(f"  state of {len(opt['state_without_group'])} FQN(s) in no group")
         if opt["unmatched_keys"]:
             lines.append(f"  {len(opt['unmatched_keys'])} unrecognised key(s)")
+    if odd:
+        lines.append(
+            f"{len(odd)} item(s) look like optimizer state or settings but are in no layout sparse_ckpt reads "
+            f"(sparse packed/flat, or torch DSD's nested 'state'/'param_groups'): {_fmt_names(odd)}"
+        )
     for p in report.get("storage_problems", []):
         lines.append(f"storage problem: {p['key']}: {p['problem']}")
     return "\n".join(lines)
@@ -179,6 +190,8 @@ def format_verify(report: dict[str, Any]) -> str:
         (f"{report['items']} item(s) in {report['files']} file(s), {report['bytes']} bytes; "
         f"{report['read']} read; optimizers: {', '.join(repr(o or '(top level)') for o in report['optimizers']) or 'none'}"),
     ]
+    for name, loader in report.get("loaders", {}).items():
+        lines.append(f"optimizer {name or '(top level)'!r} loads with {loader}")
     if report["crc_unchecked"]:
         lines.append(f"{report['crc_unchecked']} item part(s) without a CRC-32 (read, not checksummed)")
     for p in report["problems"]:
@@ -293,6 +306,9 @@ def _run(args: argparse.Namespace, out: Callable[[str], None], err: Callable[[st
     if args.command == "inspect":
         report, raw = inspect_details(args.checkpoint, args.key, params=args.params)
         out(json.dumps(report, indent=2) if args.json else format_inspect(report, raw))
+        if not report["optimizers"] and report["unrecognised_optimizer_items"]:
+            err("error: optimizer-like items in a layout sparse_ckpt does not read (listed above)")
+            return EXIT_ERROR
         if report["storage_problems"]:
             n = len(report["storage_problems"])
             err(f"error: {n} storage problem(s) (missing or truncated data); run `python -m sparse_ckpt verify`")

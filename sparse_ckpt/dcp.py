@@ -45,6 +45,7 @@ from .format import (
     SCALARS_PREFIX,
     STATE_PREFIX,
     STEP_KEY,
+    is_foreign_guard,
     is_table_key,
     last_part,
     owner_fqn,
@@ -53,11 +54,16 @@ from .format import (
 )
 from .fqn import FqnMap, Model, build_fqn_map, check_model
 from .load import load_owned
-from .save import FORMATS, Format, sparse_state_dict
+from .nested import NESTED_KEYS
+from .origin import ORIGIN_KEY, origin_here, refuse_rank0_only_save
+from .save import FORMATS, Format, guarded_state_dict
 
 __all__ = ["SparseLoadPlanner", "SparseOptimizerState", "SparseStateDict"]
 
 _PLANNER_HINT = "pass planner=sparse_ckpt.SparseLoadPlanner() to dcp.load"
+_NOT_READ = (PLANNER_GUARD_KEY, ORIGIN_KEY)
+"""Entries of an optimizer dict the planner never reads back: the planner guard, and an origin record
+(only pickles carry one; a DCP checkpoint is each rank's own, so one that reached the disk is not read)."""
 
 
 class _PlannerGuard(torch.Tensor):
@@ -102,14 +108,18 @@ class SparseStateDict(dict):
     """The dict :meth:`SparseOptimizerState.state_dict` returns: a plain ``dict`` tagged with its owner.
 
     DCP flattens it like any dict. :class:`SparseLoadPlanner` recognises it in a load target and
-    sets ``planned``. Pickling and (deep) copies produce a plain ``dict`` of the same items.
+    sets ``planned``. Pickling and (deep) copies produce a plain ``dict`` of the same items; in a
+    process group of several ranks plus the origin record :data:`~sparse_ckpt.origin.ORIGIN_KEY`,
+    so that a load on another rank refuses it (:mod:`sparse_ckpt.origin`).
     """
 
-    __slots__ = ("fmap", "owner", "planned", "unresolved")
+    __slots__ = ("fmap", "origin", "owner", "planned", "unresolved")
 
     def __init__(self, items: Mapping[str, Any], owner: SparseOptimizerState) -> None:
         super().__init__(items)
         self.owner = owner
+        self.origin = origin_here()
+        """``(rank, world size)`` that made it, in a group of several ranks (see :mod:`sparse_ckpt.origin`)."""
         self.planned = False
         self.unresolved: list[str] = []
         """Checkpoint state keys the planner skipped whose FQN it could not attribute to anyone."""
@@ -118,7 +128,10 @@ class SparseStateDict(dict):
         ``dcp.load``) reuses it instead of walking the model again."""
 
     def __reduce_ex__(self, protocol: Any) -> tuple[Any, ...]:
-        return (dict, (), None, None, iter(self.copy().items()))
+        items = self.copy()
+        if self.origin is not None:  # one rank's state: a load on another rank must refuse it
+            items[ORIGIN_KEY] = {"rank": self.origin[0], "world_size": self.origin[1]}
+        return (dict, (), None, None, iter(items.items()))
 
     def __reduce__(self) -> tuple[Any, ...]:
         return self.__reduce_ex__(2)
@@ -138,7 +151,8 @@ class SparseOptimizerState:
     ``model`` is an ``nn.Module`` or a list of pipeline-parallel parts. ``optimizer`` is a
     ``torch.optim.Optimizer``, a :class:`sparse_ckpt.MultiOptimizer`, a ``Mapping[str, Optimizer]`` or a
     trainer's optimizer container (see :func:`sparse_ckpt.leaves.named_leaves`); both are checked
-    here. ``format`` is ``"packed"`` (default) or ``"flat"`` (torch DSD's flat layout). ``strict`` is passed to :func:`sparse_ckpt.load_sparse_state_dict`. Load it with
+    here. ``format`` is ``"packed"`` (default) or ``"flat"`` (torch DSD's flat layout). ``strict`` is
+    passed to :func:`sparse_ckpt.load_sparse_state_dict`. Load it with
     ``dcp.load(..., planner=sparse_ckpt.SparseLoadPlanner())``.
 
     In a process group of more than one rank, saved FQNs that the local model does not own are
@@ -161,14 +175,18 @@ class SparseOptimizerState:
 
         It also holds the planner guard (:data:`sparse_ckpt.format.PLANNER_GUARD_KEY`): a tiny
         tensor item that makes ``dcp.load`` without :class:`SparseLoadPlanner` fail while planning,
-        before DCP reads anything into the optimizer's live state tensors.
+        before DCP reads anything into the optimizer's live state tensors. In the packed format it
+        holds the foreign-loader guards too (:func:`sparse_ckpt.format.foreign_guard_keys`), which make
+        a loader that does not know the format (torch DSD's flat or nested layout, also with
+        ``allow_partial_load=True``) fail while planning instead of silently skipping the settings.
         """
+        refuse_rank0_only_save(self.optimizer)
         sd: dict[str, Any] = {PLANNER_GUARD_KEY: _PlannerGuard.make()}  # first: DCP plans keys in order
         if not called_by_dcp_load(sys._getframe(1)):
             # A load target needs no content: SparseLoadPlanner rebuilds it from the checkpoint's
             # metadata (and without that planner the guard refuses the load), so dcp.load does not
             # pay for a capture of the optimizer it is about to overwrite.
-            sd.update(sparse_state_dict(self.model, self.optimizer, format=self.format))
+            sd.update(guarded_state_dict(self.model, self.optimizer, self.format))
         return SparseStateDict(sd, self)
 
     def load_state_dict(self, state_dict: Mapping[str, Any]) -> None:
@@ -216,6 +234,11 @@ class SparseLoadPlanner(DefaultLoadPlanner):
     CPU tensors; bytes items get a placeholder that DCP replaces. The optimizer itself is not
     touched until ``load_state_dict``, which validates before mutating. Everything else in the
     target is planned exactly as by ``DefaultLoadPlanner``.
+
+    A checkpoint in torch DSD's *nested* layout (``{"state": {fqn: {...}}, "param_groups": [...]}``,
+    what ``get_optimizer_state_dict`` returns by default and Accelerate's FSDP2 ``save_state``
+    writes) is read the same way -- every group, the local parameters' state -- and loaded by FQN
+    (see :mod:`sparse_ckpt.nested`), so existing checkpoints migrate without DSD's synthetic step.
     """
 
     def __init__(
@@ -306,7 +329,7 @@ def _rebuild_target(
     entries: list[tuple[tuple[str | int, ...], Any, str]] = []
     for key, md in metadata.state_dict_metadata.items():
         p = paths[key]
-        if len(p) > depth and p[:depth] == path and isinstance(p[depth], str) and p[depth] != PLANNER_GUARD_KEY:
+        if len(p) > depth and p[:depth] == path and isinstance(p[depth], str) and p[depth] not in _NOT_READ:
             entries.append((p[depth:], md, key))
     where = ".".join(map(str, path))
     if not entries:
@@ -321,8 +344,18 @@ def _rebuild_target(
     for rel, md, key in entries:
         inner = str(rel[0])
         value: Any
-        if inner.startswith((PACKED_PREFIX, SCALARS_PREFIX)):  # every rank's tables
+        if len(rel) > 2 and inner in NESTED_KEYS:  # DSD's nested layout: ('state', fqn, key...) / ('param_groups', i, key)
+            if inner == NESTED_KEYS[0]:
+                fqn = str(rel[1])
+                if fqn not in fmap.canonical:
+                    continue  # another rank's parameter (the load checks the dict's own groups)
+                value = _allocate(md, _param(fmap, fqn), str(rel[-1]))
+            else:
+                value = _allocate(md, None, "")
+        elif inner.startswith((PACKED_PREFIX, SCALARS_PREFIX)):  # every rank's tables
             value = _allocate(md, None, "")
+        elif is_foreign_guard(inner, md):
+            continue  # for loaders that do not know the format; nothing to read
         elif inner.startswith(GROUPS_PREFIX):
             fqn = split_group_key(inner)[0]  # type: ignore[index] - not a table: a flat group key
             if fqn and fqn not in fmap.canonical:

@@ -18,8 +18,9 @@ import torch
 from . import _backend
 from ._tensor_parts import parts_to_tensor, tensor_to_parts
 from .errors import CheckpointFormatError, CheckpointMismatchError
-from .format import PACKED_PREFIX, SCALARS_PREFIX, check_table, source_text, state_key
+from .format import PACKED_PREFIX, SCALARS_PREFIX, check_table, source_text, state_key, without_foreign_guards
 from .fqn import FqnMap
+from .nested import nested_kind, nested_to_sparse
 
 
 @dataclass
@@ -123,14 +124,14 @@ def fmt_list(items: list[str], limit: int = 10) -> str:
 
 
 def decode_checkpoint(state_dict: Mapping[str, Any], fmap: FqnMap) -> DecodedCheckpoint:
-    """Split and decode ``state_dict`` (packed and/or flat entries) against ``fmap``.
+    """Split and decode ``state_dict`` (packed and/or flat entries, or DSD's nested dict) against ``fmap``.
 
     State keys are resolved against the checkpoint's own FQNs (those its tables or flat
     param-group entries list, and the model's aliases of them), never against the target model's
     other FQNs, so one parameter's state can never land on another whose FQN is a prefix of the
     saved key.
     """
-    _refuse_other_layouts(state_dict)
+    state_dict = _other_layouts(state_dict)
     core = _backend.core
     decoded: list[GroupTable] = []
     known: list[set[str]] = []
@@ -142,6 +143,7 @@ def decode_checkpoint(state_dict: Mapping[str, Any], fmap: FqnMap) -> DecodedChe
         return known[-1]
 
     flat = state_dict if type(state_dict) is dict else dict(state_dict)  # the core reads dicts
+    flat = without_foreign_guards(flat)
     settings_raw, state_raw, _tables, scalar_tables, unmatched = core.unflatten(flat, known_fqns)
     out = DecodedCheckpoint(
         unmatched_keys=list(unmatched), has_tables=bool(decoded), tables=decoded, resolve=fmap.resolve
@@ -327,23 +329,16 @@ def merge_scalars(state_of: dict[str, dict], scalars_of: Mapping[str, tuple[dict
     return _backend.core.merge_scalars(state_of, scalars_of, torch.Tensor)
 
 
-def _refuse_other_layouts(state_dict: Mapping[str, Any]) -> None:
-    """A torch ``Optimizer.state_dict()`` (or DSD's nested one) is not a sparse dict: say so."""
-    if not (isinstance(state_dict, Mapping) and "state" in state_dict and "param_groups" in state_dict):
-        return
-    state, groups = state_dict["state"], state_dict["param_groups"]
-    if not (isinstance(state, Mapping) and isinstance(groups, (list, tuple))):
-        return
-    keys = list(state)[:1] + [p for g in groups[:1] if isinstance(g, Mapping) for p in list(g.get("params", []))[:1]]
-    if any(isinstance(k, int) for k in keys) or (not keys and all(isinstance(g, Mapping) for g in groups)):
-        raise CheckpointFormatError(
-            "this is a torch.optim.Optimizer.state_dict() (int-keyed 'state' and a 'param_groups' list), not a "
-            "sparse_ckpt dict: load it with optimizer.load_state_dict(sd), or save with "
-            "sparse_ckpt.sparse_state_dict(model, optimizer) to get a dict load_sparse_state_dict reads"
-        )
+def _other_layouts(state_dict: Mapping[str, Any]) -> Mapping[str, Any]:
+    """DSD's nested FQN-keyed dict as its packed equivalent (:mod:`sparse_ckpt.nested`); a torch
+    ``Optimizer.state_dict()`` (int ids) is refused with what to call instead; others as they are."""
+    kind = nested_kind(state_dict)
+    if kind is None:
+        return state_dict
+    if kind == "fqn":
+        return nested_to_sparse(state_dict)
     raise CheckpointFormatError(
-        "this is a nested FQN-keyed optimizer dict ('state' and 'param_groups' entries, as torch DSD's "
-        "get_optimizer_state_dict returns without flatten_optimizer_state_dict=True), not a sparse_ckpt dict: "
-        "load it with torch.distributed.checkpoint.state_dict.set_optimizer_state_dict, or produce a flat one "
-        "with StateDictOptions(flatten_optimizer_state_dict=True), which load_sparse_state_dict reads"
+        "this is a torch.optim.Optimizer.state_dict() (int-keyed 'state' and a 'param_groups' list), not a "
+        "sparse_ckpt dict: load it with optimizer.load_state_dict(sd), or save with "
+        "sparse_ckpt.sparse_state_dict(model, optimizer) to get a dict load_sparse_state_dict reads"
     )

@@ -9,6 +9,7 @@ from __future__ import annotations
 __all__ = [
     "CheckpointFormatError",
     "CheckpointMismatchError",
+    "CrossRankStateError",
     "ReentrantSerializationError",
     "SparseCheckpointError",
     "UnsupportedStateDictError",
@@ -33,3 +34,8 @@ class CheckpointMismatchError(SparseCheckpointError):
 
 class CheckpointFormatError(SparseCheckpointError):
     """Corrupt, truncated or unknown-version data, or a value the codec cannot represent."""
+
+
+class CrossRankStateError(CheckpointMismatchError):
+    """One rank's optimizer dict reached another rank (see :mod:`sparse_ckpt.origin`): a pickled
+    dict loaded on another rank, or a ``state_dict()`` saved by the main process only."""

@@ -346,8 +346,13 @@ def export_checkpoint(
     if len(found) > 1:
         names = ", ".join(repr(o.name) for o in found)
         raise UsageError(f"{os.fspath(ckpt_dir)!r} holds {len(found)} optimizers ({names}): pass --key")
-    check_new_dir(out_dir)
     opt = found[0]
+    if opt.nested:
+        raise UsageError(
+            f"optimizer {opt.name!r} of {os.fspath(ckpt_dir)!r} is in torch DSD's nested layout; convert it first "
+            "(python -m sparse_ckpt convert SRC DST --to packed), then export the converted checkpoint"
+        )
+    check_new_dir(out_dir)
     sdm = metadata.state_dict_metadata
     group_keys = [inner for inner in opt.inner if not is_state_item(inner)]  # settings and tables
     state_keys = [inner for inner in opt.inner if is_state_item(inner)]

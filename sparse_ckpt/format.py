@@ -11,7 +11,15 @@ A sparse optimizer dict is a plain ``dict[str, value]``:
   ``digest`` being :func:`table_digest` of the table bytes;
 * :data:`PLANNER_GUARD_KEY` -- only in the dicts a DCP ``Stateful`` of sparse_ckpt returns: a
   one-element tensor that makes ``dcp.load`` without :class:`sparse_ckpt.SparseLoadPlanner`
-  fail while planning, before any byte is read.
+  fail while planning, before any byte is read;
+* *foreign-loader guards* -- only in the packed dicts a DCP ``Stateful`` of sparse_ckpt returns:
+  ``param_groups.{fqn}.lr`` for the first FQN of each leaf, and ``param_groups.0.lr``, each an
+  empty ``uint8`` tensor (:func:`foreign_guard_keys`). These are the keys a loader that does not
+  know the format asks for -- torch DSD's flat layout (VeOmni, torchtitan) and its nested layout
+  (Accelerate, DSD's default) -- and a tensor where it expects a number makes DCP refuse the load
+  while planning ("Invalid checkpoint metadata for ...param_groups.<fqn>.lr"), also with
+  ``allow_partial_load=True``, which would otherwise skip the packed settings silently. sparse_ckpt's
+  readers skip them (:func:`is_foreign_guard`).
 
 **Scalar tables** (packed format, version 2). Per leaf, the *leading run* of each parameter's
 top-level state entries (in the state dict's own order) whose key is a plain part (see below)
@@ -46,6 +54,9 @@ from __future__ import annotations
 import hashlib
 from typing import Any
 
+import torch
+from torch.distributed.checkpoint.metadata import TensorStorageMetadata
+
 from .errors import CheckpointFormatError
 
 PACKED_MARKER = "__packed__"
@@ -64,6 +75,11 @@ RESERVED_FQN_PREFIX = f"{PACKED_MARKER}."
 PLANNER_GUARD_KEY = "__sparse_ckpt__.load_with.SparseLoadPlanner"
 """Key of the planner guard (see :mod:`sparse_ckpt.dcp`); never part of a decoded checkpoint."""
 
+FOREIGN_GUARD_SETTING = "lr"
+"""The group setting a foreign loader's target has for every parameter (every torch optimizer has it)."""
+FOREIGN_GUARD_GROUP = "0"
+"""The group index of DSD's nested layout (``param_groups.0.lr``) the guard also takes."""
+
 STRIPPED_PARTS = frozenset({"_orig_mod", "_checkpoint_wrapped_module"})
 """FQN parts left out wherever they are: ``torch.compile``'s and activation checkpointing's wrappers."""
 WRAPPER_CHILD = "module"
@@ -72,6 +88,43 @@ WRAPPER_CHILD = "module"
 ESCAPE = "~"
 ESCAPE_STR = "~s"
 ESCAPE_INT = "~i"
+
+
+def foreign_guard_keys(first_fqns: list[str]) -> list[str]:
+    """The foreign-loader guard keys of a packed optimizer dict whose leaves' first FQNs are ``first_fqns``."""
+    keys = dict.fromkeys(f"{GROUPS_PREFIX}{fqn}.{FOREIGN_GUARD_SETTING}" for fqn in first_fqns)
+    keys[NESTED_GUARD_KEY] = None
+    return list(keys)
+
+
+def foreign_guard_value() -> torch.Tensor:
+    """A foreign-loader guard's value: an empty ``uint8`` tensor (a number is what a foreign target holds)."""
+    return torch.empty(0, dtype=torch.uint8)
+
+
+def is_foreign_guard(key: str, value: object) -> bool:
+    """A foreign-loader guard: a non-table ``param_groups.*.lr`` key whose value -- a tensor, or DCP's
+    ``TensorStorageMetadata`` of one -- is empty ``uint8``. No optimizer setting is one."""
+    if not key.endswith(f".{FOREIGN_GUARD_SETTING}") or GROUPS_PREFIX not in key or is_table_key(key):
+        return False
+    if isinstance(value, torch.Tensor):
+        shape, dtype = tuple(value.shape), value.dtype
+    elif isinstance(value, TensorStorageMetadata):
+        shape, dtype = tuple(value.size), value.properties.dtype
+    else:
+        return False
+    return shape == (0,) and dtype == torch.uint8
+
+
+NESTED_GUARD_KEY = f"{GROUPS_PREFIX}{FOREIGN_GUARD_GROUP}.{FOREIGN_GUARD_SETTING}"
+"""The foreign-loader guard every guarded dict has (see :func:`foreign_guard_keys`)."""
+
+
+def without_foreign_guards(flat: dict[str, Any]) -> dict[str, Any]:
+    """``flat`` without its foreign-loader guards (``flat`` itself when it has none: one lookup)."""
+    if not is_foreign_guard(NESTED_GUARD_KEY, flat.get(NESTED_GUARD_KEY)):
+        return flat
+    return {k: v for k, v in flat.items() if not is_foreign_guard(k, v)}
 
 
 def table_digest(table: bytes) -> str:

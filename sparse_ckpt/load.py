@@ -33,6 +33,7 @@ from .errors import CheckpointMismatchError, SparseCheckpointError
 from .format import STATE_PREFIX, STEP_KEY, owner_fqn
 from .fqn import FqnMap, Model, build_fqn_map
 from .leaves import named_leaves
+from .origin import strip_origin
 
 
 def _check_state_shapes(leaf: str, fqn: str, param: torch.Tensor, state: Any, path: str = "") -> None:
@@ -198,7 +199,9 @@ def load_owned(
     """:func:`load_sparse_state_dict` for the library's DCP and export paths. ``allow_unowned=True``
     (multi-rank loads): saved FQNs the model does not own, and their state, belong to other ranks
     and are not "extra"; the model's own parameters must still be present. ``fmap``: the model's
-    FQN map when the caller built it during the same operation (the DCP planner), else built here."""
+    FQN map when the caller built it during the same operation (the DCP planner), else built here.
+    A dict that records another rank as its origin is refused (:func:`sparse_ckpt.origin.strip_origin`)."""
+    state_dict = strip_origin(state_dict)
     with gc_paused():
         _load(model, optimizer, state_dict, strict, allow_unowned, fmap)
 

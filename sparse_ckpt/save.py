@@ -11,7 +11,15 @@ from ._gc import gc_paused
 from ._tensor_parts import CODEC_DTYPES, tensor_to_parts
 from .capture import capture_by_fqn
 from .errors import CheckpointFormatError, CheckpointMismatchError
-from .format import RESERVED_FQN_PREFIX, is_reserved_fqn, packed_table_key, scalar_table_key, table_digest
+from .format import (
+    RESERVED_FQN_PREFIX,
+    foreign_guard_keys,
+    foreign_guard_value,
+    is_reserved_fqn,
+    packed_table_key,
+    scalar_table_key,
+    table_digest,
+)
 from .fqn import FqnMap, Model, build_fqn_map
 from .leaves import named_leaves
 
@@ -62,13 +70,24 @@ def sparse_state_dict(model: Model, optimizer: Any, *, format: Format = "packed"
         return _sparse_state_dict(model, optimizer, format)
 
 
-def _sparse_state_dict(model: Model, optimizer: Any, format: Format) -> dict[str, Any]:
+def guarded_state_dict(model: Model, optimizer: Any, format: Format) -> dict[str, Any]:
+    """:func:`sparse_state_dict` plus, in the packed format, the foreign-loader guards
+    (:func:`sparse_ckpt.format.foreign_guard_keys`): what the DCP ``Stateful`` saves."""
+    with gc_paused():
+        return _sparse_state_dict(model, optimizer, format, guards=format == "packed")
+
+
+def _sparse_state_dict(model: Model, optimizer: Any, format: Format, guards: bool = False) -> dict[str, Any]:
     core = _backend.core
     fmap = build_fqn_map(model)
     out: dict[str, Any] = {}
     owner: dict[str, str] = {}
+    first_fqns: list[str] = []
     for leaf, opt in named_leaves(optimizer):
         groups_fqn, state_fqn = capture_leaf(leaf, opt, fmap)
+        first = next((fqns[0] for _settings, fqns in groups_fqn if fqns), None)
+        if first is not None:
+            first_fqns.append(first)
         repeats = core.claim_owners(leaf, groups_fqn, owner)
         if repeats:  # a parameter in two groups of this leaf (torch allows it)
             _check_repeats(leaf, groups_fqn, repeats)
@@ -88,6 +107,8 @@ def _sparse_state_dict(model: Model, optimizer: Any, format: Format) -> dict[str
         else:
             table = core.encode_table(leaf, groups_fqn, torch.Tensor, tensor_to_parts)
             out[packed_table_key(leaf, table)] = table
+    if guards:
+        out.update(dict.fromkeys(foreign_guard_keys(first_fqns), foreign_guard_value()))
     return out
 
 

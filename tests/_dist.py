@@ -81,9 +81,8 @@ def run_ranks(
 ) -> None:
     """Run ``fn(rank, world_size, *args)`` on ``world_size`` Gloo ranks; re-raise a worker's failure.
 
-    ``start_method``: ``"spawn"`` for workers that must not inherit the parent's state (each
-    re-imports torch and ``fn``'s module, so ``fn`` must be a module-level function); default
-    ``fork`` where available."""
+    ``start_method``: ``"spawn"`` for workers that must not inherit the parent's state (a trainer
+    package's singletons, a GPU runtime); default ``fork`` on Linux (fast), else ``spawn``."""
     method = start_method or ("fork" if sys.platform.startswith("linux") else "spawn")
     backend = os.environ.get("SPARSE_CKPT_BACKEND")
     ctx = mp.start_processes(

@@ -125,7 +125,12 @@ def test_convert_round_trip(checkpoint: tuple[Path, nn.Module, sc.MultiOptimizer
     assert {k for k in packed_keys if not k.startswith("optim.param_groups.")} == state
     assert [k for k in packed_keys if "__packed__" in k] and all(
         k.startswith("optim.param_groups.__packed__.optim.") for k in packed_keys if k.startswith("optim.param_groups.")
+        and not k.endswith(".lr")
     )
+    # the converted packed checkpoint is guarded against foreign loaders like one sparse_ckpt saves;
+    # the flat one holds no guard (its param_groups.*.lr entries are the real settings)
+    assert {k for k in packed_keys if k.endswith(".lr")} == {"optim.param_groups.embed.weight.lr", "optim.param_groups.0.lr"}
+    assert "optim.param_groups.0.lr" not in flat_keys
 
     for src in (flat, packed):
         model2, opt2 = build(seed=1)

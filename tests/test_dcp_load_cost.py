@@ -17,7 +17,7 @@ import sparse_ckpt as sc
 import sparse_ckpt.dcp as sc_dcp
 import sparse_ckpt.load as sc_load
 from sparse_ckpt._torch_compat import called_by_dcp_load
-from sparse_ckpt.format import PLANNER_GUARD_KEY
+from sparse_ckpt.format import PLANNER_GUARD_KEY, is_foreign_guard
 
 pytestmark = pytest.mark.filterwarnings("ignore:torch.distributed is disabled:UserWarning")
 
@@ -61,7 +61,9 @@ def test_state_dict_outside_dcp_load_is_full() -> None:
     model, opt = _trained(1)
     st = sc.SparseOptimizerState(model, opt)
     sd = st.state_dict()
-    assert PLANNER_GUARD_KEY in sd and len(sd) == 1 + len(sc.sparse_state_dict(model, opt))
+    full = sc.sparse_state_dict(model, opt)
+    guards = {k for k, v in sd.items() if is_foreign_guard(k, v)}
+    assert PLANNER_GUARD_KEY in sd and sd.keys() == {PLANNER_GUARD_KEY, *full, *guards} and len(guards) == 2
     assert not called_by_dcp_load(sys._getframe())
 
 

@@ -180,3 +180,37 @@ def test_reexports_are_the_modules_objects() -> None:
 
 def test_import_does_not_load_safetensors() -> None:
     assert fresh_import() == {"safetensors": False}
+
+
+@functools.cache
+def _configure_copied_checkout(tmp: str) -> subprocess.CompletedProcess[str]:
+    """``setup.py build_ext`` in a copy of the source tree whose build tree was configured from another
+    source directory, with a compiler from ``CMAKE_ARGS`` that does not exist (configure stops there,
+    nothing is compiled)."""
+    import shutil
+
+    dst = Path(tmp) / "copy"
+    dst.mkdir()
+    for name in ("setup.py", "CMakeLists.txt", "README.md", "pyproject.toml"):
+        shutil.copy2(ROOT / name, dst / name)
+    for folder in ("csrc", "sparse_ckpt", "bench"):
+        shutil.copytree(ROOT / folder, dst / folder, ignore=shutil.ignore_patterns("*.so", "__pycache__", "out*"))
+    cache_dir = dst / "build" / "temp" / "cmake"
+    cache_dir.mkdir(parents=True)
+    (cache_dir / "CMakeCache.txt").write_text(
+        "CMAKE_HOME_DIRECTORY:INTERNAL=/another/checkout\nCMAKE_CACHEFILE_DIR:INTERNAL=/another/checkout/build\n"
+    )
+    env = {**os.environ, "CMAKE_ARGS": "-DCMAKE_CXX_COMPILER=/nonexistent/sparse-ckpt-cxx"}
+    return subprocess.run(
+        [sys.executable, "setup.py", "build_ext", "--build-temp", "build/temp"],
+        check=False, cwd=dst, env=env, capture_output=True, text=True, timeout=300,
+    )
+
+
+def test_build_honours_cmake_args_and_replaces_a_foreign_build_tree(tmp_path_factory: pytest.TempPathFactory) -> None:
+    run = _configure_copied_checkout(str(tmp_path_factory.mktemp("setup")))
+    out = run.stdout + run.stderr
+    assert "configured for another source directory; configuring anew" in out
+    assert "does not match the source" not in out  # CMake's refusal of the foreign cache
+    assert "/nonexistent/sparse-ckpt-cxx" in out  # CMAKE_ARGS reached CMake (configure stops at the compiler)
+    assert run.returncode != 0
