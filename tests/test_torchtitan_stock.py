@@ -8,8 +8,9 @@ does with the checkpoints on either side:
   with ``allow_partial_load=True`` it loads, with state invented for the unrouted experts, and the
   next steps differ from an uninterrupted run;
 * the foreign-loader hazard: the stock load of a sparse_ckpt checkpoint fails on the first state
-  key the checkpoint lacks; with ``allow_partial_load=True`` it "loads" silently wrong (``step`` 1
-  instead of 2, the constructor's lr instead of the saved one, invented state);
+  key the checkpoint lacks; with ``allow_partial_load=True`` the checkpoint's foreign-loader guard
+  (``param_groups.<first FQN>.lr``) makes DCP refuse the plan, nothing read (without the guard it
+  "loaded" ``step`` 1 instead of 2, the constructor's lr and invented state);
 * ``SparseCheckpointManager`` refuses the stock checkpoint unless ``migrate_stock_checkpoints``;
   migrated with ``drop_synthetic_state`` it resumes bit-exact with the uninterrupted run,
   migrated as saved it resumes bit-exact with the run that kept the invented state.
@@ -23,6 +24,7 @@ pytest.importorskip("torchtitan", reason="torchtitan is not installed (pip insta
 
 import torch
 from _dist import assert_snapshots_equal, full_snapshot, run_ranks
+from helpers import assert_deep_equal
 from torch.distributed.checkpoint.api import CheckpointException
 from torch.distributed.device_mesh import init_device_mesh
 from torch.distributed.tensor import DTensor
@@ -49,14 +51,15 @@ def _is_synthetic(state: dict) -> bool:
     return float(state["step"]) == 1.0 and all(int(torch.count_nonzero(t)) == 0 for t in local)
 
 
-def _load_error(config_cls, folder: str, mesh, **config) -> BaseException:
-    objs = tt.build(1, mesh)
+def _load_error(config_cls, folder: str, mesh, objs: tuple | None = None, **config) -> BaseException:
+    """The error of ``config_cls``'s load of ``folder`` into ``objs`` (fresh objects when not given)."""
+    objs = objs if objs is not None else tt.build(1, mesh)
     mgr = tt.manager(config_cls, folder, *objs, tt.TrainState(), **config)
     try:
         mgr.load()
     except BaseException as exc:  # noqa: BLE001 - DCP's CheckpointException is a BaseException
         # (the stock load's synthetic step has already created state when it fails)
-        assert config_cls is CheckpointManager.Config or not _state(*objs[:2]), "a refused load changed the optimizer"
+        assert config_cls is not SparseCheckpointManager.Config or not _state(*objs[:2]), "a refused load changed the optimizer"
         return exc
     finally:
         mgr.close()
@@ -142,20 +145,20 @@ def _stock(rank: int, world_size: int, base: str) -> None:
     # -- the foreign-loader hazard: the stock manager pointed at a sparse_ckpt checkpoint
     sparse = tt.build(0, mesh)
     tt.train(*sparse, before, tt.ROUTED_BEFORE, use_aux=False, rank=rank)
-    saved = _state(*sparse[:2])
     mgr = tt.manager(SparseCheckpointManager.Config, sparse_dir, *sparse, tt.TrainState(2))
     mgr.save(2)
     mgr.close()
     texts = _failure_texts(_load_error(CheckpointManager.Config, sparse_dir, mesh))
     assert texts == {"Missing key in checkpoint state_dict: optimizer.state.aux.weight.step."}, f"{UPSTREAM}: {texts}"
+    # with allow_partial_load=True the checkpoint's foreign-loader guard refuses the plan: nothing is read
+    # (without the guard it "loaded" step 1 instead of 2, the constructor's lr and invented state)
+    untouched = full_snapshot(*tt.build(1, mesh)[:2])["params"]
     foreign = tt.build(1, mesh)
-    mgr = tt.manager(tt.PartialLoadManager.Config, sparse_dir, *foreign, tt.TrainState())
-    assert mgr.load() is True  # silently wrong:
-    mgr.close()
-    got = _state(*foreign[:2])
-    assert sorted(got) == sorted(saved.keys() | set(AUX + UNROUTED)), f"{UPSTREAM}: invented state {sorted(got)}"
-    assert {float(s["step"]) for s in got.values()} == {1.0} and {float(s["step"]) for s in saved.values()} == {2.0}
-    assert tt.lrs(foreign[1]) == [tt.LR / tt.WARMUP] * 2 != tt.lrs(sparse[1])  # the constructor's lr
+    texts = _failure_texts(_load_error(tt.PartialLoadManager.Config, sparse_dir, mesh, objs=foreign))
+    guard = ("Invalid checkpoint metadata for optimizer.param_groups.aux.weight.lr, expected BytesStorageMetadata "
+             "but found <class 'torch.distributed.checkpoint.metadata.TensorStorageMetadata'>")
+    assert texts == {guard}, texts
+    assert_deep_equal(full_snapshot(*foreign[:2])["params"], untouched, "model after the refused foreign load")
 
 
 def _snap(objs) -> dict:
