@@ -86,10 +86,11 @@ def _name(fn: Callable[..., Any]) -> str:
     return getattr(fn, "__name__", repr(fn))
 
 
-def _free_port() -> int:
+def free_port() -> int:
+    """A TCP port on 127.0.0.1 that is free now (for ``MASTER_PORT`` and ``tcp://`` stores)."""
     with socket.socket() as s:
         s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
+        return int(s.getsockname()[1])
 
 
 def _torchrun_env(rank: int, world_size: int, port: int) -> None:
@@ -136,7 +137,7 @@ def _start_ranks(
 ) -> list[Any]:
     ctx = multiprocessing.get_context(rank_start_method())
     store = tempfile.mktemp(prefix="pgstore-", dir=err_dir)
-    port = _free_port()
+    port = free_port()
     procs = [
         ctx.Process(target=_rank_entry, args=(fn, r, world_size, store, err_dir, setup, args, port))
         for r in range(world_size)
@@ -229,4 +230,4 @@ def run_killed(
     return elapsed
 
 
-__all__ = ["PRELOAD", "RankSetup", "rank_start_method", "run_killed", "run_ranks", "use_core"]
+__all__ = ["PRELOAD", "RankSetup", "free_port", "rank_start_method", "run_killed", "run_ranks", "use_core"]

@@ -21,7 +21,6 @@ import argparse
 import datetime
 import json
 import os
-import socket
 import statistics
 import sys
 import tempfile
@@ -34,6 +33,8 @@ import torch
 import torch.distributed as dist
 import torch.multiprocessing as mp
 from torch import nn
+
+from .ranks import free_port
 
 KINDS = ("model", "stock", "sparse")
 """``model``: stock VeOmni saving and loading the model alone (the floor both others include)."""
@@ -163,12 +164,6 @@ def _measure(rank: int, world_size: int, args: argparse.Namespace, root: Path) -
         config = {k: v for k, v in vars(args).items() if k != "json"}
         results["config"] = {**config, "routed_experts": routed, "params": n_params}
         (root / "results.json").write_text(json.dumps(results))
-
-
-def free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return int(s.getsockname()[1])
 
 
 def main(argv: list[str] | None = None) -> dict[str, Any]:

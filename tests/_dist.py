@@ -41,6 +41,7 @@ from torch.distributed.tensor import DTensor
 
 import sparse_ckpt as sc
 from bench import ranks
+from bench.ranks import free_port
 from sparse_ckpt.leaves import named_leaves
 
 
@@ -266,6 +267,7 @@ __all__ = [
     "build_fsdp",
     "cpu_mesh",
     "forbid_default_mesh",
+    "free_port",
     "full_copy",
     "full_snapshot",
     "guarded",

@@ -2,13 +2,13 @@
 
 from __future__ import annotations
 
-import socket
 from collections.abc import Iterator
 from typing import Any
 
 import pytest
 import torch
 import torch.distributed as dist
+from _dist import free_port
 from helpers import assert_deep_equal, clone_value, count_calls, decoded_settings, flat_settings, make_moe
 from scalar_tables import v1_state_keys
 from torch import nn
@@ -79,12 +79,6 @@ def test_child_named_module_is_not_stripped_without_ddp() -> None:
 # ----------------------------------------------------------------------------- DDP (1-process gloo)
 
 
-def _free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return int(s.getsockname()[1])
-
-
 @pytest.fixture(scope="module")
 def gloo_group() -> Iterator[None]:
     """A single-process gloo group, destroyed at the end of the module (if this module made it)."""
@@ -93,7 +87,7 @@ def gloo_group() -> Iterator[None]:
     if dist.is_initialized():  # someone else's group: use it, leave it alone
         yield
         return
-    dist.init_process_group("gloo", init_method=f"tcp://127.0.0.1:{_free_port()}", rank=0, world_size=1)
+    dist.init_process_group("gloo", init_method=f"tcp://127.0.0.1:{free_port()}", rank=0, world_size=1)
     try:
         yield
     finally:
