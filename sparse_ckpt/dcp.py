@@ -52,7 +52,7 @@ from .format import (
     split_group_key,
     table_kind,
 )
-from .fqn import FqnMap, Model, build_fqn_map, check_model
+from .fqn import FqnMap, Model, build_fqn_map, validate_model
 from .load import load_owned
 from .nested import NESTED_KEYS
 from .origin import ORIGIN_KEY, origin_here, refuse_rank0_only_save
@@ -163,7 +163,7 @@ class SparseOptimizerState:
     def __init__(self, model: Model, optimizer: Any, *, format: Format = "packed", strict: bool = True) -> None:
         if format not in FORMATS:
             raise ValueError(f"format must be one of {FORMATS}, got {format!r}")
-        check_model(model)
+        validate_model(model)
         check_leaves(optimizer)  # validate the optimizer argument now, not inside dcp.save
         self.model = model
         self.optimizer = optimizer

@@ -95,6 +95,14 @@ def check_model(model: Any) -> None:
     )
 
 
+def validate_model(model: Any) -> None:
+    """:func:`check_model`, and for a list of parts their FQN map (an FQN in two parts fails here, where a
+    ``SparseOptimizerState`` or ``MultiOptimizer`` is constructed, not at its first save)."""
+    check_model(model)
+    if not isinstance(model, nn.Module):
+        build_fqn_map(model)
+
+
 def build_fqn_map(model: Model) -> FqnMap:
     """The :class:`FqnMap` of ``model`` (a module or a list of parts): built by one walk, or the kept map
     of an earlier call when a walk that compares identities finds the modules, names and parameters unchanged."""

@@ -8,7 +8,7 @@ from typing import Any
 import torch
 from torch.utils.hooks import RemovableHandle
 
-from .fqn import Model, check_model
+from .fqn import Model, validate_model
 from .leaves import container_leaves, named_leaves
 
 
@@ -47,7 +47,7 @@ class MultiOptimizer:
     """
 
     def __init__(self, model: Model, optimizers: Any) -> None:
-        check_model(model)
+        validate_model(model)
         if isinstance(optimizers, Mapping):
             pairs = named_leaves(optimizers)
         else:

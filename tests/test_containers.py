@@ -234,8 +234,13 @@ def test_model_parts():
     opt2 = torch.optim.SGD([*a.parameters(), *b.parameters()], lr=0.5, momentum=0.9)
     sc.load_sparse_state_dict((a, b), opt2, sd)
     assert opt2.param_groups[0]["lr"] == 0.1 and len(opt2.state) == 4
+    twin = nn.ModuleDict({"x": nn.Linear(2, 2)})
     with pytest.raises(ValueError, match=r"'x.weight' is in model part 0 and model part 1"):
-        sc.sparse_state_dict([a, nn.ModuleDict({"x": nn.Linear(2, 2)})], opt)
+        sc.sparse_state_dict([a, twin], opt)
+    with pytest.raises(ValueError, match=r"'x.weight' is in model part 0 and model part 1"):
+        sc.SparseOptimizerState([a, twin], opt)  # at construction, not at the first save
+    with pytest.raises(ValueError, match=r"'x.weight' is in model part 0 and model part 1"):
+        sc.MultiOptimizer([a, twin], {"o": opt})
     with pytest.raises(TypeError, match="model part 1 is a str"):
         sc.SparseOptimizerState([a, "b"], opt)
     with pytest.raises(TypeError, match="model must be an nn.Module or a list of nn.Module"):
