@@ -191,8 +191,7 @@ class _TitanOptimizerState(SparseOptimizerState):
     container that also reads stock checkpoints when migration is on (see :class:`_TitanLoadPlanner`)."""
 
     def __init__(self, model_parts: Model, optimizers: Any, *, migrate: bool, drop_synthetic: bool) -> None:
-        super().__init__(model_parts, optimizers)
-        build_fqn_map(model_parts)  # pipeline stages that share an FQN fail now, not at the first save (the map is kept)
+        super().__init__(model_parts, optimizers)  # pipeline stages that share an FQN fail here
         self.migrate = migrate
         self.drop_synthetic = drop_synthetic
         self.stock_source = False
