@@ -9,6 +9,8 @@ import torch
 from torch import nn
 from torch.utils.hooks import RemovableHandle
 
+from .buffers import DEFAULT_STATE_LAYOUT, StateLayout, check_state_layout
+
 
 class _MultiHandle:
     """Removes a hook registered on every leaf."""
@@ -35,10 +37,18 @@ class MultiOptimizer:
 
     It is a DCP ``Stateful`` that behaves exactly like ``SparseOptimizerState(model, self)``: put
     it straight into ``dcp.save({"optim": mo})`` / ``dcp.async_save`` and load it with
-    ``dcp.load({"optim": mo}, planner=sparse_ckpt.SparseLoadPlanner())``.
+    ``dcp.load({"optim": mo}, planner=sparse_ckpt.SparseLoadPlanner())``. ``state_layout`` is
+    :class:`~sparse_ckpt.SparseOptimizerState`'s (how its checkpoints hold the state tensors).
     """
 
-    def __init__(self, model: nn.Module, optimizers: Mapping[str, torch.optim.Optimizer]) -> None:
+    def __init__(
+        self,
+        model: nn.Module,
+        optimizers: Mapping[str, torch.optim.Optimizer],
+        *,
+        state_layout: StateLayout = DEFAULT_STATE_LAYOUT,
+    ) -> None:
+        self.state_layout: StateLayout = check_state_layout(state_layout)
         if not isinstance(model, nn.Module):
             raise TypeError(f"model must be an nn.Module, got {type(model).__name__}")
         if not isinstance(optimizers, Mapping):
@@ -133,10 +143,10 @@ class MultiOptimizer:
         """
         from .dcp import SparseOptimizerState
 
-        return SparseOptimizerState(self.model, self).state_dict()
+        return SparseOptimizerState(self.model, self, state_layout=self.state_layout).state_dict()
 
     def load_state_dict(self, state_dict: Mapping[str, Any], strict: bool = True) -> None:
         """Restore from a sparse (packed or flat) state dict, as :meth:`SparseOptimizerState.load_state_dict`."""
         from .dcp import SparseOptimizerState
 
-        SparseOptimizerState(self.model, self, strict=strict).load_state_dict(state_dict)
+        SparseOptimizerState(self.model, self, strict=strict, state_layout=self.state_layout).load_state_dict(state_dict)
