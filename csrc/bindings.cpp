@@ -68,6 +68,8 @@ PYBIND11_MODULE(_C, m) {
           "Record a decoded table's settings by canonical FQN: (indices of its empty groups, first clash or None).");
     m.def("merge_scalars", &merge_scalars, py::arg("state_of"), py::arg("scalars_of"), py::arg("tensor_type"),
           "Each FQN's state: its scalars (own dicts and tensors) first, then its per-item entries.");
+    m.def("unlisted_keys", &unlisted_keys, py::arg("keys_of"), py::arg("state_of"), py::arg("owned"),
+          "(fqn, key) of every recorded state key of an owned FQN that is not a top-level key of its state.");
     m.def("capture_fqns", &capture_fqns, py::arg("leaf"), py::arg("param_groups"), py::arg("state"),
           py::arg("fqn_of"), py::arg("tensor_type"),
           "(groups_fqn, state_fqn) of a live optimizer leaf in one pass (no state_dict post-hooks).");

@@ -10,6 +10,7 @@
 #include <string>
 #include <string_view>
 #include <unordered_map>
+#include <unordered_set>
 #include <vector>
 
 #include "core.hpp"
@@ -35,6 +36,13 @@ std::string wide_str(Wide v) {
         u /= 10;
     }
     return neg ? "-" + s : s;
+}
+
+std::string utf8(py::handle s) {
+    Py_ssize_t n = 0;
+    const char* raw = PyUnicode_AsUTF8AndSize(s.ptr(), &n);
+    if (raw == nullptr) throw py::error_already_set();
+    return std::string(raw, static_cast<size_t>(n));
 }
 
 /// A dims tuple: the Python object (for messages and outputs) and its values. ``big`` marks a
@@ -97,16 +105,18 @@ Wide volume(const std::vector<int64_t>& dims) {
     return n;
 }
 
-/// ``_check_chunk(where, shape, offsets, sizes)``: the problem's text, or a null object.
-py::object check_chunk(const py::object& where, const Dims& shape, const Dims& offsets, const Dims& sizes) {
+/// ``_check_chunk(where, shape, offsets, sizes)``: the problem's text, or a null object. ``where()``
+/// builds the message's prefix, only when there is a problem.
+template <class Where>
+py::object check_chunk(Where&& where, const Dims& shape, const Dims& offsets, const Dims& sizes) {
     const size_t n = shape.v.size();
     if (!(n == offsets.v.size() && n == sizes.v.size())) {
-        return Msg() << where << ": shape, offsets and sizes have " << static_cast<long long>(n) << ", "
+        return Msg() << where() << ": shape, offsets and sizes have " << static_cast<long long>(n) << ", "
                      << static_cast<long long>(offsets.v.size()) << " and " << static_cast<long long>(sizes.v.size())
                      << " dims";
     }
     if (n > kMaxNdim) {
-        return Msg() << where << ": " << static_cast<long long>(n) << " dims (at most " << static_cast<long long>(kMaxNdim)
+        return Msg() << where() << ": " << static_cast<long long>(n) << " dims (at most " << static_cast<long long>(kMaxNdim)
                      << ")";
     }
     bool bad = shape.big || offsets.big || sizes.big;
@@ -115,27 +125,29 @@ py::object check_chunk(const py::object& where, const Dims& shape, const Dims& o
         bad = d < 0 || o < 0 || s < 0 || static_cast<Wide>(o) + s > d;
     }
     if (bad) {
-        return Msg() << where << ": chunk at offsets " << fmt(offsets.obj) << " of sizes " << fmt(sizes.obj)
+        return Msg() << where() << ": chunk at offsets " << fmt(offsets.obj) << " of sizes " << fmt(sizes.obj)
                      << " is not inside shape " << fmt(shape.obj);
     }
     if (volume(shape.v) > static_cast<Wide>(kI64Max)) {
-        return Msg() << where << ": shape " << fmt(shape.obj) << " has more than 2**63-1 elements";
+        return Msg() << where() << ": shape " << fmt(shape.obj) << " has more than 2**63-1 elements";
     }
     return py::object();
 }
 
-/// ``_put_str``: a u32 length and the UTF-8 bytes; unencodable text is a CheckpointFormatError.
-void put_str(std::string& out, py::handle text, const py::object& where) {
+/// ``_put_str``: a u32 length and the UTF-8 bytes; unencodable text is a CheckpointFormatError
+/// (``where()`` builds its prefix).
+template <class Where>
+void put_str(std::string& out, py::handle text, Where&& where) {
     Py_ssize_t n = 0;
     const char* raw = PyUnicode_AsUTF8AndSize(text.ptr(), &n);
     if (raw == nullptr) {
         py::error_already_set err;
         if (!err.matches(PyExc_UnicodeEncodeError)) throw err;
         py::object reason = steal(PyObject_GetAttrString(err.value().ptr(), "reason"));
-        raise_format_error(Msg() << where << ": string is not valid unicode (" << fmt(reason) << ")");
+        raise_format_error(Msg() << where() << ": string is not valid unicode (" << fmt(reason) << ")");
     }
     if (static_cast<uint64_t>(n) > 0xFFFFFFFFull) {
-        raise_format_error(Msg() << where << ": string of " << static_cast<long long>(n)
+        raise_format_error(Msg() << where() << ": string of " << static_cast<long long>(n)
                                  << " bytes does not fit the layout format");
     }
     put_u32(out, static_cast<uint32_t>(n));
@@ -223,8 +235,9 @@ struct ReadEntry {
     Dims shape, offsets, sizes;
 };
 
-/// ``_read_entry``: one bucket entry, checked; ``listed`` holds the (fqn, key) tuples seen.
-ReadEntry read_entry(Reader& r, py::handle listed) {
+/// ``_read_entry``: one bucket entry, checked; ``listed`` holds the (fqn, key) pairs seen (as
+/// ``fqn \0 key`` of their UTF-8 bytes: decoded text is always valid UTF-8).
+ReadEntry read_entry(Reader& r, std::unordered_set<std::string>& listed) {
     ReadEntry e;
     e.fqn = r.string("FQN");
     e.key = r.string("state key");
@@ -235,14 +248,13 @@ ReadEntry read_entry(Reader& r, py::handle listed) {
     e.shape = r.dims(ndim, "shape");
     e.offsets = r.dims(ndim, "offsets");
     e.sizes = r.dims(ndim, "sizes");
-    py::object where = Msg() << "state " << py_repr(e.key) << " of " << py_repr(e.fqn);
+    auto where = [&] { return Msg() << "state " << py_repr(e.key) << " of " << py_repr(e.fqn); };
     py::object problem = check_chunk(where, e.shape, e.offsets, e.sizes);
     if (problem) r.fail(problem);
-    py::object id = py::make_tuple(e.fqn, e.key);
-    const int seen = PySet_Contains(listed.ptr(), id.ptr());
-    check(seen);
-    if (seen) r.fail(Msg() << where << " listed twice");
-    check(PySet_Add(listed.ptr(), id.ptr()));
+    std::string id = utf8(e.fqn);
+    id.push_back('\0');
+    id += utf8(e.key);
+    if (!listed.insert(std::move(id)).second) r.fail(Msg() << where() << " listed twice");
     return e;
 }
 
@@ -254,7 +266,7 @@ void walk_layout(py::handle data, const py::object& where, OnBucket&& on_bucket,
     std::string_view bytes(PyBytes_AS_STRING(data.ptr()), static_cast<size_t>(PyBytes_GET_SIZE(data.ptr())));
     Reader r(bytes, where);
     read_header(r, where);
-    py::object listed = steal(PySet_New(nullptr));
+    std::unordered_set<std::string> listed;
     const uint32_t n_buckets = r.count("bucket list", 16);
     for (uint32_t bi = 0; bi < n_buckets; ++bi) {
         py::object dtype = r.string("bucket dtype");
@@ -282,13 +294,6 @@ void walk_layout(py::handle data, const py::object& where, OnBucket&& on_bucket,
     }
 }
 
-std::string utf8(py::handle s) {
-    Py_ssize_t n = 0;
-    const char* raw = PyUnicode_AsUTF8AndSize(s.ptr(), &n);
-    if (raw == nullptr) throw py::error_already_set();
-    return std::string(raw, static_cast<size_t>(n));
-}
-
 struct Chunk {
     bool held = false;
     Dims shape, offsets, sizes;
@@ -305,7 +310,7 @@ Chunk read_chunk(py::handle fqn, py::handle value) {
     c.shape = read_dims(PyTuple_GET_ITEM(value.ptr(), 0), "a parameter shape");
     c.offsets = read_dims(PyTuple_GET_ITEM(value.ptr(), 1), "chunk offsets");
     c.sizes = read_dims(PyTuple_GET_ITEM(value.ptr(), 2), "chunk sizes");
-    py::object where = Msg() << "chunk_of(" << py_repr(fqn) << ")";
+    auto where = [&] { return Msg() << "chunk_of(" << py_repr(fqn) << ")"; };
     py::object problem = check_chunk(where, c.shape, c.offsets, c.sizes);
     if (problem) raise_builtin(PyExc_ValueError, problem);
     c.held = true;
@@ -352,19 +357,19 @@ py::tuple encode_layout(py::object leaf, py::object entries, py::object bucket_b
         if (!PyLong_CheckExact(itemsize.ptr())) raise_type("the entry's item size as an int", itemsize);
         LayoutEntry le{fqn, key, read_dims(PyTuple_GET_ITEM(t, 4), "a shape"),
                        read_dims(PyTuple_GET_ITEM(t, 5), "offsets"), read_dims(PyTuple_GET_ITEM(t, 6), "sizes")};
-        py::object where = where_of(leaf, key, fqn);
+        auto where = [&] { return where_of(leaf, key, fqn); };
         int overflow = 0;
         const long long size = PyLong_AsLongLongAndOverflow(itemsize.ptr(), &overflow);
         if (size == -1 && PyErr_Occurred()) throw py::error_already_set();
         if (overflow != 0 || size < 1 || size > 16) {
-            raise_format_error(Msg() << where << ": item size " << fmt(itemsize) << " (1 to 16)");
+            raise_format_error(Msg() << where() << ": item size " << fmt(itemsize) << " (1 to 16)");
         }
         py::object problem = check_chunk(where, le.shape, le.offsets, le.sizes);
         if (problem) raise_format_error(problem);
         py::object id = py::make_tuple(fqn, key);
         const int dup = PySet_Contains(seen.ptr(), id.ptr());
         check(dup);
-        if (dup) raise_format_error(Msg() << where << ": listed twice in one layout");
+        if (dup) raise_format_error(Msg() << where() << ": listed twice in one layout");
         check(PySet_Add(seen.ptr(), id.ptr()));
         py::object index = dict_get(dtype_index, dtype);
         size_t di;
@@ -408,7 +413,7 @@ py::tuple encode_layout(py::object leaf, py::object entries, py::object bucket_b
     put_u16(out, static_cast<uint16_t>(kLayoutVersion));
     put_len_u32(out, static_cast<Py_ssize_t>(buckets.size()));
     py::object result = steal(PyList_New(0));
-    py::object dtype_where = Msg() << "leaf " << py_repr(leaf) << ": layout dtype";
+    auto dtype_where = [&] { return Msg() << "leaf " << py_repr(leaf) << ": layout dtype"; };
     for (const Bucket& b : buckets) {
         put_str(out, b.dtype, dtype_where);
         put_u64(out, static_cast<uint64_t>(b.numel));
@@ -416,7 +421,7 @@ py::tuple encode_layout(py::object leaf, py::object entries, py::object bucket_b
         py::object members = steal(PyList_New(0));
         for (const auto& [i, offset] : b.members) {
             const LayoutEntry& e = parsed[i];
-            py::object where = where_of(leaf, e.key, e.fqn);
+            auto where = [&] { return where_of(leaf, e.key, e.fqn); };
             put_str(out, e.fqn, where);
             put_str(out, e.key, where);
             put_u32(out, static_cast<uint32_t>(e.shape.v.size()));

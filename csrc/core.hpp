@@ -82,6 +82,7 @@ py::object cast_states(py::object leaf, py::object param_groups, py::object targ
 py::tuple merge_table_settings(py::object leaf, py::object settings, py::object groups, py::object canonical,
                                py::object settings_of);
 py::object merge_scalars(py::object state_of, py::object scalars_of, py::object tensor_type);
+py::object unlisted_keys(py::object keys_of, py::object state_of, py::object owned);
 
 // buffers.cpp
 py::tuple encode_layout(py::object leaf, py::object entries, py::object bucket_bytes);

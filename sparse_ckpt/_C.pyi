@@ -109,6 +109,10 @@ def merge_table_settings(
     settings_of: dict[str, dict],
 ) -> tuple[list[int], tuple[str, int] | None]: ...
 
+def unlisted_keys(
+    keys_of: dict[str, tuple[tuple[str, ...], str]], state_of: dict[str, dict], owned: dict[str, Any]
+) -> list[tuple[str, str]]: ...
+
 def pack_optimizer(
     leaf: str, param_groups: list[dict], state: dict[Any, Any], tensor_type: type
 ) -> tuple[list[dict], dict[Any, Any], list[Any]]: ...

@@ -57,6 +57,7 @@ from ._core_py_load import (  # noqa: F401 - twins of csrc/load_plan.cpp
     fqns_of_groups,
     merge_scalars,
     merge_table_settings,
+    unlisted_keys,
 )
 from ._core_py_reader import Reader
 from ._core_py_save import capture_fqns, claim_owners  # noqa: F401 - twin of csrc/save_pass.cpp

@@ -16,6 +16,7 @@ copied into), whatever the optimizer's size.
 
 from __future__ import annotations
 
+import math
 from collections.abc import Callable, Iterable, Mapping
 from dataclasses import dataclass, field
 from typing import Any, Literal
@@ -66,10 +67,6 @@ def _dtype_name(dtype: torch.dtype) -> str:
     return str(dtype).removeprefix("torch.")
 
 
-def _plain_buffered(p: torch.Tensor, v: Any) -> bool:
-    return type(v) is torch.Tensor and v.shape == p.shape and v.layout is torch.strided and v.device.type != "meta"
-
-
 Chunk = tuple[tuple[int, ...], tuple[int, ...], tuple[int, ...]]
 """A parameter's ``(global shape, local chunk offsets, local chunk sizes)``."""
 
@@ -104,32 +101,42 @@ def collect(
     entries: list[tuple[Any, ...]] = []
     local: list[torch.Tensor] = []
     geometry = _Geometry()
+    names: dict[torch.dtype, tuple[str, int]] = {}
     missing = object()
+    plain, strided = torch.Tensor, torch.strided
     for fqn, state in state_fqn.items():
         p = param_of.get(fqn)
         if p is None or type(state) is not dict:
             continue
+        sharded = isinstance(p, DTensor)
+        pshape = p.shape
         chunk = None
         for key, v in state.items():
-            if isinstance(v, DTensor):
-                if not (isinstance(p, DTensor) and v.shape == p.shape and v.placements == p.placements
-                        and v.device_mesh == p.device_mesh):
+            if type(v) is plain and not sharded:
+                if v.shape != pshape or v.layout is not strided or v.is_meta:
+                    continue
+                t = v
+            elif sharded and isinstance(v, DTensor):
+                if v.shape != pshape or v.placements != p.placements or v.device_mesh != p.device_mesh:
                     continue
                 t = v.to_local()
-            elif _plain_buffered(p, v) and not isinstance(p, DTensor):
-                t = v
+                if t.layout is not strided:
+                    continue
             else:
                 continue
             if chunk is None:
                 chunk = geometry.of(p)
                 if chunk is None:
                     break
-            part = key if is_plain_part(key) else escape_part(key)
-            if part is None or t.layout is not torch.strided or tuple(t.shape) != chunk[2]:
+            if tuple(t.shape) != chunk[2]:
                 continue
-            if items.pop(f"{STATE_PREFIX}{fqn}.{part}", missing) is missing:
+            part = key if is_plain_part(key) else escape_part(key)
+            if part is None or items.pop(f"{STATE_PREFIX}{fqn}.{part}", missing) is missing:
                 continue  # a 0-d parameter's state went into the scalar table
-            entries.append((fqn, part, _dtype_name(t.dtype), t.element_size(), *chunk))
+            spec = names.get(t.dtype)
+            if spec is None:
+                spec = names[t.dtype] = (_dtype_name(t.dtype), t.element_size())
+            entries.append((fqn, part, spec[0], spec[1], *chunk))
             local.append(t)
     return entries, local
 
@@ -278,8 +285,18 @@ def _expand_leaf(
         read_layouts()  # this rank's own layout does not hold all it needs: another mesh or EP degree
         layouts = _open_layouts(leaf, items.layouts)
         targets, sources, ops = core.plan_scatter(leaf, [payload for _ranks, payload in layouts], chunk_of)
-    made = [_allocate(leaf, t, fmap) for t in targets]
-    dst = [_local(m) for m in made]
+    count = [0] * len(targets)
+    for op in ops:
+        count[op[4]] += 1
+    # A target that one whole saved chunk fills, on a CPU parameter, becomes a view of its buffer
+    # (the buffer is this load's own tensor: no copy, no second allocation); others get a tensor
+    # allocated like their parameter and are copied into, box by box.
+    whole = [False] * len(targets)
+    for op in ops:
+        ti = op[4]
+        whole[ti] = count[ti] == 1 and op[2] == op[6] == targets[ti][5] and _on_cpu(fmap, targets[ti][0])
+    made: list[Any] = [None if whole[ti] else _allocate(leaf, t, fmap) for ti, t in enumerate(targets)]
+    dst = [None if m is None else _local(m) for m in made]
     by_source: list[list[tuple[Any, ...]]] = [[] for _ in sources]
     for op in ops:
         by_source[op[0]].append(op)
@@ -292,10 +309,13 @@ def _expand_leaf(
             for d in src_sizes:
                 n *= d
             src = buf[src_offset : src_offset + n].view(src_sizes)
+            if whole[ti]:
+                made[ti] = _wrap(src, targets[ti], fmap)
+                continue
             target = dst[ti]
-            if tuple(box) != tuple(src_sizes):
+            if box != src_sizes:
                 src = src[tuple(slice(a, a + b) for a, b in zip(src_start, box))]
-            if tuple(box) != tuple(target.shape):
+            if box != targets[ti][5]:
                 target = target[tuple(slice(a, a + b) for a, b in zip(dst_start, box))]
             target.copy_(src)
 
@@ -425,6 +445,24 @@ def full_state(keys: Iterable[str], values: Mapping[str, Any]) -> dict[str, dict
                 shapes.setdefault(fqn, shape)
     whole = FqnMap(canonical={f: f for f in shapes}, param_of={f: torch.empty(s, device="meta") for f, s in shapes.items()})
     return expand(keys, values, whole, None)
+
+
+def _on_cpu(fmap: FqnMap, fqn: str) -> bool:
+    """Whether the parameter's state lives on the CPU (a plain tensor there, or a DTensor on a CPU mesh)."""
+    p = fmap.param_of[fmap.canonical[fqn]]
+    if isinstance(p, DTensor):
+        return p.device_mesh.device_type == "cpu"
+    return p.device.type in ("cpu", "meta")
+
+
+def _wrap(local: torch.Tensor, target: tuple[Any, ...], fmap: FqnMap) -> torch.Tensor:
+    """``local`` (a whole chunk) as the state tensor: itself, or a DTensor like the parameter."""
+    p = fmap.param_of[fmap.canonical[target[0]]]
+    if not isinstance(p, DTensor):
+        return local
+    shape = torch.Size(target[3])
+    stride = tuple(math.prod(shape[i + 1 :]) for i in range(len(shape)))
+    return DTensor.from_local(local, p.device_mesh, p.placements, run_check=False, shape=shape, stride=stride)
 
 
 def _local(t: torch.Tensor) -> torch.Tensor:

@@ -170,8 +170,6 @@ class SparseOptimizerState:
     ) -> None:
         if format not in FORMATS:
             raise ValueError(f"format must be one of {FORMATS}, got {format!r}")
-        if format == "flat" and state_layout == "buffers" and state_layout is DEFAULT_STATE_LAYOUT:
-            state_layout = "per_tensor"  # the flat format (DSD's) has one item per value
         self.state_layout: StateLayout = check_state_layout(state_layout, format)
         if not isinstance(model, nn.Module):
             raise TypeError(f"model must be an nn.Module, got {type(model).__name__}")

@@ -250,14 +250,16 @@ def decode_checkpoint(
         )
     if buffer_keys or (reader is not None and reader.keys):
 
+        unlisted: list[tuple[str, str]] = []
+
         def expected(leaf: str, found: set[tuple[str, str]]) -> bool:
             """Whether a parameter of the target misses recorded state of ``leaf`` besides ``found``."""
-            for fqn, (keys, table_leaf) in keys_of.items():
-                if table_leaf == leaf and fqn in fmap.param_of:
-                    state = out.state_of.get(fqn, {})
-                    if any((fqn, k) not in found and not (k in state or _has_path(state, k)) for k in keys):
-                        return True
-            return False
+            if not unlisted and keys_of:
+                unlisted.extend(core.unlisted_keys(keys_of, out.state_of, fmap.param_of) or [("", "")])
+            return any(
+                fqn and keys_of[fqn][1] == leaf and (fqn, k) not in found and not _has_path(out.state_of.get(fqn, {}), k)
+                for fqn, k in unlisted
+            )
 
         _add_buffered(out.state_of, buffers.expand(buffer_keys, flat, fmap, reader, expected), keys_of)
     if scalar_tables:
@@ -300,20 +302,18 @@ def check_complete(
     is refused with :class:`CheckpointMismatchError` naming leaf, FQN and key, whatever ``strict``
     says (``strict`` is about the model's parameters, not about a checkpoint missing part of
     itself). Parameters of other ranks (not in ``owned``) are not read, so not checked."""
-    empty: dict[str, Any] = {}
-    for fqn, (keys, leaf) in keys_of.items():
-        if not keys or fqn not in owned:
+    if type(state_of) is not dict or type(keys_of) is not dict:
+        state_of, keys_of = dict(state_of), dict(keys_of)
+    for fqn, key in _backend.core.unlisted_keys(keys_of, state_of, owned if type(owned) is dict else dict(owned)):
+        if _has_path(state_of.get(fqn, {}), key):  # a nested or escaped key: there after all
             continue
-        state = state_of.get(fqn, empty)
-        for key in keys:
-            if key in state or _has_path(state, key):
-                continue
-            raise CheckpointMismatchError(
-                f"leaf {leaf!r}: parameter {fqn!r} has no saved state {key!r}, which the checkpoint's scalar table "
-                f"records for it (recorded: {list(keys)}): the checkpoint lost that item from its metadata or its "
-                "data (a partial copy or a damaged checkpoint); refusing to load it incomplete (strict=False "
-                "does not change this)"
-            )
+        keys, leaf = keys_of[fqn]
+        raise CheckpointMismatchError(
+            f"leaf {leaf!r}: parameter {fqn!r} has no saved state {key!r}, which the checkpoint's scalar table "
+            f"records for it (recorded: {list(keys)}): the checkpoint lost that item from its metadata or its "
+            "data (a partial copy or a damaged checkpoint); refusing to load it incomplete (strict=False "
+            "does not change this)"
+        )
 
 
 def _has_path(state: Any, key: str) -> bool:

@@ -215,3 +215,26 @@ def test_decode_layout_edge_cases() -> None:
     for bad in (1, "x", bytearray(table)):
         assert check("decode_layout", "leaf", bad)[0] == "err"
     assert same(check("decode_layout", "leaf", table)[1], [("float32", 4, [("a", "k", (2,), (0,), (2,)), ("a", "k2", (2,), (0,), (2,))])])
+
+
+# --------------------------------------------------------------------------- recorded keys
+
+
+@PROPS
+@given(st.dictionaries(st.sampled_from(["a", "b", "c.d", "é"]),
+                       st.tuples(st.tuples(*[st.sampled_from(["step", "exp_avg", "~i7", "m.x"])] * 2), st.just("leaf"))),
+       st.dictionaries(st.sampled_from(["a", "b", "c.d", "é", "z"]),
+                       st.dictionaries(st.sampled_from(["exp_avg", "step", "m", 7]), st.just(0))),
+       st.sets(st.sampled_from(["a", "b", "c.d", "z"])))
+def test_unlisted_keys(keys_of: dict, state_of: dict, owned: set) -> None:
+    res = check("unlisted_keys", keys_of, state_of, dict.fromkeys(owned))
+    assert res[1] == [(f, k) for f, (keys, _l) in keys_of.items() if f in owned for k in keys if k not in state_of.get(f, {})]
+
+
+@pytest.mark.parametrize("args", [
+    ([], {}, {}), ({}, [], {}), ({}, {}, set()), ({"a": ["k"]}, {}, {"a": 1}), ({"a": (["k"], "l")}, {}, {"a": 1}),
+    ({"a": (("k",), "l")}, {"a": [1]}, {"a": 1}), ({"a": (("k",),)}, {}, {"a": 1}),
+])
+def test_unlisted_keys_outside_the_contract(args: tuple) -> None:
+    res = check("unlisted_keys", *args)
+    assert res[0] == "err" and res[1] is TypeError, res
