@@ -89,11 +89,11 @@ def local_plans(sd: dict[str, Any], world: int, layout: str, sample: int) -> lis
 
     plans = []
     state_items = [k for k in sd if is_state_item(k)]
-    keep = set(state_items[::sample])
+    skip = set(state_items) - set(state_items[::sample])
     for rank in range(world):
         items, mapping = [], {}
         for key, value in sd.items():
-            if key in state_items and key not in keep:
+            if key in skip:
                 continue
             if key.startswith(BUFFERS_PREFIX):
                 key = key.replace("w1r0", f"w{world}r{rank}")  # every rank its own (sharded) layout
@@ -144,6 +144,8 @@ def time_pickle(metadata: Any, repeats: int) -> dict[str, float]:
 
 
 def metadata_row(sd: dict[str, Any], world: int, layout: str, sample: int, repeats: int) -> dict[str, Any]:
+    from sparse_ckpt.format import is_state_item
+
     plans = local_plans(sd, world, layout, sample)
     md = build_metadata(plans)
     del plans
@@ -151,8 +153,10 @@ def metadata_row(sd: dict[str, Any], world: int, layout: str, sample: int, repea
                            **time_pickle(md, repeats)}
     if sample > 1:  # linear in the tensors planned: scale up (the state items dominate every figure)
         row["measured"] = {k: row[k] for k in ("items", "chunk_records", "storage_records", "bytes", "pickle_s", "unpickle_s")}
-        for k in ("chunk_records", "storage_records", "bytes", "pickle_s", "unpickle_s", "items"):
+        for k in ("chunk_records", "storage_records", "bytes", "pickle_s", "unpickle_s"):
             row[k] = row[k] * sample
+        state = [k for k in sd if is_state_item(k)]
+        row["items"] += len(state) - len(state[::sample])  # exact: the items do not depend on sampling
     return row
 
 

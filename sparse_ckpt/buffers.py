@@ -143,12 +143,14 @@ def collect(
 
 def fill(buckets: list[tuple[str, int, list[tuple[int, int]]]], local: list[torch.Tensor]) -> list[torch.Tensor]:
     """One CPU buffer per bucket of the core's ``encode_layout``, holding its chunks in order
-    (concatenated on their device, so a GPU state costs one bucket of device memory at a time)."""
+    (concatenated on their device, so a GPU state costs one bucket of device memory at a time).
+    Several chunks are copied; a bucket of one CPU chunk is that tensor, flattened (like a
+    per-item entry, it is the live state: DCP writes or stages it before training goes on)."""
     out = []
     for _dtype, numel, members in buckets:
         parts = [local[i].detach().reshape(-1) for i, _offset in members]
-        buf = torch.cat(parts) if len(parts) > 1 else parts[0].clone()
-        buf = buf.to("cpu")
+        # One chunk alone: the (flattened) state tensor itself on the CPU, as per-item entries are.
+        buf = (torch.cat(parts) if len(parts) > 1 else parts[0]).to("cpu")
         if buf.numel() != numel:  # pragma: no cover - the core's sizes are the chunks'
             raise AssertionError(f"bucket of {buf.numel()} elements, layout says {numel}")
         out.append(buf)

@@ -301,13 +301,14 @@ class SparseLoadPlanner(DefaultLoadPlanner):
         key = read_item.dest_index.fqn
         table = is_table_key(key)
         if self._all_weights_only or table or key in getattr(self, "_optimizer_keys", ()):
-            value = weights_only_item(key, value, table=table)
+            value = weights_only_item(key, value, table=table or BUFFERS_PREFIX in key)
         super().load_bytes(read_item, value)
 
 
 def weights_only_item(key: str, value: io.BytesIO, table: bool) -> io.BytesIO:
     """Unpickle a DCP bytes item with ``weights_only=True``; return a fresh stream of it for DCP."""
-    what = table_kind(SCALARS_PREFIX if SCALARS_PREFIX in key else PACKED_PREFIX) if table else "optimizer item"
+    prefix = next((p for p in (SCALARS_PREFIX, BUFFERS_PREFIX) if p in key), PACKED_PREFIX)
+    what = table_kind(prefix) if table else "optimizer item"
     try:
         obj = torch.load(value, weights_only=True)
     except Exception as exc:  # noqa: BLE001 - any refusal of the restricted unpickler

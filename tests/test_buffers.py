@@ -361,3 +361,16 @@ def test_verify_reports_an_incomplete_checkpoint(tmp_path: Path, layout: str) ->
     report = verify_checkpoint(tmp_path)
     assert not report["ok"]
     assert ("has no saved state 'exp_avg_sq'" if layout == "per_tensor" else "is missing") in report["problems"][0]["problem"]
+
+
+def test_planner_reads_layout_tables_weights_only_as_bytes(tmp_path: Path) -> None:
+    """A layout item that is no ``bytes`` is refused while DCP reads it (``weights_only``)."""
+    from torch.distributed.checkpoint import CheckpointException
+
+    model, _src, sd = _buffered()
+    key = _one(sd, "L")
+    dcp.save({"optim": {**sd, key: [1, 2]}}, checkpoint_id=str(tmp_path), no_dist=True)
+    model2, dst = _fresh(model, "AdamW")
+    with pytest.raises(CheckpointException, match=r"layout table 'optim\.state\.__buffers__\.optim\.Lw1r0' holds a list"):
+        dcp.load({"optim": sc.SparseOptimizerState(model2, dst)}, checkpoint_id=tmp_path, planner=sc.SparseLoadPlanner())
+    assert not dst.state
