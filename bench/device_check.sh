@@ -115,7 +115,7 @@ fi
 # 2. The CUDA test module (both core backends); on the CPU dry run, the same module on the CPU.
 TEST_DEVICE="$DEVICE"
 [ "$DEVICE" = npu ] && TEST_DEVICE=cuda  # (the module has CUDA cases only: it then reports its skip)
-TESTS=(tests/test_cuda.py)
+TESTS=(tests/test_cuda.py tests/test_buffers_cuda.py)
 [ "$QUICK" -eq 1 ] && TESTS+=(-k "adamw-fused or adam-for-loop or sgd-fused")
 run_step tests 150 tests.log env SPARSE_CKPT_TEST_DEVICE="$TEST_DEVICE" SPARSE_CKPT_REQUIRE_CPP=1 \
   "$PY" -m pytest -q -rs -p no:cacheprovider --junitxml="$OUT/tests.xml" "${TESTS[@]}"
@@ -138,6 +138,13 @@ else
          --floor-load-max-groups 10000 --floor-load-max-params 10000 --dsd-max-params 50000)
 fi
 run_step bench 100000 bench.log "$PY" -m bench --device "$DEVICE" "${BENCH[@]}" --progress lines --out "$OUT/bench"
+
+# 5. State layouts on the device: dcp.save/dcp.load per tensor vs buffers vs the torch.save floor
+#    (README "Scale"; the CPU figures there came from `python -m bench.scale dcp` on the CPU).
+if [ "$QUICK" -eq 0 ]; then
+  run_step scale 100000 scale.log "$PY" -m bench.scale dcp --scale 24x128 --hidden 0,64 --repeats 3 \
+    --device "$DEVICE" --out "$OUT/scale_dcp_24x128.json"
+fi
 
 echo "device_check.sh: $((SECONDS - START))s, everything in $OUT" | tee -a "$OUT/summary.txt"
 exit "$FAILED"

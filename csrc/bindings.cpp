@@ -18,6 +18,7 @@ PYBIND11_MODULE(_C, m) {
     m.attr("ESCAPE_STR") = py::str(kEscapeStr);
     m.attr("ESCAPE_INT") = py::str(kEscapeInt);
     m.attr("STEP_KEY") = py::str(kStepKey);
+    m.attr("KEYS_ENTRY") = py::str(kKeysEntry);
     m.attr("WRAPPER_CHILD") = py::str(kWrapperChild);
 
     m.def("map_parameters", &map_parameters, py::arg("model"), py::arg("stripped"), py::arg("module_wrapper"),
@@ -67,9 +68,17 @@ PYBIND11_MODULE(_C, m) {
           "Record a decoded table's settings by canonical FQN: (indices of its empty groups, first clash or None).");
     m.def("merge_scalars", &merge_scalars, py::arg("state_of"), py::arg("scalars_of"), py::arg("tensor_type"),
           "Each FQN's state: its scalars (own dicts and tensors) first, then its per-item entries.");
+    m.def("unlisted_keys", &unlisted_keys, py::arg("keys_of"), py::arg("state_of"), py::arg("owned"),
+          "(fqn, key) of every recorded state key of an owned FQN that is not a top-level key of its state.");
     m.def("capture_fqns", &capture_fqns, py::arg("leaf"), py::arg("param_groups"), py::arg("state"),
           py::arg("fqn_of"), py::arg("tensor_type"),
           "(groups_fqn, state_fqn) of a live optimizer leaf in one pass (no state_dict post-hooks).");
+    m.def("encode_layout", &encode_layout, py::arg("leaf"), py::arg("entries"), py::arg("bucket_bytes"),
+          "The layout table of a leaf's buffered state chunks and its buckets: (table, buckets).");
+    m.def("plan_scatter", &plan_scatter, py::arg("leaf"), py::arg("layouts"), py::arg("chunk_of"),
+          "Where each state chunk this rank needs comes from: (targets, sources, ops).");
+    m.def("decode_layout", &decode_layout, py::arg("leaf"), py::arg("data"),
+          "A layout table's buckets: [(dtype, numel, [(fqn, key, shape, offsets, sizes), ...]), ...].");
     m.def("claim_owners", &claim_owners, py::arg("leaf"), py::arg("groups_fqn"), py::arg("owner"),
           "Record leaf as owner of its FQNs; return (fqn, group index) of repeated listings.");
 }

@@ -34,6 +34,7 @@ inline constexpr const char kEscape[] = "~";
 inline constexpr const char kEscapeStr[] = "~s";
 inline constexpr const char kEscapeInt[] = "~i";
 inline constexpr const char kStepKey[] = "step";
+inline constexpr const char kKeysEntry[] = "~keys";
 inline constexpr const char kWrapperChild[] = "module";
 
 /// Length of a string constant (without its NUL).

@@ -82,6 +82,12 @@ py::object cast_states(py::object leaf, py::object param_groups, py::object targ
 py::tuple merge_table_settings(py::object leaf, py::object settings, py::object groups, py::object canonical,
                                py::object settings_of);
 py::object merge_scalars(py::object state_of, py::object scalars_of, py::object tensor_type);
+py::object unlisted_keys(py::object keys_of, py::object state_of, py::object owned);
+
+// buffers.cpp
+py::tuple encode_layout(py::object leaf, py::object entries, py::object bucket_bytes);
+py::tuple plan_scatter(py::object leaf, py::object layouts, py::object chunk_of);
+py::object decode_layout(py::object leaf, py::object data);
 
 // save_pass.cpp
 py::tuple capture_fqns(py::object leaf, py::object param_groups, py::object state, py::object fqn_of,

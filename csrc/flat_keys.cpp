@@ -86,6 +86,8 @@ struct FlattenCtx {
     py::handle known;
     bool escape;
     Py_ssize_t state_len;  // len(kStatePrefix)
+    std::vector<py::object>* emitted = nullptr;  // when set, every key written is appended, relative to
+    PyObject* root = nullptr;                    // this prefix ("state.{fqn}"): a top-level key's part itself
 };
 
 bool known_contains(const FlattenCtx& c, PyObject* full) {
@@ -145,6 +147,36 @@ void flatten_item(const FlattenCtx& c, PyObject* prefix, py::handle key, py::han
         path.pop_back();
     } else {
         check(PyDict_SetItem(c.out, full.ptr(), item.ptr()));
+        if (c.emitted != nullptr) {
+            if (prefix == c.root) {
+                c.emitted->push_back(std::move(part));  // a top-level entry: its part (often the key itself)
+            } else {
+                const Py_ssize_t cut = PyUnicode_GET_LENGTH(c.root) + 1;
+                c.emitted->push_back(steal(PyUnicode_Substring(full.ptr(), cut, PyUnicode_GET_LENGTH(full.ptr()))));
+            }
+        }
+    }
+}
+
+/// Python's ``_keys_record``: the grouping bytes of the ``~keys`` entry (UTF-8, lone surrogates
+/// passed through; only compared, never decoded).
+void append_keys_record(std::string& blob, const std::vector<py::object>& keys) {
+    put_len_u32(blob, lit_len(kKeysEntry));
+    blob.append(kKeysEntry, static_cast<size_t>(lit_len(kKeysEntry)));
+    blob.push_back(static_cast<char>(7));  // the codec's tuple tag
+    put_len_u32(blob, static_cast<Py_ssize_t>(keys.size()));
+    for (const auto& k : keys) {
+        blob.push_back(static_cast<char>(5));  // the codec's str tag
+        if (PyBytes_Check(k.ptr())) {  // recorded as its surrogate-passing bytes
+            put_len_u32(blob, PyBytes_GET_SIZE(k.ptr()));
+            blob.append(PyBytes_AS_STRING(k.ptr()), static_cast<size_t>(PyBytes_GET_SIZE(k.ptr())));
+            continue;
+        }
+        Py_ssize_t n = 0;
+        const char* raw = PyUnicode_AsUTF8AndSize(k.ptr(), &n);  // cached in the str: no new object
+        if (raw == nullptr) throw py::error_already_set();
+        put_len_u32(blob, n);
+        blob.append(raw, static_cast<size_t>(n));
     }
 }
 
@@ -209,8 +241,10 @@ py::tuple flatten_packed_state(py::object leaf, py::object state_fqn, py::object
     std::unordered_map<std::string, size_t> index_of;
     py::object dot = steal(PyUnicode_FromString("."));
     py::object state_prefix = steal(PyUnicode_FromString(kStatePrefix));
+    py::object keys_entry = steal(PyUnicode_InternFromString(kKeysEntry));
     std::string blob;
     std::vector<std::pair<py::object, py::object>> scalars;
+    std::vector<py::object> emitted;
     iterate_items(state_fqn, [&](py::handle fqn, py::handle state) {
         if (!PyDict_Check(state.ptr())) {
             raise_format_error(Msg() << "leaf " << py_repr(leaf) << ": state of " << py_repr(fqn) << " is a "
@@ -218,8 +252,9 @@ py::tuple flatten_packed_state(py::object leaf, py::object state_fqn, py::object
         }
         py::object fqn_str = fmt(fqn);
         py::object prefix = concat({state_prefix.ptr(), fqn_str.ptr()});
-        FlattenCtx ctx{out.ptr(), dot.ptr(), leaf, fqn, known_fqns, true, lit_len(kStatePrefix)};
+        FlattenCtx ctx{out.ptr(), dot.ptr(), leaf, fqn, known_fqns, true, lit_len(kStatePrefix), &emitted, prefix.ptr()};
         std::vector<py::handle> path;
+        emitted.clear();
         scalars.clear();  // (key, value) of the leading run; a dict is built only for a new group
         blob.assign(4, '\0');  // u32 n_keys, written below
         bool leading = true;
@@ -233,7 +268,18 @@ py::tuple flatten_packed_state(py::object leaf, py::object state_fqn, py::object
             }
             flatten_item(ctx, prefix.ptr(), key, item, path);
         });
-        if (scalars.empty()) return;
+        if (scalars.empty() && emitted.empty()) return;  // an empty state dict: no state
+        py::object keys = steal(PyTuple_New(static_cast<Py_ssize_t>(emitted.size())));
+        for (size_t i = 0; i < emitted.size(); ++i) {
+            if (PyUnicode_AsUTF8AndSize(emitted[i].ptr(), nullptr) == nullptr) {  // Python's _recorded_key
+                if (!PyErr_ExceptionMatches(PyExc_UnicodeEncodeError)) throw py::error_already_set();
+                PyErr_Clear();
+                emitted[i] = steal(PyUnicode_AsEncodedString(emitted[i].ptr(), "utf-8", "surrogatepass"));
+            }
+            PyTuple_SET_ITEM(keys.ptr(), static_cast<Py_ssize_t>(i), emitted[i].inc_ref().ptr());
+        }
+        scalars.emplace_back(keys_entry, keys);
+        append_keys_record(blob, emitted);
         std::string ident;
         put_len_u32(ident, static_cast<Py_ssize_t>(scalars.size()));
         blob.replace(0, 4, ident);

@@ -454,4 +454,46 @@ py::object merge_scalars(py::object state_of, py::object scalars_of, py::object 
     return merged;
 }
 
+py::object unlisted_keys(py::object keys_of, py::object state_of, py::object owned) {
+    const std::pair<const char*, PyObject*> args[] = {{"keys_of", keys_of.ptr()}, {"state_of", state_of.ptr()},
+                                                      {"owned", owned.ptr()}};
+    for (const auto& [name, value] : args) {
+        if (!PyDict_CheckExact(value)) {
+            raise_builtin(PyExc_TypeError, Msg() << "unlisted_keys: " << name << " must be a dict, got "
+                                                 << type_name(value));
+        }
+    }
+    py::object out = steal(PyList_New(0));
+    iterate_items(keys_of, [&](py::handle fqn, py::handle entry) {
+        const int mine = PyDict_Contains(owned.ptr(), fqn.ptr());
+        check(mine);
+        if (!mine) return;
+        PyObject* e = entry.ptr();
+        if (!PyTuple_CheckExact(e) || PyTuple_GET_SIZE(e) != 2 || !PyTuple_CheckExact(PyTuple_GET_ITEM(e, 0))) {
+            raise_builtin(PyExc_TypeError, Msg() << "unlisted_keys: keys_of[" << py_repr(fqn)
+                                                 << "] must be a (keys, leaf) tuple, got " << type_name(entry));
+        }
+        PyObject* state = PyDict_GetItemWithError(state_of.ptr(), fqn.ptr());
+        if (state == nullptr && PyErr_Occurred()) throw py::error_already_set();
+        if (state != nullptr && !PyDict_CheckExact(state)) {
+            raise_builtin(PyExc_TypeError, Msg() << "unlisted_keys: state_of[" << py_repr(fqn)
+                                                 << "] must be a dict, got " << type_name(state));
+        }
+        PyObject* keys = PyTuple_GET_ITEM(e, 0);
+        for (Py_ssize_t i = 0; i < PyTuple_GET_SIZE(keys); ++i) {
+            PyObject* key = PyTuple_GET_ITEM(keys, i);
+            int found = 0;
+            if (state != nullptr) {
+                found = PyDict_Contains(state, key);
+                check(found);
+            }
+            if (!found) {
+                py::object pair = py::make_tuple(fqn, borrow(key));
+                check(PyList_Append(out.ptr(), pair.ptr()));
+            }
+        }
+    });
+    return out;
+}
+
 }  // namespace sckpt

@@ -24,6 +24,7 @@ ESCAPE: str
 ESCAPE_STR: str
 ESCAPE_INT: str
 STEP_KEY: str
+KEYS_ENTRY: str
 WRAPPER_CHILD: str
 
 def assign_state_ids(target_fqns: list[list[str]], state_by_fqn: dict[str, Any]) -> tuple[dict[int, Any], list[str]]: ...
@@ -52,6 +53,14 @@ def capture_fqns(
 def claim_owners(leaf: str, groups_fqn: list[tuple[dict, list[str]]], owner: dict[str, str]) -> list[tuple[str, int]]: ...
 
 def decode_table(leaf: str, data: bytes, from_parts: PartsToTensor) -> tuple[list[dict], list[bytes], list[tuple[int, list[str]]]]: ...
+
+def decode_layout(
+    leaf: str, data: bytes
+) -> list[tuple[str, int, list[tuple[str, str, tuple[int, ...], tuple[int, ...], tuple[int, ...]]]]]: ...
+
+def encode_layout(
+    leaf: str, entries: list[tuple[str, str, str, int, tuple[int, ...], tuple[int, ...], tuple[int, ...]]], bucket_bytes: int
+) -> tuple[bytes, list[tuple[str, int, list[tuple[int, int]]]]]: ...
 
 def encode_settings(leaf: str, group_index: int, settings: dict[Any, Any], tensor_type: type, to_parts: TensorToParts) -> bytes: ...
 
@@ -100,9 +109,17 @@ def merge_table_settings(
     settings_of: dict[str, dict],
 ) -> tuple[list[int], tuple[str, int] | None]: ...
 
+def unlisted_keys(
+    keys_of: dict[str, tuple[tuple[str, ...], str]], state_of: dict[str, dict], owned: dict[str, Any]
+) -> list[tuple[str, str]]: ...
+
 def pack_optimizer(
     leaf: str, param_groups: list[dict], state: dict[Any, Any], tensor_type: type
 ) -> tuple[list[dict], dict[Any, Any], list[Any]]: ...
+
+def plan_scatter(
+    leaf: str, layouts: list[bytes], chunk_of: Callable[[str], tuple[tuple[int, ...], tuple[int, ...]] | None]
+) -> tuple[list[tuple[Any, ...]], list[tuple[int, int, str, int]], list[tuple[Any, ...]]]: ...
 
 def remap_to_fqns(
     leaf: str,

@@ -50,13 +50,16 @@ import struct
 from collections.abc import Callable, Mapping
 from typing import Any
 
+from ._core_py_buffers import decode_layout, encode_layout, plan_scatter  # noqa: F401 - twins of csrc/buffers.cpp
 from ._core_py_load import (  # noqa: F401 - twins of csrc/load_plan.cpp
     build_groups,
     cast_states,
     fqns_of_groups,
     merge_scalars,
     merge_table_settings,
+    unlisted_keys,
 )
+from ._core_py_reader import Reader
 from ._core_py_save import capture_fqns, claim_owners  # noqa: F401 - twin of csrc/save_pass.cpp
 from .errors import CheckpointFormatError, CheckpointMismatchError, UnsupportedStateDictError
 from .format import (  # noqa: F401 - the key grammar's constants are the core's too (_C exports the same)
@@ -64,6 +67,7 @@ from .format import (  # noqa: F401 - the key grammar's constants are the core's
     ESCAPE_INT,
     ESCAPE_STR,
     GROUPS_PREFIX,
+    KEYS_ENTRY,
     PACKED_MARKER,
     PACKED_PREFIX,
     SCALARS_PREFIX,
@@ -492,9 +496,10 @@ def _flatten_into(
     path: tuple[Any, ...],
     known_fqns: Any,
     escape: bool,
+    emitted: list[str] | None = None,
 ) -> None:
     for key, item in dict.items(value):
-        _flatten_item(out, prefix, key, item, leaf, fqn, path, known_fqns, escape)
+        _flatten_item(out, prefix, key, item, leaf, fqn, path, known_fqns, escape, emitted)
 
 
 def _flatten_item(
@@ -507,8 +512,10 @@ def _flatten_item(
     path: tuple[Any, ...],
     known_fqns: Any,
     escape: bool,
+    emitted: list[str] | None = None,
 ) -> None:
-    """One entry ``key: item`` of the (nested) state under ``prefix``."""
+    """One entry ``key: item`` of the (nested) state under ``prefix``; each key written is also
+    appended to ``emitted`` when given."""
     part = _state_part(leaf, fqn, key, path, escape)
     full = f"{prefix}.{part}"
     if isinstance(item, dict):
@@ -526,9 +533,11 @@ def _flatten_item(
                     + ("" if escape else "; save with format='packed'")
                 )
             full = f"{prefix}.{escaped}"
-        _flatten_into(out, full, item, leaf, fqn, (*path, key), known_fqns, escape)
+        _flatten_into(out, full, item, leaf, fqn, (*path, key), known_fqns, escape, emitted)
     else:
         out[full] = item
+        if emitted is not None:
+            emitted.append(full)
 
 
 def flatten_state(leaf: str, state_fqn: dict[str, Any], known_fqns: Any, escape: bool) -> dict[str, Any]:
@@ -659,6 +668,11 @@ def flatten_packed_state(
     ``scalar_groups`` lists ``(scalars, fqns)``: every distinct scalar dict (distinct by its
     encoded bytes, in order of first appearance; a new dict holding the saved values) with the
     FQNs whose leading run is exactly it, in state order -- ready for :func:`encode_table`.
+    Every parameter with state is in one group: its scalar dict ends with the entry
+    :data:`~sparse_ckpt.format.KEYS_ENTRY` (``"~keys"``), the tuple of the keys it wrote to
+    ``items`` without their ``state.{fqn}.`` prefix, in order (the checkpoint's record of which
+    state each parameter has; a key UTF-8 cannot encode is recorded as its surrogate-passing
+    UTF-8 ``bytes``). A parameter whose state is an empty dict has no state: no group.
 
     ``cpu_dtypes`` (an exact dict, else :class:`TypeError`) maps each ``dtype`` whose plain CPU
     0-d tensors the core encodes itself to ``(codec dtype name, item size)`` (no complex dtype:
@@ -678,6 +692,7 @@ def flatten_packed_state(
         scalars: dict[str, Any] = {}
         blob = bytearray()
         leading = True
+        emitted: list[str] = []
         for key, item in dict.items(state):
             if leading:
                 record = _scalar_record(leaf, fqn, key, item, tensor_type, cpu_dtypes, strided, scalar_parts)
@@ -686,8 +701,12 @@ def flatten_packed_state(
                     blob += record
                     continue
                 leading = False
-            _flatten_item(out, prefix, key, item, leaf, fqn, (), known_fqns, True)
-        if scalars:
+            _flatten_item(out, prefix, key, item, leaf, fqn, (), known_fqns, True, emitted)
+        if scalars or emitted:
+            cut = len(prefix) + 1
+            keys = tuple(_recorded_key(k[cut:]) for k in emitted)
+            scalars[KEYS_ENTRY] = keys
+            blob += _keys_record(keys)
             ident = _len32(len(scalars)) + bytes(blob)
             idx = index_of.get(ident)
             if idx is None:
@@ -696,6 +715,32 @@ def flatten_packed_state(
             else:
                 groups[idx][1].append(fqn)
     return out, groups
+
+
+def _recorded_key(key: str) -> str | bytes:
+    """A per-item key as :data:`~sparse_ckpt.format.KEYS_ENTRY` records it: the ``str`` itself, or
+    its UTF-8 bytes with lone surrogates passed through when UTF-8 cannot encode it (the table
+    codec holds only valid text)."""
+    try:
+        key.encode("utf-8")
+    except UnicodeEncodeError:
+        return key.encode("utf-8", "surrogatepass")
+    return key
+
+
+def _keys_record(keys: tuple[str | bytes, ...]) -> bytes:
+    """The grouping bytes of a :data:`~sparse_ckpt.format.KEYS_ENTRY` entry (name, tuple tag, count,
+    each key's UTF-8 bytes, lone surrogates passed through): only compared, never decoded."""
+    out = bytearray(_len32(len(KEYS_ENTRY)))
+    out += KEYS_ENTRY.encode("utf-8")
+    out.append(_TAG_TUPLE)
+    out += _len32(len(keys))
+    for k in keys:
+        raw = k if isinstance(k, bytes) else k.encode("utf-8", "surrogatepass")
+        out.append(_TAG_STR)
+        out += _len32(len(raw))
+        out += raw
+    return bytes(out)
 
 
 def flatten_groups(leaf: str, groups_fqn: list[tuple[dict, list[str]]]) -> dict[str, Any]:
@@ -916,46 +961,7 @@ def encode_table(leaf: str, groups_fqn: list[tuple[dict, list[str]]], tensor_typ
     return bytes(out)
 
 
-class _Reader:
-    __slots__ = ("data", "pos", "where")
-
-    def __init__(self, data: bytes, where: str) -> None:
-        self.data = data
-        self.pos = 0
-        self.where = where
-
-    def fail(self, what: str) -> CheckpointFormatError:
-        return CheckpointFormatError(f"{self.where}: {what} at byte {self.pos}")
-
-    def take(self, n: int, what: str) -> bytes:
-        if n > len(self.data) - self.pos:
-            raise self.fail(f"truncated table reading {what} ({n} bytes wanted, {len(self.data) - self.pos} left)")
-        chunk = self.data[self.pos : self.pos + n]
-        self.pos += n
-        return chunk
-
-    def u8(self, what: str) -> int:
-        return self.take(1, what)[0]
-
-    def u32(self, what: str) -> int:
-        return _U32.unpack(self.take(4, what))[0]
-
-    def count(self, what: str, min_item_size: int) -> int:
-        n = self.u32(what)
-        if n * min_item_size > len(self.data) - self.pos:
-            raise self.fail(f"{what} claims {n} entries but only {len(self.data) - self.pos} bytes are left")
-        return n
-
-    def string(self, what: str) -> str:
-        n = self.u32(what)
-        raw = self.take(n, what)
-        try:
-            return raw.decode("utf-8")
-        except UnicodeDecodeError:
-            raise self.fail(f"{what} is not valid utf-8") from None
-
-
-def _decode_value(r: _Reader, from_parts: PartsToTensor, depth: int) -> Any:
+def _decode_value(r: Reader, from_parts: PartsToTensor, depth: int) -> Any:
     if depth > MAX_DEPTH:
         raise r.fail(f"value nested deeper than {MAX_DEPTH} levels")
     tag = r.u8("value tag")
@@ -1003,14 +1009,8 @@ def decode_table(leaf: str, data: bytes, from_parts: PartsToTensor) -> tuple[lis
     """
     if not isinstance(data, bytes):
         raise CheckpointFormatError(f"leaf {leaf!r}: group table is a {type(data).__name__}, expected bytes")
-    r = _Reader(data, f"leaf {leaf!r} group table")
-    if r.take(4, "magic") != MAGIC:
-        raise CheckpointFormatError(f"leaf {leaf!r} group table: bad magic, not a sparse_ckpt table")
-    version = _U16.unpack(r.take(2, "version"))[0]
-    if version != VERSION:
-        raise CheckpointFormatError(
-            f"leaf {leaf!r} group table: unsupported version {version} (this library reads version {VERSION})"
-        )
+    r = Reader(data, f"leaf {leaf!r} group table")
+    r.header(MAGIC, VERSION, "a sparse_ckpt table")
     n_settings = r.count("settings list", 4)
     settings: list[dict] = []
     blobs: list[bytes] = []

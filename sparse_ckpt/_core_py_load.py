@@ -251,3 +251,33 @@ def merge_scalars(
             if scalars:
                 merged[fqn] = own(scalars)
     return merged
+
+
+def unlisted_keys(
+    keys_of: dict[str, tuple[tuple[str, ...], str]], state_of: dict[str, dict], owned: dict[str, Any]
+) -> list[tuple[str, str]]:
+    """``(fqn, key)`` of every recorded state key that is not a top-level key of its FQN's state,
+    for the FQNs in ``owned`` (in ``keys_of``'s order, then the keys' order).
+
+    ``keys_of`` is ``FQN -> (recorded keys, leaf)`` (exact dict; exact tuples, the keys ``str``),
+    ``state_of`` ``FQN -> state dict`` (an FQN without state has none), ``owned`` an exact dict of
+    the FQNs to check; other types raise :class:`TypeError` naming the argument. A nested key
+    (``"ema.decay"``) or an escaped one (``"~i7"``) is never a top-level key: the caller resolves
+    those (the usual state has neither, so the list is usually empty).
+    """
+    for name, value in (("keys_of", keys_of), ("state_of", state_of), ("owned", owned)):
+        if type(value) is not dict:
+            raise TypeError(f"unlisted_keys: {name} must be a dict, got {type(value).__name__}")
+    out: list[tuple[str, str]] = []
+    for fqn, entry in keys_of.items():
+        if fqn not in owned:
+            continue
+        if type(entry) is not tuple or len(entry) != 2 or type(entry[0]) is not tuple:
+            raise TypeError(f"unlisted_keys: keys_of[{fqn!r}] must be a (keys, leaf) tuple, got {type(entry).__name__}")
+        state = state_of.get(fqn)
+        if state is not None and type(state) is not dict:
+            raise TypeError(f"unlisted_keys: state_of[{fqn!r}] must be a dict, got {type(state).__name__}")
+        for key in entry[0]:
+            if state is None or key not in state:
+                out.append((fqn, key))
+    return out

@@ -79,3 +79,86 @@ def called_by_dcp_load(frame: Any) -> bool:
     not a dict to save. ``False`` whenever that cannot be told (another torch layout): the caller
     then does what it does for a save, which is always correct, only slower."""
     return _DCP_LOAD_CODE is not None and frame is not None and frame.f_code is _DCP_LOAD_CODE
+
+
+def _dcp_save_codes() -> frozenset[Any]:
+    """The code objects of ``torch.distributed.checkpoint.save`` and ``async_save`` (unwrapped)."""
+    try:
+        import inspect
+
+        from torch.distributed.checkpoint import state_dict_saver
+    except ImportError:  # pragma: no cover - torch without distributed
+        return frozenset()
+    codes = set()
+    for name in ("save", "async_save"):
+        fn = getattr(state_dict_saver, name, None)
+        code = getattr(inspect.unwrap(fn), "__code__", None) if fn is not None else None
+        if code is not None:
+            codes.add(code)
+    return frozenset(codes)
+
+
+_DCP_SAVE_CODES = _dcp_save_codes()
+_SAVE_FRAMES = 12
+"""How far up the stack a ``Stateful.state_dict()`` looks for the ``dcp.save`` that called it
+(through DCP's ``_stateful_to_state_dict``, its loggers, and ``MultiOptimizer.state_dict``)."""
+
+
+def saved_by_dcp_with_all_ranks(frame: Any) -> bool:
+    """``True`` when ``frame`` (or one of its callers, a few frames up) is
+    ``torch.distributed.checkpoint.save``/``async_save`` running with collectives over the default
+    process group: every rank of it is then inside the same ``Stateful.state_dict()`` call, so a
+    collective there is safe. ``False`` whenever that cannot be told (another torch layout, a
+    save over another process group, ``no_dist``, ``use_collectives=False``): the caller then
+    does not coordinate, which is always correct (keys by content digest), only not cacheable."""
+    import torch.distributed as dist
+
+    f = frame
+    for _ in range(_SAVE_FRAMES):
+        if f is None:
+            return False
+        if f.f_code in _DCP_SAVE_CODES:
+            local = f.f_locals
+            group = local.get("process_group")
+            return (
+                not local.get("no_dist", False)
+                and local.get("use_collectives", True) is True
+                and dist.is_available()
+                and dist.is_initialized()
+                and (group is None or group is dist.group.WORLD)
+            )
+        f = f.f_back
+    return False
+
+
+def _dcp_load_state_dict_code() -> Any:
+    """The code object of DCP's ``_load_state_dict`` (what ``dcp.load`` runs its planner in)."""
+    try:
+        import inspect
+
+        from torch.distributed.checkpoint import state_dict_loader
+    except ImportError:  # pragma: no cover - torch without distributed
+        return None
+    fn = getattr(state_dict_loader, "_load_state_dict", None)
+    return getattr(inspect.unwrap(fn), "__code__", None) if fn is not None else None
+
+
+_DCP_LOAD_STATE_DICT_CODE = _dcp_load_state_dict_code()
+_LOAD_FRAMES = 8
+
+
+def dcp_storage_reader(frame: Any) -> Any:
+    """The ``StorageReader`` of the DCP load whose planner is being set up (``frame``: the caller
+    of ``set_up_planner``), found a few frames up in DCP's ``_load_state_dict``; ``None`` when it
+    cannot be found (another torch layout, or a planner used outside ``dcp.load``). DCP exposes no
+    public way to reach it; sparse_ckpt uses it to read, during the same load, the buffer items
+    it could not plan before the layout tables were read (``state_layout="buffers"``)."""
+    f = frame
+    for _ in range(_LOAD_FRAMES):
+        if f is None or _DCP_LOAD_STATE_DICT_CODE is None:
+            return None
+        if f.f_code is _DCP_LOAD_STATE_DICT_CODE:
+            reader = f.f_locals.get("storage_reader")
+            return reader if callable(getattr(reader, "read_data", None)) else None
+        f = f.f_back
+    return None

@@ -55,6 +55,7 @@ from torch.distributed.checkpoint.planner import ReadItem
 
 from . import _backend
 from ._tensor_parts import tensor_to_parts
+from .buffers import full_state, layout_view
 from .checkpoint_io import (
     METADATA_FILE,
     NotACheckpointError,
@@ -66,9 +67,10 @@ from .checkpoint_io import (
     unrecognised_optimizer_items,
 )
 from .dcp import SparseLoadPlanner, weights_only_item
-from .decode import decode_group_tables, decode_scalar_tables, merge_scalars
+from .decode import check_complete, decode_group_tables, decode_scalar_tables, merge_scalars
 from .errors import CheckpointFormatError, CheckpointMismatchError, SparseCheckpointError
 from .format import (
+    BUFFERS_PREFIX,
     GROUPS_PREFIX,
     PACKED_PREFIX,
     SCALARS_PREFIX,
@@ -76,6 +78,7 @@ from .format import (
     foreign_guard_keys,
     foreign_guard_value,
     has_escaped_part,
+    is_buffer_item,
     is_flat_part,
     is_plain_part,
     is_state_item,
@@ -312,19 +315,27 @@ def flat_groups(settings_by_fqn: Mapping[str, dict[str, Any]]) -> list[Group]:
 def split_optimizer(values: Mapping[str, Any]) -> tuple[dict[str, list[Group]], list[Group], dict, list[str]]:
     """``(packed leaves, flat groups, state_by_fqn, unmatched keys)`` of one optimizer's entries.
 
-    Per-item state values may be DCP metadata objects instead of tensors (only their keys matter
-    here); scalar tables must be their bytes, and their scalars (values: CPU tensors and Python
-    scalars) lead each FQN's state as on load.
+    Per-item state values and buffers may be DCP metadata objects instead of tensors (only their
+    keys, dtypes and sizes matter here); tables and layout tables must be their bytes. Scalars
+    (values: CPU tensors and Python scalars) lead each FQN's state as on load; buffered state
+    appears as per-item metadata (:func:`~sparse_ckpt.buffers.layout_view`). A state key that a
+    scalar table records for a parameter but no entry holds is a :class:`CheckpointMismatchError`
+    (an incomplete checkpoint).
     """
     leaves = decode_tables(values)
     known = {fqn: fqn for groups in leaves.values() for g in groups for fqn in g.fqns}
     settings_by_fqn, state_by_fqn, _tables, scalar_tables, unmatched = _backend.core.unflatten(values, known)
-    unmatched = list(unmatched)
+    buffer_keys = [k for k in unmatched if k.startswith(BUFFERS_PREFIX)]
+    unmatched = [k for k in unmatched if not k.startswith(BUFFERS_PREFIX)]
+    for fqn, entries in layout_view(buffer_keys, values).items():
+        state_by_fqn.setdefault(fqn, {}).update(entries)
     if scalar_tables:
+        keys_of: dict[str, Any] = {}
         scalars_of = decode_scalar_tables(
-            scalar_tables, is_known=lambda f: f in known or f in settings_by_fqn, unmatched=unmatched
+            scalar_tables, is_known=lambda f: f in known or f in settings_by_fqn, unmatched=unmatched, keys_of=keys_of
         )
         state_by_fqn = merge_scalars(state_by_fqn, scalars_of)
+        check_complete(state_by_fqn, keys_of, keys_of)
     return leaves, flat_groups(settings_by_fqn), state_by_fqn, unmatched
 
 
@@ -349,8 +360,9 @@ def select_optimizers(found: list[OptimizerEntries], key: str | None) -> list[Op
 
 def read_keys(opt: OptimizerEntries) -> list[str]:
     """The flattened keys of ``opt``'s entries that the tools read: every entry but the per-item
-    state values (:func:`~sparse_ckpt.format.is_state_item`), whose DCP metadata is enough."""
-    return [flat for inner, flat in opt.inner.items() if not is_state_item(inner)]
+    state values (:func:`~sparse_ckpt.format.is_state_item`) and buffers
+    (:func:`~sparse_ckpt.format.is_buffer_item`), whose DCP metadata is enough."""
+    return [flat for inner, flat in opt.inner.items() if not (is_state_item(inner) or is_buffer_item(inner))]
 
 
 def entry_values(opt: OptimizerEntries, metadata: Metadata, read: Mapping[str, Any]) -> dict[str, Any]:
@@ -359,7 +371,7 @@ def entry_values(opt: OptimizerEntries, metadata: Metadata, read: Mapping[str, A
     entries rewritten into their packed equivalent (:func:`sparse_values`)."""
     values: dict[str, Any] = {}
     for inner, flat in opt.inner.items():
-        if is_state_item(inner):
+        if is_state_item(inner) or is_buffer_item(inner):
             values[inner] = metadata.state_dict_metadata[flat]
         elif flat in read:
             values[inner] = read[flat]
@@ -1006,9 +1018,16 @@ def diff_checkpoints(a: str | os.PathLike[str], b: str | os.PathLike[str], key: 
 def convert_optimizer(
     values: Mapping[str, Any], to: str, *, leaf: str = SINGLE_LEAF, drop_empty_groups: bool = False
 ) -> dict[str, Any]:
-    """One optimizer's entries rewritten in format ``to``; state and unknown entries are kept."""
+    """One optimizer's entries rewritten in format ``to``; state and unknown entries are kept,
+    buffered state (``state_layout="buffers"``) as per-item state of full tensors (``values``
+    must then hold the buffers themselves)."""
     core = _backend.core
     leaves, flat, _state, _unmatched = split_optimizer(values)
+    buffer_keys = [k for k in values if k.startswith(BUFFERS_PREFIX)]
+    if buffer_keys:  # per-item state again, each tensor whole (keys as the packed format writes them)
+        known = {f for groups in leaves.values() for g in groups for f in g.fqns} | {f for g in flat for f in g.fqns}
+        expanded = core.flatten_state("(buffers)", full_state(buffer_keys, values), known, True)
+        values = {**{k: v for k, v in values.items() if not k.startswith(BUFFERS_PREFIX)}, **expanded}
     out = {k: v for k, v in values.items() if not k.startswith(GROUPS_PREFIX)}
     if to == "flat":
         # DSD's layout has no tables: scalars become per-item state again (each FQN's first).

@@ -28,17 +28,21 @@ from typing import Any
 
 import torch
 import torch.distributed as dist
-from torch.distributed.checkpoint import DefaultLoadPlanner
+from torch.distributed.checkpoint import DefaultLoadPlanner, LoadPlan, LoadPlanner
+from torch.distributed.checkpoint.default_planner import create_default_local_load_plan
 from torch.distributed.checkpoint.metadata import BytesStorageMetadata, Metadata, TensorStorageMetadata
 from torch.distributed.checkpoint.planner import ReadItem
 from torch.distributed.tensor import DTensor
 from torch.distributed.tensor import empty as dtensor_empty
 
 from ._dcp_paths import metadata_path, set_path
-from ._torch_compat import called_by_dcp_load
+from ._gc import gc_paused
+from ._torch_compat import called_by_dcp_load, dcp_storage_reader, saved_by_dcp_with_all_ranks
+from .buffers import DEFAULT_STATE_LAYOUT, BufferReader, StateLayout, check_state_layout
 from .capture import check_leaves
 from .errors import CheckpointFormatError, CheckpointMismatchError
 from .format import (
+    BUFFERS_PREFIX,
     GROUPS_PREFIX,
     PACKED_PREFIX,
     PLANNER_GUARD_KEY,
@@ -49,14 +53,17 @@ from .format import (
     is_table_key,
     last_part,
     owner_fqn,
+    split_buffers_key,
     split_group_key,
     table_kind,
+    tag_has_rank,
 )
 from .fqn import FqnMap, Model, build_fqn_map, validate_model
+from .item_keys import Keying
 from .load import load_owned
 from .nested import NESTED_KEYS
 from .origin import ORIGIN_KEY, origin_here, refuse_rank0_only_save
-from .save import FORMATS, Format, guarded_state_dict
+from .save import FORMATS, Format, build_state_dict
 
 __all__ = ["SparseLoadPlanner", "SparseOptimizerState", "SparseStateDict"]
 
@@ -113,7 +120,7 @@ class SparseStateDict(dict):
     so that a load on another rank refuses it (:mod:`sparse_ckpt.origin`).
     """
 
-    __slots__ = ("fmap", "origin", "owner", "planned", "unresolved")
+    __slots__ = ("fmap", "origin", "owner", "planned", "reader", "unresolved")
 
     def __init__(self, items: Mapping[str, Any], owner: SparseOptimizerState) -> None:
         super().__init__(items)
@@ -126,6 +133,9 @@ class SparseStateDict(dict):
         self.fmap: FqnMap | None = None
         """The FQN map the planner built for this load target; the load of the same dict (the same
         ``dcp.load``) reuses it instead of walking the model again."""
+        self.reader: BufferReader | None = None
+        """Reads the checkpoint's buffer items (``state_layout="buffers"``) during the same
+        ``dcp.load``, after the layout tables are read (set by the planner)."""
 
     def __reduce_ex__(self, protocol: Any) -> tuple[Any, ...]:
         items = self.copy()
@@ -152,7 +162,10 @@ class SparseOptimizerState:
     ``torch.optim.Optimizer``, a :class:`sparse_ckpt.MultiOptimizer`, a ``Mapping[str, Optimizer]`` or a
     trainer's optimizer container (see :func:`sparse_ckpt.leaves.named_leaves`); both are checked
     here. ``format`` is ``"packed"`` (default) or ``"flat"`` (torch DSD's flat layout). ``strict`` is
-    passed to :func:`sparse_ckpt.load_sparse_state_dict`. Load it with
+    passed to :func:`sparse_ckpt.load_sparse_state_dict`.
+    ``state_layout`` (packed format): ``"buffers"`` writes each rank's parameter-shaped state of a
+    leaf as a few 1-D items plus a layout table, ``"per_tensor"`` one item per state tensor (see
+    :mod:`sparse_ckpt.buffers`); both load into any world size, mesh or layout. Load it with
     ``dcp.load(..., planner=sparse_ckpt.SparseLoadPlanner())``.
 
     In a process group of more than one rank, saved FQNs that the local model does not own are
@@ -160,9 +173,18 @@ class SparseOptimizerState:
     process they are. The model's own parameters must always be in the checkpoint (strict mode).
     """
 
-    def __init__(self, model: Model, optimizer: Any, *, format: Format = "packed", strict: bool = True) -> None:
+    def __init__(
+        self,
+        model: Model,
+        optimizer: Any,
+        *,
+        format: Format = "packed",
+        strict: bool = True,
+        state_layout: StateLayout = DEFAULT_STATE_LAYOUT,
+    ) -> None:
         if format not in FORMATS:
             raise ValueError(f"format must be one of {FORMATS}, got {format!r}")
+        self.state_layout: StateLayout = check_state_layout(state_layout, format)
         validate_model(model)
         check_leaves(optimizer)  # validate the optimizer argument now, not inside dcp.save
         self.model = model
@@ -179,14 +201,24 @@ class SparseOptimizerState:
         holds the foreign-loader guards too (:func:`sparse_ckpt.format.foreign_guard_keys`), which make
         a loader that does not know the format (torch DSD's flat or nested layout, also with
         ``allow_partial_load=True``) fail while planning instead of silently skipping the settings.
+
+        Saved by ``dcp.save``/``dcp.async_save`` over the default process group, the ranks
+        exchange their tables' digests (one small ``all_gather_object``) so that table keys are
+        stable from save to save (see *Table keys* in :mod:`sparse_ckpt.format`); called any
+        other way, it does not communicate.
         """
         refuse_rank0_only_save(self.optimizer)
         sd: dict[str, Any] = {PLANNER_GUARD_KEY: _PlannerGuard.make()}  # first: DCP plans keys in order
-        if not called_by_dcp_load(sys._getframe(1)):
+        caller = sys._getframe(1)
+        if not called_by_dcp_load(caller):
             # A load target needs no content: SparseLoadPlanner rebuilds it from the checkpoint's
             # metadata (and without that planner the guard refuses the load), so dcp.load does not
             # pay for a capture of the optimizer it is about to overwrite.
-            sd.update(guarded_state_dict(self.model, self.optimizer, self.format))
+            keying = Keying.with_ranks() if saved_by_dcp_with_all_ranks(caller) else Keying.here()
+            with gc_paused():
+                sd.update(
+                    build_state_dict(self.model, self.optimizer, self.format, keying, self.state_layout, guards=True)
+                )
         return SparseStateDict(sd, self)
 
     def load_state_dict(self, state_dict: Mapping[str, Any]) -> None:
@@ -197,12 +229,16 @@ class SparseOptimizerState:
         data = dict(state_dict)
         data.pop(PLANNER_GUARD_KEY, None)
         fmap = None
+        reader = None
         if isinstance(state_dict, SparseStateDict):
             if state_dict.unresolved:
                 data.update(dict.fromkeys(state_dict.unresolved))
             if state_dict.owner is self:
                 fmap = state_dict.fmap
-        load_owned(self.model, self.optimizer, data, strict=self.strict, allow_unowned=multi_rank(), fmap=fmap)
+            reader = state_dict.reader
+        load_owned(
+            self.model, self.optimizer, data, strict=self.strict, allow_unowned=multi_rank(), fmap=fmap, reader=reader
+        )
 
     def __reduce_ex__(self, protocol: Any) -> Any:
         raise TypeError(
@@ -215,11 +251,19 @@ class SparseOptimizerState:
         return self.__reduce_ex__(2)
 
     def __repr__(self) -> str:
-        return f"SparseOptimizerState(format={self.format!r}, strict={self.strict}, optimizer={self.optimizer!r})"
+        return (
+            f"SparseOptimizerState(format={self.format!r}, strict={self.strict}, state_layout={self.state_layout!r}, "
+            f"optimizer={self.optimizer!r})"
+        )
 
 
 def multi_rank() -> bool:
     return dist.is_available() and dist.is_initialized() and dist.get_world_size() > 1
+
+
+def world_and_rank() -> tuple[int, int]:
+    """``(world size, rank)`` of the default process group; ``(1, 0)`` in a single process."""
+    return (dist.get_world_size(), dist.get_rank()) if multi_rank() else (1, 0)
 
 
 class SparseLoadPlanner(DefaultLoadPlanner):
@@ -264,8 +308,9 @@ class SparseLoadPlanner(DefaultLoadPlanner):
         self._optimizer_keys: set[str] = set()
         if targets and metadata is not None:
             paths = {key: metadata_path(metadata, key) for key in metadata.state_dict_metadata}
+            storage_reader = dcp_storage_reader(sys._getframe(1))
             for path, target in targets:
-                self._optimizer_keys.update(_rebuild_target(path, target, metadata, paths))
+                self._optimizer_keys.update(_rebuild_target(path, target, metadata, paths, storage_reader))
         super().set_up_planner(state_dict, metadata, is_coordinator)
 
     def load_bytes(self, read_item: ReadItem, value: io.BytesIO) -> None:
@@ -280,13 +325,14 @@ class SparseLoadPlanner(DefaultLoadPlanner):
         key = read_item.dest_index.fqn
         table = is_table_key(key)
         if self._all_weights_only or table or key in getattr(self, "_optimizer_keys", ()):
-            value = weights_only_item(key, value, table=table)
+            value = weights_only_item(key, value, table=table or BUFFERS_PREFIX in key)
         super().load_bytes(read_item, value)
 
 
 def weights_only_item(key: str, value: io.BytesIO, table: bool) -> io.BytesIO:
     """Unpickle a DCP bytes item with ``weights_only=True``; return a fresh stream of it for DCP."""
-    what = table_kind(SCALARS_PREFIX if SCALARS_PREFIX in key else PACKED_PREFIX) if table else "optimizer item"
+    prefix = next((p for p in (SCALARS_PREFIX, BUFFERS_PREFIX) if p in key), PACKED_PREFIX)
+    what = table_kind(prefix) if table else "optimizer item"
     try:
         obj = torch.load(value, weights_only=True)
     except Exception as exc:  # noqa: BLE001 - any refusal of the restricted unpickler
@@ -322,9 +368,15 @@ def _rebuild_target(
     target: SparseStateDict,
     metadata: Metadata,
     paths: Mapping[str, tuple[str | int, ...]],
+    storage_reader: Any = None,
 ) -> list[str]:
     """Replace ``target``'s content by the checkpoint's entries under ``path``; returns their
-    flattened DCP keys (the items this optimizer dict reads)."""
+    flattened DCP keys (the items this optimizer dict reads).
+
+    Buffers layout: this rank's own layout tables are read (all of a leaf's when it has none of
+    its own); buffers are left to ``target.reader`` (which reads them one at a time after the
+    layouts, through ``storage_reader``). Without a storage reader, this rank's own buffers (all
+    of a leaf's when it has no layout of its own) are read with the rest."""
     depth = len(path)
     entries: list[tuple[tuple[str | int, ...], Any, str]] = []
     for key, md in metadata.state_dict_metadata.items():
@@ -341,6 +393,11 @@ def _rebuild_target(
     new: dict[str, Any] = {}
     keys: list[str] = []
     unresolved: list[str] = []
+    buffered = {str(rel[0]): key for rel, _md, key in entries if len(rel) == 1 and str(rel[0]).startswith(BUFFERS_PREFIX)}
+    read_now = _buffers_to_read(buffered, storage_reader is not None)
+    target.reader = None if storage_reader is None or not buffered else BufferReader(
+        buffered, _item_reader(storage_reader, metadata)
+    )
     for rel, md, key in entries:
         inner = str(rel[0])
         value: Any
@@ -352,6 +409,10 @@ def _rebuild_target(
                 value = _allocate(md, _param(fmap, fqn), str(rel[-1]))
             else:
                 value = _allocate(md, None, "")
+        elif inner in buffered:
+            if inner not in read_now:
+                continue
+            value = _allocate(md, None, "")
         elif inner.startswith((PACKED_PREFIX, SCALARS_PREFIX)):  # every rank's tables
             value = _allocate(md, None, "")
         elif is_foreign_guard(inner, md):
@@ -380,6 +441,74 @@ def _rebuild_target(
     target.planned = True
     target.unresolved = unresolved
     return keys
+
+
+def _buffers_to_read(buffered: Mapping[str, str], have_reader: bool) -> set[str]:
+    """Which buffers-layout items the DCP load itself reads (see :func:`_rebuild_target`)."""
+    world, rank = world_and_rank()
+    by_leaf: dict[str, list[tuple[str, str, bool]]] = {}
+    for inner in buffered:
+        leaf, kind, _bucket, ranks = split_buffers_key(inner[len(BUFFERS_PREFIX) :])
+        by_leaf.setdefault(leaf, []).append((inner, kind, tag_has_rank(ranks, world, rank)))
+    out: set[str] = set()
+    for found in by_leaf.values():
+        own = any(mine and kind == "layout" for _inner, kind, mine in found)
+        for inner, kind, mine in found:
+            if (kind == "layout" or not have_reader) and (mine or not own):
+                out.add(inner)
+    return out
+
+
+class _ItemPlanner(LoadPlanner):
+    """Reads a few whole items of a checkpoint, one at a time, handing each to ``consume`` (the
+    buffer reads of ``state_layout="buffers"``): a tensor item is read into a new CPU tensor that
+    only ``consume`` keeps; a bytes item is unpickled with ``weights_only=True``. Only the read
+    callbacks are used (``read_data`` is called directly, outside DCP's planning)."""
+
+    def __init__(self, metadata: Metadata, consume: Any) -> None:
+        self.metadata = metadata
+        self._consume = consume
+
+    def set_up_planner(self, state_dict: Any, metadata: Metadata | None = None, is_coordinator: bool = False) -> None:
+        raise NotImplementedError  # pragma: no cover - never planned through DCP
+
+    def create_local_plan(self) -> LoadPlan:
+        raise NotImplementedError  # pragma: no cover
+
+    def create_global_plan(self, global_plan: list[LoadPlan]) -> list[LoadPlan]:
+        raise NotImplementedError  # pragma: no cover
+
+    def finish_plan(self, central_plan: LoadPlan) -> LoadPlan:
+        raise NotImplementedError  # pragma: no cover
+
+    def resolve_tensor(self, read_item: ReadItem) -> torch.Tensor:
+        md = self.metadata.state_dict_metadata[read_item.dest_index.fqn]
+        assert isinstance(md, TensorStorageMetadata)
+        if len(md.chunks) != 1 or tuple(read_item.lengths) != tuple(md.size):
+            raise CheckpointFormatError(f"buffer item {read_item.dest_index.fqn!r} is not one whole tensor chunk")
+        return torch.empty(tuple(md.size), dtype=md.properties.dtype)
+
+    def commit_tensor(self, read_item: ReadItem, tensor: torch.Tensor) -> None:
+        self._consume(read_item.dest_index.fqn, tensor)
+
+    def load_bytes(self, read_item: ReadItem, value: io.BytesIO) -> None:
+        key = read_item.dest_index.fqn
+        self._consume(key, torch.load(weights_only_item(key, value, table=True), weights_only=True))
+
+
+def _item_reader(storage_reader: Any, metadata: Metadata) -> Any:
+    """``read(dcp_keys, consume)`` through the load's own storage reader (rank-local, no collective)."""
+
+    def read(dcp_keys: list[str], consume: Any) -> None:
+        targets: dict[str, Any] = {}
+        for key in dcp_keys:
+            md = metadata.state_dict_metadata[key]
+            is_tensor = isinstance(md, TensorStorageMetadata)
+            targets[key] = torch.empty(tuple(md.size), dtype=md.properties.dtype, device="meta") if is_tensor else b""
+        plan = create_default_local_load_plan(targets, metadata)
+        storage_reader.read_data(plan, _ItemPlanner(metadata, consume)).wait()
+
+    return read
 
 
 def _param(fmap: FqnMap, fqn: str) -> torch.Tensor:

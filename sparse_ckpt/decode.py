@@ -15,10 +15,21 @@ from typing import Any
 
 import torch
 
-from . import _backend
+from . import _backend, buffers
 from ._tensor_parts import parts_to_tensor, tensor_to_parts
 from .errors import CheckpointFormatError, CheckpointMismatchError
-from .format import PACKED_PREFIX, SCALARS_PREFIX, check_table, source_text, state_key, without_foreign_guards
+from .format import (
+    BUFFERS_PREFIX,
+    ESCAPE,
+    KEYS_ENTRY,
+    PACKED_PREFIX,
+    SCALARS_PREFIX,
+    check_table,
+    source_text,
+    state_key,
+    unescape_part,
+    without_foreign_guards,
+)
 from .fqn import FqnMap
 from .nested import nested_kind, nested_to_sparse
 
@@ -101,7 +112,7 @@ def decode_group_tables(tables: Mapping[str, Any]) -> list[GroupTable]:
     core = _backend.core
     out: list[GroupTable] = []
     for rest, table in tables.items():
-        leaf = check_table(PACKED_PREFIX, rest, table)
+        leaf, table = check_table(PACKED_PREFIX, rest, table)
         settings, blobs, groups = core.decode_table(leaf, table, parts_to_tensor)
         out.append(GroupTable(rest, leaf, settings, blobs, groups))
     return out
@@ -123,13 +134,17 @@ def fmt_list(items: list[str], limit: int = 10) -> str:
     return f"{shown} (+{more} more)" if more > 0 else shown
 
 
-def decode_checkpoint(state_dict: Mapping[str, Any], fmap: FqnMap) -> DecodedCheckpoint:
+def decode_checkpoint(
+    state_dict: Mapping[str, Any], fmap: FqnMap, reader: buffers.BufferReader | None = None
+) -> DecodedCheckpoint:
     """Split and decode ``state_dict`` (packed and/or flat entries, or DSD's nested dict) against ``fmap``.
 
     State keys are resolved against the checkpoint's own FQNs (those its tables or flat
     param-group entries list, and the model's aliases of them), never against the target model's
     other FQNs, so one parameter's state can never land on another whose FQN is a prefix of the
-    saved key.
+    saved key. Buffered state (``state_layout="buffers"``) is scattered into new tensors for the
+    parameters the target model has (:func:`sparse_ckpt.buffers.expand`; ``reader`` reads the
+    buffers a DCP load left to it) and joins the per-item state.
     """
     state_dict = _other_layouts(state_dict)
     core = _backend.core
@@ -145,6 +160,9 @@ def decode_checkpoint(state_dict: Mapping[str, Any], fmap: FqnMap) -> DecodedChe
     flat = state_dict if type(state_dict) is dict else dict(state_dict)  # the core reads dicts
     flat = without_foreign_guards(flat)
     settings_raw, state_raw, _tables, scalar_tables, unmatched = core.unflatten(flat, known_fqns)
+    buffer_keys = [k for k in unmatched if k.startswith(BUFFERS_PREFIX)]  # (unmatched is short)
+    if buffer_keys:
+        unmatched = [k for k in unmatched if not k.startswith(BUFFERS_PREFIX)]
     out = DecodedCheckpoint(
         unmatched_keys=list(unmatched), has_tables=bool(decoded), tables=decoded, resolve=fmap.resolve
     )
@@ -223,6 +241,7 @@ def decode_checkpoint(state_dict: Mapping[str, Any], fmap: FqnMap) -> DecodedChe
                     f"parameter {canon!r} has saved state under two names ({fqn!r} is an alias)"
                 )
             out.state_of[canon] = state
+    keys_of: dict[str, tuple[tuple[str, ...], str]] = {}
     if scalar_tables:  # merged by canonical FQN: a table may name a parameter by an alias
         fqns = known[0] if known else set()
         scalars_of = decode_scalar_tables(
@@ -230,9 +249,88 @@ def decode_checkpoint(state_dict: Mapping[str, Any], fmap: FqnMap) -> DecodedChe
             resolve=fmap.resolve if len(fmap.canonical) > len(fmap.param_of) else None,  # else no aliases
             is_known=(lambda f: f in fqns or f in settings_raw) if settings_raw else fqns.__contains__,
             unmatched=out.unmatched_keys,
+            keys_of=keys_of,
         )
+    if buffer_keys or (reader is not None and reader.keys):
+
+        unlisted: list[tuple[str, str]] = []
+
+        def expected(leaf: str, found: set[tuple[str, str]]) -> bool:
+            """Whether a parameter of the target misses recorded state of ``leaf`` besides ``found``."""
+            if not unlisted and keys_of:
+                unlisted.extend(core.unlisted_keys(keys_of, out.state_of, fmap.param_of) or [("", "")])
+            return any(
+                fqn and keys_of[fqn][1] == leaf and (fqn, k) not in found and not _has_path(out.state_of.get(fqn, {}), k)
+                for fqn, k in unlisted
+            )
+
+        _add_buffered(out.state_of, buffers.expand(buffer_keys, flat, fmap, reader, expected), keys_of)
+    if scalar_tables:
         out.state_of = merge_scalars(out.state_of, scalars_of)
+        check_complete(out.state_of, keys_of, fmap.param_of)
     return out
+
+
+def _add_buffered(
+    state_of: dict[str, Any], buffered: dict[str, dict[str, Any]], keys_of: Mapping[str, tuple[tuple[str, ...], str]]
+) -> None:
+    """Each FQN's buffered state joins its per-item entries, in the order its scalar table
+    records (a key in both: the checkpoint is corrupt)."""
+    for fqn, entries in buffered.items():
+        state = state_of.get(fqn)
+        if state is None:
+            state_of[fqn] = entries
+            continue
+        for key, value in entries.items():
+            if key in state:
+                raise CheckpointFormatError(
+                    f"state {key!r} of {fqn!r} is both in a buffer and a per-item entry (corrupt or edited checkpoint)"
+                )
+            state[key] = value
+        recorded = keys_of.get(fqn)
+        if recorded is not None:  # per-item and buffered entries of one parameter: the saved order
+            rank = {}
+            for path in recorded[0]:
+                top = path.split(".", 1)[0]
+                rank.setdefault(unescape_part(top, path) if top.startswith(ESCAPE) else top, len(rank))
+            state_of[fqn] = dict(sorted(state.items(), key=lambda kv: rank.get(kv[0], len(rank))))
+
+
+def check_complete(
+    state_of: Mapping[str, Any], keys_of: Mapping[str, tuple[tuple[str, ...], str]], owned: Mapping[str, Any]
+) -> None:
+    """Complete or refused: every parameter of the target (an FQN in ``owned``) whose scalar table
+    records its state keys (``keys_of``, see :func:`decode_scalar_tables`) must have each of them in
+    ``state_of`` -- else the checkpoint lost an item (from its metadata or its data) and the load
+    is refused with :class:`CheckpointMismatchError` naming leaf, FQN and key, whatever ``strict``
+    says (``strict`` is about the model's parameters, not about a checkpoint missing part of
+    itself). Parameters of other ranks (not in ``owned``) are not read, so not checked."""
+    if type(state_of) is not dict or type(keys_of) is not dict:
+        state_of, keys_of = dict(state_of), dict(keys_of)
+    for fqn, key in _backend.core.unlisted_keys(keys_of, state_of, owned if type(owned) is dict else dict(owned)):
+        if _has_path(state_of.get(fqn, {}), key):  # a nested or escaped key: there after all
+            continue
+        keys, leaf = keys_of[fqn]
+        raise CheckpointMismatchError(
+            f"leaf {leaf!r}: parameter {fqn!r} has no saved state {key!r}, which the checkpoint's scalar table "
+            f"records for it (recorded: {list(keys)}): the checkpoint lost that item from its metadata or its "
+            "data (a partial copy or a damaged checkpoint); refusing to load it incomplete (strict=False "
+            "does not change this)"
+        )
+
+
+def _has_path(state: Any, key: str) -> bool:
+    """Whether recorded state key ``key`` (a per-item key path: dotted, escaped parts) is in
+    ``state`` (nested dicts with unescaped keys)."""
+    node = state
+    for part in key.split("."):
+        if not isinstance(node, dict):
+            return False
+        name: Any = unescape_part(part, key) if part.startswith(ESCAPE) else part
+        if name not in node:
+            return False
+        node = node[name]
+    return True
 
 
 def _put_empty_group(out: DecodedCheckpoint, leaf: str, gi: int, settings: dict) -> None:
@@ -256,9 +354,14 @@ def decode_scalar_tables(
     resolve: Callable[[str], str] | None = None,
     is_known: Callable[[str], bool] | None = None,
     unmatched: list[str] | None = None,
+    keys_of: dict[str, tuple[tuple[str, ...], str]] | None = None,
 ) -> dict[str, tuple[dict[str, Any], str]]:
-    """Scalar tables (``{leaf}.{digest}`` -> bytes, as ``core.unflatten`` returns them) ->
+    """Scalar tables (``{leaf}.{tag}`` -> bytes, as ``core.unflatten`` returns them) ->
     ``FQN -> (scalars, leaf)``.
+
+    The record of each parameter's other state keys (:data:`~sparse_ckpt.format.KEYS_ENTRY`) is
+    taken out of its scalars; with ``keys_of`` given, it is put there (``FQN -> (keys, leaf)``) for
+    every known FQN whose table has it (tables written before the record have none).
 
     Digests are checked and tensors decoded onto CPU. FQNs are keyed by ``resolve(fqn)`` (the
     canonical FQN of an alias; the saved FQN without ``resolve``). Scalars of a saved FQN that is
@@ -274,7 +377,7 @@ def decode_scalar_tables(
     found: dict[str, tuple[dict[str, Any], str]] = {}
     blob_of: dict[str, bytes] = {}
     for rest, table in tables.items():
-        leaf = check_table(SCALARS_PREFIX, rest, table)
+        leaf, table = check_table(SCALARS_PREFIX, rest, table)
         key = f"{SCALARS_PREFIX}{rest}"
         try:
             scalars, blobs, groups = core.decode_table(leaf, table, _cpu_parts_to_tensor)
@@ -282,7 +385,9 @@ def decode_scalar_tables(
             raise CheckpointFormatError(f"scalar table {key!r}: {exc}") from None
         for idx, fqns in groups:
             blob = blobs[idx]
+            keys = _recorded_keys(key, scalars[idx].pop(KEYS_ENTRY, None))
             entry = (scalars[idx], leaf)
+            recorded = None if keys is None or keys_of is None else (keys, leaf)
             for saved in fqns:
                 if is_known is not None and not is_known(saved):
                     if unmatched is not None:
@@ -292,6 +397,8 @@ def decode_scalar_tables(
                 prev = blob_of.setdefault(fqn, blob)
                 if prev is blob:
                     found.setdefault(fqn, entry)
+                    if recorded is not None:
+                        keys_of.setdefault(fqn, recorded)  # type: ignore[union-attr]
                 elif prev != blob:
                     first, first_leaf = found[fqn]
                     raise CheckpointMismatchError(
@@ -299,6 +406,21 @@ def decode_scalar_tables(
                         f"(of leaf {first_leaf!r} and leaf {leaf!r}; key {_first_differing(leaf, first, scalars[idx])!r})"
                     )
     return found
+
+
+def _recorded_keys(table_key: str, keys: Any) -> tuple[str, ...] | None:
+    """A :data:`~sparse_ckpt.format.KEYS_ENTRY` entry as a tuple of str (a key that UTF-8 could not
+    encode is recorded as its surrogate-passing UTF-8 bytes); ``None`` when there is none."""
+    if keys is None:
+        return None
+    if type(keys) is tuple and all(type(k) is str for k in keys):
+        return keys
+    if type(keys) is tuple and all(type(k) in (str, bytes) for k in keys):
+        try:
+            return tuple(k.decode("utf-8", "surrogatepass") if type(k) is bytes else k for k in keys)
+        except UnicodeDecodeError:
+            pass
+    raise CheckpointFormatError(f"scalar table {table_key!r}: its {KEYS_ENTRY!r} entry is not a tuple of state keys")
 
 
 def _first_differing(leaf: str, a: Mapping[str, Any], b: Mapping[str, Any]) -> str:

@@ -64,7 +64,16 @@ from .checkpoint_tools import (
 from .dcp import multi_rank
 from .decode import decode_group_tables, table_fqns
 from .errors import CheckpointFormatError
-from .format import PACKED_PREFIX, SCALARS_PREFIX, STATE_PREFIX, STEP_KEY, is_state_item, last_part, owner_fqn
+from .format import (
+    BUFFERS_PREFIX,
+    PACKED_PREFIX,
+    SCALARS_PREFIX,
+    STATE_PREFIX,
+    STEP_KEY,
+    is_state_item,
+    last_part,
+    owner_fqn,
+)
 from .fqn import Model, build_fqn_map
 from .leaves import SINGLE_LEAF
 from .load import load_owned
@@ -354,6 +363,13 @@ def export_checkpoint(
         )
     check_new_dir(out_dir)
     sdm = metadata.state_dict_metadata
+    buffered = [inner for inner in opt.inner if inner.startswith(BUFFERS_PREFIX)]
+    if buffered:
+        raise CheckpointFormatError(
+            f"optimizer {opt.name!r} holds state_layout='buffers' state ({buffered[0]!r}); export reads per-item "
+            "state: convert the checkpoint first (python -m sparse_ckpt convert SRC DST --to packed writes it "
+            "per item), then export that"
+        )
     group_keys = [inner for inner in opt.inner if not is_state_item(inner)]  # settings and tables
     state_keys = [inner for inner in opt.inner if is_state_item(inner)]
     tensor_keys = [k for k in state_keys if isinstance(sdm[opt.inner[k]], TensorStorageMetadata)]

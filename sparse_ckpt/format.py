@@ -4,11 +4,10 @@ A sparse optimizer dict is a plain ``dict[str, value]``:
 
 * ``state.{fqn}.{k1}[.{k2}...]`` -- one per-parameter state value (nested state dicts are
   flattened with ``.``); the flat format writes every state value this way (torch DSD's layout);
-* ``state.__packed__.{leaf}.{digest}`` -- packed format (version 2): a leaf's binary *scalar
-  table*, ``digest`` being :func:`table_digest` of its bytes (see below);
+* ``state.__packed__.{leaf}.{tag}`` -- packed format (version 2): a leaf's binary *scalar
+  table* (see below and *Table keys*);
 * ``param_groups.{fqn}.{key}`` -- flat format: one group setting of one parameter;
-* ``param_groups.__packed__.{leaf}.{digest}`` -- packed format: a leaf's binary group table,
-  ``digest`` being :func:`table_digest` of the table bytes;
+* ``param_groups.__packed__.{leaf}.{tag}`` -- packed format: a leaf's binary group table;
 * :data:`PLANNER_GUARD_KEY` -- only in the dicts a DCP ``Stateful`` of sparse_ckpt returns: a
   one-element tensor that makes ``dcp.load`` without :class:`sparse_ckpt.SparseLoadPlanner`
   fail while planning, before any byte is read;
@@ -34,6 +33,54 @@ device only for fused/capturable groups). Tables of one leaf from several ranks 
 in two tables must have the same scalars. Packed version 1 (every state value per item) stays
 readable. ``__packed__`` is reserved: no parameter FQN may start with ``__packed__.``.
 
+**Table keys: stable, values move.** DCP de-duplicates items by key (of several ranks planning one
+key, one writes it) and its save-plan caching (``DefaultSavePlanner(enable_plan_caching=True)``)
+reuses a rank's plan only while its item keys stay the same. So a table's key must not change when
+only values change (an lr, a step), must be equal on ranks whose tables are equal (written once) and
+must differ on ranks whose tables differ (both written, never one silently dropped). The key's last
+part, the *tag*, is one of:
+
+* ``w{W}r{ranks}`` -- the ranks (of world size ``W``) that hold exactly this table, e.g. ``w8r0-7``
+  (all of them), ``w1r0`` (one process) or ``w8r0-6:2+7`` (``ranks`` is a ``+``-joined list of
+  ``a``, ``a-b`` or ``a-b:step`` runs, see :func:`rank_tag`). What *identifies* a table is which
+  ranks hold it, not its bytes: while every rank's values move the same way (a scheduler's lr,
+  the steps of the parameters all ranks step), the rank sets stay, and so do the keys. Ranks are
+  grouped by the content digest of their tables, exchanged in one small collective when a
+  :class:`sparse_ckpt.SparseOptimizerState` (or ``MultiOptimizer``) is saved by ``dcp.save`` /
+  ``dcp.async_save`` over the default process group: a rank whose table differs from the others'
+  (say only rank 1's lr moved) gets a rank set of its own and writes its own item, and the load
+  then refuses the conflicting settings. The value is *sealed*: the table bytes followed by their
+  8-byte BLAKE2b digest (:func:`seal`), checked on every read.
+* ``d{digest}`` -- keyed by the table's content digest (16 hex digits of BLAKE2b), the value is the
+  table itself: what ranks write when they cannot coordinate (``sparse_state_dict`` in a process
+  group of several ranks, a Stateful's ``state_dict()`` called outside ``dcp.save``, or a save over
+  another process group or without collectives). Equal tables still share one item, different
+  ones never do; an lr change renames the item (no plan caching).
+* ``{digest}`` (16 hex digits, no letter) -- written by sparse_ckpt before stable keys: the same
+  as ``d{digest}``; read as before.
+
+**State layout.** ``state_layout="per_tensor"`` writes every state value that is not in a scalar
+table as its own item ``state.{fqn}.{key}`` (under FSDP, one DCP chunk per rank). With
+``state_layout="buffers"`` each rank writes, per leaf, the local chunks of its *parameter-shaped*
+state tensors (a plain tensor of the parameter's shape, or a DTensor with the parameter's shape,
+mesh and ``Shard``/``Replicate`` placements) into a few 1-D buffer tensors (one per dtype, split
+into buckets of at most :data:`sparse_ckpt.buffers.BUCKET_BYTES`) and a *layout table*
+(:mod:`sparse_ckpt._core_py_buffers`) saying where each ``(FQN, key)`` chunk sits, its global
+shape and its offsets: ``state.__buffers__.{leaf}.L{rank tag}`` (sealed bytes) and
+``state.__buffers__.{leaf}.B{bucket}{rank tag}``. Other state values stay per-item. The rank tag
+is the layout's (``w{W}r{ranks}``): ranks with identical layouts (replicas) share the keys, so
+their buffers are written once (as DCP writes a replicated tensor once), and a loading rank finds
+the items it wrote itself by its rank and world size. FQNs starting with ``__buffers__.`` are
+reserved too.
+
+**State keys recorded** (complete or refused). A new scalar table lists *every* parameter with
+state, and its scalar dict holds, under the reserved name :data:`KEYS_ENTRY` (``~keys``, which no
+state key can be: a plain part never starts with ``~``), the tuple of the parameter's other state
+keys (the per-item key paths after ``state.{fqn}.``, escaped parts as written, nested parts joined
+with ``.``), in state order. A load refuses (also with ``strict=False``) a parameter of the target
+whose recorded keys it cannot find in what was read, naming leaf, FQN and key. Scalar tables
+without the entry (written before it) are not checked.
+
 **State key parts** (packed format). A state key part that is a ``str`` without ``.`` and not
 starting with ``~`` is written as it is (so ordinary checkpoints are byte-for-byte DSD's
 keys). Any other part is *escaped*: ``~s`` + the string with ``%`` -> ``%25`` and ``.`` ->
@@ -52,6 +99,7 @@ instance (DDP). Adding a wrapper prefix means adding it here (and a test).
 from __future__ import annotations
 
 import hashlib
+from collections.abc import Iterable
 from typing import Any
 
 import torch
@@ -70,8 +118,16 @@ STEP_KEY = "step"
 not shape-checked, and allocated as a plain tensor by the load planner."""
 OPTIMIZER_PREFIXES = (STATE_PREFIX, GROUPS_PREFIX)
 """The first part of every key of an optimizer dict."""
+BUFFERS_MARKER = "__buffers__"
+BUFFERS_PREFIX = f"{STATE_PREFIX}{BUFFERS_MARKER}."
+"""Prefix of ``state_layout="buffers"`` items: ``state.__buffers__.{leaf}.L{rank tag}`` (a layout
+table, sealed bytes) and ``state.__buffers__.{leaf}.B{bucket}{rank tag}`` (a 1-D buffer tensor)."""
 RESERVED_FQN_PREFIX = f"{PACKED_MARKER}."
-"""No parameter with state may have an FQN starting with this: its keys would read as a table."""
+RESERVED_FQN_PREFIXES = (RESERVED_FQN_PREFIX, f"{BUFFERS_MARKER}.")
+"""No parameter with state may have an FQN starting with these: its keys would read as a table or
+a buffer."""
+KEYS_ENTRY = "~keys"
+"""The scalar-table entry listing a parameter's per-item state keys (see *State keys recorded*)."""
 PLANNER_GUARD_KEY = "__sparse_ckpt__.load_with.SparseLoadPlanner"
 """Key of the planner guard (see :mod:`sparse_ckpt.dcp`); never part of a decoded checkpoint."""
 
@@ -127,47 +183,143 @@ def without_foreign_guards(flat: dict[str, Any]) -> dict[str, Any]:
     return {k: v for k, v in flat.items() if not is_foreign_guard(k, v)}
 
 
+_DIGEST_BYTES = 8
+
+
 def table_digest(table: bytes) -> str:
-    """Content hash used in a packed table's key (16 hex digits of BLAKE2b)."""
-    return hashlib.blake2b(table, digest_size=8).hexdigest()
+    """Content hash of a table (16 hex digits of BLAKE2b): the ``d{digest}`` tag and the seal."""
+    return hashlib.blake2b(table, digest_size=_DIGEST_BYTES).hexdigest()
+
+
+def digest_tag(table: bytes) -> str:
+    """``d{digest}``: the tag of a table keyed by its content (see *Table keys*)."""
+    return f"d{table_digest(table)}"
+
+
+def rank_tag(world: int, ranks: Iterable[int]) -> str:
+    """``w{world}r{ranks}``: the tag of an item held by ``ranks`` (global ranks of a world of
+    ``world``); runs of equally spaced ranks are written ``a-b`` (step 1) or ``a-b:step``."""
+    rs = sorted(set(ranks))
+    if not rs or rs[0] < 0 or rs[-1] >= world:
+        raise ValueError(f"ranks {rs} are not ranks of a world of {world}")
+    runs: list[str] = []
+    i = 0
+    while i < len(rs):
+        j = i
+        if i + 1 < len(rs):
+            step = rs[i + 1] - rs[i]
+            while j + 1 < len(rs) and rs[j + 1] - rs[j] == step:
+                j += 1
+            if j - i < 2 and step != 1:  # two ranks far apart: two single entries
+                j = i
+        if j == i:
+            runs.append(str(rs[i]))
+        else:
+            step = rs[i + 1] - rs[i]
+            runs.append(f"{rs[i]}-{rs[j]}" if step == 1 else f"{rs[i]}-{rs[j]}:{step}")
+        i = j + 1
+    return f"w{world}r{'+'.join(runs)}"
+
+
+def parse_rank_tag(tag: str) -> tuple[int, list[tuple[int, int, int]]] | None:
+    """``(world, [(first, last, step), ...])`` of a ``w{W}r{ranks}`` tag, ``None`` for another kind
+    of tag; a malformed rank tag is a :class:`CheckpointFormatError`."""
+    if not tag.startswith("w"):
+        return None
+    world_text, sep, ranks_text = tag[1:].partition("r")
+    try:
+        if not sep or not world_text.isdigit():
+            raise ValueError
+        world = int(world_text)
+        runs = []
+        for run in ranks_text.split("+"):
+            first_text, dash, rest = run.partition("-")
+            last_text, colon, step_text = rest.partition(":")
+            first = int(first_text)
+            last = int(last_text) if dash else first
+            step = int(step_text) if colon else 1
+            if not (0 <= first <= last < world and step > 0) or not all(
+                t.isdigit() for t in (first_text, *([last_text] if dash else []), *([step_text] if colon else []))
+            ):
+                raise ValueError
+            runs.append((first, last, step))
+    except ValueError:
+        raise CheckpointFormatError(f"item tag {tag!r} is not a valid w{{world}}r{{ranks}} tag") from None
+    return world, runs
+
+
+def tag_has_rank(tag: str, world: int, rank: int) -> bool:
+    """Whether ``w{W}r{ranks}`` tag ``tag`` says ``rank`` of a world of ``world`` holds the item."""
+    parsed = parse_rank_tag(tag)
+    if parsed is None or parsed[0] != world:
+        return False
+    return any(first <= rank <= last and (rank - first) % step == 0 for first, last, step in parsed[1])
+
+
+def seal(table: bytes) -> bytes:
+    """The value of a rank-tagged table item: ``table`` followed by its 8-byte BLAKE2b digest."""
+    return table + hashlib.blake2b(table, digest_size=_DIGEST_BYTES).digest()
+
+
+def table_item_key(prefix: str, leaf: str, tag: str) -> str:
+    """``{prefix}{leaf}.{tag}`` (``prefix``: :data:`PACKED_PREFIX` or :data:`SCALARS_PREFIX`)."""
+    return f"{prefix}{leaf}.{tag}"
 
 
 def packed_table_key(leaf: str, table: bytes) -> str:
-    """``param_groups.__packed__.{leaf}.{digest}``."""
+    """``param_groups.__packed__.{leaf}.{digest}``: the legacy (pre stable keys) group-table key."""
     return f"{PACKED_PREFIX}{leaf}.{table_digest(table)}"
 
 
 def scalar_table_key(leaf: str, table: bytes) -> str:
-    """``state.__packed__.{leaf}.{digest}``."""
+    """``state.__packed__.{leaf}.{digest}``: the legacy (pre stable keys) scalar-table key."""
     return f"{SCALARS_PREFIX}{leaf}.{table_digest(table)}"
 
 
 def split_table_key(rest: str, prefix: str = PACKED_PREFIX) -> tuple[str, str]:
-    """``"{leaf}.{digest}"`` (a table key without ``prefix``: :data:`PACKED_PREFIX` for a group
-    table, :data:`SCALARS_PREFIX` for a scalar table) -> ``(leaf, digest)``."""
-    leaf, dot, digest = rest.rpartition(".")
-    if not dot or not leaf or not digest:
-        raise CheckpointFormatError(f"{table_kind(prefix)} key '{prefix}{rest}' has no leaf/digest")
-    return leaf, digest
+    """``"{leaf}.{tag}"`` (a table key without ``prefix``: :data:`PACKED_PREFIX` for a group
+    table, :data:`SCALARS_PREFIX` for a scalar table) -> ``(leaf, tag)``."""
+    leaf, dot, tag = rest.rpartition(".")
+    if not dot or not leaf or not tag:
+        raise CheckpointFormatError(f"{table_kind(prefix)} key '{prefix}{rest}' has no leaf/tag")
+    return leaf, tag
 
 
-def check_table(prefix: str, rest: str, table: object) -> str:
-    """The leaf of table ``{prefix}{rest}`` (``prefix``: :data:`PACKED_PREFIX` or
-    :data:`SCALARS_PREFIX`) after checking that it is ``bytes`` matching the key's digest."""
+def _is_digest(text: str) -> bool:
+    return len(text) == 2 * _DIGEST_BYTES and all(c in "0123456789abcdef" for c in text)
+
+
+def check_table(prefix: str, rest: str, table: object) -> tuple[str, bytes]:
+    """``(leaf, table bytes)`` of table item ``{prefix}{rest}`` (``prefix``: :data:`PACKED_PREFIX`
+    or :data:`SCALARS_PREFIX`) after checking that its value is ``bytes`` matching its digest: the
+    key's for ``{digest}`` and ``d{digest}`` tags, the seal's for ``w{W}r{ranks}`` tags (see
+    *Table keys*). A mismatch (or another tag) is a :class:`CheckpointFormatError`."""
     kind = table_kind(prefix)
     if not isinstance(table, bytes):
         raise CheckpointFormatError(f"{kind} '{prefix}{rest}' is a {type(table).__name__}, expected bytes")
-    leaf, digest = split_table_key(rest, prefix)
+    leaf, tag = split_table_key(rest, prefix)
+    if prefix == BUFFERS_PREFIX:  # a layout table: L{rank tag}
+        tag = tag[1:] if tag.startswith("L") else ""
+        if not tag or parse_rank_tag(tag) is None:
+            raise CheckpointFormatError(f"{kind} key '{prefix}{rest}' has no L{{rank tag}} tag")
+    if parse_rank_tag(tag) is not None:
+        payload, digest = table[:-_DIGEST_BYTES], table[-_DIGEST_BYTES:]
+        if len(table) < _DIGEST_BYTES or seal(payload)[-_DIGEST_BYTES:] != digest:
+            raise CheckpointFormatError(
+                f"leaf {leaf!r}: {kind} '{prefix}{rest}' does not match its sealed digest (corrupt or edited checkpoint)"
+            )
+        return leaf, payload
+    digest = tag[1:] if tag.startswith("d") and _is_digest(tag[1:]) else tag
     if table_digest(table) != digest:
         raise CheckpointFormatError(
             f"leaf {leaf!r}: {kind} '{prefix}{rest}' does not match its digest (corrupt or edited checkpoint)"
         )
-    return leaf
+    return leaf, table
 
 
 def table_kind(prefix: str) -> str:
-    """``"packed group table"`` or ``"scalar table"``, for messages."""
-    return "scalar table" if prefix == SCALARS_PREFIX else "packed group table"
+    """``"packed group table"``, ``"scalar table"`` or ``"layout table"``, for messages."""
+    return {SCALARS_PREFIX: "scalar table", BUFFERS_PREFIX: "layout table"}.get(prefix, "packed group table")
 
 
 def is_table_key(key: str) -> bool:
@@ -176,8 +328,13 @@ def is_table_key(key: str) -> bool:
 
 
 def is_state_item(key: str) -> bool:
-    """A key of one per-item state value (``state.{fqn}.{...}``; not a scalar table)."""
-    return key.startswith(STATE_PREFIX) and not key.startswith(SCALARS_PREFIX)
+    """A key of one per-item state value (``state.{fqn}.{...}``; not a scalar table, layout or buffer)."""
+    return key.startswith(STATE_PREFIX) and not key.startswith((SCALARS_PREFIX, BUFFERS_PREFIX))
+
+
+def is_buffer_item(key: str) -> bool:
+    """A key of one ``state_layout="buffers"`` buffer tensor (``state.__buffers__.{leaf}.B...``)."""
+    return key.startswith(BUFFERS_PREFIX) and key.rpartition(".")[2].startswith("B")
 
 
 def state_key(fqn: str, part: object) -> str:
@@ -205,8 +362,40 @@ def has_escaped_part(key: str) -> bool:
 
 
 def is_reserved_fqn(fqn: object) -> bool:
-    """An FQN the packed format cannot hold state of (see :data:`RESERVED_FQN_PREFIX`)."""
-    return type(fqn) is str and fqn.startswith(RESERVED_FQN_PREFIX)
+    """An FQN the packed format cannot hold state of (see :data:`RESERVED_FQN_PREFIXES`)."""
+    return type(fqn) is str and fqn.startswith(RESERVED_FQN_PREFIXES)
+
+
+def layout_tag(rank_tag: str) -> str:
+    """``L{rank tag}``: the tag of a layout table (see :data:`BUFFERS_PREFIX`)."""
+    return f"L{rank_tag}"
+
+
+def buffer_tag(bucket: int, rank_tag: str) -> str:
+    """``B{bucket}{rank tag}``: the tag of bucket ``bucket`` of a layout's buffers."""
+    return f"B{bucket}{rank_tag}"
+
+
+def split_buffers_key(rest: str) -> tuple[str, str, int | None, str]:
+    """``"{leaf}.{tag}"`` (a key without :data:`BUFFERS_PREFIX`) -> ``(leaf, kind, bucket,
+    rank tag)``: ``kind`` is ``"layout"`` (``bucket`` ``None``) or ``"buffer"``. Anything else is a
+    :class:`CheckpointFormatError`."""
+    leaf, dot, tag = rest.rpartition(".")
+    bad = CheckpointFormatError(f"buffers key '{BUFFERS_PREFIX}{rest}' has no leaf and L or B tag")
+    if not dot or not leaf or len(tag) < 2:
+        raise bad
+    if tag[0] == "L":
+        kind, bucket, ranks = "layout", None, tag[1:]
+    elif tag[0] == "B":
+        digits = len(tag) - len(tag[1:].lstrip("0123456789")) - 1
+        if digits == 0:
+            raise bad
+        kind, bucket, ranks = "buffer", int(tag[1 : 1 + digits]), tag[1 + digits :]
+    else:
+        raise bad
+    if parse_rank_tag(ranks) is None:
+        raise bad
+    return leaf, kind, bucket, ranks
 
 
 def is_plain_part(part: object) -> bool:

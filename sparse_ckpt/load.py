@@ -28,6 +28,7 @@ from .apply import (
     run_post_hooks,
     snapshot,
 )
+from .buffers import BufferReader
 from .decode import DecodedCheckpoint, decode_checkpoint, fmt_list
 from .errors import CheckpointMismatchError, SparseCheckpointError
 from .format import STATE_PREFIX, STEP_KEY, owner_fqn
@@ -195,15 +196,17 @@ def load_owned(
     strict: bool,
     allow_unowned: bool,
     fmap: FqnMap | None = None,
+    reader: BufferReader | None = None,
 ) -> None:
     """:func:`load_sparse_state_dict` for the library's DCP and export paths. ``allow_unowned=True``
     (multi-rank loads): saved FQNs the model does not own, and their state, belong to other ranks
     and are not "extra"; the model's own parameters must still be present. ``fmap``: the model's
     FQN map when the caller built it during the same operation (the DCP planner), else built here.
+    ``reader``: reads buffer items a DCP load left to the optimizer (``state_layout="buffers"``).
     A dict that records another rank as its origin is refused (:func:`sparse_ckpt.origin.strip_origin`)."""
     state_dict = strip_origin(state_dict)
     with gc_paused():
-        _load(model, optimizer, state_dict, strict, allow_unowned, fmap)
+        _load(model, optimizer, state_dict, strict, allow_unowned, fmap, reader)
 
 
 def _load(
@@ -213,11 +216,12 @@ def _load(
     strict: bool,
     allow_unowned: bool,
     fmap: FqnMap | None,
+    reader: BufferReader | None = None,
 ) -> None:
     if fmap is None:
         fmap = build_fqn_map(model)
     leaves = named_leaves(optimizer)
-    ckpt = decode_checkpoint(state_dict, fmap)
+    ckpt = decode_checkpoint(state_dict, fmap, reader)
     missing: list[str] = []
     used_settings: set[str] = set()
     used_state: set[str] = set()

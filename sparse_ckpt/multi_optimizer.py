@@ -8,6 +8,7 @@ from typing import Any
 import torch
 from torch.utils.hooks import RemovableHandle
 
+from .buffers import DEFAULT_STATE_LAYOUT, StateLayout, check_state_layout
 from .fqn import Model, validate_model
 from .leaves import container_leaves, named_leaves
 
@@ -43,10 +44,18 @@ class MultiOptimizer:
 
     It is a DCP ``Stateful`` that behaves exactly like ``SparseOptimizerState(model, self)``: put
     it straight into ``dcp.save({"optim": mo})`` / ``dcp.async_save`` and load it with
-    ``dcp.load({"optim": mo}, planner=sparse_ckpt.SparseLoadPlanner())``.
+    ``dcp.load({"optim": mo}, planner=sparse_ckpt.SparseLoadPlanner())``. ``state_layout`` is
+    :class:`~sparse_ckpt.SparseOptimizerState`'s (how its checkpoints hold the state tensors).
     """
 
-    def __init__(self, model: Model, optimizers: Any) -> None:
+    def __init__(
+        self,
+        model: Model,
+        optimizers: Any,
+        *,
+        state_layout: StateLayout = DEFAULT_STATE_LAYOUT,
+    ) -> None:
+        self.state_layout: StateLayout = check_state_layout(state_layout)
         validate_model(model)
         if isinstance(optimizers, Mapping):
             pairs = named_leaves(optimizers)
@@ -145,10 +154,10 @@ class MultiOptimizer:
         """
         from .dcp import SparseOptimizerState
 
-        return SparseOptimizerState(self.model, self).state_dict()
+        return SparseOptimizerState(self.model, self, state_layout=self.state_layout).state_dict()
 
     def load_state_dict(self, state_dict: Mapping[str, Any], strict: bool = True) -> None:
         """Restore from a sparse (packed or flat) state dict, as :meth:`SparseOptimizerState.load_state_dict`."""
         from .dcp import SparseOptimizerState
 
-        SparseOptimizerState(self.model, self, strict=strict).load_state_dict(state_dict)
+        SparseOptimizerState(self.model, self, strict=strict, state_layout=self.state_layout).load_state_dict(state_dict)

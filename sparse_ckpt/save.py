@@ -6,21 +6,25 @@ from typing import Any, Literal
 
 import torch
 
-from . import _backend
+from . import _backend, buffers
 from ._gc import gc_paused
 from ._tensor_parts import CODEC_DTYPES, tensor_to_parts
+from .buffers import StateLayout, check_state_layout
 from .capture import capture_by_fqn
 from .errors import CheckpointFormatError, CheckpointMismatchError
 from .format import (
-    RESERVED_FQN_PREFIX,
+    PACKED_PREFIX,
+    RESERVED_FQN_PREFIXES,
+    SCALARS_PREFIX,
     foreign_guard_keys,
     foreign_guard_value,
     is_reserved_fqn,
     packed_table_key,
-    scalar_table_key,
     table_digest,
+    table_item_key,
 )
 from .fqn import FqnMap, Model, build_fqn_map
+from .item_keys import Keying, Slot
 from .leaves import named_leaves
 
 Format = Literal["packed", "flat"]
@@ -56,31 +60,48 @@ def capture_leaf(
     return capture_by_fqn(leaf, optimizer, fmap.fqn_of)
 
 
-def sparse_state_dict(model: Model, optimizer: Any, *, format: Format = "packed") -> dict[str, Any]:
+def sparse_state_dict(
+    model: Model, optimizer: Any, *, format: Format = "packed", state_layout: StateLayout = "per_tensor"
+) -> dict[str, Any]:
     """Return the optimizer's exact state as a flat ``dict[str, value]`` that DCP can save.
 
     Only state that exists is emitted (``state.{fqn}.{key}``); every group's settings are kept,
     also for leaves that never stepped. ``format="packed"`` (default) stores each leaf's groups
-    as one binary table ``param_groups.__packed__.{leaf}.{digest}``; ``format="flat"`` uses torch
+    as one binary table ``param_groups.__packed__.{leaf}.{tag}``; ``format="flat"`` uses torch
     DSD's ``param_groups.{fqn}.{key}`` layout. Nothing is mutated and no step is run.
+
+    Table keys (see :mod:`sparse_ckpt.format`, *Table keys*): ``w1r0`` in one process; in a
+    process group of several ranks this function cannot coordinate with the others, so tables
+    are keyed by their content digest (a :class:`~sparse_ckpt.SparseOptimizerState` saved by
+    ``dcp.save`` gets stable, rank-set keys instead).
+
+    ``state_layout="buffers"`` (packed format only) puts each leaf's parameter-shaped state
+    tensors into a few 1-D buffers with a layout table instead of one item per tensor (see
+    :mod:`sparse_ckpt.buffers`); ``"per_tensor"`` writes one item per tensor.
     """
     if format not in FORMATS:
         raise ValueError(f"format must be one of {FORMATS}, got {format!r}")
+    check_state_layout(state_layout, format)
     with gc_paused():
-        return _sparse_state_dict(model, optimizer, format)
+        return build_state_dict(model, optimizer, format, Keying.here(), state_layout)
 
 
-def guarded_state_dict(model: Model, optimizer: Any, format: Format) -> dict[str, Any]:
-    """:func:`sparse_state_dict` plus, in the packed format, the foreign-loader guards
-    (:func:`sparse_ckpt.format.foreign_guard_keys`): what the DCP ``Stateful`` saves."""
-    with gc_paused():
-        return _sparse_state_dict(model, optimizer, format, guards=format == "packed")
-
-
-def _sparse_state_dict(model: Model, optimizer: Any, format: Format, guards: bool = False) -> dict[str, Any]:
+def build_state_dict(
+    model: Model,
+    optimizer: Any,
+    format: Format,
+    keying: Keying,
+    state_layout: StateLayout = "per_tensor",
+    *,
+    guards: bool = False,
+) -> dict[str, Any]:
+    """:func:`sparse_state_dict` with the table keys chosen by ``keying`` (called with gc paused);
+    ``guards=True`` (what the DCP ``Stateful`` saves, packed format) adds the foreign-loader guards
+    (:func:`sparse_ckpt.format.foreign_guard_keys`)."""
     core = _backend.core
     fmap = build_fqn_map(model)
-    out: dict[str, Any] = {}
+    parts: list[Any] = []  # items, (prefix, leaf) of the next table slot, or (leaf, buffers) of the next layout slot
+    slots: list[Slot] = []
     owner: dict[str, str] = {}
     first_fqns: list[str] = []
     for leaf, opt in named_leaves(optimizer):
@@ -98,16 +119,37 @@ def _sparse_state_dict(model: Model, optimizer: Any, format: Format, guards: boo
             )
             if scalar_groups:
                 scalars = core.encode_table(leaf, scalar_groups, torch.Tensor, tensor_to_parts)
-                out[scalar_table_key(leaf, scalars)] = scalars
-            out.update(items)
+                parts.append((SCALARS_PREFIX, leaf))
+                slots.append(Slot(f"scalars:{leaf}", scalars))
+            if state_layout == "buffers":
+                entries, local = buffers.collect(leaf, state_fqn, items, fmap.param_of)
+                if entries:
+                    layout, buckets = core.encode_layout(leaf, entries, buffers.BUCKET_BYTES)
+                    parts.append((leaf, buffers.fill(buckets, local)))
+                    slots.append(Slot(f"layout:{leaf}", layout, by_digest=False))
+            parts.append(items)
         else:
-            out.update(core.flatten_state(leaf, state_fqn, fmap.param_of, format == "packed"))
+            parts.append(core.flatten_state(leaf, state_fqn, fmap.param_of, format == "packed"))
         if format == "flat":
-            out.update(core.flatten_groups(leaf, groups_fqn))
+            parts.append(core.flatten_groups(leaf, groups_fqn))
         else:
-            table = core.encode_table(leaf, groups_fqn, torch.Tensor, tensor_to_parts)
-            out[packed_table_key(leaf, table)] = table
-    if guards:
+            parts.append((PACKED_PREFIX, leaf))
+            slots.append(Slot(f"groups:{leaf}", core.encode_table(leaf, groups_fqn, torch.Tensor, tensor_to_parts)))
+    tagged = iter(keying.assign(slots))
+    out: dict[str, Any] = {}
+    for part in parts:
+        if isinstance(part, dict):
+            out.update(part)
+        elif isinstance(part[1], list):  # a layout and its buffers
+            leaf, bufs = part
+            tag, value = next(tagged)
+            out[buffers.layout_key(leaf, tag)] = value
+            for i, buf in enumerate(bufs):
+                out[buffers.buffer_key(leaf, tag, i)] = buf
+        else:
+            tag, value = next(tagged)
+            out[table_item_key(part[0], part[1], tag)] = value
+    if guards and format == "packed":
         out.update(dict.fromkeys(foreign_guard_keys(first_fqns), foreign_guard_value()))
     return out
 
@@ -138,14 +180,15 @@ def _refuse_reserved(leaf: str, state_fqn: dict[str, Any]) -> None:
     # One substring search over the joined FQNs (C speed) rules out the usual case; a hit, or an
     # FQN that is no str, goes through the exact per-FQN check.
     try:
-        if f"\n{RESERVED_FQN_PREFIX}" not in "\n" + "\n".join(state_fqn):
+        joined = "\n" + "\n".join(state_fqn)
+        if all(f"\n{prefix}" not in joined for prefix in RESERVED_FQN_PREFIXES):
             return
     except TypeError:
         pass
     for fqn in state_fqn:
         if is_reserved_fqn(fqn):
             raise CheckpointFormatError(
-                f"leaf {leaf!r}: parameter {fqn!r} has state, and FQNs starting with {RESERVED_FQN_PREFIX!r} are "
+                f"leaf {leaf!r}: parameter {fqn!r} has state, and FQNs starting with {fqn.split('.')[0] + '.'!r} are "
                 "reserved for the checkpoint's tables; rename the module"
             )
 

@@ -519,6 +519,16 @@ def find_table_key(sd: Mapping[Any, Any], leaf: str | None = None) -> str:
     return keys[0]
 
 
+def table_bytes(sd: Mapping[str, Any], key: str) -> bytes:
+    """The table a packed group or scalar table item ``key`` of ``sd`` holds (checked, and unsealed
+    when its key is rank-tagged: see *Table keys* in :mod:`sparse_ckpt.format`)."""
+    from sparse_ckpt.format import PACKED_PREFIX as GROUPS
+    from sparse_ckpt.format import SCALARS_PREFIX, check_table
+
+    prefix = SCALARS_PREFIX if key.startswith(SCALARS_PREFIX) else GROUPS
+    return check_table(prefix, key[len(prefix) :], sd[key])[1]
+
+
 def state_keys(sd: Mapping[str, Any]) -> list[str]:
     """The ``state.*`` keys of a sparse/flat dict."""
     return [k for k in sd if k.startswith("state.")]

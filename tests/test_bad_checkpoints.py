@@ -25,6 +25,7 @@ from torch import nn
 
 import sparse_ckpt as sc
 from sparse_ckpt.decode import decode_checkpoint
+from sparse_ckpt.format import check_table
 from sparse_ckpt.fqn import build_fqn_map
 from sparse_ckpt.save import packed_table_key
 
@@ -87,9 +88,9 @@ SAME = {"nan_equal": "none", "mapping": dict}
 
 
 def table_of(sd: dict[str, Any]) -> tuple[str, bytes]:
-    """The single packed table of ``sd``: ``(key, bytes)``."""
-    ((key, table),) = [(k, v) for k, v in sd.items() if isinstance(k, str) and k.startswith(PACKED)]
-    return key, table
+    """The single packed table of ``sd``: ``(key, table bytes)`` (a sealed value unsealed)."""
+    ((key, value),) = [(k, v) for k, v in sd.items() if isinstance(k, str) and k.startswith(PACKED)]
+    return key, check_table(PACKED, key[len(PACKED) :], value)[1]
 
 
 def with_table(sd: dict[str, Any], table: Any, leaf: str = "optim", key: str | None = None) -> dict[str, Any]:

@@ -36,7 +36,7 @@ from table_bytes import s as sstr
 from sparse_ckpt import _core_py as P
 from sparse_ckpt._tensor_parts import parts_to_tensor, tensor_to_parts
 from sparse_ckpt.errors import CheckpointFormatError
-from sparse_ckpt.format import STRIPPED_PARTS
+from sparse_ckpt.format import KEYS_ENTRY, STRIPPED_PARTS
 from sparse_ckpt.save import _CPU_DTYPES as CPU_DTYPES
 
 try:
@@ -60,6 +60,9 @@ FUNCTIONS = (
     "decode_table",
     "match_groups",
     "assign_state_ids",
+    "encode_layout",
+    "decode_layout",
+    "plan_scatter",
 )
 
 PROPS = settings(
@@ -619,10 +622,15 @@ def test_flatten_packed_state(state_fqn: dict) -> None:
     items, groups = res[1]
     hoisted: dict[str, Any] = {}
     for scalars, fqns in groups:
-        assert scalars and fqns
+        assert scalars and fqns and list(scalars)[-1] == KEYS_ENTRY
         for fqn in fqns:
+            # the recorded keys are exactly this parameter's per-item keys, in order
+            own = [k for k in P.flatten_state("l", {fqn: state_fqn[fqn]}, known, True) if k in items]
+            recorded = [k.decode("utf-8", "surrogatepass") if type(k) is bytes else k for k in scalars[KEYS_ENTRY]]
+            assert [f"state.{fqn}.{k}" for k in recorded] == own
             for key, value in scalars.items():
-                hoisted[f"state.{fqn}.{key}"] = value
+                if key != KEYS_ENTRY:
+                    hoisted[f"state.{fqn}.{key}"] = value
     assert not set(hoisted) & set(items)
     assert same(dict(sorted({**hoisted, **items}.items())), dict(sorted(full[1].items())))
     for fqn, state in state_fqn.items():  # exactly the leading run went into the table
@@ -631,8 +639,8 @@ def test_flatten_packed_state(state_fqn: dict) -> None:
             if P._scalar_record("l", fqn, key, value, torch.Tensor, CPU_DTYPES, torch.strided, _scalar_parts) is None:
                 break
             run.append(key)
-        in_groups = [list(s) for s, fqns in groups if fqn in fqns]
-        assert in_groups == ([run] if run else [])
+        in_groups = [list(s)[:-1] for s, fqns in groups if fqn in fqns]
+        assert in_groups == ([run] if state else [])
     # distinct groups encode differently; encode_table of the groups round-trips on both cores
     blobs = [P.encode_settings("l", 0, s, torch.Tensor, tensor_to_parts) for s, _ in groups]
     assert len(set(blobs)) == len(blobs)
@@ -649,12 +657,21 @@ def test_flatten_packed_state_edge_cases() -> None:
     items, groups = check("flatten_packed_state", "l", {"a": adam, "b": dict(adam), "c": {"step": torch.tensor(6.0)}},
                           {}, torch.Tensor, CPU_DTYPES, torch.strided, _scalar_parts)[1]
     assert list(items) == ["state.a.exp_avg", "state.a.exp_avg_sq", "state.b.exp_avg", "state.b.exp_avg_sq"]
-    assert [(list(s), f) for s, f in groups] == [(["step"], ["a", "b"]), (["step"], ["c"])]
+    assert [(list(s), f) for s, f in groups] == [(["step", KEYS_ENTRY], ["a", "b"]), (["step", KEYS_ENTRY], ["c"])]
+    assert groups[0][0][KEYS_ENTRY] == ("exp_avg", "exp_avg_sq") and groups[1][0][KEYS_ENTRY] == ()
     assert groups[0][0]["step"] is t  # the saved value itself (encode_table copies it out)
     # only the leading run: a scalar after a non-scalar stays per item, in order
     items, groups = check("flatten_packed_state", "l", {"w": {"n": 1, "m": torch.zeros(2), "k": 2}}, {},
                           torch.Tensor, CPU_DTYPES, torch.strided, _scalar_parts)[1]
-    assert list(items) == ["state.w.m", "state.w.k"] and groups == [({"n": 1}, ["w"])]
+    assert list(items) == ["state.w.m", "state.w.k"] and groups == [({"n": 1, KEYS_ENTRY: ("m", "k")}, ["w"])]
+    # a parameter without scalars is listed too (its keys recorded); one whose state is {} is not
+    items, groups = check("flatten_packed_state", "l", {"a": {"m": 1.5j}, "b": {}, "c": {"e": {"x": [1]}, 7: 0.5j}}, {},
+                          torch.Tensor, CPU_DTYPES, torch.strided, _scalar_parts)[1]
+    assert groups == [({KEYS_ENTRY: ("m",)}, ["a"]), ({KEYS_ENTRY: ("e.x", "~i7")}, ["c"])]
+    # keys that UTF-8 cannot encode still group (by their surrogate-passing bytes) on both cores
+    _items, groups = check("flatten_packed_state", "l", {"a": {"\ud800": [1]}, "b": {"\ud800": [2]}, "c": {"\udc00": [3]}},
+                           {}, torch.Tensor, CPU_DTYPES, torch.strided, _scalar_parts)[1]
+    assert [f for _s, f in groups] == [["a", "b"], ["c"]]
     # key order is part of a group's identity
     _items, groups = check("flatten_packed_state", "l", {"a": {"x": 1, "y": 2}, "b": {"y": 2, "x": 1}}, {},
                            torch.Tensor, CPU_DTYPES, torch.strided, _scalar_parts)[1]

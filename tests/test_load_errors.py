@@ -13,7 +13,7 @@ from typing import Any
 
 import pytest
 import torch
-from helpers import assert_optimizer_equal, find_table_key, snapshot_optimizer
+from helpers import assert_optimizer_equal, find_table_key, snapshot_optimizer, table_bytes
 from torch import nn
 
 import sparse_ckpt as sc
@@ -156,7 +156,8 @@ def _corrupt_table() -> tuple[_Net, Any, dict[str, Any], type, str]:
     model, opt = _target()
     sd = _source()
     key = find_table_key(sd, "b")
-    broken = sd.pop(key)[:-3]  # truncated, but under a key whose digest matches
+    broken = table_bytes(sd, key)[:-3]  # truncated, but under a key whose digest matches
+    del sd[key]
     sd[packed_table_key("b", broken)] = broken
     return model, opt, sd, sc.CheckpointFormatError, r"leaf 'b'.*truncated"
 

@@ -21,7 +21,7 @@ from typing import Any
 
 import pytest
 import torch
-from helpers import deep_equal
+from helpers import deep_equal, table_bytes
 from torch import nn
 
 import sparse_ckpt as sc
@@ -320,7 +320,7 @@ def _round_trip(fmt: str) -> tuple[torch.optim.Optimizer, list[bytes]]:
     target_model, target = _model_and_optimizer(1)
     target_model.load_state_dict(model.state_dict())
     sd = sc.sparse_state_dict(model, opt, format=fmt)
-    tables = [v for k, v in sd.items() if k.startswith("param_groups.__packed__.")]
+    tables = [table_bytes(sd, k) for k in sd if k.startswith("param_groups.__packed__.")]
     for table in tables:
         _settings, _blobs, groups = _backend.core.decode_table("optim", table, parts_to_tensor)
         assert len(groups) == 2

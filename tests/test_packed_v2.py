@@ -40,7 +40,7 @@ from sparse_ckpt.checkpoint_tools import (
     verify_checkpoint,
 )
 from sparse_ckpt.errors import CheckpointFormatError, CheckpointMismatchError
-from sparse_ckpt.format import SCALARS_PREFIX, scalar_table_key, split_table_key
+from sparse_ckpt.format import KEYS_ENTRY, SCALARS_PREFIX, check_table, scalar_table_key
 from sparse_ckpt.load import load_owned
 
 pytestmark = pytest.mark.filterwarnings("ignore:torch.distributed is disabled")
@@ -94,10 +94,16 @@ def rebuild_table(leaf: str, groups: list[tuple[dict, list[str]]]) -> tuple[str,
     return scalar_table_key(leaf, table), table
 
 
-def decode_groups(key: str, table: bytes) -> tuple[str, list[tuple[dict, list[str]]]]:
-    leaf, _digest = split_table_key(key[len(SCALARS_PREFIX) :], SCALARS_PREFIX)
+def decode_groups(key: str, value: bytes, keys: bool = False) -> tuple[str, list[tuple[dict, list[str]]]]:
+    """A scalar table's ``(leaf, [(scalars, fqns), ...])``; the scalars without the recorded
+    state keys (:data:`~sparse_ckpt.format.KEYS_ENTRY`) unless ``keys``."""
+    leaf, table = check_table(SCALARS_PREFIX, key[len(SCALARS_PREFIX) :], value)
     settings, _blobs, groups = _backend.core.decode_table(leaf, table, parts_to_tensor)
-    return leaf, [(dict(settings[i]), list(f)) for i, f in groups]
+    out = [(dict(settings[i]), list(f)) for i, f in groups]
+    if not keys:
+        for scalars, _fqns in out:
+            scalars.pop(KEYS_ENTRY, None)
+    return leaf, out
 
 
 # --------------------------------------------------------------------------- item count
@@ -135,13 +141,15 @@ def test_one_group_for_a_shared_step() -> None:
     train(model, opt, 3, only_experts=[1, 4])
     sd = sc.sparse_state_dict(model, opt)
     [(key, table)] = scalar_tables_of(sd).items()
-    leaf, groups = decode_groups(key, table)
+    leaf, groups = decode_groups(key, table, keys=True)
     assert leaf == "optim" and len(groups) == 1
     scalars, fqns = groups[0]
-    assert list(scalars) == ["step"] and float(scalars["step"]) == 3.0 and scalars["step"].dtype == torch.float32
+    assert list(scalars) == ["step", KEYS_ENTRY] and float(scalars["step"]) == 3.0
+    assert scalars["step"].dtype == torch.float32 and scalars[KEYS_ENTRY] == ("exp_avg", "exp_avg_sq")
     names = {id(p): n for n, p in model.named_parameters()}
     assert fqns == [names[id(p)] for p in opt.state]  # state order
-    assert len(table) <= 80 + sum(len(f.encode()) + 4 for f in fqns)  # header, one step, the FQNs
+    # header, one step, the recorded keys, the FQNs, the 8-byte seal
+    assert len(table) <= 130 + sum(len(f.encode()) + 4 for f in fqns)
 
 
 # --------------------------------------------------------------------------- exact round trips
@@ -200,15 +208,12 @@ def test_optimizer_sweep_round_trip_equals_torch(name: str, via: str, tmp_path: 
     model, src = _trained(name)
     build, hoisted = SWEEP[name]
     sd = sc.sparse_state_dict(model, src)
-    tables = scalar_tables_of(sd)
+    [(key, table)] = scalar_tables_of(sd).items()  # with or without scalars: it records the state keys
+    _leaf, groups = decode_groups(key, table)
+    assert all(list(s) == hoisted for s, _f in groups), [list(s) for s, _f in groups]
     if hoisted:
-        [(key, table)] = tables.items()
-        _leaf, groups = decode_groups(key, table)
-        assert all(list(s) == hoisted for s, _f in groups), [list(s) for s, _f in groups]
         assert not [k for k in sd if k.endswith(tuple(f".{h}" for h in hoisted)) and k.startswith("state.")
                     and not k.startswith(SCALARS_PREFIX)]
-    else:
-        assert not tables
     before = snapshot_optimizer(src)
 
     model2 = make_moe(0, n_experts=3)
@@ -324,8 +329,14 @@ def test_what_stays_per_item() -> None:
         "state.e.q", "state.f.f8", "state.g.none",
     ])
     [(key, table)] = scalar_tables_of(sd).items()
-    _leaf, groups = decode_groups(key, table)
-    assert [(list(s), f) for s, f in groups] == [(["n"], ["a"]), (["b", "i", "x", "s"], ["g"]), (["v"], ["h"])]
+    _leaf, groups = decode_groups(key, table, keys=True)
+    assert [(list(s), f) for s, f in groups] == [  # every parameter with state, and its per-item keys
+        (["n", KEYS_ENTRY], ["a"]), ([KEYS_ENTRY], ["b"]), ([KEYS_ENTRY], ["c"]), ([KEYS_ENTRY], ["d"]),
+        ([KEYS_ENTRY], ["e"]), ([KEYS_ENTRY], ["f"]), (["b", "i", "x", "s", KEYS_ENTRY], ["g"]), (["v", KEYS_ENTRY], ["h"]),
+    ]
+    assert [s[KEYS_ENTRY] for s, _f in groups] == [
+        ("t", "after"), ("g",), ("big", "f"), ("~sema%2Edecay",), ("q",), ("f8",), ("none",), (),
+    ]
     model2 = nn.ParameterDict({n: nn.Parameter(torch.ones(2)) for n in "abcdefgh"})
     dst = torch.optim.SGD(model2.parameters(), lr=0.1)
     sc.load_sparse_state_dict(model2, dst, sd)
@@ -388,7 +399,7 @@ def _two_rank_dicts() -> tuple[nn.Module, dict[str, Any], dict[str, Any], torch.
     train(model, opt, 2, only_experts=[0, 1])
     sd = sc.sparse_state_dict(model, opt)
     [(key, table)] = scalar_tables_of(sd).items()
-    leaf, [(scalars, fqns)] = decode_groups(key, table)
+    leaf, [(scalars, fqns)] = decode_groups(key, table, keys=True)
     rank0 = [f for f in fqns if ".1." not in f]
     rank1 = [f for f in fqns if ".1." in f or not f.startswith("experts.")]  # dense FQNs on both ranks
     base = {k: v for k, v in sd.items() if k != key}
@@ -414,8 +425,8 @@ def test_tables_of_several_ranks_merge() -> None:
 def test_conflicting_tables_are_refused() -> None:
     _model, a, b, _src = _two_rank_dicts()
     [(key, table)] = scalar_tables_of(b).items()
-    leaf, groups = decode_groups(key, table)
-    k, t = rebuild_table(leaf, [({"step": torch.tensor(9.0)}, groups[0][1])])
+    leaf, groups = decode_groups(key, table, keys=True)
+    k, t = rebuild_table(leaf, [({**groups[0][0], "step": torch.tensor(9.0)}, groups[0][1])])
     bad = {**a, k: t}
     model2, dst = adam_moe(seed=4)
     before = snapshot_optimizer(dst)
@@ -435,26 +446,31 @@ def test_scalar_also_per_item_is_refused() -> None:
         sc.load_sparse_state_dict(model, torch.optim.Adam(model.parameters()), sd)
 
 
-@pytest.mark.parametrize("damage", ["digest", "not-bytes", "truncated", "no-digest"])
+@pytest.mark.parametrize("damage", ["digest", "seal", "not-bytes", "truncated", "no-tag"])
 def test_bad_scalar_tables_are_refused(damage: str) -> None:
     model, opt = adam_moe()
     train(model, opt, 1)
     sd = sc.sparse_state_dict(model, opt)
     [(key, table)] = scalar_tables_of(sd).items()
     del sd[key]
-    if damage == "digest":
-        sd[key[:-1] + ("0" if key[-1] != "0" else "1")] = table
+    if damage == "digest":  # a legacy digest key that does not match, and a broken seal
+        payload = check_table(SCALARS_PREFIX, key[len(SCALARS_PREFIX) :], table)[1]
+        bad = scalar_table_key("optim", payload)
+        sd[bad[:-1] + ("0" if bad[-1] != "0" else "1")] = payload
         match = "scalar table .* does not match its digest"
+    elif damage == "seal":
+        sd[key] = table[:-1] + bytes([table[-1] ^ 1])
+        match = "scalar table .* does not match its sealed digest"
     elif damage == "not-bytes":
         sd[key] = torch.frombuffer(bytearray(table), dtype=torch.uint8)
         match = "scalar table .* is a Tensor, expected bytes"
     elif damage == "truncated":
-        short = table[:-3]
+        short = check_table(SCALARS_PREFIX, key[len(SCALARS_PREFIX) :], table)[1][:-3]
         sd[scalar_table_key("optim", short)] = short
         match = "scalar table 'state.__packed__.optim.* truncated"
     else:
         sd[SCALARS_PREFIX + "optim"] = table
-        match = "scalar table key .* has no leaf/digest"
+        match = "scalar table key .* has no leaf/tag"
     with pytest.raises(CheckpointFormatError, match=match):
         sc.load_sparse_state_dict(model, torch.optim.Adam(model.parameters()), sd)
 
@@ -478,7 +494,7 @@ def test_scalar_table_fqn_alias_resolves() -> None:
     src.step()
     sd = sc.sparse_state_dict(model, src)
     [(key, table)] = scalar_tables_of(sd).items()
-    leaf, groups = decode_groups(key, table)
+    leaf, groups = decode_groups(key, table, keys=True)
     assert groups[0][1] == ["enc.weight"]
     del sd[key]
     k, t = rebuild_table(leaf, [(groups[0][0], ["dec.weight"])])
@@ -539,7 +555,7 @@ def test_scalars_of_an_unknown_fqn_are_unmatched_like_v1(monkeypatch: pytest.Mon
     sd2 = _saved("a", True, monkeypatch)
     sd1 = _saved("a", False, monkeypatch)
     [(key, table)] = scalar_tables_of(sd2).items()
-    leaf, groups = decode_groups(key, table)
+    leaf, groups = decode_groups(key, table, keys=True)
     del sd2[key]
     k, t = rebuild_table(leaf, [(groups[0][0], ["a", "ghost"])])
     sd2[k] = t
@@ -591,10 +607,10 @@ def test_verify_reports_a_corrupt_scalar_table(tmp_path: Path) -> None:
     train(model, opt, 1)
     sd = sc.sparse_state_dict(model, opt)
     [(key, table)] = scalar_tables_of(sd).items()
-    sd[key] = table[:-2] + b"\xff\xff"  # digest no longer matches
+    sd[key] = table[:-2] + b"\xff\xff"  # the seal no longer matches
     dcp.save({"optim": sd}, checkpoint_id=str(tmp_path), no_dist=True)
     report = verify_checkpoint(str(tmp_path))
-    assert not report["ok"] and "does not match its digest" in report["problems"][0]["problem"]
+    assert not report["ok"] and "does not match its sealed digest" in report["problems"][0]["problem"]
 
 
 def test_convert_to_flat_expands_and_back(both_versions: tuple[Path, Path, nn.Module, Any], tmp_path: Path) -> None:
@@ -657,6 +673,6 @@ def test_planner_reads_scalar_tables_weights_only_as_bytes(tmp_path: Path) -> No
     dcp.save({"optim": {**sd, key: [1, 2]}}, checkpoint_id=str(tmp_path), no_dist=True)
     model2, opt2 = adam_moe()
     before = snapshot_optimizer(opt2)
-    with pytest.raises(CheckpointException, match=r"scalar table 'optim\.state\.__packed__\.optim\.[0-9a-f]+' holds a list"):
+    with pytest.raises(CheckpointException, match=r"scalar table 'optim\.state\.__packed__\.optim\.w1r0' holds a list"):
         dcp_load(tmp_path, model2, opt2)
     assert_deep_equal(snapshot_optimizer(opt2), before, "unchanged")

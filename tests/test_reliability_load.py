@@ -18,7 +18,7 @@ from typing import Any
 
 import pytest
 import torch
-from helpers import IdentitySnapshot, deep_equal, find_table_key
+from helpers import IdentitySnapshot, deep_equal, find_table_key, table_bytes
 from table_bytes import encode
 from torch import nn
 
@@ -201,12 +201,12 @@ def sc_digest_mismatch() -> Case:
 
 def sc_truncated_table() -> Case:
     sd = source()
-    return _single(_retable(sd, sd[find_table_key(sd)][:-3]))
+    return _single(_retable(sd, table_bytes(sd, find_table_key(sd))[:-3]))
 
 
 def sc_wrong_version() -> Case:
     sd = source()
-    table = bytearray(sd[find_table_key(sd)])
+    table = bytearray(table_bytes(sd, find_table_key(sd)))
     table[4:6] = (99).to_bytes(2, "little")
     return _single(_retable(sd, bytes(table)))
 

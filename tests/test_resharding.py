@@ -17,6 +17,8 @@ from scalar_tables import as_v1
 from torch import nn
 
 import sparse_ckpt as sc
+from sparse_ckpt.item_keys import Keying
+from sparse_ckpt.save import build_state_dict
 
 FORMATS = ("packed", "flat")
 
@@ -138,8 +140,10 @@ def test_parameter_moved_to_another_group_of_the_leaf(fmt: str) -> None:
         assert torch.equal(p, q)
 
 
-def _rank(shard: tuple[int, ...]) -> dict[str, Any]:
-    """One expert-parallel "rank": the experts leaf holds only ``shard``; dense is replicated."""
+def _rank(shard: tuple[int, ...], rank: int) -> dict[str, Any]:
+    """One expert-parallel "rank" of two: the experts leaf holds only ``shard``; dense is
+    replicated. Keyed as ``sparse_state_dict`` keys it on rank ``rank`` of a process group of 2
+    (tables by content digest: see *Table keys* in sparse_ckpt.format)."""
     model = _Model()
     opt = {
         "experts": torch.optim.AdamW([{"params": _e(model, i)} for i in shard], lr=0.01),
@@ -147,12 +151,12 @@ def _rank(shard: tuple[int, ...]) -> dict[str, Any]:
     }
     _train(model, opt, _e(model, shard[0]) + _d(model, 0, 1))
     opt["experts"].param_groups[-1]["lr"] = 0.001 * (1 + shard[-1])
-    return sc.sparse_state_dict(model, opt)
+    return build_state_dict(model, opt, "packed", Keying(world=2, rank=rank))
 
 
 def test_tables_of_several_ranks_load_into_one() -> None:
     """Two ranks' tables of leaf ``experts`` differ (two digests); ``dense`` tables are equal (one key)."""
-    r0, r1 = _rank((0, 1)), _rank((2, 3))
+    r0, r1 = _rank((0, 1), 0), _rank((2, 3), 1)
     tables = sorted(k for k in {**r0, **r1} if k.startswith("param_groups.__packed__."))
     assert sum(k.startswith("param_groups.__packed__.experts.") for k in tables) == 2
     assert sum(k.startswith("param_groups.__packed__.dense.") for k in tables) == 1

@@ -81,6 +81,7 @@ GRAMMAR_CONSTANTS = (
     "ESCAPE_STR",
     "ESCAPE_INT",
     "STEP_KEY",
+    "KEYS_ENTRY",
     "WRAPPER_CHILD",
 )
 """The key grammar's constants the C++ core has its own copy of (csrc/common.hpp)."""
