@@ -158,7 +158,8 @@ setup(
     python_requires=">=3.9",
     install_requires=["torch>=2.6", "numpy", "safetensors>=0.4"],
     extras_require={
-        "test": ["pytest", "hypothesis", "ruff"],
+        # the tests build the core themselves too (wheel, setup.py and sanitizer tests): its build tools
+        "test": ["pytest", "hypothesis", "ruff", "setuptools>=64", "wheel", "pybind11>=2.12", "cmake>=3.18", "ninja"],
         "bench": ["matplotlib>=3.7", "tqdm"],  # 3.7: fig.legend(loc="outside ...")
         "npu": ["torch-npu"],
     },
