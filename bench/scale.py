@@ -85,7 +85,7 @@ def local_plans(sd: dict[str, Any], world: int, layout: str, sample: int) -> lis
     buffers layout: each rank's own layout table and buffers (keyed by its rank)."""
     from torch.distributed.checkpoint.planner import SavePlan
 
-    from sparse_ckpt.format import BUFFERS_PREFIX, is_state_item
+    from sparse_ckpt.keys import BUFFERS_PREFIX, is_state_item
 
     plans = []
     state_items = [k for k in sd if is_state_item(k)]
@@ -144,7 +144,7 @@ def time_pickle(metadata: Any, repeats: int) -> dict[str, float]:
 
 
 def metadata_row(sd: dict[str, Any], world: int, layout: str, sample: int, repeats: int) -> dict[str, Any]:
-    from sparse_ckpt.format import is_state_item
+    from sparse_ckpt.keys import is_state_item
 
     plans = local_plans(sd, world, layout, sample)
     md = build_metadata(plans)

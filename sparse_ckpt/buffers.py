@@ -4,7 +4,7 @@ Save (:func:`collect`, :func:`fill`): per leaf, every state tensor shaped like i
 plain tensor of the parameter's shape, or a DTensor with the parameter's shape, mesh and
 ``Shard``/``Replicate`` placements) leaves the per-item entries; its local chunk goes into a 1-D
 buffer of its dtype (buckets of at most :data:`BUCKET_BYTES`), and the core's layout table
-records where (see :mod:`sparse_ckpt._core_py_buffers`, keys in :mod:`sparse_ckpt.format`).
+records where (see :mod:`sparse_ckpt._core_py_buffers`, keys in :mod:`sparse_ckpt.keys`).
 
 Load (:func:`expand`): the layout tables of a leaf and this rank's parameters give the core's
 scatter plan; each needed buffer is read once (from the dict, or through a :class:`BufferReader`
@@ -27,7 +27,8 @@ from torch.distributed.tensor import empty as dtensor_empty
 
 from . import _backend
 from .errors import CheckpointFormatError, CheckpointMismatchError
-from .format import (
+from .fqn import FqnMap
+from .keys import (
     BUFFERS_PREFIX,
     ESCAPE,
     STATE_PREFIX,
@@ -38,7 +39,6 @@ from .format import (
     split_buffers_key,
     unescape_part,
 )
-from .fqn import FqnMap
 
 BUCKET_BYTES = 256 * 2**20
 """Largest buffer item (bytes) unless one state chunk is larger (it then gets a bucket of its own).
@@ -185,7 +185,7 @@ class BufferReader:
 
 def split_items(keys: Iterable[str], flat: Mapping[str, Any]) -> dict[str, _LeafItems]:
     """The layout tables and buffers among ``keys`` (keys of ``flat`` starting with
-    :data:`~sparse_ckpt.format.BUFFERS_PREFIX`), by leaf."""
+    :data:`~sparse_ckpt.keys.BUFFERS_PREFIX`), by leaf."""
     by_leaf: dict[str, _LeafItems] = {}
     for key in keys:
         leaf, kind, bucket, ranks = split_buffers_key(key[len(BUFFERS_PREFIX) :])

@@ -22,7 +22,7 @@ from torch.distributed.checkpoint.metadata import Metadata, TensorStorageMetadat
 from ._dcp_paths import ObjPath, metadata_path, set_path
 from .dcp import SparseLoadPlanner
 from .errors import CheckpointFormatError
-from .format import GROUPS_PREFIX, OPTIMIZER_PREFIXES, is_foreign_guard
+from .keys import GROUPS_PREFIX, OPTIMIZER_PREFIXES, is_foreign_guard
 from .nested import NESTED_KEYS
 
 __all__ = [
@@ -84,7 +84,7 @@ class OptimizerEntries:
     """Key inside the optimizer dict (``state.*``, ``param_groups.*``; the packed format's scalar
     tables ``state.__packed__.*`` among the ``state.*`` keys) -> flattened checkpoint key."""
     guards: list[str] = field(default_factory=list)
-    """Flattened keys of its foreign-loader guards (:func:`sparse_ckpt.format.foreign_guard_keys`),
+    """Flattened keys of its foreign-loader guards (:func:`sparse_ckpt.keys.foreign_guard_keys`),
     not in ``inner``: they hold nothing to read."""
     nested: dict[str, ObjPath] = field(default_factory=dict)
     """torch DSD's nested layout (``{"state": {fqn: {...}}, "param_groups": [...]}``): each such

@@ -69,7 +69,7 @@ from .checkpoint_io import (
 from .dcp import SparseLoadPlanner, weights_only_item
 from .decode import check_complete, decode_group_tables, decode_scalar_tables, merge_scalars
 from .errors import CheckpointFormatError, CheckpointMismatchError, SparseCheckpointError
-from .format import (
+from .keys import (
     BUFFERS_PREFIX,
     GROUPS_PREFIX,
     PACKED_PREFIX,
@@ -360,8 +360,8 @@ def select_optimizers(found: list[OptimizerEntries], key: str | None) -> list[Op
 
 def read_keys(opt: OptimizerEntries) -> list[str]:
     """The flattened keys of ``opt``'s entries that the tools read: every entry but the per-item
-    state values (:func:`~sparse_ckpt.format.is_state_item`) and buffers
-    (:func:`~sparse_ckpt.format.is_buffer_item`), whose DCP metadata is enough."""
+    state values (:func:`~sparse_ckpt.keys.is_state_item`) and buffers
+    (:func:`~sparse_ckpt.keys.is_buffer_item`), whose DCP metadata is enough."""
     return [flat for inner, flat in opt.inner.items() if not (is_state_item(inner) or is_buffer_item(inner))]
 
 

@@ -41,7 +41,9 @@ from ._torch_compat import called_by_dcp_load, dcp_storage_reader, saved_by_dcp_
 from .buffers import DEFAULT_STATE_LAYOUT, BufferReader, StateLayout, check_state_layout
 from .capture import check_leaves
 from .errors import CheckpointFormatError, CheckpointMismatchError
-from .format import (
+from .fqn import FqnMap, Model, build_fqn_map, validate_model
+from .item_keys import Keying
+from .keys import (
     BUFFERS_PREFIX,
     GROUPS_PREFIX,
     PACKED_PREFIX,
@@ -58,8 +60,6 @@ from .format import (
     table_kind,
     tag_has_rank,
 )
-from .fqn import FqnMap, Model, build_fqn_map, validate_model
-from .item_keys import Keying
 from .load import load_owned
 from .nested import NESTED_KEYS
 from .origin import ORIGIN_KEY, origin_here, refuse_rank0_only_save
@@ -195,16 +195,16 @@ class SparseOptimizerState:
     def state_dict(self) -> SparseStateDict:
         """The sparse optimizer dict (see :func:`sparse_ckpt.sparse_state_dict`), tagged for the planner.
 
-        It also holds the planner guard (:data:`sparse_ckpt.format.PLANNER_GUARD_KEY`): a tiny
+        It also holds the planner guard (:data:`sparse_ckpt.keys.PLANNER_GUARD_KEY`): a tiny
         tensor item that makes ``dcp.load`` without :class:`SparseLoadPlanner` fail while planning,
         before DCP reads anything into the optimizer's live state tensors. In the packed format it
-        holds the foreign-loader guards too (:func:`sparse_ckpt.format.foreign_guard_keys`), which make
+        holds the foreign-loader guards too (:func:`sparse_ckpt.keys.foreign_guard_keys`), which make
         a loader that does not know the format (torch DSD's flat or nested layout, also with
         ``allow_partial_load=True``) fail while planning instead of silently skipping the settings.
 
         Saved by ``dcp.save``/``dcp.async_save`` over the default process group, the ranks
         exchange their tables' digests (one small ``all_gather_object``) so that table keys are
-        stable from save to save (see *Table keys* in :mod:`sparse_ckpt.format`); called any
+        stable from save to save (see *Table keys* in :mod:`sparse_ckpt.keys`); called any
         other way, it does not communicate.
         """
         refuse_rank0_only_save(self.optimizer)
@@ -237,7 +237,13 @@ class SparseOptimizerState:
                 fmap = state_dict.fmap
             reader = state_dict.reader
         load_owned(
-            self.model, self.optimizer, data, strict=self.strict, allow_unowned=multi_rank(), fmap=fmap, reader=reader
+            self.model,
+            self.optimizer,
+            data,
+            strict=self.strict,
+            unowned_are_other_ranks=multi_rank(),
+            fmap=fmap,
+            reader=reader,
         )
 
     def __reduce_ex__(self, protocol: Any) -> Any:

@@ -18,7 +18,8 @@ import torch
 from . import _backend, buffers
 from ._tensor_parts import parts_to_tensor, tensor_to_parts
 from .errors import CheckpointFormatError, CheckpointMismatchError
-from .format import (
+from .fqn import FqnMap
+from .keys import (
     BUFFERS_PREFIX,
     ESCAPE,
     KEYS_ENTRY,
@@ -30,7 +31,6 @@ from .format import (
     unescape_part,
     without_foreign_guards,
 )
-from .fqn import FqnMap
 from .nested import nested_kind, nested_to_sparse
 
 
@@ -81,7 +81,7 @@ class DecodedCheckpoint:
 
     def first_source(self, canon: str, flat_fqns: Iterable[str] = ()) -> Any:
         """Where the first saved settings of ``canon`` are: ``(leaf, group index)`` of a table, or
-        the flat entries of one of ``flat_fqns`` (see :func:`~sparse_ckpt.format.source_text`)."""
+        the flat entries of one of ``flat_fqns`` (see :func:`~sparse_ckpt.keys.source_text`)."""
         for leaf, gi, listed in self._table_listings():
             if listed == canon:
                 return (leaf, gi)
@@ -96,7 +96,7 @@ class GroupTable:
     """One decoded packed group table (see :func:`decode_group_tables`)."""
 
     rest: str
-    """The table's key without :data:`~sparse_ckpt.format.PACKED_PREFIX`: ``{leaf}.{digest}``."""
+    """The table's key without :data:`~sparse_ckpt.keys.PACKED_PREFIX`: ``{leaf}.{digest}``."""
     leaf: str
     settings: list[dict]
     """The distinct settings, in order of first use."""
@@ -125,13 +125,6 @@ def table_fqns(tables: list[GroupTable], fmap: FqnMap | None = None) -> set[str]
         saved = {fmap.resolve(f) for f in fqns}
         fqns.update(alias for alias, canon in fmap.canonical.items() if canon in saved)
     return fqns
-
-
-def fmt_list(items: list[str], limit: int = 10) -> str:
-    """``'a', 'b', ... (+N more)`` -- the first ``limit`` items and a count of the rest."""
-    shown = ", ".join(repr(x) for x in items[:limit])
-    more = len(items) - limit
-    return f"{shown} (+{more} more)" if more > 0 else shown
 
 
 def decode_checkpoint(
@@ -359,7 +352,7 @@ def decode_scalar_tables(
     """Scalar tables (``{leaf}.{tag}`` -> bytes, as ``core.unflatten`` returns them) ->
     ``FQN -> (scalars, leaf)``.
 
-    The record of each parameter's other state keys (:data:`~sparse_ckpt.format.KEYS_ENTRY`) is
+    The record of each parameter's other state keys (:data:`~sparse_ckpt.keys.KEYS_ENTRY`) is
     taken out of its scalars; with ``keys_of`` given, it is put there (``FQN -> (keys, leaf)``) for
     every known FQN whose table has it (tables written before the record have none).
 
@@ -409,7 +402,7 @@ def decode_scalar_tables(
 
 
 def _recorded_keys(table_key: str, keys: Any) -> tuple[str, ...] | None:
-    """A :data:`~sparse_ckpt.format.KEYS_ENTRY` entry as a tuple of str (a key that UTF-8 could not
+    """A :data:`~sparse_ckpt.keys.KEYS_ENTRY` entry as a tuple of str (a key that UTF-8 could not
     encode is recorded as its surrogate-passing UTF-8 bytes); ``None`` when there is none."""
     if keys is None:
         return None

@@ -9,7 +9,7 @@ writes one optimizer of a DCP checkpoint into a directory that holds no pickle a
   checkpoint's packed version), and every packed group table as a 1-d ``uint8`` tensor named
   by its key (``param_groups.__packed__.{leaf}.{digest}``). Flat-format group settings are
   packed into one table of leaf ``leaf`` (one group per distinct settings), so an export always
-  carries binary tables (the codec of :mod:`sparse_ckpt.format`, which never unpickles).
+  carries binary tables (the codec of :mod:`sparse_ckpt.keys`, which never unpickles).
 * ``manifest.json`` (written last: an export is complete exactly when it exists) -- format and
   version, the source, the leaves with their group and parameter counts, and non-tensor state
   values, which must be JSON-representable (``None``, ``bool``, ``int``, ``float``, ``str``,
@@ -64,7 +64,8 @@ from .checkpoint_tools import (
 from .dcp import multi_rank
 from .decode import decode_group_tables, table_fqns
 from .errors import CheckpointFormatError
-from .format import (
+from .fqn import Model, build_fqn_map
+from .keys import (
     BUFFERS_PREFIX,
     PACKED_PREFIX,
     SCALARS_PREFIX,
@@ -74,7 +75,6 @@ from .format import (
     last_part,
     owner_fqn,
 )
-from .fqn import Model, build_fqn_map
 from .leaves import SINGLE_LEAF
 from .load import load_owned
 
@@ -622,4 +622,4 @@ def load_export(model: Model, optimizer: Any, out_dir: str | os.PathLike[str], *
     for name, value in manifest["values"].items():
         if owner(name)[0]:
             sd[name] = decode_value(name, value)
-    load_owned(model, optimizer, sd, strict=strict, allow_unowned=multi)
+    load_owned(model, optimizer, sd, strict=strict, unowned_are_other_ranks=multi)

@@ -29,7 +29,7 @@ from torch import nn
 
 from . import _backend
 from ._torch_compat import map_parameters
-from .format import STRIPPED_PARTS, WRAPPER_CHILD
+from .keys import STRIPPED_PARTS, WRAPPER_CHILD
 
 
 @dataclass

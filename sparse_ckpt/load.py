@@ -29,10 +29,10 @@ from .apply import (
     snapshot,
 )
 from .buffers import BufferReader
-from .decode import DecodedCheckpoint, decode_checkpoint, fmt_list
+from .decode import DecodedCheckpoint, decode_checkpoint
 from .errors import CheckpointMismatchError, SparseCheckpointError
-from .format import STATE_PREFIX, STEP_KEY, owner_fqn
 from .fqn import FqnMap, Model, build_fqn_map
+from .keys import STATE_PREFIX, STEP_KEY, owner_fqn
 from .leaves import named_leaves
 from .origin import strip_origin
 
@@ -185,7 +185,7 @@ def load_sparse_state_dict(
     group's current settings when none of its FQNs is saved and ignores extra entries.
     On any error every optimizer is left exactly as it was.
     """
-    load_owned(model, optimizer, state_dict, strict=strict, allow_unowned=False)
+    load_owned(model, optimizer, state_dict, strict=strict, unowned_are_other_ranks=False)
 
 
 def load_owned(
@@ -194,19 +194,21 @@ def load_owned(
     state_dict: Mapping[str, Any],
     *,
     strict: bool,
-    allow_unowned: bool,
+    unowned_are_other_ranks: bool,
     fmap: FqnMap | None = None,
     reader: BufferReader | None = None,
 ) -> None:
-    """:func:`load_sparse_state_dict` for the library's DCP and export paths. ``allow_unowned=True``
-    (multi-rank loads): saved FQNs the model does not own, and their state, belong to other ranks
-    and are not "extra"; the model's own parameters must still be present. ``fmap``: the model's
+    """:func:`load_sparse_state_dict` for the library's DCP and export paths.
+
+    ``unowned_are_other_ranks=True`` (multi-rank loads): saved FQNs the model does not own, and
+    their state, belong to other ranks and are not "extra"; the model's own parameters must still
+    be present. ``fmap``: the model's
     FQN map when the caller built it during the same operation (the DCP planner), else built here.
     ``reader``: reads buffer items a DCP load left to the optimizer (``state_layout="buffers"``).
     A dict that records another rank as its origin is refused (:func:`sparse_ckpt.origin.strip_origin`)."""
     state_dict = strip_origin(state_dict)
     with gc_paused():
-        _load(model, optimizer, state_dict, strict, allow_unowned, fmap, reader)
+        _load(model, optimizer, state_dict, strict, unowned_are_other_ranks, fmap, reader)
 
 
 def _load(
@@ -214,7 +216,7 @@ def _load(
     optimizer: Any,
     state_dict: Mapping[str, Any],
     strict: bool,
-    allow_unowned: bool,
+    unowned_are_other_ranks: bool,
     fmap: FqnMap | None,
     reader: BufferReader | None = None,
 ) -> None:
@@ -230,7 +232,7 @@ def _load(
         for leaf, opt in leaves
     ]
     if strict:
-        owned = fmap.param_of if allow_unowned else None
+        owned = fmap.param_of if unowned_are_other_ranks else None
         _raise_on_mismatch(ckpt, missing, used_settings, used_state, {leaf for leaf, _ in leaves}, owned)
     # Every leaf's pre-hooks and validation run before any leaf is changed, and post-hooks only
     # once every leaf is in place, so a failing leaf never follows another leaf's post-hooks.
@@ -322,6 +324,13 @@ def _raise_on_mismatch(
             raise CheckpointMismatchError(
                 f"the checkpoint's leaf {leaf!r} has an empty group {gi}, and the target has no leaf {leaf!r}"
             )
+
+
+def fmt_list(items: list[str], limit: int = 10) -> str:
+    """``'a', 'b', ... (+N more)`` -- the first ``limit`` items of a load error and a count of the rest."""
+    shown = ", ".join(repr(x) for x in items[:limit])
+    more = len(items) - limit
+    return f"{shown} (+{more} more)" if more > 0 else shown
 
 
 def _unowned_state_fqn(key: str, saved_fqns: Mapping[str, Any], owned: Mapping[str, Any]) -> str | None:

@@ -28,7 +28,7 @@ import torch
 from . import _backend
 from ._tensor_parts import tensor_to_parts
 from .errors import CheckpointFormatError
-from .format import packed_table_key
+from .keys import packed_table_key
 from .leaves import SINGLE_LEAF
 
 __all__ = ["NESTED_KEYS", "is_nested_layout", "nested_kind", "nested_to_sparse"]

@@ -12,7 +12,9 @@ from ._tensor_parts import CODEC_DTYPES, tensor_to_parts
 from .buffers import StateLayout, check_state_layout
 from .capture import capture_by_fqn
 from .errors import CheckpointFormatError, CheckpointMismatchError
-from .format import (
+from .fqn import Model, build_fqn_map
+from .item_keys import Keying, Slot
+from .keys import (
     PACKED_PREFIX,
     RESERVED_FQN_PREFIXES,
     SCALARS_PREFIX,
@@ -23,17 +25,10 @@ from .format import (
     table_digest,
     table_item_key,
 )
-from .fqn import FqnMap, Model, build_fqn_map
-from .item_keys import Keying, Slot
 from .leaves import named_leaves
 
 Format = Literal["packed", "flat"]
 FORMATS = ("packed", "flat")
-
-_SCALAR_TABLES = True
-"""Packed format version 2: each leaf's leading scalar state goes into one scalar table (see
-:mod:`sparse_ckpt.format`). ``False`` writes packed version 1, every state value as its own item
--- private, for tests of the version-1 reader only."""
 
 _SCALAR_DTYPES: dict[torch.dtype, tuple[str, torch.dtype | None]] = {
     dt: (name, torch.int16 if dt == torch.bfloat16 else None) for name, dt in CODEC_DTYPES.items()
@@ -50,14 +45,7 @@ Complex dtypes (the only ones with a conj bit, which the core does not read) go 
 :func:`_scalar_parts`."""
 
 
-__all__ = ["FORMATS", "Format", "capture_leaf", "packed_table_key", "sparse_state_dict", "table_digest"]
-
-
-def capture_leaf(
-    leaf: str, optimizer: torch.optim.Optimizer, fmap: FqnMap
-) -> tuple[list[tuple[dict, list[str]]], dict[str, Any]]:
-    """Capture one leaf as ``(groups_fqn, state_fqn)``."""
-    return capture_by_fqn(leaf, optimizer, fmap.fqn_of)
+__all__ = ["FORMATS", "Format", "packed_table_key", "sparse_state_dict", "table_digest"]
 
 
 def sparse_state_dict(
@@ -70,7 +58,7 @@ def sparse_state_dict(
     as one binary table ``param_groups.__packed__.{leaf}.{tag}``; ``format="flat"`` uses torch
     DSD's ``param_groups.{fqn}.{key}`` layout. Nothing is mutated and no step is run.
 
-    Table keys (see :mod:`sparse_ckpt.format`, *Table keys*): ``w1r0`` in one process; in a
+    Table keys (see :mod:`sparse_ckpt.keys`, *Table keys*): ``w1r0`` in one process; in a
     process group of several ranks this function cannot coordinate with the others, so tables
     are keyed by their content digest (a :class:`~sparse_ckpt.SparseOptimizerState` saved by
     ``dcp.save`` gets stable, rank-set keys instead).
@@ -97,7 +85,7 @@ def build_state_dict(
 ) -> dict[str, Any]:
     """:func:`sparse_state_dict` with the table keys chosen by ``keying`` (called with gc paused);
     ``guards=True`` (what the DCP ``Stateful`` saves, packed format) adds the foreign-loader guards
-    (:func:`sparse_ckpt.format.foreign_guard_keys`)."""
+    (:func:`sparse_ckpt.keys.foreign_guard_keys`)."""
     core = _backend.core
     fmap = build_fqn_map(model)
     parts: list[Any] = []  # items, (prefix, leaf) of the next table slot, or (leaf, buffers) of the next layout slot
@@ -105,7 +93,7 @@ def build_state_dict(
     owner: dict[str, str] = {}
     first_fqns: list[str] = []
     for leaf, opt in named_leaves(optimizer):
-        groups_fqn, state_fqn = capture_leaf(leaf, opt, fmap)
+        groups_fqn, state_fqn = capture_by_fqn(leaf, opt, fmap.fqn_of)
         first = next((fqns[0] for _settings, fqns in groups_fqn if fqns), None)
         if first is not None:
             first_fqns.append(first)
@@ -113,7 +101,7 @@ def build_state_dict(
         if repeats:  # a parameter in two groups of this leaf (torch allows it)
             _check_repeats(leaf, groups_fqn, repeats)
         _refuse_reserved(leaf, state_fqn)
-        if format == "packed" and _SCALAR_TABLES:
+        if format == "packed":  # version 2: leading scalars in a scalar table
             items, scalar_groups = core.flatten_packed_state(
                 leaf, state_fqn, fmap.param_of, torch.Tensor, _CPU_DTYPES, torch.strided, _scalar_parts
             )

@@ -34,7 +34,7 @@ from typing import Any, Literal
 import torch
 from torch import nn
 
-from sparse_ckpt.format import PACKED_PREFIX
+from sparse_ckpt.keys import PACKED_PREFIX
 from sparse_ckpt.leaves import named_leaves
 
 
@@ -507,7 +507,7 @@ def flat_settings(sd: Mapping[str, Any]) -> dict[str, dict[str, Any]]:
 
 def find_table_key(sd: Mapping[Any, Any], leaf: str | None = None) -> str:
     """The key of the one packed group table (``param_groups.__packed__.{leaf}.{digest}``,
-    :data:`sparse_ckpt.format.PACKED_PREFIX`) in a flat dict -- of leaf ``leaf`` when given
+    :data:`sparse_ckpt.keys.PACKED_PREFIX`) in a flat dict -- of leaf ``leaf`` when given
     (exactly that leaf: not one whose name merely starts with it). Asserts there is exactly one;
     keys that are not strings are passed over."""
     keys = [
@@ -521,9 +521,9 @@ def find_table_key(sd: Mapping[Any, Any], leaf: str | None = None) -> str:
 
 def table_bytes(sd: Mapping[str, Any], key: str) -> bytes:
     """The table a packed group or scalar table item ``key`` of ``sd`` holds (checked, and unsealed
-    when its key is rank-tagged: see *Table keys* in :mod:`sparse_ckpt.format`)."""
-    from sparse_ckpt.format import PACKED_PREFIX as GROUPS
-    from sparse_ckpt.format import SCALARS_PREFIX, check_table
+    when its key is rank-tagged: see *Table keys* in :mod:`sparse_ckpt.keys`)."""
+    from sparse_ckpt.keys import PACKED_PREFIX as GROUPS
+    from sparse_ckpt.keys import SCALARS_PREFIX, check_table
 
     prefix = SCALARS_PREFIX if key.startswith(SCALARS_PREFIX) else GROUPS
     return check_table(prefix, key[len(prefix) :], sd[key])[1]

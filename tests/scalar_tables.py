@@ -4,7 +4,10 @@
   packed version 1 writes (``state.{fqn}.{key}``), in version 1's key order, so tests written
   against the per-item layout keep checking exactly the same keys and values;
 * :func:`v1_state_keys` -- the ``state.*`` keys of that view;
-* :func:`scalar_table_keys` -- the scalar-table keys of a dict.
+* :func:`scalar_table_keys` -- the scalar-table keys of a dict;
+* :func:`write_packed_v1` -- make sparse_ckpt's saves (``sparse_state_dict``, the DCP ``Stateful``)
+  write packed version 1 for the rest of a test: their packed dicts go through :func:`as_v1`
+  (sparse_ckpt itself writes only version 2; version 1 must stay readable).
 """
 
 from __future__ import annotations
@@ -12,8 +15,15 @@ from __future__ import annotations
 from collections.abc import Iterable, Mapping
 from typing import Any
 
+import pytest
+
+import sparse_ckpt.dcp
+import sparse_ckpt.save
 from sparse_ckpt.decode import decode_scalar_tables, merge_scalars
-from sparse_ckpt.format import SCALARS_PREFIX, STATE_PREFIX, owner_fqn
+from sparse_ckpt.fqn import build_fqn_map
+from sparse_ckpt.keys import SCALARS_PREFIX, STATE_PREFIX, owner_fqn
+
+_BUILD_STATE_DICT = sparse_ckpt.save.build_state_dict
 
 
 def scalar_table_keys(sd: Mapping[str, Any]) -> list[str]:
@@ -55,3 +65,21 @@ def as_v1(sd: Mapping[str, Any], fqns: Iterable[str] = ()) -> dict[str, Any]:
 def v1_state_keys(sd: Mapping[str, Any], fqns: Iterable[str] = ()) -> list[str]:
     """The ``state.*`` keys of :func:`as_v1` of ``sd``."""
     return [k for k in as_v1(sd, fqns) if k.startswith(STATE_PREFIX)]
+
+
+def _build_v1(model: Any, optimizer: Any, format: str, keying: Any, state_layout: str = "per_tensor", **kw: Any) -> dict:
+    """``build_state_dict`` as packed version 1 writes it: per-item scalars, no scalar tables."""
+    sd = _BUILD_STATE_DICT(model, optimizer, format, keying, state_layout, **kw)
+    if format != "packed":
+        return sd
+    if state_layout != "per_tensor":
+        raise ValueError("packed version 1 has no state_layout='buffers'")
+    return as_v1(sd, build_fqn_map(model).param_of)
+
+
+def write_packed_v1(monkeypatch: pytest.MonkeyPatch, on: bool = True) -> None:
+    """From now on (``on``) or no longer (``not on``), sparse_ckpt's packed saves in this test
+    write packed version 1 (see the module docstring)."""
+    build = _build_v1 if on else _BUILD_STATE_DICT
+    for module in (sparse_ckpt.save, sparse_ckpt.dcp):
+        monkeypatch.setattr(module, "build_state_dict", build)

@@ -25,8 +25,8 @@ from torch import nn
 
 import sparse_ckpt as sc
 from sparse_ckpt.decode import decode_checkpoint
-from sparse_ckpt.format import check_table
 from sparse_ckpt.fqn import build_fqn_map
+from sparse_ckpt.keys import check_table
 from sparse_ckpt.save import packed_table_key
 
 REPO = Path(__file__).resolve().parents[1]

@@ -19,7 +19,7 @@ from torch import nn
 
 import sparse_ckpt as sc
 from sparse_ckpt import buffers
-from sparse_ckpt.format import BUFFERS_PREFIX, SCALARS_PREFIX
+from sparse_ckpt.keys import BUFFERS_PREFIX, SCALARS_PREFIX
 
 pytestmark = pytest.mark.filterwarnings("ignore:torch.distributed is disabled:UserWarning")
 
@@ -292,7 +292,7 @@ def test_tampered_layout_is_refused() -> None:
 def test_layout_of_another_shape_is_refused() -> None:
     """A layout whose global shape is not the parameter's: refused before anything is copied."""
     from sparse_ckpt import _backend
-    from sparse_ckpt.format import seal
+    from sparse_ckpt.keys import seal
 
     model, _src, sd = _buffered()
     key = _one(sd, "L")

@@ -29,7 +29,7 @@ from _spawned import (
 
 import sparse_ckpt as sc
 from sparse_ckpt import buffers
-from sparse_ckpt.format import BUFFERS_PREFIX
+from sparse_ckpt.keys import BUFFERS_PREFIX
 
 pytestmark = pytest.mark.filterwarnings("ignore:torch.distributed is disabled:UserWarning")
 

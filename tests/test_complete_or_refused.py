@@ -18,7 +18,7 @@ from test_stable_keys import legacy
 from torch import nn
 
 import sparse_ckpt as sc
-from sparse_ckpt.format import BUFFERS_PREFIX
+from sparse_ckpt.keys import BUFFERS_PREFIX
 
 pytestmark = pytest.mark.filterwarnings("ignore:torch.distributed is disabled:UserWarning")
 
@@ -105,7 +105,7 @@ def test_a_parameter_of_another_rank_is_not_checked() -> None:
     del shard.experts[3]
     dst = sc.MultiOptimizer(shard, {"experts": torch.optim.AdamW(shard.expert_params(), lr=0.5),
                                     "dense": torch.optim.SGD(shard.dense_params(), lr=0.5, momentum=0.5)})
-    load_owned(shard, dst, sd, strict=True, allow_unowned=True)
+    load_owned(shard, dst, sd, strict=True, unowned_are_other_ranks=True)
     assert_optimizer_equal(dst["dense"], opt["dense"], grads=False)
 
 

@@ -17,7 +17,7 @@ from torch import nn
 
 import sparse_ckpt as sc
 from sparse_ckpt.errors import UnsupportedStateDictError
-from sparse_ckpt.format import is_state_item
+from sparse_ckpt.keys import is_state_item
 from sparse_ckpt.leaves import named_leaves
 from tests.helpers import IdentitySnapshot
 

@@ -36,7 +36,7 @@ from table_bytes import s as sstr
 from sparse_ckpt import _core_py as P
 from sparse_ckpt._tensor_parts import parts_to_tensor, tensor_to_parts
 from sparse_ckpt.errors import CheckpointFormatError
-from sparse_ckpt.format import KEYS_ENTRY, STRIPPED_PARTS
+from sparse_ckpt.keys import KEYS_ENTRY, STRIPPED_PARTS
 from sparse_ckpt.save import _CPU_DTYPES as CPU_DTYPES
 
 try:

@@ -17,7 +17,7 @@ import sparse_ckpt as sc
 import sparse_ckpt.dcp as sc_dcp
 import sparse_ckpt.load as sc_load
 from sparse_ckpt._torch_compat import called_by_dcp_load
-from sparse_ckpt.format import PLANNER_GUARD_KEY, is_foreign_guard
+from sparse_ckpt.keys import PLANNER_GUARD_KEY, is_foreign_guard
 
 pytestmark = pytest.mark.filterwarnings("ignore:torch.distributed is disabled:UserWarning")
 

@@ -19,7 +19,7 @@ from torch.distributed.checkpoint.state_dict import StateDictOptions, get_optimi
 
 import sparse_ckpt as sc
 from sparse_ckpt.dcp import SparseStateDict
-from sparse_ckpt.format import PLANNER_GUARD_KEY
+from sparse_ckpt.keys import PLANNER_GUARD_KEY
 
 pytestmark = pytest.mark.filterwarnings("ignore:torch.distributed is disabled:UserWarning")
 

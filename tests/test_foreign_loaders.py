@@ -20,7 +20,7 @@ from torch.distributed.checkpoint import CheckpointException, DefaultLoadPlanner
 from torch.distributed.checkpoint.state_dict import StateDictOptions, get_optimizer_state_dict
 
 import sparse_ckpt as sc
-from sparse_ckpt.format import NESTED_GUARD_KEY, foreign_guard_keys, is_foreign_guard
+from sparse_ckpt.keys import NESTED_GUARD_KEY, foreign_guard_keys, is_foreign_guard
 
 
 def _model() -> nn.ModuleDict:

@@ -237,7 +237,7 @@ def _public_canonical(model: nn.Module) -> tuple[dict, dict, list[tuple[str, int
 def _fast_canonical(model: nn.Module) -> tuple[dict, dict, list[tuple[str, int]]] | None:
     """The same from the core's one-walk ``map_parameters``."""
     from sparse_ckpt._torch_compat import map_parameters
-    from sparse_ckpt.format import STRIPPED_PARTS
+    from sparse_ckpt.keys import STRIPPED_PARTS
 
     out = map_parameters(model, STRIPPED_PARTS, nn.parallel.DistributedDataParallel, None)
     return None if out is None else (out[1], out[2], [(fqn, id(p)) for fqn, p in out[3].items()])

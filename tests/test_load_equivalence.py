@@ -18,10 +18,10 @@ import torch
 from helpers import assert_deep_equal, clone_state_dict, fqn_view
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
+from scalar_tables import write_packed_v1
 from torch import nn
 
 import sparse_ckpt as sc
-import sparse_ckpt.save
 
 KINDS = ("adamw", "sgd", "adagrad", "rmsprop")
 SHAPES = ((2,), (2, 3), ())
@@ -139,7 +139,7 @@ def test_sparse_round_trip_equals_torch_load_state_dict(case: dict[str, Any]) ->
 def test_state_tensors_are_taken_not_copied_like_torch(scalar_tables: bool, monkeypatch: pytest.MonkeyPatch) -> None:
     """torch's ``load_state_dict`` keeps the dict's own tensors when dtype and device already match
     (``Tensor.to`` is a no-op) and copies them when a cast is needed; sparse_ckpt does the same."""
-    monkeypatch.setattr(sc.save, "_SCALAR_TABLES", scalar_tables)
+    write_packed_v1(monkeypatch, not scalar_tables)
     model = _model([(2,), (3,)], torch.float32)
     src = torch.optim.AdamW(list(model))
     _step(model, src, [True, True], seed=0)

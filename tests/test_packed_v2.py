@@ -23,12 +23,11 @@ import pytest
 import torch
 import torch.distributed.checkpoint as dcp
 from helpers import assert_deep_equal, assert_optimizer_equal, make_batch, make_moe, snapshot_optimizer, train
-from scalar_tables import as_v1, scalar_table_keys
+from scalar_tables import as_v1, scalar_table_keys, write_packed_v1
 from torch import nn
 from torch.distributed.checkpoint import CheckpointException
 
 import sparse_ckpt as sc
-import sparse_ckpt.save
 from sparse_ckpt import _backend
 from sparse_ckpt._tensor_parts import parts_to_tensor, tensor_to_parts
 from sparse_ckpt.checkpoint_tools import (
@@ -40,7 +39,7 @@ from sparse_ckpt.checkpoint_tools import (
     verify_checkpoint,
 )
 from sparse_ckpt.errors import CheckpointFormatError, CheckpointMismatchError
-from sparse_ckpt.format import KEYS_ENTRY, SCALARS_PREFIX, check_table, scalar_table_key
+from sparse_ckpt.keys import KEYS_ENTRY, SCALARS_PREFIX, check_table, scalar_table_key
 from sparse_ckpt.load import load_owned
 
 pytestmark = pytest.mark.filterwarnings("ignore:torch.distributed is disabled")
@@ -51,7 +50,7 @@ def v1(monkeypatch: pytest.MonkeyPatch) -> Iterator[Callable[[bool], None]]:
     """``v1(True)``: packed saves write version 1 (per-item scalars) until ``v1(False)``."""
 
     def set_v1(on: bool) -> None:
-        monkeypatch.setattr(sc.save, "_SCALAR_TABLES", not on)
+        write_packed_v1(monkeypatch, on)
 
     yield set_v1
 
@@ -96,7 +95,7 @@ def rebuild_table(leaf: str, groups: list[tuple[dict, list[str]]]) -> tuple[str,
 
 def decode_groups(key: str, value: bytes, keys: bool = False) -> tuple[str, list[tuple[dict, list[str]]]]:
     """A scalar table's ``(leaf, [(scalars, fqns), ...])``; the scalars without the recorded
-    state keys (:data:`~sparse_ckpt.format.KEYS_ENTRY`) unless ``keys``."""
+    state keys (:data:`~sparse_ckpt.keys.KEYS_ENTRY`) unless ``keys``."""
     leaf, table = check_table(SCALARS_PREFIX, key[len(SCALARS_PREFIX) :], value)
     settings, _blobs, groups = _backend.core.decode_table(leaf, table, parts_to_tensor)
     out = [(dict(settings[i]), list(f)) for i, f in groups]
@@ -274,6 +273,11 @@ def test_v1_and_v2_restore_identically(tmp_path: Path, v1: Callable[[bool], None
     v1(False)
     assert not scalar_table_keys(sd1) and scalar_table_keys(sd2)
     assert_deep_equal(as_v1(sd2), sd1, "v2 expanded is v1")
+    # version 1's per-item state is the flat format's (no key here needs an escape): the test
+    # helper's version 1 is the real one
+    flat = sc.sparse_state_dict(model, src, format="flat")
+    assert_deep_equal({k: v for k, v in sd1.items() if k.startswith("state.")},
+                      {k: v for k, v in flat.items() if k.startswith("state.")}, "v1 state is DSD's flat state")
     assert any(k.endswith(".step") for k in item_keys(tmp_path / "v1"))
     assert not any(k.endswith(".step") for k in item_keys(tmp_path / "v2"))
     restored = []
@@ -513,7 +517,7 @@ def _pair(names: str) -> nn.Module:
 
 
 def _saved(names: str, scalar_tables: bool, monkeypatch: pytest.MonkeyPatch) -> dict[str, Any]:
-    monkeypatch.setattr(sc.save, "_SCALAR_TABLES", scalar_tables)
+    write_packed_v1(monkeypatch, not scalar_tables)
     model = _pair(names)
     opt = torch.optim.Adam(model.parameters(), lr=0.1)
     sum(p.sum() for p in model.parameters()).backward()
@@ -531,7 +535,7 @@ def _outcome(fn: Callable[[], Any]) -> tuple[Any, ...]:
 
 def test_extra_state_strict_and_non_strict_like_v1(monkeypatch: pytest.MonkeyPatch) -> None:
     """A saved FQN the target lacks is 'extra' exactly as with per-item state (same errors), is
-    ignored by non-strict loads, and belongs to another rank under ``allow_unowned``."""
+    ignored by non-strict loads, and belongs to another rank under ``unowned_are_other_ranks``."""
     sds = {v: _saved("ab", v, monkeypatch) for v in (False, True)}
     assert scalar_table_keys(sds[True]) and not scalar_table_keys(sds[False])
     outcomes = {}
@@ -541,7 +545,7 @@ def test_extra_state_strict_and_non_strict_like_v1(monkeypatch: pytest.MonkeyPat
             model = _pair("a")
             opt = torch.optim.Adam(model.parameters(), lr=0.5)
             runs.append(_outcome(lambda sd=sd, m=model, o=opt, s=strict, u=unowned:
-                                 load_owned(m, o, sd, strict=s, allow_unowned=u)))
+                                 load_owned(m, o, sd, strict=s, unowned_are_other_ranks=u)))
             if runs[-1] == ("ok",):
                 assert list(opt.state[model["a"]]) == ["step", "exp_avg", "exp_avg_sq"]
         outcomes[v] = runs

@@ -23,7 +23,7 @@ from table_bytes import encode
 from torch import nn
 
 import sparse_ckpt as sc
-from sparse_ckpt.format import PACKED_PREFIX
+from sparse_ckpt.keys import PACKED_PREFIX
 from sparse_ckpt.save import packed_table_key
 
 

@@ -143,7 +143,7 @@ def test_parameter_moved_to_another_group_of_the_leaf(fmt: str) -> None:
 def _rank(shard: tuple[int, ...], rank: int) -> dict[str, Any]:
     """One expert-parallel "rank" of two: the experts leaf holds only ``shard``; dense is
     replicated. Keyed as ``sparse_state_dict`` keys it on rank ``rank`` of a process group of 2
-    (tables by content digest: see *Table keys* in sparse_ckpt.format)."""
+    (tables by content digest: see *Table keys* in sparse_ckpt.keys)."""
     model = _Model()
     opt = {
         "experts": torch.optim.AdamW([{"params": _e(model, i)} for i in shard], lr=0.01),

@@ -1,4 +1,4 @@
-"""Stable item keys (see *Table keys* in sparse_ckpt/format.py): keys stay while values move,
+"""Stable item keys (see *Table keys* in sparse_ckpt/keys.py): keys stay while values move,
 equal tables share a key, different ones never do, old digest-keyed checkpoints keep loading.
 
 The two-rank part (spawned Gloo ranks, FSDP2 over an explicit CPU mesh) checks DCP's save-plan
@@ -28,7 +28,8 @@ import sparse_ckpt as sc
 from sparse_ckpt import _backend
 from sparse_ckpt._tensor_parts import parts_to_tensor, tensor_to_parts
 from sparse_ckpt.errors import CheckpointFormatError
-from sparse_ckpt.format import (
+from sparse_ckpt.item_keys import Keying
+from sparse_ckpt.keys import (
     BUFFERS_PREFIX,
     KEYS_ENTRY,
     PACKED_PREFIX,
@@ -40,7 +41,6 @@ from sparse_ckpt.format import (
     scalar_table_key,
     tag_has_rank,
 )
-from sparse_ckpt.item_keys import Keying
 from sparse_ckpt.save import build_state_dict
 
 pytestmark = pytest.mark.filterwarnings("ignore:torch.distributed is disabled:UserWarning")

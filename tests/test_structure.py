@@ -1,5 +1,5 @@
 """Structure checks: no import cycles in the package, the C++ core's constants and signatures
-match the Python twin (``_core_py``) and the key grammar (``sparse_ckpt.format``), and the
+match the Python twin (``_core_py``) and the key grammar (``sparse_ckpt.keys``), and the
 ``_C.pyi`` stub describes exactly the functions both cores have."""
 
 from __future__ import annotations
@@ -11,7 +11,7 @@ from pathlib import Path
 
 import pytest
 
-from sparse_ckpt import _core_py, format
+from sparse_ckpt import _core_py, keys
 
 PACKAGE = Path(__file__).resolve().parent.parent / "sparse_ckpt"
 
@@ -87,15 +87,15 @@ GRAMMAR_CONSTANTS = (
 """The key grammar's constants the C++ core has its own copy of (csrc/common.hpp)."""
 
 
-def test_cpp_constants_match_the_format_module() -> None:
+def test_cpp_constants_match_the_keys_module() -> None:
     c = _cpp()
     for name in GRAMMAR_CONSTANTS:
-        assert getattr(c, name) == getattr(format, name) == getattr(_core_py, name), name
+        assert getattr(c, name) == getattr(keys, name) == getattr(_core_py, name), name
         assert type(getattr(c, name)) is str, name
     assert c.MAGIC == _core_py.MAGIC and c.VERSION == _core_py.VERSION and c.MAX_DEPTH == _core_py.MAX_DEPTH
-    assert format.PACKED_PREFIX == f"{format.GROUPS_PREFIX}{format.PACKED_MARKER}."
-    assert format.SCALARS_PREFIX == f"{format.STATE_PREFIX}{format.PACKED_MARKER}."
-    assert format.ESCAPE_STR.startswith(format.ESCAPE) and format.ESCAPE_INT.startswith(format.ESCAPE)
+    assert keys.PACKED_PREFIX == f"{keys.GROUPS_PREFIX}{keys.PACKED_MARKER}."
+    assert keys.SCALARS_PREFIX == f"{keys.STATE_PREFIX}{keys.PACKED_MARKER}."
+    assert keys.ESCAPE_STR.startswith(keys.ESCAPE) and keys.ESCAPE_INT.startswith(keys.ESCAPE)
 
 
 def _stub_functions() -> dict[str, list[str]]:

@@ -36,8 +36,8 @@ from torch.distributed.checkpoint.metadata import Metadata
 
 from ..dcp import SparseLoadPlanner, SparseOptimizerState, SparseStateDict
 from ..errors import CheckpointMismatchError, SparseCheckpointError
-from ..format import PLANNER_GUARD_KEY
 from ..fqn import Model, build_fqn_map
+from ..keys import PLANNER_GUARD_KEY
 from ..leaves import named_leaves
 from ._stock_migration import DroppedState, MigrationReport, drop_synthetic_state, flat_fqns, state_keys_by_fqn
 

@@ -51,8 +51,8 @@ from .._dcp_paths import metadata_path
 from ..dcp import SparseLoadPlanner, SparseOptimizerState, multi_rank
 from ..dcp import _allocate as allocate_like
 from ..errors import CheckpointMismatchError, UnsupportedStateDictError
-from ..format import GROUPS_PREFIX, PACKED_PREFIX, PLANNER_GUARD_KEY, SCALARS_PREFIX, STATE_PREFIX, last_part, owner_fqn
 from ..fqn import FqnMap, build_fqn_map
+from ..keys import GROUPS_PREFIX, PACKED_PREFIX, PLANNER_GUARD_KEY, SCALARS_PREFIX, STATE_PREFIX, last_part, owner_fqn
 from ..leaves import named_leaves
 from ..load import load_owned
 
@@ -486,7 +486,7 @@ class _StockTarget:
         settings_of = {fmap.resolve(k[len(GROUPS_PREFIX) :].rpartition(".")[0]) for k in data if k.startswith(GROUPS_PREFIX)}
         state_of = {owner_fqn(k[len(STATE_PREFIX) :], fmap.canonical) for k in data if k.startswith(STATE_PREFIX)}
         state_of = {fmap.resolve(f) for f in state_of if f is not None}
-        load_owned(model, optimizer, data, strict=False, allow_unowned=multi_rank(), fmap=fmap)
+        load_owned(model, optimizer, data, strict=False, unowned_are_other_ranks=multi_rank(), fmap=fmap)
         leaves = []
         for name, opt in named_leaves(optimizer):
             fqns = [fmap.fqn_of[id(p)] for group in opt.param_groups for p in group["params"]]
