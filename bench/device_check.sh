@@ -127,7 +127,7 @@ DRILL=(--device "$DEVICE" --nproc "$NPROC" --out "$OUT/drill")
 [ "$QUICK" -eq 1 ] && DRILL+=(--steps 4 --every 1)
 run_step drill 150 drill.log "$PY" -m bench.resume "${DRILL[@]}"
 
-# 4. The bench: the README's GPU figures and more, within minutes: torch's load_state_dict (quadratic)
+# 4. The bench: bench/README.md's GPU figures and more, within minutes: torch's load_state_dict (quadratic)
 #    only up to 10 000 parameters, DSD's set and the naive and flat DCP layouts left out. On 2 busy CPU
 #    cores this list took 620 s with the load at 61x256 layer (115 s of it), which is now skipped.
 if [ "$QUICK" -eq 1 ]; then
@@ -140,7 +140,7 @@ fi
 run_step bench 100000 bench.log "$PY" -m bench --device "$DEVICE" "${BENCH[@]}" --progress lines --out "$OUT/bench"
 
 # 5. State layouts on the device: dcp.save/dcp.load per tensor vs buffers vs the torch.save floor
-#    (README "Scale"; the CPU figures there came from `python -m bench.scale dcp` on the CPU).
+#    (bench/README.md "Scale"; the CPU figures there came from `python -m bench.scale dcp` on the CPU).
 if [ "$QUICK" -eq 0 ]; then
   run_step scale 100000 scale.log "$PY" -m bench.scale dcp --scale 24x128 --hidden 0,64 --repeats 3 \
     --device "$DEVICE" --out "$OUT/scale_dcp_24x128.json"

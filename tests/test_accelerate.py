@@ -17,8 +17,8 @@ both lrs:
    is refused by ``load_custom_state`` on rank 1.
 
 Accelerate runs FSDP only on accelerator devices; on CPU it picks ``MULTI_CPU`` (DDP). The drill
-forces FSDP2 by setting the distributed type explicitly: the README's recipe, which the drill
-runs as written, like the README's usage block. Skipped when accelerate is not installed.
+forces FSDP2 by setting the distributed type explicitly: the recipe of docs/integrations.md, which
+the drill runs as written, like that page's usage block. Skipped when accelerate is not installed.
 """
 
 from __future__ import annotations
@@ -44,15 +44,14 @@ accelerate = pytest.importorskip(
 )
 
 from _dist import assert_snapshots_equal, full_snapshot, run_ranks
-from test_readme_snippets import python_blocks
+from doc_blocks import ROOT, python_blocks, run_block
 
 from sparse_ckpt.integrations import accelerate as integration
 
 pytestmark = pytest.mark.filterwarnings("ignore::UserWarning", "ignore::FutureWarning", "ignore::DeprecationWarning")
 
-REPO = Path(__file__).resolve().parents[1]
-README = REPO / "README.md"
-README_SECTION = "Use with Accelerate"
+PAGE = ROOT / "docs/integrations.md"
+SECTION = "Accelerate"
 LR = 0.01
 LAMBDAS = (lambda s: 0.5**s, lambda s: 0.25**s)  # dense, vision
 
@@ -69,24 +68,20 @@ class Net(nn.Module):
         return torch.tanh(self.dense(x))
 
 
-def readme_blocks() -> list[tuple[int, str]]:
-    """The two ``python`` blocks of the README's "Use with Accelerate": the usage and the CPU recipe."""
-    return python_blocks(README.read_text(encoding="utf-8"), README_SECTION)
-
-
-def run_block(block: tuple[int, str], namespace: dict[str, Any]) -> dict[str, Any]:
-    line, code = block
-    exec(compile("\n" * (line - 1) + code, str(README), "exec"), namespace)  # noqa: S102 - our own README
-    return namespace
+def doc_blocks() -> list[Any]:
+    """The two ``python`` blocks of docs/integrations.md's "Accelerate": the usage and the CPU recipe."""
+    blocks = python_blocks(PAGE, SECTION)
+    assert len(blocks) == 2, f"'## {SECTION}' of {PAGE.name} has {len(blocks)} python blocks"
+    return blocks
 
 
 _recipe: dict[str, Any] = {}
 
 
 def fsdp2_accelerator(world_size: int) -> Any:
-    """The README's ``fsdp2_accelerator`` (its CPU recipe, run as written): FSDP2 on CPU over a CPU mesh."""
+    """The docs' ``fsdp2_accelerator`` (its CPU recipe, run as written): FSDP2 on CPU over a CPU mesh."""
     if not _recipe:
-        run_block(readme_blocks()[1], _recipe)
+        run_block(doc_blocks()[1], _recipe)
     return _recipe["fsdp2_accelerator"](world_size)
 
 
@@ -147,13 +142,13 @@ def drill(rank: int, world_size: int, root_dir: str) -> None:
     assert [g["lr"] for g in opt.param_groups] == [LR, LR]  # and the fresh lrs: vision's moved lr is lost
 
     # ---------------------------------------------------------------- 2. with the integration
-    os.chdir(root)  # the README's usage block, as written (it calls install())
+    os.chdir(root)  # the docs' usage block, as written (it calls install())
     torch.manual_seed(0)
     net = Net()
     adam = torch.optim.AdamW([{"params": net.dense.parameters()}, {"params": net.vision.parameters()}], lr=LR)
     names = {"accelerator": fsdp2_accelerator(world_size), "model": net, "optimizer": adam,
              "scheduler": torch.optim.lr_scheduler.LambdaLR(adam, list(LAMBDAS))}
-    run_block(readme_blocks()[0], names)
+    run_block(doc_blocks()[0], names)
     assert integration.installed()
     report = sc.inspect_checkpoint(root / "ckpt" / "accelerate" / "optimizer_0")["optimizers"][0]
     assert (report["key"], report["format"], report["with_state"]) == ("optimizer", "packed", 0)
@@ -209,9 +204,9 @@ def drill(rank: int, world_size: int, root_dir: str) -> None:
     same(snapshot(model, opt, sched), kept, "after loading the pickled dict")
 
 
-def test_readme_section_has_its_two_blocks() -> None:
-    usage, recipe = readme_blocks()
-    assert "sc_accelerate.install()" in usage[1] and "def fsdp2_accelerator(" in recipe[1]
+def test_docs_section_has_its_two_blocks() -> None:
+    usage, recipe = doc_blocks()
+    assert "sc_accelerate.install()" in usage.code and "def fsdp2_accelerator(" in recipe.code
 
 
 def test_accelerate_fsdp2_save_state_load_state_drill(tmp_path: Path, core_backend: str) -> None:
@@ -288,6 +283,6 @@ def test_other_configurations_stay_accelerates(restore: Any, monkeypatch: pytest
 
 def test_importing_the_integration_does_not_import_accelerate() -> None:
     code = "import sys, sparse_ckpt.integrations.accelerate as m; assert 'accelerate' not in sys.modules, 'imported'; print(m.installed())"
-    env = {**os.environ, "PYTHONPATH": os.pathsep.join(filter(None, [str(REPO), os.environ.get("PYTHONPATH")]))}
+    env = {**os.environ, "PYTHONPATH": os.pathsep.join(filter(None, [str(ROOT), os.environ.get("PYTHONPATH")]))}
     out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, env=env, timeout=120, check=False)
     assert out.returncode == 0 and out.stdout.strip() == "False", out.stderr

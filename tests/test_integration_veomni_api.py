@@ -1,5 +1,5 @@
 """VeOmni's objects (the real package) given to sparse_ckpt in one process: what works, what is refused and
-how, ``install``/``uninstall``, and README's "Use with VeOmni" run as written (a 1-rank Gloo group).
+how, ``install``/``uninstall``, and the VeOmni example of docs/integrations.md run as written (a 1-rank Gloo group).
 
 Skipped when veomni is not installed (``pip install --no-deps -r .ci/requirements-veomni.txt``).
 """
@@ -17,8 +17,8 @@ import pytest
 import torch
 import torch.distributed as dist
 from _dist import free_port
+from doc_blocks import ROOT, python_blocks, run_block
 from helpers import IdentitySnapshot
-from test_readme_snippets import README, python_blocks
 from torch import nn
 
 import sparse_ckpt as sc
@@ -176,16 +176,15 @@ def one_rank_group(monkeypatch: pytest.MonkeyPatch) -> Iterator[None]:
         dist.destroy_process_group()
 
 
-def test_readme_use_with_veomni(tmp_path: Path, monkeypatch: pytest.MonkeyPatch, one_rank_group: None) -> None:
-    (block,) = python_blocks(README.read_text(encoding="utf-8"), "Use with VeOmni")
-    line, code = block
+def test_docs_veomni_example(tmp_path: Path, monkeypatch: pytest.MonkeyPatch, one_rank_group: None) -> None:
+    (block,) = python_blocks(ROOT / "docs/integrations.md", "VeOmni")
     monkeypatch.chdir(tmp_path)
     model, optimizer, scheduler = trained()
     model2, optimizer2, _ = build(seed=1)
-    namespace: dict[str, Any] = {"__name__": "readme", "model": model, "optimizer": optimizer,
+    namespace: dict[str, Any] = {"__name__": "docs", "model": model, "optimizer": optimizer,
                                  "scheduler": scheduler, "model2": model2, "optimizer2": optimizer2}
     try:
-        exec(compile("\n" * (line - 1) + code, str(README), "exec"), namespace)  # noqa: S102 - our own README
+        run_block(block, namespace)
     finally:
         sc_veomni.uninstall()
     assert (tmp_path / "ckpt/global_step_3/.metadata").is_file()
