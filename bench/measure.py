@@ -33,7 +33,7 @@ from typing import Any, Optional
 import torch
 
 import sparse_ckpt as sc
-from sparse_ckpt import _backend, _core_py
+from sparse_ckpt import _backend, _core_py, export
 from sparse_ckpt._tensor_parts import parts_to_tensor, tensor_to_parts
 from sparse_ckpt.decode import decode_checkpoint
 from sparse_ckpt.fqn import build_fqn_map
@@ -530,16 +530,16 @@ def _export_runner(m: Method, ctx: FixtureContext) -> Runner:
         return path
 
     if m.op == "save":
-        return (lambda arg: sc.export_checkpoint(*arg, key=LEAF)), (lambda: (source(), ctx.new_dir("export")))
+        return (lambda arg: export.export_checkpoint(*arg, key=LEAF)), (lambda: (source(), ctx.new_dir("export")))
 
     def load_setup() -> tuple[Any, str]:
         path = ctx.saved_dir("export")
         if path is None:
             path = ctx.new_dir("export")
-            sc.export_checkpoint(source(), path, key=LEAF)
+            export.export_checkpoint(source(), path, key=LEAF)
         return fx.new_optimizer(), path
 
-    return (lambda arg: sc.load_export(fx.model, *arg)), load_setup
+    return (lambda arg: export.load_export(fx.model, *arg)), load_setup
 
 
 def dir_bytes(path: str) -> int:

@@ -1,26 +1,19 @@
-"""Read a DCP checkpoint directory without a model (used by the CLI).
+"""A DCP checkpoint directory without a model: its metadata and the optimizers in it.
 
-Only public DCP API is used: ``FileSystemReader.read_metadata`` for the metadata, and ``dcp.load``
-(no process group) into a target dict built from that metadata -- plain CPU tensors of the saved
-size and dtype, ``None`` for bytes items. Targets are keyed by the checkpoint's flattened keys,
-which is exactly what DCP matches on.
+Only public DCP API is used (``FileSystemReader.read_metadata``). :func:`find_optimizers` finds
+each optimizer's entries (sparse packed/flat, or torch DSD's nested layout) by their flattened
+keys, which is what DCP matches on; :mod:`sparse_ckpt.tools.reader` reads them.
 """
 
 from __future__ import annotations
 
 import os
-import warnings
-from collections.abc import Iterable
 from dataclasses import dataclass, field
-from typing import Any
 
-import torch
-import torch.distributed.checkpoint as dcp
 from torch.distributed.checkpoint import FileSystemReader
-from torch.distributed.checkpoint.metadata import Metadata, TensorStorageMetadata
+from torch.distributed.checkpoint.metadata import Metadata
 
 from ._dcp_paths import ObjPath, metadata_path, set_path
-from .dcp import SparseLoadPlanner
 from .errors import CheckpointFormatError
 from .keys import GROUPS_PREFIX, OPTIMIZER_PREFIXES, is_foreign_guard
 from .nested import NESTED_KEYS
@@ -31,7 +24,6 @@ __all__ = [
     "ObjPath",
     "OptimizerEntries",
     "find_optimizers",
-    "load_entries",
     "metadata_path",
     "read_metadata",
     "set_path",
@@ -57,23 +49,6 @@ def read_metadata(path: str | os.PathLike[str]) -> Metadata:
     return FileSystemReader(path).read_metadata()
 
 
-def load_entries(path: str | os.PathLike[str], metadata: Metadata, keys: Iterable[str]) -> dict[str, Any]:
-    """Read the given flattened keys in this process: ``{key: tensor or object}``."""
-    target: dict[str, Any] = {}
-    for key in keys:
-        md = metadata.state_dict_metadata[key]
-        if isinstance(md, TensorStorageMetadata):
-            target[key] = torch.empty(tuple(md.size), dtype=md.properties.dtype)
-        else:
-            target[key] = None
-    if target:
-        with warnings.catch_warnings():
-            warnings.simplefilter("ignore", UserWarning)  # "assuming the intent is to load in a single process"
-            # Every non-tensor item is read with weights_only=True (never unpickling code).
-            dcp.load(target, checkpoint_id=os.fspath(path), planner=SparseLoadPlanner(_all_weights_only=True), no_dist=True)
-    return target
-
-
 @dataclass
 class OptimizerEntries:
     """The entries of one optimizer state dict inside a checkpoint."""
@@ -90,7 +65,7 @@ class OptimizerEntries:
     """torch DSD's nested layout (``{"state": {fqn: {...}}, "param_groups": [...]}``): each such
     inner key (the item's dotted path below the prefix) -> its object path below the prefix
     (``("state", fqn, key)``, ``("param_groups", i, key)``); empty for sparse and flat entries.
-    :func:`sparse_ckpt.checkpoint_tools.sparse_values` rewrites their values into the packed
+    :func:`sparse_ckpt.tools.reader.sparse_values` rewrites their values into the packed
     equivalent (:mod:`sparse_ckpt.nested`)."""
 
     @property

@@ -1,33 +1,8 @@
 """``python -m sparse_ckpt``: inspect, verify, diff, convert and export the optimizer part of DCP checkpoints.
 
-``inspect CKPT [--key K] [--params] [--json]``
-    Per optimizer (auto-detected: entries under ``<key>.state.*`` / ``<key>.param_groups.*``) and
-    per leaf: the groups with their settings, how many parameters have state and how many do not,
-    the state keys with their dtypes, the bytes they take, and for MoE FQNs (``...experts.N...``)
-    how many experts per layer have state. ``--params`` lists the parameters without state and
-    the per-layer expert table. Scalars held in a packed checkpoint's scalar tables (``step``, ...)
-    count as state exactly like per-item entries; the optimizer line says how many scalar tables
-    there are. Items whose data file is missing or too short make it exit 1.
-
-``verify CKPT [--json]``
-    Read every item (storage bounds, zip CRC-32, then through DCP) and decode every optimizer;
-    list what is missing, truncated or corrupt. Exit 1 when anything is wrong.
-
-``diff A B [--key K] [--json] [--exit-code]``
-    Per leaf: groups whose settings changed, parameters that gained or lost state or moved
-    between groups, state dtype/shape changes. ``--exit-code``: exit 3 when they differ.
-
-``convert SRC DST --to packed|flat [--key K] [--leaf NAME] [--drop-empty-groups]``
-    Rewrite the optimizer part between formats; every other entry is copied unchanged.
-
-``export CKPT OUT [--key K] [--leaf NAME]``
-    Write the optimizer part as safetensors + JSON, no pickle (see :mod:`sparse_ckpt.export`).
-
-The work is done by :mod:`sparse_ckpt.checkpoint_tools` and :mod:`sparse_ckpt.export`; this
-module parses arguments and prints. Exit status: 0 success, 1 checkpoint/format error (one line
-on stderr, no traceback), 2 usage error or a directory that is not a (complete) DCP checkpoint,
-3 ``diff --exit-code`` found differences. Output into a pipe closed early (``| head``) ends
-quietly with exit 1, as the "Note on SIGPIPE" in Python's :mod:`signal` documentation recommends.
+The commands, their options, output and exit statuses are documented in docs/cli.md. The work is
+done by :mod:`sparse_ckpt.tools` and :mod:`sparse_ckpt.export`; this module parses arguments
+and prints.
 """
 
 from __future__ import annotations
@@ -36,8 +11,7 @@ import argparse
 import json
 import os
 import sys
-from collections.abc import Callable, Mapping, Sequence
-from typing import Any
+from collections.abc import Callable, Sequence
 
 import torch
 from torch.distributed.checkpoint import CheckpointException
@@ -45,220 +19,16 @@ from torch.distributed.checkpoint import CheckpointException
 from . import _backend
 from ._version import __version__
 from .checkpoint_io import NotACheckpointError
-from .checkpoint_tools import (
-    UsageError,
-    convert_checkpoint,
-    diff_checkpoints,
-    dtype_name,
-    inspect_details,
-    jsonable,
-    verify_checkpoint,
-)
-from .errors import SparseCheckpointError
+from .errors import SparseCheckpointError, UsageError
 from .leaves import SINGLE_LEAF
+from .tools import convert_checkpoint, diff_checkpoints, verify_checkpoint
+from .tools.diff import format_diff
+from .tools.inspect import format_inspect, inspect_details, jsonable
+from .tools.verify import format_verify
 
 __all__ = ["main"]
 
 EXIT_OK, EXIT_ERROR, EXIT_USAGE, EXIT_DIFFERENT = 0, 1, 2, 3
-_LIST_LIMIT = 10
-
-
-def _fmt_value(value: Any) -> str:
-    if isinstance(value, torch.Tensor):
-        if value.numel() == 1:
-            return f"tensor({value.item()!r}, {dtype_name(value.dtype)})"
-        return f"tensor(shape={tuple(value.shape)}, {dtype_name(value.dtype)})"
-    return repr(value)
-
-
-def _fmt_names(items: Sequence[Any], limit: int = _LIST_LIMIT) -> str:
-    shown = ", ".join(repr(x) for x in items[:limit])
-    return f"{shown} (+{len(items) - limit} more)" if len(items) > limit else shown
-
-
-def _ids(ids: Sequence[int]) -> str:
-    """Expert ids with runs of consecutive ids as ranges: ``0-3, 7, 9-199`` (text output only;
-    ``--json`` lists every id)."""
-    parts: list[str] = []
-    i = 0
-    while i < len(ids):
-        j = i
-        while j + 1 < len(ids) and ids[j + 1] == ids[j] + 1:
-            j += 1
-        parts.append(str(ids[i]) if i == j else f"{ids[i]}-{ids[j]}")
-        i = j + 1
-    return ", ".join(parts)
-
-
-# --------------------------------------------------------------------------- inspect
-
-
-def _expert_lines(experts: list[dict[str, Any]], params: bool) -> list[str]:
-    if not experts:
-        return []
-    total = sum(e["experts"] for e in experts)
-    with_state = sum(e["with_state"] for e in experts)
-    partial = sum(e["partial"] for e in experts)
-    ratios = sorted((e["with_state"], e["experts"]) for e in experts)
-    lo, hi = ratios[0], ratios[-1]
-    span = f"{lo[0]}/{lo[1]}" if lo == hi else f"{lo[0]}/{lo[1]} to {hi[0]}/{hi[1]}"
-    extra = f", {partial} partial" if partial else ""
-    lines = [
-        (f"    experts with state: {with_state}/{total} in {len(experts)} layer(s) "
-        f"(per layer: {span}{extra}; FQNs '...experts.N...')")
-    ]
-    if params:
-        width = max(len(e["layer"]) for e in experts)
-        for e in experts:
-            line = f"      {e['layer']:<{width}}  {e['with_state']}/{e['experts']} with state"
-            if e["partial"]:
-                line += f", partial: {_ids(e['partial_ids'])}"
-            if e["without_state"]:
-                line += f"; without state: {_ids(e['without_state_ids'])}"
-            lines.append(line)
-    return lines
-
-
-def _scalar_note(opt: Mapping[str, Any]) -> str:
-    """`` (N scalar table(s))`` for a packed version-2 optimizer, else empty."""
-    n = opt.get("scalar_tables", 0)
-    return f" ({n} scalar table{'s' if n != 1 else ''})" if n else ""
-
-
-_FORMATS = {"nested": "torch DSD nested (its groups read as leaf 'optim')"}
-"""How the text report names a format (the ``--json`` report has the short name)."""
-
-
-def format_inspect(report: dict[str, Any], groups_raw: dict[tuple[str, str, int], dict[str, Any]]) -> str:
-    """The text form of an ``inspect`` report."""
-    lines = [f"checkpoint: {report['checkpoint']}"]
-    odd = report.get("unrecognised_optimizer_items", [])
-    if not report["optimizers"] and not odd:
-        lines.append("no optimizer entries found (no '<key>.state.*' / '<key>.param_groups.*' entries)")
-    for opt in report["optimizers"]:
-        key = opt["key"] or "(top level)"
-        lines.append(
-            f"optimizer {key!s}: {_FORMATS.get(opt['format'], opt['format'])} format, {len(opt['leaves'])} leaf/leaves, {opt['params']} params "
-            f"({opt['with_state']} with state, {opt['without_state']} without), {opt['items']} items, "
-            f"state {opt['state_bytes']} bytes, tables {opt['table_bytes']} bytes{_scalar_note(opt)}, "
-            f"on disk {opt['disk_bytes']} bytes"
-        )
-        lines.append(f"  loads with {opt['loader']}")
-        for leaf in opt["leaves"]:
-            lines.append(
-                f"  leaf {leaf['name']!r}: {len(leaf['groups'])} group(s), {leaf['params']} params "
-                f"({leaf['with_state']} with state, {leaf['without_state']} without), "
-                f"state {leaf['state_bytes']} bytes"
-            )
-            for group in leaf["groups"]:
-                raw = groups_raw.get((opt["key"], leaf["name"], group["index"]), {})
-                settings = ", ".join(f"{k}={_fmt_value(v)}" for k, v in raw.items())
-                vary = "  [settings differ across ranks' tables]" if group.get("settings_vary_across_tables") else ""
-                lines.append(
-                    f"    group {group['index']}: {group['params']} params ({group['with_state']} with state, "
-                    f"{group['without_state']} without){vary}"
-                )
-                lines.append(f"      {settings}")
-            for name, info in leaf["state_keys"].items():
-                lines.append(f"    state {name}: {'/'.join(info['dtypes'])} x{info['count']}, {info['bytes']} bytes")
-            params = "params_without_state" in leaf
-            lines.extend(_expert_lines(leaf["experts"], params))
-            if params:
-                lines.append(f"    parameters without state ({len(leaf['params_without_state'])}):")
-                lines.extend(f"      {fqn}" for fqn in leaf["params_without_state"])
-        if opt["state_without_group"]:
-            lines.append(f"  state of {len(opt['state_without_group'])} FQN(s) in no group")
-        if opt["unmatched_keys"]:
-            lines.append(f"  {len(opt['unmatched_keys'])} unrecognised key(s)")
-    if odd:
-        lines.append(
-            f"{len(odd)} item(s) look like optimizer state or settings but are in no layout sparse_ckpt reads "
-            f"(sparse packed/flat, or torch DSD's nested 'state'/'param_groups'): {_fmt_names(odd)}"
-        )
-    for p in report.get("storage_problems", []):
-        lines.append(f"storage problem: {p['key']}: {p['problem']}")
-    return "\n".join(lines)
-
-
-# --------------------------------------------------------------------------- verify
-
-
-def format_verify(report: dict[str, Any]) -> str:
-    """The text form of a ``verify`` report."""
-    lines = [
-        f"checkpoint: {report['checkpoint']}",
-        (f"{report['items']} item(s) in {report['files']} file(s), {report['bytes']} bytes; "
-        f"{report['read']} read; optimizers: {', '.join(repr(o or '(top level)') for o in report['optimizers']) or 'none'}"),
-    ]
-    for name, loader in report.get("loaders", {}).items():
-        lines.append(f"optimizer {name or '(top level)'!r} loads with {loader}")
-    if report["crc_unchecked"]:
-        lines.append(f"{report['crc_unchecked']} item part(s) without a CRC-32 (read, not checksummed)")
-    for p in report["problems"]:
-        lines.append(f"problem: {p['key']}: {p['problem']}")
-    lines.append("OK" if report["ok"] else f"{len(report['problems'])} problem(s)")
-    return "\n".join(lines)
-
-
-# --------------------------------------------------------------------------- diff
-
-
-def _sig(s: dict[str, Any] | None) -> str:
-    if s is None:
-        return "absent"
-    return s["dtype"] if s["shape"] is None else f"{s['dtype']} {tuple(s['shape'])}"
-
-
-def format_diff(report: dict[str, Any]) -> str:
-    """The text form of a ``diff`` report."""
-    lines = [f"a: {report['a']}", f"b: {report['b']}"]
-    for name in report["optimizers_only_in_a"]:
-        lines.append(f"optimizer {name or '(top level)'}: only in a")
-    for name in report["optimizers_only_in_b"]:
-        lines.append(f"optimizer {name or '(top level)'}: only in b")
-    for opt in report["optimizers"]:
-        ka, kb = opt["key_a"] or "(top level)", opt["key_b"] or "(top level)"
-        lines.append(f"optimizer {ka}" + (f" -> {kb}:" if ka != kb else ":"))
-        for leaf in opt["leaves"]:
-            where = f"  leaf {leaf['name']!r}"
-            if "only_in" in leaf:
-                lines.append(f"{where}: only in {leaf['only_in']} ({leaf['groups']} group(s), {leaf['params']} params)")
-                continue
-            for g in leaf.get("groups", []):
-                gw = f"{where} group {g['index']}"
-                if "only_in" in g:
-                    lines.append(f"{gw}: only in {g['only_in']} ({g['params']} params)")
-                    continue
-                s = g.get("settings", {})
-                for k, (va, vb) in s.get("changed", {}).items():
-                    lines.append(f"{gw}: {k} {_fmt_value(va)} -> {_fmt_value(vb)}")
-                for k, v in s.get("removed", {}).items():
-                    lines.append(f"{gw}: {k} removed (was {_fmt_value(v)})")
-                for k, v in s.get("added", {}).items():
-                    lines.append(f"{gw}: {k} added ({_fmt_value(v)})")
-                if g.get("params_added"):
-                    lines.append(f"{gw}: +{len(g['params_added'])} param(s): {_fmt_names(g['params_added'])}")
-                if g.get("params_removed"):
-                    lines.append(f"{gw}: -{len(g['params_removed'])} param(s): {_fmt_names(g['params_removed'])}")
-            if leaf.get("gained_state"):
-                lines.append(f"{where}: {len(leaf['gained_state'])} param(s) gained state: {_fmt_names(leaf['gained_state'])}")
-            if leaf.get("lost_state"):
-                lines.append(f"{where}: {len(leaf['lost_state'])} param(s) lost state: {_fmt_names(leaf['lost_state'])}")
-            changes = leaf.get("state_changes", [])
-            for c in changes[:_LIST_LIMIT]:
-                lines.append(f"{where}: state {c['key']} of {c['fqn']!r}: {_sig(c['a'])} -> {_sig(c['b'])}")
-            if len(changes) > _LIST_LIMIT:
-                lines.append(f"{where}: ... {len(changes) - _LIST_LIMIT} more state change(s)")
-        if opt.get("params_only_in_a"):
-            lines.append(f"  {len(opt['params_only_in_a'])} param(s) only in a: {_fmt_names(opt['params_only_in_a'])}")
-        if opt.get("params_only_in_b"):
-            lines.append(f"  {len(opt['params_only_in_b'])} param(s) only in b: {_fmt_names(opt['params_only_in_b'])}")
-    n = report["differences"]
-    lines.append("no differences" if n == 0 else f"{n} difference(s)")
-    return "\n".join(lines)
-
-
-# --------------------------------------------------------------------------- entry point
 
 
 def _version() -> str:

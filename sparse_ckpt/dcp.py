@@ -296,8 +296,8 @@ class SparseLoadPlanner(DefaultLoadPlanner):
     ) -> None:
         """``allow_partial_load``: as ``DefaultLoadPlanner``'s, for the entries that are not optimizer dicts.
 
-        ``_all_weights_only`` (the library's own checkpoint reader): read *every* bytes item with
-        ``weights_only=True``, not only the optimizer's.
+        ``_all_weights_only`` (the VeOmni integration's stock-checkpoint migration): read *every*
+        bytes item with ``weights_only=True``, not only the optimizer's.
         """
         self._all_weights_only = _all_weights_only
         super().__init__(

@@ -13,6 +13,7 @@ __all__ = [
     "ReentrantSerializationError",
     "SparseCheckpointError",
     "UnsupportedStateDictError",
+    "UsageError",
 ]
 
 
@@ -39,3 +40,7 @@ class CheckpointFormatError(SparseCheckpointError):
 class CrossRankStateError(CheckpointMismatchError):
     """One rank's optimizer dict reached another rank (see :mod:`sparse_ckpt.origin`): a pickled
     dict loaded on another rank, or a ``state_dict()`` saved by the main process only."""
+
+
+class UsageError(Exception):
+    """A bad argument or destination given to the checkpoint tools or export (CLI exit status 2)."""

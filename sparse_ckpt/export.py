@@ -45,25 +45,9 @@ from torch.distributed.tensor import DTensor, distribute_tensor
 
 from ._version import __version__
 from .checkpoint_io import find_optimizers
-from .checkpoint_tools import (
-    BATCH_BYTES,
-    Group,
-    UsageError,
-    batches,
-    check_new_dir,
-    decode_tables,
-    dtype_name,
-    expand_scalar_tables,
-    named_groups,
-    open_checkpoint,
-    pack_flat_groups,
-    read_entries,
-    select_optimizers,
-    split_optimizer,
-)
 from .dcp import multi_rank
 from .decode import decode_group_tables, table_fqns
-from .errors import CheckpointFormatError
+from .errors import CheckpointFormatError, UsageError
 from .fqn import Model, build_fqn_map
 from .keys import (
     BUFFERS_PREFIX,
@@ -77,6 +61,21 @@ from .keys import (
 )
 from .leaves import SINGLE_LEAF
 from .load import load_owned
+from .tools.reader import (
+    BATCH_BYTES,
+    Group,
+    batches,
+    check_new_dir,
+    decode_tables,
+    dtype_name,
+    expand_scalar_tables,
+    named_groups,
+    open_checkpoint,
+    pack_flat_groups,
+    read_entries,
+    select_optimizers,
+    split_optimizer,
+)
 
 __all__ = [
     "EXPORT_FORMAT",

@@ -38,6 +38,7 @@ import torch.distributed as dist
 from torch import nn
 
 import sparse_ckpt as sc
+from sparse_ckpt import tools
 
 accelerate = pytest.importorskip(
     "accelerate", reason="accelerate is not installed (pip install --no-deps -r .ci/requirements-accelerate.txt)"
@@ -150,7 +151,7 @@ def drill(rank: int, world_size: int, root_dir: str) -> None:
              "scheduler": torch.optim.lr_scheduler.LambdaLR(adam, list(LAMBDAS))}
     run_block(doc_blocks()[0], names)
     assert integration.installed()
-    report = sc.inspect_checkpoint(root / "ckpt" / "accelerate" / "optimizer_0")["optimizers"][0]
+    report = tools.inspect_checkpoint(root / "ckpt" / "accelerate" / "optimizer_0")["optimizers"][0]
     assert (report["key"], report["format"], report["with_state"]) == ("optimizer", "packed", 0)
     integration.install()  # idempotent
     acc, model, opt, sched = prepared(world_size)

@@ -18,7 +18,7 @@ from helpers import assert_optimizer_equal, clone_state_dict, make_moe, snapshot
 from torch import nn
 
 import sparse_ckpt as sc
-from sparse_ckpt import buffers
+from sparse_ckpt import buffers, export, tools
 from sparse_ckpt.keys import BUFFERS_PREFIX, SCALARS_PREFIX
 
 pytestmark = pytest.mark.filterwarnings("ignore:torch.distributed is disabled:UserWarning")
@@ -322,7 +322,7 @@ def test_flat_format_has_no_buffers() -> None:
 def test_tools_understand_buffers(tmp_path: Path) -> None:
     """inspect and diff see buffered state as they see per-item state; verify reads and checks the
     buffers against their layouts; convert writes per-item state; export refuses, naming convert."""
-    from sparse_ckpt.checkpoint_tools import inspect_checkpoint, verify_checkpoint
+    from sparse_ckpt.tools import inspect_checkpoint, verify_checkpoint
 
     model, src = _trained("AdamW")
     for layout in ("per_tensor", "buffers"):
@@ -333,10 +333,10 @@ def test_tools_understand_buffers(tmp_path: Path) -> None:
             r.pop(field)
     assert reports["buffers"] == reports["per_tensor"]
     assert reports["buffers"]["leaves"][0]["state_keys"]["exp_avg"]["count"] == len(src.state)
-    assert sc.diff_checkpoints(tmp_path / "per_tensor", tmp_path / "buffers")["differences"] == 0
+    assert tools.diff_checkpoints(tmp_path / "per_tensor", tmp_path / "buffers")["differences"] == 0
     assert verify_checkpoint(tmp_path / "buffers")["ok"]
 
-    sc.convert_checkpoint(str(tmp_path / "buffers"), str(tmp_path / "converted"), "packed")
+    tools.convert_checkpoint(str(tmp_path / "buffers"), str(tmp_path / "converted"), "packed")
     keys = _dcp_items(tmp_path / "converted")
     assert not [k for k in keys if BUFFERS_PREFIX in k] and "optim.state.embed.weight.exp_avg" in keys
     model2, dst = _fresh(model, "AdamW")
@@ -344,14 +344,14 @@ def test_tools_understand_buffers(tmp_path: Path) -> None:
              planner=sc.SparseLoadPlanner())
     assert_optimizer_equal(dst, src, grads=False, state_order=False)
     with pytest.raises(sc.CheckpointFormatError, match="state_layout='buffers'.*convert the checkpoint first"):
-        sc.export_checkpoint(tmp_path / "buffers", tmp_path / "export")
+        export.export_checkpoint(tmp_path / "buffers", tmp_path / "export")
 
 
 @pytest.mark.parametrize("layout", ["per_tensor", "buffers"])
 def test_verify_reports_an_incomplete_checkpoint(tmp_path: Path, layout: str) -> None:
     from test_complete_or_refused import _drop_from_metadata
 
-    from sparse_ckpt.checkpoint_tools import verify_checkpoint
+    from sparse_ckpt.tools import verify_checkpoint
 
     model, src = _trained("AdamW")
     dcp.save({"optim": sc.SparseOptimizerState(model, src, state_layout=layout)}, checkpoint_id=tmp_path)

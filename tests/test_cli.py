@@ -21,7 +21,9 @@ from torch import nn
 
 import sparse_ckpt as sc
 from sparse_ckpt import cli
-from sparse_ckpt.checkpoint_tools import expand_scalar_tables, open_checkpoint, read_entries
+from sparse_ckpt.tools import inspect_checkpoint
+from sparse_ckpt.tools.inspect import expert_summary, id_ranges
+from sparse_ckpt.tools.reader import expand_scalar_tables, open_checkpoint, read_entries
 
 pytestmark = pytest.mark.filterwarnings("ignore:torch.distributed is disabled:UserWarning")
 
@@ -204,18 +206,16 @@ def test_inspect_params_and_expert_counts(
     plain = capsys.readouterr().out
     assert "experts with state: 2/3" in plain and "parameters without state" not in plain
 
-    report = sc.inspect_checkpoint(str(path), params=True)
+    report = inspect_checkpoint(str(path), params=True)
     leaves = {leaf["name"]: leaf for leaf in report["optimizers"][0]["leaves"]}
     [layer] = leaves["experts"]["experts"]
     assert layer == {"layer": "experts", "experts": 3, "with_state": 2, "partial": 0, "without_state": 1,
                      "without_state_ids": [2], "partial_ids": []}
     assert leaves["idle"]["params_without_state"] == ["experts.3.up.weight", "experts.3.up.bias", "experts.3.down.weight"]
-    assert "params_without_state" not in sc.inspect_checkpoint(str(path))["optimizers"][0]["leaves"][0]
+    assert "params_without_state" not in inspect_checkpoint(str(path))["optimizers"][0]["leaves"][0]
 
 
 def test_expert_summary_layers_and_partial_experts() -> None:
-    from sparse_ckpt.checkpoint_tools import expert_summary
-
     fqns = [f"model.layers.{layer}.mlp.experts.{e}.{w}" for layer in (10, 2) for e in range(4) for w in ("w1", "w2")]
     fqns += ["model.layers.2.mlp.shared_experts.w1", "model.layers.2.attn.q.weight"]  # not routed experts
     stateful = {f for f in fqns if ".experts.0." in f or ".experts.3.w1" in f or "layers.10.mlp.experts.1." in f}
@@ -227,10 +227,10 @@ def test_expert_summary_layers_and_partial_experts() -> None:
 
 def test_expert_ids_as_ranges_in_text_only(tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
     """``--params`` text compresses runs of expert ids (``0-3, 7, 9-199``); ``--json`` keeps every id."""
-    assert cli._ids([]) == ""
-    assert cli._ids([5]) == "5"
-    assert cli._ids([0, 1, 2, 3, 7, 9, 10]) == "0-3, 7, 9-10"
-    assert cli._ids([1, 3, 5]) == "1, 3, 5"
+    assert id_ranges([]) == ""
+    assert id_ranges([5]) == "5"
+    assert id_ranges([0, 1, 2, 3, 7, 9, 10]) == "0-3, 7, 9-10"
+    assert id_ranges([1, 3, 5]) == "1, 3, 5"
 
     model = nn.Module()
     model.experts = nn.ModuleList(nn.Linear(1, 1, bias=False) for _ in range(200))

@@ -27,7 +27,7 @@ from torch import nn
 from torch.distributed.tensor import DTensor
 
 import sparse_ckpt as sc
-from sparse_ckpt import inspect_checkpoint
+from sparse_ckpt.tools import inspect_checkpoint
 
 pytestmark = [
     pytest.mark.filterwarnings("ignore:torch.distributed is disabled:UserWarning"),

@@ -21,7 +21,7 @@ from torch import nn
 from torch.distributed.checkpoint.state_dict import get_optimizer_state_dict, set_optimizer_state_dict
 
 import sparse_ckpt as sc
-from sparse_ckpt import cli
+from sparse_ckpt import cli, tools
 from sparse_ckpt.nested import nested_kind, nested_to_sparse
 from sparse_ckpt.origin import ORIGIN_KEY
 
@@ -237,7 +237,7 @@ def test_cli_reads_and_converts_a_nested_checkpoint(
     assert cli.main(["convert", str(path), str(converted), "--to", "packed"]) == 0
     capsys.readouterr()
     assert cli.main(["diff", str(path), str(converted), "--exit-code"]) == 0
-    assert sc.inspect_checkpoint(converted)["optimizers"][0]["format"] == "packed"
+    assert tools.inspect_checkpoint(converted)["optimizers"][0]["format"] == "packed"
     model = Net(seed=1)
     opt = adamw(model, lr=0.5)
     dcp.load({"optimizer": sc.SparseOptimizerState(model, opt)}, checkpoint_id=str(converted), planner=sc.SparseLoadPlanner(), no_dist=True)

@@ -32,7 +32,7 @@ from torch import nn
 from torch.distributed.tensor import DTensor
 
 import sparse_ckpt as sc
-from sparse_ckpt.checkpoint_tools import UsageError, open_checkpoint, read_entries, verify_checkpoint
+from sparse_ckpt.errors import UsageError
 from sparse_ckpt.export import (
     FIRST_FQNS,
     MANIFEST_FILE,
@@ -42,6 +42,8 @@ from sparse_ckpt.export import (
     manifest_text,
     read_export,
 )
+from sparse_ckpt.tools import verify_checkpoint
+from sparse_ckpt.tools.reader import open_checkpoint, read_entries
 
 pytestmark = [
     pytest.mark.filterwarnings("ignore:torch.distributed is disabled:UserWarning"),

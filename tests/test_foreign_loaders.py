@@ -20,6 +20,7 @@ from torch.distributed.checkpoint import CheckpointException, DefaultLoadPlanner
 from torch.distributed.checkpoint.state_dict import StateDictOptions, get_optimizer_state_dict
 
 import sparse_ckpt as sc
+from sparse_ckpt import tools
 from sparse_ckpt.keys import NESTED_GUARD_KEY, foreign_guard_keys, is_foreign_guard
 
 
@@ -84,7 +85,7 @@ def test_without_guards_a_partial_foreign_load_is_silently_wrong(tmp_path: Path)
         dcp.load(target, checkpoint_id=str(tmp_path / "bare"), planner=DefaultLoadPlanner(allow_partial_load=True))
     assert target["optimizer"]["param_groups.vision.weight.lr"] == 0.01  # not the saved 0.0025
     assert int(target["optimizer"]["state.experts.0.weight.step"]) == 1  # invented, not the saved 3
-    report = sc.inspect_checkpoint(tmp_path / "bare")["optimizers"][0]
+    report = tools.inspect_checkpoint(tmp_path / "bare")["optimizers"][0]
     assert report["foreign_guards"] == 0 and "no foreign-loader guard" in report["loader"]
 
 
@@ -108,8 +109,8 @@ def test_own_loaders_skip_the_guards(tmp_path: Path) -> None:
     sc.SparseOptimizerState(model3, opt3).load_state_dict(sd)
     assert opt3["vision"].param_groups[0]["lr"] == 0.0025 and not opt3["vision"].state
 
-    report = sc.inspect_checkpoint(tmp_path)["optimizers"][0]
+    report = tools.inspect_checkpoint(tmp_path)["optimizers"][0]
     assert report["foreign_guards"] == 3 and "other loaders are refused" in report["loader"]
     assert report["items"] == len([k for k in md.state_dict_metadata if k.startswith("optimizer.")]) - 3 - 1  # guards, planner guard
-    verify = sc.verify_checkpoint(tmp_path)
+    verify = tools.verify_checkpoint(tmp_path)
     assert verify["ok"] and "SparseLoadPlanner" in verify["loaders"]["optimizer"]

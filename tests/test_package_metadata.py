@@ -27,7 +27,7 @@ from urllib.request import url2pathname
 import pytest
 
 import sparse_ckpt
-from sparse_ckpt import checkpoint_tools, export
+from sparse_ckpt import errors, export, tools
 
 ROOT = Path(__file__).resolve().parents[1]
 PACKAGE = Path(sparse_ckpt.__file__).resolve().parent
@@ -169,13 +169,16 @@ def test_public_names_resolve_and_are_documented() -> None:
         assert re.search(rf"\b{re.escape(name)}\b", doc), f"{name} is not in the module docstring"
 
 
-def test_reexports_are_the_modules_objects() -> None:
+def test_tools_and_export_are_submodules() -> None:
+    """The checkpoint tools and the export live in their submodules, not at the top level."""
+    assert tools.__all__ == ["convert_checkpoint", "diff_checkpoints", "inspect_checkpoint", "verify_checkpoint"]
+    for name in tools.__all__:
+        assert getattr(tools, name).__module__ == f"sparse_ckpt.tools.{name.split('_')[0].removesuffix('s')}"
     for name in ("export_checkpoint", "load_export", "read_export"):
-        assert getattr(sparse_ckpt, name) is getattr(export, name)
         assert name in export.__all__
-    for name in ("inspect_checkpoint", "verify_checkpoint", "diff_checkpoints", "convert_checkpoint", "UsageError"):
-        assert getattr(sparse_ckpt, name) is getattr(checkpoint_tools, name)
-        assert name in checkpoint_tools.__all__
+    assert "UsageError" in errors.__all__
+    for name in (*tools.__all__, "export_checkpoint", "load_export", "read_export", "UsageError"):
+        assert not hasattr(sparse_ckpt, name) and name not in sparse_ckpt.__all__
 
 
 def test_import_does_not_load_safetensors() -> None:

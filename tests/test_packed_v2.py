@@ -30,17 +30,11 @@ from torch.distributed.checkpoint import CheckpointException
 import sparse_ckpt as sc
 from sparse_ckpt import _backend
 from sparse_ckpt._tensor_parts import parts_to_tensor, tensor_to_parts
-from sparse_ckpt.checkpoint_tools import (
-    convert_checkpoint,
-    diff_checkpoints,
-    inspect_checkpoint,
-    open_checkpoint,
-    read_entries,
-    verify_checkpoint,
-)
 from sparse_ckpt.errors import CheckpointFormatError, CheckpointMismatchError
 from sparse_ckpt.keys import KEYS_ENTRY, SCALARS_PREFIX, check_table, scalar_table_key
 from sparse_ckpt.load import load_owned
+from sparse_ckpt.tools import convert_checkpoint, diff_checkpoints, inspect_checkpoint, verify_checkpoint
+from sparse_ckpt.tools.reader import open_checkpoint, read_entries
 
 pytestmark = pytest.mark.filterwarnings("ignore:torch.distributed is disabled")
 
@@ -657,8 +651,7 @@ def test_export_round_trips_scalars(both_versions: tuple[Path, Path, nn.Module, 
 
 
 def test_cli_inspect_names_the_scalar_tables(both_versions: tuple[Path, Path, nn.Module, Any]) -> None:
-    from sparse_ckpt.checkpoint_tools import inspect_details
-    from sparse_ckpt.cli import format_inspect
+    from sparse_ckpt.tools.inspect import format_inspect, inspect_details
 
     _p1, p2, _model, opt = both_versions
     with warnings.catch_warnings():

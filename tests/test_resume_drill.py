@@ -25,7 +25,7 @@ from _dist import guarded
 
 import sparse_ckpt as sc
 from bench import resume
-from sparse_ckpt import inspect_checkpoint
+from sparse_ckpt.tools import inspect_checkpoint
 
 pytestmark = [
     pytest.mark.filterwarnings("ignore::UserWarning", "ignore::FutureWarning"),

@@ -1,0 +1,436 @@
+"""The shared checkpoint reader of the tools and of :mod:`sparse_ckpt.export`.
+
+Opens a DCP checkpoint without a model (:func:`open_checkpoint`), reads chosen items in this
+process a bounded number of bytes at a time (:func:`read_entries`, :func:`batches`) and decodes
+one optimizer's entries into its groups and per-FQN state (:func:`split_optimizer`, :class:`Group`).
+
+Reading never runs code from the checkpoint beyond DCP's own ``.metadata`` unpickling:
+optimizer items are read with ``torch.load(weights_only=True)``; other bytes items are either
+not unpickled at all (``raw_keys``) or read as DCP reads them (``unpickle_keys``: ``convert``
+must copy them). Settings and tables are read; per-item state is seen through its DCP metadata.
+The scalars of scalar tables (packed version 2) lead each parameter's state as on load, so a
+version-1 and a version-2 checkpoint of one optimizer read the same. The table format is
+specified in docs/formats.md.
+"""
+
+from __future__ import annotations
+
+import io
+import math
+import os
+import warnings
+from collections.abc import Collection, Iterable, Iterator, Mapping
+from typing import Any
+
+import torch
+import torch.distributed.checkpoint as dcp
+from torch.distributed.checkpoint import CheckpointException, DefaultLoadPlanner, FileSystemReader
+from torch.distributed.checkpoint.metadata import Metadata, StorageMeta, TensorStorageMetadata
+from torch.distributed.checkpoint.planner import ReadItem
+
+from .. import _backend
+from .._tensor_parts import tensor_to_parts
+from ..buffers import layout_view
+from ..checkpoint_io import METADATA_FILE, NotACheckpointError, OptimizerEntries, read_metadata, set_path
+from ..dcp import SparseLoadPlanner, weights_only_item
+from ..decode import check_complete, decode_group_tables, decode_scalar_tables, merge_scalars
+from ..errors import CheckpointFormatError, SparseCheckpointError, UsageError
+from ..keys import (
+    BUFFERS_PREFIX,
+    PACKED_PREFIX,
+    SCALARS_PREFIX,
+    escape_part,
+    is_buffer_item,
+    is_flat_part,
+    is_plain_part,
+    is_state_item,
+    is_table_key,
+    packed_table_key,
+    state_key,
+)
+from ..leaves import SINGLE_LEAF
+from ..nested import NESTED_KEYS, nested_to_sparse
+
+__all__ = [
+    "BATCH_BYTES",
+    "FLAT_LEAF_IN_MIXED",
+    "Group",
+    "batches",
+    "check_new_dir",
+    "decode_tables",
+    "dtype_name",
+    "entry_values",
+    "expand_scalar_tables",
+    "item_bytes",
+    "loader_needed",
+    "named_groups",
+    "one_line",
+    "open_checkpoint",
+    "optimizer_format",
+    "optimizer_values",
+    "pack_flat_groups",
+    "read_entries",
+    "read_keys",
+    "select_optimizers",
+    "sparse_values",
+    "split_optimizer",
+]
+FLAT_LEAF_IN_MIXED = "(flat entries)"
+"""Leaf name shown for flat ``param_groups`` entries in a checkpoint that also has packed tables."""
+
+
+BATCH_BYTES = 256 << 20
+"""Tensor bytes read per ``dcp.load`` call when a command reads every item (bounded memory)."""
+
+
+def open_checkpoint(path: str | os.PathLike[str]) -> Metadata:
+    """The checkpoint's DCP metadata.
+
+    :class:`NotACheckpointError` when ``path`` is no directory or has no ``.metadata``;
+    :class:`CheckpointFormatError` when ``.metadata`` cannot be read (garbage, truncated, another
+    format), with a one-line reason.
+    """
+    try:
+        metadata = read_metadata(path)
+    except NotACheckpointError:
+        raise
+    except Exception as exc:  # noqa: BLE001 - whatever DCP's unpickler raises on garbage
+        raise CheckpointFormatError(
+            f"{os.path.join(os.fspath(path), METADATA_FILE)!r} cannot be read ({one_line(exc)}): "
+            "corrupt, or not a DCP checkpoint"
+        ) from None
+    if not isinstance(metadata, Metadata) or not isinstance(metadata.state_dict_metadata, Mapping):
+        raise CheckpointFormatError(
+            f"{os.path.join(os.fspath(path), METADATA_FILE)!r} holds a {type(metadata).__name__}, not DCP metadata"
+        )
+    return metadata
+
+
+def one_line(exc: BaseException, limit: int = 300) -> str:
+    """``Type: first line of the message`` (at most ``limit`` characters)."""
+    text = str(exc).strip().splitlines()
+    line = f"{type(exc).__name__}: {text[0]}" if text else type(exc).__name__
+    return line if len(line) <= limit else line[: limit - 3] + "..."
+
+
+def _unwrap(exc: BaseException) -> BaseException:
+    """The first rank's original exception inside DCP's ``CheckpointException``."""
+    failures = getattr(exc, "failures", None)
+    if isinstance(failures, Mapping) and failures:
+        first = next(iter(failures.values()))
+        inner = first[0] if isinstance(first, tuple) and first else first
+        if isinstance(inner, BaseException):
+            return inner
+    return exc
+
+
+class _CachedReader(FileSystemReader):
+    """A ``FileSystemReader`` that serves metadata already read (``.metadata`` is unpickled once)."""
+
+    def __init__(self, path: str | os.PathLike[str], metadata: Metadata) -> None:
+        super().__init__(os.fspath(path))
+        self._metadata = metadata
+
+    def read_metadata(self, *args: Any, **kwargs: Any) -> Metadata:
+        """The cached metadata, stamped with this reader's load id as DCP's reader does."""
+        if getattr(self._metadata, "storage_meta", None) is None:
+            self._metadata.storage_meta = StorageMeta()
+        self._metadata.storage_meta.load_id = self.load_id
+        return self._metadata
+
+
+class _ItemPlanner(SparseLoadPlanner):
+    """Reads bytes items without running pickled code.
+
+    Keys in ``raw_keys`` are not unpickled at all (their bytes land in :attr:`raw`); keys in
+    ``unpickle_keys`` are read as DCP reads them (``convert`` must copy model extras); every other
+    bytes item goes through ``torch.load(weights_only=True)`` (packed tables must be ``bytes``).
+    """
+
+    def __init__(self, raw_keys: Collection[str] = (), unpickle_keys: Collection[str] = ()) -> None:
+        super().__init__()
+        self.raw_keys = raw_keys
+        self.unpickle_keys = unpickle_keys
+        self.raw: dict[str, bytes] = {}
+
+    def load_bytes(self, read_item: ReadItem, value: io.BytesIO) -> None:
+        """See the class docstring."""
+        key = read_item.dest_index.fqn
+        if key in self.raw_keys:
+            self.raw[key] = value.read()
+        elif key in self.unpickle_keys:
+            DefaultLoadPlanner.load_bytes(self, read_item, value)
+        else:
+            DefaultLoadPlanner.load_bytes(self, read_item, weights_only_item(key, value, table=is_table_key(key)))
+
+
+def item_bytes(md: Any) -> int:
+    """Bytes a tensor item occupies in memory (0 for a bytes item)."""
+    if isinstance(md, TensorStorageMetadata):
+        return math.prod(md.size) * md.properties.dtype.itemsize
+    return 0
+
+
+def read_entries(
+    path: str | os.PathLike[str],
+    metadata: Metadata,
+    keys: Iterable[str],
+    *,
+    raw_keys: Collection[str] = (),
+    unpickle_keys: Collection[str] = (),
+) -> dict[str, Any]:
+    """Read the given flattened keys in this process: ``{key: tensor, object or raw bytes}``.
+
+    Tensors come back as full CPU tensors (DCP reassembles sharded items). Bytes items are read
+    as :class:`_ItemPlanner` says (by default ``weights_only=True``). A failure is a
+    :class:`CheckpointFormatError` with one line of reason (a missing data file, a truncated item,
+    ...); errors of sparse_ckpt's own checks pass through as they are.
+    """
+    target: dict[str, Any] = {}
+    for key in keys:
+        md = metadata.state_dict_metadata[key]
+        target[key] = torch.empty(tuple(md.size), dtype=md.properties.dtype) if isinstance(md, TensorStorageMetadata) else None
+    if not target:
+        return target
+    planner = _ItemPlanner(raw_keys, unpickle_keys)
+    try:
+        with warnings.catch_warnings():
+            warnings.simplefilter("ignore", UserWarning)  # "assuming the intent is to load in a single process"
+            dcp.load(target, storage_reader=_CachedReader(path, metadata), planner=planner, no_dist=True)
+    except (CheckpointException, Exception) as exc:  # noqa: BLE001 - CheckpointException is a BaseException
+        inner = _unwrap(exc)
+        if isinstance(inner, SparseCheckpointError):
+            raise inner from None
+        what = f"item {next(iter(target))!r}" if len(target) == 1 else f"{len(target)} items"
+        raise CheckpointFormatError(f"cannot read {what} of {os.fspath(path)!r}: {one_line(inner)}") from None
+    target.update(planner.raw)
+    return target
+
+
+def batches(metadata: Metadata, keys: Iterable[str], limit: int = BATCH_BYTES) -> Iterator[list[str]]:
+    """``keys`` in order, cut into lists of at most ``limit`` tensor bytes (an item above it alone)."""
+    batch: list[str] = []
+    size = 0
+    for key in keys:
+        n = item_bytes(metadata.state_dict_metadata[key])
+        if batch and size + n > limit:
+            yield batch
+            batch, size = [], 0
+        batch.append(key)
+        size += n
+    if batch:
+        yield batch
+
+
+class Group:
+    """One decoded param group: settings (Python values), their encoded bytes, and its FQNs."""
+
+    def __init__(self, settings: dict[str, Any], blob: bytes) -> None:
+        self.settings = settings
+        self.blob = blob
+        self.fqns: list[str] = []
+        self.settings_vary = False
+
+
+def decode_tables(values: Mapping[str, Any]) -> dict[str, list[Group]]:
+    """Packed tables among ``values`` -> ``leaf -> groups`` (tables of one leaf merged by group index)."""
+    tables = {inner[len(PACKED_PREFIX) :]: v for inner, v in values.items() if inner.startswith(PACKED_PREFIX)}
+    leaves: dict[str, list[Group]] = {}
+    for table in decode_group_tables(tables):
+        merged = leaves.setdefault(table.leaf, [])
+        for gi, (idx, fqns) in enumerate(table.groups):
+            if gi == len(merged):
+                merged.append(Group(table.settings[idx], table.blobs[idx]))
+            elif merged[gi].blob != table.blobs[idx]:
+                merged[gi].settings_vary = True
+            merged[gi].fqns.extend(fqns)
+    return leaves
+
+
+def flat_groups(settings_by_fqn: Mapping[str, dict[str, Any]]) -> list[Group]:
+    """Flat settings -> one group per distinct settings, in order of first appearance."""
+    core = _backend.core
+    groups: dict[bytes, Group] = {}
+    for fqn, raw in settings_by_fqn.items():
+        blob = core.encode_settings(f"flat:{fqn}", 0, raw, torch.Tensor, tensor_to_parts)
+        group = groups.get(blob)
+        if group is None:
+            group = groups[blob] = Group(raw, blob)
+        group.fqns.append(fqn)
+    return list(groups.values())
+
+
+def split_optimizer(values: Mapping[str, Any]) -> tuple[dict[str, list[Group]], list[Group], dict, list[str]]:
+    """``(packed leaves, flat groups, state_by_fqn, unmatched keys)`` of one optimizer's entries.
+
+    Per-item state values and buffers may be DCP metadata objects instead of tensors (only their
+    keys, dtypes and sizes matter here); tables and layout tables must be their bytes. Scalars
+    (values: CPU tensors and Python scalars) lead each FQN's state as on load; buffered state
+    appears as per-item metadata (:func:`~sparse_ckpt.buffers.layout_view`). A state key that a
+    scalar table records for a parameter but no entry holds is a :class:`CheckpointMismatchError`
+    (an incomplete checkpoint).
+    """
+    leaves = decode_tables(values)
+    known = {fqn: fqn for groups in leaves.values() for g in groups for fqn in g.fqns}
+    settings_by_fqn, state_by_fqn, _tables, scalar_tables, unmatched = _backend.core.unflatten(values, known)
+    buffer_keys = [k for k in unmatched if k.startswith(BUFFERS_PREFIX)]
+    unmatched = [k for k in unmatched if not k.startswith(BUFFERS_PREFIX)]
+    for fqn, entries in layout_view(buffer_keys, values).items():
+        state_by_fqn.setdefault(fqn, {}).update(entries)
+    if scalar_tables:
+        keys_of: dict[str, Any] = {}
+        scalars_of = decode_scalar_tables(
+            scalar_tables, is_known=lambda f: f in known or f in settings_by_fqn, unmatched=unmatched, keys_of=keys_of
+        )
+        state_by_fqn = merge_scalars(state_by_fqn, scalars_of)
+        check_complete(state_by_fqn, keys_of, keys_of)
+    return leaves, flat_groups(settings_by_fqn), state_by_fqn, unmatched
+
+
+def named_groups(leaves: dict[str, list[Group]], flat: list[Group]) -> list[tuple[str, list[Group]]]:
+    """Packed leaves plus the flat groups as one more leaf (``optim``, or ``(flat entries)`` when mixed)."""
+    named = list(leaves.items())
+    if flat:
+        named.append((FLAT_LEAF_IN_MIXED if leaves else SINGLE_LEAF, flat))
+    return named
+
+
+def optimizer_format(opt: OptimizerEntries, leaves: Mapping[str, Any], flat: list[Group]) -> str:
+    """How ``opt`` is stored: ``nested`` (torch DSD), ``mixed``, ``packed`` or ``flat``."""
+    return "nested" if opt.nested else "mixed" if leaves and flat else "packed" if leaves else "flat"
+
+
+def select_optimizers(found: list[OptimizerEntries], key: str | None) -> list[OptimizerEntries]:
+    """``found`` (``key=None``) or the one optimizer named ``key`` (:class:`UsageError` if none)."""
+    if key is None:
+        return found
+    chosen = [opt for opt in found if opt.name == key]
+    if not chosen:
+        names = ", ".join(repr(o.name) for o in found) or "none"
+        raise UsageError(f"no optimizer entries under key {key!r} (found: {names})")
+    return chosen
+
+
+def read_keys(opt: OptimizerEntries) -> list[str]:
+    """The flattened keys of ``opt``'s entries that the tools read: every entry but the per-item
+    state values (:func:`~sparse_ckpt.keys.is_state_item`) and buffers
+    (:func:`~sparse_ckpt.keys.is_buffer_item`), whose DCP metadata is enough."""
+    return [flat for inner, flat in opt.inner.items() if not (is_state_item(inner) or is_buffer_item(inner))]
+
+
+def entry_values(opt: OptimizerEntries, metadata: Metadata, read: Mapping[str, Any]) -> dict[str, Any]:
+    """``opt``'s entries by inner key: per-item state as its DCP metadata, every other entry as
+    read (``read``: flattened key -> value; entries missing from it are left out); DSD's nested
+    entries rewritten into their packed equivalent (:func:`sparse_values`)."""
+    values: dict[str, Any] = {}
+    for inner, flat in opt.inner.items():
+        if is_state_item(inner) or is_buffer_item(inner):
+            values[inner] = metadata.state_dict_metadata[flat]
+        elif flat in read:
+            values[inner] = read[flat]
+    return sparse_values(opt, values)
+
+
+def sparse_values(opt: OptimizerEntries, values: Mapping[str, Any]) -> dict[str, Any]:
+    """``values`` (``opt``'s entries by inner key) with torch DSD's nested entries rebuilt into
+    their dict and rewritten into its packed equivalent (:func:`sparse_ckpt.nested.nested_to_sparse`:
+    one group table of leaf ``optim``, ``state.{fqn}.{key}`` entries); any other entry as it is."""
+    if not opt.nested:
+        return dict(values)
+    out: dict[str, Any] = {}
+    root: dict[str, Any] = {NESTED_KEYS[0]: {}, NESTED_KEYS[1]: []}
+    for inner, value in values.items():
+        rel = opt.nested.get(inner)
+        if rel is None:
+            out[inner] = value
+        else:
+            set_path(root, rel, value)
+    out.update(nested_to_sparse(root))
+    return out
+
+
+def optimizer_values(path: str | os.PathLike[str], metadata: Metadata, opt: OptimizerEntries) -> dict[str, Any]:
+    """One optimizer's entries: settings and tables read, per-item ``state.*`` as their DCP metadata."""
+    return entry_values(opt, metadata, read_entries(path, metadata, read_keys(opt)))
+
+
+def expand_scalar_tables(values: Mapping[str, Any], *, flat: bool) -> dict[str, Any]:
+    """The scalar tables among ``values`` as the per-item entries (``state.{fqn}.{key}``) of
+    packed version 1, FQN by FQN, each FQN's in its saved order; every entry gets its own tensor.
+
+    ``flat=True``: a key the flat layout cannot hold is a :class:`CheckpointFormatError`;
+    otherwise it is escaped (packed). A key that ``values`` already holds is a
+    :class:`CheckpointFormatError` (a scalar also saved per item).
+    """
+    tables = {k[len(SCALARS_PREFIX) :]: v for k, v in values.items() if k.startswith(SCALARS_PREFIX)}
+    if not tables:
+        return {}
+    for k, v in tables.items():
+        if not isinstance(v, bytes):
+            raise CheckpointFormatError(f"scalar table '{SCALARS_PREFIX}{k}' is a {type(v).__name__}, expected bytes")
+    out: dict[str, Any] = {}
+    state = merge_scalars({}, decode_scalar_tables(tables))
+    for fqn, scalars in state.items():
+        for key, value in scalars.items():
+            if is_flat_part(key) if flat else is_plain_part(key):
+                part = key
+            elif flat:
+                raise CheckpointFormatError(
+                    f"scalar state {key!r} of {fqn!r} cannot be written in the flat format (a key must be a str "
+                    "without '.')"
+                )
+            else:
+                part = escape_part(key)
+            item = state_key(fqn, part)
+            if item in values:
+                raise CheckpointFormatError(
+                    f"state key {key!r} of {fqn!r} is both in a scalar table and the per-item entry {item!r} "
+                    "(corrupt or edited checkpoint)"
+                )
+            out[item] = value
+    return out
+
+
+def pack_flat_groups(flat: list[Group], leaf: str, leaves: Mapping[str, Any]) -> dict[str, bytes]:
+    """Flat groups as one packed table of leaf ``leaf``: ``{table key: table}``."""
+    if leaf in leaves:
+        raise UsageError(f"leaf {leaf!r} already has packed tables; pick another --leaf")
+    table = _backend.core.encode_table(leaf, [(g.settings, g.fqns) for g in flat], torch.Tensor, tensor_to_parts)
+    return {packed_table_key(leaf, table): table}
+
+
+LOADER = "sparse_ckpt: dcp.load(..., planner=sparse_ckpt.SparseLoadPlanner()) into a SparseOptimizerState or MultiOptimizer"
+
+
+def loader_needed(summary: Mapping[str, Any]) -> str:
+    """Which loader restores an optimizer that :func:`inspect_checkpoint` summarised, and what others do."""
+    if summary["format"] == "nested":
+        dsd = "torch DSD's set_optimizer_state_dict (it wrote it)"
+        if summary["without_state"]:
+            dsd += f", which would invent state for its {summary['without_state']} parameter(s) without state"
+        return f"{LOADER} (read by FQN, nothing invented; `convert --to packed` migrates it), or {dsd}"
+    if summary["format"] == "flat":
+        if summary["without_state"]:
+            return (
+                f"{LOADER}; torch DSD's set_optimizer_state_dict(flatten_optimizer_state_dict=True) would invent state "
+                f"for its {summary['without_state']} parameter(s) without state"
+            )
+        return f"{LOADER}, or torch DSD's set_optimizer_state_dict(flatten_optimizer_state_dict=True)"
+    if summary["foreign_guards"]:
+        return f"{LOADER}; other loaders are refused while planning (foreign-loader guards)"
+    return (
+        f"{LOADER}; it has no foreign-loader guard (written by sparse_state_dict() directly, or by sparse_ckpt before "
+        "guards): a loader that does not know the format and uses allow_partial_load=True would silently miss its "
+        "settings and scalar state"
+    )
+
+
+def dtype_name(dtype: torch.dtype) -> str:
+    """``torch.float32`` -> ``"float32"`` (how reports name dtypes)."""
+    return str(dtype).removeprefix("torch.")
+
+
+def check_new_dir(path: str | os.PathLike[str]) -> None:
+    """:class:`UsageError` unless ``path`` does not exist or is an empty directory."""
+    if os.path.exists(path) and (not os.path.isdir(path) or os.listdir(path)):
+        raise UsageError(f"destination {os.fspath(path)!r} exists and is not an empty directory")
