@@ -36,6 +36,7 @@ from .keys import (
     check_table,
     escape_part,
     is_plain_part,
+    layout_tag,
     split_buffers_key,
     unescape_part,
 )
@@ -198,7 +199,7 @@ def split_items(keys: Iterable[str], flat: Mapping[str, Any]) -> dict[str, _Leaf
 
 
 def layout_key(leaf: str, ranks: str) -> str:
-    return f"{BUFFERS_PREFIX}{leaf}.L{ranks}"
+    return f"{BUFFERS_PREFIX}{leaf}.{layout_tag(ranks)}"
 
 
 def buffer_key(leaf: str, ranks: str, bucket: int) -> str:

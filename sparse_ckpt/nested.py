@@ -31,7 +31,7 @@ from .errors import CheckpointFormatError
 from .keys import packed_table_key
 from .leaves import SINGLE_LEAF
 
-__all__ = ["NESTED_KEYS", "is_nested_layout", "nested_kind", "nested_to_sparse"]
+__all__ = ["NESTED_KEYS", "nested_kind", "nested_to_sparse"]
 
 NESTED_KEYS = ("state", "param_groups")
 """The two entries of a torch optimizer state dict (``Optimizer.state_dict()`` and DSD's nested one)."""
@@ -55,11 +55,6 @@ def nested_kind(sd: Any) -> str | None:
     if any(isinstance(k, int) for k in keys) or not keys:
         return "ids"
     return "fqn"
-
-
-def is_nested_layout(sd: Any) -> bool:
-    """``True`` for DSD's nested FQN-keyed optimizer dict (see :func:`nested_kind`)."""
-    return nested_kind(sd) == "fqn"
 
 
 def nested_to_sparse(sd: Mapping[str, Any], *, leaf: str = SINGLE_LEAF) -> dict[str, Any]:

@@ -1,0 +1,136 @@
+"""Peak memory of ``export_checkpoint``: its streaming safetensors writer vs ``safetensors.torch.save_file``.
+
+    python -m bench.export_memory                              # 61x256, 64x64 weights (~20 min on 2 cores)
+    python -m bench.export_memory --scale 4x16 --hidden 16     # seconds
+
+Builds the bench fixture (DeepSeek-V3 shaped MoE, AdamW with state for the dense parameters and
+half the experts, one group per layer), saves it with ``dcp.save`` of a ``SparseOptimizerState``,
+then exports it once per variant, each in a fresh interpreter that does nothing else:
+
+* ``stream``: :func:`sparse_ckpt.export.export_checkpoint` as shipped (state read
+  ``batch_bytes`` at a time, each batch written and dropped);
+* ``save_file``: the same export with the writer replaced by "collect every tensor into a dict,
+  then ``safetensors.torch.save_file``" (what using the library directly means).
+
+Per variant: the peak RSS of the child (``resource.getrusage(RUSAGE_SELF).ru_maxrss``), its RSS
+just before the export (``/proc/self/statm``), the difference (what the export added at its
+peak) and the wall time. Tensor memory is allocated by torch outside Python's allocator, so
+``tracemalloc`` would miss it; RSS is the figure that counts. Results as JSON (``--out``).
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import resource
+import shutil
+import subprocess
+import sys
+import tempfile
+import time
+from collections.abc import Iterable, Mapping
+from typing import Any
+
+VARIANTS = ("stream", "save_file")
+LEAF = "optim"
+
+
+def _rss_bytes() -> int:
+    with open("/proc/self/statm") as f:
+        return int(f.read().split()[1]) * os.sysconf("SC_PAGE_SIZE")
+
+
+def _save_file_writer(path: str, layout: Any, tensors: Iterable[tuple[str, Any]], metadata: Mapping[str, str]) -> int:
+    """Drop-in for the export's streaming writer: every tensor into one dict, then the library."""
+    from safetensors.torch import save_file
+
+    save_file(dict(tensors), path, metadata=dict(metadata))
+    return os.path.getsize(path)
+
+
+def child(variant: str, ckpt: str, out: str) -> dict[str, Any]:
+    """Export ``ckpt`` to ``out`` with ``variant``'s writer; memory and time of the export."""
+    import safetensors.torch  # noqa: F401 - imported before the baseline, like the export's own imports
+
+    from sparse_ckpt import export
+
+    if variant == "save_file":
+        export._write_safetensors = _save_file_writer  # type: ignore[assignment]
+    before = _rss_bytes()
+    t0 = time.perf_counter()
+    summary = export.export_checkpoint(ckpt, out, key=LEAF)
+    seconds = time.perf_counter() - t0
+    peak = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024  # KiB on Linux
+    return {
+        "variant": variant,
+        "rss_before": before,
+        "peak_rss": peak,
+        "export_peak": peak - before,
+        "seconds": seconds,
+        "tensors": summary.tensors,
+        "tensor_bytes": summary.tensor_bytes,
+        "file_bytes": summary.file_bytes,
+    }
+
+
+def build_checkpoint(scale: str, hidden: int, path: str) -> dict[str, Any]:
+    """Save the bench fixture's optimizer at ``scale`` with ``dcp.save``; its sizes."""
+    import sparse_ckpt as sc
+
+    from .fixtures import FixtureCache, parse_scales
+    from .measure import dcp_save
+
+    fx = FixtureCache(hidden=hidden).get(parse_scales(scale)[0], "layer")
+    dcp_save({LEAF: sc.SparseOptimizerState(fx.model, fx.optimizer)}, path)
+    return dict(fx.info)
+
+
+def mib(n: int) -> str:
+    return f"{n / 2**20:.0f} MiB"
+
+
+def main(argv: list[str] | None = None) -> int:
+    parser = argparse.ArgumentParser(prog="python -m bench.export_memory", description=__doc__.splitlines()[0])
+    parser.add_argument("--scale", default="61x256", help="LAYERSxEXPERTS (default: %(default)s)")
+    parser.add_argument("--hidden", type=int, default=64, help="weights are HIDDENxHIDDEN (default: %(default)s)")
+    parser.add_argument("--dir", help="scratch directory (default: a temporary one, removed at the end)")
+    parser.add_argument("--out", help="write the results as JSON here")
+    parser.add_argument("--child", nargs=3, metavar=("VARIANT", "CKPT", "OUT"), help=argparse.SUPPRESS)
+    args = parser.parse_args(argv)
+    if args.child:
+        print(json.dumps(child(*args.child)))
+        return 0
+    scratch = args.dir or tempfile.mkdtemp(prefix="export_memory_")
+    try:
+        ckpt = os.path.join(scratch, "ckpt")
+        info = build_checkpoint(args.scale, args.hidden, ckpt)
+        module = __spec__.name if __spec__ is not None else "bench.export_memory"
+        rows = []
+        for variant in VARIANTS:
+            out = os.path.join(scratch, f"export_{variant}")
+            done = subprocess.run(
+                [sys.executable, "-m", module, "--child", variant, ckpt, out],
+                check=True, capture_output=True, text=True,
+            )
+            rows.append(json.loads(done.stdout.strip().splitlines()[-1]))
+            shutil.rmtree(out)
+        if len({(r["tensors"], r["tensor_bytes"]) for r in rows}) != 1:
+            raise SystemExit(f"the variants exported different contents: {rows}")
+    finally:
+        if not args.dir:
+            shutil.rmtree(scratch, ignore_errors=True)
+    result = {"scale": args.scale, "hidden": args.hidden, "fixture": info, "variants": rows}
+    if args.out:
+        with open(args.out, "w") as f:
+            json.dump(result, f, indent=2)
+    print(f"{args.scale}, {args.hidden}x{args.hidden} weights: {rows[0]['tensors']} state tensors, "
+          f"{mib(rows[0]['tensor_bytes'])} of state")
+    for r in rows:
+        print(f"  {r['variant']:<9}  peak RSS {mib(r['peak_rss'])} (before export {mib(r['rss_before'])}, "
+              f"export added {mib(r['export_peak'])}), {r['seconds']:.1f} s")
+    return 0
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())
