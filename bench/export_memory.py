@@ -12,10 +12,13 @@ then exports it once per variant, each in a fresh interpreter that does nothing 
 * ``save_file``: the same export with the writer replaced by "collect every tensor into a dict,
   then ``safetensors.torch.save_file``" (what using the library directly means).
 
-Per variant: the peak RSS of the child (``resource.getrusage(RUSAGE_SELF).ru_maxrss``), its RSS
-just before the export (``/proc/self/statm``), the difference (what the export added at its
-peak) and the wall time. Tensor memory is allocated by torch outside Python's allocator, so
-``tracemalloc`` would miss it; RSS is the figure that counts. Results as JSON (``--out``).
+Per variant: the child's peak RSS (``VmHWM`` of ``/proc/self/status``: the high-water mark of
+this process image), its RSS just before the export (``VmRSS``), the difference (what the export
+added at its peak) and the wall time. Not ``resource.getrusage(RUSAGE_SELF).ru_maxrss``: Linux
+carries the parent's high-water mark over ``fork``/``exec`` into it, so every child would report
+at least the RSS of the process that built the fixture. Not ``tracemalloc``: torch allocates
+tensor memory outside Python's allocator. The fixture is built and saved in a child of its own
+too. Results as JSON (``--out``); ``--dir`` keeps the checkpoint and reuses it on the next run.
 """
 
 from __future__ import annotations
@@ -23,7 +26,6 @@ from __future__ import annotations
 import argparse
 import json
 import os
-import resource
 import shutil
 import subprocess
 import sys
@@ -36,9 +38,13 @@ VARIANTS = ("stream", "save_file")
 LEAF = "optim"
 
 
-def _rss_bytes() -> int:
-    with open("/proc/self/statm") as f:
-        return int(f.read().split()[1]) * os.sysconf("SC_PAGE_SIZE")
+def _status_bytes(field: str) -> int:
+    """``VmRSS`` / ``VmHWM`` of this process, in bytes (Linux)."""
+    with open("/proc/self/status") as f:
+        for line in f:
+            if line.startswith(field + ":"):
+                return int(line.split()[1]) * 1024
+    raise RuntimeError(f"no {field} in /proc/self/status (Linux only)")
 
 
 def _save_file_writer(path: str, layout: Any, tensors: Iterable[tuple[str, Any]], metadata: Mapping[str, str]) -> int:
@@ -57,11 +63,11 @@ def child(variant: str, ckpt: str, out: str) -> dict[str, Any]:
 
     if variant == "save_file":
         export._write_safetensors = _save_file_writer  # type: ignore[assignment]
-    before = _rss_bytes()
+    before = _status_bytes("VmRSS")
     t0 = time.perf_counter()
     summary = export.export_checkpoint(ckpt, out, key=LEAF)
     seconds = time.perf_counter() - t0
-    peak = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024  # KiB on Linux
+    peak = _status_bytes("VmHWM")
     return {
         "variant": variant,
         "rss_before": before,
@@ -99,21 +105,38 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--child", nargs=3, metavar=("VARIANT", "CKPT", "OUT"), help=argparse.SUPPRESS)
     args = parser.parse_args(argv)
     if args.child:
-        print(json.dumps(child(*args.child)))
+        variant, ckpt, out = args.child
+        if variant == "build":
+            result = build_checkpoint(args.scale, args.hidden, ckpt)
+        else:
+            result = child(variant, ckpt, out)
+        print(json.dumps(result))
         return 0
+    module = __spec__.name if __spec__ is not None else "bench.export_memory"
+
+    def run_child(variant: str, ckpt: str, out: str) -> dict[str, Any]:
+        done = subprocess.run(
+            [sys.executable, "-m", module, "--scale", args.scale, "--hidden", str(args.hidden),
+             "--child", variant, ckpt, out],
+            check=True, capture_output=True, text=True,
+        )
+        return json.loads(done.stdout.strip().splitlines()[-1])
+
     scratch = args.dir or tempfile.mkdtemp(prefix="export_memory_")
     try:
-        ckpt = os.path.join(scratch, "ckpt")
-        info = build_checkpoint(args.scale, args.hidden, ckpt)
-        module = __spec__.name if __spec__ is not None else "bench.export_memory"
+        ckpt = os.path.join(scratch, f"ckpt_{args.scale}_{args.hidden}")
+        info_path = ckpt + ".json"
+        if not os.path.isfile(info_path):
+            info = run_child("build", ckpt, "")
+            with open(info_path, "w") as f:
+                json.dump(info, f)
+        with open(info_path) as f:
+            info = json.load(f)
         rows = []
         for variant in VARIANTS:
             out = os.path.join(scratch, f"export_{variant}")
-            done = subprocess.run(
-                [sys.executable, "-m", module, "--child", variant, ckpt, out],
-                check=True, capture_output=True, text=True,
-            )
-            rows.append(json.loads(done.stdout.strip().splitlines()[-1]))
+            shutil.rmtree(out, ignore_errors=True)
+            rows.append(run_child(variant, ckpt, out))
             shutil.rmtree(out)
         if len({(r["tensors"], r["tensor_bytes"]) for r in rows}) != 1:
             raise SystemExit(f"the variants exported different contents: {rows}")
