@@ -62,7 +62,7 @@ def child(variant: str, ckpt: str, out: str) -> dict[str, Any]:
     from sparse_ckpt import export
 
     if variant == "save_file":
-        export._write_safetensors = _save_file_writer  # type: ignore[assignment]
+        export.write_safetensors = _save_file_writer  # type: ignore[assignment]
     before = _status_bytes("VmRSS")
     t0 = time.perf_counter()
     summary = export.export_checkpoint(ckpt, out, key=LEAF)

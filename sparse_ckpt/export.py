@@ -33,9 +33,8 @@ from __future__ import annotations
 import json
 import math
 import os
-import struct
 import time
-from collections.abc import Iterable, Iterator, Mapping
+from collections.abc import Iterator, Mapping
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -43,6 +42,7 @@ import torch
 from torch.distributed.checkpoint.metadata import TensorStorageMetadata
 from torch.distributed.tensor import DTensor, distribute_tensor
 
+from ._safetensors_io import data_order, st_dtype, write_safetensors
 from ._version import __version__
 from .checkpoint_io import find_optimizers
 from .dcp import multi_rank
@@ -93,24 +93,6 @@ EXPORT_VERSION = 1
 MANIFEST_FILE = "manifest.json"
 TENSORS_FILE = "optimizer.safetensors"
 
-_ST_DTYPES: dict[torch.dtype, str] = {
-    torch.float64: "F64",
-    torch.float32: "F32",
-    torch.float16: "F16",
-    torch.bfloat16: "BF16",
-    torch.int64: "I64",
-    torch.int32: "I32",
-    torch.int16: "I16",
-    torch.int8: "I8",
-    torch.uint8: "U8",
-    torch.bool: "BOOL",
-    torch.complex64: "C64",
-    torch.float8_e4m3fn: "F8_E4M3",
-    torch.float8_e5m2: "F8_E5M2",
-}
-"""torch dtype -> safetensors dtype name (the types safetensors >= 0.6 reads into torch)."""
-_MAX_HEADER = 100_000_000
-"""safetensors refuses headers above 100 MB."""
 
 
 @dataclass
@@ -270,63 +252,6 @@ def render_groups(groups: list[Group], state_by_fqn: Mapping[str, Any]) -> dict[
     return {"settings": settings, "groups": out_groups}
 
 
-# --------------------------------------------------------------------------- safetensors writer
-
-
-def _check_dtype(key: str, dtype: torch.dtype) -> torch.dtype:
-    """``dtype``, when safetensors can hold it (else :class:`CheckpointFormatError`)."""
-    _st_dtype(key, dtype)
-    return dtype
-
-
-def _st_dtype(key: str, dtype: torch.dtype) -> str:
-    name = _ST_DTYPES.get(dtype)
-    if name is None:
-        raise CheckpointFormatError(f"state {key!r} has dtype {dtype}, which safetensors cannot hold")
-    return name
-
-
-def _write_safetensors(
-    path: str,
-    layout: list[tuple[str, torch.dtype, tuple[int, ...]]],
-    tensors: Iterable[tuple[str, torch.Tensor]],
-    metadata: Mapping[str, str],
-) -> int:
-    """Stream ``tensors`` (in ``layout`` order) into a safetensors file; returns the file's bytes.
-
-    The header is built from ``layout`` up front, so tensors are written as they arrive and only
-    one batch needs to be in memory.
-    """
-    header: dict[str, Any] = {"__metadata__": dict(metadata)}
-    offset = 0
-    for name, dtype, shape in layout:
-        n = math.prod(shape) * dtype.itemsize
-        header[name] = {"dtype": _st_dtype(name, dtype), "shape": list(shape), "data_offsets": [offset, offset + n]}
-        offset += n
-    raw = json.dumps(header, separators=(",", ":"), allow_nan=False).encode("utf-8")
-    raw += b" " * (-len(raw) % 8)
-    if len(raw) > _MAX_HEADER:
-        raise CheckpointFormatError(f"the safetensors header would take {len(raw)} bytes (limit {_MAX_HEADER})")
-    expected = iter(layout)
-    written = 0
-    with open(path, "wb") as f:
-        f.write(struct.pack("<Q", len(raw)))
-        f.write(raw)
-        for name, tensor in tensors:
-            want = next(expected, None)
-            if want is None or want[0] != name or tensor.dtype != want[1] or tuple(tensor.shape) != want[2]:
-                raise CheckpointFormatError(f"internal: tensor {name!r} does not match the planned layout {want}")
-            if tensor.numel():
-                flat = tensor.detach().to("cpu").contiguous().reshape(-1).view(torch.uint8)
-                f.write(flat.numpy().data)
-                written += flat.numel()
-        if next(expected, None) is not None or written != offset:
-            raise CheckpointFormatError("internal: fewer tensors written than planned")
-        f.flush()
-        os.fsync(f.fileno())
-    return 8 + len(raw) + offset
-
-
 # --------------------------------------------------------------------------- export
 
 
@@ -393,12 +318,10 @@ def export_checkpoint(
     layout: list[tuple[str, torch.dtype, tuple[int, ...]]] = [
         (k, torch.uint8, (len(t),)) for k, t in tables.items()
     ]
-    for k, t in scalar_tensors.items():
-        layout.append((k, _check_dtype(k, t.dtype), tuple(t.shape)))
-    for k in tensor_keys:
-        md = sdm[opt.inner[k]]
-        _st_dtype(k, md.properties.dtype)
-        layout.append((k, md.properties.dtype, tuple(md.size)))
+    layout += [(k, t.dtype, tuple(t.shape)) for k, t in scalar_tensors.items()]
+    layout += [(k, sdm[opt.inner[k]].properties.dtype, tuple(sdm[opt.inner[k]].size)) for k in tensor_keys]
+    for k, dtype, _shape in layout:
+        st_dtype(k, dtype)  # refused before anything is written
 
     def stream() -> Iterator[tuple[str, torch.Tensor]]:
         for k, t in tables.items():
@@ -425,7 +348,7 @@ def export_checkpoint(
     os.makedirs(out, exist_ok=True)
     st_path = os.path.join(out, TENSORS_FILE)
     tmp = st_path + ".tmp"
-    st_bytes = _write_safetensors(tmp, layout, stream(), {"format": EXPORT_FORMAT, "version": str(EXPORT_VERSION)})
+    st_bytes = write_safetensors(tmp, layout, stream(), {"format": EXPORT_FORMAT, "version": str(EXPORT_VERSION)})
     os.replace(tmp, st_path)
     manifest = {
         "format": EXPORT_FORMAT,
@@ -491,18 +414,6 @@ def read_manifest(out_dir: str | os.PathLike[str]) -> dict[str, Any]:
     return manifest
 
 
-def _file_order(path: str, names: set[str]) -> list[str]:
-    """``names`` in the order of their data in the file (``safe_open`` lists them sorted), which is
-    the checkpoint's order: state keys of one parameter come back in their saved order."""
-    with open(path, "rb") as f:
-        (n,) = struct.unpack("<Q", f.read(8))
-        header = json.loads(f.read(n))  # already validated by safe_open
-    order = sorted(
-        (k for k in header if k in names), key=lambda k: header[k]["data_offsets"][0]
-    )  # stable: zero-size tensors keep their header order
-    return order
-
-
 class _Tensors:
     """The export's safetensors file, opened lazily; every failure is a :class:`CheckpointFormatError`."""
 
@@ -516,7 +427,7 @@ class _Tensors:
             meta = self._handle.metadata() or {}
         except Exception as exc:  # noqa: BLE001 - SafetensorError and friends
             raise CheckpointFormatError(f"{self.path!r} is not a readable safetensors file ({exc})") from None
-        self.keys = _file_order(self.path, names)
+        self.keys = data_order(self.path, names)
         if meta.get("format") != EXPORT_FORMAT or meta.get("version") != str(EXPORT_VERSION):
             self.close()
             raise CheckpointFormatError(f"{self.path!r} is not a sparse_ckpt export (version {EXPORT_VERSION})")
