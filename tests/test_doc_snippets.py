@@ -60,6 +60,7 @@ def test_the_expected_blocks_run() -> None:
     runs = {str(p.relative_to(ROOT)): sum(b.skip is None for b in blocks(p)) for p in DOC_FILES}
     assert runs["README.md"] == 2
     assert runs["docs/dcp.md"] == 4 and runs["docs/export.md"] == 2 and runs["docs/formats.md"] == 1
+    assert runs["docs/cli.md"] == 1
     assert [b.skip is None for b in blocks(ROOT / "docs" / "integrations.md")] == [False] * 4
 
 
