@@ -184,6 +184,9 @@ def diff_checkpoints(a: str | os.PathLike[str], b: str | os.PathLike[str], key: 
     return report
 
 
+# --------------------------------------------------------------------------- text form
+
+
 def _sig(s: dict[str, Any] | None) -> str:
     if s is None:
         return "absent"

@@ -237,10 +237,15 @@ def inspect_details(
     return report, raw
 
 
+# --------------------------------------------------------------------------- text form
+
+
 LIST_LIMIT = 10
+"""How many names a text report line lists before ``(+N more)``."""
 
 
 def fmt_value(value: Any) -> str:
+    """A settings value for a text report (a tensor by its value or shape, and dtype)."""
     if isinstance(value, torch.Tensor):
         if value.numel() == 1:
             return f"tensor({value.item()!r}, {dtype_name(value.dtype)})"
@@ -249,6 +254,7 @@ def fmt_value(value: Any) -> str:
 
 
 def fmt_names(items: Sequence[Any], limit: int = LIST_LIMIT) -> str:
+    """The first ``limit`` of ``items`` (repr), then ``(+N more)``."""
     shown = ", ".join(repr(x) for x in items[:limit])
     return f"{shown} (+{len(items) - limit} more)" if len(items) > limit else shown
 

@@ -225,6 +225,9 @@ def verify_checkpoint(path: str | os.PathLike[str], *, batch_bytes: int = BATCH_
     }
 
 
+# --------------------------------------------------------------------------- text form
+
+
 def format_verify(report: dict[str, Any]) -> str:
     """The text form of a ``verify`` report."""
     lines = [
