@@ -36,8 +36,9 @@ ROOT = Path(__file__).resolve().parent.parent
 IGNORED_NAMES = {".git", "build", "dist", "__pycache__", ".pytest_cache", ".ruff_cache", ".hypothesis", ".venv",
                  "venv", "_skbuild"}
 IGNORED_SUFFIXES = (".egg-info", ".so", ".pyd", ".o")
-BENCH_FILES = ("__init__.py", "__main__.py", "run.py", "report.py", "measure.py", "fixtures.py", "resume.py",
-               "ranks.py", "devices.py", "README.md")
+BENCH_FILES = ("__init__.py", "__main__.py", "run.py", "report.py", "verdicts.py", "information.py",
+               "report_markdown.py", "plots.py", "units.py", "measure.py", "methods.py", "timing.py", "fixtures.py",
+               "resume.py", "drill_model.py", "drill_rank.py", "drill_checks.py", "ranks.py", "devices.py", "README.md")
 
 
 @pytest.fixture(autouse=True)
