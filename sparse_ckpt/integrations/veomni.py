@@ -50,7 +50,7 @@ from torch.distributed.checkpoint.metadata import Metadata
 from .._dcp_paths import metadata_path
 from ..dcp import SparseLoadPlanner, SparseOptimizerState, multi_rank
 from ..dcp import _allocate as allocate_like
-from ..errors import CheckpointMismatchError, UnsupportedStateDictError
+from ..errors import CheckpointMismatchError, StockCheckpointWarning, UnsupportedStateDictError
 from ..fqn import FqnMap, build_fqn_map
 from ..keys import GROUPS_PREFIX, PACKED_PREFIX, PLANNER_GUARD_KEY, SCALARS_PREFIX, STATE_PREFIX, last_part, owner_fqn
 from ..leaves import named_leaves
@@ -392,10 +392,6 @@ def _stock_refusal(path: str, metadata: Metadata) -> str:
         "had no saved settings or state), or install(migrate_stock=True) so that load() migrates it and warns "
         "with that report. Checkpoints saved afterwards are sparse_ckpt's"
     )
-
-
-class StockCheckpointWarning(UserWarning):
-    """Issued when a stock VeOmni checkpoint was migrated; its message is the :class:`StockMigrationReport`."""
 
 
 @dataclass
