@@ -260,19 +260,62 @@ def test_import_does_not_load_safetensors() -> None:
     assert fresh_import() == {"safetensors": False}
 
 
+def _copy_source_tree(dst: Path) -> None:
+    """The files a build reads, without build outputs (``*.so``, caches, bench outputs)."""
+    import shutil
+
+    dst.mkdir()
+    for name in ("setup.py", "CMakeLists.txt", "README.md", "pyproject.toml", "LICENSE", "MANIFEST.in"):
+        if (ROOT / name).exists():
+            shutil.copy2(ROOT / name, dst / name)
+    for folder in ("csrc", "sparse_ckpt", "bench"):
+        shutil.copytree(ROOT / folder, dst / folder, ignore=shutil.ignore_patterns("*.so", "__pycache__", "out*"))
+
+
+def _setup(cwd: Path, *args: str) -> None:
+    proc = subprocess.run([sys.executable, "setup.py", "-q", *args], check=False, cwd=cwd, capture_output=True,
+                          text=True, timeout=300)
+    assert proc.returncode == 0, proc.stdout + proc.stderr
+
+
+@functools.cache
+def _sdist_and_its_build_py(tmp: str) -> tuple[set[str], Path]:
+    """The files of an sdist built from a copy of the source tree, and the ``build_lib`` folder that
+    ``setup.py build_py`` (what a wheel's pure part is, nothing compiled) makes from that sdist."""
+    import tarfile
+
+    tmp_path = Path(tmp)
+    _copy_source_tree(tmp_path / "src")
+    _setup(tmp_path / "src", "sdist", "-d", str(tmp_path / "dist"))
+    (sdist,) = (tmp_path / "dist").glob("sparse_ckpt-*.tar.gz")
+    with tarfile.open(sdist) as tar:
+        names = {n.split("/", 1)[1] for n in tar.getnames() if "/" in n}
+        tar.extractall(tmp_path / "unpacked", filter="data")
+    (unpacked,) = (tmp_path / "unpacked").iterdir()
+    _setup(unpacked, "build_py", "--build-lib", str(tmp_path / "lib"))
+    return names, tmp_path / "lib"
+
+
+def test_sdist_builds_the_core_and_ships_py_typed(tmp_path_factory: pytest.TempPathFactory) -> None:
+    """The sdist holds ``py.typed``, ``_C.pyi`` and every C++ source CMakeLists.txt compiles, and the
+    package a wheel built from that sdist installs has ``py.typed`` (PEP 561) and ``_C.pyi``."""
+    names, lib = _sdist_and_its_build_py(str(tmp_path_factory.mktemp("sdist")))
+    cmake_sources = set(re.findall(r"\bcsrc/\w+\.cpp\b", (ROOT / "CMakeLists.txt").read_text(encoding="utf-8")))
+    assert cmake_sources, "CMakeLists.txt names no csrc/*.cpp"
+    missing = {"CMakeLists.txt", "sparse_ckpt/py.typed", "sparse_ckpt/_C.pyi", "csrc/core.hpp"} | cmake_sources
+    assert missing <= names, sorted(missing - names)
+    assert not [n for n in names if n.endswith((".so", ".pyc"))]
+    assert (lib / "sparse_ckpt" / "py.typed").is_file()
+    assert (lib / "sparse_ckpt" / "_C.pyi").is_file()
+
+
 @functools.cache
 def _configure_copied_checkout(tmp: str) -> subprocess.CompletedProcess[str]:
     """``setup.py build_ext`` in a copy of the source tree whose build tree was configured from another
     source directory, with a compiler from ``CMAKE_ARGS`` that does not exist (configure stops there,
     nothing is compiled)."""
-    import shutil
-
     dst = Path(tmp) / "copy"
-    dst.mkdir()
-    for name in ("setup.py", "CMakeLists.txt", "README.md", "pyproject.toml"):
-        shutil.copy2(ROOT / name, dst / name)
-    for folder in ("csrc", "sparse_ckpt", "bench"):
-        shutil.copytree(ROOT / folder, dst / folder, ignore=shutil.ignore_patterns("*.so", "__pycache__", "out*"))
+    _copy_source_tree(dst)
     cache_dir = dst / "build" / "temp" / "cmake"
     cache_dir.mkdir(parents=True)
     (cache_dir / "CMakeCache.txt").write_text(
