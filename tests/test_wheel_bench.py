@@ -117,6 +117,7 @@ def test_bench_runs_from_the_installed_wheel(tmp_path: Path) -> None:
         assert f"sparse_ckpt/bench/{f}" in names, f
     assert any(n.startswith("sparse_ckpt/_C.") and n.endswith(".so") for n in names)
     assert "sparse_ckpt/_C.pyi" in names
+    assert "sparse_ckpt/py.typed" in names
     assert not [n for n in names if n.startswith(("bench/", "tests/")) or "/results/" in n or "/out/" in n]
     assert "Requires-Python: >=3.9" in metadata
     assert "Description-Content-Type: text/markdown" in metadata and "# sparse_ckpt" in metadata
