@@ -14,7 +14,7 @@ from torch.distributed.checkpoint import FileSystemReader
 from torch.distributed.checkpoint.metadata import Metadata
 
 from ._dcp_paths import ObjPath, metadata_path, set_path
-from .errors import CheckpointFormatError
+from .errors import NotACheckpointError
 from .keys import GROUPS_PREFIX, OPTIMIZER_PREFIXES, is_foreign_guard
 from .nested import NESTED_KEYS
 
@@ -31,10 +31,6 @@ __all__ = [
 ]
 
 METADATA_FILE = ".metadata"
-
-
-class NotACheckpointError(CheckpointFormatError):
-    """The directory does not exist or has no ``.metadata`` file."""
 
 
 def read_metadata(path: str | os.PathLike[str]) -> Metadata:

@@ -18,8 +18,7 @@ from torch.distributed.checkpoint import CheckpointException
 
 from . import _backend
 from ._version import __version__
-from .checkpoint_io import NotACheckpointError
-from .errors import SparseCheckpointError, UsageError
+from .errors import NotACheckpointError, SparseCheckpointError, UsageError
 from .leaves import SINGLE_LEAF
 from .tools import convert_checkpoint, diff_checkpoints, verify_checkpoint
 from .tools.diff import format_diff

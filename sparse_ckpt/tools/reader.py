@@ -31,10 +31,10 @@ from torch.distributed.checkpoint.planner import ReadItem
 from .. import _backend
 from .._tensor_parts import tensor_to_parts
 from ..buffers import layout_view
-from ..checkpoint_io import METADATA_FILE, NotACheckpointError, OptimizerEntries, read_metadata, set_path
+from ..checkpoint_io import METADATA_FILE, OptimizerEntries, read_metadata, set_path
 from ..dcp import SparseLoadPlanner, weights_only_item
 from ..decode import check_complete, decode_group_tables, decode_scalar_tables, merge_scalars
-from ..errors import CheckpointFormatError, SparseCheckpointError, UsageError
+from ..errors import CheckpointFormatError, NotACheckpointError, SparseCheckpointError, UsageError
 from ..keys import (
     BUFFERS_PREFIX,
     PACKED_PREFIX,
