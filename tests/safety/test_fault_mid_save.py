@@ -36,7 +36,8 @@ from torch import nn
 
 import sparse_ckpt as sc
 
-TESTS = Path(__file__).resolve().parent
+HERE = Path(__file__).resolve().parent
+TESTS = HERE.parent
 REPO = TESTS.parent
 DEADLINE_S = 90.0  # a safety net for a loaded machine; a normal run takes a fraction of it
 
@@ -70,7 +71,7 @@ from datetime import timedelta
 from pathlib import Path
 
 rank, store, prev, new, marks = int(sys.argv[1]), sys.argv[2], sys.argv[3], sys.argv[4], Path(sys.argv[5])
-sys.path.insert(0, sys.argv[6])
+sys.path[:0] = sys.argv[6].split(os.pathsep)
 import torch
 import torch.distributed as dist
 import torch.distributed.checkpoint as dcp
@@ -161,7 +162,7 @@ def test_sigkill_during_save_keeps_previous_checkpoint(tmp_path: Path, core_back
     procs: list[subprocess.Popen] = []
     try:
         for rank in (0, 1):
-            cmd = [sys.executable, str(script), str(rank), str(tmp_path / "store"), str(prev), str(new), str(marks), str(TESTS)]
+            cmd = [sys.executable, str(script), str(rank), str(tmp_path / "store"), str(prev), str(new), str(marks), os.pathsep.join([str(HERE), str(TESTS)])]
             procs.append(
                 subprocess.Popen(cmd, env=env, cwd=tmp_path, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
             )

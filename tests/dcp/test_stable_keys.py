@@ -176,7 +176,7 @@ def test_digest_keyed_checkpoints_keep_loading(tmp_path: Path) -> None:
         assert_optimizer_equal(dst, src, grads=False, state_order=False)
 
 
-FIXTURE = Path(__file__).parent / "data" / "digest_keys_v0_1_0"
+FIXTURE = Path(__file__).resolve().parents[1] / "data" / "digest_keys_v0_1_0"
 """A DCP checkpoint written by sparse_ckpt before stable keys (commit f812b65) and the view its
 load must give (``expected.pt``): see ``make_fixture.py`` there."""
 

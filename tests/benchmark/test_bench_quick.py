@@ -296,7 +296,7 @@ def test_progress_modes() -> None:
 
 def test_checkout_entry_points(tmp_path) -> None:
     """In a checkout: ``python -m bench`` / ``python bench/run.py`` / ``bench.resume``; output under bench/out."""
-    root = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+    root = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
     assert bench_run.in_checkout() and bench_run.default_out() == os.path.join(root, "bench", "out")
     env = {k: v for k, v in os.environ.items() if k != "PYTHONPATH"}
     for cmd in ([sys.executable, "-m", "bench", "--help"], [sys.executable, "bench/run.py", "--help"],

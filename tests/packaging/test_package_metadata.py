@@ -29,7 +29,7 @@ import pytest
 import sparse_ckpt
 from sparse_ckpt import checkpoint_tools, export
 
-ROOT = Path(__file__).resolve().parents[1]
+ROOT = Path(__file__).resolve().parents[2]
 PACKAGE = Path(sparse_ckpt.__file__).resolve().parent
 
 # Runs setup.py with torch and sparse_ckpt unimportable, capturing the keywords of its setup() call

@@ -29,7 +29,7 @@ from sparse_ckpt.fqn import build_fqn_map
 from sparse_ckpt.keys import check_table
 from sparse_ckpt.save import packed_table_key
 
-REPO = Path(__file__).resolve().parents[1]
+REPO = Path(__file__).resolve().parents[2]
 PACKED = "param_groups.__packed__."
 FMT = sc.CheckpointFormatError
 MISMATCH = sc.CheckpointMismatchError

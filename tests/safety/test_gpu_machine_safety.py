@@ -29,7 +29,7 @@ from torch.distributed.fsdp import fully_shard
 
 from bench import ranks
 
-ROOT = Path(__file__).resolve().parent.parent
+ROOT = Path(__file__).resolve().parents[2]
 SCANNED = ("sparse_ckpt", "bench", "tests")
 MP_MODULES = {"multiprocessing", "mp", "torch.multiprocessing"}
 """Names a multiprocessing module is used under here; ``<module>.Process(...)`` uses the default context."""

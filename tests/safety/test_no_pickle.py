@@ -29,7 +29,7 @@ from sparse_ckpt import _backend
 from sparse_ckpt._tensor_parts import parts_to_tensor
 from sparse_ckpt.save import packed_table_key
 
-REPO = Path(__file__).resolve().parents[1]
+REPO = Path(__file__).resolve().parents[2]
 PACKAGE = REPO / "sparse_ckpt"
 CSRC = REPO / "csrc"
 

@@ -25,7 +25,7 @@ from sparse_ckpt.checkpoint_tools import expand_scalar_tables, open_checkpoint, 
 
 pytestmark = pytest.mark.filterwarnings("ignore:torch.distributed is disabled:UserWarning")
 
-REPO = Path(__file__).resolve().parents[1]
+REPO = Path(__file__).resolve().parents[2]
 
 
 def run_cli(*args: str) -> subprocess.CompletedProcess[str]:

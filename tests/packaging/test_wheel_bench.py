@@ -31,7 +31,7 @@ import pytest
 
 pytestmark = pytest.mark.slow
 
-ROOT = Path(__file__).resolve().parent.parent
+ROOT = Path(__file__).resolve().parents[2]
 # Anywhere in the tree: build outputs and caches. Under bench/: the committed run and local outputs.
 IGNORED_NAMES = {".git", "build", "dist", "__pycache__", ".pytest_cache", ".ruff_cache", ".hypothesis", ".venv",
                  "venv", "_skbuild"}

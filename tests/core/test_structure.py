@@ -13,7 +13,7 @@ import pytest
 
 from sparse_ckpt import _core_py, keys
 
-PACKAGE = Path(__file__).resolve().parent.parent / "sparse_ckpt"
+PACKAGE = Path(__file__).resolve().parents[2] / "sparse_ckpt"
 
 
 def _is_module(package: Path, name: str) -> bool:

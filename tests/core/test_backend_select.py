@@ -26,7 +26,7 @@ import pytest
 
 import sparse_ckpt
 
-ROOT = Path(__file__).resolve().parents[1]
+ROOT = Path(__file__).resolve().parents[2]
 PROBE = (
     "import json, sys\n"
     "{prelude}\n"
