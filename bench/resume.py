@@ -28,7 +28,7 @@ what users rely on:
   server or by spawn (``.ranks``), never by fork, and ``fully_shard`` always gets an explicit mesh
   on the run's device, so a CPU run also works on a GPU machine.
 
-:func:`run_drill` is what the CLI and ``tests/test_resume_drill.py`` call; the pieces
+:func:`run_drill` is what the CLI and ``tests/benchmark/test_resume_drill.py`` call; the pieces
 (:func:`train_run`, :func:`run_ranks`, :func:`run_killed`, :func:`compare_snapshots`, ...) are
 importable on their own.
 """

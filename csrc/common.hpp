@@ -21,7 +21,7 @@ namespace sckpt {
 inline constexpr const char kMagic[] = "SCKT";
 inline constexpr int kVersion = 1;
 inline constexpr int kMaxDepth = 32;
-// The key grammar of sparse_ckpt/keys.py (tests/test_structure.py checks that they are equal).
+// The key grammar of sparse_ckpt/keys.py (tests/core/test_structure.py checks that they are equal).
 #define SCKPT_STATE "state."
 #define SCKPT_GROUPS "param_groups."
 #define SCKPT_PACKED_MARKER "__packed__"

@@ -424,7 +424,7 @@ def same_bits(a: Any, b: Any) -> bool:
     * ``str``, ``bytes``, ``int``, ``None``: ``==``; any other object: the very same object (``is``),
       e.g. an exception class or a callback.
 
-    The same rules as ``same()`` in ``tests/test_core_differential.py``, which can use this one.
+    The same rules as ``same()`` in ``tests/core/test_core_differential.py``, which can use this one.
     """
     if type(a) is not type(b):
         return False

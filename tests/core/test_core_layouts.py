@@ -2,7 +2,7 @@
 ``plan_scatter``): the C++ core against the Python reference, with random and hand-written
 inputs, and the scatter plan checked by running it on real tensors.
 
-Like tests/test_core_differential.py, the module runs once (both cores are called directly).
+Like tests/core/test_core_differential.py, the module runs once (both cores are called directly).
 """
 
 from __future__ import annotations

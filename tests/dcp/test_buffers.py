@@ -2,7 +2,7 @@
 bounded reads, and refusals of damaged buffers and layouts.
 
 Multi-rank resharding drills (2 -> 2, 2 -> 1, 2 -> 4, an expert-parallel degree change) are in
-tests/test_buffers_multirank.py; plan caching and the keys in tests/test_stable_keys.py.
+tests/dcp/test_buffers_multirank.py; plan caching and the keys in tests/dcp/test_stable_keys.py.
 """
 
 from __future__ import annotations

@@ -144,7 +144,7 @@ def test_sigkill_during_save_keeps_previous_checkpoint(tmp_path: Path, core_back
     """Kill rank 1 mid-write: ``prev`` intact and loadable, ``new`` detectably incomplete.
 
     Runs on the Python core only: the fault is in DCP's write path, which the core does not
-    touch, and both cores produce identical tables (tests/test_core_differential.py); two
+    touch, and both cores produce identical tables (tests/core/test_core_differential.py); two
     ranks of torch start-up per backend is the bulk of this test's time.
     """
     if core_backend != "python":

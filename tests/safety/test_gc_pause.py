@@ -1,5 +1,5 @@
 """The GC pause around save/load nests, is thread-safe, and always restores the caller's setting
-(interrupts at every line: tests/test_interrupt_safety.py)."""
+(interrupts at every line: tests/safety/test_interrupt_safety.py)."""
 
 from __future__ import annotations
 
