@@ -49,6 +49,10 @@ class DefaultMeshForbidden(RuntimeError):
     """Raised in a rank when torch is about to build ``fully_shard``'s default mesh."""
 
 
+class ForkForbidden(RuntimeError):
+    """``os.fork`` was called in the test process under ``forbid_fork``."""
+
+
 _DEFAULT_MESH_BUILDERS = ("_init_default_mesh", "_init_default_fully_shard_mesh")
 """The names under which torch's ``fully_shard`` calls its default-mesh builder (torch 2.13; 2.6-2.10)."""
 

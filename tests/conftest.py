@@ -16,6 +16,7 @@ import importlib
 import os
 
 import pytest
+from _dist import ForkForbidden
 
 from sparse_ckpt import _backend, _core_py
 
@@ -29,10 +30,6 @@ def _cpp_core():
         if os.environ.get("SPARSE_CKPT_REQUIRE_CPP"):
             raise
         pytest.skip(f"C++ extension not built: {exc}")
-
-
-class ForkForbidden(RuntimeError):
-    """``os.fork`` was called in the test process under ``forbid_fork``."""
 
 
 @pytest.fixture

@@ -22,11 +22,15 @@ import sys
 from pathlib import Path
 from types import ModuleType
 
+import _backends
 import pytest
 
 import sparse_ckpt
 
 ROOT = Path(__file__).resolve().parents[2]
+
+core_backend = _backends.run_once
+"""Each test selects the backend itself (in a subprocess or a fresh ``_backend``): once, not per backend."""
 PROBE = (
     "import json, sys\n"
     "{prelude}\n"

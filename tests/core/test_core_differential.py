@@ -25,6 +25,7 @@ import struct
 from collections.abc import Callable, Iterator, Mapping
 from typing import Any
 
+import _backends
 import pytest
 import torch
 from helpers import same_bits
@@ -78,14 +79,8 @@ def fuzz(n: int) -> settings:
     return settings(PROPS, max_examples=n)
 
 
-@pytest.fixture(scope="module", autouse=True, params=["cpp"])
-def core_backend(request: pytest.FixtureRequest) -> str:
-    """Override the suite-wide backend parametrization: these tests call both cores directly.
-
-    The single param id ``cpp`` marks every test here as exercising the C++ core, so
-    ``pytest -k cpp`` (the sanitizer job) selects them.
-    """
-    return request.param
+core_backend = _backends.both_cores_directly
+"""These tests call both cores directly: one run, id ``cpp`` (``-k cpp``, the sanitizer job, selects them)."""
 
 
 # --------------------------------------------------------------------------- comparison

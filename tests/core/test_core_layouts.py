@@ -11,6 +11,7 @@ import math
 import random
 from typing import Any
 
+import _backends
 import pytest
 import torch
 from hypothesis import HealthCheck, given, settings
@@ -26,10 +27,7 @@ PROPS = settings(max_examples=200, deadline=None, derandomize=True, database=Non
 DTYPES = {"float32": 4, "bfloat16": 2, "int64": 8, "bool": 1}
 
 
-@pytest.fixture(scope="module", autouse=True, params=["cpp"])
-def core_backend(request: pytest.FixtureRequest) -> str:
-    """Both cores are called directly: run once, as ``cpp`` (``-k cpp`` selects these tests)."""
-    return request.param
+core_backend = _backends.both_cores_directly
 
 
 @st.composite

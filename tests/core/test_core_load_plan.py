@@ -12,6 +12,7 @@ from collections import defaultdict
 from collections.abc import Callable
 from typing import Any
 
+import _backends
 import pytest
 import torch
 from helpers import same_bits
@@ -35,10 +36,7 @@ PROPS = settings(
 )
 
 
-@pytest.fixture(scope="module", autouse=True, params=["cpp"])
-def core_backend(request: pytest.FixtureRequest) -> str:
-    """These tests call both cores directly (one run; id ``cpp`` for ``-k cpp``)."""
-    return request.param
+core_backend = _backends.both_cores_directly
 
 
 def outcome(fn: Callable[[], Any]) -> tuple:

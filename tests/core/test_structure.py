@@ -9,11 +9,15 @@ import importlib
 import inspect
 from pathlib import Path
 
+import _backends
 import pytest
 
 from sparse_ckpt import _core_py, keys
 
 PACKAGE = Path(__file__).resolve().parents[2] / "sparse_ckpt"
+
+core_backend = _backends.run_once
+"""Source and interface checks: once, not per backend."""
 
 
 def _is_module(package: Path, name: str) -> bool:

@@ -43,6 +43,7 @@ accelerate = pytest.importorskip(
     "accelerate", reason="accelerate is not installed (pip install --no-deps -r .ci/requirements-accelerate.txt)"
 )
 
+import _backends
 from _dist import assert_snapshots_equal, full_snapshot, run_ranks
 from doc_blocks import ROOT, python_blocks, run_block
 
@@ -209,9 +210,9 @@ def test_docs_section_has_its_two_blocks() -> None:
     assert "sc_accelerate.install()" in usage.code and "def fsdp2_accelerator(" in recipe.code
 
 
-def test_accelerate_fsdp2_save_state_load_state_drill(tmp_path: Path, core_backend: str) -> None:
-    if core_backend == "python" and importlib.util.find_spec("sparse_ckpt._C") is not None:
-        pytest.skip("the 2-rank drill runs once, on the C++ core (most of its time is starting ranks)")
+@_backends.only(_backends.DEFAULT)
+def test_accelerate_fsdp2_save_state_load_state_drill(tmp_path: Path) -> None:
+    """Once, on the default core (C++ where built): most of the drill's time is starting ranks."""
     run_ranks(drill, 2, str(tmp_path), timeout=300)
 
 

@@ -18,6 +18,7 @@ does with the checkpoints on either side:
 
 from __future__ import annotations
 
+import _backends
 import pytest
 
 pytest.importorskip("torchtitan", reason="torchtitan is not installed (pip install --no-deps -r .ci/requirements-torchtitan.txt)")
@@ -175,8 +176,8 @@ def _order(fqn: str) -> tuple:
     return (int(parts[1]), int(parts[3]), parts[4] == "bias")
 
 
-def test_stock_checkpoint_manager_pinned_and_migrated(tmp_path, core_backend) -> None:
-    if core_backend != "python":
-        pytest.skip("runs once, on the python core: the stock path does not use the core, and the sparse drill "
-                    "(test_torchtitan.py) runs on both cores")
+@_backends.only("python")
+def test_stock_checkpoint_manager_pinned_and_migrated(tmp_path) -> None:
+    """Once, on the python core: the stock path does not use the core, and the sparse drill
+    (test_torchtitan.py) runs on both cores."""
     run_ranks(_stock, 2, str(tmp_path), timeout=300)

@@ -40,12 +40,6 @@ BENCH_FILES = ("__init__.py", "__main__.py", "run.py", "report.py", "measure.py"
                "ranks.py", "devices.py", "README.md")
 
 
-@pytest.fixture(autouse=True)
-def _once(core_backend: str) -> None:
-    if core_backend == "cpp":
-        pytest.skip("builds and runs the wheel once (it measures both backends itself)")
-
-
 def _ignore(directory: str, names: list[str]) -> set[str]:
     rel = Path(directory).resolve().relative_to(ROOT)
     out = {n for n in names if n in IGNORED_NAMES or n.endswith(IGNORED_SUFFIXES)}

@@ -29,6 +29,7 @@ import time
 from contextlib import redirect_stderr, redirect_stdout
 from pathlib import Path
 
+import _backends
 import pytest
 import torch
 from helpers import assert_deep_equal
@@ -140,15 +141,14 @@ def _run_cli(*args: str) -> tuple[int, str]:
     return code, out.getvalue()
 
 
-def test_sigkill_during_save_keeps_previous_checkpoint(tmp_path: Path, core_backend: str) -> None:
+@_backends.only("python")
+def test_sigkill_during_save_keeps_previous_checkpoint(tmp_path: Path) -> None:
     """Kill rank 1 mid-write: ``prev`` intact and loadable, ``new`` detectably incomplete.
 
     Runs on the Python core only: the fault is in DCP's write path, which the core does not
     touch, and both cores produce identical tables (tests/core/test_core_differential.py); two
     ranks of torch start-up per backend is the bulk of this test's time.
     """
-    if core_backend != "python":
-        pytest.skip("backend-independent (DCP write path); run once, on the Python core")
     if not hasattr(sc, "SparseLoadPlanner"):
         pytest.skip("sparse_ckpt.SparseLoadPlanner not available")
     import torch.distributed.checkpoint as dcp

@@ -21,9 +21,9 @@ import multiprocessing
 import os
 from pathlib import Path
 
+import _backends
 import pytest
-from _dist import DefaultMeshForbidden, cpu_mesh, run_ranks
-from conftest import ForkForbidden
+from _dist import DefaultMeshForbidden, ForkForbidden, cpu_mesh, run_ranks
 from torch import nn
 from torch.distributed.fsdp import fully_shard
 
@@ -47,11 +47,8 @@ def _sources() -> list[tuple[str, ast.AST, list[str]]]:
     return out
 
 
-@pytest.fixture
-def once(core_backend: str) -> None:
-    """Tests that do not depend on the core backend run once."""
-    if core_backend != "python":
-        pytest.skip("does not depend on the core backend")
+core_backend = _backends.run_once
+"""Source scans and launcher guards do not depend on the core backend: once, not per backend."""
 
 
 def _dotted(node: ast.AST) -> str:
@@ -127,13 +124,13 @@ def test_scanners_see_what_they_look_for() -> None:
     assert meshless_fully_shard(tree) == [9, 10, 11]
 
 
-def test_no_fork_in_the_source(once: None) -> None:
+def test_no_fork_in_the_source() -> None:
     found = [f"{rel}:{line}: {what}" for rel, tree, lines in _sources() for line, what in fork_uses(tree, lines)]
     assert not found, "processes started by fork (a forked rank cannot use CUDA once its parent has touched it; " \
                       "use bench/ranks.py's forkserver/spawn):\n" + "\n".join(found)
 
 
-def test_every_fully_shard_gets_a_mesh(once: None) -> None:
+def test_every_fully_shard_gets_a_mesh() -> None:
     found = [f"{rel}:{line}" for rel, tree, _lines in _sources() for line in meshless_fully_shard(tree)]
     assert not found, "fully_shard without mesh= builds the default mesh on the machine's accelerator (CUDA on a " \
                       "GPU machine) even for a Gloo/CPU run; pass mesh=init_device_mesh('cpu', ...):\n" + "\n".join(found)
@@ -154,5 +151,5 @@ def _default_mesh_refused(rank: int, world_size: int) -> None:
     assert sharded.weight.device_mesh.device_type == "cpu"
 
 
-def test_ranks_refuse_the_default_mesh(once: None, forbid_fork: None) -> None:
+def test_ranks_refuse_the_default_mesh(forbid_fork: None) -> None:
     run_ranks(_default_mesh_refused, 2)

@@ -1,0 +1,44 @@
+"""Which core backend a test runs on.
+
+The suite's autouse ``core_backend`` fixture (tests/conftest.py) runs every test once per core
+backend, ``python`` and ``cpp``. Where that would only repeat the same run, a folder's conftest.py
+or a module binds one of these fixtures to the name ``core_backend``, which overrides it there:
+
+* ``core_backend = _backends.run_once``: tests that never call the core (docs, packaging, source
+  scans, the bench that measures both backends itself) run once, on the backend the import chose
+  (``cpp`` where it is built, what users get);
+* ``core_backend = _backends.both_cores_directly``: tests that call both cores themselves (the
+  differential tests of ``core/``) run once, with the id ``cpp`` so that ``-k cpp`` (the sanitizer
+  job, ``.ci/sanitize.sh``) selects them.
+
+A single test whose subject does not depend on the core but whose run is costly takes
+``@_backends.only(name)``: it runs on that backend only.
+"""
+
+from __future__ import annotations
+
+import pytest
+
+from sparse_ckpt import _backend
+
+
+@pytest.fixture
+def run_once() -> str:
+    """The backend ``import sparse_ckpt`` chose; nothing is swapped."""
+    return _backend.NAME
+
+
+@pytest.fixture(scope="module", params=["cpp"])
+def both_cores_directly(request: pytest.FixtureRequest) -> str:
+    """One run per test, id ``cpp``; the tests call ``sparse_ckpt._C`` and ``_core_py`` directly."""
+    return request.param
+
+
+def only(name: str) -> pytest.MarkDecorator:
+    """Mark a test to run on core backend ``name`` only (the core swapped in as usual): for a test
+    whose subject does not depend on the core but whose run is costly (ranks, subprocesses)."""
+    return pytest.mark.parametrize("core_backend", [name], indirect=True)
+
+
+DEFAULT = _backend.NAME
+"""The backend ``import sparse_ckpt`` chose: ``cpp`` where it is built (what users get)."""
