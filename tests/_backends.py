@@ -17,9 +17,35 @@ A single test whose subject does not depend on the core but whose run is costly 
 
 from __future__ import annotations
 
+import importlib
+import os
+from types import ModuleType
+
 import pytest
 
-from sparse_ckpt import _backend
+from sparse_ckpt import _backend, _core_py
+
+
+def cpp_core() -> ModuleType:
+    """``sparse_ckpt._C``; the test is skipped when it is not built, unless ``SPARSE_CKPT_REQUIRE_CPP``
+    is set (CI), which makes a missing build an error."""
+    try:
+        return importlib.import_module("sparse_ckpt._C")
+    except ImportError as exc:
+        if os.environ.get("SPARSE_CKPT_REQUIRE_CPP"):
+            raise
+        pytest.skip(f"C++ extension not built: {exc}")
+
+
+def cores() -> list[ModuleType]:
+    """Every core there is: the Python twin, and ``sparse_ckpt._C`` where it is built (required
+    under ``SPARSE_CKPT_REQUIRE_CPP``)."""
+    try:
+        return [_core_py, importlib.import_module("sparse_ckpt._C")]
+    except ImportError:
+        if os.environ.get("SPARSE_CKPT_REQUIRE_CPP"):
+            raise
+        return [_core_py]
 
 
 @pytest.fixture

@@ -4,7 +4,8 @@ Every test calls the same function of both backends on the same inputs and requi
 outcome: equal results (dict key order, types, float bit patterns, tensors included) or the same
 exception type and message. Inputs are random (hypothesis, derandomized for CI) or hand-written
 edge cases: shared/duplicate parameters, every codec value type, NaN/-0.0, huge ints, unicode and
-surrogates, over-deep nesting, bad ids, foreign parameters, corrupt/truncated/fuzzed tables.
+surrogates, over-deep nesting, bad ids, foreign parameters, corrupt/truncated tables. The decoders'
+fuzzing (both cores agree on random and mutated inputs) is in tests/load/test_bad_checkpoints.py.
 
 The module runs once (not once per backend): it overrides the suite's ``core_backend`` fixture
 with a single ``cpp`` param, so ``-k cpp`` selects these tests too.
@@ -73,10 +74,6 @@ PROPS = settings(
     database=None,
     suppress_health_check=[HealthCheck.too_slow, HealthCheck.data_too_large],
 )
-
-
-def fuzz(n: int) -> settings:
-    return settings(PROPS, max_examples=n)
 
 
 core_backend = _backends.both_cores_directly
@@ -1015,65 +1012,6 @@ def test_decode_bytes_subclass_and_leaf_repr() -> None:
     check("decode_table", "x", B(data), parts_to_tensor)
     check("decode_table", ("odd", 1), b"nope", parts_to_tensor)
     check("decode_table", "\ud800", data[:-1], parts_to_tensor)
-
-
-@fuzz(1000)
-@given(st.binary(max_size=160))
-def test_fuzz_decode_random_bytes(data: bytes) -> None:
-    check("decode_table", "fuzz", data, parts_to_tensor)
-    check("decode_table", "fuzz", HEADER + data, parts_to_tensor)
-
-
-def _base_tables() -> list[bytes]:
-    """A few valid tables covering every value tag, unicode, nesting and shared settings."""
-    rich = {
-        "lr": 0.1, "betas": (0.9, 0.999), "nan": math.nan, "neg0": -0.0, "big": 2**63 - 1, "small": -(2**63),
-        "flag": True, "off": False, "none": None, "name": "é日本🙂", "raw": b"\x00\xff", "list": [1, [2.5, ("x",)]],
-        "t": TENSORS[2], "t0": TENSORS[0], "empty": TENSORS[5], "bf16": TENSORS[6],
-    }
-    nested: Any = 1
-    for level in range(32):
-        nested = (nested,) if level % 2 else [nested]
-    groups_list = [
-        [],
-        [({}, [])],
-        [(rich, ["a.w", "a.b"]), ({"lr": 0.2}, ["c"]), (dict(rich), ["日本.x"]), ({}, [])],
-        [({"deep": nested, "lr": TENSORS[3]}, ["p"]), ({"lr": 1}, ["q", "r", "s"])],
-    ]
-    return [P.encode_table("m", g, torch.Tensor, tensor_to_parts) for g in groups_list]
-
-
-BASE_TABLES = _base_tables()
-
-
-@st.composite
-def mutated_tables(draw: st.DrawFn) -> bytes:
-    data = bytearray(draw(st.sampled_from(BASE_TABLES)))
-    for _ in range(draw(st.integers(1, 3))):
-        op = draw(st.sampled_from(["flip", "set", "truncate", "insert", "delete", "u32", "u64"]))
-        pos = draw(st.integers(0, max(len(data) - 1, 0)))
-        if op == "flip" and data:
-            data[pos] ^= 1 << draw(st.integers(0, 7))
-        elif op == "set" and data:
-            data[pos] = draw(st.integers(0, 255))
-        elif op == "truncate":
-            del data[pos:]
-        elif op == "insert":
-            data[pos:pos] = draw(st.binary(min_size=1, max_size=6))
-        elif op == "delete":
-            del data[pos : pos + draw(st.integers(1, 6))]
-        elif op == "u32":
-            value = draw(st.sampled_from([0, 1, 2, 33, 0x7FFFFFFF, 0xFFFFFFFF, len(data), len(data) + 1]))
-            data[pos : pos + 4] = u32(value)
-        else:
-            data[pos : pos + 8] = struct.pack("<Q", draw(st.sampled_from([0, 1, 2**63, 2**64 - 1])))
-    return bytes(data)
-
-
-@fuzz(1000)
-@given(mutated_tables())
-def test_fuzz_decode_mutated_tables(data: bytes) -> None:
-    check("decode_table", "m", data, parts_to_tensor)
 
 
 # --------------------------------------------------------------------------- load matching

@@ -13,9 +13,7 @@ both. Skipped when veomni is not installed (``pip install --no-deps -r .ci/requi
 
 from __future__ import annotations
 
-import importlib
 import importlib.util
-import os
 from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
@@ -30,6 +28,7 @@ if importlib.util.find_spec("veomni") is None:
         "veomni is not installed (pip install --no-deps -r .ci/requirements-veomni.txt)", allow_module_level=True
     )
 
+import _backends
 import veomni_drill
 from _dist import run_ranks
 
@@ -43,12 +42,7 @@ INVENTED = {"exp_avg": "zeros", "exp_avg_sq": "zeros", "step": 1.0}
 @pytest.fixture(scope="module", autouse=True, params=["cpp"])
 def core_backend(request: pytest.FixtureRequest) -> Iterator[str]:
     """One drill, on the C++ core (what users get); skipped like the suite's cpp runs when it is not built."""
-    try:
-        core = importlib.import_module("sparse_ckpt._C")
-    except ImportError as exc:
-        if os.environ.get("SPARSE_CKPT_REQUIRE_CPP"):
-            raise
-        pytest.skip(f"C++ extension not built: {exc}")
+    core = _backends.cpp_core()
     with pytest.MonkeyPatch.context() as mp:
         mp.setattr(_backend, "core", core)
         mp.setattr(_backend, "NAME", request.param)
