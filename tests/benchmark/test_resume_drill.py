@@ -1,4 +1,5 @@
-"""The resume drill of issue 11 (``bench/resume.py``), at test sizes, under each core backend.
+"""The resume drill (``bench/resume.py``: train, kill a save, resume at other world sizes), at test
+sizes, under each core backend.
 
 One drill per backend (cached for the tests of this module): an uninterrupted 2-rank FSDP2 run of
 a MoE + frozen vision tower model with a three-leaf ``MultiOptimizer`` and async saves every 2

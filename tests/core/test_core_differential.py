@@ -18,9 +18,7 @@ import array
 import collections
 import copy
 import gc
-import importlib
 import math
-import os
 import re
 import struct
 from collections.abc import Callable, Iterator, Mapping
@@ -41,12 +39,7 @@ from sparse_ckpt.errors import CheckpointFormatError
 from sparse_ckpt.keys import KEYS_ENTRY, STRIPPED_PARTS
 from sparse_ckpt.save import _CPU_DTYPES as CPU_DTYPES
 
-try:
-    C = importlib.import_module("sparse_ckpt._C")
-except ImportError as _exc:  # pragma: no cover - CI always builds the extension
-    if os.environ.get("SPARSE_CKPT_REQUIRE_CPP"):
-        raise
-    pytest.skip(f"C++ extension sparse_ckpt._C is not built: {_exc}", allow_module_level=True)
+C = _backends.cpp_core()  # (skips the module where _C is not built, unless SPARSE_CKPT_REQUIRE_CPP)
 
 FUNCTIONS = (
     "map_parameters",

@@ -6,14 +6,11 @@ same order, same exceptions and messages. Random inputs (hypothesis, derandomize
 from __future__ import annotations
 
 import collections
-import importlib
-import os
 from collections import defaultdict
 from collections.abc import Callable
 from typing import Any
 
 import _backends
-import pytest
 import torch
 from helpers import same_bits
 from hypothesis import HealthCheck, given, settings
@@ -24,12 +21,7 @@ from sparse_ckpt.apply import cast_tensor, cast_value, copy_settings
 from sparse_ckpt.errors import CheckpointFormatError, CheckpointMismatchError
 from sparse_ckpt.load import _check_state_shapes
 
-try:
-    C = importlib.import_module("sparse_ckpt._C")
-except ImportError as _exc:  # pragma: no cover - CI always builds the extension
-    if os.environ.get("SPARSE_CKPT_REQUIRE_CPP"):
-        raise
-    pytest.skip(f"C++ extension sparse_ckpt._C is not built: {_exc}", allow_module_level=True)
+C = _backends.cpp_core()  # (skips the module where _C is not built, unless SPARSE_CKPT_REQUIRE_CPP)
 
 PROPS = settings(
     max_examples=200, deadline=None, derandomize=True, database=None, suppress_health_check=[HealthCheck.too_slow]

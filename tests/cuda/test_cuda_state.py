@@ -1,4 +1,4 @@
-"""Optimizer state on the GPU (issue 21): exact save and restore where the state lives on CUDA.
+"""Optimizer state on the GPU: exact save and restore where the state lives on CUDA.
 
 Runs only where CUDA is available (skipped elsewhere, with the reason); ``bench/device_check.sh``
 runs it on a GPU machine. For fused and capturable optimizers and the usual ones (AdamW fused and

@@ -15,6 +15,7 @@ import torch.distributed as dist
 import torch.distributed.checkpoint as dcp
 from _dist import (  # the FSDP2 model and its builders, full snapshots
     HEAD_LR,
+    MULTI_RANK,
     assert_snapshots_equal,
     assert_state_placed_like_params,
     build_fsdp,
@@ -29,10 +30,7 @@ from torch.distributed.tensor import DTensor
 import sparse_ckpt as sc
 from sparse_ckpt import inspect_checkpoint
 
-pytestmark = [
-    pytest.mark.filterwarnings("ignore:torch.distributed is disabled:UserWarning"),
-    pytest.mark.usefixtures("forbid_fork"),  # ranks start from a fork server or by spawn (tests/conftest.py)
-]
+pytestmark = MULTI_RANK
 
 
 # --------------------------------------------------------------------------- save, load (snapshots: tests/_dist.py)

@@ -11,7 +11,7 @@ from typing import Any
 import pytest
 import torch
 import torch.distributed.checkpoint as dcp
-from helpers import assert_optimizer_equal, make_moe, snapshot_optimizer, train
+from helpers import assert_optimizer_equal, make_moe, moe_with_leaves, snapshot_optimizer, train
 from torch import nn
 from torch.distributed.checkpoint import DefaultLoadPlanner
 from torch.distributed.checkpoint.api import CheckpointException
@@ -26,19 +26,8 @@ pytestmark = pytest.mark.filterwarnings("ignore:torch.distributed is disabled:Us
 IDLE_LR = 0.0025
 
 
-def build(seed: int) -> tuple[nn.Module, sc.MultiOptimizer]:
-    """TinyMoE with leaves: dense; experts 0-2 (one group each); idle (expert 3, never gets a grad)."""
-    model = make_moe(seed)
-    experts = [{"params": list(model.experts[e].parameters())} for e in range(3)]
-    opt = sc.MultiOptimizer(
-        model,
-        {
-            "dense": torch.optim.AdamW(model.dense_params(), lr=0.01),
-            "experts": torch.optim.AdamW(experts, lr=0.01),
-            "idle": torch.optim.AdamW(model.experts[3].parameters(), lr=0.01),
-        },
-    )
-    return model, opt
+build = moe_with_leaves
+"""TinyMoE with leaves: dense; experts 0-2 (one group each); idle (expert 3, never gets a grad)."""
 
 
 def trained(seed: int = 0) -> tuple[nn.Module, sc.MultiOptimizer]:

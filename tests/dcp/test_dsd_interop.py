@@ -19,24 +19,17 @@ import pytest
 import torch
 import torch.distributed as dist
 from _dsd import dsd_get, dsd_set
-from helpers import assert_deep_equal, fqn_view
+from helpers import LayerNet, assert_deep_equal, fqn_view, layer_params
 from torch import nn
 
 import sparse_ckpt as sc
 
 
-class _Net(nn.Module):
-    def __init__(self, n: int = 3, seed: int = 0) -> None:
-        super().__init__()
-        self.layers = nn.ModuleList(nn.Linear(3, 3) for _ in range(n))
-        gen = torch.Generator().manual_seed(seed)
-        with torch.no_grad():
-            for p in self.parameters():
-                p.copy_(torch.randn(p.shape, generator=gen))
+def _Net(seed: int = 0) -> LayerNet:
+    return LayerNet(n=3, seed=seed)
 
 
-def _layer(model: _Net, *idx: int) -> list[nn.Parameter]:
-    return [p for i in idx for p in model.layers[i].parameters()]
+_layer = layer_params
 
 
 def _adamw(model: _Net, lr: float = 0.01) -> torch.optim.Optimizer:
@@ -73,6 +66,18 @@ def test_dsd_needs_no_process_group_here() -> None:
     assert "param_groups.layers.0.weight.lr" in dsd_get(model, opt)
 
 
+def _loads_like_dsd_and_source(make: Any, flat: dict[str, Any], src_model: nn.Module, src: Any) -> torch.optim.Optimizer:
+    """``flat`` loaded by us and by DSD into fresh copies (other values, lr 0.5): both equal, and
+    equal to the source."""
+    ours_model, dsd_model = _Net(seed=1), _Net(seed=1)
+    ours, theirs = make(ours_model, lr=0.5), make(dsd_model, lr=0.5)
+    sc.load_sparse_state_dict(ours_model, ours, flat)
+    dsd_set(dsd_model, theirs, flat)
+    assert_deep_equal(fqn_view(ours_model, [ours]), fqn_view(dsd_model, [theirs]), "ours vs DSD", **SAME)
+    assert_deep_equal(fqn_view(ours_model, [ours]), fqn_view(src_model, [src]), "ours vs source", **SAME)
+    return ours
+
+
 # --------------------------------------------------------------------------- (a) DSD -> ours
 
 
@@ -83,13 +88,7 @@ def test_dsd_flat_dict_loads_like_dsd_set(make: Any) -> None:
     _train(src_model, [src], list(src_model.parameters()))
     flat = dsd_get(src_model, src)
     assert any(k.startswith("state.") for k in flat) and not any("__packed__" in k for k in flat)
-
-    ours_model, dsd_model = _Net(seed=1), _Net(seed=1)
-    ours, theirs = make(ours_model, lr=0.5), make(dsd_model, lr=0.5)
-    sc.load_sparse_state_dict(ours_model, ours, flat)
-    dsd_set(dsd_model, theirs, flat)
-    assert_deep_equal(fqn_view(ours_model, [ours]), fqn_view(dsd_model, [theirs]), "ours vs DSD", **SAME)
-    assert_deep_equal(fqn_view(ours_model, [ours]), fqn_view(src_model, [src]), "ours vs source", **SAME)
+    ours = _loads_like_dsd_and_source(make, flat, src_model, src)
     assert [g["lr"] for g in ours.param_groups] == [g["lr"] for g in src.param_groups]
 
 
@@ -118,13 +117,7 @@ def test_our_flat_dict_loads_with_dsd_when_every_param_has_state(make: Any) -> N
     _train(src_model, [src], list(src_model.parameters()))
     flat = sc.sparse_state_dict(src_model, src, format="flat")
     assert set(flat) == set(dsd_get(src_model, src))  # byte-for-byte DSD's key layout
-
-    ours_model, dsd_model = _Net(seed=1), _Net(seed=1)
-    ours, theirs = make(ours_model, lr=0.5), make(dsd_model, lr=0.5)
-    sc.load_sparse_state_dict(ours_model, ours, flat)
-    dsd_set(dsd_model, theirs, flat)
-    assert_deep_equal(fqn_view(ours_model, [ours]), fqn_view(dsd_model, [theirs]), "ours vs DSD", **SAME)
-    assert_deep_equal(fqn_view(ours_model, [ours]), fqn_view(src_model, [src]), "ours vs source", **SAME)
+    _loads_like_dsd_and_source(make, flat, src_model, src)
 
 
 # --------------------------------------------------------------------------- (c) sparse flat -> DSD

@@ -19,6 +19,7 @@ import torch.distributed as dist
 import torch.distributed.checkpoint as dcp
 from _dist import (
     HEAD_LR,
+    MULTI_RANK,
     assert_snapshots_equal,
     assert_state_placed_like_params,
     build_fsdp,
@@ -27,7 +28,7 @@ from _dist import (
     train_body,
     trained_fsdp,
 )
-from helpers import assert_deep_equal, assert_optimizer_equal, make_moe, snapshot_optimizer, train
+from helpers import assert_deep_equal, assert_optimizer_equal, make_moe, moe_with_leaves, snapshot_optimizer, train
 from torch import nn
 from torch.distributed.tensor import DTensor
 
@@ -43,10 +44,7 @@ from sparse_ckpt.export import (
     read_export,
 )
 
-pytestmark = [
-    pytest.mark.filterwarnings("ignore:torch.distributed is disabled:UserWarning"),
-    pytest.mark.usefixtures("forbid_fork"),  # ranks start from a fork server or by spawn (tests/conftest.py)
-]
+pytestmark = MULTI_RANK
 
 IDLE_LR = 0.0025
 
@@ -54,18 +52,8 @@ IDLE_LR = 0.0025
 # --------------------------------------------------------------------------- fixtures
 
 
-def build(seed: int) -> tuple[nn.Module, sc.MultiOptimizer]:
-    """TinyMoE with leaves dense / experts (one group per expert) / idle (expert 3, never steps)."""
-    model = make_moe(seed)
-    opt = sc.MultiOptimizer(
-        model,
-        {
-            "dense": torch.optim.AdamW(model.dense_params(), lr=0.01),
-            "experts": torch.optim.AdamW([{"params": list(model.experts[e].parameters())} for e in range(3)], lr=0.01),
-            "idle": torch.optim.AdamW(model.experts[3].parameters(), lr=0.01),
-        },
-    )
-    return model, opt
+build = moe_with_leaves
+"""TinyMoE with leaves dense / experts (one group per expert) / idle (expert 3, never steps)."""
 
 
 def trained() -> tuple[nn.Module, sc.MultiOptimizer]:

@@ -14,7 +14,7 @@ from typing import Any
 
 import pytest
 import torch
-from helpers import assert_deep_equal, clone_state_dict, fqn_view
+from helpers import assert_deep_equal, clone_state_dict, fqn_view, randomize, route_top1
 from torch import nn
 
 import sparse_ckpt as sc
@@ -38,23 +38,13 @@ class _MoE(nn.Module):
         mask = torch.full((N_EXPERTS,), float("-inf"))
         mask[list(ROUTED)] = 0.0
         self.register_buffer("route_mask", mask)
-        gen = torch.Generator().manual_seed(seed)
-        with torch.no_grad():
-            for p in self.parameters():
-                p.copy_(torch.randn(p.shape, generator=gen) * 0.5)
+        randomize(self, seed, scale=0.5)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         """Route every row to one allowed expert, gate it, add it residually, project."""
         h = torch.tanh(self.embed(x))
         logits = self.router(h) + self.route_mask
-        choice = logits.argmax(dim=-1)
-        gate = torch.softmax(logits, dim=-1).gather(-1, choice[:, None])
-        out = torch.zeros_like(h)
-        for e, expert in enumerate(self.experts):
-            rows = (choice == e).nonzero(as_tuple=True)[0]
-            if rows.numel():
-                out = out.index_add(0, rows, gate[rows] * expert(h[rows]))
-        return self.head(h + out)
+        return self.head(h + route_top1(h, logits, self.experts))
 
 
 def _build(model: _MoE) -> tuple[sc.MultiOptimizer, list[torch.optim.lr_scheduler.LRScheduler]]:

@@ -22,9 +22,12 @@ import pytest
 import torch
 from helpers import (
     IdentitySnapshot,
+    LayerNet,
+    TwoLayerNet,
     assert_optimizer_equal,
     deep_equal,
     find_table_key,
+    layer_params,
     snapshot_optimizer,
     table_bytes,
 )
@@ -38,20 +41,8 @@ from sparse_ckpt.save import packed_table_key
 # --------------------------------------------------------------------------- builders
 
 
-class _Net(nn.Module):
-    """``n`` linear layers, FQNs ``layers.{i}.weight|bias``, deterministic init."""
-
-    def __init__(self, n: int = 4, dim: int = 3, seed: int = 0) -> None:
-        super().__init__()
-        self.layers = nn.ModuleList(nn.Linear(dim, dim) for _ in range(n))
-        gen = torch.Generator().manual_seed(seed)
-        with torch.no_grad():
-            for p in self.parameters():
-                p.copy_(torch.randn(p.shape, generator=gen))
-
-
-def _layer(model: _Net, *idx: int) -> list[nn.Parameter]:
-    return [p for i in idx for p in model.layers[i].parameters()]
+_Net = LayerNet
+_layer = layer_params
 
 
 def _grads(params: list[torch.Tensor], seed: int) -> None:
@@ -402,17 +393,7 @@ def test_packed_empty_group_of_a_missing_leaf_is_an_error() -> None:
 # --------------------------------------------------------------------------- one Adam target with state, every error class
 
 
-class Net(nn.Module):
-    """Two layers and a parameter that never gets a gradient (so it never has state)."""
-
-    def __init__(self) -> None:
-        super().__init__()
-        self.a = nn.Linear(4, 3)
-        self.b = nn.Linear(3, 2)
-        self.unused = nn.Parameter(torch.randn(5))
-
-    def forward(self, x: torch.Tensor) -> torch.Tensor:
-        return self.b(torch.tanh(self.a(x)))
+Net = TwoLayerNet
 
 
 def _train(model: Net, opt: Any, steps: int, seed: int) -> None:

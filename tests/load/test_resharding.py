@@ -12,7 +12,7 @@ from typing import Any
 
 import pytest
 import torch
-from helpers import assert_deep_equal, fqn_view
+from helpers import TiedNet, assert_deep_equal, fqn_view, randomize
 from scalar_tables import as_v1
 from torch import nn
 
@@ -30,10 +30,7 @@ class _Model(nn.Module):
         super().__init__()
         self.dense = nn.ModuleList(nn.Linear(3, 3) for _ in range(2))
         self.experts = nn.ModuleList(nn.Linear(3, 3) for _ in range(4))
-        gen = torch.Generator().manual_seed(seed)
-        with torch.no_grad():
-            for p in self.parameters():
-                p.copy_(torch.randn(p.shape, generator=gen))
+        randomize(self, seed)
 
 
 def _e(model: _Model, *idx: int) -> list[nn.Parameter]:
@@ -184,12 +181,7 @@ def test_full_checkpoint_into_one_shard() -> None:
     assert shard["experts"].param_groups[0]["lr"] == 0.0025
 
 
-class _Tied(nn.Module):
-    def __init__(self) -> None:
-        super().__init__()
-        self.enc = nn.Linear(3, 3, bias=False)
-        self.dec = nn.Linear(3, 3, bias=False)
-        self.dec.weight = self.enc.weight
+_Tied = TiedNet
 
 
 @pytest.mark.parametrize("fmt", FORMATS)

@@ -1,13 +1,13 @@
-"""Regression tests for the exactness defects of issue 11, each walked the way a user walks it.
+"""Round trips stay exact on the paths where exactness was once lost, each walked the way a user walks it:
 
-1. a MultiOptimizer put straight into dcp.save/dcp.load restores everything (scheduler-moved lr too);
-3. packed, strict=False: state is resolved by the checkpoint's FQNs, never by the target's;
-4. what save writes, load reads back exactly (colliding canonical FQNs, a parameter in two groups,
-   dotted / int / '~' state keys, nested state that looks like another FQN) or save refuses;
-5. the wrong optimizer class, and same-numel wrong-shape state, are mismatches;
-6. a torch Optimizer.state_dict() is recognised;
-8. the flat format keeps custom param_names;
-9. SparseLoadPlanner reads flat param_groups values with weights_only=True.
+* a MultiOptimizer put straight into dcp.save/dcp.load restores everything (scheduler-moved lr too);
+* packed, strict=False: state is resolved by the checkpoint's FQNs, never by the target's;
+* what save writes, load reads back exactly (colliding canonical FQNs, a parameter in two groups,
+  dotted / int / '~' state keys, nested state that looks like another FQN) or save refuses;
+* the wrong optimizer class, and same-numel wrong-shape state, are mismatches;
+* a torch Optimizer.state_dict() is recognised;
+* the flat format keeps custom param_names;
+* SparseLoadPlanner reads flat param_groups values with weights_only=True.
 """
 
 from __future__ import annotations
@@ -30,7 +30,7 @@ import sparse_ckpt.fqn
 pytestmark = pytest.mark.filterwarnings("ignore:torch.distributed is disabled:UserWarning")
 
 
-# --------------------------------------------------------------------------- 1. MultiOptimizer in DCP
+# --------------------------------------------------------------------------- MultiOptimizer in DCP
 
 
 def _moe_multi(seed: int) -> tuple[nn.Module, sc.MultiOptimizer, dict[str, Any]]:
@@ -92,7 +92,7 @@ def test_planner_load_is_transactional_when_a_post_hook_raises(tmp_path: Path) -
     assert_optimizer_equal(before, mo2)
 
 
-# --------------------------------------------------------------------------- 3. no misattribution
+# --------------------------------------------------------------------------- no misattribution
 
 
 class _Proj(nn.Module):
@@ -125,7 +125,7 @@ def test_state_never_lands_on_a_prefix_parameter(fmt: str) -> None:
     assert dst_opt.param_groups[0]["lr"] == 0.5  # none of the group's FQNs was saved: kept
 
 
-# --------------------------------------------------------------------------- 4. save == load
+# --------------------------------------------------------------------------- save == load
 
 
 class _Inner(nn.Module):
@@ -259,7 +259,7 @@ def test_nested_state_named_like_another_parameter() -> None:
         sc.sparse_state_dict(model, opt, format="flat")
 
 
-# --------------------------------------------------------------------------- 5. wrong class / shape
+# --------------------------------------------------------------------------- wrong class / shape
 
 
 def test_wrong_optimizer_class_is_a_mismatch() -> None:
@@ -301,7 +301,7 @@ def test_scalar_state_of_a_one_element_parameter_is_fine() -> None:
         assert_optimizer_equal(opt, opt2, grads=False)
 
 
-# --------------------------------------------------------------------------- 6. torch's own format
+# --------------------------------------------------------------------------- torch's own format
 
 
 def test_torch_state_dict_is_recognised() -> None:
@@ -315,7 +315,7 @@ def test_torch_state_dict_is_recognised() -> None:
         sc.load_sparse_state_dict(model, opt, fresh.state_dict())  # no state at all: still int ids
 
 
-# --------------------------------------------------------------------------- 8. flat param_names
+# --------------------------------------------------------------------------- flat param_names
 
 
 def test_flat_format_keeps_custom_param_names() -> None:
@@ -329,7 +329,7 @@ def test_flat_format_keeps_custom_param_names() -> None:
     assert opt2.state_dict()["param_groups"] == opt.state_dict()["param_groups"]
 
 
-# --------------------------------------------------------------------------- 9. weights_only
+# --------------------------------------------------------------------------- weights_only
 
 
 class _Payload:

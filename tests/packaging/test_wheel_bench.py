@@ -1,4 +1,4 @@
-"""The bench ships in the wheel (issue 14): build it, install it into a fresh venv outside the source
+"""The bench ships in the wheel: build it, install it into a fresh venv outside the source
 tree, and run ``python -m sparse_ckpt.bench --quick``, the ``sparse-ckpt-bench`` console script and
 ``python -m sparse_ckpt.bench.resume`` from there.
 

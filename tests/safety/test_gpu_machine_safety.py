@@ -1,4 +1,4 @@
-"""Multi-process code runs on GPU machines too (issue 21): no fork, no default mesh.
+"""Multi-process code runs on GPU machines too: no fork, no default mesh.
 
 On a GPU machine the resume drill and every multi-rank test crashed: ranks were forked from a
 process that had touched CUDA ("Cannot re-initialize CUDA in forked subprocess"), and

@@ -1,4 +1,4 @@
-"""Ctrl-C safety (issue 11, defect 7): an interrupt anywhere in a save or a load breaks nothing.
+"""Ctrl-C safety: an interrupt anywhere in a save or a load breaks nothing.
 
 A ``KeyboardInterrupt`` at any point of ``sparse_state_dict`` / ``load_sparse_state_dict`` must
 leave no reentrancy guard and no lock held, the cyclic GC exactly as it was before the call, and

@@ -22,7 +22,7 @@ from typing import Any
 import pytest
 import torch
 import torch.distributed.checkpoint as dcp
-from helpers import assert_deep_equal, assert_optimizer_equal, make_batch, make_moe, snapshot_optimizer, train
+from helpers import TiedNet, assert_deep_equal, assert_optimizer_equal, make_batch, make_moe, snapshot_optimizer, train
 from scalar_tables import as_v1, scalar_table_keys, write_packed_v1
 from torch import nn
 from torch.distributed.checkpoint import CheckpointException
@@ -482,12 +482,7 @@ def test_bad_scalar_tables_are_refused(damage: str) -> None:
 # --------------------------------------------------------------------------- FQN resolution
 
 
-class _Tied(nn.Module):
-    def __init__(self) -> None:
-        super().__init__()
-        self.enc = nn.Linear(3, 3, bias=False)
-        self.dec = nn.Linear(3, 3, bias=False)
-        self.dec.weight = self.enc.weight
+_Tied = TiedNet
 
 
 def test_scalar_table_fqn_alias_resolves() -> None:

@@ -15,8 +15,7 @@ from typing import Any
 
 import pytest
 import torch
-from helpers import IdentitySnapshot, deep_equal
-from torch import nn
+from helpers import IdentitySnapshot, TwoLayerNet, deep_equal
 
 import sparse_ckpt as sc
 
@@ -42,17 +41,8 @@ if hasattr(torch.optim, "Adafactor"):
 HISTORIES = ("never", "partial", "stepped")
 
 
-class Net(nn.Module):
-    """Two layers plus a parameter that never receives a gradient in the 'partial' history."""
-
-    def __init__(self) -> None:
-        super().__init__()
-        self.a = nn.Linear(4, 3)
-        self.b = nn.Linear(3, 2)
-        self.unused = nn.Parameter(torch.randn(5))
-
-    def forward(self, x: torch.Tensor) -> torch.Tensor:
-        return self.b(torch.tanh(self.a(x)))
+Net = TwoLayerNet
+"""Two layers plus a parameter that never receives a gradient in the 'partial' history."""
 
 
 def make(name: str, history: str) -> tuple[Net, torch.optim.Optimizer]:

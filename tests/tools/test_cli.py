@@ -17,7 +17,7 @@ import _backends
 import pytest
 import torch
 import torch.distributed.checkpoint as dcp
-from helpers import assert_optimizer_equal, make_moe, train
+from helpers import assert_optimizer_equal, moe_with_leaves, train
 from torch import nn
 
 import sparse_ckpt as sc
@@ -38,18 +38,7 @@ def run_cli(*args: str) -> subprocess.CompletedProcess[str]:
     )
 
 
-def build(seed: int) -> tuple[nn.Module, sc.MultiOptimizer]:
-    model = make_moe(seed)
-    experts = [{"params": list(model.experts[e].parameters())} for e in range(3)]
-    opt = sc.MultiOptimizer(
-        model,
-        {
-            "dense": torch.optim.AdamW(model.dense_params(), lr=0.01),
-            "experts": torch.optim.AdamW(experts, lr=0.01),
-            "idle": torch.optim.AdamW(model.experts[3].parameters(), lr=0.01),
-        },
-    )
-    return model, opt
+build = moe_with_leaves
 
 
 @pytest.fixture
