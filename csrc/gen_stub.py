@@ -30,7 +30,6 @@ TWIN = "sparse_ckpt._core_py"
 TWIN_DIR = ROOT / "sparse_ckpt" / "_core_py"
 """The twin's modules: the stub copies their module-level type aliases (``Name = Callable[...]``)
 that a signature uses."""
-LINE_LENGTH = 120
 IMPORTABLE = {"Callable": "collections.abc", "Iterable": "collections.abc", "Mapping": "collections.abc",
               "Sequence": "collections.abc", "Any": "typing"}
 """Names an annotation may use besides builtins and the aliases, and where the stub imports them from."""
@@ -93,15 +92,13 @@ def _aliases() -> dict[str, str]:
 
 
 def _render_function(name: str, sig: inspect.Signature) -> str:
+    """``def name(...) -> ...: ...`` on one line (a generated file: one grep-able line per function)."""
     params = []
     for p in sig.parameters.values():
         text = p.name if p.annotation is inspect.Parameter.empty else f"{p.name}: {_annotation(p.annotation)}"
         params.append(text if p.default is inspect.Parameter.empty else f"{text} = ...")
     ret = "" if sig.return_annotation is inspect.Signature.empty else f" -> {_annotation(sig.return_annotation)}"
-    one_line = f"def {name}({', '.join(params)}){ret}: ..."
-    if len(one_line) <= LINE_LENGTH:
-        return one_line
-    return f"def {name}(\n" + "".join(f"    {p},\n" for p in params) + f"){ret}: ..."
+    return f"def {name}({', '.join(params)}){ret}: ..."
 
 
 def _names(texts: list[str]) -> set[str]:

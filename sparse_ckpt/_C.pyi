@@ -30,88 +30,29 @@ STEP_KEY: str
 VERSION: int
 WRAPPER_CHILD: str
 
-def assign_state_ids(
-    target_fqns: list[list[str]],
-    state_by_fqn: dict[str, Any],
-) -> tuple[dict[int, Any], list[str]]: ...
+def assign_state_ids(target_fqns: list[list[str]], state_by_fqn: dict[str, Any]) -> tuple[dict[int, Any], list[str]]: ...
 
-def build_groups(
-    param_groups: list[dict],
-    chosen: list[dict | None],
-    copy_settings: Callable[[Any], Any],
-    keep_names: bool,
-) -> list[dict]: ...
+def build_groups(param_groups: list[dict], chosen: list[dict | None], copy_settings: Callable[[Any], Any], keep_names: bool) -> list[dict]: ...
 
-def capture_fqns(
-    leaf: str,
-    param_groups: list[dict],
-    state: dict,
-    fqn_of: dict[int, str],
-    tensor_type: type,
-) -> tuple[list[tuple[dict, list[str]]], dict[str, Any]]: ...
+def capture_fqns(leaf: str, param_groups: list[dict], state: dict, fqn_of: dict[int, str], tensor_type: type) -> tuple[list[tuple[dict, list[str]]], dict[str, Any]]: ...
 
-def cast_states(
-    leaf: str,
-    param_groups: list[dict],
-    target: list[list[str]],
-    chosen: list[dict | None],
-    state_of: dict[str, Any],
-    state: dict,
-    tensor_type: type,
-    check_shapes: Callable[[str, str, Any, Any], None] | None,
-    cast_tensor: Callable[[Any, Any, bool, bool, Any, Any], Any],
-    cast_value: Callable[[Any, Any, bool, Any], Any],
-) -> list[str]: ...
+def cast_states(leaf: str, param_groups: list[dict], target: list[list[str]], chosen: list[dict | None], state_of: dict[str, Any], state: dict, tensor_type: type, check_shapes: Callable[[str, str, Any, Any], None] | None, cast_tensor: Callable[[Any, Any, bool, bool, Any, Any], Any], cast_value: Callable[[Any, Any, bool, Any], Any]) -> list[str]: ...
 
-def claim_owners(
-    leaf: str,
-    groups_fqn: list[tuple[dict, list[str]]],
-    owner: dict[str, str],
-) -> list[tuple[str, int]]: ...
+def claim_owners(leaf: str, groups_fqn: list[tuple[dict, list[str]]], owner: dict[str, str]) -> list[tuple[str, int]]: ...
 
-def decode_layout(
-    leaf: str,
-    data: bytes,
-) -> list[tuple[str, int, list[tuple[str, str, tuple[int, ...], tuple[int, ...], tuple[int, ...]]]]]: ...
+def decode_layout(leaf: str, data: bytes) -> list[tuple[str, int, list[tuple[str, str, tuple[int, ...], tuple[int, ...], tuple[int, ...]]]]]: ...
 
-def decode_table(
-    leaf: str,
-    data: bytes,
-    from_parts: PartsToTensor,
-) -> tuple[list[dict], list[bytes], list[tuple[int, list[str]]]]: ...
+def decode_table(leaf: str, data: bytes, from_parts: PartsToTensor) -> tuple[list[dict], list[bytes], list[tuple[int, list[str]]]]: ...
 
-def encode_layout(
-    leaf: str,
-    entries: list[Entry],
-    bucket_bytes: int,
-) -> tuple[bytes, list[tuple[str, int, list[tuple[int, int]]]]]: ...
+def encode_layout(leaf: str, entries: list[Entry], bucket_bytes: int) -> tuple[bytes, list[tuple[str, int, list[tuple[int, int]]]]]: ...
 
-def encode_settings(
-    leaf: str,
-    group_index: int,
-    settings: dict[Any, Any],
-    tensor_type: type,
-    to_parts: TensorToParts,
-) -> bytes: ...
+def encode_settings(leaf: str, group_index: int, settings: dict[Any, Any], tensor_type: type, to_parts: TensorToParts) -> bytes: ...
 
-def encode_table(
-    leaf: str,
-    groups_fqn: list[tuple[dict, list[str]]],
-    tensor_type: type,
-    to_parts: TensorToParts,
-) -> bytes: ...
+def encode_table(leaf: str, groups_fqn: list[tuple[dict, list[str]]], tensor_type: type, to_parts: TensorToParts) -> bytes: ...
 
 def flatten_groups(leaf: str, groups_fqn: list[tuple[dict, list[str]]]) -> dict[str, Any]: ...
 
-def flatten_packed_state(
-    leaf: str,
-    state_fqn: dict[str, Any],
-    known_fqns: Any,
-    tensor_type: type,
-    cpu_dtypes: dict,
-    strided: Any,
-    scalar_parts: ScalarParts,
-) -> tuple[dict[str, Any], list[tuple[dict[str, Any], list[str]]]]: ...
+def flatten_packed_state(leaf: str, state_fqn: dict[str, Any], known_fqns: Any, tensor_type: type, cpu_dtypes: dict, strided: Any, scalar_parts: ScalarParts) -> tuple[dict[str, Any], list[tuple[dict[str, Any], list[str]]]]: ...
 
 def flatten_state(leaf: str, state_fqn: dict[str, Any], known_fqns: Any, escape: bool) -> dict[str, Any]: ...
 
@@ -119,63 +60,20 @@ def fqn_tables(named: Any) -> tuple[dict[int, str], dict[str, str], dict[str, An
 
 def fqns_of_groups(leaf: str, param_groups: list[dict], fqn_of: dict[int, str]) -> list[list[str]]: ...
 
-def map_parameters(
-    model: Any,
-    stripped: Any,
-    module_wrapper: type | None,
-    base_named_modules: Any,
-    base_named_parameters: Any,
-    cached: tuple | None,
-) -> tuple[tuple | None, dict[int, str], dict[str, str], dict[str, Any]] | None: ...
+def map_parameters(model: Any, stripped: Any, module_wrapper: type | None, base_named_modules: Any, base_named_parameters: Any, cached: tuple | None) -> tuple[tuple | None, dict[int, str], dict[str, str], dict[str, Any]] | None: ...
 
-def match_groups(
-    leaf: str,
-    target_fqns: list[list[str]],
-    settings_of: dict[str, Any],
-) -> tuple[list[Any], list[str]]: ...
+def match_groups(leaf: str, target_fqns: list[list[str]], settings_of: dict[str, Any]) -> tuple[list[Any], list[str]]: ...
 
-def merge_scalars(
-    state_of: dict[str, dict],
-    scalars_of: dict[str, tuple[dict[str, Any], str]],
-    tensor_type: type,
-) -> dict[str, dict]: ...
+def merge_scalars(state_of: dict[str, dict], scalars_of: dict[str, tuple[dict[str, Any], str]], tensor_type: type) -> dict[str, dict]: ...
 
-def merge_table_settings(
-    leaf: str,
-    settings: list[dict],
-    groups: list[tuple[int, list[str]]],
-    canonical: dict[str, str],
-    settings_of: dict[str, dict],
-) -> tuple[list[int], tuple[str, int] | None]: ...
+def merge_table_settings(leaf: str, settings: list[dict], groups: list[tuple[int, list[str]]], canonical: dict[str, str], settings_of: dict[str, dict]) -> tuple[list[int], tuple[str, int] | None]: ...
 
-def pack_optimizer(
-    leaf: str,
-    param_groups: list[dict],
-    state: dict[Any, Any],
-    tensor_type: type,
-) -> tuple[list[dict], dict[Any, Any], list[Any]]: ...
+def pack_optimizer(leaf: str, param_groups: list[dict], state: dict[Any, Any], tensor_type: type) -> tuple[list[dict], dict[Any, Any], list[Any]]: ...
 
-def plan_scatter(
-    leaf: str,
-    layouts: list[bytes],
-    chunk_of: ChunkOf,
-) -> tuple[list[tuple[Any, ...]], list[tuple[int, int, str, int]], list[tuple[Any, ...]]]: ...
+def plan_scatter(leaf: str, layouts: list[bytes], chunk_of: ChunkOf) -> tuple[list[tuple[Any, ...]], list[tuple[int, int, str, int]], list[tuple[Any, ...]]]: ...
 
-def remap_to_fqns(
-    leaf: str,
-    packed_groups: list[dict],
-    packed_state: dict[Any, Any],
-    id_to_param: list[Any],
-    fqn_of: dict[int, str],
-) -> tuple[list[tuple[dict, list[str]]], dict[str, Any]]: ...
+def remap_to_fqns(leaf: str, packed_groups: list[dict], packed_state: dict[Any, Any], id_to_param: list[Any], fqn_of: dict[int, str]) -> tuple[list[tuple[dict, list[str]]], dict[str, Any]]: ...
 
-def unflatten(
-    flat: dict[str, Any],
-    known_fqns: Any,
-) -> tuple[dict[str, dict], dict[str, dict], dict[str, bytes], dict[str, bytes], list[str]]: ...
+def unflatten(flat: dict[str, Any], known_fqns: Any) -> tuple[dict[str, dict], dict[str, dict], dict[str, bytes], dict[str, bytes], list[str]]: ...
 
-def unlisted_keys(
-    keys_of: dict[str, tuple[tuple[str, ...], str]],
-    state_of: dict[str, dict],
-    owned: dict[str, Any],
-) -> list[tuple[str, str]]: ...
+def unlisted_keys(keys_of: dict[str, tuple[tuple[str, ...], str]], state_of: dict[str, dict], owned: dict[str, Any]) -> list[tuple[str, str]]: ...

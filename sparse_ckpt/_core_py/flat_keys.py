@@ -48,21 +48,6 @@ def _path_repr(path: tuple[Any, ...]) -> str:
     return " -> ".join(repr(k) for k in path)
 
 
-def _flatten_into(
-    out: dict[str, Any],
-    prefix: str,
-    value: dict[Any, Any],
-    leaf: str,
-    fqn: str,
-    path: tuple[Any, ...],
-    known_fqns: Any,
-    escape: bool,
-    emitted: list[str] | None = None,
-) -> None:
-    for key, item in dict.items(value):
-        _flatten_item(out, prefix, key, item, leaf, fqn, path, known_fqns, escape, emitted)
-
-
 def _flatten_item(
     out: dict[str, Any],
     prefix: str,
@@ -94,7 +79,8 @@ def _flatten_item(
                     + ("" if escape else "; save with format='packed'")
                 )
             full = f"{prefix}.{escaped}"
-        _flatten_into(out, full, item, leaf, fqn, (*path, key), known_fqns, escape, emitted)
+        for sub_key, sub_item in dict.items(item):
+            _flatten_item(out, full, sub_key, sub_item, leaf, fqn, (*path, key), known_fqns, escape, emitted)
     else:
         out[full] = item
         if emitted is not None:
@@ -113,9 +99,9 @@ def flatten_state(leaf: str, state_fqn: dict[str, Any], known_fqns: Any, escape:
     for fqn, state in state_fqn.items():
         if not isinstance(state, dict):
             raise CheckpointFormatError(f"leaf {leaf!r}: state of {fqn!r} is a {type(state).__name__}, expected a dict")
-        _flatten_into(out, f"{STATE_PREFIX}{fqn}", state, leaf, fqn, (), known_fqns, escape)
+        for key, item in dict.items(state):
+            _flatten_item(out, f"{STATE_PREFIX}{fqn}", key, item, leaf, fqn, (), known_fqns, escape)
     return out
-
 
 
 def flatten_packed_state(

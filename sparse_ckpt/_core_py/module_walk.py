@@ -99,6 +99,21 @@ def _wrapper_word(mod: Any, module_wrapper: type | None, has_module_key: bool) -
     return 1 + bool(isinstance(mod, module_wrapper))
 
 
+def _child_names(
+    mod: Any, raw: str, canon: str, k: str, stripped: Any, module_wrapper: type | None
+) -> tuple[str, str]:
+    """``(raw name, canonical name)`` of the entry ``k`` (a parameter or a child module) of ``mod``
+    named ``raw``/``canon``: ``k`` is left out of the canonical name when it is in ``stripped``
+    or is ``WRAPPER_CHILD`` of a ``module_wrapper``; while nothing was left out the canonical name
+    is the raw ``str`` object itself."""
+    raw_k = f"{raw}.{k}" if raw else k
+    if k in stripped or (module_wrapper is not None and k == WRAPPER_CHILD and isinstance(mod, module_wrapper)):
+        return raw_k, canon
+    if canon is raw:
+        return raw_k, raw_k
+    return raw_k, f"{canon}.{k}" if canon else k
+
+
 def _walk(
     model: Any,
     stripped: Any,
@@ -133,13 +148,7 @@ def _walk(
                 has_module_key = has_module_key or _is_module_key(k)
                 if v is None:
                     continue
-                raw_k = f"{raw}.{k}" if raw else k
-                if k in stripped or (module_wrapper is not None and k == WRAPPER_CHILD and isinstance(mod, module_wrapper)):
-                    out.append((raw_k, canon, v))
-                elif canon is raw:
-                    out.append((raw_k, raw_k, v))
-                else:
-                    out.append((raw_k, f"{canon}.{k}" if canon else k, v))
+                out.append((*_child_names(mod, raw, canon, k, stripped, module_wrapper), v))
         words[count_at] = len(words) - count_at - 1
         children = mod._modules
         items = list(children.items()) if children else []
@@ -153,13 +162,7 @@ def _walk(
         for name, child in reversed(items):
             if child is None:
                 continue
-            raw_c = f"{raw}.{name}" if raw else name
-            if name in stripped or (module_wrapper is not None and name == WRAPPER_CHILD and isinstance(mod, module_wrapper)):
-                stack.append((child, raw_c, canon))
-            elif canon is raw:
-                stack.append((child, raw_c, raw_c))
-            else:
-                stack.append((child, raw_c, f"{canon}.{name}" if canon else name))
+            stack.append((child, *_child_names(mod, raw, canon, name, stripped, module_wrapper)))
         words.append(_wrapper_word(mod, module_wrapper, has_module_key))
     return out
 
