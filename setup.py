@@ -151,7 +151,7 @@ setup(
     ],
     packages=[*find_packages(exclude=["tests", "tests.*", "bench", "bench.*"]), BENCH_PACKAGE],
     package_dir={BENCH_PACKAGE: "bench"},
-    package_data={"sparse_ckpt": ["_C.pyi"], BENCH_PACKAGE: ["README.md"]},
+    package_data={"sparse_ckpt": ["_C.pyi", "py.typed"], BENCH_PACKAGE: ["README.md"]},
     entry_points={"console_scripts": ["sparse-ckpt-bench = sparse_ckpt.bench.run:console_main"]},
     ext_modules=[CMakeExtension("sparse_ckpt._C")],
     cmdclass={"build_ext": CMakeBuild},

@@ -108,25 +108,19 @@ class Weight(nn.Module):
         self.weight = nn.Parameter(torch.full(shape, 0.02, device=device))
 
 
-class Expert(nn.Module):
-    """One routed expert: ``gate_proj``, ``up_proj``, ``down_proj``."""
+EXPERT_PROJECTIONS = ("gate_proj", "up_proj", "down_proj")
+"""One routed expert's weights."""
+ATTENTION_PROJECTIONS = ("q_proj", "k_proj", "v_proj", "o_proj")
+"""An attention block's weights."""
 
-    def __init__(self, shape: tuple[int, ...], device: torch.device) -> None:
+
+class Projections(nn.Module):
+    """One ``Weight`` of ``shape`` per name, registered in order (an expert, the attention)."""
+
+    def __init__(self, names: tuple[str, ...], shape: tuple[int, ...], device: torch.device) -> None:
         super().__init__()
-        self.gate_proj = Weight(shape, device)
-        self.up_proj = Weight(shape, device)
-        self.down_proj = Weight(shape, device)
-
-
-class Attention(nn.Module):
-    """Attention projections ``q/k/v/o_proj``."""
-
-    def __init__(self, shape: tuple[int, ...], device: torch.device) -> None:
-        super().__init__()
-        self.q_proj = Weight(shape, device)
-        self.k_proj = Weight(shape, device)
-        self.v_proj = Weight(shape, device)
-        self.o_proj = Weight(shape, device)
+        for name in names:
+            self.add_module(name, Weight(shape, device))
 
 
 class MoEMlp(nn.Module):
@@ -135,7 +129,7 @@ class MoEMlp(nn.Module):
     def __init__(self, experts: int, shape: tuple[int, ...], router_shape: tuple[int, ...], device: torch.device) -> None:
         super().__init__()
         self.router = Weight(router_shape, device)
-        self.experts = nn.ModuleList(Expert(shape, device) for _ in range(experts))
+        self.experts = nn.ModuleList(Projections(EXPERT_PROJECTIONS, shape, device) for _ in range(experts))
 
 
 class Layer(nn.Module):
@@ -147,7 +141,7 @@ class Layer(nn.Module):
         norm = (hidden,) if hidden else (2,)
         router = (experts, hidden) if hidden else (2,)
         self.input_norm = Weight(norm, device)
-        self.attn = Attention(weight, device)
+        self.attn = Projections(ATTENTION_PROJECTIONS, weight, device)
         self.post_attn_norm = Weight(norm, device)
         self.mlp = MoEMlp(experts, weight, router, device)
 

@@ -1,10 +1,9 @@
-"""What the bench measures and how it times it.
+"""What each method of the bench runs, on which inputs.
 
-Every measured operation is a :class:`Method` (an id such as ``sparse/save/cpp/packed`` plus
-its family, backend, format and part). :class:`FixtureContext` prepares, once per fixture and
-untimed, the inputs the methods need (the floor's packed dict, the sparse dicts, DSD's input,
-the core functions' arguments, DCP directories). :func:`time_method` runs one warm-up call and
-then ``repeats`` timed calls, each with fresh untimed set-up (e.g. a new, stateless load target).
+:class:`FixtureContext` prepares, once per fixture and untimed, the inputs the methods
+(:mod:`.methods`) need (the floor's packed dict, the sparse dicts, DSD's input, the core functions'
+arguments, DCP directories); :func:`runner_for` turns a method into the ``(call, setup)`` pair that
+:func:`.timing.time_method` times (e.g. a new, stateless load target as untimed set-up).
 
 DCP is measured for five dicts: the sparse dict in both formats, whole (``all``) and its param
 groups alone (``groups``); the whole optimizer through :class:`sparse_ckpt.SparseOptimizerState`
@@ -15,20 +14,17 @@ what a user writes without sparse_ckpt (see :func:`naive_state_dict`).
 
 from __future__ import annotations
 
-import gc
 import importlib
 import os
 import shutil
-import statistics
 import tempfile
-import time
 import warnings
 from collections.abc import Callable, Iterator
 from contextlib import contextmanager
 from dataclasses import dataclass, field
 from functools import cached_property
 from types import ModuleType
-from typing import Any, Optional
+from typing import Any
 
 import torch
 
@@ -38,154 +34,14 @@ from sparse_ckpt._tensor_parts import parts_to_tensor, tensor_to_parts
 from sparse_ckpt.decode import decode_checkpoint
 from sparse_ckpt.fqn import build_fqn_map
 
-from .fixtures import ADAMW_KWARGS, Fixture, build_adamw, fill_state, gc_paused
+from .fixtures import ADAMW_KWARGS, Fixture, build_adamw, fill_state
+from .methods import FIRST_CALL, NAIVE, STATEFUL, Method
+from .timing import Runner
 
-BACKENDS = ("cpp", "python")
-FORMATS = ("packed", "flat")
-NAIVE = "naive"
-"""DCP format id of the naive layout (:func:`naive_state_dict`)."""
-STATEFUL = "stateful"
-FIRST_CALL = "first"
-"""part of the sparse save/load figures measured with no kept FQN map (``sc.clear_fqn_cache()``
-before each sample, untimed): the first call on a model, which builds the map (see
-``sparse_ckpt.fqn``); the plain figures are later calls, which check and reuse it."""
-"""DCP part id of the whole optimizer saved as a ``SparseOptimizerState`` and loaded with the planner."""
-DCP_VARIANTS = (
-    ("packed", "all"),
-    ("packed", "groups"),
-    ("packed", STATEFUL),
-    ("flat", "all"),
-    ("flat", "groups"),
-    (NAIVE, "all"),
-)
-"""``(format, part)`` of every DCP figure, in run order."""
 LEAF = "optim"
-CORE_FUNCTIONS = (
-    "pack_optimizer",
-    "remap_to_fqns",
-    "flatten_state",
-    "flatten_groups",
-    "encode_table",
-    "decode_table",
-    "unflatten.packed",
-    "unflatten.flat",
-    "match_groups",
-    "assign_state_ids",
-)
-SPARSE_FAMILIES = ("sparse", "core")
-"""Families whose figures are sparse_ckpt's own (the growth target applies to them)."""
-
-
-def method_id(family: str, op: str, backend: str | None = None, fmt: str | None = None, part: str | None = None) -> str:
-    """The id of a method (``family/op[/backend][/fmt][/part]``), without building its :class:`Method`."""
-    return "/".join(x for x in (family, op, backend, fmt, part) if x)
-
-
-def sparse_id(op: str, backend: str, fmt: str = "packed") -> str:
-    """``sparse/{save,load}/{backend}/{fmt}``."""
-    return method_id("sparse", op, backend, fmt)
-
-
-def dcp_id(op: str, fmt: str, part: str) -> str:
-    """``dcp/{save,load}/{fmt}/{part}``."""
-    return method_id("dcp", op, None, fmt, part)
-
-
-def core_id(function: str, backend: str) -> str:
-    """``core/{fn}/{backend}[/{fmt}]`` for an entry of :data:`CORE_FUNCTIONS` (``unflatten.packed``)."""
-    op, _, fmt = function.partition(".")
-    return method_id("core", op, backend, fmt or None)
-
-
-# Method ids that the targets, the plots and the command line refer to by name: a renamed method
-# changes these, and report.check_method_ids() fails loudly instead of a target turning N/A.
-FLOOR_STATE_DICT = method_id("floor", "state_dict")
-FLOOR_LOAD_STATE_DICT = method_id("floor", "load_state_dict")
-DSD_GET = method_id("dsd", "get")
-DSD_SET = method_id("dsd", "set")
-DCP_STATEFUL_SAVE = dcp_id("save", "packed", STATEFUL)
-DCP_STATEFUL_LOAD = dcp_id("load", "packed", STATEFUL)
-DCP_NAIVE_SAVE = dcp_id("save", NAIVE, "all")
-DCP_NAIVE_LOAD = dcp_id("load", NAIVE, "all")
-DCP_PACKED_SAVE = dcp_id("save", "packed", "all")
-DCP_PACKED_GROUPS_SAVE = dcp_id("save", "packed", "groups")
-EXPORT_SAVE = method_id("export", "save")
-EXPORT_LOAD = method_id("export", "load")
+"""The key the bench's optimizer is saved under (DCP dicts, the core functions' leaf, the export)."""
 EXPORT_SOURCE = f"packed_{STATEFUL}"
 """The DCP checkpoint an export is made from: the ``dcp/save/packed/stateful`` one."""
-
-
-@dataclass(frozen=True)
-class Method:
-    """One measured operation."""
-
-    family: str
-    """``floor``, ``sparse``, ``dsd``, ``dcp``, ``export`` or ``core``."""
-    op: str
-    """``state_dict``, ``save``, ``load``, ``get``, ``set`` or a core function name."""
-    backend: str | None = None
-    fmt: str | None = None
-    part: str | None = None
-    """DCP only: ``all`` (state + groups), ``groups`` (param-group metadata alone) or ``stateful``
-    (the whole optimizer as a ``SparseOptimizerState``, loaded with ``SparseLoadPlanner``)."""
-
-    @property
-    def id(self) -> str:
-        """``family/op[/backend][/fmt][/part]``."""
-        return method_id(self.family, self.op, self.backend, self.fmt, self.part)
-
-    @property
-    def label(self) -> str:
-        """Human-readable name for tables and plots."""
-        names = {
-            ("floor", "state_dict"): "optimizer.state_dict() (floor)",
-            ("floor", "load_state_dict"): "optimizer.load_state_dict() (floor)",
-            ("sparse", "save"): "sparse_state_dict",
-            ("sparse", "load"): "load_sparse_state_dict",
-            ("dsd", "get"): "DSD get_optimizer_state_dict",
-            ("dsd", "set"): "DSD set_optimizer_state_dict",
-            ("dcp", "save"): "dcp.save",
-            ("dcp", "load"): "dcp.load",
-            ("export", "save"): "export_checkpoint (safetensors + JSON, from the SparseOptimizerState checkpoint)",
-            ("export", "load"): "load_export",
-        }
-        base = names.get((self.family, self.op), f"core.{self.op}")
-        if self.part == "groups":
-            base += " (param groups only)"
-        elif self.part == FIRST_CALL:
-            base += " (first call: FQN map built)"
-        elif self.part == STATEFUL:
-            base += " (SparseOptimizerState)" if self.op == "save" else " (SparseLoadPlanner)"
-        elif self.fmt == NAIVE:
-            base += " (naive layout)"
-        return base
-
-
-def plan_methods() -> list[Method]:
-    """Every method, in run order (the same list for every scale and layout)."""
-    out = [Method("floor", "state_dict"), Method("floor", "load_state_dict")]
-    for backend in BACKENDS:
-        for fmt in FORMATS:
-            out.append(Method("sparse", "save", backend, fmt))
-            out.append(Method("sparse", "load", backend, fmt))
-    out += [Method("sparse", op, "cpp", "packed", FIRST_CALL) for op in ("save", "load")]
-    out += [Method("dsd", "get"), Method("dsd", "set")]
-    for fmt, part in DCP_VARIANTS:
-        out.append(Method("dcp", "save", None, fmt, part))
-        out.append(Method("dcp", "load", None, fmt, part))
-    out += [Method("export", "save"), Method("export", "load")]
-    for backend in BACKENDS:
-        for name in CORE_FUNCTIONS:
-            op, _, fmt = name.partition(".")
-            out.append(Method("core", op, backend, fmt or None))
-    assert [m.id for m in out if m.family == "core"] == [core_id(f, b) for b in BACKENDS for f in CORE_FUNCTIONS]
-    return out
-
-
-def planned_ids() -> frozenset[str]:
-    """The ids of :func:`plan_methods` (what a full run measures or records as skipped)."""
-    return frozenset(m.id for m in plan_methods())
-
 
 # --------------------------------------------------------------------------- backends
 
@@ -433,9 +289,6 @@ class FixtureContext:
         return nested_load_target(sd)
 
 
-Runner = tuple[Callable[[Any], Any], Optional[Callable[[], Any]]]  # Optional, not "| None": evaluated on import (3.9)
-"""``(call, setup)``: ``call(setup())`` is timed; ``setup`` (untimed) may be ``None``."""
-
 
 def runner_for(m: Method, ctx: FixtureContext, core: ModuleType | None) -> Runner:
     """The timed call (and its untimed per-sample set-up) for method ``m`` on ``ctx``."""
@@ -570,86 +423,3 @@ def _core_runner(m: Method, ctx: FixtureContext, core: ModuleType) -> Callable[[
     if op == "assign_state_ids":
         return lambda _: core.assign_state_ids(a["target"], a["state_of"])
     raise ValueError(f"unknown core function {op}")
-
-
-# --------------------------------------------------------------------------- timing
-
-
-def device_sync(device: str) -> Callable[[], None]:
-    """A function that waits for the device's queued work (a no-op on CPU)."""
-    if device == "cuda":
-        return torch.cuda.synchronize
-    if device == "npu":
-        return torch.npu.synchronize  # type: ignore[attr-defined]
-    return lambda: None
-
-
-def _timed(call: Callable[[Any], Any], arg: Any, inner: int, sync: Callable[[], None], gc_off: bool) -> float:
-    # Like timeit: no collection inside the timed region (and no gc.collect() here, which takes
-    # ~1 s with torch's object graph loaded).
-    was_enabled = gc.isenabled()
-    if gc_off:
-        gc.disable()
-    try:
-        sync()
-        t0 = time.perf_counter()
-        for _ in range(inner):
-            call(arg)
-        sync()
-        return (time.perf_counter() - t0) / inner
-    finally:
-        if was_enabled:
-            gc.enable()
-
-
-def time_method(
-    runner: Runner,
-    *,
-    repeats: int,
-    budget_s: float,
-    sync: Callable[[], None] = lambda: None,
-    gc_off: bool = True,
-    min_sample_s: float = 0.005,
-) -> dict[str, Any]:
-    """Warm up once, then time up to ``repeats`` calls; return median/min/max/n and the samples.
-
-    Calls without per-sample set-up that take less than ``min_sample_s`` are repeated inside one
-    sample (``inner`` calls, the sample being their mean). When the warm-up shows that
-    ``repeats`` samples would exceed ``budget_s``, fewer are taken (at least one); when the
-    warm-up alone exceeds ``budget_s``, it is the only sample (``warmup_included``).
-    """
-    call, setup = runner
-
-    def prepare() -> Any:
-        if setup is None:
-            return None
-        with gc_paused():  # untimed; a fresh 616 000-group optimizer takes 9x longer with the collector on
-            return setup()
-
-    warm = _timed(call, prepare(), 1, sync, gc_off)
-    inner = 1
-    if setup is None and warm < min_sample_s:
-        inner = max(1, min(10_000, int(min_sample_s / max(warm, 1e-9))))
-    out: dict[str, Any] = {"status": "ok", "warmup_s": warm, "inner": inner, "repeats_requested": repeats}
-    if warm >= budget_s:
-        samples = [warm]
-        out["warmup_included"] = True
-        out["note"] = f"one call took {warm:.1f} s >= budget {budget_s:g} s: the warm-up is the only sample"
-    else:
-        n = min(repeats, max(1, int(budget_s // max(warm, 1e-9))))
-        if n < repeats:
-            out["note"] = f"{n} of {repeats} repeats (budget {budget_s:g} s)"
-        samples = [_timed(call, prepare(), inner, sync, gc_off) for _ in range(n)]
-    out.update(summarize(samples))
-    return out
-
-
-def summarize(samples: list[float]) -> dict[str, Any]:
-    """``median_s``, ``min_s``, ``max_s``, ``n`` and the ``samples_s`` themselves."""
-    return {
-        "median_s": statistics.median(samples),
-        "min_s": min(samples),
-        "max_s": max(samples),
-        "n": len(samples),
-        "samples_s": samples,
-    }

@@ -36,24 +36,23 @@ import torch
 
 import sparse_ckpt
 
-from . import report
+from . import report, report_markdown
 from .devices import DeviceUnavailable, check_device
 from .fixtures import LAYOUTS, STATE_INITS, FixtureCache, Scale, gc_paused, parse_scales
 from .measure import (
-    EXPORT_SAVE,
     FixtureContext,
-    Method,
     backend_modules,
     dcp_stats,
-    device_sync,
     dir_bytes,
     dsd_sparse_roundtrip_probe,
-    plan_methods,
     runner_for,
     silence_known_warnings,
-    time_method,
     use_backend,
 )
+from .methods import EXPORT_SAVE, Method, plan_methods
+from .timing import device_sync, time_method
+from .units import fmt_time
+from .verdicts import targets_mode
 
 DEFAULT_SCALES = "8x64,24x128,61x256,120x512,200x1024"
 QUICK_SCALES = "2x8,4x16"
@@ -205,7 +204,7 @@ def figure_detail(fig: dict[str, Any]) -> str:
     """One figure in a few words, for the progress lines."""
     if fig.get("status") == "ok":
         inner = f" × {fig['inner']}" if fig.get("inner", 1) > 1 else ""
-        return f"{report.fmt_time(fig['median_s'])} (n={fig['n']}{inner})"
+        return f"{fmt_time(fig['median_s'])} (n={fig['n']}{inner})"
     return f"{fig.get('status')}: {fig.get('reason', '')}"
 
 
@@ -477,7 +476,7 @@ def _limit(value: Any) -> str:
 def header_lines(results: dict[str, Any], out_dir: str, source: str | None = None) -> list[str]:
     """What a person needs to read the numbers: mode, command, machine, software, backends, scales."""
     m, c = results["machine"], results["config"]
-    judged, why = report.targets_mode(results)
+    judged, why = targets_mode(results)
     mode = "full run" if not c.get("quick") else "QUICK mode"
     if c.get("quick"):
         mode += f" — targets are INDICATIVE only ({why})"
@@ -534,20 +533,20 @@ def print_summary(results: dict[str, Any], paths: dict[str, Any], stream: TextIO
 def _summary_lines(results: dict[str, Any]) -> Iterator[str]:
     for run in results["runs"]:
         yield ""
-        yield from report.run_markdown(run)
+        yield from report_markdown.run_markdown(run)
     yield ""
     yield "## Targets"
-    banner = report.indicative_banner(results)
+    banner = report_markdown.indicative_banner(results)
     if banner:
         yield ""
         yield f"*** {banner} ***"
         yield ""
-    yield from report.targets_markdown(results["targets"])
+    yield from report_markdown.targets_markdown(results["targets"])
     if results.get("info"):
         yield ""
         yield "## Information (no targets)"
         yield ""
-        yield from report.info_markdown(results["info"])
+        yield from report_markdown.info_markdown(results["info"])
 
 
 def main(argv: Sequence[str] | None = None, prog: str | None = None) -> int:

@@ -21,7 +21,7 @@ from torch.distributed.checkpoint.metadata import Metadata, TensorStorageMetadat
 
 from ._dcp_paths import ObjPath, metadata_path, set_path
 from .dcp import SparseLoadPlanner
-from .errors import CheckpointFormatError
+from .errors import NotACheckpointError
 from .keys import GROUPS_PREFIX, OPTIMIZER_PREFIXES, is_foreign_guard
 from .nested import NESTED_KEYS
 
@@ -39,10 +39,6 @@ __all__ = [
 ]
 
 METADATA_FILE = ".metadata"
-
-
-class NotACheckpointError(CheckpointFormatError):
-    """The directory does not exist or has no ``.metadata`` file."""
 
 
 def read_metadata(path: str | os.PathLike[str]) -> Metadata:

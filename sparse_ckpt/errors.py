@@ -1,7 +1,9 @@
-"""Exception hierarchy of sparse_ckpt.
+"""Every exception and warning class of sparse_ckpt.
 
 Every error raised on purpose by the library derives from :class:`SparseCheckpointError`,
-and its message names the leaf, group, FQN and key involved where they are known.
+and its message names the leaf, group, FQN and key involved where they are known. The modules
+that raise an error or issue a warning import it from here; the integration modules re-export
+the ones their users catch (``sparse_ckpt.integrations.veomni.StockCheckpointWarning``).
 """
 
 from __future__ import annotations
@@ -10,8 +12,10 @@ __all__ = [
     "CheckpointFormatError",
     "CheckpointMismatchError",
     "CrossRankStateError",
+    "NotACheckpointError",
     "ReentrantSerializationError",
     "SparseCheckpointError",
+    "StockCheckpointWarning",
     "UnsupportedStateDictError",
 ]
 
@@ -39,3 +43,12 @@ class CheckpointFormatError(SparseCheckpointError):
 class CrossRankStateError(CheckpointMismatchError):
     """One rank's optimizer dict reached another rank (see :mod:`sparse_ckpt.origin`): a pickled
     dict loaded on another rank, or a ``state_dict()`` saved by the main process only."""
+
+
+class NotACheckpointError(CheckpointFormatError):
+    """The directory does not exist or has no ``.metadata`` file (raised by the checkpoint reader)."""
+
+
+class StockCheckpointWarning(UserWarning):
+    """Issued when a stock VeOmni checkpoint was migrated (:mod:`sparse_ckpt.integrations.veomni`);
+    its message is the ``StockMigrationReport``."""

@@ -39,6 +39,7 @@ from ..errors import CheckpointMismatchError, SparseCheckpointError
 from ..fqn import Model, build_fqn_map
 from ..keys import PLANNER_GUARD_KEY
 from ..leaves import named_leaves
+from ._overrides import arguments_of, with_signature_of
 from ._stock_migration import DroppedState, MigrationReport, drop_synthetic_state, flat_fqns, state_keys_by_fqn
 
 try:
@@ -92,39 +93,22 @@ class SparseCheckpointManager(CheckpointManager):
             if self.drop_synthetic_state and not self.migrate_stock_checkpoints:
                 raise ValueError("drop_synthetic_state=True needs migrate_stock_checkpoints=True")
 
-    def __init__(
-        self,
-        config: Config,
-        *,
-        dataloader: Any,
-        model_parts: Model,
-        optimizers: Any,
-        lr_schedulers: Any,
-        states: dict[str, Any],
-        sd_adapter: Any,
-        base_folder: str = "",
-    ) -> None:
+    @with_signature_of(CheckpointManager.__init__)
+    def __init__(self, *args: Any, **kwargs: Any) -> None:
+        call = arguments_of(super().__init__, *args, **kwargs)
+        config: SparseCheckpointManager.Config = call["config"]
         state = None
         if config.enable:
             _check_async_mode(config.async_mode)
             state = _TitanOptimizerState(
-                model_parts,
-                optimizers,
+                call["model_parts"],
+                call["optimizers"],
                 migrate=config.migrate_stock_checkpoints,
                 drop_synthetic=config.drop_synthetic_state,
             )
         self.migration_report: MigrationReport | None = None
         """What the last load of a stock checkpoint did on this rank (``None``: no such load)."""
-        super().__init__(
-            config,
-            dataloader=dataloader,
-            model_parts=model_parts,
-            optimizers=optimizers,
-            lr_schedulers=lr_schedulers,
-            states=states,
-            sd_adapter=sd_adapter,
-            base_folder=base_folder,
-        )
+        super().__init__(*args, **kwargs)
         if self.enable:
             self.states[OPTIMIZER] = state
 

@@ -50,11 +50,12 @@ from torch.distributed.checkpoint.metadata import Metadata
 from .._dcp_paths import metadata_path
 from ..dcp import SparseLoadPlanner, SparseOptimizerState, multi_rank
 from ..dcp import _allocate as allocate_like
-from ..errors import CheckpointMismatchError, UnsupportedStateDictError
+from ..errors import CheckpointMismatchError, StockCheckpointWarning, UnsupportedStateDictError
 from ..fqn import FqnMap, build_fqn_map
 from ..keys import GROUPS_PREFIX, PACKED_PREFIX, PLANNER_GUARD_KEY, SCALARS_PREFIX, STATE_PREFIX, last_part, owner_fqn
 from ..leaves import named_leaves
 from ..load import load_owned
+from ._overrides import arguments_of, with_signature_of
 
 __all__ = [
     "InstallHandle",
@@ -202,32 +203,15 @@ def _build_class() -> type:
         migrate_stock_checkpoints = False
 
         @classmethod
-        def save(
-            cls,
-            path: str,
-            state: dict[str, Any],
-            save_async: bool = False,
-            global_steps: int | None = None,
-            storage_writer: Any = None,
-            trainable_only: bool = False,
-            save_to_lowest_rank: bool = False,
-            parallel_state: Any = None,
-            stage_dir: str | None = None,
-        ) -> None:
-            """VeOmni's ``save``; the optimizer is checked before anything is written, then saved sparsely."""
-            if "model" in state and "optimizer" in state:
-                _sparse_optimizer_state(state["model"], state["optimizer"], parallel_state)
-            super().save(
-                path,
-                state,
-                save_async=save_async,
-                global_steps=global_steps,
-                storage_writer=storage_writer,
-                trainable_only=trainable_only,
-                save_to_lowest_rank=save_to_lowest_rank,
-                parallel_state=parallel_state,
-                stage_dir=stage_dir,
-            )
+        @with_signature_of(DistributedCheckpointer.save)
+        def save(cls, *args: Any, **kwargs: Any) -> None:
+            """VeOmni's ``save`` (its signature); the optimizer is checked before anything is written, then
+            saved sparsely (see :meth:`execute_save`)."""
+            call = arguments_of(super().save, *args, **kwargs)
+            state = call["state"]
+            if "model" in state and OPTIMIZER_KEY in state:
+                _sparse_optimizer_state(state["model"], state[OPTIMIZER_KEY], call.get("parallel_state"))
+            super().save(*args, **kwargs)
 
         @classmethod
         def execute_save(
@@ -260,46 +244,40 @@ def _build_class() -> type:
             DistributedCheckpointer.wait_for_pending_save()
 
         @classmethod
-        def load(
-            cls,
-            path: str,
-            state: dict[str, Any],
-            process_group: Any = None,
-            storage_reader: Any = None,
-            trainable_only: bool = False,
-            parallel_state: Any = None,
-        ) -> dict[str, Any]:
-            """VeOmni's ``load``, the optimizer restored exactly with ``SparseLoadPlanner``.
+        @with_signature_of(DistributedCheckpointer.load)
+        def load(cls, *args: Any, **kwargs: Any) -> dict[str, Any]:
+            """VeOmni's ``load`` (its signature), the optimizer restored exactly with ``SparseLoadPlanner``.
 
             A checkpoint written by stock VeOmni is refused unless this class migrates them
             (``install(migrate_stock=True)``); see :func:`load_stock_checkpoint`.
             """
-            _load(cls, path, state, process_group, storage_reader, trainable_only, parallel_state,
-                  migrate=cls.migrate_stock_checkpoints, require_stock=False)
-            return state
+            call = arguments_of(super().load, *args, **kwargs)
+            _load(cls, call, migrate=cls.migrate_stock_checkpoints, require_stock=False)
+            return call["state"]
 
     SparseDistributedCheckpointer.__qualname__ = "SparseDistributedCheckpointer"
     SparseDistributedCheckpointer.__module__ = __name__
     return SparseDistributedCheckpointer
 
 
-def _load(
-    cls: Any,
-    path: str,
-    state: dict[str, Any],
-    process_group: Any,
-    storage_reader: Any,
-    trainable_only: bool,
-    parallel_state: Any,
-    *,
-    migrate: bool,
-    require_stock: bool,
-) -> StockMigrationReport | None:
-    """The load of :class:`SparseDistributedCheckpointer` ``cls``: ``migrate`` a stock checkpoint (else
-    refuse it), ``require_stock`` (refuse anything else); returns the migration report, if one was made."""
+_LOAD_PARAMETERS = ("path", "state", "process_group", "storage_reader", "trainable_only", "parallel_state")
+"""The parameters of VeOmni's ``DistributedCheckpointer.load`` that :func:`_load` implements."""
+
+
+def _load(cls: Any, call: dict[str, Any], *, migrate: bool, require_stock: bool) -> StockMigrationReport | None:
+    """The load of :class:`SparseDistributedCheckpointer` ``cls`` with the arguments ``call`` of VeOmni's
+    ``load`` (see :func:`arguments_of`): ``migrate`` a stock checkpoint (else refuse it), ``require_stock``
+    (refuse anything else); returns the migration report, if one was made."""
     from torch.distributed import checkpoint as dcp
     from veomni.checkpoint.dcp_checkpointer import ModelState
 
+    unknown = sorted(set(call) - set(_LOAD_PARAMETERS))
+    if unknown:
+        raise TypeError(
+            f"this VeOmni's DistributedCheckpointer.load takes {unknown}, which sparse_ckpt.integrations.veomni "
+            "does not implement: this VeOmni version is not one it supports (tested with veomni==0.1.12)"
+        )
+    path, state, process_group, storage_reader, trainable_only, parallel_state = (call[p] for p in _LOAD_PARAMETERS)
     if state is None:
         raise ValueError("State dict must be provided to load a distributed checkpoint.")
     if "model" not in state:
@@ -392,10 +370,6 @@ def _stock_refusal(path: str, metadata: Metadata) -> str:
         "had no saved settings or state), or install(migrate_stock=True) so that load() migrates it and warns "
         "with that report. Checkpoints saved afterwards are sparse_ckpt's"
     )
-
-
-class StockCheckpointWarning(UserWarning):
-    """Issued when a stock VeOmni checkpoint was migrated; its message is the :class:`StockMigrationReport`."""
 
 
 @dataclass
@@ -501,20 +475,13 @@ class _StockTarget:
         return StockMigrationReport(path=path, leaves=leaves)
 
 
-def load_stock_checkpoint(
-    path: str,
-    state: dict[str, Any],
-    *,
-    process_group: Any = None,
-    storage_reader: Any = None,
-    trainable_only: bool = False,
-    parallel_state: Any = None,
-) -> StockMigrationReport:
+def load_stock_checkpoint(path: str, state: dict[str, Any], **options: Any) -> StockMigrationReport:
     """Load a checkpoint written by stock VeOmni's ``DistributedCheckpointer`` (the opt-in migration).
 
     ``state`` is what VeOmni's ``load`` takes (``model``, ``optimizer``, optionally ``extra_state``),
-    and is filled the same way: the model and ``extra_state`` exactly as stock VeOmni loads them; the
-    optimizer from what the checkpoint has (DSD's flat layout of a ``MultiOptimizer`` or the nested
+    ``options`` its keyword arguments (``process_group``, ``storage_reader``, ``trainable_only``,
+    ``parallel_state``). ``state`` is filled the same way: the model and ``extra_state`` exactly as
+    stock VeOmni loads them; the optimizer from what the checkpoint has (DSD's flat layout of a ``MultiOptimizer`` or the nested
     one of a single optimizer), matched by FQN. Parameters with no saved settings keep their
     group's current settings (stock VeOmni saves no settings for a sub-optimizer without state:
     a scheduler-moved lr of a leaf that never stepped is lost; restore the scheduler and step it
@@ -524,7 +491,6 @@ def load_stock_checkpoint(
     stock one.
     """
     cls = _checkpointer_class(False)
-    report = _load(cls, path, state, process_group, storage_reader, trainable_only, parallel_state,
-                   migrate=True, require_stock=True)
+    report = _load(cls, arguments_of(cls.load, path, state, **options), migrate=True, require_stock=True)
     assert report is not None  # require_stock: a stock checkpoint was migrated, or load_checkpoint raised
     return report

@@ -21,7 +21,7 @@ import pytest
 import torch
 
 import sparse_ckpt as sc
-from bench import report
+from bench import information, plots, report_markdown, verdicts
 from bench import run as bench_run
 from bench.fixtures import (
     ADAMW_KWARGS,
@@ -34,16 +34,20 @@ from bench.fixtures import (
     step_state,
 )
 from bench.measure import (
-    DCP_NAIVE_SAVE,
-    DCP_STATEFUL_SAVE,
     LEAF,
     FixtureContext,
-    Method,
     naive_items,
     naive_state_dict,
+    runner_for,
+)
+from bench.methods import (
+    CORE_FUNCTIONS,
+    DCP_NAIVE_SAVE,
+    DCP_STATEFUL_SAVE,
+    FLOOR_STATE_DICT,
+    Method,
     plan_methods,
     planned_ids,
-    runner_for,
 )
 from bench.run import main
 
@@ -130,22 +134,22 @@ def test_targets_and_outputs(bench_out: str) -> None:
     rows = res["targets"]
     # quick mode: no verdicts, only indicative ratios (and N/A where a figure is missing)
     assert res["targets_mode"]["judged"] is False and "quick" in res["targets_mode"]["why"]
-    assert [r["target"] for r in rows] == [t.name for t in report.TARGETS]
-    assert all(r["status"] in {report.INDICATIVE, report.NA} for r in rows)
-    assert all(r["verdict"] in {report.PASS, report.MISS, report.NA} for r in rows)
-    assert all((r["status"] == report.NA) == (r["verdict"] == report.NA) for r in rows)
+    assert [r["target"] for r in rows] == [t.name for t in verdicts.TARGETS]
+    assert all(r["status"] in {verdicts.INDICATIVE, verdicts.NA} for r in rows)
+    assert all(r["verdict"] in {verdicts.PASS, verdicts.MISS, verdicts.NA} for r in rows)
+    assert all((r["status"] == verdicts.NA) == (r["verdict"] == verdicts.NA) for r in rows)
     by_name = {r["target"]: r for r in rows}
-    for t in (report.SAVE_COST_PARAM, report.SAVE_COST_LAYER, report.LOAD_COST_PARAM, report.LOAD_COST_LAYER,
-              report.BACKEND_SPEEDUP, report.DCP_ITEMS_PARAM, report.DCP_ITEMS_LAYER, report.DCP_VS_NAIVE_LAYER):
+    for t in (verdicts.SAVE_COST_PARAM, verdicts.SAVE_COST_LAYER, verdicts.LOAD_COST_PARAM, verdicts.LOAD_COST_LAYER,
+              verdicts.BACKEND_SPEEDUP, verdicts.DCP_ITEMS_PARAM, verdicts.DCP_ITEMS_LAYER, verdicts.DCP_VS_NAIVE_LAYER):
         row = by_name[t.name]
         assert row["value"] is not None and row["where"].startswith(f"2x4, {t.layout} (largest measured"), t.name
     # the naive layout of 2x4 with one group per param exceeds --dcp-max-items 200: measured at 1x2 instead
-    assert by_name[report.DCP_VS_NAIVE_PARAM.name]["where"].startswith("1x2, param (largest measured; 24x128")
-    for t in (report.GROWTH_SAVE_PARAM, report.GROWTH_LOAD_LAYER):  # needs 61x256 and 200x1024: no fallback
-        assert by_name[t.name]["status"] == report.NA and "not run" in by_name[t.name]["reason"]
+    assert by_name[verdicts.DCP_VS_NAIVE_PARAM.name]["where"].startswith("1x2, param (largest measured; 24x128")
+    for t in (verdicts.GROWTH_SAVE_PARAM, verdicts.GROWTH_LOAD_LAYER):  # needs 61x256 and 200x1024: no fallback
+        assert by_name[t.name]["status"] == verdicts.NA and "not run" in by_name[t.name]["reason"]
     info = {(r["name"], r["where"].split(",")[1].split()[0] if "," in r["where"] else ""): r for r in res["info"]}
-    assert (report.INFO_DCP_GROUPS_BYTES, "param") in info and (report.INFO_DSD_SET, "layer") in info
-    export = [r for r in res["info"] if r["name"] == report.INFO_EXPORT_BYTES]
+    assert (information.INFO_DCP_GROUPS_BYTES, "param") in info and (information.INFO_DSD_SET, "layer") in info
+    export = [r for r in res["info"] if r["name"] == information.INFO_EXPORT_BYTES]
     assert export and all(r["value"] is not None and r["value"] > 0 for r in export), export
     with open(os.path.join(bench_out, "results.md"), encoding="utf-8") as f:
         md = f.read()
@@ -154,7 +158,7 @@ def test_targets_and_outputs(bench_out: str) -> None:
     assert "INDICATIVE ONLY (quick mode" in md and "| PASS |" not in md and "| MISS |" not in md
     assert "indicative: within" in md or "indicative: outside" in md
     assert md.count("| method | backend | format | median (min–max) | n | note |") == 4
-    pngs = [os.path.join(bench_out, name) for name in report.FIGURE_NAMES]
+    pngs = [os.path.join(bench_out, name) for name in plots.FIGURE_NAMES]
     if importlib.util.find_spec("matplotlib") is not None:
         for png in pngs:
             with open(png, "rb") as f:
@@ -219,13 +223,14 @@ def test_dcp_naive_and_stateful_round_trip(tmp_path) -> None:
 def test_method_ids_are_named_constants() -> None:
     """Every id the targets and plots divide is one the bench plans: renaming a method fails loudly."""
     ids = planned_ids()
-    assert set(report.target_method_ids()) <= ids
-    assert set(report.plot_method_ids()) <= ids
-    report.check_method_ids()
+    assert set(verdicts.target_method_ids()) <= ids
+    assert set(information.info_method_ids()) <= ids
+    assert set(plots.plot_method_ids()) <= ids
+    verdicts.check_method_ids()
     with pytest.raises(RuntimeError, match="core/encode/cpp"):
-        report.check_method_ids(["core/encode/cpp"])
-    assert set(report.INFO_CORE_FUNCTIONS) <= set(report.CORE_FUNCTIONS)
-    assert len({t.name for t in report.TARGETS}) == len(report.TARGETS)
+        verdicts.check_method_ids(["core/encode/cpp"])
+    assert set(information.INFO_CORE_FUNCTIONS) <= set(CORE_FUNCTIONS)
+    assert len({t.name for t in verdicts.TARGETS}) == len(verdicts.TARGETS)
 
 
 def _fig(t: float, **extra: object) -> dict:
@@ -246,18 +251,18 @@ def test_full_run_at_target_scale_gets_verdicts() -> None:
     """Only a non-quick run that measured a row's own scale gets PASS/MISS; anything else is INDICATIVE."""
 
     def results(scale: str, quick: bool) -> dict:
-        figures = {report.FLOOR_STATE_DICT: _fig(1.0), "sparse/save/cpp/packed": _fig(3.0)}
+        figures = {FLOOR_STATE_DICT: _fig(1.0), "sparse/save/cpp/packed": _fig(3.0)}
         return _results([_run(scale, "param", figures)], quick)
 
     def save_row(res: dict) -> dict:
-        return next(r for r in report.compute_targets(res) if r["target"] == report.SAVE_COST_PARAM.name)
+        return next(r for r in verdicts.compute_targets(res) if r["target"] == verdicts.SAVE_COST_PARAM.name)
 
-    assert save_row(results("61x256", False))["status"] == report.MISS
+    assert save_row(results("61x256", False))["status"] == verdicts.MISS
     for scale, quick in (("61x256", True), ("8x64", False)):
         row = save_row(results(scale, quick))
-        assert row["status"] == report.INDICATIVE and row["verdict"] == report.MISS
-        assert report.indicative_banner(results(scale, quick))
-    assert report.indicative_banner(results("61x256", False)) is None
+        assert row["status"] == verdicts.INDICATIVE and row["verdict"] == verdicts.MISS
+        assert report_markdown.indicative_banner(results(scale, quick))
+    assert report_markdown.indicative_banner(results("61x256", False)) is None
 def test_header_and_progress_lines(capsys: pytest.CaptureFixture[str], tmp_path) -> None:
     """stdout starts with a header a person can read; a non-TTY stderr gets one line per figure, no \\r."""
     assert main(["--quick", "--scales", "1x2", "--layouts", "param", "--repeats", "1", "--budget", "0.2",
@@ -332,10 +337,10 @@ def test_targets_compute_ratios() -> None:
         _run("24x128", "param", dcp(1.0, 2.0, 9554), n_param_shaped_state=9552, n_leaves=1),
         _run("24x128", "layer", dcp(1.0, 1.2, 14329), n_param_shaped_state=9552, n_leaves=1),
     ]
-    rows = {r["target"]: r for r in report.compute_targets(_results(runs))}
+    rows = {r["target"]: r for r in verdicts.compute_targets(_results(runs))}
     assert all(r["status"] == r["verdict"] for r in rows.values()), "a full run gets verdicts at its scales"
 
-    def check(t: report.Target, value: float | None, status: str) -> dict:
+    def check(t: verdicts.Target, value: float | None, status: str) -> dict:
         row = rows[t.name]
         assert row["status"] == status, (t.name, row)
         if value is None:
@@ -344,26 +349,26 @@ def test_targets_compute_ratios() -> None:
             assert row["value"] == pytest.approx(value), t.name
         return row
 
-    check(report.SAVE_COST_PARAM, 1.5, "PASS")
-    check(report.SAVE_COST_LAYER, 3.0, "MISS")
-    check(report.LOAD_COST_PARAM, 2.0, "PASS")  # ÷ state_dict(), not load_state_dict()
-    check(report.LOAD_COST_LAYER, 5.0, "PASS")
-    check(report.BACKEND_SPEEDUP, 10.0 / 3.5, "MISS")
-    assert "24x128, param" in check(report.DCP_VS_NAIVE_PARAM, 0.5, "PASS")["where"]
-    check(report.DCP_VS_NAIVE_LAYER, 1.0 / 1.2, "MISS")
-    items = check(report.DCP_ITEMS_PARAM, 1.0, "PASS")
+    check(verdicts.SAVE_COST_PARAM, 1.5, "PASS")
+    check(verdicts.SAVE_COST_LAYER, 3.0, "MISS")
+    check(verdicts.LOAD_COST_PARAM, 2.0, "PASS")  # ÷ state_dict(), not load_state_dict()
+    check(verdicts.LOAD_COST_LAYER, 5.0, "PASS")
+    check(verdicts.BACKEND_SPEEDUP, 10.0 / 3.5, "MISS")
+    assert "24x128, param" in check(verdicts.DCP_VS_NAIVE_PARAM, 0.5, "PASS")["where"]
+    check(verdicts.DCP_VS_NAIVE_LAYER, 1.0 / 1.2, "MISS")
+    items = check(verdicts.DCP_ITEMS_PARAM, 1.0, "PASS")
     assert "9,554 items; bound 9,554 = 9,552 param-shaped state tensors + 1 leaf + 1 table item" in items["detail"]
-    check(report.DCP_ITEMS_LAYER, 14329 / 9554, "MISS")
-    growth = check(report.GROWTH_SAVE_PARAM, None, "N/A")
+    check(verdicts.DCP_ITEMS_LAYER, 14329 / 9554, "MISS")
+    growth = check(verdicts.GROWTH_SAVE_PARAM, None, "N/A")
     assert growth["reason"] == "200x1024 with one group per param not run"
-    info = {(r["name"], r["where"]): r for r in report.compute_info(_results(runs))}
-    assert info[(report.INFO_DSD_SET, "61x256, param")]["value"] == pytest.approx(200.0)
-    assert info[(report.INFO_LOAD_VS_TORCH_LOAD, "61x256, param")]["value"] == pytest.approx(0.2)
-    assert info[(report.INFO_DCP_NAIVE_BYTES, "24x128, param")]["value"] == pytest.approx(3.0)
+    info = {(r["name"], r["where"]): r for r in information.compute_info(_results(runs))}
+    assert info[(information.INFO_DSD_SET, "61x256, param")]["value"] == pytest.approx(200.0)
+    assert info[(information.INFO_LOAD_VS_TORCH_LOAD, "61x256, param")]["value"] == pytest.approx(0.2)
+    assert info[(information.INFO_DCP_NAIVE_BYTES, "24x128, param")]["value"] == pytest.approx(3.0)
 
     cost["sparse/save/cpp/packed"] = {"status": "unavailable", "reason": "not built"}
-    rows = {r["target"]: r for r in report.compute_targets(_results(runs, cpp="unavailable (not built)"))}
-    row = rows[report.SAVE_COST_PARAM.name]
+    rows = {r["target"]: r for r in verdicts.compute_targets(_results(runs, cpp="unavailable (not built)"))}
+    row = rows[verdicts.SAVE_COST_PARAM.name]
     assert row["status"] == "N/A" and "cpp backend unavailable" in row["reason"]
 
 
@@ -375,15 +380,15 @@ def test_growth_targets() -> None:
     big = {"floor/state_dict": _fig(1.1 * k), "sparse/save/cpp/packed": _fig(1.2 * k),
            "sparse/load/cpp/packed": _fig(2 * 1.6 * k)}
     runs = [_run("61x256", "param", small), _run("200x1024", "param", big)]
-    rows = {r["target"]: r for r in report.compute_targets(_results(runs))}
-    save, load = rows[report.GROWTH_SAVE_PARAM.name], rows[report.GROWTH_LOAD_PARAM.name]
+    rows = {r["target"]: r for r in verdicts.compute_targets(_results(runs))}
+    save, load = rows[verdicts.GROWTH_SAVE_PARAM.name], rows[verdicts.GROWTH_LOAD_PARAM.name]
     assert save["value"] == pytest.approx(1.2 / 1.1) and save["status"] == "PASS"
     assert load["value"] == pytest.approx(1.6 / 1.1) and load["status"] == "MISS"
     assert "torch 1.10×" in save["detail"]
-    assert rows[report.GROWTH_SAVE_LAYER.name]["status"] == "N/A"
-    quick = {r["target"]: r for r in report.compute_targets(_results(runs, quick=True))}
-    assert quick[report.GROWTH_SAVE_PARAM.name]["status"] == report.INDICATIVE
-    table = {(r["figure"], r["where"]): r for r in report.growth_rows(_results(runs))}
+    assert rows[verdicts.GROWTH_SAVE_LAYER.name]["status"] == "N/A"
+    quick = {r["target"]: r for r in verdicts.compute_targets(_results(runs, quick=True))}
+    assert quick[verdicts.GROWTH_SAVE_PARAM.name]["status"] == verdicts.INDICATIVE
+    table = {(r["figure"], r["where"]): r for r in information.growth_rows(_results(runs))}
     row = table[("sparse/load/cpp/packed", "200x1024 / 61x256, param")]
     assert row["time_ratio"] == pytest.approx(1.6 * k) and row["per_param"] == pytest.approx(1.6)
 
@@ -398,7 +403,7 @@ def test_skipped_baseline_falls_back_to_largest_measured_scale() -> None:
         _run("61x256", "layer", {"dsd/set": _fig(50.0), "sparse/load/cpp/packed": _fig(1.0)}),
         _run("61x256", "param", {"dsd/set": skipped, "sparse/load/cpp/packed": _fig(1.0)}),
     ]
-    rows = [r for r in report.compute_info(_results(runs)) if r["name"] == report.INFO_DSD_SET]
+    rows = [r for r in information.compute_info(_results(runs)) if r["name"] == information.INFO_DSD_SET]
     assert [(r["where"].split(" —")[0], r["value"]) for r in rows] == [("24x128, param", pytest.approx(150.0)),
                                                                       ("61x256, layer", pytest.approx(50.0))]
 
@@ -469,12 +474,12 @@ def test_missing_device_exits_2(capsys: pytest.CaptureFixture[str], tmp_path) ->
 def test_targets_mode_header_before_any_run() -> None:
     """The header (printed before any figure) of a full run that includes the target scale and
     layout says the targets will be judged; once runs exist, only a measured target scale counts."""
-    config = {"scales": ["8x64", report.TARGET_SCALE], "layouts": ["layer", report.TARGET_LAYOUT], "quick": False}
-    assert report.targets_mode({"config": config, "runs": []})[0] is True
-    assert report.targets_mode({"config": {**config, "scales": ["8x64"]}, "runs": []})[0] is False
-    assert report.targets_mode({"config": {**config, "layouts": ["layer"]}, "runs": []})[0] is False
-    small = [{"scale": "8x64", "layout": report.TARGET_LAYOUT}]
-    assert report.targets_mode({"config": config, "runs": small})[0] is False
+    config = {"scales": ["8x64", verdicts.TARGET_SCALE], "layouts": ["layer", verdicts.TARGET_LAYOUT], "quick": False}
+    assert verdicts.targets_mode({"config": config, "runs": []})[0] is True
+    assert verdicts.targets_mode({"config": {**config, "scales": ["8x64"]}, "runs": []})[0] is False
+    assert verdicts.targets_mode({"config": {**config, "layouts": ["layer"]}, "runs": []})[0] is False
+    small = [{"scale": "8x64", "layout": verdicts.TARGET_LAYOUT}]
+    assert verdicts.targets_mode({"config": config, "runs": small})[0] is False
 
 
 # --------------------------------------------------------------------------- figure layout
@@ -508,7 +513,7 @@ def _synthetic_full_results() -> dict:
 
 
 def _render_figures(results: dict, out: str) -> dict:
-    """``report.write_plots``, keeping each figure it saves (by file name) to inspect its layout."""
+    """``plots.write_plots``, keeping each figure it saves (by file name) to inspect its layout."""
     from matplotlib.figure import Figure
 
     figures = {}
@@ -520,10 +525,10 @@ def _render_figures(results: dict, out: str) -> dict:
 
     Figure.savefig = keep  # type: ignore[method-assign]
     try:
-        paths, message = report.write_plots(results, out)
+        paths, message = plots.write_plots(results, out)
     finally:
         Figure.savefig = savefig  # type: ignore[method-assign]
-    assert message is None and [os.path.basename(p) for p in paths] == list(report.FIGURE_NAMES)
+    assert message is None and [os.path.basename(p) for p in paths] == list(plots.FIGURE_NAMES)
     return figures
 
 
@@ -574,27 +579,27 @@ def test_figure_legends_fit_and_do_not_overlap(source: str, request: pytest.Fixt
     pytest.importorskip("matplotlib")
     results = _synthetic_full_results() if source == "full-scales" else _load(request.getfixturevalue("bench_out"))
     figures = _render_figures(results, str(tmp_path))
-    assert sorted(figures) == sorted(report.FIGURE_NAMES)
+    assert sorted(figures) == sorted(plots.FIGURE_NAMES)
     problems = {name: layout_problems(fig) for name, fig in figures.items()}
     assert not any(problems.values()), "\n".join(f"{name}: {p}" for name, ps in problems.items() for p in ps)
 
 
 def test_plot_coverage_and_coinciding_series() -> None:
     """Legend suffixes say how far a line goes; a bytes / items line is left out only where another
-    one covers every scale it was measured at, within :data:`report.COINCIDE_WITHIN`."""
+    one covers every scale it was measured at, within :data:`plots.COINCIDE_WITHIN`."""
     skipped = {"status": "skipped", "reason": "limit"}
     runs = [_run(s, "param", {"a": _fig(1.0, bytes=100), "b": _fig(1.0, bytes=103),
                               "c": _fig(1.0, bytes=150) if s != "61x256" else skipped}) for s in PLOT_SCALES[:3]]
     runs[2]["figures"]["a"] = skipped
-    a, b, c = (report.Series(n, (n,), "k", field="bytes") for n in "abc")
-    assert report.coverage(b, runs) == ""
-    assert report.coverage(a, runs) == " (up to 24x128)"
+    a, b, c = (plots.Series(n, (n,), "k", field="bytes") for n in "abc")
+    assert plots.coverage(b, runs) == ""
+    assert plots.coverage(a, runs) == " (up to 24x128)"
     runs[0]["figures"]["a"] = skipped
-    assert report.coverage(a, runs) == " (only 24x128)"
-    assert report.coverage(report.Series("d", ("d",), "k"), runs) == " (not measured)"
-    assert report.coinciding(a, b, runs) == pytest.approx(3 / 103)  # a measured only where b is
-    assert report.coinciding(b, a, runs) is None  # b goes further than a: leaving it out would lose points
-    assert report.coinciding(c, b, runs) == pytest.approx(47 / 103)
+    assert plots.coverage(a, runs) == " (only 24x128)"
+    assert plots.coverage(plots.Series("d", ("d",), "k"), runs) == " (not measured)"
+    assert plots.coinciding(a, b, runs) == pytest.approx(3 / 103)  # a measured only where b is
+    assert plots.coinciding(b, a, runs) is None  # b goes further than a: leaving it out would lose points
+    assert plots.coinciding(c, b, runs) == pytest.approx(47 / 103)
 
 
 def test_export_vs_dcp_info_rows() -> None:
@@ -614,27 +619,27 @@ def test_export_vs_dcp_info_rows() -> None:
         _run("61x256", "param", {**figs(1.0, 1, 1.0, 1.0, 1, 1.0), "export/save": skipped, "export/load": skipped}),
     ]
     res = _results(runs)
-    rows = report.export_info(res)
-    assert rows == [r for r in report.compute_info(res) if r["name"].startswith(("export", "load_export"))]
+    rows = information.export_info(res)
+    assert rows == [r for r in information.compute_info(res) if r["name"].startswith(("export", "load_export"))]
     got = {(r["name"], r["where"]): r["value"] for r in rows}
     assert got == {
-        (report.INFO_EXPORT_BYTES, "8x64, param"): pytest.approx(0.9),
-        (report.INFO_EXPORT_BYTES, "24x128, param"): pytest.approx(1.25),
-        (report.INFO_EXPORT_BYTES, "8x64, layer"): pytest.approx(0.9),
-        (report.INFO_EXPORT_SAVE, "8x64, param"): pytest.approx(0.5),
-        (report.INFO_EXPORT_SAVE, "24x128, param"): pytest.approx(1.5),
-        (report.INFO_EXPORT_SAVE, "8x64, layer"): pytest.approx(0.25),
-        (report.INFO_EXPORT_LOAD, "8x64, param"): pytest.approx(0.25),
-        (report.INFO_EXPORT_LOAD, "24x128, param"): pytest.approx(0.25),
-        (report.INFO_EXPORT_LOAD, "8x64, layer"): pytest.approx(0.2),
+        (information.INFO_EXPORT_BYTES, "8x64, param"): pytest.approx(0.9),
+        (information.INFO_EXPORT_BYTES, "24x128, param"): pytest.approx(1.25),
+        (information.INFO_EXPORT_BYTES, "8x64, layer"): pytest.approx(0.9),
+        (information.INFO_EXPORT_SAVE, "8x64, param"): pytest.approx(0.5),
+        (information.INFO_EXPORT_SAVE, "24x128, param"): pytest.approx(1.5),
+        (information.INFO_EXPORT_SAVE, "8x64, layer"): pytest.approx(0.25),
+        (information.INFO_EXPORT_LOAD, "8x64, param"): pytest.approx(0.25),
+        (information.INFO_EXPORT_LOAD, "24x128, param"): pytest.approx(0.25),
+        (information.INFO_EXPORT_LOAD, "8x64, layer"): pytest.approx(0.2),
     }, "61x256: export skipped, no row"
     assert [r["where"] for r in rows[:3]] == ["8x64, param", "24x128, param", "8x64, layer"]
     detail = {(r["name"], r["where"]): r["detail"] for r in rows}
-    assert detail[(report.INFO_EXPORT_BYTES, "24x128, param")] == "4.9 KiB vs 3.9 KiB"
-    assert detail[(report.INFO_EXPORT_LOAD, "24x128, param")] == "1.00 s vs 4.00 s"
-    md = "\n".join(report.info_markdown(rows))
-    assert f"| {report.INFO_EXPORT_SAVE} | — | 1.50× | 24x128, param — 3.00 s vs 2.00 s |" in md
+    assert detail[(information.INFO_EXPORT_BYTES, "24x128, param")] == "4.9 KiB vs 3.9 KiB"
+    assert detail[(information.INFO_EXPORT_LOAD, "24x128, param")] == "1.00 s vs 4.00 s"
+    md = "\n".join(report_markdown.info_markdown(rows))
+    assert f"| {information.INFO_EXPORT_SAVE} | — | 1.50× | 24x128, param — 3.00 s vs 2.00 s |" in md
 
-    none = report.export_info(_results([runs[3]]))
-    assert [(r["name"], r["value"]) for r in none] == [(n, None) for n, *_ in report.EXPORT_INFO]
+    none = information.export_info(_results([runs[3]]))
+    assert [(r["name"], r["value"]) for r in none] == [(n, None) for n, *_ in information.EXPORT_INFO]
     assert all("export/" in r["reason"] and "not both measured" in r["reason"] for r in none)

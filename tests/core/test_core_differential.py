@@ -34,6 +34,7 @@ from table_bytes import group, tab, u16, u32, v_tensor
 from table_bytes import s as sstr
 
 from sparse_ckpt import _core_py as P
+from sparse_ckpt._core_py import common, module_walk, table_codec
 from sparse_ckpt._tensor_parts import parts_to_tensor, tensor_to_parts
 from sparse_ckpt.errors import CheckpointFormatError
 from sparse_ckpt.keys import KEYS_ENTRY, STRIPPED_PARTS
@@ -621,7 +622,7 @@ def test_flatten_packed_state(state_fqn: dict) -> None:
     for fqn, state in state_fqn.items():  # exactly the leading run went into the table
         run = []
         for key, value in state.items():
-            if P._scalar_record("l", fqn, key, value, torch.Tensor, CPU_DTYPES, torch.strided, _scalar_parts) is None:
+            if table_codec.scalar_record("l", fqn, key, value, torch.Tensor, CPU_DTYPES, torch.strided, _scalar_parts) is None:
                 break
             run.append(key)
         in_groups = [list(s)[:-1] for s, fqns in groups if fqn in fqns]
@@ -1145,7 +1146,7 @@ def test_map_parameters(name: str, wrapper: type | None) -> None:
         return
     memo, fqn_of, canonical, param_of = res[1]
     assert (memo is None) == (name == "odd_mappings")  # a mapping that is not an exact dict: no replay
-    expected = P.fqn_tables(P._walk(model, _STRIPPED, wrapper, *_BASES, P._Trace()))
+    expected = P.fqn_tables(module_walk._walk(model, _STRIPPED, wrapper, *_BASES, module_walk._Trace()))
     assert same((fqn_of, canonical, param_of), expected)
     assert list(param_of.values()) == list(dict.fromkeys(p for _n, p in model.named_parameters(remove_duplicate=False)))
     if name == "wrapped":
@@ -1162,7 +1163,7 @@ def test_map_parameters(name: str, wrapper: type | None) -> None:
 
 def test_map_parameters_triples_are_named_parameters() -> None:
     for name, model in _walk_models().items():
-        triples = P._walk(model, _STRIPPED, None, *_BASES, P._Trace())
+        triples = module_walk._walk(model, _STRIPPED, None, *_BASES, module_walk._Trace())
         if triples is not None:
             assert [(r, p) for r, _c, p in triples] == list(model.named_parameters(remove_duplicate=False)), name
             # the identity trick: an unstripped canonical name is the raw str object itself
@@ -1343,5 +1344,5 @@ def test_lengths_over_u32_are_format_errors() -> None:
     a 4 GiB value is no test input)."""
     msg = re.escape("length 4294967296 does not fit the table format (at most 4294967295)")
     with pytest.raises(CheckpointFormatError, match=msg):
-        P._len32(2**32)
-    assert P._len32(2**32 - 1) == b"\xff\xff\xff\xff"
+        common.len32(2**32)
+    assert common.len32(2**32 - 1) == b"\xff\xff\xff\xff"

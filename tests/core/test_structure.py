@@ -1,12 +1,11 @@
-"""Structure checks: no import cycles in the package, the C++ core's constants and signatures
-match the Python twin (``_core_py``) and the key grammar (``sparse_ckpt.keys``), and the
-``_C.pyi`` stub describes exactly the functions both cores have."""
+"""Structure checks: no import cycles in the package, and the C++ core's constants match the Python
+twin (``_core_py``) and the key grammar (``sparse_ckpt.keys``). The stub and the two cores' names
+and signatures: tests/test_core_stub.py."""
 
 from __future__ import annotations
 
 import ast
 import importlib
-import inspect
 from pathlib import Path
 
 import _backends
@@ -21,29 +20,43 @@ core_backend = _backends.run_once
 
 
 def _is_module(package: Path, name: str) -> bool:
-    """``name`` is a module of ``package`` (a ``.py`` file, or an extension with its ``.pyi`` stub)."""
-    return (package / f"{name}.py").exists() or (package / f"{name}.pyi").exists()
+    """``name`` is a module of ``package`` (a ``.py`` file, a subpackage, or an extension with its
+    ``.pyi`` stub)."""
+    return any((package / f).exists() for f in (f"{name}.py", f"{name}.pyi", f"{name}/__init__.py"))
 
 
-def _imports(path: Path) -> set[str]:
-    """Package-internal modules ``path`` imports, at module level or inside functions; a name
-    that ``from . import name`` takes from the package itself (not a module) is ``__init__``."""
+def _module_name(path: Path, root: Path) -> str:
+    """The dotted name of ``path`` in the package at ``root``: ``sub.mod`` for ``sub/mod.py``,
+    ``sub`` for ``sub/__init__.py``, ``__init__`` for the package's own ``__init__.py``."""
+    parts = path.relative_to(root).with_suffix("").parts
+    return ".".join(parts[:-1] if parts[-1] == "__init__" and len(parts) > 1 else parts)
+
+
+def _imports(path: Path, root: Path | None = None) -> set[str]:
+    """Package-internal modules ``path`` imports (names as :func:`_module_name` gives them; ``root``:
+    the package's folder, default ``path``'s), at module level or inside functions; a name that
+    ``from . import name`` takes from a package itself (not a module) is that package."""
+    root = root or path.parent
+    here = path.relative_to(root).parent.parts
     found: set[str] = set()
     for node in ast.walk(ast.parse(path.read_text())):
-        if isinstance(node, ast.ImportFrom) and node.level == 1:
-            if node.module:
-                found.add(node.module.split(".")[0])
-            else:
-                found.update(
-                    alias.name if _is_module(path.parent, alias.name) else "__init__" for alias in node.names
-                )
+        if isinstance(node, ast.ImportFrom) and node.level:
+            target = [*here[: len(here) - node.level + 1], *(node.module.split(".") if node.module else [])]
         elif isinstance(node, ast.ImportFrom) and (node.module or "").startswith("sparse_ckpt."):
-            found.add(node.module.split(".")[1])
+            target = node.module.split(".")[1:]
+        else:
+            continue
+        package = ".".join(target) or "__init__"
+        if node.module:
+            found.add(package)
+        for alias in node.names:
+            found.add(".".join([*target, alias.name]) if _is_module(root.joinpath(*target), alias.name) else package)
     return found
 
 
 def test_no_import_cycles() -> None:
-    graph = {p.stem: _imports(p) for p in PACKAGE.glob("*.py")}
+    graph = {_module_name(p, PACKAGE): _imports(p, PACKAGE) for p in PACKAGE.rglob("*.py")}
+    assert "_core_py.flat_keys" in graph and "_core_py" in graph  # subpackages are in the graph
     graph = {m: {d for d in deps if d in graph} for m, deps in graph.items()}
     done: set[str] = set()
 
@@ -66,6 +79,15 @@ def test_cycle_check_can_fail(tmp_path: Path) -> None:
     (tmp_path / "c.py").write_text("from . import __version__, a\n")  # a name from the package: __init__
     assert _imports(tmp_path / "a.py") == {"b"} and _imports(tmp_path / "b.py") == {"a"}
     assert _imports(tmp_path / "c.py") == {"__init__", "a"}
+    (tmp_path / "sub").mkdir()
+    (tmp_path / "sub" / "__init__.py").write_text("from .m import f\n")
+    (tmp_path / "sub" / "m.py").write_text("from ..a import y\nfrom sparse_ckpt.b import z\n")
+    (tmp_path / "d.py").write_text("from .sub import m\n")
+    assert _imports(tmp_path / "sub" / "__init__.py", tmp_path) == {"sub.m"}
+    assert _imports(tmp_path / "sub" / "m.py", tmp_path) == {"a", "b"}
+    assert _imports(tmp_path / "d.py") == {"sub", "sub.m"}
+    assert [_module_name(tmp_path / f, tmp_path) for f in ("sub/__init__.py", "sub/m.py", "__init__.py")] == [
+        "sub", "sub.m", "__init__"]
 
 
 def _cpp():
@@ -100,21 +122,3 @@ def test_cpp_constants_match_the_keys_module() -> None:
     assert keys.PACKED_PREFIX == f"{keys.GROUPS_PREFIX}{keys.PACKED_MARKER}."
     assert keys.SCALARS_PREFIX == f"{keys.STATE_PREFIX}{keys.PACKED_MARKER}."
     assert keys.ESCAPE_STR.startswith(keys.ESCAPE) and keys.ESCAPE_INT.startswith(keys.ESCAPE)
-
-
-def _stub_functions() -> dict[str, list[str]]:
-    tree = ast.parse((PACKAGE / "_C.pyi").read_text())
-    return {n.name: [a.arg for a in n.args.args] for n in tree.body if isinstance(n, ast.FunctionDef)}
-
-
-def test_stub_matches_both_cores() -> None:
-    c = _cpp()
-    stub = _stub_functions()
-    cpp_functions = {n for n in dir(c) if not n.startswith("_") and callable(getattr(c, n))}
-    assert set(stub) == cpp_functions
-    for name, params in stub.items():
-        assert params == list(inspect.signature(getattr(_core_py, name)).parameters), name
-        doc = getattr(c, name).__doc__ or ""
-        assert doc.startswith(f"{name}("), name
-        cpp_params = [p.split(":")[0].strip() for p in doc[len(name) + 1 : doc.index(")")].split(",") if p.strip()]
-        assert cpp_params == params, (name, cpp_params, params)

@@ -15,9 +15,9 @@ PAGES = tuple(
     p for p in (ROOT / "README.md", *sorted((ROOT / "docs").glob("*.md")), ROOT / "bench" / "README.md",
                 ROOT / "CONTRIBUTING.md") if p.is_file()
 )
-PENDING = {ROOT / "CONTRIBUTING.md"}
-"""Pages another branch adds (issue 22: the structure engineer writes CONTRIBUTING.md): a link to
-one is checked once it exists. Remove an entry when its page has landed."""
+PENDING: set[Path] = set()
+"""Pages another branch adds: a link to one is checked once it exists (none pending now; add one
+while its page is on its way, remove it when the page has landed)."""
 
 _LINK = re.compile(r"!?\[(?:[^\[\]]|\[[^\]]*\])*\]\(\s*<?([^)\s>]+)>?(?:\s+\"[^\"]*\")?\s*\)")
 _REF = re.compile(r"^\s{0,3}\[[^\]]+\]:\s*<?(\S+?)>?(?:\s+.*)?$")

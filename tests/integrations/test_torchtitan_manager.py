@@ -6,6 +6,7 @@ message that says what to pass instead. The real torchtitan package; skipped wit
 
 from __future__ import annotations
 
+import inspect
 import logging
 import os
 from pathlib import Path
@@ -302,3 +303,7 @@ def test_config_is_the_stock_config_plus_migration() -> None:
     assert issubclass(Config, CheckpointManager.Config) and Config._owner is SparseCheckpointManager
     for name in stock:
         assert Config.__dataclass_fields__[name].default == CheckpointManager.Config.__dataclass_fields__[name].default
+    # the manager is built with the stock manager's arguments, and says so
+    assert inspect.signature(SparseCheckpointManager) == inspect.signature(CheckpointManager)
+    with pytest.raises(TypeError, match="missing a required argument: 'sd_adapter'"):
+        Config(enable=False).build(dataloader=None, model_parts=None, optimizers=None, lr_schedulers=None, states={})

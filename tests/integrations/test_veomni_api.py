@@ -223,6 +223,48 @@ def test_trainable_only_stage_dir_and_model_only(tmp_path: Path, one_rank_group:
     assert torch.equal(model3.body.weight, model.body.weight)
 
 
+def test_save_and_load_have_veomnis_signatures_and_pass_its_arguments_on(
+    tmp_path: Path, one_rank_group: None, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """The overrides take what VeOmni's save/load take (a bad call fails as VeOmni's does), hand a
+    parameter a later VeOmni adds to its save, and refuse a load parameter they do not implement."""
+    import inspect
+
+    sparse = sc_veomni.sparse_checkpointer_class()
+    for name in ("save", "load"):
+        assert inspect.signature(getattr(sparse, name)) == inspect.signature(getattr(DistributedCheckpointer, name))
+    model, mo, _ = trained()
+    with pytest.raises(TypeError, match="multiple values for argument 'save_async'"):
+        sparse.save(str(tmp_path / "a"), {"model": model, "optimizer": mo}, False, save_async=True)
+    with pytest.raises(TypeError, match="unexpected keyword argument 'new_option'"):
+        sparse.save(str(tmp_path / "a"), {"model": model, "optimizer": mo}, new_option=1)
+    assert not (tmp_path / "a").exists()
+
+    received: dict[str, Any] = {}
+    stock_save = DistributedCheckpointer.save.__func__
+
+    def save(cls: type, path: str, state: dict[str, Any], save_async: bool = False, global_steps: Any = None,
+             storage_writer: Any = None, trainable_only: bool = False, save_to_lowest_rank: bool = False,
+             parallel_state: Any = None, stage_dir: Any = None, new_option: int = 0) -> None:
+        received["new_option"] = new_option
+        stock_save(cls, path, state, save_async, global_steps, storage_writer, trainable_only, save_to_lowest_rank,
+                   parallel_state, stage_dir)
+
+    monkeypatch.setattr(DistributedCheckpointer, "save", classmethod(save))
+    sparse.save(str(tmp_path / "b"), {"model": model, "optimizer": mo}, new_option=7)
+    assert received == {"new_option": 7} and (tmp_path / "b/.metadata").is_file()
+
+    def load(cls: type, path: str, state: dict[str, Any], process_group: Any = None, storage_reader: Any = None,
+             trainable_only: bool = False, parallel_state: Any = None, new_option: int = 0) -> dict[str, Any]:
+        raise AssertionError("not reached")
+
+    monkeypatch.setattr(DistributedCheckpointer, "load", classmethod(load))
+    model2, mo2, _ = build(seed=1)
+    with pytest.raises(TypeError, match=r"takes \['new_option'\], which sparse_ckpt.integrations.veomni does not"):
+        sparse.load(str(tmp_path / "b"), {"model": model2, "optimizer": mo2})
+    assert not mo2.optimizers_dict["body"].state
+
+
 def test_ddp_backend(tmp_path: Path, one_rank_group: None) -> None:
     """build_checkpointer("dcp", "ddp"): a DDP-wrapped model (FQNs without ``module.``) resumes exactly."""
     model, mo, _ = trained()

@@ -3,7 +3,7 @@ a hang, a giant allocation or a wrong silent load -- and the message names the l
 
 Tables are corrupted both through the full load path (digest check first) and, with the digest
 bypassed, straight through the core's ``decode_table``, so the decoder itself is exercised on
-every defect. Hand-built tables (``Tab``) follow the version-1 layout of ``_core_py``.
+every defect. Hand-built tables (``Tab``) follow the version-1 table codec of docs/formats.md.
 """
 
 from __future__ import annotations

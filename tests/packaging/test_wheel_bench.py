@@ -36,8 +36,9 @@ ROOT = Path(__file__).resolve().parents[2]
 IGNORED_NAMES = {".git", "build", "dist", "__pycache__", ".pytest_cache", ".ruff_cache", ".hypothesis", ".venv",
                  "venv", "_skbuild"}
 IGNORED_SUFFIXES = (".egg-info", ".so", ".pyd", ".o")
-BENCH_FILES = ("__init__.py", "__main__.py", "run.py", "report.py", "measure.py", "fixtures.py", "resume.py",
-               "ranks.py", "devices.py", "README.md")
+BENCH_FILES = ("__init__.py", "__main__.py", "run.py", "report.py", "verdicts.py", "information.py",
+               "report_markdown.py", "plots.py", "units.py", "measure.py", "methods.py", "timing.py", "fixtures.py",
+               "resume.py", "drill_model.py", "drill_rank.py", "drill_checks.py", "ranks.py", "devices.py", "README.md")
 
 
 def _ignore(directory: str, names: list[str]) -> set[str]:
@@ -110,6 +111,7 @@ def test_bench_runs_from_the_installed_wheel(tmp_path: Path) -> None:
         assert f"sparse_ckpt/bench/{f}" in names, f
     assert any(n.startswith("sparse_ckpt/_C.") and n.endswith(".so") for n in names)
     assert "sparse_ckpt/_C.pyi" in names
+    assert "sparse_ckpt/py.typed" in names
     assert not [n for n in names if n.startswith(("bench/", "tests/")) or "/results/" in n or "/out/" in n]
     assert "Requires-Python: >=3.9" in metadata
     assert "Description-Content-Type: text/markdown" in metadata and "# sparse_ckpt" in metadata

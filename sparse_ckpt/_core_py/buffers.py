@@ -6,14 +6,9 @@ state key (the per-item key path, as in ``state.{fqn}.{key}``), the global shape
 offsets and sizes in the global tensor. A chunk's elements sit in the bucket row-major, right
 after the previous chunk's (its element offset is the running sum of the sizes' products).
 
-Layout table format, version 1 (all integers little endian)::
+The layout table format (``SCKL``, version 1) is specified in docs/formats.md ("Layout codec").
 
-    magic b"SCKL" | u16 version | u32 n_buckets | bucket*
-    bucket := str dtype | u64 numel | u32 n_entries | entry*
-    entry  := str fqn | str key | u32 ndim | i64 shape[ndim] | i64 offsets[ndim] | i64 sizes[ndim]
-    str    := u32 n_bytes | utf-8 bytes
-
-Input contract as in :mod:`sparse_ckpt._core_py`: lists or tuples, exact tuples of the stated
+Input contract as in :mod:`sparse_ckpt._core_py.common`: lists or tuples, exact tuples of the stated
 length, ``str`` names, ``int`` numbers, ``bytes`` tables.
 """
 
@@ -23,7 +18,7 @@ import struct
 from collections.abc import Callable, Iterator
 from typing import Any
 
-from ._core_py_reader import Reader
+from .common import Reader
 from .errors import CheckpointFormatError, CheckpointMismatchError
 
 LAYOUT_MAGIC = b"SCKL"

@@ -13,9 +13,9 @@ from __future__ import annotations
 from collections.abc import Callable
 from typing import Any
 
-from ._immutable import is_immutable
+from .._immutable import is_immutable
+from ..keys import STEP_KEY, state_key
 from .errors import CheckpointFormatError, CheckpointMismatchError
-from .keys import STEP_KEY, state_key
 
 
 def fqns_of_groups(leaf: str, param_groups: list[dict], fqn_of: dict[int, str]) -> list[list[str]]:
