@@ -7,7 +7,7 @@ the Python twin ``sparse_ckpt._core_py`` (its ``__all__``, signatures and type a
 
 ``--check`` compares the built extension ``sparse_ckpt._C`` too when it is importable (both
 directions: a name one core has and the other lacks, a parameter list that differs); without a
-built ``_C`` it checks the stub alone and says so. tests/test_core_stub.py runs the same checks.
+built ``_C`` it checks the stub alone and says so. tests/core/test_core_stub.py runs the same checks.
 """
 
 from __future__ import annotations

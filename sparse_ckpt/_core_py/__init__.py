@@ -9,7 +9,7 @@ handed. The formats it reads and writes are specified in docs/formats.md.
 One module per C++ source file, same base name: ``csrc/X.cpp`` <-> ``_core_py/X.py``
 (``common.py`` also mirrors ``common.hpp``; ``bindings.cpp`` <-> this ``__init__``). This module
 exposes exactly the names ``sparse_ckpt._C`` exposes; ``sparse_ckpt/_C.pyi`` is generated from it
-(``python csrc/gen_stub.py``), and tests/test_core_stub.py checks names and signatures of both
+(``python csrc/gen_stub.py``), and tests/core/test_core_stub.py checks names and signatures of both
 cores against each other. CONTRIBUTING.md has the recipe for adding a core function.
 """
 

@@ -1,6 +1,6 @@
 """Structure checks: no import cycles in the package, and the C++ core's constants match the Python
 twin (``_core_py``) and the key grammar (``sparse_ckpt.keys``). The stub and the two cores' names
-and signatures: tests/test_core_stub.py."""
+and signatures: tests/core/test_core_stub.py."""
 
 from __future__ import annotations
 
