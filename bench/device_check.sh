@@ -1,6 +1,6 @@
 #!/usr/bin/env bash
 # The device check (issue 21): on a GPU (or NPU) machine with the project copied over, one command
-# builds the C++ core in place, runs the CUDA test module (tests/test_cuda.py), the resume drill
+# builds the C++ core in place, runs the CUDA test module (tests/cuda/test_cuda_state.py), the resume drill
 # with --device cuda and the bench with --device cuda at 8x64, 24x128 and 61x256, and writes
 # everything into one folder. Needs no network: torch, pybind11, cmake, ninja, setuptools, pytest
 # and numpy must be installed (matplotlib optional: without it the bench skips its figures).
@@ -115,7 +115,7 @@ fi
 # 2. The CUDA test module (both core backends); on the CPU dry run, the same module on the CPU.
 TEST_DEVICE="$DEVICE"
 [ "$DEVICE" = npu ] && TEST_DEVICE=cuda  # (the module has CUDA cases only: it then reports its skip)
-TESTS=(tests/test_cuda.py tests/test_buffers_cuda.py)
+TESTS=(tests/cuda/test_cuda_state.py tests/cuda/test_cuda_buffers.py)
 [ "$QUICK" -eq 1 ] && TESTS+=(-k "adamw-fused or adam-for-loop or sgd-fused")
 run_step tests 150 tests.log env SPARSE_CKPT_TEST_DEVICE="$TEST_DEVICE" SPARSE_CKPT_REQUIRE_CPP=1 \
   "$PY" -m pytest -q -rs -p no:cacheprovider --junitxml="$OUT/tests.xml" "${TESTS[@]}"

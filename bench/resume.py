@@ -28,7 +28,7 @@ what users rely on:
   server or by spawn (``.ranks``), never by fork, and ``fully_shard`` always gets an explicit mesh
   on the run's device, so a CPU run also works on a GPU machine.
 
-:func:`run_drill` is what the CLI and ``tests/test_resume_drill.py`` call; the pieces are importable
+:func:`run_drill` is what the CLI and ``tests/benchmark/test_resume_drill.py`` call; the pieces are importable
 on their own (and from here): the model and its sizes in :mod:`.drill_model`, what every rank runs
 (:func:`train_run`, the ``Stateful`` app state) in :mod:`.drill_rank`, the checks
 (:func:`compare_snapshots`, ...) in :mod:`.drill_checks`, the rank launchers (:func:`run_ranks`,

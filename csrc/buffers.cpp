@@ -1,8 +1,6 @@
 // encode_layout / plan_scatter: the layout tables of state_layout="buffers" and the scatter plan
-// of a load. Twin of sparse_ckpt/_core_py_buffers.py (format described there):
-//   magic "SCKL" | u16 version | u32 n_buckets | bucket*
-//   bucket := str dtype | u64 numel | u32 n_entries | entry*
-//   entry  := str fqn | str key | u32 ndim | i64 shape[ndim] | i64 offsets[ndim] | i64 sizes[ndim]
+// of a load. Twin of sparse_ckpt/_core_py/buffers.py. The layout table format is specified in
+// docs/formats.md ("Layout codec").
 // Every read is bounds-checked and every count checked against the remaining bytes before any
 // allocation; element counts are computed in 128 bits, so no input overflows.
 #include <map>

@@ -21,7 +21,7 @@ namespace sckpt {
 inline constexpr const char kMagic[] = "SCKT";
 inline constexpr int kVersion = 1;
 inline constexpr int kMaxDepth = 32;
-// The key grammar of sparse_ckpt/keys.py (tests/test_structure.py checks that they are equal).
+// The key grammar of sparse_ckpt/keys.py (tests/core/test_structure.py checks that they are equal).
 #define SCKPT_STATE "state."
 #define SCKPT_GROUPS "param_groups."
 #define SCKPT_PACKED_MARKER "__packed__"
@@ -110,7 +110,7 @@ private:
 
 // ------------------------------------------------------------------ iteration
 //
-// The core's input contract (see sparse_ckpt/_core_py.py): sequences are lists or tuples,
+// The core's input contract (see sparse_ckpt/_core_py/common.py): sequences are lists or tuples,
 // mappings are dicts (a subclass is read as a dict), pairs are tuples. The helpers below read
 // exactly those and raise TypeError/ValueError for anything else; they never fall back to
 // Python's generic protocols.
@@ -297,7 +297,7 @@ inline void put_f64(std::string& out, double v) {
     std::memcpy(&bits, &v, sizeof bits);
     put_le(out, bits, 8);
 }
-/// ``_core_py._len32(n)``: a length as u32; a length the table format cannot hold is a
+/// ``_core_py.common.len32(n)``: a length as u32; a length the table format cannot hold is a
 /// CheckpointFormatError.
 void put_len_u32(std::string& out, Py_ssize_t n);
 

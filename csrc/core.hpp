@@ -1,5 +1,6 @@
-// The functions of the C++ core; each is the twin of the same-named function of
-// sparse_ckpt/_core_py.py (same arguments, outputs, exception types and messages).
+// The functions of the C++ core; each is the twin of the same-named function of the module with
+// the same base name in sparse_ckpt/_core_py/ (csrc/X.cpp <-> sparse_ckpt/_core_py/X.py; same
+// arguments, outputs, exception types and messages).
 #pragma once
 
 #include "common.hpp"
@@ -50,7 +51,7 @@ private:
     descrgetfunc get_ = nullptr;
 };
 
-/// What flatten_packed_state needs to tell a scalar-table entry (see _core_py._scalar_record):
+/// What flatten_packed_state needs to tell a scalar-table entry (see _core_py.table_codec.scalar_record):
 /// the callers' objects and the attributes read of a 0-d ``tensor_type`` value.
 struct ScalarSpec {
     ScalarSpec(py::handle tensor_type_, py::handle cpu_dtypes_, py::handle strided_, py::handle scalar_parts_);
@@ -63,7 +64,7 @@ struct ScalarSpec {
     py::object is_neg, data_ptr;  // method names
 };
 
-/// ``_core_py._scalar_record`` for a ``key`` that is a plain part (an exact str): appends the
+/// ``_core_py.table_codec.scalar_record`` for a ``key`` that is a plain part (an exact str): appends the
 /// entry's table-codec bytes to ``out`` and returns true, or leaves ``out`` as it was and
 /// returns false when the entry is no scalar-table entry. Used by flatten_packed_state.
 bool encode_scalar_record(std::string& out, py::handle leaf, py::handle fqn, py::handle key, py::handle value,

@@ -153,7 +153,7 @@ struct Frame {
     py::object canon;
 };
 
-/// ``_core_py._walk``: the ``(raw name, canonical name, param)`` triples, or ``None`` (an override).
+/// ``_core_py.module_walk._walk``: the ``(raw name, canonical name, param)`` triples, or ``None`` (an override).
 py::object walk(Walk& w, py::handle model, py::handle base_named_parameters, Trace& trace) {
     const Names& names = w.names;
     if (!type_attr_is(model, names.named_parameters, base_named_parameters)) return py::none();
@@ -221,7 +221,7 @@ py::object walk(Walk& w, py::handle model, py::handle base_named_parameters, Tra
     return out;
 }
 
-/// ``_core_py._tables``: ``(fqn_of, canonical, param_of, slots)``; ``slots[i]`` is the name
+/// ``_core_py.module_walk._tables``: ``(fqn_of, canonical, param_of, slots)``; ``slots[i]`` is the name
 /// ``param_of`` holds the i-th triple's parameter under, or ``None`` for a repeated parameter.
 std::array<py::object, 4> tables(py::handle named) {
     py::object fqn_of = steal(PyDict_New());
@@ -272,10 +272,10 @@ bool same_key(PyObject* a, PyObject* b) {
     return c == 0;
 }
 
-/// The memo's fields (``_core_py.map_parameters`` documents them).
+/// The memo's fields (``_core_py.module_walk.map_parameters`` documents them).
 enum MemoField { kStripped, kWrapper, kWords, kKeys, kSlots, kFqnOf, kCanonical, kMemoSize };
 
-/// ``_core_py._replay``: walk ``model`` comparing every module, key and value with the memo's
+/// ``_core_py.module_walk._replay``: walk ``model`` comparing every module, key and value with the memo's
 /// trace; the new ``param_of`` when all of them are the same, else ``None``.
 py::object replay(Walk& w, py::handle model, py::handle base_named_parameters, py::handle memo) {
     const Names& names = w.names;

@@ -1,5 +1,5 @@
 // capture_fqns / claim_owners: the save-time pass from a live optimizer leaf to (groups_fqn,
-// state_fqn) and the ownership check. Twins of sparse_ckpt/_core_py_save.py.
+// state_fqn) and the ownership check. Twins of sparse_ckpt/_core_py/save_pass.py.
 #include <unordered_map>
 
 #include "core.hpp"
@@ -9,7 +9,7 @@ namespace sckpt {
 namespace {
 
 /// The identities of a group's keys and values, in order, without ``"params"`` (the key of
-/// ``_core_py_save``'s ``shared``): a hash and the pointers, kept in one reused buffer until a
+/// ``_core_py.save_pass``'s ``shared``): a hash and the pointers, kept in one reused buffer until a
 /// new settings dict needs its own copy.
 struct Ident {
     std::vector<PyObject*> ptrs;

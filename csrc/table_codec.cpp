@@ -1,11 +1,5 @@
-// encode_settings / encode_table / decode_table: the version-1 group-table codec.
-//
-// Format (all integers little endian), see sparse_ckpt/_core_py.py:
-//   magic "SCKT" | u16 version | u32 n_settings | settings* | u32 n_groups | group*
-//   settings := u32 n_keys | (str key, value)*
-//   group    := u32 settings_index | u32 n_params | str*
-//   str      := u32 n_bytes | utf-8 bytes
-//   value    := u8 tag | payload
+// encode_settings / encode_table / decode_table: the version-1 group-table codec (twin of
+// sparse_ckpt/_core_py/table_codec.py). The format is specified in docs/formats.md ("Table codec").
 // The decoder checks the remaining length before every read and every count against the
 // remaining bytes before allocating, so a corrupt or hostile table never over-reads or
 // over-allocates.
@@ -313,7 +307,7 @@ namespace {
 
 constexpr long long kMaxItemsize = 16;
 
-/// ``_core_py._check_cpu_dtypes``
+/// ``_core_py.table_codec.check_cpu_dtypes``
 void check_cpu_dtypes(py::handle cpu_dtypes) {
     PyObject* d = cpu_dtypes.ptr();
     if (!PyDict_CheckExact(d)) {
@@ -344,7 +338,7 @@ void check_cpu_dtypes(py::handle cpu_dtypes) {
 
 py::object intern(const char* name) { return steal(PyUnicode_InternFromString(name)); }
 
-/// ``_core_py._cpu_scalar_data``: true with the dtype name and the element's bytes when the
+/// ``_core_py.table_codec._cpu_scalar_data``: true with the dtype name and the element's bytes when the
 /// 0-d tensor ``o`` is a plain CPU scalar of a ``cpu_dtypes`` dtype.
 bool cpu_scalar_data(PyObject* o, const ScalarSpec& spec, py::object& name, std::string& data) {
     py::object dtype = spec.dtype.get(o);

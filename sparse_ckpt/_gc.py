@@ -8,7 +8,7 @@ enabled when the first of them began, so concurrent calls can never leave it dis
 
 A ``KeyboardInterrupt`` (or any exception) arriving at any point must not leave the collector
 disabled or the lock held. How that is ensured (CPython 3.11 ``sys.settrace`` line events and
-signal handlers, measured; see tests/test_interrupt_safety.py):
+signal handlers, measured; see tests/safety/test_interrupt_safety.py):
 
 * Each pause is a token in ``_active``; ending a pause is idempotent (the first call for a token
   does the work, later calls do nothing), and the last step of an end is the token's removal, so

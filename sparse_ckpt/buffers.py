@@ -4,7 +4,7 @@ Save (:func:`collect`, :func:`fill`): per leaf, every state tensor shaped like i
 plain tensor of the parameter's shape, or a DTensor with the parameter's shape, mesh and
 ``Shard``/``Replicate`` placements) leaves the per-item entries; its local chunk goes into a 1-D
 buffer of its dtype (buckets of at most :data:`BUCKET_BYTES`), and the core's layout table
-records where (see :mod:`sparse_ckpt._core_py_buffers`, keys in :mod:`sparse_ckpt.keys`).
+records where (see :mod:`sparse_ckpt._core_py.buffers`, keys in :mod:`sparse_ckpt.keys`).
 
 Load (:func:`expand`): the layout tables of a leaf and this rank's parameters give the core's
 scatter plan; each needed buffer is read once (from the dict, or through a :class:`BufferReader`

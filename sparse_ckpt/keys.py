@@ -65,7 +65,7 @@ table as its own item ``state.{fqn}.{key}`` (under FSDP, one DCP chunk per rank)
 state tensors (a plain tensor of the parameter's shape, or a DTensor with the parameter's shape,
 mesh and ``Shard``/``Replicate`` placements) into a few 1-D buffer tensors (one per dtype, split
 into buckets of at most :data:`sparse_ckpt.buffers.BUCKET_BYTES`) and a *layout table*
-(:mod:`sparse_ckpt._core_py_buffers`) saying where each ``(FQN, key)`` chunk sits, its global
+(:mod:`sparse_ckpt._core_py.buffers`) saying where each ``(FQN, key)`` chunk sits, its global
 shape and its offsets: ``state.__buffers__.{leaf}.L{rank tag}`` (sealed bytes) and
 ``state.__buffers__.{leaf}.B{bucket}{rank tag}``. Other state values stay per-item. The rank tag
 is the layout's (``w{W}r{ranks}``): ranks with identical layouts (replicas) share the keys, so

@@ -31,6 +31,7 @@ import tempfile
 from collections.abc import Callable
 from typing import Any
 
+import pytest
 import torch
 import torch.distributed as dist
 from helpers import assert_deep_equal, clone_value, fqn_view
@@ -44,9 +45,19 @@ from bench import ranks
 from bench.ranks import free_port
 from sparse_ckpt.leaves import named_leaves
 
+MULTI_RANK = [
+    pytest.mark.filterwarnings("ignore:torch.distributed is disabled:UserWarning"),
+    pytest.mark.usefixtures("forbid_fork"),  # ranks start from a fork server or by spawn (tests/conftest.py)
+]
+"""``pytestmark`` of a module that starts ranks."""
+
 
 class DefaultMeshForbidden(RuntimeError):
     """Raised in a rank when torch is about to build ``fully_shard``'s default mesh."""
+
+
+class ForkForbidden(RuntimeError):
+    """``os.fork`` was called in the test process under ``forbid_fork``."""
 
 
 _DEFAULT_MESH_BUILDERS = ("_init_default_mesh", "_init_default_fully_shard_mesh")

@@ -4,6 +4,7 @@ The autouse fixture ``core_backend`` is parametrized over ``python`` and ``cpp``
 ``sparse_ckpt._backend.core`` for the test and sets ``SPARSE_CKPT_BACKEND`` so that processes a
 test spawns (multi-rank tests) use the same backend. ``cpp`` is skipped only when the extension
 is not built and ``SPARSE_CKPT_REQUIRE_CPP`` is unset (CI sets it, so a missing build fails).
+Folders and modules whose tests would only repeat the same run override it (tests/_backends.py).
 
 ``forbid_fork`` (used by the modules that start ranks) makes ``os.fork`` raise in the test process:
 ranks forked from a process that may have touched CUDA crash on GPU machines, so they must start
@@ -12,27 +13,15 @@ from a fork server or by spawn (``bench/ranks.py``).
 
 from __future__ import annotations
 
-import importlib
 import os
 
 import pytest
+from _backends import cpp_core
+from _dist import ForkForbidden
 
 from sparse_ckpt import _backend, _core_py
 
 BACKENDS = ("python", "cpp")
-
-
-def _cpp_core():
-    try:
-        return importlib.import_module("sparse_ckpt._C")
-    except ImportError as exc:
-        if os.environ.get("SPARSE_CKPT_REQUIRE_CPP"):
-            raise
-        pytest.skip(f"C++ extension not built: {exc}")
-
-
-class ForkForbidden(RuntimeError):
-    """``os.fork`` was called in the test process under ``forbid_fork``."""
 
 
 @pytest.fixture
@@ -52,7 +41,7 @@ def forbid_fork(monkeypatch):
 def core_backend(request, monkeypatch):
     """The active backend name; the core module is swapped for the test's duration."""
     name = request.param
-    core = _core_py if name == "python" else _cpp_core()
+    core = _core_py if name == "python" else cpp_core()
     monkeypatch.setattr(_backend, "core", core)
     monkeypatch.setattr(_backend, "NAME", name)
     monkeypatch.setenv("SPARSE_CKPT_BACKEND", name)

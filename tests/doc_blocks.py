@@ -1,11 +1,11 @@
 """The ``python`` blocks of the project's Markdown files, for the tests that run them.
 
-Every ```` ```python ```` block of :data:`DOC_FILES` runs as a test (``tests/test_doc_snippets.py``):
+Every ```` ```python ```` block of :data:`DOC_FILES` runs as a test (``tests/docs/test_doc_snippets.py``):
 the blocks of one file in order, in one namespace, in a fresh working directory. A block that
 cannot run there (it needs several ranks, a process group or a trainer package) carries a marker
 on the line right above its opening fence, naming the test that runs it instead::
 
-    <!-- doc-test: skip; tests/test_accelerate.py runs it (2 ranks, accelerate) -->
+    <!-- doc-test: skip; tests/integrations/test_accelerate.py runs it (2 ranks, accelerate) -->
 
 That test reads the block with :func:`python_blocks` (by file and section) and runs it with
 :func:`run_block`, so what the page shows is what runs. The marker is an HTML comment: rendered

@@ -1,6 +1,9 @@
 """Small builders and deep-compare helpers shared by the test suite.
 
-* :func:`make_moe` -- a tiny MoE-like model (router, experts, dense layers), deterministic per seed.
+* :func:`make_moe` -- a tiny MoE-like model (router, experts, dense layers), deterministic per seed;
+  :func:`moe_with_leaves` -- it with a three-leaf MultiOptimizer; :func:`route_top1` -- its routing.
+* :class:`TwoLayerNet`, :class:`LayerNet` (+ :func:`layer_params`), :class:`TiedNet` -- small models;
+  :func:`randomize` -- seeded values for every parameter of a module.
 * :func:`train` -- a few real optimizer steps, optionally with some parameters left without a grad.
 * :func:`snapshot_optimizer` / :func:`assert_optimizer_equal` -- exact (``torch.equal``) comparison
   of optimizer state, param groups, grads and parameters, positionally (so two optimizers over two
@@ -34,6 +37,7 @@ from typing import Any, Literal
 import torch
 from torch import nn
 
+import sparse_ckpt as sc
 from sparse_ckpt.keys import PACKED_PREFIX
 from sparse_ckpt.leaves import named_leaves
 
@@ -49,6 +53,19 @@ class Expert(nn.Module):
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         """Apply the expert."""
         return self.down(torch.relu(self.up(x)))
+
+
+def route_top1(h: torch.Tensor, logits: torch.Tensor, experts: Sequence[nn.Module]) -> torch.Tensor:
+    """Each row of ``h`` through its best expert (argmax of ``logits``), gated by its softmax weight;
+    rows sum into zeros (a row whose expert was never chosen adds nothing, that expert gets no grad)."""
+    choice = logits.argmax(dim=-1)
+    gate = torch.softmax(logits, dim=-1).gather(-1, choice[:, None])
+    out = torch.zeros_like(h)
+    for e, expert in enumerate(experts):
+        rows = (choice == e).nonzero(as_tuple=True)[0]
+        if rows.numel():
+            out = out.index_add(0, rows, gate[rows] * expert(h[rows]))
+    return out
 
 
 class TinyMoE(nn.Module):
@@ -70,14 +87,7 @@ class TinyMoE(nn.Module):
             allowed = torch.full((logits.shape[-1],), float("-inf"))
             allowed[list(only_experts)] = 0.0
             logits = logits + allowed
-        choice = logits.argmax(dim=-1)
-        gate = torch.softmax(logits, dim=-1).gather(-1, choice[:, None])
-        out = torch.zeros_like(h)
-        for e, expert in enumerate(self.experts):
-            rows = (choice == e).nonzero(as_tuple=True)[0]
-            if rows.numel():
-                out = out.index_add(0, rows, gate[rows] * expert(h[rows]))
-        return self.head(self.norm(h + out))
+        return self.head(self.norm(h + route_top1(h, logits, self.experts)))
 
     def expert_params(self) -> list[nn.Parameter]:
         """Parameters of all experts."""
@@ -97,6 +107,71 @@ def make_moe(seed: int = 0, n_experts: int = 4, dim: int = 8) -> TinyMoE:
         return TinyMoE(n_experts, dim)
     finally:
         torch.random.set_rng_state(gen_state)
+
+
+def moe_with_leaves(seed: int) -> tuple[TinyMoE, sc.MultiOptimizer]:
+    """:func:`make_moe` with a MultiOptimizer (AdamW, lr 0.01) of leaves ``dense``, ``experts``
+    (experts 0-2, one group each) and ``idle`` (expert 3: never steps under
+    ``train(..., only_experts=range(3))``)."""
+    model = make_moe(seed)
+    experts = [{"params": list(model.experts[e].parameters())} for e in range(3)]
+    opt = sc.MultiOptimizer(
+        model,
+        {
+            "dense": torch.optim.AdamW(model.dense_params(), lr=0.01),
+            "experts": torch.optim.AdamW(experts, lr=0.01),
+            "idle": torch.optim.AdamW(model.experts[3].parameters(), lr=0.01),
+        },
+    )
+    return model, opt
+
+
+def randomize(module: nn.Module, seed: int, scale: float = 1.0) -> None:
+    """Every parameter of ``module`` from ``randn * scale`` of a generator seeded with ``seed``."""
+    gen = torch.Generator().manual_seed(seed)
+    with torch.no_grad():
+        for p in module.parameters():
+            p.copy_(torch.randn(p.shape, generator=gen) * scale)
+
+
+class TwoLayerNet(nn.Module):
+    """Layers ``a`` (4 -> 3) and ``b`` (3 -> 2), and ``unused``: a parameter that never gets a
+    gradient (so it never has state)."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.a = nn.Linear(4, 3)
+        self.b = nn.Linear(3, 2)
+        self.unused = nn.Parameter(torch.randn(5))
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        """``b(tanh(a(x)))``."""
+        return self.b(torch.tanh(self.a(x)))
+
+
+class LayerNet(nn.Module):
+    """``n`` linear layers ``dim -> dim``, FQNs ``layers.{i}.weight|bias``, values from ``seed``."""
+
+    def __init__(self, n: int = 4, dim: int = 3, seed: int = 0) -> None:
+        super().__init__()
+        self.layers = nn.ModuleList(nn.Linear(dim, dim) for _ in range(n))
+        randomize(self, seed)
+
+
+def layer_params(model: LayerNet, *idx: int) -> list[nn.Parameter]:
+    """The parameters of layers ``idx`` of ``model``, in order."""
+    return [p for i in idx for p in model.layers[i].parameters()]
+
+
+class TiedNet(nn.Module):
+    """``enc`` and ``dec`` (3 -> 3, no bias) sharing one weight: FQNs ``enc.weight`` and its alias
+    ``dec.weight``."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.enc = nn.Linear(3, 3, bias=False)
+        self.dec = nn.Linear(3, 3, bias=False)
+        self.dec.weight = self.enc.weight
 
 
 def make_batch(seed: int, dim: int = 8, rows: int = 6) -> torch.Tensor:
@@ -424,7 +499,7 @@ def same_bits(a: Any, b: Any) -> bool:
     * ``str``, ``bytes``, ``int``, ``None``: ``==``; any other object: the very same object (``is``),
       e.g. an exception class or a callback.
 
-    The same rules as ``same()`` in ``tests/test_core_differential.py``, which can use this one.
+    The same rules as ``same()`` in ``tests/core/test_core_differential.py``, which can use this one.
     """
     if type(a) is not type(b):
         return False

@@ -1,4 +1,4 @@
-"""The 2-rank VeOmni drill (tests/test_integration_veomni.py): one spawned Gloo run, facts for the tests.
+"""The 2-rank VeOmni drill (tests/integrations/test_veomni.py): one spawned Gloo run, facts for the tests.
 
 Each rank builds a small MoE (dense layer, 4 experts, a "vision tower") ``fully_shard``-ed on an
 explicit CPU mesh, VeOmni's own ``MultiOptimizer`` with leaves ``non_extra_parallel`` (dense +

@@ -1,0 +1,1348 @@
+"""Differential tests: the C++ core ``sparse_ckpt._C`` against the Python reference ``_core_py``.
+
+Every test calls the same function of both backends on the same inputs and requires the same
+outcome: equal results (dict key order, types, float bit patterns, tensors included) or the same
+exception type and message. Inputs are random (hypothesis, derandomized for CI) or hand-written
+edge cases: shared/duplicate parameters, every codec value type, NaN/-0.0, huge ints, unicode and
+surrogates, over-deep nesting, bad ids, foreign parameters, corrupt/truncated tables. The decoders'
+fuzzing (both cores agree on random and mutated inputs) is in tests/load/test_bad_checkpoints.py.
+
+The module runs once (not once per backend): it overrides the suite's ``core_backend`` fixture
+with a single ``cpp`` param, so ``-k cpp`` selects these tests too.
+It is skipped when ``_C`` is not built, unless ``SPARSE_CKPT_REQUIRE_CPP`` is set (CI).
+"""
+
+from __future__ import annotations
+
+import array
+import collections
+import copy
+import gc
+import math
+import re
+import struct
+from collections.abc import Callable, Iterator, Mapping
+from typing import Any
+
+import _backends
+import pytest
+import torch
+from helpers import same_bits
+from hypothesis import HealthCheck, given, settings
+from hypothesis import strategies as st
+from table_bytes import group, tab, u16, u32, v_tensor
+from table_bytes import s as sstr
+
+from sparse_ckpt import _core_py as P
+from sparse_ckpt._core_py import common, module_walk, table_codec
+from sparse_ckpt._tensor_parts import parts_to_tensor, tensor_to_parts
+from sparse_ckpt.errors import CheckpointFormatError
+from sparse_ckpt.keys import KEYS_ENTRY, STRIPPED_PARTS
+from sparse_ckpt.save import _CPU_DTYPES as CPU_DTYPES
+
+C = _backends.cpp_core()  # (skips the module where _C is not built, unless SPARSE_CKPT_REQUIRE_CPP)
+
+FUNCTIONS = (
+    "map_parameters",
+    "fqn_tables",
+    "pack_optimizer",
+    "remap_to_fqns",
+    "flatten_state",
+    "flatten_packed_state",
+    "flatten_groups",
+    "unflatten",
+    "encode_settings",
+    "encode_table",
+    "decode_table",
+    "match_groups",
+    "assign_state_ids",
+    "encode_layout",
+    "decode_layout",
+    "plan_scatter",
+)
+
+PROPS = settings(
+    max_examples=300,
+    deadline=None,
+    derandomize=True,
+    database=None,
+    suppress_health_check=[HealthCheck.too_slow, HealthCheck.data_too_large],
+)
+
+
+core_backend = _backends.both_cores_directly
+"""These tests call both cores directly: one run, id ``cpp`` (``-k cpp``, the sanitizer job, selects them)."""
+
+
+# --------------------------------------------------------------------------- comparison
+
+
+same = same_bits
+"""Deep equality that also checks types, dict order, float bits and tensor bytes (helpers.same_bits)."""
+
+
+def outcome(fn: Callable[..., Any], args: tuple) -> tuple:
+    try:
+        return ("ok", fn(*args))
+    except Exception as exc:  # noqa: BLE001 - the exception itself is what we compare
+        return ("err", type(exc), str(exc), exc.args)
+
+
+def check(name: str, *args: Any, fresh: Callable[[], tuple] | None = None) -> tuple:
+    """Run ``name`` on both cores and assert the same outcome; returns the Python outcome.
+
+    ``fresh`` builds the arguments anew for each backend (for inputs a call may mutate).
+    """
+    py = outcome(getattr(P, name), fresh() if fresh else args)
+    cc = outcome(getattr(C, name), fresh() if fresh else args)
+    if py[0] == "ok" and cc[0] == "ok":
+        assert same(py[1], cc[1]), f"{name}: results differ\npython: {py[1]!r}\ncpp:    {cc[1]!r}"
+    else:
+        assert py[0] == cc[0] and py[1] is cc[1] and py[2:] == cc[2:], (
+            f"{name}: outcomes differ\npython: {py!r}\ncpp:    {cc!r}"
+        )
+    return py
+
+
+def outside_contract(name: str, *args: Any, fresh: Callable[[], tuple] | None = None) -> str:
+    """An input outside the core's contract (see ``_core_py``: lists/tuples, exact tuples for pairs,
+    dicts, bytes, str): the C++ core raises TypeError or ValueError saying what it expected, never
+    crashes or reads it another way. The Python core does what Python does; it is not compared."""
+    with pytest.raises((TypeError, ValueError)) as info:
+        getattr(C, name)(*(fresh() if fresh else args))
+    assert "expected" in str(info.value), info.value
+    return str(info.value)
+
+
+def check_error(name: str, *args: Any, exc: type[BaseException], match: str | None = None) -> str:
+    """Like :func:`check`, and the outcome must be an ``exc`` (message containing ``match``)."""
+    result = check(name, *args)
+    assert result[0] == "err" and issubclass(result[1], exc), result
+    if match is not None:
+        assert match in result[2], result[2]
+    return result[2]
+
+
+# --------------------------------------------------------------------------- module surface
+
+
+def test_module_surface() -> None:
+    for name in FUNCTIONS:
+        assert callable(getattr(C, name)), name
+    assert (C.MAGIC, C.VERSION, C.MAX_DEPTH, C.PACKED_MARKER) == (P.MAGIC, P.VERSION, P.MAX_DEPTH, P.PACKED_MARKER)
+    assert type(C.MAGIC) is bytes and type(C.PACKED_MARKER) is str
+
+
+def test_keyword_arguments() -> None:
+    groups = [({"lr": 0.1}, ["a"])]
+    for mod in (P, C):
+        out = mod.encode_table(leaf="l", groups_fqn=groups, tensor_type=torch.Tensor, to_parts=tensor_to_parts)
+        assert mod.decode_table(leaf="l", data=out, from_parts=parts_to_tensor)[2] == [(0, ["a"])]
+
+
+def test_core_leaves_gc_alone() -> None:
+    """The cores never toggle the cyclic GC (the Python layer pauses it, thread-safely)."""
+    was = gc.isenabled()
+    try:
+        for enabled in (True, False):
+            (gc.enable if enabled else gc.disable)()
+            seen: list[bool] = []
+
+            def from_parts(*a, seen=seen):
+                seen.append(gc.isenabled())
+                return parts_to_tensor(*a)
+
+            C.decode_table("l", DECODE_CASES["tensor"], from_parts)
+            with pytest.raises(CheckpointFormatError):
+                C.flatten_state("l", {"a": 1}, {}, True)
+            assert seen == [enabled] and gc.isenabled() is enabled
+    finally:
+        (gc.enable if was else gc.disable)()
+
+
+# --------------------------------------------------------------------------- strategies
+
+PARAMS = [torch.nn.Parameter(torch.full((2, i + 1), float(i))) for i in range(6)]
+_uint16 = [torch.tensor([7, 8], dtype=torch.uint16)] if hasattr(torch, "uint16") else []
+TENSORS = [
+    torch.tensor(0.5),
+    torch.tensor(float("nan")),
+    torch.tensor([-0.0, 1.5], dtype=torch.float64),
+    torch.tensor([1, -2, 3], dtype=torch.int32),
+    torch.tensor(True),
+    torch.zeros(0, 3),
+    torch.arange(6, dtype=torch.bfloat16).reshape(2, 3),
+    torch.ones(2, 2, dtype=torch.float16)[:, 0],
+    torch.tensor([1 + 2j], dtype=torch.complex64),
+    torch.tensor(200, dtype=torch.uint8),
+    *_uint16,  # a dtype tensor_to_parts rejects: both cores must propagate its TypeError
+]
+HUGE_INTS = [2**63 - 1, -(2**63), 2**63, -(2**63) - 1, 2**64, -(2**100), 10**30]
+GOOD_TEXT = ["", "lr", "é", "日本語", "🙂 emoji", "a.b", "\x00nul", "params"]
+BAD_TEXT = ["\ud800", "x\udfffy", "\udcff"]
+BAD_VALUES = [set(), frozenset({1}), object(), 1 + 2j, bytearray(b"x"), {"a": 1}, range(3), Ellipsis, type]
+BAD_KEYS = [1, None, float("nan"), b"lr", (1, 2), True, 2.5]
+
+ints = st.one_of(st.integers(-(2**64), 2**64), st.sampled_from(HUGE_INTS))
+floats = st.one_of(st.floats(allow_nan=True, allow_infinity=True), st.sampled_from([-0.0, math.nan, -math.inf]))
+texts = st.one_of(st.text(max_size=6), st.sampled_from(GOOD_TEXT))
+good_scalars = st.one_of(
+    st.none(), st.booleans(), st.integers(-(2**63), 2**63 - 1), floats, texts, st.binary(max_size=6),
+    st.sampled_from(TENSORS[:-1] if _uint16 else TENSORS),
+)
+any_scalars = st.one_of(
+    st.none(), st.booleans(), ints, floats, texts, st.sampled_from(BAD_TEXT), st.binary(max_size=6),
+    st.sampled_from(TENSORS), st.sampled_from(BAD_VALUES),
+)
+
+
+def _nest(inner: st.SearchStrategy) -> st.SearchStrategy:
+    return st.one_of(st.lists(inner, max_size=3), st.lists(inner, max_size=3).map(tuple))
+
+
+good_values = st.recursive(good_scalars, _nest, max_leaves=5)
+any_values = st.recursive(any_scalars, _nest, max_leaves=5)
+
+
+@st.composite
+def deep_values(draw: st.DrawFn) -> Any:
+    """A scalar wrapped in 28..36 levels of tuples/lists (the limit is 32)."""
+    value = draw(good_scalars)
+    kinds = draw(st.sampled_from([(tuple,), (list,), (tuple, list)]))
+    for level in range(draw(st.integers(28, 36))):
+        value = kinds[level % len(kinds)]([value])
+    return value
+
+
+good_keys = st.one_of(st.text(max_size=5), st.sampled_from(GOOD_TEXT))
+any_keys = st.one_of(good_keys, st.sampled_from(BAD_TEXT), st.sampled_from(BAD_KEYS))
+good_settings = st.dictionaries(good_keys, good_values, max_size=4)
+any_settings = st.dictionaries(any_keys, st.one_of(any_values, deep_values()), max_size=4)
+fqn_names = st.one_of(
+    st.text(alphabet="ab.0_", min_size=1, max_size=8), st.sampled_from(GOOD_TEXT), st.sampled_from(BAD_TEXT)
+)
+
+
+@st.composite
+def groups_fqn(draw: st.DrawFn, settings_st: st.SearchStrategy = good_settings, names: st.SearchStrategy | None = None):
+    """``[(settings, fqns)]`` with settings often repeated (exercises deduplication)."""
+    if names is None:
+        names = st.text(alphabet="abc.01_é", min_size=1, max_size=8)
+    pool = draw(st.lists(settings_st, min_size=1, max_size=2))
+    n = draw(st.integers(0, 4))
+    return [
+        (dict(draw(st.sampled_from(pool))), draw(st.lists(names, max_size=4)))
+        for _ in range(n)
+    ]
+
+
+# --------------------------------------------------------------------------- capture: pack + remap
+
+
+@st.composite
+def optimizer_inputs(draw: st.DrawFn) -> tuple[list[dict], dict]:
+    """Param groups over a shared pool (duplicates within and across groups) and their state."""
+    groups = []
+    for _ in range(draw(st.integers(0, 4))):
+        idx = draw(st.lists(st.integers(0, len(PARAMS) - 1), max_size=5))
+        pairs = st.dictionaries(any_keys, st.one_of(st.integers(), st.sampled_from(BAD_VALUES + TENSORS[:2])), max_size=3)
+        items = [kv for kv in draw(pairs).items() if kv[0] != "params"]
+        items.insert(draw(st.integers(0, len(items))), ("params", [PARAMS[i] for i in idx]))
+        groups.append(dict(items))
+    state: dict[Any, Any] = {}
+    for i in draw(st.lists(st.integers(0, len(PARAMS) - 1), unique=True, max_size=len(PARAMS))):
+        state[PARAMS[i]] = {"step": torch.tensor(float(i)), "exp_avg": torch.zeros(2)}
+    if draw(st.booleans()):
+        state[draw(st.sampled_from(["extra", 0, 3, (1, 2)]))] = {"x": 1}
+    return groups, state
+
+
+@PROPS
+@given(optimizer_inputs(), st.data())
+def test_pack_and_remap(inputs: tuple[list[dict], dict], data: st.DataObject) -> None:
+    groups, state = inputs
+    res = check("pack_optimizer", "leaf", groups, state, torch.Tensor)
+    if res[0] != "ok":
+        return
+    packed_groups, packed_state, id_to_param = res[1]
+    owned = data.draw(st.lists(st.integers(0, len(PARAMS) - 1), unique=True))
+    if data.draw(st.integers(0, 3)):  # usually every parameter is owned by the model
+        owned = range(len(PARAMS))
+    fqn_of = {id(PARAMS[i]): f"layer.{i}.weight" for i in owned}
+    # post-hook style edits: reorder groups, corrupt an id, drop "params"
+    packed_groups = [dict(g) for g in packed_groups]
+    if packed_groups and data.draw(st.booleans()):
+        packed_groups.reverse()
+    if packed_groups and data.draw(st.integers(0, 4)) == 0:
+        g = data.draw(st.sampled_from(packed_groups))
+        g["params"] = [*g["params"], data.draw(st.sampled_from([-1, len(id_to_param), 2**70, "0", 1.0, True, None]))]
+    if packed_groups and data.draw(st.integers(0, 6)) == 0:
+        del data.draw(st.sampled_from(packed_groups))["params"]
+    check("remap_to_fqns", "leaf", packed_groups, packed_state, id_to_param, fqn_of)
+
+
+def test_pack_matches_torch_state_dict() -> None:
+    a, b = PARAMS[0], PARAMS[1]
+    opt = torch.optim.AdamW([{"params": [a, b]}, {"params": [PARAMS[2]], "lr": 0.5}])
+    opt.state[b] = {"step": torch.tensor(3.0)}
+    for mod in (P, C):
+        groups, state, ids = mod.pack_optimizer("optim", opt.param_groups, opt.state, torch.Tensor)
+        ref = opt.state_dict()
+        assert same(groups, ref["param_groups"]) and same(state, ref["state"])
+        assert ids == [a, b, PARAMS[2]] or all(x is y for x, y in zip(ids, [a, b, PARAMS[2]]))
+
+
+def test_pack_duplicates_and_generic_iterables() -> None:
+    a, b, c = PARAMS[:3]
+    groups = [
+        {"lr": 1, "params": [a, a, b]},
+        {"params": (b, c), "wd": 0},
+        collections.OrderedDict([("params", [c]), ("x", 1)]),
+    ]
+    res = check("pack_optimizer", "l", groups, {c: 1, a: 2, "k": 3}, torch.Tensor)
+    assert res[0] == "ok" and res[1][0][0]["params"] == [0, 0, 2]
+    check("pack_optimizer", "l", [], {}, torch.Tensor)
+    # iterators are outside the contract (lists and tuples)
+    outside_contract("pack_optimizer", "l", [{"params": iter([a, b])}], {}, torch.Tensor)
+    outside_contract("pack_optimizer", "l", (g for g in [{"params": [a]}]), {}, torch.Tensor)
+    # defaultdict state (torch's optimizer.state) takes the dict fast path
+    check("pack_optimizer", "l", [{"params": [a, b]}], collections.defaultdict(dict, {b: {"s": 1}}), torch.Tensor)
+
+
+@pytest.mark.parametrize(
+    "groups, state",
+    [
+        ([{"lr": 1}], {}),  # no "params": KeyError
+        ([{"params": [PARAMS[0]]}], {PARAMS[1]: {}}),  # state tensor in no group
+        ([{"params": [PARAMS[0]]}], {torch.zeros(3, 1): {}}),  # plain tensor in no group
+        ([{"params": [PARAMS[0]]}], {PARAMS[0]: {}}),  # fine
+    ],
+)
+def test_pack_errors(groups: list, state: Any) -> None:
+    check("pack_optimizer", "leaf", groups, state, torch.Tensor)
+
+
+@pytest.mark.parametrize(
+    "groups, state",
+    [
+        ([{"params": 5}], {}),  # params not a list
+        ([5], {}),  # group not a dict
+        ([{"params": [PARAMS[0]]}], 7),  # state not a dict
+        ({"params": [PARAMS[0]]}, {}),  # groups not a list
+    ],
+)
+def test_pack_outside_contract(groups: Any, state: Any) -> None:
+    outside_contract("pack_optimizer", "leaf", groups, state, torch.Tensor)
+
+
+def test_pack_bad_tensor_type() -> None:
+    check_error("pack_optimizer", "l", [{"params": [PARAMS[0]]}], {PARAMS[0]: 1}, 5, exc=TypeError)
+
+
+@pytest.mark.parametrize("bad_id", [-1, 3, 4, 2**70, -(2**70), "0", 1.0, True, None, 2])
+def test_remap_bad_ids(bad_id: Any) -> None:
+    a, b, c = PARAMS[:3]
+    id_to_param = [a, b, None, c]  # id 2 was never assigned
+    fqn_of = {id(a): "a", id(b): "b", id(c): "c"}
+    for where in ("group", "state"):
+        groups = [{"lr": 1, "params": [0, bad_id] if where == "group" else [0]}]
+        state = {bad_id: {}} if where == "state" and not isinstance(bad_id, (list, dict)) else {}
+        check("remap_to_fqns", "leaf", groups, state, id_to_param, fqn_of)
+
+
+def test_remap_not_owned_and_other_errors() -> None:
+    a, b = PARAMS[:2]
+    ids = [a, b]
+    msg = check_error("remap_to_fqns", "L", [{"params": [0, 1]}], {}, ids, {id(a): "a"}, exc=Exception)
+    assert "is not owned by the model" in msg and "(2, 2)" in msg
+    check_error("remap_to_fqns", "L", [{"params": [0]}], {1: {}}, ids, {id(a): "a"}, exc=Exception,
+                match="state: optimizer parameter")
+    check_error("remap_to_fqns", "L", [{"lr": 1}], {}, ids, {}, exc=CheckpointFormatError, match="no 'params'")
+    check_error("remap_to_fqns", "L", [], {"k": 1}, ids, {}, exc=Exception, match="non-parameter key 'k'")
+    check_error("remap_to_fqns", "L", [], {1.0: 1}, ids, {}, exc=Exception)
+    check("remap_to_fqns", "L", [{"params": (0, 1)}], {0: {}, 1: {}}, ids, {id(a): ["unhashable"], id(b): "b"})
+    # outside the contract: a group that is no dict, a Mapping that is no dict, ids not a list
+
+    class M(Mapping):
+        def __init__(self, d: dict) -> None:
+            self.d = d
+
+        def __getitem__(self, k: Any) -> Any:
+            return self.d[k]
+
+        def __iter__(self) -> Iterator:
+            return iter(self.d)
+
+        def __len__(self) -> int:
+            return len(self.d)
+
+    outside_contract("remap_to_fqns", "L", [5], {}, ids, {})
+    outside_contract("remap_to_fqns", "L", [[0, "params"]], {}, ids, {})
+    outside_contract("remap_to_fqns", "L", [{"params": (0, 1)}], {}, ids, M({id(a): "a", id(b): "b"}))
+    outside_contract("remap_to_fqns", "L", [{"params": [0, 1]}], {}, tuple(ids), {id(a): "a", id(b): "b"})
+
+
+# --------------------------------------------------------------------------- flat keys
+
+
+state_values = st.recursive(
+    st.one_of(st.integers(), st.sampled_from(TENSORS[:3]), st.none()),
+    lambda inner: st.dictionaries(st.one_of(st.text(alphabet="ab.", max_size=3), st.integers(0, 3)), inner, max_size=3),
+    max_leaves=4,
+)
+
+
+@PROPS
+@given(
+    st.dictionaries(
+        st.one_of(st.text(alphabet="ab.é", max_size=4), st.integers(0, 3), st.sampled_from(BAD_TEXT)),
+        st.one_of(st.dictionaries(st.text(alphabet="xy.", max_size=3), state_values, max_size=3), state_values),
+        max_size=4,
+    ),
+    groups_fqn(st.dictionaries(any_keys, st.integers(), max_size=3), fqn_names),
+)
+def test_flatten(state_fqn: dict, groups: list) -> None:
+    known = {"a", "b.x", "ab", "a.a"}
+    for escape in (True, False):
+        check("flatten_state", "l", state_fqn, known, escape)
+        check("flatten_state", "l", collections.OrderedDict(reversed(list(state_fqn.items()))), known, escape)
+    check("flatten_groups", "l", groups)
+
+
+@PROPS
+@given(
+    st.dictionaries(
+        st.sampled_from(["w", "w.x", "v"]),
+        st.dictionaries(st.one_of(st.text(alphabet="a.~%s", max_size=4), st.integers(-3, 3)), state_values, max_size=3),
+        max_size=3,
+    )
+)
+def test_escaped_state_round_trips(state_fqn: dict) -> None:
+    """Packed: any str/int state keys (dots, '~', '%', nesting that looks like another FQN) come back
+    exactly from unflatten, on both cores; flat refuses exactly what it cannot hold."""
+    known = {"w", "w.x", "v"}
+    outcome_ = check("flatten_state", "l", state_fqn, known, True)
+    if outcome_[0] != "ok":
+        return
+    flat = dict(outcome_[1])
+    flat["param_groups.__packed__.l.0"] = b""  # any table: the dict is packed, parts are unescaped
+    _settings, state_by, _tables, _scalars, unmatched = check("unflatten", flat, lambda _tables: known)[1]
+    expected = {f: s for f, s in state_fqn.items() if _non_empty_leaves(s)}
+    assert not unmatched
+    assert same(state_by, expected), (state_by, expected)
+
+
+def _non_empty_leaves(state: Any) -> bool:
+    return not isinstance(state, dict) or any(_non_empty_leaves(v) for v in state.values())
+
+
+def test_flatten_edge_cases() -> None:
+    check_error("flatten_state", "l", {"a": [1]}, {}, True, exc=CheckpointFormatError, match="is a list, expected a dict")
+    check("flatten_state", "l", {"a": collections.OrderedDict(b=1, c={"d": 2})}, {}, True)
+    od = collections.OrderedDict(x=1, y=2)
+    od.move_to_end("x")  # items() order differs from the dict storage order
+    check("flatten_state", "l", {"w": {"s": od}}, {}, False)
+    check("flatten_state", "l", {1.5: {None: 1, (1, 2): {"z": 3}}}, {}, True)
+    outside_contract("flatten_state", "l", 5, {}, True)
+    assert check("flatten_state", "l", {"w": {"ema.decay": 1, 7: 2, "~t": 3, "%": 4}}, {}, True)[1] == {
+        "state.w.~sema%2Edecay": 1, "state.w.~i7": 2, "state.w.~s~t": 3, "state.w.%": 4
+    }
+    check_error("flatten_state", "l", {"w": {"ema.decay": 1}}, {}, False, exc=CheckpointFormatError,
+                match="'ema.decay' of 'w' cannot be written in the flat format")
+    check_error("flatten_state", "l", {"w": {7: 1}}, {}, False, exc=CheckpointFormatError, match="7")
+    check_error("flatten_state", "l", {"w": {(1,): 1}}, {}, True, exc=CheckpointFormatError,
+                match="is a tuple; state keys must be str or int")
+    check_error("flatten_state", "l", {"w": {"a": {}}}, {}, True, exc=CheckpointFormatError, match="empty dict")
+    assert check("flatten_state", "l", {"x": {"exp_avg": {"b": 1}}}, {"x", "x.exp_avg"}, True)[1] == {
+        "state.x.~sexp_avg.b": 1
+    }
+    check_error("flatten_state", "l", {"x": {"exp_avg": {"b": 1}}}, {"x", "x.exp_avg"}, False,
+                exc=CheckpointFormatError, match="would be read back as state of parameter 'x.exp_avg'")
+    check("flatten_groups", "l", [({"lr": 1}, ["a", "b"]), ({}, ["c"]), ({"x": 2}, [])])
+    outside_contract("flatten_groups", "l", [({"lr": 1}, ["a"], "extra")])
+    outside_contract("flatten_groups", "l", [({"lr": 1},)])
+    outside_contract("flatten_groups", "l", [5])
+    outside_contract("flatten_groups", "l", [([("lr", 1)], ["a"])])
+    outside_contract("flatten_groups", "l", [[{"lr": 1}, ["a"]]])  # a pair is a tuple
+    check_error("flatten_groups", "l", [({"my.lr": 1}, ["a"])], exc=CheckpointFormatError, match="group 0: setting key")
+    check_error("flatten_groups", "l", [({3: 1}, ["a"])], exc=CheckpointFormatError, match="setting key 3")
+    check_error("unflatten", {"state.w.~x": 1, "param_groups.__packed__.l.0": b""}, {"w"},
+                exc=CheckpointFormatError, match="invalid escaped part '~x'")
+    check_error("unflatten", {"state.w.~i1x": 1, "param_groups.__packed__.l.0": b""}, {"w"},
+                exc=CheckpointFormatError, match="invalid escaped part")
+    assert check("unflatten", {"state.w.~sa": 1}, {"w"})[1][1] == {"w": {"~sa": 1}}  # flat: never unescaped
+    loop: dict = {}
+    loop["self"] = loop
+    for mod in (P, C):
+        with pytest.raises(RecursionError):
+            mod.flatten_state("l", {"a": loop}, {}, True)
+
+
+@st.composite
+def flat_dicts(draw: st.DrawFn) -> tuple[list[tuple[Any, Any]], list[str]]:
+    """Items of an adversarial flat optimizer dict and the FQNs the model knows."""
+    seg = st.sampled_from(["a", "b", "a.b", "w", "", "0", "__packed__", "state", "é"])
+    path = st.lists(seg, min_size=0, max_size=4).map(".".join)
+    key = st.one_of(
+        path.map(lambda p: "state." + p),
+        path.map(lambda p: "param_groups." + p),
+        path.map(lambda p: "param_groups.__packed__." + p),
+        path,
+        st.sampled_from([1, None, b"state.a.x", ("state.a",)]),
+    )
+    value = st.one_of(
+        st.integers(), st.binary(max_size=3), st.sampled_from(TENSORS[:2]), st.none(),
+        st.dictionaries(st.sampled_from(["x", "y", "b"]), st.integers(), max_size=2),
+    )
+    items = draw(st.lists(st.tuples(key, value), max_size=8))
+    known = draw(st.lists(path, max_size=4))
+    return items, known
+
+
+class _Known(Mapping):
+    def __init__(self, keys: list[str]) -> None:
+        self._d = dict.fromkeys(keys, "x")
+
+    def __getitem__(self, k: str) -> str:
+        return self._d[k]
+
+    def __iter__(self) -> Iterator[str]:
+        return iter(self._d)
+
+    def __len__(self) -> int:
+        return len(self._d)
+
+
+@PROPS
+@given(flat_dicts(), st.sampled_from(["dict", "set", "mapping", "list"]), st.sampled_from(["dict", "ordered"]))
+def test_unflatten(spec: tuple[list, list], known_kind: str, flat_kind: str) -> None:
+    items, known = spec
+
+    def fresh() -> tuple:
+        flat_items = copy.deepcopy(items)  # unflatten may nest into dict values of the input
+        flat = dict(flat_items) if flat_kind == "dict" else collections.OrderedDict(flat_items)
+        known_fqns = {
+            "dict": lambda: {k: k for k in known},
+            "set": lambda: set(known),
+            "mapping": lambda: _Known(known),
+            "list": lambda: list(known),
+        }[known_kind]()
+        return flat, known_fqns
+
+    check("unflatten", fresh=fresh)
+
+
+def test_unflatten_edge_cases() -> None:
+    t = b"SCKT"
+    cases = [
+        {"state.a.x": 1, "state.a.x.y": 2},  # nests under a non-dict value
+        {"state.a.x.y": 2, "state.a.x": 1},  # collides with nested state
+        {"state.a.x": {}, "state.a.x.y": 2},  # nests into the input's dict value
+        {"param_groups.__packed__.optim.abc": "notbytes"},
+        {"param_groups.__packed__.optim.abc": bytearray(t)},
+        {"param_groups.__packed__.": t, "param_groups.__packed__": 1},
+        {"param_groups.": 1, "param_groups..x": 2, "param_groups.a.": 3, "param_groups.a.b.c": 4},
+        {"state.": 1, "state..x": 2, "state.a": 3, "state.a.b.": 4, "other": 5, 7: 1},
+        {"state.a.b.c.d": 1, "param_groups.a.b.lr": 0.1, "state.a.b.e": 2},
+        {"state.x.y": 1, "param_groups.x.lr": 1, "state.nope.y": 2},
+        {"state.\ud800.a": 1, "param_groups.\ud800.lr": 1},
+    ]
+    for flat in cases:
+        check("unflatten", fresh=lambda flat=flat: (copy.deepcopy(flat), {"a": "a"}))
+    outside_contract("unflatten", [("state.a.x", 1)], {})  # flat not a dict
+
+
+def test_unflatten_never_writes_into_the_input() -> None:
+    """A dict value that nested keys extend is copied first, on both cores (order of keys kept)."""
+    for mod in (P, C):
+        inner = {"x": 1, "deep": {"y": 2}}
+        od = collections.OrderedDict(k=1)
+        flat = {"state.w.a": inner, "state.w.a.b": 3, "state.w.a.deep.z": 4, "state.w.o": od, "state.w.o.q": 5}
+        before = copy.deepcopy(flat)
+        _settings, state, _tables, _scalars, _unmatched = mod.unflatten(flat, {"w": "w"})
+        assert flat == before and inner == {"x": 1, "deep": {"y": 2}} and od == {"k": 1}
+        assert state == {"w": {"a": {"x": 1, "deep": {"y": 2, "z": 4}, "b": 3}, "o": {"k": 1, "q": 5}}}
+        assert type(state["w"]["o"]) is collections.OrderedDict and state["w"]["a"] is not inner
+        untouched = mod.unflatten({"state.w.a": inner}, {"w": "w"})[1]
+        assert untouched["w"]["a"] is inner  # values nobody extends are passed through as they are
+    check("unflatten", fresh=lambda: ({"state.w.a": {"x": {}}, "state.w.a.x.y": 1, "state.w.a.x.z": 2}, {"w": 1}))
+
+
+# --------------------------------------------------------------------------- scalar tables (packed v2)
+
+_REQ_GRAD = torch.tensor(1.0, requires_grad=True)
+SCALAR_CANDIDATES = [
+    torch.tensor(3.0), torch.tensor(3.0), torch.tensor(4.0), torch.tensor(2, dtype=torch.int64),
+    torch.tensor(1.5, dtype=torch.bfloat16), torch.tensor(float("nan")), torch.tensor(True),
+    torch.tensor(1 + 2j, dtype=torch.complex64), torch.arange(4.0)[2],  # a 0-d view into a larger storage
+    torch.zeros(2), torch.zeros(1, 1), torch.nn.Parameter(torch.tensor(1.0)), _REQ_GRAD,
+    torch.tensor(7, dtype=torch.uint16) if _uint16 else torch.zeros(0),
+    True, False, 0, -(2**63), 2**63 - 1, 2**63, -(2**63) - 1, 0.5, -0.0, math.nan, math.inf,
+    "s", None, b"x", (1,), [2], {"n": 1},
+]
+scalar_keys = st.one_of(
+    st.sampled_from(["step", "eta", "mu", "", "a.b", "~x", "%", "é", "\ud800", "exp_avg"]),
+    st.integers(-2, 2), st.sampled_from([None, 1.5, (1,)]),
+)
+scalar_states = st.dictionaries(scalar_keys, st.sampled_from(SCALAR_CANDIDATES), max_size=4)
+
+
+def _scalar_parts(t: Any) -> Any:
+    from sparse_ckpt.save import _scalar_parts as parts
+
+    return parts(t)
+
+
+@PROPS
+@given(st.dictionaries(st.sampled_from(["w", "v", "w.x", "u", 3]), st.one_of(scalar_states, st.just({})), max_size=4))
+def test_flatten_packed_state(state_fqn: dict) -> None:
+    """Both cores hoist the same leading scalars; items plus hoisted scalars are flatten_state's output."""
+    known = {"w", "v", "w.x", "u"}
+    res = check("flatten_packed_state", "l", state_fqn, known, torch.Tensor, CPU_DTYPES, torch.strided, _scalar_parts)
+    check("flatten_packed_state", "l", collections.OrderedDict(reversed(list(state_fqn.items()))), known,
+          torch.Tensor, CPU_DTYPES, torch.strided, _scalar_parts)
+    full = check("flatten_state", "l", state_fqn, known, True)
+    assert res[0] == full[0]
+    if res[0] != "ok":
+        return
+    items, groups = res[1]
+    hoisted: dict[str, Any] = {}
+    for scalars, fqns in groups:
+        assert scalars and fqns and list(scalars)[-1] == KEYS_ENTRY
+        for fqn in fqns:
+            # the recorded keys are exactly this parameter's per-item keys, in order
+            own = [k for k in P.flatten_state("l", {fqn: state_fqn[fqn]}, known, True) if k in items]
+            recorded = [k.decode("utf-8", "surrogatepass") if type(k) is bytes else k for k in scalars[KEYS_ENTRY]]
+            assert [f"state.{fqn}.{k}" for k in recorded] == own
+            for key, value in scalars.items():
+                if key != KEYS_ENTRY:
+                    hoisted[f"state.{fqn}.{key}"] = value
+    assert not set(hoisted) & set(items)
+    assert same(dict(sorted({**hoisted, **items}.items())), dict(sorted(full[1].items())))
+    for fqn, state in state_fqn.items():  # exactly the leading run went into the table
+        run = []
+        for key, value in state.items():
+            if table_codec.scalar_record("l", fqn, key, value, torch.Tensor, CPU_DTYPES, torch.strided, _scalar_parts) is None:
+                break
+            run.append(key)
+        in_groups = [list(s)[:-1] for s, fqns in groups if fqn in fqns]
+        assert in_groups == ([run] if state else [])
+    # distinct groups encode differently; encode_table of the groups round-trips on both cores
+    blobs = [P.encode_settings("l", 0, s, torch.Tensor, tensor_to_parts) for s, _ in groups]
+    assert len(set(blobs)) == len(blobs)
+    if any(type(f) is not str for _s, fqns in groups for f in fqns):
+        return  # encode_table refuses it (model FQNs are always str)
+    enc = check("encode_table", "l", groups, torch.Tensor, tensor_to_parts)
+    assert enc[0] == "ok"
+    assert check("decode_table", "l", enc[1], parts_to_tensor)[1][2] == [(i, f) for i, (_s, f) in enumerate(groups)]
+
+
+def test_flatten_packed_state_edge_cases() -> None:
+    t = torch.tensor(5.0)
+    adam = {"step": t, "exp_avg": torch.zeros(2), "exp_avg_sq": torch.zeros(2)}
+    items, groups = check("flatten_packed_state", "l", {"a": adam, "b": dict(adam), "c": {"step": torch.tensor(6.0)}},
+                          {}, torch.Tensor, CPU_DTYPES, torch.strided, _scalar_parts)[1]
+    assert list(items) == ["state.a.exp_avg", "state.a.exp_avg_sq", "state.b.exp_avg", "state.b.exp_avg_sq"]
+    assert [(list(s), f) for s, f in groups] == [(["step", KEYS_ENTRY], ["a", "b"]), (["step", KEYS_ENTRY], ["c"])]
+    assert groups[0][0][KEYS_ENTRY] == ("exp_avg", "exp_avg_sq") and groups[1][0][KEYS_ENTRY] == ()
+    assert groups[0][0]["step"] is t  # the saved value itself (encode_table copies it out)
+    # only the leading run: a scalar after a non-scalar stays per item, in order
+    items, groups = check("flatten_packed_state", "l", {"w": {"n": 1, "m": torch.zeros(2), "k": 2}}, {},
+                          torch.Tensor, CPU_DTYPES, torch.strided, _scalar_parts)[1]
+    assert list(items) == ["state.w.m", "state.w.k"] and groups == [({"n": 1, KEYS_ENTRY: ("m", "k")}, ["w"])]
+    # a parameter without scalars is listed too (its keys recorded); one whose state is {} is not
+    items, groups = check("flatten_packed_state", "l", {"a": {"m": 1.5j}, "b": {}, "c": {"e": {"x": [1]}, 7: 0.5j}}, {},
+                          torch.Tensor, CPU_DTYPES, torch.strided, _scalar_parts)[1]
+    assert groups == [({KEYS_ENTRY: ("m",)}, ["a"]), ({KEYS_ENTRY: ("e.x", "~i7")}, ["c"])]
+    # keys that UTF-8 cannot encode still group (by their surrogate-passing bytes) on both cores
+    _items, groups = check("flatten_packed_state", "l", {"a": {"\ud800": [1]}, "b": {"\ud800": [2]}, "c": {"\udc00": [3]}},
+                           {}, torch.Tensor, CPU_DTYPES, torch.strided, _scalar_parts)[1]
+    assert [f for _s, f in groups] == [["a", "b"], ["c"]]
+    # key order is part of a group's identity
+    _items, groups = check("flatten_packed_state", "l", {"a": {"x": 1, "y": 2}, "b": {"y": 2, "x": 1}}, {},
+                           torch.Tensor, CPU_DTYPES, torch.strided, _scalar_parts)[1]
+    assert len(groups) == 2
+    # errors are flatten_state's, in the same order
+    for bad in ({"a": [1]}, {"a": {"n": 1, "d": {}}}, {"a": {"n": 1, (1,): 2}}):
+        assert check("flatten_packed_state", "l", bad, {}, torch.Tensor, CPU_DTYPES, torch.strided, _scalar_parts)[2:] == \
+            check("flatten_state", "l", bad, {}, True)[2:]
+    check("flatten_packed_state", "l", {"x": {"n": 1, "exp_avg": {"b": 1}}}, {"x", "x.exp_avg"}, torch.Tensor,
+          CPU_DTYPES, torch.strided, _scalar_parts)
+    for value in SCALAR_CANDIDATES:  # the CPU fast path gives exactly tensor_to_parts's parts
+        if type(value) is torch.Tensor and _scalar_parts(value) is not None:
+            assert _scalar_parts(value) == tensor_to_parts(value), value
+    meta = torch.tensor(1.0).to("meta")
+    assert _scalar_parts(meta) is None and _scalar_parts(torch.tensor(1.0).conj()) is not None
+    assert _scalar_parts(torch.tensor(1j).conj()) is None and _scalar_parts(torch.tensor(1.0, dtype=torch.float8_e4m3fn)) is None
+    loop: dict = {"n": 1}
+    loop["self"] = loop
+    for mod in (P, C):
+        with pytest.raises(RecursionError):
+            mod.flatten_packed_state("l", {"a": loop}, {}, torch.Tensor, CPU_DTYPES, torch.strided, _scalar_parts)
+
+
+@pytest.mark.parametrize(
+    "result",
+    [
+        None,
+        ("float32", (), "cpu", b"\0" * 4),
+        ("float32", (), "cpu"),
+        5,
+        ("\ud800", (), "cpu", b""),
+        ("float32", (1.5,), "cpu", b""),
+        ("float32", (), "cpu", 12),
+        ("float32", (), "cpu", bytearray(b"abcd")),
+        ValueError("boom"),
+    ],
+)
+def test_flatten_packed_state_scalar_parts_results(result: Any) -> None:
+    check("flatten_packed_state", "l", {"w": {"step": TENSORS[0], "n": 1}}, {}, torch.Tensor, CPU_DTYPES, torch.strided, _parts(result))
+
+
+def test_flatten_packed_state_callback_mutates() -> None:
+    def fresh() -> tuple:
+        state = {"step": torch.tensor(1.0), "n": 1}
+
+        def parts(t: Any) -> Any:
+            state["new"] = 1
+            return tensor_to_parts(t)
+
+        return "l", {"w": state}, {}, torch.Tensor, CPU_DTYPES, torch.strided, parts
+
+    check("flatten_packed_state", fresh=fresh)
+
+
+def test_unflatten_scalar_tables() -> None:
+    flat = {"state.__packed__.l.0": b"x", "param_groups.__packed__.l.1": b"y", "state.w.~i1": 2,
+            "state.__packed__": 3, "state.w.__packed__.q": 4}
+    res = check("unflatten", fresh=lambda: (dict(flat), {"w": 1}))[1]
+    assert res[3] == {"l.0": b"x"} and res[2] == {"l.1": b"y"}
+    assert res[1] == {"w": {1: 2, "__packed__": {"q": 4}}} and res[4] == ["state.__packed__"]
+    # scalar tables alone make the dict packed (escaped parts are decoded)
+    assert check("unflatten", {"state.__packed__.l.0": b"", "state.w.~i1": 2}, {"w"})[1][1] == {"w": {1: 2}}
+    for bad in ("notbytes", bytearray(b"x"), None, torch.zeros(1)):
+        check_error("unflatten", {"state.__packed__.l.0": bad}, {}, exc=CheckpointFormatError,
+                    match="scalar table 'state.__packed__.l.0' is a")
+
+
+# --------------------------------------------------------------------------- table codec
+
+
+@PROPS
+@given(groups_fqn(), st.sampled_from(["optim", "é", "exp\ud800"]))
+def test_encode_decode_roundtrip(groups: list, leaf: str) -> None:
+    res = check("encode_table", leaf, groups, torch.Tensor, tensor_to_parts)
+    if res[0] == "ok":
+        decoded = check("decode_table", leaf, res[1], parts_to_tensor)
+        assert decoded[0] == "ok"
+        _settings, _blobs, refs = decoded[1]
+        assert [fqns for _, fqns in refs] == [fqns for _, fqns in groups]
+
+
+@PROPS
+@given(groups_fqn(any_settings, fqn_names), st.one_of(st.sampled_from(["optim", "", "é"]), st.sampled_from(BAD_KEYS)))
+def test_encode_any_values(groups: list, leaf: Any) -> None:
+    res = check("encode_table", leaf, groups, torch.Tensor, tensor_to_parts)
+    if res[0] == "ok":
+        check("decode_table", leaf, res[1], parts_to_tensor)
+    for gi, (settings_, _fqns) in enumerate(groups):
+        check("encode_settings", leaf, gi, settings_, torch.Tensor, tensor_to_parts)
+
+
+@PROPS
+@given(st.dictionaries(any_keys, st.one_of(any_values, deep_values()), max_size=6), st.sampled_from([0, 7, "g", None]))
+def test_encode_settings(settings_: dict, group_index: Any) -> None:
+    check("encode_settings", "leaf", group_index, settings_, torch.Tensor, tensor_to_parts)
+    check("encode_settings", "leaf", group_index, collections.OrderedDict(settings_), torch.Tensor, tensor_to_parts)
+
+
+@pytest.mark.parametrize("value", BAD_VALUES + [bytearray(), memoryview(b"x"), [1, {2}], (1, (2, object()))])
+def test_encode_unsupported_value(value: Any) -> None:
+    check_error("encode_settings", "L", 3, {"k": value}, torch.Tensor, tensor_to_parts,
+                exc=CheckpointFormatError, match="unsupported value type")
+
+
+@pytest.mark.parametrize("key", BAD_KEYS)
+def test_encode_non_string_key(key: Any) -> None:
+    check_error("encode_settings", "L", 0, {"ok": 1, key: 2}, torch.Tensor, tensor_to_parts,
+                exc=CheckpointFormatError, match="is not a string")
+    check_error("encode_table", "L", [({"ok": 1}, ["a"]), ({key: 2}, ["b"])], torch.Tensor, tensor_to_parts,
+                exc=CheckpointFormatError, match="group 1: setting key")
+
+
+@pytest.mark.parametrize("value", HUGE_INTS + [True, False, 0, -1])
+def test_encode_int_range(value: int) -> None:
+    check("encode_settings", "L", 0, {"k": value, "t": (1, [value])}, torch.Tensor, tensor_to_parts)
+
+
+@pytest.mark.parametrize("where", ["key", "value", "nested", "fqn", "leaf"])
+@pytest.mark.parametrize("text", BAD_TEXT)
+def test_encode_surrogates(where: str, text: str) -> None:
+    settings_ = {text: 1} if where == "key" else {"k": text} if where == "value" else {"k": (1, [text])}
+    if where in ("fqn", "leaf"):
+        settings_ = {"k": 1}
+    fqns = ["ok", text] if where == "fqn" else ["ok"]
+    leaf = text if where == "leaf" else "L"
+    res = check("encode_table", leaf, [(settings_, fqns)], torch.Tensor, tensor_to_parts)
+    if where != "leaf":
+        assert res[0] == "err" and res[1] is CheckpointFormatError
+        assert "string is not valid unicode (surrogates not allowed)" in res[2]
+
+
+@pytest.mark.parametrize("depth", [30, 31, 32, 33, 34, 40])
+@pytest.mark.parametrize("kind", [tuple, list])
+def test_encode_depth_limit(depth: int, kind: type) -> None:
+    value: Any = None
+    for _ in range(depth):
+        value = kind([value])
+    res = check("encode_settings", "L", 0, {"k": value}, torch.Tensor, tensor_to_parts)
+    assert (res[0] == "ok") == (depth <= 32), res
+    if res[0] == "ok":
+        check("decode_table", "L", P.encode_table("L", [({"k": value}, [])], torch.Tensor, tensor_to_parts),
+              parts_to_tensor)
+
+
+def test_encode_table_shapes() -> None:
+    check("encode_table", "L", [], torch.Tensor, tensor_to_parts)
+    check("encode_table", "L", [({}, [])], torch.Tensor, tensor_to_parts)
+    check("encode_table", "L", [({"a": 1}, ["x"]), ({"a": 1}, ["y"]), ({"a": 2}, [])], torch.Tensor, tensor_to_parts)
+    check("encode_table", "L", [({"a": 1}, ["x", 3])], torch.Tensor, tensor_to_parts)
+    check("encode_table", "L", [({"a": 1}, ["x", None])], torch.Tensor, tensor_to_parts)
+    check("encode_table", "L", [({"a": 1}, ("x", "y"))], torch.Tensor, tensor_to_parts)
+    check("encode_table", "L", [(collections.OrderedDict(b=1, a=2), ["x"])], torch.Tensor, tensor_to_parts)
+    for groups in ([({"a": 1}, "xy")], [({"a": 1}, 5)], [({"a": 1}, ["x"], 1)], [({"a": 1},)], [7], 7,
+                   [([1, 2], ["x"])], (g for g in [({"a": 1}, ["x"])])):
+        outside_contract("encode_table", "L", groups, torch.Tensor, tensor_to_parts)
+    outside_contract("encode_settings", "L", 0, [("a", 1)], torch.Tensor, tensor_to_parts)
+    outside_contract("encode_settings", "L", 0, 5, torch.Tensor, tensor_to_parts)
+    check("encode_settings", "L", 0, {"k": PARAMS[0]}, 5, tensor_to_parts)  # bad tensor_type
+
+
+def _parts(result: Any) -> Callable[[Any], Any]:
+    def to_parts(t: Any) -> Any:
+        if isinstance(result, BaseException):
+            raise result
+        return result
+
+    return to_parts
+
+
+@pytest.mark.parametrize(
+    "result",
+    [
+        ("float32", (2,), "cpu", b"\0" * 8),
+        ("float32", [2], "cpu", b"\0" * 8),
+        ("\ud800", (2,), "cpu", b""),
+        ("float32", (2,), "\udcff", b""),
+        ("float32", (-(2**63),), "cpu", b""),
+        ("float32", (True, -1), "cpu", b""),
+        ValueError("boom"),
+        CheckpointFormatError("inner"),
+    ],
+)
+def test_encode_to_parts_results(result: Any) -> None:
+    tensor = TENSORS[0]
+    check("encode_settings", "L", 0, {"lr": tensor, "t": (1, tensor)}, torch.Tensor, _parts(result))
+    check("encode_table", "L", [({"lr": tensor}, ["p"])], torch.Tensor, _parts(result))
+
+
+@pytest.mark.parametrize(
+    "result",
+    [
+        ("float32", (2,), "cpu"),
+        ("float32", (2,), "cpu", b"", 5),
+        ["float32", (2,), "cpu", b"\0" * 8],
+        None,
+        5,
+        (5, (2,), "cpu", b""),
+        (b"float32", (2,), "cpu", b""),
+        ("float32", (1.5,), "cpu", b""),
+        ("float32", (2**63,), "cpu", b""),
+        ("float32", 5, "cpu", b""),
+        ("float32", None, "cpu", b""),
+        ("float32", (2,), "cpu", 12),
+        ("float32", (2,), "cpu", "abc"),
+        ("float32", (2,), "cpu", memoryview(array.array("i", [1, 2]))),
+        ("float32", (2,), "cpu", bytearray(b"abcd")),
+        iter(("float32", (1,), "cpu", b"")),
+    ],
+)
+def test_encode_to_parts_outside_contract(result: Any) -> None:
+    """``to_parts`` returns ``(str, tuple or list of int64, str, bytes)``; anything else is a TypeError or
+    ValueError of the C++ core."""
+    tensor = TENSORS[0]
+    outside_contract("encode_settings", "L", 0, {"lr": tensor, "t": (1, tensor)}, torch.Tensor, _parts(result))
+    outside_contract("encode_table", "L", [({"lr": tensor}, ["p"])], torch.Tensor, _parts(result))
+
+
+# --------------------------------------------------------------------------- decode
+
+
+HEADER = P.MAGIC + u16(P.VERSION)
+
+
+def table(settings_blobs: list[bytes], groups: list[tuple[int, list[bytes | str]]], trailer: bytes = b"") -> bytes:
+    """A table (``_core_py``'s magic and version) of settings blobs, ``(index, fqns)`` groups and a trailer."""
+    return tab(settings_blobs, [group(idx, fqns) for idx, fqns in groups], magic=P.MAGIC, version=P.VERSION) + trailer
+
+
+def one_value(value_bytes: bytes) -> bytes:
+    """A table with one settings entry ``{"k": <raw value>}`` and no groups."""
+    return table([u32(1) + sstr("k") + value_bytes], [])
+
+
+DECODE_CASES = {
+    "empty": b"",
+    "short magic": b"SCK",
+    "bad magic": b"XXXX\x01\x00" + u32(0) + u32(0),
+    "no version": P.MAGIC + b"\x01",
+    "version 2": P.MAGIC + struct.pack("<H", 2) + u32(0) + u32(0),
+    "version 0": P.MAGIC + struct.pack("<H", 0),
+    "ok empty": table([], []),
+    "no group count": HEADER + u32(0),
+    "huge settings count": HEADER + u32(0xFFFFFFFF) + u32(0),
+    "huge keys count": HEADER + u32(1) + u32(0xFFFFFFFF) + u32(0),
+    "huge group count": HEADER + u32(0) + u32(0x7FFFFFFF),
+    "huge params count": table([u32(0)], []).removesuffix(u32(0)) + u32(1) + u32(0) + u32(0xFFFFFFFF),
+    "huge string": HEADER + u32(1) + u32(1) + u32(0xFFFFFFF0) + b"k",
+    "bad utf8 key": table([u32(1) + sstr(b"\xff\xfe") + b"\x00"], []),
+    "surrogate utf8 key": table([u32(1) + sstr(b"\xed\xa0\x80") + b"\x00"], []),
+    "bad utf8 fqn": table([u32(0)], [(0, [b"a\x80"])]),
+    "duplicate key": table([u32(2) + sstr("k") + b"\x00" + sstr("k") + b"\x01"], []),
+    "bad settings index": table([u32(0)], [(1, ["a"])]),
+    "huge settings index": table([u32(0)], [(0xFFFFFFFF, ["a"])]),
+    "trailing": table([u32(0)], [(0, ["a"])], trailer=b"\x00\x01"),
+    "unknown tag": one_value(b"\x0a"),
+    "tag 255": one_value(b"\xff"),
+    "missing tag": table([u32(1) + sstr("k")], []),
+    "int": one_value(b"\x03" + struct.pack("<q", -(2**63))),
+    "short int": one_value(b"\x03\x01\x02"),
+    "float nan": one_value(b"\x04" + struct.pack("<Q", 0x7FF8_0000_0000_1234)),
+    "float -0": one_value(b"\x04" + struct.pack("<d", -0.0)),
+    "short float": one_value(b"\x04\x00"),
+    "str": one_value(b"\x05" + sstr("héllo")),
+    "bad str": one_value(b"\x05" + sstr(b"\xc3")),
+    "bytes": one_value(b"\x06" + sstr(b"\x00\xff")),
+    "short bytes": one_value(b"\x06" + u32(10) + b"ab"),
+    "huge sequence": one_value(b"\x07" + u32(0xFFFFFFFF)),
+    "sequence": one_value(b"\x08" + u32(3) + b"\x00\x01\x02"),
+    "nested 32": one_value((b"\x07" + u32(1)) * 32 + b"\x00"),
+    "nested 33": one_value((b"\x07" + u32(1)) * 33 + b"\x00"),
+    "nested 34": one_value((b"\x08" + u32(1)) * 34 + b"\x00"),
+    "nested 40 truncated": one_value((b"\x07" + u32(1)) * 40),
+    "tensor": one_value(v_tensor("float32", [2], struct.pack("<ff", 1.5, -0.0))),
+    "tensor 0-d": one_value(v_tensor("int64", [], struct.pack("<q", 5))),
+    "tensor empty": one_value(v_tensor("float32", [0, 3], b"")),
+    "tensor bad dtype": one_value(v_tensor("float128", [1], b"\0" * 16)),
+    "tensor size mismatch": one_value(v_tensor("float32", [3], b"\0" * 8)),
+    "tensor negative dim": one_value(v_tensor("float32", [-1], b"")),
+    "tensor huge dims": one_value(v_tensor("float32", [2**62, 4], b"")),
+    "tensor huge ndim": one_value(b"\x09" + sstr("float32") + u32(0xFFFFFFFF)),
+    "tensor huge nbytes": one_value(v_tensor("float32", [2], b"", nbytes=2**64 - 1)),
+    "tensor bad device utf8": one_value(v_tensor("float32", [1], b"\0" * 4, device=b"\xff")),
+    "tensor odd device": one_value(v_tensor("float32", [1], b"\0" * 4, device="nosuchdevice")),
+    "tensor truncated dims": one_value(b"\x09" + sstr("float32") + u32(2) + b"\0" * 9),
+}
+
+
+@pytest.mark.parametrize("name", list(DECODE_CASES))
+def test_decode_cases(name: str) -> None:
+    data = DECODE_CASES[name]
+    res = check("decode_table", "leaf", data, parts_to_tensor)
+    if res[0] == "err":
+        assert res[1] is CheckpointFormatError, res
+
+
+def test_decode_every_prefix_and_bitflip() -> None:
+    groups = [
+        ({"lr": 0.1, "betas": (0.9, 0.999), "t": TENSORS[2], "s": "é", "b": b"\x00", "n": None, "l": [True, False]},
+         ["a.w", "a.b"]),
+        ({"lr": torch.tensor(1e-3)}, []),
+        ({"lr": 0.1, "betas": (0.9, 0.999), "t": TENSORS[2], "s": "é", "b": b"\x00", "n": None, "l": [True, False]},
+         ["日本"]),
+    ]
+    data = P.encode_table("optim", groups, torch.Tensor, tensor_to_parts)
+    assert C.encode_table("optim", groups, torch.Tensor, tensor_to_parts) == data
+    for n in range(len(data) + 1):
+        check("decode_table", "optim", data[:n], parts_to_tensor)
+    for pos in range(len(data)):
+        for bit in (0, 3, 7):
+            flipped = bytearray(data)
+            flipped[pos] ^= 1 << bit
+            check("decode_table", "optim", bytes(flipped), parts_to_tensor)
+
+
+@pytest.mark.parametrize("data", [bytearray(b"SCKT"), memoryview(b"SCKT"), "SCKT", None, 5])
+def test_decode_not_bytes(data: Any) -> None:
+    check_error("decode_table", "leaf", data, parts_to_tensor, exc=CheckpointFormatError, match="expected bytes")
+
+
+class _Stop(BaseException):
+    pass
+
+
+@pytest.mark.parametrize(
+    "error", [ValueError("bad"), TypeError("ty\ud800pe"), CheckpointFormatError("own"), KeyError("k"), _Stop("stop")]
+)
+def test_decode_from_parts_errors(error: BaseException) -> None:
+    data = one_value(v_tensor("float32", [1], b"\0" * 4))
+
+    def from_parts(*args: Any) -> Any:
+        raise error
+
+    if isinstance(error, _Stop):  # not an Exception: propagates unchanged from both cores
+        for mod in (P, C):
+            with pytest.raises(_Stop):
+                mod.decode_table("leaf", data, from_parts)
+    else:
+        check("decode_table", "leaf", data, from_parts)
+
+
+def test_decode_bytes_subclass_and_leaf_repr() -> None:
+    class B(bytes):
+        pass
+
+    data = P.encode_table("x", [({"a": 1}, ["p"])], torch.Tensor, tensor_to_parts)
+    check("decode_table", "x", B(data), parts_to_tensor)
+    check("decode_table", ("odd", 1), b"nope", parts_to_tensor)
+    check("decode_table", "\ud800", data[:-1], parts_to_tensor)
+
+
+# --------------------------------------------------------------------------- load matching
+
+
+@st.composite
+def match_inputs(draw: st.DrawFn) -> tuple[list[list[str]], dict[str, Any]]:
+    names = [f"p{i}" for i in range(8)]
+    pool = [
+        {"lr": 0.1, "wd": 0},
+        {"lr": 0.1, "wd": 0},  # equal content, distinct object
+        {"lr": 0.2, "wd": 0},
+        {"lr": 0.1},
+        {"lr": 0.1, "wd": 0, "x": 1},
+        {"lr": 1, "wd": 0},  # int vs float: a type difference
+        {"lr": torch.tensor([0.1, 0.2]), "wd": 0},  # == raises on bool(): falls back to identity
+        {"lr": torch.tensor([0.1, 0.2]), "wd": 0},
+        {"lr": torch.tensor(0.1), "wd": 0},
+        {"wd": 0, "lr": 0.1},
+    ]
+    settings_of = {n: pool[draw(st.integers(0, len(pool) - 1))] for n in draw(st.lists(st.sampled_from(names)))}
+    if draw(st.booleans()):
+        settings_of.setdefault("p0", None)
+    target = draw(st.lists(st.lists(st.sampled_from(names + ["missing"]), max_size=4), max_size=4))
+    return target, settings_of
+
+
+@PROPS
+@given(match_inputs())
+def test_match_groups(inputs: tuple[list[list[str]], dict]) -> None:
+    target, settings_of = inputs
+    check("match_groups", "leaf", target, settings_of)
+    check("match_groups", "leaf", [tuple(g) for g in target], collections.OrderedDict(settings_of))
+    state_by_fqn = {k: (None if v is None else {"step": v}) for k, v in settings_of.items()}
+    check("assign_state_ids", target, state_by_fqn)
+
+
+def test_match_groups_first_differing_key() -> None:
+    a = {"lr": 0.1, "wd": 0}
+    for b, key in [
+        ({"lr": 0.1, "wd": 1}, "wd"),
+        ({"lr": 0.1}, "wd"),
+        ({"lr": 0.1, "wd": 0, "z": 2}, "z"),
+        ({"lr": 0.1, "wd": 0.0}, "wd"),
+        (dict(a), "?"),
+        ({"wd": 0, "lr": 0.1}, "?"),
+        ({"lr": float("nan"), "wd": 0}, "lr"),
+    ]:
+        msg = check_error("match_groups", "L", [["x", "y"]], {"x": a, "y": b}, exc=Exception)
+        assert f"(key {key!r})" in msg, msg
+    t1, t2 = {"lr": torch.ones(2)}, {"lr": torch.ones(2)}
+    check_error("match_groups", "L", [["x"], ["y", "x"]], {"x": t1, "y": t2}, exc=Exception, match="(key 'lr')")
+    check_error("match_groups", "L", [["x", "y"]], {"x": {1: 1}, "y": {2: 2}}, exc=Exception, match="(key 1)")
+    check("match_groups", "L", [["x", ["unhashable"]]], {"x": a})
+    outside_contract("match_groups", "L", [5], {})
+    outside_contract("match_groups", "L", [["x", "y"]], {"x": a, "y": 5})
+
+
+def test_assign_state_ids_edge_cases() -> None:
+    s = {"step": 1}
+    check("assign_state_ids", [["a", "b", "a"], ["b", "c"], []], {"a": s, "c": None, "b": {}})
+    check("assign_state_ids", [["a", ["x"]]], {"a": s})
+    check("assign_state_ids", [["a", {"x"}]], {"a": s})
+    check("assign_state_ids", [("a", "b")], collections.OrderedDict(b=s))
+    outside_contract("assign_state_ids", [iter(["a", "b"])], {"b": s})
+    outside_contract("assign_state_ids", 5, {})
+
+
+# --------------------------------------------------------------------------- parameter names
+
+_BASES = (torch.nn.Module.named_modules, torch.nn.Module.named_parameters)
+_STRIPPED = STRIPPED_PARTS
+
+
+class _Wrapper(torch.nn.Module):
+    """Stands in for DDP: its ``module`` child is left out of canonical names."""
+
+
+class _OwnNamedModules(torch.nn.Module):
+    def named_modules(self, *args: Any, **kwargs: Any) -> Iterator[tuple[str, torch.nn.Module]]:
+        return super().named_modules(*args, **kwargs)
+
+
+class _OwnNamedParameters(torch.nn.Linear):
+    def named_parameters(self, *args: Any, **kwargs: Any) -> Iterator[tuple[str, torch.nn.Parameter]]:
+        return super().named_parameters(*args, **kwargs)
+
+
+class _OddDict(dict):
+    """A ``_modules``/``_parameters`` mapping with its own ``items`` (the generic path)."""
+
+    def items(self):  # type: ignore[override]
+        return list(super().items())
+
+
+def _walk_models() -> dict[str, torch.nn.Module]:
+    shared = torch.nn.Linear(2, 2)
+    wrapped = _Wrapper()
+    wrapped.module = torch.nn.Sequential(torch.nn.Linear(2, 2), torch.nn.Linear(2, 2))
+    wrapped.module.add_module("_orig_mod", torch.nn.Linear(1, 1))
+    outer = torch.nn.Module()
+    outer.w = wrapped
+    outer.module = torch.nn.Linear(1, 1)  # not under the wrapper: kept
+    outer.register_parameter("_orig_mod", torch.nn.Parameter(torch.zeros(1)))  # a stripped param name
+    outer.none_child = None
+    outer.register_parameter("none_param", None)
+    odd = torch.nn.Sequential(torch.nn.Linear(1, 1), torch.nn.Linear(1, 1))
+    odd._modules = _OddDict(odd._modules)
+    odd[0]._parameters = _OddDict(odd[0]._parameters)
+    nested_override = torch.nn.Sequential(torch.nn.Linear(1, 1), _OwnNamedModules())
+    unicode = torch.nn.Module()
+    unicode.add_module("ünï", torch.nn.Linear(1, 1))
+    return {
+        "plain": torch.nn.Sequential(torch.nn.Linear(2, 3), torch.nn.ReLU(), torch.nn.Linear(3, 1)),
+        "shared": torch.nn.Sequential(shared, shared),
+        "wrapped": outer,
+        "odd_mappings": odd,
+        "nested_override": nested_override,
+        "own_named_parameters": _OwnNamedParameters(1, 1),
+        "unicode": unicode,
+        "empty": torch.nn.Module(),
+    }
+
+
+def _map(model: Any, wrapper: type | None, cached: tuple | None = None) -> tuple:
+    """``map_parameters`` on both cores: the (common) outcome."""
+    return check("map_parameters", model, _STRIPPED, wrapper, *_BASES, cached)
+
+
+@pytest.mark.parametrize("name", list(_walk_models()))
+@pytest.mark.parametrize("wrapper", [None, _Wrapper])
+def test_map_parameters(name: str, wrapper: type | None) -> None:
+    model = _walk_models()[name]
+    res = _map(model, wrapper)
+    assert res[0] == "ok"
+    if name in ("nested_override", "own_named_parameters"):
+        assert res[1] is None
+        return
+    memo, fqn_of, canonical, param_of = res[1]
+    assert (memo is None) == (name == "odd_mappings")  # a mapping that is not an exact dict: no replay
+    expected = P.fqn_tables(module_walk._walk(model, _STRIPPED, wrapper, *_BASES, module_walk._Trace()))
+    assert same((fqn_of, canonical, param_of), expected)
+    assert list(param_of.values()) == list(dict.fromkeys(p for _n, p in model.named_parameters(remove_duplicate=False)))
+    if name == "wrapped":
+        assert ("w.0.weight" in param_of) == (wrapper is _Wrapper) and "module.weight" in param_of and "" in param_of
+    if memo is not None:  # an unchanged model replays the memo (either core's: they are the same bytes)
+        for core in (P, C):
+            again = core.map_parameters(model, _STRIPPED, wrapper, *_BASES, memo)
+            assert again[0] is memo and again[1] is memo[5] and again[2] is memo[6]
+            assert same(again[3], param_of) and all(a is b for a, b in zip(again[3].values(), param_of.values()))
+        # another stripped set or wrapper: built anew
+        other = _map(model, None if wrapper else _Wrapper, memo)[1]
+        assert other[0] is not memo
+
+
+def test_map_parameters_triples_are_named_parameters() -> None:
+    for name, model in _walk_models().items():
+        triples = module_walk._walk(model, _STRIPPED, None, *_BASES, module_walk._Trace())
+        if triples is not None:
+            assert [(r, p) for r, _c, p in triples] == list(model.named_parameters(remove_duplicate=False)), name
+            # the identity trick: an unstripped canonical name is the raw str object itself
+            assert all(c is r for r, c, _p in triples if "_orig_mod" not in r), name
+
+
+def _mutations() -> dict[str, Callable[[torch.nn.Module], None]]:
+    def tie(m: torch.nn.Module) -> None:
+        m[1].weight = m[0].weight
+
+    def rename(m: torch.nn.Module) -> None:
+        m[0]._parameters = {"w2" if k == "weight" else k: v for k, v in m[0]._parameters.items()}
+
+    def reorder(m: torch.nn.Module) -> None:
+        m[0]._parameters = dict(reversed(list(m[0]._parameters.items())))
+
+    def swap_children(m: torch.nn.Module) -> None:
+        m._modules = {"0": m._modules["1"], "1": m._modules["0"], **{k: v for k, v in m._modules.items() if k not in "01"}}
+
+    def wrap(m: torch.nn.Module) -> None:
+        w = _Wrapper()
+        w.module = m[0]
+        m[0] = w
+
+    def plain_child_named_module(m: torch.nn.Module) -> None:
+        m[0].add_module("module", torch.nn.Linear(1, 1))
+
+    def odd(m: torch.nn.Module) -> None:
+        m._modules = _OddDict(m._modules)
+
+    return {
+        "replace_param": lambda m: setattr(m[0], "weight", torch.nn.Parameter(torch.zeros(3, 2))),
+        "direct_dict_write": lambda m: m[0]._parameters.__setitem__("bias", torch.nn.Parameter(torch.zeros(3))),
+        "add_param": lambda m: m[2].register_parameter("extra", torch.nn.Parameter(torch.zeros(1))),
+        "none_param": lambda m: m[0].register_parameter("bias", None),
+        "delete_param": lambda m: delattr(m[0], "bias"),
+        "rename_param": rename,
+        "reorder_params": reorder,
+        "tie": tie,
+        "add_module": lambda m: m.append(torch.nn.Linear(1, 1)),
+        "delete_module": lambda m: m.__delitem__(2),
+        "replace_module": lambda m: m.__setitem__(2, torch.nn.Linear(3, 1)),
+        "swap_children": swap_children,
+        "wrap": wrap,
+        "child_named_module": plain_child_named_module,
+        "stripped_name": lambda m: m.add_module("_orig_mod", torch.nn.Linear(1, 1)),
+        "odd_mapping": odd,
+        "override_named_modules": lambda m: m.__setitem__(1, _OwnNamedModules()),
+    }
+
+
+@pytest.mark.parametrize("mutation", list(_mutations()))
+@pytest.mark.parametrize("wrapper", [None, _Wrapper])
+def test_map_parameters_replay_sees_every_change(mutation: str, wrapper: type | None) -> None:
+    model = torch.nn.Sequential(torch.nn.Linear(2, 3), torch.nn.ReLU(), torch.nn.Linear(3, 1))
+    memo = _map(model, wrapper)[1][0]
+    _mutations()[mutation](model)
+    res = _map(model, wrapper, memo)
+    fresh = _map(model, wrapper)
+    assert res[0] == fresh[0] == "ok"
+    if fresh[1] is None:
+        assert res[1] is None
+        return
+    assert res[1][0] is not memo
+    assert same(res[1], fresh[1])
+    public = [(n, p) for n, p in model.named_parameters(remove_duplicate=False)]
+    assert list(res[1][3].values()) == list(dict.fromkeys(p for _n, p in public))
+
+
+def test_map_parameters_replays_ordered_dict_containers() -> None:
+    """``del seq[i]`` leaves ``_modules`` an ``OrderedDict``: still replayed (in items() order), and
+    a ``move_to_end`` (items() order changes, the dict's storage order does not) is seen."""
+    model = torch.nn.Sequential(torch.nn.Linear(2, 3), torch.nn.ReLU(), torch.nn.Linear(3, 1), torch.nn.Linear(1, 1))
+    del model[1]
+    assert type(model._modules) is collections.OrderedDict
+    memo = _map(model, None)[1][0]
+    assert memo is not None
+    for core in (P, C):
+        assert core.map_parameters(model, _STRIPPED, None, *_BASES, memo)[0] is memo
+    model._modules.move_to_end("0")
+    res = _map(model, None, memo)[1]
+    assert res[0] is not memo and list(res[3]) == [n for n, _ in model.named_parameters()]
+
+
+def test_map_parameters_memo_holds_no_module_or_parameter() -> None:
+    import weakref
+
+    model = torch.nn.Sequential(torch.nn.Linear(2, 3), torch.nn.Linear(3, 1))
+    memo = _map(model, None)[1][0]
+    refs = [weakref.ref(model[1]), weakref.ref(model[1].weight)]
+    del model[1]
+    gc.collect()
+    assert all(r() is None for r in refs)
+    assert _map(model, None, memo)[1][0] is not memo
+
+
+def test_map_parameters_errors() -> None:
+    check_error("map_parameters", object(), _STRIPPED, None, *_BASES, None, exc=AttributeError)
+    broken = torch.nn.Linear(1, 1)
+    broken.__dict__["_parameters"] = 5
+    check_error("map_parameters", broken, _STRIPPED, None, *_BASES, None, exc=AttributeError)
+    bad_stripped = torch.nn.Linear(1, 1)
+    check_error("map_parameters", bad_stripped, 5, None, *_BASES, None, exc=TypeError)
+    check_error("map_parameters", bad_stripped, _STRIPPED, None, *_BASES, (1, 2), exc=TypeError, match="not a memo")
+    memo = _map(bad_stripped, None)[1][0]
+    forged = (*memo[:2], "words", *memo[3:])
+    check_error("map_parameters", bad_stripped, _STRIPPED, None, *_BASES, forged, exc=TypeError, match="not a memo")
+    truncated = (*memo[:2], memo[2][:-8], *memo[3:])
+    assert _map(bad_stripped, None, truncated)[1][0] is not truncated
+
+
+def test_fqn_tables_first_wins_and_errors() -> None:
+    a, b = torch.zeros(1), torch.zeros(2)
+    res = check("fqn_tables", [("x.w", "w", a), ("y.w", "w2", a), ("z", "z", b), ("w", "w", b)])
+    fqn_of, canonical, param_of = res[1]
+    assert fqn_of == {id(a): "w", id(b): "z"} and list(param_of) == ["w", "z"]
+    assert canonical == {"w": "w", "x.w": "w", "w2": "w", "y.w": "w", "z": "z"}
+    outside_contract("fqn_tables", iter([("a", "a", a)]))
+    for named in ([("a", "a")], [("a", "a", a, 1)], [5], 5, [["a", "a", a]]):
+        outside_contract("fqn_tables", named)
+    check_error("fqn_tables", [(["unhashable"], "a", a)], exc=TypeError)
+
+
+# --------------------------------------------------------------------------- end to end
+
+
+def test_end_to_end_with_real_optimizer() -> None:
+    torch.manual_seed(0)
+    model = torch.nn.Sequential(torch.nn.Linear(3, 4), torch.nn.ReLU(), torch.nn.Linear(4, 2))
+    params = list(model.parameters())
+    opt = torch.optim.AdamW(
+        [{"params": params[:2], "lr": torch.tensor(0.01)}, {"params": params[2:], "betas": (0.8, 0.9)}],
+        weight_decay=0.0,
+    )
+    model(torch.randn(5, 3)).sum().backward()
+    opt.step()
+    fqn_of = {id(p): n for n, p in model.named_parameters()}
+    res = check("pack_optimizer", "optim", opt.param_groups, opt.state, torch.Tensor)
+    groups, state, ids = res[1]
+    groups_fqn_, state_fqn = check("remap_to_fqns", "optim", groups, state, ids, fqn_of)[1]
+    blob = check("encode_table", "optim", groups_fqn_, torch.Tensor, tensor_to_parts)[1]
+    check("decode_table", "optim", blob, parts_to_tensor)
+    flat = {**check("flatten_state", "optim", state_fqn, set(fqn_of.values()), True)[1],
+            **check("flatten_groups", "optim", groups_fqn_)[1]}
+    flat[f"param_groups.__packed__.optim.{len(blob)}"] = blob
+    known = {n: n for n in fqn_of.values()}
+    _settings, state_by_fqn, _tables, _scalars, _unmatched = check("unflatten", flat, known)[1]
+    target = [list(fqns) for _, fqns in groups_fqn_]
+    check("assign_state_ids", target, state_by_fqn)
+
+
+def test_flatten_packed_state_cpu_fast_path_matches_scalar_parts() -> None:
+    """The core's own read of a plain CPU 0-d tensor gives the bytes the ``scalar_parts`` callback
+    would: the same scalar groups and the same encoded table with and without ``cpu_dtypes``."""
+    values = [torch.tensor(v, dtype=dt) for dt in CPU_DTYPES for v in (0, 1, 3)]
+    values += [torch.arange(4.0)[2], torch.tensor(-0.0), torch.tensor(float("nan")), torch.tensor(5.0).neg()]
+    state = {f"p{i}": {"step": v, "m": torch.zeros(2)} for i, v in enumerate(values)}
+    calls: list[Any] = []
+
+    def counting(t: Any) -> Any:
+        calls.append(t)
+        return _scalar_parts(t)
+
+    for core in (P, C):
+        calls.clear()
+        fast = core.flatten_packed_state("l", state, {}, torch.Tensor, CPU_DTYPES, torch.strided, counting)
+        n_fast = len(calls)
+        slow = core.flatten_packed_state("l", state, {}, torch.Tensor, {}, torch.strided, counting)
+        assert n_fast < len(calls) == len(values)
+        assert same(fast, slow)
+        assert core.encode_table("l", fast[1], torch.Tensor, tensor_to_parts) == \
+            core.encode_table("l", slow[1], torch.Tensor, tensor_to_parts)
+
+
+def test_lengths_over_u32_are_format_errors() -> None:
+    """A length the table format cannot hold (over 2**32 - 1) is the library's error, not
+    struct.error (the Python core's helper; csrc/common.cpp put_len_u32 raises the same message --
+    a 4 GiB value is no test input)."""
+    msg = re.escape("length 4294967296 does not fit the table format (at most 4294967295)")
+    with pytest.raises(CheckpointFormatError, match=msg):
+        common.len32(2**32)
+    assert common.len32(2**32 - 1) == b"\xff\xff\xff\xff"

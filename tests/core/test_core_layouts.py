@@ -1,0 +1,238 @@
+"""Differential tests of the buffers-layout core functions (``encode_layout``, ``decode_layout``,
+``plan_scatter``): the C++ core against the Python reference, with random and hand-written
+inputs, and the scatter plan checked by running it on real tensors.
+
+Like tests/core/test_core_differential.py, the module runs once (both cores are called directly).
+"""
+
+from __future__ import annotations
+
+import math
+import random
+from typing import Any
+
+import _backends
+import pytest
+import torch
+from hypothesis import HealthCheck, given, settings
+from hypothesis import strategies as st
+from test_core_differential import check, check_error, same  # (skips this module too when _C is not built)
+
+from sparse_ckpt import _core_py as P
+from sparse_ckpt._core_py.buffers import LAYOUT_MAGIC
+from sparse_ckpt.errors import CheckpointFormatError, CheckpointMismatchError
+
+PROPS = settings(max_examples=200, deadline=None, derandomize=True, database=None,
+                 suppress_health_check=[HealthCheck.too_slow, HealthCheck.data_too_large])
+DTYPES = {"float32": 4, "bfloat16": 2, "int64": 8, "bool": 1}
+
+
+core_backend = _backends.both_cores_directly
+
+
+@st.composite
+def chunk(draw: st.DrawFn) -> tuple[tuple[int, ...], tuple[int, ...], tuple[int, ...]]:
+    shape = tuple(draw(st.lists(st.integers(0, 4), max_size=3)))
+    offsets, sizes = [], []
+    for d in shape:
+        o = draw(st.integers(0, d))
+        offsets.append(o)
+        sizes.append(draw(st.integers(0, d - o)))
+    return shape, tuple(offsets), tuple(sizes)
+
+
+@st.composite
+def entries(draw: st.DrawFn) -> list[tuple[Any, ...]]:
+    names = draw(st.lists(st.tuples(st.sampled_from(["a", "b.w", "é", "c"]), st.sampled_from(["exp_avg", "~i7", "m.x"])),
+                          unique=True, max_size=6))
+    out = []
+    for fqn, key in names:
+        dtype = draw(st.sampled_from(list(DTYPES)))
+        out.append((fqn, key, dtype, DTYPES[dtype], *draw(chunk())))
+    return out
+
+
+@PROPS
+@given(entries(), st.sampled_from([1, 7, 64, 10**9, 2**80]))
+def test_encode_decode_layout(ents: list[tuple[Any, ...]], bucket_bytes: int) -> None:
+    res = check("encode_layout", "leaf", ents, bucket_bytes)
+    assert res[0] == "ok"
+    table, buckets = res[1]
+    decoded = check("decode_layout", "leaf", table)[1]
+    assert [(d, n) for d, n, _e in decoded] == [(d, n) for d, n, _m in buckets]
+    for (_d, _n, members), (_d2, _n2, got) in zip(buckets, decoded):
+        assert [ents[i][:2] + ents[i][4:] for i, _o in members] == got
+        sizes = [math.prod(ents[i][6]) for i, _o in members]
+        assert [o for _i, o in members] == [sum(sizes[:k]) for k in range(len(sizes))]
+        nbytes = [s * ents[i][3] for s, (i, _o) in zip(sizes, members)]
+        assert len(members) == 1 or sum(nbytes) <= bucket_bytes
+    assert sorted(i for _d, _n, m in buckets for i, _o in m) == list(range(len(ents)))
+
+
+BAD_ENTRIES = [
+    [("a", "k", "float32", 4, (2,), (1,), (2,))],  # outside its shape
+    [("a", "k", "float32", 4, (2,), (0,), (2,)), ("a", "k", "bfloat16", 2, (2,), (0,), (1,))],  # twice
+    [("a", "k", "float32", 0, (2,), (0,), (2,))],
+    [("a", "k", "float32", 2**70, (2,), (0,), (2,))],
+    [("a", "k", "float32", 4, (2, 2), (0,), (2,))],
+    [("a", "k", "float32", 4, (2**63,), (0,), (1,))],
+    [("a", "k", "float32", 4, (2**62, 4), (0, 0), (1, 1))],
+    [("a", "k", "float32", 4, (-1,), (0,), (0,))],
+    [("a", "k", "float32", 4, (3,), (2**70,), (0,))],
+    [("a", "k", "float32", 4, (1,) * 65, (0,) * 65, (1,) * 65)],
+    [("a\ud800", "k", "float32", 4, (1,), (0,), (1,))],
+    [("a", "k", "\udc00", 4, (1,), (0,), (1,))],
+]
+
+
+@pytest.mark.parametrize("bad", BAD_ENTRIES)
+def test_encode_layout_refusals(bad: list) -> None:
+    check_error("encode_layout", "leaf", bad, 64, exc=CheckpointFormatError, match="leaf 'leaf'")
+
+
+@pytest.mark.parametrize("args", [
+    (1, [], 1), ("l", "x", 1), ("l", [], 0), ("l", [], True), ("l", [], 1.0), ("l", [("a",)], 1),
+    ("l", [["a", "k", "f", 4, (1,), (0,), (1,)]], 1), ("l", [(1, "k", "f", 4, (1,), (0,), (1,))], 1),
+    ("l", [("a", "k", "f", 4.0, (1,), (0,), (1,))], 1), ("l", [("a", "k", "f", 4, (1.0,), (0,), (1,))], 1),
+    ("l", [("a", "k", "f", 4, 1, (0,), (1,))], 1),
+])
+def test_encode_layout_outside_the_contract(args: tuple) -> None:
+    res = check("encode_layout", *args)
+    assert res[0] == "err" and res[1] in (TypeError, ValueError), res
+
+
+def _shard_layouts(shape: tuple[int, ...], parts: int, rng: random.Random, dtype: str = "float32") -> list[bytes]:
+    """Layouts of ``parts`` saving ranks that split dim 0 of two tensors of ``shape`` (FSDP-like,
+    uneven), each in a bucket of 40 bytes at most."""
+    rows = shape[0]
+    cuts = sorted(rng.randint(0, rows) for _ in range(parts - 1))
+    bounds = [0, *cuts, rows]
+    out = []
+    for r in range(parts):
+        lo, hi = bounds[r], bounds[r + 1]
+        ents = [(fqn, key, dtype, DTYPES[dtype], shape, (lo, *(0 for _ in shape[1:])), (hi - lo, *shape[1:]))
+                for fqn in ("p", "q") for key in ("exp_avg", "exp_avg_sq")]
+        out.append(P.encode_layout("leaf", ents, 40)[0])
+    return out
+
+
+def _run(plan: Any, layouts: list[bytes], values: dict[tuple[str, str], torch.Tensor]) -> list[torch.Tensor]:
+    """Execute a scatter plan on real buffers built from ``values`` (the global tensors)."""
+    targets, sources, ops = plan
+    bufs = []
+    for li, data in enumerate(layouts):
+        for _dtype, _numel, entries in P.decode_layout("leaf", data):
+            bufs.append(((li, len([b for b in bufs if b[0][0] == li])), torch.cat([
+                values[(f, k)][tuple(slice(o, o + s) for o, s in zip(offs, sizes))].reshape(-1)
+                for f, k, _shape, offs, sizes in entries] or [torch.empty(0)])))
+    by_id = dict(bufs)
+    out = [torch.full(t[5], float("nan")) for t in targets]
+    for si, src_off, src_sizes, src_start, ti, dst_start, box in ops:
+        li, bi, _d, _n = sources[si]
+        src = by_id[(li, bi)][src_off : src_off + math.prod(src_sizes)].view(src_sizes)
+        src = src[tuple(slice(a, a + b) for a, b in zip(src_start, box))]
+        out[ti][tuple(slice(a, a + b) for a, b in zip(dst_start, box))] = src
+    return out
+
+
+@pytest.mark.parametrize("seed", range(25))
+def test_scatter_plan_reshards_exactly(seed: int) -> None:
+    """Saved by 1-4 ranks, loaded as 1-4 (uneven) chunks: the plan copies exactly every element."""
+    rng = random.Random(seed)
+    shape = (rng.randint(1, 7), rng.randint(1, 3))
+    layouts = _shard_layouts(shape, rng.randint(1, 4), rng)
+    if rng.random() < 0.3:
+        layouts.append(layouts[0])  # a replica's identical layout: its chunks are used once
+    values = {(f, k): torch.arange(math.prod(shape), dtype=torch.float32).reshape(shape) + 100 * i
+              for i, (f, k) in enumerate((f, k) for f in ("p", "q") for k in ("exp_avg", "exp_avg_sq"))}
+    lo = rng.randint(0, shape[0])
+    hi = rng.randint(lo, shape[0])
+    mine = {"p": (shape, (lo, 0), (hi - lo, shape[1])), "q": (shape, (0, 0), shape)}
+    plan = check("plan_scatter", "leaf", layouts, lambda f: mine.get(f))[1]
+    targets, sources, _ops = plan
+    assert [(t[0], t[1]) for t in targets] == [("p", "exp_avg"), ("p", "exp_avg_sq"), ("q", "exp_avg"), ("q", "exp_avg_sq")]
+    assert len({(li, bi) for li, bi, _d, _n in sources}) == len(sources)
+    for t, got in zip(targets, _run(plan, layouts, values)):
+        fqn, key, _dtype, _shape, offs, sizes = t
+        want = values[(fqn, key)][tuple(slice(o, o + s) for o, s in zip(offs, sizes))]
+        assert torch.equal(got, want), (fqn, key)
+
+
+def test_scatter_plan_refusals() -> None:
+    rng = random.Random(0)
+    full = _shard_layouts((4, 2), 2, rng)
+    mine = {"p": ((4, 2), (0, 0), (4, 2))}
+    check_error("plan_scatter", "leaf", full[:1], lambda f: mine.get(f), exc=CheckpointMismatchError,
+                match="the checkpoint's buffers cover")
+    check_error("plan_scatter", "leaf", full, lambda f: {"p": ((5, 2), (0, 0), (5, 2))}.get(f),
+                exc=CheckpointMismatchError, match="has shape (4, 2) in the checkpoint, the parameter (5, 2)")
+    other = _shard_layouts((4, 2), 1, rng, dtype="bfloat16")
+    check_error("plan_scatter", "leaf", [*full, *other], lambda f: mine.get(f), exc=CheckpointFormatError,
+                match="layout tables disagree on state 'exp_avg' of 'p'")
+    for answer in ((1, 2), ((4, 2), (0, 0)), ((4, 2), (0, 0), (5, 2)), ((4,), (0, 0), (4, 2)), ((4.0, 2), (0, 0), (4, 2)),
+                   [(4, 2), (0, 0), (4, 2)], "x"):
+        res = check("plan_scatter", "leaf", full, lambda f, a=answer: a)
+        assert res[0] == "err" and res[1] in (TypeError, ValueError), res
+    res = check("plan_scatter", "leaf", full, lambda f: 1 / 0)
+    assert res[0] == "err" and res[1] is ZeroDivisionError
+    for bad in ([b"x"], ["x"], "x", [bytearray(full[0])]):
+        assert check("plan_scatter", "leaf", bad, lambda f: None)[0] == "err"
+
+
+@PROPS
+@given(st.data())
+def test_damaged_layouts_fail_alike(data: st.DataObject) -> None:
+    """Flipped, cut or extended tables: both cores give the same outcome, only format errors."""
+    rng = random.Random(data.draw(st.integers(0, 10**6)))
+    table = _shard_layouts((rng.randint(1, 5), 2), 1, rng)[0]
+    kind = data.draw(st.sampled_from(["flip", "cut", "extend", "count"]))
+    if kind == "flip":
+        at = data.draw(st.integers(0, len(table) - 1))
+        bad = table[:at] + bytes([table[at] ^ data.draw(st.integers(1, 255))]) + table[at + 1 :]
+    elif kind == "cut":
+        bad = table[: data.draw(st.integers(0, len(table) - 1))]
+    elif kind == "extend":
+        bad = table + data.draw(st.binary(min_size=1, max_size=8))
+    else:
+        bad = table[:6] + (0xFFFFFFFF).to_bytes(4, "little") + table[10:]
+    res = check("decode_layout", "leaf", bad)
+    assert res[0] == "ok" or res[1] is CheckpointFormatError, res
+    res2 = check("plan_scatter", "leaf", [bad], lambda f: None)
+    assert res2[0] == "ok" or res2[1] is CheckpointFormatError, res2
+
+
+def test_decode_layout_edge_cases() -> None:
+    check_error("decode_layout", "leaf", b"", exc=CheckpointFormatError, match="truncated layout reading magic")
+    check_error("decode_layout", "leaf", b"SCKT\x01\x00", exc=CheckpointFormatError, match="bad magic")
+    check_error("decode_layout", "leaf", LAYOUT_MAGIC + b"\x02\x00", exc=CheckpointFormatError, match="unsupported version 2")
+    empty = check("decode_layout", "leaf", LAYOUT_MAGIC + b"\x01\x00" + b"\x00" * 4)
+    assert empty == ("ok", [])
+    table = P.encode_layout("leaf", [("a", "k", "float32", 4, (2,), (0,), (2,)), ("a", "k2", "float32", 4, (2,), (0,), (2,))], 64)[0]
+    twice = table.replace(b"k2", b"k\x00", 1).replace(b"\x02\x00\x00\x00k\x00", b"\x01\x00\x00\x00k", 1)
+    assert check("decode_layout", "leaf", twice)[0] == "err"
+    for bad in (1, "x", bytearray(table)):
+        assert check("decode_layout", "leaf", bad)[0] == "err"
+    assert same(check("decode_layout", "leaf", table)[1], [("float32", 4, [("a", "k", (2,), (0,), (2,)), ("a", "k2", (2,), (0,), (2,))])])
+
+
+# --------------------------------------------------------------------------- recorded keys
+
+
+@PROPS
+@given(st.dictionaries(st.sampled_from(["a", "b", "c.d", "é"]),
+                       st.tuples(st.tuples(*[st.sampled_from(["step", "exp_avg", "~i7", "m.x"])] * 2), st.just("leaf"))),
+       st.dictionaries(st.sampled_from(["a", "b", "c.d", "é", "z"]),
+                       st.dictionaries(st.sampled_from(["exp_avg", "step", "m", 7]), st.just(0))),
+       st.sets(st.sampled_from(["a", "b", "c.d", "z"])))
+def test_unlisted_keys(keys_of: dict, state_of: dict, owned: set) -> None:
+    res = check("unlisted_keys", keys_of, state_of, dict.fromkeys(owned))
+    assert res[1] == [(f, k) for f, (keys, _l) in keys_of.items() if f in owned for k in keys if k not in state_of.get(f, {})]
+
+
+@pytest.mark.parametrize("args", [
+    ([], {}, {}), ({}, [], {}), ({}, {}, set()), ({"a": ["k"]}, {}, {"a": 1}), ({"a": (["k"], "l")}, {}, {"a": 1}),
+    ({"a": (("k",), "l")}, {"a": [1]}, {"a": 1}), ({"a": (("k",),)}, {}, {"a": 1}),
+])
+def test_unlisted_keys_outside_the_contract(args: tuple) -> None:
+    res = check("unlisted_keys", *args)
+    assert res[0] == "err" and res[1] is TypeError, res
