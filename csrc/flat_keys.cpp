@@ -212,6 +212,16 @@ py::object setdefault_dict(py::handle node, py::handle key, bool* created = null
     return out;
 }
 
+// ``state.{fqn}`` for one parameter's state, which must be a dict (else a format error naming leaf and FQN).
+py::object state_prefix_of(py::handle leaf, py::handle fqn, py::handle state, const py::object& state_prefix) {
+    if (!PyDict_Check(state.ptr())) {
+        raise_format_error(Msg() << "leaf " << py_repr(leaf) << ": state of " << py_repr(fqn) << " is a "
+                                 << type_name(state) << ", expected a dict");
+    }
+    py::object fqn_str = fmt(fqn);
+    return concat({state_prefix.ptr(), fqn_str.ptr()});
+}
+
 }  // namespace
 
 py::object flatten_state(py::object leaf, py::object state_fqn, py::object known_fqns, bool escape) {
@@ -219,12 +229,7 @@ py::object flatten_state(py::object leaf, py::object state_fqn, py::object known
     py::object dot = steal(PyUnicode_FromString("."));
     py::object state_prefix = steal(PyUnicode_FromString(kStatePrefix));
     iterate_items(state_fqn, [&](py::handle fqn, py::handle state) {
-        if (!PyDict_Check(state.ptr())) {
-            raise_format_error(Msg() << "leaf " << py_repr(leaf) << ": state of " << py_repr(fqn) << " is a "
-                                     << type_name(state) << ", expected a dict");
-        }
-        py::object fqn_str = fmt(fqn);
-        py::object prefix = concat({state_prefix.ptr(), fqn_str.ptr()});
+        py::object prefix = state_prefix_of(leaf, fqn, state, state_prefix);
         FlattenCtx ctx{out.ptr(), dot.ptr(), leaf, fqn, known_fqns, escape, lit_len(kStatePrefix)};
         std::vector<py::handle> path;
         flatten_into(ctx, prefix.ptr(), state, path);
@@ -246,12 +251,7 @@ py::tuple flatten_packed_state(py::object leaf, py::object state_fqn, py::object
     std::vector<std::pair<py::object, py::object>> scalars;
     std::vector<py::object> emitted;
     iterate_items(state_fqn, [&](py::handle fqn, py::handle state) {
-        if (!PyDict_Check(state.ptr())) {
-            raise_format_error(Msg() << "leaf " << py_repr(leaf) << ": state of " << py_repr(fqn) << " is a "
-                                     << type_name(state) << ", expected a dict");
-        }
-        py::object fqn_str = fmt(fqn);
-        py::object prefix = concat({state_prefix.ptr(), fqn_str.ptr()});
+        py::object prefix = state_prefix_of(leaf, fqn, state, state_prefix);
         FlattenCtx ctx{out.ptr(), dot.ptr(), leaf, fqn, known_fqns, true, lit_len(kStatePrefix), &emitted, prefix.ptr()};
         std::vector<py::handle> path;
         emitted.clear();
