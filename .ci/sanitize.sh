@@ -41,7 +41,7 @@ done
 # --- a private copy of the package and the tests, without any prebuilt _C ------------------
 TREE="$WORK/tree"
 mkdir -p "$TREE"
-cp -r "$ROOT/sparse_ckpt" "$ROOT/tests" "$TREE/"
+cp -r "$ROOT/sparse_ckpt" "$ROOT/tests" "$ROOT/bench" "$TREE/"  # tests import bench (ranks) via conftest
 [ -f "$ROOT/pyproject.toml" ] && cp "$ROOT/pyproject.toml" "$TREE/"
 rm -f "$TREE"/sparse_ckpt/_C*.so "$TREE"/sparse_ckpt/_C*.pyd
 find "$TREE" -name __pycache__ -type d -prune -exec rm -rf {} +
