@@ -56,6 +56,7 @@ from ..keys import GROUPS_PREFIX, PACKED_PREFIX, PLANNER_GUARD_KEY, SCALARS_PREF
 from ..leaves import named_leaves
 from ..load import load_owned
 from ._overrides import arguments_of, with_signature_of
+from ._stock_migration import flat_fqns
 
 __all__ = [
     "InstallHandle",
@@ -457,7 +458,7 @@ class _StockTarget:
                 for name, value in values.items():
                     data[f"{GROUPS_PREFIX}{fqn}.{name}"] = value
         fmap = self.fmap
-        settings_of = {fmap.resolve(k[len(GROUPS_PREFIX) :].rpartition(".")[0]) for k in data if k.startswith(GROUPS_PREFIX)}
+        settings_of = {fmap.resolve(fqn) for fqn in flat_fqns(data)}
         state_of = {owner_fqn(k[len(STATE_PREFIX) :], fmap.canonical) for k in data if k.startswith(STATE_PREFIX)}
         state_of = {fmap.resolve(f) for f in state_of if f is not None}
         load_owned(model, optimizer, data, strict=False, unowned_are_other_ranks=multi_rank(), fmap=fmap)
