@@ -3,7 +3,7 @@ each with fresh untimed set-up, the collector off while timing (like ``timeit``)
 
 from __future__ import annotations
 
-import gc
+import contextlib
 import statistics
 import time
 from collections.abc import Callable
@@ -29,19 +29,13 @@ def device_sync(device: str) -> Callable[[], None]:
 def _timed(call: Callable[[Any], Any], arg: Any, inner: int, sync: Callable[[], None], gc_off: bool) -> float:
     # Like timeit: no collection inside the timed region (and no gc.collect() here, which takes
     # ~1 s with torch's object graph loaded).
-    was_enabled = gc.isenabled()
-    if gc_off:
-        gc.disable()
-    try:
+    with gc_paused() if gc_off else contextlib.nullcontext():
         sync()
         t0 = time.perf_counter()
         for _ in range(inner):
             call(arg)
         sync()
         return (time.perf_counter() - t0) / inner
-    finally:
-        if was_enabled:
-            gc.enable()
 
 
 def time_method(
