@@ -11,6 +11,7 @@ to ``--out``.
 from __future__ import annotations
 
 import argparse
+import functools
 import gc
 import json
 import os
@@ -37,7 +38,7 @@ import torch
 import sparse_ckpt
 
 from . import report, report_markdown
-from .devices import DeviceUnavailable, check_device
+from .devices import DeviceUnavailable, check_device, synchronize
 from .fixtures import LAYOUTS, STATE_INITS, FixtureCache, Scale, gc_paused, parse_scales
 from .measure import (
     FixtureContext,
@@ -50,7 +51,7 @@ from .measure import (
     use_backend,
 )
 from .methods import EXPORT_SAVE, Method, plan_methods
-from .timing import device_sync, time_method
+from .timing import time_method
 from .units import fmt_time
 from .verdicts import targets_mode
 
@@ -365,7 +366,7 @@ def run_bench(args: argparse.Namespace, partial_path: str | None = None,
         results = new_results(args, backends, methods)
     cache = FixtureCache(hidden=args.hidden, device=args.device, no_state_fraction=args.no_state_fraction,
                          state_init=args.state_init, seed=args.seed)
-    sync = device_sync(args.device)
+    sync = functools.partial(synchronize, args.device)
     probe = FixtureCache(device=args.device).get(Scale(2, 4), "layer")
     results["notes"]["dsd_sparse_roundtrip"] = (
         "DSD set_optimizer_state_dict on a fresh optimizer, given DSD get_optimizer_state_dict of an optimizer "

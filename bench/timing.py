@@ -9,21 +9,10 @@ import time
 from collections.abc import Callable
 from typing import Any, Optional
 
-import torch
-
 from .fixtures import gc_paused
 
 Runner = tuple[Callable[[Any], Any], Optional[Callable[[], Any]]]  # Optional, not "| None": evaluated on import (3.9)
 """``(call, setup)``: ``call(setup())`` is timed; ``setup`` (untimed) may be ``None``."""
-
-
-def device_sync(device: str) -> Callable[[], None]:
-    """A function that waits for the device's queued work (a no-op on CPU)."""
-    if device == "cuda":
-        return torch.cuda.synchronize
-    if device == "npu":
-        return torch.npu.synchronize  # type: ignore[attr-defined]
-    return lambda: None
 
 
 def _timed(call: Callable[[Any], Any], arg: Any, inner: int, sync: Callable[[], None], gc_off: bool) -> float:
