@@ -174,7 +174,7 @@ def growth_pair(results: dict[str, Any], layout: str) -> tuple[dict[str, Any], d
     small, big = find_run(results, GROWTH_FROM, layout), find_run(results, GROWTH_TO, layout)
     if small is not None and big is not None:
         return small, big
-    ordered = sorted((r for r in results["runs"] if r["layout"] == layout), key=lambda r: r["n_params"])
+    ordered = runs_of(results, layout)
     return (ordered[-2], ordered[-1]) if len(ordered) >= 2 else None
 
 
