@@ -47,6 +47,7 @@ except ImportError:  # pragma: no cover - run as a script
     from fixtures import ADAMW_KWARGS, FixtureCache, build_adamw, parse_scales  # type: ignore[no-redef]
 
 import sparse_ckpt as sc
+from sparse_ckpt.keys import BUFFERS_PREFIX, is_state_item
 
 LEAF = "optim"
 
@@ -84,8 +85,6 @@ def local_plans(sd: dict[str, Any], world: int, layout: str, sample: int) -> lis
     rank; every ``sample``-th of them), tables and the planner guard replicated (DCP keeps one);
     buffers layout: each rank's own layout table and buffers (keyed by its rank)."""
     from torch.distributed.checkpoint.planner import SavePlan
-
-    from sparse_ckpt.keys import BUFFERS_PREFIX, is_state_item
 
     plans = []
     state_items = [k for k in sd if is_state_item(k)]
@@ -144,8 +143,6 @@ def time_pickle(metadata: Any, repeats: int) -> dict[str, float]:
 
 
 def metadata_row(sd: dict[str, Any], world: int, layout: str, sample: int, repeats: int) -> dict[str, Any]:
-    from sparse_ckpt.keys import is_state_item
-
     plans = local_plans(sd, world, layout, sample)
     md = build_metadata(plans)
     del plans
@@ -164,7 +161,7 @@ def run_metadata(args: argparse.Namespace) -> dict[str, Any]:
     (scale,) = parse_scales(args.scale)
     fx = FixtureCache(hidden=0, no_state_fraction=0.5).get(scale, args.layout)
     sds = {layout: sc.sparse_state_dict(fx.model, fx.optimizer, state_layout=layout) for layout in ("per_tensor", "buffers")}
-    n_state = sum(1 for k in sds["per_tensor"] if k.startswith("state.") and not k.startswith("state.__packed__."))
+    n_state = sum(1 for k in sds["per_tensor"] if is_state_item(k))
     rows = []
     for world in args.ranks:
         for layout, sd in sds.items():
