@@ -129,6 +129,8 @@ def run_drill(
     Ranks run on ``cfg.device``. ``rank_fn``: what every rank runs, :func:`train_run` or a picklable
     function that calls it with the same arguments (a test may wrap it to add checks inside the ranks).
     """
+    if dist.is_initialized():
+        raise RuntimeError("run_drill starts its own process groups; call it outside one")
     base = Path(tempfile.mkdtemp(prefix="resume-drill-") if root is None else root)
     kill = cfg.kill_step()
     dirs = {name: base / name for name in ("reference", "killed", *(f"resume-{n}" for n in resume_sizes))}
@@ -139,8 +141,6 @@ def run_drill(
     run_ranks(rank_fn, nproc, cfg, str(ref_dir / "ckpt"), str(ref_dir), err_dir=str(ref_dir), device=cfg.device)
     reference = json.loads((ref_dir / TIMINGS).read_text())
     ref_snap = torch.load(ref_dir / SNAPSHOT, weights_only=True)
-    if dist.is_initialized():
-        raise RuntimeError("run_drill starts its own process groups; call it outside one")
     initial, _, _ = build(cfg)  # unsharded: the initial values of the parameters that must never move
     check_snapshot_sparsity(ref_snap, cfg, initial)
     for step in cfg.save_steps():
