@@ -71,6 +71,7 @@ from .tools.reader import (
     expand_scalar_tables,
     named_groups,
     open_checkpoint,
+    optimizer_format,
     pack_flat_groups,
     read_entries,
     select_optimizers,
@@ -302,7 +303,7 @@ def export_checkpoint(
     values: dict[str, Any] = {k: small[opt.inner[k]] for k in group_keys + value_keys}
     values.update({k: sdm[opt.inner[k]] for k in tensor_keys})
     leaves, flat, state_by_fqn, _unmatched = split_optimizer(values)  # checks digests and decodes tables
-    fmt = "mixed" if leaves and flat else "packed" if leaves else "flat"
+    fmt = optimizer_format(opt, leaves, flat)  # not "nested": refused above
     tables = {k: v for k, v in values.items() if k.startswith(PACKED_PREFIX)}
     named = named_groups(leaves, [])
     if flat:

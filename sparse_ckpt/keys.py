@@ -256,9 +256,14 @@ def tag_has_rank(tag: str, world: int, rank: int) -> bool:
     return any(first <= rank <= last and (rank - first) % step == 0 for first, last, step in parsed[1])
 
 
+def _seal_digest(table: bytes) -> bytes:
+    """The 8-byte BLAKE2b digest that :func:`seal` appends to ``table``."""
+    return hashlib.blake2b(table, digest_size=_DIGEST_BYTES).digest()
+
+
 def seal(table: bytes) -> bytes:
     """The value of a rank-tagged table item: ``table`` followed by its 8-byte BLAKE2b digest."""
-    return table + hashlib.blake2b(table, digest_size=_DIGEST_BYTES).digest()
+    return table + _seal_digest(table)
 
 
 def table_item_key(prefix: str, leaf: str, tag: str) -> str:
@@ -304,7 +309,7 @@ def check_table(prefix: str, rest: str, table: object) -> tuple[str, bytes]:
             raise CheckpointFormatError(f"{kind} key '{prefix}{rest}' has no L{{rank tag}} tag")
     if parse_rank_tag(tag) is not None:
         payload, digest = table[:-_DIGEST_BYTES], table[-_DIGEST_BYTES:]
-        if len(table) < _DIGEST_BYTES or seal(payload)[-_DIGEST_BYTES:] != digest:
+        if len(table) < _DIGEST_BYTES or _seal_digest(payload) != digest:
             raise CheckpointFormatError(
                 f"leaf {leaf!r}: {kind} '{prefix}{rest}' does not match its sealed digest (corrupt or edited checkpoint)"
             )

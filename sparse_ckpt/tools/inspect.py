@@ -196,8 +196,9 @@ def inspect_details(
     metadata = open_checkpoint(path)
     disk = _disk_bytes(metadata)
     problems, _bad, _stats = storage_problems(path, metadata)
+    found = find_optimizers(metadata)
     optimizers = []
-    for opt in select_optimizers(find_optimizers(metadata), key):
+    for opt in select_optimizers(found, key):
         values = optimizer_values(path, metadata, opt)
         leaves, flat, state_by_fqn, unmatched = split_optimizer(values)
         fmt = optimizer_format(opt, leaves, flat)
@@ -231,7 +232,7 @@ def inspect_details(
     report = {
         "checkpoint": os.fspath(path),
         "optimizers": optimizers,
-        "unrecognised_optimizer_items": unrecognised_optimizer_items(metadata, find_optimizers(metadata)),
+        "unrecognised_optimizer_items": unrecognised_optimizer_items(metadata, found),
         "storage_problems": problems,
     }
     return report, raw

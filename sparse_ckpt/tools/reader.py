@@ -311,11 +311,16 @@ def select_optimizers(found: list[OptimizerEntries], key: str | None) -> list[Op
     return chosen
 
 
+def _metadata_only(inner: str) -> bool:
+    """An entry the tools see through its DCP metadata, not read: a per-item state value
+    (:func:`~sparse_ckpt.keys.is_state_item`) or a buffer (:func:`~sparse_ckpt.keys.is_buffer_item`)."""
+    return is_state_item(inner) or is_buffer_item(inner)
+
+
 def read_keys(opt: OptimizerEntries) -> list[str]:
     """The flattened keys of ``opt``'s entries that the tools read: every entry but the per-item
-    state values (:func:`~sparse_ckpt.keys.is_state_item`) and buffers
-    (:func:`~sparse_ckpt.keys.is_buffer_item`), whose DCP metadata is enough."""
-    return [flat for inner, flat in opt.inner.items() if not (is_state_item(inner) or is_buffer_item(inner))]
+    state values and buffers, whose DCP metadata is enough (:func:`_metadata_only`)."""
+    return [flat for inner, flat in opt.inner.items() if not _metadata_only(inner)]
 
 
 def entry_values(opt: OptimizerEntries, metadata: Metadata, read: Mapping[str, Any]) -> dict[str, Any]:
@@ -324,7 +329,7 @@ def entry_values(opt: OptimizerEntries, metadata: Metadata, read: Mapping[str, A
     entries rewritten into their packed equivalent (:func:`sparse_values`)."""
     values: dict[str, Any] = {}
     for inner, flat in opt.inner.items():
-        if is_state_item(inner) or is_buffer_item(inner):
+        if _metadata_only(inner):
             values[inner] = metadata.state_dict_metadata[flat]
         elif flat in read:
             values[inner] = read[flat]
