@@ -122,3 +122,18 @@ def test_cpp_constants_match_the_keys_module() -> None:
     assert keys.PACKED_PREFIX == f"{keys.GROUPS_PREFIX}{keys.PACKED_MARKER}."
     assert keys.SCALARS_PREFIX == f"{keys.STATE_PREFIX}{keys.PACKED_MARKER}."
     assert keys.ESCAPE_STR.startswith(keys.ESCAPE) and keys.ESCAPE_INT.startswith(keys.ESCAPE)
+
+
+def test_test_modules_share_code_through_the_helper_modules() -> None:
+    """A test module imports another test module only from its own folder: pytest puts each test's
+    folder on ``sys.path`` as it collects it, so a cross-folder import works in the whole suite and
+    fails when the importing file runs alone. Shared code lives in the helper modules in tests/."""
+    tests = PACKAGE.parent / "tests"
+    crossing = []
+    for path in sorted(tests.glob("*/test_*.py")):
+        for node in ast.walk(ast.parse(path.read_text())):
+            names = [a.name for a in node.names] if isinstance(node, ast.Import) else (
+                [node.module] if isinstance(node, ast.ImportFrom) and node.module and not node.level else [])
+            crossing += [f"{path.relative_to(tests)} imports {name}" for name in names
+                         if name.startswith("test_") and not (path.parent / f"{name}.py").exists()]
+    assert not crossing, crossing

@@ -349,7 +349,7 @@ def test_tools_understand_buffers(tmp_path: Path) -> None:
 
 @pytest.mark.parametrize("layout", ["per_tensor", "buffers"])
 def test_verify_reports_an_incomplete_checkpoint(tmp_path: Path, layout: str) -> None:
-    from test_complete_or_refused import _drop_from_metadata
+    from legacy_checkpoints import drop_from_metadata
 
     from sparse_ckpt.tools import verify_checkpoint
 
@@ -358,7 +358,7 @@ def test_verify_reports_an_incomplete_checkpoint(tmp_path: Path, layout: str) ->
     keys = _dcp_items(tmp_path)
     lost = "optim.state.embed.weight.exp_avg_sq" if layout == "per_tensor" else next(
         k for k in keys if k.startswith(f"optim.{BUFFERS_PREFIX}") and ".B" in k)
-    _drop_from_metadata(tmp_path, lost)
+    drop_from_metadata(tmp_path, lost)
     report = verify_checkpoint(tmp_path)
     assert not report["ok"]
     assert ("has no saved state 'exp_avg_sq'" if layout == "per_tensor" else "is missing") in report["problems"][0]["problem"]

@@ -22,23 +22,19 @@ from _spawned import assert_matches, build_drill, cpu_mesh, local_view, run_spaw
 from helpers import assert_optimizer_equal, make_moe, train
 from hypothesis import given, settings
 from hypothesis import strategies as st
+from legacy_checkpoints import legacy
 from torch.distributed.checkpoint import DefaultSavePlanner
 
 import sparse_ckpt as sc
-from sparse_ckpt import _backend
-from sparse_ckpt._tensor_parts import parts_to_tensor, tensor_to_parts
 from sparse_ckpt.errors import CheckpointFormatError
 from sparse_ckpt.item_keys import Keying
 from sparse_ckpt.keys import (
     BUFFERS_PREFIX,
-    KEYS_ENTRY,
     PACKED_PREFIX,
     SCALARS_PREFIX,
     check_table,
-    packed_table_key,
     parse_rank_tag,
     rank_tag,
-    scalar_table_key,
     tag_has_rank,
 )
 from sparse_ckpt.save import build_state_dict
@@ -132,28 +128,6 @@ def test_ranks_that_cannot_coordinate_key_tables_by_content() -> None:
         g["lr"] = 0.5
     c = build_state_dict(model, opt, "packed", Keying(world=2, rank=0))
     assert [k for k in c if k.startswith(PACKED_PREFIX)] != [k for k in a if k.startswith(PACKED_PREFIX)]
-
-
-def legacy(sd: dict[str, Any]) -> dict[str, Any]:
-    """``sd`` as sparse_ckpt wrote it before stable keys: tables under ``{digest}`` keys, unsealed,
-    scalar tables without the recorded state keys."""
-    core = _backend.core
-    out: dict[str, Any] = {}
-    for key, value in sd.items():
-        if key.startswith(SCALARS_PREFIX):
-            leaf, table = check_table(SCALARS_PREFIX, key[len(SCALARS_PREFIX) :], value)
-            scalars, _blobs, groups = core.decode_table(leaf, table, parts_to_tensor)
-            bare = [({k: v for k, v in scalars[i].items() if k != KEYS_ENTRY}, f) for i, f in groups]
-            bare = [(s, f) for s, f in bare if s]
-            if bare:
-                old = core.encode_table(leaf, bare, torch.Tensor, tensor_to_parts)
-                out[scalar_table_key(leaf, old)] = old
-        elif key.startswith(PACKED_PREFIX):
-            leaf, table = check_table(PACKED_PREFIX, key[len(PACKED_PREFIX) :], value)
-            out[packed_table_key(leaf, table)] = table
-        else:
-            out[key] = value
-    return out
 
 
 def test_digest_keyed_checkpoints_keep_loading(tmp_path: Path) -> None:

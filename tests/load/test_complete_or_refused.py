@@ -6,7 +6,6 @@ key, also with ``strict=False``; the optimizer stays exactly as it was.
 
 from __future__ import annotations
 
-import pickle
 from pathlib import Path
 from typing import Any
 
@@ -14,7 +13,7 @@ import pytest
 import torch
 import torch.distributed.checkpoint as dcp
 from helpers import assert_optimizer_equal, make_moe, snapshot_optimizer, train
-from test_stable_keys import legacy
+from legacy_checkpoints import drop_from_metadata, legacy
 from torch import nn
 
 import sparse_ckpt as sc
@@ -122,18 +121,6 @@ def test_checkpoints_without_the_record_are_not_checked() -> None:
 # --------------------------------------------------------------------------- DCP
 
 
-def _drop_from_metadata(path: Path, key: str) -> None:
-    """Remove ``key`` (all its chunks) from a DCP checkpoint's ``.metadata``, as a partial copy would."""
-    with open(path / ".metadata", "rb") as f:
-        md = pickle.load(f)
-    assert key in md.state_dict_metadata, sorted(md.state_dict_metadata)
-    del md.state_dict_metadata[key]
-    for index in [i for i in md.storage_data if i.fqn == key]:
-        del md.storage_data[index]
-    with open(path / ".metadata", "wb") as f:
-        pickle.dump(md, f)
-
-
 def _dcp_load(path: Path, strict: bool) -> Any:
     def load(model: nn.Module, opt: sc.MultiOptimizer) -> None:
         state = sc.SparseOptimizerState(model, opt, strict=strict)
@@ -156,5 +143,5 @@ def test_an_item_removed_from_the_metadata_is_refused(tmp_path: Path, layout: st
     else:
         key = next(k for k in keys if k.startswith(f"optim.{BUFFERS_PREFIX}experts.L"))
         match = r"leaf 'experts': parameter 'experts\.0\.up\.weight' has no saved state 'exp_avg'"
-    _drop_from_metadata(tmp_path, key)
+    drop_from_metadata(tmp_path, key)
     _refused(model, _dcp_load(tmp_path, strict), match)
