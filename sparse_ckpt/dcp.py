@@ -337,6 +337,14 @@ class SparseLoadPlanner(DefaultLoadPlanner):
 
 def weights_only_item(key: str, value: io.BytesIO, table: bool) -> io.BytesIO:
     """Unpickle a DCP bytes item with ``weights_only=True``; return a fresh stream of it for DCP."""
+    out = io.BytesIO()
+    torch.save(weights_only_object(key, value, table), out)
+    out.seek(0)
+    return out
+
+
+def weights_only_object(key: str, value: io.BytesIO, table: bool) -> Any:
+    """The object of a DCP bytes item, unpickled with ``weights_only=True`` (``table``: it must be ``bytes``)."""
     prefix = next((p for p in (SCALARS_PREFIX, BUFFERS_PREFIX) if p in key), PACKED_PREFIX)
     what = table_kind(prefix) if table else "optimizer item"
     try:
@@ -345,10 +353,7 @@ def weights_only_item(key: str, value: io.BytesIO, table: bool) -> io.BytesIO:
         raise CheckpointFormatError(f"{what} {key!r} is not a plain data item ({exc})") from None
     if table and not isinstance(obj, bytes):
         raise CheckpointFormatError(f"{what} {key!r} holds a {type(obj).__name__}, expected bytes")
-    out = io.BytesIO()
-    torch.save(obj, out)
-    out.seek(0)
-    return out
+    return obj
 
 
 def _find_targets(node: Any, path: tuple[str | int, ...]) -> Iterator[tuple[tuple[str | int, ...], SparseStateDict]]:
@@ -499,7 +504,7 @@ class _ItemPlanner(LoadPlanner):
 
     def load_bytes(self, read_item: ReadItem, value: io.BytesIO) -> None:
         key = read_item.dest_index.fqn
-        self._consume(key, torch.load(weights_only_item(key, value, table=True), weights_only=True))
+        self._consume(key, weights_only_object(key, value, table=True))
 
 
 def _item_reader(storage_reader: Any, metadata: Metadata) -> Any:
