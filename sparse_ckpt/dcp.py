@@ -267,11 +267,6 @@ def multi_rank() -> bool:
     return dist.is_available() and dist.is_initialized() and dist.get_world_size() > 1
 
 
-def world_and_rank() -> tuple[int, int]:
-    """``(world size, rank)`` of the default process group; ``(1, 0)`` in a single process."""
-    return (dist.get_world_size(), dist.get_rank()) if multi_rank() else (1, 0)
-
-
 class SparseLoadPlanner(DefaultLoadPlanner):
     """A ``DefaultLoadPlanner`` that makes optimizer load targets match the checkpoint.
 
@@ -456,11 +451,11 @@ def _rebuild_target(
 
 def _buffers_to_read(buffered: Mapping[str, str], have_reader: bool) -> set[str]:
     """Which buffers-layout items the DCP load itself reads (see :func:`_rebuild_target`)."""
-    world, rank = world_and_rank()
+    here = Keying.here()  # this rank of the default process group, or (1, 0) in a single process
     by_leaf: dict[str, list[tuple[str, str, bool]]] = {}
     for inner in buffered:
         leaf, kind, _bucket, ranks = split_buffers_key(inner[len(BUFFERS_PREFIX) :])
-        by_leaf.setdefault(leaf, []).append((inner, kind, tag_has_rank(ranks, world, rank)))
+        by_leaf.setdefault(leaf, []).append((inner, kind, tag_has_rank(ranks, here.world, here.rank)))
     out: set[str] = set()
     for found in by_leaf.values():
         own = any(mine and kind == "layout" for _inner, kind, mine in found)
