@@ -167,6 +167,8 @@ class _LeafItems:
     """rank tag -> sealed layout bytes."""
     buffers: dict[tuple[str, int], Any] = field(default_factory=dict)
     """(rank tag, bucket) -> buffer tensor (read already)."""
+    readable: dict[str, str] = field(default_factory=dict)
+    """Key of each layout table a :class:`BufferReader` can read -> its rank tag."""
 
 
 class BufferReader:
@@ -226,8 +228,10 @@ def expand(
     by_leaf = split_items(buffer_keys, flat)
     if reader is not None:
         for key in reader.keys:
-            leaf, _kind, _bucket, _ranks = split_buffers_key(key[len(BUFFERS_PREFIX) :])
-            by_leaf.setdefault(leaf, _LeafItems())
+            leaf, kind, _bucket, ranks = split_buffers_key(key[len(BUFFERS_PREFIX) :])
+            items = by_leaf.setdefault(leaf, _LeafItems())
+            if kind == "layout":
+                items.readable[key] = ranks
     geometry = _Geometry()
     out: dict[str, dict[str, Any]] = {}
     for leaf, items in by_leaf.items():
@@ -262,15 +266,11 @@ def _expand_leaf(
 ) -> None:
     core = _backend.core
     chunk_of = _chunk_of(fmap, geometry)
-    unread = [] if reader is None else [
-        key for key in reader.keys
-        if (parts := split_buffers_key(key[len(BUFFERS_PREFIX) :]))[0] == leaf
-        and parts[1] == "layout" and parts[3] not in items.layouts
-    ]
+    unread = [key for key, ranks in items.readable.items() if ranks not in items.layouts]
 
     def read_layouts() -> None:
         assert reader is not None
-        reader.read(unread, lambda key, value: items.layouts.__setitem__(split_buffers_key(key[len(BUFFERS_PREFIX) :])[3], value))
+        reader.read(unread, lambda key, value: items.layouts.__setitem__(items.readable[key], value))
         unread.clear()
 
     if not items.layouts and unread:
