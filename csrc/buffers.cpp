@@ -292,8 +292,8 @@ py::tuple encode_layout(py::object leaf, py::object entries, py::object bucket_b
         int overflow = 0;
         const long long size = PyLong_AsLongLongAndOverflow(itemsize.ptr(), &overflow);
         if (size == -1 && PyErr_Occurred()) throw py::error_already_set();
-        if (overflow != 0 || size < 1 || size > 16) {
-            raise_format_error(Msg() << where() << ": item size " << fmt(itemsize) << " (1 to 16)");
+        if (overflow != 0 || size < 1 || size > kMaxItemsize) {
+            raise_format_error(Msg() << where() << ": item size " << fmt(itemsize) << " (1 to " << kMaxItemsize << ")");
         }
         py::object problem = check_chunk(where, le.shape, le.offsets, le.sizes);
         if (problem) raise_format_error(problem);

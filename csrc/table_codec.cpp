@@ -251,8 +251,6 @@ py::object decode_value(Reader& r, py::handle from_parts, int depth) {
 
 namespace {
 
-constexpr long long kMaxItemsize = 16;
-
 /// ``_core_py.table_codec.check_cpu_dtypes``
 void check_cpu_dtypes(py::handle cpu_dtypes) {
     PyObject* d = cpu_dtypes.ptr();

@@ -17,13 +17,12 @@ from __future__ import annotations
 from collections.abc import Callable, Iterator
 from typing import Any
 
-from .common import I64, INT64_MAX, U16, U32, U32_MAX, U64, Reader, len32
+from .common import I64, INT64_MAX, MAX_ITEMSIZE, U16, U32, U32_MAX, U64, Reader, len32
 from .errors import CheckpointFormatError, CheckpointMismatchError
 
 LAYOUT_MAGIC = b"SCKL"
 LAYOUT_VERSION = 1
 MAX_NDIM = 64
-_MAX_ITEMSIZE = 16
 
 Entry = tuple[str, str, str, int, tuple[int, ...], tuple[int, ...], tuple[int, ...]]
 ChunkOf = Callable[[str], "tuple[tuple[int, ...], tuple[int, ...], tuple[int, ...]] | None"]
@@ -107,8 +106,8 @@ def encode_layout(
             raise _type_error("the entry's item size as an int", itemsize)
         shape, offsets, sizes = _dims(e[4], "a shape"), _dims(e[5], "offsets"), _dims(e[6], "sizes")
         where = f"leaf {leaf!r}: state {key!r} of {fqn!r}"
-        if not 1 <= itemsize <= _MAX_ITEMSIZE:
-            raise CheckpointFormatError(f"{where}: item size {itemsize} (1 to {_MAX_ITEMSIZE})")
+        if not 1 <= itemsize <= MAX_ITEMSIZE:
+            raise CheckpointFormatError(f"{where}: item size {itemsize} (1 to {MAX_ITEMSIZE})")
         problem = _check_chunk(where, shape, offsets, sizes)
         if problem is not None:
             raise CheckpointFormatError(problem)
