@@ -161,73 +161,6 @@ struct LayoutEntry {
     Dims shape, offsets, sizes;
 };
 
-/// The twin's ``_Reader`` over one layout table.
-class Reader {
-public:
-    Reader(std::string_view data, py::object where) : data_(data), where_(std::move(where)) {}
-
-    [[noreturn]] void fail(const py::object& what) const {
-        raise_format_error(Msg() << where_ << ": " << what << " at byte " << static_cast<long long>(pos_));
-    }
-    std::string_view take(size_t n, const char* what) {
-        const size_t left = data_.size() - pos_;
-        if (n > left) {
-            fail(Msg() << "truncated layout reading " << what << " (" << static_cast<unsigned long long>(n)
-                       << " bytes wanted, " << static_cast<unsigned long long>(left) << " left)");
-        }
-        std::string_view out = data_.substr(pos_, n);
-        pos_ += n;
-        return out;
-    }
-    uint32_t u32(const char* what) { return static_cast<uint32_t>(get_le(take(4, what).data(), 4)); }
-    uint64_t u64(const char* what) { return get_le(take(8, what).data(), 8); }
-    uint32_t count(const char* what, size_t min_item_size) {
-        const uint32_t n = u32(what);
-        const size_t left = data_.size() - pos_;
-        if (static_cast<uint64_t>(n) * min_item_size > left) {
-            fail(Msg() << what << " claims " << static_cast<unsigned long long>(n) << " entries but only "
-                       << static_cast<unsigned long long>(left) << " bytes are left");
-        }
-        return n;
-    }
-    py::object string(const char* what) {
-        const uint32_t n = u32(what);
-        std::string_view raw = take(n, what);
-        PyObject* s = PyUnicode_DecodeUTF8(raw.data(), static_cast<Py_ssize_t>(raw.size()), "strict");
-        if (s == nullptr) {
-            if (!PyErr_ExceptionMatches(PyExc_UnicodeDecodeError)) throw py::error_already_set();
-            PyErr_Clear();
-            fail(Msg() << what << " is not valid utf-8");
-        }
-        return steal(s);
-    }
-    Dims dims(uint32_t n, const char* what) {
-        std::vector<int64_t> v;
-        v.reserve(n);
-        for (uint32_t i = 0; i < n; ++i) v.push_back(static_cast<int64_t>(get_le(take(8, what).data(), 8)));
-        return make_dims(std::move(v));
-    }
-    size_t pos() const { return pos_; }
-    size_t size() const { return data_.size(); }
-
-private:
-    std::string_view data_;
-    py::object where_;
-    size_t pos_ = 0;
-};
-
-/// ``_read_header``: magic and version.
-void read_header(Reader& r, const py::object& where) {
-    if (r.take(4, "magic") != std::string_view(kLayoutMagic, 4)) {
-        raise_format_error(Msg() << where << ": bad magic, not a sparse_ckpt layout table");
-    }
-    const uint64_t version = get_le(r.take(2, "version").data(), 2);
-    if (version != kLayoutVersion) {
-        raise_format_error(Msg() << where << ": unsupported version " << static_cast<unsigned long long>(version)
-                                 << " (this library reads version " << kLayoutVersion << ")");
-    }
-}
-
 struct ReadEntry {
     py::object fqn, key;
     Dims shape, offsets, sizes;
@@ -243,9 +176,9 @@ ReadEntry read_entry(Reader& r, std::unordered_set<std::string>& listed) {
     if (ndim > kMaxNdim) {
         r.fail(Msg() << static_cast<unsigned long long>(ndim) << " dims (at most " << static_cast<long long>(kMaxNdim) << ")");
     }
-    e.shape = r.dims(ndim, "shape");
-    e.offsets = r.dims(ndim, "offsets");
-    e.sizes = r.dims(ndim, "sizes");
+    e.shape = make_dims(r.dims(ndim, "shape"));
+    e.offsets = make_dims(r.dims(ndim, "offsets"));
+    e.sizes = make_dims(r.dims(ndim, "sizes"));
     auto where = [&] { return Msg() << "state " << py_repr(e.key) << " of " << py_repr(e.fqn); };
     py::object problem = check_chunk(where, e.shape, e.offsets, e.sizes);
     if (problem) r.fail(problem);
@@ -262,8 +195,8 @@ ReadEntry read_entry(Reader& r, std::unordered_set<std::string>& listed) {
 template <class OnBucket, class OnEntry>
 void walk_layout(py::handle data, const py::object& where, OnBucket&& on_bucket, OnEntry&& on_entry) {
     std::string_view bytes(PyBytes_AS_STRING(data.ptr()), static_cast<size_t>(PyBytes_GET_SIZE(data.ptr())));
-    Reader r(bytes, where);
-    read_header(r, where);
+    Reader r(bytes, where, "layout");
+    r.header(std::string_view(kLayoutMagic, 4), kLayoutVersion, "a sparse_ckpt layout table");
     std::unordered_set<std::string> listed;
     const uint32_t n_buckets = r.count("bucket list", 16);
     for (uint32_t bi = 0; bi < n_buckets; ++bi) {
@@ -359,8 +292,8 @@ py::tuple encode_layout(py::object leaf, py::object entries, py::object bucket_b
         int overflow = 0;
         const long long size = PyLong_AsLongLongAndOverflow(itemsize.ptr(), &overflow);
         if (size == -1 && PyErr_Occurred()) throw py::error_already_set();
-        if (overflow != 0 || size < 1 || size > 16) {
-            raise_format_error(Msg() << where() << ": item size " << fmt(itemsize) << " (1 to 16)");
+        if (overflow != 0 || size < 1 || size > kMaxItemsize) {
+            raise_format_error(Msg() << where() << ": item size " << fmt(itemsize) << " (1 to " << kMaxItemsize << ")");
         }
         py::object problem = check_chunk(where, le.shape, le.offsets, le.sizes);
         if (problem) raise_format_error(problem);

@@ -19,6 +19,59 @@ void unpack(py::handle v, int n, py::object* out) {
     for (int i = 0; i < n; ++i) out[i] = borrow(PyTuple_GET_ITEM(o, i));
 }
 
+void Reader::fail(const py::object& what) const {
+    raise_format_error(Msg() << where_ << ": " << what << " at byte " << static_cast<unsigned long long>(pos_));
+}
+
+const char* Reader::take(uint64_t n, const char* what) {
+    if (n > left()) {
+        fail(Msg() << "truncated " << noun_ << " reading " << what << " (" << static_cast<unsigned long long>(n)
+                   << " bytes wanted, " << static_cast<unsigned long long>(left()) << " left)");
+    }
+    const char* p = data_.data() + pos_;
+    pos_ += static_cast<size_t>(n);
+    return p;
+}
+
+void Reader::header(std::string_view magic, unsigned version, const char* what) {
+    if (std::string_view(take(magic.size(), "magic"), magic.size()) != magic) {
+        raise_format_error(Msg() << where_ << ": bad magic, not " << what);
+    }
+    const auto found = static_cast<unsigned>(get_le(take(2, "version"), 2));
+    if (found != version) {
+        raise_format_error(Msg() << where_ << ": unsupported version " << found << " (this library reads version "
+                                 << version << ")");
+    }
+}
+
+uint32_t Reader::count(const char* what, uint64_t min_item_size) {
+    const uint32_t n = u32(what);
+    if (static_cast<uint64_t>(n) * min_item_size > left()) {
+        fail(Msg() << what << " claims " << static_cast<unsigned long long>(n) << " entries but only "
+                   << static_cast<unsigned long long>(left()) << " bytes are left");
+    }
+    return n;
+}
+
+py::object Reader::string(const char* what) {
+    const uint32_t n = u32(what);
+    const char* p = take(n, what);
+    PyObject* s = PyUnicode_DecodeUTF8(p, static_cast<Py_ssize_t>(n), "strict");
+    if (s == nullptr) {
+        if (!PyErr_ExceptionMatches(PyExc_UnicodeDecodeError)) throw py::error_already_set();
+        PyErr_Clear();
+        fail(Msg() << what << " is not valid utf-8");
+    }
+    return steal(s);
+}
+
+std::vector<int64_t> Reader::dims(uint32_t n, const char* what) {
+    std::vector<int64_t> v;
+    v.reserve(n);
+    for (uint32_t i = 0; i < n; ++i) v.push_back(static_cast<int64_t>(get_le(take(8, what), 8)));
+    return v;
+}
+
 void put_len_u32(std::string& out, Py_ssize_t n) {
     if (n < 0 || static_cast<uint64_t>(n) > 0xFFFFFFFFull) {
         raise_format_error(Msg() << "length " << static_cast<long long>(n)

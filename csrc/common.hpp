@@ -8,6 +8,7 @@
 #include <cstdint>
 #include <cstring>
 #include <string>
+#include <string_view>
 #include <type_traits>
 #include <utility>
 #include <vector>
@@ -21,6 +22,8 @@ namespace sckpt {
 inline constexpr const char kMagic[] = "SCKT";
 inline constexpr int kVersion = 1;
 inline constexpr int kMaxDepth = 32;
+/// The largest dtype item size (bytes) a table or layout records (complex128).
+inline constexpr long long kMaxItemsize = 16;
 // The key grammar of sparse_ckpt/keys.py (tests/core/test_structure.py checks that they are equal).
 #define SCKPT_STATE "state."
 #define SCKPT_GROUPS "param_groups."
@@ -306,5 +309,39 @@ inline uint64_t get_le(const char* p, int nbytes) {
     for (int i = 0; i < nbytes; ++i) v |= static_cast<uint64_t>(static_cast<unsigned char>(p[i])) << (8 * i);
     return v;
 }
+
+// ------------------------------------------------------------------ bytes in
+
+/// ``_core_py.common.Reader``: reads ``data`` from the start for the decoders (group tables,
+/// layout tables). Every read checks the remaining length first and every count is checked
+/// against the remaining bytes before anything is allocated; a defect is a CheckpointFormatError
+/// ``{where}: {what} at byte {pos}`` (``noun`` names what is read in truncation messages).
+class Reader {
+public:
+    Reader(std::string_view data, py::object where, const char* noun = "table")
+        : data_(data), where_(std::move(where)), noun_(noun) {}
+
+    size_t pos() const { return pos_; }
+    size_t size() const { return data_.size(); }
+    size_t left() const { return data_.size() - pos_; }
+
+    [[noreturn]] void fail(const py::object& what) const;
+    const char* take(uint64_t n, const char* what);
+    /// The magic bytes and the u16 version that open a table (``what``: what the magic says it is).
+    void header(std::string_view magic, unsigned version, const char* what);
+    uint8_t u8(const char* what) { return static_cast<uint8_t>(*take(1, what)); }
+    uint32_t u32(const char* what) { return static_cast<uint32_t>(get_le(take(4, what), 4)); }
+    uint64_t u64(const char* what) { return get_le(take(8, what), 8); }
+    uint32_t count(const char* what, uint64_t min_item_size);
+    py::object string(const char* what);
+    /// ``n`` little-endian int64 values.
+    std::vector<int64_t> dims(uint32_t n, const char* what);
+
+private:
+    std::string_view data_;
+    py::object where_;
+    const char* noun_;
+    size_t pos_ = 0;
+};
 
 }  // namespace sckpt

@@ -180,60 +180,6 @@ void encode_settings_into(std::string& out, const Encoder& enc, py::handle setti
 
 // ------------------------------------------------------------------ decoding
 
-class Reader {
-public:
-    Reader(const char* data, size_t len, py::handle leaf) : data_(data), len_(len), leaf_(leaf) {}
-
-    size_t pos() const { return pos_; }
-    size_t left() const { return len_ - pos_; }
-
-    /// ``CheckpointFormatError(f"{where}: {what} at byte {pos}")``
-    [[noreturn]] void fail(const Msg& what) const {
-        raise_format_error(Msg() << "leaf " << py_repr(leaf_) << " group table: " << what.str() << " at byte "
-                                 << static_cast<unsigned long long>(pos_));
-    }
-
-    const char* take(uint64_t n, const char* what) {
-        if (n > left()) {
-            fail(Msg() << "truncated table reading " << what << " (" << static_cast<unsigned long long>(n)
-                       << " bytes wanted, " << static_cast<unsigned long long>(left()) << " left)");
-        }
-        const char* p = data_ + pos_;
-        pos_ += static_cast<size_t>(n);
-        return p;
-    }
-
-    uint8_t u8(const char* what) { return static_cast<uint8_t>(*take(1, what)); }
-    uint32_t u32(const char* what) { return static_cast<uint32_t>(get_le(take(4, what), 4)); }
-
-    uint32_t count(const char* what, uint64_t min_item_size) {
-        const uint32_t n = u32(what);
-        if (static_cast<uint64_t>(n) * min_item_size > left()) {
-            fail(Msg() << what << " claims " << static_cast<unsigned long long>(n) << " entries but only "
-                       << static_cast<unsigned long long>(left()) << " bytes are left");
-        }
-        return n;
-    }
-
-    py::object string(const char* what) {
-        const uint32_t n = u32(what);
-        const char* p = take(n, what);
-        PyObject* s = PyUnicode_DecodeUTF8(p, static_cast<Py_ssize_t>(n), "strict");
-        if (s == nullptr) {
-            if (!PyErr_ExceptionMatches(PyExc_UnicodeDecodeError)) throw py::error_already_set();
-            PyErr_Clear();
-            fail(Msg() << what << " is not valid utf-8");
-        }
-        return py::reinterpret_steal<py::object>(s);
-    }
-
-private:
-    const char* data_;
-    size_t len_;
-    size_t pos_ = 0;
-    py::handle leaf_;
-};
-
 py::object decode_value(Reader& r, py::handle from_parts, int depth) {
     if (depth > kMaxDepth) r.fail(Msg() << "value nested deeper than " << kMaxDepth << " levels");
     const uint8_t tag = r.u8("value tag");
@@ -304,8 +250,6 @@ py::object decode_value(Reader& r, py::handle from_parts, int depth) {
 }  // namespace
 
 namespace {
-
-constexpr long long kMaxItemsize = 16;
 
 /// ``_core_py.table_codec.check_cpu_dtypes``
 void check_cpu_dtypes(py::handle cpu_dtypes) {
@@ -557,15 +501,8 @@ py::tuple decode_table(py::object leaf, py::object data, py::object from_parts) 
     }
     const char* base = PyBytes_AS_STRING(data.ptr());
     const auto size = static_cast<size_t>(PyBytes_GET_SIZE(data.ptr()));
-    Reader r(base, size, leaf);
-    if (std::memcmp(r.take(4, "magic"), kMagic, 4) != 0) {
-        raise_format_error(Msg() << "leaf " << py_repr(leaf) << " group table: bad magic, not a sparse_ckpt table");
-    }
-    const auto version = static_cast<unsigned>(get_le(r.take(2, "version"), 2));
-    if (version != static_cast<unsigned>(kVersion)) {
-        raise_format_error(Msg() << "leaf " << py_repr(leaf) << " group table: unsupported version " << version
-                                 << " (this library reads version " << kVersion << ")");
-    }
+    Reader r(std::string_view(base, size), Msg() << "leaf " << py_repr(leaf) << " group table");
+    r.header(std::string_view(kMagic, 4), kVersion, "a sparse_ckpt table");
     const uint32_t n_settings = r.count("settings list", 4);
     py::object settings = steal(PyList_New(static_cast<Py_ssize_t>(n_settings)));
     py::object blobs = steal(PyList_New(static_cast<Py_ssize_t>(n_settings)));

@@ -58,19 +58,20 @@ def map_parameters(
     )
 
 
-def _dcp_load_code() -> Any:
-    """The code object of ``torch.distributed.checkpoint.load`` (unwrapped), or ``None``."""
+def _dcp_code(module: str, name: str) -> Any:
+    """The code object of ``torch.distributed.checkpoint.{module}.{name}`` (unwrapped), or ``None``."""
     try:
+        import importlib
         import inspect
 
-        from torch.distributed.checkpoint import state_dict_loader
+        mod = importlib.import_module(f"torch.distributed.checkpoint.{module}")
     except ImportError:  # pragma: no cover - torch without distributed
         return None
-    fn = inspect.unwrap(getattr(state_dict_loader, "load", None) or (lambda: None))
-    return getattr(fn, "__code__", None)
+    fn = getattr(mod, name, None)
+    return getattr(inspect.unwrap(fn), "__code__", None) if fn is not None else None
 
 
-_DCP_LOAD_CODE = _dcp_load_code()
+_DCP_LOAD_CODE = _dcp_code("state_dict_loader", "load")
 
 
 def called_by_dcp_load(frame: Any) -> bool:
@@ -81,24 +82,10 @@ def called_by_dcp_load(frame: Any) -> bool:
     return _DCP_LOAD_CODE is not None and frame is not None and frame.f_code is _DCP_LOAD_CODE
 
 
-def _dcp_save_codes() -> frozenset[Any]:
-    """The code objects of ``torch.distributed.checkpoint.save`` and ``async_save`` (unwrapped)."""
-    try:
-        import inspect
-
-        from torch.distributed.checkpoint import state_dict_saver
-    except ImportError:  # pragma: no cover - torch without distributed
-        return frozenset()
-    codes = set()
-    for name in ("save", "async_save"):
-        fn = getattr(state_dict_saver, name, None)
-        code = getattr(inspect.unwrap(fn), "__code__", None) if fn is not None else None
-        if code is not None:
-            codes.add(code)
-    return frozenset(codes)
-
-
-_DCP_SAVE_CODES = _dcp_save_codes()
+_DCP_SAVE_CODES = frozenset(
+    code for code in (_dcp_code("state_dict_saver", name) for name in ("save", "async_save")) if code is not None
+)
+"""The code objects of ``torch.distributed.checkpoint.save`` and ``async_save`` (unwrapped)."""
 _SAVE_FRAMES = 12
 """How far up the stack a ``Stateful.state_dict()`` looks for the ``dcp.save`` that called it
 (through DCP's ``_stateful_to_state_dict``, its loggers, and ``MultiOptimizer.state_dict``)."""
@@ -131,19 +118,8 @@ def saved_by_dcp_with_all_ranks(frame: Any) -> bool:
     return False
 
 
-def _dcp_load_state_dict_code() -> Any:
-    """The code object of DCP's ``_load_state_dict`` (what ``dcp.load`` runs its planner in)."""
-    try:
-        import inspect
-
-        from torch.distributed.checkpoint import state_dict_loader
-    except ImportError:  # pragma: no cover - torch without distributed
-        return None
-    fn = getattr(state_dict_loader, "_load_state_dict", None)
-    return getattr(inspect.unwrap(fn), "__code__", None) if fn is not None else None
-
-
-_DCP_LOAD_STATE_DICT_CODE = _dcp_load_state_dict_code()
+_DCP_LOAD_STATE_DICT_CODE = _dcp_code("state_dict_loader", "_load_state_dict")
+"""The code object of DCP's ``_load_state_dict`` (what ``dcp.load`` runs its planner in)."""
 _LOAD_FRAMES = 8
 
 

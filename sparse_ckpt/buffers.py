@@ -17,7 +17,7 @@ copied into), whatever the optimizer's size.
 from __future__ import annotations
 
 import math
-from collections.abc import Callable, Iterable, Mapping
+from collections.abc import Callable, Iterable, Iterator, Mapping
 from dataclasses import dataclass, field
 from typing import Any, Literal
 
@@ -30,15 +30,14 @@ from .errors import CheckpointFormatError, CheckpointMismatchError
 from .fqn import FqnMap
 from .keys import (
     BUFFERS_PREFIX,
-    ESCAPE,
     STATE_PREFIX,
     buffer_tag,
     check_table,
     escape_part,
     is_plain_part,
+    key_parts,
     layout_tag,
     split_buffers_key,
-    unescape_part,
 )
 
 BUCKET_BYTES = 256 * 2**20
@@ -167,6 +166,8 @@ class _LeafItems:
     """rank tag -> sealed layout bytes."""
     buffers: dict[tuple[str, int], Any] = field(default_factory=dict)
     """(rank tag, bucket) -> buffer tensor (read already)."""
+    readable: dict[str, str] = field(default_factory=dict)
+    """Key of each layout table a :class:`BufferReader` can read -> its rank tag."""
 
 
 class BufferReader:
@@ -226,8 +227,10 @@ def expand(
     by_leaf = split_items(buffer_keys, flat)
     if reader is not None:
         for key in reader.keys:
-            leaf, _kind, _bucket, _ranks = split_buffers_key(key[len(BUFFERS_PREFIX) :])
-            by_leaf.setdefault(leaf, _LeafItems())
+            leaf, kind, _bucket, ranks = split_buffers_key(key[len(BUFFERS_PREFIX) :])
+            items = by_leaf.setdefault(leaf, _LeafItems())
+            if kind == "layout":
+                items.readable[key] = ranks
     geometry = _Geometry()
     out: dict[str, dict[str, Any]] = {}
     for leaf, items in by_leaf.items():
@@ -262,15 +265,11 @@ def _expand_leaf(
 ) -> None:
     core = _backend.core
     chunk_of = _chunk_of(fmap, geometry)
-    unread = [] if reader is None else [
-        key for key in reader.keys
-        if (parts := split_buffers_key(key[len(BUFFERS_PREFIX) :]))[0] == leaf
-        and parts[1] == "layout" and parts[3] not in items.layouts
-    ]
+    unread = [key for key, ranks in items.readable.items() if ranks not in items.layouts]
 
     def read_layouts() -> None:
         assert reader is not None
-        reader.read(unread, lambda key, value: items.layouts.__setitem__(split_buffers_key(key[len(BUFFERS_PREFIX) :])[3], value))
+        reader.read(unread, lambda key, value: items.layouts.__setitem__(items.readable[key], value))
         unread.clear()
 
     if not items.layouts and unread:
@@ -387,14 +386,12 @@ def _allocate(leaf: str, target: tuple[Any, ...], fmap: FqnMap) -> torch.Tensor:
 # --------------------------------------------------------------------------- checkpoint tools
 
 
-def _layouts_by_key(keys: Iterable[str], values: Mapping[str, Any]) -> list[tuple[str, bytes]]:
-    """``(leaf, unsealed layout)`` of every layout table among ``keys``."""
-    out = []
+def _layouts_by_key(keys: Iterable[str], values: Mapping[str, Any]) -> Iterator[tuple[str, str, bytes]]:
+    """``(key, leaf, unsealed layout)`` of every layout table among ``keys``, each checked as it is reached."""
     for key in keys:
-        if not key.rpartition(".")[2].startswith("L"):
-            continue
-        out.append(check_table(BUFFERS_PREFIX, key[len(BUFFERS_PREFIX) :], values[key]))
-    return out
+        if key.rpartition(".")[2].startswith("L"):
+            leaf, payload = check_table(BUFFERS_PREFIX, key[len(BUFFERS_PREFIX) :], values[key])
+            yield key, leaf, payload
 
 
 def layout_view(keys: Iterable[str], values: Mapping[str, Any]) -> dict[str, dict[str, Any]]:
@@ -405,13 +402,9 @@ def layout_view(keys: Iterable[str], values: Mapping[str, Any]) -> dict[str, dic
     :class:`CheckpointMismatchError` says which."""
     from torch.distributed.checkpoint.metadata import TensorProperties, TensorStorageMetadata
 
-    keys = list(keys)
     core = _backend.core
     out: dict[str, dict[str, Any]] = {}
-    for key in keys:
-        if not key.rpartition(".")[2].startswith("L"):
-            continue
-        leaf, payload = check_table(BUFFERS_PREFIX, key[len(BUFFERS_PREFIX) :], values[key])
+    for key, leaf, payload in _layouts_by_key(keys, values):
         ranks = split_buffers_key(key[len(BUFFERS_PREFIX) :])[3]
         for bi, (dtype, numel, entries) in enumerate(core.decode_layout(leaf, payload)):
             bkey = buffer_key(leaf, ranks, bi)
@@ -429,7 +422,7 @@ def layout_view(keys: Iterable[str], values: Mapping[str, Any]) -> dict[str, dic
             for fqn, skey, shape, _offsets, _sizes in entries:
                 md = TensorStorageMetadata(TensorProperties(dtype=torch_dtype), torch.Size(shape), [])
                 node = out.setdefault(fqn, {})
-                parts: list[Any] = [unescape_part(p, skey) if p.startswith(ESCAPE) else p for p in skey.split(".")]
+                parts: list[Any] = key_parts(skey)
                 for part in parts[:-1]:
                     node = node.setdefault(part, {})
                 node.setdefault(parts[-1], md)
@@ -442,7 +435,7 @@ def full_state(keys: Iterable[str], values: Mapping[str, Any]) -> dict[str, dict
     memory: what a single-process tool such as ``convert`` reads)."""
     keys = list(keys)
     shapes: dict[str, tuple[int, ...]] = {}
-    for leaf, payload in _layouts_by_key(keys, values):
+    for _key, leaf, payload in _layouts_by_key(keys, values):
         for _dtype, _numel, entries in _backend.core.decode_layout(leaf, payload):
             for fqn, _key, shape, _offsets, _sizes in entries:
                 shapes.setdefault(fqn, shape)
@@ -474,7 +467,7 @@ def _local(t: torch.Tensor) -> torch.Tensor:
 
 def _put(state: dict[str, Any], key: str, value: Any, leaf: str, fqn: str) -> None:
     """``state[...][key parts] = value`` (key parts unescaped, nested dicts created)."""
-    parts: list[Any] = [unescape_part(p, key) if p.startswith(ESCAPE) else p for p in key.split(".")]
+    parts: list[Any] = key_parts(key)
     node = state
     for part in parts[:-1]:
         node = node.setdefault(part, {})

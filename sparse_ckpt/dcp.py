@@ -267,11 +267,6 @@ def multi_rank() -> bool:
     return dist.is_available() and dist.is_initialized() and dist.get_world_size() > 1
 
 
-def world_and_rank() -> tuple[int, int]:
-    """``(world size, rank)`` of the default process group; ``(1, 0)`` in a single process."""
-    return (dist.get_world_size(), dist.get_rank()) if multi_rank() else (1, 0)
-
-
 class SparseLoadPlanner(DefaultLoadPlanner):
     """A ``DefaultLoadPlanner`` that makes optimizer load targets match the checkpoint.
 
@@ -337,6 +332,14 @@ class SparseLoadPlanner(DefaultLoadPlanner):
 
 def weights_only_item(key: str, value: io.BytesIO, table: bool) -> io.BytesIO:
     """Unpickle a DCP bytes item with ``weights_only=True``; return a fresh stream of it for DCP."""
+    out = io.BytesIO()
+    torch.save(weights_only_object(key, value, table), out)
+    out.seek(0)
+    return out
+
+
+def weights_only_object(key: str, value: io.BytesIO, table: bool) -> Any:
+    """The object of a DCP bytes item, unpickled with ``weights_only=True`` (``table``: it must be ``bytes``)."""
     prefix = next((p for p in (SCALARS_PREFIX, BUFFERS_PREFIX) if p in key), PACKED_PREFIX)
     what = table_kind(prefix) if table else "optimizer item"
     try:
@@ -345,10 +348,7 @@ def weights_only_item(key: str, value: io.BytesIO, table: bool) -> io.BytesIO:
         raise CheckpointFormatError(f"{what} {key!r} is not a plain data item ({exc})") from None
     if table and not isinstance(obj, bytes):
         raise CheckpointFormatError(f"{what} {key!r} holds a {type(obj).__name__}, expected bytes")
-    out = io.BytesIO()
-    torch.save(obj, out)
-    out.seek(0)
-    return out
+    return obj
 
 
 def _find_targets(node: Any, path: tuple[str | int, ...]) -> Iterator[tuple[tuple[str | int, ...], SparseStateDict]]:
@@ -451,11 +451,11 @@ def _rebuild_target(
 
 def _buffers_to_read(buffered: Mapping[str, str], have_reader: bool) -> set[str]:
     """Which buffers-layout items the DCP load itself reads (see :func:`_rebuild_target`)."""
-    world, rank = world_and_rank()
+    here = Keying.here()  # this rank of the default process group, or (1, 0) in a single process
     by_leaf: dict[str, list[tuple[str, str, bool]]] = {}
     for inner in buffered:
         leaf, kind, _bucket, ranks = split_buffers_key(inner[len(BUFFERS_PREFIX) :])
-        by_leaf.setdefault(leaf, []).append((inner, kind, tag_has_rank(ranks, world, rank)))
+        by_leaf.setdefault(leaf, []).append((inner, kind, tag_has_rank(ranks, here.world, here.rank)))
     out: set[str] = set()
     for found in by_leaf.values():
         own = any(mine and kind == "layout" for _inner, kind, mine in found)
@@ -499,7 +499,7 @@ class _ItemPlanner(LoadPlanner):
 
     def load_bytes(self, read_item: ReadItem, value: io.BytesIO) -> None:
         key = read_item.dest_index.fqn
-        self._consume(key, torch.load(weights_only_item(key, value, table=True), weights_only=True))
+        self._consume(key, weights_only_object(key, value, table=True))
 
 
 def _item_reader(storage_reader: Any, metadata: Metadata) -> Any:

@@ -60,10 +60,10 @@ class Keying:
         if self.world == 1:
             tag = rank_tag(1, [0])
             return [(tag, seal(s.payload)) for s in slots]
-        digests = [table_digest(s.payload) for s in slots]
         if not self.coordinated:
             own = rank_tag(self.world, [self.rank])
             return [(digest_tag(s.payload), s.payload) if s.by_digest else (own, seal(s.payload)) for s in slots]
+        digests = [table_digest(s.payload) for s in slots]
         mine = [(s.name, d) for s, d in zip(slots, digests)]
         everyone: list[Any] = [None] * self.world
         dist.all_gather_object(everyone, mine)

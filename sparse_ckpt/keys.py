@@ -434,6 +434,11 @@ def unescape_part(part: str, key: str) -> str | int:
     raise CheckpointFormatError(f"state key {key!r} has an invalid escaped part {part!r}")
 
 
+def key_parts(key: str) -> list[str | int]:
+    """The parts of a state key path (``a.b``, escaped parts unescaped): where it nests in a state dict."""
+    return [unescape_part(p, key) if p.startswith(ESCAPE) else p for p in key.split(".")]
+
+
 def owner_fqn(body: str, *known: object) -> str | None:
     """The longest proper dotted prefix of ``body`` (a state key without ``state.``) that is in one
     of the ``known`` containers (dicts or sets of FQNs), else None: the parameter the key belongs to.

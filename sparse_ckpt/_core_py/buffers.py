@@ -14,23 +14,15 @@ length, ``str`` names, ``int`` numbers, ``bytes`` tables.
 
 from __future__ import annotations
 
-import struct
 from collections.abc import Callable, Iterator
 from typing import Any
 
-from .common import Reader
+from .common import I64, INT64_MAX, MAX_ITEMSIZE, U16, U32, U32_MAX, U64, Reader, len32
 from .errors import CheckpointFormatError, CheckpointMismatchError
 
 LAYOUT_MAGIC = b"SCKL"
 LAYOUT_VERSION = 1
 MAX_NDIM = 64
-_MAX_ITEMSIZE = 16
-_I64_MAX = 2**63 - 1
-_U32_MAX = 2**32 - 1
-_U16 = struct.Struct("<H")
-_U32 = struct.Struct("<I")
-_U64 = struct.Struct("<Q")
-_I64 = struct.Struct("<q")
 
 Entry = tuple[str, str, str, int, tuple[int, ...], tuple[int, ...], tuple[int, ...]]
 ChunkOf = Callable[[str], "tuple[tuple[int, ...], tuple[int, ...], tuple[int, ...]] | None"]
@@ -63,9 +55,9 @@ def _check_chunk(where: str, shape: tuple[int, ...], offsets: tuple[int, ...], s
     if len(shape) > MAX_NDIM:
         return f"{where}: {len(shape)} dims (at most {MAX_NDIM})"
     for d, o, s in zip(shape, offsets, sizes):
-        if d < 0 or o < 0 or s < 0 or d > _I64_MAX or o + s > d:
+        if d < 0 or o < 0 or s < 0 or d > INT64_MAX or o + s > d:
             return f"{where}: chunk at offsets {offsets} of sizes {sizes} is not inside shape {shape}"
-    if _volume(shape) > _I64_MAX:
+    if _volume(shape) > INT64_MAX:
         return f"{where}: shape {shape} has more than 2**63-1 elements"
     return None
 
@@ -75,9 +67,9 @@ def _put_str(out: bytearray, text: str, where: str) -> None:
         raw = text.encode("utf-8")
     except UnicodeEncodeError as exc:
         raise CheckpointFormatError(f"{where}: string is not valid unicode ({exc.reason})") from None
-    if len(raw) > _U32_MAX:
+    if len(raw) > U32_MAX:
         raise CheckpointFormatError(f"{where}: string of {len(raw)} bytes does not fit the layout format")
-    out += _U32.pack(len(raw))
+    out += U32.pack(len(raw))
     out += raw
 
 
@@ -114,8 +106,8 @@ def encode_layout(
             raise _type_error("the entry's item size as an int", itemsize)
         shape, offsets, sizes = _dims(e[4], "a shape"), _dims(e[5], "offsets"), _dims(e[6], "sizes")
         where = f"leaf {leaf!r}: state {key!r} of {fqn!r}"
-        if not 1 <= itemsize <= _MAX_ITEMSIZE:
-            raise CheckpointFormatError(f"{where}: item size {itemsize} (1 to {_MAX_ITEMSIZE})")
+        if not 1 <= itemsize <= MAX_ITEMSIZE:
+            raise CheckpointFormatError(f"{where}: item size {itemsize} (1 to {MAX_ITEMSIZE})")
         problem = _check_chunk(where, shape, offsets, sizes)
         if problem is not None:
             raise CheckpointFormatError(problem)
@@ -139,21 +131,21 @@ def encode_layout(
         if current:
             buckets.append((dtype, numel, current))
     out = bytearray(LAYOUT_MAGIC)
-    out += _U16.pack(LAYOUT_VERSION)
-    out += _U32.pack(len(buckets))
+    out += U16.pack(LAYOUT_VERSION)
+    out += len32(len(buckets))
     for dtype, numel, members in buckets:
         _put_str(out, dtype, f"leaf {leaf!r}: layout dtype")
-        out += _U64.pack(numel)
-        out += _U32.pack(len(members))
+        out += U64.pack(numel)
+        out += len32(len(members))
         for i, _offset in members:
             fqn, key, _dtype, shape, offsets, sizes = parsed[i]
             where = f"leaf {leaf!r}: state {key!r} of {fqn!r}"
             _put_str(out, fqn, where)
             _put_str(out, key, where)
-            out += _U32.pack(len(shape))
+            out += U32.pack(len(shape))
             for dims in (shape, offsets, sizes):
                 for d in dims:
-                    out += _I64.pack(d)
+                    out += I64.pack(d)
     return bytes(out), buckets
 
 
@@ -186,7 +178,7 @@ def _walk(data: bytes, where: str) -> Iterator[tuple[int, str, int, Any]]:
     listed: set[tuple[str, str]] = set()
     for bi in range(r.count("bucket list", 16)):
         dtype = r.string("bucket dtype")
-        numel = _U64.unpack(r.take(8, "bucket numel"))[0]
+        numel = U64.unpack(r.take(8, "bucket numel"))[0]
         n_entries = r.count("bucket entries", 12)
         yield bi, dtype, numel, None
         offset = 0

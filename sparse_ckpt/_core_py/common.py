@@ -44,6 +44,8 @@ from .errors import CheckpointFormatError
 MAGIC = b"SCKT"
 VERSION = 1
 MAX_DEPTH = 32
+MAX_ITEMSIZE = 16
+"""The largest dtype item size (bytes) a table or layout records (complex128)."""
 
 U16 = struct.Struct("<H")
 U32 = struct.Struct("<I")

@@ -17,6 +17,7 @@ from .common import (
     INT64_MIN,
     MAGIC,
     MAX_DEPTH,
+    MAX_ITEMSIZE,
     U16,
     U32,
     U64,
@@ -40,7 +41,6 @@ TAG_TUPLE = 7
 TAG_LIST = 8
 TAG_TENSOR = 9
 
-_MAX_ITEMSIZE = 16
 _ADDRESS_END = 2**63
 
 
@@ -54,11 +54,11 @@ def check_cpu_dtypes(cpu_dtypes: Any) -> None:
             and len(spec) == 2
             and type(spec[0]) is str
             and type(spec[1]) is int
-            and 1 <= spec[1] <= _MAX_ITEMSIZE
+            and 1 <= spec[1] <= MAX_ITEMSIZE
         ):
             raise TypeError(
                 "flatten_packed_state: cpu_dtypes values must be (str, int) tuples with an item size "
-                f"from 1 to {_MAX_ITEMSIZE}, got {spec!r}"
+                f"from 1 to {MAX_ITEMSIZE}, got {spec!r}"
             )
 
 
