@@ -19,7 +19,7 @@ STATEFUL = "stateful"
 FIRST_CALL = "first"
 """part of the sparse save/load figures measured with no kept FQN map (``sc.clear_fqn_cache()``
 before each sample, untimed): the first call on a model, which builds the map (see
-``sparse_ckpt.fqn``); the plain figures are later calls, which check and reuse it."""
+``sparse_ckpt._fqn``); the plain figures are later calls, which check and reuse it."""
 DCP_VARIANTS = (
     ("packed", "all"),
     ("packed", "groups"),

@@ -47,7 +47,7 @@ except ImportError:  # pragma: no cover - run as a script
     from fixtures import ADAMW_KWARGS, FixtureCache, build_adamw, parse_scales  # type: ignore[no-redef]
 
 import sparse_ckpt as sc
-from sparse_ckpt.keys import BUFFERS_PREFIX, is_state_item
+from sparse_ckpt._format.keys import BUFFERS_PREFIX, is_state_item
 
 LEAF = "optim"
 

@@ -23,7 +23,7 @@ from torch.distributed.fsdp import fully_shard
 from torchtitan.components.checkpoint import MODEL, CheckpointManager
 from torchtitan.components.optimizer import LRSchedulersContainer, OptimizersContainer, ParamGroupConfig
 
-from sparse_ckpt.leaves import named_leaves
+from sparse_ckpt._leaves import named_leaves
 
 DIM = 8
 LAYERS = 2

@@ -24,7 +24,7 @@ inline constexpr int kVersion = 1;
 inline constexpr int kMaxDepth = 32;
 /// The largest dtype item size (bytes) a table or layout records (complex128).
 inline constexpr long long kMaxItemsize = 16;
-// The key grammar of sparse_ckpt/keys.py (tests/core/test_structure.py checks that they are equal).
+// The key grammar of sparse_ckpt/_format/keys.py (tests/core/test_structure.py checks that they are equal).
 #define SCKPT_STATE "state."
 #define SCKPT_GROUPS "param_groups."
 #define SCKPT_PACKED_MARKER "__packed__"

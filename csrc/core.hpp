@@ -74,7 +74,7 @@ bool encode_scalar_record(std::string& out, py::handle leaf, py::handle fqn, py:
 py::tuple match_groups(py::object leaf, py::object target_fqns, py::object settings_of);
 py::tuple assign_state_ids(py::object target_fqns, py::object state_by_fqn);
 
-// load_plan.cpp
+// load_assembly.cpp
 py::object fqns_of_groups(py::object leaf, py::object param_groups, py::object fqn_of);
 py::object build_groups(py::object param_groups, py::object chosen, py::object copy_settings, bool keep_names);
 py::object cast_states(py::object leaf, py::object param_groups, py::object target, py::object chosen,
@@ -85,7 +85,7 @@ py::tuple merge_table_settings(py::object leaf, py::object settings, py::object 
 py::object merge_scalars(py::object state_of, py::object scalars_of, py::object tensor_type);
 py::object unlisted_keys(py::object keys_of, py::object state_of, py::object owned);
 
-// buffers.cpp
+// layout_codec.cpp
 py::tuple encode_layout(py::object leaf, py::object entries, py::object bucket_bytes);
 py::tuple plan_scatter(py::object leaf, py::object layouts, py::object chunk_of);
 py::object decode_layout(py::object leaf, py::object data);

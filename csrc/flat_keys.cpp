@@ -12,7 +12,7 @@ namespace sckpt {
 namespace {
 
 /// ``type(part) is str and "." not in part`` (the flat layout's rule); ``plain`` adds "and not
-/// part.startswith('~')" (the packed layout's rule, see sparse_ckpt/keys.py).
+/// part.startswith('~')" (the packed layout's rule, see sparse_ckpt/_format/keys.py).
 bool is_part(py::handle part, bool plain) {
     PyObject* p = part.ptr();
     if (!PyUnicode_CheckExact(p)) return false;

@@ -12,15 +12,19 @@ Public API:
   ``"python"``) and ``__version__``.
 
 Submodules: :mod:`sparse_ckpt.tools` (the checkpoint tools behind ``python -m sparse_ckpt``) and
-:mod:`sparse_ckpt.export` (pickle-free safetensors + JSON export).
+:mod:`sparse_ckpt.tools.export` (pickle-free safetensors + JSON export).
 """
 
 from __future__ import annotations
 
+from ._adapters import AdapterHandle, register_state_dict_adapter
 from ._backend import backend
+from ._dcp.stateful import SparseLoadPlanner, SparseOptimizerState
+from ._fqn import clear_fqn_cache
+from ._load.load import load_sparse_state_dict
+from ._multi_optimizer import MultiOptimizer
+from ._save.save import sparse_state_dict
 from ._version import __version__
-from .adapters import AdapterHandle, register_state_dict_adapter
-from .dcp import SparseLoadPlanner, SparseOptimizerState
 from .errors import (
     CheckpointFormatError,
     CheckpointMismatchError,
@@ -29,10 +33,6 @@ from .errors import (
     SparseCheckpointError,
     UnsupportedStateDictError,
 )
-from .fqn import clear_fqn_cache
-from .load import load_sparse_state_dict
-from .multi_optimizer import MultiOptimizer
-from .save import sparse_state_dict
 
 __all__ = [
     "AdapterHandle",

@@ -1,6 +1,6 @@
 """Which param-group values a copy may share: the immutable ones ``copy.deepcopy`` returns as they
-are. One definition for the semantic layer (:mod:`sparse_ckpt.apply`) and the Python core
-(:mod:`sparse_ckpt._core_py.load_plan`, whose C++ twin tests the same exact types)."""
+are. One definition for the semantic layer (:mod:`sparse_ckpt._load.apply`) and the Python core
+(:mod:`sparse_ckpt._core_py.load_assembly`, whose C++ twin tests the same exact types)."""
 
 from __future__ import annotations
 

@@ -43,7 +43,7 @@ from torch.distributed.tensor import DTensor
 import sparse_ckpt as sc
 from bench import ranks
 from bench.ranks import free_port
-from sparse_ckpt.leaves import named_leaves
+from sparse_ckpt._leaves import named_leaves
 
 MULTI_RANK = [
     pytest.mark.filterwarnings("ignore:torch.distributed is disabled:UserWarning"),

@@ -38,8 +38,8 @@ import torch
 from torch import nn
 
 import sparse_ckpt as sc
-from sparse_ckpt.keys import PACKED_PREFIX
-from sparse_ckpt.leaves import named_leaves
+from sparse_ckpt._format.keys import PACKED_PREFIX
+from sparse_ckpt._leaves import named_leaves
 
 
 class Expert(nn.Module):
@@ -582,7 +582,7 @@ def flat_settings(sd: Mapping[str, Any]) -> dict[str, dict[str, Any]]:
 
 def find_table_key(sd: Mapping[Any, Any], leaf: str | None = None) -> str:
     """The key of the one packed group table (``param_groups.__packed__.{leaf}.{digest}``,
-    :data:`sparse_ckpt.keys.PACKED_PREFIX`) in a flat dict -- of leaf ``leaf`` when given
+    :data:`sparse_ckpt._format.keys.PACKED_PREFIX`) in a flat dict -- of leaf ``leaf`` when given
     (exactly that leaf: not one whose name merely starts with it). Asserts there is exactly one;
     keys that are not strings are passed over."""
     keys = [
@@ -596,9 +596,9 @@ def find_table_key(sd: Mapping[Any, Any], leaf: str | None = None) -> str:
 
 def table_bytes(sd: Mapping[str, Any], key: str) -> bytes:
     """The table a packed group or scalar table item ``key`` of ``sd`` holds (checked, and unsealed
-    when its key is rank-tagged: see *Table keys* in :mod:`sparse_ckpt.keys`)."""
-    from sparse_ckpt.keys import PACKED_PREFIX as GROUPS
-    from sparse_ckpt.keys import SCALARS_PREFIX, check_table
+    when its key is rank-tagged: see *Table keys* in :mod:`sparse_ckpt._format.keys`)."""
+    from sparse_ckpt._format.keys import PACKED_PREFIX as GROUPS
+    from sparse_ckpt._format.keys import SCALARS_PREFIX, check_table
 
     prefix = SCALARS_PREFIX if key.startswith(SCALARS_PREFIX) else GROUPS
     return check_table(prefix, key[len(prefix) :], sd[key])[1]
@@ -622,8 +622,8 @@ def count_calls(fn: Callable[..., Any]) -> tuple[Callable[..., Any], list[int]]:
 
 def decoded_settings(model: nn.Module, sd: Mapping[str, Any]) -> dict[str, dict[str, Any]]:
     """``fqn -> settings`` decoded from a packed (or flat) dict via the library's decoder."""
-    from sparse_ckpt.decode import decode_checkpoint
-    from sparse_ckpt.fqn import build_fqn_map
+    from sparse_ckpt._fqn import build_fqn_map
+    from sparse_ckpt._load.decode import decode_checkpoint
 
     return dict(decode_checkpoint(sd, build_fqn_map(model)).settings_of)
 

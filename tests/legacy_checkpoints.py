@@ -15,8 +15,15 @@ from typing import Any
 import torch
 
 from sparse_ckpt import _backend
-from sparse_ckpt._tensor_parts import parts_to_tensor, tensor_to_parts
-from sparse_ckpt.keys import KEYS_ENTRY, PACKED_PREFIX, SCALARS_PREFIX, check_table, packed_table_key, scalar_table_key
+from sparse_ckpt._format.keys import (
+    KEYS_ENTRY,
+    PACKED_PREFIX,
+    SCALARS_PREFIX,
+    check_table,
+    packed_table_key,
+    scalar_table_key,
+)
+from sparse_ckpt._format.tensor_parts import parts_to_tensor, tensor_to_parts
 
 
 def legacy(sd: dict[str, Any]) -> dict[str, Any]:

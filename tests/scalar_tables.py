@@ -17,13 +17,13 @@ from typing import Any
 
 import pytest
 
-import sparse_ckpt.dcp
-import sparse_ckpt.save
-from sparse_ckpt.decode import decode_scalar_tables, merge_scalars
-from sparse_ckpt.fqn import build_fqn_map
-from sparse_ckpt.keys import SCALARS_PREFIX, STATE_PREFIX, owner_fqn
+import sparse_ckpt._dcp.stateful
+import sparse_ckpt._save.save
+from sparse_ckpt._format.keys import SCALARS_PREFIX, STATE_PREFIX, owner_fqn
+from sparse_ckpt._fqn import build_fqn_map
+from sparse_ckpt._load.decode import decode_scalar_tables, merge_scalars
 
-_BUILD_STATE_DICT = sparse_ckpt.save.build_state_dict
+_BUILD_STATE_DICT = sparse_ckpt._save.save.build_state_dict
 
 
 def scalar_table_keys(sd: Mapping[str, Any]) -> list[str]:
@@ -81,5 +81,5 @@ def write_packed_v1(monkeypatch: pytest.MonkeyPatch, on: bool = True) -> None:
     """From now on (``on``) or no longer (``not on``), sparse_ckpt's packed saves in this test
     write packed version 1 (see the module docstring)."""
     build = _build_v1 if on else _BUILD_STATE_DICT
-    for module in (sparse_ckpt.save, sparse_ckpt.dcp):
+    for module in (sparse_ckpt._save.save, sparse_ckpt._dcp.stateful):
         monkeypatch.setattr(module, "build_state_dict", build)

@@ -23,7 +23,7 @@ from typing import Any
 import torch
 
 from sparse_ckpt import _backend
-from sparse_ckpt._tensor_parts import parts_to_tensor, tensor_to_parts
+from sparse_ckpt._format.tensor_parts import parts_to_tensor, tensor_to_parts
 
 MAGIC = b"SCKT"
 VERSION = 1

@@ -13,7 +13,7 @@ exposes exactly the names ``sparse_ckpt._C`` exposes; ``sparse_ckpt/_C.pyi`` is 
 cores against each other. CONTRIBUTING.md has the recipe for adding a core function.
 """
 
-from ..keys import (
+from .._format.keys import (
     ESCAPE,
     ESCAPE_INT,
     ESCAPE_STR,
@@ -26,12 +26,12 @@ from ..keys import (
     STEP_KEY,
     WRAPPER_CHILD,
 )
-from .buffers import decode_layout, encode_layout, plan_scatter
 from .capture import pack_optimizer, remap_to_fqns
 from .common import MAGIC, MAX_DEPTH, VERSION
 from .flat_keys import flatten_groups, flatten_packed_state, flatten_state, unflatten
+from .layout_codec import decode_layout, encode_layout, plan_scatter
+from .load_assembly import build_groups, cast_states, fqns_of_groups, merge_scalars, merge_table_settings, unlisted_keys
 from .load_match import assign_state_ids, match_groups
-from .load_plan import build_groups, cast_states, fqns_of_groups, merge_scalars, merge_table_settings, unlisted_keys
 from .module_walk import fqn_tables, map_parameters
 from .save_pass import capture_fqns, claim_owners
 from .table_codec import decode_table, encode_settings, encode_table

@@ -6,7 +6,7 @@ from __future__ import annotations
 
 from typing import Any
 
-from ..keys import (
+from .._format.keys import (
     ESCAPE,
     GROUPS_PREFIX,
     KEYS_ENTRY,
@@ -91,7 +91,7 @@ def flatten_state(leaf: str, state_fqn: dict[str, Any], known_fqns: Any, escape:
     """``state.{fqn}.{key}`` for every state entry; nested dicts are flattened with ``.``.
 
     ``escape=True`` (packed format) escapes key parts that are not plain (see
-    :mod:`sparse_ckpt.keys`) and nested parts whose dotted path is in ``known_fqns`` (another
+    :mod:`sparse_ckpt._format.keys`) and nested parts whose dotted path is in ``known_fqns`` (another
     parameter's FQN); ``escape=False`` (flat format) refuses them. Empty nested dicts are refused
     (no flat key can hold them); an empty top-level state dict emits nothing (no state).
     """
@@ -122,7 +122,7 @@ def flatten_packed_state(
     encoded bytes, in order of first appearance; a new dict holding the saved values) with the
     FQNs whose leading run is exactly it, in state order -- ready for :func:`encode_table`.
     Every parameter with state is in one group: its scalar dict ends with the entry
-    :data:`~sparse_ckpt.keys.KEYS_ENTRY` (``"~keys"``), the tuple of the keys it wrote to
+    :data:`~sparse_ckpt._format.keys.KEYS_ENTRY` (``"~keys"``), the tuple of the keys it wrote to
     ``items`` without their ``state.{fqn}.`` prefix, in order (the checkpoint's record of which
     state each parameter has; a key UTF-8 cannot encode is recorded as its surrogate-passing
     UTF-8 ``bytes``). A parameter whose state is an empty dict has no state: no group.
@@ -171,7 +171,7 @@ def flatten_packed_state(
 
 
 def _recorded_key(key: str) -> str | bytes:
-    """A per-item key as :data:`~sparse_ckpt.keys.KEYS_ENTRY` records it: the ``str`` itself, or
+    """A per-item key as :data:`~sparse_ckpt._format.keys.KEYS_ENTRY` records it: the ``str`` itself, or
     its UTF-8 bytes with lone surrogates passed through when UTF-8 cannot encode it (the table
     codec holds only valid text)."""
     try:
@@ -182,7 +182,7 @@ def _recorded_key(key: str) -> str | bytes:
 
 
 def _keys_record(keys: tuple[str | bytes, ...]) -> bytes:
-    """The grouping bytes of a :data:`~sparse_ckpt.keys.KEYS_ENTRY` entry (name, tuple tag, count,
+    """The grouping bytes of a :data:`~sparse_ckpt._format.keys.KEYS_ENTRY` entry (name, tuple tag, count,
     each key's UTF-8 bytes, lone surrogates passed through): only compared, never decoded."""
     out = bytearray(len32(len(KEYS_ENTRY)))
     out += KEYS_ENTRY.encode("utf-8")
@@ -230,7 +230,7 @@ def unflatten(
         dict or set, or a callable that is given ``packed_tables`` once they are split off and
         returns one (so state resolves against the FQNs the checkpoint's own tables list). When
         there are packed or scalar tables, key parts starting with ``~`` are unescaped (see
-        :mod:`sparse_ckpt.keys`);
+        :mod:`sparse_ckpt._format.keys`);
       * every other key, and state keys with no known FQN, -> ``unmatched_keys``.
     Each key is resolved with O(depth) hash lookups; there are no prefix scans. ``flat`` is never
     modified: a dict value that nested keys extend (``state.w.a`` = ``{...}`` and ``state.w.a.b``)

@@ -8,7 +8,7 @@ import array
 import collections
 from typing import Any
 
-from ..keys import WRAPPER_CHILD
+from .._format.keys import WRAPPER_CHILD
 from .errors import CheckpointMismatchError
 
 _MEMO_SIZE = 7

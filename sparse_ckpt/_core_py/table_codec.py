@@ -9,7 +9,7 @@ from __future__ import annotations
 import ctypes
 from typing import Any
 
-from ..keys import is_plain_part
+from .._format.keys import is_plain_part
 from .common import (
     F64,
     I64,

@@ -21,7 +21,7 @@ import torch
 import torch.distributed as dist
 from torch.distributed.tensor import DTensor
 
-from ..keys import STATE_PREFIX, STEP_KEY, is_state_item, owner_fqn, split_group_key
+from .._format.keys import STATE_PREFIX, STEP_KEY, is_state_item, owner_fqn, split_group_key
 
 __all__ = ["DroppedState", "MigrationReport", "drop_synthetic_state", "flat_fqns", "state_keys_by_fqn"]
 

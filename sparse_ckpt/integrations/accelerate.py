@@ -12,7 +12,7 @@ functions ``Accelerator.save_state`` / ``load_state`` call, and their homes in
 through DCP into the same ``optimizer_{i}`` directory and load it with
 :class:`~sparse_ckpt.SparseLoadPlanner`: exact (every group's settings, only the state that
 exists), sparse, nothing invented, the live optimizer untouched by a save. Loading also reads the
-directories stock Accelerate wrote before (DSD's nested layout, see :mod:`sparse_ckpt.nested`),
+directories stock Accelerate wrote before (DSD's nested layout, see :mod:`sparse_ckpt._format.nested`),
 so existing runs resume; note that such a checkpoint holds whatever DSD wrote, including the
 ``step=1`` state it invented when it saved an optimizer that had never stepped.
 
@@ -21,7 +21,7 @@ sparse_ckpt; FSDP1, ``FULL_STATE_DICT`` and ``use_dcp=False`` stay Accelerate's 
 makes ``Accelerator.register_for_checkpointing`` refuse a sparse_ckpt ``Stateful`` when there
 is more than one process: Accelerate pickles a registered object's ``state_dict()`` on the main
 process only and loads that file on every rank, which would give every rank the main process's
-optimizer shards (see :mod:`sparse_ckpt.origin`; without :func:`install` that is refused when
+optimizer shards (see :mod:`sparse_ckpt._dcp.origin`; without :func:`install` that is refused when
 saving or loading).
 
 ``accelerate`` is imported by :func:`install`, never by importing this module.
@@ -39,10 +39,10 @@ from typing import Any
 
 import torch.distributed.checkpoint as dcp
 
-from ..dcp import SparseLoadPlanner, SparseOptimizerState
+from .._dcp.stateful import SparseLoadPlanner, SparseOptimizerState
+from .._multi_optimizer import MultiOptimizer
+from .._save.save import FORMATS, Format
 from ..errors import CrossRankStateError
-from ..multi_optimizer import MultiOptimizer
-from ..save import FORMATS, Format
 
 __all__ = ["install", "installed", "load_fsdp_optimizer", "save_fsdp_optimizer", "uninstall"]
 

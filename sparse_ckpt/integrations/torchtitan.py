@@ -34,11 +34,11 @@ import torch.distributed.checkpoint as dcp
 from torch.distributed.checkpoint.api import CheckpointException
 from torch.distributed.checkpoint.metadata import Metadata
 
-from ..dcp import SparseLoadPlanner, SparseOptimizerState, SparseStateDict
+from .._dcp.stateful import SparseLoadPlanner, SparseOptimizerState, SparseStateDict
+from .._format.keys import PLANNER_GUARD_KEY
+from .._fqn import Model, build_fqn_map
+from .._leaves import named_leaves
 from ..errors import CheckpointMismatchError, SparseCheckpointError
-from ..fqn import Model, build_fqn_map
-from ..keys import PLANNER_GUARD_KEY
-from ..leaves import named_leaves
 from ._overrides import arguments_of, with_signature_of
 from ._stock_migration import DroppedState, MigrationReport, drop_synthetic_state, flat_fqns, state_keys_by_fqn
 

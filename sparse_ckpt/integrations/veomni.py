@@ -47,14 +47,22 @@ from typing import Any
 
 from torch.distributed.checkpoint.metadata import Metadata
 
-from .._dcp_paths import metadata_path
-from ..dcp import SparseLoadPlanner, SparseOptimizerState, multi_rank
-from ..dcp import _allocate as allocate_like
+from .._dcp.paths import metadata_path
+from .._dcp.stateful import SparseLoadPlanner, SparseOptimizerState, multi_rank
+from .._dcp.stateful import _allocate as allocate_like
+from .._format.keys import (
+    GROUPS_PREFIX,
+    PACKED_PREFIX,
+    PLANNER_GUARD_KEY,
+    SCALARS_PREFIX,
+    STATE_PREFIX,
+    last_part,
+    owner_fqn,
+)
+from .._fqn import FqnMap, build_fqn_map
+from .._leaves import named_leaves
+from .._load.load import load_owned
 from ..errors import CheckpointMismatchError, StockCheckpointWarning, UnsupportedStateDictError
-from ..fqn import FqnMap, build_fqn_map
-from ..keys import GROUPS_PREFIX, PACKED_PREFIX, PLANNER_GUARD_KEY, SCALARS_PREFIX, STATE_PREFIX, last_part, owner_fqn
-from ..leaves import named_leaves
-from ..load import load_owned
 from ._overrides import arguments_of, with_signature_of
 from ._stock_migration import flat_fqns
 

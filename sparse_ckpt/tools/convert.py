@@ -15,10 +15,8 @@ from typing import Any
 import torch.distributed.checkpoint as dcp
 
 from .. import _backend
-from ..buffers import full_state
-from ..checkpoint_io import find_optimizers, metadata_path, set_path
-from ..errors import CheckpointFormatError, CheckpointMismatchError, UsageError
-from ..keys import (
+from .._dcp.metadata import find_optimizers, metadata_path, set_path
+from .._format.keys import (
     BUFFERS_PREFIX,
     GROUPS_PREFIX,
     PACKED_PREFIX,
@@ -28,8 +26,10 @@ from ..keys import (
     has_escaped_part,
     is_state_item,
 )
-from ..leaves import SINGLE_LEAF
-from .reader import (
+from .._layouts.bucketed import full_state
+from .._leaves import SINGLE_LEAF
+from ..errors import CheckpointFormatError, CheckpointMismatchError, UsageError
+from ._reader import (
     FLAT_LEAF_IN_MIXED,
     check_new_dir,
     expand_scalar_tables,

@@ -10,9 +10,9 @@ from typing import Any
 import torch
 from torch.distributed.checkpoint.metadata import Metadata
 
-from ..checkpoint_io import OptimizerEntries, find_optimizers
+from .._dcp.metadata import OptimizerEntries, find_optimizers
+from ._reader import named_groups, open_checkpoint, optimizer_values, select_optimizers, split_optimizer
 from .inspect import LIST_LIMIT, fmt_names, fmt_value, state_sig, walk_state
-from .reader import named_groups, open_checkpoint, optimizer_values, select_optimizers, split_optimizer
 
 __all__ = ["count_differences", "diff_checkpoints", "format_diff", "same_value"]
 

@@ -11,9 +11,9 @@ from typing import Any
 import torch
 from torch.distributed.checkpoint.metadata import Metadata, TensorStorageMetadata
 
-from ..checkpoint_io import find_optimizers, unrecognised_optimizer_items
-from ..keys import PACKED_PREFIX, SCALARS_PREFIX
-from .reader import (
+from .._dcp.metadata import find_optimizers, unrecognised_optimizer_items
+from .._format.keys import PACKED_PREFIX, SCALARS_PREFIX
+from ._reader import (
     Group,
     dtype_name,
     item_bytes,

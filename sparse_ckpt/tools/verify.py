@@ -10,9 +10,9 @@ from typing import Any
 
 from torch.distributed.checkpoint.metadata import Metadata, TensorStorageMetadata
 
-from ..checkpoint_io import find_optimizers
+from .._dcp.metadata import find_optimizers
 from ..errors import SparseCheckpointError
-from .reader import (
+from ._reader import (
     BATCH_BYTES,
     batches,
     entry_values,

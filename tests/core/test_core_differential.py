@@ -35,10 +35,10 @@ from table_bytes import s as sstr
 
 from sparse_ckpt import _core_py as P
 from sparse_ckpt._core_py import common, module_walk, table_codec
-from sparse_ckpt._tensor_parts import parts_to_tensor, tensor_to_parts
+from sparse_ckpt._format.keys import KEYS_ENTRY, STRIPPED_PARTS
+from sparse_ckpt._format.tensor_parts import parts_to_tensor, tensor_to_parts
+from sparse_ckpt._save.save import _CPU_DTYPES as CPU_DTYPES
 from sparse_ckpt.errors import CheckpointFormatError
-from sparse_ckpt.keys import KEYS_ENTRY, STRIPPED_PARTS
-from sparse_ckpt.save import _CPU_DTYPES as CPU_DTYPES
 
 C = _backends.cpp_core()  # (skips the module where _C is not built, unless SPARSE_CKPT_REQUIRE_CPP)
 
@@ -588,7 +588,7 @@ scalar_states = st.dictionaries(scalar_keys, st.sampled_from(SCALAR_CANDIDATES),
 
 
 def _scalar_parts(t: Any) -> Any:
-    from sparse_ckpt.save import _scalar_parts as parts
+    from sparse_ckpt._save.save import _scalar_parts as parts
 
     return parts(t)
 

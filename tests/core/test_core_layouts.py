@@ -19,7 +19,7 @@ from hypothesis import strategies as st
 from test_core_differential import check, check_error, same  # (skips this module too when _C is not built)
 
 from sparse_ckpt import _core_py as P
-from sparse_ckpt._core_py.buffers import LAYOUT_MAGIC
+from sparse_ckpt._core_py.layout_codec import LAYOUT_MAGIC
 from sparse_ckpt.errors import CheckpointFormatError, CheckpointMismatchError
 
 PROPS = settings(max_examples=200, deadline=None, derandomize=True, database=None,

@@ -1,5 +1,5 @@
 """Structure checks: no import cycles in the package, and the C++ core's constants match the Python
-twin (``_core_py``) and the key grammar (``sparse_ckpt.keys``). The stub and the two cores' names
+twin (``_core_py``) and the key grammar (``sparse_ckpt._format.keys``). The stub and the two cores' names
 and signatures: tests/core/test_core_stub.py."""
 
 from __future__ import annotations
@@ -11,7 +11,8 @@ from pathlib import Path
 import _backends
 import pytest
 
-from sparse_ckpt import _core_py, keys
+from sparse_ckpt import _core_py
+from sparse_ckpt._format import keys
 
 PACKAGE = Path(__file__).resolve().parents[2] / "sparse_ckpt"
 

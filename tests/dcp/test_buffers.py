@@ -18,8 +18,10 @@ from helpers import assert_optimizer_equal, clone_state_dict, make_moe, snapshot
 from torch import nn
 
 import sparse_ckpt as sc
-from sparse_ckpt import buffers, export, tools
-from sparse_ckpt.keys import BUFFERS_PREFIX, SCALARS_PREFIX
+from sparse_ckpt import tools
+from sparse_ckpt._format.keys import BUFFERS_PREFIX, SCALARS_PREFIX
+from sparse_ckpt._layouts import bucketed as buffers
+from sparse_ckpt.tools import export
 
 pytestmark = pytest.mark.filterwarnings("ignore:torch.distributed is disabled:UserWarning")
 
@@ -205,7 +207,7 @@ def test_dcp_load_reads_one_bucket_at_a_time(tmp_path: Path, monkeypatch: pytest
     """The buffers of a DCP load are read one item at a time into a buffer that is dropped after
     its chunks are copied out: at most one is alive, and none is larger than a bucket (or than
     the largest single chunk)."""
-    from sparse_ckpt import dcp as sc_dcp
+    from sparse_ckpt._dcp import stateful as sc_dcp
 
     model, src = _trained("AdamW")
     monkeypatch.setattr(buffers, "BUCKET_BYTES", 300)
@@ -292,7 +294,7 @@ def test_tampered_layout_is_refused() -> None:
 def test_layout_of_another_shape_is_refused() -> None:
     """A layout whose global shape is not the parameter's: refused before anything is copied."""
     from sparse_ckpt import _backend
-    from sparse_ckpt.keys import seal
+    from sparse_ckpt._format.keys import seal
 
     model, _src, sd = _buffered()
     key = _one(sd, "L")

@@ -28,8 +28,8 @@ from _spawned import (
 )
 
 import sparse_ckpt as sc
-from sparse_ckpt import buffers
-from sparse_ckpt.keys import BUFFERS_PREFIX
+from sparse_ckpt._format.keys import BUFFERS_PREFIX
+from sparse_ckpt._layouts import bucketed as buffers
 
 pytestmark = pytest.mark.filterwarnings("ignore:torch.distributed is disabled:UserWarning")
 

@@ -14,10 +14,10 @@ import torch.distributed.checkpoint as dcp
 from helpers import assert_optimizer_equal, make_moe, train
 
 import sparse_ckpt as sc
-import sparse_ckpt.dcp as sc_dcp
-import sparse_ckpt.load as sc_load
-from sparse_ckpt._torch_compat import called_by_dcp_load
-from sparse_ckpt.keys import PLANNER_GUARD_KEY, is_foreign_guard
+import sparse_ckpt._dcp.stateful as sc_dcp
+import sparse_ckpt._load.load as sc_load
+from sparse_ckpt._format.keys import PLANNER_GUARD_KEY, is_foreign_guard
+from sparse_ckpt._torch_internals import called_by_dcp_load
 
 pytestmark = pytest.mark.filterwarnings("ignore:torch.distributed is disabled:UserWarning")
 

@@ -18,8 +18,8 @@ from torch.distributed.checkpoint.api import CheckpointException
 from torch.distributed.checkpoint.state_dict import StateDictOptions, get_optimizer_state_dict
 
 import sparse_ckpt as sc
-from sparse_ckpt.dcp import SparseStateDict
-from sparse_ckpt.keys import PLANNER_GUARD_KEY
+from sparse_ckpt._dcp.stateful import SparseStateDict
+from sparse_ckpt._format.keys import PLANNER_GUARD_KEY
 
 pytestmark = pytest.mark.filterwarnings("ignore:torch.distributed is disabled:UserWarning")
 

@@ -21,9 +21,10 @@ from torch import nn
 from torch.distributed.checkpoint.state_dict import get_optimizer_state_dict, set_optimizer_state_dict
 
 import sparse_ckpt as sc
-from sparse_ckpt import cli, tools
-from sparse_ckpt.nested import nested_kind, nested_to_sparse
-from sparse_ckpt.origin import ORIGIN_KEY
+from sparse_ckpt import tools
+from sparse_ckpt._dcp.origin import ORIGIN_KEY
+from sparse_ckpt._format.nested import nested_kind, nested_to_sparse
+from sparse_ckpt.tools import _cli as cli
 
 pytestmark = pytest.mark.filterwarnings("ignore:torch.distributed is disabled:UserWarning")
 

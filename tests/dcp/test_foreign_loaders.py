@@ -21,7 +21,7 @@ from torch.distributed.checkpoint.state_dict import StateDictOptions, get_optimi
 
 import sparse_ckpt as sc
 from sparse_ckpt import tools
-from sparse_ckpt.keys import NESTED_GUARD_KEY, foreign_guard_keys, is_foreign_guard
+from sparse_ckpt._format.keys import NESTED_GUARD_KEY, foreign_guard_keys, is_foreign_guard
 
 
 def _model() -> nn.ModuleDict:

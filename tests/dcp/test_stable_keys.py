@@ -1,4 +1,4 @@
-"""Stable item keys (see *Table keys* in sparse_ckpt/keys.py): keys stay while values move,
+"""Stable item keys (see *Table keys* in sparse_ckpt/_format/keys.py): keys stay while values move,
 equal tables share a key, different ones never do, old digest-keyed checkpoints keep loading.
 
 The two-rank part (spawned Gloo ranks, FSDP2 over an explicit CPU mesh) checks DCP's save-plan
@@ -26,9 +26,7 @@ from legacy_checkpoints import legacy
 from torch.distributed.checkpoint import DefaultSavePlanner
 
 import sparse_ckpt as sc
-from sparse_ckpt.errors import CheckpointFormatError
-from sparse_ckpt.item_keys import Keying
-from sparse_ckpt.keys import (
+from sparse_ckpt._format.keys import (
     BUFFERS_PREFIX,
     PACKED_PREFIX,
     SCALARS_PREFIX,
@@ -37,7 +35,9 @@ from sparse_ckpt.keys import (
     rank_tag,
     tag_has_rank,
 )
-from sparse_ckpt.save import build_state_dict
+from sparse_ckpt._format.tags import Keying
+from sparse_ckpt._save.save import build_state_dict
+from sparse_ckpt.errors import CheckpointFormatError
 
 pytestmark = pytest.mark.filterwarnings("ignore:torch.distributed is disabled:UserWarning")
 

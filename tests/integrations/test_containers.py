@@ -16,9 +16,9 @@ import torch
 from torch import nn
 
 import sparse_ckpt as sc
+from sparse_ckpt._format.keys import is_state_item
+from sparse_ckpt._leaves import named_leaves
 from sparse_ckpt.errors import UnsupportedStateDictError
-from sparse_ckpt.keys import is_state_item
-from sparse_ckpt.leaves import named_leaves
 from tests.helpers import IdentitySnapshot
 
 

@@ -8,7 +8,7 @@ from collections import OrderedDict
 import pytest
 import torch
 
-from sparse_ckpt.apply import copy_group, copy_settings
+from sparse_ckpt._load.apply import copy_group, copy_settings
 
 
 def test_copy_group_equals_deepcopy_and_shares_nothing_mutable() -> None:

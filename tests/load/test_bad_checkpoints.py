@@ -31,12 +31,12 @@ from torch import nn
 import sparse_ckpt as sc
 from sparse_ckpt import _core_py
 from sparse_ckpt._core_py import MAGIC, VERSION
-from sparse_ckpt._tensor_parts import parts_to_tensor, tensor_to_parts
-from sparse_ckpt.decode import decode_checkpoint
+from sparse_ckpt._format.keys import check_table
+from sparse_ckpt._format.tensor_parts import parts_to_tensor, tensor_to_parts
+from sparse_ckpt._fqn import build_fqn_map
+from sparse_ckpt._load.decode import decode_checkpoint
+from sparse_ckpt._save.save import packed_table_key
 from sparse_ckpt.errors import CheckpointFormatError
-from sparse_ckpt.fqn import build_fqn_map
-from sparse_ckpt.keys import check_table
-from sparse_ckpt.save import packed_table_key
 
 REPO = Path(__file__).resolve().parents[2]
 PACKED = "param_groups.__packed__."
@@ -325,7 +325,7 @@ def test_huge_length_fields_under_address_space_limit(core_backend: str, tmp_pat
         import json, resource, sys
         import torch  # noqa: F401  (imported before the cap)
         from sparse_ckpt import _backend
-        from sparse_ckpt._tensor_parts import parts_to_tensor, tensor_to_parts
+        from sparse_ckpt._format.tensor_parts import parts_to_tensor, tensor_to_parts
         from sparse_ckpt.errors import CheckpointFormatError
         core = _backend.core
         assert _backend.NAME == {core_backend!r}, _backend.NAME

@@ -17,7 +17,7 @@ from legacy_checkpoints import drop_from_metadata, legacy
 from torch import nn
 
 import sparse_ckpt as sc
-from sparse_ckpt.keys import BUFFERS_PREFIX
+from sparse_ckpt._format.keys import BUFFERS_PREFIX
 
 pytestmark = pytest.mark.filterwarnings("ignore:torch.distributed is disabled:UserWarning")
 
@@ -91,7 +91,7 @@ def test_a_key_utf8_cannot_encode_is_recorded_too() -> None:
 
 def test_a_parameter_of_another_rank_is_not_checked() -> None:
     """Only the target's parameters must be complete: a shard of the model loads its own."""
-    from sparse_ckpt.load import load_owned
+    from sparse_ckpt._load.load import load_owned
 
     model = make_moe(0)
     opt = sc.MultiOptimizer(model, {"experts": torch.optim.AdamW(model.expert_params(), lr=0.01),

@@ -35,8 +35,8 @@ from table_bytes import encode
 from torch import nn
 
 import sparse_ckpt as sc
-from sparse_ckpt.keys import PACKED_PREFIX
-from sparse_ckpt.save import packed_table_key
+from sparse_ckpt._format.keys import PACKED_PREFIX
+from sparse_ckpt._save.save import packed_table_key
 
 # --------------------------------------------------------------------------- builders
 

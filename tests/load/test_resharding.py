@@ -17,8 +17,8 @@ from scalar_tables import as_v1
 from torch import nn
 
 import sparse_ckpt as sc
-from sparse_ckpt.item_keys import Keying
-from sparse_ckpt.save import build_state_dict
+from sparse_ckpt._format.tags import Keying
+from sparse_ckpt._save.save import build_state_dict
 
 FORMATS = ("packed", "flat")
 
@@ -140,7 +140,7 @@ def test_parameter_moved_to_another_group_of_the_leaf(fmt: str) -> None:
 def _rank(shard: tuple[int, ...], rank: int) -> dict[str, Any]:
     """One expert-parallel "rank" of two: the experts leaf holds only ``shard``; dense is
     replicated. Keyed as ``sparse_state_dict`` keys it on rank ``rank`` of a process group of 2
-    (tables by content digest: see *Table keys* in sparse_ckpt.keys)."""
+    (tables by content digest: see *Table keys* in sparse_ckpt._format.keys)."""
     model = _Model()
     opt = {
         "experts": torch.optim.AdamW([{"params": _e(model, i)} for i in shard], lr=0.01),

@@ -198,7 +198,7 @@ def test_sigkill_during_save_keeps_previous_checkpoint(tmp_path: Path) -> None:
         dcp.load({"optim": sc.SparseOptimizerState(model, fresh)}, checkpoint_id=str(new),
                  planner=sc.SparseLoadPlanner(), no_dist=True)
     assert not fresh.state
-    if importlib.util.find_spec("sparse_ckpt.cli") is not None:
+    if importlib.util.find_spec("sparse_ckpt.tools._cli") is not None:
         code, output = _run_cli("inspect", str(new))
         assert code == 2, output
         assert "incomplete" in output and str(new) in output, output

@@ -36,7 +36,7 @@ from torch import nn
 
 import sparse_ckpt as sc
 from sparse_ckpt import _gc
-from sparse_ckpt.leaves import named_leaves
+from sparse_ckpt._leaves import named_leaves
 
 PKG_DIR = os.path.dirname(os.path.abspath(sc.__file__)) + os.sep
 JOIN_TIMEOUT = 10.0

@@ -26,8 +26,8 @@ from torch import nn
 
 import sparse_ckpt as sc
 from sparse_ckpt import _backend
-from sparse_ckpt._tensor_parts import parts_to_tensor
-from sparse_ckpt.save import packed_table_key
+from sparse_ckpt._format.tensor_parts import parts_to_tensor
+from sparse_ckpt._save.save import packed_table_key
 
 REPO = Path(__file__).resolve().parents[2]
 PACKAGE = REPO / "sparse_ckpt"
@@ -56,11 +56,11 @@ def python_findings(path: Path) -> list[str]:
 # Objects of ours that customise how *they* are pickled (the save side): reducing to a plain
 # ``dict`` or refusing outright. Nothing here is called when a checkpoint is read.
 ALLOWED_SCOPES = {
-    ("sparse_ckpt/dcp.py", "SparseStateDict.__reduce_ex__"),
-    ("sparse_ckpt/dcp.py", "_PlannerGuard.__reduce_ex__"),  # pickles as a plain uint8 tensor
-    ("sparse_ckpt/dcp.py", "SparseStateDict.__reduce__"),
-    ("sparse_ckpt/dcp.py", "SparseOptimizerState.__reduce_ex__"),
-    ("sparse_ckpt/dcp.py", "SparseOptimizerState.__deepcopy__"),
+    ("sparse_ckpt/_dcp/stateful.py", "SparseStateDict.__reduce_ex__"),
+    ("sparse_ckpt/_dcp/stateful.py", "_PlannerGuard.__reduce_ex__"),  # pickles as a plain uint8 tensor
+    ("sparse_ckpt/_dcp/stateful.py", "SparseStateDict.__reduce__"),
+    ("sparse_ckpt/_dcp/stateful.py", "SparseOptimizerState.__reduce_ex__"),
+    ("sparse_ckpt/_dcp/stateful.py", "SparseOptimizerState.__deepcopy__"),
 }
 
 

@@ -16,9 +16,9 @@ from torch.distributed.algorithms._checkpoint.checkpoint_wrapper import checkpoi
 from torch.distributed.checkpoint.state_dict import StateDictOptions, get_optimizer_state_dict
 
 import sparse_ckpt as sc
-import sparse_ckpt.save
+import sparse_ckpt._save.save
 from sparse_ckpt import _backend
-from sparse_ckpt.fqn import build_fqn_map, canonical_name
+from sparse_ckpt._fqn import build_fqn_map, canonical_name
 
 PLAIN = ["0.weight", "0.bias", "1.weight", "1.bias"]
 
@@ -213,8 +213,8 @@ def test_fqn_map_built_once_per_call(monkeypatch: pytest.MonkeyPatch, fmt: str) 
     leaves = {f"expert{i}": torch.optim.SGD(e.parameters(), lr=0.1) for i, e in enumerate(model.experts)}
     leaves["dense"] = torch.optim.SGD(model.dense_params(), lr=0.1)
     mo = sc.MultiOptimizer(model, leaves)
-    wrapper, counter = count_calls(sparse_ckpt.save.build_fqn_map)
-    monkeypatch.setattr(sparse_ckpt.save, "build_fqn_map", wrapper)
+    wrapper, counter = count_calls(sparse_ckpt._save.save.build_fqn_map)
+    monkeypatch.setattr(sparse_ckpt._save.save, "build_fqn_map", wrapper)
     sd = sc.sparse_state_dict(model, mo, format=fmt)
     assert counter[0] == 1
     mo.state_dict()
@@ -236,8 +236,8 @@ def _public_canonical(model: nn.Module) -> tuple[dict, dict, list[tuple[str, int
 
 def _fast_canonical(model: nn.Module) -> tuple[dict, dict, list[tuple[str, int]]] | None:
     """The same from the core's one-walk ``map_parameters``."""
-    from sparse_ckpt._torch_compat import map_parameters
-    from sparse_ckpt.keys import STRIPPED_PARTS
+    from sparse_ckpt._format.keys import STRIPPED_PARTS
+    from sparse_ckpt._torch_internals import map_parameters
 
     out = map_parameters(model, STRIPPED_PARTS, nn.parallel.DistributedDataParallel, None)
     return None if out is None else (out[1], out[2], [(fqn, id(p)) for fqn, p in out[3].items()])
@@ -335,7 +335,7 @@ def test_kept_map_follows_every_change(change: str) -> None:
     _CHANGES[change](model)
     opt = torch.optim.SGD(model.parameters(), lr=0.1)
     kept = build_fqn_map(model)
-    sparse_ckpt.fqn.clear_fqn_cache()
+    sparse_ckpt._fqn.clear_fqn_cache()
     fresh = build_fqn_map(model)
     assert kept.fqn_of == fresh.fqn_of and kept.canonical == fresh.canonical
     assert list(kept.param_of.items()) == list(fresh.param_of.items())
@@ -354,8 +354,8 @@ def test_kept_map_keeps_nothing_alive() -> None:
     del model.experts[3]
     gc.collect()
     assert dropped() is None  # the kept map holds no module or parameter
-    kept = len(sparse_ckpt.fqn._MEMOS)
+    kept = len(sparse_ckpt._fqn._MEMOS)
     gone = weakref.ref(model)
     del model
     gc.collect()
-    assert gone() is None and len(sparse_ckpt.fqn._MEMOS) <= kept - 1  # its map went with it
+    assert gone() is None and len(sparse_ckpt._fqn._MEMOS) <= kept - 1  # its map went with it

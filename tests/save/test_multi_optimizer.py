@@ -21,8 +21,8 @@ from helpers import (
 )
 
 import sparse_ckpt as sc
-from sparse_ckpt.dcp import SparseStateDict
-from sparse_ckpt.keys import PACKED_MARKER, PLANNER_GUARD_KEY, is_foreign_guard
+from sparse_ckpt._dcp.stateful import SparseStateDict
+from sparse_ckpt._format.keys import PACKED_MARKER, PLANNER_GUARD_KEY, is_foreign_guard
 
 
 def _mo(model: Any, lr_experts: float = 0.01, lr_dense: float = 0.02) -> sc.MultiOptimizer:

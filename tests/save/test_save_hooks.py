@@ -18,7 +18,7 @@ from scalar_tables import v1_state_keys
 from torch import nn
 
 import sparse_ckpt as sc
-from sparse_ckpt import adapters as adapters_mod
+from sparse_ckpt import _adapters as adapters_mod
 
 FQNS = ("a.weight", "a.bias", "b.weight")
 

@@ -22,7 +22,7 @@ from scalar_tables import as_v1, scalar_table_keys
 from torch import nn
 
 import sparse_ckpt as sc
-from sparse_ckpt.capture import capture_packed
+from sparse_ckpt._save.capture import capture_packed
 
 SHAPES = ((3,), (2, 2), (), (1, 3))
 KINDS = ("adamw", "sgd", "adagrad", "rmsprop")

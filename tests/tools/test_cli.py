@@ -21,10 +21,10 @@ from helpers import assert_optimizer_equal, moe_with_leaves, train
 from torch import nn
 
 import sparse_ckpt as sc
-from sparse_ckpt import cli
+from sparse_ckpt.tools import _cli as cli
 from sparse_ckpt.tools import inspect_checkpoint
+from sparse_ckpt.tools._reader import expand_scalar_tables, open_checkpoint, read_entries
 from sparse_ckpt.tools.inspect import expert_summary, id_ranges
-from sparse_ckpt.tools.reader import expand_scalar_tables, open_checkpoint, read_entries
 
 pytestmark = pytest.mark.filterwarnings("ignore:torch.distributed is disabled:UserWarning")
 
@@ -416,7 +416,7 @@ def test_export_command(checkpoint: tuple[Path, nn.Module, sc.MultiOptimizer], t
     r = run_cli("export", str(path), str(out), "--key", "optim")
     assert r.returncode == 0, r.stderr
     assert r.stdout.startswith(f"wrote {out}: optimizer 'optim' (packed), leaves ['dense', 'experts', 'idle'], ")
-    from sparse_ckpt.export import load_export
+    from sparse_ckpt.tools.export import load_export
 
     model2, opt2 = build(seed=1)
     model2.load_state_dict(model.state_dict())

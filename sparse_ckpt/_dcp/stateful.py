@@ -35,15 +35,7 @@ from torch.distributed.checkpoint.planner import ReadItem
 from torch.distributed.tensor import DTensor
 from torch.distributed.tensor import empty as dtensor_empty
 
-from ._dcp_paths import metadata_path, set_path
-from ._gc import gc_paused
-from ._torch_compat import called_by_dcp_load, dcp_storage_reader, saved_by_dcp_with_all_ranks
-from .buffers import DEFAULT_STATE_LAYOUT, BufferReader, StateLayout, check_state_layout
-from .capture import check_leaves
-from .errors import CheckpointFormatError, CheckpointMismatchError
-from .fqn import FqnMap, Model, build_fqn_map, validate_model
-from .item_keys import Keying
-from .keys import (
+from .._format.keys import (
     BUFFERS_PREFIX,
     GROUPS_PREFIX,
     PACKED_PREFIX,
@@ -60,10 +52,18 @@ from .keys import (
     table_kind,
     tag_has_rank,
 )
-from .load import load_owned
-from .nested import NESTED_KEYS
+from .._format.nested import NESTED_KEYS
+from .._format.tags import Keying
+from .._fqn import FqnMap, Model, build_fqn_map, validate_model
+from .._gc import gc_paused
+from .._layouts.bucketed import DEFAULT_STATE_LAYOUT, BufferReader, StateLayout, check_state_layout
+from .._load.load import load_owned
+from .._save.capture import check_leaves
+from .._save.save import FORMATS, Format, build_state_dict
+from .._torch_internals import called_by_dcp_load, dcp_storage_reader, saved_by_dcp_with_all_ranks
+from ..errors import CheckpointFormatError, CheckpointMismatchError
 from .origin import ORIGIN_KEY, origin_here, refuse_rank0_only_save
-from .save import FORMATS, Format, build_state_dict
+from .paths import metadata_path, set_path
 
 __all__ = ["SparseLoadPlanner", "SparseOptimizerState", "SparseStateDict"]
 
@@ -116,8 +116,8 @@ class SparseStateDict(dict):
 
     DCP flattens it like any dict. :class:`SparseLoadPlanner` recognises it in a load target and
     sets ``planned``. Pickling and (deep) copies produce a plain ``dict`` of the same items; in a
-    process group of several ranks plus the origin record :data:`~sparse_ckpt.origin.ORIGIN_KEY`,
-    so that a load on another rank refuses it (:mod:`sparse_ckpt.origin`).
+    process group of several ranks plus the origin record :data:`~sparse_ckpt._dcp.origin.ORIGIN_KEY`,
+    so that a load on another rank refuses it (:mod:`sparse_ckpt._dcp.origin`).
     """
 
     __slots__ = ("fmap", "origin", "owner", "planned", "reader", "unresolved")
@@ -126,7 +126,7 @@ class SparseStateDict(dict):
         super().__init__(items)
         self.owner = owner
         self.origin = origin_here()
-        """``(rank, world size)`` that made it, in a group of several ranks (see :mod:`sparse_ckpt.origin`)."""
+        """``(rank, world size)`` that made it, in a group of several ranks (see :mod:`sparse_ckpt._dcp.origin`)."""
         self.planned = False
         self.unresolved: list[str] = []
         """Checkpoint state keys the planner skipped whose FQN it could not attribute to anyone."""
@@ -160,12 +160,12 @@ class SparseOptimizerState:
 
     ``model`` is an ``nn.Module`` or a list of pipeline-parallel parts. ``optimizer`` is a
     ``torch.optim.Optimizer``, a :class:`sparse_ckpt.MultiOptimizer`, a ``Mapping[str, Optimizer]`` or a
-    trainer's optimizer container (see :func:`sparse_ckpt.leaves.named_leaves`); both are checked
+    trainer's optimizer container (see :func:`sparse_ckpt._leaves.named_leaves`); both are checked
     here. ``format`` is ``"packed"`` (default) or ``"flat"`` (torch DSD's flat layout). ``strict`` is
     passed to :func:`sparse_ckpt.load_sparse_state_dict`.
     ``state_layout`` (packed format): ``"buffers"`` writes each rank's parameter-shaped state of a
     leaf as a few 1-D items plus a layout table, ``"per_tensor"`` one item per state tensor (see
-    :mod:`sparse_ckpt.buffers`); both load into any world size, mesh or layout. Load it with
+    :mod:`sparse_ckpt._layouts.bucketed`); both load into any world size, mesh or layout. Load it with
     ``dcp.load(..., planner=sparse_ckpt.SparseLoadPlanner())``.
 
     In a process group of more than one rank, saved FQNs that the local model does not own are
@@ -195,16 +195,16 @@ class SparseOptimizerState:
     def state_dict(self) -> SparseStateDict:
         """The sparse optimizer dict (see :func:`sparse_ckpt.sparse_state_dict`), tagged for the planner.
 
-        It also holds the planner guard (:data:`sparse_ckpt.keys.PLANNER_GUARD_KEY`): a tiny
+        It also holds the planner guard (:data:`sparse_ckpt._format.keys.PLANNER_GUARD_KEY`): a tiny
         tensor item that makes ``dcp.load`` without :class:`SparseLoadPlanner` fail while planning,
         before DCP reads anything into the optimizer's live state tensors. In the packed format it
-        holds the foreign-loader guards too (:func:`sparse_ckpt.keys.foreign_guard_keys`), which make
+        holds the foreign-loader guards too (:func:`sparse_ckpt._format.keys.foreign_guard_keys`), which make
         a loader that does not know the format (torch DSD's flat or nested layout, also with
         ``allow_partial_load=True``) fail while planning instead of silently skipping the settings.
 
         Saved by ``dcp.save``/``dcp.async_save`` over the default process group, the ranks
         exchange their tables' digests (one small ``all_gather_object``) so that table keys are
-        stable from save to save (see *Table keys* in :mod:`sparse_ckpt.keys`); called any
+        stable from save to save (see *Table keys* in :mod:`sparse_ckpt._format.keys`); called any
         other way, it does not communicate.
         """
         refuse_rank0_only_save(self.optimizer)
@@ -283,7 +283,7 @@ class SparseLoadPlanner(DefaultLoadPlanner):
     A checkpoint in torch DSD's *nested* layout (``{"state": {fqn: {...}}, "param_groups": [...]}``,
     what ``get_optimizer_state_dict`` returns by default and Accelerate's FSDP2 ``save_state``
     writes) is read the same way -- every group, the local parameters' state -- and loaded by FQN
-    (see :mod:`sparse_ckpt.nested`), so existing checkpoints migrate without DSD's synthetic step.
+    (see :mod:`sparse_ckpt._format.nested`), so existing checkpoints migrate without DSD's synthetic step.
     """
 
     def __init__(

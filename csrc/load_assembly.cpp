@@ -1,6 +1,6 @@
 // The load hot path: fqns_of_groups / build_groups / cast_states (one pass per leaf from a decoded
 // checkpoint to what Optimizer.__setstate__ takes) and merge_table_settings (a decoded table's
-// settings by canonical FQN). Twins of sparse_ckpt/_core_py/load_plan.py (same calls of the callbacks,
+// settings by canonical FQN). Twins of sparse_ckpt/_core_py/load_assembly.py (same calls of the callbacks,
 // in the same order; same outputs and errors for the documented input types).
 #include <algorithm>
 
@@ -370,7 +370,7 @@ namespace sckpt {
 
 namespace {
 
-/// ``_core_py.load_plan._scalar_entry``: the scalar dict and leaf of a ``scalars_of`` value.
+/// ``_core_py.load_assembly._scalar_entry``: the scalar dict and leaf of a ``scalars_of`` value.
 std::pair<PyObject*, PyObject*> scalar_entry(py::handle fqn, PyObject* entry) {
     if (!PyTuple_CheckExact(entry) || PyTuple_GET_SIZE(entry) != 2 || !PyDict_CheckExact(PyTuple_GET_ITEM(entry, 0))) {
         raise_builtin(PyExc_TypeError, Msg() << "merge_scalars: scalars_of[" << py_repr(fqn)

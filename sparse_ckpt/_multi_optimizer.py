@@ -8,9 +8,9 @@ from typing import Any
 import torch
 from torch.utils.hooks import RemovableHandle
 
-from .buffers import DEFAULT_STATE_LAYOUT, StateLayout, check_state_layout
-from .fqn import Model, validate_model
-from .leaves import container_leaves, named_leaves
+from ._fqn import Model, validate_model
+from ._layouts.bucketed import DEFAULT_STATE_LAYOUT, StateLayout, check_state_layout
+from ._leaves import container_leaves, named_leaves
 
 
 class _MultiHandle:
@@ -36,7 +36,7 @@ class MultiOptimizer:
     ``model`` is an ``nn.Module`` or a list of pipeline-parallel parts. ``optimizers`` is a mapping
     of leaf name to optimizer (thin wrappers such as Accelerate's ``AcceleratedOptimizer`` are
     unwrapped), or a trainer's container (VeOmni ``MultiOptimizer``, torchtitan
-    ``OptimizersContainer``), whose leaves it takes (:func:`sparse_ckpt.leaves.named_leaves`); this
+    ``OptimizersContainer``), whose leaves it takes (:func:`sparse_ckpt._leaves.named_leaves`); this
     object then steps those leaves itself, not through the container.
 
     ``step``/``zero_grad`` fan out to every leaf; ``state_dict``/``load_state_dict`` use the
@@ -152,12 +152,12 @@ class MultiOptimizer:
 
         A DCP load target as well: load it with ``planner=sparse_ckpt.SparseLoadPlanner()``.
         """
-        from .dcp import SparseOptimizerState
+        from ._dcp.stateful import SparseOptimizerState
 
         return SparseOptimizerState(self.model, self, state_layout=self.state_layout).state_dict()
 
     def load_state_dict(self, state_dict: Mapping[str, Any], strict: bool = True) -> None:
         """Restore from a sparse (packed or flat) state dict, as :meth:`SparseOptimizerState.load_state_dict`."""
-        from .dcp import SparseOptimizerState
+        from ._dcp.stateful import SparseOptimizerState
 
         SparseOptimizerState(self.model, self, strict=strict, state_layout=self.state_layout).load_state_dict(state_dict)

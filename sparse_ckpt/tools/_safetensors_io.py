@@ -1,4 +1,4 @@
-"""The safetensors files of :mod:`sparse_ckpt.export`: a streaming writer and the data order.
+"""The safetensors files of :mod:`sparse_ckpt.tools.export`: a streaming writer and the data order.
 
 :func:`write_safetensors` writes the header from the planned layout first, then each tensor as it
 arrives, so only one batch of state needs to be in memory. Measured at 61x256 with 64x64 weights
@@ -19,7 +19,7 @@ from typing import Any
 
 import torch
 
-from .errors import CheckpointFormatError
+from ..errors import CheckpointFormatError
 
 __all__ = ["ST_DTYPES", "data_order", "st_dtype", "write_safetensors"]
 

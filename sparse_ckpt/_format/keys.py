@@ -64,8 +64,8 @@ table as its own item ``state.{fqn}.{key}`` (under FSDP, one DCP chunk per rank)
 ``state_layout="buffers"`` each rank writes, per leaf, the local chunks of its *parameter-shaped*
 state tensors (a plain tensor of the parameter's shape, or a DTensor with the parameter's shape,
 mesh and ``Shard``/``Replicate`` placements) into a few 1-D buffer tensors (one per dtype, split
-into buckets of at most :data:`sparse_ckpt.buffers.BUCKET_BYTES`) and a *layout table*
-(:mod:`sparse_ckpt._core_py.buffers`) saying where each ``(FQN, key)`` chunk sits, its global
+into buckets of at most :data:`sparse_ckpt._layouts.bucketed.BUCKET_BYTES`) and a *layout table*
+(:mod:`sparse_ckpt._core_py.layout_codec`) saying where each ``(FQN, key)`` chunk sits, its global
 shape and its offsets: ``state.__buffers__.{leaf}.L{rank tag}`` (sealed bytes) and
 ``state.__buffers__.{leaf}.B{bucket}{rank tag}``. Other state values stay per-item. The rank tag
 is the layout's (``w{W}r{ranks}``): ranks with identical layouts (replicas) share the keys, so
@@ -90,7 +90,7 @@ checkpoint's own FQNs (the longest one that prefixes the key), then unescapes th
 parts. The flat format cannot escape (DSD would misread it), so it refuses such keys at save
 time.
 
-**FQNs** (:mod:`sparse_ckpt.fqn`): a parameter's canonical FQN is its
+**FQNs** (:mod:`sparse_ckpt._fqn`): a parameter's canonical FQN is its
 ``named_parameters(remove_duplicate=False)`` name without the wrapper parts torch DSD drops:
 every part in :data:`STRIPPED_PARTS`, and :data:`WRAPPER_CHILD` directly under a wrapper
 instance (DDP). Adding a wrapper prefix means adding it here (and a test).
@@ -105,7 +105,7 @@ from typing import Any
 import torch
 from torch.distributed.checkpoint.metadata import TensorStorageMetadata
 
-from .errors import CheckpointFormatError
+from ..errors import CheckpointFormatError
 
 PACKED_MARKER = "__packed__"
 STATE_PREFIX = "state."
@@ -129,7 +129,7 @@ a buffer."""
 KEYS_ENTRY = "~keys"
 """The scalar-table entry listing a parameter's per-item state keys (see *State keys recorded*)."""
 PLANNER_GUARD_KEY = "__sparse_ckpt__.load_with.SparseLoadPlanner"
-"""Key of the planner guard (see :mod:`sparse_ckpt.dcp`); never part of a decoded checkpoint."""
+"""Key of the planner guard (see :mod:`sparse_ckpt._dcp.stateful`); never part of a decoded checkpoint."""
 
 FOREIGN_GUARD_SETTING = "lr"
 """The group setting a foreign loader's target has for every parameter (every torch optimizer has it)."""

@@ -15,11 +15,8 @@ from typing import Any
 
 import torch
 
-from . import _backend, buffers
-from ._tensor_parts import parts_to_tensor, tensor_to_parts
-from .errors import CheckpointFormatError, CheckpointMismatchError
-from .fqn import FqnMap
-from .keys import (
+from .. import _backend
+from .._format.keys import (
     BUFFERS_PREFIX,
     ESCAPE,
     KEYS_ENTRY,
@@ -31,7 +28,11 @@ from .keys import (
     unescape_part,
     without_foreign_guards,
 )
-from .nested import nested_kind, nested_to_sparse
+from .._format.nested import nested_kind, nested_to_sparse
+from .._format.tensor_parts import parts_to_tensor, tensor_to_parts
+from .._fqn import FqnMap
+from .._layouts import bucketed as buffers
+from ..errors import CheckpointFormatError, CheckpointMismatchError
 
 
 @dataclass
@@ -81,7 +82,7 @@ class DecodedCheckpoint:
 
     def first_source(self, canon: str, flat_fqns: Iterable[str] = ()) -> Any:
         """Where the first saved settings of ``canon`` are: ``(leaf, group index)`` of a table, or
-        the flat entries of one of ``flat_fqns`` (see :func:`~sparse_ckpt.keys.source_text`)."""
+        the flat entries of one of ``flat_fqns`` (see :func:`~sparse_ckpt._format.keys.source_text`)."""
         for leaf, gi, listed in self._table_listings():
             if listed == canon:
                 return (leaf, gi)
@@ -96,7 +97,7 @@ class GroupTable:
     """One decoded packed group table (see :func:`decode_group_tables`)."""
 
     rest: str
-    """The table's key without :data:`~sparse_ckpt.keys.PACKED_PREFIX`: ``{leaf}.{digest}``."""
+    """The table's key without :data:`~sparse_ckpt._format.keys.PACKED_PREFIX`: ``{leaf}.{digest}``."""
     leaf: str
     settings: list[dict]
     """The distinct settings, in order of first use."""
@@ -136,7 +137,7 @@ def decode_checkpoint(
     param-group entries list, and the model's aliases of them), never against the target model's
     other FQNs, so one parameter's state can never land on another whose FQN is a prefix of the
     saved key. Buffered state (``state_layout="buffers"``) is scattered into new tensors for the
-    parameters the target model has (:func:`sparse_ckpt.buffers.expand`; ``reader`` reads the
+    parameters the target model has (:func:`sparse_ckpt._layouts.bucketed.expand`; ``reader`` reads the
     buffers a DCP load left to it) and joins the per-item state.
     """
     state_dict = _other_layouts(state_dict)
@@ -352,7 +353,7 @@ def decode_scalar_tables(
     """Scalar tables (``{leaf}.{tag}`` -> bytes, as ``core.unflatten`` returns them) ->
     ``FQN -> (scalars, leaf)``.
 
-    The record of each parameter's other state keys (:data:`~sparse_ckpt.keys.KEYS_ENTRY`) is
+    The record of each parameter's other state keys (:data:`~sparse_ckpt._format.keys.KEYS_ENTRY`) is
     taken out of its scalars; with ``keys_of`` given, it is put there (``FQN -> (keys, leaf)``) for
     every known FQN whose table has it (tables written before the record have none).
 
@@ -402,7 +403,7 @@ def decode_scalar_tables(
 
 
 def _recorded_keys(table_key: str, keys: Any) -> tuple[str, ...] | None:
-    """A :data:`~sparse_ckpt.keys.KEYS_ENTRY` entry as a tuple of str (a key that UTF-8 could not
+    """A :data:`~sparse_ckpt._format.keys.KEYS_ENTRY` entry as a tuple of str (a key that UTF-8 could not
     encode is recorded as its surrogate-passing UTF-8 bytes); ``None`` when there is none."""
     if keys is None:
         return None
@@ -445,7 +446,7 @@ def merge_scalars(state_of: dict[str, dict], scalars_of: Mapping[str, tuple[dict
 
 
 def _other_layouts(state_dict: Mapping[str, Any]) -> Mapping[str, Any]:
-    """DSD's nested FQN-keyed dict as its packed equivalent (:mod:`sparse_ckpt.nested`); a torch
+    """DSD's nested FQN-keyed dict as its packed equivalent (:mod:`sparse_ckpt._format.nested`); a torch
     ``Optimizer.state_dict()`` (int ids) is refused with what to call instead; others as they are."""
     kind = nested_kind(state_dict)
     if kind is None:

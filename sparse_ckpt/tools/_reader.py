@@ -1,4 +1,4 @@
-"""The shared checkpoint reader of the tools and of :mod:`sparse_ckpt.export`.
+"""The shared checkpoint reader of the tools and of :mod:`sparse_ckpt.tools.export`.
 
 Opens a DCP checkpoint without a model (:func:`open_checkpoint`), reads chosen items in this
 process a bounded number of bytes at a time (:func:`read_entries`, :func:`batches`) and decodes
@@ -29,13 +29,9 @@ from torch.distributed.checkpoint.metadata import Metadata, StorageMeta, TensorS
 from torch.distributed.checkpoint.planner import ReadItem
 
 from .. import _backend
-from .._tensor_parts import tensor_to_parts
-from ..buffers import layout_view
-from ..checkpoint_io import METADATA_FILE, OptimizerEntries, read_metadata, set_path
-from ..dcp import SparseLoadPlanner, weights_only_item
-from ..decode import check_complete, decode_group_tables, decode_scalar_tables, merge_scalars
-from ..errors import CheckpointFormatError, NotACheckpointError, SparseCheckpointError, UsageError
-from ..keys import (
+from .._dcp.metadata import METADATA_FILE, OptimizerEntries, read_metadata, set_path
+from .._dcp.stateful import SparseLoadPlanner, weights_only_item
+from .._format.keys import (
     BUFFERS_PREFIX,
     PACKED_PREFIX,
     SCALARS_PREFIX,
@@ -48,8 +44,12 @@ from ..keys import (
     packed_table_key,
     state_key,
 )
-from ..leaves import SINGLE_LEAF
-from ..nested import NESTED_KEYS, nested_to_sparse
+from .._format.nested import NESTED_KEYS, nested_to_sparse
+from .._format.tensor_parts import tensor_to_parts
+from .._layouts.bucketed import layout_view
+from .._leaves import SINGLE_LEAF
+from .._load.decode import check_complete, decode_group_tables, decode_scalar_tables, merge_scalars
+from ..errors import CheckpointFormatError, NotACheckpointError, SparseCheckpointError, UsageError
 
 __all__ = [
     "BATCH_BYTES",
@@ -266,7 +266,7 @@ def split_optimizer(values: Mapping[str, Any]) -> tuple[dict[str, list[Group]], 
     Per-item state values and buffers may be DCP metadata objects instead of tensors (only their
     keys, dtypes and sizes matter here); tables and layout tables must be their bytes. Scalars
     (values: CPU tensors and Python scalars) lead each FQN's state as on load; buffered state
-    appears as per-item metadata (:func:`~sparse_ckpt.buffers.layout_view`). A state key that a
+    appears as per-item metadata (:func:`~sparse_ckpt._layouts.bucketed.layout_view`). A state key that a
     scalar table records for a parameter but no entry holds is a :class:`CheckpointMismatchError`
     (an incomplete checkpoint).
     """
@@ -313,7 +313,7 @@ def select_optimizers(found: list[OptimizerEntries], key: str | None) -> list[Op
 
 def _metadata_only(inner: str) -> bool:
     """An entry the tools see through its DCP metadata, not read: a per-item state value
-    (:func:`~sparse_ckpt.keys.is_state_item`) or a buffer (:func:`~sparse_ckpt.keys.is_buffer_item`)."""
+    (:func:`~sparse_ckpt._format.keys.is_state_item`) or a buffer (:func:`~sparse_ckpt._format.keys.is_buffer_item`)."""
     return is_state_item(inner) or is_buffer_item(inner)
 
 
@@ -338,7 +338,7 @@ def entry_values(opt: OptimizerEntries, metadata: Metadata, read: Mapping[str, A
 
 def sparse_values(opt: OptimizerEntries, values: Mapping[str, Any]) -> dict[str, Any]:
     """``values`` (``opt``'s entries by inner key) with torch DSD's nested entries rebuilt into
-    their dict and rewritten into its packed equivalent (:func:`sparse_ckpt.nested.nested_to_sparse`:
+    their dict and rewritten into its packed equivalent (:func:`sparse_ckpt._format.nested.nested_to_sparse`:
     one group table of leaf ``optim``, ``state.{fqn}.{key}`` entries); any other entry as it is."""
     if not opt.nested:
         return dict(values)

@@ -14,11 +14,11 @@ from typing import Any
 
 import torch
 
-from . import _backend
-from ._torch_compat import state_dict_post_hooks, state_dict_pre_hooks, tensor_version
-from .adapters import adapter_for
-from .errors import CheckpointFormatError, ReentrantSerializationError, UnsupportedStateDictError
-from .leaves import held_optimizers_hint, named_leaves
+from .. import _backend
+from .._adapters import adapter_for
+from .._leaves import held_optimizers_hint, named_leaves
+from .._torch_internals import state_dict_post_hooks, state_dict_pre_hooks, tensor_version
+from ..errors import CheckpointFormatError, ReentrantSerializationError, UnsupportedStateDictError
 
 _BASE_STATE_DICT = torch.optim.Optimizer.state_dict
 
@@ -81,7 +81,7 @@ def check_supported(leaf: str, optimizer: Any) -> Any:
 
 
 def check_leaves(optimizer: Any) -> list[tuple[str, torch.optim.Optimizer]]:
-    """:func:`sparse_ckpt.leaves.named_leaves`, each leaf checked as a save would check it (so a wrong
+    """:func:`sparse_ckpt._leaves.named_leaves`, each leaf checked as a save would check it (so a wrong
     object fails where it is handed over, not later inside ``dcp.save``)."""
     leaves = named_leaves(optimizer)
     for leaf, opt in leaves:

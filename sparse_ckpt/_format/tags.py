@@ -1,5 +1,5 @@
 """How one save names its table items: stable keys, values move (see *Table keys* in
-:mod:`sparse_ckpt.keys`).
+:mod:`sparse_ckpt._format.keys`).
 
 A save collects its tables as *slots* (one per table: which table of which leaf, and its content
 digest) and asks a :class:`Keying` for their tags. In one process every tag is ``w1r0``. Ranks
@@ -56,7 +56,7 @@ class Keying:
 
     def assign(self, slots: list[Slot]) -> list[tuple[str, bytes]]:
         """``(tag, value)`` of every slot, in order: rank-tagged values are sealed
-        (:func:`~sparse_ckpt.keys.seal`), digest-tagged ones are the table itself."""
+        (:func:`~sparse_ckpt._format.keys.seal`), digest-tagged ones are the table itself."""
         if self.world == 1:
             tag = rank_tag(1, [0])
             return [(tag, seal(s.payload)) for s in slots]

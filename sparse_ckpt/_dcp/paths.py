@@ -1,7 +1,7 @@
 """DCP object paths: where a flattened checkpoint key sits in the nested state dict that was saved.
 
-Shared by the load planner (:mod:`sparse_ckpt.dcp`) and the checkpoint reader
-(:mod:`sparse_ckpt.checkpoint_io`), so neither imports the other for it.
+Shared by the load planner (:mod:`sparse_ckpt._dcp.stateful`) and the checkpoint reader
+(:mod:`sparse_ckpt._dcp.metadata`), so neither imports the other for it.
 """
 
 from __future__ import annotations

@@ -9,7 +9,7 @@
 This is what Hugging Face Accelerate's FSDP2 ``save_state`` writes (under ``"optimizer"`` in
 ``optimizer_{i}``) and what many trainers save. :func:`nested_to_sparse` rewrites such a dict
 into the packed format's equivalent -- every group as it is, in order, in one group table of
-leaf :data:`~sparse_ckpt.leaves.SINGLE_LEAF`, and each state value as its own item -- so every
+leaf :data:`~sparse_ckpt._leaves.SINGLE_LEAF`, and each state value as its own item -- so every
 reader (``load_sparse_state_dict``, the DCP planner, the CLI) reads it exactly as it reads a
 sparse checkpoint: by FQN, settings of every group, state only where the dict has state.
 
@@ -25,11 +25,11 @@ from typing import Any
 
 import torch
 
-from . import _backend
-from ._tensor_parts import tensor_to_parts
-from .errors import CheckpointFormatError
+from .. import _backend
+from .._leaves import SINGLE_LEAF
+from ..errors import CheckpointFormatError
 from .keys import packed_table_key
-from .leaves import SINGLE_LEAF
+from .tensor_parts import tensor_to_parts
 
 __all__ = ["NESTED_KEYS", "nested_kind", "nested_to_sparse"]
 

@@ -9,7 +9,7 @@ writes one optimizer of a DCP checkpoint into a directory that holds no pickle a
   checkpoint's packed version), and every packed group table as a 1-d ``uint8`` tensor named
   by its key (``param_groups.__packed__.{leaf}.{digest}``). Flat-format group settings are
   packed into one table of leaf ``leaf`` (one group per distinct settings), so an export always
-  carries binary tables (the codec of :mod:`sparse_ckpt.keys`, which never unpickles).
+  carries binary tables (the codec of :mod:`sparse_ckpt._format.keys`, which never unpickles).
 * ``manifest.json`` (written last: an export is complete exactly when it exists) -- format and
   version, the source, the leaves with their group and parameter counts, and non-tensor state
   values, which must be JSON-representable (``None``, ``bool``, ``int``, ``float``, ``str``,
@@ -42,14 +42,9 @@ import torch
 from torch.distributed.checkpoint.metadata import TensorStorageMetadata
 from torch.distributed.tensor import DTensor, distribute_tensor
 
-from ._safetensors_io import data_order, st_dtype, write_safetensors
-from ._version import __version__
-from .checkpoint_io import find_optimizers
-from .dcp import multi_rank
-from .decode import decode_group_tables, table_fqns
-from .errors import CheckpointFormatError, UsageError
-from .fqn import Model, build_fqn_map
-from .keys import (
+from .._dcp.metadata import find_optimizers
+from .._dcp.stateful import multi_rank
+from .._format.keys import (
     BUFFERS_PREFIX,
     PACKED_PREFIX,
     SCALARS_PREFIX,
@@ -59,9 +54,13 @@ from .keys import (
     last_part,
     owner_fqn,
 )
-from .leaves import SINGLE_LEAF
-from .load import load_owned
-from .tools.reader import (
+from .._fqn import Model, build_fqn_map
+from .._leaves import SINGLE_LEAF
+from .._load.decode import decode_group_tables, table_fqns
+from .._load.load import load_owned
+from .._version import __version__
+from ..errors import CheckpointFormatError, UsageError
+from ._reader import (
     BATCH_BYTES,
     Group,
     batches,
@@ -77,6 +76,7 @@ from .tools.reader import (
     select_optimizers,
     split_optimizer,
 )
+from ._safetensors_io import data_order, st_dtype, write_safetensors
 
 __all__ = [
     "EXPORT_FORMAT",
@@ -89,7 +89,7 @@ __all__ = [
     "read_export",
 ]
 
-EXPORT_FORMAT = "sparse_ckpt.export"
+EXPORT_FORMAT = "sparse_ckpt.tools.export"
 EXPORT_VERSION = 1
 MANIFEST_FILE = "manifest.json"
 TENSORS_FILE = "optimizer.safetensors"
@@ -120,7 +120,7 @@ def _require_safetensors() -> Any:
     try:
         import safetensors
     except ImportError:
-        raise ImportError("sparse_ckpt.export needs the safetensors package: pip install safetensors") from None
+        raise ImportError("sparse_ckpt.tools.export needs the safetensors package: pip install safetensors") from None
     return safetensors
 
 

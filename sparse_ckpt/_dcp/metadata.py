@@ -2,7 +2,7 @@
 
 Only public DCP API is used (``FileSystemReader.read_metadata``). :func:`find_optimizers` finds
 each optimizer's entries (sparse packed/flat, or torch DSD's nested layout) by their flattened
-keys, which is what DCP matches on; :mod:`sparse_ckpt.tools.reader` reads them.
+keys, which is what DCP matches on; :mod:`sparse_ckpt.tools._reader` reads them.
 """
 
 from __future__ import annotations
@@ -13,10 +13,10 @@ from dataclasses import dataclass, field
 from torch.distributed.checkpoint import FileSystemReader
 from torch.distributed.checkpoint.metadata import Metadata
 
-from ._dcp_paths import ObjPath, metadata_path, set_path
-from .errors import NotACheckpointError
-from .keys import GROUPS_PREFIX, OPTIMIZER_PREFIXES, is_foreign_guard
-from .nested import NESTED_KEYS
+from .._format.keys import GROUPS_PREFIX, OPTIMIZER_PREFIXES, is_foreign_guard
+from .._format.nested import NESTED_KEYS
+from ..errors import NotACheckpointError
+from .paths import ObjPath, metadata_path, set_path
 
 __all__ = [
     "METADATA_FILE",
@@ -55,14 +55,14 @@ class OptimizerEntries:
     """Key inside the optimizer dict (``state.*``, ``param_groups.*``; the packed format's scalar
     tables ``state.__packed__.*`` among the ``state.*`` keys) -> flattened checkpoint key."""
     guards: list[str] = field(default_factory=list)
-    """Flattened keys of its foreign-loader guards (:func:`sparse_ckpt.keys.foreign_guard_keys`),
+    """Flattened keys of its foreign-loader guards (:func:`sparse_ckpt._format.keys.foreign_guard_keys`),
     not in ``inner``: they hold nothing to read."""
     nested: dict[str, ObjPath] = field(default_factory=dict)
     """torch DSD's nested layout (``{"state": {fqn: {...}}, "param_groups": [...]}``): each such
     inner key (the item's dotted path below the prefix) -> its object path below the prefix
     (``("state", fqn, key)``, ``("param_groups", i, key)``); empty for sparse and flat entries.
-    :func:`sparse_ckpt.tools.reader.sparse_values` rewrites their values into the packed
-    equivalent (:mod:`sparse_ckpt.nested`)."""
+    :func:`sparse_ckpt.tools._reader.sparse_values` rewrites their values into the packed
+    equivalent (:mod:`sparse_ckpt._format.nested`)."""
 
     @property
     def name(self) -> str:

@@ -28,8 +28,8 @@ import torch
 from torch import nn
 
 from . import _backend
-from ._torch_compat import map_parameters
-from .keys import STRIPPED_PARTS, WRAPPER_CHILD
+from ._format.keys import STRIPPED_PARTS, WRAPPER_CHILD
+from ._torch_internals import map_parameters
 
 
 @dataclass

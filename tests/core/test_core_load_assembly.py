@@ -1,4 +1,4 @@
-"""Differential tests of the load-plan and save-ownership core functions (``csrc/load_plan.cpp``,
+"""Differential tests of the load-plan and save-ownership core functions (``csrc/load_assembly.cpp``,
 ``csrc/save_pass.cpp``) against their Python twins: same results, same callback calls in the
 same order, same exceptions and messages. Random inputs (hypothesis, derandomized) plus edge cases.
 """
@@ -17,9 +17,9 @@ from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
 from sparse_ckpt import _core_py as P
-from sparse_ckpt.apply import cast_tensor, cast_value, copy_settings
+from sparse_ckpt._load.apply import cast_tensor, cast_value, copy_settings
+from sparse_ckpt._load.load import _check_state_shapes
 from sparse_ckpt.errors import CheckpointFormatError, CheckpointMismatchError
-from sparse_ckpt.load import _check_state_shapes
 
 C = _backends.cpp_core()  # (skips the module where _C is not built, unless SPARSE_CKPT_REQUIRE_CPP)
 
@@ -275,7 +275,7 @@ def test_capture_fqns_shares_settings_of_identical_groups() -> None:
     """Groups whose keys and values are the same objects share one settings dict (torch shares a
     default among the groups that did not set it), in both cores; an equal value that is another
     object, or another key order, gets its own dict; the table is the same bytes either way."""
-    from sparse_ckpt._tensor_parts import tensor_to_parts
+    from sparse_ckpt._format.tensor_parts import tensor_to_parts
 
     lr, betas = 0.1, (0.9, 0.99)
     params = [torch.nn.Parameter(torch.zeros(1)) for _ in range(5)]

@@ -24,7 +24,7 @@ from typing import Any
 
 import torch.distributed as dist
 
-from .errors import CrossRankStateError
+from ..errors import CrossRankStateError
 
 __all__ = ["ORIGIN_KEY", "USE_INSTEAD", "origin_here", "refuse_rank0_only_save", "strip_origin"]
 

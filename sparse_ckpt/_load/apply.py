@@ -16,10 +16,10 @@ from typing import Any
 
 import torch
 
-from ._immutable import IMMUTABLE_TYPES, is_immutable
-from ._torch_compat import load_state_dict_post_hooks, load_state_dict_pre_hooks
-from .errors import CheckpointMismatchError
-from .keys import STEP_KEY
+from .._format.keys import STEP_KEY
+from .._immutable import IMMUTABLE_TYPES, is_immutable
+from .._torch_internals import load_state_dict_post_hooks, load_state_dict_pre_hooks
+from ..errors import CheckpointMismatchError
 
 _BASE_LOAD_STATE_DICT = torch.optim.Optimizer.load_state_dict
 

@@ -1,4 +1,4 @@
-"""Twin of csrc/buffers.cpp: the ``state_layout="buffers"`` layout tables and the scatter plan.
+"""Twin of csrc/layout_codec.cpp: the ``state_layout="buffers"`` layout tables and the scatter plan.
 
 A *layout table* describes the buffers one rank wrote for one leaf: per bucket (one 1-D buffer
 item of one dtype) the state tensor chunks it holds, in order, each with its parameter's FQN, its

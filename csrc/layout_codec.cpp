@@ -1,5 +1,5 @@
 // encode_layout / plan_scatter: the layout tables of state_layout="buffers" and the scatter plan
-// of a load. Twin of sparse_ckpt/_core_py/buffers.py. The layout table format is specified in
+// of a load. Twin of sparse_ckpt/_core_py/layout_codec.py. The layout table format is specified in
 // docs/formats.md ("Layout codec").
 // Every read is bounds-checked and every count checked against the remaining bytes before any
 // allocation; element counts are computed in 128 bits, so no input overflows.

@@ -4,7 +4,7 @@ Save (:func:`collect`, :func:`fill`): per leaf, every state tensor shaped like i
 plain tensor of the parameter's shape, or a DTensor with the parameter's shape, mesh and
 ``Shard``/``Replicate`` placements) leaves the per-item entries; its local chunk goes into a 1-D
 buffer of its dtype (buckets of at most :data:`BUCKET_BYTES`), and the core's layout table
-records where (see :mod:`sparse_ckpt._core_py.buffers`, keys in :mod:`sparse_ckpt.keys`).
+records where (see :mod:`sparse_ckpt._core_py.layout_codec`, keys in :mod:`sparse_ckpt._format.keys`).
 
 Load (:func:`expand`): the layout tables of a leaf and this rank's parameters give the core's
 scatter plan; each needed buffer is read once (from the dict, or through a :class:`BufferReader`
@@ -25,10 +25,8 @@ import torch
 from torch.distributed.tensor import DTensor, Replicate, Shard
 from torch.distributed.tensor import empty as dtensor_empty
 
-from . import _backend
-from .errors import CheckpointFormatError, CheckpointMismatchError
-from .fqn import FqnMap
-from .keys import (
+from .. import _backend
+from .._format.keys import (
     BUFFERS_PREFIX,
     STATE_PREFIX,
     buffer_tag,
@@ -39,6 +37,8 @@ from .keys import (
     layout_tag,
     split_buffers_key,
 )
+from .._fqn import FqnMap
+from ..errors import CheckpointFormatError, CheckpointMismatchError
 
 BUCKET_BYTES = 256 * 2**20
 """Largest buffer item (bytes) unless one state chunk is larger (it then gets a bucket of its own).
@@ -171,7 +171,7 @@ class _LeafItems:
 
 
 class BufferReader:
-    """Reads buffer and layout items that a DCP load did not plan (see :mod:`sparse_ckpt.dcp`):
+    """Reads buffer and layout items that a DCP load did not plan (see :mod:`sparse_ckpt._dcp.stateful`):
     ``keys`` maps each buffers key of the optimizer dict to its flattened DCP key (all of the
     checkpoint's, read or not)."""
 
@@ -187,7 +187,7 @@ class BufferReader:
 
 def split_items(keys: Iterable[str], flat: Mapping[str, Any]) -> dict[str, _LeafItems]:
     """The layout tables and buffers among ``keys`` (keys of ``flat`` starting with
-    :data:`~sparse_ckpt.keys.BUFFERS_PREFIX`), by leaf."""
+    :data:`~sparse_ckpt._format.keys.BUFFERS_PREFIX`), by leaf."""
     by_leaf: dict[str, _LeafItems] = {}
     for key in keys:
         leaf, kind, bucket, ranks = split_buffers_key(key[len(BUFFERS_PREFIX) :])

@@ -13,9 +13,15 @@ from typing import Any
 
 import torch
 
-from . import _backend
-from ._gc import gc_paused
-from ._torch_compat import load_state_dict_pre_hooks
+from .. import _backend
+from .._dcp.origin import strip_origin
+from .._format.keys import STATE_PREFIX, STEP_KEY, owner_fqn
+from .._fqn import FqnMap, Model, build_fqn_map
+from .._gc import gc_paused
+from .._layouts.bucketed import BufferReader
+from .._leaves import named_leaves
+from .._torch_internals import load_state_dict_pre_hooks
+from ..errors import CheckpointMismatchError, SparseCheckpointError
 from .apply import (
     PreparedLoad,
     cast_tensor,
@@ -28,13 +34,7 @@ from .apply import (
     run_post_hooks,
     snapshot,
 )
-from .buffers import BufferReader
 from .decode import DecodedCheckpoint, decode_checkpoint
-from .errors import CheckpointMismatchError, SparseCheckpointError
-from .fqn import FqnMap, Model, build_fqn_map
-from .keys import STATE_PREFIX, STEP_KEY, owner_fqn
-from .leaves import named_leaves
-from .origin import strip_origin
 
 
 def _check_state_shapes(leaf: str, fqn: str, param: torch.Tensor, state: Any, path: str = "") -> None:
@@ -205,7 +205,7 @@ def load_owned(
     be present. ``fmap``: the model's
     FQN map when the caller built it during the same operation (the DCP planner), else built here.
     ``reader``: reads buffer items a DCP load left to the optimizer (``state_layout="buffers"``).
-    A dict that records another rank as its origin is refused (:func:`sparse_ckpt.origin.strip_origin`)."""
+    A dict that records another rank as its origin is refused (:func:`sparse_ckpt._dcp.origin.strip_origin`)."""
     state_dict = strip_origin(state_dict)
     with gc_paused():
         _load(model, optimizer, state_dict, strict, unowned_are_other_ranks, fmap, reader)

@@ -6,15 +6,8 @@ from typing import Any, Literal
 
 import torch
 
-from . import _backend, buffers
-from ._gc import gc_paused
-from ._tensor_parts import CODEC_DTYPES, tensor_to_parts
-from .buffers import StateLayout, check_state_layout
-from .capture import capture_by_fqn
-from .errors import CheckpointFormatError, CheckpointMismatchError
-from .fqn import Model, build_fqn_map
-from .item_keys import Keying, Slot
-from .keys import (
+from .. import _backend
+from .._format.keys import (
     PACKED_PREFIX,
     RESERVED_FQN_PREFIXES,
     SCALARS_PREFIX,
@@ -25,7 +18,15 @@ from .keys import (
     table_digest,
     table_item_key,
 )
-from .leaves import named_leaves
+from .._format.tags import Keying, Slot
+from .._format.tensor_parts import CODEC_DTYPES, tensor_to_parts
+from .._fqn import Model, build_fqn_map
+from .._gc import gc_paused
+from .._layouts import bucketed as buffers
+from .._layouts.bucketed import StateLayout, check_state_layout
+from .._leaves import named_leaves
+from ..errors import CheckpointFormatError, CheckpointMismatchError
+from .capture import capture_by_fqn
 
 Format = Literal["packed", "flat"]
 FORMATS = ("packed", "flat")
@@ -58,14 +59,14 @@ def sparse_state_dict(
     as one binary table ``param_groups.__packed__.{leaf}.{tag}``; ``format="flat"`` uses torch
     DSD's ``param_groups.{fqn}.{key}`` layout. Nothing is mutated and no step is run.
 
-    Table keys (see :mod:`sparse_ckpt.keys`, *Table keys*): ``w1r0`` in one process; in a
+    Table keys (see :mod:`sparse_ckpt._format.keys`, *Table keys*): ``w1r0`` in one process; in a
     process group of several ranks this function cannot coordinate with the others, so tables
     are keyed by their content digest (a :class:`~sparse_ckpt.SparseOptimizerState` saved by
     ``dcp.save`` gets stable, rank-set keys instead).
 
     ``state_layout="buffers"`` (packed format only) puts each leaf's parameter-shaped state
     tensors into a few 1-D buffers with a layout table instead of one item per tensor (see
-    :mod:`sparse_ckpt.buffers`); ``"per_tensor"`` writes one item per tensor.
+    :mod:`sparse_ckpt._layouts.bucketed`); ``"per_tensor"`` writes one item per tensor.
     """
     if format not in FORMATS:
         raise ValueError(f"format must be one of {FORMATS}, got {format!r}")
@@ -85,7 +86,7 @@ def build_state_dict(
 ) -> dict[str, Any]:
     """:func:`sparse_state_dict` with the table keys chosen by ``keying`` (called with gc paused);
     ``guards=True`` (what the DCP ``Stateful`` saves, packed format) adds the foreign-loader guards
-    (:func:`sparse_ckpt.keys.foreign_guard_keys`)."""
+    (:func:`sparse_ckpt._format.keys.foreign_guard_keys`)."""
     core = _backend.core
     fmap = build_fqn_map(model)
     parts: list[Any] = []  # items, (prefix, leaf) of the next table slot, or (leaf, buffers) of the next layout slot

@@ -1,7 +1,7 @@
 """``python -m sparse_ckpt``: inspect, verify, diff, convert and export the optimizer part of DCP checkpoints.
 
 The commands, their options, output and exit statuses are documented in docs/cli.md. The work is
-done by :mod:`sparse_ckpt.tools` and :mod:`sparse_ckpt.export`; this module parses arguments
+done by :mod:`sparse_ckpt.tools` and :mod:`sparse_ckpt.tools.export`; this module parses arguments
 and prints.
 """
 
@@ -16,14 +16,14 @@ from collections.abc import Callable, Sequence
 import torch
 from torch.distributed.checkpoint import CheckpointException
 
-from . import _backend
-from ._version import __version__
-from .errors import NotACheckpointError, SparseCheckpointError, UsageError
-from .leaves import SINGLE_LEAF
-from .tools import convert_checkpoint, diff_checkpoints, verify_checkpoint
-from .tools.diff import format_diff
-from .tools.inspect import format_inspect, inspect_details, jsonable
-from .tools.verify import format_verify
+from .. import _backend
+from .._leaves import SINGLE_LEAF
+from .._version import __version__
+from ..errors import NotACheckpointError, SparseCheckpointError, UsageError
+from . import convert_checkpoint, diff_checkpoints, verify_checkpoint
+from .diff import format_diff
+from .inspect import format_inspect, inspect_details, jsonable
+from .verify import format_verify
 
 __all__ = ["main"]
 

@@ -1,7 +1,7 @@
-"""Python twins of ``csrc/load_plan.cpp``: one pass per leaf from a decoded checkpoint to the
+"""Python twins of ``csrc/load_assembly.cpp``: one pass per leaf from a decoded checkpoint to the
 objects ``Optimizer.__setstate__`` takes (part of :mod:`sparse_ckpt._core_py`).
 
-Input contract (narrow on purpose; :mod:`sparse_ckpt.load` passes only these): ``param_groups``
+Input contract (narrow on purpose; :mod:`sparse_ckpt._load.load` passes only these): ``param_groups``
 is an optimizer's ``param_groups`` (a list of dicts, each with a ``"params"`` list);
 ``fqn_of``/``settings_of``/``state_of`` are plain dicts; state values are plain dicts.
 Anything outside the fast paths is handed to the callbacks the caller passes, so both twins
@@ -13,8 +13,8 @@ from __future__ import annotations
 from collections.abc import Callable
 from typing import Any
 
+from .._format.keys import STEP_KEY, state_key
 from .._immutable import is_immutable
-from ..keys import STEP_KEY, state_key
 from .errors import CheckpointFormatError, CheckpointMismatchError
 
 

@@ -1,0 +1,1 @@
+"""The torch.distributed.checkpoint (DCP) integration: the Stateful, the load planner, DCP items."""

@@ -1,0 +1,1 @@
+"""Load: decode a sparse optimizer dict, match it by FQN and apply it, transactionally."""

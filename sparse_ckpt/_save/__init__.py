@@ -1,0 +1,1 @@
+"""Save: capture each optimizer leaf as torch would and emit the sparse dict."""
