@@ -19,7 +19,8 @@ from __future__ import annotations
 
 from ._adapters import AdapterHandle, register_state_dict_adapter
 from ._backend import backend
-from ._dcp.stateful import SparseLoadPlanner, SparseOptimizerState
+from ._dcp.planner import SparseLoadPlanner
+from ._dcp.stateful import SparseOptimizerState
 from ._fqn import clear_fqn_cache
 from ._load.load import load_sparse_state_dict
 from ._multi_optimizer import MultiOptimizer

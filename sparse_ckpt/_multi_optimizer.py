@@ -9,7 +9,7 @@ import torch
 from torch.utils.hooks import RemovableHandle
 
 from ._fqn import Model, validate_model
-from ._layouts.bucketed import DEFAULT_STATE_LAYOUT, StateLayout, check_state_layout
+from ._layouts import DEFAULT_STATE_LAYOUT, StateLayout, check_state_layout
 from ._leaves import container_leaves, named_leaves
 
 

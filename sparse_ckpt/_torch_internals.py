@@ -1,17 +1,39 @@
-"""The few private torch attributes sparse_ckpt must touch, isolated in one place.
+"""The one door to torch internals: every private attribute, caller frame and private function
+sparse_ckpt touches is read here, and only here.
 
-torch exposes ``register_*_hook`` but no public way to enumerate an optimizer's registered
-state-dict hooks; reproducing ``Optimizer.state_dict``/``load_state_dict`` faithfully needs them.
+Each access is listed in :data:`ACCESSES` with the torch versions it was checked on;
+tests/core/test_torch_internals.py checks every one against the installed torch and fails loudly,
+naming the access, when a torch release moves one. Where a public path exists the library takes
+it instead (the checkpoint tools hand their storage reader to the item reader explicitly; only a
+load planner inside ``dcp.load`` has to find it on the stack).
+
+Why each is needed:
+
+* an optimizer's registered ``state_dict``/``load_state_dict`` hooks: torch has ``register_*_hook``
+  but no public way to enumerate them, and reproducing ``Optimizer.state_dict`` faithfully needs them;
+* a tensor's ``_version`` counter: the only way to see that an adapter changed a state tensor in place;
+* ``Module._modules``/``Module._parameters`` (read by the core's ``map_parameters``, handed the base
+  ``named_modules``/``named_parameters`` from here): the FQN walk without a recursive generator;
+* caller frames of DCP's ``load``, ``save``/``async_save`` and ``_load_state_dict``: whether a
+  ``Stateful.state_dict()`` builds a load target or a dict to save, whether every rank of the
+  default group saves together, and the ``StorageReader`` of the load a planner runs in;
+* caller frames of Accelerate's ``save_custom_state`` (a rank-0-only pickle, refused);
+* live frames of every thread: a capture of an optimizer already being captured (reentrancy);
+* ``torch.Tensor._make_subclass`` and DCP's tensor protocol (``__create_chunk_list__``,
+  ``__get_tensor_shard__``): the planner guard, and a DTensor's local chunk.
 """
 
 from __future__ import annotations
 
+import sys
 from collections.abc import Callable
+from types import FrameType
 from typing import Any
 
 import torch
 
 from . import _backend
+from ._dist import initialised, is_default_group
 
 
 def state_dict_pre_hooks(opt: torch.optim.Optimizer) -> list[Callable[..., Any]]:
@@ -98,21 +120,17 @@ def saved_by_dcp_with_all_ranks(frame: Any) -> bool:
     collective there is safe. ``False`` whenever that cannot be told (another torch layout, a
     save over another process group, ``no_dist``, ``use_collectives=False``): the caller then
     does not coordinate, which is always correct (keys by content digest), only not cacheable."""
-    import torch.distributed as dist
-
     f = frame
     for _ in range(_SAVE_FRAMES):
         if f is None:
             return False
         if f.f_code in _DCP_SAVE_CODES:
             local = f.f_locals
-            group = local.get("process_group")
             return (
                 not local.get("no_dist", False)
                 and local.get("use_collectives", True) is True
-                and dist.is_available()
-                and dist.is_initialized()
-                and (group is None or group is dist.group.WORLD)
+                and initialised()
+                and is_default_group(local.get("process_group"))
             )
         f = f.f_back
     return False
@@ -138,3 +156,106 @@ def dcp_storage_reader(frame: Any) -> Any:
             return reader if callable(getattr(reader, "read_data", None)) else None
         f = f.f_back
     return None
+
+
+def caller_frame(depth: int = 1) -> FrameType | None:
+    """The frame ``depth`` calls above the caller of this function (``1``: the caller's caller)."""
+    try:
+        return sys._getframe(depth + 1)
+    except ValueError:  # pragma: no cover - the stack is not that deep
+        return None
+
+
+_ACCELERATE_CUSTOM_SAVE = ("accelerate.checkpointing", "save_custom_state")
+"""The function of Accelerate (``save_state`` -> registered objects) that pickles ``obj.state_dict()``
+of the main process only."""
+_ACCELERATE_FRAMES = 4
+"""How many callers of ``state_dict()`` are looked at (``MultiOptimizer.state_dict`` adds one)."""
+
+
+def called_by_accelerate_custom_save(depth: int = 1) -> bool:
+    """Whether one of the few callers above ``depth`` (``1``: the caller's caller) is Accelerate's
+    ``save_custom_state`` (what ``register_for_checkpointing`` objects are saved by)."""
+    frame = caller_frame(depth + 1)
+    for _ in range(_ACCELERATE_FRAMES):
+        if frame is None:
+            return False
+        if (frame.f_globals.get("__name__"), frame.f_code.co_name) == _ACCELERATE_CUSTOM_SAVE:
+            return True
+        frame = frame.f_back
+    return False
+
+
+_CAPTURES: list[object] = []
+"""One token per capture in progress, in any thread. Only a hint for :func:`captured_elsewhere`
+(while it holds one token, other threads' stacks need no scan): an interrupt that leaves a token
+behind costs wider scans, never a wrong answer."""
+
+
+class tracking_capture:  # a context manager, named like the functions that use it
+    """``with tracking_capture():`` around a capture: counts it in :data:`_CAPTURES`."""
+
+    __slots__ = ("_token",)
+
+    def __enter__(self) -> None:
+        self._token = object()
+        _CAPTURES.append(self._token)
+
+    def __exit__(self, *exc: object) -> None:
+        _CAPTURES.remove(self._token)
+
+
+def captured_elsewhere(frame: FrameType, name: str, value: object) -> bool:
+    """Whether a live frame other than ``frame`` runs ``frame``'s code with local ``name`` bound to
+    ``value``: a hook that calls back into the same capture (this thread's stack), or another
+    thread capturing it (other threads' stacks, scanned only while another capture is in progress,
+    see :data:`_CAPTURES`). There is no "in progress" mark to take or release, so no interrupt, at
+    any point, can leave one behind. Of two threads that overlap, the later one to start sees the
+    earlier; both may."""
+    code = frame.f_code
+    frames = sys._current_frames().values() if len(_CAPTURES) > 1 else (sys._getframe(1),)
+    f: FrameType | None = None
+    try:
+        for f in frames:
+            while f is not None:
+                if f.f_code is code and f is not frame and f.f_locals.get(name) is value:
+                    return True
+                f = f.f_back
+        return False
+    finally:
+        # A local that refers to this call's own stack is a reference cycle (frame -> locals ->
+        # frame): drop them, or every save leaves its whole call stack to the cyclic collector.
+        del frames, f
+
+
+def make_subclass(cls: type, data: torch.Tensor) -> torch.Tensor:
+    """``torch.Tensor._make_subclass(cls, data)``: ``data`` as an instance of tensor subclass ``cls``."""
+    return torch.Tensor._make_subclass(cls, data)
+
+
+def local_chunk(dtensor: Any) -> Any:
+    """The one ``ChunkStorageMetadata`` (offsets, sizes) of a DTensor's local shard, as DCP plans it
+    (DCP's ``__create_chunk_list__`` protocol)."""
+    (chunk,) = dtensor.__create_chunk_list__()
+    return chunk
+
+
+ACCESSES: dict[str, str] = {
+    "torch.optim.Optimizer._optimizer_state_dict_pre_hooks": "2.13.0",
+    "torch.optim.Optimizer._optimizer_state_dict_post_hooks": "2.13.0",
+    "torch.optim.Optimizer._optimizer_load_state_dict_pre_hooks": "2.13.0",
+    "torch.optim.Optimizer._optimizer_load_state_dict_post_hooks": "2.13.0",
+    "torch.Tensor._version": "2.13.0",
+    "torch.nn.Module._modules": "2.13.0",
+    "torch.nn.Module._parameters": "2.13.0",
+    "torch.Tensor._make_subclass": "2.13.0",
+    "DTensor.__create_chunk_list__ (DCP's tensor protocol)": "2.13.0",
+    "torch.distributed.checkpoint.state_dict_loader.load (caller frame)": "2.13.0",
+    "torch.distributed.checkpoint.state_dict_saver.save/async_save (caller frame; locals process_group, no_dist, use_collectives)": "2.13.0",
+    "torch.distributed.checkpoint.state_dict_loader._load_state_dict (caller frame; local storage_reader)": "2.13.0",
+    "accelerate.checkpointing.save_custom_state (caller frame)": "accelerate 1.15.0 on torch 2.13.0",
+    "sys._getframe / sys._current_frames (CPython)": "CPython 3.11, torch 2.13.0",
+}
+"""Every torch internal the library touches -> the versions it was checked on. Only 2.13.0 is
+checked so far (the README's floor, torch 2.6, is not yet run by CI); tests/core/test_torch_internals.py
+checks each entry against the installed torch."""

@@ -18,12 +18,11 @@ checkpointing in a group of several ranks is refused before anything is written
 
 from __future__ import annotations
 
-import sys
 from collections.abc import Mapping
 from typing import Any
 
-import torch.distributed as dist
-
+from .._dist import world_and_rank
+from .._torch_internals import called_by_accelerate_custom_save
 from ..errors import CrossRankStateError
 
 __all__ = ["ORIGIN_KEY", "USE_INSTEAD", "origin_here", "refuse_rank0_only_save", "strip_origin"]
@@ -39,19 +38,12 @@ USE_INSTEAD = (
 )
 """What the cross-rank errors tell the user to do."""
 
-_ACCELERATE_CUSTOM_SAVE = ("accelerate.checkpointing", "save_custom_state")
-"""The function of Accelerate (``save_state`` -> registered objects) that pickles ``obj.state_dict()``
-of the main process only."""
-_FRAMES = 4
-"""How many callers of ``state_dict()`` are looked at (``MultiOptimizer.state_dict`` adds one)."""
 
 
 def origin_here() -> tuple[int, int] | None:
     """``(rank, world size)`` in an initialised process group of more than one rank, else ``None``."""
-    if not (dist.is_available() and dist.is_initialized()):
-        return None
-    world = dist.get_world_size()
-    return (dist.get_rank(), world) if world > 1 else None
+    world, rank = world_and_rank()
+    return (rank, world) if world > 1 else None
 
 
 def strip_origin(state_dict: Mapping[str, Any]) -> Mapping[str, Any]:
@@ -84,14 +76,9 @@ def refuse_rank0_only_save(optimizer: object) -> None:
     custom-object checkpointing (which pickles the main process's dict only) in a group of several ranks."""
     if origin_here() is None:
         return
-    frame = sys._getframe(2)
-    for _ in range(_FRAMES):
-        if frame is None:
-            return
-        if (frame.f_globals.get("__name__"), frame.f_code.co_name) == _ACCELERATE_CUSTOM_SAVE:
-            raise CrossRankStateError(
-                f"a sparse_ckpt Stateful of a {type(optimizer).__name__} is registered with Accelerate's register_for_checkpointing, which saves the state_dict() "
-                "of the main process only and loads that one file on every rank: every other rank would get the "
-                f"main process's optimizer state; {USE_INSTEAD}"
-            )
-        frame = frame.f_back
+    if called_by_accelerate_custom_save(2):  # from the caller of our caller's state_dict() up
+        raise CrossRankStateError(
+            f"a sparse_ckpt Stateful of a {type(optimizer).__name__} is registered with Accelerate's register_for_checkpointing, which saves the state_dict() "
+            "of the main process only and loads that one file on every rank: every other rank would get the "
+            f"main process's optimizer state; {USE_INSTEAD}"
+        )

@@ -16,6 +16,7 @@ from typing import Any
 
 import torch.distributed as dist
 
+from .._dist import world_and_rank
 from .keys import digest_tag, rank_tag, seal, table_digest
 
 
@@ -44,9 +45,8 @@ class Keying:
     @staticmethod
     def here() -> Keying:
         """What a save that cannot coordinate uses: one process, or this rank of its process group."""
-        if dist.is_available() and dist.is_initialized() and dist.get_world_size() > 1:
-            return Keying(dist.get_world_size(), dist.get_rank(), False)
-        return Keying()
+        world, rank = world_and_rank()
+        return Keying(world, rank, False) if world > 1 else Keying()
 
     @staticmethod
     def with_ranks() -> Keying:

@@ -1,70 +1,42 @@
-"""``state_layout="buffers"``: a rank's parameter-shaped optimizer state in a few 1-D items.
+"""``state_layout="buffers"`` (internally: the *bucketed* layout, not to be confused with a
+module's buffers), save side: a rank's parameter-shaped optimizer state in a few 1-D items.
 
-Save (:func:`collect`, :func:`fill`): per leaf, every state tensor shaped like its parameter (a
-plain tensor of the parameter's shape, or a DTensor with the parameter's shape, mesh and
-``Shard``/``Replicate`` placements) leaves the per-item entries; its local chunk goes into a 1-D
-buffer of its dtype (buckets of at most :data:`BUCKET_BYTES`), and the core's layout table
-records where (see :mod:`sparse_ckpt._core_py.layout_codec`, keys in :mod:`sparse_ckpt._format.keys`).
-
-Load (:func:`expand`): the layout tables of a leaf and this rank's parameters give the core's
-scatter plan; each needed buffer is read once (from the dict, or through a :class:`BufferReader`
-while a DCP load streams them one at a time), its chunks are copied into new state tensors
-allocated like their parameters, and these join the decoded state as per-item entries would.
-Peak extra memory of a DCP load: two buckets (DCP's read of one buffer item and the buffer it is
-copied into), whatever the optimizer's size.
+Per leaf, every state tensor shaped like its parameter (a plain tensor of the parameter's shape,
+or a DTensor with the parameter's shape, mesh and ``Shard``/``Replicate`` placements) leaves the
+per-item entries (:func:`collect`); its local chunk goes into a 1-D bucket of its dtype (at most
+:data:`~sparse_ckpt._limits.ITEM_BYTES` each, :func:`fill`), and the core's layout table records
+where (:mod:`sparse_ckpt._core_py.layout_codec`; keys and table format: docs/formats.md). Loading
+is :mod:`.bucketed_load`, the tools' view :mod:`.bucketed_view`.
 """
 
 from __future__ import annotations
 
-import math
-from collections.abc import Callable, Iterable, Iterator, Mapping
-from dataclasses import dataclass, field
-from typing import Any, Literal
+from collections.abc import Mapping
+from typing import Any
 
 import torch
 from torch.distributed.tensor import DTensor, Replicate, Shard
-from torch.distributed.tensor import empty as dtensor_empty
 
-from .. import _backend
-from .._format.keys import (
-    BUFFERS_PREFIX,
-    STATE_PREFIX,
-    buffer_tag,
-    check_table,
-    escape_part,
-    is_plain_part,
-    key_parts,
-    layout_tag,
-    split_buffers_key,
-)
-from .._fqn import FqnMap
-from ..errors import CheckpointFormatError, CheckpointMismatchError
+from .._format.keys import BUFFERS_PREFIX, STATE_PREFIX, buffer_tag, escape_part, is_plain_part, layout_tag
+from .._limits import ITEM_BYTES
+from .._torch_internals import local_chunk
+from ..errors import CheckpointFormatError
 
-BUCKET_BYTES = 256 * 2**20
-"""Largest buffer item (bytes) unless one state chunk is larger (it then gets a bucket of its own).
+BUCKET_BYTES = ITEM_BYTES
+"""Largest bucket (bytes) unless one state chunk is larger (it then gets a bucket of its own).
 It bounds a DCP load's extra memory: two buckets."""
 
-StateLayout = Literal["per_tensor", "buffers"]
-STATE_LAYOUTS = ("per_tensor", "buffers")
-DEFAULT_STATE_LAYOUT: StateLayout = "per_tensor"
-"""The state layout of :class:`~sparse_ckpt.SparseOptimizerState` and ``MultiOptimizer`` when none is given."""
 
-
-def check_state_layout(state_layout: object, format: str = "packed") -> StateLayout:
-    """``state_layout`` validated: ``"per_tensor"`` or ``"buffers"`` (the latter only with
-    ``format="packed"``: torch DSD's flat layout has one item per state value)."""
-    if state_layout not in STATE_LAYOUTS:
-        raise ValueError(f"state_layout must be one of {STATE_LAYOUTS}, got {state_layout!r}")
-    if state_layout == "buffers" and format != "packed":
-        raise ValueError("state_layout='buffers' needs format='packed' (the flat format is torch DSD's layout)")
-    return state_layout  # type: ignore[return-value]
-
-
-# --------------------------------------------------------------------------- save
-
-
-def _dtype_name(dtype: torch.dtype) -> str:
+def dtype_name(dtype: torch.dtype) -> str:
+    """``torch.float32`` -> ``"float32"`` (how layout tables and reports name dtypes)."""
     return str(dtype).removeprefix("torch.")
+
+
+def torch_dtype(leaf: str, fqn: str, key: str, name: str) -> torch.dtype:
+    dtype = getattr(torch, name, None)
+    if not isinstance(dtype, torch.dtype):
+        raise CheckpointFormatError(f"leaf {leaf!r}: state {key!r} of {fqn!r} has an unknown dtype {name!r} in its layout")
+    return dtype
 
 
 Chunk = tuple[tuple[int, ...], tuple[int, ...], tuple[int, ...]]
@@ -88,7 +60,7 @@ class _Geometry:
             if not all(type(pl) in (Shard, Replicate) for pl in p.placements):
                 self._cache[spec] = None
             else:
-                (chunk,) = p.__create_chunk_list__()
+                chunk = local_chunk(p)
                 self._cache[spec] = (spec[0], tuple(chunk.offsets), tuple(chunk.sizes))
         return self._cache[spec]
 
@@ -135,7 +107,7 @@ def collect(
                 continue  # a 0-d parameter's state went into the scalar table
             spec = names.get(t.dtype)
             if spec is None:
-                spec = names[t.dtype] = (_dtype_name(t.dtype), t.element_size())
+                spec = names[t.dtype] = (dtype_name(t.dtype), t.element_size())
             entries.append((fqn, part, spec[0], spec[1], *chunk))
             local.append(t)
     return entries, local
@@ -157,322 +129,9 @@ def fill(buckets: list[tuple[str, int, list[tuple[int, int]]]], local: list[torc
     return out
 
 
-# --------------------------------------------------------------------------- load
-
-
-@dataclass
-class _LeafItems:
-    layouts: dict[str, bytes] = field(default_factory=dict)
-    """rank tag -> sealed layout bytes."""
-    buffers: dict[tuple[str, int], Any] = field(default_factory=dict)
-    """(rank tag, bucket) -> buffer tensor (read already)."""
-    readable: dict[str, str] = field(default_factory=dict)
-    """Key of each layout table a :class:`BufferReader` can read -> its rank tag."""
-
-
-class BufferReader:
-    """Reads buffer and layout items that a DCP load did not plan (see :mod:`sparse_ckpt._dcp.stateful`):
-    ``keys`` maps each buffers key of the optimizer dict to its flattened DCP key (all of the
-    checkpoint's, read or not)."""
-
-    def __init__(self, keys: Mapping[str, str], read: Callable[[list[str], Callable[[str, Any], None]], None]) -> None:
-        self.keys = dict(keys)
-        self._read = read
-
-    def read(self, inner_keys: list[str], consume: Callable[[str, Any], None]) -> None:
-        """Read ``inner_keys`` one at a time; ``consume(inner_key, value)`` gets each value."""
-        back = {self.keys[k]: k for k in inner_keys}
-        self._read(list(back), lambda dcp_key, value: consume(back[dcp_key], value))
-
-
-def split_items(keys: Iterable[str], flat: Mapping[str, Any]) -> dict[str, _LeafItems]:
-    """The layout tables and buffers among ``keys`` (keys of ``flat`` starting with
-    :data:`~sparse_ckpt._format.keys.BUFFERS_PREFIX`), by leaf."""
-    by_leaf: dict[str, _LeafItems] = {}
-    for key in keys:
-        leaf, kind, bucket, ranks = split_buffers_key(key[len(BUFFERS_PREFIX) :])
-        items = by_leaf.setdefault(leaf, _LeafItems())
-        if kind == "layout":
-            items.layouts[ranks] = flat[key]
-        else:
-            items.buffers[(ranks, bucket)] = flat[key]  # type: ignore[index]
-    return by_leaf
-
-
 def layout_key(leaf: str, ranks: str) -> str:
     return f"{BUFFERS_PREFIX}{leaf}.{layout_tag(ranks)}"
 
 
 def buffer_key(leaf: str, ranks: str, bucket: int) -> str:
     return f"{BUFFERS_PREFIX}{leaf}.{buffer_tag(bucket, ranks)}"
-
-
-def expand(
-    buffer_keys: list[str],
-    flat: Mapping[str, Any],
-    fmap: FqnMap,
-    reader: BufferReader | None,
-    expected: Callable[[str, set[tuple[str, str]]], bool] | None = None,
-) -> dict[str, dict[str, Any]]:
-    """The buffered state this rank needs, ``canonical FQN -> {key path: tensor}`` (nested dicts
-    for nested keys), allocated like the parameters and filled from the buffers.
-
-    Layouts are those in ``flat`` (a DCP load reads this rank's own, or all of a leaf's when it
-    has none); when they do not cover this rank's chunks (another mesh), or lack state this rank
-    needs (``expected(leaf, found)``: whether a parameter of this rank misses recorded state
-    besides the ``(FQN, key)`` pairs ``found``; another expert-parallel layout), and ``reader``
-    has more, all of the leaf's layouts are read.
-    Each needed buffer is taken from ``flat`` or read through ``reader`` (one at a time), checked
-    against its layout (dtype, 1-D, length), scattered and dropped."""
-    by_leaf = split_items(buffer_keys, flat)
-    if reader is not None:
-        for key in reader.keys:
-            leaf, kind, _bucket, ranks = split_buffers_key(key[len(BUFFERS_PREFIX) :])
-            items = by_leaf.setdefault(leaf, _LeafItems())
-            if kind == "layout":
-                items.readable[key] = ranks
-    geometry = _Geometry()
-    out: dict[str, dict[str, Any]] = {}
-    for leaf, items in by_leaf.items():
-        _expand_leaf(leaf, items, fmap, reader, geometry, out, expected)
-    return out
-
-
-def _chunk_of(fmap: FqnMap, geometry: _Geometry) -> Callable[[str], Any]:
-    def chunk_of(fqn: str) -> Any:
-        canon = fmap.canonical.get(fqn)
-        if canon is None:
-            return None
-        chunk = geometry.of(fmap.param_of[canon])
-        if chunk is None:
-            raise CheckpointMismatchError(
-                f"parameter {fqn!r} is a DTensor with placements the buffers layout does not hold "
-                "(only Shard and Replicate); load this checkpoint into a model sharded with those"
-            )
-        return chunk
-
-    return chunk_of
-
-
-def _expand_leaf(
-    leaf: str,
-    items: _LeafItems,
-    fmap: FqnMap,
-    reader: BufferReader | None,
-    geometry: _Geometry,
-    out: dict[str, dict[str, Any]],
-    expected: Callable[[str, set[tuple[str, str]]], bool] | None,
-) -> None:
-    core = _backend.core
-    chunk_of = _chunk_of(fmap, geometry)
-    unread = [key for key, ranks in items.readable.items() if ranks not in items.layouts]
-
-    def read_layouts() -> None:
-        assert reader is not None
-        reader.read(unread, lambda key, value: items.layouts.__setitem__(items.readable[key], value))
-        unread.clear()
-
-    if not items.layouts and unread:
-        read_layouts()
-    layouts = _open_layouts(leaf, items.layouts)
-    try:
-        targets, sources, ops = core.plan_scatter(leaf, [payload for _ranks, payload in layouts], chunk_of)
-        if unread and expected is not None:
-            found = {(fmap.canonical.get(t[0], t[0]), t[1]) for t in targets}
-            if expected(leaf, found):
-                raise CheckpointMismatchError("state of this rank is in other ranks' layouts")
-    except CheckpointMismatchError:
-        if not unread:
-            raise
-        read_layouts()  # this rank's own layout does not hold all it needs: another mesh or EP degree
-        layouts = _open_layouts(leaf, items.layouts)
-        targets, sources, ops = core.plan_scatter(leaf, [payload for _ranks, payload in layouts], chunk_of)
-    count = [0] * len(targets)
-    for op in ops:
-        count[op[4]] += 1
-    # A target that one whole saved chunk fills, on a CPU parameter, becomes a view of its buffer
-    # (the buffer is this load's own tensor: no copy, no second allocation); others get a tensor
-    # allocated like their parameter and are copied into, box by box.
-    whole = [False] * len(targets)
-    for op in ops:
-        ti = op[4]
-        whole[ti] = count[ti] == 1 and op[2] == op[6] == targets[ti][5] and _on_cpu(fmap, targets[ti][0])
-    made: list[Any] = [None if whole[ti] else _allocate(leaf, t, fmap) for ti, t in enumerate(targets)]
-    dst = [None if m is None else _local(m) for m in made]
-    by_source: list[list[tuple[Any, ...]]] = [[] for _ in sources]
-    for op in ops:
-        by_source[op[0]].append(op)
-
-    def scatter(si: int, buf: Any) -> None:
-        li, bi, dtype, numel = sources[si]
-        _check_buffer(leaf, buffer_key(leaf, layouts[li][0], bi), buf, dtype, numel)
-        for _si, src_offset, src_sizes, src_start, ti, dst_start, box in by_source[si]:
-            n = 1
-            for d in src_sizes:
-                n *= d
-            src = buf[src_offset : src_offset + n].view(src_sizes)
-            if whole[ti]:
-                made[ti] = _wrap(src, targets[ti], fmap)
-                continue
-            target = dst[ti]
-            if box != src_sizes:
-                src = src[tuple(slice(a, a + b) for a, b in zip(src_start, box))]
-            if box != targets[ti][5]:
-                target = target[tuple(slice(a, a + b) for a, b in zip(dst_start, box))]
-            target.copy_(src)
-
-    wanted: dict[str, int] = {}
-    for si, (li, bi, _dtype, _numel) in enumerate(sources):
-        ranks = layouts[li][0]
-        buf = items.buffers.get((ranks, bi))
-        if buf is not None:
-            scatter(si, buf)
-            continue
-        key = buffer_key(leaf, ranks, bi)
-        if reader is None or key not in reader.keys:
-            fqn, skey = targets[by_source[si][0][4]][:2]
-            raise CheckpointMismatchError(
-                f"leaf {leaf!r}: buffer item {key!r}, which holds state {skey!r} of {fqn!r} (and maybe more), is "
-                "missing from the checkpoint: an incomplete or damaged checkpoint"
-            )
-        wanted[key] = si
-    if wanted:
-        assert reader is not None
-        reader.read(list(wanted), lambda key, value: scatter(wanted[key], value))
-    for (fqn, key, *_rest), value in zip(targets, made):
-        canon = fmap.canonical[fqn]
-        _put(out.setdefault(canon, {}), key, value, leaf, canon)
-
-
-def _open_layouts(leaf: str, layouts: Mapping[str, Any]) -> list[tuple[str, bytes]]:
-    out = []
-    for ranks, value in layouts.items():
-        key = layout_key(leaf, ranks)
-        _leaf, payload = check_table(BUFFERS_PREFIX, key[len(BUFFERS_PREFIX) :], value)
-        out.append((ranks, payload))
-    return out
-
-
-def _check_buffer(leaf: str, key: str, buf: Any, dtype: str, numel: int) -> None:
-    if not isinstance(buf, torch.Tensor) or isinstance(buf, DTensor):
-        raise CheckpointFormatError(f"leaf {leaf!r}: buffer item {key!r} is a {type(buf).__name__}, expected a tensor")
-    if buf.ndim != 1 or _dtype_name(buf.dtype) != dtype or buf.numel() != numel:
-        raise CheckpointFormatError(
-            f"leaf {leaf!r}: buffer item {key!r} is a {_dtype_name(buf.dtype)} tensor of shape {tuple(buf.shape)}, its "
-            f"layout table says {dtype} of {numel} elements (truncated, or the layout disagrees with the data)"
-        )
-
-
-def _torch_dtype(leaf: str, fqn: str, key: str, name: str) -> torch.dtype:
-    dtype = getattr(torch, name, None)
-    if not isinstance(dtype, torch.dtype):
-        raise CheckpointFormatError(f"leaf {leaf!r}: state {key!r} of {fqn!r} has an unknown dtype {name!r} in its layout")
-    return dtype
-
-
-def _allocate(leaf: str, target: tuple[Any, ...], fmap: FqnMap) -> torch.Tensor:
-    """A new state tensor for ``target`` (core ``plan_scatter``), allocated like its parameter."""
-    fqn, key, dtype_name, shape, _offsets, sizes = target
-    dtype = _torch_dtype(leaf, fqn, key, dtype_name)
-    p = fmap.param_of[fmap.canonical[fqn]]
-    if isinstance(p, DTensor):
-        t = dtensor_empty(shape, dtype=dtype, device_mesh=p.device_mesh, placements=p.placements)
-        if tuple(t.to_local().shape) != tuple(sizes):  # pragma: no cover - the chunk is the parameter's
-            raise CheckpointMismatchError(f"leaf {leaf!r}: state {key!r} of {fqn!r}: local shape differs from its chunk")
-        return t
-    return torch.empty(shape, dtype=dtype, device="cpu" if p.device.type == "meta" else p.device)
-
-
-# --------------------------------------------------------------------------- checkpoint tools
-
-
-def _layouts_by_key(keys: Iterable[str], values: Mapping[str, Any]) -> Iterator[tuple[str, str, bytes]]:
-    """``(key, leaf, unsealed layout)`` of every layout table among ``keys``, each checked as it is reached."""
-    for key in keys:
-        if key.rpartition(".")[2].startswith("L"):
-            leaf, payload = check_table(BUFFERS_PREFIX, key[len(BUFFERS_PREFIX) :], values[key])
-            yield key, leaf, payload
-
-
-def layout_view(keys: Iterable[str], values: Mapping[str, Any]) -> dict[str, dict[str, Any]]:
-    """The buffered state as the checkpoint tools see per-item state: ``FQN -> {key: metadata}``
-    (a ``TensorStorageMetadata`` with the saved dtype and global shape; nested keys nest), from
-    the layout tables among ``keys``. Each layout's buffers must be there with its dtype and
-    length (``values``: DCP metadata or tensors), else a :class:`CheckpointFormatError` or
-    :class:`CheckpointMismatchError` says which."""
-    from torch.distributed.checkpoint.metadata import TensorProperties, TensorStorageMetadata
-
-    core = _backend.core
-    out: dict[str, dict[str, Any]] = {}
-    for key, leaf, payload in _layouts_by_key(keys, values):
-        ranks = split_buffers_key(key[len(BUFFERS_PREFIX) :])[3]
-        for bi, (dtype, numel, entries) in enumerate(core.decode_layout(leaf, payload)):
-            bkey = buffer_key(leaf, ranks, bi)
-            if bkey not in values:
-                raise CheckpointMismatchError(f"leaf {leaf!r}: buffer item {bkey!r} of layout {key!r} is missing")
-            found = values[bkey]
-            size = tuple(found.size) if isinstance(found, TensorStorageMetadata) else tuple(getattr(found, "shape", ()))
-            got = found.properties.dtype if isinstance(found, TensorStorageMetadata) else getattr(found, "dtype", None)
-            if size != (numel,) or got is None or _dtype_name(got) != dtype:
-                raise CheckpointFormatError(
-                    f"leaf {leaf!r}: buffer item {bkey!r} is {got} of shape {size}, its layout table says {dtype} of "
-                    f"{numel} elements"
-                )
-            torch_dtype = _torch_dtype(leaf, "?", "?", dtype)
-            for fqn, skey, shape, _offsets, _sizes in entries:
-                md = TensorStorageMetadata(TensorProperties(dtype=torch_dtype), torch.Size(shape), [])
-                node = out.setdefault(fqn, {})
-                parts: list[Any] = key_parts(skey)
-                for part in parts[:-1]:
-                    node = node.setdefault(part, {})
-                node.setdefault(parts[-1], md)
-    return out
-
-
-def full_state(keys: Iterable[str], values: Mapping[str, Any]) -> dict[str, dict[str, torch.Tensor]]:
-    """The buffered state as full (unsharded) CPU tensors, ``FQN -> {key path: tensor}``: every
-    chunk of every layout among ``keys`` scattered from its buffer in ``values`` (all of them in
-    memory: what a single-process tool such as ``convert`` reads)."""
-    keys = list(keys)
-    shapes: dict[str, tuple[int, ...]] = {}
-    for _key, leaf, payload in _layouts_by_key(keys, values):
-        for _dtype, _numel, entries in _backend.core.decode_layout(leaf, payload):
-            for fqn, _key, shape, _offsets, _sizes in entries:
-                shapes.setdefault(fqn, shape)
-    whole = FqnMap(canonical={f: f for f in shapes}, param_of={f: torch.empty(s, device="meta") for f, s in shapes.items()})
-    return expand(keys, values, whole, None)
-
-
-def _on_cpu(fmap: FqnMap, fqn: str) -> bool:
-    """Whether the parameter's state lives on the CPU (a plain tensor there, or a DTensor on a CPU mesh)."""
-    p = fmap.param_of[fmap.canonical[fqn]]
-    if isinstance(p, DTensor):
-        return p.device_mesh.device_type == "cpu"
-    return p.device.type in ("cpu", "meta")
-
-
-def _wrap(local: torch.Tensor, target: tuple[Any, ...], fmap: FqnMap) -> torch.Tensor:
-    """``local`` (a whole chunk) as the state tensor: itself, or a DTensor like the parameter."""
-    p = fmap.param_of[fmap.canonical[target[0]]]
-    if not isinstance(p, DTensor):
-        return local
-    shape = torch.Size(target[3])
-    stride = tuple(math.prod(shape[i + 1 :]) for i in range(len(shape)))
-    return DTensor.from_local(local, p.device_mesh, p.placements, run_check=False, shape=shape, stride=stride)
-
-
-def _local(t: torch.Tensor) -> torch.Tensor:
-    return t.to_local() if isinstance(t, DTensor) else t
-
-
-def _put(state: dict[str, Any], key: str, value: Any, leaf: str, fqn: str) -> None:
-    """``state[...][key parts] = value`` (key parts unescaped, nested dicts created)."""
-    parts: list[Any] = key_parts(key)
-    node = state
-    for part in parts[:-1]:
-        node = node.setdefault(part, {})
-    if parts[-1] in node:
-        raise CheckpointFormatError(
-            f"leaf {leaf!r}: state {key!r} of {fqn!r} is both in a buffer and a per-item entry (corrupt or edited checkpoint)"
-        )
-    node[parts[-1]] = value

@@ -31,7 +31,7 @@ from .._format.keys import (
 from .._format.nested import nested_kind, nested_to_sparse
 from .._format.tensor_parts import parts_to_tensor, tensor_to_parts
 from .._fqn import FqnMap
-from .._layouts import bucketed as buffers
+from .._layouts.bucketed_load import BucketReader, expand
 from ..errors import CheckpointFormatError, CheckpointMismatchError
 
 
@@ -129,7 +129,7 @@ def table_fqns(tables: list[GroupTable], fmap: FqnMap | None = None) -> set[str]
 
 
 def decode_checkpoint(
-    state_dict: Mapping[str, Any], fmap: FqnMap, reader: buffers.BufferReader | None = None
+    state_dict: Mapping[str, Any], fmap: FqnMap, reader: BucketReader | None = None
 ) -> DecodedCheckpoint:
     """Split and decode ``state_dict`` (packed and/or flat entries, or DSD's nested dict) against ``fmap``.
 
@@ -137,7 +137,7 @@ def decode_checkpoint(
     param-group entries list, and the model's aliases of them), never against the target model's
     other FQNs, so one parameter's state can never land on another whose FQN is a prefix of the
     saved key. Buffered state (``state_layout="buffers"``) is scattered into new tensors for the
-    parameters the target model has (:func:`sparse_ckpt._layouts.bucketed.expand`; ``reader`` reads the
+    parameters the target model has (:func:`sparse_ckpt._layouts.bucketed_load.expand`; ``reader`` reads the
     buffers a DCP load left to it) and joins the per-item state.
     """
     state_dict = _other_layouts(state_dict)
@@ -258,7 +258,7 @@ def decode_checkpoint(
                 for fqn, k in unlisted
             )
 
-        _add_buffered(out.state_of, buffers.expand(buffer_keys, flat, fmap, reader, expected), keys_of)
+        _add_buffered(out.state_of, expand(buffer_keys, flat, fmap, reader, expected), keys_of)
     if scalar_tables:
         out.state_of = merge_scalars(out.state_of, scalars_of)
         check_complete(out.state_of, keys_of, fmap.param_of)

@@ -18,8 +18,9 @@ from .._dcp.origin import strip_origin
 from .._format.keys import STATE_PREFIX, STEP_KEY, owner_fqn
 from .._fqn import FqnMap, Model, build_fqn_map
 from .._gc import gc_paused
-from .._layouts.bucketed import BufferReader
+from .._layouts.bucketed_load import BucketReader
 from .._leaves import named_leaves
+from .._text import first_n
 from .._torch_internals import load_state_dict_pre_hooks
 from ..errors import CheckpointMismatchError, SparseCheckpointError
 from .apply import (
@@ -196,7 +197,7 @@ def load_owned(
     strict: bool,
     unowned_are_other_ranks: bool,
     fmap: FqnMap | None = None,
-    reader: BufferReader | None = None,
+    reader: BucketReader | None = None,
 ) -> None:
     """:func:`load_sparse_state_dict` for the library's DCP and export paths.
 
@@ -218,7 +219,7 @@ def _load(
     strict: bool,
     unowned_are_other_ranks: bool,
     fmap: FqnMap | None,
-    reader: BufferReader | None = None,
+    reader: BucketReader | None = None,
 ) -> None:
     if fmap is None:
         fmap = build_fqn_map(model)
@@ -328,9 +329,7 @@ def _raise_on_mismatch(
 
 def fmt_list(items: list[str], limit: int = 10) -> str:
     """``'a', 'b', ... (+N more)`` -- the first ``limit`` items of a load error and a count of the rest."""
-    shown = ", ".join(repr(x) for x in items[:limit])
-    more = len(items) - limit
-    return f"{shown} (+{more} more)" if more > 0 else shown
+    return first_n(items, limit, show=repr)
 
 
 def _unowned_state_fqn(key: str, saved_fqns: Mapping[str, Any], owned: Mapping[str, Any]) -> str | None:

@@ -8,7 +8,6 @@ guard to release and none an interrupt can leave behind), run the pre-hooks, pac
 
 from __future__ import annotations
 
-import sys
 from types import FrameType
 from typing import Any
 
@@ -17,7 +16,14 @@ import torch
 from .. import _backend
 from .._adapters import adapter_for
 from .._leaves import held_optimizers_hint, named_leaves
-from .._torch_internals import state_dict_post_hooks, state_dict_pre_hooks, tensor_version
+from .._torch_internals import (
+    caller_frame,
+    captured_elsewhere,
+    state_dict_post_hooks,
+    state_dict_pre_hooks,
+    tensor_version,
+    tracking_capture,
+)
 from ..errors import CheckpointFormatError, ReentrantSerializationError, UnsupportedStateDictError
 
 _BASE_STATE_DICT = torch.optim.Optimizer.state_dict
@@ -26,28 +32,15 @@ _BASE_STATE_DICT = torch.optim.Optimizer.state_dict
 def _refuse_if_capturing(leaf: str, optimizer: Any, frame: FrameType) -> None:
     """Raise :class:`ReentrantSerializationError` when ``optimizer`` is already being captured.
 
-    ``frame`` is the caller's :func:`capture_packed` frame. Every thread's live stack is scanned
-    for *another* frame of the same function whose ``optimizer`` is this one: a hook that calls
-    back into serialization (this thread) or a concurrent call (another thread). There is no
-    "in progress" mark to take or release, so no interrupt, at any point, can leave one behind.
-    Of two threads that overlap, the later one to scan sees the earlier and refuses; both may.
+    ``frame`` is the caller's :func:`_capture` frame; another live frame of the same function whose
+    ``optimizer`` is this one is a hook that calls back into serialization (this thread) or a
+    concurrent call (another thread): see :func:`sparse_ckpt._torch_internals.captured_elsewhere`.
     """
-    code = frame.f_code
-    frames = sys._current_frames()
-    f: FrameType | None = None
-    try:
-        for f in frames.values():
-            while f is not None:
-                if f.f_code is code and f is not frame and f.f_locals.get("optimizer") is optimizer:
-                    raise ReentrantSerializationError(
-                        f"leaf {leaf!r}: optimizer {type(optimizer).__name__} is already being serialized "
-                        "(a state_dict hook called back into serialization, or another thread is serializing it)"
-                    )
-                f = f.f_back
-    finally:
-        # A local that refers to this call's own stack is a reference cycle (frame -> locals ->
-        # frame): drop them, or every save leaves its whole call stack to the cyclic collector.
-        del frames, f
+    if captured_elsewhere(frame, "optimizer", optimizer):
+        raise ReentrantSerializationError(
+            f"leaf {leaf!r}: optimizer {type(optimizer).__name__} is already being serialized "
+            "(a state_dict hook called back into serialization, or another thread is serializing it)"
+        )
 
 
 def _copy_dicts(value: Any) -> Any:
@@ -95,7 +88,8 @@ def capture_packed(leaf: str, optimizer: torch.optim.Optimizer) -> tuple[dict[st
     ``packed_dict`` equals what ``optimizer.state_dict()`` returns; ``id_to_param`` is the
     ``packed id -> parameter`` snapshot taken before any post-hook ran.
     """
-    _fused, packed = _capture(leaf, optimizer, None)
+    with tracking_capture():
+        _fused, packed = _capture(leaf, optimizer, None)
     assert packed is not None
     return packed
 
@@ -107,7 +101,8 @@ def capture_by_fqn(
 
     Without ``state_dict`` post-hooks (and adapters) nothing can see or change the packed dict,
     so the core goes from the live groups and state to FQNs in one pass, with no int ids."""
-    fused, packed = _capture(leaf, optimizer, fqn_of)
+    with tracking_capture():
+        fused, packed = _capture(leaf, optimizer, fqn_of)
     if fused is not None:
         return fused
     assert packed is not None
@@ -123,7 +118,7 @@ def _capture(
     adapter = check_supported(leaf, optimizer)
     # ``optimizer`` must stay bound to the argument for the whole call: the reentrancy check of
     # other calls reads it from this frame.
-    _refuse_if_capturing(leaf, optimizer, sys._getframe())
+    _refuse_if_capturing(leaf, optimizer, caller_frame(0))  # type: ignore[arg-type]
     core = _backend.core
     if adapter is not None:
         _groups, _state, id_to_param = core.pack_optimizer(leaf, optimizer.param_groups, {}, torch.Tensor)

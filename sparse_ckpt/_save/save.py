@@ -22,8 +22,7 @@ from .._format.tags import Keying, Slot
 from .._format.tensor_parts import CODEC_DTYPES, tensor_to_parts
 from .._fqn import Model, build_fqn_map
 from .._gc import gc_paused
-from .._layouts import bucketed as buffers
-from .._layouts.bucketed import StateLayout, check_state_layout
+from .._layouts import StateLayout, bucketed, check_state_layout
 from .._leaves import named_leaves
 from ..errors import CheckpointFormatError, CheckpointMismatchError
 from .capture import capture_by_fqn
@@ -111,10 +110,10 @@ def build_state_dict(
                 parts.append((SCALARS_PREFIX, leaf))
                 slots.append(Slot(f"scalars:{leaf}", scalars))
             if state_layout == "buffers":
-                entries, local = buffers.collect(leaf, state_fqn, items, fmap.param_of)
+                entries, local = bucketed.collect(leaf, state_fqn, items, fmap.param_of)
                 if entries:
-                    layout, buckets = core.encode_layout(leaf, entries, buffers.BUCKET_BYTES)
-                    parts.append((leaf, buffers.fill(buckets, local)))
+                    layout, buckets = core.encode_layout(leaf, entries, bucketed.BUCKET_BYTES)
+                    parts.append((leaf, bucketed.fill(buckets, local)))
                     slots.append(Slot(f"layout:{leaf}", layout, by_digest=False))
             parts.append(items)
         else:
@@ -132,9 +131,9 @@ def build_state_dict(
         elif isinstance(part[1], list):  # a layout and its buffers
             leaf, bufs = part
             tag, value = next(tagged)
-            out[buffers.layout_key(leaf, tag)] = value
+            out[bucketed.layout_key(leaf, tag)] = value
             for i, buf in enumerate(bufs):
-                out[buffers.buffer_key(leaf, tag, i)] = buf
+                out[bucketed.buffer_key(leaf, tag, i)] = buf
         else:
             tag, value = next(tagged)
             out[table_item_key(part[0], part[1], tag)] = value

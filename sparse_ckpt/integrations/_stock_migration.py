@@ -21,7 +21,9 @@ import torch
 import torch.distributed as dist
 from torch.distributed.tensor import DTensor
 
+from .._dist import world_and_rank
 from .._format.keys import STATE_PREFIX, STEP_KEY, is_state_item, owner_fqn, split_group_key
+from .._text import first_n
 
 __all__ = ["DroppedState", "MigrationReport", "drop_synthetic_state", "flat_fqns", "state_keys_by_fqn"]
 
@@ -66,8 +68,7 @@ class MigrationReport:
 
 
 def _names(fqns: list[str] | tuple[str, ...], limit: int) -> str:
-    shown = ", ".join(fqns[:limit])
-    return shown + (f" and {len(fqns) - limit} more" if len(fqns) > limit else "")
+    return first_n(fqns, limit, more=" and {n} more")
 
 
 def flat_fqns(data: Iterable[str]) -> set[str]:
@@ -100,8 +101,9 @@ def drop_synthetic_state(data: MutableMapping[str, Any], by_fqn: Mapping[str, li
     FQNs, sorted. Must be called on every rank of the default process group when it has more than one."""
     candidates = [fqn for fqn, keys in by_fqn.items() if _looks_synthetic(fqn, keys, data)]
     nonzero = {fqn for fqn in candidates if _any_nonzero(fqn, by_fqn[fqn], data)}
-    if dist.is_available() and dist.is_initialized() and dist.get_world_size() > 1:
-        gathered: list[Any] = [None] * dist.get_world_size()
+    world, _rank = world_and_rank()
+    if world > 1:
+        gathered: list[Any] = [None] * world
         dist.all_gather_object(gathered, sorted(nonzero))
         nonzero = {fqn for part in gathered for fqn in part}
     dropped = sorted(fqn for fqn in candidates if fqn not in nonzero)

@@ -39,7 +39,8 @@ from typing import Any
 
 import torch.distributed.checkpoint as dcp
 
-from .._dcp.stateful import SparseLoadPlanner, SparseOptimizerState
+from .._dcp.planner import SparseLoadPlanner
+from .._dcp.stateful import SparseOptimizerState
 from .._multi_optimizer import MultiOptimizer
 from .._save.save import FORMATS, Format
 from ..errors import CrossRankStateError

@@ -34,7 +34,8 @@ import torch.distributed.checkpoint as dcp
 from torch.distributed.checkpoint.api import CheckpointException
 from torch.distributed.checkpoint.metadata import Metadata
 
-from .._dcp.stateful import SparseLoadPlanner, SparseOptimizerState, SparseStateDict
+from .._dcp.planner import SparseLoadPlanner
+from .._dcp.stateful import SparseOptimizerState, SparseStateDict
 from .._format.keys import PLANNER_GUARD_KEY
 from .._fqn import Model, build_fqn_map
 from .._leaves import named_leaves

@@ -47,9 +47,11 @@ from typing import Any
 
 from torch.distributed.checkpoint.metadata import Metadata
 
+from .._dcp.items import allocate_item
 from .._dcp.paths import metadata_path
-from .._dcp.stateful import SparseLoadPlanner, SparseOptimizerState, multi_rank
-from .._dcp.stateful import _allocate as allocate_like
+from .._dcp.planner import SparseLoadPlanner
+from .._dcp.stateful import SparseOptimizerState
+from .._dist import multi_rank
 from .._format.keys import (
     GROUPS_PREFIX,
     PACKED_PREFIX,
@@ -62,6 +64,7 @@ from .._format.keys import (
 from .._fqn import FqnMap, build_fqn_map
 from .._leaves import named_leaves
 from .._load.load import load_owned
+from .._text import first_n
 from ..errors import CheckpointMismatchError, StockCheckpointWarning, UnsupportedStateDictError
 from ._overrides import arguments_of, with_signature_of
 from ._stock_migration import flat_fqns
@@ -420,8 +423,7 @@ class StockMigrationReport:
 def _examples(fqns: list[str], before: str, after: str, limit: int = 5) -> str:
     if not fqns:
         return ""
-    more = f", ... {len(fqns) - limit} more" if len(fqns) > limit else ""
-    return before + ", ".join(fqns[:limit]) + more + after
+    return before + first_n(fqns, limit, more=", ... {n} more") + after
 
 
 class _StockTarget:
@@ -446,15 +448,15 @@ class _StockTarget:
             path = metadata_path(metadata, key)
             if len(path) == 4 and path[1] == "param_groups" and isinstance(path[2], int):
                 self.nested_groups.setdefault(path[2], {})[str(path[3])] = inner
-                self.target[inner] = allocate_like(md, None, "")
+                self.target[inner] = allocate_item(md, None, "")
             elif inner.startswith(STATE_PREFIX):
                 fqn = owner_fqn(inner[len(STATE_PREFIX) :], fmap.canonical)
                 if fqn is None:
                     continue  # another rank's parameter
                 like = fmap.param_of[fmap.canonical[fqn]]
-                self.target[inner] = allocate_like(md, like, last_part(inner))
+                self.target[inner] = allocate_item(md, like, last_part(inner))
             else:
-                self.target[inner] = allocate_like(md, None, "")
+                self.target[inner] = allocate_item(md, None, "")
 
     def apply(self, path: str, model: Any, optimizer: Any) -> StockMigrationReport:
         """Load what was read into ``optimizer`` (``strict=False``) and report the gaps per leaf."""

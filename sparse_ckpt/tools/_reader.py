@@ -15,22 +15,18 @@ specified in docs/formats.md.
 
 from __future__ import annotations
 
-import io
 import math
 import os
-import warnings
 from collections.abc import Collection, Iterable, Iterator, Mapping
 from typing import Any
 
 import torch
-import torch.distributed.checkpoint as dcp
-from torch.distributed.checkpoint import CheckpointException, DefaultLoadPlanner, FileSystemReader
+from torch.distributed.checkpoint import FileSystemReader
 from torch.distributed.checkpoint.metadata import Metadata, StorageMeta, TensorStorageMetadata
-from torch.distributed.checkpoint.planner import ReadItem
 
 from .. import _backend
+from .._dcp.items import read_items
 from .._dcp.metadata import METADATA_FILE, OptimizerEntries, read_metadata, set_path
-from .._dcp.stateful import SparseLoadPlanner, weights_only_item
 from .._format.keys import (
     BUFFERS_PREFIX,
     PACKED_PREFIX,
@@ -40,15 +36,17 @@ from .._format.keys import (
     is_flat_part,
     is_plain_part,
     is_state_item,
-    is_table_key,
     packed_table_key,
     state_key,
 )
 from .._format.nested import NESTED_KEYS, nested_to_sparse
 from .._format.tensor_parts import tensor_to_parts
-from .._layouts.bucketed import layout_view
+from .._layouts.bucketed import dtype_name
+from .._layouts.bucketed_view import layout_view
 from .._leaves import SINGLE_LEAF
+from .._limits import ITEM_BYTES
 from .._load.decode import check_complete, decode_group_tables, decode_scalar_tables, merge_scalars
+from .._text import one_line
 from ..errors import CheckpointFormatError, NotACheckpointError, SparseCheckpointError, UsageError
 
 __all__ = [
@@ -64,7 +62,6 @@ __all__ = [
     "item_bytes",
     "loader_needed",
     "named_groups",
-    "one_line",
     "open_checkpoint",
     "optimizer_format",
     "optimizer_values",
@@ -79,8 +76,8 @@ FLAT_LEAF_IN_MIXED = "(flat entries)"
 """Leaf name shown for flat ``param_groups`` entries in a checkpoint that also has packed tables."""
 
 
-BATCH_BYTES = 256 << 20
-"""Tensor bytes read per ``dcp.load`` call when a command reads every item (bounded memory)."""
+BATCH_BYTES = ITEM_BYTES
+"""Tensor bytes read at once when a command reads every item (bounded memory)."""
 
 
 def open_checkpoint(path: str | os.PathLike[str]) -> Metadata:
@@ -106,24 +103,6 @@ def open_checkpoint(path: str | os.PathLike[str]) -> Metadata:
     return metadata
 
 
-def one_line(exc: BaseException, limit: int = 300) -> str:
-    """``Type: first line of the message`` (at most ``limit`` characters)."""
-    text = str(exc).strip().splitlines()
-    line = f"{type(exc).__name__}: {text[0]}" if text else type(exc).__name__
-    return line if len(line) <= limit else line[: limit - 3] + "..."
-
-
-def _unwrap(exc: BaseException) -> BaseException:
-    """The first rank's original exception inside DCP's ``CheckpointException``."""
-    failures = getattr(exc, "failures", None)
-    if isinstance(failures, Mapping) and failures:
-        first = next(iter(failures.values()))
-        inner = first[0] if isinstance(first, tuple) and first else first
-        if isinstance(inner, BaseException):
-            return inner
-    return exc
-
-
 class _CachedReader(FileSystemReader):
     """A ``FileSystemReader`` that serves metadata already read (``.metadata`` is unpickled once)."""
 
@@ -137,31 +116,6 @@ class _CachedReader(FileSystemReader):
             self._metadata.storage_meta = StorageMeta()
         self._metadata.storage_meta.load_id = self.load_id
         return self._metadata
-
-
-class _ItemPlanner(SparseLoadPlanner):
-    """Reads bytes items without running pickled code.
-
-    Keys in ``raw_keys`` are not unpickled at all (their bytes land in :attr:`raw`); keys in
-    ``unpickle_keys`` are read as DCP reads them (``convert`` must copy model extras); every other
-    bytes item goes through ``torch.load(weights_only=True)`` (packed tables must be ``bytes``).
-    """
-
-    def __init__(self, raw_keys: Collection[str] = (), unpickle_keys: Collection[str] = ()) -> None:
-        super().__init__()
-        self.raw_keys = raw_keys
-        self.unpickle_keys = unpickle_keys
-        self.raw: dict[str, bytes] = {}
-
-    def load_bytes(self, read_item: ReadItem, value: io.BytesIO) -> None:
-        """See the class docstring."""
-        key = read_item.dest_index.fqn
-        if key in self.raw_keys:
-            self.raw[key] = value.read()
-        elif key in self.unpickle_keys:
-            DefaultLoadPlanner.load_bytes(self, read_item, value)
-        else:
-            DefaultLoadPlanner.load_bytes(self, read_item, weights_only_item(key, value, table=is_table_key(key)))
 
 
 def item_bytes(md: Any) -> int:
@@ -181,30 +135,28 @@ def read_entries(
 ) -> dict[str, Any]:
     """Read the given flattened keys in this process: ``{key: tensor, object or raw bytes}``.
 
-    Tensors come back as full CPU tensors (DCP reassembles sharded items). Bytes items are read
-    as :class:`_ItemPlanner` says (by default ``weights_only=True``). A failure is a
+    The one item reader of the library (:func:`sparse_ckpt._dcp.items.read_items`, which a
+    ``state_layout="buffers"`` load reads its buckets with), handed this checkpoint's storage
+    reader. Tensors come back as full CPU tensors (DCP's chunks of an item are assembled). Bytes
+    items in ``raw_keys`` are not unpickled at all (their bytes), those in ``unpickle_keys`` are
+    read as DCP reads them (``convert`` must copy model extras), every other one with
+    ``torch.load(weights_only=True)`` (packed tables must be ``bytes``). A failure is a
     :class:`CheckpointFormatError` with one line of reason (a missing data file, a truncated item,
     ...); errors of sparse_ckpt's own checks pass through as they are.
     """
-    target: dict[str, Any] = {}
-    for key in keys:
-        md = metadata.state_dict_metadata[key]
-        target[key] = torch.empty(tuple(md.size), dtype=md.properties.dtype) if isinstance(md, TensorStorageMetadata) else None
-    if not target:
-        return target
-    planner = _ItemPlanner(raw_keys, unpickle_keys)
+    keys = list(keys)
+    if not keys:
+        return {}
+    reader = _CachedReader(path, metadata)
     try:
-        with warnings.catch_warnings():
-            warnings.simplefilter("ignore", UserWarning)  # "assuming the intent is to load in a single process"
-            dcp.load(target, storage_reader=_CachedReader(path, metadata), planner=planner, no_dist=True)
-    except (CheckpointException, Exception) as exc:  # noqa: BLE001 - CheckpointException is a BaseException
-        inner = _unwrap(exc)
-        if isinstance(inner, SparseCheckpointError):
-            raise inner from None
-        what = f"item {next(iter(target))!r}" if len(target) == 1 else f"{len(target)} items"
-        raise CheckpointFormatError(f"cannot read {what} of {os.fspath(path)!r}: {one_line(inner)}") from None
-    target.update(planner.raw)
-    return target
+        reader.set_up_storage_reader(reader.read_metadata(), is_coordinator=True)
+        values = read_items(reader, metadata, keys, raw_keys=raw_keys, unpickle_keys=unpickle_keys)
+    except SparseCheckpointError:
+        raise
+    except Exception as exc:  # noqa: BLE001 - whatever the storage layer raises on a damaged checkpoint
+        what = f"item {keys[0]!r}" if len(keys) == 1 else f"{len(keys)} items"
+        raise CheckpointFormatError(f"cannot read {what} of {os.fspath(path)!r}: {one_line(exc)}") from None
+    return {key: values[key] for key in keys if key in values}
 
 
 def batches(metadata: Metadata, keys: Iterable[str], limit: int = BATCH_BYTES) -> Iterator[list[str]]:
@@ -428,11 +380,6 @@ def loader_needed(summary: Mapping[str, Any]) -> str:
         "guards): a loader that does not know the format and uses allow_partial_load=True would silently miss its "
         "settings and scalar state"
     )
-
-
-def dtype_name(dtype: torch.dtype) -> str:
-    """``torch.float32`` -> ``"float32"`` (how reports name dtypes)."""
-    return str(dtype).removeprefix("torch.")
 
 
 def check_new_dir(path: str | os.PathLike[str]) -> None:

@@ -26,7 +26,7 @@ from .._format.keys import (
     has_escaped_part,
     is_state_item,
 )
-from .._layouts.bucketed import full_state
+from .._layouts.bucketed_view import full_state
 from .._leaves import SINGLE_LEAF
 from ..errors import CheckpointFormatError, CheckpointMismatchError, UsageError
 from ._reader import (

@@ -43,7 +43,7 @@ from torch.distributed.checkpoint.metadata import TensorStorageMetadata
 from torch.distributed.tensor import DTensor, distribute_tensor
 
 from .._dcp.metadata import find_optimizers
-from .._dcp.stateful import multi_rank
+from .._dist import multi_rank
 from .._format.keys import (
     BUFFERS_PREFIX,
     PACKED_PREFIX,

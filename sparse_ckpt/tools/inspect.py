@@ -13,6 +13,7 @@ from torch.distributed.checkpoint.metadata import Metadata, TensorStorageMetadat
 
 from .._dcp.metadata import find_optimizers, unrecognised_optimizer_items
 from .._format.keys import PACKED_PREFIX, SCALARS_PREFIX
+from .._text import first_n
 from ._reader import (
     Group,
     dtype_name,
@@ -256,8 +257,7 @@ def fmt_value(value: Any) -> str:
 
 def fmt_names(items: Sequence[Any], limit: int = LIST_LIMIT) -> str:
     """The first ``limit`` of ``items`` (repr), then ``(+N more)``."""
-    shown = ", ".join(repr(x) for x in items[:limit])
-    return f"{shown} (+{len(items) - limit} more)" if len(items) > limit else shown
+    return first_n(items, limit, show=repr)
 
 
 def id_ranges(ids: Sequence[int]) -> str:

@@ -11,6 +11,7 @@ from typing import Any
 from torch.distributed.checkpoint.metadata import Metadata, TensorStorageMetadata
 
 from .._dcp.metadata import find_optimizers
+from .._text import one_line
 from ..errors import SparseCheckpointError
 from ._reader import (
     BATCH_BYTES,
@@ -18,7 +19,6 @@ from ._reader import (
     entry_values,
     loader_needed,
     named_groups,
-    one_line,
     open_checkpoint,
     optimizer_format,
     read_entries,

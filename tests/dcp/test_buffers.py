@@ -207,14 +207,14 @@ def test_dcp_load_reads_one_bucket_at_a_time(tmp_path: Path, monkeypatch: pytest
     """The buffers of a DCP load are read one item at a time into a buffer that is dropped after
     its chunks are copied out: at most one is alive, and none is larger than a bucket (or than
     the largest single chunk)."""
-    from sparse_ckpt._dcp import stateful as sc_dcp
+    from sparse_ckpt._dcp import items as sc_dcp
 
     model, src = _trained("AdamW")
     monkeypatch.setattr(buffers, "BUCKET_BYTES", 300)
     dcp.save({"optim": sc.SparseOptimizerState(model, src, state_layout="buffers")}, checkpoint_id=tmp_path)
     alive: list[int] = []
     peak = [0, 0]  # buffers alive at once, largest bytes
-    original = sc_dcp._ItemPlanner.resolve_tensor
+    original = sc_dcp.ItemPlanner.resolve_tensor
 
     def tracked(self: Any, read_item: Any) -> torch.Tensor:
         t = original(self, read_item)
@@ -227,8 +227,8 @@ def test_dcp_load_reads_one_bucket_at_a_time(tmp_path: Path, monkeypatch: pytest
         self._consume(read_item.dest_index.fqn, tensor)
         alive.remove(tensor.data_ptr())
 
-    monkeypatch.setattr(sc_dcp._ItemPlanner, "resolve_tensor", tracked)
-    monkeypatch.setattr(sc_dcp._ItemPlanner, "commit_tensor", committed)
+    monkeypatch.setattr(sc_dcp.ItemPlanner, "resolve_tensor", tracked)
+    monkeypatch.setattr(sc_dcp.ItemPlanner, "commit_tensor", committed)
     model2, dst = _fresh(model, "AdamW")
     dcp.load({"optim": sc.SparseOptimizerState(model2, dst)}, checkpoint_id=tmp_path, planner=sc.SparseLoadPlanner())
     largest = max(p.numel() * 4 for p in model.parameters())

@@ -29,7 +29,7 @@ from _spawned import (
 
 import sparse_ckpt as sc
 from sparse_ckpt._format.keys import BUFFERS_PREFIX
-from sparse_ckpt._layouts import bucketed as buffers
+from sparse_ckpt._layouts import bucketed_load
 
 pytestmark = pytest.mark.filterwarnings("ignore:torch.distributed is disabled:UserWarning")
 
@@ -37,19 +37,19 @@ pytestmark = pytest.mark.filterwarnings("ignore:torch.distributed is disabled:Us
 def _load(path: str, model: Any, opt: sc.MultiOptimizer) -> list[str]:
     """``dcp.load`` of model and optimizer; returns the buffers keys the optimizer read itself."""
     read: list[str] = []
-    original = buffers.BufferReader.read
+    original = bucketed_load.BucketReader.read
 
     def recorded(self: Any, keys: list[str], consume: Any) -> None:
         read.extend(keys)
         original(self, keys, consume)
 
-    buffers.BufferReader.read = recorded  # type: ignore[method-assign]
+    bucketed_load.BucketReader.read = recorded  # type: ignore[method-assign]
     try:
         msd = model.state_dict()
         dcp.load({"model": msd, "optim": opt}, checkpoint_id=path, planner=sc.SparseLoadPlanner())
         model.load_state_dict(msd)
     finally:
-        buffers.BufferReader.read = original  # type: ignore[method-assign]
+        bucketed_load.BucketReader.read = original  # type: ignore[method-assign]
     return read
 
 

@@ -14,7 +14,7 @@ import torch.distributed.checkpoint as dcp
 from helpers import assert_optimizer_equal, make_moe, train
 
 import sparse_ckpt as sc
-import sparse_ckpt._dcp.stateful as sc_dcp
+import sparse_ckpt._dcp.planner as sc_dcp
 import sparse_ckpt._load.load as sc_load
 from sparse_ckpt._format.keys import PLANNER_GUARD_KEY, is_foreign_guard
 from sparse_ckpt._torch_internals import called_by_dcp_load

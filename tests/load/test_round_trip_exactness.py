@@ -355,7 +355,7 @@ def test_planner_reads_flat_group_values_weights_only(tmp_path: Path, capsys: py
 
 
 def test_weights_only_item_passes_plain_values() -> None:
-    from sparse_ckpt._dcp.stateful import weights_only_item
+    from sparse_ckpt._dcp.items import weights_only_item
 
     buf = io.BytesIO()
     torch.save({"a": [1, 2.0, "x", None]}, buf)

@@ -1,0 +1,170 @@
+"""Reading DCP items: weights-only unpickling, load buffers allocated like their parameter, and the
+one reader of whole items that a load's buffers layout and the checkpoint tools share.
+
+:func:`read_items` reads chosen items of a checkpoint through a ``StorageReader`` (rank-local, no
+collective, no planning through ``dcp.load``): tensors into new CPU tensors (DCP's chunks of one
+item are assembled), bytes items unpickled with ``weights_only=True`` unless told otherwise. Each
+value goes to ``consume`` as soon as it is complete (a ``state_layout="buffers"`` load keeps one
+bucket alive at a time), or into the returned dict.
+"""
+
+from __future__ import annotations
+
+import io
+from collections.abc import Callable, Collection, Iterable
+from typing import Any
+
+import torch
+from torch.distributed.checkpoint import DefaultLoadPlanner
+from torch.distributed.checkpoint.default_planner import create_default_local_load_plan
+from torch.distributed.checkpoint.metadata import BytesStorageMetadata, Metadata, TensorStorageMetadata
+from torch.distributed.checkpoint.planner import ReadItem
+from torch.distributed.tensor import DTensor
+from torch.distributed.tensor import empty as dtensor_empty
+
+from .._format.keys import BUFFERS_PREFIX, PACKED_PREFIX, SCALARS_PREFIX, STEP_KEY, is_table_key, table_kind
+from ..errors import CheckpointFormatError
+
+__all__ = ["ItemPlanner", "allocate_item", "allocate_like", "read_items", "weights_only_item", "weights_only_object"]
+
+Consume = Callable[[str, Any], None]
+
+
+def weights_only_item(key: str, value: io.BytesIO, table: bool) -> io.BytesIO:
+    """Unpickle a DCP bytes item with ``weights_only=True``; return a fresh stream of it for DCP."""
+    out = io.BytesIO()
+    torch.save(weights_only_object(key, value, table), out)
+    out.seek(0)
+    return out
+
+
+def weights_only_object(key: str, value: io.BytesIO, table: bool) -> Any:
+    """The object of a DCP bytes item, unpickled with ``weights_only=True`` (``table``: it must be ``bytes``)."""
+    prefix = next((p for p in (SCALARS_PREFIX, BUFFERS_PREFIX) if p in key), PACKED_PREFIX)
+    what = table_kind(prefix) if table else "optimizer item"
+    try:
+        obj = torch.load(value, weights_only=True)
+    except Exception as exc:  # noqa: BLE001 - any refusal of the restricted unpickler
+        raise CheckpointFormatError(f"{what} {key!r} is not a plain data item ({exc})") from None
+    if table and not isinstance(obj, bytes):
+        raise CheckpointFormatError(f"{what} {key!r} holds a {type(obj).__name__}, expected bytes")
+    return obj
+
+
+def allocate_like(size: tuple[int, ...], dtype: torch.dtype, like: torch.Tensor | None) -> torch.Tensor:
+    """A new tensor of ``size`` and ``dtype`` allocated like parameter ``like``: a DTensor parameter
+    gives a DTensor with its mesh and placements, a plain one a tensor on its device (a parameter on
+    the meta device: on the CPU, so that what is read lands somewhere); ``None``: a CPU tensor."""
+    if like is None:
+        return torch.empty(size, dtype=dtype)
+    if isinstance(like, DTensor):
+        return dtensor_empty(size, dtype=dtype, device_mesh=like.device_mesh, placements=like.placements)
+    return torch.empty(size, dtype=dtype, device="cpu" if like.device.type == "meta" else like.device)
+
+
+def allocate_item(md: Any, like: torch.Tensor | None, key_leaf: str) -> Any:
+    """A load buffer for one checkpoint item (``None`` for bytes items: DCP replaces it): allocated
+    like ``like`` when the item is parameter-shaped state (not ``step``), else a plain CPU tensor."""
+    if isinstance(md, BytesStorageMetadata) or not isinstance(md, TensorStorageMetadata):
+        return None
+    size = tuple(md.size)
+    shaped = like is not None and key_leaf != STEP_KEY and size == tuple(like.shape)
+    return allocate_like(size, md.properties.dtype, like if shaped else None)
+
+
+class ItemPlanner(DefaultLoadPlanner):
+    """The read callbacks of :func:`read_items` (``read_data`` is called directly, not through
+    ``dcp.load``'s planning): a tensor item is allocated on the CPU when its first chunk is read and
+    handed over when its last one is; a bytes item is unpickled with ``weights_only=True``, kept raw
+    (``raw_keys``) or read as DCP reads it (``unpickle_keys``: ``convert`` copies model extras)."""
+
+    def __init__(
+        self,
+        metadata: Metadata,
+        consume: Consume | None = None,
+        *,
+        raw_keys: Collection[str] = (),
+        unpickle_keys: Collection[str] = (),
+        is_table: Callable[[str], bool] = is_table_key,
+    ) -> None:
+        super().__init__(flatten_state_dict=False, flatten_sharded_tensors=False)
+        self._is_table = is_table
+        self.metadata = metadata
+        self.state_dict: dict[str, Any] = {}
+        self.values: dict[str, Any] = {}
+        self._consume = consume if consume is not None else self.values.__setitem__
+        self.consume = self._consume
+        self._raw_keys = raw_keys
+        self._unpickle_keys = unpickle_keys
+        self._chunks_left: dict[str, int] = {}
+
+    @property
+    def chunks_expected(self) -> Collection[str]:
+        """The tensor items :meth:`expect` was told about."""
+        return self._chunks_left.keys()
+
+    def expect(self, plan_items: Iterable[ReadItem]) -> None:
+        """Count each tensor item's chunks in the plan (its value is complete after the last)."""
+        for item in plan_items:
+            key = item.dest_index.fqn
+            self._chunks_left[key] = self._chunks_left.get(key, 0) + 1
+
+    def resolve_tensor(self, read_item: ReadItem) -> torch.Tensor:
+        key = read_item.dest_index.fqn
+        target = self.state_dict.get(key)
+        if target is None:
+            md = self.metadata.state_dict_metadata[key]
+            assert isinstance(md, TensorStorageMetadata)
+            target = self.state_dict[key] = torch.empty(tuple(md.size), dtype=md.properties.dtype)
+        if tuple(read_item.lengths) == tuple(target.shape):
+            return target
+        return super().resolve_tensor(read_item)  # a chunk: a view of the whole item
+
+    def commit_tensor(self, read_item: ReadItem, tensor: torch.Tensor) -> None:
+        key = read_item.dest_index.fqn
+        left = self._chunks_left.get(key, 1) - 1
+        self._chunks_left[key] = left
+        if left <= 0:
+            self._consume(key, self.state_dict.pop(key))
+
+    def load_bytes(self, read_item: ReadItem, value: io.BytesIO) -> None:
+        key = read_item.dest_index.fqn
+        if key in self._raw_keys:
+            self._consume(key, value.read())
+        elif key in self._unpickle_keys:
+            super().load_bytes(read_item, value)  # DCP's own read: into self.state_dict
+            self._consume(key, self.state_dict.pop(key))
+        else:
+            self._consume(key, weights_only_object(key, value, table=self._is_table(key)))
+
+
+def read_items(
+    storage_reader: Any,
+    metadata: Metadata,
+    keys: Iterable[str],
+    consume: Consume | None = None,
+    *,
+    raw_keys: Collection[str] = (),
+    unpickle_keys: Collection[str] = (),
+    is_table: Callable[[str], bool] = is_table_key,
+) -> dict[str, Any]:
+    """Read whole items ``keys`` through ``storage_reader`` (set up for ``metadata``) in this process.
+
+    With ``consume``, ``consume(key, value)`` gets each value when it is complete and the result is
+    empty; without, the values are returned by key. Tensors come back as new CPU tensors; bytes
+    items as :class:`ItemPlanner` says (``is_table(key)``: the item must unpickle to ``bytes``)."""
+    targets: dict[str, Any] = {}
+    for key in keys:
+        md = metadata.state_dict_metadata[key]
+        is_tensor = isinstance(md, TensorStorageMetadata)
+        targets[key] = torch.empty(tuple(md.size), dtype=md.properties.dtype, device="meta") if is_tensor else b""
+    if not targets:
+        return {}
+    planner = ItemPlanner(metadata, consume, raw_keys=raw_keys, unpickle_keys=unpickle_keys, is_table=is_table)
+    plan = create_default_local_load_plan(targets, metadata)
+    planner.expect(item for item in plan.items if isinstance(metadata.state_dict_metadata[item.dest_index.fqn], TensorStorageMetadata))
+    for key, target in targets.items():  # a tensor without data (no element): nothing to read
+        if isinstance(target, torch.Tensor) and key not in planner.chunks_expected:
+            planner.consume(key, torch.empty(tuple(target.shape), dtype=target.dtype))
+    storage_reader.read_data(plan, planner).wait()
+    return planner.values

@@ -1,0 +1,260 @@
+"""The load planner: :class:`SparseLoadPlanner` makes every optimizer load target match the checkpoint.
+
+A fresh optimizer's own dict is the wrong load target for a sparse checkpoint: it has no state
+keys (so DCP would read no state), and its packed group table carries the digest of *its*
+settings, which the checkpoint lacks. The planner finds the optimizer sub-dicts of the load target
+(:class:`~sparse_ckpt._dcp.stateful.SparseStateDict`, at any depth) and rebuilds each from the
+checkpoint's metadata before DCP plans the reads: one rule per kind of entry
+(:meth:`_TargetBuilder.rebuild`).
+"""
+
+from __future__ import annotations
+
+import io
+from collections.abc import Callable, Iterator, Mapping
+from typing import Any, ClassVar
+
+from torch.distributed.checkpoint import DefaultLoadPlanner
+from torch.distributed.checkpoint.metadata import Metadata
+from torch.distributed.checkpoint.planner import ReadItem
+
+from .._format.keys import (
+    BUFFERS_PREFIX,
+    GROUPS_PREFIX,
+    PACKED_PREFIX,
+    PLANNER_GUARD_KEY,
+    SCALARS_PREFIX,
+    STATE_PREFIX,
+    is_foreign_guard,
+    is_table_key,
+    last_part,
+    owner_fqn,
+    split_group_key,
+)
+from .._format.nested import NESTED_KEYS
+from .._fqn import build_fqn_map
+from .._layouts.bucketed_load import BucketReader, items_a_load_reads
+from .._torch_internals import caller_frame, dcp_storage_reader
+from ..errors import CheckpointMismatchError
+from .items import allocate_item, read_items, weights_only_item
+from .origin import ORIGIN_KEY
+from .paths import metadata_path, set_path
+from .stateful import SparseOptimizerState, SparseStateDict
+
+__all__ = ["SparseLoadPlanner"]
+
+_NOT_READ = (PLANNER_GUARD_KEY, ORIGIN_KEY)
+"""Entries of an optimizer dict the planner never reads back: the planner guard, and an origin record
+(only pickles carry one; a DCP checkpoint is each rank's own, so one that reached the disk is not read)."""
+
+_SKIP = object()
+"""What a rule returns for an entry this rank does not read."""
+
+
+class SparseLoadPlanner(DefaultLoadPlanner):
+    """A ``DefaultLoadPlanner`` that makes optimizer load targets match the checkpoint.
+
+    For every :class:`SparseStateDict` in the load target it replaces the dict's content by the
+    checkpoint's optimizer entries under the same path: all packed group and scalar tables
+    (every rank's), flat ``param_groups`` entries and ``state`` tensors of the parameters the *local* model owns
+    (other ranks' experts are not read), and any other entry under the path. State tensors shaped
+    like their parameter are allocated like it (a DTensor parameter: same mesh and placements;
+    a plain one: same device), with the checkpoint's dtype; other tensors (``step``, ...) are plain
+    CPU tensors; bytes items get a placeholder that DCP replaces. The optimizer itself is not
+    touched until ``load_state_dict``, which validates before mutating. Everything else in the
+    target is planned exactly as by ``DefaultLoadPlanner``.
+
+    A checkpoint in torch DSD's *nested* layout (``{"state": {fqn: {...}}, "param_groups": [...]}``,
+    what ``get_optimizer_state_dict`` returns by default and Accelerate's FSDP2 ``save_state``
+    writes) is read the same way -- every group, the local parameters' state -- and loaded by FQN
+    (see :mod:`sparse_ckpt._format.nested`), so existing checkpoints migrate without DSD's synthetic step.
+    """
+
+    def __init__(
+        self, *, flatten_sharded_tensors: bool = True, allow_partial_load: bool = False, _all_weights_only: bool = False
+    ) -> None:
+        """``allow_partial_load``: as ``DefaultLoadPlanner``'s, for the entries that are not optimizer dicts.
+
+        ``_all_weights_only`` (the VeOmni integration's stock-checkpoint migration): read *every*
+        bytes item with ``weights_only=True``, not only the optimizer's.
+        """
+        self._all_weights_only = _all_weights_only
+        super().__init__(
+            flatten_state_dict=True,
+            flatten_sharded_tensors=flatten_sharded_tensors,
+            allow_partial_load=allow_partial_load,
+        )
+
+    def set_up_planner(
+        self, state_dict: dict[str, Any], metadata: Metadata | None = None, is_coordinator: bool = False
+    ) -> None:
+        """Rebuild the optimizer sub-dicts from ``metadata``, then set up as ``DefaultLoadPlanner``."""
+        targets = list(_find_targets(state_dict, ()))
+        self._optimizer_keys: set[str] = set()
+        if targets and metadata is not None:
+            paths = {key: metadata_path(metadata, key) for key in metadata.state_dict_metadata}
+            storage_reader = dcp_storage_reader(caller_frame(1))
+            for path, target in targets:
+                self._optimizer_keys.update(_TargetBuilder(target, metadata, storage_reader).rebuild(path, paths))
+        super().set_up_planner(state_dict, metadata, is_coordinator)
+
+    def load_bytes(self, read_item: ReadItem, value: io.BytesIO) -> None:
+        """Read every non-tensor optimizer item with ``torch.load(weights_only=True)``; others as DCP does.
+
+        ``DefaultLoadPlanner.load_bytes`` unpickles every bytes item with ``weights_only=False``,
+        so a tampered optimizer item could run code before the library ever sees it. Packed group
+        and scalar tables must be plain ``bytes``; flat ``param_groups`` values and non-tensor state values
+        may be anything the restricted unpickler accepts. Refusals are
+        :class:`CheckpointFormatError` naming the key.
+        """
+        key = read_item.dest_index.fqn
+        table = is_table_key(key)
+        if self._all_weights_only or table or key in getattr(self, "_optimizer_keys", ()):
+            value = weights_only_item(key, value, table=table or BUFFERS_PREFIX in key)
+        super().load_bytes(read_item, value)
+
+
+def _find_targets(node: Any, path: tuple[str | int, ...]) -> Iterator[tuple[tuple[str | int, ...], SparseStateDict]]:
+    """Every :class:`SparseStateDict` below ``node`` with its DCP object path."""
+    if isinstance(node, SparseStateDict):
+        yield path, node
+    elif isinstance(node, SparseOptimizerState):
+        raise TypeError(
+            f"a SparseOptimizerState sits at {'.'.join(map(str, path))!r} below the top level of the load target; "
+            "DCP calls state_dict()/load_state_dict() only on top-level values, so put it at the top level, or "
+            "nest state.state_dict() and call state.load_state_dict() on it after dcp.load"
+        )
+    elif isinstance(node, Mapping):
+        for key, value in node.items():
+            yield from _find_targets(value, (*path, str(key)))
+    elif isinstance(node, list):
+        for i, value in enumerate(node):
+            yield from _find_targets(value, (*path, i))
+
+
+class _TargetBuilder:
+    """Rebuilds one :class:`SparseStateDict` load target from the checkpoint's entries under its path.
+
+    Each entry (its path below the target, its metadata) gets a load buffer, or is skipped, by the
+    rule of its kind (:meth:`_kind`): DSD's nested ``state`` and ``param_groups``, the buffers
+    layout's items, packed tables (every rank's), foreign-loader guards, flat group settings and
+    per-item state (this rank's parameters only), anything else."""
+
+    def __init__(self, target: SparseStateDict, metadata: Metadata, storage_reader: Any) -> None:
+        self.target = target
+        self.metadata = metadata
+        self.storage_reader = storage_reader
+        self.fmap: Any = None
+        self.unresolved: list[str] = []
+        self.flat_fqns: set[str] = set()
+        self.read_now: set[str] = set()
+
+    def rebuild(self, path: tuple[str | int, ...], paths: Mapping[str, tuple[str | int, ...]]) -> list[str]:
+        """Replace the target's content by the checkpoint's entries under ``path``; returns their
+        flattened DCP keys (the items this optimizer dict reads).
+
+        Buffers layout: this rank's own layout tables are read (all of a leaf's when it has none of
+        its own); buffers are left to ``target.reader`` (which reads them one at a time after the
+        layouts, through the load's storage reader). Without a storage reader, this rank's own
+        buffers (all of a leaf's when it has no layout of its own) are read with the rest."""
+        depth = len(path)
+        entries: list[tuple[tuple[str | int, ...], Any, str]] = []
+        for key, md in self.metadata.state_dict_metadata.items():
+            p = paths[key]
+            if len(p) > depth and p[:depth] == path and isinstance(p[depth], str) and p[depth] not in _NOT_READ:
+                entries.append((p[depth:], md, key))
+        if not entries:
+            where = ".".join(map(str, path))
+            raise CheckpointMismatchError(
+                f"the checkpoint has no optimizer entries under {where!r} (saved under another key, or no optimizer)"
+            )
+        self.fmap = self.target.fmap = build_fqn_map(self.target.owner.model)
+        self.flat_fqns = {s[0] for rel, _md, _key in entries if (s := split_group_key(str(rel[0]))) is not None}
+        buffered = {str(rel[0]): key for rel, _md, key in entries if len(rel) == 1 and str(rel[0]).startswith(BUFFERS_PREFIX)}
+        self.read_now = items_a_load_reads(buffered, self.storage_reader is not None)
+        self.target.reader = None if self.storage_reader is None or not buffered else BucketReader(
+            buffered, self._item_reader()
+        )
+        new: dict[str, Any] = {}
+        keys: list[str] = []
+        for rel, md, key in entries:
+            inner = str(rel[0])
+            value = self._RULES[self._kind(rel, inner, md, buffered)](self, rel, inner, md)
+            if value is _SKIP:
+                continue
+            set_path(new, rel, value)
+            keys.append(key)
+        self.target.clear()
+        self.target.update(new)
+        self.target.planned = True
+        self.target.unresolved = self.unresolved
+        return keys
+
+    @staticmethod
+    def _kind(rel: tuple[str | int, ...], inner: str, md: Any, buffered: Mapping[str, str]) -> str:
+        if len(rel) > 2 and inner in NESTED_KEYS:  # DSD's nested layout: ('state', fqn, key...) / ('param_groups', i, key)
+            return "nested_state" if inner == NESTED_KEYS[0] else "plain"
+        if inner in buffered:
+            return "buffers"
+        if inner.startswith((PACKED_PREFIX, SCALARS_PREFIX)):
+            return "plain"  # every rank's tables
+        if is_foreign_guard(inner, md):
+            return "guard"
+        if inner.startswith(GROUPS_PREFIX):
+            return "flat_group"
+        if inner.startswith(STATE_PREFIX):
+            return "state"
+        return "plain"
+
+    def _plain(self, rel: tuple[str | int, ...], inner: str, md: Any) -> Any:
+        return allocate_item(md, None, "")
+
+    def _nested_state(self, rel: tuple[str | int, ...], inner: str, md: Any) -> Any:
+        fqn = str(rel[1])
+        if fqn not in self.fmap.canonical:
+            return _SKIP  # another rank's parameter (the load checks the dict's own groups)
+        return allocate_item(md, self._param(fqn), str(rel[-1]))
+
+    def _buffers(self, rel: tuple[str | int, ...], inner: str, md: Any) -> Any:
+        return allocate_item(md, None, "") if inner in self.read_now else _SKIP
+
+    def _guard(self, rel: tuple[str | int, ...], inner: str, md: Any) -> Any:
+        return _SKIP  # for loaders that do not know the format; nothing to read
+
+    def _flat_group(self, rel: tuple[str | int, ...], inner: str, md: Any) -> Any:
+        fqn = split_group_key(inner)[0]  # type: ignore[index] - not a table: a flat group key
+        if fqn and fqn not in self.fmap.canonical:
+            return _SKIP  # another rank's parameter
+        return allocate_item(md, None, "")
+
+    def _state(self, rel: tuple[str | int, ...], inner: str, md: Any) -> Any:
+        # Which local parameter's buffer to allocate like: a guess by the target's FQNs (the
+        # tables are not read yet); the load resolves every key by the checkpoint's own FQNs.
+        fqn = owner_fqn(inner[len(STATE_PREFIX) :], self.fmap.canonical)
+        if fqn is None:
+            if owner_fqn(inner[len(STATE_PREFIX) :], self.flat_fqns) is None:
+                self.unresolved.append(inner)
+            return _SKIP  # another rank's parameter (or nobody's: unresolved, checked on load)
+        key_leaf = last_part(inner) if len(rel) == 1 else str(rel[-1])
+        return allocate_item(md, self._param(fqn), key_leaf)
+
+    _RULES: ClassVar[dict[str, Callable[..., Any]]] = {
+        "plain": _plain,
+        "nested_state": _nested_state,
+        "buffers": _buffers,
+        "guard": _guard,
+        "flat_group": _flat_group,
+        "state": _state,
+    }
+
+    def _param(self, fqn: str) -> Any:
+        return self.fmap.param_of[self.fmap.canonical[fqn]]
+
+    def _item_reader(self) -> Any:
+        """``read(dcp_keys, consume)`` through the load's own storage reader (rank-local, no collective)."""
+        storage_reader, metadata = self.storage_reader, self.metadata
+
+        def read(dcp_keys: list[str], consume: Any) -> None:
+            read_items(storage_reader, metadata, dcp_keys, consume, is_table=lambda key: True)
+
+        return read

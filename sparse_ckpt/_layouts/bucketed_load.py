@@ -1,0 +1,285 @@
+"""``state_layout="buffers"``, load side: the buckets back into state tensors.
+
+:func:`expand`: the layout tables of a leaf and this rank's parameters give the core's scatter
+plan; each needed bucket is read once (from the dict, or through a :class:`BucketReader` while a
+DCP load streams them one at a time, see :func:`items_a_load_reads`), its chunks are copied into
+new state tensors allocated like their parameters, and these join the decoded state as per-item
+entries would. Peak extra memory of a DCP load: two buckets (DCP's read of one bucket item and the
+bucket it is copied into), whatever the optimizer's size.
+"""
+
+from __future__ import annotations
+
+import math
+from collections.abc import Callable, Iterable, Mapping
+from dataclasses import dataclass, field
+from typing import Any
+
+import torch
+from torch.distributed.tensor import DTensor
+
+from .. import _backend
+from .._dcp.items import allocate_like
+from .._dist import world_and_rank
+from .._format.keys import BUFFERS_PREFIX, check_table, key_parts, split_buffers_key, tag_has_rank
+from .._fqn import FqnMap
+from ..errors import CheckpointFormatError, CheckpointMismatchError
+from .bucketed import _Geometry, buffer_key, dtype_name, layout_key, torch_dtype
+
+
+@dataclass
+class _LeafItems:
+    layouts: dict[str, bytes] = field(default_factory=dict)
+    """rank tag -> sealed layout bytes."""
+    buffers: dict[tuple[str, int], Any] = field(default_factory=dict)
+    """(rank tag, bucket) -> buffer tensor (read already)."""
+    readable: dict[str, str] = field(default_factory=dict)
+    """Key of each layout table a :class:`BucketReader` can read -> its rank tag."""
+
+
+class BucketReader:
+    """Reads buffer and layout items that a DCP load did not plan (see :mod:`sparse_ckpt._dcp.stateful`):
+    ``keys`` maps each buffers key of the optimizer dict to its flattened DCP key (all of the
+    checkpoint's, read or not)."""
+
+    def __init__(self, keys: Mapping[str, str], read: Callable[[list[str], Callable[[str, Any], None]], None]) -> None:
+        self.keys = dict(keys)
+        self._read = read
+
+    def read(self, inner_keys: list[str], consume: Callable[[str, Any], None]) -> None:
+        """Read ``inner_keys`` one at a time; ``consume(inner_key, value)`` gets each value."""
+        back = {self.keys[k]: k for k in inner_keys}
+        self._read(list(back), lambda dcp_key, value: consume(back[dcp_key], value))
+
+
+def split_items(keys: Iterable[str], flat: Mapping[str, Any]) -> dict[str, _LeafItems]:
+    """The layout tables and buffers among ``keys`` (keys of ``flat`` starting with
+    :data:`~sparse_ckpt._format.keys.BUFFERS_PREFIX`), by leaf."""
+    by_leaf: dict[str, _LeafItems] = {}
+    for key in keys:
+        leaf, kind, bucket, ranks = split_buffers_key(key[len(BUFFERS_PREFIX) :])
+        items = by_leaf.setdefault(leaf, _LeafItems())
+        if kind == "layout":
+            items.layouts[ranks] = flat[key]
+        else:
+            items.buffers[(ranks, bucket)] = flat[key]  # type: ignore[index]
+    return by_leaf
+
+
+def expand(
+    buffer_keys: list[str],
+    flat: Mapping[str, Any],
+    fmap: FqnMap,
+    reader: BucketReader | None,
+    expected: Callable[[str, set[tuple[str, str]]], bool] | None = None,
+) -> dict[str, dict[str, Any]]:
+    """The buffered state this rank needs, ``canonical FQN -> {key path: tensor}`` (nested dicts
+    for nested keys), allocated like the parameters and filled from the buffers.
+
+    Layouts are those in ``flat`` (a DCP load reads this rank's own, or all of a leaf's when it
+    has none); when they do not cover this rank's chunks (another mesh), or lack state this rank
+    needs (``expected(leaf, found)``: whether a parameter of this rank misses recorded state
+    besides the ``(FQN, key)`` pairs ``found``; another expert-parallel layout), and ``reader``
+    has more, all of the leaf's layouts are read.
+    Each needed buffer is taken from ``flat`` or read through ``reader`` (one at a time), checked
+    against its layout (dtype, 1-D, length), scattered and dropped."""
+    by_leaf = split_items(buffer_keys, flat)
+    if reader is not None:
+        for key in reader.keys:
+            leaf, kind, _bucket, ranks = split_buffers_key(key[len(BUFFERS_PREFIX) :])
+            items = by_leaf.setdefault(leaf, _LeafItems())
+            if kind == "layout":
+                items.readable[key] = ranks
+    geometry = _Geometry()
+    out: dict[str, dict[str, Any]] = {}
+    for leaf, items in by_leaf.items():
+        _expand_leaf(leaf, items, fmap, reader, geometry, out, expected)
+    return out
+
+
+def _chunk_of(fmap: FqnMap, geometry: _Geometry) -> Callable[[str], Any]:
+    def chunk_of(fqn: str) -> Any:
+        canon = fmap.canonical.get(fqn)
+        if canon is None:
+            return None
+        chunk = geometry.of(fmap.param_of[canon])
+        if chunk is None:
+            raise CheckpointMismatchError(
+                f"parameter {fqn!r} is a DTensor with placements the buffers layout does not hold "
+                "(only Shard and Replicate); load this checkpoint into a model sharded with those"
+            )
+        return chunk
+
+    return chunk_of
+
+
+def _expand_leaf(
+    leaf: str,
+    items: _LeafItems,
+    fmap: FqnMap,
+    reader: BucketReader | None,
+    geometry: _Geometry,
+    out: dict[str, dict[str, Any]],
+    expected: Callable[[str, set[tuple[str, str]]], bool] | None,
+) -> None:
+    core = _backend.core
+    chunk_of = _chunk_of(fmap, geometry)
+    unread = [key for key, ranks in items.readable.items() if ranks not in items.layouts]
+
+    def read_layouts() -> None:
+        assert reader is not None
+        reader.read(unread, lambda key, value: items.layouts.__setitem__(items.readable[key], value))
+        unread.clear()
+
+    if not items.layouts and unread:
+        read_layouts()
+    layouts = _open_layouts(leaf, items.layouts)
+    try:
+        targets, sources, ops = core.plan_scatter(leaf, [payload for _ranks, payload in layouts], chunk_of)
+        if unread and expected is not None:
+            found = {(fmap.canonical.get(t[0], t[0]), t[1]) for t in targets}
+            if expected(leaf, found):
+                raise CheckpointMismatchError("state of this rank is in other ranks' layouts")
+    except CheckpointMismatchError:
+        if not unread:
+            raise
+        read_layouts()  # this rank's own layout does not hold all it needs: another mesh or EP degree
+        layouts = _open_layouts(leaf, items.layouts)
+        targets, sources, ops = core.plan_scatter(leaf, [payload for _ranks, payload in layouts], chunk_of)
+    count = [0] * len(targets)
+    for op in ops:
+        count[op[4]] += 1
+    # A target that one whole saved chunk fills, on a CPU parameter, becomes a view of its buffer
+    # (the buffer is this load's own tensor: no copy, no second allocation); others get a tensor
+    # allocated like their parameter and are copied into, box by box.
+    whole = [False] * len(targets)
+    for op in ops:
+        ti = op[4]
+        whole[ti] = count[ti] == 1 and op[2] == op[6] == targets[ti][5] and _on_cpu(fmap, targets[ti][0])
+    made: list[Any] = [None if whole[ti] else _allocate(leaf, t, fmap) for ti, t in enumerate(targets)]
+    dst = [None if m is None else _local(m) for m in made]
+    by_source: list[list[tuple[Any, ...]]] = [[] for _ in sources]
+    for op in ops:
+        by_source[op[0]].append(op)
+
+    def scatter(si: int, buf: Any) -> None:
+        li, bi, dtype, numel = sources[si]
+        _check_buffer(leaf, buffer_key(leaf, layouts[li][0], bi), buf, dtype, numel)
+        for _si, src_offset, src_sizes, src_start, ti, dst_start, box in by_source[si]:
+            n = 1
+            for d in src_sizes:
+                n *= d
+            src = buf[src_offset : src_offset + n].view(src_sizes)
+            if whole[ti]:
+                made[ti] = _wrap(src, targets[ti], fmap)
+                continue
+            target = dst[ti]
+            if box != src_sizes:
+                src = src[tuple(slice(a, a + b) for a, b in zip(src_start, box))]
+            if box != targets[ti][5]:
+                target = target[tuple(slice(a, a + b) for a, b in zip(dst_start, box))]
+            target.copy_(src)
+
+    wanted: dict[str, int] = {}
+    for si, (li, bi, _dtype, _numel) in enumerate(sources):
+        ranks = layouts[li][0]
+        buf = items.buffers.get((ranks, bi))
+        if buf is not None:
+            scatter(si, buf)
+            continue
+        key = buffer_key(leaf, ranks, bi)
+        if reader is None or key not in reader.keys:
+            fqn, skey = targets[by_source[si][0][4]][:2]
+            raise CheckpointMismatchError(
+                f"leaf {leaf!r}: buffer item {key!r}, which holds state {skey!r} of {fqn!r} (and maybe more), is "
+                "missing from the checkpoint: an incomplete or damaged checkpoint"
+            )
+        wanted[key] = si
+    if wanted:
+        assert reader is not None
+        reader.read(list(wanted), lambda key, value: scatter(wanted[key], value))
+    for (fqn, key, *_rest), value in zip(targets, made):
+        canon = fmap.canonical[fqn]
+        _put(out.setdefault(canon, {}), key, value, leaf, canon)
+
+
+def _open_layouts(leaf: str, layouts: Mapping[str, Any]) -> list[tuple[str, bytes]]:
+    out = []
+    for ranks, value in layouts.items():
+        key = layout_key(leaf, ranks)
+        _leaf, payload = check_table(BUFFERS_PREFIX, key[len(BUFFERS_PREFIX) :], value)
+        out.append((ranks, payload))
+    return out
+
+
+def _check_buffer(leaf: str, key: str, buf: Any, dtype: str, numel: int) -> None:
+    if not isinstance(buf, torch.Tensor) or isinstance(buf, DTensor):
+        raise CheckpointFormatError(f"leaf {leaf!r}: buffer item {key!r} is a {type(buf).__name__}, expected a tensor")
+    if buf.ndim != 1 or dtype_name(buf.dtype) != dtype or buf.numel() != numel:
+        raise CheckpointFormatError(
+            f"leaf {leaf!r}: buffer item {key!r} is a {dtype_name(buf.dtype)} tensor of shape {tuple(buf.shape)}, its "
+            f"layout table says {dtype} of {numel} elements (truncated, or the layout disagrees with the data)"
+        )
+
+
+def _allocate(leaf: str, target: tuple[Any, ...], fmap: FqnMap) -> torch.Tensor:
+    """A new state tensor for ``target`` (core ``plan_scatter``), allocated like its parameter."""
+    fqn, key, dtype_name_, shape, _offsets, sizes = target
+    t = allocate_like(shape, torch_dtype(leaf, fqn, key, dtype_name_), fmap.param_of[fmap.canonical[fqn]])
+    if isinstance(t, DTensor) and tuple(t.to_local().shape) != tuple(sizes):  # pragma: no cover - the chunk is the parameter's
+        raise CheckpointMismatchError(f"leaf {leaf!r}: state {key!r} of {fqn!r}: local shape differs from its chunk")
+    return t
+
+
+def _on_cpu(fmap: FqnMap, fqn: str) -> bool:
+    """Whether the parameter's state lives on the CPU (a plain tensor there, or a DTensor on a CPU mesh)."""
+    p = fmap.param_of[fmap.canonical[fqn]]
+    if isinstance(p, DTensor):
+        return p.device_mesh.device_type == "cpu"
+    return p.device.type in ("cpu", "meta")
+
+
+def _wrap(local: torch.Tensor, target: tuple[Any, ...], fmap: FqnMap) -> torch.Tensor:
+    """``local`` (a whole chunk) as the state tensor: itself, or a DTensor like the parameter."""
+    p = fmap.param_of[fmap.canonical[target[0]]]
+    if not isinstance(p, DTensor):
+        return local
+    shape = torch.Size(target[3])
+    stride = tuple(math.prod(shape[i + 1 :]) for i in range(len(shape)))
+    return DTensor.from_local(local, p.device_mesh, p.placements, run_check=False, shape=shape, stride=stride)
+
+
+def _local(t: torch.Tensor) -> torch.Tensor:
+    return t.to_local() if isinstance(t, DTensor) else t
+
+
+def _put(state: dict[str, Any], key: str, value: Any, leaf: str, fqn: str) -> None:
+    """``state[...][key parts] = value`` (key parts unescaped, nested dicts created)."""
+    parts: list[Any] = key_parts(key)
+    node = state
+    for part in parts[:-1]:
+        node = node.setdefault(part, {})
+    if parts[-1] in node:
+        raise CheckpointFormatError(
+            f"leaf {leaf!r}: state {key!r} of {fqn!r} is both in a buffer and a per-item entry (corrupt or edited checkpoint)"
+        )
+    node[parts[-1]] = value
+
+
+def items_a_load_reads(buffered: Mapping[str, str], have_reader: bool) -> set[str]:
+    """Which of a checkpoint's buffers-layout items (``buffered``: inner key -> DCP key) a DCP load
+    plans itself: this rank's own layout tables (all of a leaf's when it has none of its own), and,
+    without a reader for the rest (``have_reader``), this rank's own buckets too (all of a leaf's
+    when it has no layout of its own). The others are read through a :class:`BucketReader`."""
+    world, rank = world_and_rank()
+    by_leaf: dict[str, list[tuple[str, str, bool]]] = {}
+    for inner in buffered:
+        leaf, kind, _bucket, ranks = split_buffers_key(inner[len(BUFFERS_PREFIX) :])
+        by_leaf.setdefault(leaf, []).append((inner, kind, tag_has_rank(ranks, world, rank)))
+    out: set[str] = set()
+    for found in by_leaf.values():
+        own = any(mine and kind == "layout" for _inner, kind, mine in found)
+        for inner, kind, mine in found:
+            if (kind == "layout" or not have_reader) and (mine or not own):
+                out.add(inner)
+    return out

@@ -1,0 +1,73 @@
+"""``state_layout="buffers"``, the checkpoint tools' view: buffered state as the tools see
+per-item state (:func:`layout_view`, DCP metadata only) or as full CPU tensors (:func:`full_state`)."""
+
+from __future__ import annotations
+
+from collections.abc import Iterable, Iterator, Mapping
+from typing import Any
+
+import torch
+
+from .. import _backend
+from .._format.keys import BUFFERS_PREFIX, check_table, key_parts, split_buffers_key
+from .._fqn import FqnMap
+from ..errors import CheckpointFormatError, CheckpointMismatchError
+from .bucketed import buffer_key, dtype_name, torch_dtype
+from .bucketed_load import expand
+
+
+def _layouts_by_key(keys: Iterable[str], values: Mapping[str, Any]) -> Iterator[tuple[str, str, bytes]]:
+    """``(key, leaf, unsealed layout)`` of every layout table among ``keys``, each checked as it is reached."""
+    for key in keys:
+        if key.rpartition(".")[2].startswith("L"):
+            leaf, payload = check_table(BUFFERS_PREFIX, key[len(BUFFERS_PREFIX) :], values[key])
+            yield key, leaf, payload
+
+
+def layout_view(keys: Iterable[str], values: Mapping[str, Any]) -> dict[str, dict[str, Any]]:
+    """The buffered state as the checkpoint tools see per-item state: ``FQN -> {key: metadata}``
+    (a ``TensorStorageMetadata`` with the saved dtype and global shape; nested keys nest), from
+    the layout tables among ``keys``. Each layout's buffers must be there with its dtype and
+    length (``values``: DCP metadata or tensors), else a :class:`CheckpointFormatError` or
+    :class:`CheckpointMismatchError` says which."""
+    from torch.distributed.checkpoint.metadata import TensorProperties, TensorStorageMetadata
+
+    core = _backend.core
+    out: dict[str, dict[str, Any]] = {}
+    for key, leaf, payload in _layouts_by_key(keys, values):
+        ranks = split_buffers_key(key[len(BUFFERS_PREFIX) :])[3]
+        for bi, (dtype, numel, entries) in enumerate(core.decode_layout(leaf, payload)):
+            bkey = buffer_key(leaf, ranks, bi)
+            if bkey not in values:
+                raise CheckpointMismatchError(f"leaf {leaf!r}: buffer item {bkey!r} of layout {key!r} is missing")
+            found = values[bkey]
+            size = tuple(found.size) if isinstance(found, TensorStorageMetadata) else tuple(getattr(found, "shape", ()))
+            got = found.properties.dtype if isinstance(found, TensorStorageMetadata) else getattr(found, "dtype", None)
+            if size != (numel,) or got is None or dtype_name(got) != dtype:
+                raise CheckpointFormatError(
+                    f"leaf {leaf!r}: buffer item {bkey!r} is {got} of shape {size}, its layout table says {dtype} of "
+                    f"{numel} elements"
+                )
+            saved_dtype = torch_dtype(leaf, "?", "?", dtype)
+            for fqn, skey, shape, _offsets, _sizes in entries:
+                md = TensorStorageMetadata(TensorProperties(dtype=saved_dtype), torch.Size(shape), [])
+                node = out.setdefault(fqn, {})
+                parts: list[Any] = key_parts(skey)
+                for part in parts[:-1]:
+                    node = node.setdefault(part, {})
+                node.setdefault(parts[-1], md)
+    return out
+
+
+def full_state(keys: Iterable[str], values: Mapping[str, Any]) -> dict[str, dict[str, torch.Tensor]]:
+    """The buffered state as full (unsharded) CPU tensors, ``FQN -> {key path: tensor}``: every
+    chunk of every layout among ``keys`` scattered from its buffer in ``values`` (all of them in
+    memory: what a single-process tool such as ``convert`` reads)."""
+    keys = list(keys)
+    shapes: dict[str, tuple[int, ...]] = {}
+    for _key, leaf, payload in _layouts_by_key(keys, values):
+        for _dtype, _numel, entries in _backend.core.decode_layout(leaf, payload):
+            for fqn, _key, shape, _offsets, _sizes in entries:
+                shapes.setdefault(fqn, shape)
+    whole = FqnMap(canonical={f: f for f in shapes}, param_of={f: torch.empty(s, device="meta") for f, s in shapes.items()})
+    return expand(keys, values, whole, None)
