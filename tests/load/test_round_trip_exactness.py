@@ -244,7 +244,7 @@ def test_nested_state_named_like_another_parameter() -> None:
     """``x`` with nested state ``{"exp_avg": {"v": t}}`` next to a parameter ``x.exp_avg``: packed
     escapes the part so the state comes back to ``x``; flat (DSD's layout) refuses it."""
     model = _x_and_x_exp_avg()
-    assert sc.fqn.build_fqn_map(model).param_of.keys() == {"x", "x.exp_avg"}
+    assert sc._fqn.build_fqn_map(model).param_of.keys() == {"x", "x.exp_avg"}
     opt = torch.optim.SGD(model.parameters(), lr=0.1, momentum=0.9)
     _step(model, opt)
     opt.state[model.x]["exp_avg"] = {"v": torch.full((2,), 5.0)}

@@ -1,0 +1,154 @@
+"""Every torch internal sparse_ckpt touches (``sparse_ckpt/_torch_internals.py``, its ``ACCESSES``)
+still exists in the installed torch: a release that moves one fails here, loudly, naming it,
+instead of making a save silently slower or a load silently take another path. Also: no other
+module of the package reads a frame or a private torch attribute."""
+
+from __future__ import annotations
+
+import ast
+import importlib
+import sys
+from pathlib import Path
+
+import _backends
+import pytest
+import torch
+from torch import nn
+
+from sparse_ckpt import _torch_internals as ti
+
+core_backend = _backends.run_once
+"""Interface checks of torch: once, not per backend."""
+
+PACKAGE = Path(__file__).resolve().parents[2] / "sparse_ckpt"
+
+
+def _optimizer_with_hooks() -> torch.optim.Optimizer:
+    opt = torch.optim.SGD(nn.Linear(2, 2).parameters(), lr=0.1)
+    opt.register_state_dict_pre_hook(lambda o: None)
+    opt.register_state_dict_post_hook(lambda o, sd: None)
+    opt.register_load_state_dict_pre_hook(lambda o, sd: None)
+    opt.register_load_state_dict_post_hook(lambda o: None)
+    return opt
+
+
+def _hooks() -> None:
+    opt = _optimizer_with_hooks()
+    for read in (ti.state_dict_pre_hooks, ti.state_dict_post_hooks, ti.load_state_dict_pre_hooks, ti.load_state_dict_post_hooks):
+        assert len(read(opt)) == 1, f"{read.__name__} finds no registered hook: torch renamed the hook dict"
+
+
+def _version_counter() -> None:
+    t = torch.zeros(2)
+    before = ti.tensor_version(t)
+    t.add_(1)
+    assert isinstance(before, int) and ti.tensor_version(t) == before + 1
+
+
+def _module_dicts() -> None:
+    m = nn.Sequential(nn.Linear(2, 2))
+    assert isinstance(m._modules, dict) and "0" in m._modules
+    assert isinstance(m[0]._parameters, dict) and set(m[0]._parameters) == {"weight", "bias"}
+
+
+def _make_subclass() -> None:
+    class Sub(torch.Tensor):
+        pass
+
+    assert type(ti.make_subclass(Sub, torch.ones(1))) is Sub
+
+
+def _chunk_protocol() -> None:
+    from torch.distributed.tensor import DTensor
+
+    assert callable(getattr(DTensor, "__create_chunk_list__", None))
+    from torch.distributed.checkpoint import planner_helpers
+
+    assert "__create_chunk_list__" in Path(planner_helpers.__file__).read_text(), "DCP no longer plans through it"
+
+
+def _dcp_load_frame() -> None:
+    assert ti._DCP_LOAD_CODE is not None, "torch.distributed.checkpoint.state_dict_loader.load not found"
+
+
+def _dcp_save_frames() -> None:
+    assert len(ti._DCP_SAVE_CODES) == 2, "dcp.save/async_save code objects not found"
+    for code in ti._DCP_SAVE_CODES:
+        names = set(code.co_varnames)
+        for local in ("process_group", "no_dist"):
+            assert local in names, f"{code.co_name} has no local {local!r}"
+    assert any("use_collectives" in code.co_varnames for code in ti._DCP_SAVE_CODES)
+
+
+def _dcp_storage_reader_frame() -> None:
+    code = ti._DCP_LOAD_STATE_DICT_CODE
+    assert code is not None and "storage_reader" in code.co_varnames
+
+
+def _accelerate_frame() -> None:
+    module, name = ti._ACCELERATE_CUSTOM_SAVE
+    try:
+        mod = importlib.import_module(module)
+    except ImportError:
+        pytest.skip("accelerate is not installed")
+    assert callable(getattr(mod, name, None)), f"{module}.{name} is gone"
+
+
+def _frames() -> None:
+    assert ti.caller_frame(0) is sys._getframe()
+    assert isinstance(sys._current_frames(), dict)
+
+
+CHECKS = {
+    "torch.optim.Optimizer._optimizer_state_dict_pre_hooks": _hooks,
+    "torch.optim.Optimizer._optimizer_state_dict_post_hooks": _hooks,
+    "torch.optim.Optimizer._optimizer_load_state_dict_pre_hooks": _hooks,
+    "torch.optim.Optimizer._optimizer_load_state_dict_post_hooks": _hooks,
+    "torch.Tensor._version": _version_counter,
+    "torch.nn.Module._modules": _module_dicts,
+    "torch.nn.Module._parameters": _module_dicts,
+    "torch.Tensor._make_subclass": _make_subclass,
+    "DTensor.__create_chunk_list__ (DCP's tensor protocol)": _chunk_protocol,
+    "torch.distributed.checkpoint.state_dict_loader.load (caller frame)": _dcp_load_frame,
+    "torch.distributed.checkpoint.state_dict_saver.save/async_save (caller frame; locals process_group, no_dist, use_collectives)": _dcp_save_frames,
+    "torch.distributed.checkpoint.state_dict_loader._load_state_dict (caller frame; local storage_reader)": _dcp_storage_reader_frame,
+    "accelerate.checkpointing.save_custom_state (caller frame)": _accelerate_frame,
+    "sys._getframe / sys._current_frames (CPython)": _frames,
+}
+
+
+def test_every_access_has_a_check() -> None:
+    assert set(CHECKS) == set(ti.ACCESSES)
+
+
+@pytest.mark.parametrize("access", sorted(CHECKS))
+def test_access_still_works(access: str) -> None:
+    try:
+        CHECKS[access]()
+    except AssertionError as exc:
+        raise AssertionError(
+            f"torch {torch.__version__} moved a torch internal sparse_ckpt uses: {access} "
+            f"(checked on {ti.ACCESSES[access]}): {exc}"
+        ) from None
+
+
+FRAME_NAMES = {"_getframe", "_current_frames", "f_back", "f_locals", "f_code", "f_globals"}
+"""Attribute names that read frames."""
+
+
+def test_no_other_module_reads_frames_or_private_torch_attributes() -> None:
+    """Frames are read only in ``_torch_internals``; a private attribute of a torch object
+    (``torch.X._y``, or ``._y`` of a value that is no sparse_ckpt object) only there and in the
+    core (whose ``map_parameters`` is handed its torch entry points by ``_torch_internals``)."""
+    found = []
+    for path in sorted(PACKAGE.rglob("*.py")):
+        rel = path.relative_to(PACKAGE).as_posix()
+        if rel == "_torch_internals.py":
+            continue
+        for node in ast.walk(ast.parse(path.read_text(encoding="utf-8"))):
+            if isinstance(node, ast.Attribute) and node.attr in FRAME_NAMES:
+                found.append(f"{rel}:{node.lineno}: .{node.attr}")
+            if (isinstance(node, ast.Attribute) and node.attr.startswith("_") and not node.attr.startswith("__")
+                    and isinstance(node.value, ast.Attribute) and ast.unparse(node.value).startswith("torch.")):
+                found.append(f"{rel}:{node.lineno}: {ast.unparse(node)}")
+    assert not found, found
