@@ -235,18 +235,12 @@ def decode_checkpoint(
                     f"parameter {canon!r} has saved state under two names ({fqn!r} is an alias)"
                 )
             out.state_of[canon] = state
-    keys_of: dict[str, tuple[tuple[str, ...], str]] = {}
-    if scalar_tables:  # merged by canonical FQN: a table may name a parameter by an alias
-        fqns = known[0] if known else set()
-        scalars_of = decode_scalar_tables(
-            scalar_tables,
-            resolve=fmap.resolve if len(fmap.canonical) > len(fmap.param_of) else None,  # else no aliases
-            is_known=(lambda f: f in fqns or f in settings_raw) if settings_raw else fqns.__contains__,
-            unmatched=out.unmatched_keys,
-            keys_of=keys_of,
-        )
-    if buffer_keys or (reader is not None and reader.keys):
+    fqns = known[0] if known else set()
+    aliases = len(fmap.canonical) > len(fmap.param_of)
 
+    def buffered(keys_of: Mapping[str, tuple[tuple[str, ...], str]]) -> dict[str, dict[str, Any]] | None:
+        if not (buffer_keys or (reader is not None and reader.keys)):
+            return None
         unlisted: list[tuple[str, str]] = []
 
         def expected(leaf: str, found: set[tuple[str, str]]) -> bool:
@@ -258,11 +252,49 @@ def decode_checkpoint(
                 for fqn, k in unlisted
             )
 
-        _add_buffered(out.state_of, expand(buffer_keys, flat, fmap, reader, expected), keys_of)
-    if scalar_tables:
-        out.state_of = merge_scalars(out.state_of, scalars_of)
-        check_complete(out.state_of, keys_of, fmap.param_of)
+        return expand(buffer_keys, flat, fmap, reader, expected)
+
+    out.state_of = merge_state(
+        out.state_of,
+        scalar_tables,
+        resolve=fmap.resolve if aliases else None,  # merged by canonical FQN: a table may name a parameter by an alias
+        is_known=(lambda f: f in fqns or f in settings_raw) if settings_raw else fqns.__contains__,
+        unmatched=out.unmatched_keys,
+        buffered=buffered,
+        owned=fmap.param_of,
+    )
     return out
+
+
+def merge_state(
+    state_of: dict[str, Any],
+    scalar_tables: Mapping[str, bytes],
+    *,
+    is_known: Callable[[str], bool],
+    unmatched: list[str],
+    resolve: Callable[[str], str] | None = None,
+    buffered: Callable[[Mapping[str, tuple[tuple[str, ...], str]]], Mapping[str, dict[str, Any]] | None] | None = None,
+    owned: Mapping[str, Any] | None = None,
+) -> dict[str, Any]:
+    """The state half of decoding, the same for a load and for the checkpoint tools: the per-item
+    state ``state_of`` (FQN -> nested dict) joined by the scalar tables' scalars (first, see
+    :func:`decode_scalar_tables`; ``is_known``, ``unmatched`` and ``resolve`` as there) and by the
+    buffered state (``buffered(keys_of)``: FQN -> entries, or ``None``; a load scatters tensors, the
+    tools see metadata), then checked complete (:func:`check_complete`) for the parameters in
+    ``owned`` (default: every parameter a scalar table records keys for)."""
+    keys_of: dict[str, tuple[tuple[str, ...], str]] = {}
+    scalars_of = (
+        decode_scalar_tables(scalar_tables, resolve=resolve, is_known=is_known, unmatched=unmatched, keys_of=keys_of)
+        if scalar_tables
+        else {}
+    )
+    extra = buffered(keys_of) if buffered is not None else None
+    if extra:
+        _add_buffered(state_of, extra, keys_of)
+    if scalar_tables:
+        state_of = merge_scalars(state_of, scalars_of)
+        check_complete(state_of, keys_of, owned if owned is not None else keys_of)
+    return state_of
 
 
 def _add_buffered(

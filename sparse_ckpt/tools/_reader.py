@@ -45,7 +45,7 @@ from .._layouts.bucketed import dtype_name
 from .._layouts.bucketed_view import layout_view
 from .._leaves import SINGLE_LEAF
 from .._limits import ITEM_BYTES
-from .._load.decode import check_complete, decode_group_tables, decode_scalar_tables, merge_scalars
+from .._load.decode import decode_group_tables, decode_scalar_tables, merge_scalars, merge_state
 from .._text import one_line
 from ..errors import CheckpointFormatError, NotACheckpointError, SparseCheckpointError, UsageError
 
@@ -213,7 +213,9 @@ def flat_groups(settings_by_fqn: Mapping[str, dict[str, Any]]) -> list[Group]:
 
 
 def split_optimizer(values: Mapping[str, Any]) -> tuple[dict[str, list[Group]], list[Group], dict, list[str]]:
-    """``(packed leaves, flat groups, state_by_fqn, unmatched keys)`` of one optimizer's entries.
+    """``(packed leaves, flat groups, state_by_fqn, unmatched keys)`` of one optimizer's entries,
+    decoded by the load's own decoder (:func:`sparse_ckpt._load.decode.decode_group_tables` and
+    :func:`sparse_ckpt._load.decode.merge_state`), with the tools' views of groups and buffers.
 
     Per-item state values and buffers may be DCP metadata objects instead of tensors (only their
     keys, dtypes and sizes matter here); tables and layout tables must be their bytes. Scalars
@@ -227,15 +229,13 @@ def split_optimizer(values: Mapping[str, Any]) -> tuple[dict[str, list[Group]], 
     settings_by_fqn, state_by_fqn, _tables, scalar_tables, unmatched = _backend.core.unflatten(values, known)
     buffer_keys = [k for k in unmatched if k.startswith(BUFFERS_PREFIX)]
     unmatched = [k for k in unmatched if not k.startswith(BUFFERS_PREFIX)]
-    for fqn, entries in layout_view(buffer_keys, values).items():
-        state_by_fqn.setdefault(fqn, {}).update(entries)
-    if scalar_tables:
-        keys_of: dict[str, Any] = {}
-        scalars_of = decode_scalar_tables(
-            scalar_tables, is_known=lambda f: f in known or f in settings_by_fqn, unmatched=unmatched, keys_of=keys_of
-        )
-        state_by_fqn = merge_scalars(state_by_fqn, scalars_of)
-        check_complete(state_by_fqn, keys_of, keys_of)
+    state_by_fqn = merge_state(
+        state_by_fqn,
+        scalar_tables,
+        is_known=lambda f: f in known or f in settings_by_fqn,
+        unmatched=unmatched,
+        buffered=lambda _keys_of: layout_view(buffer_keys, values),
+    )
     return leaves, flat_groups(settings_by_fqn), state_by_fqn, unmatched
 
 
