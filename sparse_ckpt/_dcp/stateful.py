@@ -171,7 +171,7 @@ class SparseOptimizerState:
 
         Saved by ``dcp.save``/``dcp.async_save`` over the default process group, the ranks
         exchange their tables' digests (one small ``all_gather_object``) so that table keys are
-        stable from save to save (see *Table keys* in :mod:`sparse_ckpt._format.keys`); called any
+        stable from save to save (docs/formats.md, *Table keys*); called any
         other way, it does not communicate.
         """
         refuse_rank0_only_save(self.optimizer)

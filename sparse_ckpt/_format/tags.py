@@ -1,5 +1,5 @@
-"""How one save names its table items: stable keys, values move (see *Table keys* in
-:mod:`sparse_ckpt._format.keys`).
+"""How one save names its table items: stable keys, values move (docs/formats.md,
+*Table keys*).
 
 A save collects its tables as *slots* (one per table: which table of which leaf, and its content
 digest) and asks a :class:`Keying` for their tags. In one process every tag is ``w1r0``. Ranks

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+from dataclasses import dataclass, field
 from typing import Any, Literal
 
 import torch
@@ -58,7 +59,7 @@ def sparse_state_dict(
     as one binary table ``param_groups.__packed__.{leaf}.{tag}``; ``format="flat"`` uses torch
     DSD's ``param_groups.{fqn}.{key}`` layout. Nothing is mutated and no step is run.
 
-    Table keys (see :mod:`sparse_ckpt._format.keys`, *Table keys*): ``w1r0`` in one process; in a
+    Table keys (docs/formats.md, *Table keys*): ``w1r0`` in one process; in a
     process group of several ranks this function cannot coordinate with the others, so tables
     are keyed by their content digest (a :class:`~sparse_ckpt.SparseOptimizerState` saved by
     ``dcp.save`` gets stable, rank-set keys instead).
@@ -88,7 +89,7 @@ def build_state_dict(
     (:func:`sparse_ckpt._format.keys.foreign_guard_keys`)."""
     core = _backend.core
     fmap = build_fqn_map(model)
-    parts: list[Any] = []  # items, (prefix, leaf) of the next table slot, or (leaf, buffers) of the next layout slot
+    parts: list[_Part] = []  # the dict's items in order; tables and layouts wait for their tags
     slots: list[Slot] = []
     owner: dict[str, str] = {}
     first_fqns: list[str] = []
@@ -107,39 +108,51 @@ def build_state_dict(
             )
             if scalar_groups:
                 scalars = core.encode_table(leaf, scalar_groups, torch.Tensor, tensor_to_parts)
-                parts.append((SCALARS_PREFIX, leaf))
+                parts.append(_Part("table", leaf, prefix=SCALARS_PREFIX))
                 slots.append(Slot(f"scalars:{leaf}", scalars))
             if state_layout == "buffers":
                 entries, local = bucketed.collect(leaf, state_fqn, items, fmap.param_of)
                 if entries:
                     layout, buckets = core.encode_layout(leaf, entries, bucketed.BUCKET_BYTES)
-                    parts.append((leaf, bucketed.fill(buckets, local)))
+                    parts.append(_Part("layout", leaf, buckets=bucketed.fill(buckets, local)))
                     slots.append(Slot(f"layout:{leaf}", layout, by_digest=False))
-            parts.append(items)
+            parts.append(_Part("items", leaf, items=items))
         else:
-            parts.append(core.flatten_state(leaf, state_fqn, fmap.param_of, format == "packed"))
+            parts.append(_Part("items", leaf, items=core.flatten_state(leaf, state_fqn, fmap.param_of, format == "packed")))
         if format == "flat":
-            parts.append(core.flatten_groups(leaf, groups_fqn))
+            parts.append(_Part("items", leaf, items=core.flatten_groups(leaf, groups_fqn)))
         else:
-            parts.append((PACKED_PREFIX, leaf))
+            parts.append(_Part("table", leaf, prefix=PACKED_PREFIX))
             slots.append(Slot(f"groups:{leaf}", core.encode_table(leaf, groups_fqn, torch.Tensor, tensor_to_parts)))
     tagged = iter(keying.assign(slots))
     out: dict[str, Any] = {}
     for part in parts:
-        if isinstance(part, dict):
-            out.update(part)
-        elif isinstance(part[1], list):  # a layout and its buffers
-            leaf, bufs = part
-            tag, value = next(tagged)
-            out[bucketed.layout_key(leaf, tag)] = value
-            for i, buf in enumerate(bufs):
-                out[bucketed.buffer_key(leaf, tag, i)] = buf
-        else:
-            tag, value = next(tagged)
-            out[table_item_key(part[0], part[1], tag)] = value
+        if part.kind == "items":
+            out.update(part.items)
+            continue
+        tag, value = next(tagged)
+        if part.kind == "table":
+            out[table_item_key(part.prefix, part.leaf, tag)] = value
+        else:  # a layout table and its buckets
+            out[bucketed.layout_key(part.leaf, tag)] = value
+            for i, buf in enumerate(part.buckets):
+                out[bucketed.buffer_key(part.leaf, tag, i)] = buf
     if guards and format == "packed":
         out.update(dict.fromkeys(foreign_guard_keys(first_fqns), foreign_guard_value()))
     return out
+
+
+@dataclass
+class _Part:
+    """One run of the dict being built, in order: ``items`` (ready), a ``table`` (its value and key
+    wait for the tag of the next slot), or a ``layout`` table with its buckets (likewise)."""
+
+    kind: Literal["items", "table", "layout"]
+    leaf: str
+    items: dict[str, Any] = field(default_factory=dict)
+    prefix: str = ""
+    """A table's key prefix (group or scalar table)."""
+    buckets: list[torch.Tensor] = field(default_factory=list)
 
 
 def _scalar_parts(t: torch.Tensor) -> tuple[str, tuple[int, ...], str, bytes] | None:
