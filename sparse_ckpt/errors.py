@@ -55,5 +55,5 @@ class StockCheckpointWarning(UserWarning):
     its message is the ``StockMigrationReport``."""
 
 
-class UsageError(Exception):
+class UsageError(SparseCheckpointError):
     """A bad argument or destination given to the checkpoint tools or export (CLI exit status 2)."""

@@ -25,7 +25,7 @@ from .._dist import world_and_rank
 from .._format.keys import STATE_PREFIX, STEP_KEY, is_state_item, owner_fqn, split_group_key
 from .._text import first_n
 
-__all__ = ["DroppedState", "MigrationReport", "drop_synthetic_state", "flat_fqns", "state_keys_by_fqn"]
+__all__ = ["DroppedState", "LeafGaps", "MigrationReport", "drop_synthetic_state", "flat_fqns", "state_keys_by_fqn"]
 
 
 @dataclass(frozen=True)
@@ -39,9 +39,24 @@ class DroppedState:
     """The checkpoint's state keys that were dropped, e.g. ``("state.aux.weight.step", ...)``."""
 
 
+@dataclass
+class LeafGaps:
+    """What a stock checkpoint had no entries for, for one optimizer leaf (canonical FQNs, in group order)."""
+
+    leaf: str
+    params: int
+    """Parameters of the leaf."""
+    no_settings: list[str] = field(default_factory=list)
+    """Parameters without saved param-group settings: their group kept the optimizer's current settings."""
+    no_state: list[str] = field(default_factory=list)
+    """Parameters without saved state: they have none (as before their first step)."""
+
+
 @dataclass(frozen=True)
 class MigrationReport:
-    """What a migrating load of a stock (flat layout) optimizer checkpoint did on this rank."""
+    """What a migrating load of a stock trainer's optimizer checkpoint did on this rank: the one
+    report type of the integrations (torchtitan's ``migration_report``, VeOmni's
+    ``StockMigrationReport``)."""
 
     checkpoint_id: str
     dropped: tuple[DroppedState, ...] = ()
@@ -49,6 +64,20 @@ class MigrationReport:
     stateless: Mapping[str, tuple[str, ...]] = field(default_factory=dict)
     """Leaf -> FQNs of this rank's parameters that have no state after the load (never saved, or
     dropped): they get state on their first real step, as in an uninterrupted run."""
+    leaves: tuple[LeafGaps, ...] = ()
+    """Per leaf, what the checkpoint had no settings or state for (VeOmni's migration)."""
+    trainer: str = ""
+    """Whose stock checkpoint it was, for the text (``"VeOmni"``)."""
+
+    @property
+    def path(self) -> str:
+        """The checkpoint migrated (``checkpoint_id``)."""
+        return self.checkpoint_id
+
+    @property
+    def complete(self) -> bool:
+        """Every parameter had saved settings and state."""
+        return not any(g.no_settings or g.no_state for g in self.leaves)
 
     def summary(self, limit: int = 10) -> list[str]:
         """One line per leaf that lost or lacks state (at most ``limit`` FQNs named per line)."""
@@ -65,6 +94,17 @@ class MigrationReport:
             if fqns:
                 lines.append(f"{self.checkpoint_id}: leaf {leaf!r}: {len(fqns)} parameter(s) have no state: {_names(fqns, limit)}")
         return lines
+
+    def __str__(self) -> str:
+        header = f"migrated the stock {self.trainer} optimizer checkpoint {self.checkpoint_id} into sparse_ckpt's checkpointer:"
+        lines = [header] if self.leaves else []
+        for g in self.leaves:
+            lines.append(
+                f"  leaf {g.leaf!r} ({g.params} params): {len(g.no_settings)} without saved settings"
+                f"{_examples(g.no_settings, ' (kept the current settings: ', ')')}, {len(g.no_state)} without saved "
+                f"state{_examples(g.no_state, ' (left without state: ', ')')}"
+            )
+        return "\n".join([*lines, *self.summary()])
 
 
 def _names(fqns: list[str] | tuple[str, ...], limit: int) -> str:
@@ -140,3 +180,9 @@ def _any_nonzero(fqn: str, keys: list[str], data: Mapping[str, Any]) -> bool:
         if bool(torch.count_nonzero(local.detach()).item()):
             return True
     return False
+
+
+def _examples(fqns: list[str], before: str, after: str, limit: int = 5) -> str:
+    if not fqns:
+        return ""
+    return before + first_n(fqns, limit, more=", ... {n} more") + after

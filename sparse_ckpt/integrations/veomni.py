@@ -42,7 +42,6 @@ from __future__ import annotations
 import functools
 import threading
 import warnings
-from dataclasses import dataclass, field
 from typing import Any
 
 from torch.distributed.checkpoint.metadata import Metadata
@@ -64,10 +63,10 @@ from .._format.keys import (
 from .._fqn import FqnMap, build_fqn_map
 from .._leaves import named_leaves
 from .._load.load import load_owned
-from .._text import first_n
 from ..errors import CheckpointMismatchError, StockCheckpointWarning, UnsupportedStateDictError
 from ._overrides import arguments_of, with_signature_of
-from ._stock_migration import flat_fqns
+from ._stock_migration import LeafGaps, flat_fqns
+from ._stock_migration import MigrationReport as StockMigrationReport
 
 __all__ = [
     "InstallHandle",
@@ -384,48 +383,6 @@ def _stock_refusal(path: str, metadata: Metadata) -> str:
     )
 
 
-@dataclass
-class LeafGaps:
-    """What a stock checkpoint had no entries for, for one optimizer leaf (canonical FQNs, in group order)."""
-
-    leaf: str
-    params: int
-    """Parameters of the leaf."""
-    no_settings: list[str] = field(default_factory=list)
-    """Parameters without saved param-group settings: their group kept the optimizer's current settings."""
-    no_state: list[str] = field(default_factory=list)
-    """Parameters without saved state: they have none (as before their first step)."""
-
-
-@dataclass
-class StockMigrationReport:
-    """Per leaf, what a migrated stock VeOmni checkpoint had no settings or state for."""
-
-    path: str
-    leaves: list[LeafGaps]
-
-    @property
-    def complete(self) -> bool:
-        """Every parameter had saved settings and state."""
-        return not any(g.no_settings or g.no_state for g in self.leaves)
-
-    def __str__(self) -> str:
-        lines = [f"migrated the stock VeOmni optimizer checkpoint {self.path} into sparse_ckpt's checkpointer:"]
-        for g in self.leaves:
-            lines.append(
-                f"  leaf {g.leaf!r} ({g.params} params): {len(g.no_settings)} without saved settings"
-                f"{_examples(g.no_settings, ' (kept the current settings: ', ')')}, {len(g.no_state)} without saved "
-                f"state{_examples(g.no_state, ' (left without state: ', ')')}"
-            )
-        return "\n".join(lines)
-
-
-def _examples(fqns: list[str], before: str, after: str, limit: int = 5) -> str:
-    if not fqns:
-        return ""
-    return before + first_n(fqns, limit, more=", ... {n} more") + after
-
-
 class _StockTarget:
     """The load target for a stock VeOmni optimizer (DSD flat or nested), read key by key.
 
@@ -483,7 +440,7 @@ class _StockTarget:
                     no_state=[f for f in fqns if f not in state_of],
                 )
             )
-        return StockMigrationReport(path=path, leaves=leaves)
+        return StockMigrationReport(checkpoint_id=path, leaves=tuple(leaves), trainer="VeOmni")
 
 
 def load_stock_checkpoint(path: str, state: dict[str, Any], **options: Any) -> StockMigrationReport:
