@@ -7,7 +7,7 @@ Builds the bench fixture (DeepSeek-V3 shaped MoE, AdamW with state for the dense
 half the experts, one group per layer), saves it with ``dcp.save`` of a ``SparseOptimizerState``,
 then exports it once per variant, each in a fresh interpreter that does nothing else:
 
-* ``stream``: :func:`sparse_ckpt.tools.export.export_checkpoint` as shipped (state read
+* ``stream``: :func:`sparse_ckpt.export.export_checkpoint` as shipped (state read
   ``batch_bytes`` at a time, each batch written and dropped);
 * ``save_file``: the same export with the writer replaced by "collect every tensor into a dict,
   then ``safetensors.torch.save_file``" (what using the library directly means).
@@ -59,7 +59,7 @@ def child(variant: str, ckpt: str, out: str) -> dict[str, Any]:
     """Export ``ckpt`` to ``out`` with ``variant``'s writer; memory and time of the export."""
     import safetensors.torch  # noqa: F401 - imported before the baseline, like the export's own imports
 
-    from sparse_ckpt.tools import export
+    from sparse_ckpt import export
 
     if variant == "save_file":
         export.write_safetensors = _save_file_writer  # type: ignore[assignment]

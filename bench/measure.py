@@ -29,11 +29,10 @@ from typing import Any
 import torch
 
 import sparse_ckpt as sc
-from sparse_ckpt import _backend, _core_py
+from sparse_ckpt import _backend, _core_py, export
 from sparse_ckpt._format.tensor_parts import parts_to_tensor, tensor_to_parts
 from sparse_ckpt._fqn import build_fqn_map
 from sparse_ckpt._load.decode import decode_checkpoint
-from sparse_ckpt.tools import export
 
 from .fixtures import ADAMW_KWARGS, Fixture, build_adamw, fill_state
 from .methods import FIRST_CALL, NAIVE, STATEFUL, Method

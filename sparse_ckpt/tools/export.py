@@ -30,11 +30,10 @@ parameter's mesh and placements (sliced locally, no communication), as ``SparseL
 
 from __future__ import annotations
 
-import json
 import math
 import os
 import time
-from collections.abc import Iterator, Mapping
+from collections.abc import Iterator
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -47,7 +46,6 @@ from .._dist import multi_rank
 from .._format.keys import (
     BUFFERS_PREFIX,
     PACKED_PREFIX,
-    SCALARS_PREFIX,
     STATE_PREFIX,
     STEP_KEY,
     is_state_item,
@@ -60,13 +58,23 @@ from .._load.decode import decode_group_tables, table_fqns
 from .._load.load import load_owned
 from .._version import __version__
 from ..errors import CheckpointFormatError, UsageError
+from ._export_format import (
+    EXPORT_FORMAT,
+    EXPORT_VERSION,
+    MANIFEST_FILE,
+    TENSORS_FILE,
+    _require_safetensors,
+    decode_value,
+    encode_value,
+    manifest_text,
+    render_groups,
+)
+from ._export_read import _open
 from ._reader import (
     BATCH_BYTES,
-    Group,
     batches,
     check_new_dir,
     decode_tables,
-    dtype_name,
     expand_scalar_tables,
     named_groups,
     open_checkpoint,
@@ -76,7 +84,7 @@ from ._reader import (
     select_optimizers,
     split_optimizer,
 )
-from ._safetensors_io import data_order, st_dtype, write_safetensors
+from ._safetensors_io import st_dtype, write_safetensors
 
 __all__ = [
     "EXPORT_FORMAT",
@@ -88,12 +96,6 @@ __all__ = [
     "load_export",
     "read_export",
 ]
-
-EXPORT_FORMAT = "sparse_ckpt.tools.export"
-EXPORT_VERSION = 1
-MANIFEST_FILE = "manifest.json"
-TENSORS_FILE = "optimizer.safetensors"
-
 
 
 @dataclass
@@ -114,143 +116,6 @@ class ExportSummary:
     file_bytes: int = 0
     """Bytes of ``optimizer.safetensors`` + ``manifest.json``."""
     seconds: float = 0.0
-
-
-def _require_safetensors() -> Any:
-    try:
-        import safetensors
-    except ImportError:
-        raise ImportError("sparse_ckpt.tools.export needs the safetensors package: pip install safetensors") from None
-    return safetensors
-
-
-# --------------------------------------------------------------------------- JSON values
-
-
-def encode_value(key: str, value: Any) -> Any:
-    """A non-tensor state value as exact JSON (tuples and non-finite floats tagged), or refuse it."""
-    kind = type(value)
-    if value is None or kind in (bool, int, str):
-        return value
-    if kind is float:
-        return value if math.isfinite(value) else {"float": repr(value)}
-    if kind is list:
-        return [encode_value(key, v) for v in value]
-    if kind is tuple:
-        return {"tuple": [encode_value(key, v) for v in value]}
-    raise CheckpointFormatError(
-        f"state value {key!r} is a {kind.__name__}: an export holds only tensors and JSON values "
-        "(None, bool, int, float, str, lists and tuples of these)"
-    )
-
-
-def encode_setting(key: str, value: Any) -> Any:
-    """A param-group setting as JSON, for the manifest's informational ``param_groups`` rendering.
-
-    The encoding of :func:`encode_value` (tuples and non-finite floats tagged), plus the other
-    values a group table can hold: a tensor as ``{"tensor": dtype, "shape": [...], "values":
-    [...]}`` (its elements flattened in row-major order, each encoded the same way; a complex
-    element as ``{"complex": [real, imag]}``) and ``bytes`` as ``{"bytes_hex": "..."}``.
-    """
-    kind = type(value)
-    if isinstance(value, torch.Tensor):
-        flat = value.detach().to("cpu").reshape(-1)
-        if flat.is_complex():
-            elements: list[Any] = [
-                {"complex": [encode_value(key, v.real), encode_value(key, v.imag)]} for v in flat.tolist()
-            ]
-        else:
-            elements = [encode_value(key, v) for v in flat.tolist()]
-        return {"tensor": dtype_name(value.dtype), "shape": list(value.shape), "values": elements}
-    if kind is bytes:
-        return {"bytes_hex": value.hex()}
-    if kind is list:
-        return [encode_setting(key, v) for v in value]
-    if kind is tuple:
-        return {"tuple": [encode_setting(key, v) for v in value]}
-    return encode_value(key, value)
-
-
-def decode_value(key: str, value: Any) -> Any:
-    """Inverse of :func:`encode_value`."""
-    if value is None or type(value) in (bool, int, float, str):
-        return value
-    if type(value) is list:
-        return [decode_value(key, v) for v in value]
-    if type(value) is dict and len(value) == 1:
-        if "tuple" in value and type(value["tuple"]) is list:
-            return tuple(decode_value(key, v) for v in value["tuple"])
-        if value.get("float") in ("nan", "inf", "-inf"):
-            return float(value["float"])
-    raise CheckpointFormatError(f"{MANIFEST_FILE}: state value {key!r} is not a valid exported value")
-
-
-# --------------------------------------------------------------------------- group settings as JSON
-
-
-MANIFEST_WIDTH = 120
-"""``manifest.json`` puts an object or array on one line when it fits in this many columns."""
-
-
-class OneLine(dict[str, Any]):
-    """A JSON object :func:`manifest_text` always writes on one line (a group of the rendering)."""
-
-
-def manifest_text(value: Any, level: int = 0) -> str:
-    """``value`` as strict JSON (no NaN/Infinity), indented by one space per level, with every
-    object or array that fits in :data:`MANIFEST_WIDTH` columns on one line (a setting's tagged
-    value, say) and every :class:`OneLine` object on one line whatever its width (so one group
-    takes one line, however many groups a leaf has). Linear time."""
-    if isinstance(value, OneLine):
-        return json.dumps(value, allow_nan=False)
-    if not isinstance(value, (dict, list)) or not value:
-        return json.dumps(value, allow_nan=False)
-    if isinstance(value, dict):
-        items = [f"{json.dumps(k)}: {manifest_text(v, level + 1)}" for k, v in value.items()]
-        opening, closing = "{", "}"
-    else:
-        items = [manifest_text(v, level + 1) for v in value]
-        opening, closing = "[", "]"
-    if not any("\n" in item for item in items):
-        line = opening + ", ".join(items) + closing
-        if level + len(line) <= MANIFEST_WIDTH:
-            return line
-    pad = "\n" + " " * (level + 1)
-    return opening + pad + ("," + pad).join(items) + "\n" + " " * level + closing
-
-
-FIRST_FQNS = 3
-"""How many FQNs of each group the manifest's ``param_groups`` rendering lists."""
-
-
-def render_groups(groups: list[Group], state_by_fqn: Mapping[str, Any]) -> dict[str, Any]:
-    """One leaf's groups as the manifest's informational JSON rendering of its packed table(s).
-
-    Like the table itself, distinct settings are listed once (``settings``, in order of first
-    use, each rendered by :func:`encode_setting`) and each group (``groups``, in index order)
-    names its settings by index, with its number of parameters, how many of them have state and
-    its first :data:`FIRST_FQNS` FQNs. A group whose ranks' tables disagree (expert parallelism)
-    shows the first table's settings and ``"settings_vary_across_tables": true``.
-    """
-    index_of: dict[bytes, int] = {}
-    settings: list[dict[str, Any]] = []
-    out_groups: list[dict[str, Any]] = []
-    for gi, group in enumerate(groups):
-        si = index_of.get(group.blob)
-        if si is None:
-            si = index_of[group.blob] = len(settings)
-            settings.append({k: encode_setting(k, v) for k, v in group.settings.items()})
-        entry = OneLine({
-            "index": gi,
-            "settings": si,
-            "params": len(group.fqns),
-            "with_state": sum(1 for f in group.fqns if state_by_fqn.get(f)),
-            "first_fqns": group.fqns[:FIRST_FQNS],
-        })
-        if group.settings_vary:
-            entry["settings_vary_across_tables"] = True
-        out_groups.append(entry)
-    return {"settings": settings, "groups": out_groups}
 
 
 # --------------------------------------------------------------------------- export
@@ -381,96 +246,6 @@ def export_checkpoint(
         file_bytes=st_bytes + len(text),
         seconds=time.perf_counter() - t0,
     )
-
-
-# --------------------------------------------------------------------------- reading an export
-
-
-def read_manifest(out_dir: str | os.PathLike[str]) -> dict[str, Any]:
-    """The export's manifest, checked for format and version (:class:`CheckpointFormatError`)."""
-    path = os.path.join(os.fspath(out_dir), MANIFEST_FILE)
-    if not os.path.isfile(path):
-        raise CheckpointFormatError(f"{os.fspath(out_dir)!r} has no {MANIFEST_FILE}: incomplete or not a sparse_ckpt export")
-    try:
-        with open(path, encoding="utf-8") as f:
-            manifest = json.load(f)
-    except (OSError, ValueError) as exc:
-        raise CheckpointFormatError(f"{path!r} is not valid JSON ({exc})") from None
-    if not isinstance(manifest, dict) or manifest.get("format") != EXPORT_FORMAT:
-        raise CheckpointFormatError(f"{path!r} is not a sparse_ckpt export manifest")
-    if manifest.get("version") != EXPORT_VERSION:
-        raise CheckpointFormatError(
-            f"{path!r}: export version {manifest.get('version')!r} is not supported (this sparse_ckpt reads {EXPORT_VERSION})"
-        )
-    tensors = manifest.get("tensors")
-    if not (isinstance(tensors, dict) and tensors.get("file") == TENSORS_FILE and isinstance(tensors.get("bytes"), int)):
-        raise CheckpointFormatError(f"{path!r}: 'tensors' must name {TENSORS_FILE!r} and its size")
-    if not isinstance(manifest.get("tables"), list) or not isinstance(manifest.get("values"), dict):
-        raise CheckpointFormatError(f"{path!r}: 'tables' must be a list and 'values' an object")
-    st_path = os.path.join(os.fspath(out_dir), TENSORS_FILE)
-    size = os.path.getsize(st_path) if os.path.isfile(st_path) else None
-    if size != tensors["bytes"]:
-        what = "is missing" if size is None else f"has {size} bytes, the manifest says {tensors['bytes']}"
-        raise CheckpointFormatError(f"{st_path!r} {what} (truncated or modified export)")
-    return manifest
-
-
-class _Tensors:
-    """The export's safetensors file, opened lazily; every failure is a :class:`CheckpointFormatError`."""
-
-    def __init__(self, out_dir: str | os.PathLike[str]) -> None:
-        safetensors = _require_safetensors()
-        self.path = os.path.join(os.fspath(out_dir), TENSORS_FILE)
-        try:
-            self._file = safetensors.safe_open(self.path, framework="pt", device="cpu")
-            self._handle = self._file.__enter__()
-            names = set(self._handle.keys())
-            meta = self._handle.metadata() or {}
-        except Exception as exc:  # noqa: BLE001 - SafetensorError and friends
-            raise CheckpointFormatError(f"{self.path!r} is not a readable safetensors file ({exc})") from None
-        self.keys = data_order(self.path, names)
-        if meta.get("format") != EXPORT_FORMAT or meta.get("version") != str(EXPORT_VERSION):
-            self.close()
-            raise CheckpointFormatError(f"{self.path!r} is not a sparse_ckpt export (version {EXPORT_VERSION})")
-
-    def get(self, name: str) -> torch.Tensor:
-        try:
-            return self._handle.get_tensor(name)
-        except Exception as exc:  # noqa: BLE001
-            raise CheckpointFormatError(f"{self.path!r}: tensor {name!r} cannot be read ({exc})") from None
-
-    def close(self) -> None:
-        self._file.__exit__(None, None, None)
-
-
-def _open(out_dir: str | os.PathLike[str]) -> tuple[dict[str, Any], _Tensors, dict[str, bytes], list[str]]:
-    """``(manifest, tensors file, tables, state tensor names)`` with names checked against the manifest."""
-    manifest = read_manifest(out_dir)
-    tensors = _Tensors(out_dir)
-    try:
-        table_keys = [t.get("key") for t in manifest["tables"] if isinstance(t, dict)]
-        names = set(tensors.keys)
-        for k in table_keys:
-            if not isinstance(k, str) or not k.startswith(PACKED_PREFIX) or k not in names:
-                raise CheckpointFormatError(f"{MANIFEST_FILE}: table {k!r} is not in {TENSORS_FILE}")
-        state_names = [n for n in tensors.keys if not n.startswith(PACKED_PREFIX)]
-        bad = [n for n in state_names if not n.startswith(STATE_PREFIX) or n.startswith(SCALARS_PREFIX)]
-        bad += [n for n in tensors.keys if n.startswith(PACKED_PREFIX) and n not in table_keys]
-        bad += [
-            k for k in manifest["values"] if not k.startswith(STATE_PREFIX) or k.startswith(SCALARS_PREFIX) or k in names
-        ]
-        if bad:
-            raise CheckpointFormatError(f"{TENSORS_FILE}/{MANIFEST_FILE}: unexpected or duplicate entry {bad[0]!r}")
-        tables: dict[str, bytes] = {}
-        for k in table_keys:
-            t = tensors.get(k)
-            if t.dtype != torch.uint8 or t.dim() != 1:
-                raise CheckpointFormatError(f"{TENSORS_FILE}: table {k!r} is not a 1-d uint8 tensor")
-            tables[k] = t.numpy().tobytes()
-    except BaseException:
-        tensors.close()
-        raise
-    return manifest, tensors, tables, state_names
 
 
 def read_export(out_dir: str | os.PathLike[str]) -> dict[str, Any]:

@@ -18,10 +18,9 @@ from helpers import assert_optimizer_equal, clone_state_dict, make_moe, snapshot
 from torch import nn
 
 import sparse_ckpt as sc
-from sparse_ckpt import tools
+from sparse_ckpt import export, tools
 from sparse_ckpt._format.keys import BUFFERS_PREFIX, SCALARS_PREFIX
 from sparse_ckpt._layouts import bucketed as buffers
-from sparse_ckpt.tools import export
 
 pytestmark = pytest.mark.filterwarnings("ignore:torch.distributed is disabled:UserWarning")
 

@@ -1,4 +1,4 @@
-"""Pickle-free export (``sparse_ckpt.tools.export``): safetensors + JSON written from a DCP checkpoint,
+"""Pickle-free export (``sparse_ckpt.export``): safetensors + JSON written from a DCP checkpoint,
 restored by FQN into any layout, on one rank and on two (FSDP2 DTensors, expert parallelism)."""
 
 from __future__ import annotations
@@ -34,17 +34,10 @@ from torch.distributed.tensor import DTensor
 
 import sparse_ckpt as sc
 from sparse_ckpt.errors import UsageError
+from sparse_ckpt.export import MANIFEST_FILE, TENSORS_FILE, export_checkpoint, load_export, read_export
 from sparse_ckpt.tools import verify_checkpoint
+from sparse_ckpt.tools._export_format import FIRST_FQNS, manifest_text
 from sparse_ckpt.tools._reader import open_checkpoint, read_entries
-from sparse_ckpt.tools.export import (
-    FIRST_FQNS,
-    MANIFEST_FILE,
-    TENSORS_FILE,
-    export_checkpoint,
-    load_export,
-    manifest_text,
-    read_export,
-)
 
 pytestmark = MULTI_RANK
 
@@ -434,7 +427,7 @@ def test_pickle_detector_finds_pickles(tmp_path: Path) -> None:
         assert _pickle_or_torch_zip(pickle.dumps({"lr": (0.9, 0.999)}, protocol=protocol)), protocol
     torch.save({"lr": torch.ones(2)}, tmp_path / "t.pt")
     assert _pickle_or_torch_zip((tmp_path / "t.pt").read_bytes()) == "torch.save zip magic"
-    assert _pickle_or_torch_zip(b'{"format": "sparse_ckpt.tools.export"}') is None
+    assert _pickle_or_torch_zip(b'{"format": "sparse_ckpt.export"}') is None
 
 
 def test_export_holds_no_pickle_and_loading_never_unpickles(

@@ -30,10 +30,9 @@ from urllib.request import url2pathname
 import pytest
 
 import sparse_ckpt
-from sparse_ckpt import errors, tools
+from sparse_ckpt import errors, export, tools
 from sparse_ckpt._dcp import metadata as checkpoint_io
 from sparse_ckpt.integrations import veomni as sc_veomni
-from sparse_ckpt.tools import export
 
 ROOT = Path(__file__).resolve().parents[2]
 PACKAGE = Path(sparse_ckpt.__file__).resolve().parent

@@ -627,7 +627,7 @@ def test_convert_to_flat_expands_and_back(both_versions: tuple[Path, Path, nn.Mo
 
 def test_export_round_trips_scalars(both_versions: tuple[Path, Path, nn.Module, Any], tmp_path: Path) -> None:
     pytest.importorskip("safetensors")
-    from sparse_ckpt.tools.export import export_checkpoint, load_export, read_export
+    from sparse_ckpt.export import export_checkpoint, load_export, read_export
 
     p1, p2, model, opt = both_versions
     s1 = export_checkpoint(str(p1), str(tmp_path / "e1"))

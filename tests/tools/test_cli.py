@@ -416,7 +416,7 @@ def test_export_command(checkpoint: tuple[Path, nn.Module, sc.MultiOptimizer], t
     r = run_cli("export", str(path), str(out), "--key", "optim")
     assert r.returncode == 0, r.stderr
     assert r.stdout.startswith(f"wrote {out}: optimizer 'optim' (packed), leaves ['dense', 'experts', 'idle'], ")
-    from sparse_ckpt.tools.export import load_export
+    from sparse_ckpt.export import load_export
 
     model2, opt2 = build(seed=1)
     model2.load_state_dict(model.state_dict())
