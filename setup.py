@@ -1,4 +1,5 @@
-"""Build sparse_ckpt and its C++ core ``sparse_ckpt._C`` (CMake + Ninja + pybind11).
+"""Build the C++ core ``sparse_ckpt._C`` (CMake + Ninja + pybind11); the package's metadata is in
+pyproject.toml.
 
 ``pip install .`` / ``pip wheel .`` pull pybind11, cmake and ninja into the isolated build
 environment (see pyproject.toml). For development: ``pip install -e .`` or
@@ -19,8 +20,7 @@ import subprocess
 import sys
 from pathlib import Path
 
-import setuptools
-from setuptools import Extension, find_packages, setup
+from setuptools import Extension, setup
 from setuptools.command.build_ext import build_ext
 
 ROOT = Path(__file__).resolve().parent
@@ -96,72 +96,7 @@ def _drop_foreign_cache(build_temp: Path, sourcedir: Path) -> None:
         shutil.rmtree(build_temp)
 
 
-def _long_description() -> str:
-    readme = ROOT / "README.md"
-    return readme.read_text(encoding="utf-8") if readme.exists() else ""
-
-
-def _version() -> str:
-    """``__version__`` of ``sparse_ckpt/_version.py``, read as text: importing the package would
-    import torch, which the isolated build environment does not have."""
-    text = (ROOT / "sparse_ckpt" / "_version.py").read_text(encoding="utf-8")
-    found = re.search(r'^__version__ = "([^"]+)"$', text, re.MULTILINE)
-    if found is None:
-        raise RuntimeError('sparse_ckpt/_version.py has no line __version__ = "X.Y.Z"')
-    return found.group(1)
-
-
-LICENSE = "Apache-2.0"  # SPDX identifier of the LICENSE file (shipped by setuptools' default license_files)
-# PEP 639's License-Expression needs setuptools >= 77, which refuses license classifiers next to
-# it; older setuptools (pyproject.toml allows >= 64) get the License field and the OSI classifier.
-PEP_639 = int(setuptools.__version__.split(".")[0]) >= 77
-LICENSE_METADATA = {"license_expression": LICENSE} if PEP_639 else {"license": LICENSE}
-LICENSE_CLASSIFIERS = [] if PEP_639 else ["License :: OSI Approved :: Apache Software License"]
-
-
-# The benchmark lives in the top-level ``bench/`` folder (``python -m bench`` in a checkout) and
-# ships inside the wheel as ``sparse_ckpt.bench`` (``python -m sparse_ckpt.bench``,
-# ``sparse-ckpt-bench``); its modules import each other relatively, so both names work.
-# ``bench/results/`` (the committed run) and ``bench/out/`` are data, not shipped.
-BENCH_PACKAGE = "sparse_ckpt.bench"
-
 setup(
-    name="sparse_ckpt",
-    version=_version(),
-    description="Exact, sparse optimizer checkpoints for torch.distributed.checkpoint",
-    long_description=_long_description(),
-    long_description_content_type="text/markdown",
-    **LICENSE_METADATA,
-    # Placeholders: the project has no public home yet; replace example.com with the real one.
-    project_urls={
-        "Homepage": "https://example.com/sparse_ckpt",
-        "Source": "https://example.com/sparse_ckpt/source",
-        "Issues": "https://example.com/sparse_ckpt/issues",
-    },
-    classifiers=[
-        "Development Status :: 3 - Alpha",
-        "Intended Audience :: Developers",
-        "Intended Audience :: Science/Research",
-        "Operating System :: POSIX :: Linux",
-        "Programming Language :: C++",
-        "Programming Language :: Python :: 3",
-        "Programming Language :: Python :: 3 :: Only",
-        "Topic :: Scientific/Engineering :: Artificial Intelligence",
-        *LICENSE_CLASSIFIERS,
-    ],
-    packages=[*find_packages(exclude=["tests", "tests.*", "bench", "bench.*"]), BENCH_PACKAGE],
-    package_dir={BENCH_PACKAGE: "bench"},
-    package_data={"sparse_ckpt": ["_C.pyi", "py.typed"], BENCH_PACKAGE: ["README.md"]},
-    entry_points={"console_scripts": ["sparse-ckpt-bench = sparse_ckpt.bench.run:console_main"]},
     ext_modules=[CMakeExtension("sparse_ckpt._C")],
     cmdclass={"build_ext": CMakeBuild},
-    python_requires=">=3.9",
-    install_requires=["torch>=2.6", "numpy", "safetensors>=0.4"],
-    extras_require={
-        # the tests build the core themselves too (wheel, setup.py and sanitizer tests): its build tools
-        "test": ["pytest", "hypothesis", "ruff", "setuptools>=64", "wheel", "pybind11>=2.12", "cmake>=3.18", "ninja"],
-        "bench": ["matplotlib>=3.7", "tqdm"],  # 3.7: fig.legend(loc="outside ...")
-        "npu": ["torch-npu"],
-    },
-    zip_safe=False,
 )

@@ -1,9 +1,9 @@
 """Package metadata and the public API.
 
-* One version: ``sparse_ckpt/_version.py`` is the only place it is written; ``setup.py`` reads it
+* One version: ``sparse_ckpt/_version.py`` is the only place it is written; ``pyproject.toml`` reads it
   without importing the package (the isolated build environment has no torch) and the installed
   distribution's metadata carries the same version as ``sparse_ckpt.__version__``.
-* The license: ``LICENSE`` is the Apache License 2.0 and setup.py declares it.
+* The license: ``LICENSE`` is the Apache License 2.0 and pyproject.toml declares it.
 * The public API: every ``__all__`` name resolves, the re-exports are the modules' own objects,
   the module docstring lists them, and ``import sparse_ckpt`` does not import ``safetensors``.
 
@@ -37,26 +37,31 @@ from sparse_ckpt.integrations import veomni as sc_veomni
 ROOT = Path(__file__).resolve().parents[2]
 PACKAGE = Path(sparse_ckpt.__file__).resolve().parent
 
-# Runs setup.py with torch and sparse_ckpt unimportable, capturing the keywords of its setup() call
-# (nothing is built), and checks that setuptools accepts them.
+# Reads pyproject.toml's [project] table as setuptools expands it (the version from
+# sparse_ckpt/_version.py), with torch and sparse_ckpt unimportable, warnings as errors; and the
+# keywords of setup.py's setup() call (nothing is built), which must be the build only.
 SETUP_PROBE = """
 import json, runpy, sys, warnings
 sys.modules["torch"] = None
 sys.modules["sparse_ckpt"] = None
 import setuptools
+from setuptools.config.pyprojecttoml import read_configuration
+with warnings.catch_warnings():
+    warnings.simplefilter("error")
+    config = read_configuration("pyproject.toml", expand=True)
+project = config["project"]
 kwargs = {}
 setuptools.setup = lambda **kw: kwargs.update(kw)
 runpy.run_path("setup.py", run_name="__main__")
-with warnings.catch_warnings():
-    warnings.simplefilter("error")  # e.g. "Unknown distribution option"
-    setuptools.Distribution(dict(kwargs))
 print(json.dumps({
-    "version": kwargs["version"],
-    "license": kwargs.get("license"),
-    "license_expression": kwargs.get("license_expression"),
-    "classifiers": kwargs["classifiers"],
-    "project_urls": kwargs.get("project_urls", {}),
-    "extras": sorted(kwargs["extras_require"]),
+    "version": project["version"],
+    "license": None,
+    "license_expression": project.get("license"),
+    "classifiers": project["classifiers"],
+    "project_urls": project.get("urls", {}),
+    "extras": sorted(project["optional-dependencies"]),
+    "packages": config["tool"]["setuptools"]["packages"],
+    "setup_keywords": sorted(kwargs),
 }))
 """
 
@@ -154,7 +159,20 @@ def test_license_file_and_metadata() -> None:
     else:
         assert md["license"] == "Apache-2.0"
         assert "License :: OSI Approved :: Apache Software License" in md["classifiers"]
-    assert {"Homepage", "Source", "Issues"} <= set(md["project_urls"])
+    # The project has no public home: no URLs rather than placeholders (issue 29).
+    assert not [u for u in md["project_urls"].values() if "example." in u], md["project_urls"]
+
+
+def test_setup_py_only_builds_the_extension() -> None:
+    """The metadata is pyproject.toml's (PEP 621); setup.py passes only the CMake build."""
+    assert setup_metadata()["setup_keywords"] == ["cmdclass", "ext_modules"]
+
+
+def test_pyproject_lists_every_package() -> None:
+    """pyproject.toml lists the packages explicitly (the bench is mapped from bench/): every package
+    folder of sparse_ckpt/ must be there, or the wheel would miss it."""
+    folders = {".".join(p.parent.relative_to(ROOT).parts) for p in PACKAGE.rglob("__init__.py")}
+    assert set(setup_metadata()["packages"]) == folders | {"sparse_ckpt.bench"}
 
 
 def test_readme_install_commands_name_existing_extras() -> None:
