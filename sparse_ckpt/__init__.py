@@ -2,17 +2,17 @@
 
 Public API:
 
-* save and load: :func:`sparse_state_dict`, :func:`load_sparse_state_dict`, :class:`MultiOptimizer`,
-  :func:`register_state_dict_adapter` (and its :class:`AdapterHandle`);
-* DCP: :class:`SparseOptimizerState` (a Stateful) and :class:`SparseLoadPlanner`;
-* errors: :class:`SparseCheckpointError` and its subclasses :class:`UnsupportedStateDictError`,
-  :class:`ReentrantSerializationError`, :class:`CheckpointMismatchError` (and its
-  :class:`CrossRankStateError`), :class:`CheckpointFormatError`;
-* :func:`clear_fqn_cache` (drop the FQN maps kept between calls), :func:`backend` (``"cpp"`` or
+* save and load: `sparse_state_dict`, `load_sparse_state_dict`, `MultiOptimizer`,
+  `register_state_dict_adapter` (and its `AdapterHandle`);
+* DCP: `SparseOptimizerState` (a Stateful) and `SparseLoadPlanner`;
+* errors: `SparseCheckpointError` and its subclasses `UnsupportedStateDictError`,
+  `ReentrantSerializationError`, `CheckpointMismatchError` (and its
+  `CrossRankStateError`), `CheckpointFormatError`;
+* `clear_fqn_cache` (drop the FQN maps kept between calls), `backend` (``"cpp"`` or
   ``"python"``) and ``__version__``.
 
-Submodules: :mod:`sparse_ckpt.tools` (the checkpoint tools behind ``python -m sparse_ckpt``) and
-:mod:`sparse_ckpt.tools.export` (pickle-free safetensors + JSON export).
+Submodules: `sparse_ckpt.tools` (the checkpoint tools behind ``python -m sparse_ckpt``) and
+`sparse_ckpt.export` (pickle-free safetensors + JSON export).
 """
 
 from __future__ import annotations

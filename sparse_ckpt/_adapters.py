@@ -23,7 +23,7 @@ _adapters: dict[type, StateDictAdapter] = {}
 
 
 class AdapterHandle:
-    """Returned by :func:`register_state_dict_adapter`; ``remove()`` unregisters (like torch's hook handles).
+    """Returned by `register_state_dict_adapter`; ``remove()`` unregisters (like torch's hook handles).
 
     Removing is idempotent and removes only this registration: if ``cls`` was registered again
     meanwhile, the newer adapter stays. Usable as a context manager.

@@ -1,7 +1,7 @@
 """Choose the core implementation: the C++ extension ``_C`` or the pure-Python twin.
 
 ``SPARSE_CKPT_BACKEND=python`` forces the twin; ``SPARSE_CKPT_BACKEND=cpp`` forces the
-extension and raises :class:`ImportError` when it is not built. Unset: ``_C`` if importable.
+extension and raises `ImportError` when it is not built. Unset: ``_C`` if importable.
 """
 
 from __future__ import annotations

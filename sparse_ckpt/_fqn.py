@@ -9,7 +9,7 @@ The map of a model is kept between calls (weakly: it never keeps the model, a mo
 parameter alive) and reused only after one pass over the live module tree finds every module,
 name and parameter to be the same object in the same place as when the map was built; any
 difference (a module or parameter added, removed, replaced or renamed, a wrapper added) rebuilds
-it. :func:`clear_fqn_cache` drops the kept maps.
+it. `clear_fqn_cache` drops the kept maps.
 
 A *model* is an ``nn.Module`` or a list/tuple of them: the parts of a pipeline-parallel model
 (torchtitan's ``model_parts``). Each part's parameters keep that part's own names (as torchtitan
@@ -96,7 +96,7 @@ def check_model(model: Any) -> None:
 
 
 def validate_model(model: Any) -> None:
-    """:func:`check_model`, and for a list of parts their FQN map (an FQN in two parts fails here, where a
+    """`check_model`, and for a list of parts their FQN map (an FQN in two parts fails here, where a
     ``SparseOptimizerState`` or ``MultiOptimizer`` is constructed, not at its first save)."""
     check_model(model)
     if not isinstance(model, nn.Module):
@@ -104,7 +104,7 @@ def validate_model(model: Any) -> None:
 
 
 def build_fqn_map(model: Model) -> FqnMap:
-    """The :class:`FqnMap` of ``model`` (a module or a list of parts): built by one walk, or the kept map
+    """The `FqnMap` of ``model`` (a module or a list of parts): built by one walk, or the kept map
     of an earlier call when a walk that compares identities finds the modules, names and parameters unchanged."""
     if isinstance(model, nn.Module):
         return _module_fqn_map(model)

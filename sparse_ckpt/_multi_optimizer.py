@@ -36,16 +36,16 @@ class MultiOptimizer:
     ``model`` is an ``nn.Module`` or a list of pipeline-parallel parts. ``optimizers`` is a mapping
     of leaf name to optimizer (thin wrappers such as Accelerate's ``AcceleratedOptimizer`` are
     unwrapped), or a trainer's container (VeOmni ``MultiOptimizer``, torchtitan
-    ``OptimizersContainer``), whose leaves it takes (:func:`sparse_ckpt._leaves.named_leaves`); this
+    ``OptimizersContainer``), whose leaves it takes (`sparse_ckpt._leaves.named_leaves`); this
     object then steps those leaves itself, not through the container.
 
     ``step``/``zero_grad`` fan out to every leaf; ``state_dict``/``load_state_dict`` use the
-    sparse, exact format of :func:`sparse_ckpt.sparse_state_dict`. Leaves keep insertion order.
+    sparse, exact format of `sparse_ckpt.sparse_state_dict`. Leaves keep insertion order.
 
     It is a DCP ``Stateful`` that behaves exactly like ``SparseOptimizerState(model, self)``: put
     it straight into ``dcp.save({"optim": mo})`` / ``dcp.async_save`` and load it with
     ``dcp.load({"optim": mo}, planner=sparse_ckpt.SparseLoadPlanner())``. ``state_layout`` is
-    :class:`~sparse_ckpt.SparseOptimizerState`'s (how its checkpoints hold the state tensors).
+    `sparse_ckpt.SparseOptimizerState`'s (how its checkpoints hold the state tensors).
     """
 
     def __init__(
@@ -148,7 +148,7 @@ class MultiOptimizer:
         return _MultiHandle([opt.register_step_post_hook(hook) for opt in self._optimizers.values()])
 
     def state_dict(self) -> dict[str, Any]:
-        """The sparse, packed state dict of all leaves, as :meth:`SparseOptimizerState.state_dict` returns it.
+        """The sparse, packed state dict of all leaves, as `SparseOptimizerState.state_dict` returns it.
 
         A DCP load target as well: load it with ``planner=sparse_ckpt.SparseLoadPlanner()``.
         """
@@ -157,7 +157,7 @@ class MultiOptimizer:
         return SparseOptimizerState(self.model, self, state_layout=self.state_layout).state_dict()
 
     def load_state_dict(self, state_dict: Mapping[str, Any], strict: bool = True) -> None:
-        """Restore from a sparse (packed or flat) state dict, as :meth:`SparseOptimizerState.load_state_dict`."""
+        """Restore from a sparse (packed or flat) state dict, as `SparseOptimizerState.load_state_dict`."""
         from ._dcp.stateful import SparseOptimizerState
 
         SparseOptimizerState(self.model, self, strict=strict, state_layout=self.state_layout).load_state_dict(state_dict)

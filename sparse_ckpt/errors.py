@@ -1,6 +1,6 @@
 """Every exception and warning class of sparse_ckpt.
 
-Every error raised on purpose by the library derives from :class:`SparseCheckpointError`,
+Every error raised on purpose by the library derives from `SparseCheckpointError`,
 and its message names the leaf, group, FQN and key involved where they are known. The modules
 that raise an error or issue a warning import it from here; the integration modules re-export
 the ones their users catch (``sparse_ckpt.integrations.veomni.StockCheckpointWarning``).
@@ -42,7 +42,7 @@ class CheckpointFormatError(SparseCheckpointError):
 
 
 class CrossRankStateError(CheckpointMismatchError):
-    """One rank's optimizer dict reached another rank (see :mod:`sparse_ckpt._dcp.origin`): a pickled
+    """One rank's optimizer dict reached another rank (see `sparse_ckpt._dcp.origin`): a pickled
     dict loaded on another rank, or a ``state_dict()`` saved by the main process only."""
 
 
@@ -51,7 +51,7 @@ class NotACheckpointError(CheckpointFormatError):
 
 
 class StockCheckpointWarning(UserWarning):
-    """Issued when a stock VeOmni checkpoint was migrated (:mod:`sparse_ckpt.integrations.veomni`);
+    """Issued when a stock VeOmni checkpoint was migrated (`sparse_ckpt.integrations.veomni`);
     its message is the ``StockMigrationReport``."""
 
 

@@ -1,5 +1,5 @@
 """Pickle-free export of a checkpoint's optimizer part (safetensors + JSON) and its loader: the
-public name of :mod:`sparse_ckpt.tools.export`, where it lives with the other checkpoint tools."""
+public name of `sparse_ckpt.tools.export`, where it lives with the other checkpoint tools."""
 
 from __future__ import annotations
 

@@ -1,11 +1,11 @@
-"""The load planner: :class:`SparseLoadPlanner` makes every optimizer load target match the checkpoint.
+"""The load planner: `SparseLoadPlanner` makes every optimizer load target match the checkpoint.
 
 A fresh optimizer's own dict is the wrong load target for a sparse checkpoint: it has no state
 keys (so DCP would read no state), and its packed group table carries the digest of *its*
 settings, which the checkpoint lacks. The planner finds the optimizer sub-dicts of the load target
-(:class:`~sparse_ckpt._dcp.stateful.SparseStateDict`, at any depth) and rebuilds each from the
+(`sparse_ckpt._dcp.stateful.SparseStateDict`, at any depth) and rebuilds each from the
 checkpoint's metadata before DCP plans the reads: one rule per kind of entry
-(:meth:`_TargetBuilder.rebuild`).
+(`_TargetBuilder.rebuild`).
 """
 
 from __future__ import annotations
@@ -54,7 +54,7 @@ _SKIP = object()
 class SparseLoadPlanner(DefaultLoadPlanner):
     """A ``DefaultLoadPlanner`` that makes optimizer load targets match the checkpoint.
 
-    For every :class:`SparseStateDict` in the load target it replaces the dict's content by the
+    For every `SparseStateDict` in the load target it replaces the dict's content by the
     checkpoint's optimizer entries under the same path: all packed group and scalar tables
     (every rank's), flat ``param_groups`` entries and ``state`` tensors of the parameters the *local* model owns
     (other ranks' experts are not read), and any other entry under the path. State tensors shaped
@@ -67,7 +67,7 @@ class SparseLoadPlanner(DefaultLoadPlanner):
     A checkpoint in torch DSD's *nested* layout (``{"state": {fqn: {...}}, "param_groups": [...]}``,
     what ``get_optimizer_state_dict`` returns by default and Accelerate's FSDP2 ``save_state``
     writes) is read the same way -- every group, the local parameters' state -- and loaded by FQN
-    (see :mod:`sparse_ckpt._format.nested`), so existing checkpoints migrate without DSD's synthetic step.
+    (see `sparse_ckpt._format.nested`), so existing checkpoints migrate without DSD's synthetic step.
     """
 
     def __init__(
@@ -105,7 +105,7 @@ class SparseLoadPlanner(DefaultLoadPlanner):
         so a tampered optimizer item could run code before the library ever sees it. Packed group
         and scalar tables must be plain ``bytes``; flat ``param_groups`` values and non-tensor state values
         may be anything the restricted unpickler accepts. Refusals are
-        :class:`CheckpointFormatError` naming the key.
+        `CheckpointFormatError` naming the key.
         """
         key = read_item.dest_index.fqn
         table = is_table_key(key)
@@ -115,7 +115,7 @@ class SparseLoadPlanner(DefaultLoadPlanner):
 
 
 def _find_targets(node: Any, path: tuple[str | int, ...]) -> Iterator[tuple[tuple[str | int, ...], SparseStateDict]]:
-    """Every :class:`SparseStateDict` below ``node`` with its DCP object path."""
+    """Every `SparseStateDict` below ``node`` with its DCP object path."""
     if isinstance(node, SparseStateDict):
         yield path, node
     elif isinstance(node, SparseOptimizerState):
@@ -133,10 +133,10 @@ def _find_targets(node: Any, path: tuple[str | int, ...]) -> Iterator[tuple[tupl
 
 
 class _TargetBuilder:
-    """Rebuilds one :class:`SparseStateDict` load target from the checkpoint's entries under its path.
+    """Rebuilds one `SparseStateDict` load target from the checkpoint's entries under its path.
 
     Each entry (its path below the target, its metadata) gets a load buffer, or is skipped, by the
-    rule of its kind (:meth:`_kind`): DSD's nested ``state`` and ``param_groups``, the buffers
+    rule of its kind (`_kind`): DSD's nested ``state`` and ``param_groups``, the buffers
     layout's items, packed tables (every rank's), foreign-loader guards, flat group settings and
     per-item state (this rank's parameters only), anything else."""
 

@@ -1,12 +1,12 @@
-"""The DCP ``Stateful``: :class:`SparseOptimizerState`, the dict it returns, and the planner guard.
+"""The DCP ``Stateful``: `SparseOptimizerState`, the dict it returns, and the planner guard.
 
-:class:`SparseOptimizerState` is a DCP ``Stateful``: ``dcp.save``/``dcp.async_save`` call its
-``state_dict()`` (the sparse dict of :func:`sparse_ckpt.sparse_state_dict`), ``dcp.load`` calls
+`SparseOptimizerState` is a DCP ``Stateful``: ``dcp.save``/``dcp.async_save`` call its
+``state_dict()`` (the sparse dict of `sparse_ckpt.sparse_state_dict`), ``dcp.load`` calls
 ``state_dict()`` for the load target and ``load_state_dict()`` with what it read. The load target
-is rebuilt from the checkpoint by :class:`~sparse_ckpt._dcp.planner.SparseLoadPlanner`.
+is rebuilt from the checkpoint by `sparse_ckpt._dcp.planner.SparseLoadPlanner`.
 
-How the planner finds the optimizer sub-dicts: ``state_dict()`` returns a :class:`SparseStateDict`,
-a ``dict`` subclass that carries its :class:`SparseOptimizerState` (hence the model). The planner
+How the planner finds the optimizer sub-dicts: ``state_dict()`` returns a `SparseStateDict`,
+a ``dict`` subclass that carries its `SparseOptimizerState` (hence the model). The planner
 walks the (nested) load target for these dicts, so they may sit at any depth. DCP itself calls
 ``state_dict()``/``load_state_dict()`` only on *top-level* ``Stateful`` values; to nest, put
 ``state.state_dict()`` in your dict and call ``state.load_state_dict(...)`` on it after
@@ -41,12 +41,12 @@ __all__ = ["SparseOptimizerState", "SparseStateDict"]
 _PLANNER_HINT = "pass planner=sparse_ckpt.SparseLoadPlanner() to dcp.load"
 
 class _PlannerGuard(torch.Tensor):
-    """A one-element tensor that refuses to be a load target (see :data:`PLANNER_GUARD_KEY`).
+    """A one-element tensor that refuses to be a load target (see `PLANNER_GUARD_KEY`).
 
     Saved, it is an ordinary ``uint8`` tensor item (DCP writes a plain copy, so the checkpoint
     holds no custom class). As a load target it raises while ``DefaultLoadPlanner`` plans the
     reads -- before any byte reaches the optimizer's live tensors -- with a message naming
-    :class:`SparseLoadPlanner`, which drops it from the target instead.
+    `SparseLoadPlanner`, which drops it from the target instead.
     """
 
     @staticmethod
@@ -79,12 +79,12 @@ class _PlannerGuard(torch.Tensor):
 
 
 class SparseStateDict(dict):
-    """The dict :meth:`SparseOptimizerState.state_dict` returns: a plain ``dict`` tagged with its owner.
+    """The dict `SparseOptimizerState.state_dict` returns: a plain ``dict`` tagged with its owner.
 
-    DCP flattens it like any dict. :class:`SparseLoadPlanner` recognises it in a load target and
+    DCP flattens it like any dict. `SparseLoadPlanner` recognises it in a load target and
     sets ``planned``. Pickling and (deep) copies produce a plain ``dict`` of the same items; in a
-    process group of several ranks plus the origin record :data:`~sparse_ckpt._dcp.origin.ORIGIN_KEY`,
-    so that a load on another rank refuses it (:mod:`sparse_ckpt._dcp.origin`).
+    process group of several ranks plus the origin record `sparse_ckpt._dcp.origin.ORIGIN_KEY`,
+    so that a load on another rank refuses it (`sparse_ckpt._dcp.origin`).
     """
 
     __slots__ = ("fmap", "origin", "owner", "planned", "reader", "unresolved")
@@ -93,7 +93,7 @@ class SparseStateDict(dict):
         super().__init__(items)
         self.owner = owner
         self.origin = origin_here()
-        """``(rank, world size)`` that made it, in a group of several ranks (see :mod:`sparse_ckpt._dcp.origin`)."""
+        """``(rank, world size)`` that made it, in a group of several ranks (see `sparse_ckpt._dcp.origin`)."""
         self.planned = False
         self.unresolved: list[str] = []
         """Checkpoint state keys the planner skipped whose FQN it could not attribute to anyone."""
@@ -126,13 +126,13 @@ class SparseOptimizerState:
     """A DCP ``Stateful`` holding a model and its optimizer(s), saved sparsely and exactly.
 
     ``model`` is an ``nn.Module`` or a list of pipeline-parallel parts. ``optimizer`` is a
-    ``torch.optim.Optimizer``, a :class:`sparse_ckpt.MultiOptimizer`, a ``Mapping[str, Optimizer]`` or a
-    trainer's optimizer container (see :func:`sparse_ckpt._leaves.named_leaves`); both are checked
+    ``torch.optim.Optimizer``, a `sparse_ckpt.MultiOptimizer`, a ``Mapping[str, Optimizer]`` or a
+    trainer's optimizer container (see `sparse_ckpt._leaves.named_leaves`); both are checked
     here. ``format`` is ``"packed"`` (default) or ``"flat"`` (torch DSD's flat layout). ``strict`` is
-    passed to :func:`sparse_ckpt.load_sparse_state_dict`.
+    passed to `sparse_ckpt.load_sparse_state_dict`.
     ``state_layout`` (packed format): ``"buffers"`` writes each rank's parameter-shaped state of a
     leaf as a few 1-D items plus a layout table, ``"per_tensor"`` one item per state tensor (see
-    :mod:`sparse_ckpt._layouts`); both load into any world size, mesh or layout. Load it with
+    `sparse_ckpt._layouts`); both load into any world size, mesh or layout. Load it with
     ``dcp.load(..., planner=sparse_ckpt.SparseLoadPlanner())``.
 
     In a process group of more than one rank, saved FQNs that the local model does not own are
@@ -160,12 +160,12 @@ class SparseOptimizerState:
         self.strict = strict
 
     def state_dict(self) -> SparseStateDict:
-        """The sparse optimizer dict (see :func:`sparse_ckpt.sparse_state_dict`), tagged for the planner.
+        """The sparse optimizer dict (see `sparse_ckpt.sparse_state_dict`), tagged for the planner.
 
-        It also holds the planner guard (:data:`sparse_ckpt._format.keys.PLANNER_GUARD_KEY`): a tiny
-        tensor item that makes ``dcp.load`` without :class:`SparseLoadPlanner` fail while planning,
+        It also holds the planner guard (`sparse_ckpt._format.keys.PLANNER_GUARD_KEY`): a tiny
+        tensor item that makes ``dcp.load`` without `SparseLoadPlanner` fail while planning,
         before DCP reads anything into the optimizer's live state tensors. In the packed format it
-        holds the foreign-loader guards too (:func:`sparse_ckpt._format.keys.foreign_guard_keys`), which make
+        holds the foreign-loader guards too (`sparse_ckpt._format.keys.foreign_guard_keys`), which make
         a loader that does not know the format (torch DSD's flat or nested layout, also with
         ``allow_partial_load=True``) fail while planning instead of silently skipping the settings.
 
@@ -189,7 +189,7 @@ class SparseOptimizerState:
         return SparseStateDict(sd, self)
 
     def load_state_dict(self, state_dict: Mapping[str, Any]) -> None:
-        """Restore from what DCP read (see :func:`sparse_ckpt.load_sparse_state_dict`).
+        """Restore from what DCP read (see `sparse_ckpt.load_sparse_state_dict`).
 
         The planner guard entry is ignored. Transactional: on any error the optimizer is as it was.
         """

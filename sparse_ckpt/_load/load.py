@@ -91,8 +91,8 @@ def plan_leaf(
 
     The common case -- ``Optimizer.load_state_dict`` not overridden, no load pre-hooks, no saved
     ``param_names`` -- is built by the core in one pass straight into what ``__setstate__``
-    takes (a :class:`PreparedLoad`), with no int ids in between. Otherwise the torch-format
-    packed dict is returned, for :func:`prepare_packed` (which runs the hooks on it)."""
+    takes (a `PreparedLoad`), with no int ids in between. Otherwise the torch-format
+    packed dict is returned, for `prepare_packed` (which runs the hooks on it)."""
     core = _backend.core
     target = core.fqns_of_groups(leaf, optimizer.param_groups, fmap.fqn_of)
     chosen, leaf_missing = core.match_groups(leaf, target, ckpt.settings_of)
@@ -182,7 +182,7 @@ def load_sparse_state_dict(
 
     Parameters are matched by FQN, so a parameter may sit in another leaf or group than when
     saved. Parameters without saved state get no state (no synthetic step). ``strict=True``
-    raises :class:`CheckpointMismatchError` on missing or extra FQNs; ``strict=False`` keeps a
+    raises `CheckpointMismatchError` on missing or extra FQNs; ``strict=False`` keeps a
     group's current settings when none of its FQNs is saved and ignores extra entries.
     On any error every optimizer is left exactly as it was.
     """
@@ -199,14 +199,14 @@ def load_owned(
     fmap: FqnMap | None = None,
     reader: BucketReader | None = None,
 ) -> None:
-    """:func:`load_sparse_state_dict` for the library's DCP and export paths.
+    """`load_sparse_state_dict` for the library's DCP and export paths.
 
     ``unowned_are_other_ranks=True`` (multi-rank loads): saved FQNs the model does not own, and
     their state, belong to other ranks and are not "extra"; the model's own parameters must still
     be present. ``fmap``: the model's
     FQN map when the caller built it during the same operation (the DCP planner), else built here.
     ``reader``: reads buffer items a DCP load left to the optimizer (``state_layout="buffers"``).
-    A dict that records another rank as its origin is refused (:func:`sparse_ckpt._dcp.origin.strip_origin`)."""
+    A dict that records another rank as its origin is refused (`sparse_ckpt._dcp.origin.strip_origin`)."""
     state_dict = strip_origin(state_dict)
     with gc_paused():
         _load(model, optimizer, state_dict, strict, unowned_are_other_ranks, fmap, reader)

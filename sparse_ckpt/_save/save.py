@@ -41,9 +41,9 @@ _CPU_DTYPES: dict[torch.dtype, tuple[str, int]] = {
     dt: (spec[0], dt.itemsize) for dt, spec in _SCALAR_DTYPES.items() if not dt.is_complex
 }
 """``cpu_dtypes`` of ``core.flatten_packed_state``: the core reads a plain CPU 0-d tensor of these
-dtypes itself (its element's bytes), exactly the parts :func:`_scalar_parts` gives for it.
+dtypes itself (its element's bytes), exactly the parts `_scalar_parts` gives for it.
 Complex dtypes (the only ones with a conj bit, which the core does not read) go through
-:func:`_scalar_parts`."""
+`_scalar_parts`."""
 
 
 __all__ = ["FORMATS", "Format", "packed_table_key", "sparse_state_dict", "table_digest"]
@@ -61,12 +61,12 @@ def sparse_state_dict(
 
     Table keys (docs/formats.md, *Table keys*): ``w1r0`` in one process; in a
     process group of several ranks this function cannot coordinate with the others, so tables
-    are keyed by their content digest (a :class:`~sparse_ckpt.SparseOptimizerState` saved by
+    are keyed by their content digest (a `sparse_ckpt.SparseOptimizerState` saved by
     ``dcp.save`` gets stable, rank-set keys instead).
 
     ``state_layout="buffers"`` (packed format only) puts each leaf's parameter-shaped state
     tensors into a few 1-D buffers with a layout table instead of one item per tensor (see
-    :mod:`sparse_ckpt._layouts.bucketed`); ``"per_tensor"`` writes one item per tensor.
+    `sparse_ckpt._layouts.bucketed`); ``"per_tensor"`` writes one item per tensor.
     """
     if format not in FORMATS:
         raise ValueError(f"format must be one of {FORMATS}, got {format!r}")
@@ -84,9 +84,9 @@ def build_state_dict(
     *,
     guards: bool = False,
 ) -> dict[str, Any]:
-    """:func:`sparse_state_dict` with the table keys chosen by ``keying`` (called with gc paused);
+    """`sparse_state_dict` with the table keys chosen by ``keying`` (called with gc paused);
     ``guards=True`` (what the DCP ``Stateful`` saves, packed format) adds the foreign-loader guards
-    (:func:`sparse_ckpt._format.keys.foreign_guard_keys`)."""
+    (`sparse_ckpt._format.keys.foreign_guard_keys`)."""
     core = _backend.core
     fmap = build_fqn_map(model)
     parts: list[_Part] = []  # the dict's items in order; tables and layouts wait for their tags
@@ -159,10 +159,10 @@ def _scalar_parts(t: torch.Tensor) -> tuple[str, tuple[int, ...], str, bytes] | 
     """The codec parts of a state tensor that goes into a scalar table, else ``None``.
 
     The core calls it for the 0-d state values of exact type ``torch.Tensor`` in a parameter's
-    leading run that it does not encode itself (the plain CPU ones, see :data:`_CPU_DTYPES`):
+    leading run that it does not encode itself (the plain CPU ones, see `_CPU_DTYPES`):
     other devices, autograd, conj/neg bits, other dtypes or layouts. It takes 0-d tensors of a
     dtype the codec holds, strided, without autograd, conj/neg bits or meta storage; the parts
-    are exactly :func:`tensor_to_parts`'s (CPU tensors read the element's bytes through numpy).
+    are exactly `tensor_to_parts`'s (CPU tensors read the element's bytes through numpy).
     """
     if t.ndim != 0 or t.requires_grad:
         return None

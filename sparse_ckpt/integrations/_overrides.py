@@ -2,10 +2,10 @@
 
 An integration that wraps a trainer's method (VeOmni's ``DistributedCheckpointer.save`` and
 ``load``, torchtitan's ``CheckpointManager.__init__``) takes ``*args, **kwargs``, reads the
-arguments it needs by name with :func:`arguments_of` and passes the call on unchanged. A call the
+arguments it needs by name with `arguments_of` and passes the call on unchanged. A call the
 trainer's signature refuses fails with the same ``TypeError`` as the trainer's method, and a
 parameter a later trainer version adds reaches the trainer instead of being refused here.
-:func:`with_signature_of` gives the override the trainer's signature for ``inspect.signature`` and
+`with_signature_of` gives the override the trainer's signature for ``inspect.signature`` and
 ``help``.
 
 No trainer package is imported here.

@@ -4,9 +4,9 @@ torchtitan's ``OptimizersContainer.state_dict`` writes ``state.{fqn}.{key}`` and
 ``param_groups.{fqn}.{setting}`` for every parameter (torch DSD's flat layout, which sparse_ckpt
 reads as its ``flat`` format). Before it reads an optimizer that has no state yet it runs a
 *synthetic step* (zero gradients, lr 0), so a never-stepped optimizer is saved with invented
-state: ``step == 1`` and all-zero moments. :func:`drop_synthetic_state` finds and removes such
+state: ``step == 1`` and all-zero moments. `drop_synthetic_state` finds and removes such
 entries from a loaded flat dict (opt-in: a real first step on a zero gradient looks the same) and
-:class:`MigrationReport` says what was dropped and which parameters stay without state.
+`MigrationReport` says what was dropped and which parameters stay without state.
 
 No trainer package is imported here.
 """

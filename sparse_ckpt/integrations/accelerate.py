@@ -6,13 +6,13 @@ Stock Accelerate (checked: 1.15.0) saves an FSDP2 optimizer with torch DSD's nes
 the live optimizer, and a parameter without state (a frozen tower, an expert that got no tokens)
 makes ``load_state`` fail (``Missing key in checkpoint state_dict: optimizer.state.<fqn>.step``).
 
-:func:`install` replaces Accelerate's ``save_fsdp_optimizer`` / ``load_fsdp_optimizer`` (the
+`install` replaces Accelerate's ``save_fsdp_optimizer`` / ``load_fsdp_optimizer`` (the
 functions ``Accelerator.save_state`` / ``load_state`` call, and their homes in
 ``accelerate.utils``) with ones that save ``{"optimizer": SparseOptimizerState(model, optimizer)}``
 through DCP into the same ``optimizer_{i}`` directory and load it with
-:class:`~sparse_ckpt.SparseLoadPlanner`: exact (every group's settings, only the state that
+`sparse_ckpt.SparseLoadPlanner`: exact (every group's settings, only the state that
 exists), sparse, nothing invented, the live optimizer untouched by a save. Loading also reads the
-directories stock Accelerate wrote before (DSD's nested layout, see :mod:`sparse_ckpt._format.nested`),
+directories stock Accelerate wrote before (DSD's nested layout, see `sparse_ckpt._format.nested`),
 so existing runs resume; note that such a checkpoint holds whatever DSD wrote, including the
 ``step=1`` state it invented when it saved an optimizer that had never stepped.
 
@@ -21,10 +21,10 @@ sparse_ckpt; FSDP1, ``FULL_STATE_DICT`` and ``use_dcp=False`` stay Accelerate's 
 makes ``Accelerator.register_for_checkpointing`` refuse a sparse_ckpt ``Stateful`` when there
 is more than one process: Accelerate pickles a registered object's ``state_dict()`` on the main
 process only and loads that file on every rank, which would give every rank the main process's
-optimizer shards (see :mod:`sparse_ckpt._dcp.origin`; without :func:`install` that is refused when
+optimizer shards (see `sparse_ckpt._dcp.origin`; without `install` that is refused when
 saving or loading).
 
-``accelerate`` is imported by :func:`install`, never by importing this module.
+``accelerate`` is imported by `install`, never by importing this module.
 """
 
 from __future__ import annotations
@@ -58,7 +58,7 @@ _LOAD_PARAMS = ["fsdp_plugin", "accelerator", "optimizer", "model", "input_dir",
 
 _lock = threading.Lock()
 _saved: list[tuple[Any, str, Any]] = []
-"""``(owner, attribute, what it was before)`` for everything :func:`install` replaced."""
+"""``(owner, attribute, what it was before)`` for everything `install` replaced."""
 _accelerates: dict[str, Callable[..., Any]] = {}
 """Accelerate's own ``save_fsdp_optimizer``/``load_fsdp_optimizer`` (for the cases it keeps)."""
 _options: dict[str, Any] = {"format": "packed", "strict": True}
@@ -69,7 +69,7 @@ def install(*, format: Format = "packed", strict: bool = True) -> None:
 
     Call it once, before ``save_state``/``load_state`` (any time after importing accelerate).
     Idempotent: a second call only updates ``format`` (``"packed"`` or ``"flat"``) and
-    ``strict`` (passed to the load: missing or extra FQNs are an error). :func:`uninstall`
+    ``strict`` (passed to the load: missing or extra FQNs are an error). `uninstall`
     undoes it. Raises ``ImportError`` without accelerate, and ``RuntimeError`` when the
     installed accelerate's functions do not have the signatures this integration replaces.
     """
@@ -98,7 +98,7 @@ def install(*, format: Format = "packed", strict: bool = True) -> None:
 
 
 def uninstall() -> None:
-    """Undo :func:`install` (for tests): Accelerate's own functions are back. No-op when not installed."""
+    """Undo `install` (for tests): Accelerate's own functions are back. No-op when not installed."""
     with _lock:
         for owner, name, before in reversed(_saved):
             if before is _MISSING:
@@ -111,7 +111,7 @@ def uninstall() -> None:
 
 
 def installed() -> bool:
-    """Whether :func:`install` is in effect."""
+    """Whether `install` is in effect."""
     return bool(_saved)
 
 
@@ -143,7 +143,7 @@ def load_fsdp_optimizer(
     adapter_only: bool = False,
     use_dcp: bool = True,
 ) -> None:
-    """Accelerate's ``load_fsdp_optimizer``, reading with :class:`~sparse_ckpt.SparseLoadPlanner`.
+    """Accelerate's ``load_fsdp_optimizer``, reading with `sparse_ckpt.SparseLoadPlanner`.
 
     Reads ``{input_dir}/optimizer_{optimizer_index}`` (or ``input_dir`` itself when it is that
     directory, as Accelerate does) whether sparse_ckpt or stock Accelerate (DSD's nested layout)
@@ -175,7 +175,7 @@ _MISSING = _Missing()
 
 
 def _original(name: str) -> Callable[..., Any]:
-    """Accelerate's own function ``name`` (from before :func:`install`, or as it is when not installed)."""
+    """Accelerate's own function ``name`` (from before `install`, or as it is when not installed)."""
     return _accelerates.get(name) or getattr(importlib.import_module("accelerate.utils.fsdp_utils"), name)
 
 

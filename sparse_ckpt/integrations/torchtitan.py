@@ -1,4 +1,4 @@
-"""sparse_ckpt for torchtitan: :class:`SparseCheckpointManager`, a drop-in for torchtitan's
+"""sparse_ckpt for torchtitan: `SparseCheckpointManager`, a drop-in for torchtitan's
 ``CheckpointManager`` (tested with ``torchtitan==0.3.0``).
 
 Swap the config class; the trainer builds and calls the manager as before::
@@ -10,17 +10,17 @@ Swap the config class; the trainer builds and calls the manager as before::
 Everything but the optimizer is saved and loaded exactly as by ``CheckpointManager`` (model,
 ``lr_scheduler``, ``dataloader``, ``train_state``; sync and ``async`` saves, ``keep_latest_k``,
 ``exclude_from_loading``, model-only and HF safetensors saves and loads). The ``optimizer`` entry is
-a :class:`sparse_ckpt.SparseOptimizerState` over the trainer's ``OptimizersContainer`` (leaves
+a `sparse_ckpt.SparseOptimizerState` over the trainer's ``OptimizersContainer`` (leaves
 ``optim0``, ``optim1``, ... in ``container.optimizers`` order) and loads through
-:class:`sparse_ckpt.SparseLoadPlanner`: the optimizer state that exists and every group's settings
+`sparse_ckpt.SparseLoadPlanner`: the optimizer state that exists and every group's settings
 are saved, nothing is invented (no synthetic step, also not in the live optimizer while saving),
 and parameters that had no state (experts that got no tokens, a never-stepped optimizer) resume
 without state.
 
 Checkpoints written by the stock ``CheckpointManager`` are refused unless
 ``migrate_stock_checkpoints=True``; then they load as saved, and with ``drop_synthetic_state=True``
-the state torchtitan's synthetic step invented is dropped (see :class:`Config`). What a migrating
-load did is in :attr:`SparseCheckpointManager.migration_report` and in the log.
+the state torchtitan's synthetic step invented is dropped (see `Config`). What a migrating
+load did is in `SparseCheckpointManager.migration_report` and in the log.
 """
 
 from __future__ import annotations
@@ -114,7 +114,7 @@ class SparseCheckpointManager(CheckpointManager):
             self.states[OPTIMIZER] = state
 
     def dcp_load(self, state_dict: dict[str, Any], checkpoint_id: str, from_hf: bool, from_quantized: bool) -> None:
-        """As ``CheckpointManager.dcp_load``, with :class:`sparse_ckpt.SparseLoadPlanner` for DCP checkpoints.
+        """As ``CheckpointManager.dcp_load``, with `sparse_ckpt.SparseLoadPlanner` for DCP checkpoints.
 
         A sparse_ckpt error raised while DCP plans the load (on every rank) is raised as itself,
         not inside DCP's ``CheckpointException``.
@@ -172,8 +172,8 @@ def _own_failure(exc: CheckpointException) -> BaseException | None:
 
 
 class _TitanOptimizerState(SparseOptimizerState):
-    """The ``optimizer`` entry of the manager's states: a :class:`SparseOptimizerState` over the
-    container that also reads stock checkpoints when migration is on (see :class:`_TitanLoadPlanner`)."""
+    """The ``optimizer`` entry of the manager's states: a `SparseOptimizerState` over the
+    container that also reads stock checkpoints when migration is on (see `_TitanLoadPlanner`)."""
 
     def __init__(self, model_parts: Model, optimizers: Any, *, migrate: bool, drop_synthetic: bool) -> None:
         super().__init__(model_parts, optimizers)  # pipeline stages that share an FQN fail here
@@ -206,7 +206,7 @@ class _TitanOptimizerState(SparseOptimizerState):
         self.stock_source = True
 
     def load_state_dict(self, state_dict: Any) -> None:
-        """Restore as :class:`SparseOptimizerState` does; a stock checkpoint is migrated first."""
+        """Restore as `SparseOptimizerState` does; a stock checkpoint is migrated first."""
         report = self._migrate(state_dict) if self.stock_source else None
         super().load_state_dict(state_dict)
         self.report = report
@@ -236,7 +236,7 @@ class _TitanOptimizerState(SparseOptimizerState):
 
 
 class _TitanLoadPlanner(SparseLoadPlanner):
-    """:class:`SparseLoadPlanner` that first tells the manager's optimizer entry where its checkpoint came from."""
+    """`SparseLoadPlanner` that first tells the manager's optimizer entry where its checkpoint came from."""
 
     def set_up_planner(
         self, state_dict: dict[str, Any], metadata: Metadata | None = None, is_coordinator: bool = False

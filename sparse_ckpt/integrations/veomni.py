@@ -9,13 +9,13 @@
     checkpointer.save(path, {"model": model, "optimizer": optimizer, "extra_state": {...}}, global_steps=step)
     checkpointer.load(path, {"model": model, "optimizer": optimizer, "extra_state": {}})
 
-After :func:`install`, ``build_checkpointer("dcp", ...)`` returns :class:`SparseDistributedCheckpointer`
+After `install`, ``build_checkpointer("dcp", ...)`` returns `SparseDistributedCheckpointer`
 classes: VeOmni's ``DistributedCheckpointer`` with the same ``save``/``load``/``wait_for_pending_save``
 signatures and behaviour (``extra_state`` files, ``global_steps`` sub-directories, ``save_async``
 with the same pending-save future VeOmni's other code waits on, ``trainable_only`` for the model,
 ``stage_dir``, ``save_to_lowest_rank``), except that the optimizer part is a
-:class:`sparse_ckpt.SparseOptimizerState` saved with DCP and loaded with
-:class:`sparse_ckpt.SparseLoadPlanner`: every leaf's param-group settings (a scheduler-moved lr of
+`sparse_ckpt.SparseOptimizerState` saved with DCP and loaded with
+`sparse_ckpt.SparseLoadPlanner`: every leaf's param-group settings (a scheduler-moved lr of
 a leaf that never stepped included) and exactly the state that exists, nothing invented on load.
 The model part is VeOmni's own ``ModelState``, untouched, so HF export of the weights is unchanged.
 
@@ -23,16 +23,16 @@ The model part is VeOmni's own ``ModelState``, untouched, so HF export of the we
 ``"optim"``) or VeOmni's ``MultiOptimizer`` (leaves named by its ``key_names``).
 
 Checkpoints written by stock VeOmni (torch DSD's layout) are refused by ``load`` with an error
-naming the opt-in migration: :func:`load_stock_checkpoint` (returns a :class:`StockMigrationReport`),
+naming the opt-in migration: `load_stock_checkpoint` (returns a `StockMigrationReport`),
 or ``install(migrate_stock=True)`` so the trainer's own ``load`` migrates them. A migration loads
 what the stock checkpoint has, keeps the current settings of parameters it has no settings for
 and gives no state to parameters it has no state for, and reports both per leaf in a
-:class:`StockCheckpointWarning` (never silently).
+`StockCheckpointWarning` (never silently).
 
 Not supported: VeOmni's ExtraParallel (expert-parallel) FSDP2 layout (a model with
 ``_fqn2spec_info`` under ``dp_mode="fsdp2"``): VeOmni re-adds the expert dimension to every
 expert state tensor when it saves; the sparse checkpointer refuses such a model on ``save`` and
-``load`` with :class:`sparse_ckpt.UnsupportedStateDictError` before anything is written or read.
+``load`` with `sparse_ckpt.UnsupportedStateDictError` before anything is written or read.
 
 VeOmni is imported only inside these functions; importing this module does not need it.
 """
@@ -90,10 +90,10 @@ _lock = threading.Lock()
 
 
 class InstallHandle:
-    """Returned by :func:`install`; ``remove()`` (or leaving the ``with`` block) calls :func:`uninstall`."""
+    """Returned by `install`; ``remove()`` (or leaving the ``with`` block) calls `uninstall`."""
 
     def remove(self) -> None:
-        """Undo :func:`install` (no error if it is already undone)."""
+        """Undo `install` (no error if it is already undone)."""
         uninstall()
 
     def __enter__(self) -> InstallHandle:  # noqa: PYI034 - py3.9 has no typing.Self
@@ -104,13 +104,13 @@ class InstallHandle:
 
 
 def install(*, migrate_stock: bool = False) -> InstallHandle:
-    """Make VeOmni's ``build_checkpointer("dcp", "fsdp2"|"ddp")`` return :class:`SparseDistributedCheckpointer`.
+    """Make VeOmni's ``build_checkpointer("dcp", "fsdp2"|"ddp")`` return `SparseDistributedCheckpointer`.
 
     Idempotent (installing again only updates ``migrate_stock``). Call it before VeOmni's trainer
     builds its checkpointer (its ``CheckpointerCallback`` calls ``build_checkpointer`` once, when
     the trainer is constructed). ``migrate_stock=True`` lets ``load`` migrate a checkpoint written
-    by stock VeOmni (see :func:`load_stock_checkpoint`) instead of refusing it.
-    Returns a handle whose ``remove()`` undoes it (see :func:`uninstall`).
+    by stock VeOmni (see `load_stock_checkpoint`) instead of refusing it.
+    Returns a handle whose ``remove()`` undoes it (see `uninstall`).
     """
     registry = _registry()
     with _lock:
@@ -121,7 +121,7 @@ def install(*, migrate_stock: bool = False) -> InstallHandle:
 
 
 def uninstall() -> None:
-    """Give ``build_checkpointer("dcp", ...)`` back the factory it had before :func:`install`.
+    """Give ``build_checkpointer("dcp", ...)`` back the factory it had before `install`.
 
     Checkpointer classes already built keep working (they are the trainer's until it is rebuilt).
     No error when not installed.
@@ -167,7 +167,7 @@ def _factory(previous: Any, migrate_stock: bool) -> Any:
 
 
 def sparse_checkpointer_class(base: type | None = None, *, migrate_stock: bool = False) -> type:
-    """The :class:`SparseDistributedCheckpointer` class (what ``build_checkpointer`` returns after :func:`install`).
+    """The `SparseDistributedCheckpointer` class (what ``build_checkpointer`` returns after `install`).
 
     ``base`` must be VeOmni's ``DistributedCheckpointer`` (the default); another class (a
     checkpointer someone else registered for ``"dcp"``) is refused with a ``TypeError``.
@@ -217,7 +217,7 @@ def _build_class() -> type:
         @with_signature_of(DistributedCheckpointer.save)
         def save(cls, *args: Any, **kwargs: Any) -> None:
             """VeOmni's ``save`` (its signature); the optimizer is checked before anything is written, then
-            saved sparsely (see :meth:`execute_save`)."""
+            saved sparsely (see `execute_save`)."""
             call = arguments_of(super().save, *args, **kwargs)
             state = call["state"]
             if "model" in state and OPTIMIZER_KEY in state:
@@ -260,7 +260,7 @@ def _build_class() -> type:
             """VeOmni's ``load`` (its signature), the optimizer restored exactly with ``SparseLoadPlanner``.
 
             A checkpoint written by stock VeOmni is refused unless this class migrates them
-            (``install(migrate_stock=True)``); see :func:`load_stock_checkpoint`.
+            (``install(migrate_stock=True)``); see `load_stock_checkpoint`.
             """
             call = arguments_of(super().load, *args, **kwargs)
             _load(cls, call, migrate=cls.migrate_stock_checkpoints, require_stock=False)
@@ -272,12 +272,12 @@ def _build_class() -> type:
 
 
 _LOAD_PARAMETERS = ("path", "state", "process_group", "storage_reader", "trainable_only", "parallel_state")
-"""The parameters of VeOmni's ``DistributedCheckpointer.load`` that :func:`_load` implements."""
+"""The parameters of VeOmni's ``DistributedCheckpointer.load`` that `_load` implements."""
 
 
 def _load(cls: Any, call: dict[str, Any], *, migrate: bool, require_stock: bool) -> StockMigrationReport | None:
-    """The load of :class:`SparseDistributedCheckpointer` ``cls`` with the arguments ``call`` of VeOmni's
-    ``load`` (see :func:`arguments_of`): ``migrate`` a stock checkpoint (else refuse it), ``require_stock``
+    """The load of `SparseDistributedCheckpointer` ``cls`` with the arguments ``call`` of VeOmni's
+    ``load`` (see `arguments_of`): ``migrate`` a stock checkpoint (else refuse it), ``require_stock``
     (refuse anything else); returns the migration report, if one was made."""
     from torch.distributed import checkpoint as dcp
     from veomni.checkpoint.dcp_checkpointer import ModelState
@@ -389,7 +389,7 @@ class _StockTarget:
     Keys are the checkpoint's own flattened keys below ``optimizer.`` (DCP matches flattened keys,
     so a flat-keyed target reads a nested checkpoint too); state tensors shaped like their
     parameter are allocated like it (a DTensor: same mesh and placements), so each rank reads its
-    shard. :meth:`apply` turns nested ``param_groups.{i}.{key}`` entries into the flat
+    shard. `apply` turns nested ``param_groups.{i}.{key}`` entries into the flat
     ``param_groups.{fqn}.{key}`` entries ``load_sparse_state_dict`` reads, loads non-strictly and
     reports the gaps.
     """
@@ -454,7 +454,7 @@ def load_stock_checkpoint(path: str, state: dict[str, Any], **options: Any) -> S
     group's current settings (stock VeOmni saves no settings for a sub-optimizer without state:
     a scheduler-moved lr of a leaf that never stepped is lost; restore the scheduler and step it
     to recompute it), parameters with no saved state get none (nothing is invented). Returns the
-    per-leaf report, also issued as a :class:`StockCheckpointWarning`. Save again (with the
+    per-leaf report, also issued as a `StockCheckpointWarning`. Save again (with the
     installed checkpointer) to get a sparse_ckpt checkpoint. Refuses a checkpoint that is not a
     stock one.
     """

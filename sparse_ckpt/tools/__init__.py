@@ -2,7 +2,7 @@
 without a model (the library side of ``python -m sparse_ckpt``; see docs/cli.md).
 
 Each function takes checkpoint directories and returns plain data (the ``--json`` schemas).
-:mod:`sparse_ckpt.tools._reader` is the shared reader (also used by :mod:`sparse_ckpt.tools.export`).
+`sparse_ckpt.tools._reader` is the shared reader (also used by `sparse_ckpt.tools.export`).
 """
 
 from __future__ import annotations

@@ -1,7 +1,7 @@
 """``python -m sparse_ckpt``: inspect, verify, diff, convert and export the optimizer part of DCP checkpoints.
 
 The commands, their options, output and exit statuses are documented in docs/cli.md. The work is
-done by :mod:`sparse_ckpt.tools` and :mod:`sparse_ckpt.tools.export`; this module parses arguments
+done by `sparse_ckpt.tools` and `sparse_ckpt.tools.export`; this module parses arguments
 and prints.
 """
 

@@ -51,7 +51,7 @@ def encode_value(key: str, value: Any) -> Any:
 def encode_setting(key: str, value: Any) -> Any:
     """A param-group setting as JSON, for the manifest's informational ``param_groups`` rendering.
 
-    The encoding of :func:`encode_value` (tuples and non-finite floats tagged), plus the other
+    The encoding of `encode_value` (tuples and non-finite floats tagged), plus the other
     values a group table can hold: a tensor as ``{"tensor": dtype, "shape": [...], "values":
     [...]}`` (its elements flattened in row-major order, each encoded the same way; a complex
     element as ``{"complex": [real, imag]}``) and ``bytes`` as ``{"bytes_hex": "..."}``.
@@ -76,7 +76,7 @@ def encode_setting(key: str, value: Any) -> Any:
 
 
 def decode_value(key: str, value: Any) -> Any:
-    """Inverse of :func:`encode_value`."""
+    """Inverse of `encode_value`."""
     if value is None or type(value) in (bool, int, float, str):
         return value
     if type(value) is list:
@@ -97,13 +97,13 @@ MANIFEST_WIDTH = 120
 
 
 class OneLine(dict[str, Any]):
-    """A JSON object :func:`manifest_text` always writes on one line (a group of the rendering)."""
+    """A JSON object `manifest_text` always writes on one line (a group of the rendering)."""
 
 
 def manifest_text(value: Any, level: int = 0) -> str:
     """``value`` as strict JSON (no NaN/Infinity), indented by one space per level, with every
-    object or array that fits in :data:`MANIFEST_WIDTH` columns on one line (a setting's tagged
-    value, say) and every :class:`OneLine` object on one line whatever its width (so one group
+    object or array that fits in `MANIFEST_WIDTH` columns on one line (a setting's tagged
+    value, say) and every `OneLine` object on one line whatever its width (so one group
     takes one line, however many groups a leaf has). Linear time."""
     if isinstance(value, OneLine):
         return json.dumps(value, allow_nan=False)
@@ -131,9 +131,9 @@ def render_groups(groups: list[Group], state_by_fqn: Mapping[str, Any]) -> dict[
     """One leaf's groups as the manifest's informational JSON rendering of its packed table(s).
 
     Like the table itself, distinct settings are listed once (``settings``, in order of first
-    use, each rendered by :func:`encode_setting`) and each group (``groups``, in index order)
+    use, each rendered by `encode_setting`) and each group (``groups``, in index order)
     names its settings by index, with its number of parameters, how many of them have state and
-    its first :data:`FIRST_FQNS` FQNs. A group whose ranks' tables disagree (expert parallelism)
+    its first `FIRST_FQNS` FQNs. A group whose ranks' tables disagree (expert parallelism)
     shows the first table's settings and ``"settings_vary_across_tables": true``.
     """
     index_of: dict[bytes, int] = {}

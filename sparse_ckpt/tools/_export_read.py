@@ -15,7 +15,7 @@ from ._safetensors_io import data_order
 
 
 def read_manifest(out_dir: str | os.PathLike[str]) -> dict[str, Any]:
-    """The export's manifest, checked for format and version (:class:`CheckpointFormatError`)."""
+    """The export's manifest, checked for format and version (`CheckpointFormatError`)."""
     path = os.path.join(os.fspath(out_dir), MANIFEST_FILE)
     if not os.path.isfile(path):
         raise CheckpointFormatError(f"{os.fspath(out_dir)!r} has no {MANIFEST_FILE}: incomplete or not a sparse_ckpt export")
@@ -44,7 +44,7 @@ def read_manifest(out_dir: str | os.PathLike[str]) -> dict[str, Any]:
 
 
 class _Tensors:
-    """The export's safetensors file, opened lazily; every failure is a :class:`CheckpointFormatError`."""
+    """The export's safetensors file, opened lazily; every failure is a `CheckpointFormatError`."""
 
     def __init__(self, out_dir: str | os.PathLike[str]) -> None:
         safetensors = _require_safetensors()

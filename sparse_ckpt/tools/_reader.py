@@ -1,8 +1,8 @@
-"""The shared checkpoint reader of the tools and of :mod:`sparse_ckpt.tools.export`.
+"""The shared checkpoint reader of the tools and of `sparse_ckpt.tools.export`.
 
-Opens a DCP checkpoint without a model (:func:`open_checkpoint`), reads chosen items in this
-process a bounded number of bytes at a time (:func:`read_entries`, :func:`batches`) and decodes
-one optimizer's entries into its groups and per-FQN state (:func:`split_optimizer`, :class:`Group`).
+Opens a DCP checkpoint without a model (`open_checkpoint`), reads chosen items in this
+process a bounded number of bytes at a time (`read_entries`, `batches`) and decodes
+one optimizer's entries into its groups and per-FQN state (`split_optimizer`, `Group`).
 
 Reading never runs code from the checkpoint beyond DCP's own ``.metadata`` unpickling:
 optimizer items are read with ``torch.load(weights_only=True)``; other bytes items are either
@@ -83,8 +83,8 @@ BATCH_BYTES = ITEM_BYTES
 def open_checkpoint(path: str | os.PathLike[str]) -> Metadata:
     """The checkpoint's DCP metadata.
 
-    :class:`NotACheckpointError` when ``path`` is no directory or has no ``.metadata``;
-    :class:`CheckpointFormatError` when ``.metadata`` cannot be read (garbage, truncated, another
+    `NotACheckpointError` when ``path`` is no directory or has no ``.metadata``;
+    `CheckpointFormatError` when ``.metadata`` cannot be read (garbage, truncated, another
     format), with a one-line reason.
     """
     try:
@@ -135,13 +135,13 @@ def read_entries(
 ) -> dict[str, Any]:
     """Read the given flattened keys in this process: ``{key: tensor, object or raw bytes}``.
 
-    The one item reader of the library (:func:`sparse_ckpt._dcp.items.read_items`, which a
+    The one item reader of the library (`sparse_ckpt._dcp.items.read_items`, which a
     ``state_layout="buffers"`` load reads its buckets with), handed this checkpoint's storage
     reader. Tensors come back as full CPU tensors (DCP's chunks of an item are assembled). Bytes
     items in ``raw_keys`` are not unpickled at all (their bytes), those in ``unpickle_keys`` are
     read as DCP reads them (``convert`` must copy model extras), every other one with
     ``torch.load(weights_only=True)`` (packed tables must be ``bytes``). A failure is a
-    :class:`CheckpointFormatError` with one line of reason (a missing data file, a truncated item,
+    `CheckpointFormatError` with one line of reason (a missing data file, a truncated item,
     ...); errors of sparse_ckpt's own checks pass through as they are.
     """
     keys = list(keys)
@@ -214,14 +214,14 @@ def flat_groups(settings_by_fqn: Mapping[str, dict[str, Any]]) -> list[Group]:
 
 def split_optimizer(values: Mapping[str, Any]) -> tuple[dict[str, list[Group]], list[Group], dict, list[str]]:
     """``(packed leaves, flat groups, state_by_fqn, unmatched keys)`` of one optimizer's entries,
-    decoded by the load's own decoder (:func:`sparse_ckpt._load.decode.decode_group_tables` and
-    :func:`sparse_ckpt._load.decode.merge_state`), with the tools' views of groups and buffers.
+    decoded by the load's own decoder (`sparse_ckpt._load.decode.decode_group_tables` and
+    `sparse_ckpt._load.decode.merge_state`), with the tools' views of groups and buffers.
 
     Per-item state values and buffers may be DCP metadata objects instead of tensors (only their
     keys, dtypes and sizes matter here); tables and layout tables must be their bytes. Scalars
     (values: CPU tensors and Python scalars) lead each FQN's state as on load; buffered state
-    appears as per-item metadata (:func:`~sparse_ckpt._layouts.bucketed.layout_view`). A state key that a
-    scalar table records for a parameter but no entry holds is a :class:`CheckpointMismatchError`
+    appears as per-item metadata (`sparse_ckpt._layouts.bucketed.layout_view`). A state key that a
+    scalar table records for a parameter but no entry holds is a `CheckpointMismatchError`
     (an incomplete checkpoint).
     """
     leaves = decode_tables(values)
@@ -253,7 +253,7 @@ def optimizer_format(opt: OptimizerEntries, leaves: Mapping[str, Any], flat: lis
 
 
 def select_optimizers(found: list[OptimizerEntries], key: str | None) -> list[OptimizerEntries]:
-    """``found`` (``key=None``) or the one optimizer named ``key`` (:class:`UsageError` if none)."""
+    """``found`` (``key=None``) or the one optimizer named ``key`` (`UsageError` if none)."""
     if key is None:
         return found
     chosen = [opt for opt in found if opt.name == key]
@@ -265,20 +265,20 @@ def select_optimizers(found: list[OptimizerEntries], key: str | None) -> list[Op
 
 def _metadata_only(inner: str) -> bool:
     """An entry the tools see through its DCP metadata, not read: a per-item state value
-    (:func:`~sparse_ckpt._format.keys.is_state_item`) or a buffer (:func:`~sparse_ckpt._format.keys.is_buffer_item`)."""
+    (`sparse_ckpt._format.keys.is_state_item`) or a buffer (`sparse_ckpt._format.keys.is_buffer_item`)."""
     return is_state_item(inner) or is_buffer_item(inner)
 
 
 def read_keys(opt: OptimizerEntries) -> list[str]:
     """The flattened keys of ``opt``'s entries that the tools read: every entry but the per-item
-    state values and buffers, whose DCP metadata is enough (:func:`_metadata_only`)."""
+    state values and buffers, whose DCP metadata is enough (`_metadata_only`)."""
     return [flat for inner, flat in opt.inner.items() if not _metadata_only(inner)]
 
 
 def entry_values(opt: OptimizerEntries, metadata: Metadata, read: Mapping[str, Any]) -> dict[str, Any]:
     """``opt``'s entries by inner key: per-item state as its DCP metadata, every other entry as
     read (``read``: flattened key -> value; entries missing from it are left out); DSD's nested
-    entries rewritten into their packed equivalent (:func:`sparse_values`)."""
+    entries rewritten into their packed equivalent (`sparse_values`)."""
     values: dict[str, Any] = {}
     for inner, flat in opt.inner.items():
         if _metadata_only(inner):
@@ -290,7 +290,7 @@ def entry_values(opt: OptimizerEntries, metadata: Metadata, read: Mapping[str, A
 
 def sparse_values(opt: OptimizerEntries, values: Mapping[str, Any]) -> dict[str, Any]:
     """``values`` (``opt``'s entries by inner key) with torch DSD's nested entries rebuilt into
-    their dict and rewritten into its packed equivalent (:func:`sparse_ckpt._format.nested.nested_to_sparse`:
+    their dict and rewritten into its packed equivalent (`sparse_ckpt._format.nested.nested_to_sparse`:
     one group table of leaf ``optim``, ``state.{fqn}.{key}`` entries); any other entry as it is."""
     if not opt.nested:
         return dict(values)
@@ -315,9 +315,9 @@ def expand_scalar_tables(values: Mapping[str, Any], *, flat: bool) -> dict[str, 
     """The scalar tables among ``values`` as the per-item entries (``state.{fqn}.{key}``) of
     packed version 1, FQN by FQN, each FQN's in its saved order; every entry gets its own tensor.
 
-    ``flat=True``: a key the flat layout cannot hold is a :class:`CheckpointFormatError`;
+    ``flat=True``: a key the flat layout cannot hold is a `CheckpointFormatError`;
     otherwise it is escaped (packed). A key that ``values`` already holds is a
-    :class:`CheckpointFormatError` (a scalar also saved per item).
+    `CheckpointFormatError` (a scalar also saved per item).
     """
     tables = {k[len(SCALARS_PREFIX) :]: v for k, v in values.items() if k.startswith(SCALARS_PREFIX)}
     if not tables:
@@ -360,7 +360,7 @@ LOADER = "sparse_ckpt: dcp.load(..., planner=sparse_ckpt.SparseLoadPlanner()) in
 
 
 def loader_needed(summary: Mapping[str, Any]) -> str:
-    """Which loader restores an optimizer that :func:`inspect_checkpoint` summarised, and what others do."""
+    """Which loader restores an optimizer that `inspect_checkpoint` summarised, and what others do."""
     if summary["format"] == "nested":
         dsd = "torch DSD's set_optimizer_state_dict (it wrote it)"
         if summary["without_state"]:
@@ -383,6 +383,6 @@ def loader_needed(summary: Mapping[str, Any]) -> str:
 
 
 def check_new_dir(path: str | os.PathLike[str]) -> None:
-    """:class:`UsageError` unless ``path`` does not exist or is an empty directory."""
+    """`UsageError` unless ``path`` does not exist or is an empty directory."""
     if os.path.exists(path) and (not os.path.isdir(path) or os.listdir(path)):
         raise UsageError(f"destination {os.fspath(path)!r} exists and is not an empty directory")

@@ -1,10 +1,10 @@
-"""The safetensors files of :mod:`sparse_ckpt.tools.export`: a streaming writer and the data order.
+"""The safetensors files of `sparse_ckpt.tools.export`: a streaming writer and the data order.
 
-:func:`write_safetensors` writes the header from the planned layout first, then each tensor as it
+`write_safetensors` writes the header from the planned layout first, then each tensor as it
 arrives, so only one batch of state needs to be in memory. Measured at 61x256 with 64x64 weights
 (747 MiB of state): the export's peak memory is less than half of what collecting every tensor
 and calling ``safetensors.torch.save_file`` takes (bench/README.md, "Export memory").
-:func:`data_order` lists tensors in the order of their data (``safe_open`` lists them sorted),
+`data_order` lists tensors in the order of their data (``safe_open`` lists them sorted),
 which is the checkpoint's order.
 """
 
@@ -44,7 +44,7 @@ MAX_HEADER = 100_000_000
 
 
 def st_dtype(key: str, dtype: torch.dtype) -> str:
-    """safetensors' name of ``dtype`` (:class:`CheckpointFormatError` when it cannot hold it)."""
+    """safetensors' name of ``dtype`` (`CheckpointFormatError` when it cannot hold it)."""
     name = ST_DTYPES.get(dtype)
     if name is None:
         raise CheckpointFormatError(f"state {key!r} has dtype {dtype}, which safetensors cannot hold")

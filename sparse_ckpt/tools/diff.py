@@ -139,7 +139,7 @@ def _sig_json(sig: tuple[str, tuple[int, ...] | None] | None) -> dict[str, Any] 
 
 
 def count_differences(report: Mapping[str, Any]) -> int:
-    """Number of differences in a :func:`diff_checkpoints` report (0: the optimizers agree)."""
+    """Number of differences in a `diff_checkpoints` report (0: the optimizers agree)."""
     n = len(report.get("optimizers_only_in_a", [])) + len(report.get("optimizers_only_in_b", []))
     for opt in report.get("optimizers", []):
         n += len(opt.get("params_only_in_a", [])) + len(opt.get("params_only_in_b", []))
@@ -161,7 +161,7 @@ def diff_checkpoints(a: str | os.PathLike[str], b: str | os.PathLike[str], key: 
     groups (by index) whose settings changed or that gained/lost parameters, parameters that
     gained or lost state, and state keys whose dtype or shape changed (values are not compared:
     they change every step). Settings values in the report are Python values (see
-    :func:`jsonable` for JSON).
+    `jsonable` for JSON).
     """
     md_a, md_b = open_checkpoint(a), open_checkpoint(b)
     opts_a = select_optimizers(find_optimizers(md_a), key)

@@ -1,6 +1,6 @@
 """Pickle-free export of a checkpoint's optimizer part: safetensors + JSON, and its loader.
 
-A DCP checkpoint's ``.metadata`` and its non-tensor items are pickles. :func:`export_checkpoint`
+A DCP checkpoint's ``.metadata`` and its non-tensor items are pickles. `export_checkpoint`
 writes one optimizer of a DCP checkpoint into a directory that holds no pickle at all:
 
 * ``optimizer.safetensors`` -- every state tensor, full (unsharded), named by the checkpoint's
@@ -9,20 +9,20 @@ writes one optimizer of a DCP checkpoint into a directory that holds no pickle a
   checkpoint's packed version), and every packed group table as a 1-d ``uint8`` tensor named
   by its key (``param_groups.__packed__.{leaf}.{digest}``). Flat-format group settings are
   packed into one table of leaf ``leaf`` (one group per distinct settings), so an export always
-  carries binary tables (the codec of :mod:`sparse_ckpt._format.keys`, which never unpickles).
+  carries binary tables (the codec of `sparse_ckpt._format.keys`, which never unpickles).
 * ``manifest.json`` (written last: an export is complete exactly when it exists) -- format and
   version, the source, the leaves with their group and parameter counts, and non-tensor state
   values, which must be JSON-representable (``None``, ``bool``, ``int``, ``float``, ``str``,
   lists and tuples of these; tuples and non-finite floats are tagged so they come back exactly).
   Each leaf also carries ``param_groups``, a human-readable JSON rendering of its group tables
-  (:func:`render_groups`): the distinct settings (lr, betas, ...; encoded by
-  :func:`encode_setting`) and per group its settings' index, parameter counts and first FQNs.
-  The rendering is informational only: :func:`load_export` and :func:`read_export` read the
+  (`render_groups`): the distinct settings (lr, betas, ...; encoded by
+  `encode_setting`) and per group its settings' index, parameter counts and first FQNs.
+  The rendering is informational only: `load_export` and `read_export` read the
   settings from the binary tables in ``optimizer.safetensors`` (their digests protect them) and
   never from the rendering, so editing it changes nothing that is loaded.
 
-:func:`load_export` restores it into any model/optimizer layout through the same by-FQN path as
-:func:`sparse_ckpt.load_sparse_state_dict` (strict/non-strict, transactional). In a process
+`load_export` restores it into any model/optimizer layout through the same by-FQN path as
+`sparse_ckpt.load_sparse_state_dict` (strict/non-strict, transactional). In a process
 group of more than one rank each rank reads only its own parameters' state from the file (other
 ranks' FQNs are not "extra"), and state of a DTensor parameter becomes a DTensor with the
 parameter's mesh and placements (sliced locally, no communication), as ``SparseLoadPlanner`` does.
@@ -100,7 +100,7 @@ __all__ = [
 
 @dataclass
 class ExportSummary:
-    """What :func:`export_checkpoint` wrote."""
+    """What `export_checkpoint` wrote."""
 
     out_dir: str
     key: str
@@ -131,7 +131,7 @@ def export_checkpoint(
 ) -> ExportSummary:
     """Export the optimizer under ``key`` of DCP checkpoint ``ckpt_dir`` to ``out_dir`` (new or empty).
 
-    ``key=None`` takes the checkpoint's only optimizer (a :class:`UsageError` when there are
+    ``key=None`` takes the checkpoint's only optimizer (a `UsageError` when there are
     several). ``leaf`` names the table that flat-format settings are packed into. State tensors
     are read ``batch_bytes`` at a time, so memory stays bounded whatever the checkpoint's size.
     Everything is validated (tables, dtypes, JSON values) before the first file is written.
@@ -250,7 +250,7 @@ def export_checkpoint(
 
 def read_export(out_dir: str | os.PathLike[str]) -> dict[str, Any]:
     """The whole export as a sparse optimizer dict (tables as ``bytes``, full CPU tensors, values),
-    ready for :func:`sparse_ckpt.load_sparse_state_dict`. No pickle is read."""
+    ready for `sparse_ckpt.load_sparse_state_dict`. No pickle is read."""
     manifest, tensors, tables, state_names = _open(out_dir)
     try:
         sd: dict[str, Any] = dict(tables)
@@ -278,9 +278,9 @@ def _like_param(name: str, value: torch.Tensor, param: torch.Tensor | None) -> t
 
 
 def load_export(model: Model, optimizer: Any, out_dir: str | os.PathLike[str], *, strict: bool = True) -> None:
-    """Restore an export written by :func:`export_checkpoint` into ``optimizer`` (any layout).
+    """Restore an export written by `export_checkpoint` into ``optimizer`` (any layout).
 
-    Same semantics as :func:`sparse_ckpt.load_sparse_state_dict`: matched by FQN, parameters
+    Same semantics as `sparse_ckpt.load_sparse_state_dict`: matched by FQN, parameters
     without saved state get none, ``strict`` missing/extra checks, and on any error every
     optimizer is exactly as before. In a process group of more than one rank, only state of the
     local model's parameters is read and saved FQNs the model does not own belong to other ranks;

@@ -191,7 +191,7 @@ def inspect_checkpoint(path: str | os.PathLike[str], key: str | None = None, *, 
 def inspect_details(
     path: str | os.PathLike[str], key: str | None = None, *, params: bool = False
 ) -> tuple[dict[str, Any], dict[tuple[str, str, int], dict[str, Any]]]:
-    """:func:`inspect_checkpoint`'s report, and each group's settings as Python values keyed by
+    """`inspect_checkpoint`'s report, and each group's settings as Python values keyed by
     ``(optimizer key, leaf, group index)`` (for text output)."""
     raw: dict[tuple[str, str, int], dict[str, Any]] = {}
     metadata = open_checkpoint(path)
