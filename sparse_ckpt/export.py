@@ -3,24 +3,7 @@ public name of `sparse_ckpt.tools.export`, where it lives with the other checkpo
 
 from __future__ import annotations
 
-from .tools.export import (
-    EXPORT_FORMAT,
-    EXPORT_VERSION,
-    MANIFEST_FILE,
-    TENSORS_FILE,
-    ExportSummary,
-    export_checkpoint,
-    load_export,
-    read_export,
-)
+from .tools import export as _implementation
+from .tools.export import *  # the public names, exactly those of __all__
 
-__all__ = [
-    "EXPORT_FORMAT",
-    "EXPORT_VERSION",
-    "MANIFEST_FILE",
-    "TENSORS_FILE",
-    "ExportSummary",
-    "export_checkpoint",
-    "load_export",
-    "read_export",
-]
+__all__ = list(_implementation.__all__)

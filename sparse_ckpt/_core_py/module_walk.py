@@ -189,36 +189,29 @@ def _replay(
                 return None
             wi += 1
             has_module_key = False
-            params = mod._parameters
-            if type(params) not in _REPLAYABLE or words[wi] != len(params):
-                return None
-            wi += 1
-            for k, v in params.items():
-                if words[wi] != _id_word(v) or not _same_key(keys[ki], k):
+            replayed = []
+            for entries in (mod._parameters, mod._modules):  # each checked against the trace, in order
+                if type(entries) not in _REPLAYABLE or words[wi] != len(entries):
                     return None
                 wi += 1
-                ki += 1
-                has_module_key = has_module_key or _is_module_key(k)
+                values = []
+                for k, v in entries.items():
+                    if words[wi] != _id_word(v) or not _same_key(keys[ki], k):
+                        return None
+                    wi += 1
+                    ki += 1
+                    has_module_key = has_module_key or _is_module_key(k)
+                    values.append(v)
+                replayed.append(values)
+            params, children = replayed
+            for v in params:
                 if v is None:
                     continue
                 slot = slots[si]
                 si += 1
                 if slot is not None:
                     param_of[slot] = v
-            children = mod._modules
-            if type(children) not in _REPLAYABLE or words[wi] != len(children):
-                return None
-            wi += 1
-            found = []
-            for k, v in children.items():
-                if words[wi] != _id_word(v) or not _same_key(keys[ki], k):
-                    return None
-                wi += 1
-                ki += 1
-                has_module_key = has_module_key or _is_module_key(k)
-                if v is not None:
-                    found.append(v)
-            stack.extend(reversed(found))
+            stack.extend(reversed([v for v in children if v is not None]))
             if words[wi] != _wrapper_word(mod, module_wrapper, has_module_key):
                 return None
             wi += 1
