@@ -21,7 +21,7 @@ import sparse_ckpt._dcp.stateful
 import sparse_ckpt._save.save
 from sparse_ckpt._format.keys import SCALARS_PREFIX, STATE_PREFIX, owner_fqn
 from sparse_ckpt._fqn import build_fqn_map
-from sparse_ckpt._load.decode import decode_scalar_tables, merge_scalars
+from sparse_ckpt._load.decode_state import decode_scalar_tables, merge_scalars
 
 _BUILD_STATE_DICT = sparse_ckpt._save.save.build_state_dict
 

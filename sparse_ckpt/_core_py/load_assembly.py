@@ -204,7 +204,7 @@ def merge_scalars(
 
     ``state_of`` is ``FQN -> per-item state`` (an exact dict of exact dicts, as ``unflatten``
     builds it); ``scalars_of`` is an exact dict ``FQN -> (scalars, leaf)`` (exact tuples of an
-    exact dict and the leaf name) as ``decode.decode_scalar_tables`` returns it; one scalar dict
+    exact dict and the leaf name) as ``decode_state.decode_scalar_tables`` returns it; one scalar dict
     may be shared by many FQNs. Other types raise :class:`TypeError` naming the argument. FQNs
     keep ``state_of``'s order (those without scalars keep their state object); FQNs with scalars
     only follow in ``scalars_of``'s order (an empty scalar dict gives them no entry).

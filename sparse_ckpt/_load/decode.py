@@ -18,14 +18,9 @@ import torch
 from .. import _backend
 from .._format.keys import (
     BUFFERS_PREFIX,
-    ESCAPE,
-    KEYS_ENTRY,
     PACKED_PREFIX,
-    SCALARS_PREFIX,
     check_table,
     source_text,
-    state_key,
-    unescape_part,
     without_foreign_guards,
 )
 from .._format.nested import nested_kind, nested_to_sparse
@@ -33,6 +28,7 @@ from .._format.tensor_parts import parts_to_tensor, tensor_to_parts
 from .._fqn import FqnMap
 from .._layouts.bucketed_load import BucketReader, expand
 from ..errors import CheckpointFormatError, CheckpointMismatchError
+from .decode_state import _has_path, merge_state
 
 
 @dataclass
@@ -266,99 +262,6 @@ def decode_checkpoint(
     return out
 
 
-def merge_state(
-    state_of: dict[str, Any],
-    scalar_tables: Mapping[str, bytes],
-    *,
-    is_known: Callable[[str], bool],
-    unmatched: list[str],
-    resolve: Callable[[str], str] | None = None,
-    buffered: Callable[[Mapping[str, tuple[tuple[str, ...], str]]], Mapping[str, dict[str, Any]] | None] | None = None,
-    owned: Mapping[str, Any] | None = None,
-) -> dict[str, Any]:
-    """The state half of decoding, the same for a load and for the checkpoint tools: the per-item
-    state ``state_of`` (FQN -> nested dict) joined by the scalar tables' scalars (first, see
-    :func:`decode_scalar_tables`; ``is_known``, ``unmatched`` and ``resolve`` as there) and by the
-    buffered state (``buffered(keys_of)``: FQN -> entries, or ``None``; a load scatters tensors, the
-    tools see metadata), then checked complete (:func:`check_complete`) for the parameters in
-    ``owned`` (default: every parameter a scalar table records keys for)."""
-    keys_of: dict[str, tuple[tuple[str, ...], str]] = {}
-    scalars_of = (
-        decode_scalar_tables(scalar_tables, resolve=resolve, is_known=is_known, unmatched=unmatched, keys_of=keys_of)
-        if scalar_tables
-        else {}
-    )
-    extra = buffered(keys_of) if buffered is not None else None
-    if extra:
-        _add_buffered(state_of, extra, keys_of)
-    if scalar_tables:
-        state_of = merge_scalars(state_of, scalars_of)
-        check_complete(state_of, keys_of, owned if owned is not None else keys_of)
-    return state_of
-
-
-def _add_buffered(
-    state_of: dict[str, Any], buffered: dict[str, dict[str, Any]], keys_of: Mapping[str, tuple[tuple[str, ...], str]]
-) -> None:
-    """Each FQN's buffered state joins its per-item entries, in the order its scalar table
-    records (a key in both: the checkpoint is corrupt)."""
-    for fqn, entries in buffered.items():
-        state = state_of.get(fqn)
-        if state is None:
-            state_of[fqn] = entries
-            continue
-        for key, value in entries.items():
-            if key in state:
-                raise CheckpointFormatError(
-                    f"state {key!r} of {fqn!r} is both in a buffer and a per-item entry (corrupt or edited checkpoint)"
-                )
-            state[key] = value
-        recorded = keys_of.get(fqn)
-        if recorded is not None:  # per-item and buffered entries of one parameter: the saved order
-            rank = {}
-            for path in recorded[0]:
-                top = path.split(".", 1)[0]
-                rank.setdefault(unescape_part(top, path) if top.startswith(ESCAPE) else top, len(rank))
-            state_of[fqn] = dict(sorted(state.items(), key=lambda kv: rank.get(kv[0], len(rank))))
-
-
-def check_complete(
-    state_of: Mapping[str, Any], keys_of: Mapping[str, tuple[tuple[str, ...], str]], owned: Mapping[str, Any]
-) -> None:
-    """Complete or refused: every parameter of the target (an FQN in ``owned``) whose scalar table
-    records its state keys (``keys_of``, see :func:`decode_scalar_tables`) must have each of them in
-    ``state_of`` -- else the checkpoint lost an item (from its metadata or its data) and the load
-    is refused with :class:`CheckpointMismatchError` naming leaf, FQN and key, whatever ``strict``
-    says (``strict`` is about the model's parameters, not about a checkpoint missing part of
-    itself). Parameters of other ranks (not in ``owned``) are not read, so not checked."""
-    if type(state_of) is not dict or type(keys_of) is not dict:
-        state_of, keys_of = dict(state_of), dict(keys_of)
-    for fqn, key in _backend.core.unlisted_keys(keys_of, state_of, owned if type(owned) is dict else dict(owned)):
-        if _has_path(state_of.get(fqn, {}), key):  # a nested or escaped key: there after all
-            continue
-        keys, leaf = keys_of[fqn]
-        raise CheckpointMismatchError(
-            f"leaf {leaf!r}: parameter {fqn!r} has no saved state {key!r}, which the checkpoint's scalar table "
-            f"records for it (recorded: {list(keys)}): the checkpoint lost that item from its metadata or its "
-            "data (a partial copy or a damaged checkpoint); refusing to load it incomplete (strict=False "
-            "does not change this)"
-        )
-
-
-def _has_path(state: Any, key: str) -> bool:
-    """Whether recorded state key ``key`` (a per-item key path: dotted, escaped parts) is in
-    ``state`` (nested dicts with unescaped keys)."""
-    node = state
-    for part in key.split("."):
-        if not isinstance(node, dict):
-            return False
-        name: Any = unescape_part(part, key) if part.startswith(ESCAPE) else part
-        if name not in node:
-            return False
-        node = node[name]
-    return True
-
-
 def _put_empty_group(out: DecodedCheckpoint, leaf: str, gi: int, settings: dict) -> None:
     """Record a table group without parameters; tables of several ranks must agree on it."""
     prev = out.empty_groups.setdefault((leaf, gi), settings)
@@ -366,115 +269,6 @@ def _put_empty_group(out: DecodedCheckpoint, leaf: str, gi: int, settings: dict)
         raise CheckpointMismatchError(
             f"leaf {leaf!r} group {gi}: tables of different ranks disagree on this empty group's settings"
         )
-
-
-def _cpu_parts_to_tensor(dtype: str, shape: tuple[int, ...], device_type: str, data: bytes) -> torch.Tensor:
-    """:func:`parts_to_tensor` onto CPU whatever the saved device: a scalar table's tensors come
-    back as DCP gives a per-item ``step`` (torch's load policy then places them)."""
-    return parts_to_tensor(dtype, shape, "cpu", data)
-
-
-def decode_scalar_tables(
-    tables: Mapping[str, bytes],
-    *,
-    resolve: Callable[[str], str] | None = None,
-    is_known: Callable[[str], bool] | None = None,
-    unmatched: list[str] | None = None,
-    keys_of: dict[str, tuple[tuple[str, ...], str]] | None = None,
-) -> dict[str, tuple[dict[str, Any], str]]:
-    """Scalar tables (``{leaf}.{tag}`` -> bytes, as ``core.unflatten`` returns them) ->
-    ``FQN -> (scalars, leaf)``.
-
-    The record of each parameter's other state keys (:data:`~sparse_ckpt._format.keys.KEYS_ENTRY`) is
-    taken out of its scalars; with ``keys_of`` given, it is put there (``FQN -> (keys, leaf)``) for
-    every known FQN whose table has it (tables written before the record have none).
-
-    Digests are checked and tensors decoded onto CPU. FQNs are keyed by ``resolve(fqn)`` (the
-    canonical FQN of an alias; the saved FQN without ``resolve``). Scalars of a saved FQN that is
-    not ``is_known`` (no table or flat settings of the checkpoint list it) are left out and
-    reported in ``unmatched`` as the per-item keys (``state.{fqn}.{key}``) a version-1 checkpoint
-    would have had, so strict loads treat them exactly alike. Tables of one leaf (several ranks')
-    merge; an FQN in two tables (or under two aliases) must have the same scalars (the same
-    encoded bytes), else :class:`CheckpointMismatchError` naming the leaves, the FQN and the first
-    differing key. The scalar dicts are shared by every FQN of their table group: copy them
-    (:func:`merge_scalars`) before they become state.
-    """
-    core = _backend.core
-    found: dict[str, tuple[dict[str, Any], str]] = {}
-    blob_of: dict[str, bytes] = {}
-    for rest, table in tables.items():
-        leaf, table = check_table(SCALARS_PREFIX, rest, table)
-        key = f"{SCALARS_PREFIX}{rest}"
-        try:
-            scalars, blobs, groups = core.decode_table(leaf, table, _cpu_parts_to_tensor)
-        except CheckpointFormatError as exc:
-            raise CheckpointFormatError(f"scalar table {key!r}: {exc}") from None
-        for idx, fqns in groups:
-            blob = blobs[idx]
-            keys = _recorded_keys(key, scalars[idx].pop(KEYS_ENTRY, None))
-            entry = (scalars[idx], leaf)
-            recorded = None if keys is None or keys_of is None else (keys, leaf)
-            for saved in fqns:
-                if is_known is not None and not is_known(saved):
-                    if unmatched is not None:
-                        unmatched.extend(state_key(saved, k) for k in scalars[idx])
-                    continue
-                fqn = saved if resolve is None else resolve(saved)
-                prev = blob_of.setdefault(fqn, blob)
-                if prev is blob:
-                    found.setdefault(fqn, entry)
-                    if recorded is not None:
-                        keys_of.setdefault(fqn, recorded)  # type: ignore[union-attr]
-                elif prev != blob:
-                    first, first_leaf = found[fqn]
-                    raise CheckpointMismatchError(
-                        f"leaf {leaf!r}: parameter {fqn!r} has different scalar state in two scalar tables "
-                        f"(of leaf {first_leaf!r} and leaf {leaf!r}; key {_first_differing(leaf, first, scalars[idx])!r})"
-                    )
-    return found
-
-
-def _recorded_keys(table_key: str, keys: Any) -> tuple[str, ...] | None:
-    """A :data:`~sparse_ckpt._format.keys.KEYS_ENTRY` entry as a tuple of str (a key that UTF-8 could not
-    encode is recorded as its surrogate-passing UTF-8 bytes); ``None`` when there is none."""
-    if keys is None:
-        return None
-    if type(keys) is tuple and all(type(k) is str for k in keys):
-        return keys
-    if type(keys) is tuple and all(type(k) in (str, bytes) for k in keys):
-        try:
-            return tuple(k.decode("utf-8", "surrogatepass") if type(k) is bytes else k for k in keys)
-        except UnicodeDecodeError:
-            pass
-    raise CheckpointFormatError(f"scalar table {table_key!r}: its {KEYS_ENTRY!r} entry is not a tuple of state keys")
-
-
-def _first_differing(leaf: str, a: Mapping[str, Any], b: Mapping[str, Any]) -> str:
-    """The first key whose entry differs between two scalar dicts (by encoded bytes)."""
-    core = _backend.core
-
-    def enc(d: Mapping[str, Any], k: str) -> bytes:
-        return core.encode_settings(leaf, 0, {k: d[k]}, torch.Tensor, tensor_to_parts)
-
-    for k in a:
-        if k not in b or enc(a, k) != enc(b, k):
-            return k
-    return next((k for k in b if k not in a), "?")
-
-
-def merge_scalars(state_of: dict[str, dict], scalars_of: Mapping[str, tuple[dict[str, Any], str]]) -> dict[str, dict]:
-    """Each FQN's state: its scalars (from :func:`decode_scalar_tables`) first, then its per-item
-    entries (``state_of``, keyed alike), in a new dict; FQNs with scalars only come last.
-
-    Every FQN gets its own scalar dict and its own tensors (an optimizer steps each ``step`` in
-    place). A scalar key that is also a per-item key is a :class:`CheckpointFormatError`.
-    The core's ``merge_scalars`` (exact dicts; copies are made here for other mappings).
-    """
-    if type(state_of) is not dict:
-        state_of = dict(state_of)
-    if type(scalars_of) is not dict:
-        scalars_of = dict(scalars_of)
-    return _backend.core.merge_scalars(state_of, scalars_of, torch.Tensor)
 
 
 def _other_layouts(state_dict: Mapping[str, Any]) -> Mapping[str, Any]:

@@ -45,7 +45,8 @@ from .._layouts.bucketed import dtype_name
 from .._layouts.bucketed_view import layout_view
 from .._leaves import SINGLE_LEAF
 from .._limits import ITEM_BYTES
-from .._load.decode import decode_group_tables, decode_scalar_tables, merge_scalars, merge_state
+from .._load.decode import decode_group_tables
+from .._load.decode_state import decode_scalar_tables, merge_scalars, merge_state
 from .._text import one_line
 from ..errors import CheckpointFormatError, NotACheckpointError, SparseCheckpointError, UsageError
 
@@ -215,7 +216,7 @@ def flat_groups(settings_by_fqn: Mapping[str, dict[str, Any]]) -> list[Group]:
 def split_optimizer(values: Mapping[str, Any]) -> tuple[dict[str, list[Group]], list[Group], dict, list[str]]:
     """``(packed leaves, flat groups, state_by_fqn, unmatched keys)`` of one optimizer's entries,
     decoded by the load's own decoder (`sparse_ckpt._load.decode.decode_group_tables` and
-    `sparse_ckpt._load.decode.merge_state`), with the tools' views of groups and buffers.
+    `sparse_ckpt._load.decode_state.merge_state`), with the tools' views of groups and buffers.
 
     Per-item state values and buffers may be DCP metadata objects instead of tensors (only their
     keys, dtypes and sizes matter here); tables and layout tables must be their bytes. Scalars
