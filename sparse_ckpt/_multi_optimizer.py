@@ -36,7 +36,7 @@ class MultiOptimizer:
     ``model`` is an ``nn.Module`` or a list of pipeline-parallel parts. ``optimizers`` is a mapping
     of leaf name to optimizer (thin wrappers such as Accelerate's ``AcceleratedOptimizer`` are
     unwrapped), or a trainer's container (VeOmni ``MultiOptimizer``, torchtitan
-    ``OptimizersContainer``), whose leaves it takes (`sparse_ckpt._leaves.named_leaves`); this
+    ``OptimizersContainer``), whose leaves it takes (docs/semantics.md, *What you pass*); this
     object then steps those leaves itself, not through the container.
 
     ``step``/``zero_grad`` fan out to every leaf; ``state_dict``/``load_state_dict`` use the

@@ -42,7 +42,7 @@ class CheckpointFormatError(SparseCheckpointError):
 
 
 class CrossRankStateError(CheckpointMismatchError):
-    """One rank's optimizer dict reached another rank (see `sparse_ckpt._dcp.origin`): a pickled
+    """One rank's optimizer dict reached another rank (docs/semantics.md): a pickled
     dict loaded on another rank, or a ``state_dict()`` saved by the main process only."""
 
 

@@ -67,7 +67,7 @@ class SparseLoadPlanner(DefaultLoadPlanner):
     A checkpoint in torch DSD's *nested* layout (``{"state": {fqn: {...}}, "param_groups": [...]}``,
     what ``get_optimizer_state_dict`` returns by default and Accelerate's FSDP2 ``save_state``
     writes) is read the same way -- every group, the local parameters' state -- and loaded by FQN
-    (see `sparse_ckpt._format.nested`), so existing checkpoints migrate without DSD's synthetic step.
+    (docs/formats.md), so existing checkpoints migrate without DSD's synthetic step.
     """
 
     def __init__(

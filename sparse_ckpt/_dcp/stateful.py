@@ -127,12 +127,12 @@ class SparseOptimizerState:
 
     ``model`` is an ``nn.Module`` or a list of pipeline-parallel parts. ``optimizer`` is a
     ``torch.optim.Optimizer``, a `sparse_ckpt.MultiOptimizer`, a ``Mapping[str, Optimizer]`` or a
-    trainer's optimizer container (see `sparse_ckpt._leaves.named_leaves`); both are checked
+    trainer's optimizer container (docs/semantics.md, *What you pass*); both are checked
     here. ``format`` is ``"packed"`` (default) or ``"flat"`` (torch DSD's flat layout). ``strict`` is
     passed to `sparse_ckpt.load_sparse_state_dict`.
     ``state_layout`` (packed format): ``"buffers"`` writes each rank's parameter-shaped state of a
     leaf as a few 1-D items plus a layout table, ``"per_tensor"`` one item per state tensor (see
-    `sparse_ckpt._layouts`); both load into any world size, mesh or layout. Load it with
+    docs/dcp.md, *State layout*); both load into any world size, mesh or layout. Load it with
     ``dcp.load(..., planner=sparse_ckpt.SparseLoadPlanner())``.
 
     In a process group of more than one rank, saved FQNs that the local model does not own are
@@ -162,10 +162,10 @@ class SparseOptimizerState:
     def state_dict(self) -> SparseStateDict:
         """The sparse optimizer dict (see `sparse_ckpt.sparse_state_dict`), tagged for the planner.
 
-        It also holds the planner guard (`sparse_ckpt._format.keys.PLANNER_GUARD_KEY`): a tiny
+        It also holds the planner guard (docs/formats.md, *Every key*): a tiny
         tensor item that makes ``dcp.load`` without `SparseLoadPlanner` fail while planning,
         before DCP reads anything into the optimizer's live state tensors. In the packed format it
-        holds the foreign-loader guards too (`sparse_ckpt._format.keys.foreign_guard_keys`), which make
+        holds the foreign-loader guards too (docs/dcp.md, *Loaders that do not know the format*), which make
         a loader that does not know the format (torch DSD's flat or nested layout, also with
         ``allow_partial_load=True``) fail while planning instead of silently skipping the settings.
 

@@ -206,7 +206,7 @@ def load_owned(
     be present. ``fmap``: the model's
     FQN map when the caller built it during the same operation (the DCP planner), else built here.
     ``reader``: reads buffer items a DCP load left to the optimizer (``state_layout="buffers"``).
-    A dict that records another rank as its origin is refused (`sparse_ckpt._dcp.origin.strip_origin`)."""
+    A dict that records another rank as its origin is refused (docs/semantics.md)."""
     state_dict = strip_origin(state_dict)
     with gc_paused():
         _load(model, optimizer, state_dict, strict, unowned_are_other_ranks, fmap, reader)

@@ -66,7 +66,7 @@ def sparse_state_dict(
 
     ``state_layout="buffers"`` (packed format only) puts each leaf's parameter-shaped state
     tensors into a few 1-D buffers with a layout table instead of one item per tensor (see
-    `sparse_ckpt._layouts.bucketed`); ``"per_tensor"`` writes one item per tensor.
+    docs/dcp.md, *State layout*); ``"per_tensor"`` writes one item per tensor.
     """
     if format not in FORMATS:
         raise ValueError(f"format must be one of {FORMATS}, got {format!r}")

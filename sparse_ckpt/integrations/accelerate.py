@@ -12,7 +12,7 @@ functions ``Accelerator.save_state`` / ``load_state`` call, and their homes in
 through DCP into the same ``optimizer_{i}`` directory and load it with
 `sparse_ckpt.SparseLoadPlanner`: exact (every group's settings, only the state that
 exists), sparse, nothing invented, the live optimizer untouched by a save. Loading also reads the
-directories stock Accelerate wrote before (DSD's nested layout, see `sparse_ckpt._format.nested`),
+directories stock Accelerate wrote before (DSD's nested layout, docs/formats.md),
 so existing runs resume; note that such a checkpoint holds whatever DSD wrote, including the
 ``step=1`` state it invented when it saved an optimizer that had never stepped.
 
@@ -21,7 +21,7 @@ sparse_ckpt; FSDP1, ``FULL_STATE_DICT`` and ``use_dcp=False`` stay Accelerate's 
 makes ``Accelerator.register_for_checkpointing`` refuse a sparse_ckpt ``Stateful`` when there
 is more than one process: Accelerate pickles a registered object's ``state_dict()`` on the main
 process only and loads that file on every rank, which would give every rank the main process's
-optimizer shards (see `sparse_ckpt._dcp.origin`; without `install` that is refused when
+optimizer shards (docs/integrations.md; without `install` that is refused when
 saving or loading).
 
 ``accelerate`` is imported by `install`, never by importing this module.

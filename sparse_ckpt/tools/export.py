@@ -9,7 +9,7 @@ writes one optimizer of a DCP checkpoint into a directory that holds no pickle a
   checkpoint's packed version), and every packed group table as a 1-d ``uint8`` tensor named
   by its key (``param_groups.__packed__.{leaf}.{digest}``). Flat-format group settings are
   packed into one table of leaf ``leaf`` (one group per distinct settings), so an export always
-  carries binary tables (the codec of `sparse_ckpt._format.keys`, which never unpickles).
+  carries binary tables (the table codec of docs/formats.md, which never unpickles).
 * ``manifest.json`` (written last: an export is complete exactly when it exists) -- format and
   version, the source, the leaves with their group and parameter counts, and non-tensor state
   values, which must be JSON-representable (``None``, ``bool``, ``int``, ``float``, ``str``,
