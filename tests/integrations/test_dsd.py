@@ -382,3 +382,24 @@ def test_what_it_cannot_serve_goes_to_torch() -> None:
     opt = dsd_moe.optimizer(m)
     sc_dsd.get_optimizer_state_dict(m, opt)
     assert len(opt.state) == dsd_moe.PARAMS
+
+
+def test_a_copy_of_the_marked_dict_is_refused_not_silently_stateless(restore: Any, tmp_path: Path) -> None:
+    """Installed: a load target holding a *copy* of the dict ``get_optimizer_state_dict`` returned
+    (the mark is lost) for a fresh optimizer asks for no state; the load fails instead of reading only
+    the settings. The dict itself loads; unmarked targets that ask for state load as DCP loads them."""
+    m, opt = trained()
+    sc_dsd.install()
+    for options in (NESTED, FLAT):
+        dcp.save({"optim": get_optimizer_state_dict(m, opt, options=options)}, checkpoint_id=str(tmp_path / "c"))
+        m2 = dsd_moe.model(0)
+        opt2 = dsd_moe.optimizer(m2)
+        copied = {"optim": dict(get_optimizer_state_dict(m2, opt2, options=options))}
+        with pytest.raises(CheckpointException, match=r"CheckpointMismatchError: the checkpoint holds optimizer state under 'optim'.*asks for none of it"):
+            dcp.load(copied, checkpoint_id=str(tmp_path / "c"))
+        marked = {"optim": get_optimizer_state_dict(m2, opt2, options=options)}
+        dcp.load(marked, checkpoint_id=str(tmp_path / "c"))
+        set_optimizer_state_dict(m2, opt2, marked["optim"], options=options)
+        assert len(opt2.state) == dsd_moe.STEPPED
+        torchs = {"optim": STOCK["get_optimizer_state_dict"](m2, opt2, options=options)}  # unmarked, with state
+        dcp.load(torchs, checkpoint_id=str(tmp_path / "c"))
