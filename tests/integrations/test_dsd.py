@@ -403,3 +403,21 @@ def test_a_copy_of_the_marked_dict_is_refused_not_silently_stateless(restore: An
         assert len(opt2.state) == dsd_moe.STEPPED
         torchs = {"optim": STOCK["get_optimizer_state_dict"](m2, opt2, options=options)}  # unmarked, with state
         dcp.load(torchs, checkpoint_id=str(tmp_path / "c"))
+
+
+@pytest.mark.parametrize("options", [NESTED, FLAT], ids=["nested", "flat"])
+def test_an_optimizer_that_never_stepped_round_trips_without_state(restore: Any, tmp_path: Path, options: StateDictOptions) -> None:
+    """Installed: saved before the first step (nothing invented), resumed with every group's settings
+    and no state (DCP writes no ``state`` entry for the nested layout's empty dict)."""
+    sc_dsd.install()
+    m = dsd_moe.model(0)
+    opt = dsd_moe.optimizer(m)
+    opt.param_groups[1]["lr"] = 0.125
+    dcp.save({"optim": get_optimizer_state_dict(m, opt, options=options)}, checkpoint_id=str(tmp_path))
+    assert not opt.state
+    m2 = dsd_moe.model(1)
+    opt2 = dsd_moe.optimizer(m2)
+    target = {"optim": get_optimizer_state_dict(m2, opt2, options=options)}
+    dcp.load(target, checkpoint_id=str(tmp_path))
+    set_optimizer_state_dict(m2, opt2, target["optim"], options=options)
+    assert not opt2.state and [g["lr"] for g in opt2.param_groups] == [0.01, 0.125]

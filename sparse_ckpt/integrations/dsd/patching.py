@@ -29,6 +29,7 @@ from torch.distributed.checkpoint.default_planner import DefaultLoadPlanner
 
 from ..._torch_compat import DSD_CHECKED, DSD_OPTIONS, DSD_SIGNATURES
 from ...dcp import SparseLoadPlanner
+from .._rebind import bindings
 from . import functions
 from .target import rebuild_marked, refuse_unasked_state
 
@@ -52,20 +53,11 @@ def install() -> None:
             return
         _check_torch()
         ours = {name: getattr(functions, name) for name in DSD_SIGNATURES}
-        originals = {id(functions.torch_dsd[name]): name for name in DSD_SIGNATURES}
         for name, fn in ours.items():
             _patched.append((_dsd, name, functions.torch_dsd[name], fn))
-        for module in list(sys.modules.values()):
-            if module is None or module is _dsd or getattr(module, "__name__", "").startswith(__package__ or "-"):
-                continue
-            try:
-                namespace = vars(module)
-            except TypeError:  # pragma: no cover - an odd sys.modules entry
-                continue
-            for attr, value in list(namespace.items()):
-                name = originals.get(id(value))
-                if name is not None and value is functions.torch_dsd[name]:
-                    _patched.append((module, attr, value, ours[name]))
+        replacements = {id(functions.torch_dsd[name]): (functions.torch_dsd[name], fn) for name, fn in ours.items()}
+        own = [m for n, m in sys.modules.items() if n == __package__ or n.startswith(f"{__package__}.")]
+        _patched.extend(bindings(replacements, skip=[_dsd, *own]))
         _patched.append((DefaultLoadPlanner, "set_up_planner", vars(DefaultLoadPlanner)["set_up_planner"], _set_up_planner))
         for owner, name, _theirs, mine in _patched:
             setattr(owner, name, mine)
