@@ -12,6 +12,8 @@ cover what needs no process group (torch DSD works on a plain CPU model without 
 
 from __future__ import annotations
 
+import sys
+import types
 from pathlib import Path
 from typing import Any
 
@@ -22,6 +24,7 @@ import torch
 import torch.distributed as dist
 import torch.distributed.checkpoint as dcp
 from _dist import cpu_mesh, full_copy, run_ranks
+from doc_blocks import ROOT, python_blocks, run_block
 from helpers import assert_deep_equal
 from torch.distributed.checkpoint import DefaultLoadPlanner
 from torch.distributed.checkpoint.api import CheckpointException
@@ -421,3 +424,14 @@ def test_an_optimizer_that_never_stepped_round_trips_without_state(restore: Any,
     dcp.load(target, checkpoint_id=str(tmp_path))
     set_optimizer_state_dict(m2, opt2, target["optim"], options=options)
     assert not opt2.state and [g["lr"] for g in opt2.param_groups] == [0.01, 0.125]
+
+
+def test_the_docs_block_runs_as_written(restore: Any, tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    """docs/integrations.md, "torch DSD (any trainer)": its one block, as written, in a module of its
+    own (as a script runs in ``__main__``: install() finds the names it imported before)."""
+    (block,) = python_blocks(ROOT / "docs/integrations.md", "torch DSD (any trainer)")
+    monkeypatch.chdir(tmp_path)
+    module = types.ModuleType("docs_dsd_block")
+    monkeypatch.setitem(sys.modules, module.__name__, module)
+    run_block(block, vars(module))
+    assert not sc_dsd.installed() and len(module.optimizer.state) == 2
