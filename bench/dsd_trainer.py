@@ -28,6 +28,8 @@ import torch
 import torch.distributed as dist
 from torch import nn
 
+from .ranks import run_ranks
+
 
 class Layer(nn.Module):
     def __init__(self, experts: int, routed: int, dim: int) -> None:
@@ -107,9 +109,7 @@ def timed(fn: Any, *args: Any) -> tuple[float, BaseException | None]:
     return float(elapsed.item()), error
 
 
-def worker(rank: int, world_size: int, port: int, args: argparse.Namespace, out_dir: str) -> None:
-    os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port), OMP_NUM_THREADS="1")
-    dist.init_process_group("gloo", rank=rank, world_size=world_size)
+def worker(rank: int, world_size: int, args: argparse.Namespace, out_dir: str) -> None:
     from torch.distributed.checkpoint import FileSystemReader
 
     import sparse_ckpt.integrations.dsd as sc_dsd
@@ -146,7 +146,6 @@ def worker(rank: int, world_size: int, port: int, args: argparse.Namespace, out_
             print(f"{scenario:<8} {method:<10} {after_save:>16} {items:>6} {size:>8} {save * 1e3:8.1f} {after_load:>16} {load_text}"
                   + (f"  ({err})" if err else ""))
     dist.barrier()
-    dist.destroy_process_group()
 
 
 def main(argv: list[str] | None = None) -> None:
@@ -157,19 +156,11 @@ def main(argv: list[str] | None = None) -> None:
     parser.add_argument("--dim", type=int, default=8)
     parser.add_argument("--repeats", type=int, default=5)
     args = parser.parse_args(argv)
-    import socket
-
-    import torch.multiprocessing as mp
-
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        port = s.getsockname()[1]
     out_dir = tempfile.mkdtemp(prefix="sparse_ckpt_dsd_")
     try:
-        mp.start_processes(worker, args=(args.nproc, port, args, out_dir), nprocs=args.nproc, start_method="spawn")
+        run_ranks(worker, args.nproc, args, out_dir, err_dir=out_dir, timeout=600)
     finally:
         shutil.rmtree(out_dir, ignore_errors=True)
-
 
 if __name__ == "__main__":
     main()
