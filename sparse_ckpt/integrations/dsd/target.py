@@ -29,7 +29,7 @@ from torch.distributed.checkpoint.metadata import Metadata
 
 from ..._dcp_paths import metadata_path
 from ..._torch_compat import dcp_storage_reader
-from ...dcp import SparseOptimizerState, SparseStateDict, _rebuild_target
+from ...dcp import SparseOptimizerState, SparseStateDict, _find_targets, _rebuild_target
 from ...errors import CheckpointMismatchError
 from ...nested import NESTED_KEYS
 
@@ -53,16 +53,10 @@ class DsdStateDict(SparseStateDict):
         return (dict, (), None, None, iter(dict(self).items()))
 
 
-def marked_targets(node: Any, path: tuple[str | int, ...] = ()) -> Iterator[tuple[tuple[str | int, ...], DsdStateDict]]:
-    """Every :class:`DsdStateDict` below ``node`` (dicts and lists), with its DCP object path."""
-    if isinstance(node, DsdStateDict):
-        yield path, node
-    elif isinstance(node, Mapping):
-        for key, value in node.items():
-            yield from marked_targets(value, (*path, str(key)))
-    elif isinstance(node, list):
-        for i, value in enumerate(node):
-            yield from marked_targets(value, (*path, i))
+def marked_targets(node: Any) -> Iterator[tuple[tuple[str | int, ...], DsdStateDict]]:
+    """Every :class:`DsdStateDict` below ``node`` (dicts and lists), with its DCP object path
+    (the library planner's walk, :func:`sparse_ckpt.dcp._find_targets`, keeping the marked dicts)."""
+    return ((path, target) for path, target in _find_targets(node, ()) if isinstance(target, DsdStateDict))
 
 
 def rebuild_marked(state_dict: Any, metadata: Metadata | None, frame: Any = None) -> int:
