@@ -65,7 +65,8 @@ def install() -> None:
 
 def uninstall() -> None:
     """Undo :func:`install`: torch's own objects are back wherever it replaced them (a name that
-    something else rebound since is left alone). No-op when not installed."""
+    something else rebound since is left alone; a module imported while installed keeps the
+    functions of this package it bound, which still work called directly). No-op when not installed."""
     with _lock:
         for owner, name, theirs, mine in reversed(_patched):
             if getattr(owner, name, None) is mine or vars(owner).get(name) is mine:
