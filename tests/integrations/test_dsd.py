@@ -452,3 +452,19 @@ def test_the_docs_block_runs_as_written(restore: Any, tmp_path: Path, monkeypatc
     monkeypatch.setitem(sys.modules, module.__name__, module)
     run_block(block, vars(module))
     assert not sc_dsd.installed() and len(module.optimizer.state) == 2
+
+
+def test_a_partial_load_of_a_checkpoint_without_optimizer_leaves_the_marked_dict(restore: Any, tmp_path: Path) -> None:
+    """Installed, ``allow_partial_load=True`` (VeOmni's stock planner), a model-only checkpoint: the
+    marked optimizer dict is left as it is, as DCP leaves what the checkpoint lacks; without partial
+    loading it is a mismatch naming the path."""
+    m, _ = trained()
+    dcp.save({"model": get_model_state_dict(m)}, checkpoint_id=str(tmp_path))
+    sc_dsd.install()
+    m2 = dsd_moe.model(1)
+    opt2 = dsd_moe.optimizer(m2)
+    target = {"model": get_model_state_dict(m2), "optim": get_optimizer_state_dict(m2, opt2)}
+    dcp.load(target, checkpoint_id=str(tmp_path), planner=DefaultLoadPlanner(allow_partial_load=True))
+    assert target["optim"]["state"] == {} and len(target["optim"]["param_groups"]) == 2
+    with pytest.raises(CheckpointException, match=r"no optimizer entries under 'optim'"):
+        dcp.load(target, checkpoint_id=str(tmp_path))
