@@ -1,7 +1,8 @@
 """Build the API reference from the docstrings: ``python docs/api.py OUT_DIR`` (pdoc, pinned in the
 ``test`` extra; .ci/run runs it). Only the public surface is rendered: the top-level API (``import
 sparse_ckpt as sc``), ``sparse_ckpt.errors``, ``sparse_ckpt.export``, ``sparse_ckpt.tools`` and
-``sparse_ckpt.integrations`` (its private helper modules left out), exactly README's API table.
+``sparse_ckpt.integrations`` (its private helper modules, and the modules behind the ``dsd`` package's
+names, left out), exactly README's API table.
 
 Any warning pdoc issues fails the build (exit status 1, each warning on stderr), but one kind: the
 annotations that ``SparseCheckpointManager`` takes over from torchtitan (the signature of
@@ -25,7 +26,8 @@ MODULES = [
     "sparse_ckpt.export",
     "sparse_ckpt.tools",
     "sparse_ckpt.integrations",
-    "!sparse_ckpt.integrations._.*",
+    r"!sparse_ckpt\.integrations\._.*",
+    r"!sparse_ckpt\.integrations\.dsd\..*",
 ]
 """What pdoc renders (``!``: left out)."""
 

@@ -20,7 +20,9 @@ Why each is needed:
 * caller frames of Accelerate's ``save_custom_state`` (a rank-0-only pickle, refused);
 * live frames of every thread: a capture of an optimizer already being captured (reentrancy);
 * ``torch.Tensor._make_subclass`` and DCP's tensor protocol (``__create_chunk_list__``,
-  ``__get_tensor_shard__``): the planner guard, and a DTensor's local chunk.
+  ``__get_tensor_shard__``): the planner guard, and a DTensor's local chunk;
+* torch DSD's private ``_gather_state_dict``/``_offload_state_dict_to_cpu`` (``integrations.dsd``:
+  ``full_state_dict`` and ``cpu_offload`` exactly as DSD does them).
 """
 
 from __future__ import annotations
@@ -255,7 +257,50 @@ ACCESSES: dict[str, str] = {
     "torch.distributed.checkpoint.state_dict_loader._load_state_dict (caller frame; local storage_reader)": "2.13.0",
     "accelerate.checkpointing.save_custom_state (caller frame)": "accelerate 1.15.0 on torch 2.13.0",
     "sys._getframe / sys._current_frames (CPython)": "CPython 3.11, torch 2.13.0",
+    "torch.distributed._state_dict_utils._gather_state_dict (integrations.dsd)": "2.13.0",
+    "torch.distributed._state_dict_utils._offload_state_dict_to_cpu (integrations.dsd)": "2.13.0",
 }
 """Every torch internal the library touches -> the versions it was checked on. Only 2.13.0 is
 checked so far (the README's floor, torch 2.6, is not yet run by CI); tests/core/test_torch_internals.py
 checks each entry against the installed torch."""
+DSD_CHECKED = "2.13.0"
+"""The torch version whose DSD (``torch.distributed.checkpoint.state_dict``) and DCP load planner
+:mod:`sparse_ckpt.integrations.dsd` was written and tested against; ``install()`` checks the
+signatures below rather than the version, so a later torch with the same DSD keeps working."""
+
+DSD_SIGNATURES: dict[str, tuple[str, ...]] = {
+    "get_optimizer_state_dict": ("model", "optimizers", "submodules", "options"),
+    "set_optimizer_state_dict": ("model", "optimizers", "optim_state_dict", "options"),
+    "get_state_dict": ("model", "optimizers", "submodules", "options"),
+    "set_state_dict": ("model", "optimizers", "model_state_dict", "optim_state_dict", "options"),
+}
+"""Parameter names of the torch DSD functions that ``integrations.dsd`` replaces (as in torch 2.13.0)."""
+
+DSD_OPTIONS = (
+    "full_state_dict",
+    "cpu_offload",
+    "ignore_frozen_params",
+    "keep_submodule_prefixes",
+    "strict",
+    "broadcast_from_rank0",
+    "flatten_optimizer_state_dict",
+)
+"""The ``StateDictOptions`` fields ``integrations.dsd`` reads (``dsd_fqn_modifiers`` is read when present)."""
+
+
+def gather_full_state_dict(state_dict: dict[str, Any], *, cpu_offload: bool, ranks_only: tuple[int, ...]) -> dict[str, Any]:
+    """torch DSD's ``full_state_dict`` gathering: every DTensor as its full tensor (a collective per
+    tensor, in the dict's order), on CPU with ``cpu_offload``, kept only on ``ranks_only`` (others get
+    ``{}``) when given. torch's private ``_gather_state_dict`` (checked on torch 2.13.0), the same
+    function DSD calls, so the result is DSD's."""
+    from torch.distributed._state_dict_utils import _gather_state_dict
+
+    return _gather_state_dict(state_dict, cpu_offload=cpu_offload, ranks_only=ranks_only)
+
+
+def offload_state_dict_to_cpu(state_dict: dict[str, Any]) -> dict[str, Any]:
+    """torch DSD's ``cpu_offload`` (without ``full_state_dict``): every tensor copied to CPU, DTensors
+    keeping their placements. torch's private ``_offload_state_dict_to_cpu`` (checked on torch 2.13.0)."""
+    from torch.distributed._state_dict_utils import _offload_state_dict_to_cpu
+
+    return _offload_state_dict_to_cpu(state_dict)

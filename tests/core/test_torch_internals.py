@@ -99,6 +99,14 @@ def _frames() -> None:
     assert isinstance(sys._current_frames(), dict)
 
 
+def _dsd_helpers() -> None:
+    from torch.distributed import _state_dict_utils
+
+    for name in ("_gather_state_dict", "_offload_state_dict_to_cpu"):
+        assert callable(getattr(_state_dict_utils, name, None)), f"torch.distributed._state_dict_utils.{name} is gone"
+    assert ti.offload_state_dict_to_cpu({"t": torch.ones(2)})["t"].device.type == "cpu"
+
+
 CHECKS = {
     "torch.optim.Optimizer._optimizer_state_dict_pre_hooks": _hooks,
     "torch.optim.Optimizer._optimizer_state_dict_post_hooks": _hooks,
@@ -114,6 +122,8 @@ CHECKS = {
     "torch.distributed.checkpoint.state_dict_loader._load_state_dict (caller frame; local storage_reader)": _dcp_storage_reader_frame,
     "accelerate.checkpointing.save_custom_state (caller frame)": _accelerate_frame,
     "sys._getframe / sys._current_frames (CPython)": _frames,
+    "torch.distributed._state_dict_utils._gather_state_dict (integrations.dsd)": _dsd_helpers,
+    "torch.distributed._state_dict_utils._offload_state_dict_to_cpu (integrations.dsd)": _dsd_helpers,
 }
 
 

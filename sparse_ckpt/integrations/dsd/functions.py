@@ -1,0 +1,217 @@
+"""torch DSD's four optimizer-facing functions, sparse and exact, with DSD's signatures and layouts.
+
+``get_optimizer_state_dict`` / ``get_state_dict`` return DSD's nested or flat layout
+(``StateDictOptions.flatten_optimizer_state_dict``) built from what the optimizers hold: no
+synthetic step (nothing is written into the live optimizer or its parameters' ``.grad``), every
+group's settings (also of groups whose parameters have no state), only the state that exists.
+``full_state_dict`` and ``cpu_offload`` are DSD's own post-processing. The dict is a
+`sparse_ckpt.integrations.dsd.target.DsdStateDict`, so a ``dcp.load`` into it reads what the
+checkpoint has (see `sparse_ckpt.integrations.dsd.target`).
+
+``set_optimizer_state_dict`` / ``set_state_dict`` load a DSD dict (nested or flat, from DSD or from
+here, or a sparse_ckpt checkpoint read into a marked dict) with the library's loader: by FQN, every
+group's settings, the state that is there and no other, transactional. ``full_state_dict`` dicts
+are cut into this rank's shards, ``broadcast_from_rank0`` takes rank 0's dict. ``strict`` (DSD:
+the model's ``load_state_dict``) also makes the optimizer load refuse missing or extra FQNs.
+
+The model side of ``get_state_dict``/``set_state_dict`` is torch's own ``get_model_state_dict`` /
+``set_model_state_dict``. What this module cannot serve exactly goes to torch's DSD unchanged (so
+``install()`` never breaks a call that worked): models with FSDP1 (``FullyShardedDataParallel``,
+flat parameters), the deprecated ``submodules`` argument, models using DSD's ``_fqn_modifiers``
+hook, and optimizers the library cannot capture (a class that overrides ``state_dict`` without a
+registered adapter, see `sparse_ckpt.register_state_dict_adapter`).
+"""
+
+from __future__ import annotations
+
+from collections.abc import Iterable, Mapping
+from typing import Any
+
+import torch
+import torch.distributed as dist
+import torch.distributed.checkpoint.state_dict as _dsd
+from torch import nn
+from torch.distributed.checkpoint.state_dict import StateDictOptions
+from torch.distributed.tensor import DTensor
+
+from ..._dcp.stateful import SparseOptimizerState
+from ..._dist import multi_rank
+from ..._fqn import build_fqn_map
+from ..._gc import gc_paused
+from ..._load.load import load_owned
+from ..._save.capture import check_leaves
+from ...errors import UnsupportedStateDictError
+from . import full, layouts
+from .target import DsdStateDict
+
+__all__ = [
+    "get_optimizer_state_dict",
+    "get_state_dict",
+    "served",
+    "set_optimizer_state_dict",
+    "set_state_dict",
+    "torch_dsd",
+]
+
+torch_dsd: dict[str, Any] = {
+    name: getattr(_dsd, name)
+    for name in (
+        "get_optimizer_state_dict",
+        "set_optimizer_state_dict",
+        "get_state_dict",
+        "set_state_dict",
+        "get_model_state_dict",
+        "set_model_state_dict",
+    )
+}
+"""torch's own DSD functions, as they were when this module was first imported (before ``install()``)."""
+
+
+def get_optimizer_state_dict(
+    model: nn.Module,
+    optimizers: torch.optim.Optimizer | Iterable[torch.optim.Optimizer],
+    *,
+    submodules: set[nn.Module] | None = None,
+    options: StateDictOptions | None = None,
+) -> dict[str, Any]:
+    """DSD's ``get_optimizer_state_dict``, exact and sparse (see the module doc)."""
+    optims = _as_tuple(optimizers)
+    opts = _checked(options, optims)
+    if not served(model, optims, submodules, opts):
+        return torch_dsd["get_optimizer_state_dict"](model, optimizers, submodules=submodules, options=options)
+    return _optimizer_state_dict(model, optims, opts)
+
+
+def get_state_dict(
+    model: nn.Module,
+    optimizers: torch.optim.Optimizer | Iterable[torch.optim.Optimizer],
+    *,
+    submodules: set[nn.Module] | None = None,
+    options: StateDictOptions | None = None,
+) -> tuple[dict[str, Any], dict[str, Any]]:
+    """DSD's ``get_state_dict``: torch's model state dict and the exact, sparse optimizer dict."""
+    optims = _as_tuple(optimizers)
+    opts = _checked(options, optims)
+    if not served(model, optims, submodules, opts):
+        return torch_dsd["get_state_dict"](model, optimizers, submodules=submodules, options=options)
+    model_sd = torch_dsd["get_model_state_dict"](model, options=options)
+    return model_sd, _optimizer_state_dict(model, optims, opts)
+
+
+def set_optimizer_state_dict(
+    model: nn.Module,
+    optimizers: torch.optim.Optimizer | Iterable[torch.optim.Optimizer],
+    optim_state_dict: dict[str, Any],
+    *,
+    options: StateDictOptions | None = None,
+) -> None:
+    """DSD's ``set_optimizer_state_dict``, exact (see the module doc): nothing is invented."""
+    optims = _as_tuple(optimizers)
+    opts = _checked(options, optims)
+    if not served(model, optims, None, opts):
+        return torch_dsd["set_optimizer_state_dict"](model, optimizers, optim_state_dict, options=options)
+    _load_optimizers(model, optims, optim_state_dict, opts)
+    return None
+
+
+def set_state_dict(
+    model: nn.Module,
+    optimizers: torch.optim.Optimizer | Iterable[torch.optim.Optimizer],
+    *,
+    model_state_dict: dict[str, Any],
+    optim_state_dict: dict[str, Any],
+    options: StateDictOptions | None = None,
+) -> Any:
+    """DSD's ``set_state_dict``: the optimizers exactly (first, as DSD), then torch's model load;
+    returns the model load's ``missing_keys``/``unexpected_keys``."""
+    optims = _as_tuple(optimizers)
+    opts = _checked(options, optims, optim_only=False)
+    if not served(model, optims, None, opts):
+        return torch_dsd["set_state_dict"](
+            model, optimizers, model_state_dict=model_state_dict, optim_state_dict=optim_state_dict, options=options
+        )
+    if optim_state_dict or opts.broadcast_from_rank0:  # (other ranks pass {} and receive rank 0's)
+        _load_optimizers(model, optims, optim_state_dict, opts)
+    return torch_dsd["set_model_state_dict"](model, model_state_dict, options=options)
+
+
+def served(model: nn.Module, optims: tuple[Any, ...], submodules: Any, options: StateDictOptions) -> bool:
+    """Whether this module serves the call exactly; else it goes to torch's DSD (see the module doc)."""
+    if submodules:
+        return False
+    try:
+        check_leaves(layouts.leaves_of(optims))
+    except (UnsupportedStateDictError, TypeError):
+        return False
+    from torch.distributed.fsdp import FullyShardedDataParallel as FSDP
+
+    if FSDP.fsdp_modules(model):
+        return False
+    hook = getattr(options, "dsd_fqn_modifiers", "_fqn_modifiers")
+    return not any(callable(getattr(m, hook, None)) for m in model.modules())
+
+
+# --------------------------------------------------------------------------- internals
+
+
+def _as_tuple(optimizers: Any) -> tuple[torch.optim.Optimizer, ...]:
+    return (optimizers,) if isinstance(optimizers, torch.optim.Optimizer) else tuple(optimizers)
+
+
+def _checked(options: StateDictOptions | None, optims: tuple[Any, ...], optim_only: bool = True) -> StateDictOptions:
+    """DSD's option checks (same messages): at least one optimizer, broadcast only with full dicts."""
+    if optim_only and not optims:
+        raise RuntimeError("Optimizers are not passed in but optim_only is set to True.")
+    opts = options or StateDictOptions()
+    if opts.broadcast_from_rank0 and not opts.full_state_dict:
+        raise ValueError("full_state_dict must be True when broadcast_from_rank0 is True.")
+    return opts
+
+
+def _optimizer_state_dict(model: nn.Module, optims: tuple[Any, ...], opts: StateDictOptions) -> DsdStateDict:
+    leaves = layouts.leaves_of(optims)
+    owner = SparseOptimizerState(model, leaves, format="flat", strict=opts.strict)
+    with gc_paused():
+        if opts.flatten_optimizer_state_dict:
+            sd = layouts.flat_state_dict(model, leaves)
+        else:
+            sd = layouts.nested_state_dict(build_fqn_map(model), leaves)
+    return DsdStateDict(full.full_or_cpu(sd, opts.full_state_dict, opts.cpu_offload), owner)
+
+
+def _load_optimizers(model: nn.Module, optims: tuple[Any, ...], osd: Mapping[str, Any], opts: StateDictOptions) -> None:
+    fmap = osd.fmap if isinstance(osd, DsdStateDict) and osd.fmap is not None and osd.owner.model is model else None
+    if opts.broadcast_from_rank0 and multi_rank():
+        data = layouts.loadable(osd) if dist.get_rank() == 0 else {}
+        data = full.broadcast_from_rank0(data, _broadcast_device(model))
+    else:
+        data = layouts.loadable(osd)
+    if fmap is None:
+        fmap = build_fqn_map(model)
+    if opts.full_state_dict:
+        data = full.shard_like_params(data, fmap)
+    reader = None
+    if isinstance(osd, DsdStateDict):
+        if osd.unresolved:
+            data.update(dict.fromkeys(osd.unresolved))
+        reader = osd.reader
+    load_owned(
+        model,
+        layouts.leaves_of(optims),
+        data,
+        strict=opts.strict,
+        unowned_are_other_ranks=multi_rank(),
+        fmap=fmap,
+        reader=reader,
+    )
+
+
+def _broadcast_device(model: nn.Module) -> torch.device:
+    """Where ``broadcast_from_rank0`` tensors travel: CPU on Gloo, else the parameters' device."""
+    if dist.get_backend() == "gloo":
+        return torch.device("cpu")
+    for p in model.parameters():
+        local = p.to_local() if isinstance(p, DTensor) else p
+        if local.device.type != "meta":
+            return local.device
+    return torch.device("cpu")  # pragma: no cover - a model without parameters

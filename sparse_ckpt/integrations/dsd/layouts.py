@@ -1,0 +1,87 @@
+"""torch DSD's two optimizer layouts, built sparsely from the live optimizers and read back.
+
+``nested`` (DSD's default)::
+
+    {"state": {fqn: {key: value, ...}, ...},
+     "param_groups": [{setting: value, ..., "params": [fqn, ...]}, ...]}
+
+``flat`` (``flatten_optimizer_state_dict=True``): ``state.{fqn}.{key}`` and
+``param_groups.{fqn}.{setting}`` for every parameter of every group, with or without state.
+
+Several optimizers are merged as DSD merges them: one ``state`` and one ``param_groups`` list
+(flat: every state key first, then every group key). Unlike DSD, nothing is stepped first: a
+parameter without state has no ``state`` entry, and its group's settings are still there.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Mapping, Sequence
+from typing import Any
+
+import torch
+
+from ..._format.keys import STATE_PREFIX
+from ..._format.nested import NESTED_KEYS, nested_kind, nested_to_sparse
+from ..._format.tags import Keying
+from ..._fqn import FqnMap
+from ..._leaves import SINGLE_LEAF, TITAN_LEAF, named_leaves
+from ..._save.capture import capture_by_fqn
+from ..._save.save import build_state_dict
+from ...errors import CheckpointFormatError
+
+__all__ = ["flat_state_dict", "leaves_of", "loadable", "nested_state_dict"]
+
+STATE, PARAM_GROUPS = NESTED_KEYS
+PARAMS = "params"
+
+
+def leaves_of(optimizers: Sequence[torch.optim.Optimizer]) -> Any:
+    """The library's optimizer argument for DSD's optimizer tuple: the optimizer itself (leaf
+    ``optim``) or ``{"optim0": ..., "optim1": ...}``; thin wrappers (Accelerate's) are unwrapped
+    by `sparse_ckpt._leaves.named_leaves`."""
+    if len(optimizers) == 1:
+        return optimizers[0]
+    return {TITAN_LEAF.format(i): opt for i, opt in enumerate(optimizers)}
+
+
+def nested_state_dict(fmap: FqnMap, optimizers: Any) -> dict[str, Any]:
+    """DSD's nested dict of ``optimizers`` (see `leaves_of`): the state each parameter has
+    (its per-parameter dict copied, the values not), every group with its settings and FQNs."""
+    state: dict[str, Any] = {}
+    groups: list[dict[str, Any]] = []
+    for leaf, opt in named_leaves(optimizers):
+        groups_fqn, state_fqn = capture_by_fqn(leaf, opt, fmap.fqn_of)
+        for fqn, values in state_fqn.items():
+            state[fqn] = dict(values) if isinstance(values, Mapping) else values
+        for settings, fqns in groups_fqn:
+            groups.append({**settings, PARAMS: list(fqns)})
+    return {STATE: state, PARAM_GROUPS: groups}
+
+
+def flat_state_dict(model: Any, optimizers: Any) -> dict[str, Any]:
+    """DSD's flat dict of ``optimizers``: the library's ``flat`` format (byte for byte DSD's layout),
+    state keys first, then group keys, as DSD orders them."""
+    out = build_state_dict(model, optimizers, "flat", Keying.here())
+    if isinstance(optimizers, torch.optim.Optimizer):
+        return out
+    state = {k: v for k, v in out.items() if k.startswith(STATE_PREFIX)}
+    return {**state, **{k: v for k, v in out.items() if k not in state}}
+
+
+def loadable(osd: Mapping[str, Any]) -> dict[str, Any]:
+    """What the library's loader reads for a DSD optimizer dict: the nested layout rewritten into
+    the packed equivalent (one leaf, every group in order), a flat or sparse_ckpt dict as it is.
+
+    A nested dict without state has no ``state`` entry after ``dcp.load`` (DCP saves nothing for
+    an empty dict): ``param_groups`` alone is read as the nested layout with empty state."""
+    if isinstance(osd.get(PARAM_GROUPS), list) and STATE not in osd:
+        osd = {STATE: {}, **osd}
+    kind = nested_kind(osd)
+    if kind == "fqn":
+        return nested_to_sparse(osd, leaf=SINGLE_LEAF)
+    if kind == "ids":
+        raise CheckpointFormatError(
+            "the optimizer dict is keyed by parameter ids (torch's Optimizer.state_dict()), not by FQN as DSD's: "
+            "load it with optimizer.load_state_dict"
+        )
+    return dict(osd)

@@ -1,0 +1,113 @@
+"""``install()``: route torch DSD and DCP's load planning through `sparse_ckpt.integrations.dsd`.
+
+What it patches (all undone by `uninstall`, which puts torch's exact objects back):
+
+- ``torch.distributed.checkpoint.state_dict.{get_optimizer_state_dict, set_optimizer_state_dict,
+  get_state_dict, set_state_dict}``, so every later ``from ... import`` gets this module's;
+- every name already bound to one of torch's four functions in a loaded module's globals (a
+  trainer that did ``from torch.distributed.checkpoint.state_dict import get_optimizer_state_dict``
+  before ``install()``), found by identity in ``sys.modules``;
+- ``DefaultLoadPlanner.set_up_planner``: the dicts this module hands out (and only those) are
+  rebuilt from the checkpoint's metadata before planning (`.target`), for ``planner=None``,
+  ``DefaultLoadPlanner()`` and every subclass that calls ``super().set_up_planner``; an unmarked
+  optimizer dict that asks for none of its checkpoint's state is refused (a silent loss otherwise).
+
+A module imported after ``install()`` binds the replacements, so the import order does not matter.
+"""
+
+from __future__ import annotations
+
+import inspect
+import sys
+import threading
+from dataclasses import fields
+from typing import Any
+
+import torch
+import torch.distributed.checkpoint.state_dict as _dsd
+from torch.distributed.checkpoint.default_planner import DefaultLoadPlanner
+
+from ..._dcp.planner import SparseLoadPlanner
+from ..._torch_internals import DSD_CHECKED, DSD_OPTIONS, DSD_SIGNATURES, caller_frame
+from .._rebind import bindings
+from . import functions
+from .target import rebuild_marked, refuse_unasked_state
+
+__all__ = ["install", "installed", "uninstall"]
+
+_lock = threading.Lock()
+_patched: list[tuple[Any, str, Any, Any]] = []
+"""``(owner, name, torch's object, ours)`` for everything `install` replaced, in order."""
+_PLANNER_PARAMS = ("self", "state_dict", "metadata", "is_coordinator")
+
+
+def install() -> None:
+    """Route torch DSD's optimizer functions and DCP's default load planning through this module.
+
+    Call it once per process, any time before the trainer saves or loads (after its imports is
+    fine). Idempotent. Raises ``RuntimeError`` (and patches nothing) on a torch whose DSD or
+    ``DefaultLoadPlanner.set_up_planner`` does not have the signatures this module replaces.
+    """
+    with _lock:
+        if _patched:
+            return
+        _check_torch()
+        ours = {name: getattr(functions, name) for name in DSD_SIGNATURES}
+        for name, fn in ours.items():
+            _patched.append((_dsd, name, functions.torch_dsd[name], fn))
+        replacements = {id(functions.torch_dsd[name]): (functions.torch_dsd[name], fn) for name, fn in ours.items()}
+        own = [m for n, m in sys.modules.items() if n == __package__ or n.startswith(f"{__package__}.")]
+        _patched.extend(bindings(replacements, skip=[_dsd, *own]))
+        _patched.append((DefaultLoadPlanner, "set_up_planner", vars(DefaultLoadPlanner)["set_up_planner"], _set_up_planner))
+        for owner, name, _theirs, mine in _patched:
+            setattr(owner, name, mine)
+
+
+def uninstall() -> None:
+    """Undo `install`: torch's own objects are back wherever it replaced them (a name that
+    something else rebound since is left alone; a module imported while installed keeps the
+    functions of this package it bound, which still work called directly). No-op when not installed."""
+    with _lock:
+        for owner, name, theirs, mine in reversed(_patched):
+            if getattr(owner, name, None) is mine or vars(owner).get(name) is mine:
+                setattr(owner, name, theirs)
+        _patched.clear()
+
+
+def installed() -> bool:
+    """Whether `install` is in effect."""
+    return bool(_patched)
+
+
+def _set_up_planner(self: DefaultLoadPlanner, state_dict: Any, metadata: Any = None, is_coordinator: bool = False) -> None:
+    """``DefaultLoadPlanner.set_up_planner`` that first rebuilds the marked optimizer dicts."""
+    if not isinstance(self, SparseLoadPlanner):  # it rebuilds them itself
+        rebuild_marked(state_dict, metadata, caller_frame(1), allow_partial_load=getattr(self, "allow_partial_load", False))
+        refuse_unasked_state(state_dict, metadata)
+    return _TORCH_SET_UP_PLANNER(self, state_dict, metadata, is_coordinator)
+
+
+_TORCH_SET_UP_PLANNER = vars(DefaultLoadPlanner)["set_up_planner"]
+_set_up_planner.__wrapped__ = _TORCH_SET_UP_PLANNER  # type: ignore[attr-defined]
+_set_up_planner.__doc__ = _TORCH_SET_UP_PLANNER.__doc__ or _set_up_planner.__doc__
+
+
+def _check_torch() -> None:
+    problems = []
+    for name, expected in DSD_SIGNATURES.items():
+        fn = functions.torch_dsd[name]
+        got = tuple(inspect.signature(fn).parameters)
+        if got != expected:
+            problems.append(f"{name}{got} (expected {expected})")
+    have = {f.name for f in fields(_dsd.StateDictOptions)}
+    missing = [o for o in DSD_OPTIONS if o not in have]
+    if missing:
+        problems.append(f"StateDictOptions lacks {missing}")
+    got = tuple(inspect.signature(_TORCH_SET_UP_PLANNER).parameters)
+    if got != _PLANNER_PARAMS:
+        problems.append(f"DefaultLoadPlanner.set_up_planner{got} (expected {_PLANNER_PARAMS})")
+    if problems:
+        raise RuntimeError(
+            f"sparse_ckpt.integrations.dsd was written for torch {DSD_CHECKED}'s DSD; this torch "
+            f"({torch.__version__}) differs: {'; '.join(problems)}. Nothing was installed"
+        )

@@ -1,0 +1,131 @@
+"""The optimizer dicts this integration hands out, and how a trainer's own ``dcp.load`` fills them.
+
+Every dict that `sparse_ckpt.integrations.dsd.get_optimizer_state_dict` returns is a
+`DsdStateDict`: a plain ``dict`` in DSD's layout, *marked* by its class (a subclass of
+`sparse_ckpt._dcp.stateful.SparseStateDict` carrying the model and optimizers it was built from).
+A trainer that resumes builds its load target that way (``get_optimizer_state_dict`` on the fresh
+optimizer, then ``dcp.load({"optim": osd, ...})``); the target of a fresh optimizer lacks the
+checkpoint's state keys, and DSD's own target invents them with a synthetic step.
+
+`rebuild_marked` runs in ``DefaultLoadPlanner.set_up_planner`` (patched by ``install()``,
+so it reaches ``planner=None``, ``DefaultLoadPlanner()`` and every subclass that calls
+``super().set_up_planner``; `sparse_ckpt.SparseLoadPlanner` does it itself): each marked
+dict in the load target is rebuilt from the checkpoint's metadata, exactly as the library's planner
+rebuilds its own targets -- the state the checkpoint has (this rank's parameters), every group's
+settings, tables of a sparse_ckpt checkpoint -- so state that exists reaches the optimizer and
+state that does not stays absent. Unmarked dicts (DSD's own, anything else) are planned as DCP
+plans them, with one check (`refuse_unasked_state`): an unmarked optimizer dict that asks for
+none of the state its checkpoint holds -- a copy of a marked dict, which lost the mark, made for an
+optimizer without state -- fails the load instead of silently leaving the state unread.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Iterator, Mapping
+from typing import Any
+
+from torch.distributed.checkpoint.metadata import Metadata
+
+from ..._dcp.paths import metadata_path
+from ..._dcp.planner import _find_targets, _TargetBuilder
+from ..._dcp.stateful import SparseOptimizerState, SparseStateDict
+from ..._format.nested import NESTED_KEYS
+from ..._torch_internals import caller_frame, dcp_storage_reader
+from ...errors import CheckpointMismatchError
+
+__all__ = ["DsdStateDict", "marked_targets", "rebuild_marked", "refuse_unasked_state"]
+
+_STATE, _GROUPS = NESTED_KEYS
+
+
+class DsdStateDict(SparseStateDict):
+    """A DSD-layout optimizer dict made by ``integrations.dsd``: a ``dict`` whose class marks it as a
+    load target `rebuild_marked` may rebuild. Pickles and copies as a plain ``dict`` of its
+    items (no origin record: DSD's dicts carry none, and a full state dict is meant to travel)."""
+
+    __slots__ = ()
+
+    def __init__(self, items: Mapping[str, Any], owner: SparseOptimizerState) -> None:
+        super().__init__(items, owner)
+        self.origin = None
+
+    def __reduce_ex__(self, protocol: Any) -> tuple[Any, ...]:
+        return (dict, (), None, None, iter(dict(self).items()))
+
+
+def marked_targets(node: Any) -> Iterator[tuple[tuple[str | int, ...], DsdStateDict]]:
+    """Every `DsdStateDict` below ``node`` (dicts and lists), with its DCP object path
+    (the library planner's walk, `sparse_ckpt._dcp.planner._find_targets`, keeping the marked dicts)."""
+    return ((path, target) for path, target in _find_targets(node, ()) if isinstance(target, DsdStateDict))
+
+
+def rebuild_marked(state_dict: Any, metadata: Metadata | None, frame: Any = None, *, allow_partial_load: bool = False) -> int:
+    """Rebuild every marked dict in the load target ``state_dict`` from ``metadata`` (see the
+    module doc); returns how many. ``frame``: the caller of ``set_up_planner`` (to reach the
+    load's storage reader for ``state_layout="buffers"`` checkpoints). With ``allow_partial_load``
+    (the planner's), a marked dict the checkpoint has nothing for is left as it is, as DCP leaves
+    target entries the checkpoint lacks; without it that is a `CheckpointMismatchError`."""
+    if metadata is None:
+        return 0
+    targets = list(marked_targets(state_dict))
+    if not targets:
+        return 0
+    paths = {key: metadata_path(metadata, key) for key in metadata.state_dict_metadata}
+    reader = dcp_storage_reader(frame if frame is not None else caller_frame(1))
+    done = 0
+    for path, target in targets:
+        if allow_partial_load and not any(len(p) > len(path) and p[: len(path)] == path for p in paths.values()):
+            continue
+        _TargetBuilder(target, metadata, reader).rebuild(path, paths)
+        done += 1
+    return done
+
+
+def _leaf_paths(node: Any, path: tuple[str | int, ...] = ()) -> Iterator[tuple[str | int, ...]]:
+    """The object paths of the values DCP would plan below ``node`` (an empty dict has none)."""
+    if isinstance(node, Mapping):
+        for key, value in node.items():
+            yield from _leaf_paths(value, (*path, str(key)))
+    elif isinstance(node, list) and node and all(isinstance(v, (Mapping, list)) for v in node):
+        for i, value in enumerate(node):
+            yield from _leaf_paths(value, (*path, i))
+    else:
+        yield path
+
+
+def _section(path: tuple[str | int, ...]) -> tuple[tuple[str | int, ...], str] | None:
+    """``(prefix, "state" | "param_groups")`` for a path into an optimizer dict (DSD's nested
+    layout: a ``state``/``param_groups`` part; flat: a part starting with ``state.``/``param_groups.``)."""
+    for i, part in enumerate(path):
+        if isinstance(part, str):
+            for name in NESTED_KEYS:
+                if part == name or part.startswith(name + "."):
+                    return path[:i], name
+    return None
+
+
+def refuse_unasked_state(state_dict: Any, metadata: Metadata | None) -> None:
+    """Raise `sparse_ckpt.CheckpointMismatchError` when an unmarked optimizer dict of the load
+    target (``param_groups`` entries under some path, no ``state`` entry) meets a checkpoint holding
+    state under that path: DCP would read the settings and leave the state unread, silently."""
+    if metadata is None:
+        return
+    marked = {path for path, _target in marked_targets(state_dict)}
+    groups: set[tuple[str | int, ...]] = set()
+    asked: set[tuple[str | int, ...]] = set()
+    for path in _leaf_paths(state_dict):
+        found = _section(path)
+        if found is not None and found[0] not in marked:
+            (groups if found[1] == _GROUPS else asked).add(found[0])
+    if not groups - asked:
+        return
+    for key in metadata.state_dict_metadata:
+        found = _section(metadata_path(metadata, key))
+        if found is not None and found[1] == _STATE and found[0] in groups - asked:
+            where = ".".join(map(str, found[0]))
+            raise CheckpointMismatchError(
+                f"the checkpoint holds optimizer state under {where!r} (e.g. {key!r}) and the load target's optimizer "
+                "dict there asks for none of it: DCP would load the param groups and silently leave the state "
+                "unread. With sparse_ckpt.integrations.dsd installed, put the dict get_optimizer_state_dict "
+                "returned into the load target itself (a copy of it is not rebuilt from the checkpoint)"
+            )
