@@ -207,9 +207,14 @@ class SparseOptimizerState:
         stable from save to save (see *Table keys* in :mod:`sparse_ckpt.keys`); called any
         other way, it does not communicate.
         """
+        return self._state_dict_for(sys._getframe(1))
+
+    def _state_dict_for(self, caller: Any) -> SparseStateDict:
+        """:meth:`state_dict` as called from the frame ``caller``: a ``Stateful`` whose own
+        ``state_dict()`` delegates here (:class:`sparse_ckpt.MultiOptimizer`) passes *its* caller,
+        so that a load target built for ``dcp.load`` is not captured like a save."""
         refuse_rank0_only_save(self.optimizer)
         sd: dict[str, Any] = {PLANNER_GUARD_KEY: _PlannerGuard.make()}  # first: DCP plans keys in order
-        caller = sys._getframe(1)
         if not called_by_dcp_load(caller):
             # A load target needs no content: SparseLoadPlanner rebuilds it from the checkpoint's
             # metadata (and without that planner the guard refuses the load), so dcp.load does not

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import sys
 from collections.abc import Callable, Iterator, Mapping
 from typing import Any
 
@@ -154,7 +155,8 @@ class MultiOptimizer:
         """
         from .dcp import SparseOptimizerState
 
-        return SparseOptimizerState(self.model, self, state_layout=self.state_layout).state_dict()
+        state = SparseOptimizerState(self.model, self, state_layout=self.state_layout)
+        return state._state_dict_for(sys._getframe(1))  # dcp.load's target is not captured (as for the state)
 
     def load_state_dict(self, state_dict: Mapping[str, Any], strict: bool = True) -> None:
         """Restore from a sparse (packed or flat) state dict, as :meth:`SparseOptimizerState.load_state_dict`."""
