@@ -16,7 +16,7 @@ from typing import Any
 import torch
 
 from . import _backend, buffers
-from ._tensor_parts import parts_to_tensor, tensor_to_parts
+from ._tensor_parts import name_to_value, parts_to_tensor, tensor_to_parts, value_to_name
 from .errors import CheckpointFormatError, CheckpointMismatchError
 from .fqn import FqnMap
 from .keys import (
@@ -113,7 +113,7 @@ def decode_group_tables(tables: Mapping[str, Any]) -> list[GroupTable]:
     out: list[GroupTable] = []
     for rest, table in tables.items():
         leaf, table = check_table(PACKED_PREFIX, rest, table)
-        settings, blobs, groups = core.decode_table(leaf, table, parts_to_tensor)
+        settings, blobs, groups = core.decode_table(leaf, table, parts_to_tensor, name_to_value)
         out.append(GroupTable(rest, leaf, settings, blobs, groups))
     return out
 
@@ -196,7 +196,7 @@ def decode_checkpoint(
                 s = unnamed.get(idx)
                 if s is None:
                     bare = {k: v for k, v in settings[idx].items() if k != "param_names"}
-                    blob = core.encode_settings(leaf, gi, bare, torch.Tensor, tensor_to_parts)
+                    blob = core.encode_settings(leaf, gi, bare, torch.Tensor, tensor_to_parts, value_to_name)
                     s = unnamed[idx] = intern(blob, bare)
                 names = settings[idx]["param_names"]
                 positional = isinstance(names, (list, tuple)) and len(names) == len(fqns)
@@ -221,7 +221,7 @@ def decode_checkpoint(
                 name = fqn if fqn in names else names[0] if len(names) == 1 else None
                 out.names_list_of[fmap.resolve(fqn)] = list(names)
             out.names_of.setdefault(fmap.resolve(fqn), name if isinstance(name, str) else None)
-        blob = core.encode_settings(f"flat:{fqn}", 0, raw, torch.Tensor, tensor_to_parts)
+        blob = core.encode_settings(f"flat:{fqn}", 0, raw, torch.Tensor, tensor_to_parts, value_to_name)
         put_settings(fqn, intern(blob, raw), f"flat entries of {fqn!r}")
 
     if len(fmap.canonical) == len(fmap.param_of):  # no aliases: every FQN is its own canonical name
@@ -373,7 +373,7 @@ def decode_scalar_tables(
         leaf, table = check_table(SCALARS_PREFIX, rest, table)
         key = f"{SCALARS_PREFIX}{rest}"
         try:
-            scalars, blobs, groups = core.decode_table(leaf, table, _cpu_parts_to_tensor)
+            scalars, blobs, groups = core.decode_table(leaf, table, _cpu_parts_to_tensor, name_to_value)
         except CheckpointFormatError as exc:
             raise CheckpointFormatError(f"scalar table {key!r}: {exc}") from None
         for idx, fqns in groups:
@@ -421,7 +421,7 @@ def _first_differing(leaf: str, a: Mapping[str, Any], b: Mapping[str, Any]) -> s
     core = _backend.core
 
     def enc(d: Mapping[str, Any], k: str) -> bytes:
-        return core.encode_settings(leaf, 0, {k: d[k]}, torch.Tensor, tensor_to_parts)
+        return core.encode_settings(leaf, 0, {k: d[k]}, torch.Tensor, tensor_to_parts, value_to_name)
 
     for k in a:
         if k not in b or enc(a, k) != enc(b, k):

@@ -8,7 +8,7 @@ import torch
 
 from . import _backend, buffers
 from ._gc import gc_paused
-from ._tensor_parts import CODEC_DTYPES, tensor_to_parts
+from ._tensor_parts import CODEC_DTYPES, tensor_to_parts, value_to_name
 from .buffers import StateLayout, check_state_layout
 from .capture import capture_by_fqn
 from .errors import CheckpointFormatError, CheckpointMismatchError
@@ -106,7 +106,7 @@ def build_state_dict(
                 leaf, state_fqn, fmap.param_of, torch.Tensor, _CPU_DTYPES, torch.strided, _scalar_parts
             )
             if scalar_groups:
-                scalars = core.encode_table(leaf, scalar_groups, torch.Tensor, tensor_to_parts)
+                scalars = core.encode_table(leaf, scalar_groups, torch.Tensor, tensor_to_parts, value_to_name)
                 parts.append((SCALARS_PREFIX, leaf))
                 slots.append(Slot(f"scalars:{leaf}", scalars))
             if state_layout == "buffers":
@@ -119,10 +119,11 @@ def build_state_dict(
         else:
             parts.append(core.flatten_state(leaf, state_fqn, fmap.param_of, format == "packed"))
         if format == "flat":
+            _check_flat_settings(leaf, groups_fqn)
             parts.append(core.flatten_groups(leaf, groups_fqn))
         else:
             parts.append((PACKED_PREFIX, leaf))
-            slots.append(Slot(f"groups:{leaf}", core.encode_table(leaf, groups_fqn, torch.Tensor, tensor_to_parts)))
+            slots.append(Slot(f"groups:{leaf}", core.encode_table(leaf, groups_fqn, torch.Tensor, tensor_to_parts, value_to_name)))
     tagged = iter(keying.assign(slots))
     out: dict[str, Any] = {}
     for part in parts:
@@ -140,6 +141,14 @@ def build_state_dict(
     if guards and format == "packed":
         out.update(dict.fromkeys(foreign_guard_keys(first_fqns), foreign_guard_value()))
     return out
+
+
+def _check_flat_settings(leaf: str, groups_fqn: list[tuple[dict, list[str]]]) -> None:
+    """The flat format writes each setting as it is (DCP pickles what is not a tensor), but a load
+    compares settings through the table codec: refuse at save, naming leaf, group and key, any
+    value the codec does not hold (what the packed format refuses), so no flat checkpoint is
+    written that cannot be loaded."""
+    _backend.core.encode_table(leaf, groups_fqn, torch.Tensor, tensor_to_parts, value_to_name)
 
 
 def _scalar_parts(t: torch.Tensor) -> tuple[str, tuple[int, ...], str, bytes] | None:
@@ -196,8 +205,8 @@ def _check_same_settings(leaf: str, fqn: str, groups_fqn: list[tuple[dict, list[
     """A parameter listed in two groups of a leaf (torch allows it) is saved by FQN once: both
     groups must then hold the same settings, or a load could not tell which applies."""
     core = _backend.core
-    a = core.encode_settings(leaf, first, _bare(groups_fqn[first][0]), torch.Tensor, tensor_to_parts)
-    b = core.encode_settings(leaf, again, _bare(groups_fqn[again][0]), torch.Tensor, tensor_to_parts)
+    a = core.encode_settings(leaf, first, _bare(groups_fqn[first][0]), torch.Tensor, tensor_to_parts, value_to_name)
+    b = core.encode_settings(leaf, again, _bare(groups_fqn[again][0]), torch.Tensor, tensor_to_parts, value_to_name)
     if a != b:
         raise CheckpointMismatchError(
             f"leaf {leaf!r}: parameter {fqn!r} is in group {first} and group {again} with different settings; "

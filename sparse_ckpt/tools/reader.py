@@ -29,7 +29,7 @@ from torch.distributed.checkpoint.metadata import Metadata, StorageMeta, TensorS
 from torch.distributed.checkpoint.planner import ReadItem
 
 from .. import _backend
-from .._tensor_parts import tensor_to_parts
+from .._tensor_parts import tensor_to_parts, value_to_name
 from ..buffers import layout_view
 from ..checkpoint_io import METADATA_FILE, OptimizerEntries, read_metadata, set_path
 from ..dcp import SparseLoadPlanner, weights_only_item
@@ -252,7 +252,7 @@ def flat_groups(settings_by_fqn: Mapping[str, dict[str, Any]]) -> list[Group]:
     core = _backend.core
     groups: dict[bytes, Group] = {}
     for fqn, raw in settings_by_fqn.items():
-        blob = core.encode_settings(f"flat:{fqn}", 0, raw, torch.Tensor, tensor_to_parts)
+        blob = core.encode_settings(f"flat:{fqn}", 0, raw, torch.Tensor, tensor_to_parts, value_to_name)
         group = groups.get(blob)
         if group is None:
             group = groups[blob] = Group(raw, blob)
@@ -400,7 +400,7 @@ def pack_flat_groups(flat: list[Group], leaf: str, leaves: Mapping[str, Any]) ->
     """Flat groups as one packed table of leaf ``leaf``: ``{table key: table}``."""
     if leaf in leaves:
         raise UsageError(f"leaf {leaf!r} already has packed tables; pick another --leaf")
-    table = _backend.core.encode_table(leaf, [(g.settings, g.fqns) for g in flat], torch.Tensor, tensor_to_parts)
+    table = _backend.core.encode_table(leaf, [(g.settings, g.fqns) for g in flat], torch.Tensor, tensor_to_parts, value_to_name)
     return {packed_table_key(leaf, table): table}
 
 
