@@ -48,14 +48,15 @@ from typing import Any
 from torch.distributed.checkpoint.metadata import Metadata
 
 from .._dcp_paths import metadata_path
-from ..dcp import SparseLoadPlanner, SparseOptimizerState, multi_rank
+from ..dcp import SparseLoadPlanner, SparseOptimizerState, SparseStateDict, multi_rank
 from ..dcp import _allocate as allocate_like
 from ..errors import CheckpointMismatchError, StockCheckpointWarning, UnsupportedStateDictError
 from ..fqn import FqnMap, build_fqn_map
+from ..item_keys import Keying
 from ..keys import GROUPS_PREFIX, PACKED_PREFIX, PLANNER_GUARD_KEY, SCALARS_PREFIX, STATE_PREFIX, last_part, owner_fqn
 from ..leaves import named_leaves
 from ..load import load_owned
-from ._overrides import arguments_of, with_signature_of
+from ._overrides import arguments_of, replace_argument, with_signature_of
 from ._stock_migration import flat_fqns
 
 __all__ = [
@@ -206,12 +207,18 @@ def _build_class() -> type:
         @classmethod
         @with_signature_of(DistributedCheckpointer.save)
         def save(cls, *args: Any, **kwargs: Any) -> None:
-            """VeOmni's ``save`` (its signature); the optimizer is checked before anything is written, then
-            saved sparsely (see :meth:`execute_save`)."""
+            """VeOmni's ``save`` (its signature); the optimizer is captured before VeOmni writes anything
+            (``extra_state/``, the ``global_step_N`` directory), so a save that will be refused writes
+            nothing, then saved sparsely (see :meth:`execute_save`)."""
             call = arguments_of(super().save, *args, **kwargs)
             state = call["state"]
             if "model" in state and OPTIMIZER_KEY in state:
-                _sparse_optimizer_state(state["model"], state[OPTIMIZER_KEY], call.get("parallel_state"))
+                sparse = _sparse_optimizer_state(state["model"], state[OPTIMIZER_KEY], call.get("parallel_state"))
+                # the table keys dcp.save would choose: VeOmni's sync save runs over all ranks of the
+                # default group, its async save over a group of its own (no coordinated keys)
+                keying = Keying.here() if call.get("save_async") else Keying.with_ranks()
+                captured = _Captured(sparse._captured(keying))
+                args, kwargs = replace_argument(super().save, args, kwargs, "state", {**state, OPTIMIZER_KEY: captured})
             super().save(*args, **kwargs)
 
         @classmethod
@@ -230,7 +237,9 @@ def _build_class() -> type:
                         f"VeOmni's save passed a {type(wrapped).__name__} as its optimizer state, not its "
                         "OptimizerState: this VeOmni version is not one sparse_ckpt.integrations.veomni supports"
                     )
-                sparse = _sparse_optimizer_state(wrapped.model, wrapped.optimizer, wrapped.parallel_state)
+                sparse: Any = wrapped.optimizer  # captured by save(), or a direct call of execute_save:
+                if not isinstance(sparse, _Captured):
+                    sparse = _sparse_optimizer_state(wrapped.model, wrapped.optimizer, wrapped.parallel_state)
                 save_state = {**save_state, OPTIMIZER_KEY: sparse}
             DistributedCheckpointer.execute_save(
                 save_state=save_state,
@@ -321,6 +330,20 @@ def _load(cls: Any, call: dict[str, Any], *, migrate: bool, require_stock: bool)
     if report is not None:
         warnings.warn(str(report), StockCheckpointWarning, stacklevel=3)  # the caller of load()
     return report
+
+
+class _Captured:
+    """The optimizer as :meth:`SparseDistributedCheckpointer.save` hands it to VeOmni's ``save``: its
+    sparse dict, captured before VeOmni wrote anything; a DCP ``Stateful`` that saves exactly that."""
+
+    def __init__(self, captured: SparseStateDict) -> None:
+        self.captured = captured
+
+    def state_dict(self) -> SparseStateDict:
+        return self.captured
+
+    def load_state_dict(self, state_dict: Any) -> None:
+        raise TypeError("a captured optimizer is saved, never loaded")
 
 
 def _sparse_optimizer_state(model: Any, optimizer: Any, parallel_state: Any) -> SparseOptimizerState:

@@ -307,3 +307,30 @@ def test_config_is_the_stock_config_plus_migration() -> None:
     assert inspect.signature(SparseCheckpointManager) == inspect.signature(CheckpointManager)
     with pytest.raises(TypeError, match="missing a required argument: 'sd_adapter'"):
         Config(enable=False).build(dataloader=None, model_parts=None, optimizers=None, lr_schedulers=None, states={})
+
+
+def test_group_values_round_trip_and_unsupported_refused_before_writing(tmp_path, one_rank) -> None:
+    """Issue 28, item 6: a torch.dtype/torch.device setting round-trips through the manager; an
+    arbitrary object is refused before any file of the step exists."""
+    objs = _trained()
+    for opt in objs[1].optimizers:
+        for g in opt.param_groups:
+            g.update(momentum_dtype=torch.bfloat16, offload=torch.device("cpu"), mode="adamw", table=((1, None), [2.5]))
+    mgr = tt.manager(Config, str(tmp_path), *objs, tt.TrainState(2))
+    assert mgr.save(2) is True
+    mgr.close()
+    fresh = tt.build(1)
+    mgr2 = tt.manager(Config, str(tmp_path), *fresh, tt.TrainState())
+    assert mgr2.load() is True
+    mgr2.close()
+    for a, b in zip(objs[1].optimizers, fresh[1].optimizers):
+        saved = [{k: v for k, v in g.items() if k != "params"} for g in a.param_groups]
+        assert [{k: v for k, v in g.items() if k != "params"} for g in b.param_groups] == saved
+        assert all(g["momentum_dtype"] is torch.bfloat16 for g in b.param_groups)
+
+    objs[1].optimizers[0].param_groups[0]["schedule"] = object()
+    mgr3 = tt.manager(Config, str(tmp_path), *objs, tt.TrainState(3))
+    with pytest.raises(sc.CheckpointFormatError, match="key 'schedule': unsupported value type object"):
+        mgr3.save(3)
+    mgr3.close()
+    assert not (tmp_path / "checkpoint" / "step-3").exists()
