@@ -5,8 +5,11 @@ torchtitan's ``OptimizersContainer.state_dict`` writes ``state.{fqn}.{key}`` and
 reads as its ``flat`` format). Before it reads an optimizer that has no state yet it runs a
 *synthetic step* (zero gradients, lr 0), so a never-stepped optimizer is saved with invented
 state: ``step == 1`` and all-zero moments. :func:`drop_synthetic_state` finds and removes such
-entries from a loaded flat dict (opt-in: a real first step on a zero gradient looks the same) and
-:class:`MigrationReport` says what was dropped and which parameters stay without state.
+entries from a loaded flat dict (opt-in: a real first step on a zero gradient looks the same),
+:func:`step_one_fqns` finds every parameter whose kept state *may* be such state (its ``step`` is 1:
+Adam with ``weight_decay`` folds the weights into the synthetic gradient, so its moments are not
+zero), and :class:`MigrationReport` says what was dropped, what was kept that may be synthetic, and
+which parameters stay without state.
 
 No trainer package is imported here.
 """
@@ -23,7 +26,10 @@ from torch.distributed.tensor import DTensor
 
 from ..keys import STATE_PREFIX, STEP_KEY, is_state_item, owner_fqn, split_group_key
 
-__all__ = ["DroppedState", "MigrationReport", "drop_synthetic_state", "flat_fqns", "state_keys_by_fqn"]
+__all__ = [
+    "DroppedState", "KeptState", "MigrationReport", "drop_synthetic_state", "flat_fqns", "state_keys_by_fqn",
+    "step_one_fqns",
+]
 
 
 @dataclass(frozen=True)
@@ -38,6 +44,18 @@ class DroppedState:
 
 
 @dataclass(frozen=True)
+class KeptState:
+    """The state of one parameter kept as saved although a synthetic step may have invented it: its
+    ``step`` is 1 (its moments are not all zero, or ``drop_synthetic_state`` is off). A resume from
+    it is exact only if the parameter really stepped once before the save."""
+
+    leaf: str
+    fqn: str
+    keys: tuple[str, ...]
+    """The checkpoint's state keys that were kept."""
+
+
+@dataclass(frozen=True)
 class MigrationReport:
     """What a migrating load of a stock (flat layout) optimizer checkpoint did on this rank."""
 
@@ -47,6 +65,16 @@ class MigrationReport:
     stateless: Mapping[str, tuple[str, ...]] = field(default_factory=dict)
     """Leaf -> FQNs of this rank's parameters that have no state after the load (never saved, or
     dropped): they get state on their first real step, as in an uninterrupted run."""
+    possibly_synthetic: tuple[KeptState, ...] = ()
+    """Every parameter of this rank whose saved state was kept with ``step == 1`` (see
+    :class:`KeptState`): where a leaf had never stepped when the stock checkpointer saved it, this
+    is invented state, and the resume is not exact."""
+
+    @property
+    def exact(self) -> bool:
+        """Nothing kept that a synthetic step may have invented (parameters without state are exact:
+        they get state on their first real step)."""
+        return not self.possibly_synthetic
 
     def summary(self, limit: int = 10) -> list[str]:
         """One line per leaf that lost or lacks state (at most ``limit`` FQNs named per line)."""
@@ -58,6 +86,16 @@ class MigrationReport:
             lines.append(
                 f"{self.checkpoint_id}: leaf {leaf!r}: dropped the synthetic-step state (step == 1, all-zero "
                 f"moments) of {len(fqns)} parameter(s): {_names(fqns, limit)}"
+            )
+        kept: dict[str, list[str]] = {}
+        for entry in self.possibly_synthetic:
+            kept.setdefault(entry.leaf, []).append(entry.fqn)
+        for leaf, fqns in kept.items():
+            lines.append(
+                f"{self.checkpoint_id}: leaf {leaf!r}: kept the state of {len(fqns)} parameter(s) with step == 1 "
+                f"that a synthetic step may have invented (its moments are not all zero, e.g. Adam with "
+                f"weight_decay, or drop_synthetic_state is off); the resume is exact only if they really stepped "
+                f"once: {_names(fqns, limit)}"
             )
         for leaf, fqns in self.stateless.items():
             if fqns:
@@ -111,6 +149,18 @@ def drop_synthetic_state(data: MutableMapping[str, Any], by_fqn: Mapping[str, li
     return dropped
 
 
+def step_one_fqns(data: Mapping[str, Any], by_fqn: Mapping[str, list[str]]) -> list[str]:
+    """The FQNs (sorted) whose state in ``data`` has ``step == 1``: what a synthetic step writes, and
+    what a real first step writes too (``by_fqn``: :func:`state_keys_by_fqn` of ``data``)."""
+    return sorted(fqn for fqn, keys in by_fqn.items() if _step_is_one(data.get(_step_key(fqn)) if _step_key(fqn) in keys else None))
+
+
+def _step_is_one(step: Any) -> bool:
+    if isinstance(step, torch.Tensor):
+        return step.numel() == 1 and float(step.item()) == 1.0
+    return not isinstance(step, bool) and isinstance(step, (int, float)) and step == 1
+
+
 def _step_key(fqn: str) -> str:
     return f"{STATE_PREFIX}{fqn}.{STEP_KEY}"
 
@@ -119,11 +169,7 @@ def _looks_synthetic(fqn: str, keys: list[str], data: Mapping[str, Any]) -> bool
     step_key = _step_key(fqn)
     if step_key not in keys:
         return False
-    step = data[step_key]
-    if isinstance(step, torch.Tensor):
-        if step.numel() != 1 or float(step.item()) != 1.0:
-            return False
-    elif isinstance(step, bool) or not isinstance(step, (int, float)) or step != 1:
+    if not _step_is_one(data[step_key]):
         return False
     return all(isinstance(data[k], torch.Tensor) for k in keys if k != step_key)
 

@@ -57,7 +57,7 @@ from ..keys import GROUPS_PREFIX, PACKED_PREFIX, PLANNER_GUARD_KEY, SCALARS_PREF
 from ..leaves import named_leaves
 from ..load import load_owned
 from ._overrides import arguments_of, replace_argument, with_signature_of
-from ._stock_migration import flat_fqns
+from ._stock_migration import flat_fqns, state_keys_by_fqn, step_one_fqns
 
 __all__ = [
     "InstallHandle",
@@ -407,6 +407,11 @@ class LeafGaps:
     """Parameters without saved param-group settings: their group kept the optimizer's current settings."""
     no_state: list[str] = field(default_factory=list)
     """Parameters without saved state: they have none (as before their first step)."""
+    possibly_synthetic: list[str] = field(default_factory=list)
+    """Parameters whose saved state was loaded with ``step == 1``: stock VeOmni saves through torch
+    DSD, which runs a synthetic step (zero gradients, lr 0) on an optimizer without state and saves
+    what it invents; for a leaf that had never stepped that state is invented (Adam with
+    ``weight_decay``: non-zero moments) and the resume is not exact. A real first step looks the same."""
 
 
 @dataclass
@@ -421,6 +426,11 @@ class StockMigrationReport:
         """Every parameter had saved settings and state."""
         return not any(g.no_settings or g.no_state for g in self.leaves)
 
+    @property
+    def exact(self) -> bool:
+        """No state was loaded that a synthetic step may have invented (``step == 1``)."""
+        return not any(g.possibly_synthetic for g in self.leaves)
+
     def __str__(self) -> str:
         lines = [f"migrated the stock VeOmni optimizer checkpoint {self.path} into sparse_ckpt's checkpointer:"]
         for g in self.leaves:
@@ -428,6 +438,9 @@ class StockMigrationReport:
                 f"  leaf {g.leaf!r} ({g.params} params): {len(g.no_settings)} without saved settings"
                 f"{_examples(g.no_settings, ' (kept the current settings: ', ')')}, {len(g.no_state)} without saved "
                 f"state{_examples(g.no_state, ' (left without state: ', ')')}"
+                + (f", {len(g.possibly_synthetic)} loaded with step == 1 that DSD's synthetic step may have invented"
+                   f"{_examples(g.possibly_synthetic, ' (the resume is exact only if they really stepped once: ', ')')}"
+                   if g.possibly_synthetic else "")
             )
         return "\n".join(lines)
 
@@ -481,7 +494,9 @@ class _StockTarget:
                 for name, value in values.items():
                     data[f"{GROUPS_PREFIX}{fqn}.{name}"] = value
         fmap = self.fmap
-        settings_of = {fmap.resolve(fqn) for fqn in flat_fqns(data)}
+        saved_fqns = flat_fqns(data)
+        settings_of = {fmap.resolve(fqn) for fqn in saved_fqns}
+        step_one = {fmap.resolve(fqn) for fqn in step_one_fqns(data, state_keys_by_fqn(data, saved_fqns))}
         state_of = {owner_fqn(k[len(STATE_PREFIX) :], fmap.canonical) for k in data if k.startswith(STATE_PREFIX)}
         state_of = {fmap.resolve(f) for f in state_of if f is not None}
         load_owned(model, optimizer, data, strict=False, unowned_are_other_ranks=multi_rank(), fmap=fmap)
@@ -494,6 +509,7 @@ class _StockTarget:
                     params=len(fqns),
                     no_settings=[f for f in fqns if f not in settings_of],
                     no_state=[f for f in fqns if f not in state_of],
+                    possibly_synthetic=[f for f in fqns if f in step_one],
                 )
             )
         return StockMigrationReport(path=path, leaves=leaves)

@@ -334,3 +334,28 @@ def test_group_values_round_trip_and_unsupported_refused_before_writing(tmp_path
         mgr3.save(3)
     mgr3.close()
     assert not (tmp_path / "checkpoint" / "step-3").exists()
+
+
+def test_migration_report_lists_state_kept_as_possibly_synthetic(tmp_path, one_rank) -> None:
+    """Issue 28, item 7: the never-stepped ``Adam`` has ``weight_decay``, so the stock manager's
+    synthetic step writes non-zero moments: nothing is dropped, and the report must say that the
+    state of every one of its parameters was kept though it may be invented (the resume is not exact)."""
+    objs = tt.build(0)
+    for g in objs[1].optimizers[0].param_groups:
+        g["weight_decay"] = 0.1
+    for step in (1, 2):
+        tt.train(*objs, range(step, step + 1), tt.ROUTED_BEFORE, use_aux=False)
+    stock = tt.manager(CheckpointManager.Config, str(tmp_path), *objs, tt.TrainState(2))
+    stock.save(2)
+    stock.close()
+    fresh = tt.build(1)
+    mgr = tt.manager(Config, str(tmp_path), *fresh, tt.TrainState(), migrate_stock_checkpoints=True,
+                     drop_synthetic_state=True)
+    assert mgr.load() is True
+    mgr.close()
+    report = mgr.migration_report
+    assert report.dropped == () and not report.exact
+    kept = {(k.leaf, k.fqn) for k in report.possibly_synthetic}
+    assert {("optim0", "aux.weight"), ("optim0", "aux.bias")} <= kept
+    assert all(leaf == "optim0" for leaf, _ in kept), kept  # optim1 stepped twice: step == 2
+    assert any("leaf 'optim0': kept the state of 2 parameter(s) with step == 1" in line for line in report.summary())

@@ -374,3 +374,20 @@ def test_unsupported_group_value_is_refused_before_veomni_writes(tmp_path: Path,
         with pytest.raises(sc.CheckpointFormatError, match="group 0 key 'schedule': unsupported value type object"):
             checkpointer.save(str(tmp_path), {"model": model, "optimizer": opt, "extra_state": {"s": 1}}, global_steps=2)
     assert not (tmp_path / "global_step_2").exists()
+
+
+def test_stock_migration_reports_state_that_may_be_synthetic(tmp_path: Path, one_rank_group: None) -> None:
+    """Issue 28, item 7: stock VeOmni saves a never-stepped optimizer through DSD, whose synthetic
+    step invents ``step == 1`` state (Adam with weight_decay: non-zero moments); the migration loads
+    it as saved and its report lists every such parameter (the resume is not exact)."""
+    torch.manual_seed(0)
+    model = Net()
+    optimizer = torch.optim.Adam(model.parameters(), lr=0.01, weight_decay=0.1)
+    DistributedCheckpointer.save(str(tmp_path / "stock"), {"model": model, "optimizer": optimizer})
+    assert {float(s["step"]) for s in optimizer.state.values()} == {1.0}  # stock VeOmni stepped it while saving
+    model2 = Net()
+    state = {"model": model2, "optimizer": torch.optim.Adam(model2.parameters(), lr=0.01, weight_decay=0.1)}
+    with pytest.warns(sc_veomni.StockCheckpointWarning, match="4 loaded with step == 1 that DSD's synthetic step"):
+        report = sc_veomni.load_stock_checkpoint(str(tmp_path / "stock"), state)
+    assert report.complete and not report.exact
+    assert report.leaves[0].possibly_synthetic == ["body.weight", "body.bias", "tower.weight", "tower.bias"]
