@@ -5,7 +5,7 @@
 # used nor touched). The README's torch floor is the one this script runs.
 #
 # torch from PyPI is a CUDA build: its nvidia-* dependencies are needed even to import it on a CPU
-# (about 3 GB of wheels; ~80-110 s to download and install here, measured).
+# (about 3 GB of wheels; 71-107 s to download and install on the project machine, measured).
 #
 # Usage: bash .ci/floor.sh   (env: FLOOR_TORCH, default below; FLOOR_VENV=DIR keeps the venv there;
 #                             FLOOR_KEEP=1 keeps the work directory; PYTHON=python3)
