@@ -48,7 +48,7 @@ from typing import Any
 from torch.distributed.checkpoint.metadata import Metadata
 
 from .._dcp_paths import metadata_path
-from ..dcp import SparseLoadPlanner, SparseOptimizerState, SparseStateDict, multi_rank
+from ..dcp import SparseLoadPlanner, SparseOptimizerState, multi_rank
 from ..dcp import _allocate as allocate_like
 from ..errors import CheckpointMismatchError, StockCheckpointWarning, UnsupportedStateDictError
 from ..fqn import FqnMap, build_fqn_map
@@ -56,6 +56,7 @@ from ..item_keys import Keying
 from ..keys import GROUPS_PREFIX, PACKED_PREFIX, PLANNER_GUARD_KEY, SCALARS_PREFIX, STATE_PREFIX, last_part, owner_fqn
 from ..leaves import named_leaves
 from ..load import load_owned
+from ._captured import Captured as _Captured
 from ._overrides import arguments_of, replace_argument, with_signature_of
 from ._stock_migration import flat_fqns, state_keys_by_fqn, step_one_fqns
 
@@ -330,20 +331,6 @@ def _load(cls: Any, call: dict[str, Any], *, migrate: bool, require_stock: bool)
     if report is not None:
         warnings.warn(str(report), StockCheckpointWarning, stacklevel=3)  # the caller of load()
     return report
-
-
-class _Captured:
-    """The optimizer as :meth:`SparseDistributedCheckpointer.save` hands it to VeOmni's ``save``: its
-    sparse dict, captured before VeOmni wrote anything; a DCP ``Stateful`` that saves exactly that."""
-
-    def __init__(self, captured: SparseStateDict) -> None:
-        self.captured = captured
-
-    def state_dict(self) -> SparseStateDict:
-        return self.captured
-
-    def load_state_dict(self, state_dict: Any) -> None:
-        raise TypeError("a captured optimizer is saved, never loaded")
 
 
 def _sparse_optimizer_state(model: Any, optimizer: Any, parallel_state: Any) -> SparseOptimizerState:
