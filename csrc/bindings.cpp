@@ -46,11 +46,13 @@ PYBIND11_MODULE(_C, m) {
           "Split a flat/packed optimizer dict: (settings_by_fqn, state_by_fqn, packed_tables, scalar_tables, "
           "unmatched_keys).");
     m.def("encode_settings", &encode_settings, py::arg("leaf"), py::arg("group_index"), py::arg("settings"),
-          py::arg("tensor_type"), py::arg("to_parts"), "Encode one group's settings.");
+          py::arg("tensor_type"), py::arg("to_parts"), py::arg("to_name") = py::none(), "Encode one group's settings.");
     m.def("encode_table", &encode_table, py::arg("leaf"), py::arg("groups_fqn"), py::arg("tensor_type"),
-          py::arg("to_parts"), "Encode a leaf's groups as a version-1 table.");
+          py::arg("to_parts"), py::arg("to_name") = py::none(),
+          "Encode a leaf's groups as a table (version 1, or 2 when it holds a dtype or device).");
     m.def("decode_table", &decode_table, py::arg("leaf"), py::arg("data"), py::arg("from_parts"),
-          "Decode a table: (settings, settings_blobs, groups).");
+          py::arg("from_name") = py::none(),
+          "Decode a table (version 1 or 2): (settings, settings_blobs, groups).");
     m.def("match_groups", &match_groups, py::arg("leaf"), py::arg("target_fqns"), py::arg("settings_of"),
           "For each target group pick the saved settings of its FQNs: (chosen, missing).");
     m.def("assign_state_ids", &assign_state_ids, py::arg("target_fqns"), py::arg("state_by_fqn"),

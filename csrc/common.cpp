@@ -33,15 +33,23 @@ const char* Reader::take(uint64_t n, const char* what) {
     return p;
 }
 
-void Reader::header(std::string_view magic, unsigned version, const char* what) {
+unsigned Reader::header(std::string_view magic, unsigned version, const char* what, unsigned oldest) {
     if (std::string_view(take(magic.size(), "magic"), magic.size()) != magic) {
         raise_format_error(Msg() << where_ << ": bad magic, not " << what);
     }
     const auto found = static_cast<unsigned>(get_le(take(2, "version"), 2));
-    if (found != version) {
-        raise_format_error(Msg() << where_ << ": unsupported version " << found << " (this library reads version "
-                                 << version << ")");
+    const unsigned first = oldest == 0 ? version : oldest;
+    if (found < first || found > version) {
+        Msg m;
+        m << where_ << ": unsupported version " << found << " (this library reads ";
+        if (first == version) {
+            m << "version " << version << ")";
+        } else {
+            m << "versions " << first << " to " << version << ")";
+        }
+        raise_format_error(m);
     }
+    return found;
 }
 
 uint32_t Reader::count(const char* what, uint64_t min_item_size) {

@@ -328,7 +328,8 @@ public:
     [[noreturn]] void fail(const py::object& what) const;
     const char* take(uint64_t n, const char* what);
     /// The magic bytes and the u16 version that open a table (``what``: what the magic says it is).
-    void header(std::string_view magic, unsigned version, const char* what);
+    /// The magic and the u16 version; versions ``oldest`` (0: ``version``) to ``version`` are read.
+    unsigned header(std::string_view magic, unsigned version, const char* what, unsigned oldest = 0);
     uint8_t u8(const char* what) { return static_cast<uint8_t>(*take(1, what)); }
     uint32_t u32(const char* what) { return static_cast<uint32_t>(get_le(take(4, what), 4)); }
     uint64_t u64(const char* what) { return get_le(take(8, what), 8); }

@@ -26,9 +26,10 @@ py::tuple flatten_packed_state(py::object leaf, py::object state_fqn, py::object
 
 // table_codec.cpp
 py::bytes encode_settings(py::object leaf, py::object group_index, py::object settings, py::object tensor_type,
-                          py::object to_parts);
-py::bytes encode_table(py::object leaf, py::object groups_fqn, py::object tensor_type, py::object to_parts);
-py::tuple decode_table(py::object leaf, py::object data, py::object from_parts);
+                          py::object to_parts, py::object to_name);
+py::bytes encode_table(py::object leaf, py::object groups_fqn, py::object tensor_type, py::object to_parts,
+                       py::object to_name);
+py::tuple decode_table(py::object leaf, py::object data, py::object from_parts, py::object from_name);
 /// ``obj.name``, fastest for objects of one exact type: when that type uses the generic attribute lookup
 /// and ``name`` is a data descriptor of it (a getset, as torch's tensor properties are), the
 /// descriptor found once is called directly -- what the generic lookup does for a data

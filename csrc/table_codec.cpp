@@ -1,4 +1,4 @@
-// encode_settings / encode_table / decode_table: the version-1 group-table codec (twin of
+// encode_settings / encode_table / decode_table: the group-table codec (versions 1 and 2) (twin of
 // sparse_ckpt/_core_py/table_codec.py). The format is specified in docs/formats.md ("Table codec").
 // The decoder checks the remaining length before every read and every count against the
 // remaining bytes before allocating, so a corrupt or hostile table never over-reads or
@@ -25,7 +25,12 @@ enum Tag : uint8_t {
     kTagTuple = 7,
     kTagList = 8,
     kTagTensor = 9,
+    kTagDtype = 10,   // named values: tables of version kNamedVersion only
+    kTagDevice = 11,
 };
+
+/// ``NAMED_VERSION``: a table holding a named value (dtype, device); others are version ``kVersion``.
+constexpr unsigned kNamedVersion = 2;
 
 // ------------------------------------------------------------------ encoding
 
@@ -74,7 +79,11 @@ int64_t pack_i64(py::handle dim) {
 
 class Encoder {
 public:
-    Encoder(py::handle tensor_type, py::handle to_parts) : tensor_type_(tensor_type), to_parts_(to_parts) {}
+    Encoder(py::handle tensor_type, py::handle to_parts, py::handle to_name)
+        : tensor_type_(tensor_type), to_parts_(to_parts), to_name_(to_name) {}
+
+    /// Whether a named value (dtype, device) was written (``named[0]`` of the twin).
+    bool named() const { return named_; }
 
     /// ``_encode_str``
     void str(std::string& out, py::handle text, const Where& where) const {
@@ -123,10 +132,11 @@ public:
         } else {
             const int is_tensor = PyObject_IsInstance(o, tensor_type_.ptr());
             check(is_tensor);
-            if (!is_tensor) {
-                raise_format_error(Msg() << where.str() << ": unsupported value type " << type_name(v));
+            if (is_tensor) {
+                tensor(out, v, where);
+            } else {
+                named_value(out, v, where);
             }
-            tensor(out, v, where);
         }
     }
 
@@ -159,8 +169,37 @@ private:
         tensor_parts(out, parts, where);
     }
 
+    /// A value of no built-in kind: ``to_name(v)`` is ``None`` (refused) or ``(kind, text)``.
+    void named_value(std::string& out, py::handle v, const Where& where) const {
+        py::object name = to_name_.is_none() ? py::none() : steal(PyObject_CallOneArg(to_name_.ptr(), v.ptr()));
+        if (name.is_none()) {
+            raise_format_error(Msg() << where.str() << ": unsupported value type " << type_name(v));
+        }
+        PyObject* n = name.ptr();
+        uint8_t tag = 0;
+        if (PyTuple_CheckExact(n) && PyTuple_GET_SIZE(n) == 2 && PyUnicode_CheckExact(PyTuple_GET_ITEM(n, 0)) &&
+            PyUnicode_CheckExact(PyTuple_GET_ITEM(n, 1))) {
+            PyObject* kind = PyTuple_GET_ITEM(n, 0);
+            if (PyUnicode_CompareWithASCIIString(kind, "dtype") == 0) {
+                tag = kTagDtype;
+            } else if (PyUnicode_CompareWithASCIIString(kind, "device") == 0) {
+                tag = kTagDevice;
+            }
+        }
+        if (tag == 0) {
+            raise_builtin(PyExc_TypeError,
+                          Msg() << "to_name must return None or a ('dtype' or 'device', str) tuple, got " << py_repr(name));
+        }
+        put_u8(out, tag);
+        py::object text = borrow(PyTuple_GET_ITEM(n, 1));
+        str(out, text, where);
+        named_ = true;
+    }
+
     py::handle tensor_type_;
     py::handle to_parts_;
+    py::handle to_name_;
+    mutable bool named_ = false;
 };
 
 /// ``encode_settings`` into ``out``; ``where`` carries leaf and group.
@@ -180,7 +219,8 @@ void encode_settings_into(std::string& out, const Encoder& enc, py::handle setti
 
 // ------------------------------------------------------------------ decoding
 
-py::object decode_value(Reader& r, py::handle from_parts, int depth) {
+/// ``_decode_value``; ``from_name`` is null in a version-1 table (which holds no named value).
+py::object decode_value(Reader& r, py::handle from_parts, py::handle from_name, int depth) {
     if (depth > kMaxDepth) r.fail(Msg() << "value nested deeper than " << kMaxDepth << " levels");
     const uint8_t tag = r.u8("value tag");
     switch (tag) {
@@ -212,7 +252,7 @@ py::object decode_value(Reader& r, py::handle from_parts, int depth) {
             const bool is_tuple = tag == kTagTuple;
             py::object seq = steal(is_tuple ? PyTuple_New(n) : PyList_New(n));
             for (Py_ssize_t i = 0; i < n; ++i) {
-                PyObject* item = decode_value(r, from_parts, depth + 1).release().ptr();
+                PyObject* item = decode_value(r, from_parts, from_name, depth + 1).release().ptr();
                 if (is_tuple) {
                     PyTuple_SET_ITEM(seq.ptr(), i, item);
                 } else {
@@ -242,9 +282,24 @@ py::object decode_value(Reader& r, py::handle from_parts, int depth) {
                 r.fail(Msg() << "bad tensor (" << text << ")");
             }
         }
+        case kTagDtype:
+        case kTagDevice: {
+            if (!from_name) break;
+            const char* kind = tag == kTagDtype ? "dtype" : "device";
+            py::object text = r.string(tag == kTagDtype ? "dtype name" : "device name");
+            py::object kind_obj = steal(PyUnicode_FromString(kind));
+            try {
+                return steal(PyObject_CallFunctionObjArgs(from_name.ptr(), kind_obj.ptr(), text.ptr(), nullptr));
+            } catch (py::error_already_set& err) {
+                if (matches_sc(err, "CheckpointFormatError") || !err.matches(PyExc_Exception)) throw;
+                py::object why = steal(PyObject_Str(err.value().ptr()));
+                r.fail(Msg() << "bad " << kind << " " << py_repr(text) << " (" << why << ")");
+            }
+        }
         default:
-            r.fail(Msg() << "unknown value tag " << static_cast<unsigned>(tag));
+            break;
     }
+    r.fail(Msg() << "unknown value tag " << static_cast<unsigned>(tag));
 }
 
 }  // namespace
@@ -382,7 +437,7 @@ bool encode_scalar_record(std::string& out, py::handle leaf, py::handle fqn, py:
         where.leaf = leaf;
         where.key = key;
         where.fqn = fqn;
-        const Encoder enc(spec.tensor_type, py::none());
+        const Encoder enc(spec.tensor_type, py::none(), py::none());
         py::object name;
         std::string data;
         if (cpu_scalar_data(o, spec, name, data)) {
@@ -409,8 +464,8 @@ bool encode_scalar_record(std::string& out, py::handle leaf, py::handle fqn, py:
 }
 
 py::bytes encode_settings(py::object leaf, py::object group_index, py::object settings, py::object tensor_type,
-                          py::object to_parts) {
-    Encoder enc(tensor_type, to_parts);
+                          py::object to_parts, py::object to_name) {
+    Encoder enc(tensor_type, to_parts, to_name);
     std::string out;
     Where where;
     where.leaf = leaf;
@@ -419,11 +474,12 @@ py::bytes encode_settings(py::object leaf, py::object group_index, py::object se
     return steal(PyBytes_FromStringAndSize(out.data(), static_cast<Py_ssize_t>(out.size())));
 }
 
-py::bytes encode_table(py::object leaf, py::object groups_fqn, py::object tensor_type, py::object to_parts) {
+py::bytes encode_table(py::object leaf, py::object groups_fqn, py::object tensor_type, py::object to_parts,
+                       py::object to_name) {
     if (!PyUnicode_Check(leaf.ptr())) {
         raise_format_error(Msg() << "leaf name " << py_repr(leaf) << " is not a string");
     }
-    Encoder enc(tensor_type, to_parts);
+    Encoder enc(tensor_type, to_parts, to_name);
     std::deque<std::string> blobs;  // stable addresses for the string_view keys below
     std::unordered_map<std::string_view, uint32_t> index_of;
     std::vector<uint32_t> refs;
@@ -467,7 +523,7 @@ py::bytes encode_table(py::object leaf, py::object groups_fqn, py::object tensor
     std::string out;
     out.reserve(16 + blob_bytes + refs.size() * 64);
     out.append(kMagic, 4);
-    put_u16(out, static_cast<uint16_t>(kVersion));
+    put_u16(out, static_cast<uint16_t>(enc.named() ? kNamedVersion : static_cast<unsigned>(kVersion)));
     put_len_u32(out, static_cast<Py_ssize_t>(blobs.size()));
     for (const std::string& b : blobs) out += b;
     put_len_u32(out, length(groups_fqn));
@@ -494,7 +550,7 @@ py::bytes encode_table(py::object leaf, py::object groups_fqn, py::object tensor
     return steal(PyBytes_FromStringAndSize(out.data(), static_cast<Py_ssize_t>(out.size())));
 }
 
-py::tuple decode_table(py::object leaf, py::object data, py::object from_parts) {
+py::tuple decode_table(py::object leaf, py::object data, py::object from_parts, py::object from_name) {
     if (!PyBytes_Check(data.ptr())) {
         raise_format_error(Msg() << "leaf " << py_repr(leaf) << ": group table is a " << type_name(data)
                                  << ", expected bytes");
@@ -502,7 +558,8 @@ py::tuple decode_table(py::object leaf, py::object data, py::object from_parts) 
     const char* base = PyBytes_AS_STRING(data.ptr());
     const auto size = static_cast<size_t>(PyBytes_GET_SIZE(data.ptr()));
     Reader r(std::string_view(base, size), Msg() << "leaf " << py_repr(leaf) << " group table");
-    r.header(std::string_view(kMagic, 4), kVersion, "a sparse_ckpt table");
+    const unsigned version = r.header(std::string_view(kMagic, 4), kNamedVersion, "a sparse_ckpt table", kVersion);
+    const py::handle named = version >= kNamedVersion && !from_name.is_none() ? py::handle(from_name) : py::handle();
     const uint32_t n_settings = r.count("settings list", 4);
     py::object settings = steal(PyList_New(static_cast<Py_ssize_t>(n_settings)));
     py::object blobs = steal(PyList_New(static_cast<Py_ssize_t>(n_settings)));
@@ -515,7 +572,7 @@ py::tuple decode_table(py::object leaf, py::object data, py::object from_parts) 
             const int dup = PyDict_Contains(entry.ptr(), key.ptr());
             check(dup);
             if (dup) r.fail(Msg() << "duplicate setting key " << py_repr(key));
-            py::object value = decode_value(r, from_parts, 0);
+            py::object value = decode_value(r, from_parts, named, 0);
             check(PyDict_SetItem(entry.ptr(), key.ptr(), value.ptr()));
         }
         PyList_SET_ITEM(settings.ptr(), static_cast<Py_ssize_t>(i), entry.release().ptr());

@@ -11,6 +11,7 @@ from torch.utils.hooks import RemovableHandle
 from ._fqn import Model, validate_model
 from ._layouts import DEFAULT_STATE_LAYOUT, StateLayout, check_state_layout
 from ._leaves import container_leaves, named_leaves
+from ._torch_internals import caller_frame
 
 
 class _MultiHandle:
@@ -154,7 +155,8 @@ class MultiOptimizer:
         """
         from ._dcp.stateful import SparseOptimizerState
 
-        return SparseOptimizerState(self.model, self, state_layout=self.state_layout).state_dict()
+        state = SparseOptimizerState(self.model, self, state_layout=self.state_layout)
+        return state._state_dict_for(caller_frame(1))  # dcp.load's target is not captured (as for the state)
 
     def load_state_dict(self, state_dict: Mapping[str, Any], strict: bool = True) -> None:
         """Restore from a sparse (packed or flat) state dict, as `SparseOptimizerState.load_state_dict`."""

@@ -496,8 +496,9 @@ def same_bits(a: Any, b: Any) -> bool:
     * floats: the same IEEE-754 bit pattern (``struct.pack("<d")``);
     * dicts: the same length, and pairwise in order the same keys and values (both by ``same_bits``);
     * lists and tuples: the same length and pairwise ``same_bits`` items;
-    * ``str``, ``bytes``, ``int``, ``None``: ``==``; any other object: the very same object (``is``),
-      e.g. an exception class or a callback.
+    * ``str``, ``bytes``, ``int``, ``None``, ``torch.device`` (a value, built anew by each decode):
+      ``==``; any other object: the very same object (``is``), e.g. a ``torch.dtype``, an exception
+      class or a callback.
 
     The same rules as ``same()`` in ``tests/core/test_core_differential.py``, which can use this one.
     """
@@ -514,7 +515,7 @@ def same_bits(a: Any, b: Any) -> bool:
         )
     if isinstance(a, (list, tuple)):
         return len(a) == len(b) and all(same_bits(x, y) for x, y in zip(a, b))
-    if a is None or isinstance(a, (str, bytes, int)):
+    if a is None or isinstance(a, (str, bytes, int, torch.device)):
         return a == b
     return a is b
 

@@ -89,15 +89,17 @@ class Reader:
         self.pos += n
         return chunk
 
-    def header(self, magic: bytes, version: int, what: str) -> None:
-        """The magic bytes and the u16 version that open a table (``what``: what the magic says it is)."""
+    def header(self, magic: bytes, version: int, what: str, oldest: int | None = None) -> int:
+        """The magic bytes and the u16 version that open a table (``what``: what the magic says it
+        is); versions ``oldest`` (default: ``version``) to ``version`` are read. Returns the version."""
         if self.take(len(magic), "magic") != magic:
             raise CheckpointFormatError(f"{self.where}: bad magic, not {what}")
         found = U16.unpack(self.take(2, "version"))[0]
-        if found != version:
-            raise CheckpointFormatError(
-                f"{self.where}: unsupported version {found} (this library reads version {version})"
-            )
+        first = version if oldest is None else oldest
+        if not first <= found <= version:
+            reads = f"version {version}" if first == version else f"versions {first} to {version}"
+            raise CheckpointFormatError(f"{self.where}: unsupported version {found} (this library reads {reads})")
+        return found
 
     def u8(self, what: str) -> int:
         return self.take(1, what)[0]

@@ -1,12 +1,13 @@
 """Twins of csrc/table_codec.cpp: ``encode_settings`` / ``encode_table`` / ``decode_table`` (the
 group-table codec) and the scalar-table records of ``flatten_packed_state``.
 
-The table format (``SCKT``, version 1) is specified in docs/formats.md ("Table codec").
+The table format (``SCKT``, versions 1 and 2) is specified in docs/formats.md ("Table codec").
 """
 
 from __future__ import annotations
 
 import ctypes
+from collections.abc import Callable
 from typing import Any
 
 from .._format.keys import is_plain_part
@@ -40,6 +41,17 @@ TAG_BYTES = 6
 TAG_TUPLE = 7
 TAG_LIST = 8
 TAG_TENSOR = 9
+TAG_DTYPE = 10
+TAG_DEVICE = 11
+
+NAMED_TAGS = {"dtype": TAG_DTYPE, "device": TAG_DEVICE}
+"""The kinds a ``to_name`` callback may return, and their tags (a named value: a kind and a text)."""
+NAMED_VERSION = 2
+"""The version of a table that holds a named value (tags 10 and 11); a table without one is
+written as version ``VERSION`` (1), byte for byte as before, so older readers still read it."""
+
+ValueToName = Callable[[Any], "tuple[str, str] | None"]
+NameToValue = Callable[[str, str], Any]
 
 _ADDRESS_END = 2**63
 
@@ -140,7 +152,11 @@ def scalar_record(
 
 
 
-def _encode_value(out: bytearray, value: Any, tensor_type: type, to_parts: TensorToParts, where: str, depth: int) -> None:
+def _encode_value(
+    out: bytearray, value: Any, tensor_type: type, to_parts: TensorToParts, to_name: ValueToName | None, where: str,
+    depth: int, named: list[bool],
+) -> None:
+    """One value (tag and payload); ``named[0]`` is set when a named value (dtype, device) is written."""
     if depth > MAX_DEPTH:
         raise CheckpointFormatError(f"{where}: value nested deeper than {MAX_DEPTH} levels")
     if value is None:
@@ -166,11 +182,24 @@ def _encode_value(out: bytearray, value: Any, tensor_type: type, to_parts: Tenso
         out.append(TAG_TUPLE if isinstance(value, tuple) else TAG_LIST)
         out += len32(len(value))
         for item in value:
-            _encode_value(out, item, tensor_type, to_parts, where, depth + 1)
+            _encode_value(out, item, tensor_type, to_parts, to_name, where, depth + 1, named)
     elif isinstance(value, tensor_type):
         _encode_tensor_parts(out, to_parts(value), where)
     else:
-        raise CheckpointFormatError(f"{where}: unsupported value type {type(value).__name__}")
+        name = None if to_name is None else to_name(value)
+        if name is None:
+            raise CheckpointFormatError(f"{where}: unsupported value type {type(value).__name__}")
+        if not (
+            type(name) is tuple
+            and len(name) == 2
+            and type(name[0]) is str
+            and name[0] in NAMED_TAGS
+            and type(name[1]) is str
+        ):
+            raise TypeError(f"to_name must return None or a ('dtype' or 'device', str) tuple, got {name!r}")
+        out.append(NAMED_TAGS[name[0]])
+        _encode_str(out, name[1], where)
+        named[0] = True
 
 
 def _encode_tensor_parts(out: bytearray, parts: Any, where: str) -> None:
@@ -195,8 +224,23 @@ def _encode_str(out: bytearray, text: str, where: str) -> None:
     out += raw
 
 
-def encode_settings(leaf: str, group_index: int, settings: dict[Any, Any], tensor_type: type, to_parts: TensorToParts) -> bytes:
-    """Encode one group's settings (the ``settings`` production of the table format)."""
+def encode_settings(
+    leaf: str, group_index: int, settings: dict[Any, Any], tensor_type: type, to_parts: TensorToParts,
+    to_name: ValueToName | None = None,
+) -> bytes:
+    """Encode one group's settings (the ``settings`` production of the table format).
+
+    Values the codec does not hold itself (not ``None``, ``bool``, ``int``, ``float``, ``str``,
+    ``bytes``, a tuple or list, or a ``tensor_type`` given to ``to_parts``) go to ``to_name``:
+    ``None`` refuses the value, ``("dtype", text)`` or ``("device", text)`` writes it as a named value
+    (without ``to_name``, every such value is refused)."""
+    return _encode_settings(leaf, group_index, settings, tensor_type, to_parts, to_name, [False])
+
+
+def _encode_settings(
+    leaf: str, group_index: int, settings: dict[Any, Any], tensor_type: type, to_parts: TensorToParts,
+    to_name: ValueToName | None, named: list[bool],
+) -> bytes:
     out = bytearray()
     out += len32(len(settings))
     for key, value in dict.items(settings):
@@ -204,23 +248,28 @@ def encode_settings(leaf: str, group_index: int, settings: dict[Any, Any], tenso
             raise CheckpointFormatError(f"leaf {leaf!r} group {group_index}: setting key {key!r} is not a string")
         where = f"leaf {leaf!r} group {group_index} key {key!r}"
         _encode_str(out, key, where)
-        _encode_value(out, value, tensor_type, to_parts, where, 0)
+        _encode_value(out, value, tensor_type, to_parts, to_name, where, 0, named)
     return bytes(out)
 
 
-def encode_table(leaf: str, groups_fqn: list[tuple[dict, list[str]]], tensor_type: type, to_parts: TensorToParts) -> bytes:
-    """Encode a leaf's groups as a version-1 table; deterministic, settings deduplicated (one
-    settings object listed by several groups is encoded once: callers do not change it meanwhile)."""
+def encode_table(
+    leaf: str, groups_fqn: list[tuple[dict, list[str]]], tensor_type: type, to_parts: TensorToParts,
+    to_name: ValueToName | None = None,
+) -> bytes:
+    """Encode a leaf's groups as a table (version 1, or 2 when it holds a named value, see
+    :func:`encode_settings`); deterministic, settings deduplicated (one settings object listed by
+    several groups is encoded once: callers do not change it meanwhile)."""
     if not isinstance(leaf, str):
         raise CheckpointFormatError(f"leaf name {leaf!r} is not a string")
     index_of: dict[bytes, int] = {}
     index_of_id: dict[int, int] = {}  # id(settings) -> its index: a settings dict met again is not re-encoded
     blobs: list[bytes] = []
     refs: list[int] = []
+    named = [False]
     for gi, (settings, _fqns) in enumerate(groups_fqn):
         idx = index_of_id.get(id(settings))
         if idx is None:
-            blob = encode_settings(leaf, gi, settings, tensor_type, to_parts)
+            blob = _encode_settings(leaf, gi, settings, tensor_type, to_parts, to_name, named)
             idx = index_of.get(blob)
             if idx is None:
                 idx = index_of[blob] = len(blobs)
@@ -228,7 +277,7 @@ def encode_table(leaf: str, groups_fqn: list[tuple[dict, list[str]]], tensor_typ
             index_of_id[id(settings)] = idx
         refs.append(idx)
     out = bytearray(MAGIC)
-    out += U16.pack(VERSION)
+    out += U16.pack(NAMED_VERSION if named[0] else VERSION)
     out += len32(len(blobs))
     for blob in blobs:
         out += blob
@@ -243,7 +292,8 @@ def encode_table(leaf: str, groups_fqn: list[tuple[dict, list[str]]], tensor_typ
     return bytes(out)
 
 
-def _decode_value(r: Reader, from_parts: PartsToTensor, depth: int) -> Any:
+def _decode_value(r: Reader, from_parts: PartsToTensor, from_name: NameToValue | None, depth: int) -> Any:
+    """One value; ``from_name`` is ``None`` in a version-1 table (which holds no named value)."""
     if depth > MAX_DEPTH:
         raise r.fail(f"value nested deeper than {MAX_DEPTH} levels")
     tag = r.u8("value tag")
@@ -263,7 +313,7 @@ def _decode_value(r: Reader, from_parts: PartsToTensor, depth: int) -> Any:
         return r.take(r.u32("bytes length"), "bytes value")
     if tag == TAG_TUPLE or tag == TAG_LIST:
         n = r.count("sequence", 1)
-        items = [_decode_value(r, from_parts, depth + 1) for _ in range(n)]
+        items = [_decode_value(r, from_parts, from_name, depth + 1) for _ in range(n)]
         return tuple(items) if tag == TAG_TUPLE else items
     if tag == TAG_TENSOR:
         dtype = r.string("tensor dtype")
@@ -278,11 +328,26 @@ def _decode_value(r: Reader, from_parts: PartsToTensor, depth: int) -> Any:
             raise
         except Exception as exc:  # noqa: BLE001 - any callback failure means a bad tensor record
             raise r.fail(f"bad tensor ({exc})") from None
+    if from_name is not None and (tag == TAG_DTYPE or tag == TAG_DEVICE):
+        kind = "dtype" if tag == TAG_DTYPE else "device"
+        text = r.string(f"{kind} name")
+        try:
+            return from_name(kind, text)
+        except CheckpointFormatError:
+            raise
+        except Exception as exc:  # noqa: BLE001 - any callback failure means a bad named value
+            raise r.fail(f"bad {kind} {text!r} ({exc})") from None
     raise r.fail(f"unknown value tag {tag}")
 
 
-def decode_table(leaf: str, data: bytes, from_parts: PartsToTensor) -> tuple[list[dict], list[bytes], list[tuple[int, list[str]]]]:
-    """Decode a table. Returns ``(settings, settings_blobs, groups)``.
+def decode_table(
+    leaf: str, data: bytes, from_parts: PartsToTensor, from_name: NameToValue | None = None
+) -> tuple[list[dict], list[bytes], list[tuple[int, list[str]]]]:
+    """Decode a table (version 1 or 2). Returns ``(settings, settings_blobs, groups)``.
+
+    Tensors are rebuilt by ``from_parts(dtype, shape, device_type, data)``, the named values of a
+    version-2 table by ``from_name(kind, text)`` (``kind``: ``"dtype"`` or ``"device"``; without
+    ``from_name`` their tags are unknown, as in a version-1 table).
 
     ``settings[i]`` is the i-th distinct settings dict, ``settings_blobs[i]`` its encoded bytes
     (a canonical identity for comparing settings), and ``groups`` lists ``(settings_index,
@@ -292,7 +357,8 @@ def decode_table(leaf: str, data: bytes, from_parts: PartsToTensor) -> tuple[lis
     if not isinstance(data, bytes):
         raise CheckpointFormatError(f"leaf {leaf!r}: group table is a {type(data).__name__}, expected bytes")
     r = Reader(data, f"leaf {leaf!r} group table")
-    r.header(MAGIC, VERSION, "a sparse_ckpt table")
+    version = r.header(MAGIC, NAMED_VERSION, "a sparse_ckpt table", VERSION)
+    named = from_name if version >= NAMED_VERSION else None
     n_settings = r.count("settings list", 4)
     settings: list[dict] = []
     blobs: list[bytes] = []
@@ -304,7 +370,7 @@ def decode_table(leaf: str, data: bytes, from_parts: PartsToTensor) -> tuple[lis
             key = r.string("setting key")
             if key in entry:
                 raise r.fail(f"duplicate setting key {key!r}")
-            entry[key] = _decode_value(r, from_parts, 0)
+            entry[key] = _decode_value(r, from_parts, named, 0)
         settings.append(entry)
         blobs.append(data[start : r.pos])
     n_groups = r.count("group list", 8)

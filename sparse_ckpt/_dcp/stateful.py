@@ -174,14 +174,26 @@ class SparseOptimizerState:
         stable from save to save (docs/formats.md, *Table keys*); called any
         other way, it does not communicate.
         """
-        refuse_rank0_only_save(self.optimizer)
-        sd: dict[str, Any] = {PLANNER_GUARD_KEY: _PlannerGuard.make()}  # first: DCP plans keys in order
-        caller = caller_frame(1)
-        if not called_by_dcp_load(caller):
+        return self._state_dict_for(caller_frame(1))
+
+    def _state_dict_for(self, caller: Any) -> SparseStateDict:
+        """`state_dict` as called from the frame ``caller``: a ``Stateful`` whose own
+        ``state_dict()`` delegates here (`sparse_ckpt.MultiOptimizer`) passes *its* caller,
+        so that a load target built for ``dcp.load`` is not captured like a save."""
+        if called_by_dcp_load(caller):
             # A load target needs no content: SparseLoadPlanner rebuilds it from the checkpoint's
             # metadata (and without that planner the guard refuses the load), so dcp.load does not
             # pay for a capture of the optimizer it is about to overwrite.
-            keying = Keying.with_ranks() if saved_by_dcp_with_all_ranks(caller) else Keying.here()
+            return self._captured(None)
+        return self._captured(Keying.with_ranks() if saved_by_dcp_with_all_ranks(caller) else Keying.here())
+
+    def _captured(self, keying: Keying | None) -> SparseStateDict:
+        """The dict to save, its table keys chosen by ``keying`` (``None``: a load target, the
+        planner guard only). An integration whose trainer writes files of its own before calling
+        ``dcp.save`` captures with this first, so a save that will be refused writes nothing."""
+        refuse_rank0_only_save(self.optimizer)
+        sd: dict[str, Any] = {PLANNER_GUARD_KEY: _PlannerGuard.make()}  # first: DCP plans keys in order
+        if keying is not None:
             with gc_paused():
                 sd.update(
                     build_state_dict(self.model, self.optimizer, self.format, keying, self.state_layout, guards=True)

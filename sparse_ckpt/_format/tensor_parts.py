@@ -59,3 +59,24 @@ def _device_available(device_type: str) -> bool:
         return bool(is_available()) if callable(is_available) else False
     except Exception:  # noqa: BLE001 - a broken device backend means "not available"
         return False
+
+
+def value_to_name(value: object) -> tuple[str, str] | None:
+    """The table codec's *named value* of a group setting that is no number, string, sequence or
+    tensor: ``("dtype", "bfloat16")`` for a ``torch.dtype``, ``("device", "cuda:0")`` for a
+    ``torch.device``; ``None`` for anything else (refused at save)."""
+    if isinstance(value, torch.dtype):
+        return "dtype", str(value).removeprefix("torch.")
+    if isinstance(value, torch.device):
+        return "device", str(value)
+    return None
+
+
+def name_to_value(kind: str, text: str) -> object:
+    """The ``torch.dtype`` or ``torch.device`` of a named value (:func:`value_to_name`'s inverse)."""
+    if kind == "dtype":
+        dtype = getattr(torch, text, None) if text.isidentifier() else None
+        if not isinstance(dtype, torch.dtype):
+            raise ValueError("no such torch dtype")
+        return dtype
+    return torch.device(text)

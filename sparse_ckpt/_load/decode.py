@@ -24,7 +24,7 @@ from .._format.keys import (
     without_foreign_guards,
 )
 from .._format.nested import nested_kind, nested_to_sparse
-from .._format.tensor_parts import parts_to_tensor, tensor_to_parts
+from .._format.tensor_parts import name_to_value, parts_to_tensor, tensor_to_parts, value_to_name
 from .._fqn import FqnMap
 from .._layouts.bucketed_load import BucketReader, expand
 from ..errors import CheckpointFormatError, CheckpointMismatchError
@@ -110,7 +110,7 @@ def decode_group_tables(tables: Mapping[str, Any]) -> list[GroupTable]:
     out: list[GroupTable] = []
     for rest, table in tables.items():
         leaf, table = check_table(PACKED_PREFIX, rest, table)
-        settings, blobs, groups = core.decode_table(leaf, table, parts_to_tensor)
+        settings, blobs, groups = core.decode_table(leaf, table, parts_to_tensor, name_to_value)
         out.append(GroupTable(rest, leaf, settings, blobs, groups))
     return out
 
@@ -193,7 +193,7 @@ def decode_checkpoint(
                 s = unnamed.get(idx)
                 if s is None:
                     bare = {k: v for k, v in settings[idx].items() if k != "param_names"}
-                    blob = core.encode_settings(leaf, gi, bare, torch.Tensor, tensor_to_parts)
+                    blob = core.encode_settings(leaf, gi, bare, torch.Tensor, tensor_to_parts, value_to_name)
                     s = unnamed[idx] = intern(blob, bare)
                 names = settings[idx]["param_names"]
                 positional = isinstance(names, (list, tuple)) and len(names) == len(fqns)
@@ -218,7 +218,7 @@ def decode_checkpoint(
                 name = fqn if fqn in names else names[0] if len(names) == 1 else None
                 out.names_list_of[fmap.resolve(fqn)] = list(names)
             out.names_of.setdefault(fmap.resolve(fqn), name if isinstance(name, str) else None)
-        blob = core.encode_settings(f"flat:{fqn}", 0, raw, torch.Tensor, tensor_to_parts)
+        blob = core.encode_settings(f"flat:{fqn}", 0, raw, torch.Tensor, tensor_to_parts, value_to_name)
         put_settings(fqn, intern(blob, raw), f"flat entries of {fqn!r}")
 
     if len(fmap.canonical) == len(fmap.param_of):  # no aliases: every FQN is its own canonical name

@@ -11,7 +11,7 @@ import torch
 
 from .. import _backend
 from .._format.keys import ESCAPE, KEYS_ENTRY, SCALARS_PREFIX, check_table, state_key, unescape_part
-from .._format.tensor_parts import parts_to_tensor, tensor_to_parts
+from .._format.tensor_parts import name_to_value, parts_to_tensor, tensor_to_parts, value_to_name
 from ..errors import CheckpointFormatError, CheckpointMismatchError
 
 
@@ -146,7 +146,7 @@ def decode_scalar_tables(
         leaf, table = check_table(SCALARS_PREFIX, rest, table)
         key = f"{SCALARS_PREFIX}{rest}"
         try:
-            scalars, blobs, groups = core.decode_table(leaf, table, _cpu_parts_to_tensor)
+            scalars, blobs, groups = core.decode_table(leaf, table, _cpu_parts_to_tensor, name_to_value)
         except CheckpointFormatError as exc:
             raise CheckpointFormatError(f"scalar table {key!r}: {exc}") from None
         for idx, fqns in groups:
@@ -194,7 +194,7 @@ def _first_differing(leaf: str, a: Mapping[str, Any], b: Mapping[str, Any]) -> s
     core = _backend.core
 
     def enc(d: Mapping[str, Any], k: str) -> bytes:
-        return core.encode_settings(leaf, 0, {k: d[k]}, torch.Tensor, tensor_to_parts)
+        return core.encode_settings(leaf, 0, {k: d[k]}, torch.Tensor, tensor_to_parts, value_to_name)
 
     for k in a:
         if k not in b or enc(a, k) != enc(b, k):

@@ -20,7 +20,7 @@ from .._format.keys import (
     table_item_key,
 )
 from .._format.tags import Keying, Slot
-from .._format.tensor_parts import CODEC_DTYPES, tensor_to_parts
+from .._format.tensor_parts import CODEC_DTYPES, tensor_to_parts, value_to_name
 from .._fqn import Model, build_fqn_map
 from .._gc import gc_paused
 from .._layouts import StateLayout, bucketed, check_state_layout
@@ -107,7 +107,7 @@ def build_state_dict(
                 leaf, state_fqn, fmap.param_of, torch.Tensor, _CPU_DTYPES, torch.strided, _scalar_parts
             )
             if scalar_groups:
-                scalars = core.encode_table(leaf, scalar_groups, torch.Tensor, tensor_to_parts)
+                scalars = core.encode_table(leaf, scalar_groups, torch.Tensor, tensor_to_parts, value_to_name)
                 parts.append(_Part("table", leaf, prefix=SCALARS_PREFIX))
                 slots.append(Slot(f"scalars:{leaf}", scalars))
             if state_layout == "buffers":
@@ -120,10 +120,11 @@ def build_state_dict(
         else:
             parts.append(_Part("items", leaf, items=core.flatten_state(leaf, state_fqn, fmap.param_of, format == "packed")))
         if format == "flat":
+            _check_flat_settings(leaf, groups_fqn)
             parts.append(_Part("items", leaf, items=core.flatten_groups(leaf, groups_fqn)))
         else:
             parts.append(_Part("table", leaf, prefix=PACKED_PREFIX))
-            slots.append(Slot(f"groups:{leaf}", core.encode_table(leaf, groups_fqn, torch.Tensor, tensor_to_parts)))
+            slots.append(Slot(f"groups:{leaf}", core.encode_table(leaf, groups_fqn, torch.Tensor, tensor_to_parts, value_to_name)))
     tagged = iter(keying.assign(slots))
     out: dict[str, Any] = {}
     for part in parts:
@@ -205,12 +206,20 @@ def _check_repeats(leaf: str, groups_fqn: list[tuple[dict, list[str]]], repeats:
             _check_same_settings(leaf, fqn, groups_fqn, first_group[fqn], gi)
 
 
+def _check_flat_settings(leaf: str, groups_fqn: list[tuple[dict, list[str]]]) -> None:
+    """The flat format writes each setting as it is (DCP pickles what is not a tensor), but a load
+    compares settings through the table codec: refuse at save, naming leaf, group and key, any
+    value the codec does not hold (what the packed format refuses), so no flat checkpoint is
+    written that cannot be loaded."""
+    _backend.core.encode_table(leaf, groups_fqn, torch.Tensor, tensor_to_parts, value_to_name)
+
+
 def _check_same_settings(leaf: str, fqn: str, groups_fqn: list[tuple[dict, list[str]]], first: int, again: int) -> None:
     """A parameter listed in two groups of a leaf (torch allows it) is saved by FQN once: both
     groups must then hold the same settings, or a load could not tell which applies."""
     core = _backend.core
-    a = core.encode_settings(leaf, first, _bare(groups_fqn[first][0]), torch.Tensor, tensor_to_parts)
-    b = core.encode_settings(leaf, again, _bare(groups_fqn[again][0]), torch.Tensor, tensor_to_parts)
+    a = core.encode_settings(leaf, first, _bare(groups_fqn[first][0]), torch.Tensor, tensor_to_parts, value_to_name)
+    b = core.encode_settings(leaf, again, _bare(groups_fqn[again][0]), torch.Tensor, tensor_to_parts, value_to_name)
     if a != b:
         raise CheckpointMismatchError(
             f"leaf {leaf!r}: parameter {fqn!r} is in group {first} and group {again} with different settings; "

@@ -16,7 +16,7 @@ from __future__ import annotations
 import inspect
 from typing import Any, Callable, TypeVar
 
-__all__ = ["arguments_of", "with_signature_of"]
+__all__ = ["arguments_of", "replace_argument", "with_signature_of"]
 
 F = TypeVar("F", bound=Callable[..., Any])
 
@@ -31,6 +31,16 @@ def arguments_of(method: Callable[..., Any], *args: Any, **kwargs: Any) -> dict[
     bound = inspect.signature(method).bind(*args, **kwargs)
     bound.apply_defaults()
     return dict(bound.arguments)
+
+
+def replace_argument(
+    method: Callable[..., Any], args: tuple[Any, ...], kwargs: dict[str, Any], name: str, value: Any
+) -> tuple[tuple[Any, ...], dict[str, Any]]:
+    """``(args, kwargs)`` of the call ``method(*args, **kwargs)`` with the argument ``name`` set to
+    ``value``, passed the way the call passed its arguments (positionally or by keyword)."""
+    bound = inspect.signature(method).bind(*args, **kwargs)
+    bound.arguments[name] = value
+    return bound.args, bound.kwargs
 
 
 def with_signature_of(method: Callable[..., Any]) -> Callable[[F], F]:

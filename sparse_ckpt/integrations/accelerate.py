@@ -10,7 +10,8 @@ makes ``load_state`` fail (``Missing key in checkpoint state_dict: optimizer.sta
 functions ``Accelerator.save_state`` / ``load_state`` call, their homes in
 ``accelerate.utils``, and every module that bound them before, such as ``transformers.trainer``)
 with ones that save ``{"optimizer": SparseOptimizerState(model, optimizer)}`` through DCP into the same ``optimizer_{i}`` directory and load it with
-`sparse_ckpt.SparseLoadPlanner`: exact (every group's settings, only the state that
+`sparse_ckpt.SparseLoadPlanner` (``Accelerator.save_state`` captures those optimizers
+before Accelerate writes the models, so a save sparse_ckpt refuses writes nothing): exact (every group's settings, only the state that
 exists), sparse, nothing invented, the live optimizer untouched by a save. Loading also reads the
 directories stock Accelerate wrote before (DSD's nested layout, docs/formats.md),
 so existing runs resume; note that such a checkpoint holds whatever DSD wrote, including the
@@ -41,9 +42,11 @@ import torch.distributed.checkpoint as dcp
 
 from .._dcp.planner import SparseLoadPlanner
 from .._dcp.stateful import SparseOptimizerState
+from .._format.tags import Keying
 from .._multi_optimizer import MultiOptimizer
 from .._save.save import FORMATS, Format
 from ..errors import CrossRankStateError
+from ._captured import Captured
 from ._rebind import bindings
 
 __all__ = ["install", "installed", "load_fsdp_optimizer", "save_fsdp_optimizer", "uninstall"]
@@ -63,6 +66,9 @@ _saved: list[tuple[Any, str, Any]] = []
 _accelerates: dict[str, Callable[..., Any]] = {}
 """Accelerate's own ``save_fsdp_optimizer``/``load_fsdp_optimizer`` (for the cases it keeps)."""
 _options: dict[str, Any] = {"format": "packed", "strict": True}
+_pending = threading.local()
+"""``captured``: ``id(optimizer) -> its sparse dict``, captured by ``save_state`` before Accelerate wrote
+anything, for this thread's ``save_fsdp_optimizer`` calls inside that ``save_state``."""
 
 
 def install(*, format: Format = "packed", strict: bool = True) -> None:
@@ -85,7 +91,10 @@ def install(*, format: Format = "packed", strict: bool = True) -> None:
         _check_signature(accelerator_mod, "save_fsdp_optimizer", _SAVE_PARAMS)
         _check_signature(accelerator_mod, "load_fsdp_optimizer", _LOAD_PARAMS)
         cls = accelerator_mod.Accelerator
-        replacements: list[tuple[Any, str, Any]] = [(cls, "register_for_checkpointing", _guarded_register(cls.register_for_checkpointing))]
+        replacements: list[tuple[Any, str, Any]] = [
+            (cls, "register_for_checkpointing", _guarded_register(cls.register_for_checkpointing)),
+            (cls, "save_state", _capturing_save_state(cls.save_state)),
+        ]
         for module in modules:
             for name, ours in (("save_fsdp_optimizer", save_fsdp_optimizer), ("load_fsdp_optimizer", load_fsdp_optimizer)):
                 if hasattr(module, name):
@@ -131,9 +140,10 @@ def save_fsdp_optimizer(
     """
     if not _handled(fsdp_plugin, use_dcp):
         return _original("save_fsdp_optimizer")(fsdp_plugin, accelerator, optimizer, model, output_dir, optimizer_index, use_dcp)
+    captured = getattr(_pending, "captured", {}).pop(id(optimizer), None)
+    state: Any = Captured(captured) if captured is not None else SparseOptimizerState(model, optimizer, format=_options["format"])
     ckpt_dir = os.path.join(output_dir, f"{_optimizer_name()}_{optimizer_index}")
     os.makedirs(ckpt_dir, exist_ok=True)
-    state = SparseOptimizerState(model, optimizer, format=_options["format"])
     dcp.save({OPTIMIZER_KEY: state}, storage_writer=dcp.FileSystemWriter(ckpt_dir))
     return None
 
@@ -205,6 +215,30 @@ def _check_signature(module: Any, name: str, expected: list[str]) -> None:
             f"sparse_ckpt.integrations.accelerate: accelerate {version}'s {module.__name__}.{name} has parameters "
             f"{params}, expected {expected} (the integration is written against accelerate 1.15.0); nothing was installed"
         )
+
+
+def _capturing_save_state(original: Callable[..., Any]) -> Callable[..., Any]:
+    """``Accelerator.save_state`` that first captures every FSDP2 optimizer `save_fsdp_optimizer`
+    will save (Accelerate writes the models before the optimizers: a save refused inside ``dcp.save``
+    left the model files behind), with the table keys ``dcp.save`` over all ranks would choose."""
+
+    def save_state(self: Any, *args: Any, **kwargs: Any) -> Any:
+        plugin = getattr(getattr(self, "state", None), "fsdp_plugin", None)
+        captured: dict[int, Any] = {}
+        if plugin is not None and getattr(getattr(self, "distributed_type", None), "name", None) == "FSDP" \
+                and _handled(plugin, True):
+            for opt, model in zip(self._optimizers, self._models):
+                state = SparseOptimizerState(model, opt, format=_options["format"])
+                captured[id(opt)] = state._captured(Keying.with_ranks())
+        _pending.captured = captured
+        try:
+            return original(self, *args, **kwargs)
+        finally:
+            _pending.captured = {}
+
+    save_state.__doc__ = original.__doc__
+    save_state.__wrapped__ = original  # type: ignore[attr-defined]
+    return save_state
 
 
 def _guarded_register(original: Callable[..., Any]) -> Callable[..., Any]:

@@ -41,7 +41,15 @@ from .._fqn import Model, build_fqn_map
 from .._leaves import named_leaves
 from ..errors import CheckpointMismatchError, SparseCheckpointError
 from ._overrides import arguments_of, with_signature_of
-from ._stock_migration import DroppedState, MigrationReport, drop_synthetic_state, flat_fqns, state_keys_by_fqn
+from ._stock_migration import (
+    DroppedState,
+    KeptState,
+    MigrationReport,
+    drop_synthetic_state,
+    flat_fqns,
+    state_keys_by_fqn,
+    step_one_fqns,
+)
 
 try:
     from torchtitan.components.checkpoint import MODEL, OPTIMIZER, CheckpointManager
@@ -51,7 +59,7 @@ except ImportError as exc:  # pragma: no cover - exercised only without torchtit
         "pip install torchtitan==0.3.0, or pip install --no-deps -r .ci/requirements-torchtitan.txt"
     ) from exc
 
-__all__ = ["DroppedState", "MigrationReport", "SparseCheckpointManager"]
+__all__ = ["DroppedState", "KeptState", "MigrationReport", "SparseCheckpointManager"]
 
 log = logging.getLogger(__name__)
 
@@ -87,7 +95,8 @@ class SparseCheckpointManager(CheckpointManager):
         never-stepped optimizer. A real first step on a zero gradient looks the same, so this is
         opt-in; every dropped parameter is in ``migration_report`` and the log. (Adam with
         ``weight_decay`` folds the weights into the synthetic gradient: its moments are not zero and
-        are kept.)"""
+        are kept; ``migration_report.possibly_synthetic`` and the log list every parameter kept with
+        ``step == 1``, and ``migration_report.exact`` is then false.)"""
 
         def __post_init__(self) -> None:
             CheckpointManager.Config.__post_init__(self)
@@ -215,6 +224,8 @@ class _TitanOptimizerState(SparseOptimizerState):
         fqns = flat_fqns(data)
         by_fqn = state_keys_by_fqn(data, fqns)
         dropped = drop_synthetic_state(data, by_fqn) if self.drop_synthetic else []
+        gone = set(dropped)
+        kept = step_one_fqns(data, {fqn: keys for fqn, keys in by_fqn.items() if fqn not in gone})
         fmap = data.fmap if isinstance(data, SparseStateDict) and data.fmap is not None else build_fqn_map(self.model)
         with_state = {fmap.resolve(fqn) for fqn in by_fqn} - {fmap.resolve(fqn) for fqn in dropped}
         leaf_of: dict[str, str] = {}
@@ -232,7 +243,8 @@ class _TitanOptimizerState(SparseOptimizerState):
         entries = tuple(
             DroppedState(leaf_of.get(fmap.resolve(fqn), "?"), fqn, tuple(by_fqn[fqn])) for fqn in dropped
         )
-        return MigrationReport(self.checkpoint_id, entries, stateless)
+        maybe = tuple(KeptState(leaf_of.get(fmap.resolve(fqn), "?"), fqn, tuple(by_fqn[fqn])) for fqn in kept)
+        return MigrationReport(self.checkpoint_id, entries, stateless, maybe)
 
 
 class _TitanLoadPlanner(SparseLoadPlanner):

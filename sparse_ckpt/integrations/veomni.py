@@ -60,12 +60,14 @@ from .._format.keys import (
     last_part,
     owner_fqn,
 )
+from .._format.tags import Keying
 from .._fqn import FqnMap, build_fqn_map
 from .._leaves import named_leaves
 from .._load.load import load_owned
 from ..errors import CheckpointMismatchError, StockCheckpointWarning, UnsupportedStateDictError
-from ._overrides import arguments_of, with_signature_of
-from ._stock_migration import LeafGaps, flat_fqns
+from ._captured import Captured as _Captured
+from ._overrides import arguments_of, replace_argument, with_signature_of
+from ._stock_migration import LeafGaps, flat_fqns, state_keys_by_fqn, step_one_fqns
 from ._stock_migration import MigrationReport as StockMigrationReport
 
 __all__ = [
@@ -216,12 +218,18 @@ def _build_class() -> type:
         @classmethod
         @with_signature_of(DistributedCheckpointer.save)
         def save(cls, *args: Any, **kwargs: Any) -> None:
-            """VeOmni's ``save`` (its signature); the optimizer is checked before anything is written, then
-            saved sparsely (see `execute_save`)."""
+            """VeOmni's ``save`` (its signature); the optimizer is captured before VeOmni writes anything
+            (``extra_state/``, the ``global_step_N`` directory), so a save that will be refused writes
+            nothing, then saved sparsely (see `execute_save`)."""
             call = arguments_of(super().save, *args, **kwargs)
             state = call["state"]
             if "model" in state and OPTIMIZER_KEY in state:
-                _sparse_optimizer_state(state["model"], state[OPTIMIZER_KEY], call.get("parallel_state"))
+                sparse = _sparse_optimizer_state(state["model"], state[OPTIMIZER_KEY], call.get("parallel_state"))
+                # the table keys dcp.save would choose: VeOmni's sync save runs over all ranks of the
+                # default group, its async save over a group of its own (no coordinated keys)
+                keying = Keying.here() if call.get("save_async") else Keying.with_ranks()
+                captured = _Captured(sparse._captured(keying))
+                args, kwargs = replace_argument(super().save, args, kwargs, "state", {**state, OPTIMIZER_KEY: captured})
             super().save(*args, **kwargs)
 
         @classmethod
@@ -240,7 +248,9 @@ def _build_class() -> type:
                         f"VeOmni's save passed a {type(wrapped).__name__} as its optimizer state, not its "
                         "OptimizerState: this VeOmni version is not one sparse_ckpt.integrations.veomni supports"
                     )
-                sparse = _sparse_optimizer_state(wrapped.model, wrapped.optimizer, wrapped.parallel_state)
+                sparse: Any = wrapped.optimizer  # captured by save(), or a direct call of execute_save:
+                if not isinstance(sparse, _Captured):
+                    sparse = _sparse_optimizer_state(wrapped.model, wrapped.optimizer, wrapped.parallel_state)
                 save_state = {**save_state, OPTIMIZER_KEY: sparse}
             DistributedCheckpointer.execute_save(
                 save_state=save_state,
@@ -425,7 +435,9 @@ class _StockTarget:
                 for name, value in values.items():
                     data[f"{GROUPS_PREFIX}{fqn}.{name}"] = value
         fmap = self.fmap
-        settings_of = {fmap.resolve(fqn) for fqn in flat_fqns(data)}
+        saved_fqns = flat_fqns(data)
+        settings_of = {fmap.resolve(fqn) for fqn in saved_fqns}
+        step_one = {fmap.resolve(fqn) for fqn in step_one_fqns(data, state_keys_by_fqn(data, saved_fqns))}
         state_of = {owner_fqn(k[len(STATE_PREFIX) :], fmap.canonical) for k in data if k.startswith(STATE_PREFIX)}
         state_of = {fmap.resolve(f) for f in state_of if f is not None}
         load_owned(model, optimizer, data, strict=False, unowned_are_other_ranks=multi_rank(), fmap=fmap)
@@ -438,6 +450,7 @@ class _StockTarget:
                     params=len(fqns),
                     no_settings=[f for f in fqns if f not in settings_of],
                     no_state=[f for f in fqns if f not in state_of],
+                    possibly_synthetic=[f for f in fqns if f in step_one],
                 )
             )
         return StockMigrationReport(checkpoint_id=path, leaves=tuple(leaves), trainer="VeOmni")

@@ -40,7 +40,7 @@ from .._format.keys import (
     state_key,
 )
 from .._format.nested import NESTED_KEYS, nested_to_sparse
-from .._format.tensor_parts import tensor_to_parts
+from .._format.tensor_parts import tensor_to_parts, value_to_name
 from .._layouts.bucketed import dtype_name
 from .._layouts.bucketed_view import layout_view
 from .._leaves import SINGLE_LEAF
@@ -205,7 +205,7 @@ def flat_groups(settings_by_fqn: Mapping[str, dict[str, Any]]) -> list[Group]:
     core = _backend.core
     groups: dict[bytes, Group] = {}
     for fqn, raw in settings_by_fqn.items():
-        blob = core.encode_settings(f"flat:{fqn}", 0, raw, torch.Tensor, tensor_to_parts)
+        blob = core.encode_settings(f"flat:{fqn}", 0, raw, torch.Tensor, tensor_to_parts, value_to_name)
         group = groups.get(blob)
         if group is None:
             group = groups[blob] = Group(raw, blob)
@@ -353,7 +353,7 @@ def pack_flat_groups(flat: list[Group], leaf: str, leaves: Mapping[str, Any]) ->
     """Flat groups as one packed table of leaf ``leaf``: ``{table key: table}``."""
     if leaf in leaves:
         raise UsageError(f"leaf {leaf!r} already has packed tables; pick another --leaf")
-    table = _backend.core.encode_table(leaf, [(g.settings, g.fqns) for g in flat], torch.Tensor, tensor_to_parts)
+    table = _backend.core.encode_table(leaf, [(g.settings, g.fqns) for g in flat], torch.Tensor, tensor_to_parts, value_to_name)
     return {packed_table_key(leaf, table): table}
 
 

@@ -36,7 +36,7 @@ from table_bytes import s as sstr
 from sparse_ckpt import _core_py as P
 from sparse_ckpt._core_py import common, module_walk, table_codec
 from sparse_ckpt._format.keys import KEYS_ENTRY, STRIPPED_PARTS
-from sparse_ckpt._format.tensor_parts import parts_to_tensor, tensor_to_parts
+from sparse_ckpt._format.tensor_parts import name_to_value, parts_to_tensor, tensor_to_parts, value_to_name
 from sparse_ckpt._save.save import _CPU_DTYPES as CPU_DTYPES
 from sparse_ckpt.errors import CheckpointFormatError
 
@@ -873,6 +873,111 @@ def test_encode_to_parts_outside_contract(result: Any) -> None:
     tensor = TENSORS[0]
     outside_contract("encode_settings", "L", 0, {"lr": tensor, "t": (1, tensor)}, torch.Tensor, _parts(result))
     outside_contract("encode_table", "L", [({"lr": tensor}, ["p"])], torch.Tensor, _parts(result))
+
+
+
+# --------------------------------------------------------------------------- named values (dtype, device)
+
+ALL_DTYPES = sorted({v for v in vars(torch).values() if isinstance(v, torch.dtype)}, key=str)
+DEVICES = [torch.device("cpu"), torch.device("cuda", 1), torch.device("cuda"), torch.device("meta"),
+           torch.device("hpu", 7), torch.device("xpu", 0)]
+named_scalars = st.one_of(good_scalars, st.sampled_from(ALL_DTYPES), st.sampled_from(DEVICES))
+named_values = st.recursive(named_scalars, _nest, max_leaves=5)
+
+
+@PROPS
+@given(st.lists(st.tuples(st.dictionaries(good_keys, named_values, max_size=4), st.lists(good_keys, max_size=2)),
+                max_size=3))
+def test_named_values_round_trip(groups: list) -> None:
+    """dtype and device settings (what VeOmni's anyprecision_adamw puts in its groups): the same
+    bytes from both cores, version 2 exactly when a table holds one, decoded back to the same values."""
+    res = check("encode_table", "l", groups, torch.Tensor, tensor_to_parts, value_to_name)
+    assert res[0] == "ok", res
+    named = any(value_to_name(v) is not None for v in _leaves([s for s, _ in groups]))
+    assert res[1][4:6] == u16(table_codec.NAMED_VERSION if named else P.VERSION)
+    decoded = check("decode_table", "l", res[1], parts_to_tensor, name_to_value)[1]
+    for (settings_, _fqns), (idx, _f) in zip(groups, decoded[2]):
+        assert same(decoded[0][idx], settings_) or any(isinstance(v, torch.Tensor) for v in _leaves([settings_]))
+
+
+def _leaves(values: Any) -> Iterator[Any]:
+    for v in values.values() if isinstance(values, dict) else values:
+        if isinstance(v, (dict, list, tuple)):
+            yield from _leaves(v)
+        else:
+            yield v
+
+
+def test_every_torch_dtype_and_device_round_trips() -> None:
+    groups = [({"d": dt, "dev": DEVICES[i % len(DEVICES)], "both": (dt, [DEVICES[0]])}, [f"p{i}"])
+              for i, dt in enumerate(ALL_DTYPES)]
+    res = check("encode_table", "l", groups, torch.Tensor, tensor_to_parts, value_to_name)
+    settings_, _blobs, _groups = check("decode_table", "l", res[1], parts_to_tensor, name_to_value)[1]
+    assert [s["d"] for s in settings_] == ALL_DTYPES and all(s["d"] is dt for s, dt in zip(settings_, ALL_DTYPES))
+    assert [s["dev"] for s in settings_] == [g[0]["dev"] for g in groups]
+
+
+def test_named_value_needs_to_name() -> None:
+    """Without ``to_name`` (or when it says ``None``) a dtype is refused like any other value."""
+    for to_name in ((), (None,), (lambda v: None,)):
+        check_error("encode_settings", "L", 2, {"m": torch.float32}, torch.Tensor, tensor_to_parts, *to_name,
+                    exc=CheckpointFormatError, match="leaf 'L' group 2 key 'm': unsupported value type dtype")
+
+
+@pytest.mark.parametrize("name", [("dtype",), ("dtype", 3), ("dtype", "x", 1), ["dtype", "x"], ("other", "x"),
+                                  (b"dtype", "x"), ([1], "x"), "dtype", 5, ("dtype", "\ud800")])
+def test_to_name_results(name: Any) -> None:
+    res = check("encode_settings", "L", 0, {"k": (1, object())}, torch.Tensor, tensor_to_parts, lambda v: name)
+    assert res[0] == "err" and res[1] in (TypeError, CheckpointFormatError), res
+
+
+def test_to_name_errors_propagate() -> None:
+    def to_name(v: Any) -> Any:
+        raise KeyError("mine")
+
+    check_error("encode_table", "L", [({"k": torch.float16}, [])], torch.Tensor, tensor_to_parts, to_name,
+                exc=KeyError, match="mine")
+
+
+def _named_table(tag: int, text: bytes | str, version: int | None = None) -> bytes:
+    version = table_codec.NAMED_VERSION if version is None else version
+    return tab([u32(1) + sstr("k") + bytes([tag]) + sstr(text)], [], magic=P.MAGIC, version=version)
+
+
+NAMED_DECODE_CASES = {
+    "dtype": _named_table(10, "bfloat16"),
+    "device": _named_table(11, "cuda:3"),
+    "dtype in version 1": _named_table(10, "bfloat16", version=1),
+    "device in version 1": _named_table(11, "cpu", version=1),
+    "unknown dtype": _named_table(10, "float128"),
+    "dtype not a dtype": _named_table(10, "Tensor"),
+    "dtype dunder": _named_table(10, "__class__"),
+    "dtype empty": _named_table(10, ""),
+    "dtype bad utf8": _named_table(10, b"\xff"),
+    "bad device": _named_table(11, "nosuchdevice:x"),
+    "truncated dtype": _named_table(10, "bfloat16")[:-5],
+    "tag 12": _named_table(12, "x"),
+    "version 3": _named_table(10, "bfloat16", version=3),
+}
+
+
+@pytest.mark.parametrize("name", list(NAMED_DECODE_CASES))
+def test_decode_named_cases(name: str) -> None:
+    res = check("decode_table", "leaf", NAMED_DECODE_CASES[name], parts_to_tensor, name_to_value)
+    ok = name in ("dtype", "device")
+    assert (res[0] == "ok") == ok, res
+    if not ok:
+        assert res[1] is CheckpointFormatError, res
+
+
+@pytest.mark.parametrize("error", [ValueError("bad"), CheckpointFormatError("own"), KeyError("k")])
+def test_decode_from_name_errors(error: BaseException) -> None:
+    def from_name(kind: str, text: str) -> Any:
+        raise error
+
+    res = check("decode_table", "leaf", NAMED_DECODE_CASES["dtype"], parts_to_tensor, from_name)
+    assert res[0] == "err" and res[1] is CheckpointFormatError
+    assert res[2] == "own" if isinstance(error, CheckpointFormatError) else "bad dtype 'bfloat16' (" in res[2]
 
 
 # --------------------------------------------------------------------------- decode

@@ -21,7 +21,7 @@ SECTION = "torchtitan"
 
 def test_torchtitan_example_runs(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
     blocks = python_blocks(PAGE, SECTION)
-    assert len(blocks) == 1, f"'## {SECTION}' has {len(blocks)} python blocks"
+    assert len(blocks) == 2, f"'## {SECTION}' has {len(blocks)} python blocks"  # the example, the migration
     monkeypatch.chdir(tmp_path)
     dist.init_process_group("gloo", init_method=f"file://{tmp_path / 'pg'}", rank=0, world_size=1)
     namespace: dict[str, Any] = {"__name__": "docs"}

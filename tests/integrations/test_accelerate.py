@@ -178,6 +178,14 @@ def drill(rank: int, world_size: int, root_dir: str) -> None:
         train(acc, model, opt, sched, 2, first=2)
         same(snapshot(model, opt, sched), uninterrupted, f"{source}: next steps", state_key_order=False)
 
+    # a value no format holds is refused before save_state writes anything (Accelerate writes the
+    # models first; issue 28, item 6)
+    acc, model, opt, sched = prepared(world_size)
+    opt.param_groups[1]["schedule"] = object()
+    with pytest.raises(sc.CheckpointFormatError, match="group 1 key 'schedule': unsupported value type object"):
+        acc.save_state(root / "refused")
+    assert not (root / "refused").exists()
+
     # ---------------------------------------------------------------- 3. the cross-rank hazard
     with pytest.raises(sc.CrossRankStateError, match="do not register it"):
         acc.register_for_checkpointing(sc.SparseOptimizerState(model, opt))

@@ -307,3 +307,55 @@ def test_config_is_the_stock_config_plus_migration() -> None:
     assert inspect.signature(SparseCheckpointManager) == inspect.signature(CheckpointManager)
     with pytest.raises(TypeError, match="missing a required argument: 'sd_adapter'"):
         Config(enable=False).build(dataloader=None, model_parts=None, optimizers=None, lr_schedulers=None, states={})
+
+
+def test_group_values_round_trip_and_unsupported_refused_before_writing(tmp_path, one_rank) -> None:
+    """Issue 28, item 6: a torch.dtype/torch.device setting round-trips through the manager; an
+    arbitrary object is refused before any file of the step exists."""
+    objs = _trained()
+    for opt in objs[1].optimizers:
+        for g in opt.param_groups:
+            g.update(momentum_dtype=torch.bfloat16, offload=torch.device("cpu"), mode="adamw", table=((1, None), [2.5]))
+    mgr = tt.manager(Config, str(tmp_path), *objs, tt.TrainState(2))
+    assert mgr.save(2) is True
+    mgr.close()
+    fresh = tt.build(1)
+    mgr2 = tt.manager(Config, str(tmp_path), *fresh, tt.TrainState())
+    assert mgr2.load() is True
+    mgr2.close()
+    for a, b in zip(objs[1].optimizers, fresh[1].optimizers):
+        saved = [{k: v for k, v in g.items() if k != "params"} for g in a.param_groups]
+        assert [{k: v for k, v in g.items() if k != "params"} for g in b.param_groups] == saved
+        assert all(g["momentum_dtype"] is torch.bfloat16 for g in b.param_groups)
+
+    objs[1].optimizers[0].param_groups[0]["schedule"] = object()
+    mgr3 = tt.manager(Config, str(tmp_path), *objs, tt.TrainState(3))
+    with pytest.raises(sc.CheckpointFormatError, match="key 'schedule': unsupported value type object"):
+        mgr3.save(3)
+    mgr3.close()
+    assert not (tmp_path / "checkpoint" / "step-3").exists()
+
+
+def test_migration_report_lists_state_kept_as_possibly_synthetic(tmp_path, one_rank) -> None:
+    """Issue 28, item 7: the never-stepped ``Adam`` has ``weight_decay``, so the stock manager's
+    synthetic step writes non-zero moments: nothing is dropped, and the report must say that the
+    state of every one of its parameters was kept though it may be invented (the resume is not exact)."""
+    objs = tt.build(0)
+    for g in objs[1].optimizers[0].param_groups:
+        g["weight_decay"] = 0.1
+    for step in (1, 2):
+        tt.train(*objs, range(step, step + 1), tt.ROUTED_BEFORE, use_aux=False)
+    stock = tt.manager(CheckpointManager.Config, str(tmp_path), *objs, tt.TrainState(2))
+    stock.save(2)
+    stock.close()
+    fresh = tt.build(1)
+    mgr = tt.manager(Config, str(tmp_path), *fresh, tt.TrainState(), migrate_stock_checkpoints=True,
+                     drop_synthetic_state=True)
+    assert mgr.load() is True
+    mgr.close()
+    report = mgr.migration_report
+    assert report.dropped == () and not report.exact
+    kept = {(k.leaf, k.fqn) for k in report.possibly_synthetic}
+    assert {("optim0", "aux.weight"), ("optim0", "aux.bias")} <= kept
+    assert all(leaf == "optim0" for leaf, _ in kept), kept  # optim1 stepped twice: step == 2
+    assert any("leaf 'optim0': kept the state of 2 parameter(s) with step == 1" in line for line in report.summary())

@@ -18,7 +18,7 @@ import torch
 import torch.distributed as dist
 from _dist import free_port
 from doc_blocks import ROOT, python_blocks, run_block
-from helpers import IdentitySnapshot
+from helpers import IdentitySnapshot, same_bits
 from torch import nn
 
 import sparse_ckpt as sc
@@ -323,3 +323,71 @@ def test_stock_checkpoint_migration(tmp_path: Path, one_rank_group: None, single
     sc_veomni.sparse_checkpointer_class().save(str(tmp_path / "sparse"), {"model": model, "optimizer": optimizer})
     with pytest.raises(sc.CheckpointMismatchError, match="no optimizer saved by stock VeOmni"):
         sc_veomni.load_stock_checkpoint(str(tmp_path / "sparse"), state)
+
+
+# --------------------------------------------------------------------------- what VeOmni's optimizers hold
+
+
+def _anyprecision(seed: int) -> tuple[Net, torch.optim.Optimizer]:
+    """VeOmni's own ``build_optimizer(optimizer_type="anyprecision_adamw")``: torch.dtype values
+    (``momentum_dtype``, ``variance_dtype``, ``compensation_buffer_dtype``) in its param groups."""
+    from veomni.optim import build_optimizer
+
+    torch.manual_seed(seed)
+    model = Net()
+    return model, build_optimizer(model, lr=0.01, optimizer_type="anyprecision_adamw")
+
+
+def test_anyprecision_adamw_round_trips_through_veomnis_checkpointer(tmp_path: Path, one_rank_group: None) -> None:
+    """Issue 28, item 6: the installed checkpointer refused this save (unsupported value type dtype)
+    after VeOmni had written extra_state/; now it saves and resumes it bit-exactly."""
+    model, opt = _anyprecision(0)
+    assert any(isinstance(v, torch.dtype) for g in opt.param_groups for v in g.values())
+    model(torch.randn(3, 4)).pow(2).mean().backward()
+    opt.step()
+    with sc_veomni.install():
+        checkpointer = build_checkpointer("dcp", "fsdp2")
+        checkpointer.save(str(tmp_path), {"model": model, "optimizer": opt, "extra_state": {"s": 1}}, global_steps=1)
+        model2, opt2 = _anyprecision(1)
+        for g in opt2.param_groups:
+            g.update(lr=0.5, momentum_dtype=torch.float64)
+        checkpointer.load(str(tmp_path / "global_step_1"), {"model": model2, "optimizer": opt2, "extra_state": {}})
+    saved = [{k: v for k, v in g.items() if k != "params"} for g in opt.param_groups]
+    loaded = [{k: v for k, v in g.items() if k != "params"} for g in opt2.param_groups]
+    assert same_bits(loaded, saved)
+    # state: torch's own load_state_dict casts floating state to the parameter's dtype (bf16 momentum
+    # comes back float32, exactly); the load must give what torch's gives, to the bit
+    _, torch_loaded = _anyprecision(1)
+    torch_loaded.load_state_dict(opt.state_dict())
+    params = [p for g in opt2.param_groups for p in g["params"]]
+    assert same_bits([opt2.state[p] for p in params],
+                     [torch_loaded.state[p] for g in torch_loaded.param_groups for p in g["params"]])
+
+
+def test_unsupported_group_value_is_refused_before_veomni_writes(tmp_path: Path, one_rank_group: None) -> None:
+    """A value no format holds (an arbitrary object) is refused before any file of global_step_N exists
+    (VeOmni writes extra_state/ before it calls dcp.save)."""
+    model, opt = _anyprecision(0)
+    opt.param_groups[0]["schedule"] = object()
+    with sc_veomni.install():
+        checkpointer = build_checkpointer("dcp", "fsdp2")
+        with pytest.raises(sc.CheckpointFormatError, match="group 0 key 'schedule': unsupported value type object"):
+            checkpointer.save(str(tmp_path), {"model": model, "optimizer": opt, "extra_state": {"s": 1}}, global_steps=2)
+    assert not (tmp_path / "global_step_2").exists()
+
+
+def test_stock_migration_reports_state_that_may_be_synthetic(tmp_path: Path, one_rank_group: None) -> None:
+    """Issue 28, item 7: stock VeOmni saves a never-stepped optimizer through DSD, whose synthetic
+    step invents ``step == 1`` state (Adam with weight_decay: non-zero moments); the migration loads
+    it as saved and its report lists every such parameter (the resume is not exact)."""
+    torch.manual_seed(0)
+    model = Net()
+    optimizer = torch.optim.Adam(model.parameters(), lr=0.01, weight_decay=0.1)
+    DistributedCheckpointer.save(str(tmp_path / "stock"), {"model": model, "optimizer": optimizer})
+    assert {float(s["step"]) for s in optimizer.state.values()} == {1.0}  # stock VeOmni stepped it while saving
+    model2 = Net()
+    state = {"model": model2, "optimizer": torch.optim.Adam(model2.parameters(), lr=0.01, weight_decay=0.1)}
+    with pytest.warns(sc_veomni.StockCheckpointWarning, match="4 loaded with step == 1 that DSD's synthetic step"):
+        report = sc_veomni.load_stock_checkpoint(str(tmp_path / "stock"), state)
+    assert report.complete and not report.exact
+    assert report.leaves[0].possibly_synthetic == ["body.weight", "body.bias", "tower.weight", "tower.bias"]

@@ -32,7 +32,7 @@ import sparse_ckpt as sc
 from sparse_ckpt import _core_py
 from sparse_ckpt._core_py import MAGIC, VERSION
 from sparse_ckpt._format.keys import check_table
-from sparse_ckpt._format.tensor_parts import parts_to_tensor, tensor_to_parts
+from sparse_ckpt._format.tensor_parts import name_to_value, parts_to_tensor, tensor_to_parts, value_to_name
 from sparse_ckpt._fqn import build_fqn_map
 from sparse_ckpt._load.decode import decode_checkpoint
 from sparse_ckpt._save.save import packed_table_key
@@ -240,7 +240,7 @@ def test_every_truncation_is_rejected() -> None:
 STRUCTURAL: list[tuple[str, bytes, list[str]]] = [
     ("bad_magic", tab(GOOD_SETTINGS, GOOD_GROUPS, magic=b"PK\x03\x04"), ["magic"]),
     ("version_0", tab(GOOD_SETTINGS, GOOD_GROUPS, version=0), ["version 0"]),
-    ("version_2", tab(GOOD_SETTINGS, GOOD_GROUPS, version=2), ["version 2"]),
+    ("version_3", tab(GOOD_SETTINGS, GOOD_GROUPS, version=3), ["version 3"]),  # 2: tables with a dtype or device
     ("version_ffff", tab(GOOD_SETTINGS, GOOD_GROUPS, version=0xFFFF), ["version 65535"]),
     ("empty", b"", ["truncated"]),
     ("settings_count_plus_one", tab(GOOD_SETTINGS, GOOD_GROUPS, n_settings=3), []),
@@ -637,7 +637,7 @@ def mutate(buf: bytearray, rnd: random.Random, other: bytes) -> bytes:
         elif kind == "u64":
             buf[pos : pos + 8] = u64(rnd.choice([2**64 - 1, 2**63, 2**63 - 1, 2**32, len(buf)]))
         elif kind == "tag":
-            buf[pos:pos] = bytes([rnd.choice([0, 3, 4, 5, 6, 7, 8, 9, 10, 255])])
+            buf[pos:pos] = bytes([rnd.choice([0, 3, 4, 5, 6, 7, 8, 9, 10, 11, 12, 255])])
     return bytes(buf)
 
 
@@ -656,7 +656,7 @@ def check_decoded(result: Any) -> None:
 def _decoded(decode_table: Any, leaf: str, data: bytes) -> tuple:
     """``("ok", result)`` or ``("err", message)``; only CheckpointFormatError may escape."""
     try:
-        result = decode_table(leaf, data, parts_to_tensor)
+        result = decode_table(leaf, data, parts_to_tensor, name_to_value)
     except CheckpointFormatError as exc:
         assert f"leaf {leaf!r}" in str(exc), str(exc)
         return ("err", str(exc))
@@ -682,6 +682,7 @@ def try_decode(data: bytes, leaf: str = "fz", decoders: list[Any] | None = None)
 
 _TOKENS = [b"\x00", b"\x01\x00\x00\x00", b"\xff\xff\xff\xff", b"\x09", b"\x07", b"\x05", b"a", b"\x03" + bytes(8)]
 HEADER = MAGIC + u16(VERSION)
+HEADER_NAMED = MAGIC + u16(2)  # a table holding a dtype or device (tags 10 and 11)
 
 
 @ONCE
@@ -691,6 +692,7 @@ def test_decode_table_random_bytes(data: bytes, seed: int) -> None:
     """Random bytes, raw and behind a valid header, and random token streams (8 inputs per example)."""
     try_decode(data)
     try_decode(HEADER + data)
+    try_decode(HEADER_NAMED + data)
     rnd = random.Random(seed)
     for _ in range(3):
         try_decode(HEADER + b"".join(rnd.choice(_TOKENS) for _ in range(rnd.randint(0, 24))))
@@ -741,7 +743,10 @@ def _rich_tables() -> list[bytes]:
         [(rich, ["a.w", "a.b"]), ({"lr": 0.2}, ["c"]), (dict(rich), ["日本.x"]), ({}, [])],
         [({"deep": nested, "lr": torch.tensor([1, -2, 3], dtype=torch.int32)}, ["p"]), ({"lr": 1}, ["q", "r", "s"])],
     ]
-    return [_core_py.encode_table("fz", g, torch.Tensor, tensor_to_parts) for g in groups_list]
+    named = {"momentum_dtype": torch.bfloat16, "dev": torch.device("cuda", 1), "mix": (torch.float32, [torch.device("cpu"), None])}
+    tables = [_core_py.encode_table("fz", g, torch.Tensor, tensor_to_parts) for g in groups_list]
+    return tables + [_core_py.encode_table("fz", [(rich, ["a"]), (named, ["b", "c"])], torch.Tensor, tensor_to_parts,
+                                           value_to_name)]
 
 
 RICH_TABLES = _rich_tables()
