@@ -163,6 +163,7 @@ def test_olmo_core_resumes_exactly_with_dsd_install(tmp_path: Path) -> None:
     run_ranks(resumes, 2, str(tmp_path), timeout=300)
 
 
+@_backends.only(_backends.DEFAULT)
 def test_docs_block_installs_and_defines_save_and_resume() -> None:
     block = doc_block(BLOCK)
     assert "sc_dsd.install()" in block.code and "def save(" in block.code and "def resume(" in block.code
