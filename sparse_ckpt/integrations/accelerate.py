@@ -7,9 +7,9 @@ the live optimizer, and a parameter without state (a frozen tower, an expert tha
 makes ``load_state`` fail (``Missing key in checkpoint state_dict: optimizer.state.<fqn>.step``).
 
 :func:`install` replaces Accelerate's ``save_fsdp_optimizer`` / ``load_fsdp_optimizer`` (the
-functions ``Accelerator.save_state`` / ``load_state`` call, and their homes in
-``accelerate.utils``) with ones that save ``{"optimizer": SparseOptimizerState(model, optimizer)}``
-through DCP into the same ``optimizer_{i}`` directory and load it with
+functions ``Accelerator.save_state`` / ``load_state`` call, their homes in
+``accelerate.utils``, and every module that bound them before, such as ``transformers.trainer``)
+with ones that save ``{"optimizer": SparseOptimizerState(model, optimizer)}`` through DCP into the same ``optimizer_{i}`` directory and load it with
 :class:`~sparse_ckpt.SparseLoadPlanner`: exact (every group's settings, only the state that
 exists), sparse, nothing invented, the live optimizer untouched by a save. Loading also reads the
 directories stock Accelerate wrote before (DSD's nested layout, see :mod:`sparse_ckpt.nested`),
@@ -43,6 +43,7 @@ from ..dcp import SparseLoadPlanner, SparseOptimizerState
 from ..errors import CrossRankStateError
 from ..multi_optimizer import MultiOptimizer
 from ..save import FORMATS, Format
+from ._rebind import bindings
 
 __all__ = ["install", "installed", "load_fsdp_optimizer", "save_fsdp_optimizer", "uninstall"]
 
@@ -91,6 +92,10 @@ def install(*, format: Format = "packed", strict: bool = True) -> None:
         _accelerates.update(
             save_fsdp_optimizer=accelerator_mod.save_fsdp_optimizer, load_fsdp_optimizer=accelerator_mod.load_fsdp_optimizer
         )
+        # Modules that bound accelerate's functions at their import (transformers.trainer does).
+        originals = {id(fn): (fn, globals()[name]) for name, fn in _accelerates.items()}
+        for owner, name, _theirs, ours in bindings(originals, skip=modules):
+            replacements.append((owner, name, ours))
         for owner, name, ours in replacements:
             _saved.append((owner, name, vars(owner).get(name, _MISSING)))
             setattr(owner, name, ours)

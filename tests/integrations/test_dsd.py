@@ -1,25 +1,30 @@
-"""``sparse_ckpt.integrations.dsd``: torch DSD's functions, exact and sparse, through ``install()``.
+"""``sparse_ckpt.integrations.dsd``: torch DSD's functions, exact and sparse, directly and through ``install()``.
 
 One spawned 2-rank Gloo job (FSDP2 over an explicit CPU mesh) runs every multi-rank case on one
 process group: the issue's MoE (:mod:`dsd_moe`: 40 parameters, 22 with gradients, ``vision`` in
 its own group whose lr a scheduler moves) saved after step 3 with DSD's calls and ``dcp.save``,
-resumed in a fresh model and optimizer the way trainers do it (``get_optimizer_state_dict`` for the
-load target, ``dcp.load`` with the trainer's own planner, ``set_optimizer_state_dict``), compared
-bit for bit with the uninterrupted run. The DSD names are imported here, at module level, before
-``install()`` runs in the ranks: the trainer's import order.
+resumed into a fresh model and optimizer the way trainers do it (``get_optimizer_state_dict`` for
+the load target, ``dcp.load`` with the trainer's own planner, ``set_optimizer_state_dict``), and
+compared bit for bit with the uninterrupted run. The DSD names are imported here, at module level,
+before ``install()`` runs in the ranks: the trainer's import order. The single-process tests
+cover what needs no process group (torch DSD works on a plain CPU model without one).
 """
 
 from __future__ import annotations
 
+import sys
+import types
 from pathlib import Path
 from typing import Any
 
+import _backends
 import dsd_moe
 import pytest
 import torch
 import torch.distributed as dist
 import torch.distributed.checkpoint as dcp
 from _dist import cpu_mesh, full_copy, run_ranks
+from doc_blocks import ROOT, python_blocks, run_block
 from helpers import assert_deep_equal
 from torch.distributed.checkpoint import DefaultLoadPlanner
 from torch.distributed.checkpoint.api import CheckpointException
@@ -27,17 +32,22 @@ from torch.distributed.checkpoint.state_dict import (
     StateDictOptions,
     get_model_state_dict,
     get_optimizer_state_dict,
+    get_state_dict,
     set_model_state_dict,
     set_optimizer_state_dict,
+    set_state_dict,
 )
 from torch.distributed.fsdp import fully_shard
 
+import sparse_ckpt as sc
 import sparse_ckpt.integrations.dsd as sc_dsd
+from sparse_ckpt.integrations.dsd import functions
 
 pytestmark = pytest.mark.usefixtures("forbid_fork")
 
 NESTED = StateDictOptions()
 FLAT = StateDictOptions(flatten_optimizer_state_dict=True)
+STOCK = functions.torch_dsd
 
 
 class TrainerPlanner(DefaultLoadPlanner):
@@ -56,74 +66,372 @@ def sharded(seed: int = 0) -> dsd_moe.Moe:
     return m
 
 
-def fresh() -> tuple[dsd_moe.Moe, torch.optim.Optimizer, Any]:
+def fresh(two: bool = False) -> tuple[dsd_moe.Moe, Any, Any]:
+    """A fresh sharded MoE, its optimizer(s) and scheduler(s); ``two``: ``vision`` in an optimizer of its own."""
     m = sharded()
-    opt = dsd_moe.optimizer(m)
-    return m, opt, dsd_moe.scheduler(opt)
+    if not two:
+        opt = dsd_moe.optimizer(m)
+        return m, opt, dsd_moe.scheduler(opt)
+    rest, vision = dsd_moe.param_groups(m)
+    opts = [torch.optim.AdamW([rest], lr=0.01), torch.optim.AdamW([vision], lr=dsd_moe.VISION_LR)]
+    scheds = [torch.optim.lr_scheduler.LambdaLR(o, lam) for o, lam in zip(opts, (lambda s: 0.9**s, lambda s: 0.5**s))]
+    return m, opts, scheds
+
+
+def _each(x: Any) -> list[Any]:
+    return list(x) if isinstance(x, list) else [x]
+
+
+def train(m: Any, opt: Any, sched: Any, steps: range, rank: int) -> None:
+    for step in steps:
+        x, y = dsd_moe.batch(step, rank)
+        m(x, y)["loss"].backward()
+        for o in _each(opt):
+            o.step()
+        for s in _each(sched):
+            s.step()
+        for o in _each(opt):
+            o.zero_grad(set_to_none=True)
+
+
+def with_state(opt: Any) -> int:
+    return sum(len(o.state) for o in _each(opt))
 
 
 def snapshot(m: Any, opt: Any) -> dict[str, Any]:
-    return {"params": {n: full_copy(p) for n, p in m.named_parameters()}, "lrs": [g["lr"] for g in opt.param_groups]}
+    return {
+        "params": {n: full_copy(p) for n, p in m.named_parameters()},
+        "lrs": [g["lr"] for o in _each(opt) for g in o.param_groups],
+    }
 
 
-def save(m: Any, opt: Any, sched: Any, path: str, options: StateDictOptions) -> None:
-    """What a trainer's save does: DSD's dicts into ``dcp.save`` (the scheduler beside them)."""
-    dcp.save({"model": get_model_state_dict(m), "optim": get_optimizer_state_dict(m, opt, options=options)}, checkpoint_id=path)
-    torch.save(sched.state_dict(), f"{path}/sched-{dist.get_rank()}.pt")
+def state_snapshot(m: Any, opt: Any) -> dict[str, Any]:
+    """Full copies of the optimizer state by FQN and the lrs (comparable across world sizes)."""
+    names = {id(p): n for n, p in m.named_parameters()}
+    state = {names[id(p)]: st for o in _each(opt) for p, st in o.state.items()}
+    return {"state": {n: full_copy(state[n]) for n in sorted(state)}, "lrs": [g["lr"] for o in _each(opt) for g in o.param_groups]}
 
 
-def resume(path: str, options: StateDictOptions, planner: Any) -> tuple[Any, Any, Any]:
-    """What a trainer's resume does, into a fresh model, optimizer and scheduler."""
-    m, opt, sched = fresh()
-    state = {"model": get_model_state_dict(m), "optim": get_optimizer_state_dict(m, opt, options=options)}
+# --------------------------------------------------------------------------- what trainers do
+
+
+def save(m: Any, opt: Any, sched: Any, path: str, options: StateDictOptions, *, combined: bool = False, writer: Any = dcp.save) -> Any:
+    """A trainer's save: DSD's dicts into ``dcp.save`` (``combined``: ``get_state_dict``)."""
+    if combined:
+        model_sd, optim_sd = get_state_dict(m, _each(opt), options=options)
+    else:
+        model_sd, optim_sd = get_model_state_dict(m), get_optimizer_state_dict(m, _each(opt), options=options)
+    torch.save([s.state_dict() for s in _each(sched)], f"{path}-sched-{dist.get_rank()}.pt")
+    return writer({"model": model_sd, "optim": optim_sd}, checkpoint_id=path)
+
+
+def resume(path: str, options: StateDictOptions, planner: Any, *, two: bool = False, combined: bool = False) -> tuple[Any, Any, Any]:
+    """A trainer's resume into a fresh model, optimizer(s) and scheduler(s)."""
+    m, opt, sched = fresh(two)
+    if combined:
+        model_sd, optim_sd = get_state_dict(m, _each(opt), options=options)
+    else:
+        model_sd, optim_sd = get_model_state_dict(m), get_optimizer_state_dict(m, _each(opt), options=options)
+    state = {"model": model_sd, "optim": optim_sd}
     dcp.load(state, checkpoint_id=path, planner=planner)
-    set_model_state_dict(m, state["model"])
-    set_optimizer_state_dict(m, opt, state["optim"], options=options)
-    sched.load_state_dict(torch.load(f"{path}/sched-{dist.get_rank()}.pt", weights_only=False))
+    if combined:
+        set_state_dict(m, _each(opt), model_state_dict=state["model"], optim_state_dict=state["optim"], options=options)
+    else:
+        set_model_state_dict(m, state["model"])
+        set_optimizer_state_dict(m, _each(opt), state["optim"], options=options)
+    for s, sd in zip(_each(sched), torch.load(f"{path}-sched-{dist.get_rank()}.pt", weights_only=False)):
+        s.load_state_dict(sd)
     return m, opt, sched
 
 
-def check_exact(rank: int, path: str, resumed: tuple[Any, Any, Any], reference: dict[str, Any], where: str) -> None:
+def check_exact(rank: int, resumed: tuple[Any, Any, Any], reference: dict[str, Any], where: str) -> None:
     m, opt, sched = resumed
-    assert len(opt.state) == dsd_moe.STEPPED, f"{where}: {len(opt.state)} states"
-    dsd_moe.train(m, opt, sched, range(3, 5), rank)
+    assert with_state(opt) == dsd_moe.STEPPED, f"{where}: {with_state(opt)} states"
+    train(m, opt, sched, range(3, 5), rank)
     assert_deep_equal(snapshot(m, opt), reference, where, nan_equal="none")
 
 
-def cases(rank: int, world_size: int, root: str) -> None:
-    # The uninterrupted run and the checkpoint after step 3, in both layouts.
-    m, opt, sched = fresh()
-    dsd_moe.train(m, opt, sched, range(3), rank)
-    before = len(opt.state)
-    assert before == dsd_moe.STEPPED
+# --------------------------------------------------------------------------- the 2-rank job
 
-    # Stock torch DSD (pinned): the save holds the 22 states; the resume target of a fresh
-    # optimizer gets DSD's synthetic step (40 states, 18 invented) and the load fails.
+
+def cases(rank: int, world_size: int, root: str) -> None:
+    """Every multi-rank case, on one process group."""
+    for two in (False, True):
+        m, opt, sched = fresh(two)
+        train(m, opt, sched, range(3), rank)
+        assert with_state(opt) == dsd_moe.STEPPED
+        if not two:  # (torch's get would step the vision optimizer, which has no state)
+            stock_pinned(rank, root, m, opt, sched)
+            layouts_match_torch(m, opt)
+        sc_dsd.install()
+        try:
+            variants(rank, root, m, opt, sched, two)
+        finally:
+            sc_dsd.uninstall()
+    direct(rank, root)
+
+
+def stock_pinned(rank: int, root: str, m: Any, opt: Any, sched: Any) -> None:
+    """Stock torch DSD: the save holds the 22 states; the resume target of a fresh optimizer gets
+    DSD's synthetic step (40 states, 18 invented) and the load fails."""
     save(m, opt, sched, f"{root}/stock", NESTED)
     m2, opt2, _ = fresh()
     target = {"model": get_model_state_dict(m2), "optim": get_optimizer_state_dict(m2, opt2, options=NESTED)}
-    assert len(opt2.state) == dsd_moe.PARAMS  # DSD's synthetic step on the fresh optimizer: 18 invented
-    with pytest.raises(CheckpointException, match=r"Missing key in checkpoint state_dict: optim\.state\..*\.step"):
+    assert len(opt2.state) == dsd_moe.PARAMS
+    with pytest.raises(CheckpointException, match=r"Missing key in checkpoint state_dict: optim\.state\.layers\.0\.experts\.4\.weight\.step"):
         dcp.load(target, checkpoint_id=f"{root}/stock")
 
+
+def layouts_match_torch(m: Any, opt: Any) -> None:
+    """For an optimizer with state (DSD steps none then), torch's dicts and ours are equal (also gathered with ``full_state_dict``), keys in the same order."""
+    for options in (NESTED, FLAT, StateDictOptions(full_state_dict=True), StateDictOptions(full_state_dict=True, flatten_optimizer_state_dict=True)):
+        ours = sc_dsd.get_optimizer_state_dict(m, _each(opt), options=options)
+        assert isinstance(ours, sc_dsd.DsdStateDict)
+        theirs = STOCK["get_optimizer_state_dict"](m, _each(opt), options=options)
+        assert_deep_equal(dict(ours), theirs, f"layout {options}", nan_equal="none")
+
+
+def variants(rank: int, root: str, m: Any, opt: Any, sched: Any, two: bool) -> None:
+    """Installed: every layout, planner and call style resumes exactly; a stock checkpoint loads as it is."""
+    tag = "two" if two else "one"
+    plans = [("nested", NESTED, False), ("flat", FLAT, False), ("combined", NESTED, True)]
+    for name, options, combined in plans:
+        save(m, opt, sched, f"{root}/{tag}-{name}", options, combined=combined)
+        assert with_state(opt) == dsd_moe.STEPPED  # a save changes nothing
+    offload = StateDictOptions(cpu_offload=True, flatten_optimizer_state_dict=True)
+    save(m, opt, sched, f"{root}/{tag}-offload", offload)
+    save(m, opt, sched, f"{root}/{tag}-async", NESTED, writer=dcp.async_save).result()
+    full_options = StateDictOptions(full_state_dict=True, cpu_offload=True)
+    full = get_optimizer_state_dict(m, _each(opt), options=full_options)
+    assert (len(full) > 0) == (rank == 0)  # DSD's cpu_offload full dict: rank 0 only
+    if rank == 0:
+        torch.save(dict(full), f"{root}/{tag}-full.pt")
+        torch.save(state_snapshot(m, opt), f"{root}/{tag}-at-save.pt")
+    else:
+        state_snapshot(m, opt)  # the same collectives
+    dist.barrier()
+
+    train(m, opt, sched, range(3, 5), rank)
+    reference = snapshot(m, opt)
+    for name, options, combined in [*plans, ("offload", offload, False), ("async", NESTED, False)]:
+        for planner in (None, DefaultLoadPlanner(), TrainerPlanner()):
+            where = f"{tag}: {name}, planner {type(planner).__name__}"
+            check_exact(rank, resume(f"{root}/{tag}-{name}", options, planner, two=two, combined=combined), reference, where)
+
+    # full_state_dict + broadcast_from_rank0: rank 0 reads the file, the others pass {}
+    m2, opt2, _ = fresh(two)
+    full = torch.load(f"{root}/{tag}-full.pt", weights_only=False) if rank == 0 else {}
+    set_optimizer_state_dict(m2, _each(opt2), full, options=StateDictOptions(full_state_dict=True, broadcast_from_rank0=True))
+    assert with_state(opt2) == dsd_moe.STEPPED
+    got = state_snapshot(m2, opt2)
+    if rank == 0:
+        assert_deep_equal(got, torch.load(f"{root}/{tag}-at-save.pt", weights_only=False), f"{tag}: broadcast", nan_equal="none", check_order=False)
+    # full_state_dict without broadcast: every rank has the whole dict
+    full = torch.load(f"{root}/{tag}-full.pt", weights_only=False)
+    m3, opt3, _ = fresh(two)
+    set_optimizer_state_dict(m3, _each(opt3), full, options=StateDictOptions(full_state_dict=True))
+    got = state_snapshot(m3, opt3)
+    if rank == 0:
+        assert_deep_equal(got, torch.load(f"{root}/{tag}-at-save.pt", weights_only=False), f"{tag}: full", nan_equal="none", check_order=False)
+
+    if not two:  # a stock checkpoint (DSD's own save) loads as it is, by every planner
+        for planner in (None, TrainerPlanner()):
+            check_exact(rank, resume(f"{root}/stock", NESTED, planner), reference, f"stock checkpoint, {type(planner).__name__}")
+
+
+def direct(rank: int, root: str) -> None:
+    """Without install(): this module's functions called directly, loaded with SparseLoadPlanner."""
+    m, opt, sched = fresh()
+    train(m, opt, sched, range(3), rank)
+    for options in (NESTED, FLAT):
+        osd = sc_dsd.get_optimizer_state_dict(m, opt, options=options)
+        dcp.save({"optim": osd}, checkpoint_id=f"{root}/direct")
+        m2, opt2, _ = fresh()
+        target = {"optim": sc_dsd.get_optimizer_state_dict(m2, opt2, options=options)}
+        dcp.load(target, checkpoint_id=f"{root}/direct", planner=sc.SparseLoadPlanner())
+        sc_dsd.set_optimizer_state_dict(m2, opt2, target["optim"], options=options)
+        assert len(opt2.state) == dsd_moe.STEPPED
+        assert_deep_equal(state_snapshot(m2, opt2), state_snapshot(m, opt), f"direct {options}", nan_equal="none", check_order=False)
+
+
+@_backends.only(_backends.DEFAULT)
+@pytest.mark.filterwarnings("ignore:torch.distributed is disabled")
+def test_dsd_cases_on_two_ranks(tmp_path: Path) -> None:
+    """Once, on the default core (the single-process tests run both): ~20 s of 2-rank cases."""
+    run_ranks(cases, 2, str(tmp_path), timeout=600)
+    two_to_one(tmp_path)
+
+
+def two_to_one(root: Path) -> None:
+    """A 2-rank checkpoint into one process (no process group, plain model), installed: the state
+    at the save, by FQN, nothing else."""
+    m = dsd_moe.model(0)
+    opt = dsd_moe.optimizer(m)
     sc_dsd.install()
     try:
-        for name, options in (("nested", NESTED), ("flat", FLAT)):
-            save(m, opt, sched, f"{root}/{name}", options)
-            assert len(opt.state) == before  # a save changes nothing
-        reference_model, reference_opt, reference_sched = m, opt, sched
-        dsd_moe.train(reference_model, reference_opt, reference_sched, range(3, 5), rank)
-        reference = snapshot(reference_model, reference_opt)
-        for name, options in (("nested", NESTED), ("flat", FLAT)):
-            for planner in (None, DefaultLoadPlanner(), TrainerPlanner()):
-                where = f"{name}, planner {type(planner).__name__}"
-                check_exact(rank, root, resume(f"{root}/{name}", options, planner), reference, where)
-        # a stock checkpoint loads as it is (the state DSD saved, nothing invented on top)
-        _m3, opt3, _ = resume(f"{root}/stock", NESTED, None)
-        assert len(opt3.state) == dsd_moe.STEPPED
+        state = {"model": get_model_state_dict(m), "optim": get_optimizer_state_dict(m, opt)}
+        dcp.load(state, checkpoint_id=str(root / "one-nested"))
+        set_optimizer_state_dict(m, opt, state["optim"])
     finally:
         sc_dsd.uninstall()
+    assert len(opt.state) == dsd_moe.STEPPED
+    assert_deep_equal(state_snapshot(m, opt), torch.load(root / "one-at-save.pt", weights_only=False), "2 -> 1", nan_equal="none", check_order=False)
 
 
-def test_dsd_cases_on_two_ranks(tmp_path: Path) -> None:
-    run_ranks(cases, 2, str(tmp_path), timeout=300)
+# --------------------------------------------------------------------------- one process
+
+
+@pytest.fixture
+def restore() -> Any:
+    yield
+    sc_dsd.uninstall()
+
+
+def test_get_invents_nothing_and_keeps_every_group() -> None:
+    m = dsd_moe.model(0)
+    opt = dsd_moe.optimizer(m)
+    opt.param_groups[1]["lr"] = 0.125  # a scheduler moved vision's lr; nothing has stepped
+    nested = sc_dsd.get_optimizer_state_dict(m, opt)
+    flat = sc_dsd.get_optimizer_state_dict(m, opt, options=FLAT)
+    assert not opt.state and all(p.grad is None for p in m.parameters())  # no synthetic step
+    assert nested["state"] == {} and [g["lr"] for g in nested["param_groups"]] == [0.01, 0.125]
+    assert [len(g["params"]) for g in nested["param_groups"]] == [dsd_moe.PARAMS - 2, 2]
+    assert not [k for k in flat if k.startswith("state.")]
+    assert {k.split(".")[-1] for k in flat} == set(opt.param_groups[0]) - {"params"}
+    assert len({k.rsplit(".", 1)[0] for k in flat}) == dsd_moe.PARAMS  # param_groups.{fqn}.* for all 40
+    assert flat["param_groups.vision.weight.lr"] == 0.125
+    # torch's own, for the record: the same call steps the optimizer first
+    STOCK["get_optimizer_state_dict"](m, opt)
+    assert len(opt.state) == dsd_moe.PARAMS
+
+
+def test_install_rebinds_imported_names_and_uninstall_restores_torchs_objects(restore: Any) -> None:
+    import torch.distributed.checkpoint.state_dict as dsd_module
+
+    names = ("get_optimizer_state_dict", "set_optimizer_state_dict", "get_state_dict", "set_state_dict")
+    before = {n: getattr(dsd_module, n) for n in names}
+    planner = DefaultLoadPlanner.__dict__["set_up_planner"]
+    here = globals()
+    assert all(here[n] is before[n] for n in names)  # bound at this module's import, before install()
+    sc_dsd.install()
+    sc_dsd.install()  # idempotent
+    assert sc_dsd.installed()
+    for n in names:
+        assert getattr(dsd_module, n) is getattr(sc_dsd, n) and here[n] is getattr(sc_dsd, n)
+    assert DefaultLoadPlanner.__dict__["set_up_planner"] is not planner
+    sc_dsd.uninstall()
+    assert not sc_dsd.installed()
+    assert all(getattr(dsd_module, n) is before[n] and here[n] is before[n] for n in names)
+    assert DefaultLoadPlanner.__dict__["set_up_planner"] is planner
+    sc_dsd.uninstall()  # no-op
+
+
+def test_install_refuses_a_torch_whose_dsd_differs(restore: Any, monkeypatch: pytest.MonkeyPatch) -> None:
+    def get_optimizer_state_dict(model, optimizers, *, options=None):  # type: ignore[no-untyped-def]
+        raise AssertionError
+
+    monkeypatch.setitem(functions.torch_dsd, "get_optimizer_state_dict", get_optimizer_state_dict)
+    with pytest.raises(RuntimeError, match=r"written for torch .*get_optimizer_state_dict.*Nothing was installed"):
+        sc_dsd.install()
+    assert not sc_dsd.installed() and DefaultLoadPlanner.__dict__["set_up_planner"] is torchs_planner()
+
+
+def torchs_planner() -> Any:
+    from sparse_ckpt.integrations.dsd import patching
+
+    return patching._TORCH_SET_UP_PLANNER
+
+
+def trained(seed: int = 0) -> tuple[Any, Any]:
+    m = dsd_moe.model(seed)
+    opt = dsd_moe.optimizer(m)
+    dsd_moe.train(m, opt, dsd_moe.scheduler(opt), range(2))
+    return m, opt
+
+
+@pytest.mark.parametrize("options", [NESTED, FLAT], ids=["nested", "flat"])
+def test_strict_refuses_missing_fqns_and_lenient_keeps_the_groups_settings(options: StateDictOptions) -> None:
+    m, opt = trained()
+    osd = sc_dsd.get_optimizer_state_dict(m, opt, options=options)
+    if options.flatten_optimizer_state_dict:
+        osd = {k: v for k, v in osd.items() if ".vision." not in k}
+    else:
+        osd = {"state": osd["state"], "param_groups": osd["param_groups"][:1]}
+    m2 = dsd_moe.model(0)
+    opt2 = dsd_moe.optimizer(m2)
+    opt2.param_groups[1]["lr"] = 0.5
+    with pytest.raises(sc.CheckpointMismatchError, match="vision.weight"):
+        sc_dsd.set_optimizer_state_dict(m2, opt2, osd, options=options)
+    assert not opt2.state  # transactional
+    lenient = StateDictOptions(strict=False, flatten_optimizer_state_dict=options.flatten_optimizer_state_dict)
+    sc_dsd.set_optimizer_state_dict(m2, opt2, osd, options=lenient)
+    assert len(opt2.state) == dsd_moe.STEPPED and opt2.param_groups[1]["lr"] == 0.5
+
+
+def test_get_state_dict_ignore_frozen_params_is_torchs_model_dict() -> None:
+    m, opt = trained()
+    m.vision.requires_grad_(False)
+    options = StateDictOptions(ignore_frozen_params=True)
+    model_sd, osd = sc_dsd.get_state_dict(m, opt, options=options)
+    assert not [k for k in model_sd if k.startswith("vision.")]
+    assert_deep_equal(model_sd, STOCK["get_model_state_dict"](m, options=options), "model dict")
+    assert len(osd["state"]) == dsd_moe.STEPPED and len(osd["param_groups"]) == 2
+
+
+def test_what_it_cannot_serve_goes_to_torch() -> None:
+    """A model using DSD's ``_fqn_modifiers`` hook: torch's own function runs (and steps, as torch does)."""
+    m = dsd_moe.model(0)
+    m.layers[0]._fqn_modifiers = dict  # type: ignore[assignment]
+    opt = dsd_moe.optimizer(m)
+    sc_dsd.get_optimizer_state_dict(m, opt)
+    assert len(opt.state) == dsd_moe.PARAMS
+
+
+def test_a_copy_of_the_marked_dict_is_refused_not_silently_stateless(restore: Any, tmp_path: Path) -> None:
+    """Installed: a load target holding a *copy* of the dict ``get_optimizer_state_dict`` returned
+    (the mark is lost) for a fresh optimizer asks for no state; the load fails instead of reading only
+    the settings. The dict itself loads; unmarked targets that ask for state load as DCP loads them."""
+    m, opt = trained()
+    sc_dsd.install()
+    for options in (NESTED, FLAT):
+        dcp.save({"optim": get_optimizer_state_dict(m, opt, options=options)}, checkpoint_id=str(tmp_path / "c"))
+        m2 = dsd_moe.model(0)
+        opt2 = dsd_moe.optimizer(m2)
+        copied = {"optim": dict(get_optimizer_state_dict(m2, opt2, options=options))}
+        with pytest.raises(CheckpointException, match=r"CheckpointMismatchError: the checkpoint holds optimizer state under 'optim'.*asks for none of it"):
+            dcp.load(copied, checkpoint_id=str(tmp_path / "c"))
+        marked = {"optim": get_optimizer_state_dict(m2, opt2, options=options)}
+        dcp.load(marked, checkpoint_id=str(tmp_path / "c"))
+        set_optimizer_state_dict(m2, opt2, marked["optim"], options=options)
+        assert len(opt2.state) == dsd_moe.STEPPED
+        torchs = {"optim": STOCK["get_optimizer_state_dict"](m2, opt2, options=options)}  # unmarked, with state
+        dcp.load(torchs, checkpoint_id=str(tmp_path / "c"))
+
+
+@pytest.mark.parametrize("options", [NESTED, FLAT], ids=["nested", "flat"])
+def test_an_optimizer_that_never_stepped_round_trips_without_state(restore: Any, tmp_path: Path, options: StateDictOptions) -> None:
+    """Installed: saved before the first step (nothing invented), resumed with every group's settings
+    and no state (DCP writes no ``state`` entry for the nested layout's empty dict)."""
+    sc_dsd.install()
+    m = dsd_moe.model(0)
+    opt = dsd_moe.optimizer(m)
+    opt.param_groups[1]["lr"] = 0.125
+    dcp.save({"optim": get_optimizer_state_dict(m, opt, options=options)}, checkpoint_id=str(tmp_path))
+    assert not opt.state
+    m2 = dsd_moe.model(1)
+    opt2 = dsd_moe.optimizer(m2)
+    target = {"optim": get_optimizer_state_dict(m2, opt2, options=options)}
+    dcp.load(target, checkpoint_id=str(tmp_path))
+    set_optimizer_state_dict(m2, opt2, target["optim"], options=options)
+    assert not opt2.state and [g["lr"] for g in opt2.param_groups] == [0.01, 0.125]
+
+
+def test_the_docs_block_runs_as_written(restore: Any, tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    """docs/integrations.md, "torch DSD (any trainer)": its one block, as written, in a module of its
+    own (as a script runs in ``__main__``: install() finds the names it imported before)."""
+    (block,) = python_blocks(ROOT / "docs/integrations.md", "torch DSD (any trainer)")
+    monkeypatch.chdir(tmp_path)
+    module = types.ModuleType("docs_dsd_block")
+    monkeypatch.setitem(sys.modules, module.__name__, module)
+    run_block(block, vars(module))
+    assert not sc_dsd.installed() and len(module.optimizer.state) == 2

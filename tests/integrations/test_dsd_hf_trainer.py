@@ -177,3 +177,23 @@ def test_hf_trainer_resumes_exactly_with_dsd_install(tmp_path: Path) -> None:
     assert sizes["stock"]["items"] == sizes["sparse"]["items"], sizes  # a stepped optimizer: the same entries
     run_ranks(resumed, 2, str(tmp_path), timeout=300)
     print(json.dumps(sizes))
+
+
+def test_accelerate_install_reaches_transformers_trainer_imported_before() -> None:
+    """``transformers.trainer`` binds accelerate's ``save_fsdp_optimizer``/``load_fsdp_optimizer`` when it
+    is imported; ``integrations.accelerate.install()`` afterwards replaces those names too, and
+    ``uninstall()`` puts accelerate's own back."""
+    import transformers.trainer as hf_trainer
+    from accelerate.utils import fsdp_utils
+
+    from sparse_ckpt.integrations import accelerate as integration
+
+    assert hf_trainer.save_fsdp_optimizer is fsdp_utils.save_fsdp_optimizer  # bound at import
+    integration.install()
+    try:
+        assert hf_trainer.save_fsdp_optimizer is integration.save_fsdp_optimizer
+        assert hf_trainer.load_fsdp_optimizer is integration.load_fsdp_optimizer
+    finally:
+        integration.uninstall()
+    assert hf_trainer.save_fsdp_optimizer is fsdp_utils.save_fsdp_optimizer
+    assert hf_trainer.load_fsdp_optimizer is fsdp_utils.load_fsdp_optimizer

@@ -8,7 +8,7 @@ live optimizer), and a checkpoint of an optimizer where some parameters never st
 resumed (``Missing key ... .step``). This package provides the same four functions, with DSD's
 signatures, ``StateDictOptions`` and layouts, exact and sparse (:mod:`.functions`), a load target
 a trainer's own ``dcp.load`` fills from the checkpoint (:mod:`.target`), and :func:`install`, the
-one line that routes a trainer's existing calls through them (:mod:`.install`)::
+one line that routes a trainer's existing calls through them (:mod:`.patching`)::
 
     import sparse_ckpt.integrations.dsd as sc_dsd
     sc_dsd.install()   # after the trainer's imports is fine
@@ -19,7 +19,7 @@ No trainer package is imported here.
 from __future__ import annotations
 
 from .functions import get_optimizer_state_dict, get_state_dict, set_optimizer_state_dict, set_state_dict
-from .install import install, installed, uninstall
+from .patching import install, installed, uninstall
 from .target import DsdStateDict
 
 __all__ = [

@@ -70,7 +70,12 @@ def flat_state_dict(model: Any, optimizers: Any) -> dict[str, Any]:
 
 def loadable(osd: Mapping[str, Any]) -> dict[str, Any]:
     """What the library's loader reads for a DSD optimizer dict: the nested layout rewritten into
-    the packed equivalent (one leaf, every group in order), a flat or sparse_ckpt dict as it is."""
+    the packed equivalent (one leaf, every group in order), a flat or sparse_ckpt dict as it is.
+
+    A nested dict without state has no ``state`` entry after ``dcp.load`` (DCP saves nothing for
+    an empty dict): ``param_groups`` alone is read as the nested layout with empty state."""
+    if isinstance(osd.get(PARAM_GROUPS), list) and STATE not in osd:
+        osd = {STATE: {}, **osd}
     kind = nested_kind(osd)
     if kind == "fqn":
         return nested_to_sparse(osd, leaf=SINGLE_LEAF)

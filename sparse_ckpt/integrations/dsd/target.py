@@ -14,7 +14,9 @@ dict in the load target is rebuilt from the checkpoint's metadata, exactly as th
 rebuilds its own targets -- the state the checkpoint has (this rank's parameters), every group's
 settings, tables of a sparse_ckpt checkpoint -- so state that exists reaches the optimizer and
 state that does not stays absent. Unmarked dicts (DSD's own, anything else) are planned as DCP
-plans them.
+plans them, with one check (:func:`refuse_unasked_state`): an unmarked optimizer dict that asks for
+none of the state its checkpoint holds -- a copy of a marked dict, which lost the mark, made for an
+optimizer without state -- fails the load instead of silently leaving the state unread.
 """
 
 from __future__ import annotations
@@ -27,9 +29,13 @@ from torch.distributed.checkpoint.metadata import Metadata
 
 from ..._dcp_paths import metadata_path
 from ..._torch_compat import dcp_storage_reader
-from ...dcp import SparseOptimizerState, SparseStateDict, _rebuild_target
+from ...dcp import SparseOptimizerState, SparseStateDict, _find_targets, _rebuild_target
+from ...errors import CheckpointMismatchError
+from ...nested import NESTED_KEYS
 
-__all__ = ["DsdStateDict", "marked_targets", "rebuild_marked"]
+__all__ = ["DsdStateDict", "marked_targets", "rebuild_marked", "refuse_unasked_state"]
+
+_STATE, _GROUPS = NESTED_KEYS
 
 
 class DsdStateDict(SparseStateDict):
@@ -47,16 +53,10 @@ class DsdStateDict(SparseStateDict):
         return (dict, (), None, None, iter(dict(self).items()))
 
 
-def marked_targets(node: Any, path: tuple[str | int, ...] = ()) -> Iterator[tuple[tuple[str | int, ...], DsdStateDict]]:
-    """Every :class:`DsdStateDict` below ``node`` (dicts and lists), with its DCP object path."""
-    if isinstance(node, DsdStateDict):
-        yield path, node
-    elif isinstance(node, Mapping):
-        for key, value in node.items():
-            yield from marked_targets(value, (*path, str(key)))
-    elif isinstance(node, list):
-        for i, value in enumerate(node):
-            yield from marked_targets(value, (*path, i))
+def marked_targets(node: Any) -> Iterator[tuple[tuple[str | int, ...], DsdStateDict]]:
+    """Every :class:`DsdStateDict` below ``node`` (dicts and lists), with its DCP object path
+    (the library planner's walk, :func:`sparse_ckpt.dcp._find_targets`, keeping the marked dicts)."""
+    return ((path, target) for path, target in _find_targets(node, ()) if isinstance(target, DsdStateDict))
 
 
 def rebuild_marked(state_dict: Any, metadata: Metadata | None, frame: Any = None) -> int:
@@ -73,3 +73,53 @@ def rebuild_marked(state_dict: Any, metadata: Metadata | None, frame: Any = None
     for path, target in targets:
         _rebuild_target(path, target, metadata, paths, reader)
     return len(targets)
+
+
+def _leaf_paths(node: Any, path: tuple[str | int, ...] = ()) -> Iterator[tuple[str | int, ...]]:
+    """The object paths of the values DCP would plan below ``node`` (an empty dict has none)."""
+    if isinstance(node, Mapping):
+        for key, value in node.items():
+            yield from _leaf_paths(value, (*path, str(key)))
+    elif isinstance(node, list) and node and all(isinstance(v, (Mapping, list)) for v in node):
+        for i, value in enumerate(node):
+            yield from _leaf_paths(value, (*path, i))
+    else:
+        yield path
+
+
+def _section(path: tuple[str | int, ...]) -> tuple[tuple[str | int, ...], str] | None:
+    """``(prefix, "state" | "param_groups")`` for a path into an optimizer dict (DSD's nested
+    layout: a ``state``/``param_groups`` part; flat: a part starting with ``state.``/``param_groups.``)."""
+    for i, part in enumerate(path):
+        if isinstance(part, str):
+            for name in NESTED_KEYS:
+                if part == name or part.startswith(name + "."):
+                    return path[:i], name
+    return None
+
+
+def refuse_unasked_state(state_dict: Any, metadata: Metadata | None) -> None:
+    """Raise :class:`~sparse_ckpt.CheckpointMismatchError` when an unmarked optimizer dict of the load
+    target (``param_groups`` entries under some path, no ``state`` entry) meets a checkpoint holding
+    state under that path: DCP would read the settings and leave the state unread, silently."""
+    if metadata is None:
+        return
+    marked = {path for path, _target in marked_targets(state_dict)}
+    groups: set[tuple[str | int, ...]] = set()
+    asked: set[tuple[str | int, ...]] = set()
+    for path in _leaf_paths(state_dict):
+        found = _section(path)
+        if found is not None and found[0] not in marked:
+            (groups if found[1] == _GROUPS else asked).add(found[0])
+    if not groups - asked:
+        return
+    for key in metadata.state_dict_metadata:
+        found = _section(metadata_path(metadata, key))
+        if found is not None and found[1] == _STATE and found[0] in groups - asked:
+            where = ".".join(map(str, found[0]))
+            raise CheckpointMismatchError(
+                f"the checkpoint holds optimizer state under {where!r} (e.g. {key!r}) and the load target's optimizer "
+                "dict there asks for none of it: DCP would load the param groups and silently leave the state "
+                "unread. With sparse_ckpt.integrations.dsd installed, put the dict get_optimizer_state_dict "
+                "returned into the load target itself (a copy of it is not rebuilt from the checkpoint)"
+            )

@@ -9,7 +9,8 @@ What it patches (all undone by :func:`uninstall`, which puts torch's exact objec
   before ``install()``), found by identity in ``sys.modules``;
 - ``DefaultLoadPlanner.set_up_planner``: the dicts this module hands out (and only those) are
   rebuilt from the checkpoint's metadata before planning (:mod:`.target`), for ``planner=None``,
-  ``DefaultLoadPlanner()`` and every subclass that calls ``super().set_up_planner``.
+  ``DefaultLoadPlanner()`` and every subclass that calls ``super().set_up_planner``; an unmarked
+  optimizer dict that asks for none of its checkpoint's state is refused (a silent loss otherwise).
 
 A module imported after ``install()`` binds the replacements, so the import order does not matter.
 """
@@ -28,8 +29,9 @@ from torch.distributed.checkpoint.default_planner import DefaultLoadPlanner
 
 from ..._torch_compat import DSD_CHECKED, DSD_OPTIONS, DSD_SIGNATURES
 from ...dcp import SparseLoadPlanner
+from .._rebind import bindings
 from . import functions
-from .target import rebuild_marked
+from .target import rebuild_marked, refuse_unasked_state
 
 __all__ = ["install", "installed", "uninstall"]
 
@@ -51,20 +53,11 @@ def install() -> None:
             return
         _check_torch()
         ours = {name: getattr(functions, name) for name in DSD_SIGNATURES}
-        originals = {id(functions.torch_dsd[name]): name for name in DSD_SIGNATURES}
         for name, fn in ours.items():
             _patched.append((_dsd, name, functions.torch_dsd[name], fn))
-        for module in list(sys.modules.values()):
-            if module is None or module is _dsd or getattr(module, "__name__", "").startswith(__package__ or "-"):
-                continue
-            try:
-                namespace = vars(module)
-            except TypeError:  # pragma: no cover - an odd sys.modules entry
-                continue
-            for attr, value in list(namespace.items()):
-                name = originals.get(id(value))
-                if name is not None and value is functions.torch_dsd[name]:
-                    _patched.append((module, attr, value, ours[name]))
+        replacements = {id(functions.torch_dsd[name]): (functions.torch_dsd[name], fn) for name, fn in ours.items()}
+        own = [m for n, m in sys.modules.items() if n == __package__ or n.startswith(f"{__package__}.")]
+        _patched.extend(bindings(replacements, skip=[_dsd, *own]))
         _patched.append((DefaultLoadPlanner, "set_up_planner", vars(DefaultLoadPlanner)["set_up_planner"], _set_up_planner))
         for owner, name, _theirs, mine in _patched:
             setattr(owner, name, mine)
@@ -89,6 +82,7 @@ def _set_up_planner(self: DefaultLoadPlanner, state_dict: Any, metadata: Any = N
     """``DefaultLoadPlanner.set_up_planner`` that first rebuilds the marked optimizer dicts."""
     if not isinstance(self, SparseLoadPlanner):  # it rebuilds them itself
         rebuild_marked(state_dict, metadata, sys._getframe(1))
+        refuse_unasked_state(state_dict, metadata)
     return _TORCH_SET_UP_PLANNER(self, state_dict, metadata, is_coordinator)
 
 
