@@ -24,6 +24,7 @@ Lightning is told about the ranks the drill starts through the torchrun variable
 
 from __future__ import annotations
 
+import re
 from pathlib import Path
 from typing import Any
 
@@ -57,8 +58,8 @@ pytestmark = [
 KINDS = {"dcp": True, "file": False}
 """Checkpoint kind -> ``save_distributed_checkpoint``."""
 STOCK_ERRORS = {
-    "dcp": (r"Missing key in checkpoint state_dict: {prefix}\.state\.{fqn}\.step", "CheckpointException"),
-    "file": (r"Missing optimizer state for parameter '{fqn}' in checkpoint", "RuntimeError"),
+    "dcp": r"Missing key in checkpoint state_dict: {prefix}\.state\.{fqn}\.step",  # DCP's planner
+    "file": r"Missing optimizer state for parameter '{fqn}' in checkpoint",  # DSD's strict check
 }
 UNROUTED = "layers.0.experts.4.weight"
 FABRIC_BLOCK = "fabric.save(path"
@@ -78,14 +79,12 @@ def _quiet() -> None:
     logging.getLogger("lightning").setLevel(logging.ERROR)
 
 
-def stock_error(kind: str, prefix: str, fqn: str) -> tuple[str, type]:
+def stock_error(kind: str, prefix: str, fqn: str) -> tuple[type[BaseException], str]:
+    """The exception and message of a stock resume from a checkpoint of ``kind``."""
     from torch.distributed.checkpoint.api import CheckpointException
 
-    pattern, name = STOCK_ERRORS[kind]
-    return pattern.format(prefix=prefix.replace(".", r"\."), fqn=fqn.replace(".", r"\.")), {
-        "CheckpointException": CheckpointException,
-        "RuntimeError": RuntimeError,
-    }[name]
+    pattern = STOCK_ERRORS[kind].format(prefix=re.escape(prefix), fqn=re.escape(fqn))
+    return (CheckpointException if kind == "dcp" else RuntimeError), pattern
 
 
 # --------------------------------------------------------------------------- Fabric
@@ -159,7 +158,7 @@ def fabric_resumes(rank: int, world_size: int, root: str) -> None:
     reference = load_reference(root, "fabric")
     for kind in KINDS:
         fabric, model, optimizer, scheduler = fabric_run(world_size, kind)
-        pattern, error = stock_error(kind, "optimizer", UNROUTED)
+        error, pattern = stock_error(kind, "optimizer", UNROUTED)
         with pytest.raises(error, match=pattern):
             fabric_load(fabric, Path(root) / f"stock-{kind}", model, optimizer, scheduler)
         assert len(optimizer.optimizer.state) == dsd_moe.PARAMS  # DSD's synthetic step: 18 invented
@@ -253,7 +252,7 @@ def trainer_resumes(rank: int, world_size: int, root: str) -> None:
     reference = load_reference(root, "trainer")
     for kind in KINDS:
         t, module = trainer(world_size, kind, STEPS), trainer_module()
-        pattern, error = stock_error(kind, "optimizer_0", f"moe.{UNROUTED}")
+        error, pattern = stock_error(kind, "optimizer_0", f"moe.{UNROUTED}")
         with pytest.raises(error, match=pattern):
             t.fit(module, data(), ckpt_path=Path(root) / f"stock-{kind}.ckpt")
         assert len(t.optimizers[0].state) == dsd_moe.PARAMS  # DSD's synthetic step: 18 invented
