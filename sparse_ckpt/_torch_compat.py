@@ -153,7 +153,7 @@ DSD_SIGNATURES: dict[str, tuple[str, ...]] = {
     "get_state_dict": ("model", "optimizers", "submodules", "options"),
     "set_state_dict": ("model", "optimizers", "model_state_dict", "optim_state_dict", "options"),
 }
-"""Parameter names of the torch DSD functions that ``integrations.dsd`` replaces (torch 2.6 - 2.13)."""
+"""Parameter names of the torch DSD functions that ``integrations.dsd`` replaces (as in torch 2.13.0)."""
 
 DSD_OPTIONS = (
     "full_state_dict",
@@ -164,14 +164,13 @@ DSD_OPTIONS = (
     "broadcast_from_rank0",
     "flatten_optimizer_state_dict",
 )
-"""The ``StateDictOptions`` fields ``integrations.dsd`` reads (all present since torch 2.6;
-``dsd_fqn_modifiers``, newer, is read when present)."""
+"""The ``StateDictOptions`` fields ``integrations.dsd`` reads (``dsd_fqn_modifiers`` is read when present)."""
 
 
 def gather_full_state_dict(state_dict: dict[str, Any], *, cpu_offload: bool, ranks_only: tuple[int, ...]) -> dict[str, Any]:
     """torch DSD's ``full_state_dict`` gathering: every DTensor as its full tensor (a collective per
     tensor, in the dict's order), on CPU with ``cpu_offload``, kept only on ``ranks_only`` (others get
-    ``{}``) when given. torch's private ``_gather_state_dict`` (checked on 2.6 - 2.13), the same
+    ``{}``) when given. torch's private ``_gather_state_dict`` (checked on torch 2.13.0), the same
     function DSD calls, so the result is DSD's."""
     from torch.distributed._state_dict_utils import _gather_state_dict
 
@@ -180,7 +179,7 @@ def gather_full_state_dict(state_dict: dict[str, Any], *, cpu_offload: bool, ran
 
 def offload_state_dict_to_cpu(state_dict: dict[str, Any]) -> dict[str, Any]:
     """torch DSD's ``cpu_offload`` (without ``full_state_dict``): every tensor copied to CPU, DTensors
-    keeping their placements. torch's private ``_offload_state_dict_to_cpu`` (checked on 2.6 - 2.13)."""
+    keeping their placements. torch's private ``_offload_state_dict_to_cpu`` (checked on torch 2.13.0)."""
     from torch.distributed._state_dict_utils import _offload_state_dict_to_cpu
 
     return _offload_state_dict_to_cpu(state_dict)

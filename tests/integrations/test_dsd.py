@@ -203,9 +203,11 @@ def variants(rank: int, root: str, m: Any, opt: Any, sched: Any, two: bool) -> N
     save(m, opt, sched, f"{root}/{tag}-async", NESTED, writer=dcp.async_save).result()
     full_options = StateDictOptions(full_state_dict=True, cpu_offload=True)
     full = get_optimizer_state_dict(m, _each(opt), options=full_options)
+    model_full = get_model_state_dict(m, options=full_options)
     assert (len(full) > 0) == (rank == 0)  # DSD's cpu_offload full dict: rank 0 only
     if rank == 0:
         torch.save(dict(full), f"{root}/{tag}-full.pt")
+        torch.save(model_full, f"{root}/{tag}-model.pt")
         torch.save(state_snapshot(m, opt), f"{root}/{tag}-at-save.pt")
     else:
         state_snapshot(m, opt)  # the same collectives
@@ -218,10 +220,12 @@ def variants(rank: int, root: str, m: Any, opt: Any, sched: Any, two: bool) -> N
             where = f"{tag}: {name}, planner {type(planner).__name__}"
             check_exact(rank, resume(f"{root}/{tag}-{name}", options, planner, two=two, combined=combined), reference, where)
 
-    # full_state_dict + broadcast_from_rank0: rank 0 reads the file, the others pass {}
+    # full_state_dict + broadcast_from_rank0 (set_state_dict): rank 0 reads the files, the others pass {}
     m2, opt2, _ = fresh(two)
     full = torch.load(f"{root}/{tag}-full.pt", weights_only=False) if rank == 0 else {}
-    set_optimizer_state_dict(m2, _each(opt2), full, options=StateDictOptions(full_state_dict=True, broadcast_from_rank0=True))
+    model_full = torch.load(f"{root}/{tag}-model.pt", weights_only=False) if rank == 0 else {}
+    broadcast = StateDictOptions(full_state_dict=True, broadcast_from_rank0=True)
+    set_state_dict(m2, _each(opt2), model_state_dict=model_full, optim_state_dict=full, options=broadcast)
     assert with_state(opt2) == dsd_moe.STEPPED
     got = state_snapshot(m2, opt2)
     if rank == 0:
@@ -378,13 +382,26 @@ def test_get_state_dict_ignore_frozen_params_is_torchs_model_dict() -> None:
     assert len(osd["state"]) == dsd_moe.STEPPED and len(osd["param_groups"]) == 2
 
 
-def test_what_it_cannot_serve_goes_to_torch() -> None:
-    """A model using DSD's ``_fqn_modifiers`` hook: torch's own function runs (and steps, as torch does)."""
+class OwnStateDict(torch.optim.AdamW):
+    """An optimizer class that overrides ``state_dict`` (no adapter registered)."""
+
+    def state_dict(self) -> dict[str, Any]:
+        return super().state_dict()
+
+
+@pytest.mark.parametrize("case", ["fqn_modifiers", "own_state_dict"])
+def test_what_it_cannot_serve_goes_to_torch(case: str) -> None:
+    """A model using DSD's ``_fqn_modifiers`` hook, an optimizer the library cannot capture: torch's
+    own function runs (and steps, as torch does), so install() breaks no call that worked."""
     m = dsd_moe.model(0)
-    m.layers[0]._fqn_modifiers = dict  # type: ignore[assignment]
-    opt = dsd_moe.optimizer(m)
-    sc_dsd.get_optimizer_state_dict(m, opt)
-    assert len(opt.state) == dsd_moe.PARAMS
+    if case == "fqn_modifiers":
+        m.layers[0]._fqn_modifiers = dict  # type: ignore[assignment]
+        opt = dsd_moe.optimizer(m)
+    else:
+        opt = OwnStateDict(dsd_moe.param_groups(m), lr=0.01)
+    osd = sc_dsd.get_optimizer_state_dict(m, opt)
+    assert len(opt.state) == dsd_moe.PARAMS and not isinstance(osd, sc_dsd.DsdStateDict)
+    sc_dsd.set_optimizer_state_dict(m, opt, osd)
 
 
 def test_a_copy_of_the_marked_dict_is_refused_not_silently_stateless(restore: Any, tmp_path: Path) -> None:
@@ -435,3 +452,19 @@ def test_the_docs_block_runs_as_written(restore: Any, tmp_path: Path, monkeypatc
     monkeypatch.setitem(sys.modules, module.__name__, module)
     run_block(block, vars(module))
     assert not sc_dsd.installed() and len(module.optimizer.state) == 2
+
+
+def test_a_partial_load_of_a_checkpoint_without_optimizer_leaves_the_marked_dict(restore: Any, tmp_path: Path) -> None:
+    """Installed, ``allow_partial_load=True`` (VeOmni's stock planner), a model-only checkpoint: the
+    marked optimizer dict is left as it is, as DCP leaves what the checkpoint lacks; without partial
+    loading it is a mismatch naming the path."""
+    m, _ = trained()
+    dcp.save({"model": get_model_state_dict(m)}, checkpoint_id=str(tmp_path))
+    sc_dsd.install()
+    m2 = dsd_moe.model(1)
+    opt2 = dsd_moe.optimizer(m2)
+    target = {"model": get_model_state_dict(m2), "optim": get_optimizer_state_dict(m2, opt2)}
+    dcp.load(target, checkpoint_id=str(tmp_path), planner=DefaultLoadPlanner(allow_partial_load=True))
+    assert target["optim"]["state"] == {} and len(target["optim"]["param_groups"]) == 2
+    with pytest.raises(CheckpointException, match=r"no optimizer entries under 'optim'"):
+        dcp.load(target, checkpoint_id=str(tmp_path))

@@ -11,7 +11,6 @@ stepped to make one.
 
 from __future__ import annotations
 
-from collections.abc import Mapping
 from typing import Any
 
 import torch
@@ -85,7 +84,3 @@ def shard_like_params(data: dict[str, Any], fmap: FqnMap) -> dict[str, Any]:
             )
     return out
 
-
-def is_empty(osd: Mapping[str, Any]) -> bool:
-    """An empty optimizer dict (what DSD's ``cpu_offload`` full dict is on ranks other than 0)."""
-    return len(osd) == 0

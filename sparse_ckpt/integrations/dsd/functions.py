@@ -15,9 +15,11 @@ are cut into this rank's shards, ``broadcast_from_rank0`` takes rank 0's dict. `
 the model's ``load_state_dict``) also makes the optimizer load refuse missing or extra FQNs.
 
 The model side of ``get_state_dict``/``set_state_dict`` is torch's own ``get_model_state_dict`` /
-``set_model_state_dict``. What this module cannot serve exactly goes to torch's DSD unchanged:
-models with FSDP1 (``FullyShardedDataParallel``, flat parameters), the deprecated ``submodules``
-argument, and models using DSD's ``_fqn_modifiers`` hook.
+``set_model_state_dict``. What this module cannot serve exactly goes to torch's DSD unchanged (so
+``install()`` never breaks a call that worked): models with FSDP1 (``FullyShardedDataParallel``,
+flat parameters), the deprecated ``submodules`` argument, models using DSD's ``_fqn_modifiers``
+hook, and optimizers the library cannot capture (a class that overrides ``state_dict`` without a
+registered adapter, see :func:`sparse_ckpt.register_state_dict_adapter`).
 """
 
 from __future__ import annotations
@@ -33,7 +35,9 @@ from torch.distributed.checkpoint.state_dict import StateDictOptions
 from torch.distributed.tensor import DTensor
 
 from ..._gc import gc_paused
+from ...capture import check_leaves
 from ...dcp import SparseOptimizerState, multi_rank
+from ...errors import UnsupportedStateDictError
 from ...fqn import build_fqn_map
 from ...load import load_owned
 from . import full, layouts
@@ -72,7 +76,7 @@ def get_optimizer_state_dict(
     """DSD's ``get_optimizer_state_dict``, exact and sparse (see the module doc)."""
     optims = _as_tuple(optimizers)
     opts = _checked(options, optims)
-    if not served(model, submodules, opts):
+    if not served(model, optims, submodules, opts):
         return torch_dsd["get_optimizer_state_dict"](model, optimizers, submodules=submodules, options=options)
     return _optimizer_state_dict(model, optims, opts)
 
@@ -87,7 +91,7 @@ def get_state_dict(
     """DSD's ``get_state_dict``: torch's model state dict and the exact, sparse optimizer dict."""
     optims = _as_tuple(optimizers)
     opts = _checked(options, optims)
-    if not served(model, submodules, opts):
+    if not served(model, optims, submodules, opts):
         return torch_dsd["get_state_dict"](model, optimizers, submodules=submodules, options=options)
     model_sd = torch_dsd["get_model_state_dict"](model, options=options)
     return model_sd, _optimizer_state_dict(model, optims, opts)
@@ -103,7 +107,7 @@ def set_optimizer_state_dict(
     """DSD's ``set_optimizer_state_dict``, exact (see the module doc): nothing is invented."""
     optims = _as_tuple(optimizers)
     opts = _checked(options, optims)
-    if not served(model, None, opts):
+    if not served(model, optims, None, opts):
         return torch_dsd["set_optimizer_state_dict"](model, optimizers, optim_state_dict, options=options)
     _load_optimizers(model, optims, optim_state_dict, opts)
     return None
@@ -121,18 +125,22 @@ def set_state_dict(
     returns the model load's ``missing_keys``/``unexpected_keys``."""
     optims = _as_tuple(optimizers)
     opts = _checked(options, optims, optim_only=False)
-    if not served(model, None, opts):
+    if not served(model, optims, None, opts):
         return torch_dsd["set_state_dict"](
             model, optimizers, model_state_dict=model_state_dict, optim_state_dict=optim_state_dict, options=options
         )
-    if optim_state_dict:
+    if optim_state_dict or opts.broadcast_from_rank0:  # (other ranks pass {} and receive rank 0's)
         _load_optimizers(model, optims, optim_state_dict, opts)
     return torch_dsd["set_model_state_dict"](model, model_state_dict, options=options)
 
 
-def served(model: nn.Module, submodules: Any, options: StateDictOptions) -> bool:
+def served(model: nn.Module, optims: tuple[Any, ...], submodules: Any, options: StateDictOptions) -> bool:
     """Whether this module serves the call exactly; else it goes to torch's DSD (see the module doc)."""
     if submodules:
+        return False
+    try:
+        check_leaves(layouts.leaves_of(optims))
+    except (UnsupportedStateDictError, TypeError):
         return False
     from torch.distributed.fsdp import FullyShardedDataParallel as FSDP
 

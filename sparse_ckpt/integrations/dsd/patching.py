@@ -65,7 +65,8 @@ def install() -> None:
 
 def uninstall() -> None:
     """Undo :func:`install`: torch's own objects are back wherever it replaced them (a name that
-    something else rebound since is left alone). No-op when not installed."""
+    something else rebound since is left alone; a module imported while installed keeps the
+    functions of this package it bound, which still work called directly). No-op when not installed."""
     with _lock:
         for owner, name, theirs, mine in reversed(_patched):
             if getattr(owner, name, None) is mine or vars(owner).get(name) is mine:
@@ -81,7 +82,7 @@ def installed() -> bool:
 def _set_up_planner(self: DefaultLoadPlanner, state_dict: Any, metadata: Any = None, is_coordinator: bool = False) -> None:
     """``DefaultLoadPlanner.set_up_planner`` that first rebuilds the marked optimizer dicts."""
     if not isinstance(self, SparseLoadPlanner):  # it rebuilds them itself
-        rebuild_marked(state_dict, metadata, sys._getframe(1))
+        rebuild_marked(state_dict, metadata, sys._getframe(1), allow_partial_load=getattr(self, "allow_partial_load", False))
         refuse_unasked_state(state_dict, metadata)
     return _TORCH_SET_UP_PLANNER(self, state_dict, metadata, is_coordinator)
 

@@ -59,10 +59,12 @@ def marked_targets(node: Any) -> Iterator[tuple[tuple[str | int, ...], DsdStateD
     return ((path, target) for path, target in _find_targets(node, ()) if isinstance(target, DsdStateDict))
 
 
-def rebuild_marked(state_dict: Any, metadata: Metadata | None, frame: Any = None) -> int:
+def rebuild_marked(state_dict: Any, metadata: Metadata | None, frame: Any = None, *, allow_partial_load: bool = False) -> int:
     """Rebuild every marked dict in the load target ``state_dict`` from ``metadata`` (see the
     module doc); returns how many. ``frame``: the caller of ``set_up_planner`` (to reach the
-    load's storage reader for ``state_layout="buffers"`` checkpoints)."""
+    load's storage reader for ``state_layout="buffers"`` checkpoints). With ``allow_partial_load``
+    (the planner's), a marked dict the checkpoint has nothing for is left as it is, as DCP leaves
+    target entries the checkpoint lacks; without it that is a :class:`CheckpointMismatchError`."""
     if metadata is None:
         return 0
     targets = list(marked_targets(state_dict))
@@ -70,9 +72,13 @@ def rebuild_marked(state_dict: Any, metadata: Metadata | None, frame: Any = None
         return 0
     paths = {key: metadata_path(metadata, key) for key in metadata.state_dict_metadata}
     reader = dcp_storage_reader(frame if frame is not None else sys._getframe(1))
+    done = 0
     for path, target in targets:
+        if allow_partial_load and not any(len(p) > len(path) and p[: len(path)] == path for p in paths.values()):
+            continue
         _rebuild_target(path, target, metadata, paths, reader)
-    return len(targets)
+        done += 1
+    return done
 
 
 def _leaf_paths(node: Any, path: tuple[str | int, ...] = ()) -> Iterator[tuple[str | int, ...]]:
