@@ -12,6 +12,8 @@ cover what needs no process group (torch DSD works on a plain CPU model without 
 
 from __future__ import annotations
 
+import copy
+import pickle
 import sys
 import types
 from pathlib import Path
@@ -404,25 +406,54 @@ def test_what_it_cannot_serve_goes_to_torch(case: str) -> None:
     sc_dsd.set_optimizer_state_dict(m, opt, osd)
 
 
-def test_a_copy_of_the_marked_dict_is_refused_not_silently_stateless(restore: Any, tmp_path: Path) -> None:
+def test_a_copy_of_the_marked_dict_loads_or_is_refused_never_silently_stateless(restore: Any, tmp_path: Path) -> None:
     """Installed: a load target holding a *copy* of the dict ``get_optimizer_state_dict`` returned
-    (the mark is lost) for a fresh optimizer asks for no state; the load fails instead of reading only
-    the settings. The dict itself loads; unmarked targets that ask for state load as DCP loads them."""
+    for a fresh optimizer (the mark is lost) asks for no state. A shallow copy (the same value
+    objects, as NeMo Automodel's ``OptimizerState`` merges the dicts) is recognised and loads like
+    the dict itself; any other copy (here one through pickle: new value objects) fails the load
+    instead of reading only the settings. Unmarked targets that ask for state load as DCP loads them."""
     m, opt = trained()
     sc_dsd.install()
     for options in (NESTED, FLAT):
         dcp.save({"optim": get_optimizer_state_dict(m, opt, options=options)}, checkpoint_id=str(tmp_path / "c"))
         m2 = dsd_moe.model(0)
         opt2 = dsd_moe.optimizer(m2)
-        copied = {"optim": dict(get_optimizer_state_dict(m2, opt2, options=options))}
+        other = {"optim": pickle.loads(pickle.dumps(dict(get_optimizer_state_dict(m2, opt2, options=options))))}
         with pytest.raises(CheckpointException, match=r"CheckpointMismatchError: the checkpoint holds optimizer state under 'optim'.*asks for none of it"):
+            dcp.load(other, checkpoint_id=str(tmp_path / "c"))
+        for made in (dict, lambda d: {k: v for k, v in d.items()}):  # a temporary, copied: NeMo's pattern
+            m2 = dsd_moe.model(0)
+            opt2 = dsd_moe.optimizer(m2)
+            copied = {"optim": made(get_optimizer_state_dict(m2, opt2, options=options))}
             dcp.load(copied, checkpoint_id=str(tmp_path / "c"))
+            assert type(copied["optim"]) is dict
+            set_optimizer_state_dict(m2, opt2, copied["optim"], options=options)
+            assert with_state(opt2) == dsd_moe.STEPPED
+            assert_deep_equal(state_snapshot(m2, opt2), state_snapshot(m, opt), "a copied target", nan_equal="none", check_order=False)
         marked = {"optim": get_optimizer_state_dict(m2, opt2, options=options)}
         dcp.load(marked, checkpoint_id=str(tmp_path / "c"))
-        set_optimizer_state_dict(m2, opt2, marked["optim"], options=options)
-        assert len(opt2.state) == dsd_moe.STEPPED
         torchs = {"optim": STOCK["get_optimizer_state_dict"](m2, opt2, options=options)}  # unmarked, with state
         dcp.load(torchs, checkpoint_id=str(tmp_path / "c"))
+
+
+@pytest.mark.parametrize(
+    "options",
+    [NESTED, FLAT, StateDictOptions(full_state_dict=True), StateDictOptions(full_state_dict=True, flatten_optimizer_state_dict=True)],
+    ids=["nested", "flat", "full", "full-flat"],
+)
+def test_a_returned_dict_round_trips_through_torch_save_and_a_weights_only_load(tmp_path: Path, options: StateDictOptions) -> None:
+    """``torch.save`` of a returned dict (what Lightning Fabric's one-file checkpoint does) reads back
+    with ``torch.load``'s default ``weights_only=True`` and loads exactly; copies are plain dicts."""
+    m, opt = trained()
+    osd = sc_dsd.get_optimizer_state_dict(m, opt, options=options)
+    torch.save(osd, tmp_path / "osd.pt")
+    back = torch.load(tmp_path / "osd.pt")
+    assert isinstance(back, dict) and list(back) == list(osd)
+    assert type(copy.copy(osd)) is dict and type(copy.deepcopy(osd)) is dict
+    m2 = dsd_moe.model(0)
+    opt2 = dsd_moe.optimizer(m2)
+    sc_dsd.set_optimizer_state_dict(m2, opt2, back, options=options)
+    assert_deep_equal(state_snapshot(m2, opt2), state_snapshot(m, opt), "through torch.save", nan_equal="none", check_order=False)
 
 
 @pytest.mark.parametrize("options", [NESTED, FLAT], ids=["nested", "flat"])
@@ -444,9 +475,12 @@ def test_an_optimizer_that_never_stepped_round_trips_without_state(restore: Any,
 
 
 def test_the_docs_block_runs_as_written(restore: Any, tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
-    """docs/integrations.md, "torch DSD (any trainer)": its one block, as written, in a module of its
-    own (as a script runs in ``__main__``: install() finds the names it imported before)."""
-    (block,) = python_blocks(ROOT / "docs/integrations.md", "torch DSD (any trainer)")
+    """docs/integrations.md, "torch DSD (any trainer)": its first block, as written, in a module of its
+    own (as a script runs in ``__main__``: install() finds the names it imported before). The
+    section's other blocks are the trainer drills' (test_lightning.py, test_olmo_core.py,
+    test_nemo_automodel.py run them)."""
+    block = python_blocks(ROOT / "docs/integrations.md", "torch DSD (any trainer)")[0]
+    assert "def experts(" in block.code
     monkeypatch.chdir(tmp_path)
     module = types.ModuleType("docs_dsd_block")
     monkeypatch.setitem(sys.modules, module.__name__, module)

@@ -24,7 +24,8 @@ registered adapter, see `sparse_ckpt.register_state_dict_adapter`).
 
 from __future__ import annotations
 
-from collections.abc import Iterable, Mapping
+import weakref
+from collections.abc import Callable, Iterable, Mapping
 from typing import Any
 
 import torch
@@ -42,7 +43,7 @@ from ..._load.load import load_owned
 from ..._save.capture import check_leaves
 from ...errors import UnsupportedStateDictError
 from . import full, layouts
-from .target import DsdStateDict
+from .target import DsdStateDict, remember_stateless
 
 __all__ = [
     "get_optimizer_state_dict",
@@ -176,7 +177,22 @@ def _optimizer_state_dict(model: nn.Module, optims: tuple[Any, ...], opts: State
             sd = layouts.flat_state_dict(model, leaves)
         else:
             sd = layouts.nested_state_dict(build_fqn_map(model), leaves)
-    return DsdStateDict(full.full_or_cpu(sd, opts.full_state_dict, opts.cpu_offload), owner)
+    out = DsdStateDict(full.full_or_cpu(sd, opts.full_state_dict, opts.cpu_offload), owner)
+    remember_stateless(out, _owner_maker(model, optims, opts.strict))
+    return out
+
+
+def _owner_maker(model: nn.Module, optims: tuple[Any, ...], strict: bool) -> Callable[[], SparseOptimizerState | None]:
+    """Makes ``_optimizer_state_dict``'s owner again, while the model and optimizers are alive."""
+    refs = (weakref.ref(model), *(weakref.ref(o) for o in optims))
+
+    def make() -> SparseOptimizerState | None:
+        objects = [r() for r in refs]
+        if any(o is None for o in objects):
+            return None
+        return SparseOptimizerState(objects[0], layouts.leaves_of(tuple(objects[1:])), format="flat", strict=strict)
+
+    return make
 
 
 def _load_optimizers(model: nn.Module, optims: tuple[Any, ...], osd: Mapping[str, Any], opts: StateDictOptions) -> None:

@@ -9,8 +9,10 @@ What it patches (all undone by `uninstall`, which puts torch's exact objects bac
   before ``install()``), found by identity in ``sys.modules``;
 - ``DefaultLoadPlanner.set_up_planner``: the dicts this module hands out (and only those) are
   rebuilt from the checkpoint's metadata before planning (`.target`), for ``planner=None``,
-  ``DefaultLoadPlanner()`` and every subclass that calls ``super().set_up_planner``; an unmarked
-  optimizer dict that asks for none of its checkpoint's state is refused (a silent loss otherwise).
+  ``DefaultLoadPlanner()`` and every subclass that calls ``super().set_up_planner``; so is a
+  recognised shallow copy of one handed out for an optimizer without state (a trainer that merges
+  the returned dicts into a new one, as NeMo Automodel does); any other unmarked optimizer dict that
+  asks for none of its checkpoint's state is refused (a silent loss otherwise).
 
 A module imported after ``install()`` binds the replacements, so the import order does not matter.
 """
@@ -31,7 +33,7 @@ from ..._dcp.planner import SparseLoadPlanner
 from ..._torch_internals import DSD_CHECKED, DSD_OPTIONS, DSD_SIGNATURES, caller_frame
 from .._rebind import bindings
 from . import functions
-from .target import rebuild_marked, refuse_unasked_state
+from .target import rebuild_copies, rebuild_marked, refuse_unasked_state
 
 __all__ = ["install", "installed", "uninstall"]
 
@@ -83,6 +85,7 @@ def _set_up_planner(self: DefaultLoadPlanner, state_dict: Any, metadata: Any = N
     """``DefaultLoadPlanner.set_up_planner`` that first rebuilds the marked optimizer dicts."""
     if not isinstance(self, SparseLoadPlanner):  # it rebuilds them itself
         rebuild_marked(state_dict, metadata, caller_frame(1), allow_partial_load=getattr(self, "allow_partial_load", False))
+        rebuild_copies(state_dict, metadata, caller_frame(1))
         refuse_unasked_state(state_dict, metadata)
     return _TORCH_SET_UP_PLANNER(self, state_dict, metadata, is_coordinator)
 

@@ -14,14 +14,20 @@ dict in the load target is rebuilt from the checkpoint's metadata, exactly as th
 rebuilds its own targets -- the state the checkpoint has (this rank's parameters), every group's
 settings, tables of a sparse_ckpt checkpoint -- so state that exists reaches the optimizer and
 state that does not stays absent. Unmarked dicts (DSD's own, anything else) are planned as DCP
-plans them, with one check (`refuse_unasked_state`): an unmarked optimizer dict that asks for
-none of the state its checkpoint holds -- a copy of a marked dict, which lost the mark, made for an
-optimizer without state -- fails the load instead of silently leaving the state unread.
+plans them, with one exception and one check. A trainer may copy the returned dict into a new one
+before ``dcp.load`` (NeMo Automodel's ``OptimizerState`` does), which loses the mark; for a fresh
+optimizer that copy asks for no state at all. `rebuild_copies` recognises such a copy (its
+items are the very objects a recent call returned for an optimizer without state, still alive:
+`remember_stateless`) and rebuilds it like the marked dict. Any other unmarked optimizer dict
+that asks for none of the state its checkpoint holds fails the load
+(`refuse_unasked_state`) instead of silently leaving the state unread.
 """
 
 from __future__ import annotations
 
-from collections.abc import Iterator, Mapping
+import copy
+from collections import OrderedDict, deque
+from collections.abc import Callable, Iterator, Mapping
 from typing import Any
 
 from torch.distributed.checkpoint.metadata import Metadata
@@ -33,15 +39,25 @@ from ..._format.nested import NESTED_KEYS
 from ..._torch_internals import caller_frame, dcp_storage_reader
 from ...errors import CheckpointMismatchError
 
-__all__ = ["DsdStateDict", "marked_targets", "rebuild_marked", "refuse_unasked_state"]
+__all__ = [
+    "DsdStateDict",
+    "marked_targets",
+    "rebuild_copies",
+    "rebuild_marked",
+    "refuse_unasked_state",
+    "remember_stateless",
+]
 
 _STATE, _GROUPS = NESTED_KEYS
 
 
 class DsdStateDict(SparseStateDict):
     """A DSD-layout optimizer dict made by ``integrations.dsd``: a ``dict`` whose class marks it as a
-    load target `rebuild_marked` may rebuild. Pickles and copies as a plain ``dict`` of its
-    items (no origin record: DSD's dicts carry none, and a full state dict is meant to travel)."""
+    load target `rebuild_marked` may rebuild. Copies (``copy.copy``, ``copy.deepcopy``) are
+    plain dicts of its items; a pickle (``torch.save``) is a ``collections.OrderedDict`` of them,
+    which ``torch.load`` reads with ``weights_only=True`` (its default; a ``dict`` built by a pickled
+    call is refused there), as it reads a module's ``state_dict()``. No origin record: DSD's dicts
+    carry none, and a full state dict is meant to travel."""
 
     __slots__ = ()
 
@@ -50,7 +66,94 @@ class DsdStateDict(SparseStateDict):
         self.origin = None
 
     def __reduce_ex__(self, protocol: Any) -> tuple[Any, ...]:
-        return (dict, (), None, None, iter(dict(self).items()))
+        return (OrderedDict, (), None, None, iter(dict(self).items()))
+
+    def __copy__(self) -> dict[str, Any]:
+        return dict(self)
+
+    def __deepcopy__(self, memo: dict[int, Any]) -> dict[str, Any]:
+        return copy.deepcopy(dict(self), memo)
+
+
+_STATELESS: deque[tuple[dict[str, Any], Callable[[], SparseOptimizerState | None]]] = deque(maxlen=8)
+"""The last dicts handed out that ask for no state (a fresh optimizer's): their items (the optimizer's
+own small ``param_groups`` values, or its nested ``state``/``param_groups`` objects) and how to make
+their owner again (weak references: nothing here keeps a model or an optimizer alive)."""
+
+
+def remember_stateless(target: DsdStateDict, make_owner: Callable[[], SparseOptimizerState | None]) -> None:
+    """Record ``target`` if it asks for no state: a load target that is a shallow copy of it (a
+    trainer that copies the returned dict before ``dcp.load``, e.g. NeMo Automodel's
+    ``OptimizerState``) is then rebuilt like the dict itself (`rebuild_copies`)."""
+    if not any(found[1] == _STATE for path in _leaf_paths(target) if (found := _section(path)) is not None):
+        _STATELESS.append((dict(target), make_owner))
+
+
+def _node(state_dict: Any, path: tuple[str | int, ...]) -> Any:
+    for part in path:
+        state_dict = state_dict[part] if isinstance(state_dict, Mapping) else state_dict[int(part)]
+    return state_dict
+
+
+def _unasked(state_dict: Any) -> set[tuple[str | int, ...]]:
+    """Paths of the unmarked optimizer dicts of a load target that ask for settings and no state."""
+    marked = {path for path, _target in marked_targets(state_dict)}
+    groups: set[tuple[str | int, ...]] = set()
+    asked: set[tuple[str | int, ...]] = set()
+    for path in _leaf_paths(state_dict):
+        found = _section(path)
+        if found is not None and found[0] not in marked:
+            (groups if found[1] == _GROUPS else asked).add(found[0])
+    return groups - asked
+
+
+def _starved(state_dict: Any, metadata: Metadata) -> dict[tuple[str | int, ...], str]:
+    """``path -> a checkpoint key`` for every unmarked optimizer dict of the load target that asks
+    for settings and no state while the checkpoint holds state under its path (DCP would read the
+    settings and silently leave the state unread)."""
+    unasked = _unasked(state_dict)
+    out: dict[tuple[str | int, ...], str] = {}
+    if unasked:
+        for key in metadata.state_dict_metadata:
+            found = _section(metadata_path(metadata, key))
+            if found is not None and found[1] == _STATE and found[0] in unasked:
+                out.setdefault(found[0], key)
+    return out
+
+
+def _copied_from(node: dict[str, Any]) -> SparseOptimizerState | None:
+    """The owner of the remembered stateless dict ``node`` is a shallow copy of (the same keys, the
+    very same values), made again; ``None`` when there is none or its optimizer is gone."""
+    for items, make_owner in reversed(_STATELESS):
+        if len(items) == len(node) and all(k in items and items[k] is v for k, v in node.items()):
+            owner = make_owner()
+            if owner is not None:
+                return owner
+    return None
+
+
+def rebuild_copies(state_dict: Any, metadata: Metadata | None, frame: Any = None) -> int:
+    """Rebuild, like a marked dict, every unmarked optimizer dict of the load target that the
+    checkpoint's state would otherwise bypass (`_starved`) and that is a shallow copy of a
+    dict handed out for an optimizer still alive (`remember_stateless`; NeMo Automodel's
+    ``OptimizerState`` merges the dicts into a new one before ``dcp.load``): the copy gets the rebuilt
+    items, so DCP fills it and ``set_optimizer_state_dict`` loads it. Returns how many."""
+    if metadata is None or not _STATELESS:
+        return 0
+    starved = _starved(state_dict, metadata)
+    done = 0
+    for path in starved:
+        node = _node(state_dict, path)
+        owner = _copied_from(node) if type(node) is dict else None
+        if owner is None:
+            continue  # refused by refuse_unasked_state
+        paths = {key: metadata_path(metadata, key) for key in metadata.state_dict_metadata}
+        target = DsdStateDict(node, owner)
+        _TargetBuilder(target, metadata, dcp_storage_reader(frame if frame is not None else caller_frame(1))).rebuild(path, paths)
+        node.clear()
+        node.update(target)
+        done += 1
+    return done
 
 
 def marked_targets(node: Any) -> Iterator[tuple[tuple[str | int, ...], DsdStateDict]]:
@@ -107,25 +210,16 @@ def _section(path: tuple[str | int, ...]) -> tuple[tuple[str | int, ...], str] |
 def refuse_unasked_state(state_dict: Any, metadata: Metadata | None) -> None:
     """Raise `sparse_ckpt.CheckpointMismatchError` when an unmarked optimizer dict of the load
     target (``param_groups`` entries under some path, no ``state`` entry) meets a checkpoint holding
-    state under that path: DCP would read the settings and leave the state unread, silently."""
+    state under that path: DCP would read the settings and leave the state unread, silently. (A
+    recognised copy of a handed-out dict was rebuilt before: `rebuild_copies`.)"""
     if metadata is None:
         return
-    marked = {path for path, _target in marked_targets(state_dict)}
-    groups: set[tuple[str | int, ...]] = set()
-    asked: set[tuple[str | int, ...]] = set()
-    for path in _leaf_paths(state_dict):
-        found = _section(path)
-        if found is not None and found[0] not in marked:
-            (groups if found[1] == _GROUPS else asked).add(found[0])
-    if not groups - asked:
-        return
-    for key in metadata.state_dict_metadata:
-        found = _section(metadata_path(metadata, key))
-        if found is not None and found[1] == _STATE and found[0] in groups - asked:
-            where = ".".join(map(str, found[0]))
-            raise CheckpointMismatchError(
-                f"the checkpoint holds optimizer state under {where!r} (e.g. {key!r}) and the load target's optimizer "
-                "dict there asks for none of it: DCP would load the param groups and silently leave the state "
-                "unread. With sparse_ckpt.integrations.dsd installed, put the dict get_optimizer_state_dict "
-                "returned into the load target itself (a copy of it is not rebuilt from the checkpoint)"
-            )
+    for path, key in _starved(state_dict, metadata).items():
+        where = ".".join(map(str, path))
+        raise CheckpointMismatchError(
+            f"the checkpoint holds optimizer state under {where!r} (e.g. {key!r}) and the load target's optimizer "
+            "dict there asks for none of it: DCP would load the param groups and silently leave the state "
+            "unread. With sparse_ckpt.integrations.dsd installed, put the dict get_optimizer_state_dict "
+            "returned into the load target itself (a copy of it is rebuilt from the checkpoint only while its "
+            "optimizer is alive and its values are the very objects that call returned)"
+        )
