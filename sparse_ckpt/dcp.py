@@ -512,6 +512,14 @@ def _item_reader(storage_reader: Any, metadata: Metadata) -> Any:
             is_tensor = isinstance(md, TensorStorageMetadata)
             targets[key] = torch.empty(tuple(md.size), dtype=md.properties.dtype, device="meta") if is_tensor else b""
         plan = create_default_local_load_plan(targets, metadata)
+        storage = getattr(metadata, "storage_data", None)
+        if isinstance(storage, Mapping):  # a storage reader looks each item up there: refuse a lost entry first
+            for item in plan.items:
+                if item.storage_index not in storage:
+                    raise CheckpointMismatchError(
+                        f"checkpoint item {item.storage_index.fqn!r} has no storage entry in the checkpoint's "
+                        ".metadata (a damaged or partial copy): its data cannot be found"
+                    )
         storage_reader.read_data(plan, _ItemPlanner(metadata, consume)).wait()
 
     return read

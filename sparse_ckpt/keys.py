@@ -67,7 +67,8 @@ mesh and ``Shard``/``Replicate`` placements) into a few 1-D buffer tensors (one 
 into buckets of at most :data:`sparse_ckpt.buffers.BUCKET_BYTES`) and a *layout table*
 (:mod:`sparse_ckpt._core_py.buffers`) saying where each ``(FQN, key)`` chunk sits, its global
 shape and its offsets: ``state.__buffers__.{leaf}.L{rank tag}`` (sealed bytes) and
-``state.__buffers__.{leaf}.B{bucket}{rank tag}``. Other state values stay per-item. The rank tag
+``state.__buffers__.{leaf}.B{bucket}_{dtype}_{rank tag}`` (``B{bucket}{rank tag}`` before the
+dtype was part of the key; still read). Other state values stay per-item. The rank tag
 is the layout's (``w{W}r{ranks}``): ranks with identical layouts (replicas) share the keys, so
 their buffers are written once (as DCP writes a replicated tensor once), and a loading rank finds
 the items it wrote itself by its rank and world size. FQNs starting with ``__buffers__.`` are
@@ -121,7 +122,7 @@ OPTIMIZER_PREFIXES = (STATE_PREFIX, GROUPS_PREFIX)
 BUFFERS_MARKER = "__buffers__"
 BUFFERS_PREFIX = f"{STATE_PREFIX}{BUFFERS_MARKER}."
 """Prefix of ``state_layout="buffers"`` items: ``state.__buffers__.{leaf}.L{rank tag}`` (a layout
-table, sealed bytes) and ``state.__buffers__.{leaf}.B{bucket}{rank tag}`` (a 1-D buffer tensor)."""
+table, sealed bytes) and ``state.__buffers__.{leaf}.B{bucket}_{dtype}_{rank tag}`` (a 1-D buffer tensor)."""
 RESERVED_FQN_PREFIX = f"{PACKED_MARKER}."
 RESERVED_FQN_PREFIXES = (RESERVED_FQN_PREFIX, f"{BUFFERS_MARKER}.")
 """No parameter with state may have an FQN starting with these: its keys would read as a table or
@@ -376,9 +377,22 @@ def layout_tag(rank_tag: str) -> str:
     return f"L{rank_tag}"
 
 
-def buffer_tag(bucket: int, rank_tag: str) -> str:
-    """``B{bucket}{rank tag}``: the tag of bucket ``bucket`` of a layout's buffers."""
-    return f"B{bucket}{rank_tag}"
+def buffer_tag(bucket: int, rank_tag: str, dtype: str | None = None) -> str:
+    """``B{bucket}_{dtype}_{rank tag}``: the tag of bucket ``bucket`` (of ``dtype``) of a layout's
+    buffers; ``B{bucket}{rank tag}`` without ``dtype`` (what writers before the dtype was part of
+    the key wrote). The dtype is in the key because DCP's save-plan caching compares keys and
+    sizes, not dtypes: a key must never be reused for a buffer of another dtype."""
+    return f"B{bucket}{rank_tag}" if dtype is None else f"B{bucket}_{dtype}_{rank_tag}"
+
+
+def buffer_dtype(rest: str) -> str | None:
+    """The dtype named by buffer key ``"{leaf}.B..."`` (a key without :data:`BUFFERS_PREFIX`),
+    ``None`` for a key written without it (see :func:`buffer_tag`)."""
+    tag = rest.rpartition(".")[2]
+    digits = len(tag) - len(tag[1:].lstrip("0123456789")) - 1
+    if tag[1 + digits : 2 + digits] != "_":
+        return None
+    return tag[2 + digits :].rpartition("_")[0]
 
 
 def split_buffers_key(rest: str) -> tuple[str, str, int | None, str]:
@@ -396,6 +410,10 @@ def split_buffers_key(rest: str) -> tuple[str, str, int | None, str]:
         if digits == 0:
             raise bad
         kind, bucket, ranks = "buffer", int(tag[1 : 1 + digits]), tag[1 + digits :]
+        if ranks.startswith("_"):  # B{bucket}_{dtype}_{ranks}
+            dtype, _sep, ranks = ranks[1:].rpartition("_")
+            if not dtype or not dtype.replace("_", "").isalnum():
+                raise bad
     else:
         raise bad
     if parse_rank_tag(ranks) is None:

@@ -133,7 +133,7 @@ def build_state_dict(
             tag, value = next(tagged)
             out[buffers.layout_key(leaf, tag)] = value
             for i, buf in enumerate(bufs):
-                out[buffers.buffer_key(leaf, tag, i)] = buf
+                out[buffers.buffer_key(leaf, tag, i, buffers.dtype_name(buf.dtype))] = buf
         else:
             tag, value = next(tagged)
             out[table_item_key(part[0], part[1], tag)] = value
