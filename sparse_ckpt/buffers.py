@@ -320,7 +320,7 @@ def _expand_leaf(
     consumed = [False] * len(sources)
 
     def scatter(si: int, buf: Any) -> None:
-        li, bi, dtype, numel = sources[si]
+        _li, _bi, dtype, numel = sources[si]
         _check_buffer(leaf, key_of(si), buf, dtype, numel)
         consumed[si] = True
         for _si, src_offset, src_sizes, src_start, ti, dst_start, box in by_source[si]:

@@ -23,7 +23,7 @@ from __future__ import annotations
 
 import io
 import sys
-from collections.abc import Iterator, Mapping
+from collections.abc import Collection, Iterator, Mapping
 from typing import Any
 
 import torch
@@ -120,7 +120,7 @@ class SparseStateDict(dict):
     so that a load on another rank refuses it (:mod:`sparse_ckpt.origin`).
     """
 
-    __slots__ = ("fmap", "origin", "owner", "planned", "reader", "unresolved")
+    __slots__ = ("fmap", "lost", "origin", "owner", "planned", "present", "reader", "unresolved")
 
     def __init__(self, items: Mapping[str, Any], owner: SparseOptimizerState) -> None:
         super().__init__(items)
@@ -136,6 +136,11 @@ class SparseStateDict(dict):
         self.reader: BufferReader | None = None
         """Reads the checkpoint's buffer items (``state_layout="buffers"``) during the same
         ``dcp.load``, after the layout tables are read (set by the planner)."""
+        self.present: set[str] | None = None
+        """Every optimizer key of the checkpoint, read or not (set by the planner)."""
+        self.lost: list[str] = []
+        """Items the planner found missing from the checkpoint's metadata (an element of a list
+        with elements after it): the load refuses them."""
 
     def __reduce_ex__(self, protocol: Any) -> tuple[Any, ...]:
         items = self.copy()
@@ -230,7 +235,15 @@ class SparseOptimizerState:
         data.pop(PLANNER_GUARD_KEY, None)
         fmap = None
         reader = None
+        present = None
         if isinstance(state_dict, SparseStateDict):
+            if state_dict.lost:
+                raise CheckpointMismatchError(
+                    f"optimizer item {state_dict.lost[0]!r} is missing from the checkpoint, and its list has items "
+                    "after it: the checkpoint lost it from its metadata (a partial copy or a damaged checkpoint); "
+                    "refusing to load it incomplete"
+                )
+            present = state_dict.present
             if state_dict.unresolved:
                 data.update(dict.fromkeys(state_dict.unresolved))
             if state_dict.owner is self:
@@ -244,6 +257,7 @@ class SparseOptimizerState:
             unowned_are_other_ranks=multi_rank(),
             fmap=fmap,
             reader=reader,
+            present=present,
         )
 
     def __reduce_ex__(self, protocol: Any) -> Any:
@@ -442,11 +456,39 @@ def _rebuild_target(
             value = _allocate(md, None, "")
         set_path(new, rel, value)
         keys.append(key)
+    target.lost = _drop_holes(new, {rel for rel, _md, _key in entries})
+    target.present = {str(rel[0]) for rel, _md, _key in entries}
     target.clear()
     target.update(new)
     target.planned = True
     target.unresolved = unresolved
     return keys
+
+
+def _drop_holes(new: dict[str, Any], planned: Collection[tuple[str | int, ...]]) -> list[str]:
+    """The items missing inside lists of ``new`` (an index ``set_path`` filled with ``None`` because the
+    checkpoint's metadata has items after it but not it), as dotted keys; each entry holding one is
+    taken out of ``new`` (DCP would refuse its plan: the load refuses it by name instead)."""
+    lost: list[str] = []
+
+    def walk(path: tuple[str | int, ...], node: Any) -> None:
+        if isinstance(node, dict):
+            for k, v in node.items():
+                walk((*path, k), v)
+        elif isinstance(node, list):
+            for i, v in enumerate(node):
+                if v is None and (*path, i) not in planned:
+                    lost.append(".".join(map(str, (*path, i))))
+                else:
+                    walk((*path, i), v)
+
+    for top, value in list(new.items()):
+        if isinstance(value, (list, dict)):
+            before = len(lost)
+            walk((top,), value)
+            if len(lost) > before:
+                del new[top]
+    return lost
 
 
 def _buffers_to_read(buffered: Mapping[str, str], have_reader: bool) -> set[str]:

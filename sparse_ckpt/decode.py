@@ -8,7 +8,7 @@ first, then its per-item entries (the saved order).
 
 from __future__ import annotations
 
-from collections.abc import Callable, Iterable, Iterator, Mapping
+from collections.abc import Callable, Collection, Iterable, Iterator, Mapping
 from dataclasses import dataclass, field
 from itertools import chain
 from typing import Any
@@ -23,14 +23,17 @@ from .keys import (
     BUFFERS_PREFIX,
     ESCAPE,
     KEYS_ENTRY,
+    LENS_ENTRY,
     PACKED_PREFIX,
     SCALARS_PREFIX,
     check_table,
     source_text,
+    split_items_record,
     state_key,
     unescape_part,
     without_foreign_guards,
 )
+from .list_record import list_nodes
 from .nested import nested_kind, nested_to_sparse
 
 
@@ -104,6 +107,9 @@ class GroupTable:
     """Each distinct settings' encoded bytes (equal bytes = equal settings)."""
     groups: list[tuple[int, list[str]]]
     """Per group: ``(index into settings, its FQNs)``."""
+    items: tuple[str, ...] | None = None
+    """The table's item record: every table and buffer key its save wrote (``None``: none, an
+    unsealed or older table)."""
 
 
 def decode_group_tables(tables: Mapping[str, Any]) -> list[GroupTable]:
@@ -114,7 +120,8 @@ def decode_group_tables(tables: Mapping[str, Any]) -> list[GroupTable]:
     for rest, table in tables.items():
         leaf, table = check_table(PACKED_PREFIX, rest, table)
         settings, blobs, groups = core.decode_table(leaf, table, parts_to_tensor)
-        out.append(GroupTable(rest, leaf, settings, blobs, groups))
+        settings, blobs, items = split_items_record(settings, blobs, groups)
+        out.append(GroupTable(rest, leaf, settings, blobs, groups, items))
     return out
 
 
@@ -128,7 +135,10 @@ def table_fqns(tables: list[GroupTable], fmap: FqnMap | None = None) -> set[str]
 
 
 def decode_checkpoint(
-    state_dict: Mapping[str, Any], fmap: FqnMap, reader: buffers.BufferReader | None = None
+    state_dict: Mapping[str, Any],
+    fmap: FqnMap,
+    reader: buffers.BufferReader | None = None,
+    present: Collection[str] | None = None,
 ) -> DecodedCheckpoint:
     """Split and decode ``state_dict`` (packed and/or flat entries, or DSD's nested dict) against ``fmap``.
 
@@ -138,6 +148,10 @@ def decode_checkpoint(
     saved key. Buffered state (``state_layout="buffers"``) is scattered into new tensors for the
     parameters the target model has (:func:`sparse_ckpt.buffers.expand`; ``reader`` reads the
     buffers a DCP load left to it) and joins the per-item state.
+
+    Complete or refused: every item the checkpoint's item records list must be there (in the
+    dict, readable by ``reader``, or in ``present``: every optimizer key of a DCP checkpoint), and
+    every list-valued state entry must hold as many items as its scalar table records.
     """
     state_dict = _other_layouts(state_dict)
     core = _backend.core
@@ -235,6 +249,8 @@ def decode_checkpoint(
                 )
             out.state_of[canon] = state
     keys_of: dict[str, tuple[tuple[str, ...], str]] = {}
+    lens_of: dict[str, tuple[tuple[tuple[str, int], ...], str]] = {}
+    records: list[tuple[str, ...]] = [t.items for t in decoded if t.items is not None]
     if scalar_tables:  # merged by canonical FQN: a table may name a parameter by an alias
         fqns = known[0] if known else set()
         scalars_of = decode_scalar_tables(
@@ -243,6 +259,8 @@ def decode_checkpoint(
             is_known=(lambda f: f in fqns or f in settings_raw) if settings_raw else fqns.__contains__,
             unmatched=out.unmatched_keys,
             keys_of=keys_of,
+            lens_of=lens_of,
+            records=records,
         )
     if buffer_keys or (reader is not None and reader.keys):
 
@@ -261,7 +279,111 @@ def decode_checkpoint(
     if scalar_tables:
         out.state_of = merge_scalars(out.state_of, scalars_of)
         check_complete(out.state_of, keys_of, fmap.param_of)
+        if lens_of:
+            check_lists(out.state_of, lens_of, fmap.param_of)
+    if records:
+        check_recorded_items(records, flat, reader, present)
+    if scalar_tables or buffer_keys:
+        check_table_leaves(out.table_leaves, scalar_tables, buffer_keys)
     return out
+
+
+def check_table_leaves(group_leaves: list[str], scalar_tables: Mapping[str, Any], buffer_keys: list[str]) -> None:
+    """A leaf with a scalar table or buffers has a group table (every writer writes one per leaf):
+    else the checkpoint lost it, and with it the leaf's settings and the FQNs its state resolves
+    against; :class:`CheckpointMismatchError` (whatever ``strict`` says)."""
+    have = set(group_leaves)
+    found = [item_leaf(f"{SCALARS_PREFIX}{rest}") for rest in scalar_tables] + [item_leaf(k) for k in buffer_keys]
+    for leaf in found:
+        if leaf not in have:
+            raise CheckpointMismatchError(
+                f"leaf {leaf!r}: the checkpoint has its state but no group table (param_groups.__packed__.{leaf}.*): "
+                "it lost that item from its metadata or its data (a partial copy or a damaged checkpoint); refusing "
+                "to load it incomplete (strict=False does not change this)"
+            )
+
+
+def check_recorded_items(
+    records: list[tuple[str, ...]],
+    flat: Mapping[str, Any],
+    reader: buffers.BufferReader | None,
+    present: Collection[str] | None,
+) -> None:
+    """Every item an item record lists (see :func:`sparse_ckpt.keys.with_items_record`) is in the
+    checkpoint, else :class:`CheckpointMismatchError` naming the leaf and the item: a lost table,
+    layout or buffer -- of any rank -- is refused even when nothing on this rank needed it, so
+    every rank of a load decides alike (whatever ``strict`` says). Layouts and buffers are found
+    by key; group and scalar tables by number, per kind and leaf (a tool may re-key a table it
+    rewrites, as long as none goes missing)."""
+    wanted: dict[str, None] = {}
+    for record in records:
+        wanted.update(dict.fromkeys(record))
+
+    def there(key: str) -> bool:
+        return key in flat or (reader is not None and key in reader.keys) or (present is not None and key in present)
+
+    missing = [key for key in wanted if not there(key)]
+    if not missing:
+        return
+    spare: dict[tuple[str, str], int] = {}  # (prefix, leaf) -> tables found minus tables recorded
+    for key in set(chain(flat, present or ())):
+        kind = _table_of(key)
+        if kind is not None:
+            spare[kind] = spare.get(kind, 0) + 1
+    for key in wanted:
+        kind = _table_of(key)
+        if kind is not None:
+            spare[kind] = spare.get(kind, 0) - 1
+    for key in missing:
+        kind = _table_of(key)
+        if kind is not None and spare[kind] >= 0:
+            continue  # as many tables of its kind and leaf as recorded: re-keyed, not lost
+        raise CheckpointMismatchError(
+            f"leaf {item_leaf(key)!r}: checkpoint item {key!r} is missing, and the checkpoint's group tables record "
+            "that it was written: the checkpoint lost it from its metadata or its data (a partial copy or a "
+            "damaged checkpoint); refusing to load it incomplete (strict=False does not change this)"
+        )
+
+
+def _table_of(key: str) -> tuple[str, str] | None:
+    """``(prefix, leaf)`` of a group or scalar table key, else ``None``."""
+    for prefix in (PACKED_PREFIX, SCALARS_PREFIX):
+        if key.startswith(prefix):
+            return prefix, item_leaf(key)
+    return None
+
+
+def item_leaf(key: str) -> str:
+    """The leaf of a table or buffers item key (the text between its prefix and its last ``.``)."""
+    for prefix in (PACKED_PREFIX, SCALARS_PREFIX, BUFFERS_PREFIX):
+        if key.startswith(prefix):
+            return key[len(prefix) :].rpartition(".")[0]
+    return "?"
+
+
+def check_lists(
+    state_of: Mapping[str, Any], lens_of: Mapping[str, tuple[tuple[tuple[str, int], ...], str]], owned: Mapping[str, Any]
+) -> None:
+    """Complete or refused for list-valued state (LBFGS ``al``, ``old_dirs``, ...): each recorded
+    entry of a target parameter holds the recorded number of values (:func:`list_nodes`), else
+    :class:`CheckpointMismatchError` naming leaf, FQN and key (DCP stores a list of tensors one
+    item per element, so a lost element would shorten the list)."""
+    for fqn, (lens, leaf) in lens_of.items():
+        if fqn not in owned:
+            continue
+        state = state_of.get(fqn, {})
+        for key, count in lens:
+            node: Any = state
+            for part in key.split("."):
+                name: Any = unescape_part(part, key) if part.startswith(ESCAPE) else part
+                node = node.get(name) if isinstance(node, dict) else None
+            found = 0 if node is None else list_nodes(node)
+            if found != count:
+                raise CheckpointMismatchError(
+                    f"leaf {leaf!r}: parameter {fqn!r} has saved state {key!r} of {count} values (lists counted with "
+                    f"their items), the checkpoint holds {found}: it lost an item of that list from its metadata or "
+                    "its data (a partial copy or a damaged checkpoint); refusing to load it incomplete"
+                )
 
 
 def _add_buffered(
@@ -348,6 +470,8 @@ def decode_scalar_tables(
     is_known: Callable[[str], bool] | None = None,
     unmatched: list[str] | None = None,
     keys_of: dict[str, tuple[tuple[str, ...], str]] | None = None,
+    lens_of: dict[str, tuple[tuple[tuple[str, int], ...], str]] | None = None,
+    records: list[tuple[str, ...]] | None = None,
 ) -> dict[str, tuple[dict[str, Any], str]]:
     """Scalar tables (``{leaf}.{tag}`` -> bytes, as ``core.unflatten`` returns them) ->
     ``FQN -> (scalars, leaf)``.
@@ -364,7 +488,9 @@ def decode_scalar_tables(
     merge; an FQN in two tables (or under two aliases) must have the same scalars (the same
     encoded bytes), else :class:`CheckpointMismatchError` naming the leaves, the FQN and the first
     differing key. The scalar dicts are shared by every FQN of their table group: copy them
-    (:func:`merge_scalars`) before they become state.
+    (:func:`merge_scalars`) before they become state. The record of list lengths
+    (:data:`~sparse_ckpt.keys.LENS_ENTRY`) is taken out likewise (into ``lens_of``), and each
+    sealed table's item record is appended to ``records``.
     """
     core = _backend.core
     found: dict[str, tuple[dict[str, Any], str]] = {}
@@ -376,9 +502,13 @@ def decode_scalar_tables(
             scalars, blobs, groups = core.decode_table(leaf, table, _cpu_parts_to_tensor)
         except CheckpointFormatError as exc:
             raise CheckpointFormatError(f"scalar table {key!r}: {exc}") from None
+        scalars, blobs, items = split_items_record(scalars, blobs, groups)
+        if items is not None and records is not None:
+            records.append(items)
         for idx, fqns in groups:
             blob = blobs[idx]
             keys = _recorded_keys(key, scalars[idx].pop(KEYS_ENTRY, None))
+            lens = _recorded_lens(key, scalars[idx].pop(LENS_ENTRY, None))
             entry = (scalars[idx], leaf)
             recorded = None if keys is None or keys_of is None else (keys, leaf)
             for saved in fqns:
@@ -392,6 +522,8 @@ def decode_scalar_tables(
                     found.setdefault(fqn, entry)
                     if recorded is not None:
                         keys_of.setdefault(fqn, recorded)  # type: ignore[union-attr]
+                    if lens is not None and lens_of is not None:
+                        lens_of.setdefault(fqn, (lens, leaf))
                 elif prev != blob:
                     first, first_leaf = found[fqn]
                     raise CheckpointMismatchError(
@@ -414,6 +546,17 @@ def _recorded_keys(table_key: str, keys: Any) -> tuple[str, ...] | None:
         except UnicodeDecodeError:
             pass
     raise CheckpointFormatError(f"scalar table {table_key!r}: its {KEYS_ENTRY!r} entry is not a tuple of state keys")
+
+
+def _recorded_lens(table_key: str, lens: Any) -> tuple[tuple[str, int], ...] | None:
+    """A :data:`~sparse_ckpt.keys.LENS_ENTRY` entry as a tuple of ``(key, count)``; ``None`` when there is none."""
+    if lens is None:
+        return None
+    if type(lens) is tuple and all(
+        type(e) is tuple and len(e) == 2 and type(e[0]) is str and type(e[1]) is int and e[1] > 0 for e in lens
+    ):
+        return lens
+    raise CheckpointFormatError(f"scalar table {table_key!r}: its {LENS_ENTRY!r} entry is not a tuple of (key, count)")
 
 
 def _first_differing(leaf: str, a: Mapping[str, Any], b: Mapping[str, Any]) -> str:

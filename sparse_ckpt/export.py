@@ -58,6 +58,7 @@ from .keys import (
     is_state_item,
     last_part,
     owner_fqn,
+    without_items_record,
 )
 from .leaves import SINGLE_LEAF
 from .load import load_owned
@@ -304,7 +305,12 @@ def export_checkpoint(
     values.update({k: sdm[opt.inner[k]] for k in tensor_keys})
     leaves, flat, state_by_fqn, _unmatched = split_optimizer(values)  # checks digests and decodes tables
     fmt = optimizer_format(opt, leaves, flat)  # not "nested": refused above
-    tables = {k: v for k, v in values.items() if k.startswith(PACKED_PREFIX)}
+    # (an export holds other items than the save recorded: scalar tables become per-item entries)
+    tables = {
+        k: without_items_record(PACKED_PREFIX, k[len(PACKED_PREFIX) :], v)
+        for k, v in values.items()
+        if k.startswith(PACKED_PREFIX)
+    }
     named = named_groups(leaves, [])
     if flat:
         flat_table = pack_flat_groups(flat, leaf, leaves)

@@ -129,6 +129,10 @@ RESERVED_FQN_PREFIXES = (RESERVED_FQN_PREFIX, f"{BUFFERS_MARKER}.")
 a buffer."""
 KEYS_ENTRY = "~keys"
 """The scalar-table entry listing a parameter's per-item state keys (see *State keys recorded*)."""
+LENS_ENTRY = "~lens"
+"""The scalar-table entry, after :data:`KEYS_ENTRY`, of a parameter with list-valued per-item state:
+``((key, count), ...)``, each list's count of values, the list and its items (nested lists and
+dicts counted likewise) included (see *State keys recorded*)."""
 PLANNER_GUARD_KEY = "__sparse_ckpt__.load_with.SparseLoadPlanner"
 """Key of the planner guard (see :mod:`sparse_ckpt.dcp`); never part of a decoded checkpoint."""
 
@@ -299,7 +303,86 @@ def check_table(prefix: str, rest: str, table: object) -> tuple[str, bytes]:
     """``(leaf, table bytes)`` of table item ``{prefix}{rest}`` (``prefix``: :data:`PACKED_PREFIX`
     or :data:`SCALARS_PREFIX`) after checking that its value is ``bytes`` matching its digest: the
     key's for ``{digest}`` and ``d{digest}`` tags, the seal's for ``w{W}r{ranks}`` tags (see
-    *Table keys*). A mismatch (or another tag) is a :class:`CheckpointFormatError`."""
+    *Table keys*). A mismatch (or another tag) is a :class:`CheckpointFormatError`. A sealed
+    table's item record (:func:`items_trailer`) is checked and left out."""
+    return _check_table(prefix, rest, table)
+
+
+ITEMS_ENTRY = "~items"
+"""The key of a table's *item record* (see :func:`with_items_record`)."""
+
+
+def items_record(keys: Iterable[str]) -> bytes | None:
+    """The table-codec bytes of the settings entry ``{ITEMS_ENTRY: tuple(keys)}`` (``None`` when a
+    key is not valid Unicode: no record then)."""
+    out = bytearray((1).to_bytes(4, "little"))
+    out += len(ITEMS_ENTRY).to_bytes(4, "little") + ITEMS_ENTRY.encode("ascii")
+    keys = list(keys)
+    out += bytes([_TAG_TUPLE]) + len(keys).to_bytes(4, "little")
+    for key in keys:
+        try:
+            raw = key.encode("utf-8")
+        except UnicodeEncodeError:
+            return None
+        out += bytes([_TAG_STR]) + len(raw).to_bytes(4, "little") + raw
+    return bytes(out)
+
+
+_TAG_STR = 5
+_TAG_TUPLE = 7
+"""The table codec's value tags of ``str`` and ``tuple`` (docs/formats.md, "Table codec")."""
+
+
+def groups_tail(fqn_lists: Iterable[list[str]]) -> int:
+    """The byte length of a table's groups part (``u32 n_groups`` to the end) for groups with these FQNs."""
+    lists = list(fqn_lists)
+    n_fqns = sum(len(fqns) for fqns in lists)
+    return 4 + 8 * len(lists) + 4 * n_fqns + len("".join(f for fqns in lists for f in fqns).encode("utf-8"))
+
+
+def with_items_record(table: bytes, tail: int, record: bytes) -> bytes:
+    """``table`` (a group or scalar table whose groups part is ``tail`` bytes) with ``record``
+    (:func:`items_record`) as one more settings entry, the last one, that no group refers to: the
+    *item record*, every table and buffer key its save wrote, so a lost table, layout or buffer is
+    found missing by the tables that remain (docs/formats.md, "Item record"). Readers that do not
+    look for it see an unused settings entry."""
+    n = int.from_bytes(table[6:10], "little")
+    cut = len(table) - tail
+    return table[:6] + (n + 1).to_bytes(4, "little") + table[10:cut] + record + table[cut:]
+
+
+def split_items_record(
+    settings: list[dict], blobs: list[bytes], groups: list[tuple[int, list[str]]]
+) -> tuple[list[dict], list[bytes], tuple[str, ...] | None]:
+    """A decoded table's ``(settings, blobs, item record)``: the record (:func:`with_items_record`)
+    taken out of the settings, ``None`` when the table has none."""
+    if not settings or set(settings[-1]) != {ITEMS_ENTRY}:
+        return settings, blobs, None
+    last = len(settings) - 1
+    items = settings[-1][ITEMS_ENTRY]
+    if any(idx == last for idx, _fqns in groups) or type(items) is not tuple or not all(type(k) is str for k in items):
+        return settings, blobs, None
+    return settings[:-1], blobs[:-1], items
+
+
+def without_items_record(prefix: str, rest: str, table: object) -> object:
+    """Table item ``{prefix}{rest}``'s value without its item record (re-sealed), for a tool that
+    writes a checkpoint with other items than the save recorded; other values as they are."""
+    from . import _backend  # (the core imports this module)
+    from ._tensor_parts import parts_to_tensor
+
+    if not isinstance(table, bytes) or parse_rank_tag(split_table_key(rest, prefix)[1]) is None:
+        return table
+    leaf, bare = _check_table(prefix, rest, table)
+    settings, blobs, groups = _backend.core.decode_table(leaf, bare, parts_to_tensor)
+    if split_items_record(settings, blobs, groups)[2] is None:
+        return table
+    start = 10 + sum(len(b) for b in blobs[:-1])
+    n = len(settings) - 1
+    return seal(bare[:6] + n.to_bytes(4, "little") + bare[10:start] + bare[start + len(blobs[-1]) :])
+
+
+def _check_table(prefix: str, rest: str, table: object) -> tuple[str, bytes]:
     kind = table_kind(prefix)
     if not isinstance(table, bytes):
         raise CheckpointFormatError(f"{kind} '{prefix}{rest}' is a {type(table).__name__}, expected bytes")

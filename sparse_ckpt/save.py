@@ -13,19 +13,21 @@ from .buffers import StateLayout, check_state_layout
 from .capture import capture_by_fqn
 from .errors import CheckpointFormatError, CheckpointMismatchError
 from .fqn import Model, build_fqn_map
-from .item_keys import Keying, Slot
+from .item_keys import GROUPS_SLOT, LAYOUT_SLOT, SCALARS_SLOT, Keying, Slot
 from .keys import (
     PACKED_PREFIX,
     RESERVED_FQN_PREFIXES,
     SCALARS_PREFIX,
     foreign_guard_keys,
     foreign_guard_value,
+    groups_tail,
     is_reserved_fqn,
     packed_table_key,
     table_digest,
     table_item_key,
 )
 from .leaves import named_leaves
+from .list_record import record_lists
 
 Format = Literal["packed", "flat"]
 FORMATS = ("packed", "flat")
@@ -106,15 +108,16 @@ def build_state_dict(
                 leaf, state_fqn, fmap.param_of, torch.Tensor, _CPU_DTYPES, torch.strided, _scalar_parts
             )
             if scalar_groups:
+                scalar_groups = record_lists(items, scalar_groups)
                 scalars = core.encode_table(leaf, scalar_groups, torch.Tensor, tensor_to_parts)
                 parts.append((SCALARS_PREFIX, leaf))
-                slots.append(Slot(f"scalars:{leaf}", scalars))
+                slots.append(Slot.of(SCALARS_SLOT, leaf, scalars))
             if state_layout == "buffers":
                 entries, local = buffers.collect(leaf, state_fqn, items, fmap.param_of)
                 if entries:
                     layout, buckets = core.encode_layout(leaf, entries, buffers.BUCKET_BYTES)
                     parts.append((leaf, buffers.fill(buckets, local)))
-                    slots.append(Slot(f"layout:{leaf}", layout, by_digest=False))
+                    slots.append(Slot.of(LAYOUT_SLOT, leaf, layout, buckets=tuple(dtype for dtype, _n, _m in buckets)))
             parts.append(items)
         else:
             parts.append(core.flatten_state(leaf, state_fqn, fmap.param_of, format == "packed"))
@@ -122,7 +125,8 @@ def build_state_dict(
             parts.append(core.flatten_groups(leaf, groups_fqn))
         else:
             parts.append((PACKED_PREFIX, leaf))
-            slots.append(Slot(f"groups:{leaf}", core.encode_table(leaf, groups_fqn, torch.Tensor, tensor_to_parts)))
+            table = core.encode_table(leaf, groups_fqn, torch.Tensor, tensor_to_parts)
+            slots.append(Slot.of(GROUPS_SLOT, leaf, table, tail=groups_tail(f for _s, f in groups_fqn)))
     tagged = iter(keying.assign(slots))
     out: dict[str, Any] = {}
     for part in parts:

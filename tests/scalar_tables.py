@@ -21,7 +21,7 @@ import sparse_ckpt.dcp
 import sparse_ckpt.save
 from sparse_ckpt.decode import decode_scalar_tables, merge_scalars
 from sparse_ckpt.fqn import build_fqn_map
-from sparse_ckpt.keys import SCALARS_PREFIX, STATE_PREFIX, owner_fqn
+from sparse_ckpt.keys import PACKED_PREFIX, SCALARS_PREFIX, STATE_PREFIX, owner_fqn, without_items_record
 
 _BUILD_STATE_DICT = sparse_ckpt.save.build_state_dict
 
@@ -52,6 +52,8 @@ def as_v1(sd: Mapping[str, Any], fqns: Iterable[str] = ()) -> dict[str, Any]:
     for key, value in sd.items():
         if key.startswith(SCALARS_PREFIX):
             continue
+        if key.startswith(PACKED_PREFIX):  # version 1 had no item records
+            value = without_items_record(PACKED_PREFIX, key[len(PACKED_PREFIX) :], value)
         if key.startswith(STATE_PREFIX):
             fqn = owner_fqn(key[len(STATE_PREFIX) :], known)
             if fqn is not None and fqn in scalars:

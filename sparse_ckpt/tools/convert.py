@@ -27,6 +27,7 @@ from ..keys import (
     foreign_guard_value,
     has_escaped_part,
     is_state_item,
+    without_items_record,
 )
 from ..leaves import SINGLE_LEAF
 from .reader import (
@@ -98,6 +99,11 @@ def convert_optimizer(
         out.update(dict.fromkeys(foreign_guard_keys([f for f in firsts if f is not None]), foreign_guard_value()))
     else:
         raise UsageError(f"--to must be 'packed' or 'flat', got {to!r}")
+    # The converted checkpoint holds other items than the save recorded (buffers became per-item state).
+    for key, value in out.items():
+        for prefix in (PACKED_PREFIX, SCALARS_PREFIX):
+            if key.startswith(prefix):
+                out[key] = without_items_record(prefix, key[len(prefix) :], value)
     return out
 
 

@@ -31,7 +31,7 @@ import sparse_ckpt as sc
 from sparse_ckpt import _backend
 from sparse_ckpt._tensor_parts import parts_to_tensor, tensor_to_parts
 from sparse_ckpt.errors import CheckpointFormatError, CheckpointMismatchError
-from sparse_ckpt.keys import KEYS_ENTRY, SCALARS_PREFIX, check_table, scalar_table_key
+from sparse_ckpt.keys import KEYS_ENTRY, LENS_ENTRY, SCALARS_PREFIX, check_table, scalar_table_key
 from sparse_ckpt.load import load_owned
 from sparse_ckpt.tools import convert_checkpoint, diff_checkpoints, inspect_checkpoint, verify_checkpoint
 from sparse_ckpt.tools.reader import open_checkpoint, read_entries
@@ -89,13 +89,14 @@ def rebuild_table(leaf: str, groups: list[tuple[dict, list[str]]]) -> tuple[str,
 
 def decode_groups(key: str, value: bytes, keys: bool = False) -> tuple[str, list[tuple[dict, list[str]]]]:
     """A scalar table's ``(leaf, [(scalars, fqns), ...])``; the scalars without the recorded
-    state keys (:data:`~sparse_ckpt.keys.KEYS_ENTRY`) unless ``keys``."""
+    state keys (:data:`~sparse_ckpt.keys.KEYS_ENTRY`) and list lengths (``LENS_ENTRY``) unless ``keys``."""
     leaf, table = check_table(SCALARS_PREFIX, key[len(SCALARS_PREFIX) :], value)
     settings, _blobs, groups = _backend.core.decode_table(leaf, table, parts_to_tensor)
     out = [(dict(settings[i]), list(f)) for i, f in groups]
     if not keys:
         for scalars, _fqns in out:
             scalars.pop(KEYS_ENTRY, None)
+            scalars.pop(LENS_ENTRY, None)
     return leaf, out
 
 
