@@ -33,7 +33,14 @@ from .._tensor_parts import tensor_to_parts
 from ..buffers import layout_view
 from ..checkpoint_io import METADATA_FILE, OptimizerEntries, read_metadata, set_path
 from ..dcp import SparseLoadPlanner, weights_only_item
-from ..decode import check_complete, decode_group_tables, decode_scalar_tables, merge_scalars
+from ..decode import (
+    check_complete,
+    check_recorded_items,
+    check_table_leaves,
+    decode_group_tables,
+    decode_scalar_tables,
+    merge_scalars,
+)
 from ..errors import CheckpointFormatError, NotACheckpointError, SparseCheckpointError, UsageError
 from ..keys import (
     BUFFERS_PREFIX,
@@ -232,11 +239,14 @@ class Group:
         self.settings_vary = False
 
 
-def decode_tables(values: Mapping[str, Any]) -> dict[str, list[Group]]:
-    """Packed tables among ``values`` -> ``leaf -> groups`` (tables of one leaf merged by group index)."""
+def decode_tables(values: Mapping[str, Any], records: list[tuple[str, ...]] | None = None) -> dict[str, list[Group]]:
+    """Packed tables among ``values`` -> ``leaf -> groups`` (tables of one leaf merged by group
+    index); their item records are appended to ``records`` when given."""
     tables = {inner[len(PACKED_PREFIX) :]: v for inner, v in values.items() if inner.startswith(PACKED_PREFIX)}
     leaves: dict[str, list[Group]] = {}
     for table in decode_group_tables(tables):
+        if records is not None and table.items is not None:
+            records.append(table.items)
         merged = leaves.setdefault(table.leaf, [])
         for gi, (idx, fqns) in enumerate(table.groups):
             if gi == len(merged):
@@ -267,10 +277,12 @@ def split_optimizer(values: Mapping[str, Any]) -> tuple[dict[str, list[Group]], 
     keys, dtypes and sizes matter here); tables and layout tables must be their bytes. Scalars
     (values: CPU tensors and Python scalars) lead each FQN's state as on load; buffered state
     appears as per-item metadata (:func:`~sparse_ckpt.buffers.layout_view`). A state key that a
-    scalar table records for a parameter but no entry holds is a :class:`CheckpointMismatchError`
-    (an incomplete checkpoint).
+    scalar table records for a parameter but no entry holds, or an item the group tables' item
+    records list but the checkpoint lacks, is a :class:`CheckpointMismatchError` (an incomplete
+    checkpoint).
     """
-    leaves = decode_tables(values)
+    records: list[tuple[str, ...]] = []
+    leaves = decode_tables(values, records)
     known = {fqn: fqn for groups in leaves.values() for g in groups for fqn in g.fqns}
     settings_by_fqn, state_by_fqn, _tables, scalar_tables, unmatched = _backend.core.unflatten(values, known)
     buffer_keys = [k for k in unmatched if k.startswith(BUFFERS_PREFIX)]
@@ -284,6 +296,10 @@ def split_optimizer(values: Mapping[str, Any]) -> tuple[dict[str, list[Group]], 
         )
         state_by_fqn = merge_scalars(state_by_fqn, scalars_of)
         check_complete(state_by_fqn, keys_of, keys_of)
+    if records:
+        check_recorded_items(records, values, None, None)
+    if scalar_tables or buffer_keys:
+        check_table_leaves(list(leaves), scalar_tables, buffer_keys)
     return leaves, flat_groups(settings_by_fqn), state_by_fqn, unmatched
 
 

@@ -158,3 +158,19 @@ def test_a_lost_leaf_group_table_is_refused_with_strict_false(tmp_path: Path) ->
     with pytest.raises(sc.CheckpointMismatchError, match=r"leaf 'second'"):
         dcp.load({"optim": sc.SparseOptimizerState(model, target, strict=False)}, checkpoint_id=tmp_path,
                  planner=sc.SparseLoadPlanner())
+
+
+def test_verify_reports_a_lost_scalar_table(tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
+    """``verify`` reads the item record as a load does (exit 1, naming the item)."""
+    from sparse_ckpt import cli
+
+    model = _model(0)
+    opt = _lbfgs(model)
+    _train(model, opt, 2)
+    dcp.save({"optim": sc.SparseOptimizerState(model, opt)}, checkpoint_id=tmp_path)
+    assert cli.main(["verify", str(tmp_path)]) == 0
+    capsys.readouterr()
+    drop_from_metadata(tmp_path, "optim.state.__packed__.optim.w1r0")
+    assert cli.main(["verify", str(tmp_path)]) == 1
+    captured = capsys.readouterr()
+    assert "state.__packed__.optim.w1r0" in captured.out + captured.err
