@@ -439,13 +439,16 @@ def layout_view(keys: Iterable[str], values: Mapping[str, Any]) -> dict[str, dic
     """The buffered state as the checkpoint tools see per-item state: ``FQN -> {key: metadata}``
     (a ``TensorStorageMetadata`` with the saved dtype and global shape; nested keys nest), from
     the layout tables among ``keys``. Each layout's buffers must be there with its dtype and
-    length (``values``: DCP metadata or tensors), else a :class:`CheckpointFormatError` or
+    length (``values``: DCP metadata or tensors), and a leaf's layouts must cover each tensor
+    exactly once (``plan_scatter`` of whole tensors), else a :class:`CheckpointFormatError` or
     :class:`CheckpointMismatchError` says which."""
     from torch.distributed.checkpoint.metadata import TensorProperties, TensorStorageMetadata
 
     core = _backend.core
     out: dict[str, dict[str, Any]] = {}
+    by_leaf: dict[str, list[bytes]] = {}
     for key, leaf, payload in _layouts_by_key(keys, values):
+        by_leaf.setdefault(leaf, []).append(payload)
         ranks = split_buffers_key(key[len(BUFFERS_PREFIX) :])[3]
         for bi, (dtype, numel, entries) in enumerate(core.decode_layout(leaf, payload)):
             bkey = buffer_key(leaf, ranks, bi, dtype)
@@ -469,7 +472,19 @@ def layout_view(keys: Iterable[str], values: Mapping[str, Any]) -> dict[str, dic
                 for part in parts[:-1]:
                     node = node.setdefault(part, {})
                 node.setdefault(parts[-1], md)
+    for leaf, payloads in by_leaf.items():  # together, the layouts hold every tensor exactly once
+        core.plan_scatter(leaf, payloads, _whole(payloads, leaf))
     return out
+
+
+def _whole(payloads: list[bytes], leaf: str) -> Callable[[str], Chunk]:
+    """``chunk_of`` of a reader that wants every tensor whole (its shape as the first layout gives it)."""
+    shapes: dict[str, tuple[int, ...]] = {}
+    for payload in payloads:
+        for _dtype, _numel, entries in _backend.core.decode_layout(leaf, payload):
+            for fqn, _key, shape, _offsets, _sizes in entries:
+                shapes.setdefault(fqn, shape)
+    return lambda fqn: (shapes[fqn], (0,) * len(shapes[fqn]), shapes[fqn])
 
 
 def full_state(keys: Iterable[str], values: Mapping[str, Any]) -> dict[str, dict[str, torch.Tensor]]:

@@ -27,8 +27,11 @@ from .keys import (
     PACKED_PREFIX,
     SCALARS_PREFIX,
     check_table,
+    parse_rank_tag,
+    seal,
     source_text,
     split_items_record,
+    split_table_key,
     state_key,
     unescape_part,
     without_foreign_guards,
@@ -301,6 +304,20 @@ def check_table_leaves(group_leaves: list[str], scalar_tables: Mapping[str, Any]
                 "it lost that item from its metadata or its data (a partial copy or a damaged checkpoint); refusing "
                 "to load it incomplete (strict=False does not change this)"
             )
+
+
+def without_items_record(prefix: str, rest: str, table: object) -> object:
+    """Table item ``{prefix}{rest}``'s value without its item record (re-sealed), for a tool that
+    writes a checkpoint with other items than the save recorded; other values as they are."""
+    if not isinstance(table, bytes) or parse_rank_tag(split_table_key(rest, prefix)[1]) is None:
+        return table
+    leaf, bare = check_table(prefix, rest, table)
+    settings, blobs, groups = _backend.core.decode_table(leaf, bare, parts_to_tensor)
+    if split_items_record(settings, blobs, groups)[2] is None:
+        return table
+    start = 10 + sum(len(b) for b in blobs[:-1])
+    n = len(settings) - 1
+    return seal(bare[:6] + n.to_bytes(4, "little") + bare[10:start] + bare[start + len(blobs[-1]) :])
 
 
 def check_recorded_items(

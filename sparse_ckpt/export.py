@@ -46,7 +46,7 @@ from ._safetensors_io import data_order, st_dtype, write_safetensors
 from ._version import __version__
 from .checkpoint_io import find_optimizers
 from .dcp import multi_rank
-from .decode import decode_group_tables, table_fqns
+from .decode import decode_group_tables, table_fqns, without_items_record
 from .errors import CheckpointFormatError, UsageError
 from .fqn import Model, build_fqn_map
 from .keys import (
@@ -58,7 +58,6 @@ from .keys import (
     is_state_item,
     last_part,
     owner_fqn,
-    without_items_record,
 )
 from .leaves import SINGLE_LEAF
 from .load import load_owned

@@ -365,23 +365,6 @@ def split_items_record(
     return settings[:-1], blobs[:-1], items
 
 
-def without_items_record(prefix: str, rest: str, table: object) -> object:
-    """Table item ``{prefix}{rest}``'s value without its item record (re-sealed), for a tool that
-    writes a checkpoint with other items than the save recorded; other values as they are."""
-    from . import _backend  # (the core imports this module)
-    from ._tensor_parts import parts_to_tensor
-
-    if not isinstance(table, bytes) or parse_rank_tag(split_table_key(rest, prefix)[1]) is None:
-        return table
-    leaf, bare = _check_table(prefix, rest, table)
-    settings, blobs, groups = _backend.core.decode_table(leaf, bare, parts_to_tensor)
-    if split_items_record(settings, blobs, groups)[2] is None:
-        return table
-    start = 10 + sum(len(b) for b in blobs[:-1])
-    n = len(settings) - 1
-    return seal(bare[:6] + n.to_bytes(4, "little") + bare[10:start] + bare[start + len(blobs[-1]) :])
-
-
 def _check_table(prefix: str, rest: str, table: object) -> tuple[str, bytes]:
     kind = table_kind(prefix)
     if not isinstance(table, bytes):

@@ -16,6 +16,7 @@ import torch
 
 from sparse_ckpt import _backend
 from sparse_ckpt._tensor_parts import parts_to_tensor, tensor_to_parts
+from sparse_ckpt.decode import without_items_record
 from sparse_ckpt.keys import (
     KEYS_ENTRY,
     LENS_ENTRY,
@@ -24,7 +25,6 @@ from sparse_ckpt.keys import (
     check_table,
     packed_table_key,
     scalar_table_key,
-    without_items_record,
 )
 
 

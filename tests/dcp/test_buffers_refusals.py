@@ -120,3 +120,21 @@ def test_plan_caching_cannot_reuse_a_bucket_key_for_another_dtype(tmp_path: Path
     assert_optimizer_equal(fresh, opt)
     keys = dcp.FileSystemReader(str(tmp_path / "2")).read_metadata().state_dict_metadata
     assert [k.rpartition(".")[2] for k in keys if k.startswith(f"optim.{BUFFERS_PREFIX}optim.B")] == ["B0_bfloat16_w1r0"]
+
+
+def test_tools_refuse_overlapping_layouts() -> None:
+    """What ``verify``/``inspect`` read (``layout_view``): rows [0,6) and [4,8) of a 10x2 state
+    have as many elements as the tensor, and overlap; refused like a load refuses them."""
+    from sparse_ckpt import _backend, buffers
+    from sparse_ckpt.keys import seal
+
+    values: dict[str, Any] = {}
+    for rank, (lo, hi) in enumerate([(0, 6), (4, 8)]):
+        entry = ("p", "exp_avg", "float32", 4, (10, 2), (lo, 0), (hi - lo, 2))
+        table, _buckets = _backend.core.encode_layout("optim", [entry], 1 << 20)
+        values[buffers.layout_key("optim", f"w2r{rank}")] = seal(table)
+        values[buffers.buffer_key("optim", f"w2r{rank}", 0, "float32")] = torch.zeros(2 * (hi - lo))
+    with pytest.raises(sc.CheckpointMismatchError, match=r"leaf 'optim': state 'exp_avg' of 'p': the checkpoint's layouts overlap"):
+        buffers.layout_view(list(values), values)
+    with pytest.raises(sc.CheckpointMismatchError, match="layouts overlap"):
+        buffers.full_state(list(values), values)
