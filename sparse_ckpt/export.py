@@ -45,8 +45,9 @@ from torch.distributed.tensor import DTensor, distribute_tensor
 from ._safetensors_io import data_order, st_dtype, write_safetensors
 from ._version import __version__
 from .checkpoint_io import find_optimizers
+from .completeness import without_items_record
 from .dcp import multi_rank
-from .decode import decode_group_tables, table_fqns, without_items_record
+from .decode import decode_group_tables, table_fqns
 from .errors import CheckpointFormatError, UsageError
 from .fqn import Model, build_fqn_map
 from .keys import (

@@ -16,7 +16,7 @@ import torch
 
 from sparse_ckpt import _backend
 from sparse_ckpt._tensor_parts import parts_to_tensor, tensor_to_parts
-from sparse_ckpt.decode import without_items_record
+from sparse_ckpt.completeness import without_items_record
 from sparse_ckpt.keys import (
     KEYS_ENTRY,
     LENS_ENTRY,

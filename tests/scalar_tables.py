@@ -19,7 +19,8 @@ import pytest
 
 import sparse_ckpt.dcp
 import sparse_ckpt.save
-from sparse_ckpt.decode import decode_scalar_tables, merge_scalars, without_items_record
+from sparse_ckpt.completeness import without_items_record
+from sparse_ckpt.decode import decode_scalar_tables, merge_scalars
 from sparse_ckpt.fqn import build_fqn_map
 from sparse_ckpt.keys import PACKED_PREFIX, SCALARS_PREFIX, STATE_PREFIX, owner_fqn
 

@@ -17,7 +17,7 @@ import torch.distributed.checkpoint as dcp
 from .. import _backend
 from ..buffers import full_state
 from ..checkpoint_io import find_optimizers, metadata_path, set_path
-from ..decode import without_items_record
+from ..completeness import without_items_record
 from ..errors import CheckpointFormatError, CheckpointMismatchError, UsageError
 from ..keys import (
     BUFFERS_PREFIX,

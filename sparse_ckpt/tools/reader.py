@@ -32,15 +32,9 @@ from .. import _backend
 from .._tensor_parts import tensor_to_parts
 from ..buffers import layout_view
 from ..checkpoint_io import METADATA_FILE, OptimizerEntries, read_metadata, set_path
+from ..completeness import check_recorded_items, check_table_leaves
 from ..dcp import SparseLoadPlanner, weights_only_item
-from ..decode import (
-    check_complete,
-    check_recorded_items,
-    check_table_leaves,
-    decode_group_tables,
-    decode_scalar_tables,
-    merge_scalars,
-)
+from ..decode import check_complete, decode_group_tables, decode_scalar_tables, merge_scalars
 from ..errors import CheckpointFormatError, NotACheckpointError, SparseCheckpointError, UsageError
 from ..keys import (
     BUFFERS_PREFIX,

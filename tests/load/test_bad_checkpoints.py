@@ -864,7 +864,7 @@ def _two_rank_buffers() -> tuple[nn.Module, torch.optim.Optimizer, list[dict[str
     parameter-shaped state (as FSDP would), in one dict each (``w2r0`` / ``w2r1`` keys)."""
     from sparse_ckpt import _backend as backend
     from sparse_ckpt.buffers import buffer_key, fill, layout_key
-    from sparse_ckpt.decode import without_items_record
+    from sparse_ckpt.completeness import without_items_record
     from sparse_ckpt.keys import BUFFERS_PREFIX, PACKED_PREFIX, seal
 
     torch.manual_seed(0)
