@@ -115,17 +115,22 @@ def test_any_single_lost_item_is_refused_or_harmless(name: str, layout: str, str
     assert len(outcomes) - len(loaded) >= 3
 
 
-def test_a_lost_lbfgs_scalar_table_is_refused(tmp_path: Path) -> None:
-    """The issue's case: the scalar table is LBFGS's only record of ``func_evals``/``n_iter``."""
+@pytest.mark.parametrize("layout", ["per_tensor", "buffers"])
+@pytest.mark.parametrize("name", ["LBFGS", "Adam"])
+def test_a_lost_scalar_table_is_refused_by_name(name: str, layout: str, tmp_path: Path) -> None:
+    """The issue's case: the scalar table is LBFGS's only record of ``func_evals``/``n_iter`` (it
+    loaded silently without them), and Adam's of ``step`` (torch's ``__setstate__`` KeyError was
+    reported as "written by another optimizer class?")."""
     model = _model(0)
-    opt = _lbfgs(model)
+    opt = OPTIMIZERS[name](model)
     _train(model, opt, 3)
-    dcp.save({"optim": sc.SparseOptimizerState(model, opt)}, checkpoint_id=tmp_path)
+    dcp.save({"optim": sc.SparseOptimizerState(model, opt, state_layout=layout)}, checkpoint_id=tmp_path)
     drop_from_metadata(tmp_path, "optim.state.__packed__.optim.w1r0")
-    target = _lbfgs(model)
+    target = OPTIMIZERS[name](model)
     with pytest.raises(sc.CheckpointMismatchError,
                        match=r"leaf 'optim': checkpoint item 'state\.__packed__\.optim\.w1r0' is missing"):
-        dcp.load({"optim": sc.SparseOptimizerState(model, target)}, checkpoint_id=tmp_path, planner=sc.SparseLoadPlanner())
+        dcp.load({"optim": sc.SparseOptimizerState(model, target, state_layout=layout)}, checkpoint_id=tmp_path,
+                 planner=sc.SparseLoadPlanner())
     assert not target.state
 
 
