@@ -2,6 +2,7 @@
 # Build the C++ core (sparse_ckpt._C) once with AddressSanitizer + UndefinedBehaviorSanitizer in
 # a throw-away directory and run the core tests against it, C++ backend only:
 #   tests/core/test_core_differential.py  (C++ vs Python twin, on random and edge-case inputs)
+#   tests/core/test_core_layouts.py       (the layout codec and scatter plan, differential and fuzzed)
 #   tests/load/test_bad_checkpoints.py    (every defect through the load path; decode_table /
 #                                          unflatten fuzzed with random and mutated inputs)
 # Any sanitizer report fails the script. The repository's own build (sparse_ckpt/_C*.so) is
@@ -117,7 +118,7 @@ print('sanitized core:', c.__file__)
 
 set +e
 SANITIZE_TESTS=(
-  tests/core/test_core_differential.py tests/load/test_bad_checkpoints.py
+  tests/core/test_core_differential.py tests/core/test_core_layouts.py tests/load/test_bad_checkpoints.py
   tests/load/test_load_semantics.py tests/load/test_load_errors.py tests/load/test_round_trip_exactness.py
   tests/dcp/test_dcp_single.py tests/save/test_save_hooks.py tests/safety/test_concurrency.py
 )

@@ -3,6 +3,7 @@
 // docs/formats.md ("Layout codec").
 // Every read is bounds-checked and every count checked against the remaining bytes before any
 // allocation; element counts are computed in 128 bits, so no input overflows.
+#include <algorithm>
 #include <map>
 #include <set>
 #include <string>
@@ -202,6 +203,9 @@ void walk_layout(py::handle data, const py::object& where, OnBucket&& on_bucket,
     for (uint32_t bi = 0; bi < n_buckets; ++bi) {
         py::object dtype = r.string("bucket dtype");
         const uint64_t numel = r.u64("bucket numel");
+        if (numel > static_cast<uint64_t>(kI64Max)) {
+            r.fail(Msg() << "bucket of " << static_cast<unsigned long long>(numel) << " elements (at most 2**63-1)");
+        }
         const uint32_t n_entries = r.count("bucket entries", 12);
         on_bucket(bi, dtype, numel);
         Wide offset = 0;
@@ -248,13 +252,41 @@ Chunk read_chunk(py::handle fqn, py::handle value) {
     return c;
 }
 
+/// A saved chunk's part in a target: global bounds ``[lo, hi)`` and the saved chunk (for messages).
+struct Box {
+    std::vector<int64_t> lo, hi;
+    py::object offsets, sizes;
+};
+
 struct Target {
     py::object fqn, key, dtype;
     Dims shape;
     const Chunk* chunk;
     std::set<std::pair<std::vector<int64_t>, std::vector<int64_t>>> seen;
     Wide covered = 0;
+    std::vector<Box> boxes;
 };
+
+/// ``_first_overlap``: the first two boxes sharing an element in a sweep along dim 0 (boxes
+/// stably sorted by their lower bound there); ``{-1, -1}`` when none do.
+std::pair<long, long> first_overlap(const std::vector<Box>& boxes) {
+    if (boxes.size() < 2) return {-1, -1};
+    if (boxes[0].lo.empty()) return {0, 1};
+    std::vector<size_t> order(boxes.size());
+    for (size_t i = 0; i < order.size(); ++i) order[i] = i;
+    std::stable_sort(order.begin(), order.end(), [&](size_t a, size_t b) { return boxes[a].lo[0] < boxes[b].lo[0]; });
+    for (size_t n = 0; n < order.size(); ++n) {
+        const Box& a = boxes[order[n]];
+        for (size_t m = n + 1; m < order.size(); ++m) {
+            const Box& b = boxes[order[m]];
+            if (b.lo[0] >= a.hi[0]) break;
+            bool all = true;
+            for (size_t d = 0; d < a.lo.size() && all; ++d) all = a.lo[d] < b.hi[d] && b.lo[d] < a.hi[d];
+            if (all) return {static_cast<long>(order[n]), static_cast<long>(order[m])};
+        }
+    }
+    return {-1, -1};
+}
 
 }  // namespace
 
@@ -336,6 +368,11 @@ py::tuple encode_layout(py::object leaf, py::object entries, py::object bucket_b
             current.members.emplace_back(i, current.numel);
             current.numel += volume(parsed[i].sizes.v);
             nbytes += size;
+            if (current.numel > static_cast<Wide>(kI64Max)) {
+                raise_format_error(Msg() << where_of(leaf, parsed[i].key, parsed[i].fqn) << ": its " << fmt(dtype)
+                                         << " bucket would hold " << wide_str(current.numel)
+                                         << " elements (at most 2**63-1)");
+            }
         }
         if (!current.members.empty()) buckets.push_back(std::move(current));
     }
@@ -425,7 +462,7 @@ py::tuple plan_scatter(py::object leaf, py::object layouts, py::object chunk_of)
                     }
                     ti = targets.size();
                     target_of.emplace(id, ti);
-                    targets.push_back(Target{fqn, key, dtype, shape, &mine, {}, 0});
+                    targets.push_back(Target{fqn, key, dtype, shape, &mine, {}, 0, {}});
                 } else {
                     ti = tf->second;
                     const Target& first = targets[ti];
@@ -468,11 +505,24 @@ py::tuple plan_scatter(py::object leaf, py::object layouts, py::object chunk_of)
                                                dims_tuple(box));
                 check(PyList_Append(ops.ptr(), op.ptr()));
                 t.covered += volume(box);
+                std::vector<int64_t> hi(n);
+                for (size_t i = 0; i < n; ++i) hi[i] = lo[i] + box[i];
+                t.boxes.push_back(Box{lo, std::move(hi), offsets.obj, sizes.obj});
             });
         ++li;
     });
     py::object out_targets = steal(PyList_New(0));
     for (const Target& t : targets) {
+        const auto [a, b] = first_overlap(t.boxes);
+        if (a >= 0) {
+            const Box& x = t.boxes[static_cast<size_t>(a)];
+            const Box& y = t.boxes[static_cast<size_t>(b)];
+            raise_mismatch_error(Msg() << "leaf " << py_repr(leaf) << ": state " << py_repr(t.key) << " of "
+                                       << py_repr(t.fqn) << ": the checkpoint's layouts overlap (chunks at offsets "
+                                       << fmt(x.offsets) << " of sizes " << fmt(x.sizes) << " and at offsets "
+                                       << fmt(y.offsets) << " of sizes " << fmt(y.sizes)
+                                       << "): a damaged or edited checkpoint");
+        }
         const Wide need = volume(t.chunk->sizes.v);
         if (t.covered != need) {
             raise_mismatch_error(Msg() << "leaf " << py_repr(leaf) << ": state " << py_repr(t.key) << " of "

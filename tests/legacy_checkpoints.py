@@ -17,6 +17,7 @@ import torch
 from sparse_ckpt import _backend
 from sparse_ckpt._format.keys import (
     KEYS_ENTRY,
+    LENS_ENTRY,
     PACKED_PREFIX,
     SCALARS_PREFIX,
     check_table,
@@ -24,24 +25,26 @@ from sparse_ckpt._format.keys import (
     scalar_table_key,
 )
 from sparse_ckpt._format.tensor_parts import parts_to_tensor, tensor_to_parts
+from sparse_ckpt._load.completeness import without_items_record
 
 
 def legacy(sd: dict[str, Any]) -> dict[str, Any]:
     """``sd`` as sparse_ckpt wrote it before stable keys: tables under ``{digest}`` keys, unsealed,
-    scalar tables without the recorded state keys."""
+    scalar tables without the recorded state keys (and list lengths), group tables without item records."""
     core = _backend.core
     out: dict[str, Any] = {}
     for key, value in sd.items():
         if key.startswith(SCALARS_PREFIX):
             leaf, table = check_table(SCALARS_PREFIX, key[len(SCALARS_PREFIX) :], value)
             scalars, _blobs, groups = core.decode_table(leaf, table, parts_to_tensor)
-            bare = [({k: v for k, v in scalars[i].items() if k != KEYS_ENTRY}, f) for i, f in groups]
+            bare = [({k: v for k, v in scalars[i].items() if k not in (KEYS_ENTRY, LENS_ENTRY)}, f) for i, f in groups]
             bare = [(s, f) for s, f in bare if s]
             if bare:
                 old = core.encode_table(leaf, bare, torch.Tensor, tensor_to_parts)
                 out[scalar_table_key(leaf, old)] = old
         elif key.startswith(PACKED_PREFIX):
-            leaf, table = check_table(PACKED_PREFIX, key[len(PACKED_PREFIX) :], value)
+            rest = key[len(PACKED_PREFIX) :]
+            leaf, table = check_table(PACKED_PREFIX, rest, without_items_record(PACKED_PREFIX, rest, value))
             out[packed_table_key(leaf, table)] = table
         else:
             out[key] = value

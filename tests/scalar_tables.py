@@ -19,8 +19,9 @@ import pytest
 
 import sparse_ckpt._dcp.stateful
 import sparse_ckpt._save.save
-from sparse_ckpt._format.keys import SCALARS_PREFIX, STATE_PREFIX, owner_fqn
+from sparse_ckpt._format.keys import PACKED_PREFIX, SCALARS_PREFIX, STATE_PREFIX, owner_fqn
 from sparse_ckpt._fqn import build_fqn_map
+from sparse_ckpt._load.completeness import without_items_record
 from sparse_ckpt._load.decode_state import decode_scalar_tables, merge_scalars
 
 _BUILD_STATE_DICT = sparse_ckpt._save.save.build_state_dict
@@ -52,6 +53,8 @@ def as_v1(sd: Mapping[str, Any], fqns: Iterable[str] = ()) -> dict[str, Any]:
     for key, value in sd.items():
         if key.startswith(SCALARS_PREFIX):
             continue
+        if key.startswith(PACKED_PREFIX):  # version 1 had no item records
+            value = without_items_record(PACKED_PREFIX, key[len(PACKED_PREFIX) :], value)
         if key.startswith(STATE_PREFIX):
             fqn = owner_fqn(key[len(STATE_PREFIX) :], known)
             if fqn is not None and fqn in scalars:

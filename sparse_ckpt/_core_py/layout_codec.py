@@ -128,6 +128,12 @@ def encode_layout(
             current.append((i, numel))
             numel += _volume(parsed[i][5])
             nbytes += size
+            if numel > INT64_MAX:
+                fqn, key = parsed[i][0], parsed[i][1]
+                raise CheckpointFormatError(
+                    f"leaf {leaf!r}: state {key!r} of {fqn!r}: its {dtype} bucket would hold {numel} elements "
+                    "(at most 2**63-1)"
+                )
         if current:
             buckets.append((dtype, numel, current))
     out = bytearray(LAYOUT_MAGIC)
@@ -179,6 +185,8 @@ def _walk(data: bytes, where: str) -> Iterator[tuple[int, str, int, Any]]:
     for bi in range(r.count("bucket list", 16)):
         dtype = r.string("bucket dtype")
         numel = U64.unpack(r.take(8, "bucket numel"))[0]
+        if numel > INT64_MAX:
+            raise r.fail(f"bucket of {numel} elements (at most 2**63-1)")
         n_entries = r.count("bucket entries", 12)
         yield bi, dtype, numel, None
         offset = 0
@@ -246,6 +254,7 @@ def plan_scatter(
     target_of: dict[tuple[str, str], int] = {}
     seen_boxes: list[set[tuple[tuple[int, ...], tuple[int, ...]]]] = []
     covered: list[int] = []
+    placed: list[list[_Box]] = []
     sources: list[tuple[int, int, str, int]] = []
     source_of: dict[tuple[int, int], int] = {}
     ops: list[tuple[Any, ...]] = []
@@ -272,6 +281,7 @@ def plan_scatter(
                 targets.append((fqn, key, dtype, shape, mine[1], mine[2]))
                 seen_boxes.append(set())
                 covered.append(0)
+                placed.append([])
             else:
                 first = targets[ti]
                 if first[2] != dtype or first[3] != shape:
@@ -295,7 +305,15 @@ def plan_scatter(
             dst_start = tuple(low - t for low, t in zip(lo, mine[1]))
             ops.append((si, start, sizes, src_start, ti, dst_start, box))
             covered[ti] += _volume(box)
+            placed[ti].append((lo, hi, offsets, sizes))
     for ti, (fqn, key, _dtype, _shape, _offsets, sizes) in enumerate(targets):
+        clash = _first_overlap(placed[ti])
+        if clash is not None:
+            a, b = clash
+            raise CheckpointMismatchError(
+                f"leaf {leaf!r}: state {key!r} of {fqn!r}: the checkpoint's layouts overlap (chunks at offsets {a[2]} "
+                f"of sizes {a[3]} and at offsets {b[2]} of sizes {b[3]}): a damaged or edited checkpoint"
+            )
         need = _volume(sizes)
         if covered[ti] != need:
             raise CheckpointMismatchError(
@@ -304,6 +322,30 @@ def plan_scatter(
                 "or its layouts overlap)"
             )
     return targets, sources, ops
+
+
+_Box = tuple[tuple[int, ...], tuple[int, ...], tuple[int, ...], tuple[int, ...]]
+"""A saved chunk's part in a target: ``(lo, hi, saved offsets, saved sizes)`` (``lo``/``hi``: global bounds)."""
+
+
+def _first_overlap(boxes: list[_Box]) -> tuple[_Box, _Box] | None:
+    """The first two boxes that share an element, in the order of a sweep along dim 0 (boxes
+    sorted by their lower bound there, stably), else ``None``. With the element count equal to
+    the chunk's, no overlap means the boxes tile the chunk exactly (no gap)."""
+    if len(boxes) < 2:
+        return None
+    if not boxes[0][0]:  # 0-d: every box is the whole (one-element) tensor
+        return boxes[0], boxes[1]
+    order = sorted(range(len(boxes)), key=lambda i: boxes[i][0][0])
+    for n, i in enumerate(order):
+        lo_a, hi_a = boxes[i][0], boxes[i][1]
+        for j in order[n + 1 :]:
+            lo_b, hi_b = boxes[j][0], boxes[j][1]
+            if lo_b[0] >= hi_a[0]:
+                break
+            if all(la < hb and lb < ha for la, ha, lb, hb in zip(lo_a, hi_a, lo_b, hi_b)):
+                return boxes[i], boxes[j]
+    return None
 
 
 def _chunk(

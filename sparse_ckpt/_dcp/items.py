@@ -11,7 +11,7 @@ bucket alive at a time), or into the returned dict.
 from __future__ import annotations
 
 import io
-from collections.abc import Callable, Collection, Iterable
+from collections.abc import Callable, Collection, Iterable, Mapping
 from typing import Any
 
 import torch
@@ -23,7 +23,7 @@ from torch.distributed.tensor import DTensor
 from torch.distributed.tensor import empty as dtensor_empty
 
 from .._format.keys import BUFFERS_PREFIX, PACKED_PREFIX, SCALARS_PREFIX, STEP_KEY, is_table_key, table_kind
-from ..errors import CheckpointFormatError
+from ..errors import CheckpointFormatError, CheckpointMismatchError
 
 __all__ = ["ItemPlanner", "allocate_item", "allocate_like", "read_items", "weights_only_item", "weights_only_object"]
 
@@ -147,12 +147,17 @@ def read_items(
     raw_keys: Collection[str] = (),
     unpickle_keys: Collection[str] = (),
     is_table: Callable[[str], bool] = is_table_key,
+    require_storage: bool = False,
 ) -> dict[str, Any]:
     """Read whole items ``keys`` through ``storage_reader`` (set up for ``metadata``) in this process.
 
     With ``consume``, ``consume(key, value)`` gets each value when it is complete and the result is
     empty; without, the values are returned by key. Tensors come back as new CPU tensors; bytes
-    items as :class:`ItemPlanner` says (``is_table(key)``: the item must unpickle to ``bytes``)."""
+    items as :class:`ItemPlanner` says (``is_table(key)``: the item must unpickle to ``bytes``).
+    ``require_storage``: an item without its entry in the metadata's storage records is a
+    :class:`CheckpointMismatchError` before anything is read. With ``consume``, a tensor item
+    without data (no element) is not handed over, as DCP hands over none; without, it is returned
+    empty."""
     targets: dict[str, Any] = {}
     for key in keys:
         md = metadata.state_dict_metadata[key]
@@ -163,8 +168,17 @@ def read_items(
     planner = ItemPlanner(metadata, consume, raw_keys=raw_keys, unpickle_keys=unpickle_keys, is_table=is_table)
     plan = create_default_local_load_plan(targets, metadata)
     planner.expect(item for item in plan.items if isinstance(metadata.state_dict_metadata[item.dest_index.fqn], TensorStorageMetadata))
-    for key, target in targets.items():  # a tensor without data (no element): nothing to read
-        if isinstance(target, torch.Tensor) and key not in planner.chunks_expected:
-            planner.consume(key, torch.empty(tuple(target.shape), dtype=target.dtype))
+    if consume is None:
+        for key, target in targets.items():  # a tensor without data (no element): nothing to read
+            if isinstance(target, torch.Tensor) and key not in planner.chunks_expected:
+                planner.consume(key, torch.empty(tuple(target.shape), dtype=target.dtype))
+    storage = getattr(metadata, "storage_data", None)
+    if require_storage and isinstance(storage, Mapping):  # a storage reader looks each item up there
+        for item in plan.items:
+            if item.storage_index not in storage:
+                raise CheckpointMismatchError(
+                    f"checkpoint item {item.storage_index.fqn!r} has no storage entry in the checkpoint's "
+                    ".metadata (a damaged or partial copy): its data cannot be found"
+                )
     storage_reader.read_data(plan, planner).wait()
     return planner.values

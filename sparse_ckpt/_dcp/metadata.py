@@ -152,4 +152,12 @@ def _split(p: ObjPath) -> tuple[ObjPath, str] | None:
     last = p[-1]
     if isinstance(last, str) and last.startswith(OPTIMIZER_PREFIXES):
         return p[:-1], last
+    # An element of a list-valued state entry (LBFGS's ``al``): DCP records ``(..., "state.{fqn}.al", 0)``
+    # (dicts inside the list add str parts after the index).
+    for i in range(len(p) - 2, -1, -1):
+        part = p[i]
+        if isinstance(part, str) and part.startswith(OPTIMIZER_PREFIXES) and isinstance(p[i + 1], int):
+            return p[:i], ".".join(map(str, p[i:]))
+        if isinstance(part, str) and "." in part:
+            break
     return None

@@ -11,7 +11,7 @@ checkpoint's metadata before DCP plans the reads: one rule per kind of entry
 from __future__ import annotations
 
 import io
-from collections.abc import Callable, Iterator, Mapping
+from collections.abc import Callable, Collection, Iterator, Mapping
 from typing import Any, ClassVar
 
 from torch.distributed.checkpoint import DefaultLoadPlanner
@@ -184,6 +184,8 @@ class _TargetBuilder:
                 continue
             set_path(new, rel, value)
             keys.append(key)
+        self.target.lost = _drop_holes(new, {rel for rel, _md, _key in entries})
+        self.target.present = {str(rel[0]) for rel, _md, _key in entries}
         self.target.clear()
         self.target.update(new)
         self.target.planned = True
@@ -255,6 +257,32 @@ class _TargetBuilder:
         storage_reader, metadata = self.storage_reader, self.metadata
 
         def read(dcp_keys: list[str], consume: Any) -> None:
-            read_items(storage_reader, metadata, dcp_keys, consume, is_table=lambda key: True)
+            read_items(storage_reader, metadata, dcp_keys, consume, is_table=lambda key: True, require_storage=True)
 
         return read
+
+
+def _drop_holes(new: dict[str, Any], planned: Collection[tuple[str | int, ...]]) -> list[str]:
+    """The items missing inside lists of ``new`` (an index ``set_path`` filled with ``None`` because the
+    checkpoint's metadata has items after it but not it), as dotted keys; each entry holding one is
+    taken out of ``new`` (DCP would refuse its plan: the load refuses it by name instead)."""
+    lost: list[str] = []
+
+    def walk(path: tuple[str | int, ...], node: Any) -> None:
+        if isinstance(node, dict):
+            for k, v in node.items():
+                walk((*path, k), v)
+        elif isinstance(node, list):
+            for i, v in enumerate(node):
+                if v is None and (*path, i) not in planned:
+                    lost.append(".".join(map(str, (*path, i))))
+                else:
+                    walk((*path, i), v)
+
+    for top, value in list(new.items()):
+        if isinstance(value, (list, dict)):
+            before = len(lost)
+            walk((top,), value)
+            if len(lost) > before:
+                del new[top]
+    return lost

@@ -87,7 +87,7 @@ class SparseStateDict(dict):
     so that a load on another rank refuses it (`sparse_ckpt._dcp.origin`).
     """
 
-    __slots__ = ("fmap", "origin", "owner", "planned", "reader", "unresolved")
+    __slots__ = ("fmap", "lost", "origin", "owner", "planned", "present", "reader", "unresolved")
 
     def __init__(self, items: Mapping[str, Any], owner: SparseOptimizerState) -> None:
         super().__init__(items)
@@ -103,6 +103,11 @@ class SparseStateDict(dict):
         self.reader: BucketReader | None = None
         """Reads the checkpoint's buffer items (``state_layout="buffers"``) during the same
         ``dcp.load``, after the layout tables are read (set by the planner)."""
+        self.present: set[str] | None = None
+        """Every optimizer key of the checkpoint, read or not (set by the planner)."""
+        self.lost: list[str] = []
+        """Items the planner found missing from the checkpoint's metadata (an element of a list
+        with elements after it): the load refuses them."""
 
     def __reduce_ex__(self, protocol: Any) -> tuple[Any, ...]:
         items = self.copy()
@@ -209,7 +214,15 @@ class SparseOptimizerState:
         data.pop(PLANNER_GUARD_KEY, None)
         fmap = None
         reader = None
+        present = None
         if isinstance(state_dict, SparseStateDict):
+            if state_dict.lost:
+                raise CheckpointMismatchError(
+                    f"optimizer item {state_dict.lost[0]!r} is missing from the checkpoint, and its list has items "
+                    "after it: the checkpoint lost it from its metadata (a partial copy or a damaged checkpoint); "
+                    "refusing to load it incomplete"
+                )
+            present = state_dict.present
             if state_dict.unresolved:
                 data.update(dict.fromkeys(state_dict.unresolved))
             if state_dict.owner is self:
@@ -223,6 +236,7 @@ class SparseOptimizerState:
             unowned_are_other_ranks=multi_rank(),
             fmap=fmap,
             reader=reader,
+            present=present,
         )
 
     def __reduce_ex__(self, protocol: Any) -> Any:

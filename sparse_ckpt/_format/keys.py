@@ -31,13 +31,17 @@ OPTIMIZER_PREFIXES = (STATE_PREFIX, GROUPS_PREFIX)
 BUFFERS_MARKER = "__buffers__"
 BUFFERS_PREFIX = f"{STATE_PREFIX}{BUFFERS_MARKER}."
 """Prefix of ``state_layout="buffers"`` items: ``state.__buffers__.{leaf}.L{rank tag}`` (a layout
-table, sealed bytes) and ``state.__buffers__.{leaf}.B{bucket}{rank tag}`` (a 1-D buffer tensor)."""
+table, sealed bytes) and ``state.__buffers__.{leaf}.B{bucket}_{dtype}_{rank tag}`` (a 1-D buffer tensor)."""
 RESERVED_FQN_PREFIX = f"{PACKED_MARKER}."
 RESERVED_FQN_PREFIXES = (RESERVED_FQN_PREFIX, f"{BUFFERS_MARKER}.")
 """No parameter with state may have an FQN starting with these: its keys would read as a table or
 a buffer."""
 KEYS_ENTRY = "~keys"
 """The scalar-table entry listing a parameter's per-item state keys (see *State keys recorded*)."""
+LENS_ENTRY = "~lens"
+"""The scalar-table entry, after :data:`KEYS_ENTRY`, of a parameter with list-valued per-item state:
+``((key, count), ...)``, each list's count of values, the list and its items (nested lists and
+dicts counted likewise) included (see *State keys recorded*)."""
 PLANNER_GUARD_KEY = "__sparse_ckpt__.load_with.SparseLoadPlanner"
 """Key of the planner guard (see :mod:`sparse_ckpt._dcp.stateful`); never part of a decoded checkpoint."""
 
@@ -208,7 +212,69 @@ def check_table(prefix: str, rest: str, table: object) -> tuple[str, bytes]:
     """``(leaf, table bytes)`` of table item ``{prefix}{rest}`` (``prefix``: :data:`PACKED_PREFIX`
     or :data:`SCALARS_PREFIX`) after checking that its value is ``bytes`` matching its digest: the
     key's for ``{digest}`` and ``d{digest}`` tags, the seal's for ``w{W}r{ranks}`` tags (see
-    *Table keys*). A mismatch (or another tag) is a :class:`CheckpointFormatError`."""
+    *Table keys*). A mismatch (or another tag) is a :class:`CheckpointFormatError`. A sealed
+    table's item record (:func:`items_trailer`) is checked and left out."""
+    return _check_table(prefix, rest, table)
+
+
+ITEMS_ENTRY = "~items"
+"""The key of a table's *item record* (see :func:`with_items_record`)."""
+
+
+def items_record(keys: Iterable[str]) -> bytes | None:
+    """The table-codec bytes of the settings entry ``{ITEMS_ENTRY: tuple(keys)}`` (``None`` when a
+    key is not valid Unicode: no record then)."""
+    out = bytearray((1).to_bytes(4, "little"))
+    out += len(ITEMS_ENTRY).to_bytes(4, "little") + ITEMS_ENTRY.encode("ascii")
+    keys = list(keys)
+    out += bytes([_TAG_TUPLE]) + len(keys).to_bytes(4, "little")
+    for key in keys:
+        try:
+            raw = key.encode("utf-8")
+        except UnicodeEncodeError:
+            return None
+        out += bytes([_TAG_STR]) + len(raw).to_bytes(4, "little") + raw
+    return bytes(out)
+
+
+_TAG_STR = 5
+_TAG_TUPLE = 7
+"""The table codec's value tags of ``str`` and ``tuple`` (docs/formats.md, "Table codec")."""
+
+
+def groups_tail(fqn_lists: Iterable[list[str]]) -> int:
+    """The byte length of a table's groups part (``u32 n_groups`` to the end) for groups with these FQNs."""
+    lists = list(fqn_lists)
+    n_fqns = sum(len(fqns) for fqns in lists)
+    return 4 + 8 * len(lists) + 4 * n_fqns + len("".join(f for fqns in lists for f in fqns).encode("utf-8"))
+
+
+def with_items_record(table: bytes, tail: int, record: bytes) -> bytes:
+    """``table`` (a group or scalar table whose groups part is ``tail`` bytes) with ``record``
+    (:func:`items_record`) as one more settings entry, the last one, that no group refers to: the
+    *item record*, every table and buffer key its save wrote, so a lost table, layout or buffer is
+    found missing by the tables that remain (docs/formats.md, "Item record"). Readers that do not
+    look for it see an unused settings entry."""
+    n = int.from_bytes(table[6:10], "little")
+    cut = len(table) - tail
+    return table[:6] + (n + 1).to_bytes(4, "little") + table[10:cut] + record + table[cut:]
+
+
+def split_items_record(
+    settings: list[dict], blobs: list[bytes], groups: list[tuple[int, list[str]]]
+) -> tuple[list[dict], list[bytes], tuple[str, ...] | None]:
+    """A decoded table's ``(settings, blobs, item record)``: the record (:func:`with_items_record`)
+    taken out of the settings, ``None`` when the table has none."""
+    if not settings or set(settings[-1]) != {ITEMS_ENTRY}:
+        return settings, blobs, None
+    last = len(settings) - 1
+    items = settings[-1][ITEMS_ENTRY]
+    if any(idx == last for idx, _fqns in groups) or type(items) is not tuple or not all(type(k) is str for k in items):
+        return settings, blobs, None
+    return settings[:-1], blobs[:-1], items
+
+
+def _check_table(prefix: str, rest: str, table: object) -> tuple[str, bytes]:
     kind = table_kind(prefix)
     if not isinstance(table, bytes):
         raise CheckpointFormatError(f"{kind} '{prefix}{rest}' is a {type(table).__name__}, expected bytes")
@@ -286,9 +352,22 @@ def layout_tag(rank_tag: str) -> str:
     return f"L{rank_tag}"
 
 
-def buffer_tag(bucket: int, rank_tag: str) -> str:
-    """``B{bucket}{rank tag}``: the tag of bucket ``bucket`` of a layout's buffers."""
-    return f"B{bucket}{rank_tag}"
+def buffer_tag(bucket: int, rank_tag: str, dtype: str | None = None) -> str:
+    """``B{bucket}_{dtype}_{rank tag}``: the tag of bucket ``bucket`` (of ``dtype``) of a layout's
+    buffers; ``B{bucket}{rank tag}`` without ``dtype`` (what writers before the dtype was part of
+    the key wrote). The dtype is in the key because DCP's save-plan caching compares keys and
+    sizes, not dtypes: a key must never be reused for a buffer of another dtype."""
+    return f"B{bucket}{rank_tag}" if dtype is None else f"B{bucket}_{dtype}_{rank_tag}"
+
+
+def buffer_dtype(rest: str) -> str | None:
+    """The dtype named by buffer key ``"{leaf}.B..."`` (a key without :data:`BUFFERS_PREFIX`),
+    ``None`` for a key written without it (see :func:`buffer_tag`)."""
+    tag = rest.rpartition(".")[2]
+    digits = len(tag) - len(tag[1:].lstrip("0123456789")) - 1
+    if tag[1 + digits : 2 + digits] != "_":
+        return None
+    return tag[2 + digits :].rpartition("_")[0]
 
 
 def split_buffers_key(rest: str) -> tuple[str, str, int | None, str]:
@@ -306,6 +385,10 @@ def split_buffers_key(rest: str) -> tuple[str, str, int | None, str]:
         if digits == 0:
             raise bad
         kind, bucket, ranks = "buffer", int(tag[1 : 1 + digits]), tag[1 + digits :]
+        if ranks.startswith("_"):  # B{bucket}_{dtype}_{ranks}
+            dtype, _sep, ranks = ranks[1:].rpartition("_")
+            if not dtype or not dtype.replace("_", "").isalnum():
+                raise bad
     else:
         raise bad
     if parse_rank_tag(ranks) is None:

@@ -17,7 +17,24 @@ from typing import Any
 import torch.distributed as dist
 
 from .._dist import world_and_rank
-from .keys import digest_tag, rank_tag, seal, table_digest
+from .keys import (
+    BUFFERS_PREFIX,
+    PACKED_PREFIX,
+    SCALARS_PREFIX,
+    buffer_tag,
+    digest_tag,
+    items_record,
+    layout_tag,
+    rank_tag,
+    seal,
+    table_digest,
+    table_item_key,
+    with_items_record,
+)
+
+GROUPS_SLOT = "groups"
+SCALARS_SLOT = "scalars"
+LAYOUT_SLOT = "layout"
 
 
 @dataclass(frozen=True)
@@ -31,6 +48,30 @@ class Slot:
     by_digest: bool = True
     """Without coordination: keyed by content digest (``True``: tables) or by the rank itself
     (``False``: layout tables and buffers, which a loading rank must find by its rank)."""
+    buckets: tuple[str, ...] = ()
+    """A layout slot's buckets: each one's dtype (their keys are part of the save's item record)."""
+    tail: int | None = None
+    """Group tables: the byte length of the table's groups part (:func:`~sparse_ckpt.keys.groups_tail`);
+    their sealed values carry the save's item record (:func:`~sparse_ckpt.keys.with_items_record`),
+    so that a lost scalar table, layout or buffer -- or another leaf's group table -- is found missing."""
+
+    @staticmethod
+    def of(kind: str, leaf: str, payload: bytes, *, buckets: tuple[str, ...] = (), tail: int | None = None) -> Slot:
+        """The slot of a leaf's group table, scalar table or layout (``kind``: ``*_SLOT``)."""
+        return Slot(f"{kind}:{leaf}", payload, by_digest=kind != LAYOUT_SLOT, buckets=buckets, tail=tail)
+
+
+def slot_keys(name: str, tag: str, buckets: tuple[str, ...]) -> list[str]:
+    """The item keys (in the optimizer dict) that a slot named by :meth:`Slot.of` gets with ``tag``."""
+    kind, _sep, leaf = name.partition(":")
+    if kind == GROUPS_SLOT:
+        return [table_item_key(PACKED_PREFIX, leaf, tag)]
+    if kind == SCALARS_SLOT:
+        return [table_item_key(SCALARS_PREFIX, leaf, tag)]
+    if kind == LAYOUT_SLOT:
+        head = f"{BUFFERS_PREFIX}{leaf}."
+        return [head + layout_tag(tag), *(head + buffer_tag(i, tag, dtype) for i, dtype in enumerate(buckets))]
+    return []
 
 
 @dataclass(frozen=True)
@@ -59,17 +100,30 @@ class Keying:
         (:func:`~sparse_ckpt._format.keys.seal`), digest-tagged ones are the table itself."""
         if self.world == 1:
             tag = rank_tag(1, [0])
-            return [(tag, seal(s.payload)) for s in slots]
-        if not self.coordinated:
+            return _sealed(slots, [tag] * len(slots), [(s.name, tag, s.buckets) for s in slots])
+        if not self.coordinated:  # no record: this rank cannot know the others' items
             own = rank_tag(self.world, [self.rank])
             return [(digest_tag(s.payload), s.payload) if s.by_digest else (own, seal(s.payload)) for s in slots]
         digests = [table_digest(s.payload) for s in slots]
-        mine = [(s.name, d) for s, d in zip(slots, digests)]
+        mine = [(s.name, d, s.buckets) for s, d in zip(slots, digests)]
         everyone: list[Any] = [None] * self.world
         dist.all_gather_object(everyone, mine)
-        held = [dict(entries) for entries in everyone]
-        out = []
-        for s, d in zip(slots, digests):
-            ranks = [r for r, h in enumerate(held) if h.get(s.name) == d]
-            out.append((rank_tag(self.world, ranks), seal(s.payload)))
-        return out
+        held = [{name: (d, buckets) for name, d, buckets in entries} for entries in everyone]
+
+        def tag_of(name: str, digest: str) -> str:
+            return rank_tag(self.world, [r for r, h in enumerate(held) if h.get(name, ("",))[0] == digest])
+
+        written = [(name, tag_of(name, d), buckets) for h in held for name, (d, buckets) in h.items()]
+        return _sealed(slots, [tag_of(s.name, d) for s, d in zip(slots, digests)], written)
+
+
+def _sealed(slots: list[Slot], tags: list[str], written: list[tuple[str, str, tuple[str, ...]]]) -> list[tuple[str, bytes]]:
+    """``(tag, sealed value)`` per slot; the tables carry the keys of every item in ``written``
+    (``(slot name, tag, buckets)`` of every rank's slots), sorted, without repeats."""
+    record = None
+    if any(s.tail is not None for s in slots):
+        record = items_record(sorted({key for name, tag, buckets in written for key in slot_keys(name, tag, buckets)}))
+    return [
+        (tag, seal(s.payload if s.tail is None or record is None else with_items_record(s.payload, s.tail, record)))
+        for s, tag in zip(slots, tags)
+    ]

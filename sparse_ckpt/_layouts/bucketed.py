@@ -133,5 +133,6 @@ def layout_key(leaf: str, ranks: str) -> str:
     return f"{BUFFERS_PREFIX}{leaf}.{layout_tag(ranks)}"
 
 
-def buffer_key(leaf: str, ranks: str, bucket: int) -> str:
-    return f"{BUFFERS_PREFIX}{leaf}.{buffer_tag(bucket, ranks)}"
+def buffer_key(leaf: str, ranks: str, bucket: int, dtype: str | None = None) -> str:
+    """The key of bucket ``bucket`` of the layout of ``ranks`` (see `sparse_ckpt._format.keys.buffer_tag`)."""
+    return f"{BUFFERS_PREFIX}{leaf}.{buffer_tag(bucket, ranks, dtype)}"

@@ -33,6 +33,8 @@ class _LeafItems:
     """rank tag -> sealed layout bytes."""
     buffers: dict[tuple[str, int], Any] = field(default_factory=dict)
     """(rank tag, bucket) -> buffer tensor (read already)."""
+    keys: dict[tuple[str, int], str] = field(default_factory=dict)
+    """(rank tag, bucket) -> the buffer's key, for every buffer in the dict or readable."""
     readable: dict[str, str] = field(default_factory=dict)
     """Key of each layout table a :class:`BucketReader` can read -> its rank tag."""
 
@@ -63,6 +65,7 @@ def split_items(keys: Iterable[str], flat: Mapping[str, Any]) -> dict[str, _Leaf
             items.layouts[ranks] = flat[key]
         else:
             items.buffers[(ranks, bucket)] = flat[key]  # type: ignore[index]
+            items.keys[(ranks, bucket)] = key  # type: ignore[index]
     return by_leaf
 
 
@@ -86,10 +89,12 @@ def expand(
     by_leaf = split_items(buffer_keys, flat)
     if reader is not None:
         for key in reader.keys:
-            leaf, kind, _bucket, ranks = split_buffers_key(key[len(BUFFERS_PREFIX) :])
+            leaf, kind, bucket, ranks = split_buffers_key(key[len(BUFFERS_PREFIX) :])
             items = by_leaf.setdefault(leaf, _LeafItems())
             if kind == "layout":
                 items.readable[key] = ranks
+            else:
+                items.keys.setdefault((ranks, bucket), key)  # type: ignore[arg-type]
     geometry = _Geometry()
     out: dict[str, dict[str, Any]] = {}
     for leaf, items in by_leaf.items():
@@ -162,9 +167,16 @@ def _expand_leaf(
     for op in ops:
         by_source[op[0]].append(op)
 
+    def key_of(si: int) -> str:
+        li, bi, dtype, _numel = sources[si]
+        return items.keys.get((layouts[li][0], bi)) or buffer_key(leaf, layouts[li][0], bi, dtype)
+
+    consumed = [False] * len(sources)
+
     def scatter(si: int, buf: Any) -> None:
-        li, bi, dtype, numel = sources[si]
-        _check_buffer(leaf, buffer_key(leaf, layouts[li][0], bi), buf, dtype, numel)
+        _li, _bi, dtype, numel = sources[si]
+        _check_buffer(leaf, key_of(si), buf, dtype, numel)
+        consumed[si] = True
         for _si, src_offset, src_sizes, src_start, ti, dst_start, box in by_source[si]:
             n = 1
             for d in src_sizes:
@@ -187,7 +199,7 @@ def _expand_leaf(
         if buf is not None:
             scatter(si, buf)
             continue
-        key = buffer_key(leaf, ranks, bi)
+        key = key_of(si)
         if reader is None or key not in reader.keys:
             fqn, skey = targets[by_source[si][0][4]][:2]
             raise CheckpointMismatchError(
@@ -198,9 +210,33 @@ def _expand_leaf(
     if wanted:
         assert reader is not None
         reader.read(list(wanted), lambda key, value: scatter(wanted[key], value))
+    _check_consumed(leaf, consumed, key_of, sources, by_source, targets)
     for (fqn, key, *_rest), value in zip(targets, made):
         canon = fmap.canonical[fqn]
         _put(out.setdefault(canon, {}), key, value, leaf, canon)
+
+
+def _check_consumed(
+    leaf: str,
+    consumed: list[bool],
+    key_of: Callable[[int], str],
+    sources: list[tuple[int, int, str, int]],
+    by_source: list[list[tuple[Any, ...]]],
+    targets: list[tuple[Any, ...]],
+) -> None:
+    """Every buffer the plan needs was read and scattered (DCP does not call a reader's consumer
+    for an item the checkpoint's metadata says is empty, and the plan's copies must all run:
+    together they cover every target element exactly once), else a `CheckpointFormatError`
+    naming the buffer and the first state it holds."""
+    for si, done in enumerate(consumed):
+        if not done:
+            fqn, skey = targets[by_source[si][0][4]][:2]
+            _li, _bi, dtype, numel = sources[si]
+            raise CheckpointFormatError(
+                f"leaf {leaf!r}: buffer item {key_of(si)!r}, which holds state {skey!r} of {fqn!r} (and maybe more), "
+                f"was not read: its layout table says {dtype} of {numel} elements, the checkpoint holds it empty or "
+                "not at all (a damaged or edited checkpoint)"
+            )
 
 
 def _open_layouts(leaf: str, layouts: Mapping[str, Any]) -> list[tuple[str, bytes]]:

@@ -3,7 +3,7 @@ per-item state (:func:`layout_view`, DCP metadata only) or as full CPU tensors (
 
 from __future__ import annotations
 
-from collections.abc import Iterable, Iterator, Mapping
+from collections.abc import Callable, Iterable, Iterator, Mapping
 from typing import Any
 
 import torch
@@ -12,7 +12,7 @@ from .. import _backend
 from .._format.keys import BUFFERS_PREFIX, check_table, key_parts, split_buffers_key
 from .._fqn import FqnMap
 from ..errors import CheckpointFormatError, CheckpointMismatchError
-from .bucketed import buffer_key, dtype_name, torch_dtype
+from .bucketed import Chunk, buffer_key, dtype_name, torch_dtype
 from .bucketed_load import expand
 
 
@@ -28,16 +28,21 @@ def layout_view(keys: Iterable[str], values: Mapping[str, Any]) -> dict[str, dic
     """The buffered state as the checkpoint tools see per-item state: ``FQN -> {key: metadata}``
     (a ``TensorStorageMetadata`` with the saved dtype and global shape; nested keys nest), from
     the layout tables among ``keys``. Each layout's buffers must be there with its dtype and
-    length (``values``: DCP metadata or tensors), else a :class:`CheckpointFormatError` or
+    length (``values``: DCP metadata or tensors), and a leaf's layouts must cover each tensor
+    exactly once (``plan_scatter`` of whole tensors), else a :class:`CheckpointFormatError` or
     :class:`CheckpointMismatchError` says which."""
     from torch.distributed.checkpoint.metadata import TensorProperties, TensorStorageMetadata
 
     core = _backend.core
     out: dict[str, dict[str, Any]] = {}
+    by_leaf: dict[str, list[bytes]] = {}
     for key, leaf, payload in _layouts_by_key(keys, values):
+        by_leaf.setdefault(leaf, []).append(payload)
         ranks = split_buffers_key(key[len(BUFFERS_PREFIX) :])[3]
         for bi, (dtype, numel, entries) in enumerate(core.decode_layout(leaf, payload)):
-            bkey = buffer_key(leaf, ranks, bi)
+            bkey = buffer_key(leaf, ranks, bi, dtype)
+            if bkey not in values:
+                bkey = buffer_key(leaf, ranks, bi)  # written before the dtype was part of the key
             if bkey not in values:
                 raise CheckpointMismatchError(f"leaf {leaf!r}: buffer item {bkey!r} of layout {key!r} is missing")
             found = values[bkey]
@@ -56,7 +61,19 @@ def layout_view(keys: Iterable[str], values: Mapping[str, Any]) -> dict[str, dic
                 for part in parts[:-1]:
                     node = node.setdefault(part, {})
                 node.setdefault(parts[-1], md)
+    for leaf, payloads in by_leaf.items():  # together, the layouts hold every tensor exactly once
+        core.plan_scatter(leaf, payloads, _whole(payloads, leaf))
     return out
+
+
+def _whole(payloads: list[bytes], leaf: str) -> Callable[[str], Chunk]:
+    """``chunk_of`` of a reader that wants every tensor whole (its shape as the first layout gives it)."""
+    shapes: dict[str, tuple[int, ...]] = {}
+    for payload in payloads:
+        for _dtype, _numel, entries in _backend.core.decode_layout(leaf, payload):
+            for fqn, _key, shape, _offsets, _sizes in entries:
+                shapes.setdefault(fqn, shape)
+    return lambda fqn: (shapes[fqn], (0,) * len(shapes[fqn]), shapes[fqn])
 
 
 def full_state(keys: Iterable[str], values: Mapping[str, Any]) -> dict[str, dict[str, torch.Tensor]]:

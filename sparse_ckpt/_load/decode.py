@@ -8,7 +8,7 @@ first, then its per-item entries (the saved order).
 
 from __future__ import annotations
 
-from collections.abc import Callable, Iterable, Iterator, Mapping
+from collections.abc import Callable, Collection, Iterable, Iterator, Mapping
 from dataclasses import dataclass, field
 from itertools import chain
 from typing import Any
@@ -21,6 +21,7 @@ from .._format.keys import (
     PACKED_PREFIX,
     check_table,
     source_text,
+    split_items_record,
     without_foreign_guards,
 )
 from .._format.nested import nested_kind, nested_to_sparse
@@ -28,6 +29,7 @@ from .._format.tensor_parts import name_to_value, parts_to_tensor, tensor_to_par
 from .._fqn import FqnMap
 from .._layouts.bucketed_load import BucketReader, expand
 from ..errors import CheckpointFormatError, CheckpointMismatchError
+from .completeness import check_recorded_items, check_table_leaves
 from .decode_state import _has_path, merge_state
 
 
@@ -101,6 +103,9 @@ class GroupTable:
     """Each distinct settings' encoded bytes (equal bytes = equal settings)."""
     groups: list[tuple[int, list[str]]]
     """Per group: ``(index into settings, its FQNs)``."""
+    items: tuple[str, ...] | None = None
+    """The table's item record: every table and buffer key its save wrote (``None``: none, an
+    unsealed or older table)."""
 
 
 def decode_group_tables(tables: Mapping[str, Any]) -> list[GroupTable]:
@@ -111,7 +116,8 @@ def decode_group_tables(tables: Mapping[str, Any]) -> list[GroupTable]:
     for rest, table in tables.items():
         leaf, table = check_table(PACKED_PREFIX, rest, table)
         settings, blobs, groups = core.decode_table(leaf, table, parts_to_tensor, name_to_value)
-        out.append(GroupTable(rest, leaf, settings, blobs, groups))
+        settings, blobs, items = split_items_record(settings, blobs, groups)
+        out.append(GroupTable(rest, leaf, settings, blobs, groups, items))
     return out
 
 
@@ -125,7 +131,10 @@ def table_fqns(tables: list[GroupTable], fmap: FqnMap | None = None) -> set[str]
 
 
 def decode_checkpoint(
-    state_dict: Mapping[str, Any], fmap: FqnMap, reader: BucketReader | None = None
+    state_dict: Mapping[str, Any],
+    fmap: FqnMap,
+    reader: BucketReader | None = None,
+    present: Collection[str] | None = None,
 ) -> DecodedCheckpoint:
     """Split and decode ``state_dict`` (packed and/or flat entries, or DSD's nested dict) against ``fmap``.
 
@@ -135,6 +144,10 @@ def decode_checkpoint(
     saved key. Buffered state (``state_layout="buffers"``) is scattered into new tensors for the
     parameters the target model has (:func:`sparse_ckpt._layouts.bucketed_load.expand`; ``reader`` reads the
     buffers a DCP load left to it) and joins the per-item state.
+
+    Complete or refused: every item the checkpoint's item records list must be there (in the
+    dict, readable by ``reader``, or in ``present``: every optimizer key of a DCP checkpoint), and
+    every list-valued state entry must hold as many items as its scalar table records.
     """
     state_dict = _other_layouts(state_dict)
     core = _backend.core
@@ -233,6 +246,7 @@ def decode_checkpoint(
             out.state_of[canon] = state
     fqns = known[0] if known else set()
     aliases = len(fmap.canonical) > len(fmap.param_of)
+    records: list[tuple[str, ...]] = [t.items for t in decoded if t.items is not None]
 
     def buffered(keys_of: Mapping[str, tuple[tuple[str, ...], str]]) -> dict[str, dict[str, Any]] | None:
         if not (buffer_keys or (reader is not None and reader.keys)):
@@ -258,7 +272,12 @@ def decode_checkpoint(
         unmatched=out.unmatched_keys,
         buffered=buffered,
         owned=fmap.param_of,
+        records=records,
     )
+    if records:
+        check_recorded_items(records, flat, reader, present)
+    if scalar_tables or buffer_keys:
+        check_table_leaves(out.table_leaves, scalar_tables, buffer_keys)
     return out
 
 

@@ -10,9 +10,19 @@ from typing import Any
 import torch
 
 from .. import _backend
-from .._format.keys import ESCAPE, KEYS_ENTRY, SCALARS_PREFIX, check_table, state_key, unescape_part
+from .._format.keys import (
+    ESCAPE,
+    KEYS_ENTRY,
+    LENS_ENTRY,
+    SCALARS_PREFIX,
+    check_table,
+    split_items_record,
+    state_key,
+    unescape_part,
+)
 from .._format.tensor_parts import name_to_value, parts_to_tensor, tensor_to_parts, value_to_name
 from ..errors import CheckpointFormatError, CheckpointMismatchError
+from .completeness import check_lists
 
 
 def merge_state(
@@ -24,16 +34,22 @@ def merge_state(
     resolve: Callable[[str], str] | None = None,
     buffered: Callable[[Mapping[str, tuple[tuple[str, ...], str]]], Mapping[str, dict[str, Any]] | None] | None = None,
     owned: Mapping[str, Any] | None = None,
+    records: list[tuple[str, ...]] | None = None,
 ) -> dict[str, Any]:
     """The state half of decoding, the same for a load and for the checkpoint tools: the per-item
     state ``state_of`` (FQN -> nested dict) joined by the scalar tables' scalars (first, see
     :func:`decode_scalar_tables`; ``is_known``, ``unmatched`` and ``resolve`` as there) and by the
     buffered state (``buffered(keys_of)``: FQN -> entries, or ``None``; a load scatters tensors, the
     tools see metadata), then checked complete (:func:`check_complete`) for the parameters in
-    ``owned`` (default: every parameter a scalar table records keys for)."""
+    ``owned`` (default: every parameter a scalar table records keys for), for a load (``owned``
+    given) its lists too (`sparse_ckpt._load.completeness.check_lists`). The tables' item records are appended to ``records``."""
     keys_of: dict[str, tuple[tuple[str, ...], str]] = {}
+    lens_of: dict[str, tuple[tuple[tuple[str, int], ...], str]] = {}
     scalars_of = (
-        decode_scalar_tables(scalar_tables, resolve=resolve, is_known=is_known, unmatched=unmatched, keys_of=keys_of)
+        decode_scalar_tables(
+            scalar_tables, resolve=resolve, is_known=is_known, unmatched=unmatched, keys_of=keys_of, lens_of=lens_of,
+            records=records,
+        )
         if scalar_tables
         else {}
     )
@@ -43,6 +59,8 @@ def merge_state(
     if scalar_tables:
         state_of = merge_scalars(state_of, scalars_of)
         check_complete(state_of, keys_of, owned if owned is not None else keys_of)
+        if lens_of and owned is not None:  # a load (the tools see list items through their metadata)
+            check_lists(state_of, lens_of, owned)
     return state_of
 
 
@@ -121,6 +139,8 @@ def decode_scalar_tables(
     is_known: Callable[[str], bool] | None = None,
     unmatched: list[str] | None = None,
     keys_of: dict[str, tuple[tuple[str, ...], str]] | None = None,
+    lens_of: dict[str, tuple[tuple[tuple[str, int], ...], str]] | None = None,
+    records: list[tuple[str, ...]] | None = None,
 ) -> dict[str, tuple[dict[str, Any], str]]:
     """Scalar tables (``{leaf}.{tag}`` -> bytes, as ``core.unflatten`` returns them) ->
     ``FQN -> (scalars, leaf)``.
@@ -137,7 +157,9 @@ def decode_scalar_tables(
     merge; an FQN in two tables (or under two aliases) must have the same scalars (the same
     encoded bytes), else :class:`CheckpointMismatchError` naming the leaves, the FQN and the first
     differing key. The scalar dicts are shared by every FQN of their table group: copy them
-    (:func:`merge_scalars`) before they become state.
+    (:func:`merge_scalars`) before they become state. The record of list lengths
+    (:data:`~sparse_ckpt._format.keys.LENS_ENTRY`) is taken out likewise (into ``lens_of``), and each
+    sealed table's item record is appended to ``records``.
     """
     core = _backend.core
     found: dict[str, tuple[dict[str, Any], str]] = {}
@@ -149,9 +171,13 @@ def decode_scalar_tables(
             scalars, blobs, groups = core.decode_table(leaf, table, _cpu_parts_to_tensor, name_to_value)
         except CheckpointFormatError as exc:
             raise CheckpointFormatError(f"scalar table {key!r}: {exc}") from None
+        scalars, blobs, items = split_items_record(scalars, blobs, groups)
+        if items is not None and records is not None:
+            records.append(items)
         for idx, fqns in groups:
             blob = blobs[idx]
             keys = _recorded_keys(key, scalars[idx].pop(KEYS_ENTRY, None))
+            lens = _recorded_lens(key, scalars[idx].pop(LENS_ENTRY, None))
             entry = (scalars[idx], leaf)
             recorded = None if keys is None or keys_of is None else (keys, leaf)
             for saved in fqns:
@@ -165,6 +191,8 @@ def decode_scalar_tables(
                     found.setdefault(fqn, entry)
                     if recorded is not None:
                         keys_of.setdefault(fqn, recorded)  # type: ignore[union-attr]
+                    if lens is not None and lens_of is not None:
+                        lens_of.setdefault(fqn, (lens, leaf))
                 elif prev != blob:
                     first, first_leaf = found[fqn]
                     raise CheckpointMismatchError(
@@ -187,6 +215,17 @@ def _recorded_keys(table_key: str, keys: Any) -> tuple[str, ...] | None:
         except UnicodeDecodeError:
             pass
     raise CheckpointFormatError(f"scalar table {table_key!r}: its {KEYS_ENTRY!r} entry is not a tuple of state keys")
+
+
+def _recorded_lens(table_key: str, lens: Any) -> tuple[tuple[str, int], ...] | None:
+    """A `~sparse_ckpt._format.keys.LENS_ENTRY` entry as a tuple of ``(key, count)``; ``None`` when there is none."""
+    if lens is None:
+        return None
+    if type(lens) is tuple and all(
+        type(e) is tuple and len(e) == 2 and type(e[0]) is str and type(e[1]) is int and e[1] > 0 for e in lens
+    ):
+        return lens
+    raise CheckpointFormatError(f"scalar table {table_key!r}: its {LENS_ENTRY!r} entry is not a tuple of (key, count)")
 
 
 def _first_differing(leaf: str, a: Mapping[str, Any], b: Mapping[str, Any]) -> str:

@@ -7,7 +7,7 @@ already applied are rolled back, so on any error every optimizer is as it was.
 from __future__ import annotations
 
 from collections import defaultdict
-from collections.abc import Mapping
+from collections.abc import Collection, Mapping
 from itertools import chain
 from typing import Any
 
@@ -198,6 +198,7 @@ def load_owned(
     unowned_are_other_ranks: bool,
     fmap: FqnMap | None = None,
     reader: BucketReader | None = None,
+    present: Collection[str] | None = None,
 ) -> None:
     """`load_sparse_state_dict` for the library's DCP and export paths.
 
@@ -206,10 +207,12 @@ def load_owned(
     be present. ``fmap``: the model's
     FQN map when the caller built it during the same operation (the DCP planner), else built here.
     ``reader``: reads buffer items a DCP load left to the optimizer (``state_layout="buffers"``).
+    ``present``: every optimizer key of the checkpoint (a DCP load reads only some of them), for
+    the check of the checkpoint's item records (`sparse_ckpt._load.completeness.check_recorded_items`).
     A dict that records another rank as its origin is refused (docs/semantics.md)."""
     state_dict = strip_origin(state_dict)
     with gc_paused():
-        _load(model, optimizer, state_dict, strict, unowned_are_other_ranks, fmap, reader)
+        _load(model, optimizer, state_dict, strict, unowned_are_other_ranks, fmap, reader, present)
 
 
 def _load(
@@ -220,11 +223,12 @@ def _load(
     unowned_are_other_ranks: bool,
     fmap: FqnMap | None,
     reader: BucketReader | None = None,
+    present: Collection[str] | None = None,
 ) -> None:
     if fmap is None:
         fmap = build_fqn_map(model)
     leaves = named_leaves(optimizer)
-    ckpt = decode_checkpoint(state_dict, fmap, reader)
+    ckpt = decode_checkpoint(state_dict, fmap, reader, present)
     missing: list[str] = []
     used_settings: set[str] = set()
     used_state: set[str] = set()

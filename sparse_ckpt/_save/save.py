@@ -14,12 +14,14 @@ from .._format.keys import (
     SCALARS_PREFIX,
     foreign_guard_keys,
     foreign_guard_value,
+    groups_tail,
     is_reserved_fqn,
     packed_table_key,
     table_digest,
     table_item_key,
 )
-from .._format.tags import Keying, Slot
+from .._format.list_record import record_lists
+from .._format.tags import GROUPS_SLOT, LAYOUT_SLOT, SCALARS_SLOT, Keying, Slot
 from .._format.tensor_parts import CODEC_DTYPES, tensor_to_parts, value_to_name
 from .._fqn import Model, build_fqn_map
 from .._gc import gc_paused
@@ -107,15 +109,16 @@ def build_state_dict(
                 leaf, state_fqn, fmap.param_of, torch.Tensor, _CPU_DTYPES, torch.strided, _scalar_parts
             )
             if scalar_groups:
+                scalar_groups = record_lists(items, scalar_groups)
                 scalars = core.encode_table(leaf, scalar_groups, torch.Tensor, tensor_to_parts, value_to_name)
                 parts.append(_Part("table", leaf, prefix=SCALARS_PREFIX))
-                slots.append(Slot(f"scalars:{leaf}", scalars))
+                slots.append(Slot.of(SCALARS_SLOT, leaf, scalars))
             if state_layout == "buffers":
                 entries, local = bucketed.collect(leaf, state_fqn, items, fmap.param_of)
                 if entries:
                     layout, buckets = core.encode_layout(leaf, entries, bucketed.BUCKET_BYTES)
                     parts.append(_Part("layout", leaf, buckets=bucketed.fill(buckets, local)))
-                    slots.append(Slot(f"layout:{leaf}", layout, by_digest=False))
+                    slots.append(Slot.of(LAYOUT_SLOT, leaf, layout, buckets=tuple(dtype for dtype, _n, _m in buckets)))
             parts.append(_Part("items", leaf, items=items))
         else:
             parts.append(_Part("items", leaf, items=core.flatten_state(leaf, state_fqn, fmap.param_of, format == "packed")))
@@ -124,7 +127,8 @@ def build_state_dict(
             parts.append(_Part("items", leaf, items=core.flatten_groups(leaf, groups_fqn)))
         else:
             parts.append(_Part("table", leaf, prefix=PACKED_PREFIX))
-            slots.append(Slot(f"groups:{leaf}", core.encode_table(leaf, groups_fqn, torch.Tensor, tensor_to_parts, value_to_name)))
+            table = core.encode_table(leaf, groups_fqn, torch.Tensor, tensor_to_parts, value_to_name)
+            slots.append(Slot.of(GROUPS_SLOT, leaf, table, tail=groups_tail(f for _s, f in groups_fqn)))
     tagged = iter(keying.assign(slots))
     out: dict[str, Any] = {}
     for part in parts:
@@ -137,7 +141,7 @@ def build_state_dict(
         else:  # a layout table and its buckets
             out[bucketed.layout_key(part.leaf, tag)] = value
             for i, buf in enumerate(part.buckets):
-                out[bucketed.buffer_key(part.leaf, tag, i)] = buf
+                out[bucketed.buffer_key(part.leaf, tag, i, bucketed.dtype_name(buf.dtype))] = buf
     if guards and format == "packed":
         out.update(dict.fromkeys(foreign_guard_keys(first_fqns), foreign_guard_value()))
     return out

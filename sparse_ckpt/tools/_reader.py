@@ -45,6 +45,7 @@ from .._layouts.bucketed import dtype_name
 from .._layouts.bucketed_view import layout_view
 from .._leaves import SINGLE_LEAF
 from .._limits import ITEM_BYTES
+from .._load.completeness import check_recorded_items, check_table_leaves
 from .._load.decode import decode_group_tables
 from .._load.decode_state import decode_scalar_tables, merge_scalars, merge_state
 from .._text import one_line
@@ -185,11 +186,14 @@ class Group:
         self.settings_vary = False
 
 
-def decode_tables(values: Mapping[str, Any]) -> dict[str, list[Group]]:
-    """Packed tables among ``values`` -> ``leaf -> groups`` (tables of one leaf merged by group index)."""
+def decode_tables(values: Mapping[str, Any], records: list[tuple[str, ...]] | None = None) -> dict[str, list[Group]]:
+    """Packed tables among ``values`` -> ``leaf -> groups`` (tables of one leaf merged by group
+    index); their item records are appended to ``records`` when given."""
     tables = {inner[len(PACKED_PREFIX) :]: v for inner, v in values.items() if inner.startswith(PACKED_PREFIX)}
     leaves: dict[str, list[Group]] = {}
     for table in decode_group_tables(tables):
+        if records is not None and table.items is not None:
+            records.append(table.items)
         merged = leaves.setdefault(table.leaf, [])
         for gi, (idx, fqns) in enumerate(table.groups):
             if gi == len(merged):
@@ -221,11 +225,13 @@ def split_optimizer(values: Mapping[str, Any]) -> tuple[dict[str, list[Group]], 
     Per-item state values and buffers may be DCP metadata objects instead of tensors (only their
     keys, dtypes and sizes matter here); tables and layout tables must be their bytes. Scalars
     (values: CPU tensors and Python scalars) lead each FQN's state as on load; buffered state
-    appears as per-item metadata (`sparse_ckpt._layouts.bucketed.layout_view`). A state key that a
-    scalar table records for a parameter but no entry holds is a `CheckpointMismatchError`
-    (an incomplete checkpoint).
+    appears as per-item metadata (`sparse_ckpt._layouts.bucketed_view.layout_view`). A state key that a
+    scalar table records for a parameter but no entry holds, or an item the group tables' item
+    records list but the checkpoint lacks, is a `CheckpointMismatchError` (an incomplete
+    checkpoint).
     """
-    leaves = decode_tables(values)
+    records: list[tuple[str, ...]] = []
+    leaves = decode_tables(values, records)
     known = {fqn: fqn for groups in leaves.values() for g in groups for fqn in g.fqns}
     settings_by_fqn, state_by_fqn, _tables, scalar_tables, unmatched = _backend.core.unflatten(values, known)
     buffer_keys = [k for k in unmatched if k.startswith(BUFFERS_PREFIX)]
@@ -237,6 +243,10 @@ def split_optimizer(values: Mapping[str, Any]) -> tuple[dict[str, list[Group]], 
         unmatched=unmatched,
         buffered=lambda _keys_of: layout_view(buffer_keys, values),
     )
+    if records:
+        check_recorded_items(records, values, None, None)
+    if scalar_tables or buffer_keys:
+        check_table_leaves(list(leaves), scalar_tables, buffer_keys)
     return leaves, flat_groups(settings_by_fqn), state_by_fqn, unmatched
 
 

@@ -28,6 +28,7 @@ from .._format.keys import (
 )
 from .._layouts.bucketed_view import full_state
 from .._leaves import SINGLE_LEAF
+from .._load.completeness import without_items_record
 from ..errors import CheckpointFormatError, CheckpointMismatchError, UsageError
 from ._reader import (
     FLAT_LEAF_IN_MIXED,
@@ -98,6 +99,11 @@ def convert_optimizer(
         out.update(dict.fromkeys(foreign_guard_keys([f for f in firsts if f is not None]), foreign_guard_value()))
     else:
         raise UsageError(f"--to must be 'packed' or 'flat', got {to!r}")
+    # The converted checkpoint holds other items than the save recorded (buffers became per-item state).
+    for key, value in out.items():
+        for prefix in (PACKED_PREFIX, SCALARS_PREFIX):
+            if key.startswith(prefix):
+                out[key] = without_items_record(prefix, key[len(prefix) :], value)
     return out
 
 

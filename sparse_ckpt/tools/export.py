@@ -54,6 +54,7 @@ from .._format.keys import (
 )
 from .._fqn import Model, build_fqn_map
 from .._leaves import SINGLE_LEAF
+from .._load.completeness import without_items_record
 from .._load.decode import decode_group_tables, table_fqns
 from .._load.load import load_owned
 from .._version import __version__
@@ -169,7 +170,12 @@ def export_checkpoint(
     values.update({k: sdm[opt.inner[k]] for k in tensor_keys})
     leaves, flat, state_by_fqn, _unmatched = split_optimizer(values)  # checks digests and decodes tables
     fmt = optimizer_format(opt, leaves, flat)  # not "nested": refused above
-    tables = {k: v for k, v in values.items() if k.startswith(PACKED_PREFIX)}
+    # (an export holds other items than the save recorded: scalar tables become per-item entries)
+    tables = {
+        k: without_items_record(PACKED_PREFIX, k[len(PACKED_PREFIX) :], v)
+        for k, v in values.items()
+        if k.startswith(PACKED_PREFIX)
+    }
     named = named_groups(leaves, [])
     if flat:
         flat_table = pack_flat_groups(flat, leaf, leaves)

@@ -19,6 +19,7 @@ import collections
 import copy
 import gc
 import math
+import random
 import re
 import struct
 from collections.abc import Callable, Iterator, Mapping
@@ -38,7 +39,7 @@ from sparse_ckpt._core_py import common, module_walk, table_codec
 from sparse_ckpt._format.keys import KEYS_ENTRY, STRIPPED_PARTS
 from sparse_ckpt._format.tensor_parts import name_to_value, parts_to_tensor, tensor_to_parts, value_to_name
 from sparse_ckpt._save.save import _CPU_DTYPES as CPU_DTYPES
-from sparse_ckpt.errors import CheckpointFormatError
+from sparse_ckpt.errors import CheckpointFormatError, CheckpointMismatchError
 
 C = _backends.cpp_core()  # (skips the module where _C is not built, unless SPARSE_CKPT_REQUIRE_CPP)
 
@@ -1451,3 +1452,54 @@ def test_lengths_over_u32_are_format_errors() -> None:
     with pytest.raises(CheckpointFormatError, match=msg):
         common.len32(2**32)
     assert common.len32(2**32 - 1) == b"\xff\xff\xff\xff"
+
+
+# --------------------------------------------------------------------------- layout codec (issue 28)
+
+_LAYOUT_HEADER = b"SCKL\x01\x00"
+
+
+def _layout_tokens(rnd: random.Random) -> bytes:
+    """A random stream of layout-table pieces: counts, strings, dims (small, huge, negative)."""
+    out = bytearray()
+    for _ in range(rnd.randint(0, 14)):
+        kind = rnd.randrange(5)
+        if kind == 0:
+            out += rnd.choice([0, 1, 2, 3, 2**32 - 1]).to_bytes(4, "little")
+        elif kind == 1:
+            text = rnd.choice([b"p", b"exp_avg", b"float32", b"\xff", b""])
+            out += len(text).to_bytes(4, "little") + text
+        elif kind == 2:
+            out += rnd.choice([0, 1, 2, 4, 6, 2**62, 2**63 - 1, 2**64 - 2]).to_bytes(8, "little")
+        elif kind == 3:
+            out += rnd.choice([0, 1, 3, -1, 2**62, -(2**63)]).to_bytes(8, "little", signed=True)
+        else:
+            out += rnd.randbytes(rnd.randint(0, 6))
+    return bytes(out)
+
+
+@PROPS
+@given(st.binary(max_size=48), st.integers(0, 2**32 - 1))
+def test_layout_decoders_agree_on_any_bytes(data: bytes, seed: int) -> None:
+    """decode_layout and plan_scatter on random bytes and random token streams: the two cores give
+    the same result or the same exception type and message; a defect is only ever a format error."""
+    rnd = random.Random(seed)
+    chunk = rnd.choice([None, ((6, 2), (0, 0), (6, 2)), ((4,), (1,), (3,)), ((2**62,), (0,), (2**62,))])
+    for table in (data, _LAYOUT_HEADER + data, _LAYOUT_HEADER + _layout_tokens(rnd), _LAYOUT_HEADER + _layout_tokens(rnd)):
+        for result in (check("decode_layout", "leaf", table),
+                       check("plan_scatter", "leaf", [table, table], lambda f, c=chunk: c)):
+            assert result[0] == "ok" or result[1] in (CheckpointFormatError, CheckpointMismatchError), result
+
+
+@PROPS
+@given(st.lists(st.tuples(st.sampled_from(["a", "b", "c"]), st.sampled_from([0, 1, 3, 2**31, 2**62, 2**63 - 1]),
+                          st.sampled_from([1, 2, 4, 8, 16])), max_size=5),
+       st.sampled_from([1, 64, 2**62, 2**100]))
+def test_encode_layout_agrees_on_huge_counts(chunks: list[tuple[str, int, int]], bucket_bytes: int) -> None:
+    """Chunks up to 2**63-1 elements in one bucket: the cores agree (results, or the format error of
+    a bucket over 2**63-1 elements), never a raw struct.error."""
+    ents = [(f"{name}{i}", "k", "float32", size, (n,), (0,), (n,)) for i, (name, n, size) in enumerate(chunks)]
+    result = check("encode_layout", "leaf", ents, bucket_bytes)
+    assert result[0] == "ok" or result[1] is CheckpointFormatError, result
+    if result[0] == "ok":
+        assert all(numel <= 2**63 - 1 for _d, numel, _m in result[1][1])

@@ -236,3 +236,122 @@ def test_unlisted_keys(keys_of: dict, state_of: dict, owned: set) -> None:
 def test_unlisted_keys_outside_the_contract(args: tuple) -> None:
     res = check("unlisted_keys", *args)
     assert res[0] == "err" and res[1] is TypeError, res
+
+
+# --------------------------------------------------------------------------- exact cover, hostile inputs (issue 28)
+
+
+def _rows(lo: int, hi: int, shape: tuple[int, int] = (10, 2)) -> bytes:
+    return P.encode_layout("leaf", [("p", "exp_avg", "float32", 4, shape, (lo, 0), (hi - lo, shape[1]))], 1 << 20)[0]
+
+
+def test_overlapping_layouts_with_a_gap_are_refused() -> None:
+    """Rows [0,6) and [4,8) of a 10x2 state hold 12 + 8 = 20 elements, as many as the tensor: a
+    count does not see that rows 4-5 come twice and rows 8-9 never."""
+    whole = ((10, 2), (0, 0), (10, 2))
+    check_error("plan_scatter", "leaf", [_rows(0, 6), _rows(4, 8)], lambda f: whole, exc=CheckpointMismatchError,
+                match="leaf 'leaf': state 'exp_avg' of 'p': the checkpoint's layouts overlap (chunks at offsets (0, 0) "
+                      "of sizes (6, 2) and at offsets (4, 0) of sizes (4, 2))")
+    # a chunk of this rank that only the overlap touches: refused too; one the overlap misses loads
+    check_error("plan_scatter", "leaf", [_rows(0, 6), _rows(4, 8)], lambda f: ((10, 2), (4, 0), (2, 2)),
+                exc=CheckpointMismatchError, match="layouts overlap")
+    assert check("plan_scatter", "leaf", [_rows(0, 6), _rows(4, 8)], lambda f: ((10, 2), (0, 0), (3, 2)))[0] == "ok"
+    assert check("plan_scatter", "leaf", [_rows(0, 6), _rows(6, 10)], lambda f: whole)[0] == "ok"
+
+
+def test_a_bucket_past_int64_is_refused_alike() -> None:
+    """encode_layout: Python raised a raw struct.error, C++ wrapped the count; now one error."""
+    big = 2**62
+    ents = [(f, "k", "float32", 4, (big,), (0,), (big,)) for f in ("a", "b", "c", "d", "e")]
+    check_error("encode_layout", "leaf", ents, 2**100, exc=CheckpointFormatError,
+                match="leaf 'leaf': state 'k' of 'b': its float32 bucket would hold 9223372036854775808 elements")
+    huge = [(f, "k", "float32", 4, (2**63 - 1,), (0,), (2**63 - 1,)) for f in ("x", "y", "z")]  # past 2**64 too
+    check_error("encode_layout", "leaf", huge, 2**100, exc=CheckpointFormatError,
+                match="leaf 'leaf': state 'k' of 'y': its float32 bucket would hold 18446744073709551614 elements")
+
+
+def test_a_bucket_count_past_int64_is_refused_alike() -> None:
+    """plan_scatter/decode_layout: a bucket of 2**64-2 elements (two chunks of 2**63-1) gave an
+    element offset of 18446744073709551614 in Python and -2 in C++."""
+    n = 2**63 - 1
+    raw = bytearray(P.encode_layout("leaf", [("a", "k", "float32", 4, (n,), (0,), (n,))], 2**100)[0])
+    one = raw[10 + 4 + len("float32") + 8 + 4 :]  # the entry
+    table = bytes(raw[:10]) + (7).to_bytes(4, "little") + b"float32" + (2 * n).to_bytes(8, "little") + (2).to_bytes(4, "little")
+    table += bytes(one) + bytes(one).replace(b"\x01\x00\x00\x00a", b"\x01\x00\x00\x00b", 1)
+    for name, args in (("decode_layout", ("leaf", table)), ("plan_scatter", ("leaf", [table], lambda f: ((n,), (0,), (n,))))):
+        check_error(name, *args, exc=CheckpointFormatError, match="bucket of 18446744073709551614 elements (at most 2**63-1)")
+
+
+def _dim_fields(table: bytes) -> list[int]:
+    """Byte offsets of every i64 dimension field (shape, offsets, sizes) of a layout table."""
+    out = []
+    pos = 6
+    n_buckets = int.from_bytes(table[pos : pos + 4], "little")
+    pos += 4
+    for _ in range(n_buckets):
+        pos += 4 + int.from_bytes(table[pos : pos + 4], "little") + 8  # dtype, numel
+        n_entries = int.from_bytes(table[pos : pos + 4], "little")
+        pos += 4
+        for _ in range(n_entries):
+            for _s in range(2):  # fqn, key
+                pos += 4 + int.from_bytes(table[pos : pos + 4], "little")
+            ndim = int.from_bytes(table[pos : pos + 4], "little")
+            pos += 4
+            out.extend(range(pos, pos + 24 * ndim, 8))
+            pos += 24 * ndim
+    return out
+
+
+def _ground_truth(shape: tuple[int, ...]) -> dict[tuple[str, str], torch.Tensor]:
+    return {(f, k): torch.arange(math.prod(shape), dtype=torch.float32).reshape(shape) * (1 + i) + 0.5
+            for i, (f, k) in enumerate((f, k) for f in ("p", "q") for k in ("exp_avg", "exp_avg_sq"))}
+
+
+@PROPS
+@given(st.data())
+def test_mutated_layouts_are_never_accepted_wrong(data: st.DataObject) -> None:
+    """Byte mutations of one of several saving ranks' layout tables: both cores agree, and a plan
+    they accept, run on the buffers as saved (a buffer whose dtype or length the plan does not
+    expect is refused by the library), fills every target of a saved (FQN, key) exactly."""
+    rng = random.Random(data.draw(st.integers(0, 10**6)))
+    shape = (rng.randint(2, 6), 2)
+    layouts = _shard_layouts(shape, rng.randint(1, 3), rng)
+    truth = _ground_truth(shape)
+    saved: dict[tuple[int, int], tuple[str, int, torch.Tensor]] = {}
+    for li, table in enumerate(layouts):
+        for bi, (dtype, numel, entries) in enumerate(P.decode_layout("leaf", table)):
+            parts = [truth[(f, k)][tuple(slice(o, o + s) for o, s in zip(offs, sizes))].reshape(-1)
+                     for f, k, _shape, offs, sizes in entries]
+            saved[(li, bi)] = (dtype, numel, torch.cat(parts) if parts else torch.empty(0))
+    victim = data.draw(st.integers(0, len(layouts) - 1))
+    table = layouts[victim]
+    if data.draw(st.booleans()):  # a flipped byte anywhere
+        at = data.draw(st.integers(6, len(table) - 1))
+        bad = table[:at] + bytes([table[at] ^ data.draw(st.integers(1, 255))]) + table[at + 1 :]
+    else:  # one dimension field (shape, offset or size) set to a small value: the edits that keep counts
+        at = data.draw(st.sampled_from(_dim_fields(table)))
+        value = data.draw(st.integers(-1, shape[0] + 1))
+        bad = table[:at] + value.to_bytes(8, "little", signed=True) + table[at + 8 :]
+    mutated = [*layouts[:victim], bad, *layouts[victim + 1 :]]
+    lo = rng.randint(0, shape[0] - 1)
+    mine = {"p": (shape, (lo, 0), (shape[0] - lo, 2)), "q": (shape, (0, 0), shape)}
+    res = check("plan_scatter", "leaf", mutated, lambda f: mine.get(f))
+    if res[0] == "err":
+        assert res[1] in (CheckpointFormatError, CheckpointMismatchError), res
+        return
+    targets, sources, ops = res[1]
+    for li, bi, dtype, numel in sources:
+        if (li, bi) not in saved or saved[(li, bi)][:2] != (dtype, numel):
+            return  # the library refuses a buffer of another dtype or length (buffers._check_buffer)
+    out = [torch.full(t[5], float("nan")) for t in targets]
+    for si, src_off, src_sizes, src_start, ti, dst_start, box in ops:
+        li, bi, _d, _n = sources[si]
+        src = saved[(li, bi)][2][src_off : src_off + math.prod(src_sizes)].view(src_sizes)
+        src = src[tuple(slice(a, a + b) for a, b in zip(src_start, box))]
+        out[ti][tuple(slice(a, a + b) for a, b in zip(dst_start, box))] = src
+    for (fqn, key, dtype, tshape, offs, sizes), got in zip(targets, out):
+        if (fqn, key) not in truth:
+            continue  # a renamed entry: not a state this checkpoint recorded (its ~keys refuse the load)
+        assert dtype == "float32" and tshape == shape, (fqn, key, dtype, tshape)
+        want = truth[(fqn, key)][tuple(slice(o, o + s) for o, s in zip(offs, sizes))]
+        assert torch.equal(got, want), f"accepted but wrong: {fqn} {key} at byte {at}"

@@ -122,8 +122,8 @@ def test_ranks_that_cannot_coordinate_key_tables_by_content() -> None:
     tables = [k for k in a if k.startswith((PACKED_PREFIX, SCALARS_PREFIX))]
     assert all(k.rpartition(".")[2].startswith("d") for k in tables) and tables == [
         k for k in b if k.startswith((PACKED_PREFIX, SCALARS_PREFIX))]
-    assert [k.rpartition(".")[2] for k in a if k.startswith(BUFFERS_PREFIX)] == ["Lw2r0", "B0w2r0"]
-    assert [k.rpartition(".")[2] for k in b if k.startswith(BUFFERS_PREFIX)] == ["Lw2r1", "B0w2r1"]
+    assert [k.rpartition(".")[2] for k in a if k.startswith(BUFFERS_PREFIX)] == ["Lw2r0", "B0_float32_w2r0"]
+    assert [k.rpartition(".")[2] for k in b if k.startswith(BUFFERS_PREFIX)] == ["Lw2r1", "B0_float32_w2r1"]  # bucket keys name their dtype
     for g in opt.param_groups:
         g["lr"] = 0.5
     c = build_state_dict(model, opt, "packed", Keying(world=2, rank=0))

@@ -859,3 +859,102 @@ def test_fuzz_harness_can_fail() -> None:
         try_decode(b"SCKT", decoders=[lambda *_a: ([{}], [b""], [(1, ["a"])])])
     with pytest.raises(AssertionError, match="the cores disagree"):
         try_decode(b"SCKT", decoders=[_core_py.decode_table, lambda *_a: ([], [], [])])
+
+
+# --------------------------------------------------------------------------- layout tables (issue 28)
+
+
+def _two_rank_buffers() -> tuple[nn.Module, torch.optim.Optimizer, list[dict[str, Any]]]:
+    """A model whose AdamW state two 'ranks' saved as buffers, each holding half the rows of every
+    parameter-shaped state (as FSDP would), in one dict each (``w2r0`` / ``w2r1`` keys)."""
+    from sparse_ckpt import _backend as backend
+    from sparse_ckpt._format.keys import BUFFERS_PREFIX, PACKED_PREFIX, seal
+    from sparse_ckpt._layouts.bucketed import buffer_key, fill, layout_key
+    from sparse_ckpt._load.completeness import without_items_record
+
+    torch.manual_seed(0)
+    model = nn.Sequential(nn.Linear(3, 4), nn.Linear(4, 6))
+    opt = torch.optim.AdamW(model.parameters(), lr=0.01)
+    for p in model.parameters():
+        p.grad = torch.randn(p.shape)
+    opt.step()
+    sd = sc.sparse_state_dict(model, opt, state_layout="buffers")
+    # (the group table's item record names this save's own w1r0 buffers: the 'ranks' below replace them)
+    base = {k: without_items_record(PACKED_PREFIX, k[len(PACKED_PREFIX) :], v) if k.startswith(PACKED_PREFIX) else v
+            for k, v in sd.items() if not k.startswith(BUFFERS_PREFIX)}
+    dicts = []
+    for rank in range(2):
+        entries, local = [], []
+        for name, p in model.named_parameters():
+            rows = p.shape[0]
+            lo, hi = (0, rows // 2) if rank == 0 else (rows // 2, rows)
+            for key in ("exp_avg", "exp_avg_sq"):
+                t = opt.state[p][key]
+                entries.append((name, key, "float32", 4, tuple(t.shape), (lo, *[0] * (t.ndim - 1)), (hi - lo, *t.shape[1:])))
+                local.append(t[lo:hi])
+        layout, buckets = backend.core.encode_layout("optim", entries, 64)
+        tag = f"w2r{rank}"
+        d = {layout_key("optim", tag): seal(layout)}
+        for i, buf in enumerate(fill(buckets, local)):
+            d[buffer_key("optim", tag, i, "float32")] = buf.clone()
+        dicts.append(d)
+    return model, opt, [base, *dicts]
+
+
+@ONCE
+@hypothesis.settings(FUZZ, max_examples=150)
+@given(seed=SEEDS)
+def test_mutated_layout_tables_load_exactly_or_are_refused(seed: int) -> None:
+    """A layout table mutated (and re-sealed, as an edit would be): the load through every core is
+    refused with a SparseCheckpointError, the target untouched, or restores exactly what was saved."""
+    from helpers import assert_optimizer_equal, snapshot_optimizer
+
+    from sparse_ckpt import _backend as backend
+    from sparse_ckpt._format.keys import check_table as open_layout
+    from sparse_ckpt._format.keys import seal
+
+    rnd = random.Random(seed)
+    model, opt, (base, r0, r1) = _FIXTURE or _fixture()
+    victim = rnd.choice([r0, r1])
+    key = next(k for k in victim if ".L" in k)
+    table = open_layout("state.__buffers__.", key[len("state.__buffers__.") :], victim[key])[1]
+    bad = bytearray(table)
+    for _ in range(rnd.randint(1, 2)):
+        at = rnd.randrange(6, len(bad))
+        bad[at] ^= rnd.randint(1, 255)
+    edited = {**base, **r0, **r1, key: seal(bytes(bad))}
+    for core in (_core_py, *( [backend.core] if backend.NAME == "cpp" else [])):
+        saved_core = backend.core
+        backend.core = core
+        try:
+            target = torch.optim.AdamW(model.parameters(), lr=0.5)
+            before = snapshot_optimizer(target)
+            try:
+                sc.load_sparse_state_dict(model, target, edited)
+            except sc.SparseCheckpointError:
+                assert_optimizer_equal(target, before)
+                continue
+            assert_optimizer_equal(target, opt, grads=False)
+        finally:
+            backend.core = saved_core
+
+
+_FIXTURE: Any = None
+
+
+def _fixture() -> Any:
+    global _FIXTURE
+    _FIXTURE = _two_rank_buffers()
+    return _FIXTURE
+
+
+def test_two_rank_buffers_fixture_loads_exactly() -> None:
+    """The fuzz above starts from a checkpoint that loads (so its refusals come from the edits)."""
+    from helpers import assert_optimizer_equal
+
+    model, opt, (base, r0, r1) = _FIXTURE or _fixture()
+    target = torch.optim.AdamW(model.parameters(), lr=0.5)
+    sc.load_sparse_state_dict(model, target, {**base, **r0, **r1})
+    assert_optimizer_equal(target, opt, grads=False)
+    with pytest.raises(sc.CheckpointMismatchError, match="cover"):  # one rank's half alone is not enough
+        sc.load_sparse_state_dict(model, torch.optim.AdamW(model.parameters()), {**base, **r0})

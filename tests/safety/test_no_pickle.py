@@ -61,6 +61,7 @@ ALLOWED_SCOPES = {
     ("sparse_ckpt/_dcp/stateful.py", "SparseStateDict.__reduce__"),
     ("sparse_ckpt/_dcp/stateful.py", "SparseOptimizerState.__reduce_ex__"),
     ("sparse_ckpt/_dcp/stateful.py", "SparseOptimizerState.__deepcopy__"),
+    ("sparse_ckpt/integrations/dsd/target.py", "DsdStateDict.__reduce_ex__"),  # pickles as a plain OrderedDict
 }
 
 

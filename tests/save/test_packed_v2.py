@@ -29,7 +29,7 @@ from torch.distributed.checkpoint import CheckpointException
 
 import sparse_ckpt as sc
 from sparse_ckpt import _backend
-from sparse_ckpt._format.keys import KEYS_ENTRY, SCALARS_PREFIX, check_table, scalar_table_key
+from sparse_ckpt._format.keys import KEYS_ENTRY, LENS_ENTRY, SCALARS_PREFIX, check_table, scalar_table_key
 from sparse_ckpt._format.tensor_parts import parts_to_tensor, tensor_to_parts
 from sparse_ckpt._load.load import load_owned
 from sparse_ckpt.errors import CheckpointFormatError, CheckpointMismatchError
@@ -89,13 +89,14 @@ def rebuild_table(leaf: str, groups: list[tuple[dict, list[str]]]) -> tuple[str,
 
 def decode_groups(key: str, value: bytes, keys: bool = False) -> tuple[str, list[tuple[dict, list[str]]]]:
     """A scalar table's ``(leaf, [(scalars, fqns), ...])``; the scalars without the recorded
-    state keys (:data:`~sparse_ckpt._format.keys.KEYS_ENTRY`) unless ``keys``."""
+    state keys (:data:`~sparse_ckpt._format.keys.KEYS_ENTRY`) and list lengths (``LENS_ENTRY``) unless ``keys``."""
     leaf, table = check_table(SCALARS_PREFIX, key[len(SCALARS_PREFIX) :], value)
     settings, _blobs, groups = _backend.core.decode_table(leaf, table, parts_to_tensor)
     out = [(dict(settings[i]), list(f)) for i, f in groups]
     if not keys:
         for scalars, _fqns in out:
             scalars.pop(KEYS_ENTRY, None)
+            scalars.pop(LENS_ENTRY, None)
     return leaf, out
 
 
@@ -627,7 +628,7 @@ def test_convert_to_flat_expands_and_back(both_versions: tuple[Path, Path, nn.Mo
 
 def test_export_round_trips_scalars(both_versions: tuple[Path, Path, nn.Module, Any], tmp_path: Path) -> None:
     pytest.importorskip("safetensors")
-    from sparse_ckpt.export import export_checkpoint, load_export, read_export
+    from sparse_ckpt.tools.export import export_checkpoint, load_export, read_export
 
     p1, p2, model, opt = both_versions
     s1 = export_checkpoint(str(p1), str(tmp_path / "e1"))

@@ -1,0 +1,150 @@
+"""Complete or refused beyond each parameter's recorded keys (issue 28): the checks a load (and
+``verify``) makes of what the per-parameter ``~keys`` record cannot see.
+
+* :func:`check_recorded_items` -- every table, layout and buffer key a group table's *item record*
+  lists is in the checkpoint (a lost scalar table, layout, buffer, another leaf's group table --
+  of any rank);
+* :func:`check_table_leaves` -- a leaf with state has its group table;
+* :func:`check_lists` -- list-valued state holds its recorded count of values (``~lens``);
+* :func:`without_items_record` -- for the tools that write a checkpoint with other items.
+
+Formats: docs/formats.md ("Item record", the scalar table's ``~lens``).
+"""
+
+from __future__ import annotations
+
+from collections.abc import Collection, Mapping
+from itertools import chain
+from typing import TYPE_CHECKING, Any
+
+from .. import _backend
+from .._format.keys import (
+    BUFFERS_PREFIX,
+    ESCAPE,
+    PACKED_PREFIX,
+    SCALARS_PREFIX,
+    check_table,
+    parse_rank_tag,
+    seal,
+    split_items_record,
+    split_table_key,
+    unescape_part,
+)
+from .._format.list_record import list_nodes
+from .._format.tensor_parts import parts_to_tensor
+from ..errors import CheckpointMismatchError
+
+if TYPE_CHECKING:
+    from .._layouts.bucketed_load import BucketReader as BufferReader
+
+
+def check_table_leaves(group_leaves: list[str], scalar_tables: Mapping[str, Any], buffer_keys: list[str]) -> None:
+    """A leaf with a scalar table or buffers has a group table (every writer writes one per leaf):
+    else the checkpoint lost it, and with it the leaf's settings and the FQNs its state resolves
+    against; :class:`CheckpointMismatchError` (whatever ``strict`` says)."""
+    have = set(group_leaves)
+    found = [item_leaf(f"{SCALARS_PREFIX}{rest}") for rest in scalar_tables] + [item_leaf(k) for k in buffer_keys]
+    for leaf in found:
+        if leaf not in have:
+            raise CheckpointMismatchError(
+                f"leaf {leaf!r}: the checkpoint has its state but no group table (param_groups.__packed__.{leaf}.*): "
+                "it lost that item from its metadata or its data (a partial copy or a damaged checkpoint); refusing "
+                "to load it incomplete (strict=False does not change this)"
+            )
+
+
+def without_items_record(prefix: str, rest: str, table: object) -> object:
+    """Table item ``{prefix}{rest}``'s value without its item record (re-sealed), for a tool that
+    writes a checkpoint with other items than the save recorded; other values as they are."""
+    if not isinstance(table, bytes) or parse_rank_tag(split_table_key(rest, prefix)[1]) is None:
+        return table
+    leaf, bare = check_table(prefix, rest, table)
+    settings, blobs, groups = _backend.core.decode_table(leaf, bare, parts_to_tensor)
+    if split_items_record(settings, blobs, groups)[2] is None:
+        return table
+    start = 10 + sum(len(b) for b in blobs[:-1])
+    n = len(settings) - 1
+    return seal(bare[:6] + n.to_bytes(4, "little") + bare[10:start] + bare[start + len(blobs[-1]) :])
+
+
+def check_recorded_items(
+    records: list[tuple[str, ...]],
+    flat: Mapping[str, Any],
+    reader: BufferReader | None,
+    present: Collection[str] | None,
+) -> None:
+    """Every item an item record lists (see :func:`sparse_ckpt._format.keys.with_items_record`) is in the
+    checkpoint, else :class:`CheckpointMismatchError` naming the leaf and the item: a lost table,
+    layout or buffer -- of any rank -- is refused even when nothing on this rank needed it, so
+    every rank of a load decides alike (whatever ``strict`` says). Layouts and buffers are found
+    by key; group and scalar tables by number, per kind and leaf (a tool may re-key a table it
+    rewrites, as long as none goes missing)."""
+    wanted: dict[str, None] = {}
+    for record in records:
+        wanted.update(dict.fromkeys(record))
+
+    def there(key: str) -> bool:
+        return key in flat or (reader is not None and key in reader.keys) or (present is not None and key in present)
+
+    missing = [key for key in wanted if not there(key)]
+    if not missing:
+        return
+    spare: dict[tuple[str, str], int] = {}  # (prefix, leaf) -> tables found minus tables recorded
+    for key in set(chain(flat, present or ())):
+        kind = _table_of(key)
+        if kind is not None:
+            spare[kind] = spare.get(kind, 0) + 1
+    for key in wanted:
+        kind = _table_of(key)
+        if kind is not None:
+            spare[kind] = spare.get(kind, 0) - 1
+    for key in missing:
+        kind = _table_of(key)
+        if kind is not None and spare[kind] >= 0:
+            continue  # as many tables of its kind and leaf as recorded: re-keyed, not lost
+        raise CheckpointMismatchError(
+            f"leaf {item_leaf(key)!r}: checkpoint item {key!r} is missing, and the checkpoint's group tables record "
+            "that it was written: the checkpoint lost it from its metadata or its data (a partial copy or a "
+            "damaged checkpoint); refusing to load it incomplete (strict=False does not change this)"
+        )
+
+
+def _table_of(key: str) -> tuple[str, str] | None:
+    """``(prefix, leaf)`` of a group or scalar table key, else ``None``."""
+    for prefix in (PACKED_PREFIX, SCALARS_PREFIX):
+        if key.startswith(prefix):
+            return prefix, item_leaf(key)
+    return None
+
+
+def item_leaf(key: str) -> str:
+    """The leaf of a table or buffers item key (the text between its prefix and its last ``.``)."""
+    for prefix in (PACKED_PREFIX, SCALARS_PREFIX, BUFFERS_PREFIX):
+        if key.startswith(prefix):
+            return key[len(prefix) :].rpartition(".")[0]
+    return "?"
+
+
+def check_lists(
+    state_of: Mapping[str, Any], lens_of: Mapping[str, tuple[tuple[tuple[str, int], ...], str]], owned: Mapping[str, Any]
+) -> None:
+    """Complete or refused for list-valued state (LBFGS ``al``, ``old_dirs``, ...): each recorded
+    entry of a target parameter holds the recorded number of values (:func:`list_nodes`), else
+    :class:`CheckpointMismatchError` naming leaf, FQN and key (DCP stores a list of tensors one
+    item per element, so a lost element would shorten the list)."""
+    for fqn, (lens, leaf) in lens_of.items():
+        if fqn not in owned:
+            continue
+        state = state_of.get(fqn, {})
+        for key, count in lens:
+            node: Any = state
+            for part in key.split("."):
+                name: Any = unescape_part(part, key) if part.startswith(ESCAPE) else part
+                node = node.get(name) if isinstance(node, dict) else None
+            found = 0 if node is None else list_nodes(node)
+            if found != count:
+                raise CheckpointMismatchError(
+                    f"leaf {leaf!r}: parameter {fqn!r} has saved state {key!r} of {count} values (lists counted with "
+                    f"their items), the checkpoint holds {found}: it lost an item of that list from its metadata or "
+                    "its data (a partial copy or a damaged checkpoint); refusing to load it incomplete"
+                )
