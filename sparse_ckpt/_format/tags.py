@@ -17,19 +17,18 @@ from typing import Any
 import torch.distributed as dist
 
 from .._dist import world_and_rank
+from .item_record import items_record, with_items_record
 from .keys import (
     BUFFERS_PREFIX,
     PACKED_PREFIX,
     SCALARS_PREFIX,
     buffer_tag,
     digest_tag,
-    items_record,
     layout_tag,
     rank_tag,
     seal,
     table_digest,
     table_item_key,
-    with_items_record,
 )
 
 GROUPS_SLOT = "groups"
@@ -51,8 +50,8 @@ class Slot:
     buckets: tuple[str, ...] = ()
     """A layout slot's buckets: each one's dtype (their keys are part of the save's item record)."""
     tail: int | None = None
-    """Group tables: the byte length of the table's groups part (:func:`~sparse_ckpt.keys.groups_tail`);
-    their sealed values carry the save's item record (:func:`~sparse_ckpt.keys.with_items_record`),
+    """Group tables: the byte length of the table's groups part (`sparse_ckpt._format.item_record.groups_tail`);
+    their sealed values carry the save's item record (`sparse_ckpt._format.item_record.with_items_record`),
     so that a lost scalar table, layout or buffer -- or another leaf's group table -- is found missing."""
 
     @staticmethod

@@ -18,6 +18,7 @@ from itertools import chain
 from typing import TYPE_CHECKING, Any
 
 from .. import _backend
+from .._format.item_record import split_items_record
 from .._format.keys import (
     BUFFERS_PREFIX,
     ESCAPE,
@@ -26,7 +27,6 @@ from .._format.keys import (
     check_table,
     parse_rank_tag,
     seal,
-    split_items_record,
     split_table_key,
     unescape_part,
 )
@@ -73,7 +73,7 @@ def check_recorded_items(
     reader: BufferReader | None,
     present: Collection[str] | None,
 ) -> None:
-    """Every item an item record lists (see :func:`sparse_ckpt._format.keys.with_items_record`) is in the
+    """Every item an item record lists (see :func:`sparse_ckpt._format.item_record.with_items_record`) is in the
     checkpoint, else :class:`CheckpointMismatchError` naming the leaf and the item: a lost table,
     layout or buffer -- of any rank -- is refused even when nothing on this rank needed it, so
     every rank of a load decides alike (whatever ``strict`` says). Layouts and buffers are found

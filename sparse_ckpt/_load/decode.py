@@ -16,12 +16,12 @@ from typing import Any
 import torch
 
 from .. import _backend
+from .._format.item_record import split_items_record
 from .._format.keys import (
     BUFFERS_PREFIX,
     PACKED_PREFIX,
     check_table,
     source_text,
-    split_items_record,
     without_foreign_guards,
 )
 from .._format.nested import nested_kind, nested_to_sparse

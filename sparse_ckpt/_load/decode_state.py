@@ -10,13 +10,13 @@ from typing import Any
 import torch
 
 from .. import _backend
+from .._format.item_record import split_items_record
 from .._format.keys import (
     ESCAPE,
     KEYS_ENTRY,
     LENS_ENTRY,
     SCALARS_PREFIX,
     check_table,
-    split_items_record,
     state_key,
     unescape_part,
 )

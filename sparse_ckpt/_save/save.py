@@ -8,13 +8,13 @@ from typing import Any, Literal
 import torch
 
 from .. import _backend
+from .._format.item_record import groups_tail
 from .._format.keys import (
     PACKED_PREFIX,
     RESERVED_FQN_PREFIXES,
     SCALARS_PREFIX,
     foreign_guard_keys,
     foreign_guard_value,
-    groups_tail,
     is_reserved_fqn,
     packed_table_key,
     table_digest,

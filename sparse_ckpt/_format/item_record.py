@@ -1,0 +1,66 @@
+"""The *item record* of a save (docs/formats.md, *Item record*): a sealed group or scalar table
+carries the keys of every table and buffer its save wrote, as one more settings entry that no
+group refers to, so the tables that remain find a lost table, layout or buffer missing
+(`sparse_ckpt._load.completeness`)."""
+
+from __future__ import annotations
+
+from collections.abc import Iterable
+
+__all__ = ["ITEMS_ENTRY", "groups_tail", "items_record", "split_items_record", "with_items_record"]
+
+ITEMS_ENTRY = "~items"
+"""The key of a table's *item record* (see :func:`with_items_record`)."""
+
+
+def items_record(keys: Iterable[str]) -> bytes | None:
+    """The table-codec bytes of the settings entry ``{ITEMS_ENTRY: tuple(keys)}`` (``None`` when a
+    key is not valid Unicode: no record then)."""
+    out = bytearray((1).to_bytes(4, "little"))
+    out += len(ITEMS_ENTRY).to_bytes(4, "little") + ITEMS_ENTRY.encode("ascii")
+    keys = list(keys)
+    out += bytes([_TAG_TUPLE]) + len(keys).to_bytes(4, "little")
+    for key in keys:
+        try:
+            raw = key.encode("utf-8")
+        except UnicodeEncodeError:
+            return None
+        out += bytes([_TAG_STR]) + len(raw).to_bytes(4, "little") + raw
+    return bytes(out)
+
+
+_TAG_STR = 5
+_TAG_TUPLE = 7
+"""The table codec's value tags of ``str`` and ``tuple`` (docs/formats.md, "Table codec")."""
+
+
+def groups_tail(fqn_lists: Iterable[list[str]]) -> int:
+    """The byte length of a table's groups part (``u32 n_groups`` to the end) for groups with these FQNs."""
+    lists = list(fqn_lists)
+    n_fqns = sum(len(fqns) for fqns in lists)
+    return 4 + 8 * len(lists) + 4 * n_fqns + len("".join(f for fqns in lists for f in fqns).encode("utf-8"))
+
+
+def with_items_record(table: bytes, tail: int, record: bytes) -> bytes:
+    """``table`` (a group or scalar table whose groups part is ``tail`` bytes) with ``record``
+    (:func:`items_record`) as one more settings entry, the last one, that no group refers to: the
+    *item record*, every table and buffer key its save wrote, so a lost table, layout or buffer is
+    found missing by the tables that remain (docs/formats.md, "Item record"). Readers that do not
+    look for it see an unused settings entry."""
+    n = int.from_bytes(table[6:10], "little")
+    cut = len(table) - tail
+    return table[:6] + (n + 1).to_bytes(4, "little") + table[10:cut] + record + table[cut:]
+
+
+def split_items_record(
+    settings: list[dict], blobs: list[bytes], groups: list[tuple[int, list[str]]]
+) -> tuple[list[dict], list[bytes], tuple[str, ...] | None]:
+    """A decoded table's ``(settings, blobs, item record)``: the record (:func:`with_items_record`)
+    taken out of the settings, ``None`` when the table has none."""
+    if not settings or set(settings[-1]) != {ITEMS_ENTRY}:
+        return settings, blobs, None
+    last = len(settings) - 1
+    items = settings[-1][ITEMS_ENTRY]
+    if any(idx == last for idx, _fqns in groups) or type(items) is not tuple or not all(type(k) is str for k in items):
+        return settings, blobs, None
+    return settings[:-1], blobs[:-1], items
