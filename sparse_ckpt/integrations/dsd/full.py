@@ -17,6 +17,7 @@ import torch
 import torch.distributed as dist
 from torch.distributed.tensor import DTensor, distribute_tensor
 
+from ..._dist import initialised, world_and_rank
 from ..._format.keys import STATE_PREFIX, STEP_KEY, last_part, owner_fqn
 from ..._fqn import FqnMap
 from ..._torch_internals import gather_full_state_dict, offload_state_dict_to_cpu
@@ -28,7 +29,7 @@ def full_or_cpu(state_dict: dict[str, Any], full_state_dict: bool, cpu_offload: 
     """DSD's ``_maybe_full_or_cpu_state_dict``: gathered (kept on rank 0 only with ``cpu_offload``
     in a process group), or offloaded to CPU, or as it is."""
     if full_state_dict:
-        ranks_only = (0,) if cpu_offload and dist.is_available() and dist.is_initialized() else ()
+        ranks_only = (0,) if cpu_offload and initialised() else ()
         return gather_full_state_dict(state_dict, cpu_offload=cpu_offload, ranks_only=ranks_only)
     if cpu_offload:
         return offload_state_dict_to_cpu(state_dict)
@@ -48,7 +49,7 @@ class _TensorSpec:
 def broadcast_from_rank0(data: dict[str, Any], device: torch.device) -> dict[str, Any]:
     """Rank 0's ``data`` (a loadable flat dict: str keys, values plain) on every rank of the default
     process group; tensors travel through ``device`` (CPU for Gloo) and arrive on CPU."""
-    rank = dist.get_rank()
+    _world, rank = world_and_rank()
     skeleton: list[Any] = [None]
     if rank == 0:
         skeleton[0] = {k: _TensorSpec(v) if isinstance(v, torch.Tensor) else v for k, v in data.items()}

@@ -36,7 +36,7 @@ from torch.distributed.checkpoint.state_dict import StateDictOptions
 from torch.distributed.tensor import DTensor
 
 from ..._dcp.stateful import SparseOptimizerState
-from ..._dist import multi_rank
+from ..._dist import multi_rank, world_and_rank
 from ..._fqn import build_fqn_map
 from ..._gc import gc_paused
 from ..._load.load import load_owned
@@ -198,7 +198,7 @@ def _owner_maker(model: nn.Module, optims: tuple[Any, ...], strict: bool) -> Cal
 def _load_optimizers(model: nn.Module, optims: tuple[Any, ...], osd: Mapping[str, Any], opts: StateDictOptions) -> None:
     fmap = osd.fmap if isinstance(osd, DsdStateDict) and osd.fmap is not None and osd.owner.model is model else None
     if opts.broadcast_from_rank0 and multi_rank():
-        data = layouts.loadable(osd) if dist.get_rank() == 0 else {}
+        data = layouts.loadable(osd) if world_and_rank()[1] == 0 else {}
         data = full.broadcast_from_rank0(data, _broadcast_device(model))
     else:
         data = layouts.loadable(osd)
