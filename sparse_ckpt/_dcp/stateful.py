@@ -17,6 +17,8 @@ dragging the model along), so ``dcp.async_save`` staging works on it.
 
 from __future__ import annotations
 
+import copy
+from collections import OrderedDict
 from collections.abc import Mapping
 from typing import Any
 
@@ -82,7 +84,8 @@ class SparseStateDict(dict):
     """The dict `SparseOptimizerState.state_dict` returns: a plain ``dict`` tagged with its owner.
 
     DCP flattens it like any dict. `SparseLoadPlanner` recognises it in a load target and
-    sets ``planned``. Pickling and (deep) copies produce a plain ``dict`` of the same items; in a
+    sets ``planned``. Pickling produces an ``OrderedDict`` (readable by ``torch.load`` with
+    ``weights_only=True``) and (deep) copies a plain ``dict`` of the same items; in a
     process group of several ranks plus the origin record `sparse_ckpt._dcp.origin.ORIGIN_KEY`,
     so that a load on another rank refuses it (`sparse_ckpt._dcp.origin`).
     """
@@ -109,11 +112,25 @@ class SparseStateDict(dict):
         """Items the planner found missing from the checkpoint's metadata (an element of a list
         with elements after it): the load refuses them."""
 
-    def __reduce_ex__(self, protocol: Any) -> tuple[Any, ...]:
+    def _detached(self) -> dict[str, Any]:
+        """The plain items a pickle or copy carries: `copy` plus, in a group of several ranks, the
+        origin record (a load on another rank must refuse one rank's state)."""
         items = self.copy()
-        if self.origin is not None:  # one rank's state: a load on another rank must refuse it
+        if self.origin is not None:
             items[ORIGIN_KEY] = {"rank": self.origin[0], "world_size": self.origin[1]}
-        return (dict, (), None, None, iter(items.items()))
+        return items
+
+    def __reduce_ex__(self, protocol: Any) -> tuple[Any, ...]:
+        # An ``OrderedDict`` (what module ``state_dict()``s pickle as), not ``dict``: torch.load's
+        # default ``weights_only`` unpickler refuses a GLOBAL ``builtins.dict``, so a Stateful's dict
+        # put through ``torch.save`` (a trainer's one-file checkpoint) could not be read back.
+        return (OrderedDict, (), None, None, iter(self._detached().items()))
+
+    def __copy__(self) -> dict[str, Any]:
+        return self._detached()
+
+    def __deepcopy__(self, memo: dict[int, Any]) -> dict[str, Any]:
+        return copy.deepcopy(self._detached(), memo)
 
     def __reduce__(self) -> tuple[Any, ...]:
         return self.__reduce_ex__(2)
