@@ -96,8 +96,9 @@ def _node(state_dict: Any, path: tuple[str | int, ...]) -> Any:
 
 
 def _unasked(state_dict: Any) -> set[tuple[str | int, ...]]:
-    """Paths of the unmarked optimizer dicts of a load target that ask for settings and no state."""
-    marked = {path for path, _target in marked_targets(state_dict)}
+    """Paths of the unmarked optimizer dicts of a load target that ask for settings and no state
+    (every `SparseStateDict` is marked: a planner rebuilds it from the checkpoint)."""
+    marked = {path for path, _target in _find_targets(state_dict, ())}
     groups: set[tuple[str | int, ...]] = set()
     asked: set[tuple[str | int, ...]] = set()
     for path in _leaf_paths(state_dict):
