@@ -24,6 +24,11 @@ def metadata_path(metadata: Metadata, key: str) -> ObjPath:
     return (key,)
 
 
+def metadata_paths(metadata: Metadata) -> dict[str, ObjPath]:
+    """`metadata_path` of every key of the checkpoint, computed once for a whole load target."""
+    return {key: metadata_path(metadata, key) for key in metadata.state_dict_metadata}
+
+
 def set_path(root: dict[str, Any], path: ObjPath, value: Any) -> None:
     """Put ``value`` at ``path`` below ``root``, creating dicts (str keys) and lists (int keys)."""
     node: Any = root

@@ -38,7 +38,7 @@ from .._torch_internals import caller_frame, dcp_storage_reader
 from ..errors import CheckpointMismatchError
 from .items import allocate_item, read_items, weights_only_item
 from .origin import ORIGIN_KEY
-from .paths import metadata_path, set_path
+from .paths import metadata_paths, set_path
 from .stateful import SparseOptimizerState, SparseStateDict
 
 __all__ = ["SparseLoadPlanner"]
@@ -92,7 +92,7 @@ class SparseLoadPlanner(DefaultLoadPlanner):
         targets = list(_find_targets(state_dict, ()))
         self._optimizer_keys: set[str] = set()
         if targets and metadata is not None:
-            paths = {key: metadata_path(metadata, key) for key in metadata.state_dict_metadata}
+            paths = metadata_paths(metadata)
             storage_reader = dcp_storage_reader(caller_frame(1))
             for path, target in targets:
                 self._optimizer_keys.update(_TargetBuilder(target, metadata, storage_reader).rebuild(path, paths))

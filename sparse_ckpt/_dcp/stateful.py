@@ -38,7 +38,7 @@ from .._torch_internals import called_by_dcp_load, caller_frame, make_subclass, 
 from ..errors import CheckpointMismatchError
 from .origin import ORIGIN_KEY, origin_here, refuse_rank0_only_save
 
-__all__ = ["SparseOptimizerState", "SparseStateDict"]
+__all__ = ["SparseOptimizerState", "SparseStateDict", "planned_load"]
 
 _PLANNER_HINT = "pass planner=sparse_ckpt.SparseLoadPlanner() to dcp.load"
 
@@ -144,6 +144,27 @@ class SparseStateDict(dict):
         return out
 
 
+def planned_load(state_dict: Mapping[str, Any], data: dict[str, Any], model: Model) -> dict[str, Any]:
+    """What the load of ``state_dict`` into ``model``'s optimizer takes from the planner that rebuilt
+    it (nothing when it is not a `SparseStateDict`): refuses a dict the planner found an item of
+    missing (``lost``), adds the checkpoint keys it could not attribute (``unresolved``) to
+    ``data`` (the items to load, made from ``state_dict``), and returns `load_owned`'s ``fmap``
+    (the planner's, when built for this model), ``reader`` and ``present``. Shared by
+    `SparseOptimizerState.load_state_dict` and ``integrations.dsd``'s ``set_optimizer_state_dict``."""
+    if not isinstance(state_dict, SparseStateDict):
+        return {}
+    if state_dict.lost:
+        raise CheckpointMismatchError(
+            f"optimizer item {state_dict.lost[0]!r} is missing from the checkpoint, and its list has items "
+            "after it: the checkpoint lost it from its metadata (a partial copy or a damaged checkpoint); "
+            "refusing to load it incomplete"
+        )
+    if state_dict.unresolved:
+        data.update(dict.fromkeys(state_dict.unresolved))
+    fmap = state_dict.fmap if state_dict.owner.model is model else None
+    return {"fmap": fmap, "reader": state_dict.reader, "present": state_dict.present}
+
+
 class SparseOptimizerState:
     """A DCP ``Stateful`` holding a model and its optimizer(s), saved sparsely and exactly.
 
@@ -229,31 +250,13 @@ class SparseOptimizerState:
         """
         data = dict(state_dict)
         data.pop(PLANNER_GUARD_KEY, None)
-        fmap = None
-        reader = None
-        present = None
-        if isinstance(state_dict, SparseStateDict):
-            if state_dict.lost:
-                raise CheckpointMismatchError(
-                    f"optimizer item {state_dict.lost[0]!r} is missing from the checkpoint, and its list has items "
-                    "after it: the checkpoint lost it from its metadata (a partial copy or a damaged checkpoint); "
-                    "refusing to load it incomplete"
-                )
-            present = state_dict.present
-            if state_dict.unresolved:
-                data.update(dict.fromkeys(state_dict.unresolved))
-            if state_dict.owner is self:
-                fmap = state_dict.fmap
-            reader = state_dict.reader
         load_owned(
             self.model,
             self.optimizer,
             data,
             strict=self.strict,
             unowned_are_other_ranks=multi_rank(),
-            fmap=fmap,
-            reader=reader,
-            present=present,
+            **planned_load(state_dict, data, self.model),
         )
 
     def __reduce_ex__(self, protocol: Any) -> Any:

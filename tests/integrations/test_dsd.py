@@ -28,6 +28,7 @@ import torch.distributed.checkpoint as dcp
 from _dist import cpu_mesh, full_copy, run_ranks
 from doc_blocks import ROOT, python_blocks, run_block
 from helpers import assert_deep_equal
+from legacy_checkpoints import drop_from_metadata
 from torch.distributed.checkpoint import DefaultLoadPlanner
 from torch.distributed.checkpoint.api import CheckpointException
 from torch.distributed.checkpoint.state_dict import (
@@ -502,3 +503,48 @@ def test_a_partial_load_of_a_checkpoint_without_optimizer_leaves_the_marked_dict
     assert target["optim"]["state"] == {} and len(target["optim"]["param_groups"]) == 2
     with pytest.raises(CheckpointException, match=r"no optimizer entries under 'optim'"):
         dcp.load(target, checkpoint_id=str(tmp_path))
+
+
+@pytest.mark.parametrize("strict", [True, False], ids=["strict", "lenient"])
+def test_a_lost_param_group_is_refused_by_name_and_the_optimizer_is_untouched(restore: Any, tmp_path: Path, strict: bool) -> None:
+    """Installed: a nested checkpoint that lost every entry of ``param_groups.0`` from its metadata (a
+    partial copy) while ``param_groups.1`` is there is refused by ``set_optimizer_state_dict`` naming
+    the lost item, as ``SparseOptimizerState``'s load refuses it, strict or not, the optimizer as it
+    was (it was refused for missing settings when strict and, lenient, loaded without group 1's saved
+    settings)."""
+    m, opt = trained()
+    sc_dsd.install()
+    dcp.save({"optim": get_optimizer_state_dict(m, opt)}, checkpoint_id=str(tmp_path))
+    for key in [k for k in dcp.FileSystemReader(str(tmp_path)).read_metadata().state_dict_metadata if k.startswith("optim.param_groups.0.")]:
+        drop_from_metadata(tmp_path, key)
+    m2, opt2 = trained(1)
+    opt2.param_groups[1]["lr"] = 0.5
+    before = state_snapshot(m2, opt2)
+    target = {"optim": get_optimizer_state_dict(m2, opt2)}
+    dcp.load(target, checkpoint_id=str(tmp_path))
+    with pytest.raises(sc.CheckpointMismatchError, match=r"optimizer item 'param_groups\.0' is missing from the checkpoint, and its list has items after it"):
+        set_optimizer_state_dict(m2, opt2, target["optim"], options=StateDictOptions(strict=strict))
+    assert_deep_equal(state_snapshot(m2, opt2), before, "after the refused load", nan_equal="none")
+
+
+def test_a_copy_is_rebuilt_or_refused_also_with_the_librarys_planner(restore: Any, tmp_path: Path) -> None:
+    """Installed, ``planner=sparse_ckpt.SparseLoadPlanner()``: a shallow copy of the dict returned for
+    a fresh optimizer is rebuilt and loads as with DCP's default planner, any other copy is refused,
+    and the marked dict loads (the copies loaded only the settings, silently: the patched
+    ``set_up_planner`` skipped the copies' rebuild and the refusal for the library's planner)."""
+    m, opt = trained()
+    sc_dsd.install()
+    dcp.save({"optim": get_optimizer_state_dict(m, opt)}, checkpoint_id=str(tmp_path))
+    for made in (dict, lambda d: d):  # a shallow copy, the marked dict itself
+        m2 = dsd_moe.model(0)
+        opt2 = dsd_moe.optimizer(m2)
+        target = {"optim": made(get_optimizer_state_dict(m2, opt2))}
+        dcp.load(target, checkpoint_id=str(tmp_path), planner=sc.SparseLoadPlanner())
+        set_optimizer_state_dict(m2, opt2, target["optim"])
+        assert with_state(opt2) == dsd_moe.STEPPED
+        assert_deep_equal(state_snapshot(m2, opt2), state_snapshot(m, opt), "SparseLoadPlanner", nan_equal="none", check_order=False)
+    m2 = dsd_moe.model(0)
+    opt2 = dsd_moe.optimizer(m2)
+    other = {"optim": pickle.loads(pickle.dumps(dict(get_optimizer_state_dict(m2, opt2))))}
+    with pytest.raises(CheckpointException, match=r"CheckpointMismatchError: the checkpoint holds optimizer state under 'optim'.*asks for none of it"):
+        dcp.load(other, checkpoint_id=str(tmp_path), planner=sc.SparseLoadPlanner())

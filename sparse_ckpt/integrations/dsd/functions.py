@@ -35,7 +35,7 @@ from torch import nn
 from torch.distributed.checkpoint.state_dict import StateDictOptions
 from torch.distributed.tensor import DTensor
 
-from ..._dcp.stateful import SparseOptimizerState
+from ..._dcp.stateful import SparseOptimizerState, planned_load
 from ..._dist import multi_rank, world_and_rank
 from ..._fqn import build_fqn_map
 from ..._gc import gc_paused
@@ -196,29 +196,23 @@ def _owner_maker(model: nn.Module, optims: tuple[Any, ...], strict: bool) -> Cal
 
 
 def _load_optimizers(model: nn.Module, optims: tuple[Any, ...], osd: Mapping[str, Any], opts: StateDictOptions) -> None:
-    fmap = osd.fmap if isinstance(osd, DsdStateDict) and osd.fmap is not None and osd.owner.model is model else None
     if opts.broadcast_from_rank0 and multi_rank():
         data = layouts.loadable(osd) if world_and_rank()[1] == 0 else {}
         data = full.broadcast_from_rank0(data, _broadcast_device(model))
     else:
         data = layouts.loadable(osd)
-    if fmap is None:
-        fmap = build_fqn_map(model)
+    planned = planned_load(osd, data, model)  # a DsdStateDict the planner rebuilt: as SparseOptimizerState's load
+    if planned.get("fmap") is None:
+        planned["fmap"] = build_fqn_map(model)
     if opts.full_state_dict:
-        data = full.shard_like_params(data, fmap)
-    reader = None
-    if isinstance(osd, DsdStateDict):
-        if osd.unresolved:
-            data.update(dict.fromkeys(osd.unresolved))
-        reader = osd.reader
+        data = full.shard_like_params(data, planned["fmap"])
     load_owned(
         model,
         layouts.leaves_of(optims),
         data,
         strict=opts.strict,
         unowned_are_other_ranks=multi_rank(),
-        fmap=fmap,
-        reader=reader,
+        **planned,
     )
 
 

@@ -82,11 +82,13 @@ def installed() -> bool:
 
 
 def _set_up_planner(self: DefaultLoadPlanner, state_dict: Any, metadata: Any = None, is_coordinator: bool = False) -> None:
-    """``DefaultLoadPlanner.set_up_planner`` that first rebuilds the marked optimizer dicts."""
-    if not isinstance(self, SparseLoadPlanner):  # it rebuilds them itself
-        rebuild_marked(state_dict, metadata, caller_frame(1), allow_partial_load=getattr(self, "allow_partial_load", False))
-        rebuild_copies(state_dict, metadata, caller_frame(1))
-        refuse_unasked_state(state_dict, metadata)
+    """``DefaultLoadPlanner.set_up_planner`` that first rebuilds the marked optimizer dicts and the
+    recognised copies, and refuses other optimizer dicts that ask for none of the checkpoint's state."""
+    frame = caller_frame(1)
+    if not isinstance(self, SparseLoadPlanner):  # it rebuilds the marked dicts itself (not the copies)
+        rebuild_marked(state_dict, metadata, frame, allow_partial_load=getattr(self, "allow_partial_load", False))
+    rebuild_copies(state_dict, metadata, frame)
+    refuse_unasked_state(state_dict, metadata)
     return _TORCH_SET_UP_PLANNER(self, state_dict, metadata, is_coordinator)
 
 

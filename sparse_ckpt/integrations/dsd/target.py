@@ -32,7 +32,7 @@ from typing import Any
 
 from torch.distributed.checkpoint.metadata import Metadata
 
-from ..._dcp.paths import metadata_path
+from ..._dcp.paths import metadata_path, metadata_paths
 from ..._dcp.planner import _find_targets, _TargetBuilder
 from ..._dcp.stateful import SparseOptimizerState, SparseStateDict
 from ..._format.nested import NESTED_KEYS
@@ -96,8 +96,9 @@ def _node(state_dict: Any, path: tuple[str | int, ...]) -> Any:
 
 
 def _unasked(state_dict: Any) -> set[tuple[str | int, ...]]:
-    """Paths of the unmarked optimizer dicts of a load target that ask for settings and no state."""
-    marked = {path for path, _target in marked_targets(state_dict)}
+    """Paths of the unmarked optimizer dicts of a load target that ask for settings and no state
+    (every `SparseStateDict` is marked: a planner rebuilds it from the checkpoint)."""
+    marked = {path for path, _target in _find_targets(state_dict, ())}
     groups: set[tuple[str | int, ...]] = set()
     asked: set[tuple[str | int, ...]] = set()
     for path in _leaf_paths(state_dict):
@@ -141,15 +142,19 @@ def rebuild_copies(state_dict: Any, metadata: Metadata | None, frame: Any = None
     if metadata is None or not _STATELESS:
         return 0
     starved = _starved(state_dict, metadata)
+    paths: dict[str, tuple[str | int, ...]] | None = None
+    reader = None
     done = 0
     for path in starved:
         node = _node(state_dict, path)
         owner = _copied_from(node) if type(node) is dict else None
         if owner is None:
             continue  # refused by refuse_unasked_state
-        paths = {key: metadata_path(metadata, key) for key in metadata.state_dict_metadata}
+        if paths is None:  # once per load, and only when there is a copy to rebuild
+            paths = metadata_paths(metadata)
+            reader = dcp_storage_reader(frame if frame is not None else caller_frame(1))
         target = DsdStateDict(node, owner)
-        _TargetBuilder(target, metadata, dcp_storage_reader(frame if frame is not None else caller_frame(1))).rebuild(path, paths)
+        _TargetBuilder(target, metadata, reader).rebuild(path, paths)
         node.clear()
         node.update(target)
         done += 1
@@ -173,7 +178,7 @@ def rebuild_marked(state_dict: Any, metadata: Metadata | None, frame: Any = None
     targets = list(marked_targets(state_dict))
     if not targets:
         return 0
-    paths = {key: metadata_path(metadata, key) for key in metadata.state_dict_metadata}
+    paths = metadata_paths(metadata)
     reader = dcp_storage_reader(frame if frame is not None else caller_frame(1))
     done = 0
     for path, target in targets:
