@@ -31,7 +31,7 @@ from .._format.keys import (
     unescape_part,
 )
 from .._format.list_record import list_nodes
-from .._format.tensor_parts import parts_to_tensor
+from .._format.tensor_parts import name_to_value, parts_to_tensor
 from ..errors import CheckpointMismatchError
 
 if TYPE_CHECKING:
@@ -59,7 +59,7 @@ def without_items_record(prefix: str, rest: str, table: object) -> object:
     if not isinstance(table, bytes) or parse_rank_tag(split_table_key(rest, prefix)[1]) is None:
         return table
     leaf, bare = check_table(prefix, rest, table)
-    settings, blobs, groups = _backend.core.decode_table(leaf, bare, parts_to_tensor)
+    settings, blobs, groups = _backend.core.decode_table(leaf, bare, parts_to_tensor, name_to_value)
     if split_items_record(settings, blobs, groups)[2] is None:
         return table
     start = 10 + sum(len(b) for b in blobs[:-1])
