@@ -21,14 +21,13 @@ from .. import _backend
 from .._format.item_record import split_items_record
 from .._format.keys import (
     BUFFERS_PREFIX,
-    ESCAPE,
     PACKED_PREFIX,
     SCALARS_PREFIX,
     check_table,
+    key_parts,
     parse_rank_tag,
     seal,
     split_table_key,
-    unescape_part,
 )
 from .._format.list_record import list_nodes
 from .._format.tensor_parts import name_to_value, parts_to_tensor
@@ -138,9 +137,8 @@ def check_lists(
         state = state_of.get(fqn, {})
         for key, count in lens:
             node: Any = state
-            for part in key.split("."):
-                name: Any = unescape_part(part, key) if part.startswith(ESCAPE) else part
-                node = node.get(name) if isinstance(node, dict) else None
+            for part in key_parts(key):
+                node = node.get(part) if isinstance(node, dict) else None
             found = 0 if node is None else list_nodes(node)
             if found != count:
                 raise CheckpointMismatchError(
