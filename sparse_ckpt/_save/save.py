@@ -120,15 +120,13 @@ def build_state_dict(
                     parts.append(_Part("layout", leaf, buckets=bucketed.fill(buckets, local)))
                     slots.append(Slot.of(LAYOUT_SLOT, leaf, layout, buckets=tuple(dtype for dtype, _n, _m in buckets)))
             parts.append(_Part("items", leaf, items=items))
-        else:
-            parts.append(_Part("items", leaf, items=core.flatten_state(leaf, state_fqn, fmap.param_of, format == "packed")))
-        if format == "flat":
-            _check_flat_settings(leaf, groups_fqn)
-            parts.append(_Part("items", leaf, items=core.flatten_groups(leaf, groups_fqn)))
-        else:
             parts.append(_Part("table", leaf, prefix=PACKED_PREFIX))
             table = core.encode_table(leaf, groups_fqn, torch.Tensor, tensor_to_parts, value_to_name)
             slots.append(Slot.of(GROUPS_SLOT, leaf, table, tail=groups_tail(f for _s, f in groups_fqn)))
+        else:
+            parts.append(_Part("items", leaf, items=core.flatten_state(leaf, state_fqn, fmap.param_of, False)))
+            _check_flat_settings(leaf, groups_fqn)
+            parts.append(_Part("items", leaf, items=core.flatten_groups(leaf, groups_fqn)))
     tagged = iter(keying.assign(slots))
     out: dict[str, Any] = {}
     for part in parts:
