@@ -17,7 +17,7 @@ from collections.abc import Collection, Mapping
 from itertools import chain
 from typing import TYPE_CHECKING, Any
 
-from .. import _backend
+from .._format.codec import decode_table
 from .._format.item_record import split_items_record
 from .._format.keys import (
     BUFFERS_PREFIX,
@@ -30,7 +30,6 @@ from .._format.keys import (
     split_table_key,
 )
 from .._format.list_record import list_nodes
-from .._format.tensor_parts import name_to_value, parts_to_tensor
 from ..errors import CheckpointMismatchError
 
 if TYPE_CHECKING:
@@ -58,7 +57,7 @@ def without_items_record(prefix: str, rest: str, table: object) -> object:
     if not isinstance(table, bytes) or parse_rank_tag(split_table_key(rest, prefix)[1]) is None:
         return table
     leaf, bare = check_table(prefix, rest, table)
-    settings, blobs, groups = _backend.core.decode_table(leaf, bare, parts_to_tensor, name_to_value)
+    settings, blobs, groups = decode_table(leaf, bare)
     if split_items_record(settings, blobs, groups)[2] is None:
         return table
     start = 10 + sum(len(b) for b in blobs[:-1])
