@@ -478,12 +478,12 @@ py::tuple plan_scatter(py::object leaf, py::object layouts, py::object chunk_of)
                 Target& t = targets[ti];
                 if (!t.seen.emplace(offsets.v, sizes.v).second) return;
                 const size_t n = shape.v.size();
-                std::vector<int64_t> lo(n), box(n), src_start(n), dst_start(n);
+                std::vector<int64_t> lo(n), hi(n), box(n), src_start(n), dst_start(n);
                 bool empty = false;
                 for (size_t i = 0; i < n; ++i) {
                     lo[i] = std::max(offsets.v[i], mine.offsets.v[i]);
-                    const int64_t hi = std::min(offsets.v[i] + sizes.v[i], mine.offsets.v[i] + mine.sizes.v[i]);
-                    box[i] = hi - lo[i];
+                    hi[i] = std::min(offsets.v[i] + sizes.v[i], mine.offsets.v[i] + mine.sizes.v[i]);
+                    box[i] = hi[i] - lo[i];
                     if (box[i] <= 0) empty = true;
                     src_start[i] = lo[i] - offsets.v[i];
                     dst_start[i] = lo[i] - mine.offsets.v[i];
@@ -505,9 +505,7 @@ py::tuple plan_scatter(py::object leaf, py::object layouts, py::object chunk_of)
                                                dims_tuple(box));
                 check(PyList_Append(ops.ptr(), op.ptr()));
                 t.covered += volume(box);
-                std::vector<int64_t> hi(n);
-                for (size_t i = 0; i < n; ++i) hi[i] = lo[i] + box[i];
-                t.boxes.push_back(Box{lo, std::move(hi), offsets.obj, sizes.obj});
+                t.boxes.push_back(Box{std::move(lo), std::move(hi), offsets.obj, sizes.obj});
             });
         ++li;
     });

@@ -23,13 +23,11 @@ from __future__ import annotations
 from collections.abc import Mapping
 from typing import Any
 
-import torch
-
 from .. import _backend
 from .._leaves import SINGLE_LEAF
 from ..errors import CheckpointFormatError
+from .codec import encode_table
 from .keys import packed_table_key
-from .tensor_parts import tensor_to_parts, value_to_name
 
 __all__ = ["NESTED_KEYS", "nested_kind", "nested_to_sparse"]
 
@@ -97,7 +95,7 @@ def nested_to_sparse(sd: Mapping[str, Any], *, leaf: str = SINGLE_LEAF) -> dict[
     core = _backend.core
     plain_state = state if type(state) is dict else dict(state)
     out: dict[str, Any] = core.flatten_state(leaf, plain_state, fqns, True)
-    table = core.encode_table(leaf, groups_fqn, torch.Tensor, tensor_to_parts, value_to_name)
+    table = encode_table(leaf, groups_fqn)
     out[packed_table_key(leaf, table)] = table
     return out
 

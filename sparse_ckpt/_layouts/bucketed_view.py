@@ -36,10 +36,13 @@ def layout_view(keys: Iterable[str], values: Mapping[str, Any]) -> dict[str, dic
     core = _backend.core
     out: dict[str, dict[str, Any]] = {}
     by_leaf: dict[str, list[bytes]] = {}
+    shapes_by_leaf: dict[str, dict[str, tuple[int, ...]]] = {}
     for key, leaf, payload in _layouts_by_key(keys, values):
         by_leaf.setdefault(leaf, []).append(payload)
         ranks = split_buffers_key(key[len(BUFFERS_PREFIX) :])[3]
-        for bi, (dtype, numel, entries) in enumerate(core.decode_layout(leaf, payload)):
+        decoded = core.decode_layout(leaf, payload)
+        _first_shapes(decoded, shapes_by_leaf.setdefault(leaf, {}))
+        for bi, (dtype, numel, entries) in enumerate(decoded):
             bkey = buffer_key(leaf, ranks, bi, dtype)
             if bkey not in values:
                 bkey = buffer_key(leaf, ranks, bi)  # written before the dtype was part of the key
@@ -62,17 +65,19 @@ def layout_view(keys: Iterable[str], values: Mapping[str, Any]) -> dict[str, dic
                     node = node.setdefault(part, {})
                 node.setdefault(parts[-1], md)
     for leaf, payloads in by_leaf.items():  # together, the layouts hold every tensor exactly once
-        core.plan_scatter(leaf, payloads, _whole(payloads, leaf))
+        core.plan_scatter(leaf, payloads, _whole(shapes_by_leaf[leaf]))
     return out
 
 
-def _whole(payloads: list[bytes], leaf: str) -> Callable[[str], Chunk]:
-    """``chunk_of`` of a reader that wants every tensor whole (its shape as the first layout gives it)."""
-    shapes: dict[str, tuple[int, ...]] = {}
-    for payload in payloads:
-        for _dtype, _numel, entries in _backend.core.decode_layout(leaf, payload):
-            for fqn, _key, shape, _offsets, _sizes in entries:
-                shapes.setdefault(fqn, shape)
+def _first_shapes(decoded: Iterable[tuple[str, int, Any]], shapes: dict[str, tuple[int, ...]]) -> None:
+    """Add to ``shapes`` each FQN's global shape as the first decoded layout table listing it gives it."""
+    for _dtype, _numel, entries in decoded:
+        for fqn, _key, shape, _offsets, _sizes in entries:
+            shapes.setdefault(fqn, shape)
+
+
+def _whole(shapes: Mapping[str, tuple[int, ...]]) -> Callable[[str], Chunk]:
+    """``chunk_of`` of a reader that wants every tensor whole (``shapes``: see :func:`_first_shapes`)."""
     return lambda fqn: (shapes[fqn], (0,) * len(shapes[fqn]), shapes[fqn])
 
 
@@ -83,8 +88,6 @@ def full_state(keys: Iterable[str], values: Mapping[str, Any]) -> dict[str, dict
     keys = list(keys)
     shapes: dict[str, tuple[int, ...]] = {}
     for _key, leaf, payload in _layouts_by_key(keys, values):
-        for _dtype, _numel, entries in _backend.core.decode_layout(leaf, payload):
-            for fqn, _key, shape, _offsets, _sizes in entries:
-                shapes.setdefault(fqn, shape)
+        _first_shapes(_backend.core.decode_layout(leaf, payload), shapes)
     whole = FqnMap(canonical={f: f for f in shapes}, param_of={f: torch.empty(s, device="meta") for f, s in shapes.items()})
     return expand(keys, values, whole, None)

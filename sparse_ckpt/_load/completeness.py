@@ -17,21 +17,19 @@ from collections.abc import Collection, Mapping
 from itertools import chain
 from typing import TYPE_CHECKING, Any
 
-from .. import _backend
+from .._format.codec import decode_table
 from .._format.item_record import split_items_record
 from .._format.keys import (
     BUFFERS_PREFIX,
-    ESCAPE,
     PACKED_PREFIX,
     SCALARS_PREFIX,
     check_table,
+    key_parts,
     parse_rank_tag,
     seal,
     split_table_key,
-    unescape_part,
 )
 from .._format.list_record import list_nodes
-from .._format.tensor_parts import parts_to_tensor
 from ..errors import CheckpointMismatchError
 
 if TYPE_CHECKING:
@@ -59,7 +57,7 @@ def without_items_record(prefix: str, rest: str, table: object) -> object:
     if not isinstance(table, bytes) or parse_rank_tag(split_table_key(rest, prefix)[1]) is None:
         return table
     leaf, bare = check_table(prefix, rest, table)
-    settings, blobs, groups = _backend.core.decode_table(leaf, bare, parts_to_tensor)
+    settings, blobs, groups = decode_table(leaf, bare)
     if split_items_record(settings, blobs, groups)[2] is None:
         return table
     start = 10 + sum(len(b) for b in blobs[:-1])
@@ -138,9 +136,8 @@ def check_lists(
         state = state_of.get(fqn, {})
         for key, count in lens:
             node: Any = state
-            for part in key.split("."):
-                name: Any = unescape_part(part, key) if part.startswith(ESCAPE) else part
-                node = node.get(name) if isinstance(node, dict) else None
+            for part in key_parts(key):
+                node = node.get(part) if isinstance(node, dict) else None
             found = 0 if node is None else list_nodes(node)
             if found != count:
                 raise CheckpointMismatchError(

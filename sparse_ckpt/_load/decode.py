@@ -13,9 +13,8 @@ from dataclasses import dataclass, field
 from itertools import chain
 from typing import Any
 
-import torch
-
 from .. import _backend
+from .._format.codec import decode_table, encode_settings
 from .._format.item_record import split_items_record
 from .._format.keys import (
     BUFFERS_PREFIX,
@@ -25,7 +24,6 @@ from .._format.keys import (
     without_foreign_guards,
 )
 from .._format.nested import nested_kind, nested_to_sparse
-from .._format.tensor_parts import name_to_value, parts_to_tensor, tensor_to_parts, value_to_name
 from .._fqn import FqnMap
 from .._layouts.bucketed_load import BucketReader, expand
 from ..errors import CheckpointFormatError, CheckpointMismatchError
@@ -111,11 +109,10 @@ class GroupTable:
 def decode_group_tables(tables: Mapping[str, Any]) -> list[GroupTable]:
     """Packed group tables (``{leaf}.{digest}`` -> bytes) checked (type, digest) and decoded, in order.
     The one decoder of group tables: load, the DCP planner's tools, the CLI and export use it."""
-    core = _backend.core
     out: list[GroupTable] = []
     for rest, table in tables.items():
         leaf, table = check_table(PACKED_PREFIX, rest, table)
-        settings, blobs, groups = core.decode_table(leaf, table, parts_to_tensor, name_to_value)
+        settings, blobs, groups = decode_table(leaf, table)
         settings, blobs, items = split_items_record(settings, blobs, groups)
         out.append(GroupTable(rest, leaf, settings, blobs, groups, items))
     return out
@@ -206,7 +203,7 @@ def decode_checkpoint(
                 s = unnamed.get(idx)
                 if s is None:
                     bare = {k: v for k, v in settings[idx].items() if k != "param_names"}
-                    blob = core.encode_settings(leaf, gi, bare, torch.Tensor, tensor_to_parts, value_to_name)
+                    blob = encode_settings(leaf, gi, bare)
                     s = unnamed[idx] = intern(blob, bare)
                 names = settings[idx]["param_names"]
                 positional = isinstance(names, (list, tuple)) and len(names) == len(fqns)
@@ -231,7 +228,7 @@ def decode_checkpoint(
                 name = fqn if fqn in names else names[0] if len(names) == 1 else None
                 out.names_list_of[fmap.resolve(fqn)] = list(names)
             out.names_of.setdefault(fmap.resolve(fqn), name if isinstance(name, str) else None)
-        blob = core.encode_settings(f"flat:{fqn}", 0, raw, torch.Tensor, tensor_to_parts, value_to_name)
+        blob = encode_settings(f"flat:{fqn}", 0, raw)
         put_settings(fqn, intern(blob, raw), f"flat entries of {fqn!r}")
 
     if len(fmap.canonical) == len(fmap.param_of):  # no aliases: every FQN is its own canonical name

@@ -10,6 +10,7 @@ from typing import Any
 import torch
 
 from .. import _backend
+from .._format.codec import decode_table, encode_settings
 from .._format.item_record import split_items_record
 from .._format.keys import (
     ESCAPE,
@@ -20,7 +21,7 @@ from .._format.keys import (
     state_key,
     unescape_part,
 )
-from .._format.tensor_parts import name_to_value, parts_to_tensor, tensor_to_parts, value_to_name
+from .._format.tensor_parts import parts_to_tensor
 from ..errors import CheckpointFormatError, CheckpointMismatchError
 from .completeness import check_lists
 
@@ -161,14 +162,13 @@ def decode_scalar_tables(
     (:data:`~sparse_ckpt._format.keys.LENS_ENTRY`) is taken out likewise (into ``lens_of``), and each
     sealed table's item record is appended to ``records``.
     """
-    core = _backend.core
     found: dict[str, tuple[dict[str, Any], str]] = {}
     blob_of: dict[str, bytes] = {}
     for rest, table in tables.items():
         leaf, table = check_table(SCALARS_PREFIX, rest, table)
         key = f"{SCALARS_PREFIX}{rest}"
         try:
-            scalars, blobs, groups = core.decode_table(leaf, table, _cpu_parts_to_tensor, name_to_value)
+            scalars, blobs, groups = decode_table(leaf, table, _cpu_parts_to_tensor)
         except CheckpointFormatError as exc:
             raise CheckpointFormatError(f"scalar table {key!r}: {exc}") from None
         scalars, blobs, items = split_items_record(scalars, blobs, groups)
@@ -230,10 +230,9 @@ def _recorded_lens(table_key: str, lens: Any) -> tuple[tuple[str, int], ...] | N
 
 def _first_differing(leaf: str, a: Mapping[str, Any], b: Mapping[str, Any]) -> str:
     """The first key whose entry differs between two scalar dicts (by encoded bytes)."""
-    core = _backend.core
 
     def enc(d: Mapping[str, Any], k: str) -> bytes:
-        return core.encode_settings(leaf, 0, {k: d[k]}, torch.Tensor, tensor_to_parts, value_to_name)
+        return encode_settings(leaf, 0, {k: d[k]})
 
     for k in a:
         if k not in b or enc(a, k) != enc(b, k):

@@ -8,6 +8,7 @@ from typing import Any, Literal
 import torch
 
 from .. import _backend
+from .._format.codec import encode_settings, encode_table
 from .._format.item_record import groups_tail
 from .._format.keys import (
     PACKED_PREFIX,
@@ -22,7 +23,7 @@ from .._format.keys import (
 )
 from .._format.list_record import record_lists
 from .._format.tags import GROUPS_SLOT, LAYOUT_SLOT, SCALARS_SLOT, Keying, Slot
-from .._format.tensor_parts import CODEC_DTYPES, tensor_to_parts, value_to_name
+from .._format.tensor_parts import CODEC_DTYPES, tensor_to_parts
 from .._fqn import Model, build_fqn_map
 from .._gc import gc_paused
 from .._layouts import StateLayout, bucketed, check_state_layout
@@ -110,7 +111,7 @@ def build_state_dict(
             )
             if scalar_groups:
                 scalar_groups = record_lists(items, scalar_groups)
-                scalars = core.encode_table(leaf, scalar_groups, torch.Tensor, tensor_to_parts, value_to_name)
+                scalars = encode_table(leaf, scalar_groups)
                 parts.append(_Part("table", leaf, prefix=SCALARS_PREFIX))
                 slots.append(Slot.of(SCALARS_SLOT, leaf, scalars))
             if state_layout == "buffers":
@@ -120,15 +121,13 @@ def build_state_dict(
                     parts.append(_Part("layout", leaf, buckets=bucketed.fill(buckets, local)))
                     slots.append(Slot.of(LAYOUT_SLOT, leaf, layout, buckets=tuple(dtype for dtype, _n, _m in buckets)))
             parts.append(_Part("items", leaf, items=items))
+            parts.append(_Part("table", leaf, prefix=PACKED_PREFIX))
+            table = encode_table(leaf, groups_fqn)
+            slots.append(Slot.of(GROUPS_SLOT, leaf, table, tail=groups_tail(f for _s, f in groups_fqn)))
         else:
-            parts.append(_Part("items", leaf, items=core.flatten_state(leaf, state_fqn, fmap.param_of, format == "packed")))
-        if format == "flat":
+            parts.append(_Part("items", leaf, items=core.flatten_state(leaf, state_fqn, fmap.param_of, False)))
             _check_flat_settings(leaf, groups_fqn)
             parts.append(_Part("items", leaf, items=core.flatten_groups(leaf, groups_fqn)))
-        else:
-            parts.append(_Part("table", leaf, prefix=PACKED_PREFIX))
-            table = core.encode_table(leaf, groups_fqn, torch.Tensor, tensor_to_parts, value_to_name)
-            slots.append(Slot.of(GROUPS_SLOT, leaf, table, tail=groups_tail(f for _s, f in groups_fqn)))
     tagged = iter(keying.assign(slots))
     out: dict[str, Any] = {}
     for part in parts:
@@ -215,15 +214,14 @@ def _check_flat_settings(leaf: str, groups_fqn: list[tuple[dict, list[str]]]) ->
     compares settings through the table codec: refuse at save, naming leaf, group and key, any
     value the codec does not hold (what the packed format refuses), so no flat checkpoint is
     written that cannot be loaded."""
-    _backend.core.encode_table(leaf, groups_fqn, torch.Tensor, tensor_to_parts, value_to_name)
+    encode_table(leaf, groups_fqn)
 
 
 def _check_same_settings(leaf: str, fqn: str, groups_fqn: list[tuple[dict, list[str]]], first: int, again: int) -> None:
     """A parameter listed in two groups of a leaf (torch allows it) is saved by FQN once: both
     groups must then hold the same settings, or a load could not tell which applies."""
-    core = _backend.core
-    a = core.encode_settings(leaf, first, _bare(groups_fqn[first][0]), torch.Tensor, tensor_to_parts, value_to_name)
-    b = core.encode_settings(leaf, again, _bare(groups_fqn[again][0]), torch.Tensor, tensor_to_parts, value_to_name)
+    a = encode_settings(leaf, first, _bare(groups_fqn[first][0]))
+    b = encode_settings(leaf, again, _bare(groups_fqn[again][0]))
     if a != b:
         raise CheckpointMismatchError(
             f"leaf {leaf!r}: parameter {fqn!r} is in group {first} and group {again} with different settings; "

@@ -20,13 +20,13 @@ import os
 from collections.abc import Collection, Iterable, Iterator, Mapping
 from typing import Any
 
-import torch
 from torch.distributed.checkpoint import FileSystemReader
 from torch.distributed.checkpoint.metadata import Metadata, StorageMeta, TensorStorageMetadata
 
 from .. import _backend
 from .._dcp.items import read_items
 from .._dcp.metadata import METADATA_FILE, OptimizerEntries, read_metadata, set_path
+from .._format.codec import encode_settings, encode_table
 from .._format.keys import (
     BUFFERS_PREFIX,
     PACKED_PREFIX,
@@ -40,7 +40,6 @@ from .._format.keys import (
     state_key,
 )
 from .._format.nested import NESTED_KEYS, nested_to_sparse
-from .._format.tensor_parts import tensor_to_parts, value_to_name
 from .._layouts.bucketed import dtype_name
 from .._layouts.bucketed_view import layout_view
 from .._leaves import SINGLE_LEAF
@@ -206,10 +205,9 @@ def decode_tables(values: Mapping[str, Any], records: list[tuple[str, ...]] | No
 
 def flat_groups(settings_by_fqn: Mapping[str, dict[str, Any]]) -> list[Group]:
     """Flat settings -> one group per distinct settings, in order of first appearance."""
-    core = _backend.core
     groups: dict[bytes, Group] = {}
     for fqn, raw in settings_by_fqn.items():
-        blob = core.encode_settings(f"flat:{fqn}", 0, raw, torch.Tensor, tensor_to_parts, value_to_name)
+        blob = encode_settings(f"flat:{fqn}", 0, raw)
         group = groups.get(blob)
         if group is None:
             group = groups[blob] = Group(raw, blob)
@@ -363,7 +361,7 @@ def pack_flat_groups(flat: list[Group], leaf: str, leaves: Mapping[str, Any]) ->
     """Flat groups as one packed table of leaf ``leaf``: ``{table key: table}``."""
     if leaf in leaves:
         raise UsageError(f"leaf {leaf!r} already has packed tables; pick another --leaf")
-    table = _backend.core.encode_table(leaf, [(g.settings, g.fqns) for g in flat], torch.Tensor, tensor_to_parts, value_to_name)
+    table = encode_table(leaf, [(g.settings, g.fqns) for g in flat])
     return {packed_table_key(leaf, table): table}
 
 

@@ -76,6 +76,24 @@ def test_trainer_group_values_round_trip_through_dcp(tmp_path: Path, fmt: str, l
     _loaded_like(opt, opt2)
 
 
+@pytest.mark.parametrize("to", ["packed", "flat"])
+def test_trainer_group_values_survive_convert(tmp_path: Path, to: str) -> None:
+    """``convert`` re-seals the group tables without their item record: a table holding named
+    values (version 2: dtypes, devices) is decoded with them, not refused as unknown tags."""
+    from sparse_ckpt.tools.convert import convert_checkpoint
+
+    model, opt = _optimizer(3, 0.01)
+    train(model, opt, 2, only_experts=[0])
+    dcp.save({"optim": sc.SparseOptimizerState(model, opt)}, checkpoint_id=tmp_path / "src")
+    convert_checkpoint(str(tmp_path / "src"), str(tmp_path / "dst"), to)
+    model2, opt2 = _optimizer(3, 0.5)
+    for g in opt2.param_groups:
+        g.update({k: "changed" for k in TRAINER_VALUES})
+    dcp.load({"optim": sc.SparseOptimizerState(model2, opt2, format=to)}, checkpoint_id=tmp_path / "dst",
+             planner=sc.SparseLoadPlanner())
+    _loaded_like(opt, opt2)
+
+
 class _Schedule:
     """A value no checkpoint format here holds (an arbitrary object)."""
 
