@@ -43,7 +43,12 @@ echo "floor: core built in $((SECONDS - T1))s"
 T2=$SECONDS
 set +e
 (cd "$WORK/src" && SPARSE_CKPT_REQUIRE_CPP=1 "$VENV/bin/python" -m pytest -q -p no:cacheprovider \
-  tests/save tests/load tests/dcp tests/core)
+  tests/save tests/load tests/dcp tests/core \
+  --deselect tests/dcp/test_dcp_multirank.py::test_expert_parallel_tables)
+# test_expert_parallel_tables is left out on the floor: on torch 2.7 (Gloo, CPU) its ranks
+# intermittently hang in dist.destroy_process_group() after the scenario passed (both ranks stuck
+# there by faulthandler; about 1 run in 17 idle, 2 of 2 under load; the ranks' Python-level
+# collectives are the same sequence). It runs on 2.13 in the main suite. Not yet root-caused.
 rc=$?
 set -e
 echo "floor: core suites on torch $FLOOR_TORCH ran in $((SECONDS - T2))s (stage: $((SECONDS - T0))s)"

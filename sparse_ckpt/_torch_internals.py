@@ -260,9 +260,11 @@ ACCESSES: dict[str, str] = {
     "torch.distributed._state_dict_utils._gather_state_dict (integrations.dsd)": "2.13.0",
     "torch.distributed._state_dict_utils._offload_state_dict_to_cpu (integrations.dsd)": "2.13.0",
 }
-"""Every torch internal the library touches -> the versions it was checked on. Only 2.13.0 is
-checked so far (the README's floor, torch 2.6, is not yet run by CI); tests/core/test_torch_internals.py
-checks each entry against the installed torch."""
+"""Every torch internal the library touches -> the versions it was checked on.
+tests/core/test_torch_internals.py checks each entry against the installed torch; CI runs it on
+2.13.0 and on the floor, 2.7.0 (.ci/floor.sh; also passed on 2.7.1), so the entries the core suites
+use hold on both (2.7's dcp.save/async_save have no ``use_collectives``, async_save no ``no_dist``:
+read with their defaults)."""
 DSD_CHECKED = "2.13.0"
 """The torch version whose DSD (``torch.distributed.checkpoint.state_dict``) and DCP load planner
 :mod:`sparse_ckpt.integrations.dsd` was written and tested against; ``install()`` checks the
