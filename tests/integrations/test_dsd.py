@@ -233,6 +233,11 @@ def variants(rank: int, root: str, m: Any, opt: Any, sched: Any, two: bool) -> N
     got = state_snapshot(m2, opt2)
     if rank == 0:
         assert_deep_equal(got, torch.load(f"{root}/{tag}-at-save.pt", weights_only=False), f"{tag}: broadcast", nan_equal="none", check_order=False)
+    if not two:  # a dict rank 0 refuses (torch's id-keyed one) is refused on every rank, none left waiting
+        ids = opt2.state_dict() if rank == 0 else {}
+        with pytest.raises(sc.CheckpointFormatError, match="keyed by parameter ids"):
+            set_optimizer_state_dict(m2, opt2, ids, options=broadcast)
+        assert with_state(opt2) == dsd_moe.STEPPED
     # full_state_dict without broadcast: every rank has the whole dict
     full = torch.load(f"{root}/{tag}-full.pt", weights_only=False)
     m3, opt3, _ = fresh(two)

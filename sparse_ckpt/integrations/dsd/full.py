@@ -21,6 +21,7 @@ from ..._dist import initialised, world_and_rank
 from ..._format.keys import STATE_PREFIX, STEP_KEY, last_part, owner_fqn
 from ..._fqn import FqnMap
 from ..._torch_internals import gather_full_state_dict, offload_state_dict_to_cpu
+from ...errors import SparseCheckpointError
 
 __all__ = ["broadcast_from_rank0", "full_or_cpu", "shard_like_params"]
 
@@ -46,14 +47,22 @@ class _TensorSpec:
         self.dtype = t.dtype
 
 
-def broadcast_from_rank0(data: dict[str, Any], device: torch.device) -> dict[str, Any]:
+def broadcast_from_rank0(
+    data: dict[str, Any], device: torch.device, refusal: SparseCheckpointError | None = None
+) -> dict[str, Any]:
     """Rank 0's ``data`` (a loadable flat dict: str keys, values plain) on every rank of the default
-    process group; tensors travel through ``device`` (CPU for Gloo) and arrive on CPU."""
+    process group; tensors travel through ``device`` (CPU for Gloo) and arrive on CPU. A ``refusal``
+    rank 0 met reading its dict travels instead and is raised on every rank (the other ranks would
+    otherwise wait in the broadcast for data that never comes)."""
     _world, rank = world_and_rank()
     skeleton: list[Any] = [None]
     if rank == 0:
-        skeleton[0] = {k: _TensorSpec(v) if isinstance(v, torch.Tensor) else v for k, v in data.items()}
+        skeleton[0] = refusal if refusal is not None else {
+            k: _TensorSpec(v) if isinstance(v, torch.Tensor) else v for k, v in data.items()
+        }
     dist.broadcast_object_list(skeleton, src=0)
+    if isinstance(skeleton[0], SparseCheckpointError):
+        raise skeleton[0]
     out: dict[str, Any] = {}
     for key, value in skeleton[0].items():
         if isinstance(value, _TensorSpec):

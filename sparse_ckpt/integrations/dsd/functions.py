@@ -41,7 +41,7 @@ from ..._fqn import build_fqn_map
 from ..._gc import gc_paused
 from ..._load.load import load_owned
 from ..._save.capture import check_leaves
-from ...errors import UnsupportedStateDictError
+from ...errors import SparseCheckpointError, UnsupportedStateDictError
 from . import full, layouts
 from .target import DsdStateDict, remember_stateless
 
@@ -197,8 +197,13 @@ def _owner_maker(model: nn.Module, optims: tuple[Any, ...], strict: bool) -> Cal
 
 def _load_optimizers(model: nn.Module, optims: tuple[Any, ...], osd: Mapping[str, Any], opts: StateDictOptions) -> None:
     if opts.broadcast_from_rank0 and multi_rank():
-        data = layouts.loadable(osd) if world_and_rank()[1] == 0 else {}
-        data = full.broadcast_from_rank0(data, _broadcast_device(model))
+        data, refusal = {}, None
+        if world_and_rank()[1] == 0:
+            try:
+                data = layouts.loadable(osd)
+            except SparseCheckpointError as exc:  # raised on every rank by the broadcast
+                refusal = exc
+        data = full.broadcast_from_rank0(data, _broadcast_device(model), refusal)
     else:
         data = layouts.loadable(osd)
     planned = planned_load(osd, data, model)  # a DsdStateDict the planner rebuilt: as SparseOptimizerState's load
