@@ -193,7 +193,8 @@ def export_checkpoint(
     encoded = {k: encode_value(k, v) for k, v in scalars.items() if k not in scalar_tensors}
     encoded.update({k: encode_value(k, values[k]) for k in value_keys})
     encoded = {k: encoded[k] for k in sorted(encoded, key=order.key)}
-    buffered = FullTensors([k for k in opt.inner if k.startswith(BUFFERS_PREFIX)], values) if bucket_keys else None
+    buffers_keys = [k for k in opt.inner if k.startswith(BUFFERS_PREFIX)]  # layout tables and buckets
+    buffered = FullTensors(buffers_keys, values) if buffers_keys else None
     state = _state_entries(tensor_keys, sdm, opt.inner, buffered, order)
     layout: list[tuple[str, torch.dtype, tuple[int, ...]]] = [
         (k, torch.uint8, (len(t),)) for k, t in tables.items()
