@@ -5,7 +5,7 @@ arrives, so only one batch of state needs to be in memory. Measured at 61x256 wi
 (747 MiB of state): the export's peak memory is less than half of what collecting every tensor
 and calling ``safetensors.torch.save_file`` takes (bench/README.md, "Export memory").
 `data_order` lists tensors in the order of their data (``safe_open`` lists them sorted),
-which is the checkpoint's order.
+which is the export's order (`sparse_ckpt.tools._export_order`).
 """
 
 from __future__ import annotations
@@ -94,7 +94,7 @@ def write_safetensors(
 
 def data_order(path: str, names: set[str]) -> list[str]:
     """``names`` in the order of their data in the file (``safe_open`` lists them sorted), which is
-    the checkpoint's order: state keys of one parameter come back in their saved order."""
+    the export's order: state keys of one parameter come back in their saved order."""
     with open(path, "rb") as f:
         (n,) = struct.unpack("<Q", f.read(8))
         header = json.loads(f.read(n))  # already validated by safe_open

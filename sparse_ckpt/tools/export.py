@@ -3,13 +3,16 @@
 A DCP checkpoint's ``.metadata`` and its non-tensor items are pickles. `export_checkpoint`
 writes one optimizer of a DCP checkpoint into a directory that holds no pickle at all:
 
-* ``optimizer.safetensors`` -- every state tensor, full (unsharded), named by the checkpoint's
+* ``optimizer.safetensors`` -- every state tensor, full (unsharded), per-item or buffered
+  (``state_layout="buffers"``, read through `FullTensors`), named by the checkpoint's
   flat key (``state.{fqn}.{key}``; the scalars of a packed version-2 checkpoint's scalar tables
   are exported as such per-item entries too, so an export's layout does not depend on the
   checkpoint's packed version), and every packed group table as a 1-d ``uint8`` tensor named
   by its key (``param_groups.__packed__.{leaf}.{digest}``). Flat-format group settings are
   packed into one table of leaf ``leaf`` (one group per distinct settings), so an export always
-  carries binary tables (the table codec of docs/formats.md, which never unpickles).
+  carries binary tables (the table codec of docs/formats.md, which never unpickles). The order
+  is the export's own (`sparse_ckpt.tools._export_order`), so a checkpoint of the same state
+  exports to the same bytes whatever its state layout.
 * ``manifest.json`` (written last: an export is complete exactly when it exists) -- format and
   version, the source, the leaves with their group and parameter counts, and non-tensor state
   values, which must be JSON-representable (``None``, ``bool``, ``int``, ``float``, ``str``,
@@ -142,8 +145,10 @@ def export_checkpoint(
 
     ``key=None`` takes the checkpoint's only optimizer (a `UsageError` when there are
     several). ``leaf`` names the table that flat-format settings are packed into. State tensors
-    are read ``batch_bytes`` at a time, so memory stays bounded whatever the checkpoint's size.
-    Everything is validated (tables, dtypes, JSON values) before the first file is written.
+    are read ``batch_bytes`` at a time, so memory stays bounded whatever the checkpoint's size
+    (buffered state: a batch of full tensors plus one bucket being read, each bucket read once
+    per batch that needs part of it). Everything is validated (tables, dtypes, JSON values, the
+    buffers' layouts) before the first file is written; the data of an item as it is read.
     """
     _require_safetensors()
     t0 = time.perf_counter()
