@@ -218,7 +218,12 @@ def export_checkpoint(
         for k, t in tables.items():
             yield k, torch.frombuffer(bytearray(t), dtype=torch.uint8) if t else torch.empty(0, dtype=torch.uint8)
         yield from scalar_tensors.items()
-        for batch in cut(state, _StateEntry.nbytes, batch_bytes):
+        # Read per-item entries in the checkpoint's order and buffered ones in the order their
+        # buckets hold them (so each bucket is read about once, whatever the export's order);
+        # the writer puts each tensor at its place in the export's order.
+        position = {k: i for i, k in enumerate(tensor_keys)}
+        reading = sorted(state, key=lambda e: (0, position[e.item]) if e.item is not None else (1, e.buffered))
+        for batch in cut(reading, _StateEntry.nbytes, batch_bytes):
             got = read_entries(ckpt_dir, metadata, [opt.inner[e.item] for e in batch if e.item is not None])
             full = buffered.read([e.buffered for e in batch if e.buffered is not None], read_buckets) if buffered else []
             full.reverse()

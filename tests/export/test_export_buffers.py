@@ -107,6 +107,46 @@ def test_batches_read_each_bucket_once_per_batch(tmp_path: Path, monkeypatch: py
     assert summary.buffer_reads == buffered
 
 
+def test_buckets_are_read_in_their_order_whatever_the_state_order(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """State created in a shuffled parameter order: the buckets hold it in that order, the export
+    writes it in parameter order. Reading in the export's order would need most buckets in every
+    batch (quadratic in the state's size); read in the buckets' order, each is read once."""
+    model = nn.ParameterDict({f"p{i:02d}": nn.Parameter(torch.randn(4, 4)) for i in range(16)})
+    opt = torch.optim.AdamW(model.parameters(), lr=0.01)
+    for i in torch.randperm(16, generator=torch.Generator().manual_seed(0)).tolist():
+        for j, p in enumerate(model.values()):
+            p.grad = torch.ones(4, 4) * (i + 1) if j == i else None
+        opt.step()
+    monkeypatch.setattr(bucketed, "BUCKET_BYTES", 256)  # two parameters' exp_avg and exp_avg_sq
+    for layout in LAYOUTS:
+        dcp.save({"optim": sc.SparseOptimizerState(model, opt, state_layout=layout)}, checkpoint_id=tmp_path / layout)
+    keys = dcp.FileSystemReader(str(tmp_path / "buffers")).read_metadata().state_dict_metadata
+    buckets = [k for k in keys if k.startswith(f"optim.{BUFFERS_PREFIX}optim.B")]
+    assert len(buckets) == 8
+    export_checkpoint(tmp_path / "per_tensor", tmp_path / "x_per_tensor", batch_bytes=256)
+    summary = export_checkpoint(tmp_path / "buffers", tmp_path / "x_buffers", batch_bytes=256)
+    _same_exports(tmp_path / "x_per_tensor", tmp_path / "x_buffers")
+    assert summary.buffer_reads == len(buckets)
+
+
+def test_the_writer_places_tensors_by_its_layout(tmp_path: Path) -> None:
+    """`write_safetensors`: tensors arriving in any order give the same file; one arriving twice, or
+    one that never arrives, is refused."""
+    from sparse_ckpt.tools._safetensors_io import write_safetensors
+
+    tensors = {"a": torch.arange(3.0), "b": torch.empty(0), "c": torch.arange(4, dtype=torch.int64).reshape(2, 2)}
+    layout = [(k, t.dtype, tuple(t.shape)) for k, t in tensors.items()]
+    write_safetensors(str(tmp_path / "in_order"), layout, tensors.items(), {})
+    write_safetensors(str(tmp_path / "reversed"), layout, reversed(tensors.items()), {})
+    assert (tmp_path / "in_order").read_bytes() == (tmp_path / "reversed").read_bytes()
+    with pytest.raises(sc.CheckpointFormatError, match="internal: tensor 'a' is not planned"):
+        write_safetensors(str(tmp_path / "twice"), layout, [*tensors.items(), ("a", tensors["a"])], {})
+    with pytest.raises(sc.CheckpointFormatError, match="fewer tensors written than planned"):
+        write_safetensors(str(tmp_path / "short"), layout, list(tensors.items())[1:], {})
+
+
 # --------------------------------------------------------------------------- two FSDP2 ranks
 
 
