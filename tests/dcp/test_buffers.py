@@ -342,7 +342,8 @@ def test_flat_format_has_no_buffers() -> None:
 
 def test_tools_understand_buffers(tmp_path: Path) -> None:
     """inspect and diff see buffered state as they see per-item state; verify reads and checks the
-    buffers against their layouts; convert writes per-item state; export refuses, naming convert."""
+    buffers against their layouts; convert writes per-item state; export writes what it writes
+    for the per-tensor checkpoint, byte for byte."""
     from sparse_ckpt.tools import inspect_checkpoint, verify_checkpoint
 
     model, src = _trained("AdamW")
@@ -364,8 +365,10 @@ def test_tools_understand_buffers(tmp_path: Path) -> None:
     dcp.load({"optim": sc.SparseOptimizerState(model2, dst)}, checkpoint_id=tmp_path / "converted",
              planner=sc.SparseLoadPlanner())
     assert_optimizer_equal(dst, src, grads=False, state_order=False)
-    with pytest.raises(sc.CheckpointFormatError, match="state_layout='buffers'.*convert the checkpoint first"):
-        export.export_checkpoint(tmp_path / "buffers", tmp_path / "export")
+    for layout in ("per_tensor", "buffers"):
+        export.export_checkpoint(tmp_path / layout, tmp_path / f"export_{layout}")
+    assert (tmp_path / "export_buffers" / export.TENSORS_FILE).read_bytes() == (
+        tmp_path / "export_per_tensor" / export.TENSORS_FILE).read_bytes()
 
 
 @pytest.mark.parametrize("layout", ["per_tensor", "buffers"])
