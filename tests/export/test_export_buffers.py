@@ -97,6 +97,25 @@ def test_buffers_export_equals_per_tensor_export(name: str, tmp_path: Path, monk
     assert_optimizer_equal(opt, opt2, grads=False, state_order=False)
 
 
+def test_buffers_of_every_dtype_export_like_per_item_state(tmp_path: Path) -> None:
+    """bf16, bool and fp32 buckets next to per-item tensors (0-d, empty) and JSON values."""
+    model = nn.Linear(3, 2)
+    opt = torch.optim.SGD(model.parameters(), lr=0.1, momentum=0.9)
+    model(torch.ones(1, 3)).sum().backward()
+    opt.step()
+    opt.state[model.weight].update({
+        "half": torch.arange(6, dtype=torch.bfloat16).reshape(2, 3), "note": "warm-up",
+        "mask": torch.tensor([[True, False, True], [False, True, False]]),
+        "empty": torch.zeros(0), "count": torch.tensor(7, dtype=torch.int64), "ratio": float("nan"),
+    })
+    for layout in LAYOUTS:
+        dcp.save({"optim": sc.SparseOptimizerState(model, opt, state_layout=layout)}, checkpoint_id=tmp_path / layout)
+        export_checkpoint(tmp_path / layout, tmp_path / f"x_{layout}")
+    keys = dcp.FileSystemReader(str(tmp_path / "buffers")).read_metadata().state_dict_metadata
+    assert {k.split("_")[-2] for k in keys if ".B" in k} == {"float32", "bfloat16", "bool"}
+    _same_exports(tmp_path / "x_per_tensor", tmp_path / "x_buffers")
+
+
 def test_batches_read_each_bucket_once_per_batch(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
     """One tensor per batch, every tensor in one bucket (one rank): one bucket read per buffered tensor."""
     model, opt = _trained("AdamW")
