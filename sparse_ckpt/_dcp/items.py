@@ -11,6 +11,7 @@ bucket alive at a time), or into the returned dict.
 from __future__ import annotations
 
 import io
+import math
 from collections.abc import Callable, Collection, Iterable, Mapping
 from typing import Any
 
@@ -26,7 +27,7 @@ from .._format.keys import BUFFERS_PREFIX, PACKED_PREFIX, SCALARS_PREFIX, STEP_K
 from .._torch_internals import file_item_location
 from ..errors import CheckpointFormatError, CheckpointMismatchError
 
-__all__ = ["ItemPlanner", "allocate_item", "allocate_like", "read_items", "weights_only_item", "weights_only_object"]
+__all__ = ["ItemPlanner", "allocate_item", "allocate_like", "check_covered", "read_items", "weights_only_item", "weights_only_object"]
 
 Consume = Callable[[str, Any], None]
 
@@ -139,6 +140,23 @@ class ItemPlanner(DefaultLoadPlanner):
             self._consume(key, weights_only_object(key, value, table=self._is_table(key)))
 
 
+def check_covered(key: str, md: Any, where: str = "") -> None:
+    """A tensor item's chunk records in the ``.metadata`` (``md``) cover its elements: their
+    volumes add up to its size. A ``.metadata`` that lost chunk records of an item (or lists
+    overlapping ones) would otherwise leave part of the tensor DCP reads into unwritten --
+    uninitialized memory loaded as state -- so it is a `CheckpointFormatError` naming the item
+    (``where``: e.g. ``" of 'ckpt_dir'"``), before anything is read."""
+    if not isinstance(md, TensorStorageMetadata):
+        return
+    total = math.prod(md.size)
+    listed = sum(math.prod(c.sizes) for c in md.chunks)
+    if listed != total:
+        raise CheckpointFormatError(
+            f"item {key!r}{where}: .metadata lists data for {listed} of its {total} elements (a damaged or edited "
+            "checkpoint: chunk records lost or overlapping); nothing was loaded"
+        )
+
+
 def read_items(
     storage_reader: Any,
     metadata: Metadata,
@@ -162,6 +180,7 @@ def read_items(
     targets: dict[str, Any] = {}
     for key in keys:
         md = metadata.state_dict_metadata[key]
+        check_covered(key, md)
         is_tensor = isinstance(md, TensorStorageMetadata)
         targets[key] = torch.empty(tuple(md.size), dtype=md.properties.dtype, device="meta") if is_tensor else b""
     if not targets:

@@ -14,9 +14,10 @@ import io
 from collections.abc import Callable, Collection, Iterator, Mapping
 from typing import Any, ClassVar
 
+import torch
 from torch.distributed.checkpoint import DefaultLoadPlanner
-from torch.distributed.checkpoint.metadata import Metadata
-from torch.distributed.checkpoint.planner import ReadItem
+from torch.distributed.checkpoint.metadata import Metadata, MetadataIndex, TensorStorageMetadata
+from torch.distributed.checkpoint.planner import LoadPlan, ReadItem
 
 from .._format.keys import (
     BUFFERS_PREFIX,
@@ -34,9 +35,9 @@ from .._format.keys import (
 from .._format.nested import NESTED_KEYS
 from .._fqn import build_fqn_map
 from .._layouts.bucketed_load import BucketReader, items_a_load_reads
-from .._torch_internals import caller_frame, dcp_storage_reader
+from .._torch_internals import caller_frame, dcp_storage_reader, file_item_location
 from ..errors import CheckpointMismatchError
-from .items import allocate_item, read_items, weights_only_item
+from .items import allocate_item, check_covered, read_items, weights_only_item
 from .origin import ORIGIN_KEY
 from .paths import metadata_paths, set_path
 from .stateful import SparseOptimizerState, SparseStateDict
@@ -91,12 +92,22 @@ class SparseLoadPlanner(DefaultLoadPlanner):
         """Rebuild the optimizer sub-dicts from ``metadata``, then set up as ``DefaultLoadPlanner``."""
         targets = list(_find_targets(state_dict, ()))
         self._optimizer_keys: set[str] = set()
+        self._read_here: dict[str, str] = {}
         if targets and metadata is not None:
             paths = metadata_paths(metadata)
             storage_reader = dcp_storage_reader(caller_frame(1))
             for path, target in targets:
-                self._optimizer_keys.update(_TargetBuilder(target, metadata, storage_reader).rebuild(path, paths))
+                builder = _TargetBuilder(target, metadata, storage_reader, read_whole=True)
+                self._optimizer_keys.update(builder.rebuild(path, paths))
+                self._read_here.update(builder.read_here)
         super().set_up_planner(state_dict, metadata, is_coordinator)
+
+    def create_local_plan(self) -> LoadPlan:
+        """``DefaultLoadPlanner``'s plan without the state items `set_up_planner` read itself."""
+        plan = super().create_local_plan()
+        if self._read_here:
+            plan.items[:] = [item for item in plan.items if item.dest_index.fqn not in self._read_here]
+        return plan
 
     def load_bytes(self, read_item: ReadItem, value: io.BytesIO) -> None:
         """Read every non-tensor optimizer item with ``torch.load(weights_only=True)``; others as DCP does.
@@ -140,10 +151,14 @@ class _TargetBuilder:
     layout's items, packed tables (every rank's), foreign-loader guards, flat group settings and
     per-item state (this rank's parameters only), anything else."""
 
-    def __init__(self, target: SparseStateDict, metadata: Metadata, storage_reader: Any) -> None:
+    def __init__(self, target: SparseStateDict, metadata: Metadata, storage_reader: Any, *, read_whole: bool = False) -> None:
         self.target = target
         self.metadata = metadata
         self.storage_reader = storage_reader
+        self.read_whole = read_whole
+        """Read whole per-item state of plain CPU parameters here (see `_read_whole`); the planner
+        that asks for it leaves these items (:attr:`read_here`) out of DCP's plan."""
+        self.read_here: dict[str, str] = {}
         self.fmap: Any = None
         self.unresolved: list[str] = []
         self.flat_fqns: set[str] = set()
@@ -175,15 +190,25 @@ class _TargetBuilder:
         self.target.reader = None if self.storage_reader is None or not buffered else BucketReader(
             buffered, self._item_reader()
         )
+        whole: dict[str, str] = {}  # DCP key -> key in the target: items read here, not by DCP
         new: dict[str, Any] = {}
         keys: list[str] = []
         for rel, md, key in entries:
             inner = str(rel[0])
-            value = self._RULES[self._kind(rel, inner, md, buffered)](self, rel, inner, md)
+            kind = self._kind(rel, inner, md, buffered)
+            value = self._RULES[kind](self, rel, inner, md)
             if value is _SKIP:
                 continue
+            if kind != "guard":  # tensors this rank reads: wholly covered by their chunks
+                check_covered(key, md)
+            if self.read_whole and kind == "state" and len(rel) == 1 and self._read_whole(value, md, key):
+                whole[key] = inner
             set_path(new, rel, value)
             keys.append(key)
+        if whole:  # straight from their files into the tensors the optimizer will keep
+            read_items(self.storage_reader, self.metadata, list(whole), lambda key, t: new.__setitem__(whole[key], t),
+                       require_storage=True)
+            self.read_here.update(whole)
         self.target.lost = _drop_holes(new, {rel for rel, _md, _key in entries})
         self.target.present = {str(rel[0]) for rel, _md, _key in entries}
         self.target.clear()
@@ -207,6 +232,26 @@ class _TargetBuilder:
         if inner.startswith(STATE_PREFIX):
             return "state"
         return "plain"
+
+    def _read_whole(self, value: Any, md: Any, key: str) -> bool:
+        """Whether the state tensor planned as ``value`` (what DCP would read into) is better read
+        by the load itself, whole, through the storage reader: a plain CPU tensor (not a DTensor:
+        a shard is DCP's to plan) filled by the item's one chunk, which a ``FileSystemReader``
+        loads straight into the tensor the optimizer then keeps (DCP would load it into one tensor
+        and copy it into this one)."""
+        return (
+            self.storage_reader is not None
+            and type(value) is torch.Tensor
+            and value.device.type == "cpu"
+            and isinstance(md, TensorStorageMetadata)
+            and len(md.chunks) == 1
+            and tuple(md.chunks[0].sizes) == tuple(md.size) == tuple(value.shape)
+            and isinstance(self.metadata.storage_data, Mapping)
+            and file_item_location(
+                self.storage_reader, self.metadata.storage_data.get(MetadataIndex(key, md.chunks[0].offsets))
+            )
+            is not None
+        )
 
     def _plain(self, rel: tuple[str | int, ...], inner: str, md: Any) -> Any:
         return allocate_item(md, None, "")

@@ -24,7 +24,7 @@ from torch.distributed.checkpoint import FileSystemReader
 from torch.distributed.checkpoint.metadata import Metadata, StorageMeta, TensorStorageMetadata
 
 from .. import _backend
-from .._dcp.items import read_items
+from .._dcp.items import check_covered, read_items
 from .._dcp.metadata import METADATA_FILE, OptimizerEntries, read_metadata, set_path
 from .._format.codec import encode_settings, encode_table
 from .._format.keys import (
@@ -157,16 +157,8 @@ def read_entries(
     keys = list(keys)
     if not keys:
         return {}
-    if consume is None:  # DCP reads nothing for a chunk .metadata does not list: never return uninitialized memory
-        for key in keys:
-            md = metadata.state_dict_metadata[key]
-            if isinstance(md, TensorStorageMetadata):
-                listed = sum(math.prod(chunk.sizes) for chunk in md.chunks)
-                if listed < math.prod(md.size):
-                    raise CheckpointFormatError(
-                        f"item {key!r} of {os.fspath(path)!r}: .metadata lists data for {listed} of its "
-                        f"{math.prod(md.size)} elements (a damaged or edited checkpoint)"
-                    )
+    for key in keys:  # DCP reads nothing for a chunk .metadata does not list: never return uninitialized memory
+        check_covered(key, metadata.state_dict_metadata[key], f" of {os.fspath(path)!r}")
     reader = _CachedReader(path, metadata)
     try:
         reader.set_up_storage_reader(reader.read_metadata(), is_coordinator=True)

@@ -127,12 +127,14 @@ def test_auto_item_counts(tmp_path: Path, threshold: Any) -> None:
     assert len([k for k in keys if k.startswith(BUFFERS_PREFIX)]) == 2
 
 
-def test_buckets_are_read_straight_into_their_tensors(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
-    """A load reads each bucket from its file into the tensor it keeps (``torch.load`` of the
-    item's bytes), not through ``read_data`` (which loads into one tensor and copies into
-    another); a storage reader of another type still goes through ``read_data``."""
+@pytest.mark.parametrize("layout", ["buffers", "per_tensor"])
+def test_items_are_read_straight_into_their_tensors(tmp_path: Path, monkeypatch: pytest.MonkeyPatch, layout: str) -> None:
+    """A load reads each bucket, and each whole state item of a plain CPU parameter, from its file
+    into the tensor it keeps (``torch.load`` of the item's bytes), not through ``read_data`` (which
+    loads into one tensor and copies into another); a storage reader of another type still goes
+    through ``read_data``."""
     model, opt = _trained()
-    dcp.save({"optim": sc.SparseOptimizerState(model, opt, state_layout="buffers")}, checkpoint_id=tmp_path / "c")
+    dcp.save({"optim": sc.SparseOptimizerState(model, opt, state_layout=layout)}, checkpoint_id=tmp_path / "c")
     through_read_data: list[str] = []
     original = dcp.FileSystemReader.read_data
 
@@ -152,5 +154,6 @@ def test_buckets_are_read_straight_into_their_tensors(tmp_path: Path, monkeypatc
         opt2 = torch.optim.AdamW(model2.parameters(), lr=0.5)
         dcp.load({"optim": sc.SparseOptimizerState(model2, opt2)}, storage_reader=reader, planner=sc.SparseLoadPlanner())
         assert_optimizer_equal(opt2, opt, grads=False)
-        buckets = [k for k in through_read_data if k.startswith(f"optim.{BUFFERS_PREFIX}") and ".B" in k]
-        assert (not buckets) if direct else buckets, through_read_data
+        tensors = [k for k in through_read_data if (k.startswith(f"optim.{BUFFERS_PREFIX}") and ".B" in k)
+                   or (k.startswith(f"optim.{STATE_PREFIX}") and "__" not in k)]
+        assert (not tensors) if direct else tensors, through_read_data

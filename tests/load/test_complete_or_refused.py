@@ -145,3 +145,33 @@ def test_an_item_removed_from_the_metadata_is_refused(tmp_path: Path, layout: st
         match = r"leaf 'experts': parameter 'experts\.0\.up\.weight' has no saved state 'exp_avg'"
     drop_from_metadata(tmp_path, key)
     _refused(model, _dcp_load(tmp_path, strict), match)
+
+
+@pytest.mark.parametrize("layout", ["per_tensor", "auto"])
+@pytest.mark.parametrize("damage", ["lost", "overlapping"])
+def test_an_item_whose_chunk_records_are_damaged_is_refused(tmp_path: Path, layout: str, damage: str) -> None:
+    """An item still in the ``.metadata`` but with chunk records lost (or listed twice): DCP would
+    read nothing (or a part) into the tensor it allocated, and load uninitialized memory as state."""
+    import pickle
+
+    from torch.distributed.checkpoint.api import CheckpointException
+
+    model, opt = _source()
+    dcp.save({"optim": sc.SparseOptimizerState(model, opt, state_layout=layout)}, checkpoint_id=tmp_path)
+    with open(tmp_path / ".metadata", "rb") as f:
+        md = pickle.load(f)
+    key = "optim.state.experts.0.up.weight.exp_avg"
+    if layout == "auto":  # a small tensor is buffered: damage the one state item left, the layout table's
+        key = next(k for k, v in md.state_dict_metadata.items() if k.startswith(f"optim.{BUFFERS_PREFIX}") and ".B" in k)
+    chunks = md.state_dict_metadata[key].chunks
+    if damage == "lost":
+        chunks.clear()
+    else:
+        chunks.append(chunks[0])
+    with open(tmp_path / ".metadata", "wb") as f:
+        pickle.dump(md, f)
+    model2, opt2 = _target(model)
+    before = snapshot_optimizer(opt2)
+    with pytest.raises((sc.CheckpointFormatError, CheckpointException), match=r"\.metadata lists data for \d+ of its"):
+        dcp.load({"optim": sc.SparseOptimizerState(model2, opt2)}, checkpoint_id=tmp_path, planner=sc.SparseLoadPlanner())
+    assert_optimizer_equal(opt2, before)
