@@ -7,6 +7,7 @@ from __future__ import annotations
 
 from collections.abc import Iterable
 from itertools import chain
+from operator import itemgetter
 
 __all__ = ["ITEMS_ENTRY", "groups_tail", "items_record", "split_items_record", "with_items_record"]
 
@@ -65,6 +66,8 @@ def split_items_record(
         return settings, blobs, None
     last = len(settings) - 1
     items = settings[-1][ITEMS_ENTRY]
-    if any(idx == last for idx, _fqns in groups) or type(items) is not tuple or not all(type(k) is str for k in items):
+    if type(items) is not tuple or not all(type(k) is str for k in items):
+        return settings, blobs, None
+    if last in set(map(itemgetter(0), groups)):  # a group refers to it: no record (C-level pass over the groups)
         return settings, blobs, None
     return settings[:-1], blobs[:-1], items
