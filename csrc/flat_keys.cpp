@@ -269,23 +269,27 @@ py::tuple flatten_packed_state(py::object leaf, py::object state_fqn, py::object
             flatten_item(ctx, prefix.ptr(), key, item, path);
         });
         if (scalars.empty() && emitted.empty()) return;  // an empty state dict: no state
-        py::object keys = steal(PyTuple_New(static_cast<Py_ssize_t>(emitted.size())));
         for (size_t i = 0; i < emitted.size(); ++i) {
             if (PyUnicode_AsUTF8AndSize(emitted[i].ptr(), nullptr) == nullptr) {  // Python's _recorded_key
                 if (!PyErr_ExceptionMatches(PyExc_UnicodeEncodeError)) throw py::error_already_set();
                 PyErr_Clear();
                 emitted[i] = steal(PyUnicode_AsEncodedString(emitted[i].ptr(), "utf-8", "surrogatepass"));
             }
-            PyTuple_SET_ITEM(keys.ptr(), static_cast<Py_ssize_t>(i), emitted[i].inc_ref().ptr());
         }
-        scalars.emplace_back(keys_entry, keys);
         append_keys_record(blob, emitted);
         std::string ident;
-        put_len_u32(ident, static_cast<Py_ssize_t>(scalars.size()));
+        put_len_u32(ident, static_cast<Py_ssize_t>(scalars.size() + 1));  // the scalars and the keys record
         blob.replace(0, 4, ident);
         auto found = index_of.find(blob);
         if (found == index_of.end()) {
             index_of.emplace(blob, group_fqns.size());
+            // the keys record's tuple is built for a new group only (a parameter joining a group has
+            // the group's keys: its blob is the group's)
+            py::object keys = steal(PyTuple_New(static_cast<Py_ssize_t>(emitted.size())));
+            for (size_t i = 0; i < emitted.size(); ++i) {
+                PyTuple_SET_ITEM(keys.ptr(), static_cast<Py_ssize_t>(i), emitted[i].inc_ref().ptr());
+            }
+            scalars.emplace_back(keys_entry, keys);
             py::object dict = steal(PyDict_New());
             for (const auto& kv : scalars) check(PyDict_SetItem(dict.ptr(), kv.first.ptr(), kv.second.ptr()));
             py::object fqns = steal(PyList_New(0));
@@ -464,8 +468,8 @@ py::tuple unflatten(py::object flat, py::object known_fqns) {
         prev_fqn = fqn;
         prev_len = PyUnicode_GET_LENGTH(fqn.ptr());
         bool created = false;
+        // a top-level node is never another node's child, so it needs no entry in ``owned``
         py::object node = setdefault_dict(state_by_fqn, fqn, &created);
-        if (created) owned.insert(node.ptr());
         py::object last;
         const Py_ssize_t next_dot = PyUnicode_FindChar(k, '.', dot + 1, len, 1);
         if (next_dot == -2) throw py::error_already_set();

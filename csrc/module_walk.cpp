@@ -17,6 +17,7 @@ struct Names {
     py::object module = steal(PyUnicode_InternFromString(kWrapperChild));
     py::object dot = steal(PyUnicode_InternFromString("."));
     py::object empty = steal(PyUnicode_FromString(""));
+    py::object getattribute = steal(PyUnicode_InternFromString("__getattribute__"));
 };
 
 /// ``f"{prefix}.{name}" if prefix else name``
@@ -100,6 +101,45 @@ struct Walk {
     py::handle wrapper;
     py::handle base_named_modules;
     IdMap type_ok;  // type -> 1 when its named_modules is the base one (types outlive the call: modules hold them)
+    IdMap dict_ok;  // type -> 1 when its ``_parameters``/``_modules`` attributes are found in the instance dict
+
+    /// ``getattr(mod, name)`` for ``name`` ``_parameters`` or ``_modules``. When the module's type looks
+    /// attributes up generically (its ``__getattribute__`` is object's; a ``__getattr__`` runs only for
+    /// a missing attribute) and has no data descriptor of either name, the generic lookup returns the
+    /// instance dict's entry whenever there is one: read it there (no per-module type lookups, no
+    /// ``__getattr__`` hook machinery). Anything else -- no such entry, no instance dict, another
+    /// type -- goes through ``PyObject_GetAttr``, so the result is always ``getattr``'s.
+    py::object module_attr(PyObject* mod, const py::object& name) {
+        PyObject* type = reinterpret_cast<PyObject*>(Py_TYPE(mod));
+        const Py_ssize_t* known = dict_ok.find(type);
+        const bool plain = known != nullptr ? *known != 0 : dict_ok.emplace(type, plain_lookup(Py_TYPE(mod)) ? 1 : 0).first != 0;
+        if (plain) {
+            PyObject* dict = PyObject_GenericGetDict(mod, nullptr);  // new reference, or NULL and an error
+            if (dict == nullptr) {
+                PyErr_Clear();
+            } else {
+                py::object held = steal(dict);
+                if (PyDict_Check(dict)) {
+                    PyObject* value = PyDict_GetItemWithError(dict, name.ptr());
+                    if (value != nullptr) return borrow(value);
+                    if (PyErr_Occurred()) throw py::error_already_set();
+                }
+            }
+        }
+        return steal(PyObject_GetAttr(mod, name.ptr()));
+    }
+
+    bool plain_lookup(PyTypeObject* t) const {
+        if (t->tp_getattro != PyObject_GenericGetAttr && !PyType_HasFeature(t, Py_TPFLAGS_HEAPTYPE)) return false;
+        PyObject* getattribute = names.getattribute.ptr();
+        const bool generic = _PyType_Lookup(t, getattribute) == _PyType_Lookup(&PyBaseObject_Type, getattribute);
+        if (!generic) return false;
+        for (const py::object* name : {&names.parameters, &names.modules}) {
+            PyObject* d = _PyType_Lookup(t, name->ptr());  // borrowed; no exception set
+            if (d != nullptr && Py_TYPE(d)->tp_descr_set != nullptr) return false;  // a data descriptor wins
+        }
+        return true;
+    }
 
     bool named_modules_ok(PyObject* mod) {
         PyObject* type = reinterpret_cast<PyObject*>(Py_TYPE(mod));
@@ -168,7 +208,7 @@ py::object walk(Walk& w, py::handle model, py::handle base_named_parameters, Tra
         trace.words.push_back(id_word(frame.mod.ptr()));
         bool has_module_key = false;
         const bool canon_is_raw = frame.canon.ptr() == frame.raw.ptr();
-        py::object params = steal(PyObject_GetAttr(frame.mod.ptr(), names.parameters.ptr()));
+        py::object params = w.module_attr(frame.mod.ptr(), names.parameters);
         if (!replayable_mapping(params.ptr())) trace.replayable = false;
         const size_t count_at = trace.words.size();
         trace.words.push_back(0);
@@ -191,7 +231,7 @@ py::object walk(Walk& w, py::handle model, py::handle base_named_parameters, Tra
             });
         }
         trace.words[count_at] = trace.words.size() - count_at - 1;
-        py::object children = steal(PyObject_GetAttr(frame.mod.ptr(), names.modules.ptr()));
+        py::object children = w.module_attr(frame.mod.ptr(), names.modules);
         children_items.clear();
         if (truthy(children)) {
             for_each_entry(children, [&](py::handle k, py::handle v) { children_items.emplace_back(borrow(k.ptr()), borrow(v.ptr())); });
@@ -315,7 +355,7 @@ py::object replay(Walk& w, py::handle model, py::handle base_named_parameters, p
         uint64_t word = 0;
         if (!next_word(word) || word != id_word(mod) || !w.named_modules_ok(mod)) return py::none();
         bool has_module_key = false;
-        py::object params = steal(PyObject_GetAttr(mod, names.parameters.ptr()));
+        py::object params = w.module_attr(mod, names.parameters);
         if (!replayable_mapping(params.ptr()) || !next_word(word) ||
             word != static_cast<uint64_t>(PyDict_GET_SIZE(params.ptr()))) {
             return py::none();
@@ -330,7 +370,7 @@ py::object replay(Walk& w, py::handle model, py::handle base_named_parameters, p
             return true;
         });
         if (!params_same) return py::none();
-        py::object mods = steal(PyObject_GetAttr(mod, names.modules.ptr()));
+        py::object mods = w.module_attr(mod, names.modules);
         if (!replayable_mapping(mods.ptr()) || !next_word(word) ||
             word != static_cast<uint64_t>(PyDict_GET_SIZE(mods.ptr()))) {
             return py::none();
@@ -354,7 +394,7 @@ py::object replay(Walk& w, py::handle model, py::handle base_named_parameters, p
 
 py::object map_parameters(py::object model, py::object stripped, py::object module_wrapper,
                           py::object base_named_modules, py::object base_named_parameters, py::object cached) {
-    Walk w{Names(), stripped, module_wrapper, base_named_modules, IdMap()};
+    Walk w{Names(), stripped, module_wrapper, base_named_modules, IdMap(), IdMap()};
     if (!cached.is_none()) {
         if (!PyTuple_CheckExact(cached.ptr()) || PyTuple_GET_SIZE(cached.ptr()) != kMemoSize) {
             raise_builtin(PyExc_TypeError, Msg() << "map_parameters: cached is not a memo of map_parameters");

@@ -8,6 +8,8 @@ entry (:func:`list_nodes`); a load compares (:func:`sparse_ckpt._load.decode.che
 
 from __future__ import annotations
 
+from itertools import repeat
+from operator import is_
 from typing import Any
 
 from .keys import KEYS_ENTRY, LENS_ENTRY, STATE_PREFIX
@@ -27,7 +29,7 @@ def record_lists(items: dict[str, Any], scalar_groups: list[tuple[dict[str, Any]
     """``scalar_groups`` (the core's ``flatten_packed_state``) with :data:`LENS_ENTRY` added for
     every parameter whose per-item entries (``items``) hold a list: such a parameter moves to a
     group of its own counts (the groups' order and the other parameters' groups stay)."""
-    if not any(type(v) is list for v in items.values()):
+    if not any(map(is_, map(type, items.values()), repeat(list))):  # C-level pass: no list (the usual case)
         return scalar_groups
     out: list[tuple[dict[str, Any], list[str]]] = []
     for scalars, fqns in scalar_groups:

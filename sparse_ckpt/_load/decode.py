@@ -11,6 +11,7 @@ from __future__ import annotations
 from collections.abc import Callable, Collection, Iterable, Iterator, Mapping
 from dataclasses import dataclass, field
 from itertools import chain
+from operator import itemgetter
 from typing import Any
 
 from .. import _backend
@@ -120,7 +121,7 @@ def decode_group_tables(tables: Mapping[str, Any]) -> list[GroupTable]:
 
 def table_fqns(tables: list[GroupTable], fmap: FqnMap | None = None) -> set[str]:
     """Every FQN the tables list, plus the aliases ``fmap``'s model has of them (tied or wrapped names)."""
-    fqns = set(chain.from_iterable(group_fqns for table in tables for _idx, group_fqns in table.groups))
+    fqns = set(chain.from_iterable(chain.from_iterable(map(itemgetter(1), table.groups) for table in tables)))
     if fmap is not None and len(fmap.canonical) > len(fmap.param_of):  # the model has aliases
         saved = {fmap.resolve(f) for f in fqns}
         fqns.update(alias for alias, canon in fmap.canonical.items() if canon in saved)

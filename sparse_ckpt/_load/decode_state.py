@@ -167,6 +167,9 @@ def decode_scalar_tables(
     """
     found: dict[str, tuple[dict[str, Any], str]] = {}
     blob_of: dict[str, bytes] = {}
+    # found, keys_of and lens_of only get FQNs that blob_of gets: a group none of whose FQNs is in
+    # blob_of yet takes the C-level path below (exactly the per-FQN loop's result then).
+    bulk = not keys_of and not lens_of
     for rest, table in tables.items():
         leaf, table = check_table(SCALARS_PREFIX, rest, table)
         key = f"{SCALARS_PREFIX}{rest}"
@@ -186,6 +189,16 @@ def decode_scalar_tables(
             keys, lens = keys_at[idx], lens_at[idx]
             entry = (scalars[idx], leaf)
             recorded = None if keys is None or keys_of is None else (keys, leaf)
+            if bulk and (is_known is None or all(map(is_known, fqns))):
+                names = fqns if resolve is None else list(map(resolve, fqns))
+                if blob_of.keys().isdisjoint(names):  # the usual case: each FQN once, in one table
+                    blob_of.update(dict.fromkeys(names, blob))
+                    found.update(dict.fromkeys(names, entry))
+                    if recorded is not None:
+                        keys_of.update(dict.fromkeys(names, recorded))  # type: ignore[union-attr]
+                    if lens is not None and lens_of is not None:
+                        lens_of.update(dict.fromkeys(names, (lens, leaf)))
+                    continue
             for saved in fqns:
                 if is_known is not None and not is_known(saved):
                     if unmatched is not None:

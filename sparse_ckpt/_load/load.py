@@ -305,11 +305,14 @@ def _raise_on_mismatch(
             f"{len(missing)} optimizer parameter(s) have no saved param-group settings: {fmt_list(missing)}"
         )
     extra: list[str] = []
-    # set differences first (C speed); the ordered lists only when something is extra
-    if ckpt.settings_of.keys() - used_settings:
-        extra = [fqn for fqn in ckpt.settings_of if fqn not in used_settings]
-    if ckpt.state_of.keys() - used_state - ckpt.settings_of.keys():
-        extra += [fqn for fqn in ckpt.state_of if fqn not in used_state and fqn not in ckpt.settings_of]
+    # set differences first (C speed); the ordered lists only when something is extra. Nothing is
+    # missing here, so every FQN of used_settings has saved settings: as many as saved means none
+    # is extra, with no difference built (likewise used_state, the saved FQNs whose state a leaf took).
+    settings_of, state_of = ckpt.settings_of, ckpt.state_of
+    if len(used_settings) != len(settings_of) and settings_of.keys() - used_settings:
+        extra = [fqn for fqn in settings_of if fqn not in used_settings]
+    if len(used_state) != len(state_of) and state_of.keys() - used_state - settings_of.keys():
+        extra += [fqn for fqn in state_of if fqn not in used_state and fqn not in settings_of]
     unmatched = ckpt.unmatched_keys
     if owned is not None:
         extra = [fqn for fqn in extra if fqn in owned]

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 from collections.abc import Mapping
 from dataclasses import dataclass, field
+from operator import itemgetter
 from typing import Any, Literal
 
 import torch
@@ -128,7 +129,7 @@ def build_state_dict(
             parts.append(_Part("items", leaf, items=items))
             parts.append(_Part("table", leaf, prefix=PACKED_PREFIX))
             table = encode_table(leaf, groups_fqn)
-            slots.append(Slot.of(GROUPS_SLOT, leaf, table, tail=groups_tail(f for _s, f in groups_fqn)))
+            slots.append(Slot.of(GROUPS_SLOT, leaf, table, tail=groups_tail(list(map(itemgetter(1), groups_fqn)))))
         else:
             parts.append(_Part("items", leaf, items=core.flatten_state(leaf, state_fqn, fmap.param_of, False)))
             _check_flat_settings(leaf, groups_fqn)

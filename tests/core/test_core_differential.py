@@ -1207,6 +1207,50 @@ class _OddDict(dict):
         return list(super().items())
 
 
+class _ModulesProperty(torch.nn.Module):
+    """``_modules`` a property (a data descriptor: getattr never reads the instance dict's decoy)."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.add_module("real", torch.nn.Linear(1, 1))  # Module.__setattr__ reads the instance dict's _modules
+        self.__dict__["_modules"] = {"decoy": torch.nn.Linear(2, 2)}
+
+    @property
+    def _modules(self) -> dict[str, Any]:  # type: ignore[override]
+        return self.__dict__["_real_modules"]
+
+    @_modules.setter
+    def _modules(self, value: dict[str, Any]) -> None:
+        self.__dict__["_real_modules"] = value
+
+
+class _OwnGetattribute(torch.nn.Linear):
+    """Its own ``__getattribute__`` renames its parameters (the instance dict holds the plain names)."""
+
+    def __init__(self) -> None:
+        super().__init__(1, 1)
+        self.__dict__["_renamed"] = True  # from here on (Linear's own __init__ reads its parameters)
+
+    def __getattribute__(self, name: str) -> Any:
+        value = super().__getattribute__(name)
+        if name == "_parameters" and super().__getattribute__("__dict__").get("_renamed"):
+            return {f"g_{k}": v for k, v in value.items()}
+        return value
+
+
+class _StashedParameters(torch.nn.Linear):
+    """No ``_parameters`` in the instance dict: ``__getattr__`` supplies it."""
+
+    def __init__(self) -> None:
+        super().__init__(1, 1)
+        self.__dict__["_stash"] = self.__dict__.pop("_parameters")
+
+    def __getattr__(self, name: str) -> Any:
+        if name == "_parameters":
+            return self.__dict__["_stash"]
+        return super().__getattr__(name)
+
+
 def _walk_models() -> dict[str, torch.nn.Module]:
     shared = torch.nn.Linear(2, 2)
     wrapped = _Wrapper()
@@ -1233,6 +1277,10 @@ def _walk_models() -> dict[str, torch.nn.Module]:
         "own_named_parameters": _OwnNamedParameters(1, 1),
         "unicode": unicode,
         "empty": torch.nn.Module(),
+        # how the walk reads each module's _parameters/_modules: always what getattr gives
+        "modules_property": torch.nn.Sequential(_ModulesProperty()),
+        "own_getattribute": torch.nn.Sequential(_OwnGetattribute()),
+        "stashed_parameters": torch.nn.Sequential(_StashedParameters()),
     }
 
 
