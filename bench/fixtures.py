@@ -176,7 +176,8 @@ def embed_params(model: MoEModel) -> list[nn.Parameter]:
 @dataclass(frozen=True)
 class FixtureSpec:
     """One fixture of ``bench.scale``: ``LxE:hH[:eVxD]``, e.g. ``24x128:h64`` (``(64, 64)`` weights) or the
-    mixed-size ``8x64:h64:e32768x64`` (the same plus two ``(32768, 64)`` embeddings, 8 MiB each)."""
+    mixed-size ``8x64:h64:e32768x64`` (the same plus two ``(32768, 64)`` embeddings, 8 MiB each: 1 648 state
+    tensors of at most 16 KiB next to four of 8 MiB)."""
 
     scale: Scale
     hidden: int = 0

@@ -187,9 +187,10 @@ def svg_plot(dcp: dict[str, Any] | None, metadata: dict[str, Any] | None, title:
                     top, base = p.y(v), p.y(10.0 ** p.ylo)
                     p.out.append(f'<rect x="{x:.1f}" y="{top:.1f}" width="{bw - 1:.1f}" height="{base - top:.1f}" '
                                  f'fill="{color(lay, layouts)}" fill-opacity="{1.0 if k == 0 else 0.45}"/>')
-            label = run["fixture"]
-            p.out.append(f'<text x="{p.x0 + (i + 0.5) * gw:.1f}" y="{p.y0 + p.h + 14}" text-anchor="middle" '
-                         f'font-size="10">{_esc(label)}</text>')
+            head, _, tail = run["fixture"].partition(":")  # "8x64" over "h64:e32768x64"
+            for line, text in enumerate((head, tail)):
+                p.out.append(f'<text x="{p.x0 + (i + 0.5) * gw:.1f}" y="{p.y0 + p.h + 14 + 12 * line}" '
+                             f'text-anchor="middle" font-size="10">{_esc(text)}</text>')
         out += p.out
         _legend(out, 80, 380, layouts, layouts)
         out.append(f'<text x="80" y="410" font-size="10">dashed: the floor (torch.save / torch.load of the state as '
@@ -221,22 +222,22 @@ def svg_plot(dcp: dict[str, Any] | None, metadata: dict[str, Any] | None, title:
 
 
 def report(paths: Sequence[str], svg: str | None) -> str:
-    """The markdown of every JSON in ``paths`` (by its mode), and the SVG plot at ``svg``."""
-    by_mode: dict[str, dict[str, Any]] = {}
+    """The markdown of every JSON in ``paths`` (by its mode, in the order given), and the SVG plot at
+    ``svg`` (from the first ``dcp`` and the first ``metadata`` file)."""
+    results = []
     for path in paths:
         with open(path) as f:
-            res = json.load(f)
-        by_mode[res["mode"]] = res
-    parts = []
+            results.append(json.load(f))
     render = {"dcp": dcp_table, "metadata": metadata_table, "threshold": threshold_table, "async": async_table}
-    for mode, fn in render.items():
-        if mode in by_mode:
-            res = by_mode[mode]
-            parts.append(f"<!-- {res['command']} -->\n{fn(res)}")
+    parts = [f"<!-- {res['command']} (torch threads: {res.get('torch_threads', '?')}) -->\n{render[res['mode']](res)}"
+             for res in results]
     if svg:
-        first = next(iter(by_mode.values()))
+        first = results[0]
         title = (f"sparse_ckpt state layouts (torch {first['torch']}, {first['backend']} core, "
                  f"{first['cpu_count']} CPUs)")
+        by_mode = {}
+        for res in results:
+            by_mode.setdefault(res["mode"], res)
         with open(svg, "w") as f:
             f.write(svg_plot(by_mode.get("dcp"), by_mode.get("metadata"), title))
     return "\n\n".join(parts) + "\n"
