@@ -22,17 +22,11 @@ per tensor beats buffers.
   JSON files the other modes wrote.
 
 Fixtures are ``LxE[:hHIDDEN][:eVOCABxDIM]`` (``bench.fixtures.FixtureSpec``). The commands of the
-figures in bench/README.md ("Scale")::
+committed figures are in bench/README.md ("Scale"), e.g.::
 
     python -m bench.scale dcp --fixtures 24x128:h0,24x128:h64,4x16:h512,8x64:h64:e32768x64 --repeats 3 \\
         --out bench/results/scale_dcp.json
-    python -m bench.scale metadata --fixture 61x256:h0:e32768x64 --ranks 8,16,32,64,128,256,512,1024 \\
-        --max-records 400000 --repeats 1 --out bench/results/scale_metadata.json
-    python -m bench.scale threshold --sizes 4K,16K,64K,256K,1M,4M,16M --total 64M --repeats 3 \\
-        --out bench/results/scale_threshold.json
-    python -m bench.scale async --fixtures 24x128:h64,4x16:h512,8x64:h64:e32768x64 --repeats 3 \\
-        --out bench/results/scale_async.json
-    python -m bench.scale report bench/results/scale_{dcp,metadata,threshold,async}.json \\
+    python -m bench.scale report bench/results/scale_dcp.json bench/results/scale_metadata.json \\
         --svg bench/results/scale.svg
 """
 
