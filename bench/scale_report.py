@@ -142,13 +142,16 @@ class Panel:
     def y(self, v: float) -> float:
         return self.y0 + self.h * (1 - (math.log10(v) - self.ylo) / (self.yhi - self.ylo))
 
-    def axes(self, title: str, ylabel: str, fmt: Any = None) -> None:
+    def axes(self, title: str, ylabel: str, fmt: Any = None, base: int = 10) -> None:
+        """Frame, title, y label and a grid line per power of ``base`` inside the axis range."""
         o = self.out
         o.append(f'<rect x="{self.x0}" y="{self.y0}" width="{self.w}" height="{self.h}" fill="none" stroke="#888"/>')
-        for e in range(self.ylo, self.yhi + 1):
-            yy = self.y(10.0 ** e)
+        lo, hi = 10.0 ** self.ylo, 10.0 ** self.yhi
+        ticks = [float(base) ** k for k in range(math.floor(math.log(lo, base)), math.ceil(math.log(hi, base)) + 1)]
+        for tick in (t for t in ticks if lo <= t <= hi * (1 + 1e-9)):
+            yy = self.y(tick)
             o.append(f'<line x1="{self.x0}" x2="{self.x0 + self.w}" y1="{yy:.1f}" y2="{yy:.1f}" stroke="#ddd"/>')
-            label = fmt(10.0 ** e) if fmt else f"{10.0 ** e:g}"
+            label = fmt(tick) if fmt else f"{tick:g}"
             o.append(f'<text x="{self.x0 - 4}" y="{yy + 4:.1f}" text-anchor="end" font-size="10">{_esc(label)}</text>')
         o.append(f'<text x="{self.x0 + self.w / 2}" y="{self.y0 - 8}" text-anchor="middle" font-size="12" '
                  f'font-weight="bold">{_esc(title)}</text>')
@@ -200,7 +203,7 @@ def svg_plot(dcp: dict[str, Any] | None, metadata: dict[str, Any] | None, title:
         rows = metadata["rows"]
         ranks = sorted({r["ranks"] for r in rows})
         p = Panel(620, 60, 340, 280, min(r["bytes"] for r in rows), max(r["bytes"] for r in rows))
-        p.axes(".metadata bytes vs ranks", "pickled .metadata", nbytes)
+        p.axes(".metadata bytes vs ranks", "pickled .metadata", nbytes, base=1024)
         lx0, lx1 = math.log2(ranks[0]), math.log2(ranks[-1]) if len(ranks) > 1 else math.log2(ranks[0]) + 1
 
         def x(n: int) -> float:
