@@ -197,7 +197,8 @@ def svg_plot(dcp: dict[str, Any] | None, metadata: dict[str, Any] | None, title:
         out += p.out
         _legend(out, 80, 380, layouts, layouts)
         out.append(f'<text x="80" y="410" font-size="10">dashed: the floor (torch.save / torch.load of the state as '
-                   f'one tensor per dtype); medians of {dcp.get("repeats", "?")}</text>')
+                   f'one tensor per dtype); medians of {dcp.get("repeats", "?")}, torch threads: '
+                   f'{dcp.get("torch_threads", "?")}</text>')
     if metadata is not None:
         layouts = list(metadata["layouts"])
         rows = metadata["rows"]
