@@ -139,11 +139,11 @@ else
 fi
 run_step bench 100000 bench.log "$PY" -m bench --device "$DEVICE" "${BENCH[@]}" --progress lines --out "$OUT/bench"
 
-# 5. State layouts on the device: dcp.save/dcp.load per tensor vs buffers vs the torch.save floor
-#    (bench/README.md "Scale"; the CPU figures there came from `python -m bench.scale dcp` on the CPU).
+# 5. State layouts on the device: dcp.save/dcp.load in every state layout vs the torch.save floor, at the
+#    fixtures of bench/README.md "Scale" (the CPU figures there came from `python -m bench.scale dcp` on the CPU).
 if [ "$QUICK" -eq 0 ]; then
-  run_step scale 100000 scale.log "$PY" -m bench.scale dcp --scale 24x128 --hidden 0,64 --repeats 3 \
-    --device "$DEVICE" --out "$OUT/scale_dcp_24x128.json"
+  run_step scale 100000 scale.log "$PY" -m bench.scale dcp --fixtures 24x128:h0,24x128:h64,4x16:h512,8x64:h64:e32768x64 \
+    --repeats 3 --device "$DEVICE" --out "$OUT/scale_dcp.json"
 fi
 
 echo "device_check.sh: $((SECONDS - START))s, everything in $OUT" | tee -a "$OUT/summary.txt"

@@ -11,6 +11,11 @@ Hugging Face: ``layers.{l}.mlp.experts.{e}.gate_proj.weight``. Two group layouts
 A fraction of the experts (default 0.5, chosen per layer with a seeded RNG) never gets a gradient
 and therefore has no optimizer state. Tensors are tiny by default (shape ``(2,)``): the cost under
 test is metadata. ``hidden=N`` gives ``(N, N)`` weights (``(N,)`` norms, ``(E, N)`` router).
+``embed=(V, D)`` adds the mixed-size fixture's large tensors: an input embedding ``embed_tokens.weight``
+and an output head ``lm_head.weight``, both ``(V, D)`` and always with state (many small expert
+weights next to two embeddings of several MiB; see :class:`FixtureSpec`).
+
+:func:`uniform_fixture` is the threshold sweep's fixture: ``n`` parameters of one shape in one group.
 
 Building AdamW with tens of thousands of groups through its constructor is O(groups^2) (torch's
 ``add_param_group`` rebuilds the set of every earlier group's parameters for each new group), so
@@ -147,11 +152,62 @@ class Layer(nn.Module):
 
 
 class MoEModel(nn.Module):
-    """``layers.{l}`` decoder layers (parameters only; there is no forward)."""
+    """``layers.{l}`` decoder layers (parameters only; there is no forward), with ``embed=(V, D)`` also
+    ``embed_tokens`` before and ``lm_head`` after them, ``(V, D)`` weights."""
 
-    def __init__(self, scale: Scale, hidden: int, device: torch.device) -> None:
+    def __init__(self, scale: Scale, hidden: int, device: torch.device, embed: tuple[int, int] | None = None) -> None:
         super().__init__()
+        if embed is not None:
+            self.embed_tokens = Weight(embed, device)
         self.layers = nn.ModuleList(Layer(scale.experts, hidden, device) for _ in range(scale.layers))
+        if embed is not None:
+            self.lm_head = Weight(embed, device)
+
+
+EMBED_NAMES = ("embed_tokens", "lm_head")
+"""The mixed-size fixture's large weights (``MoEModel(embed=...)``)."""
+
+
+def embed_params(model: MoEModel) -> list[nn.Parameter]:
+    """``embed_tokens.weight`` and ``lm_head.weight`` where the model has them (else none)."""
+    return [getattr(model, name).weight for name in EMBED_NAMES if hasattr(model, name)]
+
+
+@dataclass(frozen=True)
+class FixtureSpec:
+    """One fixture of ``bench.scale``: ``LxE:hH[:eVxD]``, e.g. ``24x128:h64`` (``(64, 64)`` weights) or the
+    mixed-size ``8x64:h64:e32768x64`` (the same plus two ``(32768, 64)`` embeddings, 8 MiB each: 1 648 state
+    tensors of at most 16 KiB next to four of 8 MiB)."""
+
+    scale: Scale
+    hidden: int = 0
+    embed: tuple[int, int] | None = None
+
+    @property
+    def label(self) -> str:
+        """The spec as parsed (``"8x64:h64:e32768x64"``)."""
+        tail = f":e{self.embed[0]}x{self.embed[1]}" if self.embed else ""
+        return f"{self.scale.label}:h{self.hidden}{tail}"
+
+
+def parse_fixture_specs(text: str) -> list[FixtureSpec]:
+    """Parse ``"24x128:h0,4x16:h512,8x64:h64:e32768x64"`` (order kept, duplicates dropped)."""
+    out: list[FixtureSpec] = []
+    for item in text.split(","):
+        item = item.strip().lower()
+        if not item:
+            continue
+        m = re.fullmatch(r"(\d+x\d+)(?::h(\d+))?(?::e(\d+)x(\d+))?", item)
+        if m is None or (m.group(3) is not None and (int(m.group(3)) < 1 or int(m.group(4)) < 1)):
+            raise ValueError(f"fixture {item!r} is not LxE[:hHIDDEN][:eVOCABxDIM] (e.g. 8x64:h64:e32768x64)")
+        (scale,) = parse_scales(m.group(1))
+        embed = (int(m.group(3)), int(m.group(4))) if m.group(3) is not None else None
+        spec = FixtureSpec(scale, int(m.group(2) or 0), embed)
+        if spec not in out:
+            out.append(spec)
+    if not out:
+        raise ValueError("no fixture given")
+    return out
 
 
 def layer_params(layer: Layer) -> Iterator[tuple[str, nn.Parameter, bool]]:
@@ -214,7 +270,7 @@ def group_specs(model: MoEModel, layout: str) -> list[dict[str, Any]]:
     """Param-group specs (what a user passes to the constructor) for ``layout``."""
     if layout not in LAYOUTS:
         raise ValueError(f"layout must be one of {LAYOUTS}, got {layout!r}")
-    specs: list[dict[str, Any]] = []
+    specs: list[dict[str, Any]] = [{"params": [p]} for p in embed_params(model)]  # one group each
     for layer in model.layers:
         if layout == "layer":
             specs.append({"params": [p for _n, p, _e in layer_params(layer)]})
@@ -232,7 +288,7 @@ def stateful_params(model: MoEModel, no_state_fraction: float, seed: int) -> lis
     if not 0.0 <= no_state_fraction <= 1.0:
         raise ValueError(f"no_state_fraction must be in [0, 1], got {no_state_fraction}")
     rng = random.Random(seed)
-    out: list[nn.Parameter] = []
+    out: list[nn.Parameter] = embed_params(model)
     for layer in model.layers:
         n = len(layer.mlp.experts)
         idle = set(rng.sample(range(n), round(n * no_state_fraction)))
@@ -294,6 +350,7 @@ class FixtureCache:
         no_state_fraction: float = 0.5,
         state_init: str = "fill",
         seed: int = 0,
+        embed: tuple[int, int] | None = None,
     ) -> None:
         if state_init not in STATE_INITS:
             raise ValueError(f"state_init must be one of {STATE_INITS}, got {state_init!r}")
@@ -302,6 +359,7 @@ class FixtureCache:
         self.no_state_fraction = no_state_fraction
         self.state_init = state_init
         self.seed = seed
+        self.embed = embed
         self._models: dict[Scale, tuple[MoEModel, list[nn.Parameter]]] = {}
         self._fixtures: dict[tuple[Scale, str], Fixture] = {}
 
@@ -327,7 +385,7 @@ class FixtureCache:
         t0 = time.perf_counter()
         with gc_paused():
             if scale not in self._models:
-                model = MoEModel(scale, self.hidden, self.device)
+                model = MoEModel(scale, self.hidden, self.device, self.embed)
                 self._models[scale] = (model, stateful_params(model, self.no_state_fraction, self.seed))
             model, stateful = self._models[scale]
             specs = group_specs(model, layout)
@@ -352,3 +410,22 @@ def param_shaped_state_tensors(opt: torch.optim.Optimizer) -> int:
     """State tensors shaped like their parameter (AdamW: ``exp_avg``, ``exp_avg_sq``; not the 0-dim ``step``)."""
     return sum(1 for p, s in opt.state.items() for v in s.values()
                if isinstance(v, torch.Tensor) and v.shape == p.shape)
+
+
+def uniform_fixture(n: int, shape: tuple[int, ...], device: str = "cpu") -> Fixture:
+    """``n`` parameters ``params.{i}.weight`` of ``shape`` (float32) in one AdamW group, every one with
+    state (two state tensors of ``shape`` and a 0-dim ``step`` each): the threshold sweep's fixture."""
+    t0 = time.perf_counter()
+    with gc_paused():
+        model: Any = nn.Module()
+        model.params = nn.ModuleList(Weight(shape, torch.device(device)) for _ in range(n))
+        params = [m.weight for m in model.params]
+        specs = [{"params": params}]
+        opt = build_adamw(specs, **ADAMW_KWARGS)
+        fill_state(opt, params)
+        fx = Fixture(Scale(1, n), "layer", model, specs, opt, params)
+        fx.info = {"n_params": n, "shape": list(shape), "n_stateful": n, "n_groups": 1,
+                   "n_state_tensors": sum(len(s) for s in opt.state.values()),
+                   "n_param_shaped_state": param_shaped_state_tensors(opt), "n_leaves": N_LEAVES}
+    fx.build_s = fx.info["fixture_build_s"] = time.perf_counter() - t0
+    return fx

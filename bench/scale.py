@@ -1,314 +1,161 @@
-"""Scale figures (issue 23): DCP's ``.metadata`` at N ranks, and ``dcp.save``/``dcp.load`` of the
-whole optimizer in both state layouts against the raw-bytes floor.
+"""Scale figures (issues 23, 31): the state layouts (every one of ``sparse_ckpt._layouts.STATE_LAYOUTS``)
+against each other and the raw-bytes floor, in whole-optimizer ``dcp.save``/``dcp.load``, DCP's
+``.metadata`` at N ranks, ``dcp.async_save``'s blocked time, and the chunk size from which one item
+per tensor beats buffers.
 
-``metadata`` mode builds the ``.metadata`` that DCP's coordinator would write for an FSDP2 job of
-N ranks saving the bench's synthetic MoE optimizer with ``SparseOptimizerState`` -- from
-synthetic local save plans (the write items each rank's ``DefaultSavePlanner`` would plan, every
-parameter-shaped state tensor sharded over all N ranks, one chunk each), planned by DCP's own
-``DefaultSavePlanner.create_global_plan`` (de-duplication, global plan, metadata), with the
-storage records ``FileSystemWriter.finish`` adds -- and reports its records, its pickled bytes and
-the time to pickle and unpickle it (what the coordinator pays once and every rank pays on load),
-for ``state_layout="per_tensor"`` and ``"buffers"``. No process is started. Where the
-per-tensor metadata of the full optimizer would exceed ``--max-records``, every k-th state tensor
-is planned and records, bytes and times are multiplied by k (all three are linear in the number
-of tensors; the output marks such rows ``scaled x k``, and ``--check`` compares a scaled row with
-a full one at the same N).
+* ``metadata`` (:mod:`.scale_metadata`): the ``.metadata`` DCP's coordinator would write for an
+  FSDP2 job of N ranks -- from synthetic local save plans planned by DCP's own
+  ``DefaultSavePlanner.create_global_plan``, with the storage records ``FileSystemWriter.finish``
+  adds; records, pickled bytes, pickle/unpickle time, the ratio to ``per_tensor``. No process is
+  started. Above ``--max-records`` every k-th per-item state tensor is planned and records, bytes and
+  times are multiplied by k (rows marked ``scaled x k``; ``--check`` compares with a full row).
+* ``dcp`` (:mod:`.scale_dcp`): in one process, ``dcp.save``/``dcp.load`` of the whole optimizer
+  (``SparseOptimizerState`` + ``SparseLoadPlanner``) per layout, and the floor: ``torch.save`` /
+  ``torch.load(weights_only=True)`` of the same state as one tensor per dtype (concatenated
+  beforehand, untimed); medians, items, bytes on disk, ratios to the floor and to the faster of
+  ``per_tensor`` / ``buffers``.
+* ``threshold`` (:mod:`.scale_dcp`): per state-chunk size, ``dcp.save`` + ``dcp.load`` of a fixture
+  of equal-size state tensors (about ``--total`` bytes each point) per-item vs buffers; the crossover.
+* ``async`` (:mod:`.scale_async`): the time ``dcp.async_save`` blocks the caller and the total until
+  its future completes, per layout and for stock DCP (torch DSD's optimizer state dict).
+* ``report`` (:mod:`.scale_report`): the markdown tables of bench/README.md and the SVG plot from the
+  JSON files the other modes wrote.
 
-``dcp`` mode times, in one process, ``dcp.save``/``dcp.load`` of the whole optimizer
-(``SparseOptimizerState`` + ``SparseLoadPlanner``) in both layouts, and the floor: ``torch.save``
-/ ``torch.load(weights_only=True)`` of the same state as one tensor per dtype (concatenated
-beforehand, untimed).
+Fixtures are ``LxE[:hHIDDEN][:eVOCABxDIM]`` (``bench.fixtures.FixtureSpec``). The commands of the
+committed figures are in bench/README.md ("Scale"), e.g.::
 
-    python -m bench.scale metadata --scale 61x256 --ranks 8,16,32,64,128,256,512,1024
-    python -m bench.scale dcp --scale 24x128 --hidden 0,64 --repeats 3
+    python -m bench.scale dcp --fixtures 24x128:h0,24x128:h64,4x16:h512,8x64:h64:e32768x64 --repeats 3 \\
+        --out bench/results/scale_dcp.json
+    python -m bench.scale report bench/results/scale_dcp.json bench/results/scale_metadata.json \\
+        --svg bench/results/scale.svg
 """
 
 from __future__ import annotations
 
 import argparse
 import json
-import math
 import os
-import pickle
-import shutil
-import statistics
 import sys
-import tempfile
 import time
-import warnings
-from collections.abc import Callable, Sequence
+from collections.abc import Sequence
 from typing import Any
 
 import torch
 
 try:  # a checkout (python -m bench.scale) or the wheel (python -m sparse_ckpt.bench.scale)
-    from .fixtures import ADAMW_KWARGS, FixtureCache, build_adamw, parse_scales
+    from .fixtures import parse_fixture_specs, parse_scales
+    from .scale_async import run_async
+    from .scale_dcp import PAIR, parse_size, run_dcp, run_threshold
+    from .scale_metadata import run_metadata
+    from .scale_report import report
 except ImportError:  # pragma: no cover - run as a script
-    from fixtures import ADAMW_KWARGS, FixtureCache, build_adamw, parse_scales  # type: ignore[no-redef]
+    sys.exit("run bench.scale as a module: python -m bench.scale (or python -m sparse_ckpt.bench.scale)")
 
 import sparse_ckpt as sc
-from sparse_ckpt._format.keys import BUFFERS_PREFIX, is_state_item
+from sparse_ckpt._layouts import STATE_LAYOUTS
 
-LEAF = "optim"
-
-
-# --------------------------------------------------------------------------- metadata
-
-
-def _write_item(fqn: str, value: Any, rank: int, world: int, sharded: bool) -> Any:
-    from torch.distributed.checkpoint.metadata import ChunkStorageMetadata, MetadataIndex, TensorProperties
-    from torch.distributed.checkpoint.planner import TensorWriteData, WriteItem, WriteItemType
-
-    if not isinstance(value, torch.Tensor):
-        return WriteItem(index=MetadataIndex(fqn), type=WriteItemType.BYTE_IO)
-    shape = tuple(value.shape)
-    if sharded:  # FSDP2 Shard(0) over the world: global dim 0 = world x rows, one chunk per rank
-        rows = shape[0] if shape else 1
-        global_shape = (world * rows, *shape[1:])
-        offsets = (rank * rows, *(0 for _ in shape[1:]))
-        sizes = (rows, *shape[1:])
-    else:
-        global_shape, offsets, sizes = shape, tuple(0 for _ in shape), shape
-    return WriteItem(
-        index=MetadataIndex(fqn, torch.Size(offsets)),
-        type=WriteItemType.SHARD if sharded else WriteItemType.TENSOR,
-        tensor_data=TensorWriteData(
-            chunk=ChunkStorageMetadata(offsets=torch.Size(offsets), sizes=torch.Size(sizes)),
-            properties=TensorProperties(dtype=value.dtype),
-            size=torch.Size(global_shape),
-        ),
-    )
-
-
-def local_plans(sd: dict[str, Any], world: int, layout: str, sample: int) -> list[Any]:
-    """Every rank's local plan for ``{"optim": sd}``: per-item state tensors sharded (one chunk per
-    rank; every ``sample``-th of them), tables and the planner guard replicated (DCP keeps one);
-    buffers layout: each rank's own layout table and buffers (keyed by its rank)."""
-    from torch.distributed.checkpoint.planner import SavePlan
-
-    plans = []
-    state_items = [k for k in sd if is_state_item(k)]
-    skip = set(state_items) - set(state_items[::sample])
-    for rank in range(world):
-        items, mapping = [], {}
-        for key, value in sd.items():
-            if key in skip:
-                continue
-            if key.startswith(BUFFERS_PREFIX):
-                key = key.replace("w1r0", f"w{world}r{rank}")  # every rank its own (sharded) layout
-            fqn = f"{LEAF}.{key}"
-            mapping[fqn] = (LEAF, key)
-            items.append(_write_item(fqn, value, rank, world, sharded=is_state_item(key)))
-        plans.append(SavePlan(items, planner_data=mapping))
-    return plans
-
-
-def build_metadata(plans: list[Any]) -> Any:
-    """The ``.metadata`` DCP writes for ``plans``: the coordinator's global plan and metadata, and
-    the storage records of ``FileSystemWriter.finish`` (each rank's file, offsets in write order)."""
-    from torch.distributed.checkpoint import DefaultSavePlanner
-    from torch.distributed.checkpoint.filesystem import _StorageInfo
-
-    planner = DefaultSavePlanner()
-    final, metadata = planner.create_global_plan(plans)
-    storage: dict[Any, Any] = {}
-    for rank, plan in enumerate(final):
-        offset = 0
-        for item in plan.items:
-            nbytes = 0
-            if item.tensor_data is not None:
-                nbytes = math.prod(item.tensor_data.chunk.sizes) * item.tensor_data.properties.dtype.itemsize
-            length = nbytes + 1_100  # torch.save's zip framing of one item, about
-            storage[item.index] = _StorageInfo(f"__{rank}_0.distcp", offset, length)
-            offset += length
-    metadata.storage_data = storage
-    return metadata
-
-
-def count_records(metadata: Any) -> dict[str, int]:
-    chunks = sum(len(getattr(md, "chunks", ())) or 1 for md in metadata.state_dict_metadata.values())
-    return {"items": len(metadata.state_dict_metadata), "chunk_records": chunks, "storage_records": len(metadata.storage_data)}
-
-
-def time_pickle(metadata: Any, repeats: int) -> dict[str, float]:
-    dumps, loads, blob = [], [], b""
-    for _ in range(repeats):
-        t0 = time.perf_counter()
-        blob = pickle.dumps(metadata)
-        dumps.append(time.perf_counter() - t0)
-        t0 = time.perf_counter()
-        pickle.loads(blob)
-        loads.append(time.perf_counter() - t0)
-    return {"bytes": len(blob), "pickle_s": statistics.median(dumps), "unpickle_s": statistics.median(loads)}
-
-
-def metadata_row(sd: dict[str, Any], world: int, layout: str, sample: int, repeats: int) -> dict[str, Any]:
-    plans = local_plans(sd, world, layout, sample)
-    md = build_metadata(plans)
-    del plans
-    row: dict[str, Any] = {"ranks": world, "layout": layout, "sample": sample, **count_records(md),
-                           **time_pickle(md, repeats)}
-    if sample > 1:  # linear in the tensors planned: scale up (the state items dominate every figure)
-        row["measured"] = {k: row[k] for k in ("items", "chunk_records", "storage_records", "bytes", "pickle_s", "unpickle_s")}
-        for k in ("chunk_records", "storage_records", "bytes", "pickle_s", "unpickle_s"):
-            row[k] = row[k] * sample
-        state = [k for k in sd if is_state_item(k)]
-        row["items"] += len(state) - len(state[::sample])  # exact: the items do not depend on sampling
-    return row
-
-
-def run_metadata(args: argparse.Namespace) -> dict[str, Any]:
-    (scale,) = parse_scales(args.scale)
-    fx = FixtureCache(hidden=0, no_state_fraction=0.5).get(scale, args.layout)
-    sds = {layout: sc.sparse_state_dict(fx.model, fx.optimizer, state_layout=layout) for layout in ("per_tensor", "buffers")}
-    n_state = sum(1 for k in sds["per_tensor"] if is_state_item(k))
-    rows = []
-    for world in args.ranks:
-        for layout, sd in sds.items():
-            full = n_state * world if layout == "per_tensor" else 4 * world
-            sample = max(1, math.ceil(full / args.max_records))
-            t0 = time.perf_counter()
-            row = metadata_row(sd, world, layout, sample, 1 if sample > 1 or full > 200_000 else args.repeats)
-            row["build_s"] = time.perf_counter() - t0
-            rows.append(row)
-            _print_metadata_row(row)
-    checks = []
-    for world in args.check:
-        sd = sds["per_tensor"]
-        exact = metadata_row(sd, world, "per_tensor", 1, args.repeats)
-        scaled = metadata_row(sd, world, "per_tensor", args.check_sample, args.repeats)
-        checks.append({"ranks": world, "full": exact, "scaled": scaled})
-        print(f"check at {world} ranks: full {exact['bytes']} bytes, pickle {exact['pickle_s']:.3f} s, unpickle "
-              f"{exact['unpickle_s']:.3f} s; 1/{args.check_sample} scaled: {scaled['bytes']} bytes, pickle "
-              f"{scaled['pickle_s']:.3f} s, unpickle {scaled['unpickle_s']:.3f} s")
-    return {"mode": "metadata", "scale": scale.label, "layout": args.layout, "n_param_shaped_state": n_state,
-            "fixture": fx.info, "rows": rows, "checks": checks}
-
-
-def _print_metadata_row(row: dict[str, Any]) -> None:
-    note = f" (scaled x{row['sample']})" if row["sample"] > 1 else ""
-    print(f"{row['ranks']:>5} ranks {row['layout']:<10} items {row['items']:>10,} chunk records {row['chunk_records']:>12,} "
-          f"storage records {row['storage_records']:>12,} .metadata {row['bytes'] / 2**20:>10.1f} MiB "
-          f"pickle {row['pickle_s']:>8.3f} s unpickle {row['unpickle_s']:>8.3f} s{note}", flush=True)
-
-
-# --------------------------------------------------------------------------- dcp
-
-
-def _median(fn: Callable[[int], None], repeats: int) -> tuple[float, list[float]]:
-    samples = []
-    for i in range(repeats):
-        t0 = time.perf_counter()
-        fn(i)
-        samples.append(time.perf_counter() - t0)
-    return statistics.median(samples), samples
-
-
-def _disk(path: str) -> int:
-    return sum(os.path.getsize(os.path.join(path, f)) for f in os.listdir(path))
-
-
-def dcp_rows(fx: Any, repeats: int, root: str, device: str) -> list[dict[str, Any]]:
-    import torch.distributed.checkpoint as dcp
-
-    rows = []
-    sync = torch.cuda.synchronize if device.startswith("cuda") else (lambda: None)
-    for layout in ("per_tensor", "buffers"):
-        def save(i: int, layout: str = layout) -> None:
-            dcp.save({LEAF: sc.SparseOptimizerState(fx.model, fx.optimizer, state_layout=layout)},
-                     checkpoint_id=os.path.join(root, f"{layout}{i}"))
-
-        def load(i: int, layout: str = layout) -> None:
-            fresh = build_adamw(fx.specs, **ADAMW_KWARGS)
-            dcp.load({LEAF: sc.SparseOptimizerState(fx.model, fresh)}, checkpoint_id=os.path.join(root, f"{layout}{i}"),
-                     planner=sc.SparseLoadPlanner())
-            sync()
-            assert len(fresh.state) == len(fx.optimizer.state)
-
-        save_s, save_samples = _median(save, repeats)
-        load_s, load_samples = _median(load, repeats)
-        items = len(dcp.FileSystemReader(os.path.join(root, f"{layout}0")).read_metadata().state_dict_metadata)
-        rows.append({"what": f"dcp/{layout}", "save_s": save_s, "load_s": load_s, "items": items,
-                     "disk_bytes": _disk(os.path.join(root, f"{layout}0")), "samples_s": [save_samples, load_samples]})
-    flat: dict[str, torch.Tensor] = {}
-    by_dtype: dict[torch.dtype, list[torch.Tensor]] = {}
-    for st in fx.optimizer.state.values():
-        for v in st.values():
-            if isinstance(v, torch.Tensor):
-                by_dtype.setdefault(v.dtype, []).append(v.reshape(-1))
-    for dtype, parts in by_dtype.items():
-        flat[str(dtype)] = torch.cat([p.cpu() for p in parts])
-
-    def floor_save(i: int) -> None:
-        torch.save(flat, os.path.join(root, f"floor{i}.pt"))
-
-    def floor_load(i: int) -> None:
-        torch.load(os.path.join(root, f"floor{i}.pt"), weights_only=True)
-
-    save_s, save_samples = _median(floor_save, repeats)
-    load_s, load_samples = _median(floor_load, repeats)
-    rows.append({"what": "floor/torch.save", "save_s": save_s, "load_s": load_s, "items": len(flat),
-                 "disk_bytes": os.path.getsize(os.path.join(root, "floor0.pt")), "samples_s": [save_samples, load_samples]})
-    return rows
-
-
-def run_dcp(args: argparse.Namespace) -> dict[str, Any]:
-    (scale,) = parse_scales(args.scale)
-    out = []
-    for hidden in args.hidden:
-        fx = FixtureCache(hidden=hidden, device=args.device).get(scale, args.layout)
-        root = tempfile.mkdtemp(prefix="sc_scale_")
-        try:
-            with warnings.catch_warnings():
-                warnings.simplefilter("ignore")
-                rows = dcp_rows(fx, args.repeats, root, args.device)
-        finally:
-            shutil.rmtree(root, ignore_errors=True)
-        for row in rows:
-            row["hidden"] = hidden
-            print(f"{scale.label} {args.layout} hidden {hidden:>3} {row['what']:<18} save {row['save_s']:>8.3f} s  "
-                  f"load {row['load_s']:>8.3f} s  items {row['items']:>7,}  {row['disk_bytes'] / 2**20:>8.1f} MiB", flush=True)
-        out.append({"hidden": hidden, "fixture": fx.info, "rows": rows})
-    return {"mode": "dcp", "scale": scale.label, "layout": args.layout, "device": args.device, "runs": out}
-
-
-# --------------------------------------------------------------------------- main
+DCP_FIXTURES = "24x128:h0,24x128:h64,4x16:h512,8x64:h64:e32768x64"
+"""The ``dcp`` mode's fixtures: tiny tensors, 64x64 and 512x512 (1 MiB) weights, and the mixed one
+(16 KiB expert state next to 8 MiB embedding state)."""
+ASYNC_FIXTURES = "24x128:h64,4x16:h512,8x64:h64:e32768x64"
+METADATA_FIXTURE = "61x256:h0:e32768x64"
 
 
 def _ints(text: str) -> list[int]:
     return [int(x) for x in text.split(",") if x.strip()]
 
 
+def _sizes(text: str) -> list[int]:
+    return [parse_size(x) for x in text.split(",") if x.strip()]
+
+
+def _layouts(text: str) -> list[str]:
+    out = [x.strip() for x in text.split(",") if x.strip()]
+    bad = [x for x in out if x not in STATE_LAYOUTS]
+    if bad or not out:
+        raise argparse.ArgumentTypeError(f"layouts must be among {STATE_LAYOUTS}, got {text!r}")
+    return out
+
+
+def _fixtures(args: argparse.Namespace, default: str) -> list[Any]:
+    if args.fixtures:
+        return parse_fixture_specs(args.fixtures)
+    if args.scale is None:
+        return parse_fixture_specs(default)
+    (scale,) = parse_scales(args.scale)  # the earlier interface: --scale LxE --hidden a,b
+    return parse_fixture_specs(",".join(f"{scale.label}:h{h}" for h in args.hidden))
+
+
 def parse_args(argv: Sequence[str] | None) -> argparse.Namespace:
     p = argparse.ArgumentParser(prog="python -m bench.scale", description=__doc__.split("\n\n")[0])
     sub = p.add_subparsers(dest="mode", required=True)
-    m = sub.add_parser("metadata", help="simulated .metadata of N ranks (no processes)")
-    m.add_argument("--scale", default="61x256")
-    m.add_argument("--layout", default="layer", choices=("layer", "param"))
+    m = sub.add_parser("metadata", help="simulated .metadata of N ranks per layout (no processes)")
+    m.add_argument("--fixture", "--scale", dest="fixture", default=METADATA_FIXTURE, help="LxE[:hH][:eVxD]")
     m.add_argument("--ranks", type=_ints, default=_ints("8,16,32,64,128,256,512,1024"))
     m.add_argument("--max-records", type=int, default=1_500_000, help="plan every k-th state tensor above this")
-    m.add_argument("--repeats", type=int, default=3)
     m.add_argument("--check", type=_ints, default=[], help="ranks at which to compare a scaled row with a full one")
     m.add_argument("--check-sample", type=int, default=8)
-    d = sub.add_parser("dcp", help="dcp.save/dcp.load of the whole optimizer, both layouts, and the floor")
-    d.add_argument("--scale", default="24x128")
-    d.add_argument("--layout", default="layer", choices=("layer", "param"))
-    d.add_argument("--hidden", type=_ints, default=[0, 64], help="0: tiny (2,) tensors; N: (N, N) weights")
-    d.add_argument("--repeats", type=int, default=3)
+    d = sub.add_parser("dcp", help="dcp.save/dcp.load of the whole optimizer per layout, and the floor")
+    a = sub.add_parser("async", help="dcp.async_save: blocked and total time per layout vs stock DCP (DSD)")
+    for sp, default in ((d, DCP_FIXTURES), (a, ASYNC_FIXTURES)):
+        sp.add_argument("--fixtures", default=None, help=f"LxE[:hH][:eVxD],... (default {default})")
+        sp.add_argument("--scale", default=None, help="with --hidden: the fixtures LxE:hH for each H (earlier interface)")
+        sp.add_argument("--hidden", type=_ints, default=[0, 64], help="with --scale: 0 tiny (2,) tensors, N (N, N) weights")
     d.add_argument("--device", default="cpu")
-    for sp in (m, d):
+    t = sub.add_parser("threshold", help="dcp.save + dcp.load of equal-size state chunks: per-item vs buffers")
+    t.add_argument("--sizes", type=_sizes, default=_sizes("4K,16K,64K,256K,1M,4M,16M"), help="chunk sizes (bytes, K, M)")
+    t.add_argument("--total", type=parse_size, default=parse_size("64M"), help="state bytes per point, about")
+    t.add_argument("--max-params", type=int, default=16_384, help="at most this many parameters per point")
+    t.add_argument("--layouts", type=_layouts, default=list(PAIR))
+    for sp in (m, d, a):
+        sp.add_argument("--layouts", type=_layouts, default=list(STATE_LAYOUTS), help=f"among {STATE_LAYOUTS}")
+    for sp in (m, d, a, t):
+        sp.add_argument("--group-layout", default="layer", choices=("layer", "param"), help="one group per layer / param")
+        sp.add_argument("--repeats", type=int, default=3)
+        sp.add_argument("--threads", type=int, default=None, help="torch.set_num_threads (default: torch's own)")
         sp.add_argument("--out", default=None, help="write the figures as JSON here")
+    r = sub.add_parser("report", help="markdown tables and an SVG plot from the modes' JSON files")
+    r.add_argument("inputs", nargs="+")
+    r.add_argument("--svg", default=None, help="write the plot here")
+    r.add_argument("--out", default=None, help="write the markdown here (else stdout)")
     return p.parse_args(argv)
+
+
+def run(args: argparse.Namespace) -> dict[str, Any]:
+    """The figures of ``args.mode``."""
+    if args.mode == "metadata":
+        (spec,) = parse_fixture_specs(args.fixture)
+        return run_metadata(spec, args.group_layout, args.ranks, args.max_records, args.repeats, args.check,
+                            args.check_sample, tuple(args.layouts))
+    if args.mode == "dcp":
+        return {"runs": run_dcp(_fixtures(args, DCP_FIXTURES), args.group_layout, args.repeats, args.device, args.layouts),
+                "device": args.device}
+    if args.mode == "async":
+        return {"runs": run_async(_fixtures(args, ASYNC_FIXTURES), args.group_layout, args.repeats, args.layouts)}
+    return run_threshold(args.sizes, args.total, args.max_params, args.repeats, args.layouts)
 
 
 def main(argv: Sequence[str] | None = None) -> int:
     args = parse_args(argv)
+    if args.mode == "report":
+        text = report(args.inputs, args.svg)
+        if args.out:
+            with open(args.out, "w") as f:
+                f.write(text)
+            print(f"wrote {args.out}")
+        else:
+            print(text)
+        return 0
     torch.manual_seed(0)
+    if args.threads:
+        torch.set_num_threads(args.threads)
     t0 = time.perf_counter()
-    result = run_metadata(args) if args.mode == "metadata" else run_dcp(args)
+    result = {"mode": args.mode, **run(args)}
     result.update({"command": " ".join(["python -m bench.scale", *(argv if argv is not None else sys.argv[1:])]),
-                   "torch": torch.__version__, "python": sys.version.split()[0], "backend": sc.backend(),
-                   "cpu_count": os.cpu_count(), "total_s": time.perf_counter() - t0})
+                   "layouts": list(args.layouts), "torch": torch.__version__, "python": sys.version.split()[0],
+                   "backend": sc.backend(), "cpu_count": os.cpu_count(), "repeats": args.repeats,
+                   "torch_threads": torch.get_num_threads(),
+                   "total_s": time.perf_counter() - t0})
     if args.out:
         os.makedirs(os.path.dirname(os.path.abspath(args.out)), exist_ok=True)
         with open(args.out, "w") as f:

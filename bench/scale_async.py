@@ -1,0 +1,133 @@
+"""``bench.scale`` mode ``async``: how long ``dcp.async_save`` blocks the training loop.
+
+Per fixture and round-robin over the variants, one ``dcp.async_save`` per sample with torch's default
+async path (``DefaultStager``: the state dict is copied to CPU memory before the call returns; a
+thread then plans and writes) in a one-rank Gloo process group started in this process:
+
+* ``blocked_s``: from the call until ``async_save`` returns its future (what the loop waits for: the
+  Stateful's ``state_dict()`` plus the staging copy), of which ``state_dict_s`` is the Stateful's
+  ``state_dict()`` alone;
+* ``total_s``: from the call until the future's ``result()`` returns (the checkpoint is complete).
+
+Variants: ``SparseOptimizerState`` in every layout of ``STATE_LAYOUTS``, and ``stock``: the state
+dict of torch DSD's ``get_optimizer_state_dict(model, optimizer)`` with its default options (DCP's own
+tutorial's pattern: an app Stateful returning DSD's dict), so the capture runs inside ``async_save``
+as it does for ``SparseOptimizerState``.
+"""
+
+from __future__ import annotations
+
+import os
+import shutil
+import statistics
+import tempfile
+import time
+import warnings
+from collections.abc import Sequence
+from typing import Any
+
+import sparse_ckpt as sc
+from sparse_ckpt._layouts import STATE_LAYOUTS
+
+from .fixtures import FixtureCache, FixtureSpec
+from .scale_dcp import LEAF, disk_bytes, state_bytes
+
+STOCK = "stock_dsd"
+
+
+class Timed:
+    """A DCP Stateful that records how long the wrapped ``state_dict()`` took (loading is not used)."""
+
+    def __init__(self, state_dict: Any) -> None:
+        self._state_dict = state_dict
+        self.state_dict_s = 0.0
+
+    def state_dict(self) -> dict[str, Any]:
+        """The wrapped ``state_dict()``, timed."""
+        t0 = time.perf_counter()
+        out = self._state_dict()
+        self.state_dict_s = time.perf_counter() - t0
+        return out
+
+    def load_state_dict(self, state_dict: dict[str, Any]) -> None:  # pragma: no cover - never loaded
+        raise NotImplementedError
+
+
+def one_rank_group(root: str) -> bool:
+    """Start a one-rank Gloo group in this process unless one exists; ``True`` if started here."""
+    import torch.distributed as dist
+
+    if dist.is_initialized():
+        return False
+    dist.init_process_group("gloo", init_method=f"file://{os.path.join(root, 'store')}", rank=0, world_size=1)
+    return True
+
+
+def variant(fx: Any, name: str) -> Timed:
+    """The Stateful ``async_save`` gets for variant ``name``."""
+    if name == STOCK:
+        from torch.distributed.checkpoint.state_dict import get_optimizer_state_dict
+
+        return Timed(lambda: get_optimizer_state_dict(fx.model, fx.optimizer))
+    return Timed(sc.SparseOptimizerState(fx.model, fx.optimizer, state_layout=name).state_dict)
+
+
+def async_rows(fx: Any, names: Sequence[str], repeats: int, root: str) -> list[dict[str, Any]]:
+    """Per variant: blocked, ``state_dict()`` and total seconds (samples and medians), bytes on disk."""
+    import torch.distributed.checkpoint as dcp
+
+    samples: dict[str, dict[str, list[float]]] = {n: {"blocked_s": [], "state_dict_s": [], "total_s": []} for n in names}
+    disk: dict[str, int] = {}
+    for i in range(repeats):
+        for name in names:
+            path = os.path.join(root, f"{name}{i}")
+            stateful = variant(fx, name)
+            t0 = time.perf_counter()
+            future = dcp.async_save({LEAF: stateful}, checkpoint_id=path)
+            blocked = time.perf_counter() - t0
+            future.result()
+            total = time.perf_counter() - t0
+            for key, value in (("blocked_s", blocked), ("state_dict_s", stateful.state_dict_s), ("total_s", total)):
+                samples[name][key].append(value)
+            disk[name] = disk_bytes(path)
+            shutil.rmtree(path, ignore_errors=True)
+    rows = []
+    for name in names:
+        s = samples[name]
+        rows.append({"variant": name, **{k: statistics.median(v) for k, v in s.items()}, "disk_bytes": disk[name],
+                     "samples_s": s})
+    stock = next((r for r in rows if r["variant"] == STOCK), None)
+    for r in rows:
+        if stock is not None:
+            r["vs_stock"] = [r["blocked_s"] / stock["blocked_s"], r["total_s"] / stock["total_s"]]
+    return rows
+
+
+def run_async(specs: Sequence[FixtureSpec], group_layout: str, repeats: int,
+              layouts: Sequence[str] = STATE_LAYOUTS) -> list[dict[str, Any]]:
+    """Mode ``async``: :func:`async_rows` of every fixture (in a one-rank Gloo group), printed as they come."""
+    import torch.distributed as dist
+
+    out = []
+    root = tempfile.mkdtemp(prefix="sc_async_")
+    started = one_rank_group(root)
+    try:
+        for spec in specs:
+            fx = FixtureCache(hidden=spec.hidden, embed=spec.embed).get(spec.scale, group_layout)
+            info = {**fx.info, "state_bytes": state_bytes(fx.optimizer)}
+            with warnings.catch_warnings():
+                warnings.simplefilter("ignore")
+                rows = async_rows(fx, [*layouts, STOCK], repeats, root)
+            for r in rows:
+                vs = r.get("vs_stock")
+                print(f"{spec.label:<20} {r['variant']:<11} blocked {r['blocked_s']:>7.3f} s (state_dict "
+                      f"{r['state_dict_s']:.3f} s)  total {r['total_s']:>7.3f} s  "
+                      f"{r['disk_bytes'] / 2**20:>7.1f} MiB" + (f"  x stock {vs[0]:.2f}/{vs[1]:.2f}" if vs else ""),
+                      flush=True)
+            out.append({"fixture": spec.label, "info": info, "rows": rows})
+            del fx
+    finally:
+        if started:
+            dist.destroy_process_group()
+        shutil.rmtree(root, ignore_errors=True)
+    return out

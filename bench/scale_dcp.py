@@ -1,0 +1,241 @@
+"""``bench.scale`` modes ``dcp`` and ``threshold``: ``dcp.save``/``dcp.load`` of the whole optimizer
+(``SparseOptimizerState`` + ``SparseLoadPlanner``) in every state layout of
+``sparse_ckpt._layouts.STATE_LAYOUTS``, against the raw-bytes floor (``dcp``), and per state-chunk
+size with one item per tensor vs bucketed (``threshold``: what picks the size from which a chunk
+keeps an item of its own).
+
+Samples are taken round-robin (sample ``i`` of every layout, then sample ``i + 1``), so a noisy
+shared machine slows all layouts alike; each checkpoint is saved, loaded once and deleted.
+"""
+
+from __future__ import annotations
+
+import os
+import shutil
+import statistics
+import tempfile
+import time
+import warnings
+from collections.abc import Callable, Sequence
+from typing import Any
+
+import torch
+
+import sparse_ckpt as sc
+from sparse_ckpt._layouts import STATE_LAYOUTS
+
+from .fixtures import ADAMW_KWARGS, Fixture, FixtureCache, FixtureSpec, build_adamw, uniform_fixture
+
+LEAF = "optim"
+FLOOR = "floor"
+"""The raw-bytes floor's name in rows: ``torch.save`` / ``torch.load(weights_only=True)`` of the same
+state as one tensor per dtype (concatenated beforehand, untimed)."""
+PAIR = ("per_tensor", "buffers")
+"""The two original layouts; every row's ``vs_best`` divides by the faster of them."""
+
+
+def timed(fn: Callable[[], Any]) -> float:
+    """Seconds ``fn()`` took."""
+    t0 = time.perf_counter()
+    fn()
+    return time.perf_counter() - t0
+
+
+def disk_bytes(path: str) -> int:
+    """Bytes of a checkpoint folder or file."""
+    if os.path.isfile(path):
+        return os.path.getsize(path)
+    return sum(os.path.getsize(os.path.join(path, f)) for f in os.listdir(path))
+
+
+def dcp_items(path: str) -> int:
+    """Items in a DCP checkpoint's ``.metadata``."""
+    import torch.distributed.checkpoint as dcp
+
+    return len(dcp.FileSystemReader(path).read_metadata().state_dict_metadata)
+
+
+def floor_state(opt: torch.optim.Optimizer) -> dict[str, torch.Tensor]:
+    """The optimizer's tensor state as one CPU tensor per dtype (what the floor writes)."""
+    by_dtype: dict[torch.dtype, list[torch.Tensor]] = {}
+    for st in opt.state.values():
+        for v in st.values():
+            if isinstance(v, torch.Tensor):
+                by_dtype.setdefault(v.dtype, []).append(v.reshape(-1))
+    return {str(dtype): torch.cat([p.cpu() for p in parts]) for dtype, parts in by_dtype.items()}
+
+
+def layout_rows(fx: Fixture, layouts: Sequence[str], repeats: int, root: str, device: str = "cpu",
+                floor: bool = True) -> list[dict[str, Any]]:
+    """Per layout (and the floor): save and load samples, their medians, items and bytes on disk."""
+    import torch.distributed.checkpoint as dcp
+
+    sync = torch.cuda.synchronize if device.startswith("cuda") else (lambda: None)
+    names = [*layouts, *([FLOOR] if floor else [])]
+    samples: dict[str, tuple[list[float], list[float]]] = {n: ([], []) for n in names}
+    info: dict[str, tuple[int, int]] = {}
+    flat = floor_state(fx.optimizer) if floor else {}
+    for i in range(repeats):
+        for name in names:
+            path = os.path.join(root, f"{name}{i}")
+            if name == FLOOR:
+                path += ".pt"
+                save_s = timed(lambda path=path: torch.save(flat, path))
+                load_s = timed(lambda path=path: torch.load(path, weights_only=True))
+                items = len(flat)
+            else:
+                state = sc.SparseOptimizerState(fx.model, fx.optimizer, state_layout=name)
+                save_s = timed(lambda path=path, state=state: (dcp.save({LEAF: state}, checkpoint_id=path), sync()))
+                fresh = build_adamw(fx.specs, **ADAMW_KWARGS)
+                target = sc.SparseOptimizerState(fx.model, fresh)
+                load_s = timed(lambda path=path, target=target: (
+                    dcp.load({LEAF: target}, checkpoint_id=path, planner=sc.SparseLoadPlanner()), sync()))
+                if len(fresh.state) != len(fx.optimizer.state):
+                    raise AssertionError(f"{name}: loaded state of {len(fresh.state)} params, saved {len(fx.optimizer.state)}")
+                items = dcp_items(path)
+            info[name] = (items, disk_bytes(path))
+            samples[name][0].append(save_s)
+            samples[name][1].append(load_s)
+            if os.path.isdir(path):
+                shutil.rmtree(path, ignore_errors=True)
+            else:
+                os.remove(path)
+    rows = []
+    for name in names:
+        save, load = samples[name]
+        rows.append({"layout": name, "save_s": statistics.median(save), "load_s": statistics.median(load),
+                     "items": info[name][0], "disk_bytes": info[name][1], "samples_s": [save, load]})
+    add_ratios(rows)
+    return rows
+
+
+def add_ratios(rows: list[dict[str, Any]]) -> None:
+    """``vs_floor`` and ``vs_best`` (the faster of per_tensor / buffers) ``[save, load]`` on every row
+    where the reference was measured."""
+    by = {r["layout"]: r for r in rows}
+    for r in rows:
+        if FLOOR in by:
+            r["vs_floor"] = [r["save_s"] / by[FLOOR]["save_s"], r["load_s"] / by[FLOOR]["load_s"]]
+        if all(p in by for p in PAIR):
+            best = [min(by[p]["save_s"] for p in PAIR), min(by[p]["load_s"] for p in PAIR)]
+            r["vs_best"] = [r["save_s"] / best[0], r["load_s"] / best[1]]
+
+
+def run_dcp(specs: Sequence[FixtureSpec], group_layout: str, repeats: int, device: str,
+            layouts: Sequence[str] = STATE_LAYOUTS) -> list[dict[str, Any]]:
+    """Mode ``dcp``: :func:`layout_rows` of every fixture, printed as they come."""
+    out = []
+    for spec in specs:
+        fx = FixtureCache(hidden=spec.hidden, device=device, embed=spec.embed).get(spec.scale, group_layout)
+        info = {**fx.info, "state_bytes": state_bytes(fx.optimizer)}
+        root = tempfile.mkdtemp(prefix="sc_scale_")
+        try:
+            with warnings.catch_warnings():
+                warnings.simplefilter("ignore")
+                rows = layout_rows(fx, layouts, repeats, root, device)
+        finally:
+            shutil.rmtree(root, ignore_errors=True)
+        for row in rows:
+            print(f"{spec.label:<20} {row['layout']:<11} save {row['save_s']:>8.3f} s  load {row['load_s']:>8.3f} s  "
+                  f"items {row['items']:>7,}  {row['disk_bytes'] / 2**20:>8.1f} MiB  "
+                  f"x floor {_pair(row.get('vs_floor'))}  x best {_pair(row.get('vs_best'))}", flush=True)
+        out.append({"fixture": spec.label, "info": info, "rows": rows})
+        del fx
+    return out
+
+
+def _pair(value: list[float] | None) -> str:
+    return "-" if value is None else f"{value[0]:.2f}/{value[1]:.2f}"
+
+
+def state_bytes(opt: torch.optim.Optimizer) -> int:
+    """Bytes of the optimizer's tensor state."""
+    return sum(v.numel() * v.element_size() for st in opt.state.values() for v in st.values() if isinstance(v, torch.Tensor))
+
+
+# --------------------------------------------------------------------------- threshold
+
+
+def threshold_counts(sizes: Sequence[int], total: int, max_params: int) -> list[tuple[int, int]]:
+    """``(chunk bytes, parameters)`` per size: ``total`` bytes of state (two float32 state tensors of the
+    chunk's size per parameter), at least one and at most ``max_params`` parameters."""
+    return [(size, max(1, min(max_params, total // (2 * size)))) for size in sizes]
+
+
+def run_threshold(sizes: Sequence[int], total: int, max_params: int, repeats: int,
+                  layouts: Sequence[str] = PAIR) -> dict[str, Any]:
+    """Mode ``threshold``: per chunk size, ``dcp.save``/``dcp.load`` of the uniform fixture in each of
+    ``layouts``; the per-item / bucketed ratios and the crossover."""
+    points = []
+    for size, n in threshold_counts(sizes, total, max_params):
+        fx = uniform_fixture(n, (size // 4,))
+        root = tempfile.mkdtemp(prefix="sc_threshold_")
+        try:
+            with warnings.catch_warnings():
+                warnings.simplefilter("ignore")
+                rows = layout_rows(fx, layouts, repeats, root, floor=False)
+        finally:
+            shutil.rmtree(root, ignore_errors=True)
+        point = {"chunk_bytes": size, "n_params": n, "n_state_tensors": 2 * n, "state_bytes": state_bytes(fx.optimizer),
+                 "rows": rows}
+        by = {r["layout"]: r for r in rows}
+        if all(p in by for p in PAIR):
+            per, buf = by["per_tensor"], by["buffers"]
+            point["ratio"] = [per["save_s"] / buf["save_s"], per["load_s"] / buf["load_s"],
+                              (per["save_s"] + per["load_s"]) / (buf["save_s"] + buf["load_s"])]
+        points.append(point)
+        print(f"chunk {size_label(size):>7} x {2 * n:>6} tensors  " + "  ".join(
+            f"{r['layout']} {r['save_s']:.3f}/{r['load_s']:.3f} s" for r in rows)
+            + (f"  per_tensor/buffers {_pair(point['ratio'])} (sum {point['ratio'][2]:.2f})" if "ratio" in point else ""),
+            flush=True)
+        del fx
+    result = {"points": points, **crossover(points)}
+    print("crossover (per-item at least as fast as buffers from this size on, at every larger size too): "
+          + "; ".join(f"{what} {size_label(result[f'crossover{sfx}_bytes']) if result[f'crossover{sfx}_bytes'] else 'none'}"
+                      for what, sfx in (("save and load", ""), ("save", "_save"), ("load", "_load"),
+                                        ("save + load", "_sum")))
+          + f"; the first size where save and load both hold: "
+          f"{size_label(result['first_bytes']) if result['first_bytes'] else 'none'}")
+    return result
+
+
+CRITERIA = {"": (0, 1), "_save": (0,), "_load": (1,), "_sum": (2,)}
+"""``crossover{suffix}_bytes``: which of a point's ratios (save, load, save + load) must be <= 1."""
+
+
+def crossover(points: Sequence[dict[str, Any]]) -> dict[str, int | None]:
+    """``crossover_bytes``: the smallest chunk size from which on (that size and every larger one) one
+    item per tensor saved and loaded at least as fast as buffers; ``crossover_save_bytes``,
+    ``crossover_load_bytes``, ``crossover_sum_bytes``: the same for save alone, load alone and their
+    sum; ``first_bytes``: the smallest size at which save and load both did (it differs from
+    ``crossover_bytes`` where noise or a real bump flips a larger size back)."""
+    rated = sorted((p["chunk_bytes"], p["ratio"]) for p in points if "ratio" in p)
+    out: dict[str, int | None] = {}
+    for suffix, idx in CRITERIA.items():
+        ok = [(size, all(r[i] <= 1.0 for i in idx if i < len(r))) for size, r in rated]
+        cross = None
+        for size, good in reversed(ok):
+            if not good:
+                break
+            cross = size
+        out[f"crossover{suffix}_bytes"] = cross
+    out["first_bytes"] = next((size for size, r in rated if r[0] <= 1.0 and r[1] <= 1.0), None)
+    return out
+
+
+def size_label(size: int) -> str:
+    """``4096`` -> ``"4 KiB"``, ``16 << 20`` -> ``"16 MiB"``."""
+    for unit, shift in (("GiB", 30), ("MiB", 20), ("KiB", 10)):
+        if size >= 1 << shift and size % (1 << shift) == 0:
+            return f"{size >> shift} {unit}"
+    return f"{size} B"
+
+
+def parse_size(text: str) -> int:
+    """``"4K"``, ``"16KiB"``, ``"1M"``, ``"4096"`` -> bytes (a multiple of 4: float32 state)."""
+    t = text.strip().upper().removesuffix("IB").removesuffix("B")
+    mult = {"K": 1 << 10, "M": 1 << 20, "G": 1 << 30}.get(t[-1:], 1)
+    value = int(t[:-1] if mult > 1 else t) * mult
+    if value < 4 or value % 4:
+        raise ValueError(f"size {text!r} is not a positive multiple of 4 bytes")
+    return value
