@@ -65,8 +65,9 @@ def _save_ep2(rank: int, world_size: int, root: str) -> None:
     md = dcp.FileSystemReader(f"{root}/ckpt").read_metadata()
     optim = [k.removeprefix("optim.") for k in md.state_dict_metadata if k.startswith("optim.state.")]
     assert not [k for k in optim if not k.startswith(("state.__packed__.", BUFFERS_PREFIX))], optim  # no per-item state
-    # per rank: a layout per leaf, one buffer per (leaf, dtype): dense holds float32 and bfloat16
-    assert len([k for k in optim if k.startswith(BUFFERS_PREFIX)]) == world_size * (2 + 3)
+    # per rank: a layout per leaf, one buffer per (leaf, dtype): dense holds float32 and bfloat16;
+    # and one layout index per leaf, the same on every rank (written once)
+    assert len([k for k in optim if k.startswith(BUFFERS_PREFIX)]) == world_size * (2 + 3) + 2
 
     model2, opt2 = build_drill((2 * rank, 2 * rank + 1), mesh, seed=7)
     read = _load(f"{root}/ckpt", model2, opt2)

@@ -1,0 +1,98 @@
+"""``state_layout="buffers"``: this rank's contribution to each leaf's *layout index*
+(:mod:`sparse_ckpt._format.layout_index`; docs/formats.md, *Layout index*).
+
+:func:`with_index_parts` gives each layout slot of a coordinated save the rank's
+:data:`~sparse_ckpt._format.layout_index.IndexPart`: the FQNs its layout table lists, by how they
+are held -- a DTensor chunk that its sharding description gives this rank's mesh coordinate
+(checked against the chunk in the layout, so the index never describes a chunking torch did not
+do), a whole plain tensor, or any other chunk. `sparse_ckpt._format.tags.Keying` merges the
+ranks' parts into the index.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+from collections.abc import Mapping
+from typing import Any
+
+import torch
+from torch.distributed.tensor import DTensor, Replicate, Shard
+
+from .. import _backend
+from .._format.keys import BUFFERS_PREFIX, index_tag
+from .._format.layout_index import REPLICATE, IndexPart, Spec, chunk_at
+from .._format.tags import LAYOUT_SLOT, Slot
+
+
+def index_key(leaf: str, ranks: str) -> str:
+    """The key of a leaf's layout index held by ``ranks`` (docs/formats.md, *Layout index*)."""
+    return f"{BUFFERS_PREFIX}{leaf}.{index_tag(ranks)}"
+
+
+def with_index_parts(slots: list[Slot], param_of: Mapping[str, torch.Tensor]) -> list[Slot]:
+    """``slots`` with each layout slot's index part set (its payload, the layout table, says which
+    FQNs and chunks it holds; ``param_of`` how each parameter is sharded)."""
+    meshes: dict[int, tuple[tuple[int, ...], tuple[int, ...], tuple[int, ...] | None]] = {}
+    return [
+        dataclasses.replace(s, index=_part(s, param_of, meshes)) if s.name.startswith(f"{LAYOUT_SLOT}:") else s
+        for s in slots
+    ]
+
+
+def _part(slot: Slot, param_of: Mapping[str, torch.Tensor], meshes: dict[int, Any]) -> IndexPart:
+    leaf = slot.name.partition(":")[2]
+    specs: dict[Spec, list[str]] = {}
+    whole: list[str] = []
+    chunked: list[str] = []
+    done: set[str] = set()
+    expected: dict[Spec, tuple[tuple[int, ...], tuple[int, ...]] | None] = {}
+    for _dtype, _numel, entries in _backend.core.decode_layout(leaf, slot.payload):
+        for fqn, _key, shape, offsets, sizes in entries:
+            if fqn in done:
+                continue
+            done.add(fqn)
+            p = param_of.get(fqn)
+            if not isinstance(p, DTensor):
+                (whole if offsets == (0,) * len(shape) and sizes == shape else chunked).append(fqn)
+                continue
+            spec, coord = _spec(p, shape, meshes)
+            if spec is not None and spec not in expected:
+                expected[spec] = chunk_at(spec, coord) if coord is not None else None
+            mine = expected.get(spec) if spec is not None else None
+            if mine is not None and _same_chunk(mine, (offsets, sizes)):
+                specs.setdefault(spec, []).append(fqn)  # type: ignore[arg-type]
+            else:
+                chunked.append(fqn)
+    return tuple((s, tuple(sorted(f))) for s, f in specs.items()), tuple(sorted(whole)), tuple(sorted(chunked))
+
+
+def _spec(p: DTensor, shape: tuple[int, ...], meshes: dict[int, Any]) -> tuple[Spec | None, tuple[int, ...] | None]:
+    """``(sharding description, this rank's mesh coordinate)`` of DTensor ``p``; ``(None, None)``
+    for placements other than ``Shard``/``Replicate``."""
+    codes = []
+    for pl in p.placements:
+        if type(pl) is Replicate:
+            codes.append(REPLICATE)
+        elif type(pl) is Shard:
+            codes.append(pl.dim % max(1, len(shape)))
+        else:
+            return None, None
+    mesh = p.device_mesh
+    known = meshes.get(id(mesh))
+    if known is None:
+        coord = mesh.get_coordinate()
+        known = meshes[id(mesh)] = (
+            tuple(mesh.shape),
+            tuple(int(r) for r in mesh.mesh.flatten().tolist()),
+            None if coord is None else tuple(int(c) for c in coord),
+        )
+    mesh_shape, ranks, coord = known
+    return (tuple(shape), mesh_shape, ranks, tuple(codes)), coord
+
+
+def _same_chunk(a: tuple[tuple[int, ...], tuple[int, ...]], b: tuple[tuple[int, ...], tuple[int, ...]]) -> bool:
+    """The same chunk: equal sizes, and equal offsets unless it is empty (torch places an empty
+    shard's offset differently across versions; it holds nothing either way)."""
+    if a[1] != b[1]:
+        return False
+    return 0 in a[1] or a[0] == b[0]
