@@ -132,52 +132,55 @@ def build_index(leaf: str, holders: list[tuple[str, IndexPart]]) -> bytes:
     """The index of ``leaf`` from every holding rank's ``(layout tag, part)``, in rank order (the
     same input on every rank gives the same bytes). A parameter the parts do not describe alike
     (another description on another rank, a rank of its mesh without it, plain on one rank and
-    sharded on another) is listed as ``chunks`` of every tag that holds part of it."""
+    sharded on another) is listed as ``chunks`` of every tag that holds part of it.
+
+    Equal pieces of the parts (its descriptions, its whole FQNs, its chunked FQNs) should be one
+    object (what the save's exchange gives): each distinct piece is walked once, so the work is
+    the distinct pieces' size plus the ranks, not the tensors times the ranks."""
     tags = sorted({tag for tag, _part in holders}, key=_tag_order)
     tag_index = {tag: i for i, tag in enumerate(tags)}
     rank_tag: dict[int, int] = {}
     for tag in tags:
         for rank in _tag_ranks(tag):
             rank_tag[rank] = tag_index[tag]
-    # distinct parts once (every FSDP rank has the same one), each with the tags of its ranks
-    distinct: dict[int, tuple[IndexPart, set[int]]] = {}
-    seen: dict[IndexPart, int] = {}
+    pieces: dict[tuple[int, int], tuple[Any, set[int]]] = {}  # (kind, id) -> (piece, tags holding it)
+    spec_piece_of: dict[int, int] = {}  # tag -> id of its descriptions piece
     for tag, part in holders:
-        key = seen.setdefault(part, len(seen))
-        distinct.setdefault(key, (part, set()))[1].add(tag_index[tag])
+        t = tag_index[tag]
+        for kind, piece in enumerate(part):
+            pieces.setdefault((kind, id(piece)), (piece, set()))[1].add(t)
+        spec_piece_of[t] = id(part[0])
     spec_fqns: dict[Spec, set[str]] = {}
-    holders_of: dict[str, set[int]] = {}  # fqn -> tags holding part of it (any kind)
-    kinds: dict[str, set[Any]] = {}
-    for part, part_tags in distinct.values():
-        specs, whole, chunked = part
-        for spec, fqns in specs:
-            spec_fqns.setdefault(spec, set()).update(fqns)
-            for fqn in fqns:
-                kinds.setdefault(fqn, set()).add(spec)
-                holders_of.setdefault(fqn, set()).update(part_tags)
-        for kind, fqns in (("whole", whole), ("chunks", chunked)):
-            for fqn in fqns:
-                kinds.setdefault(fqn, set()).add(kind)
-                holders_of.setdefault(fqn, set()).update(part_tags)
+    listed: dict[tuple[int, Spec], set[str]] = {}  # (descriptions piece, spec) -> its FQNs
+    kinds: dict[str, set[Any]] = {}  # fqn -> its descriptions, "whole", "chunks"
+    found_in: dict[str, set[tuple[int, int]]] = {}  # fqn -> the pieces listing it
+    for (kind, pid), (piece, _tags) in pieces.items():
+        if kind == 0:
+            for spec, fqns in piece:
+                spec_fqns.setdefault(spec, set()).update(fqns)
+                listed.setdefault((pid, spec), set()).update(fqns)
+                for fqn in fqns:
+                    kinds.setdefault(fqn, set()).add(spec)
+                    found_in.setdefault(fqn, set()).add((kind, pid))
+        else:
+            for fqn in piece:
+                kinds.setdefault(fqn, set()).add("whole" if kind == 1 else "chunks")
+                found_in.setdefault(fqn, set()).add((kind, pid))
     # a spec is trusted for an FQN only if every rank of its mesh listed the FQN under it
-    part_of_tag: dict[int, list[IndexPart]] = {}
-    for part, part_tags in distinct.values():
-        for t in part_tags:
-            part_of_tag.setdefault(t, []).append(part)
     good_spec: dict[Spec, set[str]] = {}
     for spec, fqns in spec_fqns.items():
         ok = set(fqns)
-        for rank in set(spec[2]):
-            t = rank_tag.get(rank)
-            parts = part_of_tag.get(t, []) if t is not None else []
-            listed: set[str] = set()
-            for specs, _whole, _chunked in parts:
-                for s, f in specs:
-                    if s == spec:
-                        listed.update(f)
-            ok &= listed
+        for pid in {spec_piece_of.get(rank_tag.get(rank, -1)) for rank in spec[2]}:
+            ok &= listed.get((pid, spec), set()) if pid is not None else set()
         good_spec[spec] = ok
-    meshes: dict[tuple[tuple[int, ...], tuple[int, ...]], int] = {}
+    holding: dict[frozenset[tuple[int, int]], tuple[int, ...]] = {}  # pieces -> the tags holding any
+
+    def tags_of(fqn: str) -> tuple[int, ...]:
+        key = frozenset(found_in[fqn])
+        if key not in holding:
+            holding[key] = tuple(sorted({t for piece in key for t in pieces[piece][1]}))
+        return holding[key]
+
     described: dict[Spec, list[str]] = {}
     whole_of: dict[tuple[int, ...], list[str]] = {}
     chunks_of: dict[tuple[int, ...], list[str]] = {}
@@ -187,9 +190,10 @@ def build_index(leaf: str, holders: list[tuple[str, IndexPart]]) -> bytes:
         if isinstance(only, tuple) and fqn in good_spec[only]:
             described.setdefault(only, []).append(fqn)
         elif only == "whole":
-            whole_of.setdefault(tuple(sorted(holders_of[fqn])), []).append(fqn)
+            whole_of.setdefault(tags_of(fqn), []).append(fqn)
         else:
-            chunks_of.setdefault(tuple(sorted(holders_of[fqn])), []).append(fqn)
+            chunks_of.setdefault(tags_of(fqn), []).append(fqn)
+    meshes: dict[tuple[tuple[int, ...], tuple[int, ...]], int] = {}
     groups: list[tuple[dict[str, Any], list[str]]] = []
     for spec in sorted(described, key=repr):
         shape, mesh_shape, mesh_ranks, placements = spec
@@ -285,7 +289,7 @@ def decode_index(leaf: str, key: str, data: bytes) -> LayoutIndex:
     if not groups or groups[0][1] or settings[groups[0][0]].get(HEADER, None) is None:
         raise bad("no header")
     header = settings[groups[0][0]]
-    if header[HEADER] != INDEX_VERSION or type(header[HEADER]) is not int:
+    if type(header[HEADER]) is not int or header[HEADER] != INDEX_VERSION:
         raise bad(f"unsupported version {header[HEADER]!r} (this library reads version {INDEX_VERSION})")
     if set(header) != {HEADER, "tags", "meshes"}:
         raise bad(f"header keys {sorted(header)}")

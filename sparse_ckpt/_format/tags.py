@@ -144,31 +144,33 @@ class Keying:
         self, slots: list[Slot], held: list[dict[str, Any]], holders: dict[str, list[int]], tag_of: Any
     ) -> dict[str, tuple[str, bytes]]:
         """The layout index of each leaf this rank holds a layout of (``holders``: leaf -> ranks
-        with a layout of it), from those ranks' index parts. A part that a rank needs and does not
-        hold itself travels in one more ``all_gather_object``, sent by its first holder (each
-        distinct part once; with FSDP alone every rank's part is the same and nothing travels)."""
-        own = {_part_digest(s.index): s.index for s in slots if s.index is not None}
+        with a layout of it), from those ranks' index parts. A part's pieces (descriptions, whole
+        FQNs, chunked FQNs) are exchanged by digest: a piece a rank needs and does not hold itself
+        travels in one more ``all_gather_object``, sent by its first holder (each distinct piece
+        once; with FSDP alone every rank's pieces are the same and nothing travels)."""
+        own = {d: piece for s in slots if s.index is not None for d, piece in zip(_part_digest(s.index), s.index)}
         first: dict[str, int] = {}
         lacking = False
         for leaf, ranks in holders.items():
             name = f"{LAYOUT_SLOT}:{leaf}"
-            needed = {held[r][name][2] for r in ranks}
+            needed = {d for r in ranks for d in held[r][name][2]}
             for r in ranks:
-                first.setdefault(held[r][name][2], r)
-                mine = {entry[2] for n, entry in held[r].items() if n.startswith(f"{LAYOUT_SLOT}:")}
+                for d in held[r][name][2]:
+                    first.setdefault(d, r)
+                mine = {d for n, entry in held[r].items() if n.startswith(f"{LAYOUT_SLOT}:") for d in entry[2]}
                 lacking = lacking or not needed <= mine
-        parts = own
+        pieces = own
         if lacking:  # the same decision on every rank: it rests on the gathered digests alone
             sent: list[Any] = [None] * self.world
             dist.all_gather_object(sent, {d: own[d] for d, r in first.items() if r == self.rank})
-            parts = {d: part for gathered in sent for d, part in gathered.items()}
+            pieces = {d: piece for gathered in sent for d, piece in gathered.items()}
         out: dict[str, tuple[str, bytes]] = {}
         for leaf, ranks in holders.items():
             if self.rank not in ranks:
                 continue
             name = f"{LAYOUT_SLOT}:{leaf}"
-            found = [(tag_of(name, held[r][name][0]), parts[held[r][name][2]]) for r in ranks]
-            out[leaf] = (rank_tag(self.world, ranks), seal(build_index(leaf, found)))
+            found = [(tag_of(name, held[r][name][0]), tuple(pieces[d] for d in held[r][name][2])) for r in ranks]
+            out[leaf] = (rank_tag(self.world, ranks), seal(build_index(leaf, found)))  # type: ignore[arg-type]
         return out
 
 
@@ -183,9 +185,11 @@ def _index_holders(held: list[dict[str, Any]]) -> dict[str, list[int]]:
     return {leaf: ranks for leaf, ranks in leaves.items() if all(held[r][f"{LAYOUT_SLOT}:{leaf}"][2] for r in ranks)}
 
 
-def _part_digest(part: IndexPart | None) -> str:
-    """A digest of an index part (``""`` for none): equal parts travel once."""
-    return "" if part is None else hashlib.blake2b(repr(part).encode("utf-8"), digest_size=16).hexdigest()
+def _part_digest(part: IndexPart | None) -> tuple[str, ...]:
+    """A digest of each piece of an index part (``()`` for none): equal pieces travel once."""
+    if part is None:
+        return ()
+    return tuple(f"{i}:{hashlib.blake2b(repr(piece).encode('utf-8'), digest_size=16).hexdigest()}" for i, piece in enumerate(part))
 
 
 def _sealed(slots: list[Slot], tags: list[str], written: list[tuple[str, str, tuple[str, ...]]]) -> list[tuple[str, bytes]]:
