@@ -78,44 +78,56 @@ def _rank_entries(entries: list[Any], experts: int, mode: str, world: int, rank:
     return out
 
 
-def _part(entries: list[Any], experts: int, mode: str, world: int, rank: int) -> Any:
-    """What `sparse_ckpt._layouts.bucketed_index` makes of this rank's layout: one description per
-    global shape (``Shard(0)`` over a 1-D mesh of every rank), the experts whole."""
-    specs: dict[Any, list[str]] = {}
-    whole = []
+def _parts(entries: list[Any], experts: int, mode: str, world: int) -> list[Any]:
+    """Each saved rank's part of the index, as `sparse_ckpt._layouts.bucketed_index` makes it: one
+    description per global shape (``Shard(0)`` over a 1-D mesh of every rank; the same object on
+    every rank, as the save's exchange gives equal pieces), the experts whole."""
+    specs: dict[Any, set[str]] = {}
+    whole: dict[int, set[str]] = {}
     ranks = tuple(range(world))
     for fqn, _key, _dtype, _itemsize, local in entries:
         g = _expert_of(fqn, experts) if mode == "ep" else None
         if g is None:
-            shape = _sharded(local, world, rank)[0]
-            specs.setdefault((shape, (world,), ranks, (0,)), []).append(fqn)
-        elif g % world == rank:
-            whole.append(fqn)
-    return (
-        tuple((s, tuple(sorted(set(f)))) for s, f in specs.items()),
-        tuple(sorted(set(whole))),
-        (),
-    )
+            specs.setdefault((_sharded(local, world, 0)[0], (world,), ranks, (0,)), set()).add(fqn)
+        else:
+            whole.setdefault(g % world, set()).add(fqn)
+    described = tuple((s, tuple(sorted(f))) for s, f in specs.items())
+    none: tuple[str, ...] = ()
+    return [(described, tuple(sorted(whole.get(r, ()))), none) for r in range(world)]
 
 
-def measure(scale: Any, mode: str, saved: int, load: int, rank: int) -> dict[str, Any]:
-    """Tables and bytes loading rank ``rank`` of ``load`` reads of a ``saved``-rank checkpoint."""
+def measure(scale: Any, modes: list[str], saved: int, load: int, ranks: list[int]) -> list[dict[str, Any]]:
+    """Tables and bytes each loading rank of ``ranks`` (of ``load``) reads of a ``saved``-rank checkpoint."""
     core = _backend.core
     entries, experts = _entries(scale)
-    parts: dict[Any, Any] = {}
-    holders = []
-    for s in range(saved):  # equal parts as one object, as the save's exchange gives them
-        part = _part(entries, experts, mode, saved, s)
-        holders.append((rank_tag(saved, [s]), parts.setdefault(part, part)))
-    t0 = time.perf_counter()
-    index = seal(build_index(LEAF, holders))
-    build_s = time.perf_counter() - t0
-    table_bytes = []
-    for s in range(saved):  # every saved rank's table, encoded and measured, then dropped
-        table, _buckets = core.encode_layout(LEAF, _rank_entries(entries, experts, mode, saved, s), BUCKET_BYTES)
-        table_bytes.append(len(seal(table)))
-    t0 = time.perf_counter()
-    decoded = decode_index(LEAF, "index", index[:-8])
+    rows = []
+    for mode in modes:
+        t0 = time.perf_counter()
+        index = seal(build_index(LEAF, [(rank_tag(saved, [s]), p) for s, p in enumerate(_parts(entries, experts, mode, saved))]))
+        build_s = time.perf_counter() - t0
+        table_bytes = []
+        for s in range(saved):  # every saved rank's table, encoded and measured, then dropped
+            table, _buckets = core.encode_layout(LEAF, _rank_entries(entries, experts, mode, saved, s), BUCKET_BYTES)
+            table_bytes.append(len(seal(table)))
+        for rank in ranks:
+            t0 = time.perf_counter()
+            decoded = decode_index(LEAF, "index", index[:-8])
+            tags = decoded.tags_for(_needs(entries, experts, mode, saved, load, rank))
+            select_s = time.perf_counter() - t0
+            chosen = sorted(int(t.partition("r")[2]) for t in tags)
+            rows.append({
+                "scale": scale.label, "mode": mode, "saved": saved, "load": load, "rank": rank,
+                "state_tensors": len(entries),
+                "without_index": {"tables": saved, "bytes": sum(table_bytes)},
+                "with_index": {"tables": len(chosen), "saved_ranks": chosen, "index_bytes": len(index),
+                               "bytes": len(index) + sum(table_bytes[s] for s in chosen)},
+                "index_build_s": build_s, "index_decode_and_select_s": select_s,
+            })
+    return rows
+
+
+def _needs(entries: list[Any], experts: int, mode: str, saved: int, load: int, rank: int) -> list[Any]:
+    """``(fqn, (global shape, offsets, sizes))`` of the chunks loading rank ``rank`` of ``load`` holds."""
     needs = []
     for fqn, _key, _dtype, _itemsize, local in entries:
         g = _expert_of(fqn, experts) if mode == "ep" else None
@@ -126,17 +138,7 @@ def measure(scale: Any, mode: str, saved: int, load: int, rank: int) -> dict[str
             needs.append((fqn, (shape, (lo, *(0 for _ in shape[1:])), (min(shape[0], lo + step) - lo, *shape[1:]))))
         elif g % load == rank:
             needs.append((fqn, (local, (0,) * len(local), local)))
-    tags = decoded.tags_for(needs)
-    select_s = time.perf_counter() - t0
-    chosen = sorted(int(t.partition("r")[2]) for t in tags)
-    with_index = len(index) + sum(table_bytes[s] for s in chosen)
-    return {
-        "scale": scale.label, "mode": mode, "saved": saved, "load": load, "rank": rank,
-        "state_tensors": len(entries),
-        "without_index": {"tables": saved, "bytes": sum(table_bytes)},
-        "with_index": {"tables": len(chosen), "saved_ranks": chosen, "index_bytes": len(index), "bytes": with_index},
-        "index_build_s": build_s, "index_decode_and_select_s": select_s,
-    }
+    return needs
 
 
 def _ints(text: str) -> list[int]:
@@ -153,18 +155,15 @@ def main(argv: Sequence[str] | None = None) -> int:
     p.add_argument("--json", default=None)
     args = p.parse_args(argv)
     (scale,) = parse_scales(args.scale)
-    rows = []
-    for mode in args.mode.split(","):
-        for rank in args.ranks:
-            row = measure(scale, mode, args.saved, args.load, rank)
-            rows.append(row)
-            w, i = row["without_index"], row["with_index"]
-            print(
-                f"{row['scale']} {mode:<4} {args.saved} -> {args.load} ranks, rank {rank}: without index "
-                f"{w['tables']} tables, {w['bytes']:,} bytes; with index {i['tables']} tables (saved ranks "
-                f"{i['saved_ranks']}) + index of {i['index_bytes']:,} bytes = {i['bytes']:,} bytes "
-                f"(index built in {row['index_build_s']:.2f} s, decoded and selected in {row['index_decode_and_select_s']:.3f} s)"
-            )
+    rows = measure(scale, args.mode.split(","), args.saved, args.load, args.ranks)
+    for row in rows:
+        w, i = row["without_index"], row["with_index"]
+        print(
+            f"{row['scale']} {row['mode']:<4} {args.saved} -> {args.load} ranks, rank {row['rank']}: without index "
+            f"{w['tables']} tables, {w['bytes']:,} bytes; with index {i['tables']} tables (saved ranks "
+            f"{i['saved_ranks']}) + index of {i['index_bytes']:,} bytes = {i['bytes']:,} bytes "
+            f"(index built in {row['index_build_s']:.2f} s, decoded and selected in {row['index_decode_and_select_s']:.3f} s)"
+        )
     if args.json:
         with open(args.json, "w") as f:
             json.dump(rows, f, indent=1)

@@ -35,8 +35,10 @@ __all__ = [
     "LayoutIndex",
     "Spec",
     "build_index",
+    "check_index",
     "chunk_at",
     "decode_index",
+    "same_chunk",
     "shard_ranges",
 ]
 
@@ -274,6 +276,53 @@ class LayoutIndex:
                 alternatives.add(self.rank_tag[ranks[flat]])
             out.append(tuple(sorted(alternatives)))
         return out
+
+
+def check_index(index: LayoutIndex, tables: dict[str, list[tuple[str, str, Any, Any, Any]]]) -> None:
+    """The index agrees with the leaf's layout tables (``tables``: rank tag -> its decoded entries
+    ``(fqn, key, shape, offsets, sizes)``): every table is one of its tags, and every chunk is where
+    the index says (a description's chunk for the tag's first rank, whole, or in a tag it lists);
+    else a :class:`CheckpointFormatError` naming leaf, FQN, key and the index (what ``verify``
+    checks of a checkpoint; a load checks only what it reads)."""
+    where = {tag: i for i, tag in enumerate(index.tags)}
+    coords: dict[Spec, dict[int, tuple[int, ...]]] = {}
+    for tag, entries in tables.items():
+        ti = where.get(tag)
+        if ti is None:
+            raise CheckpointFormatError(
+                f"leaf {index.leaf!r}: layout index {index.key!r} does not list layout tag {tag!r} (a damaged or edited checkpoint)"
+            )
+        rank = min(_tag_ranks(tag))
+        for fqn, key, shape, offsets, sizes in entries:
+            desc = index.of.get(fqn)
+            ok = False
+            if desc is not None and desc[0] == "spec":
+                spec = desc[1]
+                if spec not in coords:
+                    coords[spec] = {r: _unravel(i, spec[1]) for i, r in enumerate(spec[2])}
+                coord = coords[spec].get(rank)
+                ok = spec[0] == shape and coord is not None and same_chunk(chunk_at(spec, coord), (offsets, sizes))
+            elif desc is not None:
+                ok = ti in desc[1] and (desc[0] == "chunks" or (offsets == (0,) * len(shape) and sizes == shape))
+            if not ok:
+                raise CheckpointFormatError(
+                    f"leaf {index.leaf!r}: state {key!r} of {fqn!r} in layout tag {tag!r} is not where the layout "
+                    f"index {index.key!r} says (a damaged or edited checkpoint)"
+                )
+
+
+def _unravel(flat: int, shape: tuple[int, ...]) -> tuple[int, ...]:
+    out = []
+    for d in reversed(shape):
+        out.append(flat % d)
+        flat //= d
+    return tuple(reversed(out))
+
+
+def same_chunk(a: tuple[tuple[int, ...], tuple[int, ...]], b: tuple[tuple[int, ...], tuple[int, ...]]) -> bool:
+    """The same chunk: equal sizes, and equal offsets unless it is empty (where torch places an
+    empty shard does not matter: it holds nothing)."""
+    return a[1] == b[1] and (0 in a[1] or a[0] == b[0])
 
 
 def decode_index(leaf: str, key: str, data: bytes) -> LayoutIndex:

@@ -20,7 +20,7 @@ from torch.distributed.tensor import DTensor, Replicate, Shard
 
 from .. import _backend
 from .._format.keys import BUFFERS_PREFIX, index_tag
-from .._format.layout_index import REPLICATE, IndexPart, Spec, chunk_at
+from .._format.layout_index import REPLICATE, IndexPart, Spec, chunk_at, same_chunk
 from .._format.tags import LAYOUT_SLOT, Slot
 
 
@@ -59,7 +59,7 @@ def _part(slot: Slot, param_of: Mapping[str, torch.Tensor], meshes: dict[int, An
             if spec is not None and spec not in expected:
                 expected[spec] = chunk_at(spec, coord) if coord is not None else None
             mine = expected.get(spec) if spec is not None else None
-            if mine is not None and _same_chunk(mine, (offsets, sizes)):
+            if mine is not None and same_chunk(mine, (offsets, sizes)):
                 specs.setdefault(spec, []).append(fqn)  # type: ignore[arg-type]
             else:
                 chunked.append(fqn)
@@ -88,11 +88,3 @@ def _spec(p: DTensor, shape: tuple[int, ...], meshes: dict[int, Any]) -> tuple[S
         )
     mesh_shape, ranks, coord = known
     return (tuple(shape), mesh_shape, ranks, tuple(codes)), coord
-
-
-def _same_chunk(a: tuple[tuple[int, ...], tuple[int, ...]], b: tuple[tuple[int, ...], tuple[int, ...]]) -> bool:
-    """The same chunk: equal sizes, and equal offsets unless it is empty (torch places an empty
-    shard's offset differently across versions; it holds nothing either way)."""
-    if a[1] != b[1]:
-        return False
-    return 0 in a[1] or a[0] == b[0]

@@ -84,11 +84,12 @@ def expand(
     """The buffered state this rank needs, ``canonical FQN -> {key path: tensor}`` (nested dicts
     for nested keys), allocated like the parameters and filled from the buffers.
 
-    Layouts are those in ``flat`` (a DCP load reads this rank's own, or all of a leaf's when it
-    has none); when they do not cover this rank's chunks (another mesh), or lack state this rank
-    needs (``expected(leaf, found)``: whether a parameter of this rank misses recorded state
-    besides the ``(FQN, key)`` pairs ``found``; another expert-parallel layout), and ``reader``
-    has more, all of the leaf's layouts are read.
+    Layouts are those in ``flat`` (a DCP load reads this rank's own, or, for a leaf with none of
+    its own, its layout index or all of its layouts); when they do not cover this rank's chunks
+    (another mesh), or lack state this rank needs (``expected(leaf, found)``: whether a parameter
+    of this rank misses recorded state besides the ``(FQN, key)`` pairs ``found``; another
+    expert-parallel layout), and ``reader`` has more, the layouts the leaf's index points to for
+    this rank's chunks are read (all of the leaf's without an index; see :func:`_plan`).
     Each needed buffer is taken from ``flat`` or read through ``reader`` (one at a time), checked
     against its layout (dtype, 1-D, length), scattered and dropped."""
     by_leaf = split_items(buffer_keys, flat)

@@ -25,7 +25,14 @@ from torch import nn
 import sparse_ckpt as sc
 from sparse_ckpt import _backend
 from sparse_ckpt._format.keys import BUFFERS_PREFIX, seal
-from sparse_ckpt._format.layout_index import REPLICATE, build_index, chunk_at, decode_index, shard_ranges
+from sparse_ckpt._format.layout_index import (
+    REPLICATE,
+    build_index,
+    check_index,
+    chunk_at,
+    decode_index,
+    shard_ranges,
+)
 from sparse_ckpt._fqn import FqnMap
 from sparse_ckpt._layouts.bucketed_load import BucketReader, expand
 
@@ -209,6 +216,27 @@ def test_an_index_pointing_elsewhere_is_refused() -> None:
         r"index 'state.__buffers__.optim.Iw2r0-1' does not point to",
     ):
         _expand(store, index, ("b",))
+
+
+def test_verify_checks_an_index_against_the_layouts() -> None:
+    """What ``verify`` checks (``check_index``): every chunk of every layout is where the index says."""
+    spec = ((4,), (2,), (0, 1), (0,))
+    tables = {
+        "w2r0": [("s", "exp_avg", (4,), (0,), (2,)), ("e0", "exp_avg", (3,), (0,), (3,))],
+        "w2r1": [("s", "exp_avg", (4,), (2,), (2,)), ("e1", "exp_avg", (3,), (0,), (3,))],
+    }
+    good = [("w2r0", (((spec, ("s",)),), ("e0",), ())), ("w2r1", (((spec, ("s",)),), ("e1",), ()))]
+    check_index(decode_index(LEAF, "k", _index(good)), tables)
+    wrong = [
+        [("w2r0", (((spec, ("s",)),), ("e1",), ())), ("w2r1", (((spec, ("s",)),), ("e0",), ()))],  # experts swapped
+        [("w2r0", (((spec, ("s",)),), ("e0", "e1"), ())), ("w2r1", (((spec, ("s",)),), (), ()))],  # a tag not listing e1
+    ]
+    for parts in wrong:
+        with pytest.raises(sc.CheckpointFormatError, match=r"state 'exp_avg' of 'e.' in layout tag 'w2r.' is not where"):
+            check_index(decode_index(LEAF, "k", _index(parts)), tables)
+    shifted = {**tables, "w2r1": [("s", "exp_avg", (4,), (1,), (2,)), *tables["w2r1"][1:]]}  # not torch's chunk
+    with pytest.raises(sc.CheckpointFormatError, match="state 'exp_avg' of 's' in layout tag 'w2r1'"):
+        check_index(decode_index(LEAF, "k", _index(good)), shifted)
 
 
 def test_one_process_writes_no_index() -> None:

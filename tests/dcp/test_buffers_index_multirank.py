@@ -27,6 +27,7 @@ from _spawned import assert_matches, build_drill, cpu_mesh, local_view, merge_vi
 import sparse_ckpt as sc
 from sparse_ckpt._format.keys import BUFFERS_PREFIX, split_buffers_key
 from sparse_ckpt._save import save as save_module
+from sparse_ckpt.tools import verify_checkpoint
 
 pytestmark = pytest.mark.filterwarnings("ignore:torch.distributed is disabled:UserWarning")
 
@@ -195,6 +196,10 @@ def test_resharding_reads_only_overlapping_layouts(tmp_path: Path) -> None:
     run_spawned(_load_resharded, 4, root, [("ckpt2", 2, True), ("old2", 2, False)])
     _one_process(root, "ckpt4", 4)
     _one_process(root, "ckpt2", 2)
+    # verify checks each index against the layouts; the corrupted one fails its zip CRC already
+    assert verify_checkpoint(f"{root}/ckpt4")["ok"] and verify_checkpoint(f"{root}/ckpt2")["ok"]
+    report = verify_checkpoint(f"{root}/corrupt4")
+    assert not report["ok"] and report["problems"][0]["key"] == f"optim.{corrupt}", report["problems"]
 
 
 def test_expected_tables_follow_the_overlap() -> None:
