@@ -152,29 +152,32 @@ def build_index(leaf: str, holders: list[tuple[str, IndexPart]]) -> bytes:
         for kind, piece in enumerate(part):
             pieces.setdefault((kind, id(piece)), (piece, set()))[1].add(t)
         spec_piece_of[t] = id(part[0])
-    spec_fqns: dict[Spec, set[str]] = {}
-    listed: dict[tuple[int, Spec], set[str]] = {}  # (descriptions piece, spec) -> its FQNs
-    kinds: dict[str, set[Any]] = {}  # fqn -> its descriptions, "whole", "chunks"
+    spec_ids: dict[Spec, int] = {}  # each description once (it holds the mesh's ranks: hashed once)
+    spec_fqns: dict[int, set[str]] = {}
+    listed: dict[tuple[int, int], set[str]] = {}  # (descriptions piece, spec id) -> its FQNs
+    kinds: dict[str, set[Any]] = {}  # fqn -> its spec ids, "whole", "chunks"
     found_in: dict[str, set[tuple[int, int]]] = {}  # fqn -> the pieces listing it
     for (kind, pid), (piece, _tags) in pieces.items():
         if kind == 0:
             for spec, fqns in piece:
-                spec_fqns.setdefault(spec, set()).update(fqns)
-                listed.setdefault((pid, spec), set()).update(fqns)
+                sid = spec_ids.setdefault(spec, len(spec_ids))
+                spec_fqns.setdefault(sid, set()).update(fqns)
+                listed.setdefault((pid, sid), set()).update(fqns)
                 for fqn in fqns:
-                    kinds.setdefault(fqn, set()).add(spec)
+                    kinds.setdefault(fqn, set()).add(sid)
                     found_in.setdefault(fqn, set()).add((kind, pid))
         else:
             for fqn in piece:
                 kinds.setdefault(fqn, set()).add("whole" if kind == 1 else "chunks")
                 found_in.setdefault(fqn, set()).add((kind, pid))
     # a spec is trusted for an FQN only if every rank of its mesh listed the FQN under it
-    good_spec: dict[Spec, set[str]] = {}
-    for spec, fqns in spec_fqns.items():
+    specs = list(spec_ids)
+    good_spec: dict[int, set[str]] = {}
+    for sid, fqns in spec_fqns.items():
         ok = set(fqns)
-        for pid in {spec_piece_of.get(rank_tag.get(rank, -1)) for rank in spec[2]}:
-            ok &= listed.get((pid, spec), set()) if pid is not None else set()
-        good_spec[spec] = ok
+        for pid in {spec_piece_of.get(rank_tag.get(rank, -1)) for rank in specs[sid][2]}:
+            ok &= listed.get((pid, sid), set()) if pid is not None else set()
+        good_spec[sid] = ok
     holding: dict[frozenset[tuple[int, int]], tuple[int, ...]] = {}  # pieces -> the tags holding any
 
     def tags_of(fqn: str) -> tuple[int, ...]:
@@ -189,8 +192,8 @@ def build_index(leaf: str, holders: list[tuple[str, IndexPart]]) -> bytes:
     for fqn in sorted(kinds):
         kind = kinds[fqn]
         only = next(iter(kind)) if len(kind) == 1 else None
-        if isinstance(only, tuple) and fqn in good_spec[only]:
-            described.setdefault(only, []).append(fqn)
+        if type(only) is int and fqn in good_spec[only]:
+            described.setdefault(specs[only], []).append(fqn)
         elif only == "whole":
             whole_of.setdefault(tags_of(fqn), []).append(fqn)
         else:
@@ -249,8 +252,8 @@ class LayoutIndex:
                 pieces.append(value)
             elif kind == "chunks":
                 pieces.extend((t,) for t in value)
-            else:
-                key = (value, chunk)
+            else:  # FQNs of one description share its tuple: keyed by identity, not by its ranks
+                key = (id(value), chunk)
                 if key not in cache:
                     cache[key] = self._spec_pieces(value, chunk)
                 pieces.extend(cache[key])
@@ -286,6 +289,7 @@ def check_index(index: LayoutIndex, tables: dict[str, list[tuple[str, str, Any, 
     checks of a checkpoint; a load checks only what it reads)."""
     where = {tag: i for i, tag in enumerate(index.tags)}
     coords: dict[Spec, dict[int, tuple[int, ...]]] = {}
+    chunks: dict[tuple[Spec, int], Any] = {}
     for tag, entries in tables.items():
         ti = where.get(tag)
         if ti is None:
@@ -301,7 +305,9 @@ def check_index(index: LayoutIndex, tables: dict[str, list[tuple[str, str, Any, 
                 if spec not in coords:
                     coords[spec] = {r: _unravel(i, spec[1]) for i, r in enumerate(spec[2])}
                 coord = coords[spec].get(rank)
-                ok = spec[0] == shape and coord is not None and same_chunk(chunk_at(spec, coord), (offsets, sizes))
+                if coord is not None and (spec, rank) not in chunks:
+                    chunks[(spec, rank)] = chunk_at(spec, coord)
+                ok = spec[0] == shape and coord is not None and same_chunk(chunks[(spec, rank)], (offsets, sizes))
             elif desc is not None:
                 ok = ti in desc[1] and (desc[0] == "chunks" or (offsets == (0,) * len(shape) and sizes == shape))
             if not ok:

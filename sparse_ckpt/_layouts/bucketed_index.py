@@ -41,11 +41,13 @@ def with_index_parts(slots: list[Slot], param_of: Mapping[str, torch.Tensor]) ->
 
 def _part(slot: Slot, param_of: Mapping[str, torch.Tensor], meshes: dict[int, Any]) -> IndexPart:
     leaf = slot.name.partition(":")[2]
-    specs: dict[Spec, list[str]] = {}
+    # per (mesh, placements, shape): the description and the chunk it gives this rank, made once
+    # (a description holds the mesh's ranks: it is never hashed per parameter)
+    known: dict[tuple[Any, ...], tuple[Spec | None, Any]] = {}
+    specs: dict[tuple[Any, ...], list[str]] = {}
     whole: list[str] = []
     chunked: list[str] = []
     done: set[str] = set()
-    expected: dict[Spec, tuple[tuple[int, ...], tuple[int, ...]] | None] = {}
     for _dtype, _numel, entries in _backend.core.decode_layout(leaf, slot.payload):
         for fqn, _key, shape, offsets, sizes in entries:
             if fqn in done:
@@ -55,15 +57,17 @@ def _part(slot: Slot, param_of: Mapping[str, torch.Tensor], meshes: dict[int, An
             if not isinstance(p, DTensor):
                 (whole if offsets == (0,) * len(shape) and sizes == shape else chunked).append(fqn)
                 continue
-            spec, coord = _spec(p, shape, meshes)
-            if spec is not None and spec not in expected:
-                expected[spec] = chunk_at(spec, coord) if coord is not None else None
-            mine = expected.get(spec) if spec is not None else None
+            key = (id(p.device_mesh), p.placements, shape)
+            if key not in known:
+                spec, coord = _spec(p, shape, meshes)
+                known[key] = (spec, chunk_at(spec, coord) if spec is not None and coord is not None else None)
+            mine = known[key][1]
             if mine is not None and same_chunk(mine, (offsets, sizes)):
-                specs.setdefault(spec, []).append(fqn)  # type: ignore[arg-type]
+                specs.setdefault(key, []).append(fqn)
             else:
                 chunked.append(fqn)
-    return tuple((s, tuple(sorted(f))) for s, f in specs.items()), tuple(sorted(whole)), tuple(sorted(chunked))
+    described = tuple((known[key][0], tuple(sorted(f))) for key, f in specs.items())
+    return described, tuple(sorted(whole)), tuple(sorted(chunked))  # type: ignore[return-value]
 
 
 def _spec(p: DTensor, shape: tuple[int, ...], meshes: dict[int, Any]) -> tuple[Spec | None, tuple[int, ...] | None]:
