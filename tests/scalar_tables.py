@@ -71,7 +71,10 @@ def v1_state_keys(sd: Mapping[str, Any], fqns: Iterable[str] = ()) -> list[str]:
 
 
 def _build_v1(model: Any, optimizer: Any, format: str, keying: Any, state_layout: str = "per_tensor", **kw: Any) -> dict:
-    """``build_state_dict`` as packed version 1 writes it: per-item scalars, no scalar tables."""
+    """``build_state_dict`` as packed version 1 writes it: per-item scalars, no scalar tables
+    (and one item per state tensor: version 1 had no other layout, so ``"auto"`` is per-tensor)."""
+    if state_layout == "auto":
+        state_layout = "per_tensor"
     sd = _BUILD_STATE_DICT(model, optimizer, format, keying, state_layout, **kw)
     if format != "packed":
         return sd

@@ -173,9 +173,11 @@ class SparseOptimizerState:
     trainer's optimizer container (docs/semantics.md, *What you pass*); both are checked
     here. ``format`` is ``"packed"`` (default) or ``"flat"`` (torch DSD's flat layout). ``strict`` is
     passed to `sparse_ckpt.load_sparse_state_dict`.
-    ``state_layout`` (packed format): ``"buffers"`` writes each rank's parameter-shaped state of a
-    leaf as a few 1-D items plus a layout table, ``"per_tensor"`` one item per state tensor (see
-    docs/dcp.md, *State layout*); both load into any world size, mesh or layout. Load it with
+    ``state_layout`` (packed format): ``"auto"`` (default) writes each rank's small
+    parameter-shaped state chunks of a leaf as a few 1-D items plus a layout table and every
+    tensor whose chunks reach `sparse_ckpt._layouts.AUTO_OWN_ITEM_BYTES` as an item of its own,
+    ``"buffers"`` buffers them all, ``"per_tensor"`` writes one item per state tensor (see
+    docs/dcp.md, *State layout*); all load into any world size, mesh or layout. Load it with
     ``dcp.load(..., planner=sparse_ckpt.SparseLoadPlanner())``.
 
     In a process group of more than one rank, saved FQNs that the local model does not own are

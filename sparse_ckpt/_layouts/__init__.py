@@ -1,28 +1,54 @@
 """State layouts: how a leaf's parameter-shaped state tensors become DCP items.
 
-``per_tensor`` (default): one item per state tensor (``state.{fqn}.{key}``), written and read by the
-core's flat keys. ``buffers``: per leaf, rank and dtype a few 1-D buckets plus a layout table; its
-save, load and inspection views are :mod:`.bucketed` (save), :mod:`.bucketed_load` and
-:mod:`.bucketed_view`. Keys: docs/formats.md (*State layout*).
+``auto`` (default): per tensor, the ``buffers`` layout for small chunks and one item of its own for
+a chunk of at least :data:`AUTO_OWN_ITEM_BYTES` (what ``per_tensor`` writes for every tensor).
+``per_tensor``: one item per state tensor (``state.{fqn}.{key}``), written and read by the core's
+flat keys. ``buffers``: per leaf, rank and dtype a few 1-D buckets plus a layout table; its save,
+load and inspection views are :mod:`.bucketed` (save), :mod:`.bucketed_load` and
+:mod:`.bucketed_view`. ``auto`` writes nothing ``buffers`` and ``per_tensor`` do not: its
+checkpoints are buffers-layout checkpoints with some state left per item, which the buffers layout
+always allowed. Keys: docs/formats.md (*State layout*).
 """
 
 from __future__ import annotations
 
 from typing import Literal
 
-__all__ = ["DEFAULT_STATE_LAYOUT", "STATE_LAYOUTS", "StateLayout", "check_state_layout"]
+__all__ = [
+    "AUTO_OWN_ITEM_BYTES",
+    "DEFAULT_STATE_LAYOUT",
+    "STATE_LAYOUTS",
+    "StateLayout",
+    "check_state_layout",
+    "own_item_bytes",
+]
 
-StateLayout = Literal["per_tensor", "buffers"]
-STATE_LAYOUTS = ("per_tensor", "buffers")
-DEFAULT_STATE_LAYOUT: StateLayout = "per_tensor"
-"""The state layout of :class:`~sparse_ckpt.SparseOptimizerState` and ``MultiOptimizer`` when none is given."""
+StateLayout = Literal["auto", "per_tensor", "buffers"]
+STATE_LAYOUTS = ("auto", "per_tensor", "buffers")
+DEFAULT_STATE_LAYOUT: StateLayout = "auto"
+"""The state layout of `sparse_state_dict`, :class:`~sparse_ckpt.SparseOptimizerState` and
+``MultiOptimizer`` when none is given."""
+
+AUTO_OWN_ITEM_BYTES = 1 << 20
+"""``state_layout="auto"``: a state tensor whose largest chunk (over the ranks) has at least this
+many bytes is an item of its own; smaller ones go into buffers. Measured: ``python -m bench.scale
+threshold`` (bench/README.md, *Scale*): below it, DCP's per-item cost exceeds the copy into a
+buffer; above it, the copy costs more than the item."""
 
 
 def check_state_layout(state_layout: object, format: str = "packed") -> StateLayout:
-    """``state_layout`` validated: ``"per_tensor"`` or ``"buffers"`` (the latter only with
-    ``format="packed"``: torch DSD's flat layout has one item per state value)."""
+    """``state_layout`` validated: one of :data:`STATE_LAYOUTS` (``"buffers"`` only with
+    ``format="packed"``: torch DSD's flat layout has one item per state value, which is what
+    ``"auto"`` means there)."""
     if state_layout not in STATE_LAYOUTS:
         raise ValueError(f"state_layout must be one of {STATE_LAYOUTS}, got {state_layout!r}")
     if state_layout == "buffers" and format != "packed":
         raise ValueError("state_layout='buffers' needs format='packed' (the flat format is torch DSD's layout)")
     return state_layout  # type: ignore[return-value]
+
+
+
+def own_item_bytes(state_layout: StateLayout) -> int | None:
+    """For a layout that buffers (``auto``, ``buffers``): the chunk size from which a
+    parameter-shaped state tensor is an item of its own instead (``None``: never, ``buffers``)."""
+    return AUTO_OWN_ITEM_BYTES if state_layout == "auto" else None

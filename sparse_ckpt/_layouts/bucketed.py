@@ -11,6 +11,7 @@ is :mod:`.bucketed_load`, the tools' view :mod:`.bucketed_view`.
 
 from __future__ import annotations
 
+import math
 from collections.abc import Mapping
 from typing import Any
 
@@ -48,6 +49,23 @@ class _Geometry:
 
     def __init__(self) -> None:
         self._cache: dict[Any, Chunk | None] = {}
+        self._largest: dict[Any, int] = {}
+
+    def largest(self, p: torch.Tensor) -> int:
+        """The element count of the parameter's largest chunk over all ranks (the same number on
+        every rank: torch's ``Shard`` gives the first ranks along a mesh dimension ceil-sized
+        chunks); a plain tensor's own count."""
+        if not isinstance(p, DTensor):
+            return p.numel()
+        spec = (tuple(p.shape), p.device_mesh, p.placements)
+        n = self._largest.get(spec)
+        if n is None:
+            dims = list(spec[0])
+            for m, pl in enumerate(p.placements):
+                if isinstance(pl, Shard):
+                    dims[pl.dim] = -(-dims[pl.dim] // p.device_mesh.size(m))
+            n = self._largest[spec] = math.prod(dims)
+        return n
 
     def of(self, p: torch.Tensor) -> Chunk | None:
         """``None`` for a DTensor whose placements are not all ``Shard``/``Replicate`` (its state
@@ -66,10 +84,19 @@ class _Geometry:
 
 
 def collect(
-    leaf: str, state_fqn: Mapping[str, Any], items: dict[str, Any], param_of: Mapping[str, torch.Tensor]
+    leaf: str,
+    state_fqn: Mapping[str, Any],
+    items: dict[str, Any],
+    param_of: Mapping[str, torch.Tensor],
+    own_item_bytes: int | None = None,
 ) -> tuple[list[tuple[Any, ...]], list[torch.Tensor]]:
     """Take the parameter-shaped state tensors out of ``items`` (the leaf's per-item entries):
-    ``(entries, locals)`` -- the core's layout entries and each entry's local tensor."""
+    ``(entries, locals)`` -- the core's layout entries and each entry's local tensor.
+
+    ``own_item_bytes`` (``state_layout="auto"``): a state tensor whose largest chunk over all
+    ranks has at least that many bytes stays in ``items`` (decided from the global shape and
+    placements, so every rank decides alike and DCP sees the tensor as one sharded item); ``None``
+    buffers them all."""
     entries: list[tuple[Any, ...]] = []
     local: list[torch.Tensor] = []
     geometry = _Geometry()
@@ -102,6 +129,8 @@ def collect(
                     break
             if tuple(t.shape) != chunk[2]:
                 continue
+            if own_item_bytes is not None and geometry.largest(p) * t.element_size() >= own_item_bytes:
+                continue  # large enough to be an item of its own: no copy into a buffer
             part = key if is_plain_part(key) else escape_part(key)
             if part is None or items.pop(f"{STATE_PREFIX}{fqn}.{part}", missing) is missing:
                 continue  # a 0-d parameter's state went into the scalar table

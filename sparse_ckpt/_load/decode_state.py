@@ -57,6 +57,9 @@ def merge_state(
     extra = buffered(keys_of) if buffered is not None else None
     if extra:
         _add_buffered(state_of, extra, keys_of)
+        if keys_of:  # parameters in the saved state order (the scalar tables list every one with state)
+            position = {fqn: i for i, fqn in enumerate(keys_of)}
+            state_of = dict(sorted(state_of.items(), key=lambda kv: position.get(kv[0], len(position))))
     if scalar_tables:
         state_of = merge_scalars(state_of, scalars_of)
         check_complete(state_of, keys_of, owned if owned is not None else keys_of)
@@ -174,10 +177,13 @@ def decode_scalar_tables(
         scalars, blobs, items = split_items_record(scalars, blobs, groups)
         if items is not None and records is not None:
             records.append(items)
+        # The records, taken out of each scalar dict once (groups may share a dict: a table
+        # written in state order has one group per run of parameters, see save._in_state_order).
+        keys_at = [_recorded_keys(key, d.pop(KEYS_ENTRY, None)) for d in scalars]
+        lens_at = [_recorded_lens(key, d.pop(LENS_ENTRY, None)) for d in scalars]
         for idx, fqns in groups:
             blob = blobs[idx]
-            keys = _recorded_keys(key, scalars[idx].pop(KEYS_ENTRY, None))
-            lens = _recorded_lens(key, scalars[idx].pop(LENS_ENTRY, None))
+            keys, lens = keys_at[idx], lens_at[idx]
             entry = (scalars[idx], leaf)
             recorded = None if keys is None or keys_of is None else (keys, leaf)
             for saved in fqns:

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+from collections.abc import Mapping
 from dataclasses import dataclass, field
 from typing import Any, Literal
 
@@ -26,7 +27,7 @@ from .._format.tags import GROUPS_SLOT, LAYOUT_SLOT, SCALARS_SLOT, Keying, Slot
 from .._format.tensor_parts import CODEC_DTYPES, tensor_to_parts
 from .._fqn import Model, build_fqn_map
 from .._gc import gc_paused
-from .._layouts import StateLayout, bucketed, check_state_layout
+from .._layouts import StateLayout, bucketed, check_state_layout, own_item_bytes
 from .._layouts.bucketed_index import index_key, with_index_parts
 from .._leaves import named_leaves
 from ..errors import CheckpointFormatError, CheckpointMismatchError
@@ -68,9 +69,11 @@ def sparse_state_dict(
     are keyed by their content digest (a `sparse_ckpt.SparseOptimizerState` saved by
     ``dcp.save`` gets stable, rank-set keys instead).
 
-    ``state_layout="buffers"`` (packed format only) puts each leaf's parameter-shaped state
-    tensors into a few 1-D buffers with a layout table instead of one item per tensor (see
-    docs/dcp.md, *State layout*); ``"per_tensor"`` writes one item per tensor.
+    ``state_layout="per_tensor"`` (the default here: the dict holds the live state tensors, no
+    copy) gives one item per tensor; ``"buffers"`` (packed format only) puts each leaf's
+    parameter-shaped state tensors into a few 1-D buffers (copies) with a layout table, ``"auto"``
+    (what `sparse_ckpt.SparseOptimizerState` saves by default) only those below a size (see
+    docs/dcp.md, *State layout*); with ``format="flat"``, ``"auto"`` is one item per tensor.
     """
     if format not in FORMATS:
         raise ValueError(f"format must be one of {FORMATS}, got {format!r}")
@@ -112,11 +115,13 @@ def build_state_dict(
             )
             if scalar_groups:
                 scalar_groups = record_lists(items, scalar_groups)
+                if state_layout != "per_tensor":  # no per-item keys to carry the state order
+                    scalar_groups = _in_state_order(scalar_groups, state_fqn)
                 scalars = encode_table(leaf, scalar_groups)
                 parts.append(_Part("table", leaf, prefix=SCALARS_PREFIX))
                 slots.append(Slot.of(SCALARS_SLOT, leaf, scalars))
-            if state_layout == "buffers":
-                entries, local = bucketed.collect(leaf, state_fqn, items, fmap.param_of)
+            if state_layout != "per_tensor":
+                entries, local = bucketed.collect(leaf, state_fqn, items, fmap.param_of, own_item_bytes(state_layout))
                 if entries:
                     layout, buckets = core.encode_layout(leaf, entries, bucketed.BUCKET_BYTES)
                     parts.append(_Part("layout", leaf, buckets=bucketed.fill(buckets, local)))
@@ -150,6 +155,26 @@ def build_state_dict(
     if guards and format == "packed":
         out.update(dict.fromkeys(foreign_guard_keys(first_fqns), foreign_guard_value()))
     return out
+
+
+def _in_state_order(groups: list[tuple[dict[str, Any], list[str]]], state_fqn: Mapping[str, Any]) -> list[tuple[dict[str, Any], list[str]]]:
+    """A scalar table's groups as runs of parameters in state order, each run referring to its
+    scalar dict (a dict shared by several runs is encoded once): the table then lists every
+    parameter with state in the order the optimizer holds it, which a load restores when buffered
+    state has no per-item key to say where it was (docs/formats.md, *Packed format*)."""
+    if len(groups) < 2:
+        return groups
+    of = {fqn: settings for settings, fqns in groups for fqn in fqns}
+    runs: list[tuple[dict[str, Any], list[str]]] = []
+    for fqn in state_fqn:
+        settings = of.get(fqn)
+        if settings is None:
+            continue
+        if runs and runs[-1][0] is settings:
+            runs[-1][1].append(fqn)
+        else:
+            runs.append((settings, [fqn]))
+    return runs
 
 
 @dataclass

@@ -314,7 +314,9 @@ def test_flat_format_has_no_buffers() -> None:
         sc.MultiOptimizer(model, {"o": src}, state_layout="rows")  # type: ignore[arg-type]
     with warnings.catch_warnings():
         warnings.simplefilter("ignore")
-        assert sc.SparseOptimizerState(model, src, format="flat").state_layout == "per_tensor"
+        flat = sc.SparseOptimizerState(model, src, format="flat")
+        assert flat.state_layout == "auto"  # the default; in the flat format: one item per value
+        assert not [k for k in flat.state_dict() if "__buffers__" in k]
 
 
 # --------------------------------------------------------------------------- checkpoint tools

@@ -1,8 +1,11 @@
-"""``state_layout="buffers"`` resharding drills on Gloo ranks (spawned, explicit CPU mesh): a
-checkpoint saved by 2 ranks (FSDP2 over float32 and bfloat16 layers, expert parallelism 2) loads
+"""``state_layout="buffers"`` and ``"auto"`` (the default) resharding drills on Gloo ranks (spawned,
+explicit CPU mesh): a checkpoint saved by 2 ranks (FSDP2 over float32 and bfloat16 layers, expert parallelism 2) loads
 bit-exactly -- parameters, state and lr -- into 2 ranks (same layout, then one more step), into
 one process, into 4 ranks (expert parallelism 4, an empty FSDP shard) and into 2 ranks that both
 hold every expert (expert-parallel degree 1). Both core backends (each test runs on both).
+With ``"auto"`` the save's threshold is lowered to :data:`AUTO_BYTES`, so that the float32
+``dense.weight`` (largest chunk 72 bytes) and the experts' weights (144 bytes) are items of their
+own while the rest is buffered: the drills then read both kinds.
 """
 
 from __future__ import annotations
@@ -28,8 +31,12 @@ from _spawned import (
 )
 
 import sparse_ckpt as sc
+import sparse_ckpt._layouts as layouts
 from sparse_ckpt._format.keys import BUFFERS_PREFIX
 from sparse_ckpt._layouts import bucketed_load
+
+AUTO_BYTES = 72
+"""The ``auto`` threshold of these drills: a 6x6 float32 weight's 3-row chunk (72 bytes) on 2 ranks."""
 
 pytestmark = pytest.mark.filterwarnings("ignore:torch.distributed is disabled:UserWarning")
 
@@ -53,18 +60,26 @@ def _load(path: str, model: Any, opt: sc.MultiOptimizer) -> list[str]:
     return read
 
 
-def _save_ep2(rank: int, world_size: int, root: str) -> None:
+def _save_ep2(rank: int, world_size: int, root: str, layout: str) -> None:
     """Save at EP 2 (rank r: experts 2r, 2r+1, the second idle); reload on the same layout and on
     expert parallelism 1 (both ranks hold every expert); one more step."""
+    layouts.AUTO_OWN_ITEM_BYTES = AUTO_BYTES
     mesh = cpu_mesh(world_size)
-    model, opt = build_drill((2 * rank, 2 * rank + 1), mesh)
+    model, opt = build_drill((2 * rank, 2 * rank + 1), mesh, state_layout=layout)
     train_drill(model, opt, 2, seed=0, rank=rank)
     dcp.save({"model": model.state_dict(), "optim": opt}, checkpoint_id=f"{root}/ckpt")
     view = local_view(model, opt)
     torch.save(view, f"{root}/ref{rank}.pt")
     md = dcp.FileSystemReader(f"{root}/ckpt").read_metadata()
     optim = [k.removeprefix("optim.") for k in md.state_dict_metadata if k.startswith("optim.state.")]
-    assert not [k for k in optim if not k.startswith(("state.__packed__.", BUFFERS_PREFIX))], optim  # no per-item state
+    per_item = {k for k in optim if not k.startswith(("state.__packed__.", BUFFERS_PREFIX))}
+    if layout == "buffers":
+        assert not per_item, per_item
+    else:  # the chunks of at least AUTO_BYTES, on every rank alike (dense.weight one sharded item)
+        big = ["dense.weight", "experts.0.weight", "experts.2.weight"]
+        assert per_item == {f"state.{f}.{k}" for f in big for k in ("exp_avg", "exp_avg_sq")}, per_item
+        chunks = md.state_dict_metadata["optim.state.dense.weight.exp_avg"].chunks
+        assert sorted(tuple(c.offsets) for c in chunks) == [(0, 0), (3, 0)]
     # per rank: a layout per leaf, one buffer per (leaf, dtype): dense holds float32 and bfloat16;
     # and one layout index per leaf, the same on every rank (written once)
     assert len([k for k in optim if k.startswith(BUFFERS_PREFIX)]) == world_size * (2 + 3) + 2
@@ -96,9 +111,10 @@ def _load_ep(rank: int, world_size: int, root: str, experts_per_rank: int, label
     dist.barrier()
 
 
-def test_resharding_drills(tmp_path: Path) -> None:
+@pytest.mark.parametrize("layout", ["buffers", "auto"])
+def test_resharding_drills(tmp_path: Path, layout: str) -> None:
     root = str(tmp_path)
-    run_spawned(_save_ep2, 2, root)
+    run_spawned(_save_ep2, 2, root, layout)
     reference = merge_views([torch.load(f"{root}/ref{r}.pt") for r in range(2)])
     assert sorted(reference) == sorted(
         ["dense.weight", "dense.bias", "proj.weight", "proj.bias"] + [f"experts.{i}.{p}" for i in range(4) for p in ("weight", "bias")]

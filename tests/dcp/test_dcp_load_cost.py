@@ -63,7 +63,7 @@ def test_state_dict_outside_dcp_load_is_full() -> None:
     model, opt = _trained(1)
     st = sc.SparseOptimizerState(model, opt)
     sd = st.state_dict()
-    full = sc.sparse_state_dict(model, opt)
+    full = sc.sparse_state_dict(model, opt, state_layout=st.state_layout)
     guards = {k for k, v in sd.items() if is_foreign_guard(k, v)}
     assert PLANNER_GUARD_KEY in sd and sd.keys() == {PLANNER_GUARD_KEY, *full, *guards} and len(guards) == 2
     assert not called_by_dcp_load(sys._getframe())

@@ -176,6 +176,10 @@ def test_state_dict_equals_sparse_state_dict() -> None:
     guards = {k for k, v in sd.items() if is_foreign_guard(k, v)}  # one per leaf (its first FQN), one nested
     assert guards == {"param_groups.experts.0.up.weight.lr", "param_groups.embed.weight.lr", "param_groups.0.lr"}
     sd = {k: v for k, v in sd.items() if k != PLANNER_GUARD_KEY and k not in guards}
+    assert mo.state_layout == "auto"  # the DCP default; sparse_state_dict's is per_tensor (live tensors)
+    assert_deep_equal(sd, sc.sparse_state_dict(model, mo, state_layout="auto"), "mo.state_dict() vs sparse_state_dict")
+    mo.state_layout = "per_tensor"
+    sd = {k: v for k, v in mo.state_dict().items() if k != PLANNER_GUARD_KEY and k not in guards}
     assert_deep_equal(sd, sc.sparse_state_dict(model, mo), "mo.state_dict() vs sparse_state_dict")
     tables = [k for k in sd if k.startswith(f"param_groups.{PACKED_MARKER}.")]
     assert [k.split(".")[2] for k in tables] == ["experts", "dense"]

@@ -66,7 +66,10 @@ def torch_round_trip(model: nn.Module, src: torch.optim.Optimizer, make: Callabl
 
 
 def dcp_save(path: Path, model: nn.Module, opt: Any, fmt: str = "packed") -> None:
-    dcp.save({"optim": sc.SparseOptimizerState(model, opt, format=fmt)}, checkpoint_id=str(path), no_dist=True)
+    # Per-item state tensors, as packed version 1 wrote them: this file compares how the versions
+    # store scalars (tables vs items); the state layout is another matter (tests/dcp/test_auto_layout.py).
+    state = sc.SparseOptimizerState(model, opt, format=fmt, state_layout="per_tensor")
+    dcp.save({"optim": state}, checkpoint_id=str(path), no_dist=True)
 
 
 def dcp_load(path: Path, model: nn.Module, opt: Any, **kw: Any) -> None:

@@ -50,7 +50,10 @@ def checkpoint(tmp_path: Path) -> tuple[Path, nn.Module, sc.MultiOptimizer]:
     for group in opt["idle"].param_groups:
         group["lr"] = 0.0025
     path = tmp_path / "ckpt"
-    dcp.save({"model": model.state_dict(), "optim": sc.SparseOptimizerState(model, opt)}, checkpoint_id=path)
+    # Per-item state: these tests name, flip and truncate single state items (the default layout's
+    # buffers: tests/dcp/test_buffers.py, tests/dcp/test_auto_layout.py).
+    state = sc.SparseOptimizerState(model, opt, state_layout="per_tensor")
+    dcp.save({"model": model.state_dict(), "optim": state}, checkpoint_id=path)
     return path, model, opt
 
 
