@@ -21,7 +21,7 @@ from __future__ import annotations
 import math
 from collections.abc import Iterable
 from dataclasses import dataclass, field
-from itertools import product
+from itertools import islice, product
 from typing import Any
 
 from ..errors import CheckpointFormatError
@@ -48,6 +48,9 @@ HEADER = "~index"
 REPLICATE = -1
 """A placement code: ``Replicate()``; a code ``d >= 0`` is ``Shard(d)``."""
 MAX_NDIM = 64
+MAX_REPLICAS = 64
+"""Replicas of a chunk considered when choosing which table to read it from (the work per chunk
+stays bounded whatever the mesh; a chunk of a larger replica group comes from one of its first)."""
 
 Spec = tuple[tuple[int, ...], tuple[int, ...], tuple[int, ...], tuple[int, ...]]
 """A sharding description: ``(global shape, mesh shape, mesh ranks row-major, placement codes)``."""
@@ -274,7 +277,7 @@ class LayoutIndex:
         for fixed in coords:
             free = [m for m in range(len(mesh)) if m not in fixed]
             alternatives = set()
-            for combo in product(*(range(mesh[m]) for m in free)):
+            for combo in islice(product(*(range(mesh[m]) for m in free)), MAX_REPLICAS):
                 flat = sum(fixed[m] * strides[m] for m in fixed) + sum(c * strides[m] for m, c in zip(free, combo))
                 alternatives.add(self.rank_tag[ranks[flat]])
             out.append(tuple(sorted(alternatives)))
