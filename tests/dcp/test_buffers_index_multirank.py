@@ -1,8 +1,8 @@
 """The layout index of ``state_layout="buffers"`` on Gloo ranks (spawned, explicit CPU mesh; FSDP2
 over ``dense``/``proj``, 6 rows each, plus plain experts): a resharding load reads only the layout
 tables whose chunks overlap what the rank needs, counted at the storage reader, and loads
-bit-exactly -- 4 -> 2 (expert parallelism 4 -> 2), 2 -> 4, 4 -> 1, 2 -> 1 and 2 -> 2 with expert
-parallelism 2 -> 1. A checkpoint written
+bit-exactly -- 4 -> 2 (expert parallelism 4 -> 2), 2 -> 4, 4 -> 1, 2 -> 1, 2 -> 2 with expert
+parallelism 2 -> 1 and 4 -> 4 on an HSDP mesh (2 x 2). A checkpoint written
 without an index (before it) still loads, reading every table; a lost or corrupted index is refused.
 """
 
@@ -23,6 +23,7 @@ import torch
 import torch.distributed as dist
 import torch.distributed.checkpoint as dcp
 from _spawned import assert_matches, build_drill, cpu_mesh, local_view, merge_views, run_spawned, train_drill
+from torch.distributed.device_mesh import init_device_mesh
 
 import sparse_ckpt as sc
 from sparse_ckpt._format.keys import BUFFERS_PREFIX, split_buffers_key
@@ -119,6 +120,14 @@ def _load_resharded(rank: int, world_size: int, root: str, cases: list[tuple[str
         want = expected_tables(saved, world_size, rank) if indexed else {leaf: set(range(saved)) for leaf in ("dense", "experts")}
         assert layouts_read(read) == want, (name, rank, read)
         dist.barrier()
+    if world_size == 4:  # the same world on another mesh: HSDP (2 replicas x 2 shards) reads the
+        # index when its own layout does not cover its 3 rows, then the tables holding them
+        hsdp = init_device_mesh("cpu", (2, 2), mesh_dim_names=("replicate", "shard"))
+        model, opt, read = _load(f"{root}/ckpt4", world_size, rank, hsdp)
+        assert_matches(local_view(model, opt), _reference(root, 4), f"rank {rank}: ckpt4 -> 4, HSDP 2x2")
+        rows = {s for s in range(4) if set(_rows(2, rank % 2)) & set(_rows(4, s))}
+        assert layouts_read(read) == {"dense": {rank} | rows, "experts": {rank}}, read
+        dist.barrier()
     if world_size == 2:  # the same world, expert parallelism 2 -> 1: this rank's own dense layout, and
         # the experts' tables the index points to (experts 0 and 2 have state: saved ranks 0 and 1)
         model, opt, read = _load(f"{root}/ckpt2", world_size, rank, mesh, range(EXPERTS))
@@ -193,7 +202,7 @@ def test_resharding_reads_only_overlapping_layouts(tmp_path: Path) -> None:
         "lost4": ("CheckpointMismatchError", f"item {lost!r} is missing"),
         "corrupt4": ("CheckpointFormatError", f"layout index '{corrupt}' does not match its sealed digest"),
     })
-    run_spawned(_load_resharded, 4, root, [("ckpt2", 2, True), ("old2", 2, False)])
+    run_spawned(_load_resharded, 4, root, [("ckpt2", 2, True), ("old2", 2, False)])  # and ckpt4 on HSDP
     _one_process(root, "ckpt4", 4)
     _one_process(root, "ckpt2", 2)
     # verify checks each index against the layouts; the corrupted one fails its zip CRC already
