@@ -175,14 +175,20 @@ class Keying:
 
 
 def _index_holders(held: list[dict[str, Any]]) -> dict[str, list[int]]:
-    """``leaf -> ranks holding a layout of it`` for every leaf whose layouts all carry an index part."""
+    """``leaf -> ranks holding a layout of it`` for every leaf whose layouts all carry an index part
+    and are not all one table (replicas: a load reads that one table, there is nothing to choose)."""
     leaves: dict[str, list[int]] = {}
     for r, h in enumerate(held):
         for name in h:
             kind, _sep, leaf = name.partition(":")
             if kind == LAYOUT_SLOT:
                 leaves.setdefault(leaf, []).append(r)
-    return {leaf: ranks for leaf, ranks in leaves.items() if all(held[r][f"{LAYOUT_SLOT}:{leaf}"][2] for r in ranks)}
+    return {
+        leaf: ranks
+        for leaf, ranks in leaves.items()
+        if all(held[r][f"{LAYOUT_SLOT}:{leaf}"][2] for r in ranks)
+        and len({held[r][f"{LAYOUT_SLOT}:{leaf}"][0] for r in ranks}) > 1
+    }
 
 
 def _part_digest(part: IndexPart | None) -> tuple[str, ...]:

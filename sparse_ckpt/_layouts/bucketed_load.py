@@ -226,19 +226,21 @@ def _plan(
         for key in keys:
             unread.pop(key, None)
 
-    def attempt() -> tuple[list[tuple[str, bytes]], Any, set[tuple[str, str]]]:
+    def attempt() -> tuple[list[tuple[str, bytes]], Any, set[tuple[str, str]], bool]:
+        """The plan over the layouts read so far, what it finds, and whether this rank's state is
+        (also) elsewhere: ``expected`` says a parameter misses recorded state while more layouts
+        are readable."""
         layouts = _open_layouts(leaf, items.layouts)
         plan = core.plan_scatter(leaf, [payload for _ranks, payload in layouts], chunk_of)
         found = {(fmap.canonical.get(t[0], t[0]), t[1]) for t in plan[0]}
-        if unread and expected is not None and expected(leaf, found):
-            raise _StateElsewhere(found)
-        return layouts, plan, found
+        return layouts, plan, found, bool(unread) and expected is not None and expected(leaf, found)
 
     if items.layouts or not unread:
         try:
-            layouts, plan, _found = attempt()
-            return layouts, plan
-        except (CheckpointMismatchError, _StateElsewhere):
+            layouts, plan, _found, elsewhere = attempt()
+            if not elsewhere:
+                return layouts, plan
+        except CheckpointMismatchError:
             if not unread:
                 raise
     index = _index(leaf, items, reader) if unread else None
@@ -248,26 +250,17 @@ def _plan(
         selected = index.tags_for(needs)
         read([key for key, ranks in unread.items() if ranks in selected])
         try:
-            layouts, plan, _found = attempt()
-            return layouts, plan
+            layouts, plan, by_index, elsewhere = attempt()
+            if not elsewhere:
+                return layouts, plan
         except CheckpointMismatchError as exc:
             by_index = exc
-        except _StateElsewhere as exc:
-            by_index = exc.found
     if unread:
         read(list(unread))
-    layouts, plan, found = attempt()
+    layouts, plan, found, _elsewhere = attempt()
     if index is not None:
         _check_index(leaf, index.key, by_index, layouts, plan, found)
     return layouts, plan
-
-
-class _StateElsewhere(Exception):
-    """The layouts planned from lack state this rank needs: more layouts must be read."""
-
-    def __init__(self, found: set[tuple[str, str]]) -> None:
-        super().__init__("state of this rank is in other ranks' layouts")
-        self.found = found
 
 
 def _index(leaf: str, items: _LeafItems, reader: BucketReader | None) -> LayoutIndex | None:
