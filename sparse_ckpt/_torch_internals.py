@@ -22,11 +22,15 @@ Why each is needed:
 * ``torch.Tensor._make_subclass`` and DCP's tensor protocol (``__create_chunk_list__``,
   ``__get_tensor_shard__``): the planner guard, and a DTensor's local chunk;
 * torch DSD's private ``_gather_state_dict``/``_offload_state_dict_to_cpu`` (``integrations.dsd``:
-  ``full_state_dict`` and ``cpu_offload`` exactly as DSD does them).
+  ``full_state_dict`` and ``cpu_offload`` exactly as DSD does them);
+* where a ``FileSystemReader`` keeps an item's bytes (its ``path`` and the metadata's private
+  ``_StorageInfo`` records): a whole one-chunk tensor item read straight into its own tensor,
+  without the copy into a second tensor that ``read_data`` makes (buffers-layout loads).
 """
 
 from __future__ import annotations
 
+import os
 import sys
 from collections.abc import Callable
 from types import FrameType
@@ -242,6 +246,23 @@ def local_chunk(dtensor: Any) -> Any:
     return chunk
 
 
+def file_item_location(storage_reader: Any, storage_info: Any) -> tuple[str, int, int] | None:
+    """``(file, offset, length)`` of the bytes of a DCP item (``storage_info``: its entry in the
+    metadata's ``storage_data``) that ``storage_reader`` would read, when it is torch's own
+    ``FileSystemReader`` (not a subclass) and the item was written without stream transforms;
+    ``None`` otherwise (the caller then reads through ``read_data``)."""
+    from torch.distributed.checkpoint import FileSystemReader
+
+    if type(storage_reader) is not FileSystemReader or getattr(storage_info, "transform_descriptors", None):
+        return None
+    root = getattr(storage_reader, "path", None)
+    rel = getattr(storage_info, "relative_path", None)
+    offset, length = getattr(storage_info, "offset", None), getattr(storage_info, "length", None)
+    if not isinstance(root, (str, os.PathLike)) or type(rel) is not str or type(offset) is not int or type(length) is not int:
+        return None
+    return os.path.join(root, rel), offset, length
+
+
 ACCESSES: dict[str, str] = {
     "torch.optim.Optimizer._optimizer_state_dict_pre_hooks": "2.13.0",
     "torch.optim.Optimizer._optimizer_state_dict_post_hooks": "2.13.0",
@@ -259,6 +280,7 @@ ACCESSES: dict[str, str] = {
     "sys._getframe / sys._current_frames (CPython)": "CPython 3.11, torch 2.13.0",
     "torch.distributed._state_dict_utils._gather_state_dict (integrations.dsd)": "2.13.0",
     "torch.distributed._state_dict_utils._offload_state_dict_to_cpu (integrations.dsd)": "2.13.0",
+    "FileSystemReader.path and _StorageInfo.relative_path/offset/length/transform_descriptors (item bytes)": "2.13.0, 2.7.0",
 }
 """Every torch internal the library touches -> the versions it was checked on.
 tests/core/test_torch_internals.py checks each entry against the installed torch; CI runs it on

@@ -23,6 +23,7 @@ from torch.distributed.tensor import DTensor
 from torch.distributed.tensor import empty as dtensor_empty
 
 from .._format.keys import BUFFERS_PREFIX, PACKED_PREFIX, SCALARS_PREFIX, STEP_KEY, is_table_key, table_kind
+from .._torch_internals import file_item_location
 from ..errors import CheckpointFormatError, CheckpointMismatchError
 
 __all__ = ["ItemPlanner", "allocate_item", "allocate_like", "read_items", "weights_only_item", "weights_only_object"]
@@ -180,5 +181,96 @@ def read_items(
                     f"checkpoint item {item.storage_index.fqn!r} has no storage entry in the checkpoint's "
                     ".metadata (a damaged or partial copy): its data cannot be found"
                 )
-    storage_reader.read_data(plan, planner).wait()
+    rest = _read_files_directly(storage_reader, metadata, plan.items, planner)
+    if rest:
+        plan.items[:] = rest
+        storage_reader.read_data(plan, planner).wait()
     return planner.values
+
+
+class _FileSlice(io.RawIOBase):
+    """Bytes ``[offset, offset + length)`` of an open file as a seekable stream (what ``torch.load``
+    reads a DCP item from)."""
+
+    def __init__(self, f: Any, offset: int, length: int) -> None:
+        super().__init__()
+        self._f, self._start, self._len, self._pos = f, offset, length, 0
+
+    def readable(self) -> bool:
+        return True
+
+    def seekable(self) -> bool:
+        return True
+
+    def tell(self) -> int:
+        return self._pos
+
+    def seek(self, pos: int, whence: int = io.SEEK_SET) -> int:
+        base = {io.SEEK_SET: 0, io.SEEK_CUR: self._pos, io.SEEK_END: self._len}[whence]
+        self._pos = max(0, min(self._len, base + pos))
+        return self._pos
+
+    def readinto(self, b: Any) -> int:
+        n = min(len(memoryview(b).cast("B")), self._len - self._pos)
+        if n <= 0:
+            return 0
+        self._f.seek(self._start + self._pos)
+        got = self._f.readinto(memoryview(b).cast("B")[:n])
+        self._pos += got
+        return got
+
+
+def _read_files_directly(storage_reader: Any, metadata: Metadata, items: list[ReadItem], planner: ItemPlanner) -> list[ReadItem]:
+    """Read the plan's whole one-chunk tensor items straight from their files into their own
+    tensors (``torch.load`` of the item's bytes: one read, where ``read_data`` loads into one tensor
+    and copies into another), in file order; return the items left for ``read_data`` (bytes items,
+    chunks of an item, other storage readers)."""
+    storage = getattr(metadata, "storage_data", None)
+    if not isinstance(storage, Mapping):
+        return items
+    by_key: dict[str, int] = {}
+    for item in items:
+        by_key[item.dest_index.fqn] = by_key.get(item.dest_index.fqn, 0) + 1
+    direct: list[tuple[str, int, int, ReadItem]] = []
+    rest: list[ReadItem] = []
+    for item in items:
+        key = item.dest_index.fqn
+        md = metadata.state_dict_metadata[key]
+        where = None
+        if (
+            isinstance(md, TensorStorageMetadata)
+            and by_key[key] == 1
+            and tuple(item.lengths) == tuple(md.size)
+            and not any(item.storage_offsets)
+            and not any(item.dest_offsets)
+            and item.storage_index in storage
+        ):
+            where = file_item_location(storage_reader, storage[item.storage_index])
+        if where is None:
+            rest.append(item)
+        else:
+            direct.append((*where, item))
+    direct.sort(key=lambda d: (d[0], d[1]))
+    f = None
+    path = None
+    try:
+        for file, offset, length, item in direct:
+            if file != path:
+                if f is not None:
+                    f.close()
+                f, path = open(file, "rb"), file  # noqa: SIM115 - one file open at a time, closed below
+            key = item.dest_index.fqn
+            tensor = torch.load(io.BufferedReader(_FileSlice(f, offset, length)), map_location="cpu", weights_only=True)
+            md = metadata.state_dict_metadata[key]
+            if not isinstance(tensor, torch.Tensor) or tuple(tensor.shape) != tuple(md.size) or tensor.dtype != md.properties.dtype:
+                raise CheckpointFormatError(
+                    f"checkpoint item {key!r} holds {type(tensor).__name__} "
+                    f"{tuple(getattr(tensor, 'shape', ()))} {getattr(tensor, 'dtype', '')}, its metadata says "
+                    f"{md.properties.dtype} {tuple(md.size)} (a damaged checkpoint)"
+                )
+            planner.state_dict[key] = tensor
+            planner.commit_tensor(item, tensor)
+    finally:
+        if f is not None:
+            f.close()
+    return rest

@@ -21,7 +21,7 @@ from torch.distributed.tensor import DTensor
 from .. import _backend
 from .._dcp.items import allocate_like
 from .._dist import world_and_rank
-from .._format.keys import BUFFERS_PREFIX, check_table, key_parts, split_buffers_key, tag_has_rank
+from .._format.keys import BUFFERS_PREFIX, check_table, is_plain_part, key_parts, split_buffers_key, tag_has_rank
 from .._format.layout_index import LayoutIndex, decode_index
 from .._fqn import FqnMap
 from ..errors import CheckpointFormatError, CheckpointMismatchError
@@ -144,9 +144,15 @@ def _expand_leaf(
     # (the buffer is this load's own tensor: no copy, no second allocation); others get a tensor
     # allocated like their parameter and are copied into, box by box.
     whole = [False] * len(targets)
+    cpu_of: dict[str, bool] = {}  # per FQN: a parameter's targets (state keys) share its device
     for op in ops:
         ti = op[4]
-        whole[ti] = count[ti] == 1 and op[2] == op[6] == targets[ti][5] and _on_cpu(fmap, targets[ti][0])
+        if count[ti] == 1 and op[2] == op[6] == targets[ti][5]:
+            fqn = targets[ti][0]
+            cpu = cpu_of.get(fqn)
+            if cpu is None:
+                cpu = cpu_of[fqn] = _on_cpu(fmap, fqn)
+            whole[ti] = cpu
     made: list[Any] = [None if whole[ti] else _allocate(leaf, t, fmap) for ti, t in enumerate(targets)]
     dst = [None if m is None else _local(m) for m in made]
     by_source: list[list[tuple[Any, ...]]] = [[] for _ in sources]
@@ -163,11 +169,9 @@ def _expand_leaf(
         _li, _bi, dtype, numel = sources[si]
         _check_buffer(leaf, key_of(si), buf, dtype, numel)
         consumed[si] = True
+        prod = math.prod
         for _si, src_offset, src_sizes, src_start, ti, dst_start, box in by_source[si]:
-            n = 1
-            for d in src_sizes:
-                n *= d
-            src = buf[src_offset : src_offset + n].view(src_sizes)
+            src = buf[src_offset : src_offset + prod(src_sizes)].view(src_sizes)
             if whole[ti]:
                 made[ti] = _wrap(src, targets[ti], fmap)
                 continue
@@ -390,7 +394,7 @@ def _local(t: torch.Tensor) -> torch.Tensor:
 
 def _put(state: dict[str, Any], key: str, value: Any, leaf: str, fqn: str) -> None:
     """``state[...][key parts] = value`` (key parts unescaped, nested dicts created)."""
-    parts: list[Any] = key_parts(key)
+    parts: list[Any] = [key] if is_plain_part(key) else key_parts(key)
     node = state
     for part in parts[:-1]:
         node = node.setdefault(part, {})

@@ -1,9 +1,11 @@
 """``state_layout="buffers"``, the checkpoint tools' view: buffered state as the tools see
-per-item state (:func:`layout_view`, DCP metadata only) or as full CPU tensors (:func:`full_state`)."""
+per-item state (:func:`layout_view`, DCP metadata only), as full CPU tensors (:func:`full_state`,
+all at once), or as full CPU tensors a few at a time (:class:`FullTensors`, the export's bounded read)."""
 
 from __future__ import annotations
 
-from collections.abc import Callable, Iterable, Iterator, Mapping
+import math
+from collections.abc import Callable, Iterable, Iterator, Mapping, Sequence
 from typing import Any
 
 import torch
@@ -14,7 +16,11 @@ from .._format.layout_index import check_index, decode_index
 from .._fqn import FqnMap
 from ..errors import CheckpointFormatError, CheckpointMismatchError
 from .bucketed import Chunk, buffer_key, dtype_name, torch_dtype
-from .bucketed_load import expand
+from .bucketed_load import _check_buffer, _check_consumed, _open_layouts, expand, split_items
+
+ReadBuffers = Callable[[list[str], Callable[[str, Any], None]], None]
+"""``read(keys, consume)``: read the buffer items ``keys`` one at a time, ``consume(key, tensor)`` each
+(an item the checkpoint holds without data is not handed over, as DCP hands over none)."""
 
 
 def _layouts_by_key(keys: Iterable[str], values: Mapping[str, Any]) -> Iterator[tuple[str, str, bytes]]:
@@ -49,9 +55,9 @@ def layout_view(keys: Iterable[str], values: Mapping[str, Any]) -> dict[str, dic
         for bi, (dtype, numel, entries) in enumerate(decoded):
             bkey = buffer_key(leaf, ranks, bi, dtype)
             if bkey not in values:
-                bkey = buffer_key(leaf, ranks, bi)  # written before the dtype was part of the key
-            if bkey not in values:
-                raise CheckpointMismatchError(f"leaf {leaf!r}: buffer item {bkey!r} of layout {key!r} is missing")
+                if buffer_key(leaf, ranks, bi) not in values:  # written before the dtype was part of the key
+                    raise CheckpointMismatchError(f"leaf {leaf!r}: buffer item {bkey!r} of layout {key!r} is missing")
+                bkey = buffer_key(leaf, ranks, bi)
             found = values[bkey]
             size = tuple(found.size) if isinstance(found, TensorStorageMetadata) else tuple(getattr(found, "shape", ()))
             got = found.properties.dtype if isinstance(found, TensorStorageMetadata) else getattr(found, "dtype", None)
@@ -107,3 +113,105 @@ def full_state(keys: Iterable[str], values: Mapping[str, Any]) -> dict[str, dict
         _first_shapes(_backend.core.decode_layout(leaf, payload), shapes)
     whole = FqnMap(canonical={f: f for f in shapes}, param_of={f: torch.empty(s, device="meta") for f, s in shapes.items()})
     return expand(keys, values, whole, None)
+
+
+class FullTensors:
+    """The buffered state among ``keys`` as full (unsharded) CPU tensors, read a few at a time.
+
+    Planned once (the core's ``plan_scatter`` over each leaf's layout tables, every tensor whole:
+    the plan :func:`layout_view` checks); :meth:`read` then fills the tensors asked for, reading
+    each bucket that holds part of them once, copying its chunks and dropping it. So a read holds
+    the tensors it returns plus one bucket at a time (DCP's read of it), and a caller that reads
+    the tensors in batches of ``B`` bytes holds ``B`` plus one bucket. ``values`` holds the layout
+    tables (sealed ``bytes``); buffers are only looked up by key (DCP metadata will do).
+
+    :attr:`tensors` lists ``(fqn, state key, dtype, global shape)`` (the key escaped as in
+    ``state.{fqn}.{key}``), leaf by leaf in layout order; :attr:`buffer_reads` and
+    :attr:`buffer_bytes` count what :meth:`read` has read.
+    """
+
+    def __init__(self, keys: Iterable[str], values: Mapping[str, Any]) -> None:
+        keys = list(keys)
+        shapes: dict[str, dict[str, tuple[int, ...]]] = {}
+        for _key, leaf, payload in _layouts_by_key(keys, values):
+            _first_shapes(_backend.core.decode_layout(leaf, payload), shapes.setdefault(leaf, {}))
+        self.tensors: list[tuple[str, str, torch.dtype, tuple[int, ...]]] = []
+        self._where: list[tuple[_LeafPlan, int]] = []
+        for leaf, items in split_items(keys, values).items():
+            plan = _LeafPlan(leaf, _open_layouts(leaf, items.layouts), items.keys, shapes.get(leaf, {}))
+            for ti, (fqn, key, dtype, shape, _offsets, _sizes) in enumerate(plan.targets):
+                self.tensors.append((fqn, key, torch_dtype(leaf, fqn, key, dtype), tuple(shape)))
+                self._where.append((plan, ti))
+        self.buffer_reads = 0
+        self.buffer_bytes = 0
+
+    def read(self, which: Sequence[int], read: ReadBuffers) -> list[torch.Tensor]:
+        """The full tensors ``self.tensors[i]`` for ``i`` in ``which``, in that order: each needed
+        bucket read once through ``read``, checked against its layout (dtype, 1-D, length) and
+        scattered; a bucket the plan needs that was not handed over is a `CheckpointFormatError`
+        (the load's checks, `sparse_ckpt._layouts.bucketed_load`)."""
+        out: dict[int, torch.Tensor] = {}
+        by_plan: dict[int, tuple[_LeafPlan, dict[int, int]]] = {}
+        for i in which:
+            plan, ti = self._where[i]
+            by_plan.setdefault(id(plan), (plan, {}))[1][ti] = i
+        for plan, wanted in by_plan.values():
+            made = self._read_leaf(plan, {ti: self.tensors[i][2] for ti, i in wanted.items()}, read)
+            out.update({wanted[ti]: t for ti, t in made.items()})
+        return [out[i] for i in which]
+
+    def _read_leaf(self, plan: _LeafPlan, wanted: Mapping[int, torch.dtype], read: ReadBuffers) -> dict[int, torch.Tensor]:
+        """Targets ``wanted`` (index -> dtype) of one leaf's plan, filled from the buckets holding them."""
+        made = {ti: torch.empty(plan.targets[ti][3], dtype=dtype) for ti, dtype in wanted.items()}
+        needed = sorted({op[0] for ti in wanted for op in plan.ops_of[ti]})
+        source_of = {plan.key_of(si): si for si in needed}
+        consumed = [True] * len(plan.sources)
+        for si in needed:
+            consumed[si] = False
+
+        def scatter(key: str, buf: Any) -> None:
+            si = source_of[key]
+            _li, _bi, dtype, numel = plan.sources[si]
+            _check_buffer(plan.leaf, key, buf, dtype, numel)
+            consumed[si] = True
+            self.buffer_reads += 1
+            self.buffer_bytes += buf.numel() * buf.element_size()
+            for op in plan.by_source[si]:
+                target = made.get(op[4])
+                if target is not None:
+                    _copy_box(buf, op, target)
+
+        read(list(source_of), scatter)
+        _check_consumed(plan.leaf, consumed, plan.key_of, plan.sources, plan.by_source, plan.targets)
+        return made
+
+
+class _LeafPlan:
+    """One leaf's scatter plan of whole tensors: targets, sources (buckets), ops by source and by target."""
+
+    def __init__(
+        self, leaf: str, layouts: list[tuple[str, bytes]], keys: Mapping[tuple[str, int], str],
+        shapes: Mapping[str, tuple[int, ...]],
+    ) -> None:
+        self.leaf, self._layouts, self._keys = leaf, layouts, keys
+        self.targets, self.sources, ops = _backend.core.plan_scatter(leaf, [p for _r, p in layouts], _whole(shapes))
+        self.by_source: list[list[tuple[Any, ...]]] = [[] for _ in self.sources]
+        self.ops_of: list[list[tuple[Any, ...]]] = [[] for _ in self.targets]
+        for op in ops:
+            self.by_source[op[0]].append(op)
+            self.ops_of[op[4]].append(op)
+
+    def key_of(self, si: int) -> str:
+        """The item key of source ``si`` (as the checkpoint names it: with or without its dtype)."""
+        li, bi, dtype, _numel = self.sources[si]
+        ranks = self._layouts[li][0]
+        return self._keys.get((ranks, bi)) or buffer_key(self.leaf, ranks, bi, dtype)
+
+
+def _copy_box(buf: torch.Tensor, op: tuple[Any, ...], target: torch.Tensor) -> None:
+    """Run one ``plan_scatter`` op into a whole target tensor (its chunk is the tensor)."""
+    _si, src_offset, src_sizes, src_start, _ti, dst_start, box = op
+    chunk = buf[src_offset : src_offset + math.prod(src_sizes)].view(src_sizes)
+    target[tuple(slice(a, a + n) for a, n in zip(dst_start, box))].copy_(
+        chunk[tuple(slice(a, a + n) for a, n in zip(src_start, box))]
+    )

@@ -17,8 +17,8 @@ from __future__ import annotations
 
 import math
 import os
-from collections.abc import Collection, Iterable, Iterator, Mapping
-from typing import Any
+from collections.abc import Callable, Collection, Iterable, Iterator, Mapping
+from typing import Any, TypeVar
 
 from torch.distributed.checkpoint import FileSystemReader
 from torch.distributed.checkpoint.metadata import Metadata, StorageMeta, TensorStorageMetadata
@@ -56,6 +56,7 @@ __all__ = [
     "Group",
     "batches",
     "check_new_dir",
+    "cut",
     "decode_tables",
     "dtype_name",
     "entry_values",
@@ -79,6 +80,7 @@ FLAT_LEAF_IN_MIXED = "(flat entries)"
 
 BATCH_BYTES = ITEM_BYTES
 """Tensor bytes read at once when a command reads every item (bounded memory)."""
+T = TypeVar("T")
 
 
 def open_checkpoint(path: str | os.PathLike[str]) -> Metadata:
@@ -133,6 +135,8 @@ def read_entries(
     *,
     raw_keys: Collection[str] = (),
     unpickle_keys: Collection[str] = (),
+    consume: Callable[[str, Any], None] | None = None,
+    require_storage: bool = False,
 ) -> dict[str, Any]:
     """Read the given flattened keys in this process: ``{key: tensor, object or raw bytes}``.
 
@@ -141,17 +145,34 @@ def read_entries(
     reader. Tensors come back as full CPU tensors (DCP's chunks of an item are assembled). Bytes
     items in ``raw_keys`` are not unpickled at all (their bytes), those in ``unpickle_keys`` are
     read as DCP reads them (``convert`` must copy model extras), every other one with
-    ``torch.load(weights_only=True)`` (packed tables must be ``bytes``). A failure is a
-    `CheckpointFormatError` with one line of reason (a missing data file, a truncated item,
-    ...); errors of sparse_ckpt's own checks pass through as they are.
+    ``torch.load(weights_only=True)`` (packed tables must be ``bytes``); a tensor item whose chunks
+    in ``.metadata`` do not cover it is a `CheckpointFormatError` (DCP would leave the rest
+    unread). With ``consume``, each
+    value goes to ``consume(key, value)`` as soon as it is read (one item alive at a time; an item
+    without data is not handed over) and the result is empty; ``require_storage``: an item without
+    its storage record is refused by name before anything is read (as a load refuses it). A
+    failure is a `CheckpointFormatError` with one line of reason (a missing data file, a truncated
+    item, ...); errors of sparse_ckpt's own checks pass through as they are.
     """
     keys = list(keys)
     if not keys:
         return {}
+    if consume is None:  # DCP reads nothing for a chunk .metadata does not list: never return uninitialized memory
+        for key in keys:
+            md = metadata.state_dict_metadata[key]
+            if isinstance(md, TensorStorageMetadata):
+                listed = sum(math.prod(chunk.sizes) for chunk in md.chunks)
+                if listed < math.prod(md.size):
+                    raise CheckpointFormatError(
+                        f"item {key!r} of {os.fspath(path)!r}: .metadata lists data for {listed} of its "
+                        f"{math.prod(md.size)} elements (a damaged or edited checkpoint)"
+                    )
     reader = _CachedReader(path, metadata)
     try:
         reader.set_up_storage_reader(reader.read_metadata(), is_coordinator=True)
-        values = read_items(reader, metadata, keys, raw_keys=raw_keys, unpickle_keys=unpickle_keys)
+        values = read_items(
+            reader, metadata, keys, consume, raw_keys=raw_keys, unpickle_keys=unpickle_keys, require_storage=require_storage
+        )
     except SparseCheckpointError:
         raise
     except Exception as exc:  # noqa: BLE001 - whatever the storage layer raises on a damaged checkpoint
@@ -162,15 +183,20 @@ def read_entries(
 
 def batches(metadata: Metadata, keys: Iterable[str], limit: int = BATCH_BYTES) -> Iterator[list[str]]:
     """``keys`` in order, cut into lists of at most ``limit`` tensor bytes (an item above it alone)."""
-    batch: list[str] = []
-    size = 0
-    for key in keys:
-        n = item_bytes(metadata.state_dict_metadata[key])
-        if batch and size + n > limit:
+    return cut(keys, lambda key: item_bytes(metadata.state_dict_metadata[key]), limit)
+
+
+def cut(things: Iterable[T], size: Callable[[T], int], limit: int = BATCH_BYTES) -> Iterator[list[T]]:
+    """``things`` in order, cut into lists of at most ``limit`` bytes by ``size`` (a thing above it alone)."""
+    batch: list[T] = []
+    total = 0
+    for thing in things:
+        n = size(thing)
+        if batch and total + n > limit:
             yield batch
-            batch, size = [], 0
-        batch.append(key)
-        size += n
+            batch, total = [], 0
+        batch.append(thing)
+        total += n
     if batch:
         yield batch
 

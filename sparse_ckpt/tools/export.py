@@ -3,13 +3,16 @@
 A DCP checkpoint's ``.metadata`` and its non-tensor items are pickles. `export_checkpoint`
 writes one optimizer of a DCP checkpoint into a directory that holds no pickle at all:
 
-* ``optimizer.safetensors`` -- every state tensor, full (unsharded), named by the checkpoint's
+* ``optimizer.safetensors`` -- every state tensor, full (unsharded), per-item or buffered
+  (``state_layout="buffers"``, read through `FullTensors`), named by the checkpoint's
   flat key (``state.{fqn}.{key}``; the scalars of a packed version-2 checkpoint's scalar tables
   are exported as such per-item entries too, so an export's layout does not depend on the
   checkpoint's packed version), and every packed group table as a 1-d ``uint8`` tensor named
   by its key (``param_groups.__packed__.{leaf}.{digest}``). Flat-format group settings are
   packed into one table of leaf ``leaf`` (one group per distinct settings), so an export always
-  carries binary tables (the table codec of docs/formats.md, which never unpickles).
+  carries binary tables (the table codec of docs/formats.md, which never unpickles). The order
+  is the export's own (`sparse_ckpt.tools._export_order`), so a checkpoint of the same state
+  exports to the same bytes whatever its state layout.
 * ``manifest.json`` (written last: an export is complete exactly when it exists) -- format and
   version, the source, the leaves with their group and parameter counts, and non-tensor state
   values, which must be JSON-representable (``None``, ``bool``, ``int``, ``float``, ``str``,
@@ -33,7 +36,7 @@ from __future__ import annotations
 import math
 import os
 import time
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator, Mapping
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -48,11 +51,14 @@ from .._format.keys import (
     PACKED_PREFIX,
     STATE_PREFIX,
     STEP_KEY,
+    is_buffer_item,
     is_state_item,
     last_part,
     owner_fqn,
+    state_key,
 )
 from .._fqn import Model, build_fqn_map
+from .._layouts.bucketed_view import FullTensors
 from .._leaves import SINGLE_LEAF
 from .._load.completeness import without_items_record
 from .._load.decode import decode_group_tables, table_fqns
@@ -70,11 +76,12 @@ from ._export_format import (
     manifest_text,
     render_groups,
 )
+from ._export_order import StateOrder, tables_first
 from ._export_read import _open
 from ._reader import (
     BATCH_BYTES,
-    batches,
     check_new_dir,
+    cut,
     decode_tables,
     expand_scalar_tables,
     named_groups,
@@ -117,6 +124,10 @@ class ExportSummary:
     file_bytes: int = 0
     """Bytes of ``optimizer.safetensors`` + ``manifest.json``."""
     seconds: float = 0.0
+    buffer_reads: int = 0
+    """Buckets of buffered state (``state_layout="buffers"``) read: each once per batch that needs part of it."""
+    buffer_bytes_read: int = 0
+    """Their bytes."""
 
 
 # --------------------------------------------------------------------------- export
@@ -134,8 +145,10 @@ def export_checkpoint(
 
     ``key=None`` takes the checkpoint's only optimizer (a `UsageError` when there are
     several). ``leaf`` names the table that flat-format settings are packed into. State tensors
-    are read ``batch_bytes`` at a time, so memory stays bounded whatever the checkpoint's size.
-    Everything is validated (tables, dtypes, JSON values) before the first file is written.
+    are read ``batch_bytes`` at a time, so memory stays bounded whatever the checkpoint's size
+    (buffered state: a batch of full tensors plus one bucket being read, each bucket read once
+    per batch that needs part of it). Everything is validated (tables, dtypes, JSON values, the
+    buffers' layouts) before the first file is written; the data of an item as it is read.
     """
     _require_safetensors()
     t0 = time.perf_counter()
@@ -154,21 +167,17 @@ def export_checkpoint(
         )
     check_new_dir(out_dir)
     sdm = metadata.state_dict_metadata
-    buffered = [inner for inner in opt.inner if inner.startswith(BUFFERS_PREFIX)]
-    if buffered:
-        raise CheckpointFormatError(
-            f"optimizer {opt.name!r} holds state_layout='buffers' state ({buffered[0]!r}); export reads per-item "
-            "state: convert the checkpoint first (python -m sparse_ckpt convert SRC DST --to packed writes it "
-            "per item), then export that"
-        )
-    group_keys = [inner for inner in opt.inner if not is_state_item(inner)]  # settings and tables
+    bucket_keys = [inner for inner in opt.inner if is_buffer_item(inner)]
+    # settings, group and scalar tables, layout tables: read; per-item tensors and buckets: their metadata
+    group_keys = [inner for inner in opt.inner if not is_state_item(inner) and not is_buffer_item(inner)]
     state_keys = [inner for inner in opt.inner if is_state_item(inner)]
     tensor_keys = [k for k in state_keys if isinstance(sdm[opt.inner[k]], TensorStorageMetadata)]
     value_keys = [k for k in state_keys if not isinstance(sdm[opt.inner[k]], TensorStorageMetadata)]
     small = read_entries(ckpt_dir, metadata, [opt.inner[k] for k in group_keys + value_keys])
-    values: dict[str, Any] = {k: small[opt.inner[k]] for k in group_keys + value_keys}
-    values.update({k: sdm[opt.inner[k]] for k in tensor_keys})
-    leaves, flat, state_by_fqn, _unmatched = split_optimizer(values)  # checks digests and decodes tables
+    values: dict[str, Any] = tables_first({k: small[opt.inner[k]] for k in group_keys + value_keys})
+    values.update({k: sdm[opt.inner[k]] for k in tensor_keys + bucket_keys})
+    # checks digests, decodes tables, checks the buffers against their layouts (as verify does)
+    leaves, flat, state_by_fqn, _unmatched = split_optimizer(values)
     fmt = optimizer_format(opt, leaves, flat)  # not "nested": refused above
     # (an export holds other items than the save recorded: scalar tables become per-item entries)
     tables = {
@@ -181,29 +190,45 @@ def export_checkpoint(
         flat_table = pack_flat_groups(flat, leaf, leaves)
         tables.update(flat_table)
         named.extend(decode_tables(flat_table).items())  # the groups as the exported table holds them
+    order = StateOrder((f for _name, groups in named for g in groups for f in g.fqns), state_by_fqn, values)
     # Scalar tables are exported as the per-item entries of packed version 1 (each FQN's first),
     # so an export's layout does not depend on the checkpoint's packed version.
     scalars = expand_scalar_tables(values, flat=False)
-    scalar_tensors = {k: v for k, v in scalars.items() if isinstance(v, torch.Tensor)}
+    scalar_tensors = {k: scalars[k] for k in sorted(scalars, key=order.key) if isinstance(scalars[k], torch.Tensor)}
     encoded = {k: encode_value(k, v) for k, v in scalars.items() if k not in scalar_tensors}
     encoded.update({k: encode_value(k, values[k]) for k in value_keys})
+    encoded = {k: encoded[k] for k in sorted(encoded, key=order.key)}
+    buffers_keys = [k for k in opt.inner if k.startswith(BUFFERS_PREFIX)]  # layout tables and buckets
+    buffered = FullTensors(buffers_keys, values) if buffers_keys else None
+    state = _state_entries(tensor_keys, sdm, opt.inner, buffered, order)
     layout: list[tuple[str, torch.dtype, tuple[int, ...]]] = [
         (k, torch.uint8, (len(t),)) for k, t in tables.items()
     ]
     layout += [(k, t.dtype, tuple(t.shape)) for k, t in scalar_tensors.items()]
-    layout += [(k, sdm[opt.inner[k]].properties.dtype, tuple(sdm[opt.inner[k]].size)) for k in tensor_keys]
+    layout += [(e.name, e.dtype, e.shape) for e in state]
     for k, dtype, _shape in layout:
         st_dtype(k, dtype)  # refused before anything is written
+
+    def read_buckets(keys: list[str], consume: Callable[[str, Any], None]) -> None:
+        for bucket in keys:  # one at a time: a failure names its bucket
+            read_entries(ckpt_dir, metadata, [opt.inner[bucket]], require_storage=True,
+                         consume=lambda _flat, value, bucket=bucket: consume(bucket, value))
 
     def stream() -> Iterator[tuple[str, torch.Tensor]]:
         for k, t in tables.items():
             yield k, torch.frombuffer(bytearray(t), dtype=torch.uint8) if t else torch.empty(0, dtype=torch.uint8)
         yield from scalar_tensors.items()
-        inner_of = {opt.inner[k]: k for k in tensor_keys}
-        for batch in batches(metadata, [opt.inner[k] for k in tensor_keys], batch_bytes):
-            got = read_entries(ckpt_dir, metadata, batch)
-            for flat_key in batch:
-                yield inner_of[flat_key], got.pop(flat_key)
+        # Read per-item entries in the checkpoint's order and buffered ones in the order their
+        # buckets hold them (so each bucket is read about once, whatever the export's order);
+        # the writer puts each tensor at its place in the export's order.
+        position = {k: i for i, k in enumerate(tensor_keys)}
+        reading = sorted(state, key=lambda e: (0, position[e.item]) if e.item is not None else (1, e.buffered))
+        for batch in cut(reading, _StateEntry.nbytes, batch_bytes):
+            got = read_entries(ckpt_dir, metadata, [opt.inner[e.item] for e in batch if e.item is not None])
+            full = buffered.read([e.buffered for e in batch if e.buffered is not None], read_buckets) if buffered else []
+            full.reverse()
+            for e in batch:
+                yield e.name, got.pop(opt.inner[e.item]) if e.item is not None else full.pop()
 
     leaves_info = [
         {
@@ -227,7 +252,7 @@ def export_checkpoint(
         "version": EXPORT_VERSION,
         "created_by": f"sparse_ckpt {__version__}",
         "source": {"checkpoint": os.path.abspath(os.fspath(ckpt_dir)), "key": opt.name, "format": fmt},
-        "tensors": {"file": TENSORS_FILE, "bytes": st_bytes, "count": len(scalar_tensors) + len(tensor_keys)},
+        "tensors": {"file": TENSORS_FILE, "bytes": st_bytes, "count": len(scalar_tensors) + len(state)},
         "tables": [{"key": k, "bytes": len(t)} for k, t in tables.items()],
         "leaves": leaves_info,
         "values": encoded,
@@ -244,14 +269,51 @@ def export_checkpoint(
         key=opt.name,
         source_format=fmt,
         leaves=[name for name, _groups in named],
-        tensors=len(scalar_tensors) + len(tensor_keys),
+        tensors=len(scalar_tensors) + len(state),
         tensor_bytes=sum(math.prod(s) * d.itemsize for k, d, s in layout if not k.startswith(PACKED_PREFIX)),
         tables=len(tables),
         table_bytes=sum(len(t) for t in tables.values()),
         values=len(encoded),
         file_bytes=st_bytes + len(text),
         seconds=time.perf_counter() - t0,
+        buffer_reads=buffered.buffer_reads if buffered else 0,
+        buffer_bytes_read=buffered.buffer_bytes if buffered else 0,
     )
+
+
+@dataclass(frozen=True)
+class _StateEntry:
+    """One exported state tensor: its name, dtype and shape, and where it is read from (a per-item
+    entry's key, or a buffered tensor's index in `FullTensors.tensors`)."""
+
+    name: str
+    dtype: torch.dtype
+    shape: tuple[int, ...]
+    item: str | None = None
+    buffered: int | None = None
+
+    def nbytes(self) -> int:
+        return math.prod(self.shape) * self.dtype.itemsize
+
+
+def _state_entries(
+    tensor_keys: list[str], sdm: Mapping[str, Any], inner: Mapping[str, str], buffered: FullTensors | None,
+    order: StateOrder,
+) -> list[_StateEntry]:
+    """Every exported state tensor, per item or buffered, in the export's order (`StateOrder`)."""
+    entries = [
+        (order.key(k), _StateEntry(k, sdm[inner[k]].properties.dtype, tuple(sdm[inner[k]].size), item=k))
+        for k in tensor_keys
+    ]
+    for i, (fqn, key, dtype, shape) in enumerate(buffered.tensors if buffered else []):
+        name = state_key(fqn, key)
+        entries.append((order.key(name, fqn), _StateEntry(name, dtype, shape, buffered=i)))
+    entries.sort(key=lambda e: e[0])
+    names = [e.name for _key, e in entries]
+    if len(set(names)) != len(names):
+        twice = next(n for i, n in enumerate(names) if n in names[:i])
+        raise CheckpointFormatError(f"state {twice!r} is both in a buffer and a per-item entry (corrupt or edited checkpoint)")
+    return [e for _key, e in entries]
 
 
 def read_export(out_dir: str | os.PathLike[str]) -> dict[str, Any]:

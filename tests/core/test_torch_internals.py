@@ -113,6 +113,28 @@ def _dsd_helpers() -> None:
     assert ti.offload_state_dict_to_cpu({"t": torch.ones(2)})["t"].device.type == "cpu"
 
 
+def _file_item_location() -> None:
+    import tempfile
+
+    import torch.distributed.checkpoint as dcp
+
+    with tempfile.TemporaryDirectory() as root:
+        t = torch.arange(6.0)
+        dcp.save({"t": t}, checkpoint_id=root, no_dist=True)
+        reader = dcp.FileSystemReader(root)
+        md = reader.read_metadata()
+        (index,) = [i for i in md.storage_data if i.fqn == "t"]
+        where = ti.file_item_location(reader, md.storage_data[index])
+        assert where is not None, "FileSystemReader.path or the _StorageInfo fields are gone"
+        path, offset, length = where
+        with open(path, "rb") as f:
+            f.seek(offset)
+            blob = f.read(length)
+        import io
+
+        assert torch.equal(torch.load(io.BytesIO(blob), weights_only=True), t), "the item's bytes are elsewhere"
+
+
 CHECKS = {
     "torch.optim.Optimizer._optimizer_state_dict_pre_hooks": _hooks,
     "torch.optim.Optimizer._optimizer_state_dict_post_hooks": _hooks,
@@ -130,6 +152,7 @@ CHECKS = {
     "sys._getframe / sys._current_frames (CPython)": _frames,
     "torch.distributed._state_dict_utils._gather_state_dict (integrations.dsd)": _dsd_helpers,
     "torch.distributed._state_dict_utils._offload_state_dict_to_cpu (integrations.dsd)": _dsd_helpers,
+    "FileSystemReader.path and _StorageInfo.relative_path/offset/length/transform_descriptors (item bytes)": _file_item_location,
 }
 
 

@@ -125,3 +125,32 @@ def test_auto_item_counts(tmp_path: Path, threshold: Any) -> None:
     state = [k for k in keys if k.startswith(STATE_PREFIX) and "__" not in k.split(".")[1]]
     assert sorted(state) == sorted(f"{STATE_PREFIX}{n}" for n in big)
     assert len([k for k in keys if k.startswith(BUFFERS_PREFIX)]) == 2
+
+
+def test_buckets_are_read_straight_into_their_tensors(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    """A load reads each bucket from its file into the tensor it keeps (``torch.load`` of the
+    item's bytes), not through ``read_data`` (which loads into one tensor and copies into
+    another); a storage reader of another type still goes through ``read_data``."""
+    model, opt = _trained()
+    dcp.save({"optim": sc.SparseOptimizerState(model, opt, state_layout="buffers")}, checkpoint_id=tmp_path / "c")
+    through_read_data: list[str] = []
+    original = dcp.FileSystemReader.read_data
+
+    def counted(self: Any, plan: Any, planner: Any) -> Any:
+        through_read_data.extend(item.dest_index.fqn for item in plan.items)
+        return original(self, plan, planner)
+
+    monkeypatch.setattr(dcp.FileSystemReader, "read_data", counted)
+
+    class OwnReader(dcp.FileSystemReader):
+        pass
+
+    for reader, direct in ((dcp.FileSystemReader(str(tmp_path / "c")), True), (OwnReader(str(tmp_path / "c")), False)):
+        through_read_data.clear()
+        model2 = make_moe(1, n_experts=4)
+        model2.load_state_dict(model.state_dict())
+        opt2 = torch.optim.AdamW(model2.parameters(), lr=0.5)
+        dcp.load({"optim": sc.SparseOptimizerState(model2, opt2)}, storage_reader=reader, planner=sc.SparseLoadPlanner())
+        assert_optimizer_equal(opt2, opt, grads=False)
+        buckets = [k for k in through_read_data if k.startswith(f"optim.{BUFFERS_PREFIX}") and ".B" in k]
+        assert (not buckets) if direct else buckets, through_read_data

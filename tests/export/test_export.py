@@ -59,8 +59,10 @@ def trained() -> tuple[nn.Module, sc.MultiOptimizer]:
     return model, opt
 
 
-def save(path: Path, model: nn.Module, opt: Any, fmt: str = "packed") -> None:
-    dcp.save({"model": model.state_dict(), "optim": sc.SparseOptimizerState(model, opt, format=fmt)}, checkpoint_id=path)
+def save(path: Path, model: nn.Module, opt: Any, fmt: str = "packed", state_layout: str | None = None) -> None:
+    layout = {} if state_layout is None else {"state_layout": state_layout}
+    dcp.save({"model": model.state_dict(), "optim": sc.SparseOptimizerState(model, opt, format=fmt, **layout)},
+             checkpoint_id=path)
 
 
 @pytest.fixture
@@ -135,7 +137,9 @@ def test_dtypes_and_json_values_round_trip_exactly(tmp_path: Path) -> None:
             "ema.decay": 0.99,  # an escaped key part
         }
     )
-    save(tmp_path / "ckpt", model, opt)
+    # per item: the reference below reads the checkpoint's state items (buffered state, the same
+    # export: tests/export/test_export_buffers.py)
+    save(tmp_path / "ckpt", model, opt, state_layout="per_tensor")
     s = export_checkpoint(tmp_path / "ckpt", tmp_path / "out")
     assert s.values == 6 and s.tensors == 6
     manifest = json.loads((tmp_path / "out" / MANIFEST_FILE).read_text())
