@@ -168,8 +168,9 @@ class _TargetBuilder:
         """Replace the target's content by the checkpoint's entries under ``path``; returns their
         flattened DCP keys (the items this optimizer dict reads).
 
-        Buffers layout: this rank's own layout tables are read (all of a leaf's when it has none of
-        its own); buffers are left to ``target.reader`` (which reads them one at a time after the
+        Buffers layout: this rank's own layout tables are read (for a leaf without one of its own,
+        its layout index, or all of its layouts when it has none); the other layouts the load needs
+        and the buffers are left to ``target.reader`` (which reads them one at a time after the
         layouts, through the load's storage reader). Without a storage reader, this rank's own
         buffers (all of a leaf's when it has no layout of its own) are read with the rest."""
         depth = len(path)

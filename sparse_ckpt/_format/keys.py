@@ -31,7 +31,8 @@ OPTIMIZER_PREFIXES = (STATE_PREFIX, GROUPS_PREFIX)
 BUFFERS_MARKER = "__buffers__"
 BUFFERS_PREFIX = f"{STATE_PREFIX}{BUFFERS_MARKER}."
 """Prefix of ``state_layout="buffers"`` items: ``state.__buffers__.{leaf}.L{rank tag}`` (a layout
-table, sealed bytes) and ``state.__buffers__.{leaf}.B{bucket}_{dtype}_{rank tag}`` (a 1-D buffer tensor)."""
+table, sealed bytes), ``state.__buffers__.{leaf}.B{bucket}_{dtype}_{rank tag}`` (a 1-D buffer tensor)
+and ``state.__buffers__.{leaf}.I{rank tag}`` (the leaf's layout index, sealed bytes)."""
 RESERVED_FQN_PREFIX = f"{PACKED_MARKER}."
 RESERVED_FQN_PREFIXES = (RESERVED_FQN_PREFIX, f"{BUFFERS_MARKER}.")
 """No parameter with state may have an FQN starting with these: its keys would read as a table or
@@ -222,10 +223,12 @@ def _check_table(prefix: str, rest: str, table: object) -> tuple[str, bytes]:
     if not isinstance(table, bytes):
         raise CheckpointFormatError(f"{kind} '{prefix}{rest}' is a {type(table).__name__}, expected bytes")
     leaf, tag = split_table_key(rest, prefix)
-    if prefix == BUFFERS_PREFIX:  # a layout table: L{rank tag}
-        tag = tag[1:] if tag.startswith("L") else ""
+    if prefix == BUFFERS_PREFIX:  # a layout table (L{rank tag}) or a layout index (I{rank tag})
+        if tag.startswith(INDEX_TAG):
+            kind = "layout index"
+        tag = tag[1:] if tag.startswith((LAYOUT_TAG, INDEX_TAG)) else ""
         if not tag or parse_rank_tag(tag) is None:
-            raise CheckpointFormatError(f"{kind} key '{prefix}{rest}' has no L{{rank tag}} tag")
+            raise CheckpointFormatError(f"{kind} key '{prefix}{rest}' has no L{{rank tag}} or I{{rank tag}} tag")
     if parse_rank_tag(tag) is not None:
         payload, digest = table[:-_DIGEST_BYTES], table[-_DIGEST_BYTES:]
         if len(table) < _DIGEST_BYTES or _seal_digest(payload) != digest:
@@ -290,9 +293,19 @@ def is_reserved_fqn(fqn: object) -> bool:
     return type(fqn) is str and fqn.startswith(RESERVED_FQN_PREFIXES)
 
 
+LAYOUT_TAG = "L"
+INDEX_TAG = "I"
+
+
 def layout_tag(rank_tag: str) -> str:
     """``L{rank tag}``: the tag of a layout table (see :data:`BUFFERS_PREFIX`)."""
-    return f"L{rank_tag}"
+    return f"{LAYOUT_TAG}{rank_tag}"
+
+
+def index_tag(rank_tag: str) -> str:
+    """``I{rank tag}``: the tag of a leaf's layout index, held by the ranks of ``rank_tag`` (see
+    :data:`BUFFERS_PREFIX`; docs/formats.md, *Layout index*)."""
+    return f"{INDEX_TAG}{rank_tag}"
 
 
 def buffer_tag(bucket: int, rank_tag: str, dtype: str | None = None) -> str:
@@ -315,14 +328,16 @@ def buffer_dtype(rest: str) -> str | None:
 
 def split_buffers_key(rest: str) -> tuple[str, str, int | None, str]:
     """``"{leaf}.{tag}"`` (a key without :data:`BUFFERS_PREFIX`) -> ``(leaf, kind, bucket,
-    rank tag)``: ``kind`` is ``"layout"`` (``bucket`` ``None``) or ``"buffer"``. Anything else is a
-    :class:`CheckpointFormatError`."""
+    rank tag)``: ``kind`` is ``"layout"`` or ``"index"`` (``bucket`` ``None``) or ``"buffer"``.
+    Anything else is a :class:`CheckpointFormatError`."""
     leaf, dot, tag = rest.rpartition(".")
-    bad = CheckpointFormatError(f"buffers key '{BUFFERS_PREFIX}{rest}' has no leaf and L or B tag")
+    bad = CheckpointFormatError(f"buffers key '{BUFFERS_PREFIX}{rest}' has no leaf and L, I or B tag")
     if not dot or not leaf or len(tag) < 2:
         raise bad
-    if tag[0] == "L":
+    if tag[0] == LAYOUT_TAG:
         kind, bucket, ranks = "layout", None, tag[1:]
+    elif tag[0] == INDEX_TAG:
+        kind, bucket, ranks = "index", None, tag[1:]
     elif tag[0] == "B":
         digits = len(tag) - len(tag[1:].lstrip("0123456789")) - 1
         if digits == 0:

@@ -22,6 +22,7 @@ from .. import _backend
 from .._dcp.items import allocate_like
 from .._dist import world_and_rank
 from .._format.keys import BUFFERS_PREFIX, check_table, is_plain_part, key_parts, split_buffers_key, tag_has_rank
+from .._format.layout_index import LayoutIndex, decode_index
 from .._fqn import FqnMap
 from ..errors import CheckpointFormatError, CheckpointMismatchError
 from .bucketed import _Geometry, buffer_key, dtype_name, layout_key, torch_dtype
@@ -37,6 +38,8 @@ class _LeafItems:
     """(rank tag, bucket) -> the buffer's key, for every buffer in the dict or readable."""
     readable: dict[str, str] = field(default_factory=dict)
     """Key of each layout table a :class:`BucketReader` can read -> its rank tag."""
+    index: dict[str, Any] = field(default_factory=dict)
+    """The leaf's layout index: key -> sealed bytes (read already) or ``None`` (readable)."""
 
 
 class BucketReader:
@@ -63,6 +66,8 @@ def split_items(keys: Iterable[str], flat: Mapping[str, Any]) -> dict[str, _Leaf
         items = by_leaf.setdefault(leaf, _LeafItems())
         if kind == "layout":
             items.layouts[ranks] = flat[key]
+        elif kind == "index":
+            items.index[key] = flat[key]
         else:
             items.buffers[(ranks, bucket)] = flat[key]  # type: ignore[index]
             items.keys[(ranks, bucket)] = key  # type: ignore[index]
@@ -79,11 +84,12 @@ def expand(
     """The buffered state this rank needs, ``canonical FQN -> {key path: tensor}`` (nested dicts
     for nested keys), allocated like the parameters and filled from the buffers.
 
-    Layouts are those in ``flat`` (a DCP load reads this rank's own, or all of a leaf's when it
-    has none); when they do not cover this rank's chunks (another mesh), or lack state this rank
-    needs (``expected(leaf, found)``: whether a parameter of this rank misses recorded state
-    besides the ``(FQN, key)`` pairs ``found``; another expert-parallel layout), and ``reader``
-    has more, all of the leaf's layouts are read.
+    Layouts are those in ``flat`` (a DCP load reads this rank's own, or, for a leaf with none of
+    its own, its layout index or all of its layouts); when they do not cover this rank's chunks
+    (another mesh), or lack state this rank needs (``expected(leaf, found)``: whether a parameter
+    of this rank misses recorded state besides the ``(FQN, key)`` pairs ``found``; another
+    expert-parallel layout), and ``reader`` has more, the layouts the leaf's index points to for
+    this rank's chunks are read (all of the leaf's without an index; see :func:`_plan`).
     Each needed buffer is taken from ``flat`` or read through ``reader`` (one at a time), checked
     against its layout (dtype, 1-D, length), scattered and dropped."""
     by_leaf = split_items(buffer_keys, flat)
@@ -93,6 +99,8 @@ def expand(
             items = by_leaf.setdefault(leaf, _LeafItems())
             if kind == "layout":
                 items.readable[key] = ranks
+            elif kind == "index":
+                items.index.setdefault(key, None)
             else:
                 items.keys.setdefault((ranks, bucket), key)  # type: ignore[arg-type]
     geometry = _Geometry()
@@ -127,30 +135,8 @@ def _expand_leaf(
     out: dict[str, dict[str, Any]],
     expected: Callable[[str, set[tuple[str, str]]], bool] | None,
 ) -> None:
-    core = _backend.core
     chunk_of = _chunk_of(fmap, geometry)
-    unread = [key for key, ranks in items.readable.items() if ranks not in items.layouts]
-
-    def read_layouts() -> None:
-        assert reader is not None
-        reader.read(unread, lambda key, value: items.layouts.__setitem__(items.readable[key], value))
-        unread.clear()
-
-    if not items.layouts and unread:
-        read_layouts()
-    layouts = _open_layouts(leaf, items.layouts)
-    try:
-        targets, sources, ops = core.plan_scatter(leaf, [payload for _ranks, payload in layouts], chunk_of)
-        if unread and expected is not None:
-            found = {(fmap.canonical.get(t[0], t[0]), t[1]) for t in targets}
-            if expected(leaf, found):
-                raise CheckpointMismatchError("state of this rank is in other ranks' layouts")
-    except CheckpointMismatchError:
-        if not unread:
-            raise
-        read_layouts()  # this rank's own layout does not hold all it needs: another mesh or EP degree
-        layouts = _open_layouts(leaf, items.layouts)
-        targets, sources, ops = core.plan_scatter(leaf, [payload for _ranks, payload in layouts], chunk_of)
+    layouts, (targets, sources, ops) = _plan(leaf, items, fmap, reader, chunk_of, expected)
     count = [0] * len(targets)
     for op in ops:
         count[op[4]] += 1
@@ -218,6 +204,119 @@ def _expand_leaf(
     for (fqn, key, *_rest), value in zip(targets, made):
         canon = fmap.canonical[fqn]
         _put(out.setdefault(canon, {}), key, value, leaf, canon)
+
+
+def _plan(
+    leaf: str,
+    items: _LeafItems,
+    fmap: FqnMap,
+    reader: BucketReader | None,
+    chunk_of: Callable[[str], Any],
+    expected: Callable[[str, set[tuple[str, str]]], bool] | None,
+) -> tuple[list[tuple[str, bytes]], tuple[list[tuple[Any, ...]], list[tuple[int, int, str, int]], list[tuple[Any, ...]]]]:
+    """The layout tables this rank plans from, and the core's scatter plan over them.
+
+    The layouts read already (a DCP load's own) come first; when they do not hold all this rank
+    needs (another mesh, another expert-parallel degree) and ``reader`` has more, the leaf's layout
+    index (when the checkpoint has one) says which tables overlap this rank's chunks and only those
+    are read; without an index, or when those are not enough either, all of the leaf's tables are.
+    Tables that the index missed but that hold this rank's state mean a damaged index: refused."""
+    core = _backend.core
+    unread = {key: ranks for key, ranks in items.readable.items() if ranks not in items.layouts}
+
+    def read(keys: list[str]) -> None:
+        assert reader is not None
+        reader.read(keys, lambda key, value: items.layouts.__setitem__(items.readable[key], value))
+        for key in keys:
+            unread.pop(key, None)
+
+    def attempt() -> tuple[list[tuple[str, bytes]], Any, set[tuple[str, str]], bool]:
+        """The plan over the layouts read so far, what it finds, and whether this rank's state is
+        (also) elsewhere: ``expected`` says a parameter misses recorded state while more layouts
+        are readable."""
+        layouts = _open_layouts(leaf, items.layouts)
+        plan = core.plan_scatter(leaf, [payload for _ranks, payload in layouts], chunk_of)
+        found = {(fmap.canonical.get(t[0], t[0]), t[1]) for t in plan[0]}
+        return layouts, plan, found, bool(unread) and expected is not None and expected(leaf, found)
+
+    if items.layouts or not unread:
+        try:
+            layouts, plan, _found, elsewhere = attempt()
+            if not elsewhere:
+                return layouts, plan
+        except CheckpointMismatchError:
+            if not unread:
+                raise
+    index = _index(leaf, items, reader) if unread else None
+    by_index: set[tuple[str, str]] | CheckpointMismatchError | None = None
+    if index is not None:
+        needs = ((fqn, chunk) for fqn in index.of if (chunk := chunk_of(fqn)) is not None)
+        selected = index.tags_for(needs)
+        read([key for key, ranks in unread.items() if ranks in selected])
+        try:
+            layouts, plan, by_index, elsewhere = attempt()
+            if not elsewhere:
+                return layouts, plan
+        except CheckpointMismatchError as exc:
+            by_index = exc
+    if unread:
+        read(list(unread))
+    layouts, plan, found, _elsewhere = attempt()
+    if index is not None:
+        _check_index(leaf, index.key, by_index, layouts, plan, found)
+    return layouts, plan
+
+
+def _index(leaf: str, items: _LeafItems, reader: BucketReader | None) -> LayoutIndex | None:
+    """The leaf's layout index, read (through ``reader`` unless the load read it already) and
+    checked; ``None`` when the checkpoint has none (written before it, or by ranks that could not
+    coordinate): then all of the leaf's layouts are read."""
+    if len(items.index) > 1:
+        raise CheckpointFormatError(f"leaf {leaf!r}: the checkpoint has {len(items.index)} layout indexes ({sorted(items.index)})")
+    if not items.index:
+        return None
+    (key, value), = items.index.items()
+    if value is None:
+        if reader is None or key not in reader.keys:
+            return None
+        got: list[Any] = []
+        reader.read([key], lambda _key, v: got.append(v))
+        value = items.index[key] = got[0] if got else None
+        if value is None:
+            raise CheckpointFormatError(f"leaf {leaf!r}: layout index {key!r} could not be read (a damaged checkpoint)")
+    _leaf, payload = check_table(BUFFERS_PREFIX, key[len(BUFFERS_PREFIX) :], value)
+    return decode_index(leaf, key, payload)
+
+
+def _check_index(
+    leaf: str,
+    key: str,
+    by_index: set[tuple[str, str]] | CheckpointMismatchError | None,
+    layouts: list[tuple[str, bytes]],
+    plan: tuple[list[tuple[Any, ...]], list[tuple[int, int, str, int]], list[tuple[Any, ...]]],
+    found: set[tuple[str, str]],
+) -> None:
+    """All of the leaf's layouts hold what this rank needs but the tables the index chose did not
+    (``by_index``: what they held, or the core's refusal of them): the index is damaged. Refused,
+    naming leaf, FQN, key and the table the index missed."""
+    if by_index is None:
+        return
+    targets, sources, ops = plan
+    if isinstance(by_index, CheckpointMismatchError):
+        raise CheckpointFormatError(
+            f"leaf {leaf!r}: the layout tables its layout index {key!r} points to do not hold this rank's state "
+            f"({by_index}), though all of the leaf's tables do: the index is damaged or edited; refusing to load"
+        ) from None
+    missed = [t for t in found if t not in by_index]
+    if not missed:
+        return  # the state is missing from every table alike: the load's own checks name it
+    fqn, skey = min(missed)
+    tag = next((layouts[sources[op[0]][0]][0] for op in ops if tuple(targets[op[4]][:2]) == (fqn, skey)), None)
+    where = "a layout table" if tag is None else f"layout table {layout_key(leaf, tag)!r}"
+    raise CheckpointFormatError(
+        f"leaf {leaf!r}: state {skey!r} of {fqn!r} is in {where}, which the leaf's layout index {key!r} does not "
+        "point to for this rank: the index is damaged or edited; refusing to load"
+    )
 
 
 def _check_consumed(
@@ -308,9 +407,11 @@ def _put(state: dict[str, Any], key: str, value: Any, leaf: str, fqn: str) -> No
 
 def items_a_load_reads(buffered: Mapping[str, str], have_reader: bool) -> set[str]:
     """Which of a checkpoint's buffers-layout items (``buffered``: inner key -> DCP key) a DCP load
-    plans itself: this rank's own layout tables (all of a leaf's when it has none of its own), and,
-    without a reader for the rest (``have_reader``), this rank's own buckets too (all of a leaf's
-    when it has no layout of its own). The others are read through a :class:`BucketReader`."""
+    plans itself: this rank's own layout tables; for a leaf without one of its own (another world
+    size), its layout index, or all of its layouts when it has no index; without a reader for the
+    rest (``have_reader``), this rank's own buckets too (all of a leaf's layouts and buckets when it
+    has no layout of its own, and no index). The others are read through a :class:`BucketReader`
+    (for a leaf with an index: the tables it points to)."""
     world, rank = world_and_rank()
     by_leaf: dict[str, list[tuple[str, str, bool]]] = {}
     for inner in buffered:
@@ -319,7 +420,13 @@ def items_a_load_reads(buffered: Mapping[str, str], have_reader: bool) -> set[st
     out: set[str] = set()
     for found in by_leaf.values():
         own = any(mine and kind == "layout" for _inner, kind, mine in found)
+        indexed = have_reader and not own and any(kind == "index" for _inner, kind, _mine in found)
         for inner, kind, mine in found:
-            if (kind == "layout" or not have_reader) and (mine or not own):
+            if kind == "index":
+                if indexed:
+                    out.add(inner)
+            elif indexed:
+                continue
+            elif (kind == "layout" or not have_reader) and (mine or not own):
                 out.add(inner)
     return out

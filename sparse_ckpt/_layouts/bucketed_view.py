@@ -12,6 +12,7 @@ import torch
 
 from .. import _backend
 from .._format.keys import BUFFERS_PREFIX, check_table, key_parts, split_buffers_key
+from .._format.layout_index import check_index, decode_index
 from .._fqn import FqnMap
 from ..errors import CheckpointFormatError, CheckpointMismatchError
 from .bucketed import Chunk, buffer_key, dtype_name, torch_dtype
@@ -35,18 +36,21 @@ def layout_view(keys: Iterable[str], values: Mapping[str, Any]) -> dict[str, dic
     (a ``TensorStorageMetadata`` with the saved dtype and global shape; nested keys nest), from
     the layout tables among ``keys``. Each layout's buffers must be there with its dtype and
     length (``values``: DCP metadata or tensors), and a leaf's layouts must cover each tensor
-    exactly once (``plan_scatter`` of whole tensors), else a :class:`CheckpointFormatError` or
-    :class:`CheckpointMismatchError` says which."""
+    exactly once (``plan_scatter`` of whole tensors), and a leaf's layout index must agree with its
+    layouts, else a :class:`CheckpointFormatError` or :class:`CheckpointMismatchError` says which."""
     from torch.distributed.checkpoint.metadata import TensorProperties, TensorStorageMetadata
 
     core = _backend.core
     out: dict[str, dict[str, Any]] = {}
     by_leaf: dict[str, list[bytes]] = {}
     shapes_by_leaf: dict[str, dict[str, tuple[int, ...]]] = {}
+    decoded_by_leaf: dict[str, dict[str, Any]] = {}
+    keys = list(keys)
     for key, leaf, payload in _layouts_by_key(keys, values):
         by_leaf.setdefault(leaf, []).append(payload)
         ranks = split_buffers_key(key[len(BUFFERS_PREFIX) :])[3]
         decoded = core.decode_layout(leaf, payload)
+        decoded_by_leaf.setdefault(leaf, {})[ranks] = [e for _dtype, _numel, entries in decoded for e in entries]
         _first_shapes(decoded, shapes_by_leaf.setdefault(leaf, {}))
         for bi, (dtype, numel, entries) in enumerate(decoded):
             bkey = buffer_key(leaf, ranks, bi, dtype)
@@ -72,7 +76,19 @@ def layout_view(keys: Iterable[str], values: Mapping[str, Any]) -> dict[str, dic
                 node.setdefault(parts[-1], md)
     for leaf, payloads in by_leaf.items():  # together, the layouts hold every tensor exactly once
         core.plan_scatter(leaf, payloads, _whole(shapes_by_leaf[leaf]))
+    _check_indexes(keys, values, decoded_by_leaf)
     return out
+
+
+def _check_indexes(keys: Iterable[str], values: Mapping[str, Any], tables: Mapping[str, dict[str, Any]]) -> None:
+    """Each layout index among ``keys`` agrees with its leaf's layout tables (``tables``: leaf ->
+    rank tag -> decoded entries), else a :class:`CheckpointFormatError` (`sparse_ckpt._format.layout_index.check_index`)."""
+    for key in keys:
+        leaf, kind, _bucket, _ranks = split_buffers_key(key[len(BUFFERS_PREFIX) :])
+        if kind != "index":
+            continue
+        _leaf, payload = check_table(BUFFERS_PREFIX, key[len(BUFFERS_PREFIX) :], values[key])
+        check_index(decode_index(leaf, key, payload), tables.get(leaf, {}))
 
 
 def _first_shapes(decoded: Iterable[tuple[str, int, Any]], shapes: dict[str, tuple[int, ...]]) -> None:

@@ -29,6 +29,7 @@ from .._format.tensor_parts import CODEC_DTYPES, tensor_to_parts
 from .._fqn import Model, build_fqn_map
 from .._gc import gc_paused
 from .._layouts import StateLayout, bucketed, check_state_layout, own_item_bytes
+from .._layouts.bucketed_index import index_key, with_index_parts
 from .._leaves import named_leaves
 from ..errors import CheckpointFormatError, CheckpointMismatchError
 from .capture import capture_by_fqn
@@ -134,7 +135,10 @@ def build_state_dict(
             parts.append(_Part("items", leaf, items=core.flatten_state(leaf, state_fqn, fmap.param_of, False)))
             _check_flat_settings(leaf, groups_fqn)
             parts.append(_Part("items", leaf, items=core.flatten_groups(leaf, groups_fqn)))
-    tagged = iter(keying.assign(slots))
+    if keying.coordinated:  # each leaf's layout index: which ranks' layouts hold which chunks
+        slots = with_index_parts(slots, fmap.param_of)
+    assigned, indexes = keying.assign_with_indexes(slots)
+    tagged = iter(assigned)
     out: dict[str, Any] = {}
     for part in parts:
         if part.kind == "items":
@@ -147,6 +151,8 @@ def build_state_dict(
             out[bucketed.layout_key(part.leaf, tag)] = value
             for i, buf in enumerate(part.buckets):
                 out[bucketed.buffer_key(part.leaf, tag, i, bucketed.dtype_name(buf.dtype))] = buf
+            if part.leaf in indexes:
+                out[index_key(part.leaf, indexes[part.leaf][0])] = indexes[part.leaf][1]
     if guards and format == "packed":
         out.update(dict.fromkeys(foreign_guard_keys(first_fqns), foreign_guard_value()))
     return out

@@ -80,8 +80,9 @@ def _save_ep2(rank: int, world_size: int, root: str, layout: str) -> None:
         assert per_item == {f"state.{f}.{k}" for f in big for k in ("exp_avg", "exp_avg_sq")}, per_item
         chunks = md.state_dict_metadata["optim.state.dense.weight.exp_avg"].chunks
         assert sorted(tuple(c.offsets) for c in chunks) == [(0, 0), (3, 0)]
-    # per rank: a layout per leaf, one buffer per (leaf, dtype): dense holds float32 and bfloat16
-    assert len([k for k in optim if k.startswith(BUFFERS_PREFIX)]) == world_size * (2 + 3)
+    # per rank: a layout per leaf, one buffer per (leaf, dtype): dense holds float32 and bfloat16;
+    # and one layout index per leaf, the same on every rank (written once)
+    assert len([k for k in optim if k.startswith(BUFFERS_PREFIX)]) == world_size * (2 + 3) + 2
 
     model2, opt2 = build_drill((2 * rank, 2 * rank + 1), mesh, seed=7)
     read = _load(f"{root}/ckpt", model2, opt2)
