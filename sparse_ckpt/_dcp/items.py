@@ -27,7 +27,7 @@ from .._format.keys import BUFFERS_PREFIX, PACKED_PREFIX, SCALARS_PREFIX, STEP_K
 from .._torch_internals import file_item_location
 from ..errors import CheckpointFormatError, CheckpointMismatchError
 
-__all__ = ["ItemPlanner", "allocate_item", "allocate_like", "check_covered", "read_items", "weights_only_item", "weights_only_object"]
+__all__ = ["FileWindow", "ItemPlanner", "allocate_item", "allocate_like", "check_covered", "read_items", "weights_only_item", "weights_only_object"]
 
 Consume = Callable[[str, Any], None]
 
@@ -207,9 +207,9 @@ def read_items(
     return planner.values
 
 
-class _FileSlice(io.RawIOBase):
-    """Bytes ``[offset, offset + length)`` of an open file as a seekable stream (what ``torch.load``
-    reads a DCP item from)."""
+class FileWindow(io.RawIOBase):
+    """Bytes ``[offset, offset + length)`` of an open file as a read-only, seekable stream: one DCP
+    item, as ``torch.load`` (a load's direct reads) and ``zipfile`` (``verify``'s CRC checks) read it."""
 
     def __init__(self, f: Any, offset: int, length: int) -> None:
         super().__init__()
@@ -279,7 +279,7 @@ def _read_files_directly(storage_reader: Any, metadata: Metadata, items: list[Re
                     f.close()
                 f, path = open(file, "rb"), file  # noqa: SIM115 - one file open at a time, closed below
             key = item.dest_index.fqn
-            tensor = torch.load(io.BufferedReader(_FileSlice(f, offset, length)), map_location="cpu", weights_only=True)
+            tensor = torch.load(io.BufferedReader(FileWindow(f, offset, length)), map_location="cpu", weights_only=True)
             md = metadata.state_dict_metadata[key]
             if not isinstance(tensor, torch.Tensor) or tuple(tensor.shape) != tuple(md.size) or tensor.dtype != md.properties.dtype:
                 raise CheckpointFormatError(

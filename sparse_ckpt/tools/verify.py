@@ -10,6 +10,7 @@ from typing import Any
 
 from torch.distributed.checkpoint.metadata import Metadata, TensorStorageMetadata
 
+from .._dcp.items import FileWindow
 from .._dcp.metadata import find_optimizers
 from .._text import one_line
 from ..errors import SparseCheckpointError
@@ -31,38 +32,6 @@ __all__ = ["format_verify", "storage_problems", "verify_checkpoint"]
 _ZIP_MAGIC = b"PK\x03\x04"
 
 
-class _Window(io.RawIOBase):
-    """A read-only, seekable view of ``length`` bytes of ``f`` from ``start`` (one DCP item)."""
-
-    def __init__(self, f: io.BufferedReader, start: int, length: int) -> None:
-        super().__init__()
-        self._f, self._start, self._length, self._pos = f, start, length, 0
-
-    def readable(self) -> bool:
-        return True
-
-    def seekable(self) -> bool:
-        return True
-
-    def tell(self) -> int:
-        return self._pos
-
-    def seek(self, offset: int, whence: int = io.SEEK_SET) -> int:
-        base = {io.SEEK_SET: 0, io.SEEK_CUR: self._pos, io.SEEK_END: self._length}[whence]
-        self._pos = max(0, base + offset)
-        return self._pos
-
-    def readinto(self, buffer: Any) -> int:
-        n = min(len(buffer), self._length - self._pos)
-        if n <= 0:
-            return 0
-        self._f.seek(self._start + self._pos)
-        data = self._f.read(n)
-        buffer[: len(data)] = data
-        self._pos += len(data)
-        return len(data)
-
-
 def _check_zip(f: io.BufferedReader, offset: int, length: int) -> tuple[str | None, int]:
     """``(error, members whose CRC-32 was not recorded)`` of one item written by ``torch.save``.
 
@@ -74,7 +43,7 @@ def _check_zip(f: io.BufferedReader, offset: int, length: int) -> tuple[str | No
         return None, 1
     unchecked = 0
     try:
-        with zipfile.ZipFile(_Window(f, offset, length)) as zf:
+        with zipfile.ZipFile(FileWindow(f, offset, length)) as zf:
             for info in zf.infolist():
                 if info.CRC == 0 and info.file_size:  # written with CRC-32 disabled
                     unchecked += 1
