@@ -39,7 +39,7 @@ import time
 from collections.abc import Callable, Iterator
 from contextlib import contextmanager
 from dataclasses import dataclass, field
-from typing import Any
+from typing import Any, TypeVar
 
 import torch
 from torch import nn
@@ -87,22 +87,34 @@ class Scale:
         return self.layers * (self.experts * len(EXPERT_NAMES) + len(DENSE_NAMES))
 
 
-def parse_scales(text: str) -> list[Scale]:
-    """Parse ``"8x64,24x128"`` into scales (order kept, duplicates dropped)."""
-    out: list[Scale] = []
+T = TypeVar("T")
+
+
+def _parse_list(text: str, parse_one: Callable[[str], T], what: str) -> list[T]:
+    """``parse_one`` of each item of the comma-separated ``text`` (stripped, lower case; empty items
+    skipped), in order, duplicates dropped; none at all is a ``ValueError`` (``no {what} given``)."""
+    out: list[T] = []
     for item in text.split(","):
         item = item.strip().lower()
-        if not item:
-            continue
-        m = re.fullmatch(r"(\d+)x(\d+)", item)
-        if m is None or int(m.group(1)) < 1 or int(m.group(2)) < 1:
-            raise ValueError(f"scale {item!r} is not LAYERSxEXPERTS with both >= 1 (e.g. 8x64)")
-        scale = Scale(int(m.group(1)), int(m.group(2)))
-        if scale not in out:
-            out.append(scale)
+        if item:
+            value = parse_one(item)
+            if value not in out:
+                out.append(value)
     if not out:
-        raise ValueError("no scale given")
+        raise ValueError(f"no {what} given")
     return out
+
+
+def _parse_scale(item: str) -> Scale:
+    m = re.fullmatch(r"(\d+)x(\d+)", item)
+    if m is None or int(m.group(1)) < 1 or int(m.group(2)) < 1:
+        raise ValueError(f"scale {item!r} is not LAYERSxEXPERTS with both >= 1 (e.g. 8x64)")
+    return Scale(int(m.group(1)), int(m.group(2)))
+
+
+def parse_scales(text: str) -> list[Scale]:
+    """Parse ``"8x64,24x128"`` into scales (order kept, duplicates dropped)."""
+    return _parse_list(text, _parse_scale, "scale")
 
 
 class Weight(nn.Module):
@@ -190,24 +202,18 @@ class FixtureSpec:
         return f"{self.scale.label}:h{self.hidden}{tail}"
 
 
+def _parse_fixture_spec(item: str) -> FixtureSpec:
+    m = re.fullmatch(r"(\d+x\d+)(?::h(\d+))?(?::e(\d+)x(\d+))?", item)
+    if m is None or (m.group(3) is not None and (int(m.group(3)) < 1 or int(m.group(4)) < 1)):
+        raise ValueError(f"fixture {item!r} is not LxE[:hHIDDEN][:eVOCABxDIM] (e.g. 8x64:h64:e32768x64)")
+    (scale,) = parse_scales(m.group(1))
+    embed = (int(m.group(3)), int(m.group(4))) if m.group(3) is not None else None
+    return FixtureSpec(scale, int(m.group(2) or 0), embed)
+
+
 def parse_fixture_specs(text: str) -> list[FixtureSpec]:
     """Parse ``"24x128:h0,4x16:h512,8x64:h64:e32768x64"`` (order kept, duplicates dropped)."""
-    out: list[FixtureSpec] = []
-    for item in text.split(","):
-        item = item.strip().lower()
-        if not item:
-            continue
-        m = re.fullmatch(r"(\d+x\d+)(?::h(\d+))?(?::e(\d+)x(\d+))?", item)
-        if m is None or (m.group(3) is not None and (int(m.group(3)) < 1 or int(m.group(4)) < 1)):
-            raise ValueError(f"fixture {item!r} is not LxE[:hHIDDEN][:eVOCABxDIM] (e.g. 8x64:h64:e32768x64)")
-        (scale,) = parse_scales(m.group(1))
-        embed = (int(m.group(3)), int(m.group(4))) if m.group(3) is not None else None
-        spec = FixtureSpec(scale, int(m.group(2) or 0), embed)
-        if spec not in out:
-            out.append(spec)
-    if not out:
-        raise ValueError("no fixture given")
-    return out
+    return _parse_list(text, _parse_fixture_spec, "fixture")
 
 
 def layer_params(layer: Layer) -> Iterator[tuple[str, nn.Parameter, bool]]:
