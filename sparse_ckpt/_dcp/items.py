@@ -26,6 +26,7 @@ from torch.distributed.tensor import empty as dtensor_empty
 from .._format.keys import BUFFERS_PREFIX, PACKED_PREFIX, SCALARS_PREFIX, STEP_KEY, is_table_key, table_kind
 from .._torch_internals import file_item_location
 from ..errors import CheckpointFormatError, CheckpointMismatchError
+from .saved_tensor import read_saved_tensor
 
 __all__ = ["FileWindow", "ItemPlanner", "allocate_item", "allocate_like", "check_covered", "read_items", "weights_only_item", "weights_only_object"]
 
@@ -241,8 +242,9 @@ class FileWindow(io.RawIOBase):
 
 def _read_files_directly(storage_reader: Any, metadata: Metadata, items: list[ReadItem], planner: ItemPlanner) -> list[ReadItem]:
     """Read the plan's whole one-chunk tensor items straight from their files into their own
-    tensors (``torch.load`` of the item's bytes: one read, where ``read_data`` loads into one tensor
-    and copies into another), in file order; return the items left for ``read_data`` (bytes items,
+    tensors (one ``readinto`` of the tensor's bytes, `read_saved_tensor`, or ``torch.load`` of the
+    item's bytes where that does not apply: one read, where ``read_data`` loads into one tensor and
+    copies into another), in file order; return the items left for ``read_data`` (bytes items,
     chunks of an item, other storage readers)."""
     storage = getattr(metadata, "storage_data", None)
     if not isinstance(storage, Mapping):
@@ -279,8 +281,16 @@ def _read_files_directly(storage_reader: Any, metadata: Metadata, items: list[Re
                     f.close()
                 f, path = open(file, "rb"), file  # noqa: SIM115 - one file open at a time, closed below
             key = item.dest_index.fqn
-            tensor = torch.load(io.BufferedReader(FileWindow(f, offset, length)), map_location="cpu", weights_only=True)
             md = metadata.state_dict_metadata[key]
+            try:
+                tensor = read_saved_tensor(f, offset, length, tuple(md.size), md.properties.dtype)
+            except EOFError as exc:
+                raise CheckpointFormatError(
+                    f"checkpoint item {key!r}: its file {file!r} ends inside the item's data ({exc} read; a truncated "
+                    "checkpoint)"
+                ) from None
+            if tensor is None:  # not the plain case: torch.load reads every case
+                tensor = torch.load(io.BufferedReader(FileWindow(f, offset, length)), map_location="cpu", weights_only=True)
             if not isinstance(tensor, torch.Tensor) or tuple(tensor.shape) != tuple(md.size) or tensor.dtype != md.properties.dtype:
                 raise CheckpointFormatError(
                     f"checkpoint item {key!r} holds {type(tensor).__name__} "
