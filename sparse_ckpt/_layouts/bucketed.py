@@ -19,6 +19,7 @@ import torch
 from torch.distributed.tensor import DTensor, Replicate, Shard
 
 from .._format.keys import BUFFERS_PREFIX, STATE_PREFIX, buffer_tag, escape_part, is_plain_part, layout_tag
+from .._host_memory import empty_host
 from .._limits import ITEM_BYTES
 from .._torch_internals import local_chunk
 from ..errors import CheckpointFormatError
@@ -150,8 +151,14 @@ def fill(buckets: list[tuple[str, int, list[tuple[int, int]]]], local: list[torc
     out = []
     for _dtype, numel, members in buckets:
         parts = [local[i].detach().reshape(-1) for i, _offset in members]
-        # One chunk alone: the (flattened) state tensor itself on the CPU, as per-item entries are.
-        buf = (torch.cat(parts) if len(parts) > 1 else parts[0]).to("cpu")
+        if len(parts) == 1:  # one chunk alone: the (flattened) state tensor itself on the CPU, as per-item entries are
+            buf = parts[0].to("cpu")
+        else:  # a new host buffer on huge pages where the OS offers them (its page faults dominated the copy)
+            buf = empty_host(sum(t.numel() for t in parts), parts[0].dtype)
+            if parts[0].device.type == "cpu":
+                torch.cat(parts, out=buf)
+            else:
+                buf.copy_(torch.cat(parts))
         if buf.numel() != numel:  # pragma: no cover - the core's sizes are the chunks'
             raise AssertionError(f"bucket of {buf.numel()} elements, layout says {numel}")
         out.append(buf)
