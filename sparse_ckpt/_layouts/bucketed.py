@@ -102,6 +102,7 @@ def collect(
     local: list[torch.Tensor] = []
     geometry = _Geometry()
     names: dict[torch.dtype, tuple[str, int]] = {}
+    parts: dict[str, str | None] = {}  # str state key -> its key part (the same few keys recur per parameter)
     missing = object()
     plain, strided = torch.Tensor, torch.strided
     for fqn, state in state_fqn.items():
@@ -111,6 +112,7 @@ def collect(
         sharded = isinstance(p, DTensor)
         pshape = p.shape
         chunk = None
+        largest = -1  # elements of the parameter's largest chunk over all ranks (computed when first needed)
         for key, v in state.items():
             if type(v) is plain and not sharded:
                 if v.shape != pshape or v.layout is not strided or v.is_meta:
@@ -128,16 +130,24 @@ def collect(
                 chunk = geometry.of(p)
                 if chunk is None:
                     break
-            if tuple(t.shape) != chunk[2]:
-                continue
-            if own_item_bytes is not None and geometry.largest(p) * t.element_size() >= own_item_bytes:
-                continue  # large enough to be an item of its own: no copy into a buffer
-            part = key if is_plain_part(key) else escape_part(key)
-            if part is None or items.pop(f"{STATE_PREFIX}{fqn}.{part}", missing) is missing:
-                continue  # a 0-d parameter's state went into the scalar table
+            if sharded and tuple(t.shape) != chunk[2]:
+                continue  # (a plain tensor's chunk is its parameter's shape, checked above)
             spec = names.get(t.dtype)
             if spec is None:
                 spec = names[t.dtype] = (dtype_name(t.dtype), t.element_size())
+            if own_item_bytes is not None:
+                if largest < 0:
+                    largest = geometry.largest(p)
+                if largest * spec[1] >= own_item_bytes:
+                    continue  # large enough to be an item of its own: no copy into a buffer
+            if type(key) is str:
+                part = parts.get(key, missing)
+                if part is missing:
+                    part = parts[key] = key if is_plain_part(key) else escape_part(key)
+            else:  # (not cached: 1 and True are one dict key but escape apart)
+                part = escape_part(key)
+            if part is None or items.pop(f"{STATE_PREFIX}{fqn}.{part}", missing) is missing:
+                continue  # a 0-d parameter's state went into the scalar table
             entries.append((fqn, part, spec[0], spec[1], *chunk))
             local.append(t)
     return entries, local
@@ -150,15 +160,15 @@ def fill(buckets: list[tuple[str, int, list[tuple[int, int]]]], local: list[torc
     per-item entry, it is the live state: DCP writes or stages it before training goes on)."""
     out = []
     for _dtype, numel, members in buckets:
-        parts = [local[i].detach().reshape(-1) for i, _offset in members]
-        if len(parts) == 1:  # one chunk alone: the (flattened) state tensor itself on the CPU, as per-item entries are
-            buf = parts[0].to("cpu")
+        chunks = [local[i].detach().reshape(-1) for i, _offset in members]
+        if len(chunks) == 1:  # one chunk alone: the (flattened) state tensor itself on the CPU, as per-item entries are
+            buf = chunks[0].to("cpu")
         else:  # a new host buffer on huge pages where the OS offers them (its page faults dominated the copy)
-            buf = empty_host(sum(t.numel() for t in parts), parts[0].dtype)
-            if parts[0].device.type == "cpu":
-                torch.cat(parts, out=buf)
+            buf = empty_host(numel, chunks[0].dtype)
+            if chunks[0].device.type == "cpu":
+                torch.cat(chunks, out=buf)
             else:
-                buf.copy_(torch.cat(parts))
+                buf.copy_(torch.cat(chunks))
         if buf.numel() != numel:  # pragma: no cover - the core's sizes are the chunks'
             raise AssertionError(f"bucket of {buf.numel()} elements, layout says {numel}")
         out.append(buf)
