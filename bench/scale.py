@@ -44,7 +44,7 @@ import torch
 
 try:  # a checkout (python -m bench.scale) or the wheel (python -m sparse_ckpt.bench.scale)
     from .fixtures import parse_fixture_specs, parse_scales
-    from .scale_async import run_async
+    from .scale_async import run_async, run_async_threshold
     from .scale_dcp import PAIR, parse_size, run_dcp, run_threshold
     from .scale_metadata import run_metadata
     from .scale_report import report
@@ -107,6 +107,8 @@ def parse_args(argv: Sequence[str] | None) -> argparse.Namespace:
     t.add_argument("--total", type=parse_size, default=parse_size("64M"), help="state bytes per point, about")
     t.add_argument("--max-params", type=int, default=16_384, help="at most this many parameters per point")
     t.add_argument("--layouts", type=_layouts, default=list(PAIR))
+    t.add_argument("--async", dest="asynchronous", action="store_true",
+                   help="time how long dcp.async_save blocks (per_tensor vs buffers) instead of dcp.save/dcp.load")
     for sp in (m, d, a):
         sp.add_argument("--layouts", type=_layouts, default=list(STATE_LAYOUTS), help=f"among {STATE_LAYOUTS}")
     for sp in (m, d, a, t):
@@ -132,6 +134,8 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
                 "device": args.device}
     if args.mode == "async":
         return {"runs": run_async(_fixtures(args, ASYNC_FIXTURES), args.group_layout, args.repeats, args.layouts)}
+    if args.asynchronous:
+        return run_async_threshold(args.sizes, args.total, args.max_params, args.repeats)
     return run_threshold(args.sizes, args.total, args.max_params, args.repeats, args.layouts)
 
 

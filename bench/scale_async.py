@@ -131,3 +131,43 @@ def run_async(specs: Sequence[FixtureSpec], group_layout: str, repeats: int,
             dist.destroy_process_group()
         shutil.rmtree(root, ignore_errors=True)
     return out
+
+
+def run_async_threshold(sizes: Sequence[int], total: int, max_params: int, repeats: int) -> dict[str, Any]:
+    """Mode ``threshold --async``: per chunk size, the time ``dcp.async_save`` blocks with one item per
+    state tensor (``per_tensor``) and with the tensors bucketed (``buffers``), and where one item per
+    tensor blocks no longer (the crossover ``state_layout="auto"`` uses inside ``async_save``)."""
+    import torch.distributed as dist
+
+    from .fixtures import uniform_fixture
+    from .scale_dcp import size_label, threshold_counts
+
+    points = []
+    root = tempfile.mkdtemp(prefix="sc_async_threshold_")
+    started = one_rank_group(root)
+    try:
+        for size, n in threshold_counts(sizes, total, max_params):
+            fx = uniform_fixture(n, (size // 4,))
+            with warnings.catch_warnings():
+                warnings.simplefilter("ignore")
+                rows = async_rows(fx, ["per_tensor", "buffers"], repeats, root)
+            by = {r["variant"]: r for r in rows}
+            ratio = by["per_tensor"]["blocked_s"] / by["buffers"]["blocked_s"]
+            points.append({"chunk_bytes": size, "n_params": n, "n_state_tensors": 2 * n, "rows": rows,
+                           "blocked_ratio": ratio})
+            print(f"chunk {size_label(size):>7} x {2 * n:>6} tensors  async_save blocked: per_tensor "
+                  f"{by['per_tensor']['blocked_s']:.3f} s  buffers {by['buffers']['blocked_s']:.3f} s  "
+                  f"per_tensor/buffers {ratio:.2f}", flush=True)
+            del fx
+    finally:
+        if started:
+            dist.destroy_process_group()
+        shutil.rmtree(root, ignore_errors=True)
+    cross = None
+    for i, p in enumerate(points):
+        if all(q["blocked_ratio"] <= 1 for q in points[i:]):
+            cross = p["chunk_bytes"]
+            break
+    print("crossover (one item per tensor blocks no longer than buffers from this size on): "
+          + (size_label(cross) if cross else "none"))
+    return {"points": points, "crossover_blocked_bytes": cross, "async": True}
