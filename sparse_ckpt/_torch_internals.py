@@ -119,6 +119,19 @@ _SAVE_FRAMES = 12
 (through DCP's ``_stateful_to_state_dict``, its loggers, and ``MultiOptimizer.state_dict``)."""
 
 
+def _dcp_save_frame(frame: Any) -> Any:
+    """The frame of ``torch.distributed.checkpoint.save``/``async_save`` at ``frame`` or a few
+    frames above it (:data:`_SAVE_FRAMES`); ``None`` when there is none."""
+    f = frame
+    for _ in range(_SAVE_FRAMES):
+        if f is None:
+            return None
+        if f.f_code in _DCP_SAVE_CODES:
+            return f
+        f = f.f_back
+    return None
+
+
 def saved_by_dcp_with_all_ranks(frame: Any) -> bool:
     """``True`` when ``frame`` (or one of its callers, a few frames up) is
     ``torch.distributed.checkpoint.save``/``async_save`` running with collectives over the default
@@ -126,20 +139,29 @@ def saved_by_dcp_with_all_ranks(frame: Any) -> bool:
     collective there is safe. ``False`` whenever that cannot be told (another torch layout, a
     save over another process group, ``no_dist``, ``use_collectives=False``): the caller then
     does not coordinate, which is always correct (keys by content digest), only not cacheable."""
-    f = frame
-    for _ in range(_SAVE_FRAMES):
-        if f is None:
-            return False
-        if f.f_code in _DCP_SAVE_CODES:
-            local = f.f_locals
-            return (
-                not local.get("no_dist", False)
-                and local.get("use_collectives", True) is True
-                and initialised()
-                and is_default_group(local.get("process_group"))
-            )
-        f = f.f_back
-    return False
+    f = _dcp_save_frame(frame)
+    if f is None:
+        return False
+    local = f.f_locals
+    return (
+        not local.get("no_dist", False)
+        and local.get("use_collectives", True) is True
+        and initialised()
+        and is_default_group(local.get("process_group"))
+    )
+
+
+_DCP_ASYNC_SAVE_CODE = _dcp_code("state_dict_saver", "async_save")
+
+
+def saved_by_dcp_async(frame: Any) -> bool:
+    """``True`` when ``frame`` (or one of its callers, a few frames up) is
+    ``torch.distributed.checkpoint.async_save``, which stages (copies) the whole state dict before
+    it returns: a ``state_layout="auto"`` save there buffers fewer tensors (a copy into a bucket
+    would be a second copy). ``False`` for ``dcp.save`` and whenever it cannot be told (the
+    blocking save's choice: always correct, only a different layout)."""
+    f = _dcp_save_frame(frame)
+    return f is not None and _DCP_ASYNC_SAVE_CODE is not None and f.f_code is _DCP_ASYNC_SAVE_CODE
 
 
 _DCP_LOAD_STATE_DICT_CODE = _dcp_code("state_dict_loader", "_load_state_dict")
@@ -275,6 +297,7 @@ ACCESSES: dict[str, str] = {
     "DTensor.__create_chunk_list__ (DCP's tensor protocol)": "2.13.0",
     "torch.distributed.checkpoint.state_dict_loader.load (caller frame)": "2.13.0",
     "torch.distributed.checkpoint.state_dict_saver.save/async_save (caller frame; locals process_group, no_dist, use_collectives)": "2.13.0",
+    "torch.distributed.checkpoint.state_dict_saver.async_save (caller frame: a save that stages)": "2.13.0, 2.7.0",
     "torch.distributed.checkpoint.state_dict_loader._load_state_dict (caller frame; local storage_reader)": "2.13.0",
     "accelerate.checkpointing.save_custom_state (caller frame)": "accelerate 1.15.0 on torch 2.13.0",
     "sys._getframe / sys._current_frames (CPython)": "CPython 3.11, torch 2.13.0",

@@ -34,7 +34,13 @@ from .._layouts.bucketed_load import BucketReader
 from .._load.load import load_owned
 from .._save.capture import check_leaves
 from .._save.save import FORMATS, Format, build_state_dict
-from .._torch_internals import called_by_dcp_load, caller_frame, make_subclass, saved_by_dcp_with_all_ranks
+from .._torch_internals import (
+    called_by_dcp_load,
+    caller_frame,
+    make_subclass,
+    saved_by_dcp_async,
+    saved_by_dcp_with_all_ranks,
+)
 from ..errors import CheckpointMismatchError
 from .origin import ORIGIN_KEY, origin_here, refuse_rank0_only_save
 
@@ -230,18 +236,22 @@ class SparseOptimizerState:
             # metadata (and without that planner the guard refuses the load), so dcp.load does not
             # pay for a capture of the optimizer it is about to overwrite.
             return self._captured(None)
-        return self._captured(Keying.with_ranks() if saved_by_dcp_with_all_ranks(caller) else Keying.here())
+        keying = Keying.with_ranks() if saved_by_dcp_with_all_ranks(caller) else Keying.here()
+        return self._captured(keying, staged=saved_by_dcp_async(caller))
 
-    def _captured(self, keying: Keying | None) -> SparseStateDict:
+    def _captured(self, keying: Keying | None, *, staged: bool = False) -> SparseStateDict:
         """The dict to save, its table keys chosen by ``keying`` (``None``: a load target, the
-        planner guard only). An integration whose trainer writes files of its own before calling
-        ``dcp.save`` captures with this first, so a save that will be refused writes nothing."""
+        planner guard only; ``staged``: for ``dcp.async_save``, see `build_state_dict`). An
+        integration whose trainer writes files of its own before calling ``dcp.save`` captures
+        with this first, so a save that will be refused writes nothing."""
         refuse_rank0_only_save(self.optimizer)
         sd: dict[str, Any] = {PLANNER_GUARD_KEY: _PlannerGuard.make()}  # first: DCP plans keys in order
         if keying is not None:
             with gc_paused():
                 sd.update(
-                    build_state_dict(self.model, self.optimizer, self.format, keying, self.state_layout, guards=True)
+                    build_state_dict(
+                        self.model, self.optimizer, self.format, keying, self.state_layout, guards=True, staged=staged
+                    )
                 )
         return SparseStateDict(sd, self)
 

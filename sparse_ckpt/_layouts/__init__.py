@@ -1,7 +1,8 @@
 """State layouts: how a leaf's parameter-shaped state tensors become DCP items.
 
 ``auto`` (default): per tensor, the ``buffers`` layout for small chunks and one item of its own for
-a chunk of at least :data:`AUTO_OWN_ITEM_BYTES` (what ``per_tensor`` writes for every tensor).
+a chunk of at least :data:`AUTO_OWN_ITEM_BYTES` (:data:`AUTO_ASYNC_OWN_ITEM_BYTES` inside
+``dcp.async_save``; what ``per_tensor`` writes for every tensor).
 ``per_tensor``: one item per state tensor (``state.{fqn}.{key}``), written and read by the core's
 flat keys. ``buffers``: per leaf, rank and dtype a few 1-D buckets plus a layout table; its save,
 load and inspection views are :mod:`.bucketed` (save), :mod:`.bucketed_load` and
@@ -15,6 +16,7 @@ from __future__ import annotations
 from typing import Literal
 
 __all__ = [
+    "AUTO_ASYNC_OWN_ITEM_BYTES",
     "AUTO_OWN_ITEM_BYTES",
     "DEFAULT_STATE_LAYOUT",
     "STATE_LAYOUTS",
@@ -29,12 +31,31 @@ DEFAULT_STATE_LAYOUT: StateLayout = "auto"
 """The state layout of `sparse_state_dict`, :class:`~sparse_ckpt.SparseOptimizerState` and
 ``MultiOptimizer`` when none is given."""
 
-AUTO_OWN_ITEM_BYTES = 1 << 20
-"""``state_layout="auto"``: a state tensor whose largest chunk (over the ranks) has at least this
-many bytes is an item of its own; smaller ones go into buffers. Measured with ``python -m
-bench.scale threshold`` (bench/README.md, *Threshold*): one item per tensor saves at least as fast
-as bucketing from 512 KiB and loads at least as fast from 1 MiB (both read straight from the
-files); below, DCP's per-item cost exceeds the copy into a buffer."""
+AUTO_OWN_ITEM_BYTES = 4 << 20
+"""``state_layout="auto"`` in a blocking save: a state tensor whose largest chunk (over the ranks)
+has at least this many bytes is an item of its own; smaller ones go into buffers. Measured with
+``python -m bench.scale threshold`` (bench/README.md, *Threshold*): one item per tensor saves at
+least as fast as bucketing from 4 MiB (below, DCP's per-item cost exceeds the copy into a bucket on
+huge pages); bucketed state loads faster at every size (one read per bucket, on huge pages), by
+2.5x at 4 MiB and 1.1x at 64 MiB, so the threshold favours the save, which runs far more often,
+and keeps the copies a save makes (and the host memory they take while DCP writes) to the small
+tensors."""
+
+AUTO_ASYNC_OWN_ITEM_BYTES = 1 << 20
+"""The same inside ``dcp.async_save``, which stages (copies) the whole state dict before it returns:
+there a copy into a bucket is a second copy, and one item per tensor blocks the training loop
+less than bucketing from 16-64 KiB on (``python -m bench.scale threshold --async``). 1 MiB keeps
+tensors that small bucketed all the same: each item of its own adds a chunk record per rank to
+the ``.metadata`` (what the buffers layout exists to bound)."""
+
+
+def own_item_bytes(state_layout: StateLayout, staged: bool = False) -> int | None:
+    """For a layout that buffers (``auto``, ``buffers``): the chunk size from which a
+    parameter-shaped state tensor is an item of its own instead (``None``: never, ``buffers``).
+    ``staged``: the save is ``dcp.async_save`` (:data:`AUTO_ASYNC_OWN_ITEM_BYTES`)."""
+    if state_layout != "auto":
+        return None
+    return AUTO_ASYNC_OWN_ITEM_BYTES if staged else AUTO_OWN_ITEM_BYTES
 
 
 def check_state_layout(state_layout: object, format: str = "packed") -> StateLayout:
@@ -46,10 +67,3 @@ def check_state_layout(state_layout: object, format: str = "packed") -> StateLay
     if state_layout == "buffers" and format != "packed":
         raise ValueError("state_layout='buffers' needs format='packed' (the flat format is torch DSD's layout)")
     return state_layout  # type: ignore[return-value]
-
-
-
-def own_item_bytes(state_layout: StateLayout) -> int | None:
-    """For a layout that buffers (``auto``, ``buffers``): the chunk size from which a
-    parameter-shaped state tensor is an item of its own instead (``None``: never, ``buffers``)."""
-    return AUTO_OWN_ITEM_BYTES if state_layout == "auto" else None

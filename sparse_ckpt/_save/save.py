@@ -91,10 +91,13 @@ def build_state_dict(
     state_layout: StateLayout = "per_tensor",
     *,
     guards: bool = False,
+    staged: bool = False,
 ) -> dict[str, Any]:
     """`sparse_state_dict` with the table keys chosen by ``keying`` (called with gc paused);
     ``guards=True`` (what the DCP ``Stateful`` saves, packed format) adds the foreign-loader guards
-    (`sparse_ckpt._format.keys.foreign_guard_keys`)."""
+    (`sparse_ckpt._format.keys.foreign_guard_keys`); ``staged``: for ``dcp.async_save``, which
+    copies the dict before it returns (``state_layout="auto"`` then buffers fewer tensors,
+    `sparse_ckpt._layouts.own_item_bytes`)."""
     core = _backend.core
     fmap = build_fqn_map(model)
     parts: list[_Part] = []  # the dict's items in order; tables and layouts wait for their tags
@@ -122,7 +125,7 @@ def build_state_dict(
                 parts.append(_Part("table", leaf, prefix=SCALARS_PREFIX))
                 slots.append(Slot.of(SCALARS_SLOT, leaf, scalars))
             if state_layout != "per_tensor":
-                entries, local = bucketed.collect(leaf, state_fqn, items, fmap.param_of, own_item_bytes(state_layout))
+                entries, local = bucketed.collect(leaf, state_fqn, items, fmap.param_of, own_item_bytes(state_layout, staged))
                 if entries:
                     layout, buckets = core.encode_layout(leaf, entries, bucketed.BUCKET_BYTES)
                     parts.append(_Part("layout", leaf, buckets=bucketed.fill(buckets, local)))

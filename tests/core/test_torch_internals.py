@@ -10,6 +10,7 @@ import importlib
 import inspect
 import sys
 from pathlib import Path
+from typing import Any
 
 import _backends
 import pytest
@@ -86,6 +87,30 @@ def _dcp_save_frames() -> None:
     assert all("use_collectives" in code.co_varnames for code in takes_collectives)  # none on torch 2.7
 
 
+def _dcp_async_save_frame() -> None:
+    """A Stateful's ``state_dict()`` tells ``dcp.async_save`` (which stages) from ``dcp.save``."""
+    import torch.distributed.checkpoint as dcp
+
+    class Seen(Exception):
+        pass
+
+    class Probe:
+        def state_dict(self) -> Any:
+            raise Seen(ti.saved_by_dcp_async(ti.caller_frame(1)))
+
+        def load_state_dict(self, sd: Any) -> None:  # pragma: no cover - never loaded
+            raise NotImplementedError
+
+    assert ti._DCP_ASYNC_SAVE_CODE is not None, "dcp.async_save's code object not found"
+    seen = {}
+    for name in ("save", "async_save"):
+        try:
+            getattr(dcp, name)({"probe": Probe()}, checkpoint_id="/nonexistent/never-written")
+        except Seen as exc:
+            seen[name] = exc.args[0]
+    assert seen == {"save": False, "async_save": True}, seen
+
+
 def _dcp_storage_reader_frame() -> None:
     code = ti._DCP_LOAD_STATE_DICT_CODE
     assert code is not None and "storage_reader" in code.co_varnames
@@ -147,6 +172,7 @@ CHECKS = {
     "DTensor.__create_chunk_list__ (DCP's tensor protocol)": _chunk_protocol,
     "torch.distributed.checkpoint.state_dict_loader.load (caller frame)": _dcp_load_frame,
     "torch.distributed.checkpoint.state_dict_saver.save/async_save (caller frame; locals process_group, no_dist, use_collectives)": _dcp_save_frames,
+    "torch.distributed.checkpoint.state_dict_saver.async_save (caller frame: a save that stages)": _dcp_async_save_frame,
     "torch.distributed.checkpoint.state_dict_loader._load_state_dict (caller frame; local storage_reader)": _dcp_storage_reader_frame,
     "accelerate.checkpointing.save_custom_state (caller frame)": _accelerate_frame,
     "sys._getframe / sys._current_frames (CPython)": _frames,

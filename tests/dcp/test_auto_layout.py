@@ -157,3 +157,28 @@ def test_items_are_read_straight_into_their_tensors(tmp_path: Path, monkeypatch:
         tensors = [k for k in through_read_data if (k.startswith(f"optim.{BUFFERS_PREFIX}") and ".B" in k)
                    or (k.startswith(f"optim.{STATE_PREFIX}") and "__" not in k)]
         assert (not tensors) if direct else tensors, through_read_data
+
+
+def test_async_save_buffers_fewer_tensors(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    """Inside ``dcp.async_save`` (which copies the whole dict before it returns) ``auto`` keeps the
+    tensors of at least ``AUTO_ASYNC_OWN_ITEM_BYTES`` per item, uncopied; ``dcp.save`` buffers the
+    ones below ``AUTO_OWN_ITEM_BYTES``. Both checkpoints restore exactly."""
+    model, opt = _trained()
+    limit, big, small = _split(model, opt)
+    monkeypatch.setattr(layouts, "AUTO_OWN_ITEM_BYTES", 1 << 62)  # a blocking save buffers everything
+    monkeypatch.setattr(layouts, "AUTO_ASYNC_OWN_ITEM_BYTES", limit)
+    dcp.save({"optim": sc.SparseOptimizerState(model, opt)}, checkpoint_id=tmp_path / "sync")
+    dcp.async_save({"optim": sc.SparseOptimizerState(model, opt)}, checkpoint_id=tmp_path / "async").result()
+    per_item = {}
+    for name in ("sync", "async"):
+        md = dcp.FileSystemReader(str(tmp_path / name)).read_metadata()
+        keys = [k.removeprefix("optim.") for k in md.state_dict_metadata]
+        per_item[name] = {k[len(STATE_PREFIX) :] for k in keys if k.startswith(STATE_PREFIX) and "__" not in k.split(".")[1]}
+    assert per_item["sync"] == set() and per_item["async"] == big and not small & per_item["async"]
+    for name in ("sync", "async"):
+        model2 = make_moe(1, n_experts=4)
+        model2.load_state_dict(model.state_dict())
+        opt2 = torch.optim.AdamW(model2.parameters(), lr=0.5)
+        dcp.load({"optim": sc.SparseOptimizerState(model2, opt2)}, checkpoint_id=tmp_path / name,
+                 planner=sc.SparseLoadPlanner())
+        assert_optimizer_equal(opt2, opt, grads=False)
