@@ -268,10 +268,10 @@ struct Target {
 };
 
 /// ``_first_overlap``: the first two boxes sharing an element in a sweep along dim 0 (boxes
-/// stably sorted by their lower bound there); ``{-1, -1}`` when none do.
+/// stably sorted by their lower bound there); ``{-1, -1}`` when none do. A 0-d target has at most one
+/// box (replicas are used once), so every list of two has dims.
 std::pair<long, long> first_overlap(const std::vector<Box>& boxes) {
     if (boxes.size() < 2) return {-1, -1};
-    if (boxes[0].lo.empty()) return {0, 1};
     std::vector<size_t> order(boxes.size());
     for (size_t i = 0; i < order.size(); ++i) order[i] = i;
     std::stable_sort(order.begin(), order.end(), [&](size_t a, size_t b) { return boxes[a].lo[0] < boxes[b].lo[0]; });
@@ -527,7 +527,7 @@ py::tuple plan_scatter(py::object leaf, py::object layouts, py::object chunk_of)
                                        << py_repr(t.fqn) << ": the checkpoint's buffers cover " << wide_str(t.covered)
                                        << " of the " << wide_str(need)
                                        << " elements of this rank's chunk (a buffer or layout table is missing from the "
-                                          "checkpoint, or its layouts overlap)");
+                                          "checkpoint)");
         }
         py::object tup = py::make_tuple(t.fqn, t.key, t.dtype, t.shape.obj, t.chunk->offsets.obj, t.chunk->sizes.obj);
         check(PyList_Append(out_targets.ptr(), tup.ptr()));

@@ -318,8 +318,7 @@ def plan_scatter(
         if covered[ti] != need:
             raise CheckpointMismatchError(
                 f"leaf {leaf!r}: state {key!r} of {fqn!r}: the checkpoint's buffers cover {covered[ti]} of the "
-                f"{need} elements of this rank's chunk (a buffer or layout table is missing from the checkpoint, "
-                "or its layouts overlap)"
+                f"{need} elements of this rank's chunk (a buffer or layout table is missing from the checkpoint)"
             )
     return targets, sources, ops
 
@@ -331,11 +330,10 @@ _Box = tuple[tuple[int, ...], tuple[int, ...], tuple[int, ...], tuple[int, ...]]
 def _first_overlap(boxes: list[_Box]) -> tuple[_Box, _Box] | None:
     """The first two boxes that share an element, in the order of a sweep along dim 0 (boxes
     sorted by their lower bound there, stably), else ``None``. With the element count equal to
-    the chunk's, no overlap means the boxes tile the chunk exactly (no gap)."""
+    the chunk's, no overlap means the boxes tile the chunk exactly (no gap). A 0-d target has at most
+    one box (its only chunk, ``()`` at ``()``: replicas are used once), so every list of two has dims."""
     if len(boxes) < 2:
         return None
-    if not boxes[0][0]:  # 0-d: every box is the whole (one-element) tensor
-        return boxes[0], boxes[1]
     order = sorted(range(len(boxes)), key=lambda i: boxes[i][0][0])
     for n, i in enumerate(order):
         lo_a, hi_a = boxes[i][0], boxes[i][1]
