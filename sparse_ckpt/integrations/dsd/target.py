@@ -27,7 +27,7 @@ from __future__ import annotations
 
 import copy
 from collections import OrderedDict, deque
-from collections.abc import Callable, Iterator, Mapping
+from collections.abc import Callable, Iterable, Iterator, Mapping
 from typing import Any
 
 from torch.distributed.checkpoint.metadata import Metadata
@@ -161,15 +161,11 @@ def rebuild_copies(state_dict: Any, metadata: Metadata | None, frame: Any = None
         )
     if not copies:
         return 0
-    paths = metadata_paths(metadata)
-    reader = dcp_storage_reader(frame if frame is not None else caller_frame(1))
-    done = 0
-    for path, (node, owner) in copies.items():
-        target = DsdStateDict(node, owner)
-        if _rebuild(target, path, metadata, paths, reader, allow_partial_load):
-            node.clear()
-            node.update(target)
-            done += 1
+    targets = {path: DsdStateDict(node, owner) for path, (node, owner) in copies.items()}
+    done = _rebuild(targets.items(), metadata, frame if frame is not None else caller_frame(1), allow_partial_load)
+    for path, (node, _owner) in copies.items():  # one left as it was (allow_partial_load) gets its own items
+        node.clear()
+        node.update(targets[path])
     return done
 
 
@@ -190,24 +186,24 @@ def rebuild_marked(state_dict: Any, metadata: Metadata | None, frame: Any = None
     targets = list(marked_targets(state_dict))
     if not targets:
         return 0
-    paths = metadata_paths(metadata)
-    reader = dcp_storage_reader(frame if frame is not None else caller_frame(1))
-    done = 0
-    for path, target in targets:
-        done += _rebuild(target, path, metadata, paths, reader, allow_partial_load)
-    return done
+    return _rebuild(targets, metadata, frame if frame is not None else caller_frame(1), allow_partial_load)
 
 
 def _rebuild(
-    target: DsdStateDict, path: tuple[str | int, ...], metadata: Metadata, paths: dict[str, tuple[str | int, ...]], reader: Any,
-    allow_partial_load: bool,
-) -> bool:
-    """Rebuild ``target`` (at ``path`` in the load target) from the checkpoint; with ``allow_partial_load``
-    one the checkpoint has nothing under is left as it is (False), as DCP leaves what it lacks."""
-    if allow_partial_load and not any(len(p) > len(path) and p[: len(path)] == path for p in paths.values()):
-        return False
-    _TargetBuilder(target, metadata, reader).rebuild(path, paths)
-    return True
+    targets: Iterable[tuple[tuple[str | int, ...], DsdStateDict]], metadata: Metadata, frame: Any, allow_partial_load: bool
+) -> int:
+    """Rebuild each ``(path in the load target, dict)`` of ``targets`` from the checkpoint (``frame``:
+    the load's, for its storage reader); with ``allow_partial_load`` one the checkpoint has nothing
+    under is left as it is, as DCP leaves what it lacks. Returns how many were rebuilt."""
+    paths = metadata_paths(metadata)
+    reader = dcp_storage_reader(frame)
+    done = 0
+    for path, target in targets:
+        if allow_partial_load and not any(len(p) > len(path) and p[: len(path)] == path for p in paths.values()):
+            continue
+        _TargetBuilder(target, metadata, reader).rebuild(path, paths)
+        done += 1
+    return done
 
 
 def _leaf_paths(node: Any, path: tuple[str | int, ...] = ()) -> Iterator[tuple[str | int, ...]]:
