@@ -139,12 +139,7 @@ template <class Where>
 void put_str(std::string& out, py::handle text, Where&& where) {
     Py_ssize_t n = 0;
     const char* raw = PyUnicode_AsUTF8AndSize(text.ptr(), &n);
-    if (raw == nullptr) {
-        py::error_already_set err;
-        if (!err.matches(PyExc_UnicodeEncodeError)) throw err;
-        py::object reason = steal(PyObject_GetAttrString(err.value().ptr(), "reason"));
-        raise_format_error(Msg() << where() << ": string is not valid unicode (" << fmt(reason) << ")");
-    }
+    if (raw == nullptr) raise_unicode_error(where);
     if (static_cast<uint64_t>(n) > 0xFFFFFFFFull) {
         raise_format_error(Msg() << where() << ": string of " << static_cast<long long>(n)
                                  << " bytes does not fit the layout format");

@@ -17,7 +17,7 @@ from __future__ import annotations
 from collections.abc import Callable, Iterator
 from typing import Any
 
-from .common import I64, INT64_MAX, MAX_ITEMSIZE, U16, U32, U32_MAX, U64, Reader, len32
+from .common import I64, INT64_MAX, MAX_ITEMSIZE, U16, U32, U32_MAX, U64, Reader, len32, utf8
 from .errors import CheckpointFormatError, CheckpointMismatchError
 
 LAYOUT_MAGIC = b"SCKL"
@@ -63,10 +63,7 @@ def _check_chunk(where: str, shape: tuple[int, ...], offsets: tuple[int, ...], s
 
 
 def _put_str(out: bytearray, text: str, where: str) -> None:
-    try:
-        raw = text.encode("utf-8")
-    except UnicodeEncodeError as exc:
-        raise CheckpointFormatError(f"{where}: string is not valid unicode ({exc.reason})") from None
+    raw = utf8(text, where)
     if len(raw) > U32_MAX:
         raise CheckpointFormatError(f"{where}: string of {len(raw)} bytes does not fit the layout format")
     out += U32.pack(len(raw))
