@@ -121,6 +121,18 @@ private:
 /// ``TypeError(f"expected {what}, got {type(obj).__name__}")``
 [[noreturn]] void raise_type(const char* what, py::handle obj);
 
+/// ``utf8``'s refusal: the pending UnicodeEncodeError of ``PyUnicode_AsUTF8AndSize`` as a
+/// CheckpointFormatError ``f"{where()}: string is not valid unicode ({reason})"`` (another pending
+/// error is re-raised as it is). ``where`` is called once the error is fetched (a message cannot
+/// be built while an exception is set).
+template <class Where>
+[[noreturn]] void raise_unicode_error(Where&& where) {
+    py::error_already_set err;
+    if (!err.matches(PyExc_UnicodeEncodeError)) throw err;
+    py::object reason = steal(PyObject_GetAttrString(err.value().ptr(), "reason"));
+    raise_format_error(Msg() << where() << ": string is not valid unicode (" << fmt(reason) << ")");
+}
+
 /// ``for item in obj: f(item)`` for a list (read live, index by index) or a tuple. ``f`` may
 /// return ``bool``; ``false`` stops the loop (like ``break``).
 template <class F>

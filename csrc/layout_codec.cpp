@@ -139,12 +139,7 @@ template <class Where>
 void put_str(std::string& out, py::handle text, Where&& where) {
     Py_ssize_t n = 0;
     const char* raw = PyUnicode_AsUTF8AndSize(text.ptr(), &n);
-    if (raw == nullptr) {
-        py::error_already_set err;
-        if (!err.matches(PyExc_UnicodeEncodeError)) throw err;
-        py::object reason = steal(PyObject_GetAttrString(err.value().ptr(), "reason"));
-        raise_format_error(Msg() << where() << ": string is not valid unicode (" << fmt(reason) << ")");
-    }
+    if (raw == nullptr) raise_unicode_error(where);
     if (static_cast<uint64_t>(n) > 0xFFFFFFFFull) {
         raise_format_error(Msg() << where() << ": string of " << static_cast<long long>(n)
                                  << " bytes does not fit the layout format");
@@ -268,10 +263,10 @@ struct Target {
 };
 
 /// ``_first_overlap``: the first two boxes sharing an element in a sweep along dim 0 (boxes
-/// stably sorted by their lower bound there); ``{-1, -1}`` when none do.
+/// stably sorted by their lower bound there); ``{-1, -1}`` when none do. A 0-d target has at most one
+/// box (replicas are used once), so every list of two has dims.
 std::pair<long, long> first_overlap(const std::vector<Box>& boxes) {
     if (boxes.size() < 2) return {-1, -1};
-    if (boxes[0].lo.empty()) return {0, 1};
     std::vector<size_t> order(boxes.size());
     for (size_t i = 0; i < order.size(); ++i) order[i] = i;
     std::stable_sort(order.begin(), order.end(), [&](size_t a, size_t b) { return boxes[a].lo[0] < boxes[b].lo[0]; });
@@ -527,7 +522,7 @@ py::tuple plan_scatter(py::object leaf, py::object layouts, py::object chunk_of)
                                        << py_repr(t.fqn) << ": the checkpoint's buffers cover " << wide_str(t.covered)
                                        << " of the " << wide_str(need)
                                        << " elements of this rank's chunk (a buffer or layout table is missing from the "
-                                          "checkpoint, or its layouts overlap)");
+                                          "checkpoint)");
         }
         py::object tup = py::make_tuple(t.fqn, t.key, t.dtype, t.shape.obj, t.chunk->offsets.obj, t.chunk->sizes.obj);
         check(PyList_Append(out_targets.ptr(), tup.ptr()));

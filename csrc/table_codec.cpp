@@ -91,7 +91,7 @@ public:
         if (!PyUnicode_Check(t)) raise_type("a str", text);
         Py_ssize_t n = 0;
         const char* s = PyUnicode_AsUTF8AndSize(t, &n);
-        if (s == nullptr) unicode_error(where);
+        if (s == nullptr) raise_unicode_error([&] { return where.str(); });
         put_len_u32(out, n);
         out.append(s, static_cast<size_t>(n));
     }
@@ -140,15 +140,6 @@ public:
         }
     }
 
-private:
-    [[noreturn]] static void unicode_error(const Where& where) {
-        py::error_already_set err;  // fetches the pending UnicodeEncodeError (or re-raises others)
-        if (!err.matches(PyExc_UnicodeEncodeError)) throw err;
-        py::object reason = steal(PyObject_GetAttrString(err.value().ptr(), "reason"));
-        raise_format_error(Msg() << where.str() << ": string is not valid unicode (" << fmt(reason) << ")");
-    }
-
-public:
     /// ``_encode_tensor_parts``: a tensor value from its ``(dtype, shape, device_type, data)``.
     void tensor_parts(std::string& out, py::handle parts, const Where& where) const {
         py::object p[4];  // dtype, shape, device_type, data

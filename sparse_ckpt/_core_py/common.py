@@ -61,6 +61,15 @@ PartsToTensor = Callable[[str, tuple[int, ...], str, bytes], Any]
 ScalarParts = Callable[[Any], "tuple[str, tuple[int, ...], str, bytes] | None"]
 
 
+def utf8(text: str, where: str) -> bytes:
+    """``text`` as UTF-8; text UTF-8 cannot encode (a lone surrogate) is a :class:`CheckpointFormatError`
+    ``f"{where}: string is not valid unicode (...)"``."""
+    try:
+        return text.encode("utf-8")
+    except UnicodeEncodeError as exc:
+        raise CheckpointFormatError(f"{where}: string is not valid unicode ({exc.reason})") from None
+
+
 def len32(n: int) -> bytes:
     """A length as u32; one the table format cannot hold is a :class:`CheckpointFormatError`."""
     if n > U32_MAX:

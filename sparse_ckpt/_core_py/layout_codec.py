@@ -17,7 +17,7 @@ from __future__ import annotations
 from collections.abc import Callable, Iterator
 from typing import Any
 
-from .common import I64, INT64_MAX, MAX_ITEMSIZE, U16, U32, U32_MAX, U64, Reader, len32
+from .common import I64, INT64_MAX, MAX_ITEMSIZE, U16, U32, U32_MAX, U64, Reader, len32, utf8
 from .errors import CheckpointFormatError, CheckpointMismatchError
 
 LAYOUT_MAGIC = b"SCKL"
@@ -63,10 +63,7 @@ def _check_chunk(where: str, shape: tuple[int, ...], offsets: tuple[int, ...], s
 
 
 def _put_str(out: bytearray, text: str, where: str) -> None:
-    try:
-        raw = text.encode("utf-8")
-    except UnicodeEncodeError as exc:
-        raise CheckpointFormatError(f"{where}: string is not valid unicode ({exc.reason})") from None
+    raw = utf8(text, where)
     if len(raw) > U32_MAX:
         raise CheckpointFormatError(f"{where}: string of {len(raw)} bytes does not fit the layout format")
     out += U32.pack(len(raw))
@@ -318,8 +315,7 @@ def plan_scatter(
         if covered[ti] != need:
             raise CheckpointMismatchError(
                 f"leaf {leaf!r}: state {key!r} of {fqn!r}: the checkpoint's buffers cover {covered[ti]} of the "
-                f"{need} elements of this rank's chunk (a buffer or layout table is missing from the checkpoint, "
-                "or its layouts overlap)"
+                f"{need} elements of this rank's chunk (a buffer or layout table is missing from the checkpoint)"
             )
     return targets, sources, ops
 
@@ -331,11 +327,10 @@ _Box = tuple[tuple[int, ...], tuple[int, ...], tuple[int, ...], tuple[int, ...]]
 def _first_overlap(boxes: list[_Box]) -> tuple[_Box, _Box] | None:
     """The first two boxes that share an element, in the order of a sweep along dim 0 (boxes
     sorted by their lower bound there, stably), else ``None``. With the element count equal to
-    the chunk's, no overlap means the boxes tile the chunk exactly (no gap)."""
+    the chunk's, no overlap means the boxes tile the chunk exactly (no gap). A 0-d target has at most
+    one box (its only chunk, ``()`` at ``()``: replicas are used once), so every list of two has dims."""
     if len(boxes) < 2:
         return None
-    if not boxes[0][0]:  # 0-d: every box is the whole (one-element) tensor
-        return boxes[0], boxes[1]
     order = sorted(range(len(boxes)), key=lambda i: boxes[i][0][0])
     for n, i in enumerate(order):
         lo_a, hi_a = boxes[i][0], boxes[i][1]

@@ -28,6 +28,7 @@ from .common import (
     ScalarParts,
     TensorToParts,
     len32,
+    utf8,
 )
 from .errors import CheckpointFormatError
 
@@ -216,10 +217,7 @@ def _encode_tensor_parts(out: bytearray, parts: Any, where: str) -> None:
 
 
 def _encode_str(out: bytearray, text: str, where: str) -> None:
-    try:
-        raw = text.encode("utf-8")
-    except UnicodeEncodeError as exc:
-        raise CheckpointFormatError(f"{where}: string is not valid unicode ({exc.reason})") from None
+    raw = utf8(text, where)
     out += len32(len(raw))
     out += raw
 

@@ -248,7 +248,9 @@ def _check_flat_settings(leaf: str, groups_fqn: list[tuple[dict, list[str]]]) ->
     """The flat format writes each setting as it is (DCP pickles what is not a tensor), but a load
     compares settings through the table codec: refuse at save, naming leaf, group and key, any
     value the codec does not hold (what the packed format refuses), so no flat checkpoint is
-    written that cannot be loaded."""
+    written that cannot be loaded. The table itself is dropped: what building it costs beyond the
+    settings is encoding the FQNs, which is the check of an FQN UTF-8 cannot encode (a module name
+    with a lone surrogate), so a table-less check would only copy the codec's rules."""
     encode_table(leaf, groups_fqn)
 
 

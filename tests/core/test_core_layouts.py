@@ -259,6 +259,19 @@ def test_overlapping_layouts_with_a_gap_are_refused() -> None:
     assert check("plan_scatter", "leaf", [_rows(0, 6), _rows(6, 10)], lambda f: whole)[0] == "ok"
 
 
+def test_a_gap_is_named_a_missing_buffer_and_a_0d_replica_is_planned_once() -> None:
+    """Rows [0,4) and [6,10) of a 10x2 state: a gap, named as such (an overlap is refused before the
+    element count, with its own message, so the count's message does not offer one). A 0-d state that
+    two layout tables list (replicas) is one box: planned once, no overlap."""
+    whole = ((10, 2), (0, 0), (10, 2))
+    message = check_error("plan_scatter", "leaf", [_rows(0, 4), _rows(6, 10)], lambda f: whole, exc=CheckpointMismatchError)
+    assert message == ("leaf 'leaf': state 'exp_avg' of 'p': the checkpoint's buffers cover 16 of the 20 elements of "
+                       "this rank's chunk (a buffer or layout table is missing from the checkpoint)"), message
+    scalar = P.encode_layout("leaf", [("p", "step", "float32", 4, (), (), ())], 1 << 20)[0]
+    targets, sources, ops = check("plan_scatter", "leaf", [scalar, scalar], lambda f: ((), (), ()))[1]
+    assert [t[:2] for t in targets] == [("p", "step")] and len(sources) == 1 and len(ops) == 1
+
+
 def test_a_bucket_past_int64_is_refused_alike() -> None:
     """encode_layout: Python raised a raw struct.error, C++ wrapped the count; now one error."""
     big = 2**62

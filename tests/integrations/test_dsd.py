@@ -510,6 +510,35 @@ def test_a_partial_load_of_a_checkpoint_without_optimizer_leaves_the_marked_dict
         dcp.load(target, checkpoint_id=str(tmp_path))
 
 
+@pytest.mark.parametrize("options", [NESTED, FLAT], ids=["nested", "flat"])
+def test_a_copy_loads_like_the_marked_dict_from_a_checkpoint_without_its_state(restore: Any, tmp_path: Path, options: StateDictOptions) -> None:
+    """Installed: a shallow copy of the dict returned for a fresh optimizer is rebuilt like the marked
+    dict also where the checkpoint holds no state under its path: a library checkpoint saved before
+    the first step (packed settings) loads every group's settings, a model-only checkpoint is left as
+    it is with ``allow_partial_load`` and without it is the marked dict's mismatch (the copy was
+    planned as DCP plans it: refused for the packed settings' storage type, DCP's missing key)."""
+    sc_dsd.install()
+    m = dsd_moe.model(0)
+    opt = dsd_moe.optimizer(m)
+    opt.param_groups[1]["lr"] = 0.125
+    dcp.save({"optim": sc.SparseOptimizerState(m, opt)}, checkpoint_id=str(tmp_path / "library"))
+    dcp.save({"model": get_model_state_dict(m)}, checkpoint_id=str(tmp_path / "model"))
+    for made in (dict, lambda d: d):  # a shallow copy, the marked dict itself
+        m2 = dsd_moe.model(1)
+        opt2 = dsd_moe.optimizer(m2)
+        target = {"optim": made(get_optimizer_state_dict(m2, opt2, options=options))}
+        dcp.load(target, checkpoint_id=str(tmp_path / "library"))
+        set_optimizer_state_dict(m2, opt2, target["optim"], options=options)
+        assert not opt2.state and [g["lr"] for g in opt2.param_groups] == [0.01, 0.125]
+        target = {"optim": made(get_optimizer_state_dict(m2, opt2, options=options))}
+        before = copy.deepcopy(dict(target["optim"]))
+        dcp.load(target, checkpoint_id=str(tmp_path / "model"), planner=DefaultLoadPlanner(allow_partial_load=True))
+        assert_deep_equal(dict(target["optim"]), before, "a partial load without the optimizer")
+        target = {"optim": made(get_optimizer_state_dict(m2, opt2, options=options))}  # DCP's load replaced a value
+        with pytest.raises(CheckpointException, match=r"CheckpointMismatchError: the checkpoint has no optimizer entries under 'optim'"):
+            dcp.load(target, checkpoint_id=str(tmp_path / "model"))
+
+
 @pytest.mark.parametrize("strict", [True, False], ids=["strict", "lenient"])
 def test_a_lost_param_group_is_refused_by_name_and_the_optimizer_is_untouched(restore: Any, tmp_path: Path, strict: bool) -> None:
     """Installed: a nested checkpoint that lost every entry of ``param_groups.0`` from its metadata (a

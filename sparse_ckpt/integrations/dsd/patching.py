@@ -33,7 +33,7 @@ from ..._dcp.planner import SparseLoadPlanner
 from ..._torch_internals import DSD_CHECKED, DSD_OPTIONS, DSD_SIGNATURES, caller_frame
 from .._rebind import bindings
 from . import functions
-from .target import rebuild_copies, rebuild_marked, refuse_unasked_state
+from .target import rebuild_copies, rebuild_marked
 
 __all__ = ["install", "installed", "uninstall"]
 
@@ -85,10 +85,12 @@ def _set_up_planner(self: DefaultLoadPlanner, state_dict: Any, metadata: Any = N
     """``DefaultLoadPlanner.set_up_planner`` that first rebuilds the marked optimizer dicts and the
     recognised copies, and refuses other optimizer dicts that ask for none of the checkpoint's state."""
     frame = caller_frame(1)
-    if not isinstance(self, SparseLoadPlanner):  # it rebuilds the marked dicts itself (not the copies)
-        rebuild_marked(state_dict, metadata, frame, allow_partial_load=getattr(self, "allow_partial_load", False))
-    rebuild_copies(state_dict, metadata, frame)
-    refuse_unasked_state(state_dict, metadata)
+    # the copies are rebuilt as the marked dicts are: the library's planner rebuilds those itself (not
+    # the copies), whatever its allow_partial_load (which is for the entries that are not optimizer dicts)
+    partial = getattr(self, "allow_partial_load", False) and not isinstance(self, SparseLoadPlanner)
+    if not isinstance(self, SparseLoadPlanner):
+        rebuild_marked(state_dict, metadata, frame, allow_partial_load=partial)
+    rebuild_copies(state_dict, metadata, frame, allow_partial_load=partial)
     return _TORCH_SET_UP_PLANNER(self, state_dict, metadata, is_coordinator)
 
 

@@ -18,16 +18,16 @@ plans them, with one exception and one check. A trainer may copy the returned di
 before ``dcp.load`` (NeMo Automodel's ``OptimizerState`` does), which loses the mark; for a fresh
 optimizer that copy asks for no state at all. `rebuild_copies` recognises such a copy (its
 items are the very objects a recent call returned for an optimizer without state, still alive:
-`remember_stateless`) and rebuilds it like the marked dict. Any other unmarked optimizer dict
-that asks for none of the state its checkpoint holds fails the load
-(`refuse_unasked_state`) instead of silently leaving the state unread.
+`remember_stateless`) and rebuilds it like the marked dict; any other unmarked optimizer dict
+that asks for none of the state its checkpoint holds fails the load there instead of silently
+leaving the state unread.
 """
 
 from __future__ import annotations
 
 import copy
 from collections import OrderedDict, deque
-from collections.abc import Callable, Iterator, Mapping
+from collections.abc import Callable, Iterable, Iterator, Mapping
 from typing import Any
 
 from torch.distributed.checkpoint.metadata import Metadata
@@ -44,7 +44,6 @@ __all__ = [
     "marked_targets",
     "rebuild_copies",
     "rebuild_marked",
-    "refuse_unasked_state",
     "remember_stateless",
 ]
 
@@ -108,11 +107,9 @@ def _unasked(state_dict: Any) -> set[tuple[str | int, ...]]:
     return groups - asked
 
 
-def _starved(state_dict: Any, metadata: Metadata) -> dict[tuple[str | int, ...], str]:
-    """``path -> a checkpoint key`` for every unmarked optimizer dict of the load target that asks
-    for settings and no state while the checkpoint holds state under its path (DCP would read the
-    settings and silently leave the state unread)."""
-    unasked = _unasked(state_dict)
+def _starved(unasked: set[tuple[str | int, ...]], metadata: Metadata) -> dict[tuple[str | int, ...], str]:
+    """``path -> a checkpoint key`` for every path of ``unasked`` (`_unasked`) under which the
+    checkpoint holds state (DCP would read the settings and silently leave the state unread)."""
     out: dict[tuple[str | int, ...], str] = {}
     if unasked:
         for key in metadata.state_dict_metadata:
@@ -133,31 +130,42 @@ def _copied_from(node: dict[str, Any]) -> SparseOptimizerState | None:
     return None
 
 
-def rebuild_copies(state_dict: Any, metadata: Metadata | None, frame: Any = None) -> int:
-    """Rebuild, like a marked dict, every unmarked optimizer dict of the load target that the
-    checkpoint's state would otherwise bypass (`_starved`) and that is a shallow copy of a
-    dict handed out for an optimizer still alive (`remember_stateless`; NeMo Automodel's
-    ``OptimizerState`` merges the dicts into a new one before ``dcp.load``): the copy gets the rebuilt
-    items, so DCP fills it and ``set_optimizer_state_dict`` loads it. Returns how many."""
-    if metadata is None or not _STATELESS:
+def rebuild_copies(state_dict: Any, metadata: Metadata | None, frame: Any = None, *, allow_partial_load: bool = False) -> int:
+    """Rebuild, exactly like a marked dict (`rebuild_marked`, ``allow_partial_load`` included), every
+    unmarked optimizer dict of the load target that asks for no state and is a shallow copy of a dict
+    handed out for an optimizer still alive (`remember_stateless`; NeMo Automodel's ``OptimizerState``
+    merges the dicts into a new one before ``dcp.load``): the copy gets the rebuilt items, so DCP fills
+    it and ``set_optimizer_state_dict`` loads it. Any other unmarked optimizer dict that asks for no
+    state while the checkpoint holds state under its path is a `sparse_ckpt.CheckpointMismatchError`
+    (DCP would read the settings and leave the state unread, silently), raised before any copy is
+    touched. Returns how many copies were rebuilt."""
+    if metadata is None:
         return 0
-    starved = _starved(state_dict, metadata)
-    paths: dict[str, tuple[str | int, ...]] | None = None
-    reader = None
-    done = 0
-    for path in starved:
+    unasked = _unasked(state_dict)
+    if not unasked:
+        return 0
+    copies: dict[tuple[str | int, ...], tuple[dict[str, Any], SparseOptimizerState]] = {}
+    for path in unasked if _STATELESS else ():
         node = _node(state_dict, path)
         owner = _copied_from(node) if type(node) is dict else None
-        if owner is None:
-            continue  # refused by refuse_unasked_state
-        if paths is None:  # once per load, and only when there is a copy to rebuild
-            paths = metadata_paths(metadata)
-            reader = dcp_storage_reader(frame if frame is not None else caller_frame(1))
-        target = DsdStateDict(node, owner)
-        _TargetBuilder(target, metadata, reader).rebuild(path, paths)
+        if owner is not None:
+            copies[path] = node, owner
+    for path, key in _starved(unasked.difference(copies), metadata).items():
+        where = ".".join(map(str, path))
+        raise CheckpointMismatchError(
+            f"the checkpoint holds optimizer state under {where!r} (e.g. {key!r}) and the load target's optimizer "
+            "dict there asks for none of it: DCP would load the param groups and silently leave the state "
+            "unread. With sparse_ckpt.integrations.dsd installed, put the dict get_optimizer_state_dict "
+            "returned into the load target itself (a copy of it is rebuilt from the checkpoint only while its "
+            "optimizer is alive and its values are the very objects that call returned)"
+        )
+    if not copies:
+        return 0
+    targets = {path: DsdStateDict(node, owner) for path, (node, owner) in copies.items()}
+    done = _rebuild(targets.items(), metadata, frame if frame is not None else caller_frame(1), allow_partial_load)
+    for path, (node, _owner) in copies.items():  # one left as it was (allow_partial_load) gets its own items
         node.clear()
-        node.update(target)
-        done += 1
+        node.update(targets[path])
     return done
 
 
@@ -178,8 +186,17 @@ def rebuild_marked(state_dict: Any, metadata: Metadata | None, frame: Any = None
     targets = list(marked_targets(state_dict))
     if not targets:
         return 0
+    return _rebuild(targets, metadata, frame if frame is not None else caller_frame(1), allow_partial_load)
+
+
+def _rebuild(
+    targets: Iterable[tuple[tuple[str | int, ...], DsdStateDict]], metadata: Metadata, frame: Any, allow_partial_load: bool
+) -> int:
+    """Rebuild each ``(path in the load target, dict)`` of ``targets`` from the checkpoint (``frame``:
+    the load's, for its storage reader); with ``allow_partial_load`` one the checkpoint has nothing
+    under is left as it is, as DCP leaves what it lacks. Returns how many were rebuilt."""
     paths = metadata_paths(metadata)
-    reader = dcp_storage_reader(frame if frame is not None else caller_frame(1))
+    reader = dcp_storage_reader(frame)
     done = 0
     for path, target in targets:
         if allow_partial_load and not any(len(p) > len(path) and p[: len(path)] == path for p in paths.values()):
@@ -210,21 +227,3 @@ def _section(path: tuple[str | int, ...]) -> tuple[tuple[str | int, ...], str] |
                 if part == name or part.startswith(name + "."):
                     return path[:i], name
     return None
-
-
-def refuse_unasked_state(state_dict: Any, metadata: Metadata | None) -> None:
-    """Raise `sparse_ckpt.CheckpointMismatchError` when an unmarked optimizer dict of the load
-    target (``param_groups`` entries under some path, no ``state`` entry) meets a checkpoint holding
-    state under that path: DCP would read the settings and leave the state unread, silently. (A
-    recognised copy of a handed-out dict was rebuilt before: `rebuild_copies`.)"""
-    if metadata is None:
-        return
-    for path, key in _starved(state_dict, metadata).items():
-        where = ".".join(map(str, path))
-        raise CheckpointMismatchError(
-            f"the checkpoint holds optimizer state under {where!r} (e.g. {key!r}) and the load target's optimizer "
-            "dict there asks for none of it: DCP would load the param groups and silently leave the state "
-            "unread. With sparse_ckpt.integrations.dsd installed, put the dict get_optimizer_state_dict "
-            "returned into the load target itself (a copy of it is rebuilt from the checkpoint only while its "
-            "optimizer is alive and its values are the very objects that call returned)"
-        )
