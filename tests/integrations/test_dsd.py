@@ -582,3 +582,32 @@ def test_a_copy_is_rebuilt_or_refused_also_with_the_librarys_planner(restore: An
     other = {"optim": pickle.loads(pickle.dumps(dict(get_optimizer_state_dict(m2, opt2))))}
     with pytest.raises(CheckpointException, match=r"CheckpointMismatchError: the checkpoint holds optimizer state under 'optim'.*asks for none of it"):
         dcp.load(other, checkpoint_id=str(tmp_path), planner=sc.SparseLoadPlanner())
+
+
+def test_a_copys_bytes_items_are_read_weights_only_by_the_librarys_planner(restore: Any, tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    """Installed, ``planner=sparse_ckpt.SparseLoadPlanner()``: the bytes items a rebuilt shallow copy
+    reads (its ``param_groups`` values) are unpickled with ``weights_only=True``, as the planner's own
+    targets' are (they went through DCP's full unpickler)."""
+    import sparse_ckpt._dcp.planner as sc_planner
+
+    m, opt = trained()
+    sc_dsd.install()
+    dcp.save({"optim": get_optimizer_state_dict(m, opt)}, checkpoint_id=str(tmp_path))
+    bytes_items = {k for k, md in dcp.FileSystemReader(str(tmp_path)).read_metadata().state_dict_metadata.items()
+                   if type(md).__name__ == "BytesStorageMetadata"}
+    assert bytes_items
+    restricted: list[str] = []
+    real = sc_planner.weights_only_item
+
+    def counted(key: str, value: Any, table: bool) -> Any:
+        restricted.append(key)
+        return real(key, value, table)
+
+    monkeypatch.setattr(sc_planner, "weights_only_item", counted)
+    m2 = dsd_moe.model(0)
+    opt2 = dsd_moe.optimizer(m2)
+    target = {"optim": dict(get_optimizer_state_dict(m2, opt2))}
+    dcp.load(target, checkpoint_id=str(tmp_path), planner=sc.SparseLoadPlanner())
+    set_optimizer_state_dict(m2, opt2, target["optim"])
+    assert set(restricted) == bytes_items
+    assert_deep_equal(state_snapshot(m2, opt2), state_snapshot(m, opt), "weights-only copy", nan_equal="none", check_order=False)

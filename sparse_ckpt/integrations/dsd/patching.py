@@ -90,7 +90,9 @@ def _set_up_planner(self: DefaultLoadPlanner, state_dict: Any, metadata: Any = N
     partial = getattr(self, "allow_partial_load", False) and not isinstance(self, SparseLoadPlanner)
     if not isinstance(self, SparseLoadPlanner):
         rebuild_marked(state_dict, metadata, frame, allow_partial_load=partial)
-    rebuild_copies(state_dict, metadata, frame, allow_partial_load=partial)
+    # the library's planner unpickles its optimizer items with weights_only=True: the copies' too
+    keys = getattr(self, "_optimizer_keys", None) if isinstance(self, SparseLoadPlanner) else None
+    rebuild_copies(state_dict, metadata, frame, allow_partial_load=partial, keys=keys)
     return _TORCH_SET_UP_PLANNER(self, state_dict, metadata, is_coordinator)
 
 

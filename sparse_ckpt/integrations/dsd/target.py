@@ -130,7 +130,14 @@ def _copied_from(node: dict[str, Any]) -> SparseOptimizerState | None:
     return None
 
 
-def rebuild_copies(state_dict: Any, metadata: Metadata | None, frame: Any = None, *, allow_partial_load: bool = False) -> int:
+def rebuild_copies(
+    state_dict: Any,
+    metadata: Metadata | None,
+    frame: Any = None,
+    *,
+    allow_partial_load: bool = False,
+    keys: set[str] | None = None,
+) -> int:
     """Rebuild, exactly like a marked dict (`rebuild_marked`, ``allow_partial_load`` included), every
     unmarked optimizer dict of the load target that asks for no state and is a shallow copy of a dict
     handed out for an optimizer still alive (`remember_stateless`; NeMo Automodel's ``OptimizerState``
@@ -138,7 +145,9 @@ def rebuild_copies(state_dict: Any, metadata: Metadata | None, frame: Any = None
     it and ``set_optimizer_state_dict`` loads it. Any other unmarked optimizer dict that asks for no
     state while the checkpoint holds state under its path is a `sparse_ckpt.CheckpointMismatchError`
     (DCP would read the settings and leave the state unread, silently), raised before any copy is
-    touched. Returns how many copies were rebuilt."""
+    touched. Returns how many copies were rebuilt; ``keys`` (`SparseLoadPlanner`'s optimizer keys)
+    gets the DCP keys the copies read, so that planner unpickles their bytes items with
+    ``weights_only=True`` as it does its own targets'."""
     if metadata is None:
         return 0
     unasked = _unasked(state_dict)
@@ -162,7 +171,7 @@ def rebuild_copies(state_dict: Any, metadata: Metadata | None, frame: Any = None
     if not copies:
         return 0
     targets = {path: DsdStateDict(node, owner) for path, (node, owner) in copies.items()}
-    done = _rebuild(targets.items(), metadata, frame if frame is not None else caller_frame(1), allow_partial_load)
+    done = _rebuild(targets.items(), metadata, frame if frame is not None else caller_frame(1), allow_partial_load, keys)
     for path, (node, _owner) in copies.items():  # one left as it was (allow_partial_load) gets its own items
         node.clear()
         node.update(targets[path])
@@ -190,18 +199,25 @@ def rebuild_marked(state_dict: Any, metadata: Metadata | None, frame: Any = None
 
 
 def _rebuild(
-    targets: Iterable[tuple[tuple[str | int, ...], DsdStateDict]], metadata: Metadata, frame: Any, allow_partial_load: bool
+    targets: Iterable[tuple[tuple[str | int, ...], DsdStateDict]],
+    metadata: Metadata,
+    frame: Any,
+    allow_partial_load: bool,
+    keys: set[str] | None = None,
 ) -> int:
     """Rebuild each ``(path in the load target, dict)`` of ``targets`` from the checkpoint (``frame``:
     the load's, for its storage reader); with ``allow_partial_load`` one the checkpoint has nothing
-    under is left as it is, as DCP leaves what it lacks. Returns how many were rebuilt."""
+    under is left as it is, as DCP leaves what it lacks. Returns how many were rebuilt (``keys``: gets
+    the DCP keys they read)."""
     paths = metadata_paths(metadata)
     reader = dcp_storage_reader(frame)
     done = 0
     for path, target in targets:
         if allow_partial_load and not any(len(p) > len(path) and p[: len(path)] == path for p in paths.values()):
             continue
-        _TargetBuilder(target, metadata, reader).rebuild(path, paths)
+        read = _TargetBuilder(target, metadata, reader).rebuild(path, paths)
+        if keys is not None:
+            keys.update(read)
         done += 1
     return done
 
