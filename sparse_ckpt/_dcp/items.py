@@ -168,6 +168,7 @@ def read_items(
     unpickle_keys: Collection[str] = (),
     is_table: Callable[[str], bool] = is_table_key,
     require_storage: bool = False,
+    where: str = "",
 ) -> dict[str, Any]:
     """Read whole items ``keys`` through ``storage_reader`` (set up for ``metadata``) in this process.
 
@@ -177,11 +178,12 @@ def read_items(
     ``require_storage``: an item without its entry in the metadata's storage records is a
     :class:`CheckpointMismatchError` before anything is read. With ``consume``, a tensor item
     without data (no element) is not handed over, as DCP hands over none; without, it is returned
-    empty."""
+    empty. Every tensor item's chunk records must cover it (`check_covered`, before anything is
+    read; ``where`` names the checkpoint in that error, e.g. ``" of 'ckpt_dir'"``)."""
     targets: dict[str, Any] = {}
     for key in keys:
         md = metadata.state_dict_metadata[key]
-        check_covered(key, md)
+        check_covered(key, md, where)
         is_tensor = isinstance(md, TensorStorageMetadata)
         targets[key] = torch.empty(tuple(md.size), dtype=md.properties.dtype, device="meta") if is_tensor else b""
     if not targets:

@@ -24,7 +24,7 @@ from torch.distributed.checkpoint import FileSystemReader
 from torch.distributed.checkpoint.metadata import Metadata, StorageMeta, TensorStorageMetadata
 
 from .. import _backend
-from .._dcp.items import check_covered, read_items
+from .._dcp.items import read_items
 from .._dcp.metadata import METADATA_FILE, OptimizerEntries, read_metadata, set_path
 from .._format.codec import encode_settings, encode_table
 from .._format.keys import (
@@ -157,13 +157,12 @@ def read_entries(
     keys = list(keys)
     if not keys:
         return {}
-    for key in keys:  # DCP reads nothing for a chunk .metadata does not list: never return uninitialized memory
-        check_covered(key, metadata.state_dict_metadata[key], f" of {os.fspath(path)!r}")
     reader = _CachedReader(path, metadata)
     try:
         reader.set_up_storage_reader(reader.read_metadata(), is_coordinator=True)
         values = read_items(
-            reader, metadata, keys, consume, raw_keys=raw_keys, unpickle_keys=unpickle_keys, require_storage=require_storage
+            reader, metadata, keys, consume, raw_keys=raw_keys, unpickle_keys=unpickle_keys, require_storage=require_storage,
+            where=f" of {os.fspath(path)!r}",
         )
     except SparseCheckpointError:
         raise
