@@ -107,6 +107,21 @@ def threshold_table(res: dict[str, Any]) -> str:
     return "\n".join(lines)
 
 
+def async_threshold_table(res: dict[str, Any]) -> str:
+    """Chunk sizes: how long ``dcp.async_save`` blocks per layout, the ratio and the crossover."""
+    lines = ["| chunk | state tensors | per_tensor blocked | buffers blocked | per_tensor ÷ buffers |",
+             "| --- | --- | --- | --- | --- |"]
+    for p in res["points"]:
+        by = {r["variant"]: r for r in p["rows"]}
+        lines.append(f"| {size_label(p['chunk_bytes'])} | {p['n_state_tensors']:,} | {seconds(by['per_tensor']['blocked_s'])} | "
+                     f"{seconds(by['buffers']['blocked_s'])} | {p['blocked_ratio']:.2f} |")
+    cross = res.get("crossover_blocked_bytes")
+    lines.append("")
+    lines.append("Crossover (one item per tensor blocks no longer than buffers at this size and every larger one): "
+                 f"**{size_label(cross) if cross else 'none in the sweep'}**.")
+    return "\n".join(lines)
+
+
 def async_table(res: dict[str, Any]) -> str:
     """Fixtures × variants: blocked (state_dict part), total, ratios to stock."""
     lines = ["| fixture | variant | blocked (of which `state_dict()`) | total until the future is done | × stock (blocked / total) |",
@@ -233,8 +248,8 @@ def report(paths: Sequence[str], svg: str | None) -> str:
         with open(path) as f:
             results.append(json.load(f))
     render = {"dcp": dcp_table, "metadata": metadata_table, "threshold": threshold_table, "async": async_table}
-    parts = [f"<!-- {res['command']} (torch threads: {res.get('torch_threads', '?')}) -->\n{render[res['mode']](res)}"
-             for res in results]
+    parts = [f"<!-- {res['command']} (torch threads: {res.get('torch_threads', '?')}) -->\n"
+             f"{(async_threshold_table if res.get('async') else render[res['mode']])(res)}" for res in results]
     if svg:
         first = results[0]
         title = (f"sparse_ckpt state layouts (torch {first['torch']}, {first['backend']} core, "

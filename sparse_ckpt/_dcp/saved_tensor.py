@@ -10,9 +10,10 @@ compressed) whose records this module finds from the central directory at its en
 
 Only the plain case is taken: one contiguous, little-endian CPU tensor of the expected dtype and
 shape, storage offset 0, the whole storage, no ``requires_grad``, no hooks, no zip64 record
-needed to find it. The pickle is read by a restricted unpickler that knows nothing but
-``_rebuild_tensor_v2``, the legacy storage class names and ``OrderedDict``, and builds nothing
-from them (it only records the call's arguments). Anything else -- another dtype encoding
+needed to find it. The pickle is not unpickled: a small interpreter of the few opcodes
+``torch.save`` uses for one tensor (`_read_pickle`) reads it into plain tuples, resolving no
+global and calling nothing, and accepts only ``_rebuild_tensor_v2``, the legacy storage class
+names and ``OrderedDict``. Anything else -- another dtype encoding
 (``_rebuild_tensor_v3``: float8, uint16, ...), strides, an unexpected record -- returns ``None``
 and the caller uses ``torch.load``, which reads every case. ``torch.load`` checks no CRC either,
 so the fast path checks as much as the path it replaces; a short read is refused.
@@ -20,11 +21,8 @@ so the fast path checks as much as the path it replaces; a short read is refused
 
 from __future__ import annotations
 
-import io
-import pickle
 import struct
 import sys
-from collections import OrderedDict
 from typing import Any, BinaryIO
 
 import torch
@@ -57,39 +55,108 @@ _TAIL = 4096
 """Bytes read from an item's end to find its central directory (a one-tensor archive's is ~0.5 KiB)."""
 
 
-class _Rebuild:
-    """What the pickle asks ``_rebuild_tensor_v2`` to build: its arguments, recorded."""
-
-    def __init__(self, *args: Any) -> None:
-        self.args = args
+_REBUILD = ("torch._utils", "_rebuild_tensor_v2")
+_ORDERED_DICT = ("collections", "OrderedDict")
 
 
-class _Storage:
-    """The persistent id of a storage: ``('storage', class name, key, location, numel)``."""
+def _read_pickle(data: bytes) -> Any:
+    """The value of the pickle ``data`` when it is what ``torch.save`` writes for one tensor, read by
+    a small interpreter of the few protocol-2 opcodes that pickle uses; ``None`` for anything else.
 
-    def __init__(self, pid: Any) -> None:
-        self.pid = pid
+    Nothing is unpickled in Python's sense: no global is resolved and nothing is called. A
+    ``GLOBAL`` is kept as its ``(module, name)`` (only ``_rebuild_tensor_v2``, a legacy storage
+    class or ``OrderedDict`` are accepted), ``REDUCE`` only records a call (``("call", global,
+    args)``; ``OrderedDict`` only with no arguments), ``BINPERSID`` only records the storage's id
+    (``("storage", pid)``). Values are ints, strs, bools and tuples."""
+    stack: list[Any] = []
+    marks: list[int] = []
+    memo: dict[int, Any] = {}
+    pos, n = 0, len(data)
 
+    def take(k: int) -> bytes:
+        nonlocal pos
+        if pos + k > n:
+            raise ValueError("truncated")
+        out = data[pos : pos + k]
+        pos += k
+        return out
 
-class _StorageClass(str):
-    """A storage class named by the pickle, as its name (nothing of torch is resolved)."""
+    def line() -> str:
+        nonlocal pos
+        end = data.find(b"\n", pos)
+        if end < 0:
+            raise ValueError("truncated")
+        out = data[pos:end].decode("ascii")
+        pos = end + 1
+        return out
 
+    def since_mark() -> tuple[Any, ...]:
+        at = marks.pop()
+        items = tuple(stack[at:])
+        del stack[at:]
+        return items
 
-class _Unpickler(pickle.Unpickler):
-    """Knows ``torch._utils._rebuild_tensor_v2``, the legacy storage class names and
-    ``collections.OrderedDict``; refuses every other global."""
-
-    def find_class(self, module: str, name: str) -> Any:
-        if (module, name) == ("torch._utils", "_rebuild_tensor_v2"):
-            return _Rebuild
-        if module == "torch" and name in _STORAGE_DTYPES:
-            return _StorageClass(name)
-        if (module, name) == ("collections", "OrderedDict"):
-            return OrderedDict
-        raise pickle.UnpicklingError(f"{module}.{name} is not read here")
-
-    def persistent_load(self, pid: Any) -> Any:
-        return _Storage(pid)
+    try:
+        while True:
+            op = take(1)
+            if op == b"\x80":  # PROTO
+                if take(1)[0] > 2:
+                    return None
+            elif op == b"c":  # GLOBAL
+                ref = (line(), line())
+                if ref not in (_REBUILD, _ORDERED_DICT) and not (ref[0] == "torch" and ref[1] in _STORAGE_DTYPES):
+                    return None
+                stack.append(("global", ref))
+            elif op == b"q":  # BINPUT
+                memo[take(1)[0]] = stack[-1]
+            elif op == b"r":  # LONG_BINPUT
+                memo[int.from_bytes(take(4), "little")] = stack[-1]
+            elif op == b"h":  # BINGET
+                stack.append(memo[take(1)[0]])
+            elif op == b"j":  # LONG_BINGET
+                stack.append(memo[int.from_bytes(take(4), "little")])
+            elif op == b"(":  # MARK
+                marks.append(len(stack))
+            elif op == b"X":  # BINUNICODE
+                stack.append(take(int.from_bytes(take(4), "little")).decode("utf-8"))
+            elif op == b"K":  # BININT1
+                stack.append(take(1)[0])
+            elif op == b"M":  # BININT2
+                stack.append(int.from_bytes(take(2), "little"))
+            elif op == b"J":  # BININT
+                stack.append(int.from_bytes(take(4), "little", signed=True))
+            elif op == b"\x8a":  # LONG1
+                stack.append(int.from_bytes(take(take(1)[0]), "little", signed=True))
+            elif op == b")":  # EMPTY_TUPLE
+                stack.append(())
+            elif op in (b"\x85", b"\x86", b"\x87"):  # TUPLE1..3
+                k = op[0] - 0x84
+                if len(stack) < k:
+                    return None
+                items = tuple(stack[len(stack) - k :])
+                del stack[len(stack) - k :]
+                stack.append(items)
+            elif op == b"t":  # TUPLE
+                stack.append(since_mark())
+            elif op == b"\x88":  # NEWTRUE
+                stack.append(True)
+            elif op == b"\x89":  # NEWFALSE
+                stack.append(False)
+            elif op == b"Q":  # BINPERSID
+                stack.append(("storage", stack.pop()))
+            elif op == b"R":  # REDUCE: recorded, never called
+                args, fn = stack.pop(), stack.pop()
+                if type(fn) is not tuple or fn[:1] != ("global",) or type(args) is not tuple:
+                    return None
+                if fn[1] == _ORDERED_DICT and args:
+                    return None
+                stack.append(("call", fn[1], args))
+            elif op == b".":  # STOP
+                return stack.pop() if pos == n and len(stack) == 1 and not marks else None
+            else:
+                return None
+    except (ValueError, IndexError, KeyError, UnicodeDecodeError):
+        return None
 
 
 def _records(tail: bytes, base: int) -> dict[str, tuple[int, int, int]] | None:
@@ -175,30 +242,32 @@ def read_saved_tensor(f: BinaryIO, offset: int, length: int, size: tuple[int, ..
 
 def _plain_tensor(pkl: bytes, size: tuple[int, ...], dtype: torch.dtype) -> bool:
     """Whether pickle ``pkl`` rebuilds one contiguous tensor of ``size`` and ``dtype`` from the whole
-    of storage ``"0"`` on the CPU, without ``requires_grad`` or hooks."""
-    try:
-        obj = _Unpickler(io.BytesIO(pkl)).load()
-    except Exception:  # noqa: BLE001 - anything unexpected: torch.load reads it
+    of storage ``"0"`` on the CPU, without ``requires_grad`` or hooks (read by `_read_pickle`)."""
+    obj = _read_pickle(pkl)
+    if type(obj) is not tuple or len(obj) != 3 or obj[:2] != ("call", _REBUILD) or len(obj[2]) != 6:
         return False
-    if type(obj) is not _Rebuild or len(obj.args) != 6:
+    storage, storage_offset, got_size, stride, requires_grad, hooks = obj[2]
+    if type(storage) is not tuple or len(storage) != 2 or storage[0] != "storage":
         return False
-    storage, storage_offset, got_size, stride, requires_grad, hooks = obj.args
-    if type(storage) is not _Storage or type(storage.pid) is not tuple or len(storage.pid) != 5:
+    pid = storage[1]
+    if type(pid) is not tuple or len(pid) != 5:
         return False
-    kind, cls, key, location, numel = storage.pid
+    kind, cls, key, location, numel = pid
     return (
         kind == "storage"
-        and type(cls) is _StorageClass
-        and _STORAGE_DTYPES[cls] == dtype
+        and type(cls) is tuple
+        and cls[0] == "global"
+        and cls[1][0] == "torch"
+        and _STORAGE_DTYPES.get(cls[1][1]) == dtype
         and key == "0"
         and location == "cpu"
         and numel == torch.Size(size).numel()
         and storage_offset == 0
-        and tuple(got_size) == tuple(size)
-        and tuple(stride) == _contiguous(size)
+        and type(got_size) is tuple
+        and got_size == tuple(size)
+        and stride == _contiguous(size)
         and requires_grad is False
-        and type(hooks) is OrderedDict
-        and not hooks
+        and hooks == ("call", _ORDERED_DICT, ())
     )
 
 
