@@ -30,7 +30,7 @@ import sparse_ckpt as sc
 from sparse_ckpt._layouts import STATE_LAYOUTS
 
 from .fixtures import FixtureCache, FixtureSpec
-from .scale_dcp import LEAF, disk_bytes, state_bytes
+from .scale_dcp import LEAF, disk_bytes, rotated, settle, state_bytes
 
 STOCK = "stock_dsd"
 
@@ -79,7 +79,7 @@ def async_rows(fx: Any, names: Sequence[str], repeats: int, root: str) -> list[d
     samples: dict[str, dict[str, list[float]]] = {n: {"blocked_s": [], "state_dict_s": [], "total_s": []} for n in names}
     disk: dict[str, int] = {}
     for i in range(repeats):
-        for name in names:
+        for name in rotated(names, i):
             path = os.path.join(root, f"{name}{i}")
             stateful = variant(fx, name)
             t0 = time.perf_counter()
@@ -91,6 +91,7 @@ def async_rows(fx: Any, names: Sequence[str], repeats: int, root: str) -> list[d
                 samples[name][key].append(value)
             disk[name] = disk_bytes(path)
             shutil.rmtree(path, ignore_errors=True)
+            settle()
     rows = []
     for name in names:
         s = samples[name]

@@ -11,6 +11,7 @@ shared machine slows all layouts alike; each checkpoint is saved, loaded once an
 from __future__ import annotations
 
 import os
+import random
 import shutil
 import statistics
 import tempfile
@@ -55,6 +56,26 @@ def dcp_items(path: str) -> int:
     return len(dcp.FileSystemReader(path).read_metadata().state_dict_metadata)
 
 
+def rotated(names: Sequence[str], i: int) -> list[str]:
+    """The variants in the order of round ``i`` of the round-robin: shuffled with seed ``i`` (the
+    same every run), so no variant always runs right after the same other one. A fixed order
+    charged what one sample leaves behind to the next: the layout right after the floor's
+    ``torch.save``/``torch.load`` saved 2-2.5x slower in every round (0.49-0.69 s vs 0.22 s at
+    ``24x128:h64``), though it wrote exactly what ``buffers`` wrote."""
+    out = list(names)
+    random.Random(i).shuffle(out)
+    return out
+
+
+def settle() -> None:
+    """Flush the file system between samples (untimed): what an earlier sample wrote without
+    ``fsync`` (the floor's ``torch.save``) and the blocks of the checkpoints just deleted (discarded
+    at the next journal commit on this project's ext4, mounted with ``discard``) are otherwise paid
+    by the next sample's ``fsync``: the first layout after the floor took 1.5-3x as long."""
+    if hasattr(os, "sync"):
+        os.sync()
+
+
 def floor_state(opt: torch.optim.Optimizer) -> dict[str, torch.Tensor]:
     """The optimizer's tensor state as one CPU tensor per dtype (what the floor writes)."""
     by_dtype: dict[torch.dtype, list[torch.Tensor]] = {}
@@ -76,7 +97,7 @@ def layout_rows(fx: Fixture, layouts: Sequence[str], repeats: int, root: str, de
     info: dict[str, tuple[int, int]] = {}
     flat = floor_state(fx.optimizer) if floor else {}
     for i in range(repeats):
-        for name in names:
+        for name in rotated(names, i):
             path = os.path.join(root, f"{name}{i}")
             if name == FLOOR:
                 path += ".pt"
@@ -92,6 +113,7 @@ def layout_rows(fx: Fixture, layouts: Sequence[str], repeats: int, root: str, de
                     dcp.load({LEAF: target}, checkpoint_id=path, planner=sc.SparseLoadPlanner()), sync()))
                 if len(fresh.state) != len(fx.optimizer.state):
                     raise AssertionError(f"{name}: loaded state of {len(fresh.state)} params, saved {len(fx.optimizer.state)}")
+                del fresh, target, state  # the loaded copy is not kept into the next sample (untimed)
                 items = dcp_items(path)
             info[name] = (items, disk_bytes(path))
             samples[name][0].append(save_s)
@@ -100,6 +122,7 @@ def layout_rows(fx: Fixture, layouts: Sequence[str], repeats: int, root: str, de
                 shutil.rmtree(path, ignore_errors=True)
             else:
                 os.remove(path)
+            settle()
     rows = []
     for name in names:
         save, load = samples[name]
