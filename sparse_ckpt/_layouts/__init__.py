@@ -35,11 +35,11 @@ AUTO_OWN_ITEM_BYTES = 4 << 20
 """``state_layout="auto"`` in a blocking save: a state tensor whose largest chunk (over the ranks)
 has at least this many bytes is an item of its own; smaller ones go into buffers. Measured with
 ``python -m bench.scale threshold`` (bench/README.md, *Threshold*): one item per tensor saves at
-least as fast as bucketing from 4 MiB (below, DCP's per-item cost exceeds the copy into a bucket on
-huge pages); bucketed state loads faster at every size (one read per bucket, on huge pages), by
-2.5x at 4 MiB and 1.1x at 64 MiB, so the threshold favours the save, which runs far more often,
-and keeps the copies a save makes (and the host memory they take while DCP writes) to the small
-tensors."""
+least as fast as bucketing from 2-4 MiB (two sweeps; below, DCP's per-item cost exceeds the copy
+into a bucket on huge pages); bucketed state loads faster at every size (one read per bucket, on
+huge pages), by 1.8-2.5x at 4 MiB and 1.03-1.1x at 64 MiB, so the threshold favours the save,
+which runs far more often, and keeps the copies a save makes (and the host memory they take while
+DCP writes) to the small tensors."""
 
 AUTO_ASYNC_OWN_ITEM_BYTES = 1 << 20
 """The same inside ``dcp.async_save``, which stages (copies) the whole state dict before it returns:
