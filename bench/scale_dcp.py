@@ -76,6 +76,15 @@ def settle() -> None:
         os.sync()
 
 
+def save_synced(obj: Any, path: str) -> None:
+    """``torch.save`` to ``path`` and ``fsync`` it: the floor with the durability of DCP's default
+    ``FileSystemWriter(sync_files=True)``."""
+    with open(path, "wb") as f:
+        torch.save(obj, f)
+        f.flush()
+        os.fsync(f.fileno())
+
+
 def floor_state(opt: torch.optim.Optimizer) -> dict[str, torch.Tensor]:
     """The optimizer's tensor state as one CPU tensor per dtype (what the floor writes)."""
     by_dtype: dict[torch.dtype, list[torch.Tensor]] = {}
@@ -94,6 +103,7 @@ def layout_rows(fx: Fixture, layouts: Sequence[str], repeats: int, root: str, de
     sync = torch.cuda.synchronize if device.startswith("cuda") else (lambda: None)
     names = [*layouts, *([FLOOR] if floor else [])]
     samples: dict[str, tuple[list[float], list[float]]] = {n: ([], []) for n in names}
+    synced: list[float] = []  # the floor's save with fsync, as DCP's FileSystemWriter syncs by default
     info: dict[str, tuple[int, int]] = {}
     flat = floor_state(fx.optimizer) if floor else {}
     for i in range(repeats):
@@ -104,6 +114,8 @@ def layout_rows(fx: Fixture, layouts: Sequence[str], repeats: int, root: str, de
                 save_s = timed(lambda path=path: torch.save(flat, path))
                 load_s = timed(lambda path=path: torch.load(path, weights_only=True))
                 items = len(flat)
+                synced.append(timed(lambda path=path: save_synced(flat, path + ".sync")))
+                os.remove(path + ".sync")
             else:
                 state = sc.SparseOptimizerState(fx.model, fx.optimizer, state_layout=name)
                 save_s = timed(lambda path=path, state=state: (dcp.save({LEAF: state}, checkpoint_id=path), sync()))
@@ -128,6 +140,9 @@ def layout_rows(fx: Fixture, layouts: Sequence[str], repeats: int, root: str, de
         save, load = samples[name]
         rows.append({"layout": name, "save_s": statistics.median(save), "load_s": statistics.median(load),
                      "items": info[name][0], "disk_bytes": info[name][1], "samples_s": [save, load]})
+        if name == FLOOR and synced:
+            rows[-1]["save_synced_s"] = statistics.median(synced)
+            rows[-1]["save_synced_samples_s"] = synced
     add_ratios(rows)
     return rows
 
@@ -139,6 +154,8 @@ def add_ratios(rows: list[dict[str, Any]]) -> None:
     for r in rows:
         if FLOOR in by:
             r["vs_floor"] = [r["save_s"] / by[FLOOR]["save_s"], r["load_s"] / by[FLOOR]["load_s"]]
+            if "save_synced_s" in by[FLOOR]:
+                r["save_vs_floor_synced"] = r["save_s"] / by[FLOOR]["save_synced_s"]
         if all(p in by for p in PAIR):
             best = [min(by[p]["save_s"] for p in PAIR), min(by[p]["load_s"] for p in PAIR)]
             r["vs_best"] = [r["save_s"] / best[0], r["load_s"] / best[1]]

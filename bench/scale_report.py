@@ -58,9 +58,12 @@ def dcp_table(res: dict[str, Any]) -> str:
         fixture = f"`{run['fixture']}` ({info['n_param_shaped_state']:,} state tensors, {nbytes(info['state_bytes'])})"
         for r in run["rows"]:
             vf, vb = r.get("vs_floor"), r.get("vs_best")
+            synced = r.get("save_vs_floor_synced")
+            save = seconds(r["save_s"]) + (f" ({seconds(r['save_synced_s'])} with fsync)" if "save_synced_s" in r else "")
             lines.append(f"| {fixture} | {r['layout'] if r['layout'] != FLOOR else 'floor (torch.save/load)'} | "
-                         f"{seconds(r['save_s'])} | {seconds(r['load_s'])} | "
-                         f"{'' if r['layout'] == FLOOR or vf is None else f'{ratio(vf[0])} / {ratio(vf[1])}'} | "
+                         f"{save} | {seconds(r['load_s'])} | "
+                         f"{'' if r['layout'] == FLOOR or vf is None else f'{ratio(vf[0])} / {ratio(vf[1])}'}"
+                         f"{'' if r['layout'] == FLOOR or synced is None else f' (save {ratio(synced)} with fsync)'} | "
                          f"{'' if r['layout'] == FLOOR or vb is None else f'{ratio(vb[0])} / {ratio(vb[1])}'} | "
                          f"{r['items']:,} | {nbytes(r['disk_bytes'])} |")
             fixture = ""
