@@ -141,7 +141,7 @@ def run_async_threshold(sizes: Sequence[int], total: int, max_params: int, repea
     import torch.distributed as dist
 
     from .fixtures import uniform_fixture
-    from .scale_dcp import size_label, threshold_counts
+    from .scale_dcp import from_size_on, size_label, threshold_counts
 
     points = []
     root = tempfile.mkdtemp(prefix="sc_async_threshold_")
@@ -164,11 +164,7 @@ def run_async_threshold(sizes: Sequence[int], total: int, max_params: int, repea
         if started:
             dist.destroy_process_group()
         shutil.rmtree(root, ignore_errors=True)
-    cross = None
-    for i, p in enumerate(points):
-        if all(q["blocked_ratio"] <= 1 for q in points[i:]):
-            cross = p["chunk_bytes"]
-            break
+    cross = from_size_on(sorted((p["chunk_bytes"], p["blocked_ratio"] <= 1) for p in points))
     print("crossover (one item per tensor blocks no longer than buffers from this size on): "
-          + (size_label(cross) if cross else "none"))
+          + (size_label(cross) if cross else "none in the sweep"))
     return {"points": points, "crossover_blocked_bytes": cross, "async": True}

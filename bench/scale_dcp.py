@@ -243,6 +243,17 @@ CRITERIA = {"": (0, 1), "_save": (0,), "_load": (1,), "_sum": (2,)}
 """``crossover{suffix}_bytes``: which of a point's ratios (save, load, save + load) must be <= 1."""
 
 
+def from_size_on(flags: Sequence[tuple[int, bool]]) -> int | None:
+    """The smallest size from which on (that size and every larger one; ``flags`` in ascending size)
+    the flag holds; ``None`` when it does not hold at the largest."""
+    cross = None
+    for size, good in reversed(flags):
+        if not good:
+            break
+        cross = size
+    return cross
+
+
 def crossover(points: Sequence[dict[str, Any]]) -> dict[str, int | None]:
     """``crossover_bytes``: the smallest chunk size from which on (that size and every larger one) one
     item per tensor saved and loaded at least as fast as buffers; ``crossover_save_bytes``,
@@ -252,13 +263,7 @@ def crossover(points: Sequence[dict[str, Any]]) -> dict[str, int | None]:
     rated = sorted((p["chunk_bytes"], p["ratio"]) for p in points if "ratio" in p)
     out: dict[str, int | None] = {}
     for suffix, idx in CRITERIA.items():
-        ok = [(size, all(r[i] <= 1.0 for i in idx if i < len(r))) for size, r in rated]
-        cross = None
-        for size, good in reversed(ok):
-            if not good:
-                break
-            cross = size
-        out[f"crossover{suffix}_bytes"] = cross
+        out[f"crossover{suffix}_bytes"] = from_size_on([(size, all(r[i] <= 1.0 for i in idx if i < len(r))) for size, r in rated])
     out["first_bytes"] = next((size for size, r in rated if r[0] <= 1.0 and r[1] <= 1.0), None)
     return out
 

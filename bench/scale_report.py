@@ -86,6 +86,11 @@ def metadata_table(res: dict[str, Any]) -> str:
     return "\n".join(lines)
 
 
+def size_or_none(size: int | None) -> str:
+    """A crossover size as a label, or that the sweep had none."""
+    return size_label(size) if size else "none in the sweep"
+
+
 def threshold_table(res: dict[str, Any]) -> str:
     """Chunk sizes: per layout save / load medians and the per_tensor / buffers ratios; the crossovers."""
     layouts = [r["layout"] for r in res["points"][0]["rows"]]
@@ -99,8 +104,7 @@ def threshold_table(res: dict[str, Any]) -> str:
                      f"{'' if rt is None else ' / '.join(f'{x:.2f}' for x in rt)} |")
 
     def cross(key: str) -> str:
-        value = res.get(key)
-        return size_label(value) if value else "none in the sweep"
+        return size_or_none(res.get(key))
 
     lines.append("")
     lines.append(f"Crossover (one item per tensor at least as fast as buffers at this size and every larger one): "
@@ -118,10 +122,9 @@ def async_threshold_table(res: dict[str, Any]) -> str:
         by = {r["variant"]: r for r in p["rows"]}
         lines.append(f"| {size_label(p['chunk_bytes'])} | {p['n_state_tensors']:,} | {seconds(by['per_tensor']['blocked_s'])} | "
                      f"{seconds(by['buffers']['blocked_s'])} | {p['blocked_ratio']:.2f} |")
-    cross = res.get("crossover_blocked_bytes")
     lines.append("")
     lines.append("Crossover (one item per tensor blocks no longer than buffers at this size and every larger one): "
-                 f"**{size_label(cross) if cross else 'none in the sweep'}**.")
+                 f"**{size_or_none(res.get('crossover_blocked_bytes'))}**.")
     return "\n".join(lines)
 
 
