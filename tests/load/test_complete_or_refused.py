@@ -17,7 +17,7 @@ from legacy_checkpoints import drop_from_metadata, legacy
 from torch import nn
 
 import sparse_ckpt as sc
-from sparse_ckpt._format.keys import BUFFERS_PREFIX
+from sparse_ckpt._format.keys import BUFFERS_PREFIX, PLANNER_GUARD_KEY, is_foreign_guard
 
 pytestmark = pytest.mark.filterwarnings("ignore:torch.distributed is disabled:UserWarning")
 
@@ -175,3 +175,49 @@ def test_an_item_whose_chunk_records_are_damaged_is_refused(tmp_path: Path, layo
     with pytest.raises((sc.CheckpointFormatError, CheckpointException), match=r"\.metadata lists data for \d+ of its"):
         dcp.load({"optim": sc.SparseOptimizerState(model2, opt2)}, checkpoint_id=tmp_path, planner=sc.SparseLoadPlanner())
     assert_optimizer_equal(opt2, before)
+
+
+@pytest.mark.parametrize("layout", ["per_tensor", "buffers", "auto"])
+def test_any_single_lost_item_is_refused_or_loads_exactly(tmp_path: Path, monkeypatch: pytest.MonkeyPatch, layout: str) -> None:
+    """Complete or refused, exhaustively: for a small checkpoint of each layout (``auto`` with a
+    threshold that leaves both per-item and buffered state), removing any single optimizer item from
+    the ``.metadata`` either fails the load with the optimizer untouched or loads exactly what was
+    saved (only the foreign-loader guards, which hold no state, may go)."""
+    import shutil
+
+    from torch.distributed.checkpoint.api import CheckpointException
+
+    import sparse_ckpt._layouts as layouts
+
+    model, opt = _source()
+    sizes = sorted({v.numel() * v.element_size() for _leaf, o in opt.leaves() for st in o.state.values()
+                    for v in st.values() if isinstance(v, torch.Tensor) and v.dim() > 0})
+    monkeypatch.setattr(layouts, "AUTO_OWN_ITEM_BYTES", sizes[len(sizes) // 2])
+    saved = tmp_path / "saved"
+    dcp.save({"optim": sc.SparseOptimizerState(model, opt, state_layout=layout)}, checkpoint_id=saved)
+    entries = dcp.FileSystemReader(str(saved)).read_metadata().state_dict_metadata
+    keys = [k for k in entries if k.startswith("optim.")]
+    guards = {k for k in keys if k == f"optim.{PLANNER_GUARD_KEY}" or is_foreign_guard(k.removeprefix("optim."), entries[k])}
+    outcomes: dict[str, str] = {}
+    for key in keys:
+        damaged = tmp_path / "damaged"
+        shutil.rmtree(damaged, ignore_errors=True)
+        shutil.copytree(saved, damaged)
+        drop_from_metadata(damaged, key)
+        model2, opt2 = _target(model)
+        with torch.no_grad():  # the source's parameters, the target's own state: an exact load equals the source
+            for p2, p in zip(model2.parameters(), model.parameters(), strict=True):
+                p2.copy_(p)
+        before = {leaf: snapshot_optimizer(o) for leaf, o in opt2.leaves()}
+        try:
+            dcp.load({"optim": sc.SparseOptimizerState(model2, opt2)}, checkpoint_id=damaged, planner=sc.SparseLoadPlanner())
+        except (sc.SparseCheckpointError, CheckpointException):
+            for leaf, o in opt2.leaves():
+                assert_optimizer_equal(o, before[leaf])
+            outcomes[key] = "refused"
+        else:
+            for leaf, o in opt2.leaves():
+                assert_optimizer_equal(o, dict(opt.leaves())[leaf], grads=False)
+            outcomes[key] = "exact"
+    exact = {k for k, v in outcomes.items() if v == "exact"}
+    assert exact == guards, outcomes  # every item that holds state or settings is missed by name
