@@ -105,14 +105,22 @@ def collect(
     parts: dict[str, str | None] = {}  # str state key -> its key part (the same few keys recur per parameter)
     missing = object()
     plain, strided = torch.Tensor, torch.strided
+    whole: dict[torch.Size, tuple[Chunk, int]] = {}  # a plain parameter's shape -> (its chunk, its element count)
     for fqn, state in state_fqn.items():
         p = param_of.get(fqn)
         if p is None or type(state) is not dict:
             continue
         sharded = isinstance(p, DTensor)
         pshape = p.shape
-        chunk = None
-        largest = -1  # elements of the parameter's largest chunk over all ranks (computed when first needed)
+        if sharded:
+            chunk = None
+            largest = -1  # elements of the parameter's largest chunk over all ranks (computed when first needed)
+        else:  # the chunk is the whole parameter, the same tuple for every parameter of this shape
+            known = whole.get(pshape)
+            if known is None:
+                shape = tuple(pshape)
+                known = whole[pshape] = ((shape, (0,) * len(shape), shape), math.prod(shape))
+            chunk, largest = known
         for key, v in state.items():
             if type(v) is plain and not sharded:
                 if v.shape != pshape or v.layout is not strided or v.is_meta:
@@ -160,19 +168,51 @@ def fill(buckets: list[tuple[str, int, list[tuple[int, int]]]], local: list[torc
     per-item entry, it is the live state: DCP writes or stages it before training goes on)."""
     out = []
     for _dtype, numel, members in buckets:
-        chunks = [local[i].detach().reshape(-1) for i, _offset in members]
+        chunks = [local[i] for i, _offset in members]
         if len(chunks) == 1:  # one chunk alone: the (flattened) state tensor itself on the CPU, as per-item entries are
-            buf = chunks[0].to("cpu")
+            buf = chunks[0].detach().reshape(-1).to("cpu")
         else:  # a new host buffer on huge pages where the OS offers them (its page faults dominated the copy)
             buf = empty_host(numel, chunks[0].dtype)
             if chunks[0].device.type == "cpu":
-                torch.cat(chunks, out=buf)
+                stack_into(buf, chunks)
             else:
-                buf.copy_(torch.cat(chunks))
+                buf.copy_(torch.cat([t.detach().reshape(-1) for t in chunks]))
         if buf.numel() != numel:  # pragma: no cover - the core's sizes are the chunks'
             raise AssertionError(f"bucket of {buf.numel()} elements, layout says {numel}")
         out.append(buf)
     return out
+
+
+def stack_into(buf: torch.Tensor, chunks: list[torch.Tensor]) -> None:
+    """Copy ``chunks`` (CPU tensors of ``buf``'s dtype, in order) into the 1-D ``buf``, which holds
+    exactly their elements. Each run of consecutive chunks of one shape is one ``torch.stack`` into
+    the run's part of ``buf`` viewed as ``(n, *shape)``: no flattened view per chunk (9 552 state
+    tensors of 64x64: 27 ms instead of 37-42 ms for ``torch.cat`` of flattened views,
+    bench/README.md *Scale*)."""
+    pos = 0
+    run: list[torch.Tensor] = []
+    shape: Any = None
+    for t in chunks:
+        if t.requires_grad:  # (stack's out= refuses autograd inputs; the state's values are what is saved)
+            t = t.detach()
+        s = t.shape
+        if s != shape:
+            if run:
+                pos = _stack_run(buf, pos, run, shape)
+            run = [t]
+            shape = s
+        else:
+            run.append(t)
+    if run:
+        pos = _stack_run(buf, pos, run, shape)
+    if pos != buf.numel():  # pragma: no cover - the core's sizes are the chunks'
+        raise AssertionError(f"chunks of {pos} elements for a bucket of {buf.numel()}")
+
+
+def _stack_run(buf: torch.Tensor, pos: int, run: list[torch.Tensor], shape: torch.Size) -> int:
+    end = pos + len(run) * math.prod(shape)
+    torch.stack(run, out=buf[pos:end].view(len(run), *shape))
+    return end
 
 
 def layout_key(leaf: str, ranks: str) -> str:
