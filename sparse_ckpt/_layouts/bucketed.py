@@ -51,6 +51,7 @@ class _Geometry:
     def __init__(self) -> None:
         self._cache: dict[Any, Chunk | None] = {}
         self._largest: dict[Any, int] = {}
+        self._whole: dict[torch.Size, Chunk] = {}
 
     def largest(self, p: torch.Tensor) -> int:
         """The element count of the parameter's largest chunk over all ranks (the same number on
@@ -71,9 +72,12 @@ class _Geometry:
     def of(self, p: torch.Tensor) -> Chunk | None:
         """``None`` for a DTensor whose placements are not all ``Shard``/``Replicate`` (its state
         stays per-item, as DCP shards it)."""
-        if not isinstance(p, DTensor):
-            shape = tuple(p.shape)
-            return shape, (0,) * len(shape), shape
+        if not isinstance(p, DTensor):  # the whole parameter: one tuple per shape
+            whole = self._whole.get(p.shape)
+            if whole is None:
+                shape = tuple(p.shape)
+                whole = self._whole[p.shape] = (shape, (0,) * len(shape), shape)
+            return whole
         spec = (tuple(p.shape), p.device_mesh, p.placements)
         if spec not in self._cache:
             if not all(type(pl) in (Shard, Replicate) for pl in p.placements):

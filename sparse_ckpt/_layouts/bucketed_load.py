@@ -144,15 +144,17 @@ def _expand_leaf(
     # (the buffer is this load's own tensor: no copy, no second allocation); others get a tensor
     # allocated like their parameter and are copied into, box by box.
     whole = [False] * len(targets)
-    cpu_of: dict[str, bool] = {}  # per FQN: a parameter's targets (state keys) share its device
+    plain = [False] * len(targets)  # a target whose parameter is a plain tensor: its view needs no DTensor around it
+    param_of: dict[str, tuple[bool, bool]] = {}  # per FQN: (state on the CPU, parameter not a DTensor)
     for op in ops:
         ti = op[4]
         if count[ti] == 1 and op[2] == op[6] == targets[ti][5]:
             fqn = targets[ti][0]
-            cpu = cpu_of.get(fqn)
-            if cpu is None:
-                cpu = cpu_of[fqn] = _on_cpu(fmap, fqn)
-            whole[ti] = cpu
+            kind = param_of.get(fqn)
+            if kind is None:
+                p = fmap.param_of[fmap.canonical[fqn]]
+                kind = param_of[fqn] = (_on_cpu(p), not isinstance(p, DTensor))
+            whole[ti], plain[ti] = kind
     made: list[Any] = [None if whole[ti] else _allocate(leaf, t, fmap) for ti, t in enumerate(targets)]
     dst = [None if m is None else _local(m) for m in made]
     by_source: list[list[tuple[Any, ...]]] = [[] for _ in sources]
@@ -170,11 +172,23 @@ def _expand_leaf(
         _check_buffer(leaf, key_of(si), buf, dtype, numel)
         consumed[si] = True
         prod = math.prod
-        for _si, src_offset, src_sizes, src_start, ti, dst_start, box in by_source[si]:
-            src = buf[src_offset : src_offset + prod(src_sizes)].view(src_sizes)
-            if whole[ti]:
-                made[ti] = _wrap(src, targets[ti], fmap)
+        run = by_source[si]
+        k, n = 0, len(run)
+        while k < n:
+            _si, src_offset, src_sizes, src_start, ti, dst_start, box = run[k]
+            if whole[ti]:  # this op and the next ones that fill whole targets of its shape from adjacent chunks:
+                size = prod(src_sizes)  # one view of their span, unbound into a view per target
+                end, m = src_offset + size, k + 1
+                while m < n and whole[run[m][4]] and run[m][1] == end and run[m][2] == src_sizes:
+                    end, m = end + size, m + 1
+                views = buf[src_offset:end].view(m - k, *src_sizes).unbind(0)
+                for op, view in zip(run[k:m], views):
+                    t = op[4]
+                    made[t] = view if plain[t] else _wrap(view, targets[t], fmap)
+                k = m
                 continue
+            k += 1
+            src = buf[src_offset : src_offset + prod(src_sizes)].view(src_sizes)
             target = dst[ti]
             if box != src_sizes:
                 src = src[tuple(slice(a, a + b) for a, b in zip(src_start, box))]
@@ -201,9 +215,20 @@ def _expand_leaf(
         assert reader is not None
         reader.read(list(wanted), lambda key, value: scatter(wanted[key], value))
     _check_consumed(leaf, consumed, key_of, sources, by_source, targets)
+    canonical = fmap.canonical
+    flat_key: dict[str, bool] = {}  # key -> whether it is one plain part (the same few keys recur)
     for (fqn, key, *_rest), value in zip(targets, made):
-        canon = fmap.canonical[fqn]
-        _put(out.setdefault(canon, {}), key, value, leaf, canon)
+        canon = canonical[fqn]
+        state = out.get(canon)
+        if state is None:
+            state = out[canon] = {}
+        simple = flat_key.get(key)
+        if simple is None:
+            simple = flat_key[key] = is_plain_part(key)
+        if simple and key not in state:
+            state[key] = value
+        else:
+            _put(state, key, value, leaf, canon)
 
 
 def _plan(
@@ -370,9 +395,8 @@ def _allocate(leaf: str, target: tuple[Any, ...], fmap: FqnMap) -> torch.Tensor:
     return t
 
 
-def _on_cpu(fmap: FqnMap, fqn: str) -> bool:
+def _on_cpu(p: torch.Tensor) -> bool:
     """Whether the parameter's state lives on the CPU (a plain tensor there, or a DTensor on a CPU mesh)."""
-    p = fmap.param_of[fmap.canonical[fqn]]
     if isinstance(p, DTensor):
         return p.device_mesh.device_type == "cpu"
     return p.device.type in ("cpu", "meta")
