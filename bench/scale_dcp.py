@@ -104,6 +104,7 @@ def layout_rows(fx: Fixture, layouts: Sequence[str], repeats: int, root: str, de
     names = [*layouts, *([FLOOR] if floor else [])]
     samples: dict[str, tuple[list[float], list[float]]] = {n: ([], []) for n in names}
     synced: list[float] = []  # the floor's save with fsync, as DCP's FileSystemWriter syncs by default
+    unsynced: dict[str, list[float]] = {n: [] for n in layouts}  # each layout saved by FileSystemWriter(sync_files=False)
     info: dict[str, tuple[int, int]] = {}
     flat = floor_state(fx.optimizer) if floor else {}
     for i in range(repeats):
@@ -119,6 +120,10 @@ def layout_rows(fx: Fixture, layouts: Sequence[str], repeats: int, root: str, de
             else:
                 state = sc.SparseOptimizerState(fx.model, fx.optimizer, state_layout=name)
                 save_s = timed(lambda path=path, state=state: (dcp.save({LEAF: state}, checkpoint_id=path), sync()))
+                unsynced[name].append(timed(lambda path=path, state=state: (dcp.save(
+                    {LEAF: state}, storage_writer=dcp.FileSystemWriter(path + ".nosync", sync_files=False)), sync())))
+                shutil.rmtree(path + ".nosync", ignore_errors=True)
+                settle()
                 fresh = build_adamw(fx.specs, **ADAMW_KWARGS)
                 target = sc.SparseOptimizerState(fx.model, fresh)
                 load_s = timed(lambda path=path, target=target: (
@@ -143,6 +148,9 @@ def layout_rows(fx: Fixture, layouts: Sequence[str], repeats: int, root: str, de
         if name == FLOOR and synced:
             rows[-1]["save_synced_s"] = statistics.median(synced)
             rows[-1]["save_synced_samples_s"] = synced
+        if unsynced.get(name):
+            rows[-1]["save_unsynced_s"] = statistics.median(unsynced[name])
+            rows[-1]["save_unsynced_samples_s"] = unsynced[name]
     add_ratios(rows)
     return rows
 
@@ -156,6 +164,8 @@ def add_ratios(rows: list[dict[str, Any]]) -> None:
             r["vs_floor"] = [r["save_s"] / by[FLOOR]["save_s"], r["load_s"] / by[FLOOR]["load_s"]]
             if "save_synced_s" in by[FLOOR]:
                 r["save_vs_floor_synced"] = r["save_s"] / by[FLOOR]["save_synced_s"]
+            if "save_unsynced_s" in r:  # like for like the other way: neither syncs
+                r["save_unsynced_vs_floor"] = r["save_unsynced_s"] / by[FLOOR]["save_s"]
         if all(p in by for p in PAIR):
             best = [min(by[p]["save_s"] for p in PAIR), min(by[p]["load_s"] for p in PAIR)]
             r["vs_best"] = [r["save_s"] / best[0], r["load_s"] / best[1]]

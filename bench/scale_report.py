@@ -59,11 +59,16 @@ def dcp_table(res: dict[str, Any]) -> str:
         for r in run["rows"]:
             vf, vb = r.get("vs_floor"), r.get("vs_best")
             synced = r.get("save_vs_floor_synced")
+            unsynced = r.get("save_unsynced_vs_floor")
             save = seconds(r["save_s"]) + (f" ({seconds(r['save_synced_s'])} with fsync)" if "save_synced_s" in r else "")
+            save += f" ({seconds(r['save_unsynced_s'])} without fsync)" if "save_unsynced_s" in r else ""
+            like = "; ".join(part for part in (
+                None if synced is None else f"both fsync: {ratio(synced)}",
+                None if unsynced is None else f"neither: {ratio(unsynced)}") if part)
             lines.append(f"| {fixture} | {r['layout'] if r['layout'] != FLOOR else 'floor (torch.save/load)'} | "
                          f"{save} | {seconds(r['load_s'])} | "
                          f"{'' if r['layout'] == FLOOR or vf is None else f'{ratio(vf[0])} / {ratio(vf[1])}'}"
-                         f"{'' if r['layout'] == FLOOR or synced is None else f' (save {ratio(synced)} with fsync)'} | "
+                         f"{'' if r['layout'] == FLOOR or not like else f' (save {like})'} | "
                          f"{'' if r['layout'] == FLOOR or vb is None else f'{ratio(vb[0])} / {ratio(vb[1])}'} | "
                          f"{r['items']:,} | {nbytes(r['disk_bytes'])} |")
             fixture = ""

@@ -70,6 +70,14 @@ def test_dcp_mode_measures_every_layout_and_the_floor(tmp_path: os.PathLike[str]
         assert rows[FLOOR]["items"] == 1 and rows[FLOOR]["vs_floor"] == [1.0, 1.0]
         assert min(rows["per_tensor"]["vs_best"][0], rows["buffers"]["vs_best"][0]) == 1.0
         assert all(len(r["samples_s"][0]) == 1 and r["disk_bytes"] > 0 for r in rows.values())
+        # like for like: each layout also saved without fsync against the floor's torch.save, and with it
+        # against the floor's torch.save + fsync
+        for lay in STATE_LAYOUTS:
+            r = rows[lay]
+            assert len(r["save_unsynced_samples_s"]) == 1 and r["save_unsynced_s"] > 0
+            assert r["save_unsynced_vs_floor"] == r["save_unsynced_s"] / rows[FLOOR]["save_s"]
+            assert r["save_vs_floor_synced"] == r["save_s"] / rows[FLOOR]["save_synced_s"]
+        assert "save_unsynced_s" not in rows[FLOOR]
 
 
 def test_metadata_mode_records_per_layout(tmp_path: os.PathLike[str]) -> None:
@@ -132,6 +140,8 @@ def test_report_tables_and_svg(tmp_path: os.PathLike[str]) -> None:
         text = f.read()
     assert sum(line.startswith("| --- |") for line in text.splitlines()) == 3 and "Crossover" in text
     assert all(f"| {lay} |" in text for lay in STATE_LAYOUTS)
+    assert text.count("without fsync)") == len(STATE_LAYOUTS) and text.count("(save both fsync: ") == len(STATE_LAYOUTS)
+    assert text.count("; neither: ") == len(STATE_LAYOUTS)
     root = ET.parse(svg).getroot()
     ns = "{http://www.w3.org/2000/svg}"
     assert len(root.findall(f"{ns}polyline")) == len(STATE_LAYOUTS)  # metadata bytes vs ranks, one per layout
