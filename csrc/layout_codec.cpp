@@ -161,11 +161,14 @@ struct LayoutEntry {
     Dims shape, offsets, sizes;
 };
 
+constexpr size_t kNone = static_cast<size_t>(-1);
+
 /// A layout entry as read: its FQN and key as views of the table's UTF-8 bytes and its dims as
 /// values (the table's bytes stay alive while the entry is used; nothing is allocated per entry).
 struct RawEntry {
     std::string_view fqn, key;
-    size_t hash_fqn = 0, hash_id = 0;  // of the FQN, of (FQN, key)
+    size_t hash_fqn = 0;
+    size_t listing = 0;  // its (FQN, key) in the Listings
     size_t n = 0;
     const char* raw = nullptr;  // the 3n little-endian int64 values: shape, offsets, sizes
     int64_t v[3 * kMaxNdim];    // the same values; the first 3n are set
@@ -174,7 +177,7 @@ struct RawEntry {
     const int64_t* offsets() const { return v + n; }
     const int64_t* sizes() const { return v + 2 * n; }
     std::string_view shape_bytes() const { return {raw, 8 * n}; }
-    std::string_view placement_bytes() const { return {raw + 8 * n, 16 * n}; }  // offsets and sizes
+    const char* placement() const { return raw + 8 * n; }  // offsets and sizes: 2n values
     std::string_view sizes_bytes() const { return {raw + 16 * n, 8 * n}; }
     py::object fqn_str() const { return str_of(fqn); }
     py::object key_str() const { return str_of(key); }
@@ -183,80 +186,65 @@ struct RawEntry {
     }
 };
 
-/// A list of ``T`` that keeps its first ``N`` items inline (no allocation for short lists).
-template <class T, size_t N>
-class SmallList {
-public:
-    void push_back(const T& x) {
-        if (size_ < N) {
-            inline_[size_] = x;
-        } else {
-            more_.push_back(x);
-        }
-        ++size_;
-    }
-    size_t size() const { return size_; }
-    const T& operator[](size_t i) const { return i < N ? inline_[i] : more_[i - N]; }
-
-private:
-    std::array<T, N> inline_{};
-    std::vector<T> more_;
-    size_t size_ = 0;
-};
-
 size_t hash_bytes(std::string_view s) { return std::hash<std::string_view>{}(s); }
 
 size_t hash_pair(size_t a, size_t b) { return a ^ (b + 0x9e3779b97f4a7c15ull + (a << 6) + (a >> 2)); }
 
-/// ``(a, b)`` pairs of byte strings -> index, like a dict keyed by ``(str, str)``: open addressing
-/// with linear probing in one flat array (no allocation per entry). The caller passes each key's
-/// hash and keeps the bytes alive while the index is used.
-class PairIndex {
+/// Items kept once each, like a dict's keys: ``find(x)`` is the index of the item that is
+/// ``same`` as ``x`` (``kNone`` when none is), ``add(x)`` appends one that is not there. Open
+/// addressing with linear probing over the items' ``hash``; a slot holds an item's index + 1.
+template <class Item>
+class Interner {
 public:
-    PairIndex() : slots_(16) {}
-
-    /// Insert ``(a, b) -> value`` unless present. Returns the key's value and whether it was inserted.
-    std::pair<size_t, bool> emplace(size_t hash, std::string_view a, std::string_view b, size_t value) {
-        if ((size_ + 1) * 2 > slots_.size()) grow();
-        Slot& s = slots_[probe(hash, a, b)];
-        if (s.used) return {s.value, false};
-        s = Slot{hash, a, b, value, true};
-        ++size_;
-        return {value, true};
+    size_t find(const Item& x) const {
+        if (slots_.empty()) return kNone;
+        const size_t slot = slots_[probe(x)];
+        return slot == 0 ? kNone : slot - 1;
     }
-
-    /// The value of ``(a, b)``, or nullptr when absent.
-    const size_t* find(size_t hash, std::string_view a, std::string_view b) const {
-        const Slot& s = slots_[probe(hash, a, b)];
-        return s.used ? &s.value : nullptr;
+    size_t add(Item x) {
+        if ((items_.size() + 1) * 2 > slots_.size()) grow();
+        const size_t at = probe(x);
+        items_.push_back(std::move(x));
+        slots_[at] = items_.size();
+        return items_.size() - 1;
     }
+    Item& operator[](size_t i) { return items_[i]; }
+    const Item& operator[](size_t i) const { return items_[i]; }
 
 private:
-    struct Slot {
-        size_t hash = 0;
-        std::string_view a, b;
-        size_t value = 0;
-        bool used = false;
-    };
+    static size_t mix(size_t h) { return h ^ (h >> 29); }
 
-    size_t probe(size_t hash, std::string_view a, std::string_view b) const {
+    size_t probe(const Item& x) const {
         const size_t mask = slots_.size() - 1;
-        size_t i = (hash ^ (hash >> 29)) & mask;
-        while (slots_[i].used && !(slots_[i].hash == hash && slots_[i].a == a && slots_[i].b == b)) i = (i + 1) & mask;
+        size_t i = mix(x.hash) & mask;
+        while (slots_[i] != 0 && !items_[slots_[i] - 1].same(x)) i = (i + 1) & mask;
         return i;
     }
 
     void grow() {
-        std::vector<Slot> old(slots_.size() * 2);
-        old.swap(slots_);
-        for (const Slot& s : old) {
-            if (s.used) slots_[probe(s.hash, s.a, s.b)] = s;
+        slots_.assign(std::max<size_t>(16, slots_.size() * 2), 0);
+        const size_t mask = slots_.size() - 1;
+        for (size_t k = 0; k < items_.size(); ++k) {
+            size_t i = mix(items_[k].hash) & mask;
+            while (slots_[i] != 0) i = (i + 1) & mask;
+            slots_[i] = k + 1;
         }
     }
 
-    std::vector<Slot> slots_;
-    size_t size_ = 0;
+    std::vector<Item> items_;
+    std::vector<size_t> slots_;
 };
+
+/// An (FQN, key) pair met in the tables (decoded text is valid UTF-8, so equal bytes are equal
+/// strs): the table that last listed it, and (plan_scatter) its parameter and target.
+struct Listing {
+    size_t hash = 0;
+    std::string_view fqn, key;
+    size_t table = 0;
+    size_t param = kNone, target = kNone;
+    bool same(const Listing& o) const { return hash == o.hash && fqn == o.fqn && key == o.key; }
+};
+using Listings = Interner<Listing>;
 
 /// ``_check_chunk`` of a table entry: its problem's text (as ``check_chunk`` words it), or a null
 /// object. ``where()`` builds the message's prefix, only when there is a problem.
@@ -276,9 +264,9 @@ py::object check_entry(Where&& where, const RawEntry& e) {
     return check_chunk(where, shape, offsets, sizes);
 }
 
-/// ``_read_entry``: one bucket entry into ``e``, checked; ``listed`` holds the (FQN, key) pairs
-/// seen (decoded text is valid UTF-8, so equal bytes are equal strs).
-void read_entry(Reader& r, PairIndex& listed, RawEntry& e) {
+/// ``_read_entry``: one bucket entry of table ``table`` into ``e``, checked; ``listed`` holds
+/// the (FQN, key) pairs seen, each with the last table that listed it.
+void read_entry(Reader& r, Listings& listed, size_t table, RawEntry& e) {
     e.fqn = r.utf8("FQN");
     e.key = r.utf8("state key");
     const uint32_t ndim = r.u32("ndim");
@@ -295,20 +283,28 @@ void read_entry(Reader& r, PairIndex& listed, RawEntry& e) {
     py::object problem = check_entry(where, e);
     if (problem) r.fail(problem);
     e.hash_fqn = hash_bytes(e.fqn);
-    e.hash_id = hash_pair(e.hash_fqn, hash_bytes(e.key));
-    if (!listed.emplace(e.hash_id, e.fqn, e.key, 0).second) r.fail(Msg() << where() << " listed twice");
+    Listing id{hash_pair(e.hash_fqn, hash_bytes(e.key)), e.fqn, e.key, table};
+    e.listing = listed.find(id);
+    if (e.listing == kNone) {
+        e.listing = listed.add(id);
+    } else if (listed[e.listing].table == table) {
+        r.fail(Msg() << where() << " listed twice");
+    } else {
+        listed[e.listing].table = table;
+    }
 }
 
-/// Python's ``_walk``: reads a whole layout table, calling ``on_bucket(bi, dtype, numel)`` as each
-/// bucket starts and ``on_entry(bi, dtype, numel, entry, element offset)`` per entry; every check
-/// of the format is made as its bytes are read (the callbacks' work comes before later checks).
-/// The entry's views point into ``data``, which the caller keeps alive.
+/// Python's ``_walk``: reads a whole layout table (number ``table`` of those ``listed`` has seen),
+/// calling ``on_bucket(bi, dtype, numel)`` as each bucket starts and ``on_entry(bi, dtype, numel,
+/// entry, element offset)`` per entry; every check of the format is made as its bytes are read (the
+/// callbacks' work comes before later checks). The entry's views point into ``data``, which the
+/// caller keeps alive while ``listed`` is used.
 template <class OnBucket, class OnEntry>
-void walk_layout(py::handle data, const py::object& where, OnBucket&& on_bucket, OnEntry&& on_entry) {
+void walk_layout(py::handle data, const py::object& where, Listings& listed, size_t table, OnBucket&& on_bucket,
+                 OnEntry&& on_entry) {
     std::string_view bytes(PyBytes_AS_STRING(data.ptr()), static_cast<size_t>(PyBytes_GET_SIZE(data.ptr())));
     Reader r(bytes, where, "layout");
     r.header(std::string_view(kLayoutMagic, 4), kLayoutVersion, "a sparse_ckpt layout table");
-    PairIndex listed;
     RawEntry e;
     const uint32_t n_buckets = r.count("bucket list", 16);
     for (uint32_t bi = 0; bi < n_buckets; ++bi) {
@@ -321,7 +317,7 @@ void walk_layout(py::handle data, const py::object& where, OnBucket&& on_bucket,
         on_bucket(bi, dtype, numel);
         Wide offset = 0;
         for (uint32_t k = 0; k < n_entries; ++k) {
-            read_entry(r, listed, e);
+            read_entry(r, listed, table, e);
             const Wide start = offset;
             offset += volume(e.sizes(), e.n);
             if (offset > static_cast<Wide>(numel)) {
@@ -365,44 +361,84 @@ Chunk read_chunk(py::handle fqn, py::handle value) {
 
 /// A parameter met in the tables: its FQN (the str ``chunk_of`` was called with) and its chunk.
 struct Param {
+    size_t hash = 0;
+    std::string_view name;  // the FQN's bytes
     py::object fqn;
     Chunk chunk;
+    bool same(const Param& o) const { return hash == o.hash && name == o.name; }
 };
 
-/// The saved placements (offsets and sizes, as the table's bytes) met for one target, like the
-/// twin's set: the first ones are compared in a list, a hash set takes over when there are many.
-class PlacementSet {
-public:
-    /// Add ``p`` unless present; whether it was added.
-    bool insert(std::string_view p) {
-        if (set_.empty()) {
-            for (size_t i = 0; i < list_.size(); ++i) {
-                if (list_[i] == p) return false;
-            }
-            list_.push_back(p);
-            if (list_.size() > kListMax) {
-                for (size_t i = 0; i < list_.size(); ++i) set_.insert(list_[i]);
-            }
-            return true;
-        }
-        return set_.insert(p).second;
-    }
-
-private:
-    static constexpr size_t kListMax = 8;
-    SmallList<std::string_view, 2> list_;
-    std::unordered_set<std::string_view> set_;
+/// A target's placements and boxes past its first two (most targets have one or two).
+struct TargetMore {
+    std::vector<const char*> seen, boxes;
+    std::unordered_set<std::string_view> seen_set;  // all placements, once there are many
 };
 
+/// A (FQN, key) this rank needs. Placements (a saved chunk's offsets and sizes) are pointers to
+/// 2n int64 values in a table's bytes; ``seen`` are those met (the twin's set), ``boxes`` those
+/// with a part in this rank's chunk.
 struct Target {
-    py::object fqn, key, dtype, shape;  // shape: the tuple
-    py::object index;                   // the target's number, as an int
-    std::string_view shape_bytes;       // n little-endian int64 values (n = shape_bytes.size() / 8)
-    size_t param = 0;
-    PlacementSet seen;
+    py::object fqn, key, dtype, shape, index;  // shape: the tuple; index: the target's number
+    const char* shape_raw = nullptr;            // n int64 values
+    size_t n = 0, param = 0;
     Wide covered = 0;
-    SmallList<const char*, 2> boxes;  // each placed chunk's offsets and sizes (2n int64 values)
+    std::array<const char*, 2> seen{}, boxes{};
+    size_t n_seen = 0, n_boxes = 0;
+    size_t more = kNone;  // its TargetMore, once it has one
+
+    bool same_shape(std::string_view shape_bytes) const {
+        return shape_bytes.size() == 8 * n && std::memcmp(shape_raw, shape_bytes.data(), 8 * n) == 0;
+    }
+    const char* box(size_t i, const std::vector<TargetMore>& mores) const {
+        return i < boxes.size() ? boxes[i] : mores[more].boxes[i - boxes.size()];
+    }
 };
+
+/// Records placement ``p`` as met for ``t``; whether it was new (replicas are used once).
+bool add_seen(Target& t, const char* p, std::vector<TargetMore>& mores) {
+    constexpr size_t kListMax = 8;  // past this many, a hash set
+    const size_t bytes = 16 * t.n;
+    auto met = [&](const char* q) { return std::memcmp(q, p, bytes) == 0; };
+    for (size_t i = 0; i < std::min(t.n_seen, t.seen.size()); ++i) {
+        if (met(t.seen[i])) return false;
+    }
+    if (t.n_seen < t.seen.size()) {
+        t.seen[t.n_seen++] = p;
+        return true;
+    }
+    if (t.more == kNone) {
+        t.more = mores.size();
+        mores.emplace_back();
+    }
+    TargetMore& m = mores[t.more];
+    if (m.seen_set.empty()) {
+        for (const char* q : m.seen) {
+            if (met(q)) return false;
+        }
+        m.seen.push_back(p);
+        if (m.seen.size() > kListMax) {
+            for (const char* q : t.seen) m.seen_set.emplace(q, bytes);
+            for (const char* q : m.seen) m.seen_set.emplace(q, bytes);
+        }
+    } else if (!m.seen_set.emplace(p, bytes).second) {
+        return false;
+    }
+    ++t.n_seen;
+    return true;
+}
+
+void add_box(Target& t, const char* p, std::vector<TargetMore>& mores) {
+    if (t.n_boxes < t.boxes.size()) {
+        t.boxes[t.n_boxes++] = p;
+        return;
+    }
+    if (t.more == kNone) {
+        t.more = mores.size();
+        mores.emplace_back();
+    }
+    mores[t.more].boxes.push_back(p);
+    ++t.n_boxes;
+}
 
 /// The global bounds ``[lo, hi)`` of a placed chunk's part in ``mine``: ``2n`` values at ``out``.
 void bounds(const char* placed, size_t n, const Chunk& mine, int64_t* out) {
@@ -417,13 +453,11 @@ void bounds(const char* placed, size_t n, const Chunk& mine, int64_t* out) {
 /// ``_first_overlap``: the first two boxes sharing an element in a sweep along dim 0 (boxes
 /// stably sorted by their lower bound there); ``{-1, -1}`` when none do. A 0-d target has at most one
 /// box (replicas are used once), so every list of two has dims.
-std::pair<long, long> first_overlap(const Target& t, const Chunk& mine) {
-    const size_t count = t.boxes.size();
-    if (count < 2) return {-1, -1};
-    const size_t n = t.shape_bytes.size() / 8;
-    if (n == 0) return {-1, -1};  // unreachable: a 0-d target's replicas are one placement
+std::pair<long, long> first_overlap(const Target& t, const Chunk& mine, const std::vector<TargetMore>& mores) {
+    const size_t count = t.n_boxes, n = t.n;
+    if (count < 2 || n == 0) return {-1, -1};
     std::vector<int64_t> lohi(count * 2 * n);  // per box: lo then hi
-    for (size_t i = 0; i < count; ++i) bounds(t.boxes[i], n, mine, &lohi[i * 2 * n]);
+    for (size_t i = 0; i < count; ++i) bounds(t.box(i, mores), n, mine, &lohi[i * 2 * n]);
     auto lo = [&](size_t i) { return &lohi[i * 2 * n]; };
     auto hi = [&](size_t i) { return &lohi[i * 2 * n + n]; };
     std::vector<size_t> order(count);
@@ -450,16 +484,17 @@ py::object tuple_of(std::initializer_list<PyObject*> items) {
     return t;
 }
 
-/// Dims tuples of table bytes, shared: equal bytes give the same tuple object (tuples are
+/// Objects made from table bytes, shared: equal bytes give the same object (strs and tuples are
 /// immutable, so sharing one is equal to making another). Keeps the last few.
-class DimsCache {
+class SharedObjects {
 public:
-    py::object get(std::string_view bytes, const int64_t* v) {
+    template <class Make>
+    py::object get(std::string_view bytes, Make&& make) {
         for (const Item& item : items_) {
             if (item.obj && item.bytes == bytes) return item.obj;
         }
         Item& slot = items_[next_++ % items_.size()];
-        slot = Item{bytes, dims_tuple(v, bytes.size() / 8)};
+        slot = Item{bytes, make()};
         return slot.obj;
     }
 
@@ -594,8 +629,9 @@ py::object decode_layout(py::object leaf, py::object data) {
     if (!PyBytes_CheckExact(data.ptr())) raise_type("a layout table as bytes", data);
     py::object out = steal(PyList_New(0));
     py::object entries;
+    Listings listed;
     walk_layout(
-        data, Msg() << "leaf " << py_repr(leaf) << " layout table",
+        data, Msg() << "leaf " << py_repr(leaf) << " layout table", listed, 0,
         [&](uint32_t, const py::object& dtype, uint64_t numel) {
             entries = steal(PyList_New(0));
             py::object b = py::make_tuple(dtype, steal(PyLong_FromUnsignedLongLong(numel)), entries);
@@ -612,13 +648,13 @@ py::object decode_layout(py::object leaf, py::object data) {
 py::tuple plan_scatter(py::object leaf, py::object layouts, py::object chunk_of) {
     if (!PyUnicode_CheckExact(leaf.ptr())) raise_type("the leaf as a str", leaf);
     if (!PyList_CheckExact(layouts.ptr()) && !PyTuple_CheckExact(layouts.ptr())) raise_type("layouts as a list", layouts);
-    // Maps keyed by views of the tables' bytes: every table read is kept alive here (chunk_of may
-    // change the list) until the plan is made.
+    // The indexes below hold views of the tables' bytes: every table read is kept alive here
+    // (chunk_of may change the list) until the plan is made.
     std::vector<py::object> tables;
-    std::vector<Param> params;  // in order of first appearance
-    PairIndex param_of;         // (FQN, "") -> params index
+    Listings listed;          // every (FQN, key) met: its last table, its parameter and target
+    Interner<Param> params;   // in order of first appearance
     std::vector<Target> targets;
-    PairIndex target_of;  // (FQN, key) -> targets index
+    std::vector<TargetMore> mores;
     py::object sources = steal(PyList_New(0));
     py::object ops = steal(PyList_New(0));
     std::array<py::object, kMaxNdim + 1> zeros;  // the all-zero tuple of each ndim, when made
@@ -626,7 +662,7 @@ py::tuple plan_scatter(py::object leaf, py::object layouts, py::object chunk_of)
         if (!zeros[n]) zeros[n] = dims_tuple(std::vector<int64_t>(n, 0));
         return zeros[n];
     };
-    DimsCache shapes, sizes_cache;
+    SharedObjects keys, shapes, sizes_of;
     size_t li = 0;
     iterate(layouts, [&](py::handle data) {
         if (!PyBytes_CheckExact(data.ptr())) raise_type("a layout table as bytes", data);
@@ -635,29 +671,29 @@ py::tuple plan_scatter(py::object leaf, py::object layouts, py::object chunk_of)
         py::object layout_index = steal(PyLong_FromSize_t(li));
         py::object source;  // the current bucket's source number, once it is a source
         walk_layout(
-            data, where, [&](uint32_t, const py::object&, uint64_t) { source = py::object(); },
+            data, where, listed, li, [&](uint32_t, const py::object&, uint64_t) { source = py::object(); },
             [&](uint32_t bi, const py::object& dtype, uint64_t numel, const RawEntry& e, Wide start) {
                 const size_t n = e.n;
-                size_t pi;
-                if (const size_t* found = param_of.find(e.hash_fqn, e.fqn, std::string_view())) {
-                    pi = *found;
-                } else {
-                    py::object fqn = e.fqn_str();
-                    py::object answer = steal(PyObject_CallOneArg(chunk_of.ptr(), fqn.ptr()));
-                    Chunk chunk = read_chunk(fqn, answer);
-                    pi = params.size();
-                    params.push_back(Param{std::move(fqn), std::move(chunk)});
-                    param_of.emplace(e.hash_fqn, e.fqn, std::string_view(), pi);
+                size_t pi = listed[e.listing].param;
+                if (pi == kNone) {
+                    Param probe{e.hash_fqn, e.fqn, py::object(), Chunk()};
+                    pi = params.find(probe);
+                    if (pi == kNone) {
+                        probe.fqn = e.fqn_str();
+                        py::object answer = steal(PyObject_CallOneArg(chunk_of.ptr(), probe.fqn.ptr()));
+                        probe.chunk = read_chunk(probe.fqn, answer);
+                        pi = params.add(std::move(probe));
+                    }
+                    listed[e.listing].param = pi;
                 }
                 const Chunk& mine = params[pi].chunk;
                 if (!mine.held) return;
-                size_t ti;
-                if (const size_t* found = target_of.find(e.hash_id, e.fqn, e.key)) {
-                    ti = *found;
+                size_t ti = listed[e.listing].target;
+                if (ti != kNone) {
                     const Target& first = targets[ti];
                     const int same_dtype = PyObject_RichCompareBool(first.dtype.ptr(), dtype.ptr(), Py_EQ);
                     check(same_dtype);
-                    if (!same_dtype || first.shape_bytes != e.shape_bytes()) {
+                    if (!same_dtype || !first.same_shape(e.shape_bytes())) {
                         raise_format_error(Msg() << "leaf " << py_repr(leaf) << ": layout tables disagree on state "
                                                  << py_repr(e.key_str()) << " of " << py_repr(e.fqn_str()) << " ("
                                                  << fmt(first.dtype) << " " << fmt(first.shape) << " and " << fmt(dtype)
@@ -673,19 +709,20 @@ py::tuple plan_scatter(py::object leaf, py::object layouts, py::object chunk_of)
                                                    << fmt(mine.shape.obj));
                     }
                     ti = targets.size();
-                    target_of.emplace(e.hash_id, e.fqn, e.key, ti);
+                    listed[e.listing].target = ti;
                     targets.emplace_back();
                     Target& t = targets.back();
                     t.fqn = params[pi].fqn;
-                    t.key = e.key_str();
+                    t.key = keys.get(e.key, [&] { return e.key_str(); });
                     t.dtype = dtype;
-                    t.shape = shapes.get(e.shape_bytes(), e.shape());
+                    t.shape = shapes.get(e.shape_bytes(), [&] { return dims_tuple(e.shape(), n); });
                     t.index = steal(PyLong_FromSize_t(ti));
-                    t.shape_bytes = e.shape_bytes();
+                    t.shape_raw = e.raw;
+                    t.n = n;
                     t.param = pi;
                 }
                 Target& t = targets[ti];
-                if (!t.seen.insert(e.placement_bytes())) return;
+                if (!add_seen(t, e.placement(), mores)) return;
                 int64_t box[kMaxNdim], src_start[kMaxNdim], dst_start[kMaxNdim];
                 bool src_zero = true, dst_zero = true, whole = true;
                 const int64_t* offsets = e.offsets();
@@ -708,7 +745,7 @@ py::tuple plan_scatter(py::object leaf, py::object layouts, py::object chunk_of)
                     py::object src = tuple_of({layout_index.ptr(), bucket_index.ptr(), dtype.ptr(), bucket_numel.ptr()});
                     check(PyList_Append(sources.ptr(), src.ptr()));
                 }
-                py::object sizes_obj = sizes_cache.get(e.sizes_bytes(), sizes);
+                py::object sizes_obj = sizes_of.get(e.sizes_bytes(), [&] { return dims_tuple(sizes, n); });
                 py::object src_obj = src_zero ? zeros_of(n) : dims_tuple(src_start, n);
                 py::object dst_obj = dst_zero ? zeros_of(n) : dims_tuple(dst_start, n);
                 py::object box_obj = whole ? sizes_obj : dims_tuple(box, n);
@@ -717,7 +754,7 @@ py::tuple plan_scatter(py::object leaf, py::object layouts, py::object chunk_of)
                                           dst_obj.ptr(), box_obj.ptr()});
                 check(PyList_Append(ops.ptr(), op.ptr()));
                 t.covered += volume(box, n);
-                t.boxes.push_back(e.raw + 8 * n);
+                add_box(t, e.placement(), mores);
             });
         ++li;
     });
@@ -725,13 +762,12 @@ py::tuple plan_scatter(py::object leaf, py::object layouts, py::object chunk_of)
     for (size_t ti = 0; ti < targets.size(); ++ti) {
         const Target& t = targets[ti];
         const Chunk& mine = params[t.param].chunk;
-        const auto [a, b] = first_overlap(t, mine);
+        const auto [a, b] = first_overlap(t, mine, mores);
         if (a >= 0) {
-            const size_t n = t.shape_bytes.size() / 8;
             auto dims_at = [&](long box, size_t part) {
-                const char* p = t.boxes[static_cast<size_t>(box)] + 8 * n * part;
-                std::vector<int64_t> v(n);
-                for (size_t d = 0; d < n; ++d) v[d] = static_cast<int64_t>(get_le(p + 8 * d, 8));
+                const char* p = t.box(static_cast<size_t>(box), mores) + 8 * t.n * part;
+                std::vector<int64_t> v(t.n);
+                for (size_t d = 0; d < t.n; ++d) v[d] = static_cast<int64_t>(get_le(p + 8 * d, 8));
                 return dims_tuple(v);
             };
             raise_mismatch_error(Msg() << "leaf " << py_repr(leaf) << ": state " << py_repr(t.key) << " of "
