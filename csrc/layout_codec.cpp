@@ -74,13 +74,21 @@ Dims read_dims(py::handle value, const char* what) {
     return d;
 }
 
+/// ``t``, a new tuple of exact ints, strs and such tuples only, untracked by the cycle collector:
+/// it can be part of no cycle, and the collector untracks such a tuple at its first pass anyway
+/// (a plan holds tens of thousands; tracked, each would be scanned by that pass first).
+py::object atomic(py::object t) {
+    PyObject_GC_UnTrack(t.ptr());
+    return t;
+}
+
 /// The tuple of ``n`` values at ``v``.
 py::object dims_tuple(const int64_t* v, size_t n) {
     py::object t = steal(PyTuple_New(static_cast<Py_ssize_t>(n)));
     for (size_t i = 0; i < n; ++i) {
         PyTuple_SET_ITEM(t.ptr(), static_cast<Py_ssize_t>(i), steal(PyLong_FromLongLong(v[i])).release().ptr());
     }
-    return t;
+    return atomic(std::move(t));
 }
 
 py::object dims_tuple(const std::vector<int64_t>& v) { return dims_tuple(v.data(), v.size()); }
@@ -476,12 +484,13 @@ std::pair<long, long> first_overlap(const Target& t, const Chunk& mine, const st
     return {-1, -1};
 }
 
-/// A tuple of the given objects (new references taken).
+/// A tuple of the given exact ints, strs and tuples of those (new references taken), untracked as
+/// ``atomic`` says.
 py::object tuple_of(std::initializer_list<PyObject*> items) {
     py::object t = steal(PyTuple_New(static_cast<Py_ssize_t>(items.size())));
     Py_ssize_t i = 0;
     for (PyObject* item : items) PyTuple_SET_ITEM(t.ptr(), i++, borrow(item).release().ptr());
-    return t;
+    return atomic(std::move(t));
 }
 
 /// Objects made from table bytes, shared: equal bytes give the same object (strs and tuples are
