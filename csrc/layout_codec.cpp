@@ -198,59 +198,66 @@ size_t hash_bytes(std::string_view s) { return std::hash<std::string_view>{}(s);
 
 size_t hash_pair(size_t a, size_t b) { return a ^ (b + 0x9e3779b97f4a7c15ull + (a << 6) + (a >> 2)); }
 
-/// Items kept once each, like a dict's keys: ``find(x)`` is the index of the item that is
-/// ``same`` as ``x`` (``kNone`` when none is), ``add(x)`` appends one that is not there. Open
-/// addressing with linear probing over the items' ``hash``; a slot holds an item's index + 1.
+/// Items kept once each, like a dict's keys: ``find(hash, x)`` is the index of the item that is
+/// ``same`` as ``x`` (``kNone`` when none is), ``add(hash, x)`` appends one that is not there. Open
+/// addressing with linear probing; a slot holds an item's hash and index + 1 (an item is read only
+/// when its hash is the one looked for).
 template <class Item>
 class Interner {
 public:
-    size_t find(const Item& x) const {
+    size_t find(size_t hash, const Item& x) const {
         if (slots_.empty()) return kNone;
-        const size_t slot = slots_[probe(x)];
-        return slot == 0 ? kNone : slot - 1;
+        const Slot& slot = slots_[probe(hash, x)];
+        return slot.index == 0 ? kNone : slot.index - 1;
     }
-    size_t add(Item x) {
+    size_t add(size_t hash, Item x) {
         if ((items_.size() + 1) * 2 > slots_.size()) grow();
-        const size_t at = probe(x);
+        const size_t at = probe(hash, x);
         items_.push_back(std::move(x));
-        slots_[at] = items_.size();
+        slots_[at] = Slot{hash, items_.size()};
         return items_.size() - 1;
     }
     Item& operator[](size_t i) { return items_[i]; }
     const Item& operator[](size_t i) const { return items_[i]; }
 
 private:
+    struct Slot {
+        size_t hash = 0;
+        size_t index = 0;  // the item's index + 1; 0: empty
+    };
+
     static size_t mix(size_t h) { return h ^ (h >> 29); }
 
-    size_t probe(const Item& x) const {
+    size_t probe(size_t hash, const Item& x) const {
         const size_t mask = slots_.size() - 1;
-        size_t i = mix(x.hash) & mask;
-        while (slots_[i] != 0 && !items_[slots_[i] - 1].same(x)) i = (i + 1) & mask;
+        size_t i = mix(hash) & mask;
+        while (slots_[i].index != 0 && !(slots_[i].hash == hash && items_[slots_[i].index - 1].same(x))) i = (i + 1) & mask;
         return i;
     }
 
     void grow() {
-        slots_.assign(std::max<size_t>(16, slots_.size() * 2), 0);
+        std::vector<Slot> old(std::max<size_t>(16, slots_.size() * 2));
+        old.swap(slots_);
         const size_t mask = slots_.size() - 1;
-        for (size_t k = 0; k < items_.size(); ++k) {
-            size_t i = mix(items_[k].hash) & mask;
-            while (slots_[i] != 0) i = (i + 1) & mask;
-            slots_[i] = k + 1;
+        for (const Slot& s : old) {
+            if (s.index == 0) continue;
+            size_t i = mix(s.hash) & mask;
+            while (slots_[i].index != 0) i = (i + 1) & mask;
+            slots_[i] = s;
         }
     }
 
     std::vector<Item> items_;
-    std::vector<size_t> slots_;
+    std::vector<Slot> slots_;
 };
 
 /// An (FQN, key) pair met in the tables (decoded text is valid UTF-8, so equal bytes are equal
 /// strs): the table that last listed it, and (plan_scatter) its parameter and target.
 struct Listing {
-    size_t hash = 0;
     std::string_view fqn, key;
     size_t table = 0;
     size_t param = kNone, target = kNone;
-    bool same(const Listing& o) const { return hash == o.hash && fqn == o.fqn && key == o.key; }
+    bool same(const Listing& o) const { return fqn == o.fqn && key == o.key; }
 };
 using Listings = Interner<Listing>;
 
@@ -291,10 +298,11 @@ void read_entry(Reader& r, Listings& listed, size_t table, RawEntry& e) {
     py::object problem = check_entry(where, e);
     if (problem) r.fail(problem);
     e.hash_fqn = hash_bytes(e.fqn);
-    Listing id{hash_pair(e.hash_fqn, hash_bytes(e.key)), e.fqn, e.key, table};
-    e.listing = listed.find(id);
+    const size_t hash = hash_pair(e.hash_fqn, hash_bytes(e.key));
+    Listing id{e.fqn, e.key, table};
+    e.listing = listed.find(hash, id);
     if (e.listing == kNone) {
-        e.listing = listed.add(id);
+        e.listing = listed.add(hash, id);
     } else if (listed[e.listing].table == table) {
         r.fail(Msg() << where() << " listed twice");
     } else {
@@ -369,11 +377,10 @@ Chunk read_chunk(py::handle fqn, py::handle value) {
 
 /// A parameter met in the tables: its FQN (the str ``chunk_of`` was called with) and its chunk.
 struct Param {
-    size_t hash = 0;
     std::string_view name;  // the FQN's bytes
     py::object fqn;
     Chunk chunk;
-    bool same(const Param& o) const { return hash == o.hash && name == o.name; }
+    bool same(const Param& o) const { return name == o.name; }
 };
 
 /// A target's placements and boxes past its first two (most targets have one or two).
@@ -386,7 +393,8 @@ struct TargetMore {
 /// 2n int64 values in a table's bytes; ``seen`` are those met (the twin's set), ``boxes`` those
 /// with a part in this rank's chunk.
 struct Target {
-    py::object fqn, key, dtype, shape, index;  // shape: the tuple; index: the target's number
+    py::object out;    // (fqn, key, dtype, shape, offsets, sizes): the plan's target
+    py::object index;  // the target's number
     const char* shape_raw = nullptr;            // n int64 values
     size_t n = 0, param = 0;
     Wide covered = 0;
@@ -394,6 +402,7 @@ struct Target {
     size_t n_seen = 0, n_boxes = 0;
     size_t more = kNone;  // its TargetMore, once it has one
 
+    PyObject* item(Py_ssize_t i) const { return PyTuple_GET_ITEM(out.ptr(), i); }
     bool same_shape(std::string_view shape_bytes) const {
         return shape_bytes.size() == 8 * n && std::memcmp(shape_raw, shape_bytes.data(), 8 * n) == 0;
     }
@@ -685,13 +694,13 @@ py::tuple plan_scatter(py::object leaf, py::object layouts, py::object chunk_of)
                 const size_t n = e.n;
                 size_t pi = listed[e.listing].param;
                 if (pi == kNone) {
-                    Param probe{e.hash_fqn, e.fqn, py::object(), Chunk()};
-                    pi = params.find(probe);
+                    Param probe{e.fqn, py::object(), Chunk()};
+                    pi = params.find(e.hash_fqn, probe);
                     if (pi == kNone) {
                         probe.fqn = e.fqn_str();
                         py::object answer = steal(PyObject_CallOneArg(chunk_of.ptr(), probe.fqn.ptr()));
                         probe.chunk = read_chunk(probe.fqn, answer);
-                        pi = params.add(std::move(probe));
+                        pi = params.add(e.hash_fqn, std::move(probe));
                     }
                     listed[e.listing].param = pi;
                 }
@@ -700,12 +709,12 @@ py::tuple plan_scatter(py::object leaf, py::object layouts, py::object chunk_of)
                 size_t ti = listed[e.listing].target;
                 if (ti != kNone) {
                     const Target& first = targets[ti];
-                    const int same_dtype = PyObject_RichCompareBool(first.dtype.ptr(), dtype.ptr(), Py_EQ);
+                    const int same_dtype = PyObject_RichCompareBool(first.item(2), dtype.ptr(), Py_EQ);
                     check(same_dtype);
                     if (!same_dtype || !first.same_shape(e.shape_bytes())) {
                         raise_format_error(Msg() << "leaf " << py_repr(leaf) << ": layout tables disagree on state "
                                                  << py_repr(e.key_str()) << " of " << py_repr(e.fqn_str()) << " ("
-                                                 << fmt(first.dtype) << " " << fmt(first.shape) << " and " << fmt(dtype)
+                                                 << fmt(first.item(2)) << " " << fmt(first.item(3)) << " and " << fmt(dtype)
                                                  << " " << fmt(dims_tuple(e.shape(), n)) << ")");
                     }
                 } else {
@@ -721,10 +730,10 @@ py::tuple plan_scatter(py::object leaf, py::object layouts, py::object chunk_of)
                     listed[e.listing].target = ti;
                     targets.emplace_back();
                     Target& t = targets.back();
-                    t.fqn = params[pi].fqn;
-                    t.key = keys.get(e.key, [&] { return e.key_str(); });
-                    t.dtype = dtype;
-                    t.shape = shapes.get(e.shape_bytes(), [&] { return dims_tuple(e.shape(), n); });
+                    py::object key = keys.get(e.key, [&] { return e.key_str(); });
+                    py::object shape = shapes.get(e.shape_bytes(), [&] { return dims_tuple(e.shape(), n); });
+                    t.out = tuple_of({params[pi].fqn.ptr(), key.ptr(), dtype.ptr(), shape.ptr(), mine.offsets.obj.ptr(),
+                                      mine.sizes.obj.ptr()});
                     t.index = steal(PyLong_FromSize_t(ti));
                     t.shape_raw = e.raw;
                     t.n = n;
@@ -779,23 +788,21 @@ py::tuple plan_scatter(py::object leaf, py::object layouts, py::object chunk_of)
                 for (size_t d = 0; d < t.n; ++d) v[d] = static_cast<int64_t>(get_le(p + 8 * d, 8));
                 return dims_tuple(v);
             };
-            raise_mismatch_error(Msg() << "leaf " << py_repr(leaf) << ": state " << py_repr(t.key) << " of "
-                                       << py_repr(t.fqn) << ": the checkpoint's layouts overlap (chunks at offsets "
+            raise_mismatch_error(Msg() << "leaf " << py_repr(leaf) << ": state " << py_repr(t.item(1)) << " of "
+                                       << py_repr(t.item(0)) << ": the checkpoint's layouts overlap (chunks at offsets "
                                        << fmt(dims_at(a, 0)) << " of sizes " << fmt(dims_at(a, 1)) << " and at offsets "
                                        << fmt(dims_at(b, 0)) << " of sizes " << fmt(dims_at(b, 1))
                                        << "): a damaged or edited checkpoint");
         }
         const Wide need = volume(mine.sizes.v);
         if (t.covered != need) {
-            raise_mismatch_error(Msg() << "leaf " << py_repr(leaf) << ": state " << py_repr(t.key) << " of "
-                                       << py_repr(t.fqn) << ": the checkpoint's buffers cover " << wide_str(t.covered)
+            raise_mismatch_error(Msg() << "leaf " << py_repr(leaf) << ": state " << py_repr(t.item(1)) << " of "
+                                       << py_repr(t.item(0)) << ": the checkpoint's buffers cover " << wide_str(t.covered)
                                        << " of the " << wide_str(need)
                                        << " elements of this rank's chunk (a buffer or layout table is missing from the "
                                           "checkpoint)");
         }
-        py::object tup = tuple_of({t.fqn.ptr(), t.key.ptr(), t.dtype.ptr(), t.shape.ptr(), mine.offsets.obj.ptr(),
-                                   mine.sizes.obj.ptr()});
-        PyList_SET_ITEM(out_targets.ptr(), static_cast<Py_ssize_t>(ti), tup.release().ptr());
+        PyList_SET_ITEM(out_targets.ptr(), static_cast<Py_ssize_t>(ti), borrow(t.out.ptr()).release().ptr());
     }
     return py::make_tuple(out_targets, sources, ops);
 }
