@@ -16,6 +16,7 @@ from __future__ import annotations
 
 import argparse
 import functools
+import importlib
 import statistics
 import time
 from collections.abc import Callable, Sequence
@@ -23,7 +24,7 @@ from typing import Any
 
 import torch
 
-from sparse_ckpt import _C, _core_py  # type: ignore[attr-defined]
+from sparse_ckpt import _core_py
 from sparse_ckpt._layouts.bucketed import BUCKET_BYTES
 
 KEYS = ("exp_avg", "exp_avg_sq")
@@ -74,7 +75,7 @@ def main(argv: Sequence[str] | None = None) -> int:
     ap.add_argument("--backend", choices=("cpp", "python"), default="cpp")
     args = ap.parse_args(argv)
     torch.set_num_threads(1)
-    core = _C if args.backend == "cpp" else _core_py
+    core = importlib.import_module("sparse_ckpt._C") if args.backend == "cpp" else _core_py
     for name, parts in (("whole", 1), ("sharded", 2)):
         layouts, chunk_of = tables(core, args.params, args.dim, parts)
         entries = 2 * args.params * parts
