@@ -61,9 +61,7 @@ uint32_t Reader::count(const char* what, uint64_t min_item_size) {
     return n;
 }
 
-py::object Reader::string(const char* what) {
-    const uint32_t n = u32(what);
-    const char* p = take(n, what);
+py::object Reader::decode(const char* p, uint32_t n, const char* what) const {
     PyObject* s = PyUnicode_DecodeUTF8(p, static_cast<Py_ssize_t>(n), "strict");
     if (s == nullptr) {
         if (!PyErr_ExceptionMatches(PyExc_UnicodeDecodeError)) throw py::error_already_set();
@@ -71,6 +69,24 @@ py::object Reader::string(const char* what) {
         fail(Msg() << what << " is not valid utf-8");
     }
     return steal(s);
+}
+
+py::object Reader::string(const char* what) {
+    const uint32_t n = u32(what);
+    const char* p = take(n, what);
+    return decode(p, n, what);
+}
+
+std::string_view Reader::utf8(const char* what) {
+    const uint32_t n = u32(what);
+    const char* p = take(n, what);
+    for (uint32_t i = 0; i < n; ++i) {
+        if ((static_cast<unsigned char>(p[i]) & 0x80u) != 0) {  // not ASCII: Python's decoder decides
+            decode(p, n, what);
+            break;
+        }
+    }
+    return std::string_view(p, n);
 }
 
 std::vector<int64_t> Reader::dims(uint32_t n, const char* what) {

@@ -347,10 +347,16 @@ public:
     uint64_t u64(const char* what) { return get_le(take(8, what), 8); }
     uint32_t count(const char* what, uint64_t min_item_size);
     py::object string(const char* what);
+    /// ``string``'s UTF-8 bytes, checked as ``string`` checks them, without making the str (a view
+    /// into the data, valid while the data lives).
+    std::string_view utf8(const char* what);
     /// ``n`` little-endian int64 values.
     std::vector<int64_t> dims(uint32_t n, const char* what);
 
 private:
+    /// ``n`` bytes at ``p`` (just read) decoded as strict UTF-8; invalid text fails as ``what``.
+    py::object decode(const char* p, uint32_t n, const char* what) const;
+
     std::string_view data_;
     py::object where_;
     const char* noun_;

@@ -368,3 +368,93 @@ def test_mutated_layouts_are_never_accepted_wrong(data: st.DataObject) -> None:
         assert dtype == "float32" and tshape == shape, (fqn, key, dtype, tshape)
         want = truth[(fqn, key)][tuple(slice(o, o + s) for o, s in zip(offs, sizes))]
         assert torch.equal(got, want), f"accepted but wrong: {fqn} {key} at byte {at}"
+
+
+# --------------------------------------------------------------------------- many tables per target
+
+
+@st.composite
+def _many_tables(draw: st.DrawFn) -> tuple[list[bytes], dict[str, Any]]:
+    """Up to 12 layout tables, each with one chunk of every (FQN, key) it lists, so that a target
+    can meet many placements: pieces of dim 0 that tile it (tables past the pieces' count repeat
+    them: replicas), or random chunks (overlaps, gaps); sometimes another dtype or shape in one
+    table. And a random answer of ``chunk_of`` per FQN (a chunk with offsets, the whole parameter,
+    ``None``, or another shape)."""
+    shape = draw(st.sampled_from([(12, 3), (5,), (4, 2, 2), ()]))
+    names = [("p", "exp_avg"), ("p", "exp_avg_sq"), ("é.w", "exp_avg"), ("q", "m.x")]
+    n_tables = draw(st.integers(1, 12))
+    tile = bool(shape) and draw(st.booleans())
+    cuts = sorted(set(draw(st.lists(st.integers(0, shape[0]), max_size=11)))) if shape else []
+    pieces = list(zip([0, *cuts], [*cuts, shape[0]])) if shape else []
+    odd = draw(st.integers(-2 * n_tables, n_tables - 1))  # a table with another dtype or shape, when >= 0
+    tables: list[bytes] = []
+    for ti in range(n_tables):
+        ents = []
+        for fqn, key in names if tile else draw(st.lists(st.sampled_from(names), unique=True, min_size=1)):
+            if tile:
+                lo, hi = pieces[ti % len(pieces)]
+                offsets, sizes = (lo, *(0 for _ in shape[1:])), (hi - lo, *shape[1:])
+            else:
+                los = [draw(st.integers(0, d)) for d in shape]
+                offsets = tuple(los)
+                sizes = tuple(d - o if draw(st.booleans()) else draw(st.integers(0, d - o)) for d, o in zip(shape, los))
+            tshape, dtype = shape, "float32"
+            if ti == odd and draw(st.booleans()):
+                tshape, offsets, sizes = (*shape, 1), (*offsets, 0), (*sizes, 1)
+            elif ti == odd:
+                dtype = "bfloat16"
+            ents.append((fqn, key, dtype, DTYPES[dtype], tshape, offsets, sizes))
+        tables.append(P.encode_layout("leaf", ents, draw(st.sampled_from([8, 1 << 20])))[0])
+    mine: dict[str, Any] = {}
+    for fqn in ("p", "é.w", "q"):
+        kind = draw(st.sampled_from(["whole", "whole", "part", "part", "none", "other"]))
+        if kind == "whole":
+            mine[fqn] = (shape, (0,) * len(shape), shape)
+        elif kind == "part":
+            lo = tuple(draw(st.integers(0, d)) for d in shape)
+            mine[fqn] = (shape, lo, tuple(draw(st.integers(0, d - o)) for d, o in zip(shape, lo)))
+        elif kind == "other":
+            mine[fqn] = ((*shape, 2), (0,) * (len(shape) + 1), (*shape, 2))
+    return tables, mine
+
+
+@PROPS
+@given(_many_tables())
+def test_plans_of_many_tables_agree(case: tuple[list[bytes], dict[str, Any]]) -> None:
+    """Targets that many tables place (past the few placements and boxes the C++ core keeps inline,
+    past the count where it keeps them in a hash set): both cores give the same plan or error."""
+    tables, mine = case
+    res = check("plan_scatter", "leaf", tables, lambda f: mine.get(f))
+    assert res[0] == "ok" or res[1] in (CheckpointFormatError, CheckpointMismatchError), res
+
+
+def test_plans_of_many_replicas_and_pieces() -> None:
+    """Twelve row pieces of one state, each saved by two ranks (24 placements, 12 boxes), with and
+    without one piece missing or doubled: planned as the twin plans it."""
+    rows = [P.encode_layout("leaf", [("p", "exp_avg", "float32", 4, (12, 2), (r, 0), (1, 2))], 64)[0] for r in range(12)]
+    whole = ((12, 2), (0, 0), (12, 2))
+    targets, sources, ops = check("plan_scatter", "leaf", [*rows, *rows[::-1]], lambda f: whole)[1]
+    assert len(targets) == 1 and len(ops) == 12 and len(sources) == 12
+    check_error("plan_scatter", "leaf", [*rows[:5], *rows[6:]], lambda f: whole, exc=CheckpointMismatchError,
+                match="cover 22 of the 24 elements")
+    doubled = P.encode_layout("leaf", [("p", "exp_avg", "float32", 4, (12, 2), (3, 0), (2, 2))], 64)[0]
+    check_error("plan_scatter", "leaf", [*rows, doubled], lambda f: whole, exc=CheckpointMismatchError,
+                match="chunks at offsets (3, 0) of sizes (1, 2) and at offsets (3, 0) of sizes (2, 2)")
+
+
+def test_plan_survives_chunk_of_dropping_tables() -> None:
+    """``chunk_of`` that deletes the tables already read from the list (their only reference): the
+    C++ core keeps them alive for its indexes; both cores give the same plan."""
+    def fresh() -> tuple:
+        layouts = [bytes(P.encode_layout("leaf", [(f, "exp_avg", "float32", 4, (2,), (0,), (2,))], 64)[0])
+                   for f in ("a", "b", "c")]
+
+        def chunk_of(fqn: str) -> Any:
+            if fqn == "b":
+                del layouts[0]
+            return ((2,), (0,), (2,))
+
+        return "leaf", layouts, chunk_of
+
+    res = check("plan_scatter", fresh=fresh)
+    assert res[0] == "ok" and [t[0] for t in res[1][0]] == ["a", "b"]
