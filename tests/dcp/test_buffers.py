@@ -399,3 +399,26 @@ def test_planner_reads_layout_tables_weights_only_as_bytes(tmp_path: Path) -> No
     with pytest.raises(CheckpointException, match=r"layout table 'optim\.state\.__buffers__\.optim\.Lw1r0' holds a list"):
         dcp.load({"optim": sc.SparseOptimizerState(model2, dst)}, checkpoint_id=tmp_path, planner=sc.SparseLoadPlanner())
     assert not dst.state
+
+
+def test_dcp_load_views_each_bucket_without_a_copy(tmp_path: Path) -> None:
+    """A whole saved chunk of a CPU parameter comes back as a view of its bucket: the loaded state
+    tensors of a leaf share one storage per bucket, hold exactly the saved values, and each is
+    contiguous with its parameter's shape (runs of one shape are unbound from one span, other
+    shapes in between included)."""
+    model, src = _trained("AdamW")
+    shapes = {tuple(st["exp_avg"].shape) for st in src.state.values()}
+    assert len(shapes) > 2  # several shapes, so the bucket holds several runs
+    dcp.save({"optim": sc.SparseOptimizerState(model, src, state_layout="buffers")}, checkpoint_id=tmp_path)
+    n_buckets = len([k for k in dcp.FileSystemReader(str(tmp_path)).read_metadata().state_dict_metadata if ".B" in k])
+    model2, dst = _fresh(model, "AdamW")
+    dcp.load({"optim": sc.SparseOptimizerState(model2, dst)}, checkpoint_id=tmp_path, planner=sc.SparseLoadPlanner())
+    assert_optimizer_equal(dst, src, grads=False)
+    loaded = [v for st in dst.state.values() for k, v in st.items() if k != "step"]
+    assert len({t.untyped_storage().data_ptr() for t in loaded}) == n_buckets == 1
+    for p, st in dst.state.items():
+        for key in ("exp_avg", "exp_avg_sq"):
+            assert st[key].shape == p.shape and st[key].is_contiguous()
+    # views of one storage, laid end to end without overlap: the bucket holds each chunk once
+    spans = sorted((t.storage_offset(), t.numel()) for t in loaded)
+    assert all(a + n <= b for (a, n), (b, _m) in zip(spans, spans[1:]))
