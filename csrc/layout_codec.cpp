@@ -629,6 +629,7 @@ py::tuple encode_layout(py::object leaf, py::object entries, py::object bucket_b
     py::object dtype_index = steal(PyDict_New());  // dtype str -> index (Python str keys: any text)
     PyObject* last_dtype = nullptr;  // the previous entry's dtype object (kept alive by its entry)
     size_t last_di = 0;
+    size_t table_size = 10;  // the table's size (its strs' UTF-8 at least their length; dtypes aside)
     iterate(entries, [&](py::handle e) {
         if (!PyTuple_CheckExact(e.ptr()) || PyTuple_GET_SIZE(e.ptr()) != 7) raise_type("an entry as a tuple of 7", e);
         PyObject* t = e.ptr();
@@ -680,6 +681,7 @@ py::tuple encode_layout(py::object leaf, py::object entries, py::object bucket_b
         }
         by_dtype[di].emplace_back(parsed.size(), chunks[ci].numel * size);
         parsed.push_back(EncodeEntry{borrow(t), ci});
+        table_size += 8 + static_cast<size_t>(PyUnicode_GET_LENGTH(fqn) + PyUnicode_GET_LENGTH(key)) + chunks.bytes(ci).size();
     });
 
     struct Bucket {
@@ -710,7 +712,9 @@ py::tuple encode_layout(py::object leaf, py::object entries, py::object bucket_b
         if (!current.members.empty()) buckets.push_back(std::move(current));
     }
 
-    std::string out(kLayoutMagic, 4);
+    std::string out;
+    out.reserve(table_size + 32 * dtype_order.size());
+    out.append(kLayoutMagic, 4);
     put_u16(out, static_cast<uint16_t>(kLayoutVersion));
     put_len_u32(out, static_cast<Py_ssize_t>(buckets.size()));
     py::object result = steal(PyList_New(static_cast<Py_ssize_t>(buckets.size())));
