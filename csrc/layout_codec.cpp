@@ -164,11 +164,6 @@ py::object where_of(py::handle leaf, py::handle key, py::handle fqn) {
     return Msg() << "leaf " << py_repr(leaf) << ": state " << py_repr(key) << " of " << py_repr(fqn);
 }
 
-struct LayoutEntry {
-    py::object fqn, key;
-    Dims shape, offsets, sizes;
-};
-
 constexpr size_t kNone = static_cast<size_t>(-1);
 
 /// A layout entry as read: its FQN and key as views of the table's UTF-8 bytes and its dims as
@@ -525,6 +520,90 @@ private:
     size_t next_ = 0;
 };
 
+/// ``hash(s)`` of an exact str (cached in the str: a str's hash never fails or is -1).
+size_t str_hash(PyObject* s) {
+    const Py_hash_t h = PyObject_Hash(s);
+    if (h == -1) throw py::error_already_set();
+    return static_cast<size_t>(h);
+}
+
+/// ``a == b`` of two exact strs (any text, lone surrogates too).
+bool same_str(PyObject* a, PyObject* b) {
+    return a == b || (PyUnicode_GET_LENGTH(a) == PyUnicode_GET_LENGTH(b) && PyUnicode_Compare(a, b) == 0);
+}
+
+/// An entry's ``(fqn, key)`` in encode_layout's listed-twice check (the strs are its entry's).
+struct StateName {
+    PyObject* fqn;
+    PyObject* key;
+    bool same(const StateName& o) const { return same_str(fqn, o.fqn) && same_str(key, o.key); }
+};
+
+/// An entry of encode_layout, read: the entry tuple (its FQN and key are its first items) and
+/// its chunk in the ChunkPool.
+struct EncodeEntry {
+    py::object entry;
+    size_t chunk = 0;
+    py::handle fqn() const { return PyTuple_GET_ITEM(entry.ptr(), 0); }
+    py::handle key() const { return PyTuple_GET_ITEM(entry.ptr(), 1); }
+};
+
+/// The checked chunks ``(shape, offsets, sizes)`` of encode_layout's entries: per chunk its bytes
+/// in the table (u32 ndim, then shape, offsets and sizes as int64) and its element count. An
+/// entry whose three dims are the very tuples of one of the last few chunks added (callers share
+/// one chunk tuple per parameter shape) is that chunk, unread: a tuple of exact ints cannot
+/// change, so reading it again would give the same values and pass the same checks.
+class ChunkPool {
+public:
+    struct Chunk {
+        size_t at = 0, len = 0;
+        Wide numel = 0;  // the product of the sizes
+    };
+
+    /// The chunk of the entry tuple ``entry`` if its dims are a recent chunk's tuples, else kNone.
+    size_t find(PyObject* entry) const {
+        PyObject* shape = PyTuple_GET_ITEM(entry, 4);
+        PyObject* offsets = PyTuple_GET_ITEM(entry, 5);
+        PyObject* sizes = PyTuple_GET_ITEM(entry, 6);
+        for (const Recent& r : recent_) {
+            if (r.shape.ptr() == shape && r.offsets.ptr() == offsets && r.sizes.ptr() == sizes) return r.chunk;
+        }
+        return kNone;
+    }
+
+    /// Add the chunk of ``entry`` read (and checked) as ``shape``, ``offsets`` and ``sizes``.
+    size_t add(PyObject* entry, const Dims& shape, const Dims& offsets, const Dims& sizes) {
+        Chunk c{bytes_.size(), 0, volume(sizes.v)};
+        put_u32(bytes_, static_cast<uint32_t>(shape.v.size()));
+        for (const Dims* d : {&shape, &offsets, &sizes}) {
+            for (int64_t x : d->v) put_i64(bytes_, x);
+        }
+        c.len = bytes_.size() - c.at;
+        chunks_.push_back(c);
+        const size_t index = chunks_.size() - 1;
+        PyObject* s = PyTuple_GET_ITEM(entry, 4);
+        PyObject* o = PyTuple_GET_ITEM(entry, 5);
+        PyObject* z = PyTuple_GET_ITEM(entry, 6);
+        if (PyTuple_CheckExact(s) && PyTuple_CheckExact(o) && PyTuple_CheckExact(z)) {
+            recent_[next_++ % recent_.size()] = Recent{borrow(s), borrow(o), borrow(z), index};
+        }
+        return index;
+    }
+
+    const Chunk& operator[](size_t i) const { return chunks_[i]; }
+    std::string_view bytes(size_t i) const { return {bytes_.data() + chunks_[i].at, chunks_[i].len}; }
+
+private:
+    struct Recent {
+        py::object shape, offsets, sizes;  // exact tuples (held: their addresses stay theirs)
+        size_t chunk = kNone;
+    };
+    std::vector<Chunk> chunks_;
+    std::string bytes_;
+    std::array<Recent, 8> recent_;
+    size_t next_ = 0;
+};
+
 }  // namespace
 
 py::tuple encode_layout(py::object leaf, py::object entries, py::object bucket_bytes) {
@@ -541,49 +620,68 @@ py::tuple encode_layout(py::object leaf, py::object entries, py::object bucket_b
     if (!limit_ok) raise_builtin(PyExc_ValueError, Msg() << "bucket_bytes must be a positive int, got " << py_repr(bucket_bytes));
     if (!PyList_CheckExact(entries.ptr()) && !PyTuple_CheckExact(entries.ptr())) raise_type("entries as a list", entries);
 
-    std::vector<LayoutEntry> parsed;
+    std::vector<EncodeEntry> parsed;
+    parsed.reserve(static_cast<size_t>(length(entries)));
+    ChunkPool chunks;
+    Interner<StateName> seen;  // (fqn, key)
     std::vector<py::object> dtype_order;  // dtypes in order of first appearance
     std::vector<std::vector<std::pair<size_t, Wide>>> by_dtype;  // per dtype: (entry, nbytes)
     py::object dtype_index = steal(PyDict_New());  // dtype str -> index (Python str keys: any text)
-    py::object seen = steal(PySet_New(nullptr));    // (fqn, key)
+    PyObject* last_dtype = nullptr;  // the previous entry's dtype object (kept alive by its entry)
+    size_t last_di = 0;
+    size_t table_size = 10;  // the table's size (its strs' UTF-8 at least their length; dtypes aside)
     iterate(entries, [&](py::handle e) {
         if (!PyTuple_CheckExact(e.ptr()) || PyTuple_GET_SIZE(e.ptr()) != 7) raise_type("an entry as a tuple of 7", e);
         PyObject* t = e.ptr();
-        py::object fqn = borrow(PyTuple_GET_ITEM(t, 0)), key = borrow(PyTuple_GET_ITEM(t, 1));
-        py::object dtype = borrow(PyTuple_GET_ITEM(t, 2)), itemsize = borrow(PyTuple_GET_ITEM(t, 3));
-        if (!PyUnicode_CheckExact(fqn.ptr())) raise_type("the entry's fqn as a str", fqn);
-        if (!PyUnicode_CheckExact(key.ptr())) raise_type("the entry's key as a str", key);
-        if (!PyUnicode_CheckExact(dtype.ptr())) raise_type("the entry's dtype as a str", dtype);
-        if (!PyLong_CheckExact(itemsize.ptr())) raise_type("the entry's item size as an int", itemsize);
-        LayoutEntry le{fqn, key, read_dims(PyTuple_GET_ITEM(t, 4), "a shape"),
-                       read_dims(PyTuple_GET_ITEM(t, 5), "offsets"), read_dims(PyTuple_GET_ITEM(t, 6), "sizes")};
+        PyObject* fqn = PyTuple_GET_ITEM(t, 0);
+        PyObject* key = PyTuple_GET_ITEM(t, 1);
+        PyObject* dtype = PyTuple_GET_ITEM(t, 2);
+        PyObject* itemsize = PyTuple_GET_ITEM(t, 3);
+        if (!PyUnicode_CheckExact(fqn)) raise_type("the entry's fqn as a str", fqn);
+        if (!PyUnicode_CheckExact(key)) raise_type("the entry's key as a str", key);
+        if (!PyUnicode_CheckExact(dtype)) raise_type("the entry's dtype as a str", dtype);
+        if (!PyLong_CheckExact(itemsize)) raise_type("the entry's item size as an int", itemsize);
         auto where = [&] { return where_of(leaf, key, fqn); };
+        size_t ci = chunks.find(t);
+        Dims shape, offsets, sizes;
+        if (ci == kNone) {
+            shape = read_dims(PyTuple_GET_ITEM(t, 4), "a shape");
+            offsets = read_dims(PyTuple_GET_ITEM(t, 5), "offsets");
+            sizes = read_dims(PyTuple_GET_ITEM(t, 6), "sizes");
+        }
         int overflow = 0;
-        const long long size = PyLong_AsLongLongAndOverflow(itemsize.ptr(), &overflow);
+        const long long size = PyLong_AsLongLongAndOverflow(itemsize, &overflow);
         if (size == -1 && PyErr_Occurred()) throw py::error_already_set();
         if (overflow != 0 || size < 1 || size > kMaxItemsize) {
             raise_format_error(Msg() << where() << ": item size " << fmt(itemsize) << " (1 to " << kMaxItemsize << ")");
         }
-        py::object problem = check_chunk(where, le.shape, le.offsets, le.sizes);
-        if (problem) raise_format_error(problem);
-        py::object id = py::make_tuple(fqn, key);
-        const int dup = PySet_Contains(seen.ptr(), id.ptr());
-        check(dup);
-        if (dup) raise_format_error(Msg() << where() << ": listed twice in one layout");
-        check(PySet_Add(seen.ptr(), id.ptr()));
-        py::object index = dict_get(dtype_index, dtype);
-        size_t di;
-        if (index.is_none()) {
-            di = dtype_order.size();
-            dtype_order.push_back(dtype);
-            by_dtype.emplace_back();
-            py::object n = steal(PyLong_FromSize_t(di));
-            check(PyDict_SetItem(dtype_index.ptr(), dtype.ptr(), n.ptr()));
-        } else {
-            di = PyLong_AsSize_t(index.ptr());
+        if (ci == kNone) {
+            py::object problem = check_chunk(where, shape, offsets, sizes);
+            if (problem) raise_format_error(problem);
+            ci = chunks.add(t, shape, offsets, sizes);
         }
-        by_dtype[di].emplace_back(parsed.size(), volume(le.sizes.v) * size);
-        parsed.push_back(std::move(le));
+        const StateName name{fqn, key};
+        const size_t hash = hash_pair(str_hash(fqn), str_hash(key));
+        if (seen.find(hash, name) != kNone) raise_format_error(Msg() << where() << ": listed twice in one layout");
+        seen.add(hash, name);
+        size_t di = last_di;
+        if (dtype != last_dtype) {
+            py::object index = dict_get(dtype_index, dtype);
+            if (index.is_none()) {
+                di = dtype_order.size();
+                dtype_order.push_back(borrow(dtype));
+                by_dtype.emplace_back();
+                py::object n = steal(PyLong_FromSize_t(di));
+                check(PyDict_SetItem(dtype_index.ptr(), dtype, n.ptr()));
+            } else {
+                di = PyLong_AsSize_t(index.ptr());
+            }
+            last_dtype = dtype;
+            last_di = di;
+        }
+        by_dtype[di].emplace_back(parsed.size(), chunks[ci].numel * size);
+        parsed.push_back(EncodeEntry{borrow(t), ci});
+        table_size += 8 + static_cast<size_t>(PyUnicode_GET_LENGTH(fqn) + PyUnicode_GET_LENGTH(key)) + chunks.bytes(ci).size();
     });
 
     struct Bucket {
@@ -603,10 +701,10 @@ py::tuple encode_layout(py::object leaf, py::object entries, py::object bucket_b
                 nbytes = 0;
             }
             current.members.emplace_back(i, current.numel);
-            current.numel += volume(parsed[i].sizes.v);
+            current.numel += chunks[parsed[i].chunk].numel;
             nbytes += size;
             if (current.numel > static_cast<Wide>(kI64Max)) {
-                raise_format_error(Msg() << where_of(leaf, parsed[i].key, parsed[i].fqn) << ": its " << fmt(dtype)
+                raise_format_error(Msg() << where_of(leaf, parsed[i].key(), parsed[i].fqn()) << ": its " << fmt(dtype)
                                          << " bucket would hold " << wide_str(current.numel)
                                          << " elements (at most 2**63-1)");
             }
@@ -614,32 +712,34 @@ py::tuple encode_layout(py::object leaf, py::object entries, py::object bucket_b
         if (!current.members.empty()) buckets.push_back(std::move(current));
     }
 
-    std::string out(kLayoutMagic, 4);
+    std::string out;
+    out.reserve(table_size + 32 * dtype_order.size());
+    out.append(kLayoutMagic, 4);
     put_u16(out, static_cast<uint16_t>(kLayoutVersion));
     put_len_u32(out, static_cast<Py_ssize_t>(buckets.size()));
-    py::object result = steal(PyList_New(0));
+    py::object result = steal(PyList_New(static_cast<Py_ssize_t>(buckets.size())));
     auto dtype_where = [&] { return Msg() << "leaf " << py_repr(leaf) << ": layout dtype"; };
+    Py_ssize_t bi = 0;
     for (const Bucket& b : buckets) {
         put_str(out, b.dtype, dtype_where);
         put_u64(out, static_cast<uint64_t>(b.numel));
         put_len_u32(out, static_cast<Py_ssize_t>(b.members.size()));
-        py::object members = steal(PyList_New(0));
+        py::object members = steal(PyList_New(static_cast<Py_ssize_t>(b.members.size())));
+        Py_ssize_t mi = 0;
         for (const auto& [i, offset] : b.members) {
-            const LayoutEntry& e = parsed[i];
-            auto where = [&] { return where_of(leaf, e.key, e.fqn); };
-            put_str(out, e.fqn, where);
-            put_str(out, e.key, where);
-            put_u32(out, static_cast<uint32_t>(e.shape.v.size()));
-            for (const Dims* d : {&e.shape, &e.offsets, &e.sizes}) {
-                for (int64_t x : d->v) put_i64(out, x);
-            }
-            py::object pair = py::make_tuple(static_cast<Py_ssize_t>(i), static_cast<long long>(offset));
-            check(PyList_Append(members.ptr(), pair.ptr()));
+            const EncodeEntry& e = parsed[i];
+            auto where = [&] { return where_of(leaf, e.key(), e.fqn()); };
+            put_str(out, e.fqn(), where);
+            put_str(out, e.key(), where);
+            out.append(chunks.bytes(e.chunk));
+            py::object pair = atomic(steal(PyTuple_Pack(2, steal(PyLong_FromSize_t(i)).ptr(),
+                                                        steal(PyLong_FromLongLong(static_cast<long long>(offset))).ptr())));
+            PyList_SET_ITEM(members.ptr(), mi++, pair.release().ptr());
         }
         py::object entry = py::make_tuple(b.dtype, static_cast<long long>(b.numel), members);
-        check(PyList_Append(result.ptr(), entry.ptr()));
+        PyList_SET_ITEM(result.ptr(), bi++, entry.release().ptr());
     }
-    return py::make_tuple(py::bytes(out), result);
+    return py::make_tuple(steal(PyBytes_FromStringAndSize(out.data(), static_cast<Py_ssize_t>(out.size()))), result);
 }
 
 py::object decode_layout(py::object leaf, py::object data) {

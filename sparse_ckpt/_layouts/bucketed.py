@@ -104,8 +104,11 @@ def collect(
     buffers them all."""
     entries: list[tuple[Any, ...]] = []
     local: list[torch.Tensor] = []
+    add_entry, add_local, take = entries.append, local.append, items.pop  # (bound once: called per state tensor)
     geometry = _Geometry()
     names: dict[torch.dtype, tuple[str, int]] = {}
+    dtype: Any = None  # the last state tensor's dtype, and its name and item size
+    name, itemsize = "", 0
     parts: dict[str, str | None] = {}  # str state key -> its key part (the same few keys recur per parameter)
     missing = object()
     plain, strided = torch.Tensor, torch.strided
@@ -116,6 +119,7 @@ def collect(
             continue
         sharded = isinstance(p, DTensor)
         pshape = p.shape
+        prefix = f"{STATE_PREFIX}{fqn}."  # its state items' keys: prefix + key part
         if sharded:
             chunk = None
             largest = -1  # elements of the parameter's largest chunk over all ranks (computed when first needed)
@@ -125,6 +129,7 @@ def collect(
                 shape = tuple(pshape)
                 known = whole[pshape] = ((shape, (0,) * len(shape), shape), math.prod(shape))
             chunk, largest = known
+            shape, offsets, sizes = chunk
         for key, v in state.items():
             if type(v) is plain and not sharded:
                 if v.shape != pshape or v.layout is not strided or v.is_meta:
@@ -136,21 +141,25 @@ def collect(
                 t = v.to_local()
                 if t.layout is not strided:
                     continue
+                if chunk is None:
+                    chunk = geometry.of(p)
+                    if chunk is None:
+                        break
+                    shape, offsets, sizes = chunk
+                if tuple(t.shape) != sizes:
+                    continue  # (a plain tensor's chunk is its parameter's shape, checked above)
             else:
                 continue
-            if chunk is None:
-                chunk = geometry.of(p)
-                if chunk is None:
-                    break
-            if sharded and tuple(t.shape) != chunk[2]:
-                continue  # (a plain tensor's chunk is its parameter's shape, checked above)
-            spec = names.get(t.dtype)
-            if spec is None:
-                spec = names[t.dtype] = (dtype_name(t.dtype), t.element_size())
+            if t.dtype is not dtype:
+                dtype = t.dtype
+                spec = names.get(dtype)
+                if spec is None:
+                    spec = names[dtype] = (dtype_name(dtype), t.element_size())
+                name, itemsize = spec
             if own_item_bytes is not None:
                 if largest < 0:
                     largest = geometry.largest(p)
-                if largest * spec[1] >= own_item_bytes:
+                if largest * itemsize >= own_item_bytes:
                     continue  # large enough to be an item of its own: no copy into a buffer
             if type(key) is str:
                 part = parts.get(key, missing)
@@ -158,10 +167,10 @@ def collect(
                     part = parts[key] = key if is_plain_part(key) else escape_part(key)
             else:  # (not cached: 1 and True are one dict key but escape apart)
                 part = escape_part(key)
-            if part is None or items.pop(f"{STATE_PREFIX}{fqn}.{part}", missing) is missing:
+            if part is None or take(prefix + part, missing) is missing:
                 continue  # a 0-d parameter's state went into the scalar table
-            entries.append((fqn, part, spec[0], spec[1], *chunk))
-            local.append(t)
+            add_entry((fqn, part, name, itemsize, shape, offsets, sizes))
+            add_local(t)
     return entries, local
 
 

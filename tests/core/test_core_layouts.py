@@ -101,6 +101,78 @@ def test_encode_layout_outside_the_contract(args: tuple) -> None:
     assert res[0] == "err" and res[1] in (TypeError, ValueError), res
 
 
+# Names of every str kind (1, 2 and 4 bytes per character); each use below builds a new str object,
+# so equal names are equal strs that are distinct objects.
+_NAMES = ["a", "b.w", "é.w", "ā", "\U0001f600.x"]
+_KEYS = ["exp_avg", "exp_avg_sq", "~i7", "ключ"]
+_BAD_CHUNK = ((2,), (1,), (2,))  # not inside its shape
+
+
+@st.composite
+def shared_entries(draw: st.DrawFn) -> list[tuple[Any, ...]]:
+    """Entries as ``bucketed.collect`` makes them: a few chunk tuples shared (the same objects) by
+    many entries, some passed as equal copies or lists instead; names and dtypes repeat as equal
+    but distinct strs; now and then a duplicate, a bad item size, a bad chunk or an unencodable FQN."""
+    pool = draw(st.lists(chunk(), min_size=1, max_size=4))
+    if draw(st.integers(0, 9)) == 0:
+        pool.append(_BAD_CHUNK)
+    dtypes = [f"dt{i}" for i in range(draw(st.integers(1, 12)))]
+    out = []
+    for _ in range(draw(st.integers(0, 40))):
+        fqn = draw(st.sampled_from(_NAMES)) + str(draw(st.integers(0, 60)))
+        if draw(st.integers(0, 29)) == 0:
+            fqn += "\ud800"
+        key = "".join(draw(st.sampled_from(_KEYS)))
+        dtype = "".join(draw(st.sampled_from(dtypes)))
+        c = draw(st.sampled_from(pool))
+        how = draw(st.integers(0, 5))
+        if how == 3:  # its shape and offsets tuples with another chunk's sizes tuple
+            c = (c[0], c[1], draw(st.sampled_from(pool))[2])
+        elif how == 4:
+            c = tuple((*d,) for d in c)  # equal dims, other objects (a new tuple each)
+        elif how == 5:
+            c = tuple(list(d) for d in c)
+        out.append((fqn, key, dtype, draw(st.sampled_from([4, 2, 8, 1, 16, 4, 0, 17])), *c))
+    return out
+
+
+@PROPS
+@given(shared_entries(), st.sampled_from([1, 64, 10**9]))
+def test_encode_layout_shared_chunks_and_names(ents: list[tuple[Any, ...]], bucket_bytes: int) -> None:
+    """Chunk tuples shared by many entries (read once by the C++ core), equal names as distinct strs,
+    many dtypes, non-ASCII and unencodable names: both cores give the same table and buckets or the
+    same error."""
+    res = check("encode_layout", "leaf", ents, bucket_bytes)
+    assert res[0] == "ok" or res[1] is CheckpointFormatError, res
+
+
+def test_encode_layout_at_scale() -> None:
+    """Thousands of entries over a few shared chunks, then duplicates far apart (past any cache of
+    recent chunks or names) and a shared chunk met again after many others: the cores agree."""
+    shapes = [(n, 3) for n in range(1, 21)]
+    chunks = [(s, (0, 0), s) for s in shapes]
+    ents = [(f"layers.{i}.w{'é' if i % 3 else ''}", k, "float32" if i % 5 else "bfloat16", 4 if i % 5 else 2,
+             *chunks[i % len(chunks)]) for i in range(1500) for k in ("exp_avg", "exp_avg_sq")]
+    table, buckets = check("encode_layout", "leaf", ents, 4096)[1]
+    assert sum(len(m) for _d, _n, m in buckets) == len(ents)
+    assert check("decode_layout", "leaf", table)[0] == "ok"
+    for at, first in ((2999, 0), (2000, 1999), (1501, 7)):
+        twice = [*ents[:at], (str(ents[first][0]), "".join(ents[first][1]), *ents[at][2:]), *ents[at + 1:]]
+        check_error("encode_layout", "leaf", twice, 4096, exc=CheckpointFormatError, match="listed twice in one layout")
+    late = [*ents, ("z", "k", "float32", 0, *chunks[0])]  # a shared chunk, known good, with a bad item size
+    check_error("encode_layout", "leaf", late, 4096, exc=CheckpointFormatError, match="item size 0")
+    bad = [*ents, ("z", "k", "float32", 4, *_BAD_CHUNK), ("y", "k", "float32", 4, *_BAD_CHUNK)]
+    check_error("encode_layout", "leaf", bad, 4096, exc=CheckpointFormatError, match="state 'k' of 'z'")
+    shape, zeros = (4, 3), (0, 0)  # one shape and offsets tuple, sizes tuples apart (the last outside the shape)
+    rows = [(f"r{i}", "k", "float32", 4, shape, zeros, (i % 6, 3)) for i in range(40)]
+    check("encode_layout", "leaf", rows[:5], 64)
+    check_error("encode_layout", "leaf", rows, 64, exc=CheckpointFormatError, match="state 'k' of 'r5'")
+    many = [(f"p{i}", "k", f"dtype{i % 97}", 1 + i % 16, *chunks[i % 3]) for i in range(2000)]
+    assert len(check("encode_layout", "leaf", many, 64)[1][1]) >= 97
+    odd = [*ents, ("\ud800", "k", "float32", 4, *chunks[0])]  # unencodable: refused when written, last
+    check_error("encode_layout", "leaf", odd, 10**9, exc=CheckpointFormatError, match="not valid unicode")
+
+
 def _shard_layouts(shape: tuple[int, ...], parts: int, rng: random.Random, dtype: str = "float32") -> list[bytes]:
     """Layouts of ``parts`` saving ranks that split dim 0 of two tensors of ``shape`` (FSDP-like,
     uneven), each in a bucket of 40 bytes at most."""
