@@ -10,17 +10,27 @@ on the buffer before its first write the kernel maps it in 2 MiB pages: 30 ms (L
 tensor's own allocation, so nothing outside memory this library allocated is touched, and the
 allocation is freed as usual. Where ``madvise`` or the constant is missing (not Linux) or refuses,
 the buffer is an ordinary ``torch.empty``.
+
+``SPARSE_CKPT_HUGE_PAGES=0`` (or ``off``) turns the advice off, ``1`` (``on``, the default) keeps it.
+
+On a VM whose kernel reports free memory to the hypervisor (a virtio balloon with free page
+reporting, as on this project's Firecracker VM) memory left free for a few seconds goes back to
+the host and is faulted in again on its next use: a huge-page buffer landing on it took 160-300 ms
+per 149 MiB instead of 15 ms (4 KiB pages: 62-84 ms). Whole saves after such idle gaps were as
+slow with 4 KiB pages (the page cache's fresh pages pay the same), so the advice stays on there too;
+``bench/README.md`` (*Scale*) has the figures.
 """
 
 from __future__ import annotations
 
 import ctypes
 import mmap
+import os
 from typing import Any
 
 import torch
 
-__all__ = ["HUGE_PAGE_BYTES", "empty_host"]
+__all__ = ["HUGE_PAGES_ENV", "HUGE_PAGE_BYTES", "empty_host", "huge_pages_wanted"]
 
 HUGE_PAGE_BYTES = 2 << 20
 """The huge page size advised for (x86-64 and arm64 with 4 KiB base pages); a buffer smaller than
@@ -44,12 +54,27 @@ def _load_madvise() -> Any:
 _MADVISE = _load_madvise()  # the C library's function, looked up once (not state: never changes)
 
 
+HUGE_PAGES_ENV = "SPARSE_CKPT_HUGE_PAGES"
+"""``0``/``off``: no huge-page advice; unset, ``1``/``on``: advise (the default)."""
+
+
+def huge_pages_wanted() -> bool:
+    """Whether :func:`empty_host` advises huge pages (:data:`HUGE_PAGES_ENV`, read at each call)."""
+    value = os.environ.get(HUGE_PAGES_ENV, "1").strip().lower()
+    if value in ("1", "on", "true", "yes"):
+        return True
+    if value in ("0", "off", "false", "no"):
+        return False
+    raise ValueError(f"{HUGE_PAGES_ENV}={os.environ[HUGE_PAGES_ENV]!r}: expected 1/on or 0/off")
+
+
 def empty_host(size: tuple[int, ...] | int, dtype: torch.dtype) -> torch.Tensor:
     """``torch.empty(size, dtype=dtype)`` on the CPU, advised to use huge pages before anything is
-    written to it when it spans at least two of them (see the module doc)."""
+    written to it when it spans at least two of them and :func:`huge_pages_wanted` (see the
+    module doc)."""
     out = torch.empty(size, dtype=dtype)
     nbytes = out.numel() * out.element_size()
-    if _MADVISE is not None and nbytes >= 2 * HUGE_PAGE_BYTES:
+    if _MADVISE is not None and nbytes >= 2 * HUGE_PAGE_BYTES and huge_pages_wanted():
         ptr = out.data_ptr()
         start = -(-ptr // HUGE_PAGE_BYTES) * HUGE_PAGE_BYTES
         end = (ptr + nbytes) // HUGE_PAGE_BYTES * HUGE_PAGE_BYTES

@@ -202,6 +202,7 @@ def test_dcp_items_take_the_fast_path(tmp_path: Path, monkeypatch: pytest.Monkey
 
 
 def test_empty_host_advises_only_its_own_aligned_huge_pages(monkeypatch: pytest.MonkeyPatch) -> None:
+    monkeypatch.delenv(host_memory.HUGE_PAGES_ENV, raising=False)  # the default: advised
     calls: list[tuple[int, int, int]] = []
     monkeypatch.setattr(host_memory, "_MADVISE", lambda a, n, advice: calls.append((a, n, advice)) or 0)
     monkeypatch.setattr(host_memory, "_MADV_HUGEPAGE", 14)
@@ -245,3 +246,30 @@ def test_the_pickle_reader_never_raises_on_damaged_pickles(data: st.DataObject) 
         else:
             blob[at:at] = bytes([data.draw(st.integers(0, 255))])
     assert saved_tensor._plain_tensor(bytes(blob), (3, 4), torch.float32) in (True, False)
+
+
+@pytest.mark.parametrize(("env", "wanted"), [(None, True), ("1", True), ("on", True), (" ON ", True), ("0", False), ("off", False)])
+def test_huge_pages_wanted(monkeypatch: pytest.MonkeyPatch, env: str | None, wanted: bool) -> None:
+    if env is None:
+        monkeypatch.delenv(host_memory.HUGE_PAGES_ENV, raising=False)
+    else:
+        monkeypatch.setenv(host_memory.HUGE_PAGES_ENV, env)
+    assert host_memory.huge_pages_wanted() is wanted
+
+
+def test_huge_pages_env_refuses_other_values(monkeypatch: pytest.MonkeyPatch) -> None:
+    monkeypatch.setenv(host_memory.HUGE_PAGES_ENV, "maybe")
+    with pytest.raises(ValueError, match="SPARSE_CKPT_HUGE_PAGES='maybe': expected 1/on or 0/off"):
+        host_memory.huge_pages_wanted()
+
+
+def test_empty_host_without_the_advice_when_turned_off(monkeypatch: pytest.MonkeyPatch) -> None:
+    calls: list[tuple[int, int, int]] = []
+    monkeypatch.setattr(host_memory, "_MADVISE", lambda a, n, advice: calls.append((a, n, advice)) or 0)
+    monkeypatch.setattr(host_memory, "_MADV_HUGEPAGE", 14)
+    monkeypatch.setenv(host_memory.HUGE_PAGES_ENV, "0")
+    t = host_memory.empty_host(8 << 20, torch.uint8)
+    assert calls == [] and t.numel() == 8 << 20
+    monkeypatch.setenv(host_memory.HUGE_PAGES_ENV, "1")
+    host_memory.empty_host(8 << 20, torch.uint8)
+    assert len(calls) == 1
