@@ -481,11 +481,11 @@ def test_an_optimizer_that_never_stepped_round_trips_without_state(restore: Any,
 
 
 def test_the_docs_block_runs_as_written(restore: Any, tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
-    """docs/integrations.md, "torch DSD (any trainer)": its first block, as written, in a module of its
+    """docs/integrations/dsd.md, "The lines": its block, as written, in a module of its
     own (as a script runs in ``__main__``: install() finds the names it imported before). The
     section's other blocks are the trainer drills' (test_lightning.py, test_olmo_core.py,
     test_nemo_automodel.py run them)."""
-    block = python_blocks(ROOT / "docs/integrations.md", "torch DSD (any trainer)")[0]
+    (block,) = python_blocks(ROOT / "docs/integrations/dsd.md", "The lines")
     assert "def experts(" in block.code
     monkeypatch.chdir(tmp_path)
     module = types.ModuleType("docs_dsd_block")

@@ -17,7 +17,7 @@ DSD's ``get_optimizer_state_dict`` + ``dcp.save``), and resumed in fresh process
   ``vision``'s lr is the scheduler's.
 
 Trainer runs FSDP only on accelerator devices (accelerate picks ``MULTI_CPU``, i.e. DDP, on CPU);
-:class:`CpuFsdp2Trainer` applies the CPU recipe of docs/integrations.md ("Accelerate") to the
+:class:`CpuFsdp2Trainer` applies the CPU recipe of docs/integrations/hugging-face.md ("Accelerate") to the
 accelerator the Trainer creates, and builds the optimizer and scheduler the drill needs with
 ``create_optimizer``/``create_scheduler`` (Trainer's documented hooks).
 """

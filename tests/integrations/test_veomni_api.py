@@ -1,5 +1,5 @@
 """VeOmni's objects (the real package) given to sparse_ckpt in one process: what works, what is refused and
-how, ``install``/``uninstall``, and the VeOmni example of docs/integrations.md run as written (a 1-rank Gloo group).
+how, ``install``/``uninstall``, and the example of docs/integrations/veomni.md run as written (a 1-rank Gloo group).
 
 Skipped when veomni is not installed (``pip install --no-deps -r .ci/requirements-veomni.txt``).
 """
@@ -177,7 +177,7 @@ def one_rank_group(monkeypatch: pytest.MonkeyPatch) -> Iterator[None]:
 
 
 def test_docs_veomni_example(tmp_path: Path, monkeypatch: pytest.MonkeyPatch, one_rank_group: None) -> None:
-    (block,) = python_blocks(ROOT / "docs/integrations.md", "VeOmni")
+    (block,) = python_blocks(ROOT / "docs/integrations/veomni.md", "The lines")
     monkeypatch.chdir(tmp_path)
     model, optimizer, scheduler = trained()
     model2, optimizer2, _ = build(seed=1)
