@@ -26,6 +26,10 @@ COMMAND = "python -m bench.results_page"
 BEGIN, END = "<!-- results_page: {name} -->", "<!-- /results_page -->"
 MIB = 1024 * 1024
 LAYOUTS = ("auto", "buffers", "per_tensor")
+NAIVE_SCALES = ("24x128", "61x256")
+"""The main bench's scales the plain-DCP table shows (8x64 is in results/results.md)."""
+METADATA_RANKS = (8, 64, 256, 1024)
+"""The rank counts the `.metadata` table shows (the plot has every one measured)."""
 
 MACHINES = {
     # where a JSON file does not record the machine, bench/README.md's account of the run does
@@ -125,7 +129,7 @@ def naive_table(results: Path = RESULTS) -> str:
         f = run["figures"]
         naive_s, naive_l = f.get("dcp/save/naive/all", {}), f.get("dcp/load/naive/all", {})
         ours_s, ours_l = f.get("dcp/save/packed/stateful", {}), f.get("dcp/load/packed/stateful", {})
-        if not all(x.get("status") == "ok" for x in (naive_s, naive_l, ours_s, ours_l)):
+        if run["scale"] not in NAIVE_SCALES or not all(x.get("status") == "ok" for x in (naive_s, naive_l, ours_s, ours_l)):
             continue
         groups = "one group per parameter" if run["layout"] == "param" else "one group per layer"
         out.append(f"| `{run['scale']}`, {_n(run['n_params'])} parameters, {groups} | {_n(naive_s['items'])}, "
@@ -140,7 +144,7 @@ def metadata_table(results: Path = RESULTS) -> str:
     """``.metadata`` size and unpickle time per layout at each rank count."""
     data = load("scale_metadata.json", results)
     rows = {(r["ranks"], r["layout"]): r for r in data["rows"]}
-    ranks = sorted({r["ranks"] for r in data["rows"]})
+    ranks = [n for n in sorted({r["ranks"] for r in data["rows"]}) if n in METADATA_RANKS]
     out = ["| ranks | " + " | ".join(f"`{lay}`: `.metadata`, unpickle" for lay in LAYOUTS) + " |",
            "| --- |" + " --- |" * len(LAYOUTS)]
     for n in ranks:
