@@ -12,8 +12,9 @@ import shutil
 from pathlib import Path
 
 import pytest
-from bench import results_page
 from doc_blocks import ROOT
+
+from bench import results_page
 
 
 def test_the_page_is_what_the_json_gives() -> None:
