@@ -3,7 +3,7 @@
 ``python -m bench.dsd_trainer [--nproc 2] [--experts 8] [--routed 4] [--dim 8] [--repeats 5] [--json PATH]``
 (in a wheel: ``python -m sparse_ckpt.bench.dsd_trainer``).
 
-Spawns ``--nproc`` Gloo ranks on CPU, each with issue 30's MoE (2 layers, each a router and
+Spawns ``--nproc`` Gloo ranks on CPU, each with the trainer drills' MoE (2 layers, each a router and
 ``--experts`` ``Linear(dim, dim)`` experts of which the first ``--routed`` are used, a ``vision``
 tower in its own AdamW group that never runs, a head; FSDP2 over a CPU mesh) and times what Hugging
 Face Accelerate's ``save_fsdp_optimizer``/``load_fsdp_optimizer`` (so ``Trainer``) and the other DSD

@@ -1,4 +1,4 @@
-"""The trainer drills of issue 30: the pieces every trainer's drill shares.
+"""The trainer drills (a stock trainer's own checkpointing resumed exactly): the pieces every trainer's drill shares.
 
 Each drill (``tests/integrations/test_lightning.py``, ``test_olmo_core.py``, ``test_nemo_automodel.py``)
 trains the MoE of :mod:`dsd_moe` (40 parameters, 22 with gradients, ``vision`` in its own group whose

@@ -179,7 +179,7 @@ def drill(rank: int, world_size: int, root_dir: str) -> None:
         same(snapshot(model, opt, sched), uninterrupted, f"{source}: next steps", state_key_order=False)
 
     # a value no format holds is refused before save_state writes anything (Accelerate writes the
-    # models first; issue 28, item 6)
+    # models first, so a refusal after them would leave a partial checkpoint)
     acc, model, opt, sched = prepared(world_size)
     opt.param_groups[1]["schedule"] = object()
     with pytest.raises(sc.CheckpointFormatError, match="group 1 key 'schedule': unsupported value type object"):

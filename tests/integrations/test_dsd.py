@@ -1,7 +1,7 @@
 """``sparse_ckpt.integrations.dsd``: torch DSD's functions, exact and sparse, directly and through ``install()``.
 
 One spawned 2-rank Gloo job (FSDP2 over an explicit CPU mesh) runs every multi-rank case on one
-process group: the issue's MoE (:mod:`dsd_moe`: 40 parameters, 22 with gradients, ``vision`` in
+process group: the drills' MoE (:mod:`dsd_moe`: 40 parameters, 22 with gradients, ``vision`` in
 its own group whose lr a scheduler moves) saved after step 3 with DSD's calls and ``dcp.save``,
 resumed into a fresh model and optimizer the way trainers do it (``get_optimizer_state_dict`` for
 the load target, ``dcp.load`` with the trainer's own planner, ``set_optimizer_state_dict``), and

@@ -1,6 +1,6 @@
 """Hugging Face ``Trainer`` (transformers + accelerate, FSDP2) resumed exactly by ``integrations.dsd``.
 
-The issue-30 drill with the real packages: 2 Gloo ranks, FSDP2 over a CPU mesh, the MoE of
+The trainer drill (:mod:`trainer_drill`'s MoE and checks) with the real packages: 2 Gloo ranks, FSDP2 over a CPU mesh, the MoE of
 :mod:`dsd_moe` (40 parameters, 22 with gradients, ``vision`` in its own AdamW group whose lr a
 LambdaLR moves), trained for 5 steps with a checkpoint after step 3 through ``Trainer``'s own
 checkpointing (``save_steps=3``: ``_save_checkpoint`` -> accelerate's ``save_fsdp_optimizer`` ->

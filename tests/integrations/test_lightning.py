@@ -1,6 +1,6 @@
 """Lightning (2.6.6) Fabric and Trainer with ``ModelParallelStrategy``, resumed exactly by ``integrations.dsd``.
 
-The issue-30 drill (:mod:`trainer_drill`) with the real package: 2 Gloo ranks, FSDP2 over the
+The trainer drill (:mod:`trainer_drill`) with the real package: 2 Gloo ranks, FSDP2 over the
 strategy's CPU mesh (``parallelize_fn``/``configure_model`` shard over ``device_mesh["data_parallel"]``),
 the MoE of :mod:`dsd_moe`, a checkpoint after step 3 through Lightning's own API, a resume in a
 fresh set of processes, two more steps, compared with the uninterrupted run. Both checkpoint kinds

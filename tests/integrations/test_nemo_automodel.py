@@ -1,6 +1,6 @@
 """NeMo Automodel (nemo-automodel 0.7.0) ``Checkpointer.save_optimizer``/``load_optimizer`` and ``integrations.dsd``.
 
-The issue-30 drill (:mod:`trainer_drill`) with the real package: 2 Gloo ranks, FSDP2 over a CPU
+The trainer drill (:mod:`trainer_drill`) with the real package: 2 Gloo ranks, FSDP2 over a CPU
 mesh, the MoE of :mod:`dsd_moe`, a checkpoint after step 3 through NeMo Automodel's ``Checkpointer``
 (``save_model`` + ``save_optimizer`` with the scheduler; ``OptimizerState``: DSD's flat layout),
 a resume in a fresh set of processes (``load_model`` + ``load_optimizer``), two more steps,

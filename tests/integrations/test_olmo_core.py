@@ -1,6 +1,6 @@
 """OLMo-core (ai2-olmo-core 3.0.0), resumed exactly by ``integrations.dsd``.
 
-The issue-30 drill (:mod:`trainer_drill`) with the real package: 2 Gloo ranks, FSDP2 over a CPU
+The trainer drill (:mod:`trainer_drill`) with the real package: 2 Gloo ranks, FSDP2 over a CPU
 mesh, the MoE of :mod:`dsd_moe`, a checkpoint after step 3 through OLMo-core's own APIs, a resume in
 a fresh set of processes, two more steps, compared with the uninterrupted run:
 
