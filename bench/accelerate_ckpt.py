@@ -4,7 +4,7 @@
 (in a wheel: ``python -m sparse_ckpt.bench.accelerate_ckpt``; needs ``accelerate``).
 
 Spawns ``--nproc`` Gloo ranks on CPU, each with an ``Accelerator`` forced to FSDP2 (the recipe of
-docs/integrations.md: distributed type set explicitly, CPU mesh), and a model of ``--experts``
+docs/integrations/hugging-face.md: distributed type set explicitly, CPU mesh), and a model of ``--experts``
 expert layers (``Linear(dim, dim)``) of which the first ``--routed`` get tokens, a ``dense`` layer and a
 ``vision`` layer that never gets a gradient; AdamW with one group per part, LambdaLR. After two
 steps it times Accelerate's optimizer save and load (``save_fsdp_optimizer`` /
@@ -46,7 +46,7 @@ class MoENet(nn.Module):
 
 
 def fsdp2_accelerator(world_size: int) -> Any:
-    """The recipe of docs/integrations.md: FSDP2 forced on CPU (distributed type set explicitly, CPU mesh)."""
+    """The recipe of docs/integrations/hugging-face.md: FSDP2 forced on CPU (distributed type set explicitly, CPU mesh)."""
     from accelerate import Accelerator
     from accelerate.state import PartialState
     from accelerate.utils import DistributedType, FullyShardedDataParallelPlugin, ParallelismConfig

@@ -1,5 +1,5 @@
 #!/usr/bin/env bash
-# The device check (issue 21): on a GPU (or NPU) machine with the project copied over, one command
+# The device check: on a GPU (or NPU) machine with the project copied over, one command
 # builds the C++ core in place, runs the CUDA test module (tests/cuda/test_cuda_state.py), the resume drill
 # with --device cuda and the bench with --device cuda at 8x64, 24x128 and 61x256, and writes
 # everything into one folder. Needs no network: torch, pybind11, cmake, ninja, setuptools, pytest

@@ -1,9 +1,9 @@
 """torch DSD optimizer checkpoints as trainers write them: stock vs ``sparse_ckpt.integrations.dsd.install()``.
 
-``python -m bench.dsd_trainer [--nproc 2] [--experts 8] [--routed 4] [--dim 8] [--repeats 5]``
+``python -m bench.dsd_trainer [--nproc 2] [--experts 8] [--routed 4] [--dim 8] [--repeats 5] [--json PATH]``
 (in a wheel: ``python -m sparse_ckpt.bench.dsd_trainer``).
 
-Spawns ``--nproc`` Gloo ranks on CPU, each with issue 30's MoE (2 layers, each a router and
+Spawns ``--nproc`` Gloo ranks on CPU, each with the trainer drills' MoE (2 layers, each a router and
 ``--experts`` ``Linear(dim, dim)`` experts of which the first ``--routed`` are used, a ``vision``
 tower in its own AdamW group that never runs, a head; FSDP2 over a CPU mesh) and times what Hugging
 Face Accelerate's ``save_fsdp_optimizer``/``load_fsdp_optimizer`` (so ``Trainer``) and the other DSD
@@ -11,17 +11,21 @@ trainers do: save = ``get_optimizer_state_dict`` + ``dcp.save``; load into a fre
 ``get_optimizer_state_dict`` (the target) + ``dcp.load`` + ``set_optimizer_state_dict``. Scenario
 ``fresh`` saves before the first step, ``step3`` after three. Reports the parameters with state
 in the live optimizer after the save and after the load, the checkpoint's DCP items and bytes, and
-the save and load times (slowest rank, median of ``--repeats``).
+the save and load times (slowest rank, median of ``--repeats``); ``--json`` also writes them, with
+the configuration and the machine (CPU, cores, load average, torch), to a file.
 """
 
 from __future__ import annotations
 
 import argparse
+import json
 import os
+import platform
 import shutil
 import statistics
 import tempfile
 import time
+from pathlib import Path
 from typing import Any
 
 import torch
@@ -29,6 +33,7 @@ import torch.distributed as dist
 from torch import nn
 
 from .ranks import run_ranks
+from .run import cpu_model
 
 
 class Layer(nn.Module):
@@ -145,7 +150,23 @@ def worker(rank: int, world_size: int, args: argparse.Namespace, out_dir: str) -
             load_text = "  failed" if err else f"{load * 1e3:8.1f}"
             print(f"{scenario:<8} {method:<10} {after_save:>16} {items:>6} {size:>8} {save * 1e3:8.1f} {after_load:>16} {load_text}"
                   + (f"  ({err})" if err else ""))
+        if args.json is not None:
+            write_json(args, world_size, n_params, rows)
     dist.barrier()
+
+
+def write_json(args: argparse.Namespace, world_size: int, n_params: int, rows: list[tuple[Any, ...]]) -> None:
+    """The rows of :func:`worker` as JSON at ``args.json``, with the configuration and the machine."""
+    fields = ("scenario", "method", "state_after_save", "items", "bytes", "save_s", "state_after_load", "load_s", "load_error")
+    machine = {"cpu": cpu_model(), "cores": os.cpu_count(), "torch": torch.__version__,
+               "python": platform.python_version(), "load_average": os.getloadavg()}
+    config = {"nproc": world_size, "experts": args.experts, "routed": args.routed, "dim": args.dim,
+              "repeats": args.repeats, "params": n_params}
+    command = ("python -m bench.dsd_trainer --repeats " + str(args.repeats) + " --json " + str(args.json))
+    payload = {"command": command, "config": config, "machine": machine, "rows": [dict(zip(fields, r)) for r in rows]}
+    args.json.parent.mkdir(parents=True, exist_ok=True)
+    args.json.write_text(json.dumps(payload, indent=1) + "\n", encoding="utf-8")
+    print(f"wrote {args.json}")
 
 
 def main(argv: list[str] | None = None) -> None:
@@ -155,6 +176,7 @@ def main(argv: list[str] | None = None) -> None:
     parser.add_argument("--routed", type=int, default=4)
     parser.add_argument("--dim", type=int, default=8)
     parser.add_argument("--repeats", type=int, default=5)
+    parser.add_argument("--json", type=Path, default=None, help="also write the table, the configuration and the machine here")
     args = parser.parse_args(argv)
     out_dir = tempfile.mkdtemp(prefix="sparse_ckpt_dsd_")
     try:

@@ -1,5 +1,5 @@
 """What a resharding load of a ``state_layout="buffers"`` checkpoint reads per rank, with and without
-the layout index (issue 31): layout tables and their bytes, for one rank of a load of a ``--saved``-rank
+the layout index: layout tables and their bytes, for one rank of a load of a ``--saved``-rank
 checkpoint into ``--load`` ranks.
 
 The saved ranks' layout tables are synthetic, built with the core's ``encode_layout`` from the

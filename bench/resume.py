@@ -1,4 +1,4 @@
-"""The resume drill (issue 11): train, checkpoint asynchronously, get SIGKILLed mid-save, resume exactly.
+"""The resume drill: train, checkpoint asynchronously, get SIGKILLed mid-save, resume exactly.
 
 ``python -m bench.resume --nproc 2`` (also ``--nproc 1`` / ``--nproc 4``, ``--steps``, ``--every``,
 ``--kill-at``, ``--resume-sizes``, ``--device cpu|cuda|npu``) trains the way users train and checks

@@ -1,4 +1,4 @@
-"""Scale figures (issues 23, 31): the state layouts (every one of ``sparse_ckpt._layouts.STATE_LAYOUTS``)
+"""Scale figures: the state layouts (every one of ``sparse_ckpt._layouts.STATE_LAYOUTS``)
 against each other and the raw-bytes floor, in whole-optimizer ``dcp.save``/``dcp.load``, DCP's
 ``.metadata`` at N ranks, ``dcp.async_save``'s blocked time, and the chunk size from which one item
 per tensor beats buffers.

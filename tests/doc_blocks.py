@@ -20,7 +20,10 @@ from pathlib import Path
 from typing import Any
 
 ROOT = Path(__file__).resolve().parents[1]
-DOC_FILES = (ROOT / "README.md", *sorted((ROOT / "docs").glob("*.md")), ROOT / "bench" / "README.md")
+DOC_FILES = (
+    ROOT / "README.md", *sorted((ROOT / "docs").glob("*.md")), *sorted((ROOT / "docs" / "integrations").glob("*.md")),
+    ROOT / "bench" / "README.md",
+)
 """The Markdown files whose ``python`` blocks run as tests."""
 
 SKIP_MARKER = re.compile(r"^<!-- doc-test: skip; (?P<reason>(?P<test>tests/[\w/]+\.py) runs it \(.+\)) -->$")

@@ -1,4 +1,4 @@
-"""The small MoE of issue 30, shared by the torch DSD tests and the trainer drills.
+"""The small MoE (unrouted experts, a tower that never steps) of the torch DSD tests and the trainer drills.
 
 2 layers, each a router and 8 ``nn.Linear`` experts of which only 0-3 are ever routed (a dense
 softmax mixture over them), a ``vision`` tower that never runs, and a head: 40 parameters, 22 of

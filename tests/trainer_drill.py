@@ -1,4 +1,4 @@
-"""The trainer drills of issue 30: the pieces every trainer's drill shares.
+"""The trainer drills (a stock trainer's own checkpointing resumed exactly): the pieces every trainer's drill shares.
 
 Each drill (``tests/integrations/test_lightning.py``, ``test_olmo_core.py``, ``test_nemo_automodel.py``)
 trains the MoE of :mod:`dsd_moe` (40 parameters, 22 with gradients, ``vision`` in its own group whose
@@ -14,7 +14,7 @@ uninterrupted run:
 - :func:`save_reference` / :func:`load_reference`: the uninterrupted run's outcome across jobs;
 - :func:`assert_resumed`: the resumed run equals it bit for bit, 22 parameters with state, and
   every group's lr is the scheduler's;
-- :func:`doc_block`: the docs/integrations.md block a drill runs as written.
+- :func:`doc_block`: the block of a trainer's page (docs/integrations/) a drill runs as written.
 """
 
 from __future__ import annotations
@@ -35,7 +35,8 @@ SAVE_AT = 3
 """The drills save after this many optimizer steps."""
 STEPS = 5
 """The uninterrupted run's length (the resumed run steps from :data:`SAVE_AT` to here)."""
-PAGE = ROOT / "docs" / "integrations.md"
+PAGES = ROOT / "docs" / "integrations"
+"""The trainer pages; each drill names its own (``PAGES / "lightning.md"``)."""
 FRESH_LRS = [0.01, dsd_moe.VISION_LR]
 """The lrs of a fresh :func:`dsd_moe.optimizer` (what a failed resume leaves)."""
 
@@ -95,16 +96,16 @@ def load_reference(root: str, name: str) -> dict[str, Any]:
     return torch.load(Path(root) / f"{name}.pt", weights_only=False)
 
 
-def doc_block(marker: str) -> Block:
-    """The one ``python`` block of docs/integrations.md that contains ``marker``."""
-    found = [b for b in blocks(PAGE) if marker in b.code]
-    assert len(found) == 1, f"{PAGE.name}: {len(found)} python blocks contain {marker!r}"
+def doc_block(page: Path, marker: str) -> Block:
+    """The one ``python`` block of the Markdown file ``page`` that contains ``marker``."""
+    found = [b for b in blocks(page) if marker in b.code]
+    assert len(found) == 1, f"{page.name}: {len(found)} python blocks contain {marker!r}"
     return found[0]
 
 
 __all__ = [
     "FRESH_LRS",
-    "PAGE",
+    "PAGES",
     "SAVE_AT",
     "STEPS",
     "assert_resumed",

@@ -1,4 +1,4 @@
-"""Complete or refused beyond each parameter's recorded keys (issue 28): the checks a load (and
+"""Complete or refused beyond each parameter's recorded keys: the checks a load (and
 ``verify``) makes of what the per-parameter ``~keys`` record cannot see.
 
 * :func:`check_recorded_items` -- every table, layout and buffer key a group table's *item record*

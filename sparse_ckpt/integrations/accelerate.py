@@ -22,7 +22,7 @@ sparse_ckpt; FSDP1, ``FULL_STATE_DICT`` and ``use_dcp=False`` stay Accelerate's 
 makes ``Accelerator.register_for_checkpointing`` refuse a sparse_ckpt ``Stateful`` when there
 is more than one process: Accelerate pickles a registered object's ``state_dict()`` on the main
 process only and loads that file on every rank, which would give every rank the main process's
-optimizer shards (docs/integrations.md; without `install` that is refused when
+optimizer shards (docs/integrations/hugging-face.md; without `install` that is refused when
 saving or loading).
 
 ``accelerate`` is imported by `install`, never by importing this module.

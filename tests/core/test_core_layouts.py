@@ -310,7 +310,7 @@ def test_unlisted_keys_outside_the_contract(args: tuple) -> None:
     assert res[0] == "err" and res[1] is TypeError, res
 
 
-# --------------------------------------------------------------------------- exact cover, hostile inputs (issue 28)
+# --------------------------------------------------------------------------- exact cover, hostile inputs
 
 
 def _rows(lo: int, hi: int, shape: tuple[int, int] = (10, 2)) -> bytes:

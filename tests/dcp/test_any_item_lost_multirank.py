@@ -2,7 +2,7 @@
 and ``"per_tensor"``): a checkpoint that lost one rank's layout table and its buffers, or any one
 table or buffer item, is refused on every rank (the group tables' item record lists every rank's
 items, so a rank refuses also when it needed nothing of what was lost), the optimizers untouched;
-the intact checkpoint loads exactly. (Issue 28, item 4.)
+the intact checkpoint loads exactly.
 """
 
 from __future__ import annotations

@@ -1,4 +1,4 @@
-"""``state_layout="buffers"`` against damaged metadata and DCP's save-plan caching (issue 28):
+"""``state_layout="buffers"`` against damaged metadata and DCP's save-plan caching:
 
 * an empty buffer item (``.metadata`` says size ``(0,)``, or a dict whose buffer is
   ``torch.empty(0)`` saved through DCP) is refused: DCP never hands an empty item to a reader, so

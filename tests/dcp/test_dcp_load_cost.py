@@ -117,7 +117,7 @@ STATEFULS = {
 
 @pytest.mark.parametrize("kind", list(STATEFULS))
 def test_no_stateful_load_target_is_captured(tmp_path: Path, kind: str, monkeypatch) -> None:
-    """Every Stateful users put into dcp.load (issue 28, item 8): DCP calls its state_dict() for a
+    """Every Stateful users put into dcp.load: DCP calls its state_dict() for a
     load target, which must not run the optimizers' state_dict hooks nor capture them; the
     MultiOptimizer wraps SparseOptimizerState.state_dict, which once saw the wrapper as its caller."""
     model = make_moe(3)

@@ -1,4 +1,4 @@
-"""docs/integrations.md's torchtitan example runs as written, with the real torchtitan package
+"""docs/integrations/torchtitan.md's examples run as written, with the real torchtitan package
 (skipped without it), in a fresh working directory and a 1-rank Gloo group (as in a torchtitan job)."""
 
 from __future__ import annotations
@@ -11,22 +11,21 @@ import pytest
 pytest.importorskip("torchtitan", reason="torchtitan is not installed (pip install --no-deps -r .ci/requirements-torchtitan.txt)")
 
 import torch.distributed as dist
-from doc_blocks import ROOT, python_blocks, run_block
+from doc_blocks import ROOT, blocks, run_block
 
 pytestmark = pytest.mark.filterwarnings("ignore::UserWarning")
 
-PAGE = ROOT / "docs/integrations.md"
-SECTION = "torchtitan"
+PAGE = ROOT / "docs/integrations/torchtitan.md"
 
 
 def test_torchtitan_example_runs(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
-    blocks = python_blocks(PAGE, SECTION)
-    assert len(blocks) == 2, f"'## {SECTION}' has {len(blocks)} python blocks"  # the example, the migration
+    found = blocks(PAGE)
+    assert len(found) == 2, f"{PAGE.name} has {len(found)} python blocks"  # the example, the migration
     monkeypatch.chdir(tmp_path)
     dist.init_process_group("gloo", init_method=f"file://{tmp_path / 'pg'}", rank=0, world_size=1)
     namespace: dict[str, Any] = {"__name__": "docs"}
     try:
-        for block in blocks:
+        for block in found:
             run_block(block, namespace)
     finally:
         dist.destroy_process_group()

@@ -17,7 +17,7 @@ both lrs:
    is refused by ``load_custom_state`` on rank 1.
 
 Accelerate runs FSDP only on accelerator devices; on CPU it picks ``MULTI_CPU`` (DDP). The drill
-forces FSDP2 by setting the distributed type explicitly: the recipe of docs/integrations.md, which
+forces FSDP2 by setting the distributed type explicitly: the recipe of docs/integrations/hugging-face.md, which
 the drill runs as written, like that page's usage block. Skipped when accelerate is not installed.
 """
 
@@ -52,7 +52,7 @@ from sparse_ckpt.integrations import accelerate as integration
 
 pytestmark = pytest.mark.filterwarnings("ignore::UserWarning", "ignore::FutureWarning", "ignore::DeprecationWarning")
 
-PAGE = ROOT / "docs/integrations.md"
+PAGE = ROOT / "docs/integrations/hugging-face.md"
 SECTION = "Accelerate"
 LR = 0.01
 LAMBDAS = (lambda s: 0.5**s, lambda s: 0.25**s)  # dense, vision
@@ -71,7 +71,7 @@ class Net(nn.Module):
 
 
 def doc_blocks() -> list[Any]:
-    """The two ``python`` blocks of docs/integrations.md's "Accelerate": the usage and the CPU recipe."""
+    """The two ``python`` blocks of docs/integrations/hugging-face.md's "Accelerate": the usage and the CPU recipe."""
     blocks = python_blocks(PAGE, SECTION)
     assert len(blocks) == 2, f"'## {SECTION}' of {PAGE.name} has {len(blocks)} python blocks"
     return blocks
@@ -179,7 +179,7 @@ def drill(rank: int, world_size: int, root_dir: str) -> None:
         same(snapshot(model, opt, sched), uninterrupted, f"{source}: next steps", state_key_order=False)
 
     # a value no format holds is refused before save_state writes anything (Accelerate writes the
-    # models first; issue 28, item 6)
+    # models first, so a refusal after them would leave a partial checkpoint)
     acc, model, opt, sched = prepared(world_size)
     opt.param_groups[1]["schedule"] = object()
     with pytest.raises(sc.CheckpointFormatError, match="group 1 key 'schedule': unsupported value type object"):

@@ -1,7 +1,7 @@
 """``sparse_ckpt.integrations.dsd``: torch DSD's functions, exact and sparse, directly and through ``install()``.
 
 One spawned 2-rank Gloo job (FSDP2 over an explicit CPU mesh) runs every multi-rank case on one
-process group: the issue's MoE (:mod:`dsd_moe`: 40 parameters, 22 with gradients, ``vision`` in
+process group: the drills' MoE (:mod:`dsd_moe`: 40 parameters, 22 with gradients, ``vision`` in
 its own group whose lr a scheduler moves) saved after step 3 with DSD's calls and ``dcp.save``,
 resumed into a fresh model and optimizer the way trainers do it (``get_optimizer_state_dict`` for
 the load target, ``dcp.load`` with the trainer's own planner, ``set_optimizer_state_dict``), and
@@ -481,11 +481,11 @@ def test_an_optimizer_that_never_stepped_round_trips_without_state(restore: Any,
 
 
 def test_the_docs_block_runs_as_written(restore: Any, tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
-    """docs/integrations.md, "torch DSD (any trainer)": its first block, as written, in a module of its
+    """docs/integrations/dsd.md, "The lines": its block, as written, in a module of its
     own (as a script runs in ``__main__``: install() finds the names it imported before). The
     section's other blocks are the trainer drills' (test_lightning.py, test_olmo_core.py,
     test_nemo_automodel.py run them)."""
-    block = python_blocks(ROOT / "docs/integrations.md", "torch DSD (any trainer)")[0]
+    (block,) = python_blocks(ROOT / "docs/integrations/dsd.md", "The lines")
     assert "def experts(" in block.code
     monkeypatch.chdir(tmp_path)
     module = types.ModuleType("docs_dsd_block")

@@ -1,6 +1,6 @@
 """Hugging Face ``Trainer`` (transformers + accelerate, FSDP2) resumed exactly by ``integrations.dsd``.
 
-The issue-30 drill with the real packages: 2 Gloo ranks, FSDP2 over a CPU mesh, the MoE of
+The trainer drill (:mod:`trainer_drill`'s MoE and checks) with the real packages: 2 Gloo ranks, FSDP2 over a CPU mesh, the MoE of
 :mod:`dsd_moe` (40 parameters, 22 with gradients, ``vision`` in its own AdamW group whose lr a
 LambdaLR moves), trained for 5 steps with a checkpoint after step 3 through ``Trainer``'s own
 checkpointing (``save_steps=3``: ``_save_checkpoint`` -> accelerate's ``save_fsdp_optimizer`` ->
@@ -17,7 +17,7 @@ DSD's ``get_optimizer_state_dict`` + ``dcp.save``), and resumed in fresh process
   ``vision``'s lr is the scheduler's.
 
 Trainer runs FSDP only on accelerator devices (accelerate picks ``MULTI_CPU``, i.e. DDP, on CPU);
-:class:`CpuFsdp2Trainer` applies the CPU recipe of docs/integrations.md ("Accelerate") to the
+:class:`CpuFsdp2Trainer` applies the CPU recipe of docs/integrations/hugging-face.md ("Accelerate") to the
 accelerator the Trainer creates, and builds the optimizer and scheduler the drill needs with
 ``create_optimizer``/``create_scheduler`` (Trainer's documented hooks).
 """

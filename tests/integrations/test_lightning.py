@@ -1,6 +1,6 @@
 """Lightning (2.6.6) Fabric and Trainer with ``ModelParallelStrategy``, resumed exactly by ``integrations.dsd``.
 
-The issue-30 drill (:mod:`trainer_drill`) with the real package: 2 Gloo ranks, FSDP2 over the
+The trainer drill (:mod:`trainer_drill`) with the real package: 2 Gloo ranks, FSDP2 over the
 strategy's CPU mesh (``parallelize_fn``/``configure_model`` shard over ``device_mesh["data_parallel"]``),
 the MoE of :mod:`dsd_moe`, a checkpoint after step 3 through Lightning's own API, a resume in a
 fresh set of processes, two more steps, compared with the uninterrupted run. Both checkpoint kinds
@@ -13,7 +13,7 @@ full state dicts, ``torch.save``).
   'layers.0.experts.4.weight' in checkpoint``); either way DSD's synthetic step has put state on
   all 40 parameters of the fresh optimizer (18 invented) and the lrs are the fresh ones.
 - With ``sparse_ckpt.integrations.dsd.install()`` called after Lightning's imports (the blocks
-  of docs/integrations.md, "Lightning Fabric" and "Lightning Trainer", run as written: they install
+  of docs/integrations/lightning.md, "Lightning Fabric" and "Lightning Trainer", run as written: they install
   and define the ``save``/``resume`` the installed runs call): the stock checkpoints and the
   installed runs' own resume, the next steps equal the uninterrupted run bit for bit, state for the
   22 parameters that stepped, ``vision``'s lr the scheduler's.
@@ -36,7 +36,7 @@ import _backends
 import dsd_moe
 import torch
 from _dist import run_ranks
-from doc_blocks import run_block
+from doc_blocks import ROOT, run_block
 from trainer_drill import (
     FRESH_LRS,
     SAVE_AT,
@@ -61,6 +61,8 @@ STOCK_ERRORS = {
     "dcp": r"Missing key in checkpoint state_dict: {prefix}\.state\.{fqn}\.step",  # DCP's planner
     "file": r"Missing optimizer state for parameter '{fqn}' in checkpoint",  # DSD's strict check
 }
+PAGE = ROOT / "docs/integrations/lightning.md"
+"""The trainer's page, whose blocks this drill runs as written."""
 UNROUTED = "layers.0.experts.4.weight"
 FABRIC_BLOCK = "fabric.save(path"
 TRAINER_BLOCK = "trainer.save_checkpoint(path)"
@@ -68,7 +70,7 @@ TRAINER_BLOCK = "trainer.save_checkpoint(path)"
 
 def installed(marker: str) -> dict[str, Any]:
     """Run the docs block containing ``marker`` (it calls ``install()``); its names."""
-    names = run_block(doc_block(marker), {"__name__": "docs"})
+    names = run_block(doc_block(PAGE, marker), {"__name__": "docs"})
     assert names["sc_dsd"].installed()
     return names
 
@@ -276,5 +278,5 @@ def test_trainer_model_parallel_resumes_exactly_with_dsd_install(tmp_path: Path)
 @_backends.only(_backends.DEFAULT)
 def test_docs_blocks_install_and_define_save_and_resume() -> None:
     for marker in (FABRIC_BLOCK, TRAINER_BLOCK):
-        block = doc_block(marker)
+        block = doc_block(PAGE, marker)
         assert "sc_dsd.install()" in block.code and "def save(" in block.code and "def resume(" in block.code

@@ -1,6 +1,6 @@
 """NeMo Automodel (nemo-automodel 0.7.0) ``Checkpointer.save_optimizer``/``load_optimizer`` and ``integrations.dsd``.
 
-The issue-30 drill (:mod:`trainer_drill`) with the real package: 2 Gloo ranks, FSDP2 over a CPU
+The trainer drill (:mod:`trainer_drill`) with the real package: 2 Gloo ranks, FSDP2 over a CPU
 mesh, the MoE of :mod:`dsd_moe`, a checkpoint after step 3 through NeMo Automodel's ``Checkpointer``
 (``save_model`` + ``save_optimizer`` with the scheduler; ``OptimizerState``: DSD's flat layout),
 a resume in a fresh set of processes (``load_model`` + ``load_optimizer``), two more steps,
@@ -9,7 +9,7 @@ compared with the uninterrupted run. Two optimizers:
 - SGD with momentum. Stock (pinned): the resume fails with ``Missing key in checkpoint state_dict:
   optim.state.layers.0.experts.4.weight.momentum_buffer`` after DSD's synthetic step put a
   ``momentum_buffer`` on all 40 parameters. With ``sparse_ckpt.integrations.dsd.install()`` after
-  NeMo's imports (the usage block of docs/integrations.md, "NeMo Automodel", run as written; NeMo
+  NeMo's imports (the usage block of docs/integrations/nemo-automodel.md, "NeMo Automodel", run as written; NeMo
   copies the dict ``get_optimizer_state_dict`` returned into a new one, which ``install()``
   recognises): the stock checkpoint and the installed run's own resume exactly (22 states, the
   scheduler's lrs, bit for bit).
@@ -19,7 +19,7 @@ compared with the uninterrupted run. Two optimizers:
   and the resume "works" with 40 (pinned, stock and installed alike: no generic mechanism can undo
   what the trainer writes into its own optimizer). The values are harmless (Adam creates exactly
   that state on a parameter's first step), so parameters and the 22 real states are bit-exact.
-  The NeMo-specific remedy of docs/integrations.md (one line: the materializer made a no-op) with
+  The NeMo-specific remedy of docs/integrations/nemo-automodel.md (one line: the materializer made a no-op) with
   ``install()`` gives 22 states and the exact resume; without ``install()`` a checkpoint saved with
   it fails to resume (``Missing key ... experts.4.weight.step``, pinned).
 """
@@ -39,7 +39,7 @@ pytest.importorskip(
 import _backends
 import dsd_moe
 from _dist import run_ranks
-from doc_blocks import run_block
+from doc_blocks import ROOT, run_block
 from trainer_drill import (
     FRESH_LRS,
     SAVE_AT,
@@ -59,6 +59,8 @@ pytestmark = [
     pytest.mark.filterwarnings("ignore::UserWarning", "ignore::FutureWarning", "ignore::DeprecationWarning"),
 ]
 
+PAGE = ROOT / "docs/integrations/nemo-automodel.md"
+"""The trainer's page, whose blocks this drill runs as written."""
 OPTIMIZERS = {"sgd": sgd, "adamw": dsd_moe.optimizer}
 STOCK_ERROR = r"Missing key in checkpoint state_dict: optim\.state\.layers\.0\.experts\.4\.weight\.momentum_buffer"
 ADAM_ERROR = r"Missing key in checkpoint state_dict: optim\.state\.layers\.0\.experts\.4\.weight\.step"
@@ -105,17 +107,17 @@ docs: dict[str, Any] = {}
 
 
 def install(root: str) -> None:
-    """Run the usage block of docs/integrations.md ("NeMo Automodel") in ``root``."""
+    """Run the usage block of docs/integrations/nemo-automodel.md ("NeMo Automodel") in ``root``."""
     os.chdir(root)
-    docs.update(run_block(doc_block(BLOCK), {"__name__": "docs"}))
+    docs.update(run_block(doc_block(PAGE, BLOCK), {"__name__": "docs"}))
     assert docs["sc_dsd"].installed()
 
 
 def remedy() -> None:
-    """Run the NeMo-specific remedy block of docs/integrations.md, as written."""
+    """Run the NeMo-specific remedy block of docs/integrations/nemo-automodel.md, as written."""
     from nemo_automodel.components.checkpoint import stateful_wrappers
 
-    run_block(doc_block(REMEDY), {"__name__": "docs"})
+    run_block(doc_block(PAGE, REMEDY), {"__name__": "docs"})
     assert stateful_wrappers._materialize_missing_adam_state(None) is None  # the no-op
 
 
@@ -230,7 +232,7 @@ def test_the_remedy_disables_the_materializer_nemo_calls() -> None:
 
     from nemo_automodel.components.checkpoint import stateful_wrappers
 
-    assert REMEDY.split(" =")[0] in doc_block(REMEDY).code
+    assert REMEDY.split(" =")[0] in doc_block(PAGE, REMEDY).code
     assert callable(stateful_wrappers._materialize_missing_adam_state)
     assert "_materialize_missing_adam_state(optimizer)" in inspect.getsource(stateful_wrappers.OptimizerState.state_dict)
-    assert "sc_dsd.install()" in doc_block(BLOCK).code
+    assert "sc_dsd.install()" in doc_block(PAGE, BLOCK).code

@@ -1,6 +1,6 @@
 """OLMo-core (ai2-olmo-core 3.0.0), resumed exactly by ``integrations.dsd``.
 
-The issue-30 drill (:mod:`trainer_drill`) with the real package: 2 Gloo ranks, FSDP2 over a CPU
+The trainer drill (:mod:`trainer_drill`) with the real package: 2 Gloo ranks, FSDP2 over a CPU
 mesh, the MoE of :mod:`dsd_moe`, a checkpoint after step 3 through OLMo-core's own APIs, a resume in
 a fresh set of processes, two more steps, compared with the uninterrupted run:
 
@@ -15,7 +15,7 @@ a fresh set of processes, two more steps, compared with the uninterrupted run:
 Stock (pinned): both resumes fail with ``Missing key in checkpoint state_dict:
 optim.state.layers.0.experts.4.weight.step`` after DSD's synthetic step put state on all 40
 parameters of the fresh optimizer. With ``sparse_ckpt.integrations.dsd.install()`` called after
-OLMo-core's imports (the block of docs/integrations.md, "OLMo-core", run as written: it installs and
+OLMo-core's imports (the block of docs/integrations/olmo-core.md, "OLMo-core", run as written: it installs and
 defines the ``Checkpointer`` ``save``/``resume`` the installed runs call): the stock checkpoints and
 the installed runs' own resume, the next steps equal the uninterrupted run bit for bit, 22 parameters
 with state, ``vision``'s lr the scheduler's.
@@ -36,7 +36,7 @@ import dsd_moe
 import torch
 import torch.distributed as dist
 from _dist import run_ranks
-from doc_blocks import run_block
+from doc_blocks import ROOT, run_block
 from trainer_drill import (
     FRESH_LRS,
     SAVE_AT,
@@ -55,6 +55,8 @@ pytestmark = [
     pytest.mark.filterwarnings("ignore::UserWarning", "ignore::FutureWarning", "ignore::DeprecationWarning"),
 ]
 
+PAGE = ROOT / "docs/integrations/olmo-core.md"
+"""The trainer's page, whose blocks this drill runs as written."""
 APIS = ("checkpointer", "flat")
 """``Checkpointer`` + ``BasicTrainModule``; ``save/load_model_and_optim_state(flatten_optimizer_state=True)``."""
 STOCK_ERROR = r"Missing key in checkpoint state_dict: optim\.state\.layers\.0\.experts\.4\.weight\.step"
@@ -66,7 +68,7 @@ docs: dict[str, Any] = {}
 def install(root: str) -> None:
     """Run the docs block in ``root`` (its ``Checkpointer`` works under ``ckpt/``)."""
     os.chdir(root)
-    docs.update(run_block(doc_block(BLOCK), {"__name__": "docs"}))
+    docs.update(run_block(doc_block(PAGE, BLOCK), {"__name__": "docs"}))
     assert docs["sc_dsd"].installed()
 
 
@@ -165,5 +167,5 @@ def test_olmo_core_resumes_exactly_with_dsd_install(tmp_path: Path) -> None:
 
 @_backends.only(_backends.DEFAULT)
 def test_docs_block_installs_and_defines_save_and_resume() -> None:
-    block = doc_block(BLOCK)
+    block = doc_block(PAGE, BLOCK)
     assert "sc_dsd.install()" in block.code and "def save(" in block.code and "def resume(" in block.code

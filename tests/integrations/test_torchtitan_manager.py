@@ -310,7 +310,7 @@ def test_config_is_the_stock_config_plus_migration() -> None:
 
 
 def test_group_values_round_trip_and_unsupported_refused_before_writing(tmp_path, one_rank) -> None:
-    """Issue 28, item 6: a torch.dtype/torch.device setting round-trips through the manager; an
+    """A torch.dtype/torch.device setting round-trips through the manager; an
     arbitrary object is refused before any file of the step exists."""
     objs = _trained()
     for opt in objs[1].optimizers:
@@ -337,7 +337,7 @@ def test_group_values_round_trip_and_unsupported_refused_before_writing(tmp_path
 
 
 def test_migration_report_lists_state_kept_as_possibly_synthetic(tmp_path, one_rank) -> None:
-    """Issue 28, item 7: the never-stepped ``Adam`` has ``weight_decay``, so the stock manager's
+    """Reported as inexact: the never-stepped ``Adam`` has ``weight_decay``, so the stock manager's
     synthetic step writes non-zero moments: nothing is dropped, and the report must say that the
     state of every one of its parameters was kept though it may be invented (the resume is not exact)."""
     objs = tt.build(0)

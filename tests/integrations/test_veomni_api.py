@@ -1,5 +1,5 @@
 """VeOmni's objects (the real package) given to sparse_ckpt in one process: what works, what is refused and
-how, ``install``/``uninstall``, and the VeOmni example of docs/integrations.md run as written (a 1-rank Gloo group).
+how, ``install``/``uninstall``, and the example of docs/integrations/veomni.md run as written (a 1-rank Gloo group).
 
 Skipped when veomni is not installed (``pip install --no-deps -r .ci/requirements-veomni.txt``).
 """
@@ -177,7 +177,7 @@ def one_rank_group(monkeypatch: pytest.MonkeyPatch) -> Iterator[None]:
 
 
 def test_docs_veomni_example(tmp_path: Path, monkeypatch: pytest.MonkeyPatch, one_rank_group: None) -> None:
-    (block,) = python_blocks(ROOT / "docs/integrations.md", "VeOmni")
+    (block,) = python_blocks(ROOT / "docs/integrations/veomni.md", "The lines")
     monkeypatch.chdir(tmp_path)
     model, optimizer, scheduler = trained()
     model2, optimizer2, _ = build(seed=1)
@@ -339,8 +339,8 @@ def _anyprecision(seed: int) -> tuple[Net, torch.optim.Optimizer]:
 
 
 def test_anyprecision_adamw_round_trips_through_veomnis_checkpointer(tmp_path: Path, one_rank_group: None) -> None:
-    """Issue 28, item 6: the installed checkpointer refused this save (unsupported value type dtype)
-    after VeOmni had written extra_state/; now it saves and resumes it bit-exactly."""
+    """``anyprecision_adamw``'s ``torch.dtype`` group settings save (not refused after VeOmni has
+    written extra_state/) and resume bit-exactly through the installed checkpointer."""
     model, opt = _anyprecision(0)
     assert any(isinstance(v, torch.dtype) for g in opt.param_groups for v in g.values())
     model(torch.randn(3, 4)).pow(2).mean().backward()
@@ -377,7 +377,7 @@ def test_unsupported_group_value_is_refused_before_veomni_writes(tmp_path: Path,
 
 
 def test_stock_migration_reports_state_that_may_be_synthetic(tmp_path: Path, one_rank_group: None) -> None:
-    """Issue 28, item 7: stock VeOmni saves a never-stepped optimizer through DSD, whose synthetic
+    """Reported as inexact: stock VeOmni saves a never-stepped optimizer through DSD, whose synthetic
     step invents ``step == 1`` state (Adam with weight_decay: non-zero moments); the migration loads
     it as saved and its report lists every such parameter (the resume is not exact)."""
     torch.manual_seed(0)

@@ -5,7 +5,7 @@ subclass -- the target optimizer exactly as it was -- or loads exactly what was 
 Every kind of state: per-item tensors, scalars that live only in the scalar table (Adam's
 ``step``, LBFGS's ``func_evals``/``n_iter``), list-valued state (LBFGS's ``al``, ``old_dirs``,
 ``old_stps``, ``ro``: one DCP item per element), buffers and layout tables, and several leaves;
-both state layouts, strict and not. (Issue 28, item 4.)
+both state layouts, strict and not.
 """
 
 from __future__ import annotations
@@ -118,7 +118,7 @@ def test_any_single_lost_item_is_refused_or_harmless(name: str, layout: str, str
 @pytest.mark.parametrize("layout", ["per_tensor", "buffers"])
 @pytest.mark.parametrize("name", ["LBFGS", "Adam"])
 def test_a_lost_scalar_table_is_refused_by_name(name: str, layout: str, tmp_path: Path) -> None:
-    """The issue's case: the scalar table is LBFGS's only record of ``func_evals``/``n_iter`` (it
+    """A lost scalar table is refused by name: it is LBFGS's only record of ``func_evals``/``n_iter`` (it
     loaded silently without them), and Adam's of ``step`` (torch's ``__setstate__`` KeyError was
     reported as "written by another optimizer class?")."""
     model = _model(0)

@@ -861,7 +861,7 @@ def test_fuzz_harness_can_fail() -> None:
         try_decode(b"SCKT", decoders=[_core_py.decode_table, lambda *_a: ([], [], [])])
 
 
-# --------------------------------------------------------------------------- layout tables (issue 28)
+# --------------------------------------------------------------------------- layout tables: damaged, missing or inconsistent
 
 
 def _two_rank_buffers() -> tuple[nn.Module, torch.optim.Optimizer, list[dict[str, Any]]]:

@@ -1,5 +1,5 @@
 """Param-group values real trainers put in their groups round-trip bit-exactly, both formats, in
-memory and through DCP (issue 28, item 6): ``torch.dtype`` (VeOmni's ``anyprecision_adamw`` puts
+memory and through DCP: ``torch.dtype`` (VeOmni's ``anyprecision_adamw`` puts
 ``momentum_dtype`` and friends there), ``torch.device``, enums kept as strings, nested tuples and
 lists, ``None``. Anything else is refused at save, before DCP writes a byte."""
 

@@ -159,7 +159,7 @@ def test_license_file_and_metadata() -> None:
     else:
         assert md["license"] == "Apache-2.0"
         assert "License :: OSI Approved :: Apache Software License" in md["classifiers"]
-    # The project has no public home: no URLs rather than placeholders (issue 29).
+    # The project has no public home: no URLs rather than placeholders.
     assert not [u for u in md["project_urls"].values() if "example." in u], md["project_urls"]
 
 
@@ -204,7 +204,7 @@ def test_tools_and_export_are_submodules() -> None:
         assert not hasattr(sparse_ckpt, name) and name not in sparse_ckpt.__all__
 
 
-# The top-level API of docs (issue 22's plan): save/load, DCP, MultiOptimizer, adapters, the errors
+# The top-level API the docs present: save/load, DCP, MultiOptimizer, adapters, the errors
 # a user catches, and the helpers. Tools, export and integrations are submodules.
 TOP_LEVEL_API = {
     "sparse_state_dict", "load_sparse_state_dict", "SparseOptimizerState", "SparseLoadPlanner", "MultiOptimizer",
