@@ -52,19 +52,14 @@ def activate(names: Sequence[str], *, problems: Sequence[str] = (), strict: bool
     for name in names:
         integration = INTEGRATIONS[name]
         try:
-            module = importlib.import_module(integration.module)
+            getattr(importlib.import_module(integration.module), integration.function)()
         except ModuleNotFoundError as exc:
-            if exc.name == integration.module:
+            if exc.name == integration.module:  # this sparse_ckpt has no such integration: nothing to route
                 outcomes.append(_outcome(name, "absent", f"{integration.module} is not part of this sparse_ckpt"))
-                continue
-            outcomes.append(_failed(name, exc, strict))
+            else:
+                outcomes.append(_failed(name, exc, strict))
             continue
-        except Exception as exc:
-            outcomes.append(_failed(name, exc, strict))
-            continue
-        try:
-            getattr(module, integration.function)()
-        except Exception as exc:
+        except Exception as exc:  # noqa: BLE001 - any failure leaves the process stock, with a warning (or strict: an error)
             outcomes.append(_failed(name, exc, strict))
             continue
         outcomes.append(_outcome(name, "routed", f"{integration.routes} -> {integration.module}"))

@@ -106,7 +106,7 @@ def selection(value: str | None = None) -> tuple[list[str], list[str]]:
     for token in (t.strip().lower() for t in value.split(",")):
         if not token:
             continue
-        name = token[1:] if token.startswith("-") else token
+        name = token.removeprefix("-")
         if name == "auto":
             names = {n for n, i in INTEGRATIONS.items() if i.default}
         elif name == "none":
@@ -279,9 +279,12 @@ def _chain() -> None:
     """Run the ``sitecustomize`` this folder shadows: the next one on ``sys.path``. It becomes
     ``sys.modules["sitecustomize"]``; its errors propagate to ``site``, which reports them as it
     would have without this folder."""
-    from importlib.machinery import PathFinder
-    from importlib.util import module_from_spec
-
+    bootstrap, external = sys.modules.get("_frozen_importlib"), sys.modules.get("_frozen_importlib_external")
+    if bootstrap is not None and external is not None:  # CPython: already loaded, nothing to import
+        module_from_spec, PathFinder = bootstrap.module_from_spec, external.PathFinder
+    else:  # pragma: no cover - other interpreters
+        from importlib.machinery import PathFinder
+        from importlib.util import module_from_spec
     here = os.path.dirname(os.path.abspath(__file__))
     rest = [p for p in sys.path if os.path.abspath(p or os.curdir) != here]
     spec = PathFinder.find_spec("sitecustomize", rest)

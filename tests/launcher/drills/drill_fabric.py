@@ -17,7 +17,7 @@ from lightning.fabric.strategies import ModelParallelStrategy
 from torch.distributed.fsdp import fully_shard
 
 
-def parallelize(model, mesh):  # noqa: ANN001, ANN201 - Lightning's parallelize_fn
+def parallelize(model, mesh):
     for layer in model.layers:
         fully_shard(layer, mesh=mesh["data_parallel"])
     fully_shard(model, mesh=mesh["data_parallel"])
