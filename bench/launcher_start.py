@@ -9,13 +9,15 @@ quartiles and the difference of the medians. "prefixed" is the environment ``spa
 its command (``sparse_ckpt.launcher.environment``: the hook's folder first on ``PYTHONPATH``), so
 each start runs the hook's ``sitecustomize``, which installs the import finder and looks for a
 ``sitecustomize`` to chain to; the launcher's own start (one per job, before it ``exec``s the
-command) is not part of it. The last line says whether the prefixed process imported torch or
-sparse_ckpt (it must not).
+command) is not part of it. The last lines say whether the hook's bytecode was cached (an installed
+wheel has it; with ``PYTHONDONTWRITEBYTECODE=1`` and no cache each start compiles the hook, about
+4 ms more) and whether the prefixed process imported torch or sparse_ckpt (it must not).
 """
 
 from __future__ import annotations
 
 import argparse
+import importlib.util
 import json
 import os
 import statistics
@@ -24,6 +26,7 @@ import sys
 import time
 
 from sparse_ckpt.launcher import environment
+from sparse_ckpt.launcher.cli import SITE_DIR
 
 PROBE = "import sys; print(int('torch' in sys.modules), int('sparse_ckpt' in sys.modules))"
 
@@ -60,6 +63,8 @@ def main(argv: list[str] | None = None) -> dict[str, float]:
     for name, values in times.items():
         print(_row(name, values))
     print(f"difference of the medians: {medians['prefixed'] - medians['stock']:+.1f} ms")
+    cached = [os.path.exists(importlib.util.cache_from_source(os.path.join(SITE_DIR, f))) for f in ("sitecustomize.py", "_sparse_ckpt_run.py")]
+    print(f"hook bytecode cached: {all(cached)} ({SITE_DIR}/__pycache__)")
     imported = subprocess.run([sys.executable, "-c", PROBE], env=prefixed, capture_output=True, text=True, check=True).stdout.split()
     print(f"prefixed process imported torch: {imported[0] == '1'}, sparse_ckpt: {imported[1] == '1'}")
     if args.json:

@@ -8,6 +8,7 @@ a real activation (torch DSD imported under the prefix) and ``--check``.
 from __future__ import annotations
 
 import importlib
+import importlib.util
 import json
 import logging
 import os
@@ -223,3 +224,22 @@ def test_a_prefixed_process_routes_dsd_and_check_reports_it(monkeypatch: pytest.
     assert cli.main(["--check", "--integrations", "dsd", sys.executable, "-c", "raise SystemExit(3)"]) == cli.EXIT_OK
     out = capsys.readouterr().out
     assert "dsd        routed: torch DSD" in out and out.rstrip().endswith("result: ok"), out
+
+
+def test_a_trainer_integration_module_is_picked_up_when_present(monkeypatch: pytest.MonkeyPatch, capsys: pytest.CaptureFixture[str]) -> None:
+    """The table maps a trainer's package to ``sparse_ckpt.integrations.<name>.install``: when that module
+    exists (here a stand-in for torchtune's) its ``install()`` is called and the line names it; when it
+    does not, the entry is skipped as ``absent`` and nothing is said about it."""
+    import types
+
+    calls = []
+    module = types.ModuleType("sparse_ckpt.integrations.torchtune")
+    module.install = lambda: calls.append("installed")  # type: ignore[attr-defined]
+    monkeypatch.setattr(activation.logger, "propagate", False)
+    monkeypatch.delitem(sys.modules, "sparse_ckpt.integrations.torchtune", raising=False)
+    if importlib.util.find_spec("sparse_ckpt.integrations.torchtune") is None:
+        assert activation.activate(["torchtune"])[0]["status"] == "absent" and capsys.readouterr().err == ""
+    monkeypatch.setitem(sys.modules, "sparse_ckpt.integrations.torchtune", module)
+    assert activation.activate(["torchtune"])[0]["status"] == "routed" and calls == ["installed"]
+    assert "torchtune's optimizer checkpointing -> sparse_ckpt.integrations.torchtune" in capsys.readouterr().err
+    assert hook.INTEGRATIONS["torchtune"].triggers == ("torchtune",) and hook.INTEGRATIONS["torchtune"].default

@@ -43,7 +43,6 @@ def main(ckpt: str, out: str, resume: bool) -> None:
             save_model_and_optim_state(ckpt, model, optimizer, flatten_optimizer_state=True)
             torch.save(scheduler.state_dict(), scheduler_file)
     record(out, model, optimizer, scheduler.get_last_lr())
-    dist.destroy_process_group()
 
 
 if __name__ == "__main__":
