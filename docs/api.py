@@ -2,7 +2,7 @@
 ``test`` extra; .ci/run runs it). Only the public surface is rendered: the top-level API (``import
 sparse_ckpt as sc``), ``sparse_ckpt.errors``, ``sparse_ckpt.export``, ``sparse_ckpt.tools`` and
 ``sparse_ckpt.integrations`` (its private helper modules, and the modules behind the ``dsd`` package's
-names, left out), exactly README's API table.
+names, left out) and ``sparse_ckpt.launcher`` (its hook folder left out), exactly README's API table.
 
 Any warning pdoc issues fails the build (exit status 1, each warning on stderr), but one kind: the
 annotations that ``SparseCheckpointManager`` takes over from torchtitan (the signature of
@@ -28,6 +28,8 @@ MODULES = [
     "sparse_ckpt.integrations",
     r"!sparse_ckpt\.integrations\._.*",
     r"!sparse_ckpt\.integrations\.dsd\..*",
+    "sparse_ckpt.launcher",
+    r"!sparse_ckpt\.launcher\._.*",
 ]
 """What pdoc renders (``!``: left out)."""
 

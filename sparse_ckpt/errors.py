@@ -12,6 +12,7 @@ __all__ = [
     "CheckpointFormatError",
     "CheckpointMismatchError",
     "CrossRankStateError",
+    "LauncherError",
     "NotACheckpointError",
     "ReentrantSerializationError",
     "SparseCheckpointError",
@@ -57,3 +58,8 @@ class StockCheckpointWarning(UserWarning):
 
 class UsageError(SparseCheckpointError):
     """A bad argument or destination given to the checkpoint tools or export (CLI exit status 2)."""
+
+
+class LauncherError(SparseCheckpointError, RuntimeError):
+    """``sparse-ckpt-run --strict`` (``SPARSE_CKPT_RUN_STRICT=1``): an integration the launcher was to
+    activate in this process failed to install; raised from the import that triggered it."""

@@ -1,4 +1,5 @@
-"""``python -m sparse_ckpt``: inspect, verify, diff, convert and export the optimizer part of DCP checkpoints.
+"""``python -m sparse_ckpt``: inspect, verify, diff, convert and export the optimizer part of DCP checkpoints;
+``run`` is ``sparse-ckpt-run`` (`sparse_ckpt.launcher`, docs/launcher.md).
 
 The commands, their options, output and exit statuses are documented in docs/cli.md. The work is
 done by `sparse_ckpt.tools` and `sparse_ckpt.tools.export`; this module parses arguments
@@ -68,6 +69,10 @@ def _parser() -> argparse.ArgumentParser:
     e.add_argument("out", help="destination directory (new or empty)")
     e.add_argument("--key", help="the optimizer's key (default: the checkpoint's only optimizer)")
     e.add_argument("--leaf", default=SINGLE_LEAF, help="leaf name for flat-format settings (default: %(default)s)")
+    r = sub.add_parser(
+        "run", add_help=False, help="run a command with sparse_ckpt active in every Python process it starts (sparse-ckpt-run)"
+    )
+    r.add_argument("args", nargs=argparse.REMAINDER, help="sparse-ckpt-run's options and the command")
     return parser
 
 
@@ -111,6 +116,11 @@ def _run(args: argparse.Namespace, out: Callable[[str], None], err: Callable[[st
 
 def main(argv: Sequence[str] | None = None) -> int:
     """Run the CLI; returns the exit status. Errors are one line on stderr, never a traceback."""
+    argv = sys.argv[1:] if argv is None else list(argv)
+    if argv[:1] == ["run"]:  # everything after "run" is sparse-ckpt-run's (argparse would read its options)
+        from ..launcher.cli import main as run_main
+
+        return run_main(argv[1:])
     args = _parser().parse_args(argv)
 
     def out(text: str) -> None:

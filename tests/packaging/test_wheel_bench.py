@@ -1,6 +1,6 @@
 """The bench ships in the wheel: build it, install it into a fresh venv outside the source
 tree, and run ``python -m sparse_ckpt.bench --quick``, the ``sparse-ckpt-bench`` console script and
-``python -m sparse_ckpt.bench.resume`` from there.
+``python -m sparse_ckpt.bench.resume`` from there; and ``sparse-ckpt-run`` (its hook folder ships in the wheel).
 
 The source tree is copied first (without build outputs), so the build never touches the checkout's
 ``build/`` or ``sparse_ckpt/_C*.so``. The wheel is built with ``--no-build-isolation`` when the build
@@ -117,6 +117,9 @@ def test_bench_runs_from_the_installed_wheel(tmp_path: Path) -> None:
     assert "Description-Content-Type: text/markdown" in metadata and "# sparse_ckpt" in metadata
     assert "Classifier: Programming Language :: Python :: 3" in metadata
     assert "sparse-ckpt-bench = sparse_ckpt.bench.run:console_main" in entry_points
+    assert "sparse-ckpt-run = sparse_ckpt.launcher.cli:console_main" in entry_points
+    for f in ("sitecustomize.py", "_sparse_ckpt_run.py"):  # the folder sparse-ckpt-run puts on PYTHONPATH
+        assert f"sparse_ckpt/launcher/_sitecustomize/{f}" in names, f
 
     t0 = time.perf_counter()
     venv = tmp_path / "venv"
@@ -171,5 +174,12 @@ def test_bench_runs_from_the_installed_wheel(tmp_path: Path) -> None:
                  "--resume-sizes", "1"], work, env, 300)
     times["python -m sparse_ckpt.bench.resume (1 rank)"] = time.perf_counter() - t0
     assert proc.stdout.rstrip().endswith("resume drill: PASS")
+
+    t0 = time.perf_counter()  # the launcher's hook folder, from the wheel, reaches the command's interpreter
+    code = "import sys; print(type(sys.meta_path[0]).__name__, sys.modules['_sparse_ckpt_run'].__file__)"
+    proc = _run([str(venv / "bin" / "sparse-ckpt-run"), str(python), "-c", code], work, env, 300)
+    times["sparse-ckpt-run python -c ..."] = time.perf_counter() - t0
+    kind, hook_file = proc.stdout.split()
+    assert kind == "_Hook" and str(Path(hook_file).resolve()).startswith(site), proc.stdout
 
     print("wheel bench timings: " + ", ".join(f"{k} {v:.1f} s" for k, v in times.items()))
