@@ -7,8 +7,8 @@
 //   index) and a pinned host allocator (host memory, remembered so that is_pinned() answers true);
 // * two devices (npu:0, npu:1) with a per-thread current device, a device guard, streams and events
 //   that exist but never wait: every kernel runs synchronously on the calling thread;
-// * the kernels that must be native to a device (empty, empty_strided, the view ops, resize_, set_,
-//   _copy_from, _copy_from_and_resize); every other operator runs through torch's boxed CPU fallback
+// * the kernels that must be native to a device (empty, empty_strided, the backend-specific view ops,
+//   resize_, the set_ overloads, _copy_from, _copy_from_and_resize); every other operator runs through torch's boxed CPU fallback
 //   (at::native::cpu_fallback: arguments copied to the CPU, the CPU kernel run, results and mutated
 //   arguments copied back), so fused, foreach and capturable optimizer kernels run as their CPU
 //   kernels do.
@@ -22,6 +22,8 @@
 #include <ATen/ops/resize_native.h>
 #include <ATen/ops/set_native.h>
 #include <ATen/ops/unfold_native.h>
+#include <ATen/ops/view_as_complex_native.h>
+#include <ATen/ops/view_as_real_native.h>
 #include <ATen/ops/view_native.h>
 #include <c10/core/Allocator.h>
 #include <c10/core/impl/DeviceGuardImplInterface.h>
@@ -247,6 +249,16 @@ at::Tensor& set_storage(at::Tensor& self, at::Storage source, int64_t storage_of
   return at::native::set_storage_cpu_(self, std::move(source), storage_offset, size, stride);
 }
 
+at::Tensor& set_whole_storage(at::Tensor& self, at::Storage source) {
+  c10::DeviceGuard guard(self.device());
+  return at::native::set_(self, std::move(source));
+}
+
+at::Tensor& set_tensor(at::Tensor& self, const at::Tensor& source) {
+  c10::DeviceGuard guard(self.device());
+  return at::native::set_tensor_(self, source);
+}
+
 void cpu_fallback(const c10::OperatorHandle& op, torch::jit::Stack* stack) { at::native::cpu_fallback(op, stack); }
 
 TORCH_LIBRARY_IMPL(aten, PrivateUse1, m) {
@@ -256,10 +268,14 @@ TORCH_LIBRARY_IMPL(aten, PrivateUse1, m) {
   m.impl("_copy_from_and_resize", copy_from_and_resize);
   m.impl("resize_", resize);
   m.impl("set_.source_Storage_storage_offset", set_storage);
+  m.impl("set_.source_Storage", set_whole_storage);
+  m.impl("set_.source_Tensor", set_tensor);
   m.impl("as_strided", at::native::as_strided_tensorimpl);
   m.impl("view", at::native::view);
   m.impl("_reshape_alias", at::native::_reshape_alias);
   m.impl("unfold", at::native::unfold);
+  m.impl("view_as_real", at::native::view_as_real);
+  m.impl("view_as_complex", at::native::view_as_complex);
 }
 
 TORCH_LIBRARY_IMPL(_, PrivateUse1, m) { m.fallback(torch::CppFunction::makeFromBoxedFunction<&cpu_fallback>()); }

@@ -17,6 +17,7 @@ builds it and prints the build time.
 
 from __future__ import annotations
 
+import contextlib
 import os
 import sys
 import time
@@ -68,15 +69,22 @@ def _device_module(ext: types.ModuleType) -> types.ModuleType:
     mod.current_device = ext.current_device
     mod.set_device = lambda device: ext.set_device(_index(device))
     mod.synchronize = lambda device=None: None  # every kernel runs synchronously
-    mod.manual_seed = torch.manual_seed  # the kernels are the CPU's, so is the generator
-    mod.manual_seed_all = torch.manual_seed
-    mod.seed = torch.seed
-    mod.initial_seed = torch.initial_seed
+    # The kernels are the CPU's, so is the generator (torch.manual_seed seeds it, then calls these).
+    mod.manual_seed = lambda seed: torch.default_generator.manual_seed(int(seed))
+    mod.manual_seed_all = mod.manual_seed
+    mod.seed = lambda: torch.default_generator.seed()
+    mod.seed_all = mod.seed
+    mod.initial_seed = lambda: torch.default_generator.initial_seed()
     mod.get_rng_state = lambda device=None: torch.get_rng_state()
     mod.set_rng_state = lambda state, device=None: torch.set_rng_state(state)
     mod.memory_allocated = lambda device=None: ext.memory_allocated()
     mod.pinned_allocations = ext.pinned_allocations
     mod.get_device_name = lambda device=None: "emulated npu (host memory, sparse_ckpt tests)"
+    mod.Stream = lambda device=None, priority=0: torch.Stream(NAME, priority=priority)
+    mod.Event = lambda *args, **kwargs: torch.Event(NAME, *args, **kwargs)
+    mod.current_stream = lambda device=None: torch.accelerator.current_stream(device)
+    mod.default_stream = lambda device=None: torch.accelerator.current_stream(device)
+    mod.stream = lambda stream: contextlib.nullcontext(stream)  # kernels never wait: one stream is as good as any
     mod.emulated = True
     return mod
 
