@@ -57,7 +57,22 @@ NEXT_STEP_NOT_REPRODUCIBLE = {("sgd-fused", torch.bfloat16, "cpu")}
 """Where torch itself does not repeat a step after a restore: fused SGD on bf16 CPU parameters (torch 2.13)
 gives momentum buffers that differ in the last bit after ``load_state_dict(deepcopy(state_dict()))`` --
 torch's own round trip -- and from run to run of the same restore (it depends on where the buffers are
-allocated). The restored state is still compared exactly; only the next step is not."""
+allocated). The restored state is still compared exactly; only the next step is not. The emulated npu
+device (.ci/npu.sh) runs the CPU kernels, so the same holds there (:func:`kernels_of`)."""
+
+
+TORCH_CASTS = {("nadam-capturable", torch.bfloat16)}
+"""Where torch's own ``load_state_dict`` changes a value's dtype, so no restore that follows torch's cast
+policy (the contract) equals the source: NAdam's 0-dim float32 ``mu_product`` becomes bf16 like its
+parameter (torch 2.13, ``Optimizer._process_value_according_to_param_policy``). There the restore must
+equal torch's own restore exactly (checked), and the next step is not compared with the source's."""
+
+
+def kernels_of(device: torch.device) -> str:
+    """Whose kernels run on ``device``: ``cpu`` for the CPU and for the emulated npu (its kernels are the
+    CPU's, tests/accelerator/emulated_npu.py), else the device type."""
+    module = torch.get_device_module(device.type) if device.type != "cpu" else None
+    return "cpu" if module is None or getattr(module, "emulated", False) else device.type
 
 
 @pytest.fixture(params=list(OPTIMIZERS))
@@ -160,13 +175,14 @@ def assert_restored_exactly(
 ) -> None:
     """``opt2`` equals ``opt`` exactly (and equals what torch's own ``load_state_dict`` gives), and the next
     step of both is identical."""
-    assert_optimizer_equal(opt, opt2, grads=False)
+    if (name, dtype) not in TORCH_CASTS:
+        assert_optimizer_equal(opt, opt2, grads=False)
     assert_placed_as_torch_places(model2, opt2)
     _model3, opt3 = fresh_copy(model, name, dtype)
     for leaf, o in opt.leaves():
         opt3[leaf].load_state_dict(copy.deepcopy(o.state_dict()))  # torch's own restore: the placement to match
     assert_optimizer_equal(opt3, opt2, grads=False)
-    if (name, dtype, next(model.parameters()).device.type) in NEXT_STEP_NOT_REPRODUCIBLE:
+    if (name, dtype) in TORCH_CASTS or (name, dtype, kernels_of(next(model.parameters()).device)) in NEXT_STEP_NOT_REPRODUCIBLE:
         return
     train(model, opt, 1, seed=50)
     train(model2, opt2, 1, seed=50)
