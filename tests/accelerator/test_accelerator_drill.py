@@ -4,9 +4,9 @@ npu; each skipped where absent; the CPU dry run with ``SPARSE_CKPT_TEST_DEVICE=c
 * **Resume drill, in one process:** a MoE (two experts never routed: never any state) trains on the
   last device of the type (``<type>:1`` on a two-device machine) with a ``MultiOptimizer`` of fused,
   foreach or capturable AdamW leaves and a scheduler per leaf; ``dcp.async_save`` every 2 steps,
-  staged through pinned host memory where the device type offers it (DCP's
-  ``DefaultStager(StagingOptions(use_pinned_memory=True))``; the emulated npu counts its pinned
-  blocks, so the test sees the staging used them); the save of step 4 is interrupted after its data
+  through DCP's ``DefaultStager(StagingOptions(use_pinned_memory=True))`` (torch 2.13's stager pins
+  only where CUDA is available and stages to plain host memory elsewhere, npu included: its own
+  check, ``StateDictStager``); the save of step 4 is interrupted after its data
   files and before ``.metadata`` (its writer raises in ``finish``). A fresh model and optimizer on
   the same device resume from the last complete checkpoint (step 2) with ``SparseLoadPlanner`` and
   train on to step 6: parameters, state (values, dtypes, devices), lrs and scheduler state equal
@@ -115,8 +115,6 @@ def test_resume_drill_on_device(variant: str, device_type: str, tmp_path: Path) 
     if variant != "foreach" and device_type == "cpu":
         pytest.skip("fused/capturable AdamW: the CPU cases are tests/load and tests/dcp")
     device = last_device(device_type)
-    module = torch.get_device_module(device_type) if device_type != "cpu" else None
-    pinned_before = module.pinned_allocations() if hasattr(module, "pinned_allocations") else None
     model, opt, scheds = build(device, variant)
     for step in (2, 4):
         train(model, opt, scheds, step - 2, step)
@@ -130,8 +128,6 @@ def test_resume_drill_on_device(variant: str, device_type: str, tmp_path: Path) 
             else:
                 with pytest.raises(CheckpointException, match="interrupted before .metadata"):
                     future.result()
-    if pinned_before is not None:
-        assert module.pinned_allocations() > pinned_before, "the async save staged through no pinned host memory"
     assert not (tmp_path / "step-4" / ".metadata").exists() and (tmp_path / "step-2" / ".metadata").exists()
     train(model, opt, scheds, 4, 6)  # the uninterrupted run goes on
 
