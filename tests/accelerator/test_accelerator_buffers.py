@@ -102,7 +102,10 @@ def test_device_state_round_trips(variant: str, dtype: torch.dtype, device_type:
     assert_optimizer_equal(loaded["auto-flat"][1], loaded["per_tensor"][1], grads=False)
     assert_optimizer_equal(loaded["buffers"][1], src, grads=False)
     sd = sc.sparse_state_dict(model, src, state_layout="buffers")  # the dict API: buffers on the host
-    assert all(v.device.type == "cpu" for k, v in sd.items() if k.startswith("state.__buffers__.") and isinstance(v, torch.Tensor))
+    buffers = [v for k, v in sd.items() if k.startswith("state.__buffers__.") and isinstance(v, torch.Tensor)]
+    assert buffers and all(v.device.type == "cpu" for v in buffers)
+    if device_type != "cpu":  # staged in ordinary host memory unless SPARSE_CKPT_PINNED_STAGING asks for pinned
+        assert not any(v.is_pinned() for v in buffers)
     for model2, dst in loaded.values():
         _steps(model2, dst, 1, seed=5)
     assert_optimizer_equal(loaded["buffers"][1], loaded["per_tensor"][1], grads=False)
@@ -168,3 +171,26 @@ def test_fsdp2_on_a_device_mesh(tmp_path: Path, layout: str, device_type: str) -
             assert torch.equal(p.to_local(), p2.to_local())
     finally:
         dist.destroy_process_group()
+
+
+def test_pinned_staging(device_type: str, tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    """``SPARSE_CKPT_PINNED_STAGING=1``: a buffered save of device state stages every bucket in pinned host
+    memory of the accelerator, and the checkpoint restores onto the device index bit for bit."""
+    if device_type == "cpu":
+        pytest.skip("pinned staging is for accelerator state")
+    monkeypatch.setenv("SPARSE_CKPT_PINNED_STAGING", "1")
+    device = last_device(device_type)
+    model = _model(torch.float32, device)
+    src = torch.optim.AdamW(model.parameters(), lr=0.01, fused=True)
+    _steps(model, src, 2, seed=1)
+    sd = sc.sparse_state_dict(model, src, state_layout="buffers")
+    buffers = [v for k, v in sd.items() if k.startswith("state.__buffers__.") and isinstance(v, torch.Tensor)]
+    assert buffers and all(v.device.type == "cpu" and v.is_pinned() for v in buffers)
+    dcp.save({"optim": sc.SparseOptimizerState(model, src, state_layout="buffers")}, checkpoint_id=tmp_path, no_dist=True)
+    model2 = _model(torch.float32, device)
+    model2.load_state_dict(model.state_dict())
+    dst = torch.optim.AdamW(model2.parameters(), lr=0.5, fused=True)
+    dcp.load({"optim": sc.SparseOptimizerState(model2, dst)}, checkpoint_id=tmp_path, planner=sc.SparseLoadPlanner(),
+             no_dist=True)
+    assert_optimizer_equal(dst, src, grads=False)
+    assert all(v.device == device for st in dst.state.values() for v in st.values())
