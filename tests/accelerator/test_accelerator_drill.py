@@ -16,6 +16,7 @@ npu; each skipped where absent; the CPU dry run with ``SPARSE_CKPT_TEST_DEVICE=c
   DTensor, so Gloo moves only the plan's CPU objects) with their state on ``<type>:<rank>``, save
   one checkpoint; one process with every expert on one device loads it and must equal a
   single-process run of the same training exactly.
+* **Bench:** ``python -m bench --device <type>`` at a toy scale writes its table and plots.
 """
 
 from __future__ import annotations
@@ -25,6 +26,7 @@ import zlib
 from pathlib import Path
 from typing import Any
 
+import _backends
 import pytest
 import torch
 import torch.distributed as dist
@@ -194,3 +196,21 @@ def test_reshard_two_ranks_to_one(device_type: str, tmp_path: Path, forbid_fork:
     assert_optimizer_equal(ref_opt, opt, grads=False, state_order=False)  # (state in checkpoint order)
     assert all(v.device == device for st in opt.state.values() for k, v in st.items() if k != "step")
     assert not any(p in opt.state for p in model.experts[3].parameters())
+
+
+@_backends.only("cpp")  # (the bench measures both core backends itself)
+def test_bench_quick_on_device(device_type: str, tmp_path: Path) -> None:
+    """``python -m bench --device <type>`` at a toy scale runs with state on the device: results.json names
+    the device, the table (results.md) and the plots are written, no figure failed."""
+    import json
+
+    from bench.run import main
+
+    out = tmp_path / "bench"
+    rc = main(["--device", device_type, "--scales", "2x8", "--repeats", "1", "--budget", "0.2", "--progress", "off",
+               "--out", str(out)])
+    assert rc == 0
+    results = json.loads((out / "results.json").read_text())
+    assert results["machine"]["device"] == device_type
+    assert (out / "results.md").read_text().count("|") > 10
+    assert sorted(p.name for p in out.glob("*.png")), sorted(p.name for p in out.iterdir())
