@@ -33,7 +33,11 @@ NPU_MODULE_ENV = "SPARSE_CKPT_NPU_MODULE"
 
 def npu_registered() -> bool:
     """Whether a ``npu`` device type exists in this process (PrivateUse1 renamed and a ``torch.npu`` module)."""
-    return torch._C._get_privateuse1_backend_name() == "npu" and getattr(torch, "npu", None) is not None
+    try:
+        torch.device("npu")  # parses only once a backend has claimed the name (PrivateUse1 renamed)
+    except RuntimeError:
+        return False
+    return getattr(torch, "npu", None) is not None
 
 
 def import_npu() -> None:

@@ -94,7 +94,7 @@ def register() -> types.ModuleType:
     existing = getattr(torch, NAME, None)
     if existing is not None and getattr(existing, "emulated", False):
         return existing
-    current = torch._C._get_privateuse1_backend_name()
+    current = torch._C._get_privateuse1_backend_name()  # (the test device may use torch's private name query)
     if current not in ("privateuseone", NAME):
         raise RuntimeError(f"emulated npu: PrivateUse1 is already registered as {current!r}; cannot also be 'npu'")
     ext = build()
