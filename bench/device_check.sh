@@ -1,13 +1,14 @@
 #!/usr/bin/env bash
 # The device check: on a GPU (or NPU) machine with the project copied over, one command
-# builds the C++ core in place, runs the CUDA test module (tests/cuda/test_cuda_state.py), the resume drill
-# with --device cuda and the bench with --device cuda at 8x64, 24x128 and 61x256, and writes
+# builds the C++ core in place, runs the accelerator tests (tests/accelerator/, on the --device type), the
+# resume drill with --device cuda|npu and the bench with --device cuda|npu at 8x64, 24x128 and 61x256, and writes
 # everything into one folder. Needs no network: torch, pybind11, cmake, ninja, setuptools, pytest
 # and numpy must be installed (matplotlib optional: without it the bench skips its figures).
 #
 # Usage: bash bench/device_check.sh [--device cuda|npu|cpu] [--out DIR] [--quick] [--skip-build]
 #                                   [--budget SECONDS] [--commit SHA] [--python PY]
-#   --device      cuda (default), npu, or cpu: the dry run (CI runs `--device cpu --quick --skip-build`;
+#   --device      cuda (default), npu (Ascend: torch_npu installed; the npu type is registered by importing it,
+#                 or by the module SPARSE_CKPT_NPU_MODULE names), or cpu: the dry run (CI runs `--device cpu --quick --skip-build`;
 #                 the test module then runs on the CPU, SPARSE_CKPT_TEST_DEVICE=cpu)
 #   --out         the folder for everything (default: device-check-<device>-<date> in the current directory)
 #   --quick       small sizes everywhere (3 of the 11 optimizers in the tests, bench 2x8 with one repeat,
@@ -71,7 +72,7 @@ rm -f "$OUT/device.err"
   echo "cpu       $(grep -m1 'model name' /proc/cpuinfo 2>/dev/null | cut -d: -f2- | sed 's/^ //'), $(nproc) cores"
   echo "commit    $COMMIT$(git -C "$ROOT" status --porcelain 2>/dev/null | grep -q . && echo ' (with local changes)')"
   echo "device    $DEVICE ($COUNT present)"
-  "$PY" - <<'PY'
+  "$PY" - "$DEVICE" <<'PY'
 import platform, torch
 print(f"python    {platform.python_version()} ({platform.python_implementation()})")
 print(f"torch     {torch.__version__} (CUDA {torch.version.cuda}, cuDNN {torch.backends.cudnn.version()})")
@@ -79,8 +80,17 @@ if torch.cuda.is_available():
     for i in range(torch.cuda.device_count()):
         p = torch.cuda.get_device_properties(i)
         print(f"gpu {i}     {p.name}, {p.total_memory / 2**30:.0f} GiB, capability {p.major}.{p.minor}")
+import sys
+sys.path.insert(0, ".")
+from bench.devices import device_name, npu_registered
+if npu_registered() or sys.argv[1:] == ["npu"]:
+    try:
+        print(f"npu       {device_name('npu')}")
+    except Exception as exc:  # the device check above already refused a missing npu
+        print(f"npu       ? ({exc})")
 PY
   command -v nvidia-smi >/dev/null && nvidia-smi 2>&1
+  [ "$DEVICE" = npu ] && command -v npu-smi >/dev/null && npu-smi info 2>&1
 } > "$OUT/env.txt" 2>&1
 cat "$OUT/env.txt"
 
@@ -112,10 +122,9 @@ else
   echo "build  SKIP      0s  (--skip-build: the checkout's sparse_ckpt/_C)" | tee -a "$OUT/summary.txt"
 fi
 
-# 2. The CUDA test module (both core backends); on the CPU dry run, the same module on the CPU.
+# 2. The accelerator tests (both core backends) on the --device type; on the CPU dry run, on the CPU.
 TEST_DEVICE="$DEVICE"
-[ "$DEVICE" = npu ] && TEST_DEVICE=cuda  # (the module has CUDA cases only: it then reports its skip)
-TESTS=(tests/cuda/test_cuda_state.py tests/cuda/test_cuda_buffers.py)
+TESTS=(tests/accelerator/)
 [ "$QUICK" -eq 1 ] && TESTS+=(-k "adamw-fused or adam-for-loop or sgd-fused")
 run_step tests 150 tests.log env SPARSE_CKPT_TEST_DEVICE="$TEST_DEVICE" SPARSE_CKPT_REQUIRE_CPP=1 \
   "$PY" -m pytest -q -rs -p no:cacheprovider --junitxml="$OUT/tests.xml" "${TESTS[@]}"

@@ -1,7 +1,8 @@
 """Devices of the bench and the resume drill: ``--device cpu|cuda|npu``.
 
-:func:`check_device` makes sure a device of the kind is present (importing ``torch_npu`` for
-``npu``); :func:`device_count` counts them; :func:`check_world_sizes` refuses a multi-rank run that
+:func:`check_device` makes sure a device of the kind is present (for ``npu``, importing the module
+that registers it -- ``torch_npu``, or the one ``SPARSE_CKPT_NPU_MODULE`` names -- only when no
+``npu`` device type is registered yet); :func:`device_count` counts them; :func:`check_world_sizes` refuses a multi-rank run that
 needs more accelerators than the machine has (one rank per GPU/NPU). For the ranks themselves:
 :data:`PROCESS_GROUP_BACKENDS` (Gloo on CPU, NCCL on CUDA, HCCL on NPU), :func:`bind_rank` (the
 rank's device), :func:`current_device` and :func:`synchronize`.
@@ -9,6 +10,7 @@ rank's device), :func:`current_device` and :func:`synchronize`.
 
 from __future__ import annotations
 
+import importlib
 import os
 from collections.abc import Iterable
 from typing import Any
@@ -24,11 +26,40 @@ class DeviceUnavailable(RuntimeError):
     """The requested ``--device`` cannot be used on this machine."""
 
 
+NPU_MODULE_ENV = "SPARSE_CKPT_NPU_MODULE"
+"""Names the module that registers the ``npu`` device type when none is registered (default
+``torch_npu``, Ascend's; the tests' emulated device is ``emulated_npu``, tests/accelerator)."""
+
+
+def npu_registered() -> bool:
+    """Whether a ``npu`` device type exists in this process (PrivateUse1 renamed and a ``torch.npu`` module)."""
+    try:
+        torch.device("npu")  # parses only once a backend has claimed the name (PrivateUse1 renamed)
+    except RuntimeError:
+        return False
+    return getattr(torch, "npu", None) is not None
+
+
+def import_npu() -> None:
+    """Register the ``npu`` device type: import ``$SPARSE_CKPT_NPU_MODULE`` (default ``torch_npu``)
+    unless one is registered already. Raises :class:`DeviceUnavailable` when the import fails."""
+    if npu_registered():
+        return
+    module = os.environ.get(NPU_MODULE_ENV) or "torch_npu"
+    try:
+        importlib.import_module(module)
+    except ImportError as exc:
+        raise DeviceUnavailable(f"--device npu: {module} is not importable ({exc})") from None
+    if not npu_registered():
+        raise DeviceUnavailable(f"--device npu: importing {module} registered no 'npu' device type")
+
+
 def _accelerator_module(name: str) -> Any:
-    """``torch.cuda`` or ``torch.npu`` (importing ``torch_npu`` for the latter)."""
+    """The device module of ``name`` (``torch.cuda``, ``torch.npu``: ``torch.get_device_module``),
+    registering ``npu`` first when needed (:func:`import_npu`)."""
     if name == "npu":
-        import torch_npu  # noqa: F401  (registers torch.npu)
-    return getattr(torch, name)
+        import_npu()
+    return torch.get_device_module(name)
 
 
 def check_device(name: str) -> None:
@@ -40,13 +71,9 @@ def check_device(name: str) -> None:
             raise DeviceUnavailable("--device cuda: torch.cuda.is_available() is False (no GPU or a CPU-only torch)")
         return
     if name == "npu":
-        try:
-            import torch_npu  # noqa: F401
-        except ImportError as exc:
-            raise DeviceUnavailable(f"--device npu: torch_npu is not importable ({exc})") from None
-        npu = getattr(torch, "npu", None)
-        if npu is None or not npu.is_available():
-            raise DeviceUnavailable("--device npu: torch_npu is installed but no NPU is available")
+        import_npu()
+        if not torch.get_device_module("npu").is_available():
+            raise DeviceUnavailable("--device npu: the npu device type is registered but no NPU is available")
         return
     raise DeviceUnavailable(f"unknown device {name!r}")
 
@@ -95,6 +122,14 @@ def synchronize(name: str) -> None:
         _accelerator_module(name).synchronize()
 
 
+def device_name(name: str) -> str | None:
+    """The name of the current ``name`` device (``get_device_name`` of its device module); ``None`` on the CPU."""
+    if name == "cpu":
+        return None
+    get = getattr(_accelerator_module(name), "get_device_name", None)
+    return str(get()) if get is not None else None
+
+
 def current_device(name: str) -> torch.device:
     """The device a rank computes on: ``cpu``, or the current ``cuda``/``npu`` device."""
     if name == "cpu":
@@ -111,5 +146,8 @@ __all__ = [
     "check_world_sizes",
     "current_device",
     "device_count",
+    "device_name",
+    "import_npu",
+    "npu_registered",
     "synchronize",
 ]

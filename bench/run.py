@@ -38,7 +38,7 @@ import torch
 import sparse_ckpt
 
 from . import report, report_markdown
-from .devices import DeviceUnavailable, check_device, synchronize
+from .devices import DeviceUnavailable, check_device, device_name, synchronize
 from .fixtures import LAYOUTS, STATE_INITS, FixtureCache, Scale, gc_paused, parse_scales
 from .measure import (
     FixtureContext,
@@ -119,8 +119,9 @@ def machine_info(device: str, backends: dict[str, Any]) -> dict[str, Any]:
         "device": device,
         "torch_threads": torch.get_num_threads(),
     }
-    if device == "cuda":
-        info["device_name"] = torch.cuda.get_device_name()
+    name = device_name(device)
+    if name is not None:
+        info["device_name"] = name
     return info
 
 

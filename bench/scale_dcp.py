@@ -10,6 +10,7 @@ shared machine slows all layouts alike; each checkpoint is saved, loaded once an
 
 from __future__ import annotations
 
+import functools
 import os
 import random
 import shutil
@@ -25,6 +26,7 @@ import torch
 import sparse_ckpt as sc
 from sparse_ckpt._layouts import STATE_LAYOUTS
 
+from .devices import synchronize
 from .fixtures import ADAMW_KWARGS, Fixture, FixtureCache, FixtureSpec, build_adamw, uniform_fixture
 
 LEAF = "optim"
@@ -100,7 +102,7 @@ def layout_rows(fx: Fixture, layouts: Sequence[str], repeats: int, root: str, de
     """Per layout (and the floor): save and load samples, their medians, items and bytes on disk."""
     import torch.distributed.checkpoint as dcp
 
-    sync = torch.cuda.synchronize if device.startswith("cuda") else (lambda: None)
+    sync = functools.partial(synchronize, torch.device(device).type)
     names = [*layouts, *([FLOOR] if floor else [])]
     samples: dict[str, tuple[list[float], list[float]]] = {n: ([], []) for n in names}
     synced: list[float] = []  # the floor's save with fsync, as DCP's FileSystemWriter syncs by default

@@ -19,6 +19,14 @@ the host and is faulted in again on its next use: a huge-page buffer landing on 
 per 149 MiB instead of 15 ms (4 KiB pages: 62-84 ms). Whole saves after such idle gaps were as
 slow with 4 KiB pages (the page cache's fresh pages pay the same), so the advice stays on there too;
 ``bench/README.md`` (*Scale*) has the figures.
+
+Staging of accelerator state (:func:`staging_host`): a bucket whose chunks live on an accelerator
+is copied into a host buffer. ``SPARSE_CKPT_PINNED_STAGING=1`` (or ``on``) makes that buffer pinned
+host memory of the accelerator (``torch.empty(..., pin_memory=True)``, any accelerator type that
+registers a pinned allocator: CUDA, NPU, ...), so the device-to-host copy is a direct one; off by
+default (``0``/``off``), because torch's pinned allocator keeps freed pinned blocks for reuse (as
+DCP's own pinned staging does): the host memory of every bucket stays pinned after the save.
+Where the accelerator has no pinned allocator the buffer is an ordinary one.
 """
 
 from __future__ import annotations
@@ -30,7 +38,8 @@ from typing import Any
 
 import torch
 
-__all__ = ["HUGE_PAGES_ENV", "HUGE_PAGE_BYTES", "empty_host", "huge_pages_wanted"]
+__all__ = ["HUGE_PAGES_ENV", "HUGE_PAGE_BYTES", "PINNED_STAGING_ENV", "empty_host", "huge_pages_wanted",
+           "pinned_staging_wanted", "staging_host"]
 
 HUGE_PAGE_BYTES = 2 << 20
 """The huge page size advised for (x86-64 and arm64 with 4 KiB base pages); a buffer smaller than
@@ -58,14 +67,41 @@ HUGE_PAGES_ENV = "SPARSE_CKPT_HUGE_PAGES"
 """``0``/``off``: no huge-page advice; unset, ``1``/``on``: advise (the default)."""
 
 
-def huge_pages_wanted() -> bool:
-    """Whether :func:`empty_host` advises huge pages (:data:`HUGE_PAGES_ENV`, read at each call)."""
-    value = os.environ.get(HUGE_PAGES_ENV, "1").strip().lower()
+PINNED_STAGING_ENV = "SPARSE_CKPT_PINNED_STAGING"
+"""``1``/``on``: accelerator state staged in pinned host memory; unset, ``0``/``off``: not (the default)."""
+
+
+def _switch(name: str, default: str) -> bool:
+    value = os.environ.get(name, default).strip().lower()
     if value in ("1", "on", "true", "yes"):
         return True
     if value in ("0", "off", "false", "no"):
         return False
-    raise ValueError(f"{HUGE_PAGES_ENV}={os.environ[HUGE_PAGES_ENV]!r}: expected 1/on or 0/off")
+    raise ValueError(f"{name}={os.environ[name]!r}: expected 1/on or 0/off")
+
+
+def huge_pages_wanted() -> bool:
+    """Whether :func:`empty_host` advises huge pages (:data:`HUGE_PAGES_ENV`, read at each call)."""
+    return _switch(HUGE_PAGES_ENV, "1")
+
+
+def pinned_staging_wanted() -> bool:
+    """Whether :func:`staging_host` pins (:data:`PINNED_STAGING_ENV`, read at each call)."""
+    return _switch(PINNED_STAGING_ENV, "0")
+
+
+def staging_host(numel: int, dtype: torch.dtype, device: torch.device) -> torch.Tensor:
+    """A 1-D host buffer for ``numel`` elements copied from ``device``: pinned host memory of the
+    accelerator when ``device`` is one (the current accelerator's type), it offers pinned memory and
+    :func:`pinned_staging_wanted`; else :func:`empty_host`."""
+    if device.type != "cpu" and pinned_staging_wanted():
+        current = torch.accelerator.current_accelerator() if hasattr(torch, "accelerator") else None
+        if current is not None and current.type == device.type:
+            try:
+                return torch.empty(numel, dtype=dtype, pin_memory=True)
+            except RuntimeError:  # an accelerator without a pinned allocator: an ordinary buffer
+                pass
+    return empty_host(numel, dtype)
 
 
 def empty_host(size: tuple[int, ...] | int, dtype: torch.dtype) -> torch.Tensor:

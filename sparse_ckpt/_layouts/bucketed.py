@@ -19,7 +19,7 @@ import torch
 from torch.distributed.tensor import DTensor, Replicate, Shard
 
 from .._format.keys import BUFFERS_PREFIX, STATE_PREFIX, buffer_tag, escape_part, is_plain_part, layout_tag
-from .._host_memory import empty_host
+from .._host_memory import empty_host, staging_host
 from .._limits import ITEM_BYTES
 from .._torch_internals import local_chunk
 from ..errors import CheckpointFormatError
@@ -183,14 +183,15 @@ def fill(buckets: list[tuple[str, int, list[tuple[int, int]]]], local: list[torc
     out = []
     for _dtype, numel, members in buckets:
         chunks = [local[i] for i, _offset in members]
-        if len(chunks) == 1:  # one chunk alone: the (flattened) state tensor itself on the CPU, as per-item entries are
-            buf = chunks[0].detach().reshape(-1).to("cpu")
-        else:  # a new host buffer on huge pages where the OS offers them (its page faults dominated the copy)
+        device = chunks[0].device
+        if len(chunks) == 1 and device.type == "cpu":  # one CPU chunk alone: the (flattened) state tensor itself
+            buf = chunks[0].detach().reshape(-1)
+        elif device.type == "cpu":  # a new host buffer on huge pages where the OS offers them (its page faults dominated the copy)
             buf = empty_host(numel, chunks[0].dtype)
-            if chunks[0].device.type == "cpu":
-                stack_into(buf, chunks)
-            else:
-                buf.copy_(torch.cat([t.detach().reshape(-1) for t in chunks]))
+            stack_into(buf, chunks)
+        else:  # accelerator chunks, concatenated on their device, copied to a host (pinned where asked) buffer
+            buf = staging_host(numel, chunks[0].dtype, device)
+            buf.copy_(chunks[0].detach().reshape(-1) if len(chunks) == 1 else torch.cat([t.detach().reshape(-1) for t in chunks]))
         if buf.numel() != numel:  # pragma: no cover - the core's sizes are the chunks'
             raise AssertionError(f"bucket of {buf.numel()} elements, layout says {numel}")
         out.append(buf)
