@@ -1,0 +1,152 @@
+"""torchtune 0.6.1, resumed exactly by ``sparse_ckpt.integrations.torchtune``.
+
+The trainer drill (:mod:`trainer_drill`) with the real package: 2 Gloo ranks, FSDP2 over a CPU mesh,
+the MoE of :mod:`dsd_moe` (40 parameters, 22 stepped), a checkpoint after step 3 through torchtune's
+own ``CheckpointClient`` (what ``recipes/full_finetune_distributed.py`` calls, see
+:mod:`bench.tune_scenario`), a resume in a fresh set of processes, two more steps, compared with the
+uninterrupted run. Both of torchtune's ways: sync (``FullModelTorchTuneCheckpointer``,
+``training.get_full_optimizer_state_dict`` / ``load_from_full_optimizer_state_dict``) and async
+(``enable_async_checkpointing``: ``DistributedCheckpointer``, ``load_distributed_checkpoint``).
+
+Stock (pinned): the sync resume fails with ``KeyError: 'layers.0.experts.4.weight'`` (also with
+``integrations.dsd.install()``: torchtune's load never calls DSD), the async one with ``Missing key in
+checkpoint state_dict: optimizer.state.<id>.step``; both after torchtune's synthetic step gave the
+fresh optimizer state for all 40 parameters. Installed: sparse_ckpt's checkpoints and the stock ones
+resume bit for bit, 22 parameters with state, every group's lr (and ``initial_lr``, from which the
+recipe rebuilds its scheduler) kept; a stock checkpoint's load says so in a migration report.
+"""
+
+from __future__ import annotations
+
+from pathlib import Path
+from typing import Any
+
+import pytest
+
+pytest.importorskip("torchtune", reason="torchtune is not installed (pip install --no-deps -r .ci/requirements-torchtune.txt)")
+
+import _backends
+import dsd_moe
+import torch
+from _dist import run_ranks
+from torch.distributed.checkpoint.api import CheckpointException
+from trainer_drill import FRESH_LRS, SAVE_AT, STEPS, assert_resumed, assert_same, load_reference, outcome, save_reference, sharded
+
+from bench import tune_scenario as ts
+from sparse_ckpt.integrations import torchtune as sc_tune
+
+pytestmark = [
+    pytest.mark.usefixtures("forbid_fork"),
+    pytest.mark.filterwarnings("ignore::UserWarning", "ignore::FutureWarning", "ignore::DeprecationWarning"),
+]
+
+MODES = {"sync": False, "async": True}
+"""The drill's two ways, by ``enable_async_checkpointing``."""
+STOCK_ERRORS = {"sync": (KeyError, r"layers\.0\.experts\.4\.weight"),
+                "async": (CheckpointException, r"Missing key in checkpoint state_dict: optimizer\.state\.\d+\.step")}
+
+
+def fresh(steps: int = 0) -> tuple[Any, Any, Any]:
+    """A sharded model, its AdamW (two groups) and a scheduler, trained ``steps`` steps."""
+    model = sharded()
+    optimizer = dsd_moe.optimizer(model)
+    scheduler = dsd_moe.scheduler(optimizer)
+    dsd_moe.train(model, optimizer, scheduler, range(steps), torch.distributed.get_rank())
+    return model, optimizer, scheduler
+
+
+def rebuilt_scheduler(optimizer: Any) -> Any:
+    """The recipe's ``_setup_lr_scheduler(..., last_epoch=global_step - 1)``: from the loaded
+    ``initial_lr`` (a KeyError when the load lost it)."""
+    return torch.optim.lr_scheduler.LambdaLR(optimizer, [lambda s: 0.9**s, lambda s: 0.5**s], last_epoch=SAVE_AT - 1)
+
+
+def tune_outcome(model: Any, optimizer: Any, scheduler: Any) -> dict[str, Any]:
+    """:func:`trainer_drill.outcome`, the scheduler reduced to what a rebuilt one can equal."""
+    snap = outcome(model, optimizer, scheduler)
+    snap["sched"] = {k: snap["sched"][k] for k in ("last_epoch", "_last_lr")}
+    snap["initial_lrs"] = [g["initial_lr"] for g in optimizer.param_groups]
+    return snap
+
+
+def saves(rank: int, world_size: int, root: str) -> None:
+    """The uninterrupted run, stock checkpoints of both ways, then (installed) sparse ones."""
+    ts.write_base(Path(root) / "run", dsd_moe.model(0))
+    model, optimizer, scheduler = fresh(STEPS)
+    save_reference(root, "tune", tune_outcome(model, optimizer, scheduler))
+    for source in ("stock", "sparse"):
+        if source == "sparse":
+            sc_tune.install()
+        for mode, async_ in MODES.items():
+            run = Path(root) / f"{source}-{mode}"
+            ts.write_base(run, dsd_moe.model(0))
+            model, optimizer, scheduler = fresh(SAVE_AT)
+            before = tune_outcome(model, optimizer, scheduler)
+            ts.save(run, model, optimizer, async_=async_)
+            assert_same(tune_outcome(model, optimizer, scheduler), before, f"{source} {mode}: the save changed the run")
+    sc_tune.uninstall()
+
+
+def resume_run(root: str, source: str, mode: str, optimizers: list[Any] | None = None) -> tuple[Any, Any, Any]:
+    """The recipe's resume of run ``{source}-{mode}`` into a fresh sharded model (the optimizer it
+    builds goes into ``optimizers`` too, for a resume that raises)."""
+    model = sharded()
+
+    def make_optimizer(m: Any) -> Any:
+        optimizer = dsd_moe.optimizer(m)
+        (optimizers if optimizers is not None else []).append(optimizer)
+        return optimizer
+
+    optimizer, _ = ts.resume(Path(root) / f"{source}-{mode}", model, make_optimizer, async_=MODES[mode])
+    return model, optimizer, rebuilt_scheduler(optimizer)
+
+
+def resumes(rank: int, world_size: int, root: str) -> None:
+    """Fresh processes: stock resumes fail (pinned); installed, every checkpoint resumes exactly."""
+    import sparse_ckpt.integrations.dsd as sc_dsd
+
+    reference = load_reference(root, "tune")
+    for dsd_hook in (False, True):
+        if dsd_hook:
+            sc_dsd.install()
+        for mode in MODES:
+            built: list[Any] = []
+            error, match = STOCK_ERRORS[mode]
+            with pytest.raises(error, match=match):
+                resume_run(root, "stock", mode, built)
+            (optimizer,) = built
+            assert len(optimizer.state) == dsd_moe.PARAMS  # torchtune's synthetic step: 18 invented
+            assert [g["lr"] for g in optimizer.param_groups] == FRESH_LRS
+    sc_dsd.uninstall()
+
+    for order in ("alone", "with the DSD hook"):
+        sc_tune.install()
+        if order != "alone":
+            sc_dsd.install()
+        for mode in MODES:
+            for source in ("sparse", "stock"):
+                where = f"{mode}, {source} checkpoint, {order}"
+                model, optimizer, scheduler = resume_run(root, source, mode)
+                assert len(optimizer.state) == dsd_moe.STEPPED, where
+                report = sc_tune.last_migration_report()
+                if source == "sparse":
+                    assert report is None, where
+                else:
+                    assert report is not None and report.trainer == "torchtune", where
+                    assert len(report.stateless["optim"]) == dsd_moe.PARAMS - dsd_moe.STEPPED, where
+                    assert report.exact and not report.dropped, where  # saved at step 3: nothing looks synthetic
+                    assert len(report.stateless["optim"]) == len(set(report.stateless["optim"])), where
+                dsd_moe.train(model, optimizer, scheduler, range(SAVE_AT, STEPS), rank)
+                got = tune_outcome(model, optimizer, scheduler)
+                assert got["initial_lrs"] == reference["initial_lrs"], where
+                assert_resumed(got, reference, f"torchtune {where}")
+        sc_dsd.uninstall()
+        sc_tune.uninstall()
+
+
+@_backends.only(_backends.DEFAULT)
+def test_torchtune_resumes_exactly_with_the_integration(tmp_path: Path) -> None:
+    """Stock torchtune's sync and async resumes fail on the drill MoE (with or without the DSD hook);
+    installed (alone, or with the DSD hook), its own and the stock checkpoints resume bit for bit."""
+    run_ranks(saves, 2, str(tmp_path), timeout=300)
+    run_ranks(resumes, 2, str(tmp_path), timeout=300)
