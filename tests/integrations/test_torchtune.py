@@ -29,8 +29,20 @@ import _backends
 import dsd_moe
 import torch
 from _dist import run_ranks
+from doc_blocks import run_block
 from torch.distributed.checkpoint.api import CheckpointException
-from trainer_drill import FRESH_LRS, SAVE_AT, STEPS, assert_resumed, assert_same, load_reference, outcome, save_reference, sharded
+from trainer_drill import (
+    FRESH_LRS,
+    SAVE_AT,
+    STEPS,
+    assert_resumed,
+    assert_same,
+    doc_block,
+    load_reference,
+    outcome,
+    save_reference,
+    sharded,
+)
 
 from bench import tune_scenario as ts
 from sparse_ckpt.integrations import torchtune as sc_tune
@@ -42,6 +54,10 @@ pytestmark = [
 
 MODES = {"sync": False, "async": True}
 """The drill's two ways, by ``enable_async_checkpointing``."""
+UNSTEPPED = "unstepped"
+"""A sync run saved before its first step (stock: state invented for all 40 parameters)."""
+RUNS = {**MODES, UNSTEPPED: False}
+BLOCK = "sc_tune.install()"
 STOCK_ERRORS = {"sync": (KeyError, r"layers\.0\.experts\.4\.weight"),
                 "async": (CheckpointException, r"Missing key in checkpoint state_dict: optimizer\.state\.\d+\.step")}
 
@@ -55,10 +71,10 @@ def fresh(steps: int = 0) -> tuple[Any, Any, Any]:
     return model, optimizer, scheduler
 
 
-def rebuilt_scheduler(optimizer: Any) -> Any:
+def rebuilt_scheduler(optimizer: Any, global_step: int) -> Any:
     """The recipe's ``_setup_lr_scheduler(..., last_epoch=global_step - 1)``: from the loaded
     ``initial_lr`` (a KeyError when the load lost it)."""
-    return torch.optim.lr_scheduler.LambdaLR(optimizer, [lambda s: 0.9**s, lambda s: 0.5**s], last_epoch=SAVE_AT - 1)
+    return torch.optim.lr_scheduler.LambdaLR(optimizer, [lambda s: 0.9**s, lambda s: 0.5**s], last_epoch=global_step - 1)
 
 
 def tune_outcome(model: Any, optimizer: Any, scheduler: Any) -> dict[str, Any]:
@@ -69,21 +85,31 @@ def tune_outcome(model: Any, optimizer: Any, scheduler: Any) -> dict[str, Any]:
     return snap
 
 
+def install() -> None:
+    """The docs' block (docs/integrations.md, "torchtune"), run as written: it installs."""
+    namespace = run_block(doc_block(BLOCK), {"__name__": "docs"})
+    assert namespace["sc_tune"].installed()
+
+
 def saves(rank: int, world_size: int, root: str) -> None:
     """The uninterrupted run, stock checkpoints of both ways, then (installed) sparse ones."""
     ts.write_base(Path(root) / "run", dsd_moe.model(0))
     model, optimizer, scheduler = fresh(STEPS)
     save_reference(root, "tune", tune_outcome(model, optimizer, scheduler))
+    model, optimizer, scheduler = fresh(STEPS - SAVE_AT)
+    save_reference(root, "tune-scratch", tune_outcome(model, optimizer, scheduler))
     for source in ("stock", "sparse"):
         if source == "sparse":
-            sc_tune.install()
-        for mode, async_ in MODES.items():
-            run = Path(root) / f"{source}-{mode}"
-            ts.write_base(run, dsd_moe.model(0))
-            model, optimizer, scheduler = fresh(SAVE_AT)
+            install()
+        for run, async_ in RUNS.items():
+            ts.write_base(Path(root) / f"{source}-{run}", dsd_moe.model(0))
+            model, optimizer, scheduler = fresh(0 if run == UNSTEPPED else SAVE_AT)
             before = tune_outcome(model, optimizer, scheduler)
-            ts.save(run, model, optimizer, async_=async_)
-            assert_same(tune_outcome(model, optimizer, scheduler), before, f"{source} {mode}: the save changed the run")
+            ts.save(Path(root) / f"{source}-{run}", model, optimizer, async_=async_)
+            if source == "stock" and run == UNSTEPPED:  # DSD's synthetic step, in the live optimizer
+                assert len(optimizer.state) == dsd_moe.PARAMS
+            else:
+                assert_same(tune_outcome(model, optimizer, scheduler), before, f"{source} {run}: the save changed the run")
     sc_tune.uninstall()
 
 
@@ -97,8 +123,8 @@ def resume_run(root: str, source: str, mode: str, optimizers: list[Any] | None =
         (optimizers if optimizers is not None else []).append(optimizer)
         return optimizer
 
-    optimizer, _ = ts.resume(Path(root) / f"{source}-{mode}", model, make_optimizer, async_=MODES[mode])
-    return model, optimizer, rebuilt_scheduler(optimizer)
+    optimizer, _ = ts.resume(Path(root) / f"{source}-{mode}", model, make_optimizer, async_=RUNS[mode])
+    return model, optimizer, rebuilt_scheduler(optimizer, 0 if mode == UNSTEPPED else SAVE_AT)
 
 
 def resumes(rank: int, world_size: int, root: str) -> None:
@@ -120,7 +146,7 @@ def resumes(rank: int, world_size: int, root: str) -> None:
     sc_dsd.uninstall()
 
     for order in ("alone", "with the DSD hook"):
-        sc_tune.install()
+        install()
         if order != "alone":
             sc_dsd.install()
         for mode in MODES:
@@ -143,6 +169,26 @@ def resumes(rank: int, world_size: int, root: str) -> None:
         sc_dsd.uninstall()
         sc_tune.uninstall()
 
+    scratch = load_reference(root, "tune-scratch")
+    for drop in (False, True):
+        sc_tune.install(drop_synthetic_state=drop)
+        for source in ("sparse", "stock"):
+            where = f"never-stepped {source} checkpoint, drop_synthetic_state={drop}"
+            model, optimizer, scheduler = resume_run(root, source, UNSTEPPED)
+            report = sc_tune.last_migration_report()
+            if source == "sparse":
+                assert report is None and not optimizer.state, where
+            elif drop:  # AdamW's synthetic state: step 1, zero moments: dropped, named
+                assert len(report.dropped) == dsd_moe.PARAMS and not report.possibly_synthetic, where
+                assert len(report.stateless["optim"]) == dsd_moe.PARAMS and not optimizer.state, where
+            else:  # kept as saved, every parameter named as possibly synthetic
+                assert len(report.possibly_synthetic) == dsd_moe.PARAMS and not report.exact, where
+                assert len(optimizer.state) == dsd_moe.PARAMS and not report.stateless["optim"], where
+            if not optimizer.state:  # then it is the run from scratch, bit for bit
+                dsd_moe.train(model, optimizer, scheduler, range(STEPS - SAVE_AT), rank)
+                assert_same(tune_outcome(model, optimizer, scheduler), scratch, where)
+        sc_tune.uninstall()
+
 
 @_backends.only(_backends.DEFAULT)
 def test_torchtune_resumes_exactly_with_the_integration(tmp_path: Path) -> None:
@@ -150,3 +196,9 @@ def test_torchtune_resumes_exactly_with_the_integration(tmp_path: Path) -> None:
     installed (alone, or with the DSD hook), its own and the stock checkpoints resume bit for bit."""
     run_ranks(saves, 2, str(tmp_path), timeout=300)
     run_ranks(resumes, 2, str(tmp_path), timeout=300)
+
+
+@_backends.only(_backends.DEFAULT)
+def test_docs_block_installs() -> None:
+    """The docs/integrations.md block the drill runs is the one-line install."""
+    assert "import sparse_ckpt.integrations.torchtune as sc_tune" in doc_block(BLOCK).code
