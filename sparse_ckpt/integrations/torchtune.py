@@ -31,8 +31,12 @@ Checkpoints stock torchtune wrote load too, with a `MigrationReport` (`last_migr
 and a warning in the log): the state as saved (``drop_synthetic_state=True``: minus the state a
 synthetic step invented), every parameter kept with ``step == 1`` named as possibly synthetic, and
 the parameters left without state. What the integration cannot serve exactly goes to torchtune's
-own code unchanged: optimizers in backward (``optimizer_in_bwd``), FSDP1 models, optimizers the
-library cannot capture (see `sparse_ckpt.integrations.dsd.functions.served`).
+own code unchanged: the async path of optimizers in backward (``optimizer_in_bwd``: torchtune's
+wrapper is no optimizer; their sync path goes through the two functions, one optimizer per
+parameter, untested), FSDP1 models, optimizers the library cannot capture (see
+`sparse_ckpt.integrations.dsd.functions.served`). The recipe catches any exception of
+``load_distributed_checkpoint`` and trains on from the base weights with a warning: a refused async
+resume shows in its log, not as a crash.
 
 It does not conflict with `sparse_ckpt.integrations.dsd.install`: both can be active, in any order
 (the functions here call the library's DSD functions directly, and the load uses

@@ -61,7 +61,7 @@ def test_the_expected_blocks_run() -> None:
     assert runs["README.md"] == 2
     assert runs["docs/dcp.md"] == 4 and runs["docs/export.md"] == 2 and runs["docs/formats.md"] == 1
     assert runs["docs/cli.md"] == 1
-    assert [b.skip is None for b in blocks(ROOT / "docs" / "integrations.md")] == [False] * 11  # + torch DSD and its drills, torchtitan migration
+    assert [b.skip is None for b in blocks(ROOT / "docs" / "integrations.md")] == [False] * 12  # + torch DSD and its drills, torchtitan migration, torchtune
 
 
 @pytest.mark.parametrize("path", DOC_FILES, ids=_ids(DOC_FILES))

@@ -150,7 +150,7 @@ def resumes(rank: int, world_size: int, root: str) -> None:
         if order != "alone":
             sc_dsd.install()
         for mode in MODES:
-            for source in ("sparse", "stock"):
+            for source in ("sparse", "stock") if order == "alone" else ("sparse",):
                 where = f"{mode}, {source} checkpoint, {order}"
                 model, optimizer, scheduler = resume_run(root, source, mode)
                 assert len(optimizer.state) == dsd_moe.STEPPED, where
@@ -193,7 +193,9 @@ def resumes(rank: int, world_size: int, root: str) -> None:
 @_backends.only(_backends.DEFAULT)
 def test_torchtune_resumes_exactly_with_the_integration(tmp_path: Path) -> None:
     """Stock torchtune's sync and async resumes fail on the drill MoE (with or without the DSD hook);
-    installed (alone, or with the DSD hook), its own and the stock checkpoints resume bit for bit."""
+    installed, its own and the stock checkpoints resume bit for bit (its own also with the DSD hook
+    active); a never-stepped stock checkpoint resumes as saved or, with ``drop_synthetic_state``, as
+    the run from scratch, each with its migration report."""
     run_ranks(saves, 2, str(tmp_path), timeout=300)
     run_ranks(resumes, 2, str(tmp_path), timeout=300)
 
