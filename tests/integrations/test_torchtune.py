@@ -45,6 +45,7 @@ from trainer_drill import (
 )
 
 from bench import tune_scenario as ts
+from sparse_ckpt import CheckpointMismatchError
 from sparse_ckpt.integrations import torchtune as sc_tune
 
 pytestmark = [
@@ -168,6 +169,18 @@ def resumes(rank: int, world_size: int, root: str) -> None:
                 assert_resumed(got, reference, f"torchtune {where}")
         sc_dsd.uninstall()
         sc_tune.uninstall()
+
+    sc_tune.install()  # a stock async checkpoint is read by position: other group sizes are refused, nothing loaded
+    built: list[Any] = []
+
+    def one_group(m: Any) -> Any:
+        built.append(torch.optim.AdamW(m.parameters(), lr=0.01))
+        return built[-1]
+
+    with pytest.raises(CheckpointMismatchError, match="param groups hold parameter ids"):
+        ts.resume(Path(root) / "stock-async", sharded(), one_group, async_=True)
+    assert not built[0].state and built[0].param_groups[0]["lr"] == 0.01
+    sc_tune.uninstall()
 
     scratch = load_reference(root, "tune-scratch")
     for drop in (False, True):
