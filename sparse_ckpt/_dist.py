@@ -59,13 +59,12 @@ def agree_on_refusal(error: BaseException | None, what: str) -> None:
     refused = [(r, s) for r, s in enumerate(gathered) if s is not None]
     if not refused:
         return
+    names = ", ".join(str(r) for r, _s in refused)
     if error is not None:
         if isinstance(error, errors.SparseCheckpointError):
-            others = [r for r, _s in refused if r != rank]
-            too = f"; rank(s) {others} refused it too" if others else ""
-            error.args = (f"rank {rank} of {world} refused this {what}{too}: {error}", *error.args[1:])
+            error.args = (f"{what} refused on rank(s) {names} of {world} (this rank, {rank}, among them): {error}",
+                          *error.args[1:])
         raise error
-    names = ", ".join(str(r) for r, _s in refused)
     first_cls = getattr(errors, refused[0][1][0], None)
     cls = first_cls if isinstance(first_cls, type) and issubclass(first_cls, errors.SparseCheckpointError) else (
         errors.CheckpointMismatchError
