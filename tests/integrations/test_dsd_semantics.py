@@ -244,3 +244,36 @@ def test_an_asymmetric_optimizer_resumes_exactly_and_refusals_agree_on_two_ranks
     checkpoint bit-exactly (22 of 40 with state, the scheduler's lrs); a refusal on one rank raises
     on both, naming the rank (``set_optimizer_state_dict`` and a Stateful inside ``dcp.load``)."""
     run_ranks(asymmetric_and_refusals, 2, str(tmp_path), timeout=120)
+
+
+@_backends.only(_backends.DEFAULT)
+@pytest.mark.parametrize("options", [StateDictOptions(), FLAT], ids=["nested", "flat"])
+def test_a_shallow_copy_for_an_optimizer_with_partial_state_is_refused_not_partially_applied(
+    installed: Any, tmp_path: Path, options: StateDictOptions
+) -> None:
+    """A trainer's shallow copy of the dict ``get_optimizer_state_dict`` returned for an optimizer
+    that already holds state for some parameters asks DCP for only their state: the load is refused
+    (naming the parameter whose saved state would be left unread), never applied in part; the
+    optimizer keeps its state."""
+    from torch.distributed.checkpoint.api import CheckpointException
+
+    model = dsd_moe.model(0)
+    opt = dsd_moe.optimizer(model)
+    dsd_moe.train(model, opt, None, range(2))
+    dcp.save({"optim": get_optimizer_state_dict(model, opt, options=options)}, checkpoint_id=str(tmp_path))
+
+    def partial() -> tuple[nn.Module, torch.optim.Optimizer]:
+        m = dsd_moe.model(1)
+        o = dsd_moe.optimizer(m)
+        m.head(torch.randn(2, dsd_moe.DIM)).sum().backward()  # only the head steps: state for 2 of the 22
+        o.step()
+        o.zero_grad()
+        return m, o
+
+    m2, o2 = partial()
+    assert len(o2.state) == 2
+    before = local_state(m2, o2)
+    target = {"optim": dict(get_optimizer_state_dict(m2, o2, options=options))}
+    with pytest.raises(CheckpointException, match=r"holds optimizer state of '.*' under 'optim'.*only some of its parameters"):
+        dcp.load(target, checkpoint_id=str(tmp_path))
+    assert_deep_equal(local_state(m2, o2), before, "the optimizer after the refusal")
