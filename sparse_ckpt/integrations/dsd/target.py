@@ -100,7 +100,7 @@ class _Unmarked:
     """What one unmarked optimizer dict of a load target asks DCP for: the object paths of its state
     entries, and the FQNs whose settings it asks for (its parameters)."""
 
-    __slots__ = ("asked", "groups", "fqns")
+    __slots__ = ("asked", "fqns", "groups")
 
     def __init__(self) -> None:
         self.asked: set[tuple[str | int, ...]] = set()
