@@ -12,7 +12,11 @@ checkpoint has (see `sparse_ckpt.integrations.dsd.target`).
 here, or a sparse_ckpt checkpoint read into a marked dict) with the library's loader: by FQN, every
 group's settings, the state that is there and no other, transactional. ``full_state_dict`` dicts
 are cut into this rank's shards, ``broadcast_from_rank0`` takes rank 0's dict. ``strict`` (DSD:
-the model's ``load_state_dict``) also makes the optimizer load refuse missing or extra FQNs.
+the model's ``load_state_dict``) also makes the optimizer load refuse missing FQNs and entries that
+match no model parameter; as in DSD, entries of model parameters outside the optimizers passed are
+ignored (a dict merged from several optimizers, a rank whose optimizer lacks its empty shards'
+parameters). In a process group of several ranks the ranks agree on a refusal before anything is
+changed: one rank's refusal raises on every rank, naming it.
 
 The model side of ``get_state_dict``/``set_state_dict`` is torch's own ``get_model_state_dict`` /
 ``set_model_state_dict``. What this module cannot serve exactly goes to torch's DSD unchanged (so
