@@ -110,6 +110,33 @@ def called_by_dcp_load(frame: Any) -> bool:
     return _DCP_LOAD_CODE is not None and frame is not None and frame.f_code is _DCP_LOAD_CODE
 
 
+def _dcp_load_frame(frame: Any) -> Any:
+    """The frame of ``torch.distributed.checkpoint.load`` at ``frame`` or a few frames above it
+    (:data:`_SAVE_FRAMES`: a ``Stateful.load_state_dict`` may be called through a container's);
+    ``None`` when there is none."""
+    f = frame
+    for _ in range(_SAVE_FRAMES):
+        if f is None or _DCP_LOAD_CODE is None:
+            return None
+        if f.f_code is _DCP_LOAD_CODE:
+            return f
+        f = f.f_back
+    return None
+
+
+def loaded_by_dcp_with_all_ranks(frame: Any) -> bool:
+    """``True`` when ``frame`` (or one of its callers, a few frames up) is
+    ``torch.distributed.checkpoint.load`` over the default process group (not ``no_dist``): every
+    rank of it then calls the same ``Stateful.load_state_dict`` in the same order, so one
+    collective there is safe. ``False`` whenever that cannot be told (the caller then does not
+    coordinate: a refusal stays the refusing rank's own)."""
+    f = _dcp_load_frame(frame)
+    if f is None:
+        return False
+    local = f.f_locals
+    return not local.get("no_dist", False) and initialised() and is_default_group(local.get("process_group"))
+
+
 _DCP_SAVE_CODES = frozenset(
     code for code in (_dcp_code("state_dict_saver", name) for name in ("save", "async_save")) if code is not None
 )
@@ -295,7 +322,7 @@ ACCESSES: dict[str, str] = {
     "torch.nn.Module._parameters": "2.13.0",
     "torch.Tensor._make_subclass": "2.13.0",
     "DTensor.__create_chunk_list__ (DCP's tensor protocol)": "2.13.0",
-    "torch.distributed.checkpoint.state_dict_loader.load (caller frame)": "2.13.0",
+    "torch.distributed.checkpoint.state_dict_loader.load (caller frame; locals process_group, no_dist)": "2.13.0, 2.7.0",
     "torch.distributed.checkpoint.state_dict_saver.save/async_save (caller frame; locals process_group, no_dist, use_collectives)": "2.13.0",
     "torch.distributed.checkpoint.state_dict_saver.async_save (caller frame: a save that stages)": "2.13.0, 2.7.0",
     "torch.distributed.checkpoint.state_dict_loader._load_state_dict (caller frame; local storage_reader)": "2.13.0",

@@ -24,7 +24,7 @@ from typing import Any
 
 import torch
 
-from .._dist import multi_rank
+from .._dist import agree_on_refusal, multi_rank
 from .._format.keys import PLANNER_GUARD_KEY
 from .._format.tags import Keying
 from .._fqn import FqnMap, Model, validate_model
@@ -37,6 +37,7 @@ from .._save.save import FORMATS, Format, build_state_dict
 from .._torch_internals import (
     called_by_dcp_load,
     caller_frame,
+    loaded_by_dcp_with_all_ranks,
     make_subclass,
     saved_by_dcp_async,
     saved_by_dcp_with_all_ranks,
@@ -260,16 +261,27 @@ class SparseOptimizerState:
         """Restore from what DCP read (see `sparse_ckpt.load_sparse_state_dict`).
 
         The planner guard entry is ignored. Transactional: on any error the optimizer is as it was.
+        Called by ``dcp.load`` over the default process group of several ranks, the ranks agree on a
+        refusal before anything is mutated (one small ``all_gather_object``): a refusal on one rank
+        raises on every rank, naming the refusing rank(s).
         """
+        agree = "dcp.load of the optimizer" if loaded_by_dcp_with_all_ranks(caller_frame(1)) else None
         data = dict(state_dict)
         data.pop(PLANNER_GUARD_KEY, None)
+        try:
+            planned = planned_load(state_dict, data, self.model)
+        except Exception as exc:
+            if agree is not None:
+                agree_on_refusal(exc, agree)
+            raise
         load_owned(
             self.model,
             self.optimizer,
             data,
             strict=self.strict,
             unowned_are_other_ranks=multi_rank(),
-            **planned_load(state_dict, data, self.model),
+            agree=agree,
+            **planned,
         )
 
     def __reduce_ex__(self, protocol: Any) -> Any:

@@ -15,6 +15,7 @@ import torch
 
 from .. import _backend
 from .._dcp.origin import strip_origin
+from .._dist import agree_on_refusal
 from .._format.keys import STATE_PREFIX, STEP_KEY, owner_fqn
 from .._fqn import FqnMap, Model, build_fqn_map
 from .._gc import gc_paused
@@ -199,6 +200,8 @@ def load_owned(
     fmap: FqnMap | None = None,
     reader: BucketReader | None = None,
     present: Collection[str] | None = None,
+    unoptimized_ignored: bool = False,
+    agree: str | None = None,
 ) -> None:
     """`load_sparse_state_dict` for the library's DCP and export paths.
 
@@ -209,22 +212,40 @@ def load_owned(
     ``reader``: reads buffer items a DCP load left to the optimizer (``state_layout="buffers"``).
     ``present``: every optimizer key of the checkpoint (a DCP load reads only some of them), for
     the check of the checkpoint's item records (`sparse_ckpt._load.completeness.check_recorded_items`).
+    ``unoptimized_ignored`` (torch DSD's rule, for ``integrations.dsd``): saved entries of model
+    parameters that no target optimizer holds are ignored, not "extra" (a dict merged from several
+    optimizers, a rank whose optimizer lacks the parameters of its empty shards); entries that
+    match no model parameter stay extra. ``agree`` (every rank of the default process group
+    loads at once; the name of the call): the ranks agree on a refusal before anything is mutated
+    (`sparse_ckpt._dist.agree_on_refusal`), so one rank's refusal raises on every rank.
     A dict that records another rank as its origin is refused (docs/semantics.md)."""
-    state_dict = strip_origin(state_dict)
     with gc_paused():
-        _load(model, optimizer, state_dict, strict, unowned_are_other_ranks, fmap, reader, present)
+        try:
+            state_dict = strip_origin(state_dict)
+            fmap, prepared, ckpt = _plan(model, optimizer, state_dict, strict, unowned_are_other_ranks, fmap, reader,
+                                         present, unoptimized_ignored)
+        except Exception as exc:
+            if agree is None:
+                raise
+            agree_on_refusal(exc, agree)
+            raise  # (agree_on_refusal raised it already)
+        if agree is not None:
+            agree_on_refusal(None, agree)
+        _apply(prepared, fmap, ckpt)
 
 
-def _load(
+def _plan(
     model: Model,
     optimizer: Any,
     state_dict: Mapping[str, Any],
     strict: bool,
     unowned_are_other_ranks: bool,
     fmap: FqnMap | None,
-    reader: BucketReader | None = None,
-    present: Collection[str] | None = None,
-) -> None:
+    reader: BucketReader | None,
+    present: Collection[str] | None,
+    unoptimized_ignored: bool,
+) -> tuple[FqnMap, list[PreparedLoad], DecodedCheckpoint]:
+    """Decode, match and validate everything (the leaves' load pre-hooks included); nothing is mutated."""
     if fmap is None:
         fmap = build_fqn_map(model)
     leaves = named_leaves(optimizer)
@@ -238,13 +259,22 @@ def _load(
     ]
     if strict:
         owned = fmap.param_of if unowned_are_other_ranks else None
-        _raise_on_mismatch(ckpt, missing, used_settings, used_state, {leaf for leaf, _ in leaves}, owned)
+        _raise_on_mismatch(
+            ckpt, missing, used_settings, used_state, {leaf for leaf, _ in leaves}, owned,
+            fmap.param_of if unoptimized_ignored else None,
+        )
     # Every leaf's pre-hooks and validation run before any leaf is changed, and post-hooks only
     # once every leaf is in place, so a failing leaf never follows another leaf's post-hooks.
     prepared = [
         plan if isinstance(plan, PreparedLoad) else prepare_packed(leaf, opt, plan, groups_owned=True)
         for leaf, opt, plan in plans
     ]
+    return fmap, prepared, ckpt
+
+
+def _apply(prepared: list[PreparedLoad], fmap: FqnMap, ckpt: DecodedCheckpoint) -> None:
+    """Install every prepared leaf, then run the post-hooks; on any error the leaves already
+    installed are rolled back."""
     applied: list[tuple[torch.optim.Optimizer, tuple[Any, Any]]] = []
     try:
         for item in prepared:
@@ -298,11 +328,15 @@ def _raise_on_mismatch(
     used_state: set[str],
     target_leaves: set[str],
     owned: Mapping[str, Any] | None = None,
+    unoptimized: Mapping[str, Any] | None = None,
 ) -> None:
-    """Raise on missing/extra FQNs; with ``owned`` given, FQNs outside it (other ranks') are not extra."""
+    """Raise on missing/extra FQNs; with ``owned`` given, FQNs outside it (other ranks') are not extra;
+    with ``unoptimized`` given (the model's parameters: DSD's rule), FQNs inside it are not extra."""
     if missing:
         raise CheckpointMismatchError(
-            f"{len(missing)} optimizer parameter(s) have no saved param-group settings: {fmt_list(missing)}"
+            f"{len(missing)} optimizer parameter(s) have no saved param-group settings: {fmt_list(missing)}. "
+            "The checkpoint was saved without them (another model, or an optimizer over other parameters); "
+            "strict=False loads what there is and keeps those groups' current settings"
         )
     extra: list[str] = []
     # set differences first (C speed); the ordered lists only when something is extra. Nothing is
@@ -317,20 +351,34 @@ def _raise_on_mismatch(
     if owned is not None:
         extra = [fqn for fqn in extra if fqn in owned]
         unmatched = [k for k in unmatched if _unowned_state_fqn(k, ckpt.settings_of, owned) is None]
+    if unoptimized is not None and extra:
+        foreign = [fqn for fqn in extra if fqn not in unoptimized]
+        if foreign:
+            raise CheckpointMismatchError(
+                f"{len(foreign)} saved parameter(s) match no parameter of the model: {fmt_list(foreign)} "
+                "(entries of the model's other parameters are ignored, as torch DSD ignores them). Was the "
+                "checkpoint saved from another model, or with other FQNs? StateDictOptions(strict=False) "
+                "ignores them"
+            )
+        extra = []
     if extra:
         leaves = sorted(set(ckpt.table_leaf_of(extra).values()) - target_leaves)
         where = f" (from table(s) of leaf {fmt_list(leaves)}, which the target lacks)" if leaves else ""
         raise CheckpointMismatchError(
-            f"{len(extra)} saved parameter(s) are in no target optimizer group{where}: {fmt_list(extra)}"
+            f"{len(extra)} saved parameter(s) are in no target optimizer group{where}: {fmt_list(extra)}. "
+            "Load into all the optimizers the checkpoint was saved from at once (a sparse_ckpt.MultiOptimizer "
+            "or a mapping of every leaf), or pass strict=False to ignore them"
         )
     if unmatched:
         raise CheckpointMismatchError(
-            f"{len(unmatched)} checkpoint key(s) match no model parameter: {fmt_list(unmatched)}"
+            f"{len(unmatched)} checkpoint key(s) match no model parameter: {fmt_list(unmatched)}. Was the "
+            "checkpoint saved from another model, or with other FQNs? strict=False ignores them"
         )
     for leaf, gi in ckpt.empty_groups:
         if leaf not in target_leaves:
             raise CheckpointMismatchError(
-                f"the checkpoint's leaf {leaf!r} has an empty group {gi}, and the target has no leaf {leaf!r}"
+                f"the checkpoint's leaf {leaf!r} has an empty group {gi}, and the target has no leaf {leaf!r}: "
+                "load into all the optimizers the checkpoint was saved from at once, or pass strict=False"
             )
 
 

@@ -71,6 +71,8 @@ def _chunk_protocol() -> None:
 
 def _dcp_load_frame() -> None:
     assert ti._DCP_LOAD_CODE is not None, "torch.distributed.checkpoint.state_dict_loader.load not found"
+    for local in ("process_group", "no_dist"):
+        assert local in ti._DCP_LOAD_CODE.co_varnames, f"dcp.load has no local {local!r}"
 
 
 def _dcp_save_frames() -> None:
@@ -170,7 +172,7 @@ CHECKS = {
     "torch.nn.Module._parameters": _module_dicts,
     "torch.Tensor._make_subclass": _make_subclass,
     "DTensor.__create_chunk_list__ (DCP's tensor protocol)": _chunk_protocol,
-    "torch.distributed.checkpoint.state_dict_loader.load (caller frame)": _dcp_load_frame,
+    "torch.distributed.checkpoint.state_dict_loader.load (caller frame; locals process_group, no_dist)": _dcp_load_frame,
     "torch.distributed.checkpoint.state_dict_saver.save/async_save (caller frame; locals process_group, no_dist, use_collectives)": _dcp_save_frames,
     "torch.distributed.checkpoint.state_dict_saver.async_save (caller frame: a save that stages)": _dcp_async_save_frame,
     "torch.distributed.checkpoint.state_dict_loader._load_state_dict (caller frame; local storage_reader)": _dcp_storage_reader_frame,

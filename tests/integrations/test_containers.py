@@ -13,13 +13,13 @@ import importlib
 
 import pytest
 import torch
+from helpers import IdentitySnapshot
 from torch import nn
 
 import sparse_ckpt as sc
 from sparse_ckpt._format.keys import is_state_item
 from sparse_ckpt._leaves import named_leaves
 from sparse_ckpt.errors import UnsupportedStateDictError
-from tests.helpers import IdentitySnapshot
 
 
 def _real(module: str, name: str):

@@ -12,7 +12,11 @@ checkpoint has (see `sparse_ckpt.integrations.dsd.target`).
 here, or a sparse_ckpt checkpoint read into a marked dict) with the library's loader: by FQN, every
 group's settings, the state that is there and no other, transactional. ``full_state_dict`` dicts
 are cut into this rank's shards, ``broadcast_from_rank0`` takes rank 0's dict. ``strict`` (DSD:
-the model's ``load_state_dict``) also makes the optimizer load refuse missing or extra FQNs.
+the model's ``load_state_dict``) also makes the optimizer load refuse missing FQNs and entries that
+match no model parameter; as in DSD, entries of model parameters outside the optimizers passed are
+ignored (a dict merged from several optimizers, a rank whose optimizer lacks its empty shards'
+parameters). In a process group of several ranks the ranks agree on a refusal before anything is
+changed: one rank's refusal raises on every rank, naming it.
 
 The model side of ``get_state_dict``/``set_state_dict`` is torch's own ``get_model_state_dict`` /
 ``set_model_state_dict``. What this module cannot serve exactly goes to torch's DSD unchanged (so
@@ -36,7 +40,7 @@ from torch.distributed.checkpoint.state_dict import StateDictOptions
 from torch.distributed.tensor import DTensor
 
 from ..._dcp.stateful import SparseOptimizerState, planned_load
-from ..._dist import multi_rank, world_and_rank
+from ..._dist import agree_on_refusal, multi_rank, world_and_rank
 from ..._fqn import build_fqn_map
 from ..._gc import gc_paused
 from ..._load.load import load_owned
@@ -111,7 +115,7 @@ def set_optimizer_state_dict(
     opts = _checked(options, optims)
     if not served(model, optims, None, opts):
         return torch_dsd["set_optimizer_state_dict"](model, optimizers, optim_state_dict, options=options)
-    _load_optimizers(model, optims, optim_state_dict, opts)
+    _load_optimizers(model, optims, optim_state_dict, opts, "set_optimizer_state_dict")
     return None
 
 
@@ -132,7 +136,7 @@ def set_state_dict(
             model, optimizers, model_state_dict=model_state_dict, optim_state_dict=optim_state_dict, options=options
         )
     if optim_state_dict or opts.broadcast_from_rank0:  # (other ranks pass {} and receive rank 0's)
-        _load_optimizers(model, optims, optim_state_dict, opts)
+        _load_optimizers(model, optims, optim_state_dict, opts, "set_state_dict")
     return torch_dsd["set_model_state_dict"](model, model_state_dict, options=options)
 
 
@@ -195,7 +199,13 @@ def _owner_maker(model: nn.Module, optims: tuple[Any, ...], strict: bool) -> Cal
     return make
 
 
-def _load_optimizers(model: nn.Module, optims: tuple[Any, ...], osd: Mapping[str, Any], opts: StateDictOptions) -> None:
+def _load_optimizers(
+    model: nn.Module, optims: tuple[Any, ...], osd: Mapping[str, Any], opts: StateDictOptions, what: str
+) -> None:
+    """Load ``osd`` into ``optims`` with DSD's rule for extra entries (those of model parameters
+    outside ``optims`` are ignored). In a process group of several ranks every rank loads at once, so
+    the ranks agree on a refusal before anything is mutated (``what``: the call, for its message)."""
+    agree = what if multi_rank() else None
     if opts.broadcast_from_rank0 and multi_rank():
         data, refusal = {}, None
         if world_and_rank()[1] == 0:
@@ -205,18 +215,27 @@ def _load_optimizers(model: nn.Module, optims: tuple[Any, ...], osd: Mapping[str
                 refusal = exc
         data = full.broadcast_from_rank0(data, _broadcast_device(model), refusal)
     else:
-        data = layouts.loadable(osd)
-    planned = planned_load(osd, data, model)  # a DsdStateDict the planner rebuilt: as SparseOptimizerState's load
-    if planned.get("fmap") is None:
-        planned["fmap"] = build_fqn_map(model)
-    if opts.full_state_dict:
-        data = full.shard_like_params(data, planned["fmap"])
+        data = None
+    try:
+        if data is None:
+            data = layouts.loadable(osd)
+        planned = planned_load(osd, data, model)  # a DsdStateDict the planner rebuilt: as SparseOptimizerState's load
+        if planned.get("fmap") is None:
+            planned["fmap"] = build_fqn_map(model)
+        if opts.full_state_dict:
+            data = full.shard_like_params(data, planned["fmap"])
+    except Exception as exc:
+        if agree is not None:
+            agree_on_refusal(exc, agree)
+        raise
     load_owned(
         model,
         layouts.leaves_of(optims),
         data,
         strict=opts.strict,
         unowned_are_other_ranks=multi_rank(),
+        unoptimized_ignored=True,
+        agree=agree,
         **planned,
     )
 

@@ -19,8 +19,10 @@ before ``dcp.load`` (NeMo Automodel's ``OptimizerState`` does), which loses the 
 optimizer that copy asks for no state at all. `rebuild_copies` recognises such a copy (its
 items are the very objects a recent call returned for an optimizer without state, still alive:
 `remember_stateless`) and rebuilds it like the marked dict; any other unmarked optimizer dict
-that asks for none of the state its checkpoint holds fails the load there instead of silently
-leaving the state unread.
+that asks for none of the state its checkpoint holds, or for the state of only some of its own
+parameters while the checkpoint holds state of another of them (a copy of a dict handed out for
+an optimizer that already had some state), fails the load there instead of silently leaving that
+state unread: rebuilt or refused, never applied in part.
 """
 
 from __future__ import annotations
@@ -94,28 +96,81 @@ def _node(state_dict: Any, path: tuple[str | int, ...]) -> Any:
     return state_dict
 
 
-def _unasked(state_dict: Any) -> set[tuple[str | int, ...]]:
-    """Paths of the unmarked optimizer dicts of a load target that ask for settings and no state
+class _Unmarked:
+    """What one unmarked optimizer dict of a load target asks DCP for: the object paths of its state
+    entries, and the FQNs whose settings it asks for (its parameters)."""
+
+    __slots__ = ("asked", "fqns", "groups")
+
+    def __init__(self) -> None:
+        self.asked: set[tuple[str | int, ...]] = set()
+        self.groups = False
+        self.fqns: set[str] = set()
+
+
+def _unmarked(state_dict: Any) -> dict[tuple[str | int, ...], _Unmarked]:
+    """Path -> `_Unmarked` for each unmarked optimizer dict of a load target that asks for settings
     (every `SparseStateDict` is marked: a planner rebuilds it from the checkpoint)."""
     marked = {path for path, _target in _find_targets(state_dict, ())}
-    groups: set[tuple[str | int, ...]] = set()
-    asked: set[tuple[str | int, ...]] = set()
+    found_at: dict[tuple[str | int, ...], _Unmarked] = {}
     for path in _leaf_paths(state_dict):
         found = _section(path)
-        if found is not None and found[0] not in marked:
-            (groups if found[1] == _GROUPS else asked).add(found[0])
-    return groups - asked
+        if found is None or found[0] in marked:
+            continue
+        entry = found_at.setdefault(found[0], _Unmarked())
+        if found[1] == _STATE:
+            entry.asked.add(path)
+            continue
+        entry.groups = True
+        part = path[len(found[0])]
+        if isinstance(part, str) and part.startswith(_GROUPS + "."):  # flat: param_groups.{fqn}.{setting}
+            entry.fqns.add(part[len(_GROUPS) + 1 :].rsplit(".", 1)[0])
+    for prefix, entry in found_at.items():  # nested: each group's "params" list
+        groups = _node(state_dict, prefix).get(_GROUPS) if entry.groups else None
+        if isinstance(groups, list):
+            entry.fqns.update(f for g in groups if isinstance(g, Mapping) for f in g.get("params", ()) if isinstance(f, str))
+    return {prefix: entry for prefix, entry in found_at.items() if entry.groups}
 
 
-def _starved(unasked: set[tuple[str | int, ...]], metadata: Metadata) -> dict[tuple[str | int, ...], str]:
-    """``path -> a checkpoint key`` for every path of ``unasked`` (`_unasked`) under which the
-    checkpoint holds state (DCP would read the settings and silently leave the state unread)."""
-    out: dict[tuple[str | int, ...], str] = {}
-    if unasked:
-        for key in metadata.state_dict_metadata:
-            found = _section(metadata_path(metadata, key))
-            if found is not None and found[1] == _STATE and found[0] in unasked:
-                out.setdefault(found[0], key)
+def _state_fqn(path: tuple[str | int, ...], prefix: tuple[str | int, ...], fqns: set[str]) -> str | None:
+    """The FQN of ``fqns`` a checkpoint state entry at ``path`` below ``prefix`` belongs to (flat:
+    the longest FQN prefix of ``state.{fqn}.{key}``; nested: ``state``/``{fqn}``), else ``None``."""
+    part = path[len(prefix)] if len(path) > len(prefix) else None
+    if part == _STATE:
+        fqn = path[len(prefix) + 1] if len(path) > len(prefix) + 1 else None
+        return fqn if fqn in fqns else None
+    if not isinstance(part, str) or not part.startswith(_STATE + "."):
+        return None
+    rest = part[len(_STATE) + 1 :]
+    while "." in rest:
+        rest = rest.rsplit(".", 1)[0]
+        if rest in fqns:
+            return rest
+    return None
+
+
+def _starved(
+    unmarked: dict[tuple[str | int, ...], _Unmarked], metadata: Metadata
+) -> dict[tuple[str | int, ...], tuple[str, str | None]]:
+    """``path -> (a checkpoint key, its parameter's FQN or None)`` for every unmarked optimizer dict
+    under which the checkpoint holds state that DCP would silently leave unread: any state, for a
+    dict that asks for none; for one that asks for some, the state of one of its own parameters that
+    it does not ask for (a shallow copy of a dict handed out for an optimizer with partial state)."""
+    out: dict[tuple[str | int, ...], tuple[str, str | None]] = {}
+    if not unmarked:
+        return out
+    for key in metadata.state_dict_metadata:
+        path = metadata_path(metadata, key)
+        found = _section(path)
+        if found is None or found[1] != _STATE or found[0] not in unmarked or found[0] in out:
+            continue
+        entry = unmarked[found[0]]
+        if not entry.asked:
+            out[found[0]] = (key, None)
+        elif path not in entry.asked:
+            fqn = _state_fqn(path, found[0], entry.fqns)
+            if fqn is not None:
+                out[found[0]] = (key, fqn)
     return out
 
 
@@ -145,28 +200,38 @@ def rebuild_copies(
     it and ``set_optimizer_state_dict`` loads it. Any other unmarked optimizer dict that asks for no
     state while the checkpoint holds state under its path is a `sparse_ckpt.CheckpointMismatchError`
     (DCP would read the settings and leave the state unread, silently), raised before any copy is
-    touched. Returns how many copies were rebuilt; ``keys`` (`SparseLoadPlanner`'s optimizer keys)
+    touched; so is one that asks for the state of some of its parameters and not of another whose state
+    the checkpoint holds (its copy was made for an optimizer with partial state). Returns how many copies were rebuilt; ``keys`` (`SparseLoadPlanner`'s optimizer keys)
     gets the DCP keys the copies read, so that planner unpickles their bytes items with
     ``weights_only=True`` as it does its own targets'."""
     if metadata is None:
         return 0
-    unasked = _unasked(state_dict)
-    if not unasked:
+    unmarked = _unmarked(state_dict)
+    if not unmarked:
         return 0
     copies: dict[tuple[str | int, ...], tuple[dict[str, Any], SparseOptimizerState]] = {}
-    for path in unasked if _STATELESS else ():
+    for path in (p for p, entry in unmarked.items() if not entry.asked) if _STATELESS else ():
         node = _node(state_dict, path)
         owner = _copied_from(node) if type(node) is dict else None
         if owner is not None:
             copies[path] = node, owner
-    for path, key in _starved(unasked.difference(copies), metadata).items():
+    for path, (key, fqn) in _starved({p: e for p, e in unmarked.items() if p not in copies}, metadata).items():
         where = ".".join(map(str, path))
+        if fqn is None:
+            raise CheckpointMismatchError(
+                f"the checkpoint holds optimizer state under {where!r} (e.g. {key!r}) and the load target's optimizer "
+                "dict there asks for none of it: DCP would load the param groups and silently leave the state "
+                "unread. With sparse_ckpt.integrations.dsd installed, put the dict get_optimizer_state_dict "
+                "returned into the load target itself (a copy of it is rebuilt from the checkpoint only while its "
+                "optimizer is alive and its values are the very objects that call returned)"
+            )
         raise CheckpointMismatchError(
-            f"the checkpoint holds optimizer state under {where!r} (e.g. {key!r}) and the load target's optimizer "
-            "dict there asks for none of it: DCP would load the param groups and silently leave the state "
-            "unread. With sparse_ckpt.integrations.dsd installed, put the dict get_optimizer_state_dict "
-            "returned into the load target itself (a copy of it is rebuilt from the checkpoint only while its "
-            "optimizer is alive and its values are the very objects that call returned)"
+            f"the checkpoint holds optimizer state of {fqn!r} under {where!r} ({key!r}) and the load target's "
+            "optimizer dict there asks for the state of only some of its parameters, not this one: DCP would load "
+            "the rest and silently leave this state unread (stock DSD refuses the load too). A copy of the dict "
+            "get_optimizer_state_dict returned for an optimizer that already holds some state loses the mark that "
+            "has it rebuilt from the checkpoint: put the returned dict itself into the load target, or load into a "
+            "fresh optimizer"
         )
     if not copies:
         return 0

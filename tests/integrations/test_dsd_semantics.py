@@ -1,0 +1,279 @@
+"""``integrations.dsd`` keeps torch DSD's semantics for extra entries, and refusals agree across ranks.
+
+- A dict holding several optimizers' parameters (VeOmni's ``MultiOptimizer.load_state_dict`` hands
+  each leaf optimizer the same merged flat dict) loads into each optimizer as DSD loads it: each
+  takes its own entries; entries of model parameters outside the optimizer are ignored; an entry
+  matching no model parameter stays refused under ``strict=True`` (the message says what to do).
+- A rank whose optimizer lacks the parameters of its empty FSDP2 shards (Megatron-FSDP v2 builds
+  its optimizers that way) resumes its own 2 -> 2 checkpoint bit-exactly: 22 of the MoE's 40
+  parameters with state across the ranks, the scheduler's lrs.
+- A refusal on one rank of a 2-rank load (``set_optimizer_state_dict``; a ``SparseOptimizerState``
+  inside ``dcp.load``) raises on both ranks, naming the refusing rank, and no rank loads anything.
+"""
+
+from __future__ import annotations
+
+from pathlib import Path
+from typing import Any
+
+import _backends
+import dsd_moe
+import pytest
+import torch
+import torch.distributed as dist
+import torch.distributed.checkpoint as dcp
+from _dist import MULTI_RANK, cpu_mesh, run_ranks
+from helpers import assert_deep_equal
+from torch import nn
+from torch.distributed.checkpoint.state_dict import (
+    StateDictOptions,
+    get_model_state_dict,
+    get_optimizer_state_dict,
+    set_model_state_dict,
+    set_optimizer_state_dict,
+)
+from torch.distributed.tensor import DTensor
+from trainer_drill import SAVE_AT, STEPS, parallelize
+
+import sparse_ckpt as sc
+import sparse_ckpt.integrations.dsd as sc_dsd
+from sparse_ckpt.integrations.dsd import functions
+
+pytestmark = MULTI_RANK
+FLAT = StateDictOptions(flatten_optimizer_state_dict=True)
+STOCK = functions.torch_dsd
+
+
+@pytest.fixture
+def installed() -> Any:
+    sc_dsd.install()
+    yield
+    sc_dsd.uninstall()
+
+
+def two_optimizers(seed: int = 0) -> tuple[nn.Module, list[torch.optim.Optimizer], Any]:
+    """The MoE with VeOmni's split: the ``vision`` tower in one AdamW, the rest in another."""
+    model = dsd_moe.model(seed)
+    vision = [p for n, p in model.named_parameters() if n.startswith("vision.")]
+    rest = [p for n, p in model.named_parameters() if not n.startswith("vision.")]
+    opts = [torch.optim.AdamW(rest, lr=0.01), torch.optim.AdamW(vision, lr=dsd_moe.VISION_LR)]
+    return model, opts, None
+
+
+def merged_flat(get: Any, model: nn.Module, opts: list[torch.optim.Optimizer]) -> dict[str, Any]:
+    """VeOmni's ``MultiOptimizer.state_dict``: each optimizer's flat DSD dict, merged into one."""
+    merged: dict[str, Any] = {}
+    for opt in opts:
+        merged.update(get(model, opt, options=FLAT))
+    return merged
+
+
+def local_state(model: nn.Module, opt: torch.optim.Optimizer) -> dict[str, Any]:
+    names = {p: n for n, p in model.named_parameters()}
+    return {names[p]: {k: (v.to_local() if isinstance(v, DTensor) else v).clone() for k, v in s.items()} for p, s in opt.state.items()}
+
+
+@_backends.only(_backends.DEFAULT)
+def test_a_merged_dict_of_two_optimizers_loads_into_each_as_with_stock_dsd(installed: Any) -> None:
+    """VeOmni's load: the merged flat dict of two optimizers, given to each optimizer's
+    ``set_optimizer_state_dict``, loads each optimizer exactly (22 parameters with state, the moved
+    lr); and a merged dict stock DSD wrote and stock DSD loads (every parameter with state, from its
+    synthetic step) loads with ``install()`` to the very same optimizers as with stock DSD."""
+    model, opts, _ = two_optimizers()
+    dsd_moe.train(model, _Both(opts), None, range(SAVE_AT))
+    opts[1].param_groups[0]["lr"] = 0.005  # a scheduler moved the tower's lr (it never steps)
+    merged = merged_flat(get_optimizer_state_dict, model, opts)
+    fresh_model, fresh_opts, _ = two_optimizers(seed=1)
+    for opt in fresh_opts:  # VeOmni's MultiOptimizer.load_state_dict, leaf by leaf
+        set_optimizer_state_dict(fresh_model, opt, optim_state_dict=merged, options=FLAT)
+    assert [g["lr"] for o in fresh_opts for g in o.param_groups] == [0.01, 0.005]
+    got = [local_state(fresh_model, o) for o in fresh_opts]
+    assert_deep_equal(got, [local_state(model, o) for o in opts], "installed")
+    assert sum(map(len, got)) == dsd_moe.STEPPED
+
+    stock_model, stock_opts, _ = two_optimizers()  # stock DSD's own round trip (it works when all have state)
+    merged_flat(STOCK["get_optimizer_state_dict"], stock_model, stock_opts)  # its synthetic step: all 40
+    dsd_moe.train(stock_model, _Both(stock_opts), None, range(SAVE_AT))
+    stock_merged = merged_flat(STOCK["get_optimizer_state_dict"], stock_model, stock_opts)
+    loaded = []
+    for setter in (STOCK["set_optimizer_state_dict"], set_optimizer_state_dict):
+        fresh_model, fresh_opts, _ = two_optimizers(seed=1)
+        merged_flat(STOCK["get_optimizer_state_dict"], fresh_model, fresh_opts)  # what a stock trainer's target does
+        for opt in fresh_opts:
+            setter(fresh_model, opt, optim_state_dict=stock_merged, options=FLAT)
+        loaded.append(([local_state(fresh_model, o) for o in fresh_opts], [o.param_groups[0]["lr"] for o in fresh_opts]))
+    assert sum(map(len, loaded[0][0])) == dsd_moe.PARAMS
+    assert_deep_equal(loaded[1], loaded[0], "installed vs stock, on stock's dict")
+
+
+class _Both:
+    """Steps two optimizers (what VeOmni's MultiOptimizer.step does)."""
+
+    def __init__(self, opts: list[torch.optim.Optimizer]) -> None:
+        self.opts = opts
+
+    def step(self) -> None:
+        for o in self.opts:
+            o.step()
+
+    def zero_grad(self, set_to_none: bool = True) -> None:
+        for o in self.opts:
+            o.zero_grad(set_to_none=set_to_none)
+
+
+@_backends.only(_backends.DEFAULT)
+def test_an_entry_matching_no_model_parameter_is_refused_under_strict_saying_what_to_do(installed: Any) -> None:
+    """Entries of model parameters outside the optimizer are ignored, but one that matches no
+    model parameter is refused under ``strict=True`` (the optimizer untouched, the message naming
+    the FQN and ``strict=False``), and ignored under ``strict=False``."""
+    model, opts, _ = two_optimizers()
+    dsd_moe.train(model, _Both(opts), None, range(2))
+    merged = merged_flat(get_optimizer_state_dict, model, opts)
+    merged["param_groups.ghost.weight.lr"] = 0.01
+    fresh_model, fresh_opts, _ = two_optimizers(seed=1)
+    with pytest.raises(sc.CheckpointMismatchError, match=r"'ghost\.weight'.*strict=False"):
+        set_optimizer_state_dict(fresh_model, fresh_opts[0], optim_state_dict=merged, options=FLAT)
+    assert not fresh_opts[0].state
+    lenient = StateDictOptions(flatten_optimizer_state_dict=True, strict=False)
+    set_optimizer_state_dict(fresh_model, fresh_opts[0], optim_state_dict=merged, options=lenient)
+    assert_deep_equal(local_state(fresh_model, fresh_opts[0]), local_state(model, opts[0]), "lenient")
+
+
+def test_the_librarys_own_api_keeps_refusing_extra_fqns() -> None:
+    """The packed format's strictness is unchanged: ``load_sparse_state_dict`` (the library's API)
+    refuses a dict with another optimizer's parameters under ``strict=True``, saying to load all
+    optimizers at once or pass ``strict=False``."""
+    model, opts, _ = two_optimizers()
+    dsd_moe.train(model, _Both(opts), None, range(2))
+    sd = sc.sparse_state_dict(model, {"rest": opts[0], "vision": opts[1]})
+    fresh_model, fresh_opts, _ = two_optimizers(seed=1)
+    with pytest.raises(sc.CheckpointMismatchError, match=r"in no target optimizer group.*strict=False"):
+        sc.load_sparse_state_dict(fresh_model, {"rest": fresh_opts[0]}, sd)
+
+
+# --------------------------------------------------------------------------- 2 ranks
+
+
+def megatron_fsdp_v2_optimizer(model: nn.Module) -> torch.optim.AdamW:
+    """AdamW over :func:`dsd_moe.param_groups` without the parameters whose local FSDP2 shard is
+    empty on this rank (what Megatron-FSDP v2 does): ``head`` (1 row) on rank 1."""
+    groups = [
+        {**g, "params": [p for p in g["params"] if p.to_local().numel() > 0]} for g in dsd_moe.param_groups(model)
+    ]
+    return torch.optim.AdamW(groups, lr=0.01)
+
+
+def _fresh() -> tuple[nn.Module, torch.optim.Optimizer, Any]:
+    model = parallelize(dsd_moe.model(0), cpu_mesh())
+    opt = megatron_fsdp_v2_optimizer(model)
+    return model, opt, dsd_moe.scheduler(opt)
+
+
+def _snapshot(model: nn.Module, opt: torch.optim.Optimizer) -> dict[str, Any]:
+    return {
+        "params": {n: p.to_local().clone() for n, p in model.named_parameters()},
+        "state": local_state(model, opt),
+        "lrs": [g["lr"] for g in opt.param_groups],
+    }
+
+
+def _with_state_everywhere(model: nn.Module, opt: torch.optim.Optimizer) -> int:
+    names = {p: n for n, p in model.named_parameters()}
+    gathered: list[Any] = [None] * dist.get_world_size()
+    dist.all_gather_object(gathered, {names[p] for p in opt.state})
+    return len(set().union(*gathered))
+
+
+def asymmetric_and_refusals(rank: int, world_size: int, root: str) -> None:
+    sc_dsd.install()
+    model, opt, sched = _fresh()
+    assert len(list(model.parameters())) == dsd_moe.PARAMS
+    assert sum(len(g["params"]) for g in opt.param_groups) == (dsd_moe.PARAMS if rank == 0 else dsd_moe.PARAMS - 2)
+    dsd_moe.train(model, opt, sched, range(STEPS), rank)
+    reference = _snapshot(model, opt)
+
+    model, opt, sched = _fresh()
+    dsd_moe.train(model, opt, sched, range(SAVE_AT), rank)
+    dcp.save({"model": get_model_state_dict(model), "optim": get_optimizer_state_dict(model, opt, options=FLAT)},
+             checkpoint_id=f"{root}/asym")
+    sched_state = sched.state_dict()
+
+    model, opt, sched = _fresh()
+    target = {"model": get_model_state_dict(model), "optim": get_optimizer_state_dict(model, opt, options=FLAT)}
+    dcp.load(target, checkpoint_id=f"{root}/asym")
+    set_model_state_dict(model, target["model"])
+    set_optimizer_state_dict(model, opt, target["optim"], options=FLAT)  # strict=True (DSD's default)
+    sched.load_state_dict(sched_state)
+    dsd_moe.train(model, opt, sched, range(SAVE_AT, STEPS), rank)
+    got = _snapshot(model, opt)
+    assert _with_state_everywhere(model, opt) == dsd_moe.STEPPED
+    assert got["lrs"] == reference["lrs"] == sched.get_last_lr(), got["lrs"]
+    assert_deep_equal(got, reference, f"rank {rank}: asymmetric 2 -> 2 resume", check_order=False)  # DCP: metadata order
+
+    # a refusal on rank 1 only: set_optimizer_state_dict raises on both ranks, naming rank 1
+    model, opt, sched = _fresh()
+    bad = dict(target["optim"])
+    if rank == 1:  # a dict that lost the tower's settings: strict refuses on rank 1 alone
+        bad = {k: v for k, v in bad.items() if not k.startswith("param_groups.vision.weight.")}
+    with pytest.raises(sc.CheckpointMismatchError, match=r"refused on rank\(s\) 1 of 2.*'vision\.weight'") as info:
+        set_optimizer_state_dict(model, opt, bad, options=FLAT)
+    assert ("nothing to refuse" in str(info.value)) == (rank == 0)
+    assert not opt.state and [g["lr"] for g in opt.param_groups] == [0.01, dsd_moe.VISION_LR]
+
+    # the same inside dcp.load: a SparseOptimizerState whose model on rank 0 has a parameter the
+    # checkpoint lacks (its strict load refuses on rank 0 alone)
+    plain = nn.Linear(4, 4) if rank == 1 else nn.Sequential(nn.Linear(4, 4), nn.Linear(4, 4))
+    first = plain if rank == 1 else plain[0]
+    sgd = torch.optim.SGD(first.parameters(), lr=0.1, momentum=0.9)
+    first(torch.ones(1, 4)).sum().backward()
+    sgd.step()
+    dcp.save({"optim": sc.SparseOptimizerState(first, sgd)}, checkpoint_id=f"{root}/plain")
+    extra = torch.optim.SGD(plain.parameters(), lr=0.1, momentum=0.9)
+    state = sc.SparseOptimizerState(plain, extra)
+    with pytest.raises(sc.CheckpointMismatchError, match=r"refused on rank\(s\) 0 of 2.*'0\.weight'") as info:
+        dcp.load({"optim": state}, checkpoint_id=f"{root}/plain", planner=sc.SparseLoadPlanner())
+    assert ("nothing to refuse" in str(info.value)) == (rank == 1)
+    assert not extra.state
+    dist.barrier()  # the next collective: no rank went on alone
+    sc_dsd.uninstall()
+
+
+@_backends.only(_backends.DEFAULT)
+def test_an_asymmetric_optimizer_resumes_exactly_and_refusals_agree_on_two_ranks(tmp_path: Path) -> None:
+    """2 Gloo ranks: the Megatron-FSDP-v2-style optimizer (rank 1 without ``head``) resumes its own
+    checkpoint bit-exactly (22 of 40 with state, the scheduler's lrs); a refusal on one rank raises
+    on both, naming the rank (``set_optimizer_state_dict`` and a Stateful inside ``dcp.load``)."""
+    run_ranks(asymmetric_and_refusals, 2, str(tmp_path), timeout=120)
+
+
+@_backends.only(_backends.DEFAULT)
+@pytest.mark.parametrize("options", [StateDictOptions(), FLAT], ids=["nested", "flat"])
+def test_a_shallow_copy_for_an_optimizer_with_partial_state_is_refused_not_partially_applied(
+    installed: Any, tmp_path: Path, options: StateDictOptions
+) -> None:
+    """A trainer's shallow copy of the dict ``get_optimizer_state_dict`` returned for an optimizer
+    that already holds state for some parameters asks DCP for only their state: the load is refused
+    (naming the parameter whose saved state would be left unread), never applied in part; the
+    optimizer keeps its state."""
+    from torch.distributed.checkpoint.api import CheckpointException
+
+    model = dsd_moe.model(0)
+    opt = dsd_moe.optimizer(model)
+    dsd_moe.train(model, opt, None, range(2))
+    dcp.save({"optim": get_optimizer_state_dict(model, opt, options=options)}, checkpoint_id=str(tmp_path))
+
+    def partial() -> tuple[nn.Module, torch.optim.Optimizer]:
+        m = dsd_moe.model(1)
+        o = dsd_moe.optimizer(m)
+        m.head(torch.randn(2, dsd_moe.DIM)).sum().backward()  # only the head steps: state for 2 of the 22
+        o.step()
+        o.zero_grad()
+        return m, o
+
+    m2, o2 = partial()
+    assert len(o2.state) == 2
+    before = local_state(m2, o2)
+    target = {"optim": dict(get_optimizer_state_dict(m2, o2, options=options))}
+    with pytest.raises(CheckpointException, match=r"holds optimizer state of '.*' under 'optim'.*only some of its parameters"):
+        dcp.load(target, checkpoint_id=str(tmp_path))
+    assert_deep_equal(local_state(m2, o2), before, "the optimizer after the refusal")
