@@ -176,3 +176,33 @@ def test_no_probe_when_only_optimizer_entries_are_unplanned(saved: Any, monkeypa
     monkeypatch.setattr(dcp_planner, "flatten_state_dict", spy)
     _assert_same(_load(path, fmt), want, "load")
     assert seen == [None], seen
+
+
+def test_flag_left_set_is_cleared_under_dsd_install(tmp_path: Any) -> None:
+    """Under ``integrations.dsd.install()``, a stock ``dcp.load`` (``DefaultLoadPlanner``) of DSD's dict
+    is exact with DCP's flatten flag left at ``"2_3"`` by an interrupted load."""
+    from torch.distributed.checkpoint import _version
+    from torch.distributed.checkpoint.state_dict import get_optimizer_state_dict, set_optimizer_state_dict
+
+    import sparse_ckpt.integrations.dsd as sc_dsd
+
+    model = _model(0)
+    opt = torch.optim.AdamW(model.parameters(), lr=0.1)
+    model(torch.randn(4, 3)).sum().backward()
+    opt.step()
+    installed = sc_dsd.installed()
+    sc_dsd.install()
+    try:
+        with warnings.catch_warnings():
+            warnings.simplefilter("ignore")
+            dcp.save({"optim": get_optimizer_state_dict(model, opt)}, checkpoint_id=str(tmp_path))
+            model2, opt2 = _fresh()
+            target = {"optim": get_optimizer_state_dict(model2, opt2)}
+            _version._derived_version = "2_3"
+            dcp.load(target, checkpoint_id=str(tmp_path))
+            set_optimizer_state_dict(model2, opt2, target["optim"])
+    finally:
+        _version._derived_version = None
+        if not installed:
+            sc_dsd.uninstall()
+    _assert_same(opt2.state_dict(), opt.state_dict(), "installed load with the flag left set")
