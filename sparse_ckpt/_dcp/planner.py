@@ -44,6 +44,7 @@ from .._torch_internals import (
     file_item_location,
 )
 from ..errors import CheckpointMismatchError
+from .damage import guard_reads
 from .items import allocate_item, check_covered, read_items, weights_only_item
 from .origin import ORIGIN_KEY
 from .paths import metadata_paths, set_path
@@ -108,6 +109,7 @@ class SparseLoadPlanner(DefaultLoadPlanner):
         if targets and metadata is not None:
             paths = metadata_paths(metadata)
             storage_reader = dcp_storage_reader(caller_frame(1))
+            guard_reads(storage_reader, metadata)
             for path, target in targets:
                 builder = _TargetBuilder(target, metadata, storage_reader, read_whole=True)
                 self._optimizer_keys.update(builder.rebuild(path, paths))

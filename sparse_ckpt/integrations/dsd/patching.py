@@ -30,7 +30,15 @@ import torch.distributed.checkpoint.state_dict as _dsd
 from torch.distributed.checkpoint.default_planner import DefaultLoadPlanner
 
 from ..._dcp.planner import SparseLoadPlanner
-from ..._torch_internals import DSD_CHECKED, DSD_OPTIONS, DSD_SIGNATURES, caller_frame, clear_dcp_flatten_flag
+from ..._dcp.damage import guard_reads
+from ..._torch_internals import (
+    DSD_CHECKED,
+    DSD_OPTIONS,
+    DSD_SIGNATURES,
+    caller_frame,
+    clear_dcp_flatten_flag,
+    dcp_storage_reader,
+)
 from .._rebind import bindings
 from . import functions
 from .target import rebuild_copies, rebuild_marked
@@ -87,6 +95,7 @@ def _set_up_planner(self: DefaultLoadPlanner, state_dict: Any, metadata: Any = N
     DCP's flatten flag left set by an interrupted load is cleared first (`clear_dcp_flatten_flag`)."""
     clear_dcp_flatten_flag()
     frame = caller_frame(1)
+    guard_reads(dcp_storage_reader(frame), metadata)  # a damaged file: CheckpointFormatError naming item and file
     # the copies are rebuilt as the marked dicts are: the library's planner rebuilds those itself (not
     # the copies), whatever its allow_partial_load (which is for the entries that are not optimizer dicts)
     partial = getattr(self, "allow_partial_load", False) and not isinstance(self, SparseLoadPlanner)

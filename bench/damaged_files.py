@@ -1,0 +1,229 @@
+"""Damaged checkpoint files: every outcome is an exact load or a sparse_ckpt error, never a raw one.
+
+``python -m bench.damaged_files`` (``--stride N``: every N-th byte offset, 1 = every byte; ``--span``)
+saves small checkpoints of a stepped AdamW (formats ``packed`` with state layouts ``per_tensor`` and
+``auto``, ``flat``) and damages them one way at a time:
+
+* ``zero``: bytes ``[offset, offset + span)`` of a data file set to 0;
+* ``truncate``: a data file cut at ``offset``;
+* ``delete``: a data file removed;
+* ``record``: one storage record (``storage_data`` entry) dropped from ``.metadata``.
+
+Each damaged checkpoint is loaded by ``dcp.load`` through `sparse_ckpt.SparseOptimizerState` and
+`sparse_ckpt.SparseLoadPlanner` (``surface="stateful"``) and by torch DSD's functions under
+``sparse_ckpt.integrations.dsd.install()`` (``surface="dsd"``) into an optimizer that has state of
+its own. An outcome is ``exact`` (the saved optimizer, bit for bit), ``refused`` (a
+`sparse_ckpt.errors.SparseCheckpointError`, directly or as every failure of DCP's
+``CheckpointException``, the target unchanged), ``silent`` (loaded, not equal: zeroed tensor bytes
+that DCP has no checksum for, see docs/guarantees.md) or ``raw`` (anything else, or a refusal that
+changed the target, or a message advising ``weights_only=False``). Prints the counts per variant.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import pickle
+import shutil
+import sys
+import tempfile
+import warnings
+from collections import Counter
+from collections.abc import Callable, Iterator
+from typing import Any
+
+import torch
+import torch.distributed.checkpoint as dcp
+from torch import nn
+from torch.distributed.checkpoint.api import CheckpointException
+
+import sparse_ckpt as sc
+
+VARIANTS = (("packed", "per_tensor"), ("packed", "auto"), ("flat", "auto"))
+SURFACES = ("stateful", "dsd")
+BAD_ADVICE = "weights_only=False"
+
+
+def _model(seed: int) -> nn.Module:
+    torch.manual_seed(seed)
+    return nn.Sequential(nn.Linear(4, 3), nn.Linear(3, 2))
+
+
+def _stepped(seed: int) -> tuple[nn.Module, torch.optim.Optimizer]:
+    model = _model(0)
+    opt = torch.optim.AdamW([{"params": model[0].parameters()}, {"params": model[1].parameters(), "lr": 0.01}], lr=0.1)
+    gen = torch.Generator().manual_seed(seed)
+    for p in model.parameters():
+        p.grad = torch.randn(p.shape, generator=gen)
+    model[1].bias.grad = None  # a parameter without state
+    opt.step()
+    return model, opt
+
+
+def _snapshot(opt: torch.optim.Optimizer) -> tuple[Any, ...]:
+    sd = opt.state_dict()
+    state = {i: {k: (v.dtype, tuple(v.shape), v.tolist()) if isinstance(v, torch.Tensor) else v for k, v in s.items()}
+             for i, s in sd["state"].items()}
+    return (repr(sd["param_groups"]), repr(state))
+
+
+def _own_error(exc: BaseException) -> BaseException | None:
+    """The library error ``exc`` is (or that every failure of DCP's ``CheckpointException`` is), else None."""
+    if isinstance(exc, sc.SparseCheckpointError):
+        return exc
+    if isinstance(exc, CheckpointException):
+        errors = [f[0] if isinstance(f, tuple) else f for f in exc.failures.values()]
+        if errors and all(isinstance(e, sc.SparseCheckpointError) for e in errors):
+            return errors[0]
+    return None
+
+
+def save(root: str, fmt: str, layout: str) -> tuple[str, tuple[Any, ...], dict[str, Any]]:
+    """A checkpoint of the stepped optimizer under ``root``; ``(path, snapshot, model state)``."""
+    model, opt = _stepped(0)
+    path = os.path.join(root, f"{fmt}-{layout}")
+    state = sc.SparseOptimizerState(model, opt, format=fmt, state_layout=layout)  # type: ignore[arg-type]
+    dcp.save({"model": model.state_dict(), "optim": state}, checkpoint_id=path)
+    return path, _snapshot(opt), {k: v.clone() for k, v in model.state_dict().items()}
+
+
+def _load_stateful(path: str, fmt: str, model: nn.Module, opt: torch.optim.Optimizer) -> None:
+    state = sc.SparseOptimizerState(model, opt, format=fmt)  # type: ignore[arg-type]
+    dcp.load({"optim": state}, checkpoint_id=path, planner=sc.SparseLoadPlanner())
+
+
+def _load_dsd(path: str, fmt: str, model: nn.Module, opt: torch.optim.Optimizer) -> None:
+    from torch.distributed.checkpoint.state_dict import StateDictOptions, get_optimizer_state_dict, set_optimizer_state_dict
+
+    options = StateDictOptions(flatten_optimizer_state_dict=fmt == "flat")
+    target = {"optim": get_optimizer_state_dict(model, opt, options=options)}
+    dcp.load(target, checkpoint_id=path)
+    set_optimizer_state_dict(model, opt, target["optim"], options=options)
+
+
+def _save_dsd(root: str, fmt: str) -> tuple[str, tuple[Any, ...], dict[str, Any]]:
+    from torch.distributed.checkpoint.state_dict import StateDictOptions, get_optimizer_state_dict
+
+    model, opt = _stepped(0)
+    path = os.path.join(root, f"dsd-{fmt}")
+    options = StateDictOptions(flatten_optimizer_state_dict=fmt == "flat")
+    dcp.save({"optim": get_optimizer_state_dict(model, opt, options=options)}, checkpoint_id=path)
+    return path, _snapshot(opt), {k: v.clone() for k, v in model.state_dict().items()}
+
+
+def classify(load: Callable[[], None], opt: torch.optim.Optimizer, saved: tuple[Any, ...]) -> tuple[str, str]:
+    """``(outcome, detail)`` of ``load()`` into ``opt`` (see the module doc)."""
+    before = _snapshot(opt)
+    try:
+        load()
+    except BaseException as exc:  # noqa: BLE001 - classified
+        if isinstance(exc, KeyboardInterrupt):
+            raise
+        own = _own_error(exc)
+        text = str(exc)
+        if own is None:
+            return "raw", f"{type(exc).__name__}: {text.strip().splitlines()[-1][:300] if text.strip() else ''}"
+        if BAD_ADVICE in text:
+            return "raw", f"advises {BAD_ADVICE}: {str(own)[:300]}"
+        if _snapshot(opt) != before:
+            return "raw", f"refused but the optimizer changed: {str(own)[:300]}"
+        return "refused", f"{type(own).__name__}: {str(own)[:300]}"
+    return ("exact", "") if _snapshot(opt) == saved else ("silent", "loaded, not what was saved")
+
+
+def damages(path: str, stride: int, span: int) -> Iterator[tuple[str, Callable[[str], None]]]:
+    """``(name, apply)`` for every damage of the checkpoint at ``path`` (``apply(copy_path)``)."""
+    files = sorted(f for f in os.listdir(path) if f.endswith(".distcp"))
+    for name in files:
+        size = os.path.getsize(os.path.join(path, name))
+        yield f"delete {name}", lambda p, n=name: os.remove(os.path.join(p, n))
+        for offset in range(0, size, stride):
+            yield f"zero {name}[{offset}:{offset + span}]", lambda p, n=name, o=offset: _zero(os.path.join(p, n), o, span)
+            yield f"truncate {name}@{offset}", lambda p, n=name, o=offset: os.truncate(os.path.join(p, n), o)
+    with open(os.path.join(path, ".metadata"), "rb") as f:
+        md = pickle.load(f)
+    for index in list(md.storage_data):
+        yield f"record {index.fqn}{list(index.offset or [])}", lambda p, i=index: _drop_record(p, i)
+
+
+def _zero(file: str, offset: int, span: int) -> None:
+    with open(file, "r+b") as f:
+        f.seek(offset)
+        f.write(b"\0" * max(0, min(span, os.path.getsize(file) - offset)))
+
+
+def _drop_record(path: str, index: Any) -> None:
+    with open(os.path.join(path, ".metadata"), "rb") as f:
+        md = pickle.load(f)
+    del md.storage_data[index]
+    with open(os.path.join(path, ".metadata"), "wb") as f:
+        pickle.dump(md, f)
+
+
+def sweep(stride: int, span: int, surfaces: tuple[str, ...] = SURFACES, variants: tuple[tuple[str, str], ...] = VARIANTS,
+          out: Any = None) -> dict[str, Any]:
+    """Every damage of every variant through every surface; counts and the non-exact details."""
+    warnings.filterwarnings("ignore", message="torch.distributed is disabled")
+    counts: Counter[str] = Counter()
+    raws: list[str] = []
+    silent: list[str] = []
+    root = tempfile.mkdtemp(prefix="damaged_files_")
+    from sparse_ckpt.integrations import dsd as sc_dsd
+
+    installed = sc_dsd.installed()
+    try:
+        for surface in surfaces:
+            if surface == "dsd":
+                sc_dsd.install()
+            for fmt, layout in variants:
+                if surface == "dsd" and layout != "auto":
+                    continue  # DSD's functions choose their layout
+                path, saved, model_sd = _save_dsd(root, fmt) if surface == "dsd" else save(root, fmt, layout)
+                loader = _load_dsd if surface == "dsd" else _load_stateful
+                for what, apply in damages(path, stride, span):
+                    copy = path + ".damaged"
+                    shutil.rmtree(copy, ignore_errors=True)
+                    shutil.copytree(path, copy)
+                    apply(copy)
+                    model, opt = _stepped(7)  # state of its own: a refusal must keep it
+                    model.load_state_dict(model_sd)
+                    outcome, detail = classify(lambda m=model, o=opt: loader(copy, fmt, m, o), opt, saved)
+                    counts[outcome] += 1
+                    line = f"{surface} {fmt}/{layout} {what}: {detail}"
+                    if outcome == "raw":
+                        raws.append(line)
+                    elif outcome == "silent":
+                        silent.append(line)
+            if surface == "dsd" and not installed:
+                sc_dsd.uninstall()
+    finally:
+        if not installed and sc_dsd.installed():
+            sc_dsd.uninstall()
+        shutil.rmtree(root, ignore_errors=True)
+    result = {"trials": sum(counts.values()), **{k: counts.get(k, 0) for k in ("exact", "refused", "silent", "raw")},
+              "raw_cases": raws, "silent_cases": silent}
+    if out is not None:
+        print(f"{result['trials']} trials: {result['exact']} exact, {result['refused']} refused, "
+              f"{result['silent']} silent (zeroed tensor bytes), {result['raw']} raw", file=out)
+        for line in raws[:40]:
+            print("  RAW " + line, file=out)
+    return result
+
+
+def main(argv: list[str] | None = None) -> int:
+    """Command line: ``--stride N --span N --json PATH``; exit status 1 on any raw outcome."""
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--stride", type=int, default=1, help="damage every N-th byte offset (1: all)")
+    parser.add_argument("--span", type=int, default=8, help="bytes zeroed at each offset")
+    parser.add_argument("--json", default=None)
+    args = parser.parse_args(argv)
+    result = sweep(args.stride, args.span, out=sys.stdout)
+    if args.json:
+        with open(args.json, "w") as f:
+            json.dump(result, f, indent=1)
+    return 1 if result["raw"] else 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
