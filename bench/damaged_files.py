@@ -94,7 +94,11 @@ def _load_stateful(path: str, fmt: str, model: nn.Module, opt: torch.optim.Optim
 
 
 def _load_dsd(path: str, fmt: str, model: nn.Module, opt: torch.optim.Optimizer) -> None:
-    from torch.distributed.checkpoint.state_dict import StateDictOptions, get_optimizer_state_dict, set_optimizer_state_dict
+    from torch.distributed.checkpoint.state_dict import (
+        StateDictOptions,
+        get_optimizer_state_dict,
+        set_optimizer_state_dict,
+    )
 
     options = StateDictOptions(flatten_optimizer_state_dict=fmt == "flat")
     target = {"optim": get_optimizer_state_dict(model, opt, options=options)}
@@ -117,7 +121,7 @@ def classify(load: Callable[[], None], opt: torch.optim.Optimizer, saved: tuple[
     before = _snapshot(opt)
     try:
         load()
-    except BaseException as exc:  # noqa: BLE001 - classified
+    except BaseException as exc:  # classified
         if isinstance(exc, KeyboardInterrupt):
             raise
         own = _own_error(exc)
@@ -188,7 +192,7 @@ def sweep(stride: int, span: int, surfaces: tuple[str, ...] = SURFACES, variants
                     apply(copy)
                     model, opt = _stepped(7)  # state of its own: a refusal must keep it
                     model.load_state_dict(model_sd)
-                    outcome, detail = classify(lambda m=model, o=opt: loader(copy, fmt, m, o), opt, saved)
+                    outcome, detail = classify(lambda m=model, o=opt, ld=loader, c=copy, f=fmt: ld(c, f, m, o), opt, saved)
                     counts[outcome] += 1
                     line = f"{surface} {fmt}/{layout} {what}: {detail}"
                     if outcome == "raw":

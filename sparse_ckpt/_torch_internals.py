@@ -273,14 +273,16 @@ def local_chunk(dtensor: Any) -> Any:
     return chunk
 
 
-def file_item_location(storage_reader: Any, storage_info: Any) -> tuple[str, int, int] | None:
+def file_item_location(storage_reader: Any, storage_info: Any, *, subclasses: bool = False) -> tuple[str, int, int] | None:
     """``(file, offset, length)`` of the bytes of a DCP item (``storage_info``: its entry in the
     metadata's ``storage_data``) that ``storage_reader`` would read, when it is torch's own
-    ``FileSystemReader`` (not a subclass) and the item was written without stream transforms;
-    ``None`` otherwise (the caller then reads through ``read_data``)."""
+    ``FileSystemReader`` (not a subclass, unless ``subclasses``: where a failed read is diagnosed)
+    and the item was written without stream transforms; ``None`` otherwise (the caller then reads
+    through ``read_data``)."""
     from torch.distributed.checkpoint import FileSystemReader
 
-    if type(storage_reader) is not FileSystemReader or getattr(storage_info, "transform_descriptors", None):
+    own = isinstance(storage_reader, FileSystemReader) if subclasses else type(storage_reader) is FileSystemReader
+    if not own or getattr(storage_info, "transform_descriptors", None):
         return None
     root = getattr(storage_reader, "path", None)
     rel = getattr(storage_info, "relative_path", None)

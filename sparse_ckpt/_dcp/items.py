@@ -26,7 +26,7 @@ from torch.distributed.tensor import empty as dtensor_empty
 from .._format.keys import BUFFERS_PREFIX, PACKED_PREFIX, SCALARS_PREFIX, STEP_KEY, is_table_key, table_kind
 from .._torch_internals import file_item_location
 from ..errors import CheckpointFormatError, CheckpointMismatchError, SparseCheckpointError
-from .damage import damaged, diagnose, reason
+from .damage import crc_failure, damaged, diagnose, reason, with_file
 from .saved_tensor import read_saved_tensor
 
 __all__ = ["FileWindow", "ItemPlanner", "allocate_item", "allocate_like", "check_covered", "read_items", "weights_only_item", "weights_only_object"]
@@ -46,6 +46,10 @@ def weights_only_object(key: str, value: io.BytesIO, table: bool) -> Any:
     """The object of a DCP bytes item, unpickled with ``weights_only=True`` (``table``: it must be ``bytes``)."""
     prefix = next((p for p in (SCALARS_PREFIX, BUFFERS_PREFIX) if p in key), PACKED_PREFIX)
     what = table_kind(prefix) if table else "optimizer item"
+    blob = value.getvalue() if isinstance(value, io.BytesIO) else None
+    bad = crc_failure(blob) if blob is not None else None
+    if bad is not None:
+        raise CheckpointFormatError(f"{what} {key!r}: its record {bad!r} fails its CRC-32 check (damaged bytes)")
     try:
         obj = torch.load(value, weights_only=True)
     except Exception as exc:  # noqa: BLE001 - any refusal of the restricted unpickler
@@ -213,6 +217,8 @@ def read_items(
         if rest:
             plan.items[:] = rest
             storage_reader.read_data(plan, planner).wait()
+    except CheckpointFormatError as exc:  # an item refused as read (no file named): name its file
+        raise with_file(exc, storage_reader, metadata, items) from None
     except SparseCheckpointError:
         raise
     except Exception as exc:  # noqa: BLE001 - a damaged file: refused naming the item and its file

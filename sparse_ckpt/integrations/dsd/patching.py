@@ -29,8 +29,8 @@ import torch
 import torch.distributed.checkpoint.state_dict as _dsd
 from torch.distributed.checkpoint.default_planner import DefaultLoadPlanner
 
-from ..._dcp.planner import SparseLoadPlanner
 from ..._dcp.damage import guard_reads
+from ..._dcp.planner import SparseLoadPlanner
 from ..._torch_internals import (
     DSD_CHECKED,
     DSD_OPTIONS,
