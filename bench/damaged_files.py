@@ -14,21 +14,26 @@ Each damaged checkpoint is loaded by ``dcp.load`` through `sparse_ckpt.SparseOpt
 ``sparse_ckpt.integrations.dsd.install()`` (``surface="dsd"``) into an optimizer that has state of
 its own. An outcome is ``exact`` (the saved optimizer, bit for bit), ``refused`` (a
 `sparse_ckpt.errors.SparseCheckpointError`, directly or as every failure of DCP's
-``CheckpointException``, the target unchanged), ``silent`` (loaded, not equal: zeroed tensor bytes
-that DCP has no checksum for, see docs/guarantees.md) or ``raw`` (anything else, or a refusal that
+``CheckpointException``, the target unchanged), ``silent`` (loaded, not equal; counted only when the
+zeroed range overlaps a tensor item's raw bytes, which neither DCP nor the load checksums:
+see docs/guarantees.md) or ``raw`` (anything else, a silent load from other damage, a refusal that
 changed the target, or a message advising ``weights_only=False``). Prints the counts per variant.
 """
 
 from __future__ import annotations
 
 import argparse
+import io
 import json
 import os
 import pickle
+import re
 import shutil
+import struct
 import sys
 import tempfile
 import warnings
+import zipfile
 from collections import Counter
 from collections.abc import Callable, Iterator
 from typing import Any
@@ -37,6 +42,7 @@ import torch
 import torch.distributed.checkpoint as dcp
 from torch import nn
 from torch.distributed.checkpoint.api import CheckpointException
+from torch.distributed.checkpoint.metadata import TensorStorageMetadata
 
 import sparse_ckpt as sc
 
@@ -136,6 +142,27 @@ def classify(load: Callable[[], None], opt: torch.optim.Optimizer, saved: tuple[
     return ("exact", "") if _snapshot(opt) == saved else ("silent", "loaded, not what was saved")
 
 
+def tensor_data_ranges(path: str) -> dict[str, list[tuple[int, int, str]]]:
+    """``file -> [(start, end, key)]``: where the raw bytes of each tensor item (its archive's
+    ``data/0`` record) lie in the data files, the only bytes whose damage no check can see."""
+    with open(os.path.join(path, ".metadata"), "rb") as f:
+        md = pickle.load(f)
+    out: dict[str, list[tuple[int, int, str]]] = {}
+    for index, info in md.storage_data.items():
+        if not isinstance(md.state_dict_metadata.get(index.fqn), TensorStorageMetadata):
+            continue
+        with open(os.path.join(path, info.relative_path), "rb") as f:
+            f.seek(info.offset)
+            blob = f.read(info.length)
+        with zipfile.ZipFile(io.BytesIO(blob)) as z:
+            for zi in z.infolist():
+                if "/data/" in zi.filename:
+                    name_len, extra_len = struct.unpack_from("<HH", blob, zi.header_offset + 26)
+                    start = info.offset + zi.header_offset + 30 + name_len + extra_len
+                    out.setdefault(info.relative_path, []).append((start, start + zi.file_size, index.fqn))
+    return out
+
+
 def damages(path: str, stride: int, span: int) -> Iterator[tuple[str, Callable[[str], None]]]:
     """``(name, apply)`` for every damage of the checkpoint at ``path`` (``apply(copy_path)``)."""
     files = sorted(f for f in os.listdir(path) if f.endswith(".distcp"))
@@ -149,6 +176,18 @@ def damages(path: str, stride: int, span: int) -> Iterator[tuple[str, Callable[[
         md = pickle.load(f)
     for index in list(md.storage_data):
         yield f"record {index.fqn}{list(index.offset or [])}", lambda p, i=index: _drop_record(p, i)
+
+
+def _in_tensor_data(what: str, span: int, ranges: dict[str, list[tuple[int, int, str]]]) -> str | None:
+    """The tensor item whose raw bytes the ``zero`` damage ``what`` overlaps, else None."""
+    m = re.fullmatch(r"zero (\S+)\[(\d+):(\d+)\]", what)
+    if m is None:
+        return None
+    file, lo = m.group(1), int(m.group(2))
+    for start, end, key in ranges.get(file, ()):
+        if lo < end and start < lo + span:  # the rest of the range: padding, a data descriptor, checked headers
+            return key
+    return None
 
 
 def _zero(file: str, offset: int, span: int) -> None:
@@ -185,6 +224,7 @@ def sweep(stride: int, span: int, surfaces: tuple[str, ...] = SURFACES, variants
                     continue  # DSD's functions choose their layout
                 path, saved, model_sd = _save_dsd(root, fmt) if surface == "dsd" else save(root, fmt, layout)
                 loader = _load_dsd if surface == "dsd" else _load_stateful
+                raw_data = tensor_data_ranges(path)
                 for what, apply in damages(path, stride, span):
                     copy = path + ".damaged"
                     shutil.rmtree(copy, ignore_errors=True)
@@ -198,7 +238,13 @@ def sweep(stride: int, span: int, surfaces: tuple[str, ...] = SURFACES, variants
                     if outcome == "raw":
                         raws.append(line)
                     elif outcome == "silent":
-                        silent.append(line)
+                        hit = _in_tensor_data(what, span, raw_data)
+                        if hit is None:  # damage outside a tensor's raw bytes must never load
+                            counts["silent"] -= 1
+                            counts["raw"] += 1
+                            raws.append(line + " (not inside a tensor's raw bytes)")
+                        else:
+                            silent.append(f"{line}: inside the raw bytes of tensor item {hit!r}")
             if surface == "dsd" and not installed:
                 sc_dsd.uninstall()
     finally:

@@ -22,7 +22,7 @@ from .._torch_internals import file_item_location
 from ..errors import CheckpointFormatError, SparseCheckpointError
 from .saved_tensor import _CDIR, _EOCD, _LOCAL
 
-__all__ = ["crc_failure", "damaged", "diagnose", "guard_reads", "locate", "reason", "with_file"]
+__all__ = ["check_headers", "crc_failure", "damaged", "diagnose", "guard_reads", "header_crc_failure", "locate", "reason", "with_file"]
 
 _HINT = "a damaged, truncated or partly copied checkpoint; nothing was loaded into the optimizer"
 
@@ -107,6 +107,7 @@ def guard_reads(storage_reader: Any, metadata: Any) -> None:
     def read_data(plan: Any, planner: Any) -> Any:
         vars(storage_reader).pop("read_data", None)
         try:
+            check_headers(storage_reader, metadata, plan.items)
             return plain(storage_reader, plan, planner)
         except CheckpointFormatError as exc:  # an item refused as read (no file named): name its file
             raise with_file(exc, storage_reader, metadata, plan.items) from None
@@ -150,3 +151,83 @@ def crc_failure(blob: bytes) -> str | None:
         if head[0] != 0x04034B50 or (method == 0 and (start + size > len(blob) or zlib.crc32(blob[start : start + size]) != crc)):
             return name
     return None
+
+
+_TAIL = 4096
+"""Bytes read from an item's end to find its zip directory (a one-tensor archive's is ~0.5 KiB)."""
+
+
+def header_crc_failure(f: Any, offset: int, length: int) -> str | None:
+    """The name of the first record of the ``torch.save`` archive at ``[offset, offset + length)`` of
+    the open file ``f`` whose local header is damaged (its signature or name), or, other than tensor
+    data records (``*/data/*``), whose bytes fail their CRC-32:
+    a zeroed ``byteorder`` record makes ``torch.load`` byte-swap a tensor, a zeroed ``data.pkl`` byte
+    can change its shape or dtype. ``None`` when all pass or the directory cannot be read."""
+    tail_at = max(0, length - _TAIL)
+    f.seek(offset + tail_at)
+    tail = f.read(length - tail_at)
+    at = tail.rfind(b"PK\x05\x06")
+    if at < 0 or len(tail) - at < _EOCD.size:
+        return None
+    n, _cd_size, cd_off = _EOCD.unpack_from(tail, at)[4:7]
+    pos = cd_off - tail_at
+    if pos < 0:
+        return None
+    for _ in range(n):
+        if pos + _CDIR.size > len(tail):
+            return None
+        rec = _CDIR.unpack_from(tail, pos)
+        if rec[0] != 0x02014B50:
+            return None
+        method, crc, size, name_len, extra_len, comment_len, local = rec[4], rec[7], rec[8], rec[10], rec[11], rec[12], rec[16]
+        name = tail[pos + _CDIR.size : pos + _CDIR.size + name_len].decode("utf-8", "replace")
+        pos += _CDIR.size + name_len + extra_len + comment_len
+        if local + _LOCAL.size + name_len > length:
+            return name
+        f.seek(offset + local)
+        head = f.read(_LOCAL.size + name_len)
+        fields = _LOCAL.unpack_from(head)
+        start = local + _LOCAL.size + fields[9] + fields[10]
+        # a damaged local header moves where torch.load reads the record's bytes from
+        if fields[0] != 0x04034B50 or head[_LOCAL.size :] != name.encode() or start + size > length:
+            return name
+        if method != 0 or "/data/" in name or size > 1 << 20:
+            continue  # tensor bytes: no check (see docs/guarantees.md)
+        f.seek(offset + start)
+        if zlib.crc32(f.read(size)) != crc:
+            return name
+    return None
+
+
+def check_headers(storage_reader: Any, metadata: Any, items: Iterable[Any]) -> None:
+    """`header_crc_failure` for every tensor item of ``items`` (``ReadItem``\\ s) that DCP is about to
+    read with ``torch.load``, `crc_failure` for every bytes item (DCP's own ``load_bytes`` unpickles
+    what a stock planner reads: a zeroed float would load as 0.0); a failure is `damaged`'s
+    `CheckpointFormatError`."""
+    storage = getattr(metadata, "storage_data", None)
+    if not isinstance(storage, Mapping):
+        return
+    seen: set[Any] = set()
+    f, path = None, None
+    try:
+        for item in items:
+            if item.storage_index in seen:
+                continue
+            seen.add(item.storage_index)
+            where = file_item_location(storage_reader, storage.get(item.storage_index), subclasses=True)
+            if where is None or not os.path.isfile(where[0]):
+                continue  # read_data's own error, diagnosed by the guard
+            if where[0] != path:
+                if f is not None:
+                    f.close()
+                f, path = open(where[0], "rb"), where[0]  # noqa: SIM115 - closed below
+            if getattr(item.type, "name", "") == "BYTE_IO":  # a pickled object: all its records
+                f.seek(where[1])
+                bad = crc_failure(f.read(where[2]))
+            else:
+                bad = header_crc_failure(f, where[1], where[2])
+            if bad is not None:
+                raise damaged(item.storage_index.fqn, where[0], f"its record {bad!r} fails its CRC-32 check")
+    finally:
+        if f is not None:
+            f.close()
