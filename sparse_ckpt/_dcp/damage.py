@@ -13,7 +13,7 @@ from __future__ import annotations
 import io
 import os
 import zlib
-from collections.abc import Iterable, Mapping
+from collections.abc import Callable, Iterable, Mapping
 from typing import Any
 
 import torch
@@ -91,11 +91,12 @@ def with_file(exc: CheckpointFormatError, storage_reader: Any, metadata: Any, it
     return CheckpointFormatError(f"{exc} [item {found[0]!r} in file {found[1]!r}]")
 
 
-def guard_reads(storage_reader: Any, metadata: Any) -> None:
+def guard_reads(storage_reader: Any, metadata: Any, checked: Callable[[str], bool] = lambda key: False) -> None:
     """Make the next ``read_data`` of ``storage_reader`` (torch's ``FileSystemReader``, the load in
     progress) raise `diagnose`'s `CheckpointFormatError` instead of a raw error of a damaged file
     (or, when no item can be blamed, a `CheckpointFormatError` carrying the raw error's `reason`).
-    The wrapper is an attribute of that reader object only, and removes itself when it is called."""
+    The wrapper is an attribute of that reader object only, and removes itself when it is called.
+    ``checked(key)``: the planner CRC-checks bytes item ``key`` itself (see `check_headers`)."""
     from torch.distributed.checkpoint import FileSystemReader
 
     if type(storage_reader) is not FileSystemReader:
@@ -107,7 +108,7 @@ def guard_reads(storage_reader: Any, metadata: Any) -> None:
     def read_data(plan: Any, planner: Any) -> Any:
         vars(storage_reader).pop("read_data", None)
         try:
-            check_headers(storage_reader, metadata, plan.items)
+            check_headers(storage_reader, metadata, plan.items, checked)
             return plain(storage_reader, plan, planner)
         except CheckpointFormatError as exc:  # an item refused as read (no file named): name its file
             raise with_file(exc, storage_reader, metadata, plan.items) from None
@@ -199,11 +200,11 @@ def header_crc_failure(f: Any, offset: int, length: int) -> str | None:
     return None
 
 
-def check_headers(storage_reader: Any, metadata: Any, items: Iterable[Any]) -> None:
+def check_headers(storage_reader: Any, metadata: Any, items: Iterable[Any], checked: Callable[[str], bool] = lambda key: False) -> None:
     """`header_crc_failure` for every tensor item of ``items`` (``ReadItem``\\ s) that DCP is about to
     read with ``torch.load``, `crc_failure` for every bytes item (DCP's own ``load_bytes`` unpickles
-    what a stock planner reads: a zeroed float would load as 0.0); a failure is `damaged`'s
-    `CheckpointFormatError`."""
+    what a stock planner reads: a zeroed float would load as 0.0) unless ``checked(key)`` (the
+    planner checks it as it reads it); a failure is `damaged`'s `CheckpointFormatError`."""
     storage = getattr(metadata, "storage_data", None)
     if not isinstance(storage, Mapping):
         return
@@ -222,6 +223,8 @@ def check_headers(storage_reader: Any, metadata: Any, items: Iterable[Any]) -> N
                     f.close()
                 f, path = open(where[0], "rb"), where[0]  # noqa: SIM115 - closed below
             if getattr(item.type, "name", "") == "BYTE_IO":  # a pickled object: all its records
+                if checked(item.dest_index.fqn):
+                    continue  # the planner's load_bytes checks it (weights_only_object)
                 f.seek(where[1])
                 bad = crc_failure(f.read(where[2]))
             else:

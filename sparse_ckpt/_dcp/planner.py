@@ -109,7 +109,7 @@ class SparseLoadPlanner(DefaultLoadPlanner):
         if targets and metadata is not None:
             paths = metadata_paths(metadata)
             storage_reader = dcp_storage_reader(caller_frame(1))
-            guard_reads(storage_reader, metadata)
+            guard_reads(storage_reader, metadata, self._reads_weights_only)
             for path, target in targets:
                 builder = _TargetBuilder(target, metadata, storage_reader, read_whole=True)
                 self._optimizer_keys.update(builder.rebuild(path, paths))
@@ -135,6 +135,10 @@ class SparseLoadPlanner(DefaultLoadPlanner):
             plan.items[:] = [item for item in plan.items if item.dest_index.fqn not in self._read_here]
         return plan
 
+    def _reads_weights_only(self, key: str) -> bool:
+        """Whether `load_bytes` reads bytes item ``key`` with `weights_only_item` (which checks its CRCs)."""
+        return self._all_weights_only or is_table_key(key) or key in getattr(self, "_optimizer_keys", ())
+
     def load_bytes(self, read_item: ReadItem, value: io.BytesIO) -> None:
         """Read every non-tensor optimizer item with ``torch.load(weights_only=True)``; others as DCP does.
 
@@ -145,9 +149,8 @@ class SparseLoadPlanner(DefaultLoadPlanner):
         `CheckpointFormatError` naming the key.
         """
         key = read_item.dest_index.fqn
-        table = is_table_key(key)
-        if self._all_weights_only or table or key in getattr(self, "_optimizer_keys", ()):
-            value = weights_only_item(key, value, table=table or BUFFERS_PREFIX in key)
+        if self._reads_weights_only(key):
+            value = weights_only_item(key, value, table=is_table_key(key) or BUFFERS_PREFIX in key)
         super().load_bytes(read_item, value)
 
 
