@@ -180,7 +180,9 @@ def header_crc_failure(f: Any, offset: int, length: int) -> str | None:
         rec = _CDIR.unpack_from(tail, pos)
         if rec[0] != 0x02014B50:
             return None
-        method, crc, size, name_len, extra_len, comment_len, local = rec[4], rec[7], rec[8], rec[10], rec[11], rec[12], rec[16]
+        flags, method, crc, size, name_len, extra_len, comment_len, local = (
+            rec[3], rec[4], rec[7], rec[8], rec[10], rec[11], rec[12], rec[16]
+        )
         name = tail[pos + _CDIR.size : pos + _CDIR.size + name_len].decode("utf-8", "replace")
         pos += _CDIR.size + name_len + extra_len + comment_len
         if local + _LOCAL.size + name_len > length:
@@ -190,8 +192,10 @@ def header_crc_failure(f: Any, offset: int, length: int) -> str | None:
         fields = _LOCAL.unpack_from(head)
         start = local + _LOCAL.size + fields[9] + fields[10]
         # a damaged local header moves where torch.load reads the record's bytes from
-        if fields[0] != 0x04034B50 or head[_LOCAL.size :] != name.encode() or start + size > length:
+        if fields[0] != 0x04034B50 or fields[9] != name_len or head[_LOCAL.size :] != name.encode() or start + size > length:
             return name
+        if fields[2] != flags or fields[3] != method or (not flags & 8 and fields[6:9] != (crc, size, rec[9])):
+            return name  # the header disagrees with the directory: torch.load may read other bytes
         if method != 0 or "/data/" in name or size > 1 << 20:
             continue  # tensor bytes: no check (see docs/guarantees.md)
         f.seek(offset + start)
@@ -230,7 +234,7 @@ def check_headers(storage_reader: Any, metadata: Any, items: Iterable[Any], chec
             else:
                 bad = header_crc_failure(f, where[1], where[2])
             if bad is not None:
-                raise damaged(item.storage_index.fqn, where[0], f"its record {bad!r} fails its CRC-32 check")
+                raise damaged(item.storage_index.fqn, where[0], f"its record {bad!r} is damaged (its zip header or CRC-32 check fails)")
     finally:
         if f is not None:
             f.close()

@@ -312,7 +312,7 @@ def _read_files_directly(storage_reader: Any, metadata: Metadata, items: list[Re
             if tensor is None:  # not the plain case: torch.load reads every case
                 bad = header_crc_failure(f, offset, length)  # a zeroed byteorder: byte-swapped values
                 if bad is not None:
-                    raise damaged(key, file, f"its record {bad!r} fails its CRC-32 check")
+                    raise damaged(key, file, f"its record {bad!r} is damaged (its zip header or CRC-32 check fails)")
                 try:
                     tensor = torch.load(io.BufferedReader(FileWindow(f, offset, length)), map_location="cpu", weights_only=True)
                 except Exception as exc:  # noqa: BLE001 - zeroed or cut bytes: refused naming item and file
