@@ -25,7 +25,12 @@ Why each is needed:
   ``full_state_dict`` and ``cpu_offload`` exactly as DSD does them);
 * where a ``FileSystemReader`` keeps an item's bytes (its ``path`` and the metadata's private
   ``_StorageInfo`` records): a whole one-chunk tensor item read straight into its own tensor,
-  without the copy into a second tensor that ``read_data`` makes (buffers-layout loads).
+  without the copy into a second tensor that ``read_data`` makes (buffers-layout loads);
+* DCP's module flag ``_version._derived_version``: ``DefaultLoadPlanner.create_local_plan`` sets it to
+  ``"2_3"`` (flatten as torch <= 2.3 did) around a probe for an old checkpoint and resets it without a
+  ``finally``, so a ``KeyboardInterrupt`` in that window leaves every later flatten of every DCP
+  load and save in the old layout; a load planner of the library clears a flag left so and
+  restores it after the probe whatever happens (`dcp_flatten_as_saved`).
 """
 
 from __future__ import annotations
@@ -295,14 +300,16 @@ def local_chunk(dtensor: Any) -> Any:
     return chunk
 
 
-def file_item_location(storage_reader: Any, storage_info: Any) -> tuple[str, int, int] | None:
+def file_item_location(storage_reader: Any, storage_info: Any, *, subclasses: bool = False) -> tuple[str, int, int] | None:
     """``(file, offset, length)`` of the bytes of a DCP item (``storage_info``: its entry in the
     metadata's ``storage_data``) that ``storage_reader`` would read, when it is torch's own
-    ``FileSystemReader`` (not a subclass) and the item was written without stream transforms;
-    ``None`` otherwise (the caller then reads through ``read_data``)."""
+    ``FileSystemReader`` (not a subclass, unless ``subclasses``: where a failed read is diagnosed)
+    and the item was written without stream transforms; ``None`` otherwise (the caller then reads
+    through ``read_data``)."""
     from torch.distributed.checkpoint import FileSystemReader
 
-    if type(storage_reader) is not FileSystemReader or getattr(storage_info, "transform_descriptors", None):
+    own = isinstance(storage_reader, FileSystemReader) if subclasses else type(storage_reader) is FileSystemReader
+    if not own or getattr(storage_info, "transform_descriptors", None):
         return None
     root = getattr(storage_reader, "path", None)
     rel = getattr(storage_info, "relative_path", None)
@@ -310,6 +317,44 @@ def file_item_location(storage_reader: Any, storage_info: Any) -> tuple[str, int
     if not isinstance(root, (str, os.PathLike)) or type(rel) is not str or type(offset) is not int or type(length) is not int:
         return None
     return os.path.join(root, rel), offset, length
+
+
+def _dcp_version_module() -> Any:
+    """DCP's ``_version`` module when it has the ``_derived_version`` flag, else ``None``."""
+    try:
+        from torch.distributed.checkpoint import _version
+    except ImportError:  # pragma: no cover - torch without distributed
+        return None
+    return _version if hasattr(_version, "_derived_version") else None
+
+
+_DCP_VERSION = _dcp_version_module()
+
+
+def dcp_flatten_flag() -> Any:
+    """DCP's ``_version._derived_version``: ``None`` except inside ``DefaultLoadPlanner.create_local_plan``'s
+    probe for a torch <= 2.3 checkpoint (``"2_3"``: ``flatten_state_dict`` then flattens the old way)."""
+    return None if _DCP_VERSION is None else _DCP_VERSION._derived_version
+
+
+def clear_dcp_flatten_flag() -> None:
+    """Set DCP's ``_version._derived_version`` back to ``None``: its value outside the probe of
+    ``DefaultLoadPlanner.create_local_plan``, which sets ``"2_3"`` and resets it without a ``finally``
+    (a ``KeyboardInterrupt`` there leaves it set, and every later ``flatten_state_dict`` -- of every
+    DCP load and save -- flattens as torch <= 2.3 did: ``Missing key in checkpoint state_dict``).
+    Idempotent, one statement: safe to run twice from nested ``finally`` blocks."""
+    if _DCP_VERSION is not None:
+        _DCP_VERSION._derived_version = None
+
+
+def dcp_flatten_as_saved(plan: Callable[[], Any]) -> Any:
+    """``plan()`` (``DefaultLoadPlanner.create_local_plan``), with DCP's flatten flag cleared after it
+    whatever happens: an interrupt inside DCP's probe for an old checkpoint, or at any line here, never
+    leaves it set (the clear is written twice, nested, on the ``try`` lines: see `sparse_ckpt._gc`)."""
+    try: return plan()  # fmt: skip - body on the try's line: its line event is protected
+    finally:
+        try: clear_dcp_flatten_flag()  # fmt: skip
+        finally: clear_dcp_flatten_flag()  # fmt: skip - idempotent: redoes a clear the first did not finish
 
 
 ACCESSES: dict[str, str] = {
@@ -331,6 +376,7 @@ ACCESSES: dict[str, str] = {
     "torch.distributed._state_dict_utils._gather_state_dict (integrations.dsd)": "2.13.0",
     "torch.distributed._state_dict_utils._offload_state_dict_to_cpu (integrations.dsd)": "2.13.0",
     "FileSystemReader.path and _StorageInfo.relative_path/offset/length/transform_descriptors (item bytes)": "2.13.0, 2.7.0",
+    "torch.distributed.checkpoint._version._derived_version (DefaultLoadPlanner's flatten flag)": "2.13.0",
 }
 """Every torch internal the library touches -> the versions it was checked on.
 tests/core/test_torch_internals.py checks each entry against the installed torch; CI runs it on

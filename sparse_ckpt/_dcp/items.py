@@ -25,7 +25,8 @@ from torch.distributed.tensor import empty as dtensor_empty
 
 from .._format.keys import BUFFERS_PREFIX, PACKED_PREFIX, SCALARS_PREFIX, STEP_KEY, is_table_key, table_kind
 from .._torch_internals import file_item_location
-from ..errors import CheckpointFormatError, CheckpointMismatchError
+from ..errors import CheckpointFormatError, CheckpointMismatchError, SparseCheckpointError
+from .damage import crc_failure, damaged, diagnose, header_crc_failure, reason, with_file
 from .saved_tensor import read_saved_tensor
 
 __all__ = ["FileWindow", "ItemPlanner", "allocate_item", "allocate_like", "check_covered", "read_items", "weights_only_item", "weights_only_object"]
@@ -45,10 +46,17 @@ def weights_only_object(key: str, value: io.BytesIO, table: bool) -> Any:
     """The object of a DCP bytes item, unpickled with ``weights_only=True`` (``table``: it must be ``bytes``)."""
     prefix = next((p for p in (SCALARS_PREFIX, BUFFERS_PREFIX) if p in key), PACKED_PREFIX)
     what = table_kind(prefix) if table else "optimizer item"
+    blob = value.getvalue() if isinstance(value, io.BytesIO) else None
+    bad = crc_failure(blob) if blob is not None else None
+    if bad is not None:
+        raise CheckpointFormatError(f"{what} {key!r}: its record {bad!r} fails its CRC-32 check (damaged bytes)")
     try:
         obj = torch.load(value, weights_only=True)
     except Exception as exc:  # noqa: BLE001 - any refusal of the restricted unpickler
-        raise CheckpointFormatError(f"{what} {key!r} is not a plain data item ({exc})") from None
+        raise CheckpointFormatError(
+            f"{what} {key!r} is not a plain data item ({reason(exc)}): a damaged checkpoint, or one that holds "
+            "more than data"
+        ) from None
     if table and not isinstance(obj, bytes):
         raise CheckpointFormatError(f"{what} {key!r} holds a {type(obj).__name__}, expected bytes")
     return obj
@@ -203,10 +211,20 @@ def read_items(
                     f"checkpoint item {item.storage_index.fqn!r} has no storage entry in the checkpoint's "
                     ".metadata (a damaged or partial copy): its data cannot be found"
                 )
-    rest = _read_files_directly(storage_reader, metadata, plan.items, planner)
-    if rest:
-        plan.items[:] = rest
-        storage_reader.read_data(plan, planner).wait()
+    items = list(plan.items)
+    try:
+        rest = _read_files_directly(storage_reader, metadata, plan.items, planner)
+        if rest:
+            plan.items[:] = rest
+            storage_reader.read_data(plan, planner).wait()
+    except CheckpointFormatError as exc:  # an item refused as read (no file named): name its file
+        raise with_file(exc, storage_reader, metadata, items) from None
+    except SparseCheckpointError:
+        raise
+    except Exception as exc:  # noqa: BLE001 - a damaged file: refused naming the item and its file
+        raise (diagnose(storage_reader, metadata, items) or CheckpointFormatError(
+            f"reading checkpoint items{where} failed ({reason(exc)}): a damaged or truncated checkpoint"
+        )) from None
     return planner.values
 
 
@@ -292,7 +310,13 @@ def _read_files_directly(storage_reader: Any, metadata: Metadata, items: list[Re
                     "checkpoint)"
                 ) from None
             if tensor is None:  # not the plain case: torch.load reads every case
-                tensor = torch.load(io.BufferedReader(FileWindow(f, offset, length)), map_location="cpu", weights_only=True)
+                bad = header_crc_failure(f, offset, length)  # a zeroed byteorder: byte-swapped values
+                if bad is not None:
+                    raise damaged(key, file, f"its record {bad!r} is damaged (its zip header or CRC-32 check fails)")
+                try:
+                    tensor = torch.load(io.BufferedReader(FileWindow(f, offset, length)), map_location="cpu", weights_only=True)
+                except Exception as exc:  # noqa: BLE001 - zeroed or cut bytes: refused naming item and file
+                    raise damaged(key, file, f"its bytes are not a readable tensor ({reason(exc)})") from None
             if not isinstance(tensor, torch.Tensor) or tuple(tensor.shape) != tuple(md.size) or tensor.dtype != md.properties.dtype:
                 raise CheckpointFormatError(
                     f"checkpoint item {key!r} holds {type(tensor).__name__} "

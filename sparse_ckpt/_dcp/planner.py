@@ -16,6 +16,7 @@ from typing import Any, ClassVar
 
 import torch
 from torch.distributed.checkpoint import DefaultLoadPlanner
+from torch.distributed.checkpoint.default_planner import create_default_local_load_plan
 from torch.distributed.checkpoint.metadata import Metadata, MetadataIndex, TensorStorageMetadata
 from torch.distributed.checkpoint.planner import LoadPlan, ReadItem
 
@@ -35,8 +36,15 @@ from .._format.keys import (
 from .._format.nested import NESTED_KEYS
 from .._fqn import build_fqn_map
 from .._layouts.bucketed_load import BucketReader, items_a_load_reads
-from .._torch_internals import caller_frame, dcp_storage_reader, file_item_location
+from .._torch_internals import (
+    caller_frame,
+    clear_dcp_flatten_flag,
+    dcp_flatten_as_saved,
+    dcp_storage_reader,
+    file_item_location,
+)
 from ..errors import CheckpointMismatchError
+from .damage import guard_reads
 from .items import allocate_item, check_covered, read_items, weights_only_item
 from .origin import ORIGIN_KEY
 from .paths import metadata_paths, set_path
@@ -89,25 +97,47 @@ class SparseLoadPlanner(DefaultLoadPlanner):
     def set_up_planner(
         self, state_dict: dict[str, Any], metadata: Metadata | None = None, is_coordinator: bool = False
     ) -> None:
-        """Rebuild the optimizer sub-dicts from ``metadata``, then set up as ``DefaultLoadPlanner``."""
+        """Rebuild the optimizer sub-dicts from ``metadata``, then set up as ``DefaultLoadPlanner``.
+
+        DCP's flatten flag left set by an interrupted load (`clear_dcp_flatten_flag`) is cleared
+        first: it would flatten this target as torch <= 2.3 did, and the load would fail."""
+        clear_dcp_flatten_flag()
         targets = list(_find_targets(state_dict, ()))
         self._optimizer_keys: set[str] = set()
         self._read_here: dict[str, str] = {}
+        self._skipped: set[str] = set()
         if targets and metadata is not None:
             paths = metadata_paths(metadata)
             storage_reader = dcp_storage_reader(caller_frame(1))
+            guard_reads(storage_reader, metadata, self._reads_weights_only)
             for path, target in targets:
                 builder = _TargetBuilder(target, metadata, storage_reader, read_whole=True)
                 self._optimizer_keys.update(builder.rebuild(path, paths))
                 self._read_here.update(builder.read_here)
+                self._skipped.update(builder.under_path)
         super().set_up_planner(state_dict, metadata, is_coordinator)
 
     def create_local_plan(self) -> LoadPlan:
-        """``DefaultLoadPlanner``'s plan without the state items `set_up_planner` read itself."""
-        plan = super().create_local_plan()
+        """``DefaultLoadPlanner``'s plan without the state items `set_up_planner` read itself.
+
+        When the only checkpoint items the target lacks are optimizer entries this planner chose
+        not to plan (other ranks' state, guards, buffers read later), the plan is made directly:
+        ``DefaultLoadPlanner`` would first probe for a torch <= 2.3 checkpoint (a second flatten of
+        the whole target under a module-wide flag that an interrupt can leave set). Otherwise its
+        probe runs as usual, and the flag is cleared after it whatever happens (`dcp_flatten_as_saved`)."""
+        assert self.metadata is not None
+        missing = self.metadata.state_dict_metadata.keys() - self.state_dict.keys()
+        if self.flatten_state_dict and missing and not missing <= getattr(self, "_skipped", set()):
+            plan = dcp_flatten_as_saved(super().create_local_plan)
+        else:
+            plan = create_default_local_load_plan(self.state_dict, self.metadata, not self.allow_partial_load)
         if self._read_here:
             plan.items[:] = [item for item in plan.items if item.dest_index.fqn not in self._read_here]
         return plan
+
+    def _reads_weights_only(self, key: str) -> bool:
+        """Whether `load_bytes` reads bytes item ``key`` with `weights_only_item` (which checks its CRCs)."""
+        return self._all_weights_only or is_table_key(key) or key in getattr(self, "_optimizer_keys", ())
 
     def load_bytes(self, read_item: ReadItem, value: io.BytesIO) -> None:
         """Read every non-tensor optimizer item with ``torch.load(weights_only=True)``; others as DCP does.
@@ -119,9 +149,8 @@ class SparseLoadPlanner(DefaultLoadPlanner):
         `CheckpointFormatError` naming the key.
         """
         key = read_item.dest_index.fqn
-        table = is_table_key(key)
-        if self._all_weights_only or table or key in getattr(self, "_optimizer_keys", ()):
-            value = weights_only_item(key, value, table=table or BUFFERS_PREFIX in key)
+        if self._reads_weights_only(key):
+            value = weights_only_item(key, value, table=is_table_key(key) or BUFFERS_PREFIX in key)
         super().load_bytes(read_item, value)
 
 
@@ -159,6 +188,8 @@ class _TargetBuilder:
         """Read whole per-item state of plain CPU parameters here (see `_read_whole`); the planner
         that asks for it leaves these items (:attr:`read_here`) out of DCP's plan."""
         self.read_here: dict[str, str] = {}
+        self.under_path: set[str] = set()
+        """Every checkpoint key under the target's path (planned or not)."""
         self.fmap: Any = None
         self.unresolved: list[str] = []
         self.flat_fqns: set[str] = set()
@@ -177,8 +208,10 @@ class _TargetBuilder:
         entries: list[tuple[tuple[str | int, ...], Any, str]] = []
         for key, md in self.metadata.state_dict_metadata.items():
             p = paths[key]
-            if len(p) > depth and p[:depth] == path and isinstance(p[depth], str) and p[depth] not in _NOT_READ:
-                entries.append((p[depth:], md, key))
+            if len(p) > depth and p[:depth] == path and isinstance(p[depth], str):
+                self.under_path.add(key)
+                if p[depth] not in _NOT_READ:
+                    entries.append((p[depth:], md, key))
         if not entries:
             where = ".".join(map(str, path))
             raise CheckpointMismatchError(

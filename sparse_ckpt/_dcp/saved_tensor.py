@@ -183,15 +183,16 @@ def _records(tail: bytes, base: int) -> dict[str, tuple[int, int, int]] | None:
     return out
 
 
-def _data_at(head: bytes, local: int) -> int | None:
+def _data_at(head: bytes, local: int, name: str) -> int | None:
     """The archive offset of a record's data, from its local header in ``head`` (the archive's
-    first bytes)."""
+    first bytes), which must carry the record's ``name`` (a damaged header would move the data)."""
     if local + _LOCAL.size > len(head):
         return None
     f = _LOCAL.unpack_from(head, local)
-    if f[0] != 0x04034B50:
+    at = local + _LOCAL.size
+    if f[0] != 0x04034B50 or head[at : at + f[9]] != name.encode():
         return None
-    return local + _LOCAL.size + f[9] + f[10]
+    return at + f[9] + f[10]
 
 
 def _read_at(f: BinaryIO, offset: int, length: int) -> bytes:
@@ -212,10 +213,12 @@ def read_saved_tensor(f: BinaryIO, offset: int, length: int, size: tuple[int, ..
     if records is None:
         return None
     found = {}
+    names = {}
     for name, rec in records.items():
         for suffix in ("/data.pkl", "/byteorder", "/data/0"):
             if name.endswith(suffix) and name.count("/") == suffix.count("/"):
                 found[suffix] = rec
+                names[suffix] = name
     if len(found) != 3 or any(rec[2] != 0 for rec in found.values()):
         return None
     pkl_local, pkl_size, _ = found["/data.pkl"]
@@ -224,7 +227,10 @@ def read_saved_tensor(f: BinaryIO, offset: int, length: int, size: tuple[int, ..
     if data_size != nbytes or max(pkl_local, order_local) > data_local:
         return None
     head = _read_at(f, offset, min(length, data_local + _LOCAL.size + 1024))
-    data_at, pkl_at, order_at = (_data_at(head, loc) for loc in (data_local, pkl_local, order_local))
+    data_at, pkl_at, order_at = (
+        _data_at(head, loc, names[suffix])
+        for loc, suffix in ((data_local, "/data/0"), (pkl_local, "/data.pkl"), (order_local, "/byteorder"))
+    )
     if data_at is None or pkl_at is None or order_at is None or data_at + nbytes > length:
         return None
     if head[order_at : order_at + order_size] != b"little" or pkl_at + pkl_size > len(head):

@@ -162,6 +162,20 @@ def _file_item_location() -> None:
         assert torch.equal(torch.load(io.BytesIO(blob), weights_only=True), t), "the item's bytes are elsewhere"
 
 
+def _dcp_flatten_flag() -> None:
+    from torch.distributed.checkpoint import _nested_dict, _version
+
+    assert ti.dcp_flatten_flag() is None, "DCP's flatten flag is set outside a load"
+    _version._derived_version = "2_3"
+    try:
+        flat, _ = _nested_dict.flatten_state_dict({"a": {"b": 1}})
+        assert list(flat) == ["a"], f"the flag no longer selects torch <= 2.3's flattening: {list(flat)}"
+        ti.clear_dcp_flatten_flag()
+        assert _version._derived_version is None
+    finally:
+        _version._derived_version = None
+
+
 CHECKS = {
     "torch.optim.Optimizer._optimizer_state_dict_pre_hooks": _hooks,
     "torch.optim.Optimizer._optimizer_state_dict_post_hooks": _hooks,
@@ -181,6 +195,7 @@ CHECKS = {
     "torch.distributed._state_dict_utils._gather_state_dict (integrations.dsd)": _dsd_helpers,
     "torch.distributed._state_dict_utils._offload_state_dict_to_cpu (integrations.dsd)": _dsd_helpers,
     "FileSystemReader.path and _StorageInfo.relative_path/offset/length/transform_descriptors (item bytes)": _file_item_location,
+    "torch.distributed.checkpoint._version._derived_version (DefaultLoadPlanner's flatten flag)": _dcp_flatten_flag,
 }
 
 

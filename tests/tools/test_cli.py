@@ -319,11 +319,11 @@ def test_damaged_checkpoints_exit_1_with_one_line(
     shutil.copytree(path, no_data)
     (no_data / data).unlink()
     assert cli.main(["inspect", str(no_data)]) == 1
-    assert "FileNotFoundError" in _one_line_error(capsys)
+    assert f"{data}': the file is missing" in _one_line_error(capsys)
     assert cli.main(["verify", str(no_data)]) == 1
     assert f"data file '{data}' is missing" in capsys.readouterr().out
     assert cli.main(["export", str(no_data), str(tmp_path / "out")]) == 1
-    assert "FileNotFoundError" in _one_line_error(capsys)
+    assert f"{data}': the file is missing" in _one_line_error(capsys)
 
     r = run_cli("inspect", str(garbage))  # and really no traceback from the interpreter
     assert r.returncode == 1 and r.stderr.count("\n") == 1 and "Traceback" not in r.stderr, r.stderr

@@ -29,8 +29,16 @@ import torch
 import torch.distributed.checkpoint.state_dict as _dsd
 from torch.distributed.checkpoint.default_planner import DefaultLoadPlanner
 
+from ..._dcp.damage import guard_reads
 from ..._dcp.planner import SparseLoadPlanner
-from ..._torch_internals import DSD_CHECKED, DSD_OPTIONS, DSD_SIGNATURES, caller_frame
+from ..._torch_internals import (
+    DSD_CHECKED,
+    DSD_OPTIONS,
+    DSD_SIGNATURES,
+    caller_frame,
+    clear_dcp_flatten_flag,
+    dcp_storage_reader,
+)
 from .._rebind import bindings
 from . import functions
 from .target import rebuild_copies, rebuild_marked
@@ -83,8 +91,11 @@ def installed() -> bool:
 
 def _set_up_planner(self: DefaultLoadPlanner, state_dict: Any, metadata: Any = None, is_coordinator: bool = False) -> None:
     """``DefaultLoadPlanner.set_up_planner`` that first rebuilds the marked optimizer dicts and the
-    recognised copies, and refuses other optimizer dicts that ask for none of the checkpoint's state."""
+    recognised copies, and refuses other optimizer dicts that ask for none of the checkpoint's state.
+    DCP's flatten flag left set by an interrupted load is cleared first (`clear_dcp_flatten_flag`)."""
+    clear_dcp_flatten_flag()
     frame = caller_frame(1)
+    guard_reads(dcp_storage_reader(frame), metadata)  # a damaged file: CheckpointFormatError naming item and file
     # the copies are rebuilt as the marked dicts are: the library's planner rebuilds those itself (not
     # the copies), whatever its allow_partial_load (which is for the entries that are not optimizer dicts)
     partial = getattr(self, "allow_partial_load", False) and not isinstance(self, SparseLoadPlanner)

@@ -1,0 +1,240 @@
+"""Damaged data files and lost storage records: a `CheckpointFormatError` naming the item and the file.
+
+DCP's ``FileSystemReader.read_data`` raises whatever its file access and ``torch.load`` raise on a
+damaged checkpoint -- ``FileNotFoundError`` for a removed file, ``EOFError``/zip ``RuntimeError``
+for a truncated one, ``UnpicklingError`` (whose text advises ``weights_only=False``: wrong for a
+damaged or untrusted file) for zeroed bytes, ``KeyError(MetadataIndex)`` for a lost storage record.
+`diagnose` finds which item of a plan is damaged and says so; `reason` is an exception's text
+without torch's advice. `guard_reads` makes a load's ``read_data`` raise these instead.
+"""
+
+from __future__ import annotations
+
+import io
+import os
+import zlib
+from collections.abc import Callable, Iterable, Mapping
+from typing import Any
+
+import torch
+
+from .._torch_internals import file_item_location
+from ..errors import CheckpointFormatError, SparseCheckpointError
+from .saved_tensor import _CDIR, _EOCD, _LOCAL
+
+__all__ = ["check_headers", "crc_failure", "damaged", "diagnose", "guard_reads", "header_crc_failure", "locate", "reason", "with_file"]
+
+_HINT = "a damaged, truncated or partly copied checkpoint; nothing was loaded into the optimizer"
+
+
+def reason(exc: BaseException) -> str:
+    """``exc`` in a few words: its type and first line, without torch's advice to pass
+    ``weights_only=False`` (never right for a damaged or untrusted file)."""
+    text = str(exc).strip().splitlines()[0] if str(exc).strip() else ""
+    if "weights_only" in str(exc):
+        text = "the restricted (weights-only) unpickler refused it"
+    return f"{type(exc).__name__}: {text[:200]}" if text else type(exc).__name__
+
+
+def damaged(key: str, file: str | None, why: str) -> CheckpointFormatError:
+    """The error for item ``key`` of data file ``file`` (``None``: unknown)."""
+    where = f" in file {file!r}" if file else ""
+    return CheckpointFormatError(f"checkpoint item {key!r}{where}: {why} ({_HINT})")
+
+
+def locate(storage_reader: Any, metadata: Any, items: Iterable[Any]) -> tuple[str, str | None, str] | None:
+    """``(key, file, why)`` of the first damaged item among the ``ReadItem``\\ s ``items`` (its storage
+    record lost, its file missing or shorter than the record, or its bytes not a readable tensor or
+    object); ``None`` when none is found."""
+    storage = getattr(metadata, "storage_data", None)
+    if not isinstance(storage, Mapping):
+        return None
+    for item in items:
+        key = item.storage_index.fqn
+        info = storage.get(item.storage_index)
+        if info is None:
+            return key, None, "its storage record is missing from the checkpoint's .metadata"
+        where = file_item_location(storage_reader, info, subclasses=True)
+        if where is None:
+            continue
+        file, offset, length = where
+        if not os.path.isfile(file):
+            return key, file, "the file is missing"
+        size = os.path.getsize(file)
+        if size < offset + length:
+            return key, file, f"the file ends at byte {size}, inside the item's bytes [{offset}, {offset + length})"
+        with open(file, "rb") as f:
+            f.seek(offset)
+            blob = f.read(length)
+        bad = crc_failure(blob)
+        if bad is not None:
+            return key, file, f"its record {bad!r} fails its CRC-32 check"
+        try:
+            torch.load(io.BytesIO(blob), map_location="cpu", weights_only=True)
+        except Exception as exc:  # noqa: BLE001 - any failure to read the item is damage
+            return key, file, f"its bytes are not a readable item ({reason(exc)})"
+    return None
+
+
+def diagnose(storage_reader: Any, metadata: Any, items: Iterable[Any]) -> CheckpointFormatError | None:
+    """`locate`'s damaged item as the error to raise; ``None`` when none is found."""
+    found = locate(storage_reader, metadata, items)
+    return None if found is None else damaged(*found)
+
+
+def with_file(exc: CheckpointFormatError, storage_reader: Any, metadata: Any, items: Iterable[Any]) -> CheckpointFormatError:
+    """``exc`` (an item refused as it was read, which names no file) with the item and file
+    `locate` blames added; ``exc`` itself when none is found."""
+    found = locate(storage_reader, metadata, items)
+    if found is None or found[1] is None or found[1] in str(exc):
+        return exc
+    return CheckpointFormatError(f"{exc} [item {found[0]!r} in file {found[1]!r}]")
+
+
+def guard_reads(storage_reader: Any, metadata: Any, checked: Callable[[str], bool] = lambda key: False) -> None:
+    """Make the next ``read_data`` of ``storage_reader`` (torch's ``FileSystemReader``, the load in
+    progress) raise `diagnose`'s `CheckpointFormatError` instead of a raw error of a damaged file
+    (or, when no item can be blamed, a `CheckpointFormatError` carrying the raw error's `reason`).
+    The wrapper is an attribute of that reader object only, and removes itself when it is called.
+    ``checked(key)``: the planner CRC-checks bytes item ``key`` itself (see `check_headers`)."""
+    from torch.distributed.checkpoint import FileSystemReader
+
+    if type(storage_reader) is not FileSystemReader:
+        return
+    if "read_data" in vars(storage_reader):
+        return  # already guarded (or the user's own attribute: left alone)
+    plain = type(storage_reader).read_data
+
+    def read_data(plan: Any, planner: Any) -> Any:
+        vars(storage_reader).pop("read_data", None)
+        try:
+            check_headers(storage_reader, metadata, plan.items, checked)
+            return plain(storage_reader, plan, planner)
+        except CheckpointFormatError as exc:  # an item refused as read (no file named): name its file
+            raise with_file(exc, storage_reader, metadata, plan.items) from None
+        except SparseCheckpointError:
+            raise
+        except Exception as exc:  # noqa: BLE001 - refused by name below
+            error = diagnose(storage_reader, metadata, plan.items)
+            if error is None:
+                files = sorted({getattr(storage_reader, "path", "")})
+                error = CheckpointFormatError(f"reading the checkpoint {files[0]!r} failed ({reason(exc)}; {_HINT})")
+            raise error from None
+
+    storage_reader.read_data = read_data
+
+
+def crc_failure(blob: bytes) -> str | None:
+    """The name of the first record of the ``torch.save`` archive ``blob`` (a bytes item: a table, a
+    flat setting, a pickled value) whose bytes fail the CRC-32 its zip directory records; ``None``
+    when all pass or the archive's directory cannot be read (``torch.load`` then refuses it). One
+    ``zlib.crc32`` per record: a few microseconds for the small items it is used on."""
+    at = blob.rfind(b"PK\x05\x06")
+    if at < 0 or len(blob) - at < _EOCD.size:
+        return None
+    n, cd_size, cd_off = _EOCD.unpack_from(blob, at)[4:7]
+    if cd_off + cd_size > at:
+        return None
+    pos = cd_off
+    for _ in range(n):
+        if pos + _CDIR.size > len(blob):
+            return None
+        f = _CDIR.unpack_from(blob, pos)
+        if f[0] != 0x02014B50:
+            return None
+        method, crc, size, name_len, extra_len, comment_len, local = f[4], f[7], f[8], f[10], f[11], f[12], f[16]
+        name = blob[pos + _CDIR.size : pos + _CDIR.size + name_len].decode("utf-8", "replace")
+        pos += _CDIR.size + name_len + extra_len + comment_len
+        if local + _LOCAL.size > len(blob):
+            return name
+        head = _LOCAL.unpack_from(blob, local)
+        start = local + _LOCAL.size + head[9] + head[10]
+        if head[0] != 0x04034B50 or (method == 0 and (start + size > len(blob) or zlib.crc32(blob[start : start + size]) != crc)):
+            return name
+    return None
+
+
+_TAIL = 4096
+"""Bytes read from an item's end to find its zip directory (a one-tensor archive's is ~0.5 KiB)."""
+
+
+def header_crc_failure(f: Any, offset: int, length: int) -> str | None:
+    """The name of the first record of the ``torch.save`` archive at ``[offset, offset + length)`` of
+    the open file ``f`` whose local header is damaged (its signature or name), or, other than tensor
+    data records (``*/data/*``), whose bytes fail their CRC-32:
+    a zeroed ``byteorder`` record makes ``torch.load`` byte-swap a tensor, a zeroed ``data.pkl`` byte
+    can change its shape or dtype. ``None`` when all pass or the directory cannot be read."""
+    tail_at = max(0, length - _TAIL)
+    f.seek(offset + tail_at)
+    tail = f.read(length - tail_at)
+    at = tail.rfind(b"PK\x05\x06")
+    if at < 0 or len(tail) - at < _EOCD.size:
+        return None
+    n, _cd_size, cd_off = _EOCD.unpack_from(tail, at)[4:7]
+    pos = cd_off - tail_at
+    if pos < 0:
+        return None
+    for _ in range(n):
+        if pos + _CDIR.size > len(tail):
+            return None
+        rec = _CDIR.unpack_from(tail, pos)
+        if rec[0] != 0x02014B50:
+            return None
+        flags, method, crc, size, name_len, extra_len, comment_len, local = (
+            rec[3], rec[4], rec[7], rec[8], rec[10], rec[11], rec[12], rec[16]
+        )
+        name = tail[pos + _CDIR.size : pos + _CDIR.size + name_len].decode("utf-8", "replace")
+        pos += _CDIR.size + name_len + extra_len + comment_len
+        if local + _LOCAL.size + name_len > length:
+            return name
+        f.seek(offset + local)
+        head = f.read(_LOCAL.size + name_len)
+        fields = _LOCAL.unpack_from(head)
+        start = local + _LOCAL.size + fields[9] + fields[10]
+        # a damaged local header moves where torch.load reads the record's bytes from
+        if fields[0] != 0x04034B50 or fields[9] != name_len or head[_LOCAL.size :] != name.encode() or start + size > length:
+            return name
+        if fields[2] != flags or fields[3] != method or (not flags & 8 and fields[6:9] != (crc, size, rec[9])):
+            return name  # the header disagrees with the directory: torch.load may read other bytes
+        if method != 0 or "/data/" in name or size > 1 << 20:
+            continue  # tensor bytes: no check (see docs/guarantees.md)
+        f.seek(offset + start)
+        if zlib.crc32(f.read(size)) != crc:
+            return name
+    return None
+
+
+def check_headers(storage_reader: Any, metadata: Any, items: Iterable[Any], checked: Callable[[str], bool] = lambda key: False) -> None:
+    """`header_crc_failure` for every tensor item of ``items`` (``ReadItem``\\ s) that DCP is about to
+    read with ``torch.load``, `crc_failure` for every bytes item (DCP's own ``load_bytes`` unpickles
+    what a stock planner reads: a zeroed float would load as 0.0) unless ``checked(key)`` (the
+    planner checks it as it reads it); a failure is `damaged`'s `CheckpointFormatError`."""
+    storage = getattr(metadata, "storage_data", None)
+    if not isinstance(storage, Mapping):
+        return
+    seen: set[Any] = set()
+    f, path = None, None
+    try:
+        for item in items:
+            if item.storage_index in seen:
+                continue
+            seen.add(item.storage_index)
+            where = file_item_location(storage_reader, storage.get(item.storage_index), subclasses=True)
+            if where is None or not os.path.isfile(where[0]):
+                continue  # read_data's own error, diagnosed by the guard
+            if where[0] != path:
+                if f is not None:
+                    f.close()
+                f, path = open(where[0], "rb"), where[0]  # noqa: SIM115 - closed below
+            if getattr(item.type, "name", "") == "BYTE_IO":  # a pickled object: all its records
+                if checked(item.dest_index.fqn):
+                    continue  # the planner's load_bytes checks it (weights_only_object)
+                f.seek(where[1])
+                bad = crc_failure(f.read(where[2]))
+            else:
+                bad = header_crc_failure(f, where[1], where[2])
+            if bad is not None:
+                raise damaged(item.storage_index.fqn, where[0], f"its record {bad!r} is damaged (its zip header or CRC-32 check fails)")
+    finally:
+        if f is not None:
+            f.close()
