@@ -1,4 +1,4 @@
-"""Complete or refused beyond each parameter's recorded keys (issue 28): the checks a load (and
+"""Complete or refused beyond each parameter's recorded keys: the checks a load (and
 ``verify``) makes of what the per-parameter ``~keys`` record cannot see.
 
 * :func:`check_recorded_items` -- every table, layout and buffer key a group table's *item record*
@@ -6,14 +6,16 @@
   of any rank);
 * :func:`check_table_leaves` -- a leaf with state has its group table;
 * :func:`check_lists` -- list-valued state holds its recorded count of values (``~lens``);
-* :func:`without_items_record` -- for the tools that write a checkpoint with other items.
+* :func:`without_items_record` -- for the tools that write a checkpoint with other items;
+* :func:`check_key_record` -- the flat and nested formats' key record: every recorded setting and
+  state key of a target parameter is there.
 
-Formats: docs/formats.md ("Item record", the scalar table's ``~lens``).
+Formats: docs/formats.md ("Item record", the scalar table's ``~lens``, "Key record").
 """
 
 from __future__ import annotations
 
-from collections.abc import Collection, Mapping
+from collections.abc import Callable, Collection, Mapping
 from itertools import chain
 from typing import TYPE_CHECKING, Any
 
@@ -33,6 +35,8 @@ from .._format.list_record import list_nodes
 from ..errors import CheckpointMismatchError
 
 if TYPE_CHECKING:
+    from .._format.keys_record import KeyRecord
+    from .._fqn import FqnMap
     from .._layouts.bucketed_load import BucketReader as BufferReader
 
 
@@ -145,3 +149,104 @@ def check_lists(
                     f"their items), the checkpoint holds {found}: it lost an item of that list from its metadata or "
                     "its data (a partial copy or a damaged checkpoint); refusing to load it incomplete"
                 )
+
+
+def check_key_record(
+    record: KeyRecord,
+    settings_of: Mapping[str, Mapping[str, Any]],
+    names_of: Mapping[str, Any],
+    state_of: Mapping[str, Any],
+    empty_groups: Mapping[tuple[str, int], Mapping[str, Any]],
+    table_leaves: list[str],
+    fmap: FqnMap,
+    leaf_of: Callable[[str], str | None] | None = None,
+) -> None:
+    """Complete or refused for the flat and nested formats: every parameter of the target (its
+    canonical FQN in ``fmap.param_of``) that a key record (`sparse_ckpt._format.keys_record`)
+    lists has every setting key its saved group had (in ``settings_of``; ``param_names`` in
+    ``names_of``) and every recorded state key and list count (in ``state_of``); a saved group
+    without parameters (nested) has its setting keys in ``empty_groups`` (its single table's leaf).
+    Else :class:`CheckpointMismatchError` naming leaf (``leaf_of``: the target's), FQN and key,
+    whatever ``strict`` says."""
+    owned, resolve = fmap.param_of, fmap.resolve
+    for gi, names, fqns in record.groups:
+        if not fqns:  # a group without parameters: only DSD's nested layout holds one (one table)
+            if len(table_leaves) == 1:
+                found = empty_groups.get((table_leaves[0], gi))
+                lacking = [k for k in names if found is None or k not in found]
+                if lacking:
+                    raise CheckpointMismatchError(
+                        f"leaf {table_leaves[0]!r} group {gi} (no parameters): the checkpoint has no saved setting "
+                        f"{lacking[0]!r}, which its key record lists (recorded: {list(names)}): {_LOST}"
+                    )
+            continue
+        named = "param_names" in names
+        wanted = frozenset(names).difference(("param_names",))
+        complete: set[int] = set()  # ids of (interned) settings found complete
+        for fqn in fqns:
+            canon = resolve(fqn)
+            if canon not in owned:
+                continue  # another rank's parameter (or one the model lacks: strict decides)
+            have = settings_of.get(canon)
+            if have is not None and (id(have) in complete or have.keys() >= wanted):
+                complete.add(id(have))
+                if not named or canon in names_of:
+                    continue
+            lacking = [k for k in names if k != "param_names" and (have is None or k not in have)] or ["param_names"]
+            raise CheckpointMismatchError(
+                f"{_leaf_text(leaf_of, canon)}parameter {fqn!r} has no saved setting {lacking[0]!r} of its param "
+                f"group, which the checkpoint's key record lists (recorded: {list(names)}): {_LOST}"
+            )
+    for keys, lens, fqns in record.state:
+        plain = frozenset(keys) if all("." not in k and not k.startswith("~") for k in keys) else None
+        for fqn in fqns:
+            canon = resolve(fqn)
+            if canon not in owned:
+                continue
+            state = state_of.get(canon)
+            if plain is not None and isinstance(state, dict) and state.keys() >= plain and not lens:
+                continue
+            for key in keys:
+                if not _has(state, key):
+                    raise CheckpointMismatchError(
+                        f"{_leaf_text(leaf_of, canon)}parameter {fqn!r} has no saved state {key!r}, which the "
+                        f"checkpoint's key record lists (recorded: {list(keys)}): {_LOST}"
+                    )
+            for key, count in lens:
+                node = _node(state, key)
+                found = 0 if node is None else list_nodes(node)
+                if found != count:
+                    raise CheckpointMismatchError(
+                        f"{_leaf_text(leaf_of, canon)}parameter {fqn!r} has saved state {key!r} of {count} values "
+                        f"(lists counted with their items), the checkpoint holds {found}: {_LOST}"
+                    )
+
+
+_LOST = (
+    "the checkpoint lost that item from its metadata or its data (a partial copy or a damaged checkpoint); "
+    "refusing to load it incomplete (strict=False does not change this)"
+)
+
+
+def _leaf_text(leaf_of: Callable[[str], str | None] | None, canon: str) -> str:
+    leaf = leaf_of(canon) if leaf_of is not None else None
+    return f"leaf {leaf!r}: " if leaf is not None else ""
+
+
+def _node(state: Any, key: str) -> Any:
+    """The value at recorded state key path ``key`` (escaped parts unescaped) in ``state``, else ``None``."""
+    node = state
+    for part in key_parts(key):
+        if not isinstance(node, dict) or part not in node:
+            return None
+        node = node[part]
+    return node
+
+
+def _has(state: Any, key: str) -> bool:
+    node = state
+    for part in key_parts(key):
+        if not isinstance(node, dict) or part not in node:
+            return False
+        node = node[part]
+    return True
