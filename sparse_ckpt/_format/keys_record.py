@@ -24,7 +24,15 @@ from .codec import decode_table, encode_table
 from .keys import KEYS_ENTRY, LENS_ENTRY, escape_part, is_plain_part, table_digest
 from .list_record import list_nodes
 
-__all__ = ["RECORD_PREFIX", "SETTINGS_ENTRY", "KeyRecord", "build_key_record", "is_record_key", "read_key_records"]
+__all__ = [
+    "RECORD_PREFIX",
+    "SETTINGS_ENTRY",
+    "KeyRecord",
+    "build_key_record",
+    "is_record_key",
+    "read_key_records",
+    "without_key_record",
+]
 
 RECORD_PREFIX = "__sparse_ckpt__.keys."
 """Key prefix of a key record; the last part is ``d{digest}``."""
@@ -137,3 +145,8 @@ def _is_lens(value: object) -> bool:
 
 def _is_strs(value: object) -> bool:
     return type(value) is tuple and all(type(v) is str for v in value)
+
+
+def without_key_record(sd: Mapping[str, Any]) -> dict[str, Any]:
+    """``sd``'s items but its key record (what DSD's own flat dict of the same optimizer holds)."""
+    return {k: v for k, v in sd.items() if not is_record_key(k)}

@@ -167,7 +167,9 @@ def check_key_record(
     ``names_of``) and every recorded state key and list count (in ``state_of``); a saved group
     without parameters (nested) has its setting keys in ``empty_groups`` (its single table's leaf).
     Else :class:`CheckpointMismatchError` naming leaf (``leaf_of``: the target's), FQN and key,
-    whatever ``strict`` says."""
+    whatever ``strict`` says. A parameter with none of its settings is *missing* (whole parameters
+    or groups left out of a dict: what ``strict`` decides), not damaged: no real optimizer's
+    parameter has a single item, so losing one item never hides a parameter."""
     owned, resolve = fmap.param_of, fmap.resolve
     for gi, names, fqns in record.groups:
         if not fqns:  # a group without parameters: only DSD's nested layout holds one (one table)
@@ -188,11 +190,13 @@ def check_key_record(
             if canon not in owned:
                 continue  # another rank's parameter (or one the model lacks: strict decides)
             have = settings_of.get(canon)
-            if have is not None and (id(have) in complete or have.keys() >= wanted):
+            if have is None:
+                continue  # none of its settings: a parameter missing from the checkpoint (strict decides)
+            if id(have) in complete or have.keys() >= wanted:
                 complete.add(id(have))
                 if not named or canon in names_of:
                     continue
-            lacking = [k for k in names if k != "param_names" and (have is None or k not in have)] or ["param_names"]
+            lacking = [k for k in names if k != "param_names" and k not in have] or ["param_names"]
             raise CheckpointMismatchError(
                 f"{_leaf_text(leaf_of, canon)}parameter {fqn!r} has no saved setting {lacking[0]!r} of its param "
                 f"group, which the checkpoint's key record lists (recorded: {list(names)}): {_LOST}"
@@ -204,6 +208,8 @@ def check_key_record(
             if canon not in owned:
                 continue
             state = state_of.get(canon)
+            if state is None and canon not in settings_of:
+                continue  # neither settings nor state: a parameter missing from the checkpoint (strict decides)
             if plain is not None and isinstance(state, dict) and state.keys() >= plain and not lens:
                 continue
             for key in keys:

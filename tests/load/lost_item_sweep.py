@@ -174,3 +174,83 @@ def _sparse_cause(exc: CheckpointException) -> bool:
     failures = getattr(exc, "failures", {}) or {}
     causes = [f[0] if isinstance(f, tuple) else f for f in failures.values()]
     return bool(causes) and all(isinstance(c, sc.SparseCheckpointError) for c in causes)
+
+
+def _items(node: Any, path: tuple[Any, ...] = ()) -> list[tuple[Any, ...]]:
+    """The paths of the items DCP writes for ``node``: dict values, and the elements of a list that
+    holds tensors or dicts, recursively (DCP's traversal); other values are one item each."""
+    if isinstance(node, dict):
+        return [p for k, v in node.items() for p in _items(v, (*path, k))]
+    if isinstance(node, list) and any(isinstance(v, (torch.Tensor, dict, list)) for v in node):
+        return [p for i, v in enumerate(node) for p in _items(v, (*path, i))]
+    return [path]
+
+
+def _without(node: Any, path: tuple[Any, ...]) -> Any:
+    """A copy of ``node`` (containers only) without the item at ``path``."""
+    if not path:
+        return node
+    if isinstance(node, dict):
+        return {k: (_without(v, path[1:]) if k == path[0] else v) for k, v in node.items() if not (k == path[0] and len(path) == 1)}
+    return [(_without(v, path[1:]) if i == path[0] else v) for i, v in enumerate(node) if not (i == path[0] and len(path) == 1)]
+
+
+def _perturbed(opts: list[torch.optim.Optimizer]) -> None:
+    """Every float setting of the target moved (so a setting a load misses shows)."""
+    for o in opts:
+        for g in o.param_groups:
+            for k, v in g.items():
+                if type(v) is float:
+                    g[k] = v * 3 + 0.125
+                elif type(v) is tuple and all(type(x) is float for x in v):
+                    g[k] = tuple(x / 2 for x in v)
+
+
+def in_memory_outcomes(name: str, fmt: str) -> dict[tuple[Any, ...], str]:
+    """``outcomes`` without DCP: each item (as DCP would write them) removed from the dict itself,
+    the dict loaded by the library's function for the format (``load_sparse_state_dict`` or
+    ``integrations.dsd.set_optimizer_state_dict``)."""
+    import copy
+
+    model = make_model(0)
+    opts = optimizers(model, name, fmt)
+    train(model, opts, 2, seed=1)
+    options = StateDictOptions(flatten_optimizer_state_dict=fmt.startswith("dsd-flat"))
+    if fmt.startswith("dsd-"):
+        saved = dsd.get_optimizer_state_dict(model, opts, options=options)
+    else:
+        saved = sc.sparse_state_dict(model, _leaves(opts, fmt, model), format="packed" if fmt == "packed" else "flat")
+    saved = dict(saved)
+    target_model = make_model(0)
+    target_model.load_state_dict(model.state_dict())
+    target = optimizers(target_model, name, fmt)
+    train(target_model, target, 1, seed=7)
+    _perturbed(target)
+    target_model.load_state_dict(model.state_dict())
+    initial = [copy.deepcopy(o.state_dict()) for o in target]
+    result: dict[tuple[Any, ...], str] = {}
+    for path in _items(saved):
+        damaged = _without(saved, path)
+        for o, sd in zip(target, initial, strict=True):
+            o.load_state_dict(copy.deepcopy(sd))
+        before = [snapshot_optimizer(o) for o in target]
+        try:
+            if fmt.startswith("dsd-"):
+                dsd.set_optimizer_state_dict(target_model, target, damaged, options=options)
+            else:
+                sc.load_sparse_state_dict(target_model, _leaves(target, fmt, target_model), damaged)
+        except sc.SparseCheckpointError:
+            for o, b in zip(target, before, strict=True):
+                assert_optimizer_equal(o, b, grads=False)
+            result[path] = "refused"
+            continue
+        except Exception as exc:  # noqa: BLE001 - reported as the property's failure
+            result[path] = f"raw: {type(exc).__name__}: {exc}"[:300]
+            continue
+        try:
+            for o, src in zip(target, opts, strict=True):
+                assert_optimizer_equal(o, src, grads=False)
+            result[path] = "exact"
+        except AssertionError:
+            result[path] = "silent"
+    return result

@@ -20,6 +20,7 @@ from typing import Any
 
 import torch
 
+from ..._format.codec import encode_table
 from ..._format.keys import STATE_PREFIX
 from ..._format.keys_record import build_key_record
 from ..._format.nested import NESTED_KEYS, nested_kind, nested_to_sparse
@@ -59,6 +60,7 @@ def nested_state_dict(fmap: FqnMap, optimizers: Any) -> dict[str, Any]:
         for settings, fqns in groups_fqn:
             groups.append({**settings, PARAMS: list(fqns)})
         all_groups.extend(groups_fqn)
+        encode_table(leaf, groups_fqn)  # values the table codec refuses are refused here, as the flat format does
     key, record = build_key_record(all_groups, state.items())
     return {STATE: state, PARAM_GROUPS: groups, key: record}
 
