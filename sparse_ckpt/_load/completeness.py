@@ -15,7 +15,7 @@ Formats: docs/formats.md ("Item record", the scalar table's ``~lens``, "Key reco
 
 from __future__ import annotations
 
-from collections.abc import Callable, Collection, Mapping
+from collections.abc import Callable, Collection, Container, Mapping
 from itertools import chain
 from typing import TYPE_CHECKING, Any
 
@@ -36,7 +36,6 @@ from ..errors import CheckpointMismatchError
 
 if TYPE_CHECKING:
     from .._format.keys_record import KeyRecord
-    from .._fqn import FqnMap
     from .._layouts.bucketed_load import BucketReader as BufferReader
 
 
@@ -158,11 +157,12 @@ def check_key_record(
     state_of: Mapping[str, Any],
     empty_groups: Mapping[tuple[str, int], Mapping[str, Any]],
     table_leaves: list[str],
-    fmap: FqnMap,
+    owned: Container[str],
+    resolve: Callable[[str], str] = str,
     leaf_of: Callable[[str], str | None] | None = None,
 ) -> None:
     """Complete or refused for the flat and nested formats: every parameter of the target (its
-    canonical FQN in ``fmap.param_of``) that a key record (`sparse_ckpt._format.keys_record`)
+    canonical FQN, ``resolve(fqn)``, in ``owned``) that a key record (`sparse_ckpt._format.keys_record`)
     lists has every setting key its saved group had (in ``settings_of``; ``param_names`` in
     ``names_of``) and every recorded state key and list count (in ``state_of``); a saved group
     without parameters (nested) has its setting keys in ``empty_groups`` (its single table's leaf).
@@ -170,7 +170,6 @@ def check_key_record(
     whatever ``strict`` says. A parameter with none of its settings is *missing* (whole parameters
     or groups left out of a dict: what ``strict`` decides), not damaged: no real optimizer's
     parameter has a single item, so losing one item never hides a parameter."""
-    owned, resolve = fmap.param_of, fmap.resolve
     for gi, names, fqns in record.groups:
         if not fqns:  # a group without parameters: only DSD's nested layout holds one (one table)
             if len(table_leaves) == 1:

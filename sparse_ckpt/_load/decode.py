@@ -286,7 +286,8 @@ def decode_checkpoint(
         check_table_leaves(out.table_leaves, scalar_tables, buffer_keys)
     if record is not None:
         check_key_record(
-            record, out.settings_of, out.names_of, out.state_of, out.empty_groups, out.table_leaves, fmap, leaf_of
+            record, out.settings_of, out.names_of, out.state_of, out.empty_groups, out.table_leaves, fmap.param_of,
+            fmap.resolve, leaf_of,
         )
     return out
 
