@@ -33,7 +33,7 @@ from ..._dcp.planner import SparseLoadPlanner
 from ..._torch_internals import DSD_CHECKED, DSD_OPTIONS, DSD_SIGNATURES, caller_frame
 from .._rebind import bindings
 from . import functions
-from .target import rebuild_copies, rebuild_marked
+from .target import align_key_records, rebuild_copies, rebuild_marked
 
 __all__ = ["install", "installed", "uninstall"]
 
@@ -83,7 +83,8 @@ def installed() -> bool:
 
 def _set_up_planner(self: DefaultLoadPlanner, state_dict: Any, metadata: Any = None, is_coordinator: bool = False) -> None:
     """``DefaultLoadPlanner.set_up_planner`` that first rebuilds the marked optimizer dicts and the
-    recognised copies, and refuses other optimizer dicts that ask for none of the checkpoint's state."""
+    recognised copies, refuses other optimizer dicts that ask for none of the checkpoint's state, and
+    has copies that hold a key record ask for the checkpoint's record instead."""
     frame = caller_frame(1)
     # the copies are rebuilt as the marked dicts are: the library's planner rebuilds those itself (not
     # the copies), whatever its allow_partial_load (which is for the entries that are not optimizer dicts)
@@ -93,6 +94,7 @@ def _set_up_planner(self: DefaultLoadPlanner, state_dict: Any, metadata: Any = N
     # the library's planner unpickles its optimizer items with weights_only=True: the copies' too
     keys = getattr(self, "_optimizer_keys", None) if isinstance(self, SparseLoadPlanner) else None
     rebuild_copies(state_dict, metadata, frame, allow_partial_load=partial, keys=keys)
+    align_key_records(state_dict, metadata)  # copies holding a key record: the checkpoint's, if any
     return _TORCH_SET_UP_PLANNER(self, state_dict, metadata, is_coordinator)
 
 
