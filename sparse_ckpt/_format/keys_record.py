@@ -17,6 +17,7 @@ from __future__ import annotations
 
 from collections.abc import Iterable, Mapping
 from dataclasses import dataclass, field
+from itertools import chain
 from typing import Any
 
 from ..errors import CheckpointFormatError
@@ -66,25 +67,41 @@ def _paths(state: Mapping[Any, Any], prefix: str, keys: list[str], lens: list[tu
 
 
 def build_key_record(
-    groups: Iterable[tuple[Mapping[str, Any], list[str]]], state_fqn: Iterable[tuple[str, Any]]
+    groups: Iterable[tuple[Mapping[str, Any], list[str]]], state_fqns: Iterable[Mapping[str, Any]]
 ) -> tuple[str, bytes]:
     """``(key, value)`` of the key record of a save's param ``groups`` (``(settings, FQNs)``, every
-    leaf's in order; ``params`` not among the settings) and of its state (``(fqn, state dict)``)."""
+    leaf's in order; ``params`` not among the settings) and of its state (each leaf's ``fqn -> state
+    dict``)."""
     table: list[tuple[dict[str, Any], list[str]]] = [
         ({SETTINGS_ENTRY: tuple(k for k in settings if k != "params")}, list(fqns)) for settings, fqns in groups
     ]
     by_keys: dict[tuple[Any, ...], list[str]] = {}
-    for fqn, state in state_fqn:
-        if not isinstance(state, Mapping) or not state:
-            continue
-        simple = tuple(state)
-        if all(is_plain_part(k) for k in simple) and not any(type(v) in (dict, list) for v in state.values()):
-            by_keys.setdefault((simple, ()), []).append(fqn)
-            continue
-        keys: list[str] = []
-        lens: list[tuple[str, int]] = []
-        _paths(state, "", keys, lens)
-        by_keys.setdefault((tuple(keys), tuple(lens)), []).append(fqn)
+    state_fqns = list(state_fqns)
+    fqns = list(chain.from_iterable(map(Mapping.keys, state_fqns)))
+    states = list(chain.from_iterable(map(Mapping.values, state_fqns)))
+    if not all(states):  # a parameter whose state is {} has none
+        fqns, states = [f for f, st in zip(fqns, states) if st], [st for st in states if st]
+    # C-level passes for the usual state (plain dicts of plain keys, no nested dict or list value);
+    # one Python step per parameter only otherwise
+    simple = set(map(type, states)) <= {dict} and not {dict, list} & set(
+        map(type, chain.from_iterable(map(dict.values, states)))
+    )
+    key_tuples = list(map(tuple, states)) if simple else []
+    distinct = dict.fromkeys(key_tuples)
+    if simple and all(is_plain_part(k) for keys in distinct for k in keys):
+        if len(distinct) == 1:
+            by_keys[(key_tuples[0], ())] = fqns
+        else:
+            for fqn, keys in zip(fqns, key_tuples):
+                by_keys.setdefault((keys, ()), []).append(fqn)
+    else:
+        for fqn, state in zip(fqns, states):
+            if not isinstance(state, Mapping):
+                continue
+            paths: list[str] = []
+            lens: list[tuple[str, int]] = []
+            _paths(state, "", paths, lens)
+            by_keys.setdefault((tuple(paths), tuple(lens)), []).append(fqn)
     for (keys, lens), fqns in by_keys.items():
         entry: dict[str, Any] = {KEYS_ENTRY: keys}
         if lens:

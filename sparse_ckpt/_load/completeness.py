@@ -183,34 +183,34 @@ def check_key_record(
             continue
         named = "param_names" in names
         wanted = frozenset(names).difference(("param_names",))
-        complete: set[int] = set()  # ids of (interned) settings found complete
-        for fqn in fqns:
-            canon = resolve(fqn)
-            if canon not in owned:
-                continue  # another rank's parameter (or one the model lacks: strict decides)
-            have = settings_of.get(canon)
-            if have is None:
-                continue  # none of its settings: a parameter missing from the checkpoint (strict decides)
-            if id(have) in complete or have.keys() >= wanted:
-                complete.add(id(have))
-                if not named or canon in names_of:
-                    continue
+        canons = fqns if resolve is str else list(map(resolve, fqns))
+        haves = list(map(settings_of.get, canons))
+        # C-level passes: each distinct (interned) settings dict is looked at once; a parameter only
+        # when one is short of a key (or param_names are recorded)
+        distinct = dict(zip(map(id, haves), haves))
+        if not named and all(h is None or h.keys() >= wanted for h in distinct.values()):
+            continue
+        for fqn, canon, have in zip(fqns, canons, haves):
+            if have is None or canon not in owned:
+                continue  # none of its settings: a parameter missing from the checkpoint (strict decides);
+                # or another rank's parameter (or one the model lacks: strict decides)
+            if have.keys() >= wanted and (not named or canon in names_of):
+                continue
             lacking = [k for k in names if k != "param_names" and k not in have] or ["param_names"]
             raise CheckpointMismatchError(
                 f"{_leaf_text(leaf_of, canon)}parameter {fqn!r} has no saved setting {lacking[0]!r} of its param "
                 f"group, which the checkpoint's key record lists (recorded: {list(names)}): {_LOST}"
             )
     for keys, lens, fqns in record.state:
-        plain = frozenset(keys) if all("." not in k and not k.startswith("~") for k in keys) else None
-        for fqn in fqns:
-            canon = resolve(fqn)
-            if canon not in owned:
-                continue
-            state = state_of.get(canon)
-            if state is None and canon not in settings_of:
-                continue  # neither settings nor state: a parameter missing from the checkpoint (strict decides)
-            if plain is not None and isinstance(state, dict) and state.keys() >= plain and not lens:
-                continue
+        canons = fqns if resolve is str else list(map(resolve, fqns))
+        states = list(map(state_of.get, canons))
+        if not lens and all("." not in k and not k.startswith("~") for k in keys):
+            plain = frozenset(keys)
+            if None not in states and all(map(plain.issubset, states)):
+                continue  # every parameter has every recorded key (C-level passes)
+        for fqn, canon, state in zip(fqns, canons, states):
+            if canon not in owned or (state is None and canon not in settings_of):
+                continue  # another rank's; or neither settings nor state: missing from the checkpoint (strict decides)
             for key in keys:
                 if not _has(state, key):
                     raise CheckpointMismatchError(

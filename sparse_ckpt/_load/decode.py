@@ -287,7 +287,7 @@ def decode_checkpoint(
     if record is not None:
         check_key_record(
             record, out.settings_of, out.names_of, out.state_of, out.empty_groups, out.table_leaves, fmap.param_of,
-            fmap.resolve, leaf_of,
+            fmap.resolve if aliases else str, leaf_of,
         )
     return out
 

@@ -164,7 +164,7 @@ def build_state_dict(
         out.update(dict.fromkeys(foreign_guard_keys(first_fqns), foreign_guard_value()))
     if format == "flat":  # the key record: complete or refused (docs/formats.md, *Key record*)
         key, value = build_key_record(
-            chain.from_iterable(g for g, _s in recorded), chain.from_iterable(s.items() for _g, s in recorded)
+            chain.from_iterable(g for g, _s in recorded), [s for _g, s in recorded]
         )
         out[key] = value
     return out

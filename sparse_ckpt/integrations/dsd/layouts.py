@@ -61,7 +61,7 @@ def nested_state_dict(fmap: FqnMap, optimizers: Any) -> dict[str, Any]:
             groups.append({**settings, PARAMS: list(fqns)})
         all_groups.extend(groups_fqn)
         encode_table(leaf, groups_fqn)  # values the table codec refuses are refused here, as the flat format does
-    key, record = build_key_record(all_groups, state.items())
+    key, record = build_key_record(all_groups, [state])
     return {STATE: state, PARAM_GROUPS: groups, key: record}
 
 
