@@ -232,16 +232,21 @@ def align_key_records(state_dict: Any, metadata: Metadata | None) -> None:
     keys: the record's key is its digest) is not asked for (DCP would fail on the missing key)."""
     if metadata is None:
         return
+    paths = list(metadata_paths(metadata).values())
     saved: dict[tuple[str | int, ...], list[str]] = {}
-    for path in metadata_paths(metadata).values():
+    for path in paths:
         if isinstance(path[-1], str) and is_record_key(path[-1]):
             saved.setdefault(tuple(path[:-1]), []).append(path[-1])
-    _align(state_dict, (), saved)
+    _align(state_dict, (), saved, paths)
 
 
-def _align(node: Any, path: tuple[str | int, ...], saved: Mapping[tuple[str | int, ...], list[str]]) -> None:
+def _align(
+    node: Any, path: tuple[str | int, ...], saved: Mapping[tuple[str | int, ...], list[str]], paths: list[Any]
+) -> None:
     if isinstance(node, dict):
-        if any(map(is_record_key, node)):
+        n = len(path)
+        # a dict the checkpoint holds nothing under is left as it is (DCP's missing key, or allow_partial_load)
+        if any(map(is_record_key, node)) and any(len(p) > n and tuple(p[:n]) == path for p in paths):
             wanted = saved.get(path, [])
             for key in [k for k in node if is_record_key(k) and k not in wanted]:
                 del node[key]
@@ -249,11 +254,11 @@ def _align(node: Any, path: tuple[str | int, ...], saved: Mapping[tuple[str | in
                 node.setdefault(key, b"")
         for key, value in node.items():
             if isinstance(value, (dict, list)):
-                _align(value, (*path, str(key)), saved)
+                _align(value, (*path, str(key)), saved, paths)
     elif isinstance(node, list):
         for i, value in enumerate(node):
             if isinstance(value, (dict, list)):
-                _align(value, (*path, i), saved)
+                _align(value, (*path, i), saved, paths)
 
 
 def _leaf_paths(node: Any, path: tuple[str | int, ...] = ()) -> Iterator[tuple[str | int, ...]]:
