@@ -104,6 +104,8 @@ public:
         PyObject* o = v.ptr();
         if (o == Py_None) {
             put_u8(out, kTagNone);
+        } else if (const char* base = subclass_base(o)) {
+            refuse_subclass(v, base, where);
         } else if (PyBool_Check(o)) {
             put_u8(out, o == Py_True ? kTagTrue : kTagFalse);
         } else if (PyLong_Check(o)) {
@@ -155,6 +157,32 @@ public:
     }
 
 private:
+    /// ``_refuse_subclass``'s test: the base name when ``o`` is of a strict subclass of a kind the
+    /// codec writes itself (it would decode as the base type), else ``nullptr``.
+    static const char* subclass_base(PyObject* o) {
+        if (PyLong_CheckExact(o) || PyFloat_CheckExact(o) || PyUnicode_CheckExact(o) || PyBytes_CheckExact(o) ||
+            PyTuple_CheckExact(o) || PyList_CheckExact(o) || PyBool_Check(o)) {
+            return nullptr;
+        }
+        if (PyLong_Check(o)) return "int";
+        if (PyFloat_Check(o)) return "float";
+        if (PyUnicode_Check(o)) return "str";
+        if (PyBytes_Check(o)) return "bytes";
+        if (PyTuple_Check(o)) return "tuple";
+        if (PyList_Check(o)) return "list";
+        return nullptr;
+    }
+
+    /// ``_refuse_subclass``
+    [[noreturn]] static void refuse_subclass(py::handle v, const char* base, const Where& where) {
+        PyObject* type = reinterpret_cast<PyObject*>(Py_TYPE(v.ptr()));
+        py::object module = steal(PyObject_GetAttrString(type, "__module__"));
+        py::object qualname = steal(PyObject_GetAttrString(type, "__qualname__"));
+        raise_format_error(Msg() << where.str() << ": a value of type " << fmt(module) << "." << fmt(qualname)
+                                 << " (a subclass of " << base << ") would load back as a plain " << base
+                                 << "; set it to a plain " << base << " (e.g. " << base << "(value)) before saving");
+    }
+
     void tensor(std::string& out, py::handle v, const Where& where) const {
         py::object parts = steal(PyObject_CallOneArg(to_parts_.ptr(), v.ptr()));
         tensor_parts(out, parts, where);

@@ -162,6 +162,8 @@ def _encode_value(
         raise CheckpointFormatError(f"{where}: value nested deeper than {MAX_DEPTH} levels")
     if value is None:
         out.append(TAG_NONE)
+    elif type(value) not in _EXACT and isinstance(value, _BASES):
+        _refuse_subclass(value, where)
     elif isinstance(value, bool):
         out.append(TAG_TRUE if value else TAG_FALSE)
     elif isinstance(value, int):
@@ -201,6 +203,22 @@ def _encode_value(
         out.append(NAMED_TAGS[name[0]])
         _encode_str(out, name[1], where)
         named[0] = True
+
+
+_EXACT = frozenset((bool, int, float, str, bytes, tuple, list))
+_BASES = (int, float, str, bytes, tuple, list)
+"""The value kinds the codec writes itself: a value of a subclass of one of them (``numpy.float64``,
+an ``IntEnum`` or ``str`` ``Enum`` member, a ``namedtuple``) is refused, since it would decode as the
+plain base type (docs/formats.md, *Table codec*)."""
+
+
+def _refuse_subclass(value: Any, where: str) -> None:
+    kind = type(value)
+    base = next(b for b in _BASES if isinstance(value, b)).__name__
+    raise CheckpointFormatError(
+        f"{where}: a value of type {kind.__module__}.{kind.__qualname__} (a subclass of {base}) would load back "
+        f"as a plain {base}; set it to a plain {base} (e.g. {base}(value)) before saving"
+    )
 
 
 def _encode_tensor_parts(out: bytearray, parts: Any, where: str) -> None:

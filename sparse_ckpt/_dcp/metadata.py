@@ -14,6 +14,7 @@ from torch.distributed.checkpoint import FileSystemReader
 from torch.distributed.checkpoint.metadata import Metadata
 
 from .._format.keys import GROUPS_PREFIX, OPTIMIZER_PREFIXES, is_foreign_guard
+from .._format.keys_record import RECORD_PREFIX
 from .._format.nested import NESTED_KEYS
 from ..errors import NotACheckpointError
 from .paths import ObjPath, metadata_path, set_path
@@ -135,14 +136,19 @@ def _split_nested(p: ObjPath) -> tuple[ObjPath, ObjPath] | None:
     return None
 
 
+_ENTRY_PREFIXES = (*OPTIMIZER_PREFIXES, RECORD_PREFIX)
+"""Key prefixes of an optimizer dict's entries: its state and groups, and (flat and nested formats)
+its key record, which sits next to them."""
+
+
 def _split(p: ObjPath) -> tuple[ObjPath, str] | None:
     if len(p) == 1 and isinstance(p[0], str):
         # No recorded nesting: find the optimizer namespace in the dotted key itself.
         key = p[0]
-        if key.startswith(OPTIMIZER_PREFIXES):
+        if key.startswith(_ENTRY_PREFIXES):
             return (), key
         best = None
-        for marker in OPTIMIZER_PREFIXES:
+        for marker in _ENTRY_PREFIXES:
             i = key.find(f".{marker}")
             if i > 0 and (best is None or i < best):
                 best = i
@@ -150,7 +156,7 @@ def _split(p: ObjPath) -> tuple[ObjPath, str] | None:
             return None
         return (key[:best],), key[best + 1 :]
     last = p[-1]
-    if isinstance(last, str) and last.startswith(OPTIMIZER_PREFIXES):
+    if isinstance(last, str) and last.startswith(_ENTRY_PREFIXES):
         return p[:-1], last
     # An element of a list-valued state entry (LBFGS's ``al``): DCP records ``(..., "state.{fqn}.al", 0)``
     # (dicts inside the list add str parts after the index).

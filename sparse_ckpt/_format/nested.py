@@ -28,6 +28,7 @@ from .._leaves import SINGLE_LEAF
 from ..errors import CheckpointFormatError
 from .codec import encode_table
 from .keys import packed_table_key
+from .keys_record import is_record_key
 
 __all__ = ["NESTED_KEYS", "nested_kind", "nested_to_sparse"]
 
@@ -67,7 +68,7 @@ def nested_to_sparse(sd: Mapping[str, Any], *, leaf: str = SINGLE_LEAF) -> dict[
     state, groups = sd[NESTED_KEYS[0]], sd[NESTED_KEYS[1]]
     if not isinstance(state, Mapping) or not isinstance(groups, (list, tuple)):
         raise CheckpointFormatError("a nested optimizer dict needs a 'state' mapping and a 'param_groups' list")
-    extra = [k for k in sd if k not in NESTED_KEYS]
+    extra = [k for k in sd if k not in NESTED_KEYS and not is_record_key(k)]
     if extra:
         raise CheckpointFormatError(
             f"nested optimizer dict: unexpected entries {extra[:3]!r} next to 'state' and 'param_groups'"
@@ -97,6 +98,7 @@ def nested_to_sparse(sd: Mapping[str, Any], *, leaf: str = SINGLE_LEAF) -> dict[
     out: dict[str, Any] = core.flatten_state(leaf, plain_state, fqns, True)
     table = encode_table(leaf, groups_fqn)
     out[packed_table_key(leaf, table)] = table
+    out.update((k, v) for k, v in sd.items() if is_record_key(k))  # the key record: checked by the load
     return out
 
 

@@ -6,14 +6,16 @@
   of any rank);
 * :func:`check_table_leaves` -- a leaf with state has its group table;
 * :func:`check_lists` -- list-valued state holds its recorded count of values (``~lens``);
-* :func:`without_items_record` -- for the tools that write a checkpoint with other items.
+* :func:`without_items_record` -- for the tools that write a checkpoint with other items;
+* :func:`check_key_record` -- the flat and nested formats' key record: every recorded setting and
+  state key of a target parameter is there.
 
-Formats: docs/formats.md ("Item record", the scalar table's ``~lens``).
+Formats: docs/formats.md ("Item record", the scalar table's ``~lens``, "Key record").
 """
 
 from __future__ import annotations
 
-from collections.abc import Collection, Mapping
+from collections.abc import Callable, Collection, Container, Mapping
 from itertools import chain
 from typing import TYPE_CHECKING, Any
 
@@ -33,6 +35,7 @@ from .._format.list_record import list_nodes
 from ..errors import CheckpointMismatchError
 
 if TYPE_CHECKING:
+    from .._format.keys_record import KeyRecord
     from .._layouts.bucketed_load import BucketReader as BufferReader
 
 
@@ -145,3 +148,110 @@ def check_lists(
                     f"their items), the checkpoint holds {found}: it lost an item of that list from its metadata or "
                     "its data (a partial copy or a damaged checkpoint); refusing to load it incomplete"
                 )
+
+
+def check_key_record(
+    record: KeyRecord,
+    settings_of: Mapping[str, Mapping[str, Any]],
+    names_of: Mapping[str, Any],
+    state_of: Mapping[str, Any],
+    empty_groups: Mapping[tuple[str, int], Mapping[str, Any]],
+    table_leaves: list[str],
+    owned: Container[str],
+    resolve: Callable[[str], str] = str,
+    leaf_of: Callable[[str], str | None] | None = None,
+) -> None:
+    """Complete or refused for the flat and nested formats: every parameter of the target (its
+    canonical FQN, ``resolve(fqn)``, in ``owned``) that a key record (`sparse_ckpt._format.keys_record`)
+    lists has every setting key its saved group had (in ``settings_of``; ``param_names`` in
+    ``names_of``) and every recorded state key and list count (in ``state_of``); a saved group
+    without parameters (nested) has its setting keys in ``empty_groups`` (its single table's leaf).
+    Else :class:`CheckpointMismatchError` naming leaf (``leaf_of``: the target's), FQN and key,
+    whatever ``strict`` says. A parameter with none of its settings is *missing* (whole parameters
+    or groups left out of a dict: what ``strict`` decides), not damaged: no real optimizer's
+    parameter has a single item, so losing one item never hides a parameter."""
+    for gi, names, fqns in record.groups:
+        if not fqns:  # a group without parameters: only DSD's nested layout holds one (one table)
+            if len(table_leaves) == 1:
+                found = empty_groups.get((table_leaves[0], gi))
+                lacking = [k for k in names if found is None or k not in found]
+                if lacking:
+                    raise CheckpointMismatchError(
+                        f"leaf {table_leaves[0]!r} group {gi} (no parameters): the checkpoint has no saved setting "
+                        f"{lacking[0]!r}, which its key record lists (recorded: {list(names)}): {_LOST}"
+                    )
+            continue
+        named = "param_names" in names
+        wanted = frozenset(names).difference(("param_names",))
+        canons = fqns if resolve is str else list(map(resolve, fqns))
+        haves = list(map(settings_of.get, canons))
+        # C-level passes: each distinct (interned) settings dict is looked at once; a parameter only
+        # when one is short of a key (or param_names are recorded)
+        distinct = dict(zip(map(id, haves), haves))
+        if not named and all(h is None or h.keys() >= wanted for h in distinct.values()):
+            continue
+        for fqn, canon, have in zip(fqns, canons, haves):
+            if have is None or canon not in owned:
+                continue  # none of its settings: a parameter missing from the checkpoint (strict decides);
+                # or another rank's parameter (or one the model lacks: strict decides)
+            if have.keys() >= wanted and (not named or canon in names_of):
+                continue
+            lacking = [k for k in names if k != "param_names" and k not in have] or ["param_names"]
+            raise CheckpointMismatchError(
+                f"{_leaf_text(leaf_of, canon)}parameter {fqn!r} has no saved setting {lacking[0]!r} of its param "
+                f"group, which the checkpoint's key record lists (recorded: {list(names)}): {_LOST}"
+            )
+    for keys, lens, fqns in record.state:
+        canons = fqns if resolve is str else list(map(resolve, fqns))
+        states = list(map(state_of.get, canons))
+        if not lens and all("." not in k and not k.startswith("~") for k in keys):
+            plain = frozenset(keys)
+            if None not in states and all(map(plain.issubset, states)):
+                continue  # every parameter has every recorded key (C-level passes)
+        for fqn, canon, state in zip(fqns, canons, states):
+            if canon not in owned or (state is None and canon not in settings_of):
+                continue  # another rank's; or neither settings nor state: missing from the checkpoint (strict decides)
+            for key in keys:
+                if not _has(state, key):
+                    raise CheckpointMismatchError(
+                        f"{_leaf_text(leaf_of, canon)}parameter {fqn!r} has no saved state {key!r}, which the "
+                        f"checkpoint's key record lists (recorded: {list(keys)}): {_LOST}"
+                    )
+            for key, count in lens:
+                node = _node(state, key)
+                found = 0 if node is None else list_nodes(node)
+                if found != count:
+                    raise CheckpointMismatchError(
+                        f"{_leaf_text(leaf_of, canon)}parameter {fqn!r} has saved state {key!r} of {count} values "
+                        f"(lists counted with their items), the checkpoint holds {found}: {_LOST}"
+                    )
+
+
+_LOST = (
+    "the checkpoint lost that item from its metadata or its data (a partial copy or a damaged checkpoint); "
+    "refusing to load it incomplete (strict=False does not change this)"
+)
+
+
+def _leaf_text(leaf_of: Callable[[str], str | None] | None, canon: str) -> str:
+    leaf = leaf_of(canon) if leaf_of is not None else None
+    return f"leaf {leaf!r}: " if leaf is not None else ""
+
+
+def _node(state: Any, key: str) -> Any:
+    """The value at recorded state key path ``key`` (escaped parts unescaped) in ``state``, else ``None``."""
+    node = state
+    for part in key_parts(key):
+        if not isinstance(node, dict) or part not in node:
+            return None
+        node = node[part]
+    return node
+
+
+def _has(state: Any, key: str) -> bool:
+    node = state
+    for part in key_parts(key):
+        if not isinstance(node, dict) or part not in node:
+            return False
+        node = node[part]
+    return True

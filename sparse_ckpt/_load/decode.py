@@ -24,11 +24,12 @@ from .._format.keys import (
     source_text,
     without_foreign_guards,
 )
+from .._format.keys_record import RECORD_PREFIX, read_key_records
 from .._format.nested import nested_kind, nested_to_sparse
 from .._fqn import FqnMap
 from .._layouts.bucketed_load import BucketReader, expand
 from ..errors import CheckpointFormatError, CheckpointMismatchError
-from .completeness import check_recorded_items, check_table_leaves
+from .completeness import check_key_record, check_recorded_items, check_table_leaves
 from .decode_state import _has_path, merge_state
 
 
@@ -133,6 +134,7 @@ def decode_checkpoint(
     fmap: FqnMap,
     reader: BucketReader | None = None,
     present: Collection[str] | None = None,
+    leaf_of: Callable[[str], str | None] | None = None,
 ) -> DecodedCheckpoint:
     """Split and decode ``state_dict`` (packed and/or flat entries, or DSD's nested dict) against ``fmap``.
 
@@ -145,7 +147,9 @@ def decode_checkpoint(
 
     Complete or refused: every item the checkpoint's item records list must be there (in the
     dict, readable by ``reader``, or in ``present``: every optimizer key of a DCP checkpoint), and
-    every list-valued state entry must hold as many items as its scalar table records.
+    every list-valued state entry must hold as many items as its scalar table records; a flat or
+    nested dict's key record must find every recorded setting and state key of the model's
+    parameters (``leaf_of``: canonical FQN -> the target leaf holding it, for messages).
     """
     state_dict = _other_layouts(state_dict)
     core = _backend.core
@@ -161,6 +165,10 @@ def decode_checkpoint(
     flat = state_dict if type(state_dict) is dict else dict(state_dict)  # the core reads dicts
     flat = without_foreign_guards(flat)
     settings_raw, state_raw, _tables, scalar_tables, unmatched = core.unflatten(flat, known_fqns)
+    record = None  # the key record of a flat or nested dict (an unmatched key: no pass over the dict for it)
+    if unmatched and any(k.startswith(RECORD_PREFIX) for k in unmatched):
+        record = read_key_records({k: flat[k] for k in unmatched if k.startswith(RECORD_PREFIX)})
+        unmatched = [k for k in unmatched if not k.startswith(RECORD_PREFIX)]
     buffer_keys = [k for k in unmatched if k.startswith(BUFFERS_PREFIX)]  # (unmatched is short)
     if buffer_keys:
         unmatched = [k for k in unmatched if not k.startswith(BUFFERS_PREFIX)]
@@ -276,6 +284,11 @@ def decode_checkpoint(
         check_recorded_items(records, flat, reader, present)
     if scalar_tables or buffer_keys:
         check_table_leaves(out.table_leaves, scalar_tables, buffer_keys)
+    if record is not None:
+        check_key_record(
+            record, out.settings_of, out.names_of, out.state_of, out.empty_groups, out.table_leaves, fmap.param_of,
+            fmap.resolve if aliases else str, leaf_of,
+        )
     return out
 
 

@@ -249,7 +249,7 @@ def _plan(
     if fmap is None:
         fmap = build_fqn_map(model)
     leaves = named_leaves(optimizer)
-    ckpt = decode_checkpoint(state_dict, fmap, reader, present)
+    ckpt = decode_checkpoint(state_dict, fmap, reader, present, _leaf_finder(leaves, fmap))
     missing: list[str] = []
     used_settings: set[str] = set()
     used_state: set[str] = set()
@@ -286,6 +286,24 @@ def _apply(prepared: list[PreparedLoad], fmap: FqnMap, ckpt: DecodedCheckpoint) 
         for opt, saved in reversed(applied):
             rollback(opt, saved)
         raise
+
+
+def _leaf_finder(leaves: list[tuple[str, Any]], fmap: FqnMap) -> Any:
+    """Canonical FQN -> the name of the target leaf holding it (``None``: none), for messages;
+    the map is built on the first call (a load that fails)."""
+    found: dict[str, str] = {}
+
+    def leaf_of(canon: str) -> str | None:
+        if not found:
+            for leaf, opt in reversed(leaves):
+                for group in opt.param_groups:
+                    for p in group["params"]:
+                        fqn = fmap.fqn_of.get(id(p))
+                        if fqn is not None:
+                            found[fqn] = leaf
+        return found.get(canon)
+
+    return leaf_of
 
 
 def _commit(item: Any, fmap: FqnMap, ckpt: DecodedCheckpoint) -> None:

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 from collections.abc import Mapping
 from dataclasses import dataclass, field
+from itertools import chain
 from operator import itemgetter
 from typing import Any, Literal
 
@@ -23,6 +24,7 @@ from .._format.keys import (
     table_digest,
     table_item_key,
 )
+from .._format.keys_record import build_key_record
 from .._format.list_record import record_lists
 from .._format.tags import GROUPS_SLOT, LAYOUT_SLOT, SCALARS_SLOT, Keying, Slot
 from .._format.tensor_parts import CODEC_DTYPES, tensor_to_parts
@@ -104,6 +106,7 @@ def build_state_dict(
     slots: list[Slot] = []
     owner: dict[str, str] = {}
     first_fqns: list[str] = []
+    recorded: list[tuple[list[tuple[dict, list[str]]], dict[str, Any]]] = []  # flat: each leaf's groups and state
     for leaf, opt in named_leaves(optimizer):
         groups_fqn, state_fqn = capture_by_fqn(leaf, opt, fmap.fqn_of)
         first = next((fqns[0] for _settings, fqns in groups_fqn if fqns), None)
@@ -138,6 +141,7 @@ def build_state_dict(
             parts.append(_Part("items", leaf, items=core.flatten_state(leaf, state_fqn, fmap.param_of, False)))
             _check_flat_settings(leaf, groups_fqn)
             parts.append(_Part("items", leaf, items=core.flatten_groups(leaf, groups_fqn)))
+            recorded.append((groups_fqn, state_fqn))
     if keying.coordinated:  # each leaf's layout index: which ranks' layouts hold which chunks
         slots = with_index_parts(slots, fmap.param_of)
     assigned, indexes = keying.assign_with_indexes(slots)
@@ -158,6 +162,11 @@ def build_state_dict(
                 out[index_key(part.leaf, indexes[part.leaf][0])] = indexes[part.leaf][1]
     if guards and format == "packed":
         out.update(dict.fromkeys(foreign_guard_keys(first_fqns), foreign_guard_value()))
+    if format == "flat":  # the key record: complete or refused (docs/formats.md, *Key record*)
+        key, value = build_key_record(
+            chain.from_iterable(g for g, _s in recorded), [s for _g, s in recorded]
+        )
+        out[key] = value
     return out
 
 

@@ -39,12 +39,13 @@ from .._format.keys import (
     packed_table_key,
     state_key,
 )
+from .._format.keys_record import is_record_key, read_key_records
 from .._format.nested import NESTED_KEYS, nested_to_sparse
 from .._layouts.bucketed import dtype_name
 from .._layouts.bucketed_view import layout_view
 from .._leaves import SINGLE_LEAF
 from .._limits import ITEM_BYTES
-from .._load.completeness import check_recorded_items, check_table_leaves
+from .._load.completeness import check_key_record, check_recorded_items, check_table_leaves
 from .._load.decode import decode_group_tables
 from .._load.decode_state import decode_scalar_tables, merge_scalars, merge_state
 from .._text import one_line
@@ -262,6 +263,15 @@ def split_optimizer(values: Mapping[str, Any]) -> tuple[dict[str, list[Group]], 
         check_recorded_items(records, values, None, None)
     if scalar_tables or buffer_keys:
         check_table_leaves(list(leaves), scalar_tables, buffer_keys)
+    record_keys = [k for k in unmatched if is_record_key(k)]
+    if record_keys:  # a flat or nested checkpoint's key record: every recorded key is there
+        record = read_key_records({k: values[k] for k in record_keys})
+        assert record is not None
+        unmatched = [k for k in unmatched if not is_record_key(k)]
+        named = {fqn for fqn, raw in settings_by_fqn.items() if "param_names" in raw}
+        everything = set(settings_by_fqn).union(state_by_fqn, *(fqns for _i, _n, fqns in record.groups),
+                                                *(fqns for _k, _l, fqns in record.state))
+        check_key_record(record, settings_by_fqn, named, state_by_fqn, {}, [], everything)
     return leaves, flat_groups(settings_by_fqn), state_by_fqn, unmatched
 
 

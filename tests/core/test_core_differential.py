@@ -17,6 +17,7 @@ from __future__ import annotations
 import array
 import collections
 import copy
+import enum
 import gc
 import math
 import random
@@ -26,6 +27,7 @@ from collections.abc import Callable, Iterator, Mapping
 from typing import Any
 
 import _backends
+import numpy as np
 import pytest
 import torch
 from helpers import same_bits
@@ -761,6 +763,46 @@ def test_encode_settings(settings_: dict, group_index: Any) -> None:
 def test_encode_unsupported_value(value: Any) -> None:
     check_error("encode_settings", "L", 3, {"k": value}, torch.Tensor, tensor_to_parts,
                 exc=CheckpointFormatError, match="unsupported value type")
+
+
+class _Sub:
+    """Subclasses of the kinds the codec writes itself (each would decode as its base)."""
+
+    class Float(float):
+        pass
+
+    class Int(int):
+        pass
+
+    class Str(str):
+        pass
+
+    class Bytes(bytes):
+        pass
+
+    class Tuple(tuple):
+        pass
+
+    class List(list):
+        pass
+
+
+_SUBCLASS_VALUES = [
+    _Sub.Float(0.5), _Sub.Int(3), _Sub.Str("x"), _Sub.Bytes(b"x"), _Sub.Tuple((1, 2)), _Sub.List([1]),
+    collections.namedtuple("Betas", "a b")(0.9, 0.99), enum.IntEnum("Mode", "A").A,
+    enum.Enum("Kind", [("A", "a")], type=str).A, np.float64(0.25), [1, (2, np.float64(3.0))],
+]
+
+
+@pytest.mark.parametrize("value", _SUBCLASS_VALUES, ids=lambda v: type(v).__name__)
+def test_encode_refuses_subclass_values_alike(value: Any) -> None:
+    """Both cores refuse a value of a subclass of int/float/str/bytes/tuple/list with the same
+    message naming its type and base (it would decode as the base type)."""
+    message = check_error("encode_settings", "L", 3, {"k": value}, torch.Tensor, tensor_to_parts,
+                          exc=CheckpointFormatError, match="leaf 'L' group 3 key 'k': a value of type ")
+    assert re.search(r"a value of type [\w.<>]+ \(a subclass of \w+\) would load back as a plain \w+", message), message
+    check_error("encode_table", "L", [({"k": 1}, ["a"]), ({"k": value}, ["b"])], torch.Tensor, tensor_to_parts,
+                exc=CheckpointFormatError, match="leaf 'L' group 1 key 'k': a value of type ")
 
 
 @pytest.mark.parametrize("key", BAD_KEYS)

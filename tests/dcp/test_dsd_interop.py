@@ -23,6 +23,7 @@ from helpers import LayerNet, assert_deep_equal, fqn_view, layer_params
 from torch import nn
 
 import sparse_ckpt as sc
+from sparse_ckpt._format.keys_record import is_record_key
 
 
 def _Net(seed: int = 0) -> LayerNet:
@@ -132,8 +133,9 @@ def test_our_flat_dict_loads_with_dsd_when_every_param_has_state(make: Any) -> N
     src = make(src_model)
     _train(src_model, [src], list(src_model.parameters()))
     flat = sc.sparse_state_dict(src_model, src, format="flat")
-    assert set(flat) == set(dsd_get(src_model, src))  # byte-for-byte DSD's key layout
-    _loads_like_dsd_and_source(make, flat, src_model, src)
+    extra = set(flat) - set(dsd_get(src_model, src))  # DSD's key layout, byte for byte, plus the key record
+    assert set(dsd_get(src_model, src)) <= set(flat) and len(extra) == 1 and is_record_key(extra.pop())
+    _loads_like_dsd_and_source(make, flat, src_model, src)  # stock DSD reads it, record and all
 
 
 # --------------------------------------------------------------------------- (c) sparse flat -> DSD

@@ -20,7 +20,9 @@ from typing import Any
 
 import torch
 
+from ..._format.codec import encode_table
 from ..._format.keys import STATE_PREFIX
+from ..._format.keys_record import build_key_record
 from ..._format.nested import NESTED_KEYS, nested_kind, nested_to_sparse
 from ..._format.tags import Keying
 from ..._fqn import FqnMap
@@ -46,16 +48,21 @@ def leaves_of(optimizers: Sequence[torch.optim.Optimizer]) -> Any:
 
 def nested_state_dict(fmap: FqnMap, optimizers: Any) -> dict[str, Any]:
     """DSD's nested dict of ``optimizers`` (see `leaves_of`): the state each parameter has
-    (its per-parameter dict copied, the values not), every group with its settings and FQNs."""
+    (its per-parameter dict copied, the values not), every group with its settings and FQNs, and
+    the key record (docs/formats.md, *Key record*), an entry DSD's own loaders do not read."""
     state: dict[str, Any] = {}
     groups: list[dict[str, Any]] = []
+    all_groups: list[tuple[dict[str, Any], list[str]]] = []
     for leaf, opt in named_leaves(optimizers):
         groups_fqn, state_fqn = capture_by_fqn(leaf, opt, fmap.fqn_of)
         for fqn, values in state_fqn.items():
             state[fqn] = dict(values) if isinstance(values, Mapping) else values
         for settings, fqns in groups_fqn:
             groups.append({**settings, PARAMS: list(fqns)})
-    return {STATE: state, PARAM_GROUPS: groups}
+        all_groups.extend(groups_fqn)
+        encode_table(leaf, groups_fqn)  # values the table codec refuses are refused here, as the flat format does
+    key, record = build_key_record(all_groups, [state])
+    return {STATE: state, PARAM_GROUPS: groups, key: record}
 
 
 def flat_state_dict(model: Any, optimizers: Any) -> dict[str, Any]:

@@ -41,7 +41,7 @@ from ..._torch_internals import (
 )
 from .._rebind import bindings
 from . import functions
-from .target import rebuild_copies, rebuild_marked
+from .target import align_key_records, rebuild_copies, rebuild_marked
 
 __all__ = ["install", "installed", "uninstall"]
 
@@ -91,8 +91,9 @@ def installed() -> bool:
 
 def _set_up_planner(self: DefaultLoadPlanner, state_dict: Any, metadata: Any = None, is_coordinator: bool = False) -> None:
     """``DefaultLoadPlanner.set_up_planner`` that first rebuilds the marked optimizer dicts and the
-    recognised copies, and refuses other optimizer dicts that ask for none of the checkpoint's state.
-    DCP's flatten flag left set by an interrupted load is cleared first (`clear_dcp_flatten_flag`)."""
+    recognised copies, refuses other optimizer dicts that ask for none of the checkpoint's state, and
+    has copies that hold a key record ask for the checkpoint's record instead. DCP's flatten flag left
+    set by an interrupted load is cleared first (`clear_dcp_flatten_flag`)."""
     clear_dcp_flatten_flag()
     frame = caller_frame(1)
     guard_reads(dcp_storage_reader(frame), metadata)  # a damaged file: CheckpointFormatError naming item and file
@@ -104,6 +105,7 @@ def _set_up_planner(self: DefaultLoadPlanner, state_dict: Any, metadata: Any = N
     # the library's planner unpickles its optimizer items with weights_only=True: the copies' too
     keys = getattr(self, "_optimizer_keys", None) if isinstance(self, SparseLoadPlanner) else None
     rebuild_copies(state_dict, metadata, frame, allow_partial_load=partial, keys=keys)
+    align_key_records(state_dict, metadata)  # copies holding a key record: the checkpoint's, if any
     return _TORCH_SET_UP_PLANNER(self, state_dict, metadata, is_coordinator)
 
 

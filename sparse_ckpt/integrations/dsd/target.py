@@ -37,12 +37,14 @@ from torch.distributed.checkpoint.metadata import Metadata
 from ..._dcp.paths import metadata_path, metadata_paths
 from ..._dcp.planner import _find_targets, _TargetBuilder
 from ..._dcp.stateful import SparseOptimizerState, SparseStateDict
+from ..._format.keys_record import is_record_key
 from ..._format.nested import NESTED_KEYS
 from ..._torch_internals import caller_frame, dcp_storage_reader
 from ...errors import CheckpointMismatchError
 
 __all__ = [
     "DsdStateDict",
+    "align_key_records",
     "marked_targets",
     "rebuild_copies",
     "rebuild_marked",
@@ -285,6 +287,43 @@ def _rebuild(
             keys.update(read)
         done += 1
     return done
+
+
+def align_key_records(state_dict: Any, metadata: Metadata | None) -> None:
+    """Give every dict of the load target that holds a key record entry (a copy of a dict this
+    integration returned, which lost its mark; marked dicts are rebuilt from the checkpoint) the
+    checkpoint's record entries under its path instead: DCP then reads those, and the load checks
+    them, while a record the checkpoint lacks (a stock DSD checkpoint, or another optimizer's state
+    keys: the record's key is its digest) is not asked for (DCP would fail on the missing key)."""
+    if metadata is None:
+        return
+    paths = list(metadata_paths(metadata).values())
+    saved: dict[tuple[str | int, ...], list[str]] = {}
+    for path in paths:
+        if isinstance(path[-1], str) and is_record_key(path[-1]):
+            saved.setdefault(tuple(path[:-1]), []).append(path[-1])
+    _align(state_dict, (), saved, paths)
+
+
+def _align(
+    node: Any, path: tuple[str | int, ...], saved: Mapping[tuple[str | int, ...], list[str]], paths: list[Any]
+) -> None:
+    if isinstance(node, dict):
+        n = len(path)
+        # a dict the checkpoint holds nothing under is left as it is (DCP's missing key, or allow_partial_load)
+        if any(map(is_record_key, node)) and any(len(p) > n and tuple(p[:n]) == path for p in paths):
+            wanted = saved.get(path, [])
+            for key in [k for k in node if is_record_key(k) and k not in wanted]:
+                del node[key]
+            for key in wanted:
+                node.setdefault(key, b"")
+        for key, value in node.items():
+            if isinstance(value, (dict, list)):
+                _align(value, (*path, str(key)), saved, paths)
+    elif isinstance(node, list):
+        for i, value in enumerate(node):
+            if isinstance(value, (dict, list)):
+                _align(value, (*path, i), saved, paths)
 
 
 def _leaf_paths(node: Any, path: tuple[str | int, ...] = ()) -> Iterator[tuple[str | int, ...]]:
