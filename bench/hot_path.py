@@ -124,7 +124,8 @@ PHASES: dict[str, tuple[str, ...]] = {
         "sparse_ckpt._save.save:encode_table",
         "sparse_ckpt._save.save:groups_tail",
         "sparse_ckpt._format.tags:items_record",
-        "sparse_ckpt._format.tags:with_items_record",
+        "sparse_ckpt._format.tags:items_record_parts",
+        "sparse_ckpt._format.tags:seal_parts",
         "sparse_ckpt._format.tags:seal",
     ),
     "load": (

@@ -208,14 +208,15 @@ def run_spread(specs: Sequence[FixtureSpec], group_layout: str, repeats: int, de
         for setting in ("1", "0"):
             os.environ[HUGE_PAGES_ENV] = setting
             print(f"{HUGE_PAGES_ENV}={setting}", flush=True)
-            for run in run_dcp(specs, group_layout, repeats, device, layouts):
-                out.append({**run, "huge_pages": setting, "spread": [spread(row) for row in run["rows"]]})
+            runs = [{**run, "huge_pages": setting, "spread": [spread(row) for row in run["rows"]]}
+                    for run in run_dcp(specs, group_layout, repeats, device, layouts)]
+            print(spread_table(runs), flush=True)  # each setting's figures as soon as they are in
+            out += runs
     finally:
         if before is None:
             os.environ.pop(HUGE_PAGES_ENV, None)
         else:
             os.environ[HUGE_PAGES_ENV] = before
-    print(spread_table(out), flush=True)
     return out
 
 
