@@ -58,13 +58,12 @@ class CMakeBuild(build_ext):
         ext_path = Path(self.get_ext_fullpath(ext.name)).resolve()
         ext_dir = ext_path.parent
         ext_dir.mkdir(parents=True, exist_ok=True)
-        build_type = "Debug" if self.debug else "Release"
         cmake = _tool("cmake", "CMAKE_BIN_DIR", "cmake")
         ninja = _tool("ninja", "BIN_DIR", "ninja")
         args = [
             "-G", "Ninja",
             f"-DCMAKE_MAKE_PROGRAM={ninja}",
-            f"-DCMAKE_BUILD_TYPE={build_type}",
+            f"-DCMAKE_BUILD_TYPE={'Debug' if self.debug else 'Release'}",
             f"-DPython_EXECUTABLE={sys.executable}",
             f"-Dpybind11_DIR={pybind11.get_cmake_dir()}",
             f"-DSPARSE_CKPT_OUTPUT_DIR={ext_dir}",
@@ -75,10 +74,8 @@ class CMakeBuild(build_ext):
         _drop_foreign_cache(build_temp, Path(ext.sourcedir))
         build_temp.mkdir(parents=True, exist_ok=True)
         subprocess.run([cmake, "-S", ext.sourcedir, "-B", os.fspath(build_temp), *args], check=True)
-        build = [cmake, "--build", os.fspath(build_temp)]
-        if self.parallel:
-            build += ["--parallel", str(self.parallel)]
-        subprocess.run(build, check=True)
+        parallel = ["--parallel", str(self.parallel)] if self.parallel else []
+        subprocess.run([cmake, "--build", os.fspath(build_temp), *parallel], check=True)
         if not ext_path.exists():
             raise RuntimeError(f"CMake did not produce {ext_path}")
 

@@ -14,6 +14,8 @@ per tensor beats buffers.
   ``torch.load(weights_only=True)`` of the same state as one tensor per dtype (concatenated
   beforehand, untimed); medians, items, bytes on disk, ratios to the floor and to the faster of
   ``per_tensor`` / ``buffers``.
+  ``--spread``: the same twice, with ``SPARSE_CKPT_HUGE_PAGES=1`` (the default) and ``=0``, and the
+  min / median / max of each layout's samples (how bimodal its saves are, with and without huge pages).
 * ``threshold`` (:mod:`.scale_dcp`): per state-chunk size, ``dcp.save`` + ``dcp.load`` of a fixture
   of equal-size state tensors (about ``--total`` bytes each point) per-item vs buffers; the crossover.
 * ``async`` (:mod:`.scale_async`): the time ``dcp.async_save`` blocks the caller and the total until
@@ -45,7 +47,7 @@ import torch
 try:  # a checkout (python -m bench.scale) or the wheel (python -m sparse_ckpt.bench.scale)
     from .fixtures import parse_fixture_specs, parse_scales
     from .scale_async import run_async, run_async_threshold
-    from .scale_dcp import PAIR, parse_size, run_dcp, run_threshold
+    from .scale_dcp import PAIR, parse_size, run_dcp, run_spread, run_threshold
     from .scale_metadata import run_metadata
     from .scale_report import report
 except ImportError:  # pragma: no cover - run as a script
@@ -102,6 +104,8 @@ def parse_args(argv: Sequence[str] | None) -> argparse.Namespace:
         sp.add_argument("--scale", default=None, help="with --hidden: the fixtures LxE:hH for each H (earlier interface)")
         sp.add_argument("--hidden", type=_ints, default=[0, 64], help="with --scale: 0 tiny (2,) tensors, N (N, N) weights")
     d.add_argument("--device", default="cpu")
+    d.add_argument("--spread", action="store_true",
+                   help="run twice, SPARSE_CKPT_HUGE_PAGES=1 and =0, and print min/median/max of the samples per layout")
     t = sub.add_parser("threshold", help="dcp.save + dcp.load of equal-size state chunks: per-item vs buffers")
     t.add_argument("--sizes", type=_sizes, default=_sizes("4K,16K,64K,256K,1M,4M,16M"), help="chunk sizes (bytes, K, M)")
     t.add_argument("--total", type=parse_size, default=parse_size("64M"), help="state bytes per point, about")
@@ -129,6 +133,9 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
         (spec,) = parse_fixture_specs(args.fixture)
         return run_metadata(spec, args.group_layout, args.ranks, args.max_records, args.repeats, args.check,
                             args.check_sample, tuple(args.layouts))
+    if args.mode == "dcp" and args.spread:
+        return {"runs": run_spread(_fixtures(args, DCP_FIXTURES), args.group_layout, args.repeats, args.device, args.layouts),
+                "device": args.device, "spread": True}
     if args.mode == "dcp":
         return {"runs": run_dcp(_fixtures(args, DCP_FIXTURES), args.group_layout, args.repeats, args.device, args.layouts),
                 "device": args.device}

@@ -196,6 +196,53 @@ def run_dcp(specs: Sequence[FixtureSpec], group_layout: str, repeats: int, devic
     return out
 
 
+def run_spread(specs: Sequence[FixtureSpec], group_layout: str, repeats: int, device: str,
+               layouts: Sequence[str] = STATE_LAYOUTS) -> list[dict[str, Any]]:
+    """Mode ``dcp --spread``: :func:`run_dcp` twice, with the huge-page advice of the host buffers on
+    (``SPARSE_CKPT_HUGE_PAGES=1``, the default) and off (``=0``), and per fixture, layout and setting
+    the spread of the save and load samples (min / median / max): whether a layout's saves are
+    bimodal, and whether the huge-page advice is what makes them so."""
+    from sparse_ckpt._host_memory import HUGE_PAGES_ENV
+
+    before = os.environ.get(HUGE_PAGES_ENV)
+    out = []
+    try:
+        for setting in ("1", "0"):
+            os.environ[HUGE_PAGES_ENV] = setting
+            print(f"{HUGE_PAGES_ENV}={setting}", flush=True)
+            runs = [{**run, "huge_pages": setting, "spread": [spread(row) for row in run["rows"]]}
+                    for run in run_dcp(specs, group_layout, repeats, device, layouts)]
+            print(spread_table(runs), flush=True)  # each setting's figures as soon as they are in
+            out += runs
+    finally:
+        if before is None:
+            os.environ.pop(HUGE_PAGES_ENV, None)
+        else:
+            os.environ[HUGE_PAGES_ENV] = before
+    return out
+
+
+def spread(row: dict[str, Any]) -> dict[str, Any]:
+    """``{layout, save: [min, median, max], load: [...]}`` of one :func:`layout_rows` row's samples."""
+    save, load = row["samples_s"]
+    return {"layout": row["layout"], "n": len(save),
+            "save": [min(save), statistics.median(save), max(save)],
+            "load": [min(load), statistics.median(load), max(load)]}
+
+
+def spread_table(runs: Sequence[dict[str, Any]]) -> str:
+    """A markdown table of :func:`run_spread`'s figures: one row per fixture, layout and huge-page setting."""
+    lines = ["| fixture | layout | huge pages | n | save min / median / max | load min / median / max |",
+             "| --- | --- | --- | --- | --- | --- |"]
+    ms = "{:.0f} / {:.0f} / {:.0f} ms".format
+    for run in runs:
+        for sp in run["spread"]:
+            setting = "-" if sp["layout"] == FLOOR else ("on" if run["huge_pages"] == "1" else "off (=0)")
+            lines.append(f"| `{run['fixture']}` | {sp['layout']} | {setting} | {sp['n']} | "
+                         f"{ms(*(1e3 * x for x in sp['save']))} | {ms(*(1e3 * x for x in sp['load']))} |")
+    return "\n".join(lines)
+
+
 def _pair(value: list[float] | None) -> str:
     return "-" if value is None else f"{value[0]:.2f}/{value[1]:.2f}"
 

@@ -271,13 +271,16 @@ def _plain_tensor(pkl: bytes, size: tuple[int, ...], dtype: torch.dtype) -> bool
         and storage_offset == 0
         and type(got_size) is tuple
         and got_size == tuple(size)
-        and stride == _contiguous(size)
+        and stride == contiguous_strides(size)
         and requires_grad is False
         and hooks == ("call", _ORDERED_DICT, ())
     )
 
 
-def _contiguous(size: tuple[int, ...]) -> tuple[int, ...]:
+def contiguous_strides(size: tuple[int, ...]) -> tuple[int, ...]:
+    """The strides torch gives a new contiguous tensor of ``size`` (``torch.empty(size).stride()``,
+    a dimension of 0 counted as 1), the only strides a direct read takes and the ones a buffered
+    load gives a DTensor state tensor made from its bucket (`sparse_ckpt._layouts.bucketed_scatter`)."""
     stride, acc = [], 1
     for n in reversed(size):
         stride.append(acc)

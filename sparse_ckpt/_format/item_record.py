@@ -9,7 +9,7 @@ from collections.abc import Iterable
 from itertools import chain
 from operator import itemgetter
 
-__all__ = ["ITEMS_ENTRY", "groups_tail", "items_record", "split_items_record", "with_items_record"]
+__all__ = ["ITEMS_ENTRY", "groups_tail", "items_record", "items_record_parts", "split_items_record", "with_items_record"]
 
 ITEMS_ENTRY = "~items"
 """The key of a table's *item record* (see :func:`with_items_record`)."""
@@ -52,9 +52,16 @@ def with_items_record(table: bytes, tail: int, record: bytes) -> bytes:
     *item record*, every table and buffer key its save wrote, so a lost table, layout or buffer is
     found missing by the tables that remain (docs/formats.md, "Item record"). Readers that do not
     look for it see an unused settings entry."""
+    return b"".join(items_record_parts(table, tail, record))
+
+
+def items_record_parts(table: bytes, tail: int, record: bytes) -> tuple[bytes | memoryview, ...]:
+    """:func:`with_items_record` as the parts it joins (views of ``table``, no copy of it): what a
+    save seals without making the table with its record first (`sparse_ckpt._format.keys.seal_parts`)."""
     n = int.from_bytes(table[6:10], "little")
     cut = len(table) - tail
-    return table[:6] + (n + 1).to_bytes(4, "little") + table[10:cut] + record + table[cut:]
+    view = memoryview(table)
+    return view[:6], (n + 1).to_bytes(4, "little"), view[10:cut], record, view[cut:]
 
 
 def split_items_record(

@@ -9,7 +9,7 @@ The constants and functions here implement it; their docstrings name the section
 from __future__ import annotations
 
 import hashlib
-from collections.abc import Iterable
+from collections.abc import Iterable, Sequence
 from typing import Any
 
 import torch
@@ -171,14 +171,26 @@ def tag_has_rank(tag: str, world: int, rank: int) -> bool:
     return any(first <= rank <= last and (rank - first) % step == 0 for first, last, step in parsed[1])
 
 
-def _seal_digest(table: bytes) -> bytes:
-    """The 8-byte BLAKE2b digest that :func:`seal` appends to ``table``."""
-    return hashlib.blake2b(table, digest_size=_DIGEST_BYTES).digest()
+def _seal_digest(*parts: bytes | memoryview) -> bytes:
+    """The 8-byte BLAKE2b digest that :func:`seal` appends to the table ``b"".join(parts)`` (taken
+    over the parts in order, without joining them)."""
+    if len(parts) == 1:
+        return hashlib.blake2b(parts[0], digest_size=_DIGEST_BYTES).digest()
+    h = hashlib.blake2b(digest_size=_DIGEST_BYTES)
+    for part in parts:
+        h.update(part)
+    return h.digest()
 
 
 def seal(table: bytes) -> bytes:
     """The value of a rank-tagged table item: ``table`` followed by its 8-byte BLAKE2b digest."""
     return table + _seal_digest(table)
+
+
+def seal_parts(parts: Sequence[bytes | memoryview]) -> bytes:
+    """:func:`seal` of the table ``b"".join(parts)``, made with one copy of the parts (the digest
+    taken over them in order, as over their concatenation)."""
+    return b"".join((*parts, _seal_digest(*parts)))
 
 
 def table_item_key(prefix: str, leaf: str, tag: str) -> str:

@@ -18,7 +18,7 @@ from typing import Any
 import torch.distributed as dist
 
 from .._dist import world_and_rank
-from .item_record import items_record, with_items_record
+from .item_record import items_record, items_record_parts
 from .keys import (
     BUFFERS_PREFIX,
     PACKED_PREFIX,
@@ -29,6 +29,7 @@ from .keys import (
     layout_tag,
     rank_tag,
     seal,
+    seal_parts,
     table_digest,
     table_item_key,
 )
@@ -205,6 +206,6 @@ def _sealed(slots: list[Slot], tags: list[str], written: list[tuple[str, str, tu
     if any(s.tail is not None for s in slots):
         record = items_record(sorted({key for name, tag, buckets in written for key in slot_keys(name, tag, buckets)}))
     return [
-        (tag, seal(s.payload if s.tail is None or record is None else with_items_record(s.payload, s.tail, record)))
+        (tag, seal(s.payload) if s.tail is None or record is None else seal_parts(items_record_parts(s.payload, s.tail, record)))
         for s, tag in zip(slots, tags)
     ]

@@ -1,31 +1,29 @@
-"""``state_layout="buffers"``, load side: the buckets back into state tensors.
+"""``state_layout="buffers"``, load side, first half: which layout tables and buckets a load reads.
 
-:func:`expand`: the layout tables of a leaf and this rank's parameters give the core's scatter
-plan; each needed bucket is read once (from the dict, or through a :class:`BucketReader` while a
-DCP load streams them one at a time, see :func:`items_a_load_reads`), its chunks are copied into
-new state tensors allocated like their parameters, and these join the decoded state as per-item
-entries would. Peak extra memory of a DCP load: two buckets (DCP's read of one bucket item and the
-bucket it is copied into), whatever the optimizer's size.
+:func:`expand`: per leaf, the layout tables this rank needs (those a DCP load read already; when they
+do not hold this rank's state, the ones the leaf's layout index points to, else all of the leaf's,
+read through a :class:`BucketReader` while a DCP load streams them one at a time, see
+:func:`items_a_load_reads`) and the core's scatter plan over them; :mod:`.bucketed_scatter` carries
+the plan out (each needed bucket read once, its chunks becoming state tensors allocated like their
+parameters, joining the decoded state as per-item entries would). Peak extra memory of a DCP load:
+two buckets (DCP's read of one bucket item and the bucket it is copied into), whatever the
+optimizer's size.
 """
 
 from __future__ import annotations
 
-import math
 from collections.abc import Callable, Iterable, Mapping
 from dataclasses import dataclass, field
 from typing import Any
 
-import torch
-from torch.distributed.tensor import DTensor
-
 from .. import _backend
-from .._dcp.items import allocate_like
 from .._dist import world_and_rank
-from .._format.keys import BUFFERS_PREFIX, check_table, is_plain_part, key_parts, split_buffers_key, tag_has_rank
+from .._format.keys import BUFFERS_PREFIX, check_table, split_buffers_key, tag_has_rank
 from .._format.layout_index import LayoutIndex, decode_index
 from .._fqn import FqnMap
 from ..errors import CheckpointFormatError, CheckpointMismatchError
-from .bucketed import _Geometry, buffer_key, dtype_name, layout_key, torch_dtype
+from .bucketed import _Geometry, buffer_key, layout_key
+from .bucketed_scatter import Plan, scatter
 
 
 @dataclass
@@ -135,100 +133,16 @@ def _expand_leaf(
     out: dict[str, dict[str, Any]],
     expected: Callable[[str, set[tuple[str, str]]], bool] | None,
 ) -> None:
-    chunk_of = _chunk_of(fmap, geometry)
-    layouts, (targets, sources, ops) = _plan(leaf, items, fmap, reader, chunk_of, expected)
-    count = [0] * len(targets)
-    for op in ops:
-        count[op[4]] += 1
-    # A target that one whole saved chunk fills, on a CPU parameter, becomes a view of its buffer
-    # (the buffer is this load's own tensor: no copy, no second allocation); others get a tensor
-    # allocated like their parameter and are copied into, box by box.
-    whole = [False] * len(targets)
-    plain = [False] * len(targets)  # a target whose parameter is a plain tensor: its view needs no DTensor around it
-    param_of: dict[str, tuple[bool, bool]] = {}  # per FQN: (state on the CPU, parameter not a DTensor)
-    for op in ops:
-        ti = op[4]
-        if count[ti] == 1 and op[2] == op[6] == targets[ti][5]:
-            fqn = targets[ti][0]
-            kind = param_of.get(fqn)
-            if kind is None:
-                p = fmap.param_of[fmap.canonical[fqn]]
-                kind = param_of[fqn] = (_on_cpu(p), not isinstance(p, DTensor))
-            whole[ti], plain[ti] = kind
-    made: list[Any] = [None if whole[ti] else _allocate(leaf, t, fmap) for ti, t in enumerate(targets)]
-    dst = [None if m is None else _local(m) for m in made]
-    by_source: list[list[tuple[Any, ...]]] = [[] for _ in sources]
-    for op in ops:
-        by_source[op[0]].append(op)
+    """One leaf: the layouts it plans from and the core's plan over them (:func:`_plan`), carried
+    out by :func:`.bucketed_scatter.scatter` with the buckets the load holds already."""
+    layouts, plan = _plan(leaf, items, fmap, reader, _chunk_of(fmap, geometry), expected)
 
     def key_of(si: int) -> str:
-        li, bi, dtype, _numel = sources[si]
+        li, bi, dtype, _numel = plan[1][si]
         return items.keys.get((layouts[li][0], bi)) or buffer_key(leaf, layouts[li][0], bi, dtype)
 
-    consumed = [False] * len(sources)
-
-    def scatter(si: int, buf: Any) -> None:
-        _li, _bi, dtype, numel = sources[si]
-        _check_buffer(leaf, key_of(si), buf, dtype, numel)
-        consumed[si] = True
-        prod = math.prod
-        run = by_source[si]
-        k, n = 0, len(run)
-        while k < n:
-            _si, src_offset, src_sizes, src_start, ti, dst_start, box = run[k]
-            if whole[ti]:  # this op and the next ones that fill whole targets of its shape from adjacent chunks:
-                size = prod(src_sizes)  # one view of their span, unbound into a view per target
-                end, m = src_offset + size, k + 1
-                while m < n and whole[run[m][4]] and run[m][1] == end and run[m][2] == src_sizes:
-                    end, m = end + size, m + 1
-                views = buf[src_offset:end].view(m - k, *src_sizes).unbind(0)
-                for op, view in zip(run[k:m], views):
-                    t = op[4]
-                    made[t] = view if plain[t] else _wrap(view, targets[t], fmap)
-                k = m
-                continue
-            k += 1
-            src = buf[src_offset : src_offset + prod(src_sizes)].view(src_sizes)
-            target = dst[ti]
-            if box != src_sizes:
-                src = src[tuple(slice(a, a + b) for a, b in zip(src_start, box))]
-            if box != targets[ti][5]:
-                target = target[tuple(slice(a, a + b) for a, b in zip(dst_start, box))]
-            target.copy_(src)
-
-    wanted: dict[str, int] = {}
-    for si, (li, bi, _dtype, _numel) in enumerate(sources):
-        ranks = layouts[li][0]
-        buf = items.buffers.get((ranks, bi))
-        if buf is not None:
-            scatter(si, buf)
-            continue
-        key = key_of(si)
-        if reader is None or key not in reader.keys:
-            fqn, skey = targets[by_source[si][0][4]][:2]
-            raise CheckpointMismatchError(
-                f"leaf {leaf!r}: buffer item {key!r}, which holds state {skey!r} of {fqn!r} (and maybe more), is "
-                "missing from the checkpoint: an incomplete or damaged checkpoint"
-            )
-        wanted[key] = si
-    if wanted:
-        assert reader is not None
-        reader.read(list(wanted), lambda key, value: scatter(wanted[key], value))
-    _check_consumed(leaf, consumed, key_of, sources, by_source, targets)
-    canonical = fmap.canonical
-    flat_key: dict[str, bool] = {}  # key -> whether it is one plain part (the same few keys recur)
-    for (fqn, key, *_rest), value in zip(targets, made):
-        canon = canonical[fqn]
-        state = out.get(canon)
-        if state is None:
-            state = out[canon] = {}
-        simple = flat_key.get(key)
-        if simple is None:
-            simple = flat_key[key] = is_plain_part(key)
-        if simple and key not in state:
-            state[key] = value
-        else:
-            _put(state, key, value, leaf, canon)
+    held = [items.buffers.get((layouts[li][0], bi)) for li, bi, _dtype, _numel in plan[1]]
+    scatter(leaf, plan, held, key_of, reader, fmap, out)
 
 
 def _plan(
@@ -238,7 +152,7 @@ def _plan(
     reader: BucketReader | None,
     chunk_of: Callable[[str], Any],
     expected: Callable[[str, set[tuple[str, str]]], bool] | None,
-) -> tuple[list[tuple[str, bytes]], tuple[list[tuple[Any, ...]], list[tuple[int, int, str, int]], list[tuple[Any, ...]]]]:
+) -> tuple[list[tuple[str, bytes]], Plan]:
     """The layout tables this rank plans from, and the core's scatter plan over them.
 
     The layouts read already (a DCP load's own) come first; when they do not hold all this rank
@@ -259,7 +173,7 @@ def _plan(
         """The plan over the layouts read so far, what it finds, and whether this rank's state is
         (also) elsewhere: ``expected`` says a parameter misses recorded state while more layouts
         are readable."""
-        layouts = _open_layouts(leaf, items.layouts)
+        layouts = open_layouts(leaf, items.layouts)
         plan = core.plan_scatter(leaf, [payload for _ranks, payload in layouts], chunk_of)
         found = {(fmap.canonical.get(t[0], t[0]), t[1]) for t in plan[0]}
         return layouts, plan, found, bool(unread) and expected is not None and expected(leaf, found)
@@ -318,7 +232,7 @@ def _check_index(
     key: str,
     by_index: set[tuple[str, str]] | CheckpointMismatchError | None,
     layouts: list[tuple[str, bytes]],
-    plan: tuple[list[tuple[Any, ...]], list[tuple[int, int, str, int]], list[tuple[Any, ...]]],
+    plan: Plan,
     found: set[tuple[str, str]],
 ) -> None:
     """All of the leaf's layouts hold what this rank needs but the tables the index chose did not
@@ -344,89 +258,14 @@ def _check_index(
     )
 
 
-def _check_consumed(
-    leaf: str,
-    consumed: list[bool],
-    key_of: Callable[[int], str],
-    sources: list[tuple[int, int, str, int]],
-    by_source: list[list[tuple[Any, ...]]],
-    targets: list[tuple[Any, ...]],
-) -> None:
-    """Every buffer the plan needs was read and scattered (DCP does not call a reader's consumer
-    for an item the checkpoint's metadata says is empty, and the plan's copies must all run:
-    together they cover every target element exactly once), else a `CheckpointFormatError`
-    naming the buffer and the first state it holds."""
-    for si, done in enumerate(consumed):
-        if not done:
-            fqn, skey = targets[by_source[si][0][4]][:2]
-            _li, _bi, dtype, numel = sources[si]
-            raise CheckpointFormatError(
-                f"leaf {leaf!r}: buffer item {key_of(si)!r}, which holds state {skey!r} of {fqn!r} (and maybe more), "
-                f"was not read: its layout table says {dtype} of {numel} elements, the checkpoint holds it empty or "
-                "not at all (a damaged or edited checkpoint)"
-            )
-
-
-def _open_layouts(leaf: str, layouts: Mapping[str, Any]) -> list[tuple[str, bytes]]:
+def open_layouts(leaf: str, layouts: Mapping[str, Any]) -> list[tuple[str, bytes]]:
+    """``(rank tag, payload)`` of each of a leaf's layout tables (``rank tag -> sealed bytes``), each seal checked."""
     out = []
     for ranks, value in layouts.items():
         key = layout_key(leaf, ranks)
         _leaf, payload = check_table(BUFFERS_PREFIX, key[len(BUFFERS_PREFIX) :], value)
         out.append((ranks, payload))
     return out
-
-
-def _check_buffer(leaf: str, key: str, buf: Any, dtype: str, numel: int) -> None:
-    if not isinstance(buf, torch.Tensor) or isinstance(buf, DTensor):
-        raise CheckpointFormatError(f"leaf {leaf!r}: buffer item {key!r} is a {type(buf).__name__}, expected a tensor")
-    if buf.ndim != 1 or dtype_name(buf.dtype) != dtype or buf.numel() != numel:
-        raise CheckpointFormatError(
-            f"leaf {leaf!r}: buffer item {key!r} is a {dtype_name(buf.dtype)} tensor of shape {tuple(buf.shape)}, its "
-            f"layout table says {dtype} of {numel} elements (truncated, or the layout disagrees with the data)"
-        )
-
-
-def _allocate(leaf: str, target: tuple[Any, ...], fmap: FqnMap) -> torch.Tensor:
-    """A new state tensor for ``target`` (core ``plan_scatter``), allocated like its parameter."""
-    fqn, key, dtype_name_, shape, _offsets, sizes = target
-    t = allocate_like(shape, torch_dtype(leaf, fqn, key, dtype_name_), fmap.param_of[fmap.canonical[fqn]])
-    if isinstance(t, DTensor) and tuple(t.to_local().shape) != tuple(sizes):  # pragma: no cover - the chunk is the parameter's
-        raise CheckpointMismatchError(f"leaf {leaf!r}: state {key!r} of {fqn!r}: local shape differs from its chunk")
-    return t
-
-
-def _on_cpu(p: torch.Tensor) -> bool:
-    """Whether the parameter's state lives on the CPU (a plain tensor there, or a DTensor on a CPU mesh)."""
-    if isinstance(p, DTensor):
-        return p.device_mesh.device_type == "cpu"
-    return p.device.type in ("cpu", "meta")
-
-
-def _wrap(local: torch.Tensor, target: tuple[Any, ...], fmap: FqnMap) -> torch.Tensor:
-    """``local`` (a whole chunk) as the state tensor: itself, or a DTensor like the parameter."""
-    p = fmap.param_of[fmap.canonical[target[0]]]
-    if not isinstance(p, DTensor):
-        return local
-    shape = torch.Size(target[3])
-    stride = tuple(math.prod(shape[i + 1 :]) for i in range(len(shape)))
-    return DTensor.from_local(local, p.device_mesh, p.placements, run_check=False, shape=shape, stride=stride)
-
-
-def _local(t: torch.Tensor) -> torch.Tensor:
-    return t.to_local() if isinstance(t, DTensor) else t
-
-
-def _put(state: dict[str, Any], key: str, value: Any, leaf: str, fqn: str) -> None:
-    """``state[...][key parts] = value`` (key parts unescaped, nested dicts created)."""
-    parts: list[Any] = [key] if is_plain_part(key) else key_parts(key)
-    node = state
-    for part in parts[:-1]:
-        node = node.setdefault(part, {})
-    if parts[-1] in node:
-        raise CheckpointFormatError(
-            f"leaf {leaf!r}: state {key!r} of {fqn!r} is both in a buffer and a per-item entry (corrupt or edited checkpoint)"
-        )
-    node[parts[-1]] = value
 
 
 def items_a_load_reads(buffered: Mapping[str, str], have_reader: bool) -> set[str]:

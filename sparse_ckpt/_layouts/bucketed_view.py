@@ -16,7 +16,8 @@ from .._format.layout_index import check_index, decode_index
 from .._fqn import FqnMap
 from ..errors import CheckpointFormatError, CheckpointMismatchError
 from .bucketed import Chunk, buffer_key, dtype_name, torch_dtype
-from .bucketed_load import _check_buffer, _check_consumed, _open_layouts, expand, split_items
+from .bucketed_load import expand, open_layouts, split_items
+from .bucketed_scatter import check_buffer, check_consumed
 
 ReadBuffers = Callable[[list[str], Callable[[str, Any], None]], None]
 """``read(keys, consume)``: read the buffer items ``keys`` one at a time, ``consume(key, tensor)`` each
@@ -138,7 +139,7 @@ class FullTensors:
         self.tensors: list[tuple[str, str, torch.dtype, tuple[int, ...]]] = []
         self._where: list[tuple[_LeafPlan, int]] = []
         for leaf, items in split_items(keys, values).items():
-            plan = _LeafPlan(leaf, _open_layouts(leaf, items.layouts), items.keys, shapes.get(leaf, {}))
+            plan = _LeafPlan(leaf, open_layouts(leaf, items.layouts), items.keys, shapes.get(leaf, {}))
             for ti, (fqn, key, dtype, shape, _offsets, _sizes) in enumerate(plan.targets):
                 self.tensors.append((fqn, key, torch_dtype(leaf, fqn, key, dtype), tuple(shape)))
                 self._where.append((plan, ti))
@@ -149,7 +150,7 @@ class FullTensors:
         """The full tensors ``self.tensors[i]`` for ``i`` in ``which``, in that order: each needed
         bucket read once through ``read``, checked against its layout (dtype, 1-D, length) and
         scattered; a bucket the plan needs that was not handed over is a `CheckpointFormatError`
-        (the load's checks, `sparse_ckpt._layouts.bucketed_load`)."""
+        (the load's checks, `sparse_ckpt._layouts.bucketed_scatter`)."""
         out: dict[int, torch.Tensor] = {}
         by_plan: dict[int, tuple[_LeafPlan, dict[int, int]]] = {}
         for i in which:
@@ -172,7 +173,7 @@ class FullTensors:
         def scatter(key: str, buf: Any) -> None:
             si = source_of[key]
             _li, _bi, dtype, numel = plan.sources[si]
-            _check_buffer(plan.leaf, key, buf, dtype, numel)
+            check_buffer(plan.leaf, key, buf, dtype, numel)
             consumed[si] = True
             self.buffer_reads += 1
             self.buffer_bytes += buf.numel() * buf.element_size()
@@ -182,7 +183,7 @@ class FullTensors:
                     _copy_box(buf, op, target)
 
         read(list(source_of), scatter)
-        _check_consumed(plan.leaf, consumed, plan.key_of, plan.sources, plan.by_source, plan.targets)
+        check_consumed(plan.leaf, consumed, plan.key_of, plan.sources, plan.by_source, plan.targets)
         return made
 
 

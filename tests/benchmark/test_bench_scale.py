@@ -156,3 +156,21 @@ def test_state_layouts_come_from_the_library() -> None:
     fx = FixtureCache().get(Scale(1, 2), "layer")
     sd = sc.sparse_state_dict(fx.model, fx.optimizer, state_layout="buffers")
     assert split(sd)["per_item_state"] == sum(1 for k in sd if is_state_item(k)) == 0
+
+
+def test_dcp_spread_runs_each_layout_with_and_without_huge_pages(
+    tmp_path: os.PathLike[str], monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """``dcp --spread``: every layout and the floor measured once with the huge-page advice on and once
+    off, each with its samples' min <= median <= max, and the caller's setting restored after."""
+    monkeypatch.setenv("SPARSE_CKPT_HUGE_PAGES", "on")
+    res = _run(tmp_path, "dcp", "--fixtures", "1x4:h0", "--layouts", "auto,buffers", "--repeats", "2", "--spread")
+    assert res["spread"] is True
+    assert [run["huge_pages"] for run in res["runs"]] == ["1", "0"]
+    for run in res["runs"]:
+        assert [sp["layout"] for sp in run["spread"]] == ["auto", "buffers", FLOOR]
+        for sp in run["spread"]:
+            assert sp["n"] == 2
+            for lo, mid, hi in (sp["save"], sp["load"]):
+                assert 0 < lo <= mid <= hi
+    assert os.environ["SPARSE_CKPT_HUGE_PAGES"] == "on"
