@@ -28,6 +28,7 @@ registered adapter, see `sparse_ckpt.register_state_dict_adapter`).
 
 from __future__ import annotations
 
+import warnings
 import weakref
 from collections.abc import Callable, Iterable, Mapping
 from typing import Any
@@ -45,7 +46,7 @@ from ..._fqn import build_fqn_map
 from ..._gc import gc_paused
 from ..._load.load import load_owned
 from ..._save.capture import check_leaves
-from ...errors import SparseCheckpointError, UnsupportedStateDictError
+from ...errors import CheckpointFormatError, SparseCheckpointError, UnsupportedStateDictError
 from . import full, layouts
 from .target import DsdStateDict, remember_stateless
 
@@ -84,7 +85,13 @@ def get_optimizer_state_dict(
     opts = _checked(options, optims)
     if not served(model, optims, submodules, opts):
         return torch_dsd["get_optimizer_state_dict"](model, optimizers, submodules=submodules, options=options)
-    return _optimizer_state_dict(model, optims, opts)
+    try:
+        return _optimizer_state_dict(model, optims, opts)
+    except CheckpointFormatError:
+        if settings_encodable(optims):
+            raise
+    _warn_unencodable()
+    return torch_dsd["get_optimizer_state_dict"](model, optimizers, submodules=submodules, options=options)
 
 
 def get_state_dict(
@@ -99,8 +106,14 @@ def get_state_dict(
     opts = _checked(options, optims)
     if not served(model, optims, submodules, opts):
         return torch_dsd["get_state_dict"](model, optimizers, submodules=submodules, options=options)
-    model_sd = torch_dsd["get_model_state_dict"](model, options=options)
-    return model_sd, _optimizer_state_dict(model, optims, opts)
+    try:
+        optim_sd = _optimizer_state_dict(model, optims, opts)
+    except CheckpointFormatError:
+        if settings_encodable(optims):
+            raise
+        _warn_unencodable()
+        return torch_dsd["get_state_dict"](model, optimizers, submodules=submodules, options=options)
+    return torch_dsd["get_model_state_dict"](model, options=options), optim_sd
 
 
 def set_optimizer_state_dict(
@@ -115,7 +128,13 @@ def set_optimizer_state_dict(
     opts = _checked(options, optims)
     if not served(model, optims, None, opts):
         return torch_dsd["set_optimizer_state_dict"](model, optimizers, optim_state_dict, options=options)
-    _load_optimizers(model, optims, optim_state_dict, opts, "set_optimizer_state_dict")
+    try:
+        _load_optimizers(model, optims, optim_state_dict, opts, "set_optimizer_state_dict")
+    except CheckpointFormatError:  # the load is transactional: nothing was changed
+        if dict_settings_encodable(optim_state_dict):
+            raise
+        _warn_unencodable()
+        return torch_dsd["set_optimizer_state_dict"](model, optimizers, optim_state_dict, options=options)
     return None
 
 
@@ -136,7 +155,15 @@ def set_state_dict(
             model, optimizers, model_state_dict=model_state_dict, optim_state_dict=optim_state_dict, options=options
         )
     if optim_state_dict or opts.broadcast_from_rank0:  # (other ranks pass {} and receive rank 0's)
-        _load_optimizers(model, optims, optim_state_dict, opts, "set_state_dict")
+        try:
+            _load_optimizers(model, optims, optim_state_dict, opts, "set_state_dict")
+        except CheckpointFormatError:  # the load is transactional: nothing was changed
+            if dict_settings_encodable(optim_state_dict):
+                raise
+            _warn_unencodable()
+            return torch_dsd["set_state_dict"](
+                model, optimizers, model_state_dict=model_state_dict, optim_state_dict=optim_state_dict, options=options
+            )
     return torch_dsd["set_model_state_dict"](model, model_state_dict, options=options)
 
 
@@ -154,6 +181,50 @@ def served(model: nn.Module, optims: tuple[Any, ...], submodules: Any, options: 
         return False
     hook = getattr(options, "dsd_fqn_modifiers", "_fqn_modifiers")
     return not any(callable(getattr(m, hook, None)) for m in model.modules())
+
+
+_SETTING_TYPES = frozenset((type(None), bool, int, float, str, bytes, torch.dtype, torch.device))
+"""The exact types of the setting values the table codec writes with their type (besides tensors and
+tuples/lists of these): docs/formats.md, *Table codec*."""
+
+
+def settings_encodable(optims: tuple[Any, ...]) -> bool:
+    """Whether every param-group setting of ``optims`` is a value sparse_ckpt's formats give back with
+    its type. A ``numpy.float64`` lr, an ``Enum`` member, a ``namedtuple`` or any other value is not:
+    stock DSD pickles such values, so a call that captures them goes to torch's DSD (see the module
+    doc) instead of failing where stock works."""
+    return all(
+        _encodable(value)
+        for optim in optims
+        for group in getattr(optim, "param_groups", ())
+        for key, value in group.items()
+        if key != "params"
+    )
+
+
+def dict_settings_encodable(sd: Mapping[str, Any]) -> bool:
+    """`settings_encodable` for the settings of a DSD dict, nested (``param_groups``: a list of
+    dicts) or flat (``param_groups.{fqn}.{key}`` entries)."""
+    groups = sd.get("param_groups")
+    if isinstance(groups, list):
+        return all(_encodable(v) for g in groups if isinstance(g, Mapping) for k, v in g.items() if k != "params")
+    return all(_encodable(v) for k, v in sd.items() if isinstance(k, str) and k.startswith("param_groups."))
+
+
+def _encodable(value: Any) -> bool:
+    kind = type(value)
+    if kind in _SETTING_TYPES or isinstance(value, torch.Tensor):
+        return True
+    return (kind is tuple or kind is list) and all(_encodable(v) for v in value)
+
+
+def _warn_unencodable() -> None:
+    warnings.warn(
+        "sparse_ckpt.integrations.dsd: a param-group setting of this optimizer has a type sparse_ckpt's "
+        "formats cannot give back with its type (e.g. a numpy.float64 lr); this call goes to torch's DSD "
+        "(synthetic step included). Set the value to its plain type (float(lr)) for an exact, sparse checkpoint",
+        stacklevel=3,
+    )
 
 
 # --------------------------------------------------------------------------- internals
