@@ -13,7 +13,7 @@ from __future__ import annotations
 
 import math
 from collections.abc import Callable, Iterable
-from typing import TYPE_CHECKING, Any
+from typing import Any, Protocol
 
 import torch
 from torch.distributed.tensor import DTensor
@@ -25,8 +25,15 @@ from .._fqn import FqnMap
 from ..errors import CheckpointFormatError, CheckpointMismatchError
 from .bucketed import dtype_name, torch_dtype
 
-if TYPE_CHECKING:
-    from .bucketed_load import BucketReader
+
+class BucketSource(Protocol):
+    """What `scatter` needs of a reader of buckets (`.bucketed_load.BucketReader` is one): the
+    item keys it can read, and a read that hands each bucket to a callback."""
+
+    keys: Any
+
+    def read(self, inner_keys: list[str], consume: Callable[[str, Any], None]) -> None: ...
+
 
 Plan = tuple[list[tuple[Any, ...]], list[tuple[int, int, str, int]], list[tuple[Any, ...]]]
 """The core's ``plan_scatter`` result: ``(targets, sources, ops)``."""
@@ -37,7 +44,7 @@ def scatter(
     plan: Plan,
     held: list[Any],
     key_of: Callable[[int], str],
-    reader: BucketReader | None,
+    reader: BucketSource | None,
     fmap: FqnMap,
     out: dict[str, dict[str, Any]],
 ) -> None:
