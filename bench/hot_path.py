@@ -96,6 +96,26 @@ def _print_alternated(res: dict[str, Any]) -> None:
         )
 
 
+def _write(res: dict[str, Any], args: argparse.Namespace, argv: Sequence[str] | None) -> None:
+    """The alternated run as JSON: samples per method, the median ratios, the fixture and machine."""
+    import json
+    import platform
+
+    import torch
+
+    cmd = " ".join(["python -m bench.hot_path", *(sys.argv[1:] if argv is None else argv)])
+    data = {
+        "command": cmd, "scale": args.scale, "layout": args.layout, "rounds": args.rounds,
+        "torch": torch.__version__, "python": platform.python_version(), "backend": sc.backend(),
+        "cpu_count": os.cpu_count(), "load_average": list(os.getloadavg()),
+        "samples_s": {"wall": res["wall"], "cpu": res["cpu"]},
+        "ratios": {k: v for k, v in res.items() if "/floor" in k},
+    }
+    with open(args.out, "w", encoding="utf-8") as f:
+        json.dump(data, f, indent=1)
+        f.write("\n")
+
+
 def profile(fx: Any, method: str, sort: str, limit: int) -> None:
     """cProfile of one call of ``method`` (after a warm-up call)."""
     import cProfile
@@ -297,6 +317,7 @@ def main(argv: Sequence[str] | None = None) -> None:
     p.add_argument("--checks", action="store_true", help="time each phase and check of a save and a load")
     p.add_argument("--instructions", action="store_true", help="one call of each method under callgrind")
     p.add_argument("--methods", default=",".join(METHODS), help="with --instructions: which methods")
+    p.add_argument("--out", help="write the alternated run's samples and ratios as JSON here")
     p.add_argument("--one-call", choices=METHODS, help=argparse.SUPPRESS)
     p.add_argument("--marker", help=argparse.SUPPRESS)
     args = p.parse_args(argv)
@@ -311,7 +332,10 @@ def main(argv: Sequence[str] | None = None) -> None:
     elif args.profile:
         profile(fx, args.profile, args.sort, args.limit)
     else:
-        _print_alternated(alternated(fx, args.rounds))
+        res = alternated(fx, args.rounds)
+        _print_alternated(res)
+        if args.out:
+            _write(res, args, argv)
 
 
 if __name__ == "__main__":

@@ -40,6 +40,8 @@ MACHINES = {
     "scale_dcp.json": "quiet 2-core CPU VM (load average < 1), 1 torch thread",
     "scale_dcp_4k_pages.json": "quiet 2-core CPU VM (load average < 1), 1 torch thread",
     "scale_metadata.json": "shared 2-core CPU VM (load average 2-6)",
+    "hot_path.json": None,  # recorded in the file
+    "scale_dcp_spread.json": "quiet 2-core CPU VM (load average < 1), 1 torch thread",
 }
 
 
@@ -53,6 +55,9 @@ def machine(name: str, data: dict[str, Any]) -> str:
     if name == "dsd_trainer.json":
         m = data["machine"]
         return f"{m['cpu']}, {m['cores']} cores, torch {m['torch']}, load average up to {max(m['load_average']):.1f}"
+    if name == "hot_path.json":
+        return (f"{data['cpu_count']}-core CPU VM, load average {max(data['load_average']):.2f}, "
+                f"torch {data['torch']}, {data['backend']} core")
     if name == "results.json":
         m = data["machine"]
         return f"{m['cpu_model']}, {m['cores']} cores, torch {m['torch']}"
@@ -181,19 +186,31 @@ def floor_table(results: Path = RESULTS) -> str:
     return "\n".join(out)
 
 
-def spread_table(results: Path = RESULTS) -> str:
-    """min / median / max of every sample of the whole-optimizer saves, huge pages on and off."""
-    out = ["| fixture | layout | huge pages | save samples: min / median / max | n |", "| --- | --- | --- | --- | --- |"]
-    for name, pages in (("scale_dcp.json", "advised (default)"), ("scale_dcp_4k_pages.json", "`SPARSE_CKPT_HUGE_PAGES=0`")):
-        for run in load(name, results)["runs"]:
-            if run["fixture"] not in ("24x128:h64", "4x16:h512"):
-                continue
-            for r in run["rows"]:
-                if r["layout"] not in ("auto", "buffers"):
-                    continue
-                s = r["samples_s"][0]
-                out.append(f"| `{run['fixture']}` | {r['layout']} | {pages} | {_t(min(s))} / {_t(statistics.median(s))} / "
-                           f"{_t(max(s))} | {len(s)} |")
+def spread20_table(results: Path = RESULTS) -> str:
+    """``bench.scale dcp --spread``: min / median / max of every layout's saves and loads, huge pages on and off."""
+    data = load("scale_dcp_spread.json", results)
+    out = ["| fixture | layout | huge pages | save: min / median / max | load: min / median / max | n |",
+           "| --- | --- | --- | --- | --- | --- |"]
+    for run in data["runs"]:
+        pages = "advised (default)" if run["huge_pages"] == "1" else "`SPARSE_CKPT_HUGE_PAGES=0`"
+        for row in run["spread"]:
+            lay = "floor (`torch.save` / `torch.load`)" if row["layout"] == "floor" else row["layout"]
+            save, load_ = (" / ".join(_t(x) for x in row[k]) for k in ("save", "load"))
+            out.append(f"| `{run['fixture']}` | {lay} | {pages} | {save} | {load_} | {row['n']} |")
+    return "\n".join(out)
+
+
+def hot_table(results: Path = RESULTS) -> str:
+    """``bench.hot_path``: the floor, save and load alternated; medians and per-round ratio medians."""
+    data = load("hot_path.json", results)
+    out = ["| alternated, `" + data["scale"] + "` one group per " + data["layout"] + " | wall: median (min-max) | CPU: median | ÷ floor, wall | ÷ floor, CPU |",
+           "| --- | --- | --- | --- | --- |"]
+    labels = {"floor": "`optimizer.state_dict()` (the floor)", "save": "`sparse_state_dict`", "load": "`load_sparse_state_dict`"}
+    for m, label in labels.items():
+        w, c = data["samples_s"]["wall"][m], data["samples_s"]["cpu"][m]
+        ratio = ("", "") if m == "floor" else tuple(f"{data['ratios'][f'{m}/floor {k}']:.2f}x" for k in ("wall", "cpu"))
+        out.append(f"| {label} | {_t(statistics.median(w))} ({_t(min(w))}-{_t(max(w))}) | {_t(statistics.median(c))} | "
+                   f"{ratio[0]} | {ratio[1]} |")
     return "\n".join(out)
 
 
@@ -216,7 +233,8 @@ def memory_table(results: Path = RESULTS) -> str:
 
 TABLES: dict[str, Callable[[Path], str]] = {
     "stock": stock_table, "naive": naive_table, "metadata": metadata_table, "floor": floor_table,
-    "spread": spread_table, "memory": memory_table,
+    "spread20": spread20_table, "memory": memory_table,
+    "hot": hot_table,
 }
 
 
