@@ -17,15 +17,15 @@ DSD's ``get_optimizer_state_dict`` + ``dcp.save``), and resumed in fresh process
   ``vision``'s lr is the scheduler's.
 
 Trainer runs FSDP only on accelerator devices (accelerate picks ``MULTI_CPU``, i.e. DDP, on CPU);
-:class:`CpuFsdp2Trainer` applies the CPU recipe of docs/integrations/hugging-face.md ("Accelerate") to the
-accelerator the Trainer creates, and builds the optimizer and scheduler the drill needs with
-``create_optimizer``/``create_scheduler`` (Trainer's documented hooks).
+:func:`hf_cpu_fsdp2.cpu_fsdp2` applies the CPU recipe of docs/integrations/hugging-face.md ("Accelerate")
+to the accelerator the Trainer creates, and builds the optimizer and scheduler the drill needs with
+``create_optimizer``/``create_scheduler`` (Trainer's documented hooks); the runs are :mod:`hf_drill`'s.
 """
 
 from __future__ import annotations
 
+import functools
 import json
-import os
 from pathlib import Path
 from typing import Any
 
@@ -36,18 +36,18 @@ pytest.importorskip("transformers", reason="transformers is not installed (pip i
 
 import _backends
 import dsd_moe
+import hf_drill
 import torch
-import torch.distributed as dist
-from _dist import full_copy, run_ranks
-from helpers import assert_deep_equal
+from _dist import run_ranks
+from hf_cpu_fsdp2 import cpu_fsdp2
+from hf_drill import SAVE_AT, STEPS
 
 pytestmark = [
     pytest.mark.usefixtures("forbid_fork"),
     pytest.mark.filterwarnings("ignore::UserWarning", "ignore::FutureWarning", "ignore::DeprecationWarning"),
 ]
 
-STEPS = 5
-SAVE_AT = 3
+STOCK_ERROR = r"Missing key in checkpoint state_dict: optimizer\.state\.layers\.0\.experts\.4\.weight\.step"
 
 
 class Batches(torch.utils.data.Dataset):
@@ -63,31 +63,7 @@ class Batches(torch.utils.data.Dataset):
 
 def trainer(output_dir: str) -> Any:
     """A fresh Trainer on a fresh MoE (seed 0), FSDP2 on CPU, AdamW (two groups) and LambdaLR."""
-    from accelerate.state import PartialState
-    from accelerate.utils import DistributedType, FullyShardedDataParallelPlugin, ParallelismConfig
     from transformers import Trainer, TrainingArguments
-
-    class CpuFsdp2Trainer(Trainer):
-        def create_accelerator_and_postprocess(self) -> None:
-            super().create_accelerator_and_postprocess()
-            state = self.accelerator.state
-            for s in (state, PartialState()):
-                s.distributed_type = DistributedType.FSDP
-            config = ParallelismConfig(dp_shard_size=dist.get_world_size())
-            state.fsdp_plugin = FullyShardedDataParallelPlugin(fsdp_version=2)
-            state.parallelism_config = config
-            state.device_mesh = config.get_device_mesh("cpu")
-            self.is_fsdp_enabled = True
-
-        def create_optimizer(self, model: Any = None) -> Any:
-            if self.optimizer is None:
-                self.optimizer = dsd_moe.optimizer(self.model)
-            return self.optimizer
-
-        def create_scheduler(self, num_training_steps: int, optimizer: Any = None) -> Any:
-            if self.lr_scheduler is None:
-                self.lr_scheduler = dsd_moe.scheduler(optimizer or self.optimizer)
-            return self.lr_scheduler
 
     args = TrainingArguments(
         output_dir=output_dir,
@@ -103,62 +79,7 @@ def trainer(output_dir: str) -> Any:
         logging_strategy="no",
         dataloader_num_workers=0,
     )
-    return CpuFsdp2Trainer(model=dsd_moe.model(0), args=args, train_dataset=Batches())
-
-
-def outcome(t: Any) -> dict[str, Any]:
-    """Full parameters, lrs and the number of parameters with optimizer state (a collective)."""
-    from torch.distributed.tensor import DTensor
-
-    assert all(isinstance(p, DTensor) for p in t.model.parameters())  # FSDP2 is in effect
-    opt = t.optimizer.optimizer if hasattr(t.optimizer, "optimizer") else t.optimizer
-    return {
-        "params": {n: full_copy(p) for n, p in t.model.named_parameters()},
-        "lrs": [g["lr"] for g in opt.param_groups],
-        "scheduler_lrs": list(t.lr_scheduler.get_last_lr()),
-        "with_state": len(opt.state),
-    }
-
-
-def uninterrupted(rank: int, world_size: int, root: str) -> None:
-    """Fresh processes: the stock run (its checkpoint-3), then the installed run (its own checkpoint-3)."""
-    os.environ.update(LOCAL_RANK=str(rank), LOCAL_WORLD_SIZE=str(world_size))
-    t = trainer(f"{root}/stock")
-    t.train()
-    reference = outcome(t)
-    assert reference["with_state"] == dsd_moe.STEPPED
-    if rank == 0:
-        torch.save(reference, f"{root}/uninterrupted.pt")
-
-    import sparse_ckpt.integrations.dsd as sc_dsd  # after the trainer's imports: the usual order
-
-    sc_dsd.install()
-    t = trainer(f"{root}/sparse")
-    t.train()
-    assert_deep_equal(outcome(t), reference, "installed run", nan_equal="none")
-
-
-def resumed(rank: int, world_size: int, root: str) -> None:
-    """Fresh processes: the stock resume fails (pinned); with install() both checkpoints resume exactly."""
-    os.environ.update(LOCAL_RANK=str(rank), LOCAL_WORLD_SIZE=str(world_size))
-    from torch.distributed.checkpoint.api import CheckpointException
-
-    reference = torch.load(f"{root}/uninterrupted.pt", weights_only=False)
-    t = trainer(f"{root}/resume-stock")
-    with pytest.raises(CheckpointException, match=r"Missing key in checkpoint state_dict: optimizer\.state\.layers\.0\.experts\.4\.weight\.step"):
-        t.train(resume_from_checkpoint=f"{root}/stock/checkpoint-{SAVE_AT}")
-    assert len(t.optimizer.optimizer.state) == dsd_moe.PARAMS  # DSD's synthetic step: 18 invented
-
-    import sparse_ckpt.integrations.dsd as sc_dsd
-
-    sc_dsd.install()
-    for source in ("stock", "sparse"):
-        t = trainer(f"{root}/resume-{source}")
-        t.train(resume_from_checkpoint=f"{root}/{source}/checkpoint-{SAVE_AT}")
-        got = outcome(t)
-        assert got["with_state"] == dsd_moe.STEPPED, source
-        assert got["lrs"] == got["scheduler_lrs"] == reference["lrs"], source
-        assert_deep_equal(got, reference, f"resumed from the {source} checkpoint", nan_equal="none")
+    return cpu_fsdp2(Trainer, dsd_moe.optimizer)(model=dsd_moe.model(0), args=args, train_dataset=Batches())
 
 
 def checkpoint_size(path: Path) -> dict[str, int]:
@@ -172,11 +93,11 @@ def checkpoint_size(path: Path) -> dict[str, int]:
 
 @_backends.only(_backends.DEFAULT)
 def test_hf_trainer_resumes_exactly_with_dsd_install(tmp_path: Path) -> None:
-    run_ranks(uninterrupted, 2, str(tmp_path), timeout=300)
+    run_ranks(functools.partial(hf_drill.uninterrupted, trainer), 2, str(tmp_path), timeout=300)
     sizes = {s: checkpoint_size(tmp_path / s / f"checkpoint-{SAVE_AT}" / "optimizer_0") for s in ("stock", "sparse")}
     # a stepped optimizer: the same entries, and the key record (docs/formats.md, *Key record*)
     assert sizes["stock"]["items"] + 1 == sizes["sparse"]["items"], sizes
-    run_ranks(resumed, 2, str(tmp_path), timeout=300)
+    run_ranks(functools.partial(hf_drill.resumed, trainer, STOCK_ERROR), 2, str(tmp_path), timeout=300)
     print(json.dumps(sizes))
 
 

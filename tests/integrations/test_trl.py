@@ -14,12 +14,13 @@ after step 3 through the Trainer's own checkpointing (accelerate's ``save_fsdp_o
   the installed checkpoint both resume, the next two steps equal the uninterrupted run bit for bit,
   22 parameters with state, ``vision``'s lr the scheduler's.
 
-The CPU FSDP2 recipe is test_dsd_hf_trainer.py's (``SFTTrainer`` is a ``transformers.Trainer``).
+The CPU FSDP2 recipe and the runs are the Hugging Face ``Trainer`` drill's (:mod:`hf_cpu_fsdp2`,
+:mod:`hf_drill`; ``SFTTrainer`` is a ``transformers.Trainer``).
 """
 
 from __future__ import annotations
 
-import os
+import functools
 from pathlib import Path
 from typing import Any
 
@@ -29,10 +30,11 @@ pytest.importorskip("trl", reason="trl is not installed (pip install --no-deps -
 
 import _backends
 import dsd_moe
+import hf_drill
 import torch
-import torch.distributed as dist
-from _dist import MULTI_RANK, full_copy, run_ranks
-from helpers import assert_deep_equal
+from _dist import MULTI_RANK, run_ranks
+from hf_cpu_fsdp2 import cpu_fsdp2
+from hf_drill import SAVE_AT, STEPS
 from torch import nn
 
 pytestmark = [
@@ -40,8 +42,6 @@ pytestmark = [
     pytest.mark.filterwarnings("ignore::UserWarning", "ignore::FutureWarning", "ignore::DeprecationWarning"),
 ]
 
-STEPS = 5
-SAVE_AT = 3
 VOCAB = 16
 STOCK_ERROR = r"Missing key in checkpoint state_dict: optimizer\.state\.model\.layers\.0\.experts\.4\.weight\.step"
 
@@ -130,31 +130,10 @@ def param_groups(model: nn.Module) -> list[dict[str, Any]]:
 
 def trainer(output_dir: str) -> Any:
     """A fresh SFTTrainer on a fresh model (seed 0), FSDP2 on CPU, AdamW (two groups) and LambdaLR."""
-    from accelerate.state import PartialState
-    from accelerate.utils import DistributedType, FullyShardedDataParallelPlugin, ParallelismConfig
     from trl import SFTConfig, SFTTrainer
 
-    class CpuFsdp2SFTTrainer(SFTTrainer):
-        def create_accelerator_and_postprocess(self) -> None:
-            super().create_accelerator_and_postprocess()
-            state = self.accelerator.state
-            for s in (state, PartialState()):
-                s.distributed_type = DistributedType.FSDP
-            config = ParallelismConfig(dp_shard_size=dist.get_world_size())
-            state.fsdp_plugin = FullyShardedDataParallelPlugin(fsdp_version=2)
-            state.parallelism_config = config
-            state.device_mesh = config.get_device_mesh("cpu")
-            self.is_fsdp_enabled = True
-
-        def create_optimizer(self, model: Any = None) -> Any:
-            if self.optimizer is None:
-                self.optimizer = torch.optim.AdamW(param_groups(self.model), lr=0.01)
-            return self.optimizer
-
-        def create_scheduler(self, num_training_steps: int, optimizer: Any = None) -> Any:
-            if self.lr_scheduler is None:
-                self.lr_scheduler = dsd_moe.scheduler(optimizer or self.optimizer)
-            return self.lr_scheduler
+    def adamw(model: nn.Module) -> torch.optim.Optimizer:
+        return torch.optim.AdamW(param_groups(model), lr=0.01)
 
     args = SFTConfig(
         output_dir=output_dir,
@@ -170,68 +149,12 @@ def trainer(output_dir: str) -> Any:
         dataloader_num_workers=0,
         gradient_checkpointing=False,  # SFTConfig's default is True; the drill MoE has no checkpointing
     )
-    return CpuFsdp2SFTTrainer(model=make_model(), args=args, train_dataset=dataset(), processing_class=tokenizer())
-
-
-def outcome(t: Any) -> dict[str, Any]:
-    """Full parameters, lrs and the number of parameters with optimizer state (a collective)."""
-    from torch.distributed.tensor import DTensor
-
-    assert all(isinstance(p, DTensor) for p in t.model.parameters())  # FSDP2 is in effect
-    opt = t.optimizer.optimizer if hasattr(t.optimizer, "optimizer") else t.optimizer
-    return {
-        "params": {n: full_copy(p) for n, p in t.model.named_parameters()},
-        "lrs": [g["lr"] for g in opt.param_groups],
-        "scheduler_lrs": list(t.lr_scheduler.get_last_lr()),
-        "with_state": len(opt.state),
-    }
-
-
-def uninterrupted(rank: int, world_size: int, root: str) -> None:
-    """The stock run (its checkpoint-3), then the installed run (its own checkpoint-3)."""
-    os.environ.update(LOCAL_RANK=str(rank), LOCAL_WORLD_SIZE=str(world_size))
-    t = trainer(f"{root}/stock")
-    assert len(list(t.model.parameters())) == dsd_moe.PARAMS
-    t.train()
-    reference = outcome(t)
-    assert reference["with_state"] == dsd_moe.STEPPED
-    if rank == 0:
-        torch.save(reference, f"{root}/uninterrupted.pt")
-
-    import sparse_ckpt.integrations.dsd as sc_dsd  # after the trainer's imports: the usual order
-
-    sc_dsd.install()
-    t = trainer(f"{root}/sparse")
-    t.train()
-    assert_deep_equal(outcome(t), reference, "installed run", nan_equal="none")
-
-
-def resumed(rank: int, world_size: int, root: str) -> None:
-    """Fresh processes: the stock resume fails (pinned); with install() both checkpoints resume exactly."""
-    os.environ.update(LOCAL_RANK=str(rank), LOCAL_WORLD_SIZE=str(world_size))
-    from torch.distributed.checkpoint.api import CheckpointException
-
-    reference = torch.load(f"{root}/uninterrupted.pt", weights_only=False)
-    t = trainer(f"{root}/resume-stock")
-    with pytest.raises(CheckpointException, match=STOCK_ERROR):
-        t.train(resume_from_checkpoint=f"{root}/stock/checkpoint-{SAVE_AT}")
-    assert len(t.optimizer.optimizer.state) == dsd_moe.PARAMS  # DSD's synthetic step: 18 invented
-
-    import sparse_ckpt.integrations.dsd as sc_dsd
-
-    sc_dsd.install()
-    for source in ("stock", "sparse"):
-        t = trainer(f"{root}/resume-{source}")
-        t.train(resume_from_checkpoint=f"{root}/{source}/checkpoint-{SAVE_AT}")
-        got = outcome(t)
-        assert got["with_state"] == dsd_moe.STEPPED, source
-        assert got["lrs"] == got["scheduler_lrs"] == reference["lrs"], source
-        assert_deep_equal(got, reference, f"resumed from the {source} checkpoint", nan_equal="none")
+    return cpu_fsdp2(SFTTrainer, adamw)(model=make_model(), args=args, train_dataset=dataset(), processing_class=tokenizer())
 
 
 @_backends.only(_backends.DEFAULT)
 def test_trl_sft_trainer_resumes_exactly_with_dsd_install(tmp_path: Path) -> None:
     """TRL's SFTTrainer: stock resume fails (18 invented states); with ``install()`` both checkpoints
     resume bit-exactly with 22 states and the scheduler's lrs."""
-    run_ranks(uninterrupted, 2, str(tmp_path), timeout=300)
-    run_ranks(resumed, 2, str(tmp_path), timeout=300)
+    run_ranks(functools.partial(hf_drill.uninterrupted, trainer), 2, str(tmp_path), timeout=300)
+    run_ranks(functools.partial(hf_drill.resumed, trainer, STOCK_ERROR), 2, str(tmp_path), timeout=300)
