@@ -29,6 +29,8 @@ import torch
 import torch.distributed as dist
 from torch import nn
 
+from .ranks import free_port
+
 
 class MoENet(nn.Module):
     def __init__(self, experts: int, routed: int, dim: int, all_state: bool) -> None:
@@ -149,13 +151,9 @@ def main(argv: list[str] | None = None) -> None:
     parser.add_argument("--dim", type=int, default=64)
     parser.add_argument("--repeats", type=int, default=3)
     args = parser.parse_args(argv)
-    import socket
-
     import torch.multiprocessing as mp
 
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        port = s.getsockname()[1]
+    port = free_port()
     out_dir = tempfile.mkdtemp(prefix="sparse_ckpt_accelerate_")
     try:
         mp.start_processes(worker, args=(args.nproc, port, args, out_dir), nprocs=args.nproc, start_method="spawn")

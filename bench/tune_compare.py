@@ -25,7 +25,6 @@ import argparse
 import logging
 import os
 import shutil
-import socket
 import statistics
 import tempfile
 import time
@@ -35,6 +34,8 @@ from typing import Any
 import torch
 import torch.distributed as dist
 from torch import nn
+
+from .ranks import free_port
 
 
 class MoeLayer(nn.Module):
@@ -178,9 +179,7 @@ def main(argv: list[str] | None = None) -> None:
     args = parser.parse_args(argv)
     import torch.multiprocessing as mp
 
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        port = s.getsockname()[1]
+    port = free_port()
     out_dir = tempfile.mkdtemp(prefix="sparse_ckpt_torchtune_")
     try:
         mp.start_processes(worker, args=(args.nproc, port, args, out_dir), nprocs=args.nproc, start_method="spawn")
