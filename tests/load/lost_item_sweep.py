@@ -10,6 +10,7 @@ scheduler-moved ``lr`` (``initial_lr`` in every group)."""
 
 from __future__ import annotations
 
+import functools
 import pickle
 from collections.abc import Callable
 from pathlib import Path
@@ -144,29 +145,33 @@ def outcomes(name: str, fmt: str, path: Path) -> dict[str, str]:
             target = optimizers(target_model, name, fmt)
             train(target_model, target, 1, seed=7)  # state of its own: a refusal must keep it
             target_model.load_state_dict(model.state_dict())
-            before = [snapshot_optimizer(o) for o in target]
-            try:
-                load(path, target_model, target, fmt)
-            except (sc.SparseCheckpointError, CheckpointException) as exc:
-                if isinstance(exc, CheckpointException) and not _sparse_cause(exc):
-                    result[key] = f"raw: {exc!r}"[:300]
-                    continue
-                for o, b in zip(target, before, strict=True):
-                    assert_optimizer_equal(o, b, grads=False)
-                result[key] = "refused"
-                continue
-            except Exception as exc:  # noqa: BLE001 - reported as the property's failure
-                result[key] = f"raw: {type(exc).__name__}: {exc}"[:300]
-                continue
-            try:
-                for o, src in zip(target, opts, strict=True):
-                    assert_optimizer_equal(o, src, grads=False)
-                result[key] = "exact"
-            except AssertionError:
-                result[key] = "silent"
+            result[key] = verdict(functools.partial(load, path, target_model, target, fmt), target, opts)
     finally:
         (path / ".metadata").write_bytes(original)
     return result
+
+
+def verdict(load_damaged: Callable[[], None], target: list[torch.optim.Optimizer], saved: list[torch.optim.Optimizer]) -> str:
+    """What one load of a damaged checkpoint did to ``target``: ``"refused"`` (a sparse_ckpt error, and
+    ``target`` as it was before), ``"exact"`` (``target`` equals the ``saved`` optimizers), ``"silent"``
+    (it loaded something else) or ``"raw: ..."`` (another error)."""
+    before = [snapshot_optimizer(o) for o in target]
+    try:
+        load_damaged()
+    except (sc.SparseCheckpointError, CheckpointException) as exc:
+        if isinstance(exc, CheckpointException) and not _sparse_cause(exc):
+            return f"raw: {exc!r}"[:300]
+        for o, b in zip(target, before, strict=True):
+            assert_optimizer_equal(o, b, grads=False)
+        return "refused"
+    except Exception as exc:  # noqa: BLE001 - reported as the property's failure
+        return f"raw: {type(exc).__name__}: {exc}"[:300]
+    try:
+        for o, src in zip(target, saved, strict=True):
+            assert_optimizer_equal(o, src, grads=False)
+    except AssertionError:
+        return "silent"
+    return "exact"
 
 
 def _sparse_cause(exc: CheckpointException) -> bool:
@@ -206,6 +211,14 @@ def _perturbed(opts: list[torch.optim.Optimizer]) -> None:
                     g[k] = tuple(x / 2 for x in v)
 
 
+def _load_dict(model: nn.Module, opts: list[torch.optim.Optimizer], fmt: str, sd: Any, options: StateDictOptions) -> None:
+    """Load the in-memory dict ``sd`` of format ``fmt`` into ``opts``."""
+    if fmt.startswith("dsd-"):
+        dsd.set_optimizer_state_dict(model, opts, sd, options=options)
+    else:
+        sc.load_sparse_state_dict(model, _leaves(opts, fmt, model), sd)
+
+
 def in_memory_outcomes(name: str, fmt: str) -> dict[tuple[Any, ...], str]:
     """``outcomes`` without DCP: each item (as DCP would write them) removed from the dict itself,
     the dict loaded by the library's function for the format (``load_sparse_state_dict`` or
@@ -233,24 +246,5 @@ def in_memory_outcomes(name: str, fmt: str) -> dict[tuple[Any, ...], str]:
         damaged = _without(saved, path)
         for o, sd in zip(target, initial, strict=True):
             o.load_state_dict(copy.deepcopy(sd))
-        before = [snapshot_optimizer(o) for o in target]
-        try:
-            if fmt.startswith("dsd-"):
-                dsd.set_optimizer_state_dict(target_model, target, damaged, options=options)
-            else:
-                sc.load_sparse_state_dict(target_model, _leaves(target, fmt, target_model), damaged)
-        except sc.SparseCheckpointError:
-            for o, b in zip(target, before, strict=True):
-                assert_optimizer_equal(o, b, grads=False)
-            result[path] = "refused"
-            continue
-        except Exception as exc:  # noqa: BLE001 - reported as the property's failure
-            result[path] = f"raw: {type(exc).__name__}: {exc}"[:300]
-            continue
-        try:
-            for o, src in zip(target, opts, strict=True):
-                assert_optimizer_equal(o, src, grads=False)
-            result[path] = "exact"
-        except AssertionError:
-            result[path] = "silent"
+        result[path] = verdict(functools.partial(_load_dict, target_model, target, fmt, damaged, options), target, opts)
     return result
