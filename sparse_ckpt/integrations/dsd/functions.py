@@ -41,7 +41,7 @@ from torch.distributed.checkpoint.state_dict import StateDictOptions
 from torch.distributed.tensor import DTensor
 
 from ..._dcp.stateful import SparseOptimizerState, planned_load
-from ..._dist import agree_on_refusal, multi_rank, world_and_rank
+from ..._dist import agree_on_refusal, agreement_wait_s, multi_rank, world_and_rank
 from ..._fqn import build_fqn_map
 from ..._gc import gc_paused
 from ..._load.load import load_owned
@@ -277,36 +277,41 @@ def _load_optimizers(
     outside ``optims`` are ignored). In a process group of several ranks every rank loads at once, so
     the ranks agree on a refusal before anything is mutated (``what``: the call, for its message)."""
     agree = what if multi_rank() else None
+    within = agreement_wait_s() if agree is not None else None  # stock DSD waits on no rank: a bounded wait
+    leaves = layouts.leaves_of(optims)
     if opts.broadcast_from_rank0 and multi_rank():
         data, refusal = {}, None
         if world_and_rank()[1] == 0:
             try:
-                data = layouts.loadable(osd)
+                data = layouts.loadable(layouts.matched_by_members(osd, leaves, build_fqn_map(model)))
             except SparseCheckpointError as exc:  # raised on every rank by the broadcast
                 refusal = exc
         data = full.broadcast_from_rank0(data, _broadcast_device(model), refusal)
     else:
         data = None
     try:
-        if data is None:
-            data = layouts.loadable(osd)
-        planned = planned_load(osd, data, model)  # a DsdStateDict the planner rebuilt: as SparseOptimizerState's load
+        unresolved: dict[str, Any] = {}
+        planned = planned_load(osd, unresolved, model)  # a DsdStateDict the planner rebuilt: as SparseOptimizerState's load
         if planned.get("fmap") is None:
             planned["fmap"] = build_fqn_map(model)
+        if data is None:
+            data = layouts.loadable(layouts.matched_by_members(osd, leaves, planned["fmap"]))
+        data.update(unresolved)
         if opts.full_state_dict:
             data = full.shard_like_params(data, planned["fmap"])
     except Exception as exc:
         if agree is not None:
-            agree_on_refusal(exc, agree)
+            agree_on_refusal(exc, agree, within=within)
         raise
     load_owned(
         model,
-        layouts.leaves_of(optims),
+        leaves,
         data,
         strict=opts.strict,
         unowned_are_other_ranks=multi_rank(),
         unoptimized_ignored=True,
         agree=agree,
+        agree_within=within,
         **planned,
     )
 
