@@ -8,7 +8,7 @@ matrix, pair x checkpoint kind:
 | --- | --- | --- |
 | dsd + torchtune | torchtune's own and stock, sync and async, both install orders | ``test_torchtune.py`` (the drill; the second order is ``slow``) |
 | dsd + torchtune | torchtune's stock async load target through the DSD hook (placeholder groups) | here (no torchtune needed) |
-| dsd + veomni | VeOmni's own (``MultiOptimizer``, one AdamW) and stock (migrated) | ``test_veomni.py`` (its drill, the DSD hook active) |
+| dsd + veomni | VeOmni's own (``MultiOptimizer``, one AdamW, async) and stock (migrated), both install orders | ``test_veomni.py`` (its drill) |
 | dsd + torchtune, dsd + veomni | DSD's own, stock DSD's, nested and flat, both install orders | here |
 
 The DSD hook plans every ``dcp.load`` of the process, so it must accept every load target DCP
