@@ -396,3 +396,19 @@ def test_a_call_on_one_rank_only_is_refused_within_the_bound_and_the_group_goes_
     group's 30-minute timeout), naming the rule; rank 1's next collective works, and the call made on
     both ranks then loads exactly."""
     run_ranks(one_rank_calls, 2, str(tmp_path), timeout=120)
+
+
+@_backends.only(_backends.DEFAULT)
+@pytest.mark.parametrize("value", ["soon", "0", "-3", "nan", "inf"])
+def test_the_agreement_bound_must_be_a_positive_number_of_seconds(monkeypatch: pytest.MonkeyPatch, value: str) -> None:
+    """``SPARSE_CKPT_AGREEMENT_WAIT_S`` is read at each call; a value that is no positive, finite number
+    of seconds is refused naming the variable (unset: 30 s)."""
+    from sparse_ckpt._dist import agreement_wait_s
+
+    monkeypatch.delenv(AGREEMENT_WAIT_ENV, raising=False)
+    assert agreement_wait_s() == 30.0
+    monkeypatch.setenv(AGREEMENT_WAIT_ENV, "2.5")
+    assert agreement_wait_s() == 2.5
+    monkeypatch.setenv(AGREEMENT_WAIT_ENV, value)
+    with pytest.raises(sc.SparseCheckpointError, match=f"{AGREEMENT_WAIT_ENV}=.*positive number of seconds"):
+        agreement_wait_s()
