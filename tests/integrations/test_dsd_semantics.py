@@ -158,6 +158,33 @@ def test_the_librarys_own_api_keeps_refusing_extra_fqns() -> None:
         sc.load_sparse_state_dict(fresh_model, {"rest": fresh_opts[0]}, sd)
 
 
+@_backends.only(_backends.DEFAULT)
+def test_nested_groups_are_matched_by_their_members(installed: Any) -> None:
+    """DSD's nested dict whose group lists only some of a live group's parameters (another rank's copy
+    of ``param_groups.N.params``): the rest take that group's settings, their saved state loads, the
+    dict is not changed; a live group none of whose parameters is listed stays refused (strict)."""
+    model = dsd_moe.model(0)
+    opt = dsd_moe.optimizer(model)
+    dsd_moe.train(model, opt, dsd_moe.scheduler(opt), range(SAVE_AT))
+    osd = dict(get_optimizer_state_dict(model, opt))
+    short = [*osd["param_groups"][0]["params"][:-2]]  # head.weight, head.bias: listed by no group
+    assert osd["param_groups"][0]["params"][-2:] == ["head.weight", "head.bias"] and "head.weight" in osd["state"]
+    cut = {**osd, "param_groups": [{**osd["param_groups"][0], "params": short}, osd["param_groups"][1]]}
+    fresh_model = dsd_moe.model(1)
+    fresh = dsd_moe.optimizer(fresh_model)
+    set_optimizer_state_dict(fresh_model, fresh, cut)
+    assert cut["param_groups"][0]["params"] == short
+    assert_deep_equal(local_state(fresh_model, fresh), local_state(model, opt), "members matched")
+    assert [g["lr"] for g in fresh.param_groups] == [g["lr"] for g in opt.param_groups]
+
+    no_vision = {**osd, "param_groups": [osd["param_groups"][0], {**osd["param_groups"][1], "params": []}]}
+    fresh_model = dsd_moe.model(1)
+    fresh = dsd_moe.optimizer(fresh_model)
+    with pytest.raises(sc.CheckpointMismatchError, match=r"no saved param-group settings: 'vision\."):
+        set_optimizer_state_dict(fresh_model, fresh, no_vision)
+    assert not fresh.state
+
+
 # --------------------------------------------------------------------------- 2 ranks
 
 

@@ -15,8 +15,10 @@ are cut into this rank's shards, ``broadcast_from_rank0`` takes rank 0's dict. `
 the model's ``load_state_dict``) also makes the optimizer load refuse missing FQNs and entries that
 match no model parameter; as in DSD, entries of model parameters outside the optimizers passed are
 ignored (a dict merged from several optimizers, a rank whose optimizer lacks its empty shards'
-parameters). In a process group of several ranks the ranks agree on a refusal before anything is
-changed: one rank's refusal raises on every rank, naming it.
+parameters; in DSD's nested layout each rank matches its groups by their members, as DSD does). In a
+process group of several ranks the ranks agree on a refusal before anything is changed: one rank's
+refusal raises on every rank, naming it; a rank waits at most ``SPARSE_CKPT_AGREEMENT_WAIT_S``
+seconds (30) for the others to get there, then refuses alone (`sparse_ckpt._dist.agree_on_refusal`).
 
 The model side of ``get_state_dict``/``set_state_dict`` is torch's own ``get_model_state_dict`` /
 ``set_model_state_dict``. What this module cannot serve exactly goes to torch's DSD unchanged (so
