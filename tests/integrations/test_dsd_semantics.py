@@ -18,6 +18,7 @@
 
 from __future__ import annotations
 
+import itertools
 import os
 from pathlib import Path
 from typing import Any
@@ -316,6 +317,8 @@ def test_a_shallow_copy_for_an_optimizer_with_partial_state_is_refused_not_parti
 # --------------------------------------------------------------------------- rank-asymmetric optimizers, every layout
 
 LAYOUTS = {"nested": StateDictOptions(), "flat": FLAT}
+SOURCES = {"sparse_ckpt": get_optimizer_state_dict, "stock": STOCK["get_optimizer_state_dict"]}
+"""Who wrote the checkpoint: ``integrations.dsd`` (with its key record) or torch's own DSD."""
 
 
 def _merged(model: nn.Module, opt: torch.optim.Optimizer) -> dict[str, Any]:
@@ -346,14 +349,14 @@ def _merged(model: nn.Module, opt: torch.optim.Optimizer) -> dict[str, Any]:
 def asymmetric_saves(rank: int, world_size: int, root: str) -> None:
     """Checkpoints of the asymmetric optimizer after ``SAVE_AT`` steps, in every layout, and what they hold."""
     sc_dsd.install()
-    for layout, options in LAYOUTS.items():
+    for (source, get), (layout, options) in itertools.product(SOURCES.items(), LAYOUTS.items()):
         model, opt, sched = _fresh()
         dsd_moe.train(model, opt, sched, range(SAVE_AT), rank)
-        dcp.save({"model": get_model_state_dict(model), "optim": get_optimizer_state_dict(model, opt, options=options)},
-                 checkpoint_id=f"{root}/{world_size}-{layout}")
+        dcp.save({"model": get_model_state_dict(model), "optim": get(model, opt, options=options)},
+                 checkpoint_id=f"{root}/{world_size}-{source}-{layout}")
         saved = _merged(model, opt)
         if rank == 0:
-            torch.save(saved, f"{root}/{world_size}-{layout}.pt")
+            torch.save(saved, f"{root}/{world_size}-{source}-{layout}.pt")
     dist.barrier()
     sc_dsd.uninstall()
 
@@ -362,15 +365,16 @@ def asymmetric_loads(rank: int, world_size: int, root: str, saved_by: int) -> No
     """Every layout's checkpoint of ``saved_by`` ranks, loaded here exactly: the state that exists, no
     other, each parameter's settings (the scheduler's lrs)."""
     sc_dsd.install()
-    for layout, options in LAYOUTS.items():
-        where = f"{saved_by} -> {world_size} ranks, {layout}, rank {rank}"
+    for source, layout in itertools.product(SOURCES, LAYOUTS):
+        options = LAYOUTS[layout]
+        where = f"{saved_by} -> {world_size} ranks, {source} {layout}, rank {rank}"
         model, opt, _sched = _fresh()
         target = {"model": get_model_state_dict(model), "optim": get_optimizer_state_dict(model, opt, options=options)}
-        dcp.load(target, checkpoint_id=f"{root}/{saved_by}-{layout}")
+        dcp.load(target, checkpoint_id=f"{root}/{saved_by}-{source}-{layout}")
         set_model_state_dict(model, target["model"])
         set_optimizer_state_dict(model, opt, target["optim"], options=options)
         got = _merged(model, opt)
-        want = torch.load(f"{root}/{saved_by}-{layout}.pt", weights_only=False)
+        want = torch.load(f"{root}/{saved_by}-{source}-{layout}.pt", weights_only=False)
         assert len(got["state"]) == dsd_moe.STEPPED, where
         assert_deep_equal(got, want, where, check_order=False)
     dist.barrier()
@@ -381,7 +385,8 @@ def asymmetric_loads(rank: int, world_size: int, root: str, saved_by: int) -> No
 def test_an_asymmetric_optimizer_resumes_exactly_in_every_layout_and_world_size(tmp_path: Path) -> None:
     """The Megatron-FSDP-v2-style optimizer (rank 1 without ``head``) in DSD's nested layout (whose
     replicated ``param_groups.N.params`` item DCP keeps from one rank: groups are matched by their
-    members, per rank, as DSD matches them) and in the flat one: 2 -> 2, 2 -> 1 and 1 -> 2 ranks, exact."""
+    members, per rank, as DSD matches them) and in the flat one, written by ``integrations.dsd`` and by
+    torch's own DSD: 2 -> 2, 2 -> 1 and 1 -> 2 ranks, exact."""
     run_ranks(asymmetric_saves, 2, str(tmp_path), timeout=120)
     run_ranks(asymmetric_saves, 1, str(tmp_path), timeout=120)
     run_ranks(asymmetric_loads, 2, str(tmp_path), 2, timeout=120)
