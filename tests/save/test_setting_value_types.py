@@ -178,7 +178,9 @@ def _dsd_setting_round_trip(key: str, value: Any, options: StateDictOptions, pat
 
 @pytest.mark.parametrize("layout", ["flat", "nested"])
 @pytest.mark.parametrize("case", [*VALUES, *DSD_SETTINGS])
-def test_the_dsd_drop_in_hands_a_setting_value_to_torch_dsd_as_stock_does(case: str, layout: str, tmp_path: Path) -> None:
+def test_the_dsd_drop_in_hands_a_setting_value_to_torch_dsd_as_stock_does(
+    case: str, layout: str, tmp_path: Path
+) -> None:
     """A call that works with stock DSD keeps working: `integrations.dsd`'s get and set go to torch's
     DSD (one warning each) for an optimizer with a setting sparse_ckpt's formats cannot give back as it
     is (a subclass, an int beyond 64 bits, a str with a lone surrogate, any other type), so the value
@@ -269,7 +271,8 @@ def test_a_state_value_a_load_cannot_give_back_is_refused_at_save(case: str, how
     opt.state[model[0].weight]["extra"] = value
     before = copy.deepcopy(opt.state_dict())
     path = tmp_path / "ckpt"
-    with pytest.raises(sc.CheckpointFormatError, match=rf"leaf 'optim': state 'extra' of '0.weight': .*{type_name}") as err:
+    match = rf"leaf 'optim': state 'extra' of '0.weight': .*{type_name}"
+    with pytest.raises(sc.CheckpointFormatError, match=match) as err:
         _save_state(how, model, opt, path)
     assert advice in str(err.value)
     assert not path.exists() or not any(path.iterdir())  # nothing written
@@ -347,7 +350,9 @@ def _dsd_state_round_trip(value: Any, options: StateDictOptions, path: Path, ins
 
 @pytest.mark.parametrize("layout", ["flat", "nested"])
 @pytest.mark.parametrize("case", list(STATE_VALUES))
-def test_the_dsd_drop_in_hands_a_state_value_to_torch_dsd_as_stock_does(case: str, layout: str, tmp_path: Path) -> None:
+def test_the_dsd_drop_in_hands_a_state_value_to_torch_dsd_as_stock_does(
+    case: str, layout: str, tmp_path: Path
+) -> None:
     """A state value sparse_ckpt's formats cannot give back sends `dsd.install()`'s calls to torch's
     DSD (one warning each), both layouts: never a new refusal. What stock DSD gives back comes back
     as stock gives it; a refusal is only one stock makes too (its flat layout takes tensor, int,

@@ -62,7 +62,8 @@ def nested_state_dict(fmap: FqnMap, optimizers: Any) -> dict[str, Any]:
             groups.append({**settings, PARAMS: list(fqns)})
         all_groups.extend(groups_fqn)
         encode_table(leaf, groups_fqn)  # values the table codec refuses are refused here, as the flat format does
-        check_state_values(leaf, state_fqn, (v for values in state_fqn.values() for v in values.values()))
+        values = (v for st in state_fqn.values() if isinstance(st, Mapping) for v in st.values())
+        check_state_values(leaf, state_fqn, values)  # (the flat format checks its items)
     key, record = build_key_record(all_groups, [state])
     return {STATE: state, PARAM_GROUPS: groups, key: record}
 
