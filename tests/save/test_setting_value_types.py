@@ -372,3 +372,52 @@ def test_the_dsd_drop_in_hands_a_state_value_to_torch_dsd_as_stock_does(
         assert type(got) is type(value) and got == value
     else:  # as stock (its flat layout flattens an OrderedDict into keys too)
         assert type(got) is type(stock) and got == stock
+
+
+class NumpyStepAdamW(torch.optim.AdamW):
+    """An optimizer whose own step keeps a numpy scalar in each parameter's state."""
+
+    def step(self, closure: Any = None) -> Any:  # type: ignore[override]
+        out = super().step(closure)
+        for state in self.state.values():
+            state["extra"] = np.float64(len(state))
+        return out
+
+
+@pytest.mark.parametrize("installed", [False, True])
+@pytest.mark.parametrize("layout", ["flat", "nested"])
+def test_a_fresh_optimizer_resumes_numpy_state_through_dsd_as_stock(
+    layout: str, installed: bool, tmp_path: Path
+) -> None:
+    """A trainer's resume into a fresh optimizer (no state yet: `dsd.install()` plans its target from
+    the checkpoint) of a checkpoint whose state holds numpy scalars: as stock DSD, every value back
+    with its type."""
+    options = StateDictOptions(flatten_optimizer_state_dict=layout == "flat")
+
+    def build(steps: int) -> tuple[nn.Module, torch.optim.Optimizer]:
+        torch.manual_seed(0)
+        model = nn.Sequential(nn.Linear(2, 2))
+        opt = NumpyStepAdamW(model.parameters(), lr=0.01)
+        for _ in range(steps):
+            model(torch.ones(1, 2)).sum().backward()
+            opt.step()
+        return model, opt
+
+    if installed:
+        dsd.install()
+    try:
+        model, opt = build(2)
+        with warnings.catch_warnings():
+            warnings.simplefilter("ignore")  # (installed: the save goes to torch's DSD, one warning)
+            sd = dsd_stock.get_optimizer_state_dict(model, opt, options=options)
+        dcp.save({"optim": sd}, checkpoint_id=tmp_path)
+        model2, opt2 = build(0)
+        target = {"optim": dsd_stock.get_optimizer_state_dict(model2, opt2, options=options)}
+        dcp.load(target, checkpoint_id=tmp_path)
+        dsd_stock.set_optimizer_state_dict(model2, opt2, target["optim"], options=options)
+    finally:
+        if installed:
+            dsd.uninstall()
+    for p, p2 in zip(model.parameters(), model2.parameters()):
+        assert type(opt2.state[p2]["extra"]) is np.float64 and opt2.state[p2]["extra"] == opt.state[p]["extra"]
+        assert_deep_equal(opt2.state[p2]["step"], opt.state[p]["step"])
