@@ -29,6 +29,7 @@ from ..._fqn import FqnMap
 from ..._leaves import SINGLE_LEAF, TITAN_LEAF, named_leaves
 from ..._save.capture import capture_by_fqn
 from ..._save.save import build_state_dict
+from ..._save.state_values import check_state_values
 from ...errors import CheckpointFormatError
 
 __all__ = ["flat_state_dict", "leaves_of", "loadable", "matched_by_members", "nested_state_dict"]
@@ -61,6 +62,8 @@ def nested_state_dict(fmap: FqnMap, optimizers: Any) -> dict[str, Any]:
             groups.append({**settings, PARAMS: list(fqns)})
         all_groups.extend(groups_fqn)
         encode_table(leaf, groups_fqn)  # values the table codec refuses are refused here, as the flat format does
+        values = (v for st in state_fqn.values() if isinstance(st, Mapping) for v in st.values())
+        check_state_values(leaf, state_fqn, values)  # (the flat format checks its items)
     key, record = build_key_record(all_groups, [state])
     return {STATE: state, PARAM_GROUPS: groups, key: record}
 
