@@ -34,18 +34,23 @@ __all__ = ["FileWindow", "ItemPlanner", "allocate_item", "allocate_like", "check
 Consume = Callable[[str, Any], None]
 
 
-def weights_only_item(key: str, value: io.BytesIO, table: bool) -> io.BytesIO:
+_NOT_DATA = "a damaged checkpoint, or one that holds more than data"
+
+
+def weights_only_item(key: str, value: io.BytesIO, table: bool, *, what: str | None = None, hint: str = _NOT_DATA) -> io.BytesIO:
     """Unpickle a DCP bytes item with ``weights_only=True``; return a fresh stream of it for DCP."""
     out = io.BytesIO()
-    torch.save(weights_only_object(key, value, table), out)
+    torch.save(weights_only_object(key, value, table, what=what, hint=hint), out)
     out.seek(0)
     return out
 
 
-def weights_only_object(key: str, value: io.BytesIO, table: bool) -> Any:
-    """The object of a DCP bytes item, unpickled with ``weights_only=True`` (``table``: it must be ``bytes``)."""
+def weights_only_object(key: str, value: io.BytesIO, table: bool, *, what: str | None = None, hint: str = _NOT_DATA) -> Any:
+    """The object of a DCP bytes item, unpickled with ``weights_only=True`` (``table``: it must be ``bytes``).
+    A refusal is a `CheckpointFormatError` naming ``what`` (default: the table kind, or "optimizer
+    item") and the key, the global the unpickler refused, and ``hint``."""
     prefix = next((p for p in (SCALARS_PREFIX, BUFFERS_PREFIX) if p in key), PACKED_PREFIX)
-    what = table_kind(prefix) if table else "optimizer item"
+    what = what if what is not None else table_kind(prefix) if table else "optimizer item"
     blob = value.getvalue() if isinstance(value, io.BytesIO) else None
     bad = crc_failure(blob) if blob is not None else None
     if bad is not None:
@@ -54,8 +59,7 @@ def weights_only_object(key: str, value: io.BytesIO, table: bool) -> Any:
         obj = torch.load(value, weights_only=True)
     except Exception as exc:  # noqa: BLE001 - any refusal of the restricted unpickler
         raise CheckpointFormatError(
-            f"{what} {key!r} is not a plain data item ({reason(exc)}): a damaged checkpoint, or one that holds "
-            "more than data"
+            f"{what} {key!r} is not a plain data item ({reason(exc)}): {hint}"
         ) from None
     if table and not isinstance(obj, bytes):
         raise CheckpointFormatError(f"{what} {key!r} holds a {type(obj).__name__}, expected bytes")
