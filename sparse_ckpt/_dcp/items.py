@@ -90,8 +90,9 @@ def allocate_item(md: Any, like: torch.Tensor | None, key_leaf: str) -> Any:
 class ItemPlanner(DefaultLoadPlanner):
     """The read callbacks of :func:`read_items` (``read_data`` is called directly, not through
     ``dcp.load``'s planning): a tensor item is allocated on the CPU when its first chunk is read and
-    handed over when its last one is; a bytes item is unpickled with ``weights_only=True``, kept raw
-    (``raw_keys``) or read as DCP reads it (``unpickle_keys``: ``convert`` copies model extras)."""
+    handed over when its last one is; a bytes item is unpickled with ``weights_only=True`` (``unpickle_keys``:
+    items that are not an optimizer's, which ``convert`` copies, refused as a "checkpoint item"), or kept
+    raw (``raw_keys``). Nothing is unpickled unrestricted."""
 
     def __init__(
         self,
@@ -146,9 +147,8 @@ class ItemPlanner(DefaultLoadPlanner):
         key = read_item.dest_index.fqn
         if key in self._raw_keys:
             self._consume(key, value.read())
-        elif key in self._unpickle_keys:
-            super().load_bytes(read_item, value)  # DCP's own read: into self.state_dict
-            self._consume(key, self.state_dict.pop(key))
+        elif key in self._unpickle_keys:  # not the optimizer's: named as an item, never unpickled unrestricted
+            self._consume(key, weights_only_object(key, value, table=False, what="checkpoint item"))
         else:
             self._consume(key, weights_only_object(key, value, table=self._is_table(key)))
 

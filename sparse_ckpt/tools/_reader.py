@@ -6,9 +6,8 @@ one optimizer's entries into its groups and per-FQN state (`split_optimizer`, `G
 
 Reading never runs code from the checkpoint: ``.metadata`` is read by the restricted unpickler
 (:mod:`sparse_ckpt._dcp.safe_reader`; no item is read from outside the checkpoint directory),
-optimizer items with ``torch.load(weights_only=True)``; other bytes items are either
-not unpickled at all (``raw_keys``) or read as DCP reads them (``unpickle_keys``: ``convert``
-must copy them). Settings and tables are read; per-item state is seen through its DCP metadata.
+bytes items with ``torch.load(weights_only=True)`` (``convert`` copies the model's that way) or
+not unpickled at all (``raw_keys``). Settings and tables are read; per-item state is seen through its DCP metadata.
 The scalars of scalar tables (packed version 2) lead each parameter's state as on load, so a
 version-1 and a version-2 checkpoint of one optimizer read the same. The table format is
 specified in docs/formats.md.
@@ -141,9 +140,9 @@ def read_entries(
     The one item reader of the library (`sparse_ckpt._dcp.items.read_items`, which a
     ``state_layout="buffers"`` load reads its buckets with), handed this checkpoint's storage
     reader. Tensors come back as full CPU tensors (DCP's chunks of an item are assembled). Bytes
-    items in ``raw_keys`` are not unpickled at all (their bytes), those in ``unpickle_keys`` are
-    read as DCP reads them (``convert`` must copy model extras), every other one with
-    ``torch.load(weights_only=True)`` (packed tables must be ``bytes``); a tensor item whose chunks
+    items in ``raw_keys`` are not unpickled at all (their bytes), every other one with
+    ``torch.load(weights_only=True)`` (packed tables must be ``bytes``; ``unpickle_keys``: items that
+    are not an optimizer's, which ``convert`` copies); a tensor item whose chunks
     in ``.metadata`` do not cover it is a `CheckpointFormatError` (DCP would leave the rest
     unread). With ``consume``, each
     value goes to ``consume(key, value)`` as soon as it is read (one item alive at a time; an item
