@@ -21,8 +21,9 @@ KINDS = ("exec", "dotted")
 name inside a module whose path classes the metadata reader allows)."""
 GLOBAL = {"exec": "builtins.exec", "dotted": "pathlib.Path.touch"}
 """The global each kind's pickle names (what a refusal must name)."""
-ITEM_GLOBAL = {"exec": "exec", "dotted": "pathlib.Path.touch"}
-"""The same global as torch's weights-only unpickler names it (builtins without their module)."""
+ITEM_GLOBAL = {"exec": "exec", "dotted": "getattr"}
+"""The first global of each kind's ``torch.save`` pickle (protocol 2: ``Path.touch`` is
+``getattr(Path, "touch")``), as torch's weights-only unpickler names it (builtins without their module)."""
 
 
 class Payload:
