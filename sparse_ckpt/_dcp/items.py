@@ -29,7 +29,7 @@ from ..errors import CheckpointFormatError, CheckpointMismatchError, SparseCheck
 from .damage import crc_failure, damaged, diagnose, header_crc_failure, reason, with_file
 from .saved_tensor import read_saved_tensor
 
-__all__ = ["FileWindow", "ItemPlanner", "allocate_item", "allocate_like", "check_covered", "read_items", "weights_only_item", "weights_only_object"]
+__all__ = ["FileWindow", "ItemPlanner", "WeightsOnlyStream", "allocate_item", "allocate_like", "check_covered", "read_items", "weights_only_item", "weights_only_object"]
 
 Consume = Callable[[str, Any], None]
 
@@ -37,9 +37,15 @@ Consume = Callable[[str, Any], None]
 _NOT_DATA = "a damaged checkpoint, or one that holds more than data"
 
 
+class WeightsOnlyStream(io.BytesIO):
+    """A bytes item's stream that `weights_only_item` wrote from the object it read weights-only: a
+    later reader (``SPARSE_CKPT_SAFE_LOAD``'s ``load_bytes``) need not check it again."""
+
+
 def weights_only_item(key: str, value: io.BytesIO, table: bool, *, what: str | None = None, hint: str = _NOT_DATA) -> io.BytesIO:
-    """Unpickle a DCP bytes item with ``weights_only=True``; return a fresh stream of it for DCP."""
-    out = io.BytesIO()
+    """Unpickle a DCP bytes item with ``weights_only=True``; return a fresh stream of it for DCP
+    (a `WeightsOnlyStream`)."""
+    out = WeightsOnlyStream()
     torch.save(weights_only_object(key, value, table, what=what, hint=hint), out)
     out.seek(0)
     return out

@@ -26,7 +26,7 @@ from torch.distributed.checkpoint import FileSystemReader
 from torch.distributed.checkpoint.default_planner import DefaultLoadPlanner
 from torch.distributed.checkpoint.planner import ReadItem
 
-from .._dcp.items import weights_only_item
+from .._dcp.items import WeightsOnlyStream, weights_only_item
 from .._dcp.safe_reader import safe_read_metadata, safe_set_up_storage_reader
 
 __all__ = ["ENV", "install", "installed", "requested", "uninstall"]
@@ -63,8 +63,9 @@ _HINT = (
 
 
 def _load_bytes(self: DefaultLoadPlanner, read_item: ReadItem, value: io.BytesIO) -> None:
-    key = read_item.dest_index.fqn
-    _TORCH_LOAD_BYTES(self, read_item, weights_only_item(key, value, table=False, what="bytes item", hint=_HINT))
+    if not isinstance(value, WeightsOnlyStream):  # not read weights-only by a planner of the library already
+        value = weights_only_item(read_item.dest_index.fqn, value, table=False, what="bytes item", hint=_HINT)
+    _TORCH_LOAD_BYTES(self, read_item, value)
 
 
 def install() -> None:

@@ -226,3 +226,16 @@ def test_launcher_safe_load_refuses_in_the_child(poisoned: tuple[Path, Path, str
     proc = subprocess.run(command, env=env, capture_output=True, text=True, timeout=300, check=False)
     assert "REFUSED" in proc.stdout, proc.stdout + proc.stderr
     _refused(Exception(proc.stdout), name)
+
+
+def test_trainer_readers_become_safe_readers(clean: Path) -> None:
+    """The integrations' choice of reader: a trainer's default ``FileSystemReader`` (VeOmni's
+    ``_create_storage_reader``) and a local ``checkpoint_id`` (torchtitan) become `SafeFileSystemReader`\\ s of
+    the same directory; another storage reader is kept."""
+    from sparse_ckpt._dcp.safe_reader import safe_reader_for, safe_reader_like
+
+    safe = safe_reader_like(FileSystemReader(str(clean)))
+    assert type(safe) is sc.SafeFileSystemReader and Path(safe.path) == clean
+    other = sc.SafeFileSystemReader(clean)
+    assert safe_reader_like(other) is other
+    assert type(safe_reader_for(str(clean))) is sc.SafeFileSystemReader
