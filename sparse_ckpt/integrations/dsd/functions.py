@@ -15,8 +15,10 @@ are cut into this rank's shards, ``broadcast_from_rank0`` takes rank 0's dict. `
 the model's ``load_state_dict``) also makes the optimizer load refuse missing FQNs and entries that
 match no model parameter; as in DSD, entries of model parameters outside the optimizers passed are
 ignored (a dict merged from several optimizers, a rank whose optimizer lacks its empty shards'
-parameters). In a process group of several ranks the ranks agree on a refusal before anything is
-changed: one rank's refusal raises on every rank, naming it.
+parameters; in DSD's nested layout each rank matches its groups by their members, as DSD does). In a
+process group of several ranks the ranks agree on a refusal before anything is changed: one rank's
+refusal raises on every rank, naming it; a rank waits at most ``SPARSE_CKPT_AGREEMENT_WAIT_S``
+seconds (30) for the others to get there, then refuses alone (`sparse_ckpt._dist.agree_on_refusal`).
 
 The model side of ``get_state_dict``/``set_state_dict`` is torch's own ``get_model_state_dict`` /
 ``set_model_state_dict``. What this module cannot serve exactly goes to torch's DSD unchanged (so
@@ -41,7 +43,7 @@ from torch.distributed.checkpoint.state_dict import StateDictOptions
 from torch.distributed.tensor import DTensor
 
 from ..._dcp.stateful import SparseOptimizerState, planned_load
-from ..._dist import agree_on_refusal, multi_rank, world_and_rank
+from ..._dist import agree_on_refusal, agreement_wait_s, multi_rank, world_and_rank
 from ..._fqn import build_fqn_map
 from ..._gc import gc_paused
 from ..._load.load import load_owned
@@ -277,36 +279,41 @@ def _load_optimizers(
     outside ``optims`` are ignored). In a process group of several ranks every rank loads at once, so
     the ranks agree on a refusal before anything is mutated (``what``: the call, for its message)."""
     agree = what if multi_rank() else None
+    within = agreement_wait_s() if agree is not None else None  # stock DSD waits on no rank: a bounded wait
+    leaves = layouts.leaves_of(optims)
     if opts.broadcast_from_rank0 and multi_rank():
         data, refusal = {}, None
         if world_and_rank()[1] == 0:
             try:
-                data = layouts.loadable(osd)
+                data = layouts.loadable(layouts.matched_by_members(osd, leaves, build_fqn_map(model)))
             except SparseCheckpointError as exc:  # raised on every rank by the broadcast
                 refusal = exc
         data = full.broadcast_from_rank0(data, _broadcast_device(model), refusal)
     else:
         data = None
     try:
-        if data is None:
-            data = layouts.loadable(osd)
-        planned = planned_load(osd, data, model)  # a DsdStateDict the planner rebuilt: as SparseOptimizerState's load
+        unresolved: dict[str, Any] = {}
+        planned = planned_load(osd, unresolved, model)  # a DsdStateDict the planner rebuilt: as SparseOptimizerState's load
         if planned.get("fmap") is None:
             planned["fmap"] = build_fqn_map(model)
+        if data is None:
+            data = layouts.loadable(layouts.matched_by_members(osd, leaves, planned["fmap"]))
+        data.update(unresolved)
         if opts.full_state_dict:
             data = full.shard_like_params(data, planned["fmap"])
     except Exception as exc:
         if agree is not None:
-            agree_on_refusal(exc, agree)
+            agree_on_refusal(exc, agree, within=within)
         raise
     load_owned(
         model,
-        layouts.leaves_of(optims),
+        leaves,
         data,
         strict=opts.strict,
         unowned_are_other_ranks=multi_rank(),
         unoptimized_ignored=True,
         agree=agree,
+        agree_within=within,
         **planned,
     )
 
