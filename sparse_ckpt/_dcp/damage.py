@@ -12,6 +12,7 @@ from __future__ import annotations
 
 import io
 import os
+import re
 import zlib
 from collections.abc import Callable, Iterable, Mapping
 from typing import Any
@@ -32,7 +33,8 @@ def reason(exc: BaseException) -> str:
     ``weights_only=False`` (never right for a damaged or untrusted file)."""
     text = str(exc).strip().splitlines()[0] if str(exc).strip() else ""
     if "weights_only" in str(exc):
-        text = "the restricted (weights-only) unpickler refused it"
+        named = re.search(r"Unsupported global: GLOBAL (\S+)", str(exc))
+        text = "the restricted (weights-only) unpickler refused it" + (f": global {named[1]!r}" if named else "")
     return f"{type(exc).__name__}: {text[:200]}" if text else type(exc).__name__
 
 
@@ -99,7 +101,9 @@ def guard_reads(storage_reader: Any, metadata: Any, checked: Callable[[str], boo
     ``checked(key)``: the planner CRC-checks bytes item ``key`` itself (see `check_headers`)."""
     from torch.distributed.checkpoint import FileSystemReader
 
-    if type(storage_reader) is not FileSystemReader:
+    from .safe_reader import SafeFileSystemReader
+
+    if type(storage_reader) not in (FileSystemReader, SafeFileSystemReader):
         return
     if "read_data" in vars(storage_reader):
         return  # already guarded (or the user's own attribute: left alone)

@@ -36,6 +36,7 @@ from torch.distributed.checkpoint.metadata import Metadata
 
 from .._dcp.failures import own_failure
 from .._dcp.planner import SparseLoadPlanner
+from .._dcp.safe_reader import safe_reader_for
 from .._dcp.stateful import SparseOptimizerState, SparseStateDict
 from .._format.keys import PLANNER_GUARD_KEY
 from .._fqn import Model, build_fqn_map
@@ -124,7 +125,8 @@ class SparseCheckpointManager(CheckpointManager):
             self.states[OPTIMIZER] = state
 
     def dcp_load(self, state_dict: dict[str, Any], checkpoint_id: str, from_hf: bool, from_quantized: bool) -> None:
-        """As ``CheckpointManager.dcp_load``, with `sparse_ckpt.SparseLoadPlanner` for DCP checkpoints.
+        """As ``CheckpointManager.dcp_load``, with `sparse_ckpt.SparseLoadPlanner` for DCP checkpoints, read
+        through `sparse_ckpt.SafeFileSystemReader` where DCP would pick its ``FileSystemReader``.
 
         A sparse_ckpt error raised while DCP plans the load (on every rank) is raised as itself,
         not inside DCP's ``CheckpointException``.
@@ -137,7 +139,7 @@ class SparseCheckpointManager(CheckpointManager):
             state.checkpoint_id = str(checkpoint_id)
             state.report = None
         try:
-            dcp.load(state_dict, checkpoint_id=checkpoint_id, planner=_TitanLoadPlanner())
+            dcp.load(state_dict, checkpoint_id=checkpoint_id, storage_reader=safe_reader_for(checkpoint_id), planner=_TitanLoadPlanner())
         except CheckpointException as exc:
             own = own_failure(exc)
             if own is None:

@@ -59,6 +59,7 @@ from torch.distributed.checkpoint.state_dict import StateDictOptions
 
 from .._dcp.failures import own_failure
 from .._dcp.planner import SparseLoadPlanner
+from .._dcp.safe_reader import SafeFileSystemReader
 from .._dcp.stateful import SparseOptimizerState, SparseStateDict
 from ._rebind import bindings
 from ._stock_migration import MigrationReport
@@ -228,7 +229,7 @@ def load_distributed_checkpoint(original: Callable[..., Any], self: Any, model: 
         training.MAX_STEPS_KEY: 0,
     }
     try:
-        dcp.load(checkpoint_dict, storage_reader=dcp.FileSystemReader(path),
+        dcp.load(checkpoint_dict, storage_reader=SafeFileSystemReader(path),
                  process_group=checkpointer._process_group, planner=_TuneLoadPlanner())
     except CheckpointException as exc:
         own = own_failure(exc)

@@ -260,18 +260,21 @@ def marked_targets(node: Any) -> Iterator[tuple[tuple[str | int, ...], DsdStateD
     return ((path, target) for path, target in _find_targets(node, ()) if isinstance(target, DsdStateDict))
 
 
-def rebuild_marked(state_dict: Any, metadata: Metadata | None, frame: Any = None, *, allow_partial_load: bool = False) -> int:
+def rebuild_marked(
+    state_dict: Any, metadata: Metadata | None, frame: Any = None, *, allow_partial_load: bool = False, keys: set[str] | None = None
+) -> int:
     """Rebuild every marked dict in the load target ``state_dict`` from ``metadata`` (see the
     module doc); returns how many. ``frame``: the caller of ``set_up_planner`` (to reach the
     load's storage reader for ``state_layout="buffers"`` checkpoints). With ``allow_partial_load``
     (the planner's), a marked dict the checkpoint has nothing for is left as it is, as DCP leaves
-    target entries the checkpoint lacks; without it that is a `CheckpointMismatchError`."""
+    target entries the checkpoint lacks; without it that is a `CheckpointMismatchError`. ``keys`` gets the
+    DCP keys the rebuilt dicts read (their bytes items are then read weights-only)."""
     if metadata is None:
         return 0
     targets = list(marked_targets(state_dict))
     if not targets:
         return 0
-    return _rebuild(targets, metadata, frame if frame is not None else caller_frame(1), allow_partial_load)
+    return _rebuild(targets, metadata, frame if frame is not None else caller_frame(1), allow_partial_load, keys)
 
 
 def _rebuild(
