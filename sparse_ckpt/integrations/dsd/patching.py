@@ -68,23 +68,29 @@ def install() -> None:
     Raises ``RuntimeError`` (and patches nothing) on a torch whose DSD functions cannot be routed or
     whose DSD or ``DefaultLoadPlanner.set_up_planner`` do not have the signatures this module replaces.
     """
-    with _lock:
-        if installed():
-            return
-        _check_torch()
-        codes = {name: route_code(fn, functions.__name__, name) for name, fn in _TORCH.items()}
-        all_or_nothing([*(_code_change(fn, codes[name]) for name, fn in _TORCH.items()), _planner_change(_set_up_planner)])
+    with _lock: _install_locked()  # fmt: skip - one line: no line event between acquire and release (see sparse_ckpt._gc)
+
+
+def _install_locked() -> None:
+    if installed():
+        return
+    _check_torch()
+    codes = {name: route_code(fn, functions.__name__, name) for name, fn in _TORCH.items()}
+    all_or_nothing([*(_code_change(fn, codes[name]) for name, fn in _TORCH.items()), _planner_change(_set_up_planner)])
 
 
 def uninstall() -> None:
     """Undo `install`: torch's functions run their own code again and ``DefaultLoadPlanner`` has its
     own ``set_up_planner`` (a ``set_up_planner`` that something else set since is left alone).
     No-op when nothing is patched; also undoes a partial install."""
-    with _lock:
-        changes = [_code_change(fn, original_code(fn)) for fn in _TORCH.values() if routed(fn)]
-        if vars(DefaultLoadPlanner).get("set_up_planner") is _set_up_planner:
-            changes.append(_planner_change(_TORCH_SET_UP_PLANNER))
-        all_or_nothing(changes)
+    with _lock: _uninstall_locked()  # fmt: skip - one line: no line event between acquire and release
+
+
+def _uninstall_locked() -> None:
+    changes = [_code_change(fn, original_code(fn)) for fn in _TORCH.values() if routed(fn)]
+    if vars(DefaultLoadPlanner).get("set_up_planner") is _set_up_planner:
+        changes.append(_planner_change(_TORCH_SET_UP_PLANNER))
+    all_or_nothing(changes)
 
 
 def installed() -> bool:
