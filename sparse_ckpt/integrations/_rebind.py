@@ -120,6 +120,8 @@ def route_code(fn: Any, module: str, attr: str) -> types.CodeType:
         params += ["*", *names[n_pos : n_pos + n_kw]]
     args = [*names[:n_posonly], *(f"{n}={n}" for n in names[n_posonly : n_pos + n_kw])]
     target = f"{module}.{attr}"
+    if not all(part.isidentifier() for part in (*names[: n_pos + n_kw], *target.split("."), code.co_name)):
+        raise ValueError(f"not identifiers: {code.co_name}{tuple(params)} -> {target}")  # pragma: no cover
     source = (
         f"def {code.co_name}({', '.join(params)}):\n"
         f"    return __import__({module!r}, None, None, ({attr!r},)).{attr}({', '.join(args)})\n"
