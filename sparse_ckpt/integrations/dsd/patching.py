@@ -6,10 +6,12 @@ What it patches (all undone by `uninstall`, which puts torch's exact code and ob
   set_optimizer_state_dict, get_state_dict, set_state_dict}``: each keeps its identity, signature,
   defaults and doc, and its ``__code__`` becomes a trampoline that calls this package's function of
   the same name (`sparse_ckpt.integrations._rebind.route_code`). So every call goes through
-  sparse_ckpt however the caller bound the function, before or after ``install()``: a module global, a
+  sparse_ckpt however the caller bound the function, before or after ``install()``, in this process
+  (each process calls ``install()`` itself: a rank, a Ray worker, a spawned child): a module global, a
   function local, a closure, a ``functools.partial``, a default argument, code that cloudpickle,
   pickle or multiprocessing unpickled (they hold torch's object, or look it up by module and name).
   torch's original code runs in the clones of `functions.torch_dsd` (what this package falls back to);
+  a clone made elsewhere from torch's code object before ``install()`` keeps running torch's code;
 - ``DefaultLoadPlanner.set_up_planner``: the dicts this module hands out (and only those) are
   rebuilt from the checkpoint's metadata before planning (`.target`), for ``planner=None``,
   ``DefaultLoadPlanner()`` and every subclass that calls ``super().set_up_planner``; so is a
