@@ -21,6 +21,9 @@ Why each is needed:
 * live frames of every thread: a capture of an optimizer already being captured (reentrancy);
 * ``torch.Tensor._make_subclass`` and DCP's tensor protocol (``__create_chunk_list__``,
   ``__get_tensor_shard__``): the planner guard, and a DTensor's local chunk;
+* the code objects of torch DSD's four optimizer-facing functions (``integrations.dsd.install()``
+  swaps each one's ``__code__`` for a trampoline, so every binding of torch's function object is
+  routed): they must stay plain Python functions without a closure (`DSD_SIGNATURES`);
 * torch DSD's private ``_gather_state_dict``/``_offload_state_dict_to_cpu`` (``integrations.dsd``:
   ``full_state_dict`` and ``cpu_offload`` exactly as DSD does them);
 * where a ``FileSystemReader`` keeps an item's bytes (its ``path`` and the metadata's private
@@ -416,6 +419,7 @@ ACCESSES: dict[str, str] = {
     "torch.distributed.checkpoint.state_dict_loader._load_state_dict (caller frame; local storage_reader)": "2.13.0",
     "accelerate.checkpointing.save_custom_state (caller frame)": "accelerate 1.15.0 on torch 2.13.0",
     "sys._getframe / sys._current_frames (CPython)": "CPython 3.11, torch 2.13.0",
+    "torch.distributed.checkpoint.state_dict.{get,set}_optimizer_state_dict/{get,set}_state_dict.__code__ (plain functions without a closure; integrations.dsd routes them)": "2.13.0, 2.7.0 (source)",
     "torch.distributed._state_dict_utils._gather_state_dict (integrations.dsd)": "2.13.0",
     "torch.distributed._state_dict_utils._offload_state_dict_to_cpu (integrations.dsd)": "2.13.0",
     "FileSystemReader.path and _StorageInfo.relative_path/offset/length/transform_descriptors (item bytes)": "2.13.0, 2.7.0",

@@ -140,6 +140,18 @@ def _dsd_helpers() -> None:
     assert ti.offload_state_dict_to_cpu({"t": torch.ones(2)})["t"].device.type == "cpu"
 
 
+def _dsd_routable() -> None:
+    import torch.distributed.checkpoint.state_dict as dsd
+
+    from sparse_ckpt.integrations._rebind import route_code, unroutable
+
+    for name, params in ti.DSD_SIGNATURES.items():
+        fn = getattr(dsd, name)
+        assert unroutable(fn) is None, f"torch.distributed.checkpoint.state_dict.{name} {unroutable(fn)}"
+        code = route_code(fn, "sparse_ckpt.integrations.dsd.functions", name)
+        assert code.co_varnames[: len(params)] == params and not code.co_freevars
+
+
 def _file_item_location() -> None:
     import tempfile
 
@@ -241,6 +253,7 @@ CHECKS = {
     "torch.distributed.checkpoint.state_dict_loader._load_state_dict (caller frame; local storage_reader)": _dcp_storage_reader_frame,
     "accelerate.checkpointing.save_custom_state (caller frame)": _accelerate_frame,
     "sys._getframe / sys._current_frames (CPython)": _frames,
+    "torch.distributed.checkpoint.state_dict.{get,set}_optimizer_state_dict/{get,set}_state_dict.__code__ (plain functions without a closure; integrations.dsd routes them)": _dsd_routable,
     "torch.distributed._state_dict_utils._gather_state_dict (integrations.dsd)": _dsd_helpers,
     "torch.distributed._state_dict_utils._offload_state_dict_to_cpu (integrations.dsd)": _dsd_helpers,
     "FileSystemReader.path and _StorageInfo.relative_path/offset/length/transform_descriptors (item bytes)": _file_item_location,

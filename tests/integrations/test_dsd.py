@@ -319,23 +319,28 @@ def test_get_invents_nothing_and_keeps_every_group() -> None:
     assert len(opt.state) == dsd_moe.PARAMS
 
 
-def test_install_rebinds_imported_names_and_uninstall_restores_torchs_objects(restore: Any) -> None:
+def test_install_routes_torchs_own_functions_and_uninstall_restores_their_code(restore: Any) -> None:
+    import inspect
+
     import torch.distributed.checkpoint.state_dict as dsd_module
 
     names = ("get_optimizer_state_dict", "set_optimizer_state_dict", "get_state_dict", "set_state_dict")
     before = {n: getattr(dsd_module, n) for n in names}
+    codes = {n: f.__code__ for n, f in before.items()}
+    signatures = {n: inspect.signature(f) for n, f in before.items()}
     planner = DefaultLoadPlanner.__dict__["set_up_planner"]
     here = globals()
     assert all(here[n] is before[n] for n in names)  # bound at this module's import, before install()
     sc_dsd.install()
     sc_dsd.install()  # idempotent
     assert sc_dsd.installed()
-    for n in names:
-        assert getattr(dsd_module, n) is getattr(sc_dsd, n) and here[n] is getattr(sc_dsd, n)
+    for n in names:  # torch's objects stay where they are; their code is routed, their signature the same
+        assert getattr(dsd_module, n) is before[n] and here[n] is before[n] and before[n].__code__ is not codes[n]
+        assert inspect.signature(before[n]) == signatures[n] and STOCK[n].__code__ is codes[n]
     assert DefaultLoadPlanner.__dict__["set_up_planner"] is not planner
     sc_dsd.uninstall()
     assert not sc_dsd.installed()
-    assert all(getattr(dsd_module, n) is before[n] and here[n] is before[n] for n in names)
+    assert all(getattr(dsd_module, n) is before[n] and before[n].__code__ is codes[n] for n in names)
     assert DefaultLoadPlanner.__dict__["set_up_planner"] is planner
     sc_dsd.uninstall()  # no-op
 

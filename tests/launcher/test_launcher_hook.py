@@ -223,8 +223,9 @@ def test_a_prefixed_process_routes_dsd_and_check_reports_it(monkeypatch: pytest.
     """In the prefix's environment, importing torch DSD routes its functions through sparse_ckpt with one
     line on stderr (rank and pid); ``--check`` reports the same from a probe of the command's
     interpreter, without running the command, and exits 0."""
-    code = ("from torch.distributed.checkpoint.state_dict import get_optimizer_state_dict as f; "
-            "import sparse_ckpt.integrations.dsd as d; print(f is d.get_optimizer_state_dict, d.installed())")
+    code = ("from torch.distributed.checkpoint.state_dict import get_optimizer_state_dict as f; import torch; "
+            "import sparse_ckpt.integrations.dsd as d; m = torch.nn.Linear(2, 2); o = torch.optim.AdamW(m.parameters()); "
+            "print(isinstance(f(m, o), d.DsdStateDict) and not o.state, d.installed())")
     proc = run([sys.executable, "-c", code], env=cli.environment(child_env({"RANK": "3"}), integrations="dsd"), timeout=300)
     assert proc.returncode == 0, proc.stdout
     lines = proc.stdout.strip().splitlines()

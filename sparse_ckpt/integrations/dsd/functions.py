@@ -54,10 +54,12 @@ from ..._load.load import load_owned
 from ..._save.capture import check_leaves
 from ..._save.state_values import values_load_back
 from ...errors import CheckpointFormatError, SparseCheckpointError, UnsupportedStateDictError
+from .._rebind import pristine
 from . import full, layouts
 from .target import DsdStateDict, remember_stateless
 
 __all__ = [
+    "ROUTED",
     "get_optimizer_state_dict",
     "get_state_dict",
     "served",
@@ -66,18 +68,16 @@ __all__ = [
     "torch_dsd",
 ]
 
+ROUTED = ("get_optimizer_state_dict", "set_optimizer_state_dict", "get_state_dict", "set_state_dict")
+"""DSD's functions that ``install()`` routes here (`sparse_ckpt.integrations.dsd.patching`)."""
+
 torch_dsd: dict[str, Any] = {
-    name: getattr(_dsd, name)
-    for name in (
-        "get_optimizer_state_dict",
-        "set_optimizer_state_dict",
-        "get_state_dict",
-        "set_state_dict",
-        "get_model_state_dict",
-        "set_model_state_dict",
-    )
+    name: pristine(getattr(_dsd, name)) if name in ROUTED else getattr(_dsd, name)
+    for name in (*ROUTED, "get_model_state_dict", "set_model_state_dict")
 }
-"""torch's own DSD functions, as they were when this module was first imported (before ``install()``)."""
+"""What runs torch's own DSD: for the `ROUTED` functions, clones that run torch's original code
+(`sparse_ckpt.integrations._rebind.pristine`: ``install()`` swaps the code of torch's function
+objects themselves, so calling those would come back here); torch's objects for the others."""
 
 
 def get_optimizer_state_dict(

@@ -1,12 +1,17 @@
 """``install()``: route torch DSD and DCP's load planning through `sparse_ckpt.integrations.dsd`.
 
-What it patches (all undone by `uninstall`, which puts torch's exact objects back):
+What it patches (all undone by `uninstall`, which puts torch's exact code and objects back):
 
-- ``torch.distributed.checkpoint.state_dict.{get_optimizer_state_dict, set_optimizer_state_dict,
-  get_state_dict, set_state_dict}``, so every later ``from ... import`` gets this module's;
-- every name already bound to one of torch's four functions in a loaded module's globals (a
-  trainer that did ``from torch.distributed.checkpoint.state_dict import get_optimizer_state_dict``
-  before ``install()``), found by identity in ``sys.modules``;
+- torch's own function objects ``torch.distributed.checkpoint.state_dict.{get_optimizer_state_dict,
+  set_optimizer_state_dict, get_state_dict, set_state_dict}``: each keeps its identity, signature,
+  defaults and doc, and its ``__code__`` becomes a trampoline that calls this package's function of
+  the same name (`sparse_ckpt.integrations._rebind.route_code`). So every call goes through
+  sparse_ckpt however the caller bound the function, before or after ``install()``, in this process
+  (each process calls ``install()`` itself: a rank, a Ray worker, a spawned child): a module global, a
+  function local, a closure, a ``functools.partial``, a default argument, code that cloudpickle,
+  pickle or multiprocessing unpickled (they hold torch's object, or look it up by module and name).
+  torch's original code runs in the clones of `functions.torch_dsd` (what this package falls back to);
+  a clone made elsewhere from torch's code object before ``install()`` keeps running torch's code;
 - ``DefaultLoadPlanner.set_up_planner``: the dicts this module hands out (and only those) are
   rebuilt from the checkpoint's metadata before planning (`.target`), for ``planner=None``,
   ``DefaultLoadPlanner()`` and every subclass that calls ``super().set_up_planner``; so is a
@@ -14,14 +19,18 @@ What it patches (all undone by `uninstall`, which puts torch's exact objects bac
   the returned dicts into a new one, as NeMo Automodel does); any other unmarked optimizer dict that
   asks for none of its checkpoint's state is refused (a silent loss otherwise).
 
-A module imported after ``install()`` binds the replacements, so the import order does not matter.
+All or nothing: `install` and `uninstall` change the five objects together, and an interrupt at any
+point of either (``KeyboardInterrupt``) undoes what it had begun. `installed` reads the objects
+themselves (every one patched), never a flag, so it cannot say ``True`` while stock DSD runs, and a
+later `install` completes whatever is missing. Where torch's functions cannot be routed (not plain
+functions without a closure, or other signatures), `install` raises and patches nothing.
 """
 
 from __future__ import annotations
 
 import inspect
-import sys
 import threading
+from collections.abc import Callable
 from dataclasses import fields
 from typing import Any
 
@@ -40,56 +49,85 @@ from ..._torch_internals import (
     dcp_storage_reader,
 )
 from .. import safe_load
-from .._rebind import bindings
+from .._rebind import all_or_nothing, original_code, route_code, routed, unroutable
 from . import functions
 from .target import align_key_records, rebuild_copies, rebuild_marked
 
 __all__ = ["install", "installed", "uninstall"]
 
 _lock = threading.Lock()
-_patched: list[tuple[Any, str, Any, Any]] = []
-"""``(owner, name, torch's object, ours)`` for everything `install` replaced, in order."""
+_TORCH: dict[str, Any] = {name: getattr(_dsd, name) for name in functions.ROUTED}
+"""torch's own function objects, the ones `install` routes (their identity never changes)."""
 _PLANNER_PARAMS = ("self", "state_dict", "metadata", "is_coordinator")
 
 
 def install() -> None:
-    """Route torch DSD's optimizer functions and DCP's default load planning through this module.
+    """Route every call of torch DSD's four optimizer-facing functions, however bound, and DCP's
+    default load planning through this module.
 
-    Call it once per process, any time before the trainer saves or loads (after its imports is
-    fine). Idempotent. Raises ``RuntimeError`` (and patches nothing) on a torch whose DSD or
-    ``DefaultLoadPlanner.set_up_planner`` does not have the signatures this module replaces.
+    Call it once per process (in every process that checkpoints: each rank, each Ray Train worker),
+    any time before the trainer saves or loads: before or after its imports, at module level or inside
+    the training function. Idempotent; completes an earlier `install` that an interrupt cut short.
+    Raises ``RuntimeError`` (and patches nothing) on a torch whose DSD functions cannot be routed or
+    whose DSD or ``DefaultLoadPlanner.set_up_planner`` do not have the signatures this module replaces.
     """
-    with _lock:
-        if _patched:
-            return
-        _check_torch()
-        ours = {name: getattr(functions, name) for name in DSD_SIGNATURES}
-        for name, fn in ours.items():
-            _patched.append((_dsd, name, functions.torch_dsd[name], fn))
-        replacements = {id(functions.torch_dsd[name]): (functions.torch_dsd[name], fn) for name, fn in ours.items()}
-        own = [m for n, m in sys.modules.items() if n == __package__ or n.startswith(f"{__package__}.")]
-        _patched.extend(bindings(replacements, skip=[_dsd, *own]))
-        _patched.append((DefaultLoadPlanner, "set_up_planner", vars(DefaultLoadPlanner)["set_up_planner"], _set_up_planner))
-        for owner, name, _theirs, mine in _patched:
-            setattr(owner, name, mine)
-        if safe_load.requested():  # SPARSE_CKPT_SAFE_LOAD=1: every DCP load of the process read safely too
-            safe_load.install()
+    with _lock: _install_locked()  # fmt: skip - one line: no line event between acquire and release (see sparse_ckpt._gc)
+    if safe_load.requested():  # SPARSE_CKPT_SAFE_LOAD=1: every DCP load of the process read safely too
+        safe_load.install()
+
+
+def _install_locked() -> None:
+    if installed():
+        return
+    _check_torch()
+    codes = {name: route_code(fn, functions.__name__, name) for name, fn in _TORCH.items()}
+    all_or_nothing([*(_code_change(fn, codes[name]) for name, fn in _TORCH.items()), _planner_change(_set_up_planner)])
 
 
 def uninstall() -> None:
-    """Undo `install`: torch's own objects are back wherever it replaced them (a name that
-    something else rebound since is left alone; a module imported while installed keeps the
-    functions of this package it bound, which still work called directly). No-op when not installed."""
-    with _lock:
-        for owner, name, theirs, mine in reversed(_patched):
-            if getattr(owner, name, None) is mine or vars(owner).get(name) is mine:
-                setattr(owner, name, theirs)
-        _patched.clear()
+    """Undo `install`: torch's functions run their own code again and ``DefaultLoadPlanner`` has its
+    own ``set_up_planner`` (a ``set_up_planner`` that something else set since is left alone).
+    No-op when nothing is patched; also undoes a partial install."""
+    with _lock: _uninstall_locked()  # fmt: skip - one line: no line event between acquire and release
+
+
+def _uninstall_locked() -> None:
+    changes = [_code_change(fn, original_code(fn)) for fn in _TORCH.values() if routed(fn)]
+    if vars(DefaultLoadPlanner).get("set_up_planner") is _set_up_planner:
+        changes.append(_planner_change(_TORCH_SET_UP_PLANNER))
+    all_or_nothing(changes)
 
 
 def installed() -> bool:
-    """Whether `install` is in effect."""
-    return bool(_patched)
+    """Whether `install` is in effect: read from the patched objects themselves (all of torch's four
+    functions routed and the planner patched)."""
+    return all(routed(fn) for fn in _TORCH.values()) and vars(DefaultLoadPlanner).get("set_up_planner") is _set_up_planner
+
+
+def _code_change(fn: Any, code: Any) -> tuple[Callable[[], None], Callable[[], None]]:
+    """``(do, undo)``: set ``fn``'s code to ``code`` / back to what it is now (idempotent)."""
+    before = fn.__code__
+
+    def do() -> None:
+        fn.__code__ = code
+
+    def undo() -> None:
+        fn.__code__ = before
+
+    return do, undo
+
+
+def _planner_change(new: Any) -> tuple[Callable[[], None], Callable[[], None]]:
+    """``(do, undo)``: set ``DefaultLoadPlanner.set_up_planner`` to ``new`` / back to what it is now."""
+    before = vars(DefaultLoadPlanner)["set_up_planner"]
+
+    def do() -> None:
+        DefaultLoadPlanner.set_up_planner = new  # type: ignore[method-assign]
+
+    def undo() -> None:
+        DefaultLoadPlanner.set_up_planner = before  # type: ignore[method-assign]
+
+    return do, undo
 
 
 def _set_up_planner(self: DefaultLoadPlanner, state_dict: Any, metadata: Any = None, is_coordinator: bool = False) -> None:
@@ -132,8 +170,17 @@ def _read_weights_only(planner: DefaultLoadPlanner, keys: set[str]) -> None:
     vars(planner)["load_bytes"] = load_bytes
 
 
-_TORCH_SET_UP_PLANNER = vars(DefaultLoadPlanner)["set_up_planner"]
+
+def _torchs_set_up_planner() -> Any:
+    """torch's own ``DefaultLoadPlanner.set_up_planner``, also when this module is imported again while
+    an earlier copy of it is installed (its function says what it wraps)."""
+    current = vars(DefaultLoadPlanner)["set_up_planner"]
+    return current.__wrapped__ if getattr(current, "_sparse_ckpt_planner", False) else current
+
+
+_TORCH_SET_UP_PLANNER = _torchs_set_up_planner()
 _set_up_planner.__wrapped__ = _TORCH_SET_UP_PLANNER  # type: ignore[attr-defined]
+_set_up_planner._sparse_ckpt_planner = True  # type: ignore[attr-defined]
 _set_up_planner.__doc__ = _TORCH_SET_UP_PLANNER.__doc__ or _set_up_planner.__doc__
 
 
@@ -144,6 +191,9 @@ def _check_torch() -> None:
         got = tuple(inspect.signature(fn).parameters)
         if got != expected:
             problems.append(f"{name}{got} (expected {expected})")
+        why = unroutable(_TORCH[name])
+        if why is not None:
+            problems.append(f"{name} {why}, so its callers cannot be routed")
     have = {f.name for f in fields(_dsd.StateDictOptions)}
     missing = [o for o in DSD_OPTIONS if o not in have]
     if missing:
