@@ -49,7 +49,8 @@ class _VersionAction(argparse.Action):
                          help="show the version of sparse_ckpt, torch and the core, and exit")
 
     def __call__(self, parser: argparse.ArgumentParser, *args: object, **kwargs: object) -> None:
-        parser.exit(message=_version() + "\n")
+        print(_version())
+        parser.exit()
 
 
 def _parser() -> argparse.ArgumentParser:
@@ -72,6 +73,8 @@ def _parser() -> argparse.ArgumentParser:
     d.add_argument("a", help="first DCP checkpoint directory")
     d.add_argument("b", help="second DCP checkpoint directory")
     d.add_argument("--key", help="the optimizer's key in both (default: the only one, or equal keys)")
+    d.add_argument("--layout", action="store_true",
+                   help="also compare the layout: leaves, groups by index and their parameters (default: what they mean, by FQN)")
     d.add_argument("--json", action="store_true", help="machine-readable output")
     d.add_argument("--exit-code", action="store_true", help=f"exit {EXIT_DIFFERENT} when they differ")
     c = sub.add_parser("convert", help="rewrite the optimizer part between packed and flat format")
@@ -118,7 +121,7 @@ def _run(args: argparse.Namespace, out: Callable[[str], None], err: Callable[[st
         from .diff import diff_checkpoints, format_diff
         from .inspect import jsonable
 
-        report = diff_checkpoints(args.a, args.b, args.key)
+        report = diff_checkpoints(args.a, args.b, args.key, layout=args.layout)
         out(json.dumps(jsonable(report), indent=2) if args.json else format_diff(report))
         return EXIT_DIFFERENT if args.exit_code and report["differences"] else EXIT_OK
     if args.command == "convert":
