@@ -18,11 +18,11 @@ Submodules: `sparse_ckpt.tools` (the checkpoint tools behind ``python -m sparse_
 from __future__ import annotations
 
 import importlib
-from typing import TYPE_CHECKING, Any
+import typing
 
 from ._version import __version__
 
-if TYPE_CHECKING:  # what the names below resolve to (type checkers and readers; at run time: `__getattr__`)
+if typing.TYPE_CHECKING:  # what the names below resolve to (type checkers and readers; at run time: `__getattr__`)
     from ._adapters import AdapterHandle, register_state_dict_adapter
     from ._backend import backend
     from ._dcp.planner import SparseLoadPlanner
@@ -80,7 +80,7 @@ __all__ = [
 ]
 
 
-def __getattr__(name: str) -> Any:
+def __getattr__(name: str) -> typing.Any:
     """Import a public name from its home on first use, and keep it (later uses are plain lookups)."""
     home = _HOMES.get(name)
     if home is None:

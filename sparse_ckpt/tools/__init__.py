@@ -8,9 +8,9 @@ Each function takes checkpoint directories and returns plain data (the ``--json`
 from __future__ import annotations
 
 import importlib
-from typing import TYPE_CHECKING, Any
+import typing
 
-if TYPE_CHECKING:  # at run time: `__getattr__`
+if typing.TYPE_CHECKING:  # at run time: `__getattr__`
     from .convert import convert_checkpoint
     from .diff import diff_checkpoints
     from .inspect import inspect_checkpoint
@@ -19,7 +19,7 @@ if TYPE_CHECKING:  # at run time: `__getattr__`
 __all__ = ["convert_checkpoint", "diff_checkpoints", "inspect_checkpoint", "verify_checkpoint"]
 
 
-def __getattr__(name: str) -> Any:
+def __getattr__(name: str) -> typing.Any:
     """Import a tool on first use (``python -m sparse_ckpt inspect`` imports only the inspector)."""
     if name not in __all__:
         raise AttributeError(f"module {__name__!r} has no attribute {name!r}")
