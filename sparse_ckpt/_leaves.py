@@ -89,7 +89,12 @@ def _veomni_leaves(cls: str, optimizers: Mapping[Any, Any], key_names: Sequence[
     return [(name, _leaf_value(name, optimizers[name])) for name in names]
 
 
-def refuse_state_dict(obj: Any, leaf: str | None = None) -> None:
+PASS_THE_OPTIMIZER = (
+    "pass the optimizer (`opt`, not `opt.state_dict()`), a sparse_ckpt.MultiOptimizer or a mapping {name: optimizer}"
+)
+
+
+def refuse_state_dict(obj: Any, leaf: str | None = None, advice: str = PASS_THE_OPTIMIZER) -> None:
     """`TypeError` when ``obj``, given where an optimizer is expected, is a state dict: torch's
     ``optimizer.state_dict()`` (``state`` and ``param_groups``) or an optimizer dict of flat keys
     (``state.*``, ``param_groups.*``: `sparse_state_dict`'s, DSD's, a Stateful's ``state_dict()``)."""
@@ -103,8 +108,7 @@ def refuse_state_dict(obj: Any, leaf: str | None = None) -> None:
         return
     where = f"leaf {leaf!r}: " if leaf is not None else ""
     raise TypeError(
-        f"{where}you passed a state dict ({kind}) where an optimizer is expected; pass the optimizer "
-        "(`opt`, not `opt.state_dict()`), a sparse_ckpt.MultiOptimizer or a mapping {name: optimizer}"
+        f"{where}you passed a state dict ({kind}) where an optimizer is expected; {advice}"
     )
 
 
