@@ -4,7 +4,7 @@ Public API:
 
 * save and load: `sparse_state_dict`, `load_sparse_state_dict`, `MultiOptimizer`,
   `register_state_dict_adapter` (and its `AdapterHandle`);
-* DCP: `SparseOptimizerState` (a Stateful) and `SparseLoadPlanner`;
+* DCP: `SparseOptimizerState` (a Stateful), `SparseLoadPlanner` and `SafeFileSystemReader`;
 * errors: `SparseCheckpointError` and its subclasses `UnsupportedStateDictError`,
   `ReentrantSerializationError`, `CheckpointMismatchError` (and its
   `CrossRankStateError`), `CheckpointFormatError`;
@@ -26,6 +26,7 @@ if typing.TYPE_CHECKING:  # what the names below resolve to (type checkers and r
     from ._adapters import AdapterHandle, register_state_dict_adapter
     from ._backend import backend
     from ._dcp.planner import SparseLoadPlanner
+    from ._dcp.safe_reader import SafeFileSystemReader
     from ._dcp.stateful import SparseOptimizerState
     from ._fqn import clear_fqn_cache
     from ._load.load import load_sparse_state_dict
@@ -45,6 +46,7 @@ _HOMES = {
     "register_state_dict_adapter": "._adapters",
     "backend": "._backend",
     "SparseLoadPlanner": "._dcp.planner",
+    "SafeFileSystemReader": "._dcp.safe_reader",
     "SparseOptimizerState": "._dcp.stateful",
     "clear_fqn_cache": "._fqn",
     "load_sparse_state_dict": "._load.load",
@@ -67,6 +69,7 @@ __all__ = [
     "CrossRankStateError",
     "MultiOptimizer",
     "ReentrantSerializationError",
+    "SafeFileSystemReader",
     "SparseCheckpointError",
     "SparseLoadPlanner",
     "SparseOptimizerState",

@@ -26,11 +26,17 @@ Why each is needed:
 * where a ``FileSystemReader`` keeps an item's bytes (its ``path`` and the metadata's private
   ``_StorageInfo`` records): a whole one-chunk tensor item read straight into its own tensor,
   without the copy into a second tensor that ``read_data`` makes (buffers-layout loads);
+* the private names DCP's ``.metadata`` pickle refers to (``_MEM_FORMAT_ENCODING``, ``_StorageInfo``,
+  ``torch.serialization._get_layout``): the restricted unpickler of `sparse_ckpt._dcp.safe_reader`
+  resolves only those and the public metadata classes (`dcp_metadata_globals`);
 * DCP's module flag ``_version._derived_version``: ``DefaultLoadPlanner.create_local_plan`` sets it to
   ``"2_3"`` (flatten as torch <= 2.3 did) around a probe for an old checkpoint and resets it without a
   ``finally``, so a ``KeyboardInterrupt`` in that window leaves every later flatten of every DCP
   load and save in the old layout; a load planner of the library clears a flag left so and
-  restores it after the probe whatever happens (`dcp_flatten_as_saved`).
+  restores it after the probe whatever happens (`dcp_flatten_as_saved`);
+* the default process group's store (``distributed_c10d._get_default_store``): the bounded agreement
+  of ``integrations.dsd``'s loads (`sparse_ckpt._dist.agree_on_refusal`) waits on the other ranks with
+  a timeout of its own, which no collective of a Gloo or NCCL group offers without breaking the group.
 """
 
 from __future__ import annotations
@@ -303,12 +309,15 @@ def local_chunk(dtensor: Any) -> Any:
 def file_item_location(storage_reader: Any, storage_info: Any, *, subclasses: bool = False) -> tuple[str, int, int] | None:
     """``(file, offset, length)`` of the bytes of a DCP item (``storage_info``: its entry in the
     metadata's ``storage_data``) that ``storage_reader`` would read, when it is torch's own
-    ``FileSystemReader`` (not a subclass, unless ``subclasses``: where a failed read is diagnosed)
+    ``FileSystemReader`` or `sparse_ckpt.SafeFileSystemReader` (not another subclass, unless ``subclasses``:
+    where a failed read is diagnosed)
     and the item was written without stream transforms; ``None`` otherwise (the caller then reads
     through ``read_data``)."""
     from torch.distributed.checkpoint import FileSystemReader
 
-    own = isinstance(storage_reader, FileSystemReader) if subclasses else type(storage_reader) is FileSystemReader
+    from ._dcp.safe_reader import SafeFileSystemReader  # torch's reader, its files confined: the same layout
+
+    own = isinstance(storage_reader, FileSystemReader) if subclasses else type(storage_reader) in (FileSystemReader, SafeFileSystemReader)
     if not own or getattr(storage_info, "transform_descriptors", None):
         return None
     root = getattr(storage_reader, "path", None)
@@ -317,6 +326,40 @@ def file_item_location(storage_reader: Any, storage_info: Any, *, subclasses: bo
     if not isinstance(root, (str, os.PathLike)) or type(rel) is not str or type(offset) is not int or type(length) is not int:
         return None
     return os.path.join(root, rel), offset, length
+
+
+_DCP_METADATA_CLASSES = {
+    "torch.distributed.checkpoint.metadata": (
+        "Metadata", "StorageMeta", "TensorStorageMetadata", "BytesStorageMetadata", "ChunkStorageMetadata",
+        "TensorProperties", "_MEM_FORMAT_ENCODING", "MetadataIndex",
+    ),
+    "torch.distributed.checkpoint.filesystem": ("_StorageInfo",),
+    # what torch < 2.2 wrote (TensorProperties lived with ShardedTensor's metadata); still importable
+    "torch.distributed._shard.sharded_tensor.metadata": ("TensorProperties", "MEM_FORMAT_ENCODING"),
+    "torch.serialization": ("_get_layout",),  # a torch.layout pickles as _get_layout("torch.strided")
+}
+"""Module -> the classes and functions of torch that a ``FileSystemWriter``'s ``.metadata`` pickle names."""
+
+
+def dcp_metadata_globals() -> dict[tuple[str, str], Any]:
+    """``(module, name) -> object`` for every torch class and function DCP's ``.metadata`` is made of
+    (`_DCP_METADATA_CLASSES`: the metadata dataclasses, the private ``_MEM_FORMAT_ENCODING`` enum
+    ``TensorProperties`` pickles its memory format as, the file system's private ``_StorageInfo``, and
+    ``torch.serialization._get_layout``), those this torch has; ``torch.Size`` and dtypes are the
+    caller's (public)."""
+    import importlib
+
+    found: dict[tuple[str, str], Any] = {}
+    for module, names in _DCP_METADATA_CLASSES.items():
+        try:
+            mod = importlib.import_module(module)
+        except ImportError:  # pragma: no cover - a torch without this module: its names are refused
+            continue
+        for name in names:
+            obj = getattr(mod, name, None)
+            if obj is not None:
+                found[module, name] = obj
+    return found
 
 
 def _dcp_version_module() -> Any:
@@ -377,6 +420,8 @@ ACCESSES: dict[str, str] = {
     "torch.distributed._state_dict_utils._offload_state_dict_to_cpu (integrations.dsd)": "2.13.0",
     "FileSystemReader.path and _StorageInfo.relative_path/offset/length/transform_descriptors (item bytes)": "2.13.0, 2.7.0",
     "torch.distributed.checkpoint._version._derived_version (DefaultLoadPlanner's flatten flag)": "2.13.0",
+    "DCP metadata pickle: metadata._MEM_FORMAT_ENCODING, filesystem._StorageInfo, serialization._get_layout": "2.13.0",
+    "torch.distributed.distributed_c10d._get_default_store (the bounded agreement)": "2.13.0",
 }
 """Every torch internal the library touches -> the versions it was checked on.
 tests/core/test_torch_internals.py checks each entry against the installed torch; CI runs it on
@@ -406,6 +451,14 @@ DSD_OPTIONS = (
     "flatten_optimizer_state_dict",
 )
 """The ``StateDictOptions`` fields ``integrations.dsd`` reads (``dsd_fqn_modifiers`` is read when present)."""
+
+
+def default_store() -> Any:
+    """The default process group's ``Store`` (torch's private ``_get_default_store``, checked on torch
+    2.13.0): what the bounded agreement of `sparse_ckpt._dist.agree_on_refusal` exchanges through."""
+    from torch.distributed.distributed_c10d import _get_default_store
+
+    return _get_default_store()
 
 
 def gather_full_state_dict(state_dict: dict[str, Any], *, cpu_offload: bool, ranks_only: tuple[int, ...]) -> dict[str, Any]:

@@ -29,23 +29,34 @@ from ..errors import CheckpointFormatError, CheckpointMismatchError, SparseCheck
 from .damage import crc_failure, damaged, diagnose, header_crc_failure, reason, with_file
 from .saved_tensor import read_saved_tensor
 
-__all__ = ["FileWindow", "ItemPlanner", "allocate_item", "allocate_like", "check_covered", "read_items", "weights_only_item", "weights_only_object"]
+__all__ = ["FileWindow", "ItemPlanner", "WeightsOnlyStream", "allocate_item", "allocate_like", "check_covered", "read_items", "weights_only_item", "weights_only_object"]
 
 Consume = Callable[[str, Any], None]
 
 
-def weights_only_item(key: str, value: io.BytesIO, table: bool) -> io.BytesIO:
-    """Unpickle a DCP bytes item with ``weights_only=True``; return a fresh stream of it for DCP."""
-    out = io.BytesIO()
-    torch.save(weights_only_object(key, value, table), out)
+_NOT_DATA = "a damaged checkpoint, or one that holds more than data"
+
+
+class WeightsOnlyStream(io.BytesIO):
+    """A bytes item's stream that `weights_only_item` wrote from the object it read weights-only: a
+    later reader (``SPARSE_CKPT_SAFE_LOAD``'s ``load_bytes``) need not check it again."""
+
+
+def weights_only_item(key: str, value: io.BytesIO, table: bool, *, what: str | None = None, hint: str = _NOT_DATA) -> io.BytesIO:
+    """Unpickle a DCP bytes item with ``weights_only=True``; return a fresh stream of it for DCP
+    (a `WeightsOnlyStream`)."""
+    out = WeightsOnlyStream()
+    torch.save(weights_only_object(key, value, table, what=what, hint=hint), out)
     out.seek(0)
     return out
 
 
-def weights_only_object(key: str, value: io.BytesIO, table: bool) -> Any:
-    """The object of a DCP bytes item, unpickled with ``weights_only=True`` (``table``: it must be ``bytes``)."""
+def weights_only_object(key: str, value: io.BytesIO, table: bool, *, what: str | None = None, hint: str = _NOT_DATA) -> Any:
+    """The object of a DCP bytes item, unpickled with ``weights_only=True`` (``table``: it must be ``bytes``).
+    A refusal is a `CheckpointFormatError` naming ``what`` (default: the table kind, or "optimizer
+    item") and the key, the global the unpickler refused, and ``hint``."""
     prefix = next((p for p in (SCALARS_PREFIX, BUFFERS_PREFIX) if p in key), PACKED_PREFIX)
-    what = table_kind(prefix) if table else "optimizer item"
+    what = what if what is not None else table_kind(prefix) if table else "optimizer item"
     blob = value.getvalue() if isinstance(value, io.BytesIO) else None
     bad = crc_failure(blob) if blob is not None else None
     if bad is not None:
@@ -54,8 +65,7 @@ def weights_only_object(key: str, value: io.BytesIO, table: bool) -> Any:
         obj = torch.load(value, weights_only=True)
     except Exception as exc:  # noqa: BLE001 - any refusal of the restricted unpickler
         raise CheckpointFormatError(
-            f"{what} {key!r} is not a plain data item ({reason(exc)}): a damaged checkpoint, or one that holds "
-            "more than data"
+            f"{what} {key!r} is not a plain data item ({reason(exc)}): {hint}"
         ) from None
     if table and not isinstance(obj, bytes):
         raise CheckpointFormatError(f"{what} {key!r} holds a {type(obj).__name__}, expected bytes")
@@ -86,8 +96,9 @@ def allocate_item(md: Any, like: torch.Tensor | None, key_leaf: str) -> Any:
 class ItemPlanner(DefaultLoadPlanner):
     """The read callbacks of :func:`read_items` (``read_data`` is called directly, not through
     ``dcp.load``'s planning): a tensor item is allocated on the CPU when its first chunk is read and
-    handed over when its last one is; a bytes item is unpickled with ``weights_only=True``, kept raw
-    (``raw_keys``) or read as DCP reads it (``unpickle_keys``: ``convert`` copies model extras)."""
+    handed over when its last one is; a bytes item is unpickled with ``weights_only=True`` (``unpickle_keys``:
+    items that are not an optimizer's, which ``convert`` copies, refused as a "checkpoint item"), or kept
+    raw (``raw_keys``). Nothing is unpickled unrestricted."""
 
     def __init__(
         self,
@@ -142,9 +153,8 @@ class ItemPlanner(DefaultLoadPlanner):
         key = read_item.dest_index.fqn
         if key in self._raw_keys:
             self._consume(key, value.read())
-        elif key in self._unpickle_keys:
-            super().load_bytes(read_item, value)  # DCP's own read: into self.state_dict
-            self._consume(key, self.state_dict.pop(key))
+        elif key in self._unpickle_keys:  # not the optimizer's: named as an item, never unpickled unrestricted
+            self._consume(key, weights_only_object(key, value, table=False, what="checkpoint item"))
         else:
             self._consume(key, weights_only_object(key, value, table=self._is_table(key)))
 

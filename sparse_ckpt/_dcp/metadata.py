@@ -1,6 +1,7 @@
 """A DCP checkpoint directory without a model: its metadata and the optimizers in it.
 
-Only public DCP API is used (``FileSystemReader.read_metadata``). :func:`find_optimizers` finds
+``.metadata`` is read by the restricted unpickler of :mod:`sparse_ckpt._dcp.safe_reader` (nothing in
+it runs; no storage record may point outside the directory). :func:`find_optimizers` finds
 each optimizer's entries (sparse packed/flat, or torch DSD's nested layout) by their flattened
 keys, which is what DCP matches on; :mod:`sparse_ckpt.tools._reader` reads them.
 """
@@ -10,7 +11,6 @@ from __future__ import annotations
 import os
 from dataclasses import dataclass, field
 
-from torch.distributed.checkpoint import FileSystemReader
 from torch.distributed.checkpoint.metadata import Metadata
 
 from .._format.keys import GROUPS_PREFIX, OPTIMIZER_PREFIXES, is_foreign_guard
@@ -18,6 +18,7 @@ from .._format.keys_record import RECORD_PREFIX
 from .._format.nested import NESTED_KEYS
 from ..errors import NotACheckpointError
 from .paths import ObjPath, metadata_path, set_path
+from .safe_reader import METADATA_FILE, read_metadata_file
 
 __all__ = [
     "METADATA_FILE",
@@ -31,11 +32,10 @@ __all__ = [
     "unrecognised_optimizer_items",
 ]
 
-METADATA_FILE = ".metadata"
-
-
 def read_metadata(path: str | os.PathLike[str]) -> Metadata:
-    """The checkpoint's DCP metadata; :class:`NotACheckpointError` when there is none."""
+    """The checkpoint's DCP metadata, read by the restricted unpickler (`read_metadata_file`);
+    :class:`NotACheckpointError` when there is none, `CheckpointFormatError` when it cannot be read, names
+    a global DCP's metadata is not made of, or points outside ``path``."""
     path = os.fspath(path)
     if not os.path.isdir(path):
         raise NotACheckpointError(f"{path!r} is not a directory: incomplete or not a DCP checkpoint")
@@ -43,7 +43,7 @@ def read_metadata(path: str | os.PathLike[str]) -> Metadata:
         raise NotACheckpointError(
             f"{path!r} has no {METADATA_FILE} file: incomplete or not a DCP checkpoint"
         )
-    return FileSystemReader(path).read_metadata()
+    return read_metadata_file(os.path.join(path, METADATA_FILE), path)
 
 
 @dataclass

@@ -50,7 +50,7 @@ from .origin import ORIGIN_KEY
 from .paths import metadata_paths, set_path
 from .stateful import SparseOptimizerState, SparseStateDict
 
-__all__ = ["SparseLoadPlanner"]
+__all__ = ["SparseLoadPlanner", "optimizer_bytes", "reads_weights_only"]
 
 _NOT_READ = (PLANNER_GUARD_KEY, ORIGIN_KEY)
 """Entries of an optimizer dict the planner never reads back: the planner guard, and an origin record
@@ -137,7 +137,7 @@ class SparseLoadPlanner(DefaultLoadPlanner):
 
     def _reads_weights_only(self, key: str) -> bool:
         """Whether `load_bytes` reads bytes item ``key`` with `weights_only_item` (which checks its CRCs)."""
-        return self._all_weights_only or is_table_key(key) or key in getattr(self, "_optimizer_keys", ())
+        return reads_weights_only(key, getattr(self, "_optimizer_keys", ()), everything=self._all_weights_only)
 
     def load_bytes(self, read_item: ReadItem, value: io.BytesIO) -> None:
         """Read every non-tensor optimizer item with ``torch.load(weights_only=True)``; others as DCP does.
@@ -149,9 +149,22 @@ class SparseLoadPlanner(DefaultLoadPlanner):
         `CheckpointFormatError` naming the key.
         """
         key = read_item.dest_index.fqn
-        if self._reads_weights_only(key):
-            value = weights_only_item(key, value, table=is_table_key(key) or BUFFERS_PREFIX in key)
-        super().load_bytes(read_item, value)
+        super().load_bytes(read_item, optimizer_bytes(key, value, getattr(self, "_optimizer_keys", ()), everything=self._all_weights_only))
+
+
+def reads_weights_only(key: str, optimizer_keys: Collection[str], *, everything: bool = False) -> bool:
+    """Whether a load planner of the library reads bytes item ``key`` weights-only: every table, the
+    items of the optimizer dicts it rebuilt (``optimizer_keys``), or ``everything``."""
+    return everything or is_table_key(key) or key in optimizer_keys
+
+
+def optimizer_bytes(key: str, value: io.BytesIO, optimizer_keys: Collection[str], *, everything: bool = False) -> io.BytesIO:
+    """Bytes item ``key`` as a load planner of the library hands it to DCP's ``load_bytes``: unpickled
+    with ``weights_only=True`` and saved again (`weights_only_item`, which checks its CRCs; tables and
+    buffers must be ``bytes``) when `reads_weights_only`, else ``value`` as it is."""
+    if not reads_weights_only(key, optimizer_keys, everything=everything):
+        return value
+    return weights_only_item(key, value, table=is_table_key(key) or BUFFERS_PREFIX in key)
 
 
 def _find_targets(node: Any, path: tuple[str | int, ...]) -> Iterator[tuple[tuple[str | int, ...], SparseStateDict]]:

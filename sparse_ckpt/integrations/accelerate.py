@@ -41,6 +41,7 @@ from typing import Any
 import torch.distributed.checkpoint as dcp
 
 from .._dcp.planner import SparseLoadPlanner
+from .._dcp.safe_reader import SafeFileSystemReader
 from .._dcp.stateful import SparseOptimizerState
 from .._format.tags import Keying
 from .._multi_optimizer import MultiOptimizer
@@ -173,7 +174,7 @@ def load_fsdp_optimizer(
     ckpt_dir = Path(input_dir) if Path(input_dir).name == name else Path(input_dir) / name
     accelerator.wait_for_everyone()
     state = SparseOptimizerState(model, optimizer, strict=_options["strict"])
-    dcp.load({OPTIMIZER_KEY: state}, storage_reader=dcp.FileSystemReader(os.fspath(ckpt_dir)), planner=SparseLoadPlanner())
+    dcp.load({OPTIMIZER_KEY: state}, storage_reader=SafeFileSystemReader(os.fspath(ckpt_dir)), planner=SparseLoadPlanner())
     accelerator.wait_for_everyone()
     return None
 

@@ -45,6 +45,7 @@ import warnings
 from typing import Any
 
 from .._dcp.planner import SparseLoadPlanner
+from .._dcp.safe_reader import safe_reader_like
 from .._dcp.stateful import SparseOptimizerState
 from .._format.tags import Keying
 from .._fqn import build_fqn_map
@@ -285,7 +286,8 @@ def _load(cls: Any, call: dict[str, Any], *, migrate: bool, require_stock: bool)
     if "model" not in state:
         raise ValueError("Model must be provided to load a distributed checkpoint.")
     model = state["model"]
-    reader = storage_reader if storage_reader is not None else cls._create_storage_reader(path)
+    # the checkpointer's own reader (torch's FileSystemReader) as a SafeFileSystemReader; a caller's as it is
+    reader = storage_reader if storage_reader is not None else safe_reader_like(cls._create_storage_reader(path))
     load_state: dict[str, Any] = {
         "model": ModelState(model, trainable_only=trainable_only, parallel_state=parallel_state)
     }

@@ -54,7 +54,7 @@ integration's trigger module that is installed, as a trainer would, and reports 
 def _parser() -> argparse.ArgumentParser:
     p = argparse.ArgumentParser(
         prog="sparse-ckpt-run",
-        usage="sparse-ckpt-run [--integrations LIST] [--strict] [--log {auto,logging}] [--check] CMD [ARGS ...]",
+        usage="sparse-ckpt-run [--integrations LIST] [--strict] [--safe-load] [--log {auto,logging}] [--check] CMD [ARGS ...]",
         description=(
             "Run CMD with sparse_ckpt active in every Python process it starts (torchrun and Accelerate "
             "workers, multiprocessing spawn children, subprocesses): torch DSD and the trainers' checkpointing "
@@ -70,6 +70,8 @@ def _parser() -> argparse.ArgumentParser:
     )
     p.add_argument("--strict", action="store_true", help="a process whose integration fails to install stops (SPARSE_CKPT_RUN_STRICT=1) "
                    "instead of running stock with a warning")
+    p.add_argument("--safe-load", action="store_true", help="read every DCP checkpoint as one from elsewhere: .metadata by a "
+                   "restricted unpickler, bytes items weights-only, nothing outside the checkpoint (SPARSE_CKPT_SAFE_LOAD=1)")
     p.add_argument("--log", choices=("auto", "logging"), help="auto (default): the routing line goes to stderr when logging would "
                    "not show it; logging: only through the sparse_ckpt.launcher logger (SPARSE_CKPT_RUN_LOG)")
     p.add_argument("--check", action="store_true", help="do not run CMD: print what would be routed, from a probe process of "
@@ -79,7 +81,10 @@ def _parser() -> argparse.ArgumentParser:
     return p
 
 
-def environment(base: Mapping[str, str], *, integrations: str | None = None, strict: bool = False, log: str | None = None) -> dict[str, str]:
+def environment(
+    base: Mapping[str, str], *, integrations: str | None = None, strict: bool = False, log: str | None = None,
+    safe_load: bool = False,
+) -> dict[str, str]:
     """The environment the command runs with: ``base`` with `SITE_DIR` first on ``PYTHONPATH``
     (the rest kept as it was), ``SPARSE_CKPT_RUN_HOME`` and the options' variables."""
     env = dict(base)
@@ -92,6 +97,8 @@ def environment(base: Mapping[str, str], *, integrations: str | None = None, str
         env["SPARSE_CKPT_RUN_STRICT"] = "1"
     if log is not None:
         env["SPARSE_CKPT_RUN_LOG"] = log
+    if safe_load:
+        env["SPARSE_CKPT_SAFE_LOAD"] = "1"
     return env
 
 
@@ -172,7 +179,7 @@ def interpreter_options(args: Sequence[str]) -> list[str]:
 
 def plan(env: Mapping[str, str]) -> list[str]:
     """The integrations that would be activated, one line each, and the selection's problems."""
-    selected, problems = hook.selection(env.get("SPARSE_CKPT_INTEGRATIONS", "auto"))
+    selected, problems = hook.selection(env.get("SPARSE_CKPT_INTEGRATIONS", "auto"), dict(env))
     lines = []
     for name, integration in hook.INTEGRATIONS.items():
         if name in selected:
@@ -200,7 +207,7 @@ def _check(command: Sequence[str], env: dict[str, str], out: list[str]) -> int:
         shown_options = f", options {' '.join(options)}" if options else ""
         out.append(f"  command:    Python program, interpreter {interpreter}{shown_options} ({how})")
     out.append(f"  PYTHONPATH: {env['PYTHONPATH']}")
-    for key in ("SPARSE_CKPT_INTEGRATIONS", "SPARSE_CKPT_RUN_STRICT", "SPARSE_CKPT_RUN_LOG"):
+    for key in ("SPARSE_CKPT_INTEGRATIONS", "SPARSE_CKPT_RUN_STRICT", "SPARSE_CKPT_RUN_LOG", "SPARSE_CKPT_SAFE_LOAD"):
         out.append(f"  {key}={env.get(key, '(unset)')}")
     out.append("integrations (each process activates them when it imports their trigger):")
     out.extend(plan(env))
@@ -249,8 +256,8 @@ def main(argv: Sequence[str] | None = None) -> int:
             print(f"sparse-ckpt-run --check: SPARSE_CKPT_RUN={env['SPARSE_CKPT_RUN']}: off; {' '.join(command)} runs stock")
             return EXIT_OK
     else:
-        env = environment(os.environ, integrations=args.integrations, strict=args.strict, log=args.log)
-        _, problems = hook.selection(env.get("SPARSE_CKPT_INTEGRATIONS", "auto"))
+        env = environment(os.environ, integrations=args.integrations, strict=args.strict, log=args.log, safe_load=args.safe_load)
+        _, problems = hook.selection(env.get("SPARSE_CKPT_INTEGRATIONS", "auto"), env)
         if problems:
             for p in problems:
                 print(f"sparse-ckpt-run: {p}", file=sys.stderr)

@@ -4,10 +4,10 @@ Opens a DCP checkpoint without a model (`open_checkpoint`), reads chosen items i
 process a bounded number of bytes at a time (`read_entries`, `batches`) and decodes
 one optimizer's entries into its groups and per-FQN state (`split_optimizer`, `Group`).
 
-Reading never runs code from the checkpoint beyond DCP's own ``.metadata`` unpickling:
-optimizer items are read with ``torch.load(weights_only=True)``; other bytes items are either
-not unpickled at all (``raw_keys``) or read as DCP reads them (``unpickle_keys``: ``convert``
-must copy them). Settings and tables are read; per-item state is seen through its DCP metadata.
+Reading never runs code from the checkpoint: ``.metadata`` is read by the restricted unpickler
+(:mod:`sparse_ckpt._dcp.safe_reader`; no item is read from outside the checkpoint directory),
+bytes items with ``torch.load(weights_only=True)`` (``convert`` copies the model's that way) or
+not unpickled at all (``raw_keys``). Settings and tables are read; per-item state is seen through its DCP metadata.
 The scalars of scalar tables (packed version 2) lead each parameter's state as on load, so a
 version-1 and a version-2 checkpoint of one optimizer read the same. The table format is
 specified in docs/formats.md.
@@ -20,12 +20,12 @@ import os
 from collections.abc import Callable, Collection, Iterable, Iterator, Mapping
 from typing import Any, TypeVar
 
-from torch.distributed.checkpoint import FileSystemReader
 from torch.distributed.checkpoint.metadata import Metadata, StorageMeta, TensorStorageMetadata
 
 from .. import _backend
 from .._dcp.items import read_items
 from .._dcp.metadata import METADATA_FILE, OptimizerEntries, read_metadata, set_path
+from .._dcp.safe_reader import SafeFileSystemReader
 from .._format.codec import encode_settings, encode_table
 from .._format.keys import (
     BUFFERS_PREFIX,
@@ -49,7 +49,7 @@ from .._load.completeness import check_key_record, check_recorded_items, check_t
 from .._load.decode import decode_group_tables
 from .._load.decode_state import decode_scalar_tables, merge_scalars, merge_state
 from .._text import one_line
-from ..errors import CheckpointFormatError, NotACheckpointError, SparseCheckpointError, UsageError
+from ..errors import CheckpointFormatError, SparseCheckpointError, UsageError
 
 __all__ = [
     "BATCH_BYTES",
@@ -85,30 +85,26 @@ T = TypeVar("T")
 
 
 def open_checkpoint(path: str | os.PathLike[str]) -> Metadata:
-    """The checkpoint's DCP metadata.
+    """The checkpoint's DCP metadata, read by the restricted unpickler (nothing in it runs).
 
     `NotACheckpointError` when ``path`` is no directory or has no ``.metadata``;
     `CheckpointFormatError` when ``.metadata`` cannot be read (garbage, truncated, another
-    format), with a one-line reason.
+    format), names a global DCP's metadata is not made of, or has a storage record outside ``path``,
+    with a one-line reason.
     """
     try:
-        metadata = read_metadata(path)
-    except NotACheckpointError:
+        return read_metadata(path)
+    except SparseCheckpointError:
         raise
-    except Exception as exc:  # noqa: BLE001 - whatever DCP's unpickler raises on garbage
+    except Exception as exc:  # noqa: BLE001 - the file could not be opened or read
         raise CheckpointFormatError(
             f"{os.path.join(os.fspath(path), METADATA_FILE)!r} cannot be read ({one_line(exc)}): "
             "corrupt, or not a DCP checkpoint"
         ) from None
-    if not isinstance(metadata, Metadata) or not isinstance(metadata.state_dict_metadata, Mapping):
-        raise CheckpointFormatError(
-            f"{os.path.join(os.fspath(path), METADATA_FILE)!r} holds a {type(metadata).__name__}, not DCP metadata"
-        )
-    return metadata
 
 
-class _CachedReader(FileSystemReader):
-    """A ``FileSystemReader`` that serves metadata already read (``.metadata`` is unpickled once)."""
+class _CachedReader(SafeFileSystemReader):
+    """A `SafeFileSystemReader` that serves metadata already read (``.metadata`` is unpickled once)."""
 
     def __init__(self, path: str | os.PathLike[str], metadata: Metadata) -> None:
         super().__init__(os.fspath(path))
@@ -144,9 +140,9 @@ def read_entries(
     The one item reader of the library (`sparse_ckpt._dcp.items.read_items`, which a
     ``state_layout="buffers"`` load reads its buckets with), handed this checkpoint's storage
     reader. Tensors come back as full CPU tensors (DCP's chunks of an item are assembled). Bytes
-    items in ``raw_keys`` are not unpickled at all (their bytes), those in ``unpickle_keys`` are
-    read as DCP reads them (``convert`` must copy model extras), every other one with
-    ``torch.load(weights_only=True)`` (packed tables must be ``bytes``); a tensor item whose chunks
+    items in ``raw_keys`` are not unpickled at all (their bytes), every other one with
+    ``torch.load(weights_only=True)`` (packed tables must be ``bytes``; ``unpickle_keys``: items that
+    are not an optimizer's, which ``convert`` copies); a tensor item whose chunks
     in ``.metadata`` do not cover it is a `CheckpointFormatError` (DCP would leave the rest
     unread). With ``consume``, each
     value goes to ``consume(key, value)`` as soon as it is read (one item alive at a time; an item

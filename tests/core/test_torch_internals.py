@@ -176,6 +176,55 @@ def _dcp_flatten_flag() -> None:
         _version._derived_version = None
 
 
+def _dcp_metadata_globals() -> None:
+    """Every global a ``.metadata`` of this torch pickles resolves through the restricted unpickler's table."""
+    import io
+    import pickle
+    import tempfile
+
+    import torch.distributed.checkpoint as dcp
+
+    found = ti.dcp_metadata_globals()
+    for name in ("_MEM_FORMAT_ENCODING", "TensorProperties", "Metadata", "MetadataIndex"):
+        assert ("torch.distributed.checkpoint.metadata", name) in found, f"torch.distributed.checkpoint.metadata.{name} is gone"
+    assert ("torch.distributed.checkpoint.filesystem", "_StorageInfo") in found, "filesystem._StorageInfo is gone"
+    assert found["torch.serialization", "_get_layout"]("torch.strided") is torch.strided
+    with tempfile.TemporaryDirectory() as root:
+        dcp.save({"t": torch.arange(6.0), "b": {"x": 1}}, checkpoint_id=root, no_dist=True)
+        blob = Path(root, ".metadata").read_bytes()
+    named: set[tuple[str, str]] = set()
+
+    class Recording(pickle.Unpickler):
+        def find_class(self, module: str, name: str) -> Any:
+            named.add((module, name))
+            return super().find_class(module, name)
+
+    assert Recording(io.BytesIO(blob)).load() is not None
+    torch_module = {n for m, n in named if m == "torch"}
+    others = {(m, n) for m, n in named if m != "torch" and not m.startswith("pathlib")}
+    assert others <= set(found), f"the .metadata of this torch names globals the table lacks: {others - set(found)}"
+    assert torch_module <= {"Size", "float32", "int64"}, torch_module
+
+
+def _default_store() -> None:
+    import datetime
+
+    import torch.distributed as dist
+
+    own = not dist.is_initialized()
+    if own:
+        dist.init_process_group("gloo", store=dist.HashStore(), rank=0, world_size=1)
+    try:
+        store = ti.default_store()
+        store.set("sparse_ckpt/internals-check", "1")  # what the bounded agreement uses of it
+        store.wait(["sparse_ckpt/internals-check"], datetime.timedelta(seconds=1))
+        assert store.check(["sparse_ckpt/internals-check"]) and store.get("sparse_ckpt/internals-check") == b"1"
+        assert store.delete_key("sparse_ckpt/internals-check") and not store.check(["sparse_ckpt/internals-check"])
+    finally:
+        if own:
+            dist.destroy_process_group()
+
+
 CHECKS = {
     "torch.optim.Optimizer._optimizer_state_dict_pre_hooks": _hooks,
     "torch.optim.Optimizer._optimizer_state_dict_post_hooks": _hooks,
@@ -196,6 +245,8 @@ CHECKS = {
     "torch.distributed._state_dict_utils._offload_state_dict_to_cpu (integrations.dsd)": _dsd_helpers,
     "FileSystemReader.path and _StorageInfo.relative_path/offset/length/transform_descriptors (item bytes)": _file_item_location,
     "torch.distributed.checkpoint._version._derived_version (DefaultLoadPlanner's flatten flag)": _dcp_flatten_flag,
+    "DCP metadata pickle: metadata._MEM_FORMAT_ENCODING, filesystem._StorageInfo, serialization._get_layout": _dcp_metadata_globals,
+    "torch.distributed.distributed_c10d._get_default_store (the bounded agreement)": _default_store,
 }
 
 

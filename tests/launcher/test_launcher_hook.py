@@ -111,6 +111,17 @@ def test_selection(value: str, selected: list[str], problem: str | None) -> None
     assert (problem is None and not problems) or (problem is not None and len(problems) == 1 and problem in problems[0])
 
 
+def test_safe_load_option_selects_safe_load_whatever_the_list_says() -> None:
+    """``--safe-load`` sets ``SPARSE_CKPT_SAFE_LOAD=1``, which selects ``safe_load`` (opt-in, never in ``auto``)
+    with any ``SPARSE_CKPT_INTEGRATIONS``, ``none`` included; ``--check`` shows it."""
+    env = cli.environment(child_env(), integrations="none", safe_load=True)
+    assert env["SPARSE_CKPT_SAFE_LOAD"] == "1" and "SPARSE_CKPT_SAFE_LOAD" not in cli.environment(child_env())
+    assert hook.selection("none", env) == (["safe_load"], [])
+    assert hook.selection("auto", env)[0] == ["dsd", "torchtune", "veomni", "safe_load"]
+    assert "safe_load" not in hook.selection("auto", {})[0]
+    assert any(line.strip().startswith("safe_load  when torch.distributed.checkpoint") for line in cli.plan(env))
+
+
 def test_cli_refuses_conflicts_and_missing_commands(capsys: pytest.CaptureFixture[str]) -> None:
     """The CLI refuses a conflicting selection (exit 2) and a command it cannot find (127) before running anything."""
     assert cli.main(["--integrations", "dsd,accelerate", "true"]) == cli.EXIT_USAGE

@@ -208,7 +208,7 @@ def test_tools_and_export_are_submodules() -> None:
 # a user catches, and the helpers. Tools, export and integrations are submodules.
 TOP_LEVEL_API = {
     "sparse_state_dict", "load_sparse_state_dict", "SparseOptimizerState", "SparseLoadPlanner", "MultiOptimizer",
-    "register_state_dict_adapter", "AdapterHandle",
+    "SafeFileSystemReader", "register_state_dict_adapter", "AdapterHandle",
     "SparseCheckpointError", "UnsupportedStateDictError", "ReentrantSerializationError", "CheckpointMismatchError",
     "CrossRankStateError", "CheckpointFormatError",
     "clear_fqn_cache", "backend", "__version__",

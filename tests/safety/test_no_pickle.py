@@ -1,7 +1,7 @@
 """Security: sparse_ckpt never unpickles or executes code from a checkpoint.
 
-Static: no ``pickle``-family import, no ``torch.load`` (unless ``weights_only=True`` is passed
-literally), no ``eval``/``exec``/``compile`` call and no ``__reduce__`` in ``sparse_ckpt/*.py``;
+Static: no ``pickle``-family import (but the restricted ``.metadata`` unpickler's, which resolves only
+DCP's metadata classes), no ``torch.load`` (unless ``weights_only=True`` is passed literally), no ``eval``/``exec``/``compile`` call and no ``__reduce__`` in ``sparse_ckpt/*.py``;
 no pickle/eval/exec/``__reduce__`` in ``csrc/`` (comments stripped). Dynamic: with every
 unpickling/evaluating entry point patched to fail, packed tables decode and packed and flat dicts
 load; a pickle payload stored as a packed table is rejected without being executed.
@@ -62,6 +62,10 @@ ALLOWED_SCOPES = {
     ("sparse_ckpt/_dcp/stateful.py", "SparseOptimizerState.__reduce_ex__"),
     ("sparse_ckpt/_dcp/stateful.py", "SparseOptimizerState.__deepcopy__"),
     ("sparse_ckpt/integrations/dsd/target.py", "DsdStateDict.__reduce_ex__"),  # pickles as a plain OrderedDict
+    # the restricted .metadata unpickler: its find_class resolves only DCP's metadata classes and refuses any
+    # other global before it is called (tests/safety/test_untrusted_metadata.py)
+    ("sparse_ckpt/_dcp/safe_reader.py", ""),  # import pickle
+    ("sparse_ckpt/_dcp/safe_reader.py", "MetadataUnpickler"),  # class MetadataUnpickler(pickle.Unpickler)
 }
 
 

@@ -30,7 +30,7 @@ import torch.distributed.checkpoint.state_dict as _dsd
 from torch.distributed.checkpoint.default_planner import DefaultLoadPlanner
 
 from ..._dcp.damage import guard_reads
-from ..._dcp.planner import SparseLoadPlanner
+from ..._dcp.planner import SparseLoadPlanner, optimizer_bytes, reads_weights_only
 from ..._torch_internals import (
     DSD_CHECKED,
     DSD_OPTIONS,
@@ -39,6 +39,7 @@ from ..._torch_internals import (
     clear_dcp_flatten_flag,
     dcp_storage_reader,
 )
+from .. import safe_load
 from .._rebind import bindings
 from . import functions
 from .target import align_key_records, rebuild_copies, rebuild_marked
@@ -71,6 +72,8 @@ def install() -> None:
         _patched.append((DefaultLoadPlanner, "set_up_planner", vars(DefaultLoadPlanner)["set_up_planner"], _set_up_planner))
         for owner, name, _theirs, mine in _patched:
             setattr(owner, name, mine)
+        if safe_load.requested():  # SPARSE_CKPT_SAFE_LOAD=1: every DCP load of the process read safely too
+            safe_load.install()
 
 
 def uninstall() -> None:
@@ -96,17 +99,37 @@ def _set_up_planner(self: DefaultLoadPlanner, state_dict: Any, metadata: Any = N
     set by an interrupted load is cleared first (`clear_dcp_flatten_flag`)."""
     clear_dcp_flatten_flag()
     frame = caller_frame(1)
-    guard_reads(dcp_storage_reader(frame), metadata)  # a damaged file: CheckpointFormatError naming item and file
+    ours = isinstance(self, SparseLoadPlanner)
+    # the library's planner unpickles its optimizer items with weights_only=True: the copies' too, and
+    # any other planner the items of every dict rebuilt here (`_read_weights_only`)
+    keys: set[str] = getattr(self, "_optimizer_keys", set()) if ours else set()
+    # a damaged file: CheckpointFormatError naming item and file (items read weights-only are CRC-checked as read)
+    guard_reads(dcp_storage_reader(frame), metadata, lambda key: reads_weights_only(key, keys))
     # the copies are rebuilt as the marked dicts are: the library's planner rebuilds those itself (not
     # the copies), whatever its allow_partial_load (which is for the entries that are not optimizer dicts)
-    partial = getattr(self, "allow_partial_load", False) and not isinstance(self, SparseLoadPlanner)
-    if not isinstance(self, SparseLoadPlanner):
-        rebuild_marked(state_dict, metadata, frame, allow_partial_load=partial)
-    # the library's planner unpickles its optimizer items with weights_only=True: the copies' too
-    keys = getattr(self, "_optimizer_keys", None) if isinstance(self, SparseLoadPlanner) else None
+    partial = getattr(self, "allow_partial_load", False) and not ours
+    if not ours:
+        rebuild_marked(state_dict, metadata, frame, allow_partial_load=partial, keys=keys)
     rebuild_copies(state_dict, metadata, frame, allow_partial_load=partial, keys=keys)
     align_key_records(state_dict, metadata)  # copies holding a key record: the checkpoint's, if any
+    if not ours:
+        _read_weights_only(self, keys)
     return _TORCH_SET_UP_PLANNER(self, state_dict, metadata, is_coordinator)
+
+
+def _read_weights_only(planner: DefaultLoadPlanner, keys: set[str]) -> None:
+    """Have ``planner`` (a DCP planner other than the library's) read the bytes items of the optimizer
+    dicts rebuilt for it (``keys``) and every table weights-only, as `SparseLoadPlanner` does
+    (`optimizer_bytes`): an item that pickles code is refused by name before it runs. Its class's
+    ``load_bytes`` (DCP's or a subclass's) then gets the item saved again from the object read. An
+    attribute of this planner object only, replaced at its next ``set_up_planner``."""
+    plain = type(planner).load_bytes
+
+    def load_bytes(read_item: Any, value: Any) -> None:
+        plain(planner, read_item, optimizer_bytes(read_item.dest_index.fqn, value, keys))
+
+    load_bytes.__doc__ = plain.__doc__
+    vars(planner)["load_bytes"] = load_bytes
 
 
 _TORCH_SET_UP_PLANNER = vars(DefaultLoadPlanner)["set_up_planner"]

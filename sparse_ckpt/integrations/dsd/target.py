@@ -127,11 +127,20 @@ def _unmarked(state_dict: Any) -> dict[tuple[str | int, ...], _Unmarked]:
         part = path[len(found[0])]
         if isinstance(part, str) and part.startswith(_GROUPS + "."):  # flat: param_groups.{fqn}.{setting}
             entry.fqns.add(part[len(_GROUPS) + 1 :].rsplit(".", 1)[0])
-    for prefix, entry in found_at.items():  # nested: each group's "params" list
-        groups = _node(state_dict, prefix).get(_GROUPS) if entry.groups else None
+    for prefix, entry in found_at.items():  # nested: each group's "params" list of FQNs
+        node = _node(state_dict, prefix) if entry.groups else None
+        groups = node.get(_GROUPS) if isinstance(node, Mapping) else None
         if isinstance(groups, list):
-            entry.fqns.update(f for g in groups if isinstance(g, Mapping) for f in g.get("params", ()) if isinstance(f, str))
+            entry.fqns.update(f for g in groups if isinstance(g, Mapping) for f in _fqns(g.get("params")))
     return {prefix: entry for prefix, entry in found_at.items() if entry.groups}
+
+
+def _fqns(params: Any) -> Iterator[str]:
+    """The FQNs a load target's ``params`` entry lists. The hook sees every load target in the process,
+    whoever built it: a placeholder (``None``, torchtune's target for a stock async checkpoint), a
+    ``Tensor`` or a list of parameter ids asks DCP for an item like any other value and lists no FQN."""
+    if isinstance(params, (list, tuple)):
+        yield from (f for f in params if isinstance(f, str))
 
 
 def _state_fqn(path: tuple[str | int, ...], prefix: tuple[str | int, ...], fqns: set[str]) -> str | None:
@@ -251,18 +260,21 @@ def marked_targets(node: Any) -> Iterator[tuple[tuple[str | int, ...], DsdStateD
     return ((path, target) for path, target in _find_targets(node, ()) if isinstance(target, DsdStateDict))
 
 
-def rebuild_marked(state_dict: Any, metadata: Metadata | None, frame: Any = None, *, allow_partial_load: bool = False) -> int:
+def rebuild_marked(
+    state_dict: Any, metadata: Metadata | None, frame: Any = None, *, allow_partial_load: bool = False, keys: set[str] | None = None
+) -> int:
     """Rebuild every marked dict in the load target ``state_dict`` from ``metadata`` (see the
     module doc); returns how many. ``frame``: the caller of ``set_up_planner`` (to reach the
     load's storage reader for ``state_layout="buffers"`` checkpoints). With ``allow_partial_load``
     (the planner's), a marked dict the checkpoint has nothing for is left as it is, as DCP leaves
-    target entries the checkpoint lacks; without it that is a `CheckpointMismatchError`."""
+    target entries the checkpoint lacks; without it that is a `CheckpointMismatchError`. ``keys`` gets the
+    DCP keys the rebuilt dicts read (their bytes items are then read weights-only)."""
     if metadata is None:
         return 0
     targets = list(marked_targets(state_dict))
     if not targets:
         return 0
-    return _rebuild(targets, metadata, frame if frame is not None else caller_frame(1), allow_partial_load)
+    return _rebuild(targets, metadata, frame if frame is not None else caller_frame(1), allow_partial_load, keys)
 
 
 def _rebuild(

@@ -24,6 +24,7 @@ Environment (set by ``sparse-ckpt-run`` from its options; docs/launcher.md):
 - ``SPARSE_CKPT_RUN_STRICT``: ``1`` makes a failed activation an error in the importing process
   instead of a warning and a stock run;
 - ``SPARSE_CKPT_RUN_LOG``: ``auto`` (default) or ``logging`` (see ``activate``);
+- ``SPARSE_CKPT_SAFE_LOAD``: ``1`` selects the ``safe_load`` integration (``sparse-ckpt-run --safe-load``);
 - ``SPARSE_CKPT_RUN_HOME``: the folder holding the ``sparse_ckpt`` package, appended to
   ``sys.path`` only when ``sparse_ckpt`` cannot be imported otherwise.
 """
@@ -33,7 +34,7 @@ from __future__ import annotations
 import os
 import sys
 
-__all__ = ["INTEGRATIONS", "Integration", "enabled", "outcomes", "selection", "start", "strict"]
+__all__ = ["INTEGRATIONS", "Integration", "enabled", "outcomes", "safe_load", "selection", "start", "strict"]
 
 OFF = ("0", "off", "false", "no")
 ON = ("1", "on", "true", "yes")
@@ -77,10 +78,17 @@ INTEGRATIONS = {
             "Accelerate's save_fsdp_optimizer/load_fsdp_optimizer (sparse_ckpt's packed format)",
             default=False, conflicts=("dsd",),
         ),
+        Integration(
+            "safe_load", ("torch.distributed.checkpoint",), "sparse_ckpt.integrations.safe_load",
+            "every DCP FileSystemReader load (.metadata by a restricted unpickler, bytes items weights-only, "
+            "no read outside the checkpoint)",
+            default=False,
+        ),
     )
 }
 """Name -> `Integration`, in activation order. ``accelerate`` is opt-in and conflicts with ``dsd``:
-both would own Accelerate's optimizer checkpoints, in two different on-disk layouts."""
+both would own Accelerate's optimizer checkpoints, in two different on-disk layouts. ``safe_load`` is
+opt-in, and selected whenever ``SPARSE_CKPT_SAFE_LOAD`` is on (`safe_load`)."""
 
 
 def enabled(environ: dict | None = None) -> bool:
@@ -95,10 +103,17 @@ def strict(environ: dict | None = None) -> bool:
     return env.get("SPARSE_CKPT_RUN_STRICT", "0").strip().lower() in ON
 
 
-def selection(value: str | None = None) -> tuple[list[str], list[str]]:
+def safe_load(environ: dict | None = None) -> bool:
+    """Whether ``SPARSE_CKPT_SAFE_LOAD`` (``sparse-ckpt-run --safe-load``) asks for the ``safe_load`` integration."""
+    env = os.environ if environ is None else environ
+    return env.get("SPARSE_CKPT_SAFE_LOAD", "0").strip().lower() in ON
+
+
+def selection(value: str | None = None, environ: dict | None = None) -> tuple[list[str], list[str]]:
     """``(selected integration names in activation order, problems)`` for a ``SPARSE_CKPT_INTEGRATIONS``
-    value (default: the environment's, else ``auto``). A problem is an unknown name or two
-    conflicting integrations (the later one in `INTEGRATIONS` order is dropped)."""
+    value (default: the environment's, else ``auto``), plus ``safe_load`` when `safe_load` (of
+    ``environ``, default the process's). A problem is an unknown name or two conflicting integrations
+    (the later one in `INTEGRATIONS` order is dropped)."""
     if value is None:
         value = os.environ.get("SPARSE_CKPT_INTEGRATIONS", "auto")
     chosen: set[str] = set()
@@ -123,6 +138,8 @@ def selection(value: str | None = None) -> tuple[list[str], list[str]]:
             chosen -= names
         else:
             chosen |= names
+    if safe_load(environ):
+        chosen.add("safe_load")
     selected: list[str] = []
     for name, integration in INTEGRATIONS.items():
         if name not in chosen:
