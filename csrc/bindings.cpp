@@ -1,11 +1,17 @@
 // The pybind11 module ``sparse_ckpt._C``: the C++ twin of ``sparse_ckpt._core_py``.
 #include "core.hpp"
 
+#ifndef SPARSE_CKPT_BUILD_ID  // CMakeLists.txt defines it: the hash of the csrc/ sources
+#define SPARSE_CKPT_BUILD_ID ""
+#endif
+
 PYBIND11_MODULE(_C, m) {
     using namespace sckpt;
     m.doc() = "C++ core of sparse_ckpt: the twin of sparse_ckpt._core_py (same outputs, errors and messages for "
               "every input of the core's contract; see sparse_ckpt._core_py).";
 
+    // The hash of the csrc/ sources this module was built from (CMakeLists.txt; sparse_ckpt/_backend.py).
+    m.attr("_BUILD_ID") = py::str(SPARSE_CKPT_BUILD_ID);
     m.attr("MAGIC") = py::bytes(kMagic, 4);
     m.attr("VERSION") = kVersion;
     m.attr("MAX_DEPTH") = kMaxDepth;

@@ -25,6 +25,8 @@ from typing import Any
 
 import torch
 
+from ._format.keys import OPTIMIZER_PREFIXES, PLANNER_GUARD_KEY
+
 SINGLE_LEAF = "optim"
 TITAN_LEAF = "optim{}"
 """Leaf name pattern of torchtitan's ``OptimizersContainer.optimizers[i]``."""
@@ -35,6 +37,7 @@ _WRAPPER_DEPTH = 8
 
 def named_leaves(optimizer: Any) -> list[tuple[str, torch.optim.Optimizer]]:
     """``[(leaf_name, optimizer), ...]`` for any supported optimizer argument (see the module doc)."""
+    refuse_state_dict(optimizer)
     container = container_leaves(optimizer)
     if container is not None:
         pairs = container
@@ -86,8 +89,32 @@ def _veomni_leaves(cls: str, optimizers: Mapping[Any, Any], key_names: Sequence[
     return [(name, _leaf_value(name, optimizers[name])) for name in names]
 
 
+PASS_THE_OPTIMIZER = (
+    "pass the optimizer (`opt`, not `opt.state_dict()`), a sparse_ckpt.MultiOptimizer or a mapping {name: optimizer}"
+)
+
+
+def refuse_state_dict(obj: Any, leaf: str | None = None, advice: str = PASS_THE_OPTIMIZER) -> None:
+    """`TypeError` when ``obj``, given where an optimizer is expected, is a state dict: torch's
+    ``optimizer.state_dict()`` (``state`` and ``param_groups``) or an optimizer dict of flat keys
+    (``state.*``, ``param_groups.*``: `sparse_state_dict`'s, DSD's, a Stateful's ``state_dict()``)."""
+    if not isinstance(obj, Mapping) or not obj or any(isinstance(v, torch.optim.Optimizer) for v in obj.values()):
+        return
+    if "state" in obj and "param_groups" in obj:
+        kind = "an optimizer's state_dict() (keys 'state' and 'param_groups')"
+    elif all(isinstance(k, str) and (k.startswith(OPTIMIZER_PREFIXES) or k == PLANNER_GUARD_KEY) for k in obj):
+        kind = "an optimizer state dict of 'state.*' and 'param_groups.*' keys"
+    else:
+        return
+    where = f"leaf {leaf!r}: " if leaf is not None else ""
+    raise TypeError(
+        f"{where}you passed a state dict ({kind}) where an optimizer is expected; {advice}"
+    )
+
+
 def _leaf_value(name: Any, opt: Any) -> Any:
     """A leaf's optimizer, thin wrappers unwrapped; a multi-optimizer container as one leaf is refused."""
+    refuse_state_dict(opt, name)
     if container_leaves(opt) is not None or isinstance(opt, Mapping) or callable(getattr(opt, "leaves", None)):
         raise TypeError(
             f"leaf {name!r} is a {type(opt).__name__}, a container of several optimizers; pass the container "

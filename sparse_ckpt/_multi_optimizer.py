@@ -10,7 +10,7 @@ from torch.utils.hooks import RemovableHandle
 
 from ._fqn import Model, validate_model
 from ._layouts import DEFAULT_STATE_LAYOUT, StateLayout, check_state_layout
-from ._leaves import container_leaves, named_leaves
+from ._leaves import container_leaves, named_leaves, refuse_state_dict
 from ._torch_internals import caller_frame
 
 
@@ -58,6 +58,8 @@ class MultiOptimizer:
     ) -> None:
         self.state_layout: StateLayout = check_state_layout(state_layout)
         validate_model(model)
+        refuse_state_dict(optimizers, advice="pass the optimizers, as a mapping {name: optimizer} (`{'experts': opt}`, "
+                          "not `opt.state_dict()`) or a trainer's optimizer container")
         if isinstance(optimizers, Mapping):
             pairs = named_leaves(optimizers)
         else:

@@ -11,6 +11,7 @@ from __future__ import annotations
 __all__ = [
     "CheckpointFormatError",
     "CheckpointMismatchError",
+    "CoreFallbackWarning",
     "CrossRankStateError",
     "LauncherError",
     "NotACheckpointError",
@@ -49,6 +50,12 @@ class CrossRankStateError(CheckpointMismatchError):
 
 class NotACheckpointError(CheckpointFormatError):
     """The directory does not exist or has no ``.metadata`` file (raised by the checkpoint reader)."""
+
+
+class CoreFallbackWarning(UserWarning):
+    """Issued once, when the package is first used, where it runs its Python core because the C++ core
+    ``sparse_ckpt._C`` is not built in the package's folder or was built from other C++ sources than
+    the ``csrc/`` beside it (the message says which, and how to rebuild)."""
 
 
 class StockCheckpointWarning(UserWarning):

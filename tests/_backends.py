@@ -17,7 +17,6 @@ A single test whose subject does not depend on the core but whose run is costly 
 
 from __future__ import annotations
 
-import importlib
 import os
 from types import ModuleType
 
@@ -28,9 +27,10 @@ from sparse_ckpt import _backend, _core_py
 
 def cpp_core() -> ModuleType:
     """``sparse_ckpt._C``; the test (or, called at import, the module) is skipped when it is not
-    built, unless ``SPARSE_CKPT_REQUIRE_CPP`` is set (CI), which makes a missing build an error."""
+    built (in this package's folder, from these sources: `sparse_ckpt._backend.built_core`), unless
+    ``SPARSE_CKPT_REQUIRE_CPP`` is set (CI), which makes a missing or stale build an error."""
     try:
-        return importlib.import_module("sparse_ckpt._C")
+        return _backend.built_core()
     except ImportError as exc:
         if os.environ.get("SPARSE_CKPT_REQUIRE_CPP"):
             raise
@@ -41,7 +41,7 @@ def cores() -> list[ModuleType]:
     """Every core there is: the Python twin, and ``sparse_ckpt._C`` where it is built (required
     under ``SPARSE_CKPT_REQUIRE_CPP``)."""
     try:
-        return [_core_py, importlib.import_module("sparse_ckpt._C")]
+        return [_core_py, _backend.built_core()]
     except ImportError:
         if os.environ.get("SPARSE_CKPT_REQUIRE_CPP"):
             raise

@@ -16,7 +16,7 @@ from pathlib import Path
 from .._version import __version__
 from ._sitecustomize import _sparse_ckpt_run as hook
 
-__all__ = ["SITE_DIR", "console_main", "environment", "main", "plan", "python_of"]
+__all__ = ["SITE_DIR", "console_main", "environment", "interpreter_options", "main", "plan", "python_of"]
 
 SITE_DIR = str(Path(hook.__file__).resolve().parent)
 """The folder put at the front of ``PYTHONPATH``: ``sitecustomize.py`` and the hook."""
@@ -105,25 +105,76 @@ def environment(
 def python_of(command: Sequence[str], path: str | None = None) -> tuple[str | None, str]:
     """``(the Python interpreter that runs command[0], how it was found)``; ``None`` when command[0]
     is not a Python program (its Python children would then be started by other programs)."""
+    interpreter, _options, how = _python_of(command, path)
+    return interpreter, how
+
+
+def _python_of(command: Sequence[str], path: str | None) -> tuple[str | None, list[str], str]:
+    """`python_of` and the interpreter options of a script's ``#!`` line (``#!/usr/bin/python3 -I``)."""
     exe = shutil.which(command[0], path=path)
     if exe is None:
-        return None, f"{command[0]!r} not found on PATH"
-    if re.fullmatch(r"python[0-9.]*", os.path.basename(exe)):
-        return exe, "the command is a Python interpreter"
+        return None, [], f"{command[0]!r} not found on PATH"
+    if _is_python(exe):
+        return exe, [], "the command is a Python interpreter"
     try:
         with open(exe, "rb") as f:
             first = f.readline(512).decode(errors="replace").strip()
     except OSError as exc:
-        return None, f"cannot read {exe}: {exc}"
+        return None, [], f"cannot read {exe}: {exc}"
     if not first.startswith("#!"):
-        return None, f"{exe} is not a script with a #! line (a binary?)"
+        return None, [], f"{exe} is not a script with a #! line (a binary?)"
     words = first[2:].split()
     if words and os.path.basename(words[0]) == "env":
-        words = [w for w in words[1:] if not w.startswith("-")]
+        words = words[1:]
+        while words and (words[0].startswith("-") or "=" in words[0]):  # env's own options and NAME=VALUE
+            words = words[1:]
         words[:1] = [shutil.which(words[0], path=path) or words[0]] if words else []
-    if words and re.fullmatch(r"python[0-9.]*", os.path.basename(words[0])):
-        return words[0], f"the #! line of {exe}"
-    return None, f"{exe} is run by {words[0] if words else '?'}, not Python"
+    if words and _is_python(words[0]):
+        return words[0], words[1:], f"the #! line of {exe}"
+    return None, [], f"{exe} is run by {words[0] if words else '?'}, not Python"
+
+
+def _is_python(exe: str) -> bool:
+    return re.fullmatch(r"python[0-9.]*", os.path.basename(exe)) is not None
+
+
+_OPTIONS_WITH_VALUE = ("-X", "-W", "--check-hash-based-pycs")
+"""Interpreter options whose value may be the next argument."""
+
+
+def interpreter_options(args: Sequence[str]) -> list[str]:
+    """The interpreter options at the front of ``args`` (what follows ``python`` on a command line), up
+    to the script, ``-c``, ``-m`` or ``-``: ``-I``, ``-E``, ``-S`` and the like decide whether the
+    hook loads at all, so ``--check`` probes with them."""
+    options: list[str] = []
+    i = 0
+    while i < len(args):
+        arg = args[i]
+        if arg == "--" or not arg.startswith("-") or arg == "-":
+            break
+        if arg.startswith("--"):
+            options.append(arg)
+            if arg in _OPTIONS_WITH_VALUE and i + 1 < len(args):
+                options.append(args[i + 1])
+                i += 1
+            i += 1
+            continue
+        flags = arg[1:]  # combined flags (-IB); -c/-m end the options; -X/-W take the rest or the next argument
+        for j, flag in enumerate(flags):
+            if flag in "cm":
+                if j:
+                    options.append("-" + flags[:j])
+                return options
+            if flag in "XW":
+                options.append(arg)
+                if j == len(flags) - 1 and i + 1 < len(args):
+                    options.append(args[i + 1])
+                    i += 1
+                break
+        else:
+            options.append(arg)
+        i += 1
+    return options
 
 
 def plan(env: Mapping[str, str]) -> list[str]:
@@ -140,21 +191,28 @@ def plan(env: Mapping[str, str]) -> list[str]:
 
 
 def _check(command: Sequence[str], env: dict[str, str], out: list[str]) -> int:
-    interpreter, how = python_of(command, env.get("PATH"))
     shown = " ".join(command)
     out.append(f"sparse-ckpt-run --check: {shown}")
+    if shutil.which(command[0], path=env.get("PATH")) is None:
+        out.append(f"  command:    {command[0]}: command not found (the run would exit {EXIT_NOT_FOUND})")
+        out.append("result: error: the command does not exist; nothing would run, nothing would be routed")
+        return EXIT_NOT_FOUND
+    interpreter, options, how = _python_of(command, env.get("PATH"))
     if interpreter is None:
         out.append(f"  command:    {how}; probing with this interpreter ({sys.executable}) instead")
         interpreter = sys.executable
     else:
-        out.append(f"  command:    Python program, interpreter {interpreter} ({how})")
+        if how == "the command is a Python interpreter":
+            options = interpreter_options(command[1:])
+        shown_options = f", options {' '.join(options)}" if options else ""
+        out.append(f"  command:    Python program, interpreter {interpreter}{shown_options} ({how})")
     out.append(f"  PYTHONPATH: {env['PYTHONPATH']}")
     for key in ("SPARSE_CKPT_INTEGRATIONS", "SPARSE_CKPT_RUN_STRICT", "SPARSE_CKPT_RUN_LOG", "SPARSE_CKPT_SAFE_LOAD"):
         out.append(f"  {key}={env.get(key, '(unset)')}")
     out.append("integrations (each process activates them when it imports their trigger):")
     out.extend(plan(env))
     try:
-        proc = subprocess.run([interpreter, "-c", PROBE], env=env, capture_output=True, text=True, timeout=600, check=False)
+        proc = subprocess.run([interpreter, *options, "-c", PROBE], env=env, capture_output=True, text=True, timeout=600, check=False)
     except (OSError, subprocess.TimeoutExpired) as exc:
         out.append(f"probe: could not run {interpreter}: {exc}")
         return EXIT_CHECK_FAILED
@@ -167,6 +225,7 @@ def _check(command: Sequence[str], env: dict[str, str], out: list[str]) -> int:
     out.append(f"probe ({report['executable']}, Python {report['python']}, torch {report.get('torch') or 'not imported'}):")
     if not report["hook"]:
         out.append("  the hook did not load in this interpreter (started with -S, -I or -E? another sitecustomize first?)")
+        out.append("result: not routed: this command's Python runs stock (the hook did not load)")
         return EXIT_CHECK_FAILED
     for trigger, what in report["triggers"].items():
         out.append(f"  import {trigger}: {what}")
@@ -176,7 +235,10 @@ def _check(command: Sequence[str], env: dict[str, str], out: list[str]) -> int:
         out.append(f"  problem: {p}")
     bad = report["problems"] or any(o["status"] in ("refused", "failed") for o in report["outcomes"])
     bad = bad or any(w.startswith("import failed") for w in report["triggers"].values())
-    out.append("result: " + ("some integrations would NOT be routed (see above)" if bad else "ok"))
+    if bad and env.get("SPARSE_CKPT_RUN_STRICT") == "1":
+        out.append("result: not routed: under --strict a process that imports these triggers stops with an error (see above)")
+    else:
+        out.append("result: " + ("not routed: some integrations would run stock (see above)" if bad else "ok"))
     return EXIT_CHECK_FAILED if bad else EXIT_OK
 
 

@@ -33,9 +33,10 @@ class _View:
             if state:
                 self.state[fqn] = {k: state_sig(md) for k, md in walk_state(state)}
 
-    def homed(self, leaf: str) -> list[str]:
-        """FQNs of ``leaf``'s groups whose home (first group listing them) is ``leaf``, in group order."""
-        return [f for g in self.leaves[leaf] for f in g.fqns if self.where.get(f, (None,))[0] == leaf]
+    def settings_of(self, fqn: str) -> Mapping[str, Any]:
+        """The settings of the first group listing ``fqn``."""
+        leaf, gi = self.where[fqn]
+        return self.leaves[leaf][gi].settings
 
     def state_not_in(self, other: _View, fqns: Iterable[str]) -> list[str]:
         """Those of ``fqns`` with state here that ``other`` lists without state."""
@@ -79,10 +80,38 @@ def _settings_diff(a: Mapping[str, Any], b: Mapping[str, Any]) -> dict[str, Any]
     )
 
 
-def _diff_pair(a: _View, b: _View) -> dict[str, Any]:
+def _diff_pair(a: _View, b: _View, layout: bool) -> dict[str, Any]:
+    """What the two optimizers mean (by FQN: settings, which parameters have state, state dtypes and
+    shapes); with ``layout`` also how they are laid out (leaves, groups by index, their parameters)."""
+    fqns = [f for f in b.where if f in a.where]
+    settings: dict[str, dict[str, Any]] = {}  # one entry per distinct change, with the FQNs it applies to
+    for fqn in fqns:
+        change = _settings_diff(a.settings_of(fqn), b.settings_of(fqn))
+        if change:
+            settings.setdefault(repr(change), {"fqns": [], **change})["fqns"].append(fqn)
+    changes = []
+    for fqn in fqns:
+        sa, sb = a.state.get(fqn), b.state.get(fqn)
+        if not sa or not sb:
+            continue
+        for k in list(sa) + [k for k in sb if k not in sa]:
+            if sa.get(k) != sb.get(k):
+                changes.append({"fqn": fqn, "key": k, "a": _sig_json(sa.get(k)), "b": _sig_json(sb.get(k))})
+    return _add_non_empty(
+        {"key_a": a.name, "key_b": b.name, "leaves": _layout_diff(a, b) if layout else []},
+        params_only_in_a=[f for f in a.where if f not in b.where],
+        params_only_in_b=[f for f in b.where if f not in a.where],
+        settings=list(settings.values()),
+        gained_state=b.state_not_in(a, fqns),
+        lost_state=a.state_not_in(b, fqns),
+        state_changes=changes,
+    )
+
+
+def _layout_diff(a: _View, b: _View) -> list[dict[str, Any]]:
+    """Per leaf: a leaf or group (by index) only one side has, parameters a group gained or lost."""
     leaves: list[dict[str, Any]] = []
-    names = list(a.leaves) + [n for n in b.leaves if n not in a.leaves]
-    for name in names:
+    for name in list(a.leaves) + [n for n in b.leaves if n not in a.leaves]:
         ga, gb = a.leaves.get(name), b.leaves.get(name)
         if ga is None or gb is None:
             groups = ga if ga is not None else gb
@@ -97,39 +126,17 @@ def _diff_pair(a: _View, b: _View) -> dict[str, Any]:
                 g = (ga if only == "a" else gb)[gi]
                 group_diffs.append({"index": gi, "only_in": only, "params": len(g.fqns), "settings": g.settings})
                 continue
-            entry: dict[str, Any] = {"index": gi}
-            settings = _settings_diff(ga[gi].settings, gb[gi].settings)
-            if settings:
-                entry["settings"] = settings
             in_a, in_b = set(ga[gi].fqns), set(gb[gi].fqns)
-            _add_non_empty(
-                entry,
+            entry = _add_non_empty(
+                {"index": gi},
                 params_added=[f for f in gb[gi].fqns if f not in in_a],
                 params_removed=[f for f in ga[gi].fqns if f not in in_b],
             )
             if len(entry) > 1:
                 group_diffs.append(entry)
-        fqns_a, fqns_b = a.homed(name), b.homed(name)
-        gained = b.state_not_in(a, fqns_b)
-        lost = a.state_not_in(b, fqns_a)
-        changes = []
-        for fqn in fqns_b:
-            sa, sb = a.state.get(fqn), b.state.get(fqn)
-            if not sa or not sb:
-                continue
-            for k in list(sa) + [k for k in sb if k not in sa]:
-                if sa.get(k) != sb.get(k):
-                    changes.append({"fqn": fqn, "key": k, "a": _sig_json(sa.get(k)), "b": _sig_json(sb.get(k))})
-        entry = _add_non_empty(
-            {"name": name}, groups=group_diffs, gained_state=gained, lost_state=lost, state_changes=changes
-        )
-        if len(entry) > 1:
-            leaves.append(entry)
-    only_a = [f for f in a.where if f not in b.where]
-    only_b = [f for f in b.where if f not in a.where]
-    return _add_non_empty(
-        {"key_a": a.name, "key_b": b.name, "leaves": leaves}, params_only_in_a=only_a, params_only_in_b=only_b
-    )
+        if group_diffs:
+            leaves.append({"name": name, "groups": group_diffs})
+    return leaves
 
 
 def _sig_json(sig: tuple[str, tuple[int, ...] | None] | None) -> dict[str, Any] | None:
@@ -143,24 +150,30 @@ def count_differences(report: Mapping[str, Any]) -> int:
     n = len(report.get("optimizers_only_in_a", [])) + len(report.get("optimizers_only_in_b", []))
     for opt in report.get("optimizers", []):
         n += len(opt.get("params_only_in_a", [])) + len(opt.get("params_only_in_b", []))
+        n += sum(len(s.get(k, {})) for s in opt.get("settings", []) for k in ("changed", "removed", "added"))
+        n += len(opt.get("gained_state", [])) + len(opt.get("lost_state", [])) + len(opt.get("state_changes", []))
         for leaf in opt["leaves"]:
             if "only_in" in leaf:
                 n += 1
                 continue
             for g in leaf.get("groups", []):
-                n += 1 if "only_in" in g else sum(len(v) for v in g.get("settings", {}).values())
-                n += len(g.get("params_added", [])) + len(g.get("params_removed", []))
-            n += len(leaf.get("gained_state", [])) + len(leaf.get("lost_state", [])) + len(leaf.get("state_changes", []))
+                n += 1 if "only_in" in g else len(g.get("params_added", [])) + len(g.get("params_removed", []))
     return n
 
 
-def diff_checkpoints(a: str | os.PathLike[str], b: str | os.PathLike[str], key: str | None = None) -> dict[str, Any]:
+def diff_checkpoints(
+    a: str | os.PathLike[str], b: str | os.PathLike[str], key: str | None = None, *, layout: bool = False
+) -> dict[str, Any]:
     """Compare the optimizer parts of checkpoints ``a`` and ``b`` (the ``diff --json`` schema).
 
-    Optimizers are paired by key (``key``, or the only one of each, or equal names). Per leaf:
-    groups (by index) whose settings changed or that gained/lost parameters, parameters that
-    gained or lost state, and state keys whose dtype or shape changed (values are not compared:
-    they change every step). Settings values in the report are Python values (see
+    Optimizers are paired by key (``key``, or the only one of each, or equal names). They are
+    compared by what they mean, parameter by parameter (FQN): parameters only one side has, the
+    settings of each parameter's group (``settings``: one entry per distinct change, with the FQNs
+    it applies to), parameters that gained or lost state, and state keys whose dtype or shape changed
+    (values are not compared: they change every step). So a checkpoint and its lossless
+    ``convert --to flat`` copy are equal, though flat keeps no leaves or group boundaries. With
+    ``layout``, ``leaves`` also lists how they are laid out: a leaf or group (by index) only one side
+    has, and parameters a group gained or lost. Settings values in the report are Python values (see
     `jsonable` for JSON).
     """
     md_a, md_b = open_checkpoint(a), open_checkpoint(b)
@@ -176,7 +189,7 @@ def diff_checkpoints(a: str | os.PathLike[str], b: str | os.PathLike[str], key: 
     report: dict[str, Any] = {
         "a": os.fspath(a),
         "b": os.fspath(b),
-        "optimizers": [_diff_pair(_View(a, md_a, oa), _View(b, md_b, ob)) for oa, ob in pairs],
+        "optimizers": [_diff_pair(_View(a, md_a, oa), _View(b, md_b, ob), layout) for oa, ob in pairs],
         "optimizers_only_in_a": [o.name for o in opts_a if o.name not in paired_a],
         "optimizers_only_in_b": [o.name for o in opts_b if o.name not in paired_b],
     }
@@ -203,8 +216,29 @@ def format_diff(report: dict[str, Any]) -> str:
     for opt in report["optimizers"]:
         ka, kb = opt["key_a"] or "(top level)", opt["key_b"] or "(top level)"
         lines.append(f"optimizer {ka}" + (f" -> {kb}:" if ka != kb else ":"))
+        for change in opt.get("settings", []):
+            gw = f"  {len(change['fqns'])} param(s) {fmt_names(change['fqns'])}"
+            for k, (va, vb) in change.get("changed", {}).items():
+                lines.append(f"{gw}: {k} {fmt_value(va)} -> {fmt_value(vb)}")
+            for k, v in change.get("removed", {}).items():
+                lines.append(f"{gw}: {k} removed (was {fmt_value(v)})")
+            for k, v in change.get("added", {}).items():
+                lines.append(f"{gw}: {k} added ({fmt_value(v)})")
+        if opt.get("gained_state"):
+            lines.append(f"  {len(opt['gained_state'])} param(s) gained state: {fmt_names(opt['gained_state'])}")
+        if opt.get("lost_state"):
+            lines.append(f"  {len(opt['lost_state'])} param(s) lost state: {fmt_names(opt['lost_state'])}")
+        changes = opt.get("state_changes", [])
+        for c in changes[:LIST_LIMIT]:
+            lines.append(f"  state {c['key']} of {c['fqn']!r}: {_sig(c['a'])} -> {_sig(c['b'])}")
+        if len(changes) > LIST_LIMIT:
+            lines.append(f"  ... {len(changes) - LIST_LIMIT} more state change(s)")
+        if opt.get("params_only_in_a"):
+            lines.append(f"  {len(opt['params_only_in_a'])} param(s) only in a: {fmt_names(opt['params_only_in_a'])}")
+        if opt.get("params_only_in_b"):
+            lines.append(f"  {len(opt['params_only_in_b'])} param(s) only in b: {fmt_names(opt['params_only_in_b'])}")
         for leaf in opt["leaves"]:
-            where = f"  leaf {leaf['name']!r}"
+            where = f"  layout: leaf {leaf['name']!r}"
             if "only_in" in leaf:
                 lines.append(f"{where}: only in {leaf['only_in']} ({leaf['groups']} group(s), {leaf['params']} params)")
                 continue
@@ -213,30 +247,10 @@ def format_diff(report: dict[str, Any]) -> str:
                 if "only_in" in g:
                     lines.append(f"{gw}: only in {g['only_in']} ({g['params']} params)")
                     continue
-                s = g.get("settings", {})
-                for k, (va, vb) in s.get("changed", {}).items():
-                    lines.append(f"{gw}: {k} {fmt_value(va)} -> {fmt_value(vb)}")
-                for k, v in s.get("removed", {}).items():
-                    lines.append(f"{gw}: {k} removed (was {fmt_value(v)})")
-                for k, v in s.get("added", {}).items():
-                    lines.append(f"{gw}: {k} added ({fmt_value(v)})")
                 if g.get("params_added"):
                     lines.append(f"{gw}: +{len(g['params_added'])} param(s): {fmt_names(g['params_added'])}")
                 if g.get("params_removed"):
                     lines.append(f"{gw}: -{len(g['params_removed'])} param(s): {fmt_names(g['params_removed'])}")
-            if leaf.get("gained_state"):
-                lines.append(f"{where}: {len(leaf['gained_state'])} param(s) gained state: {fmt_names(leaf['gained_state'])}")
-            if leaf.get("lost_state"):
-                lines.append(f"{where}: {len(leaf['lost_state'])} param(s) lost state: {fmt_names(leaf['lost_state'])}")
-            changes = leaf.get("state_changes", [])
-            for c in changes[:LIST_LIMIT]:
-                lines.append(f"{where}: state {c['key']} of {c['fqn']!r}: {_sig(c['a'])} -> {_sig(c['b'])}")
-            if len(changes) > LIST_LIMIT:
-                lines.append(f"{where}: ... {len(changes) - LIST_LIMIT} more state change(s)")
-        if opt.get("params_only_in_a"):
-            lines.append(f"  {len(opt['params_only_in_a'])} param(s) only in a: {fmt_names(opt['params_only_in_a'])}")
-        if opt.get("params_only_in_b"):
-            lines.append(f"  {len(opt['params_only_in_b'])} param(s) only in b: {fmt_names(opt['params_only_in_b'])}")
     n = report["differences"]
     lines.append("no differences" if n == 0 else f"{n} difference(s)")
     return "\n".join(lines)

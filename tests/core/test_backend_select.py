@@ -1,8 +1,9 @@
 """Backend selection at import time.
 
 ``SPARSE_CKPT_BACKEND=python`` forces the pure-Python core, ``cpp`` forces the extension (an
-``ImportError`` when it is not built, never a silent fallback), anything else is an ``ImportError``;
-unset picks ``_C`` when importable. "Not importable" is simulated with
+``ImportError`` when it is not built, never a silent fallback), anything else is an ``ImportError``
+(on first use: ``import sparse_ckpt`` itself imports no core); unset picks ``_C`` when it is built in
+the package's folder from the sources beside it, else the Python core with one warning. "Not importable" is simulated with
 ``sys.modules['sparse_ckpt._C'] = None``.
 
 The main cases run ``import sparse_ckpt`` in fresh interpreters. Importing the package (torch,
@@ -17,8 +18,10 @@ import functools
 import importlib.util
 import json
 import os
+import shutil
 import subprocess
 import sys
+import warnings
 from pathlib import Path
 from types import ModuleType
 
@@ -26,6 +29,7 @@ import _backends
 import pytest
 
 import sparse_ckpt
+from sparse_ckpt.errors import CoreFallbackWarning
 
 ROOT = Path(__file__).resolve().parents[2]
 
@@ -34,13 +38,14 @@ core_backend = _backends.run_once
 PROBE = (
     "import json, sys\n"
     "{prelude}\n"
+    "import sparse_ckpt\n"
     "try:\n"
-    "    import sparse_ckpt\n"
+    "    name = sparse_ckpt.backend()  # the core is chosen on first use (import sparse_ckpt imports no torch)\n"
     "except ImportError as exc:\n"
     "    print(json.dumps({{'error': 'ImportError', 'message': str(exc)}}))\n"
     "else:\n"
     "    from sparse_ckpt import _backend\n"
-    "    print(json.dumps({{'backend': sparse_ckpt.backend(), 'core': _backend.core.__name__}}))\n"
+    "    print(json.dumps({{'backend': name, 'core': _backend.core.__name__}}))\n"
 )
 BLOCK_C = "sys.modules['sparse_ckpt._C'] = None"
 
@@ -144,10 +149,128 @@ def test_unset_prefers_cpp_when_built(monkeypatch: pytest.MonkeyPatch, value: st
 
 @pytest.mark.parametrize("value", [None, "python"])
 def test_without_extension_python_is_used(monkeypatch: pytest.MonkeyPatch, value: str | None) -> None:
-    module = fresh_backend(monkeypatch, value, block_c=True)
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        module = fresh_backend(monkeypatch, value, block_c=True)
     assert module.backend() == "python" and module.core.__name__ == "sparse_ckpt._core_py"
+    # a fallback says so once; a forced Python core is what was asked for
+    assert [type(w.message) for w in caught] == ([CoreFallbackWarning] if value is None else [])
 
 
 def test_forced_cpp_without_extension_in_process(monkeypatch: pytest.MonkeyPatch) -> None:
     with pytest.raises(ImportError, match=r"sparse_ckpt\._C is not importable"):
         fresh_backend(monkeypatch, "cpp", block_c=True)
+
+
+# ----------------------------------------------------------------------------- the core you built
+
+CLONE_PROBE = (
+    "import json, sys, warnings\n"
+    "from importlib.machinery import PathFinder\n"
+    "class Elsewhere:  # another checkout's _C, reachable the way an editable install of it makes it\n"
+    "    @staticmethod\n"
+    "    def find_spec(name, path=None, target=None):\n"
+    "        return PathFinder.find_spec(name, [{built!r}]) if name == 'sparse_ckpt._C' else None\n"
+    "sys.meta_path.append(Elsewhere)\n"
+    "with warnings.catch_warnings(record=True) as caught:\n"
+    "    warnings.simplefilter('always')\n"
+    "    try:\n"
+    "        import sparse_ckpt\n"
+    "        out = {{'backend': sparse_ckpt.backend(), 'again': sparse_ckpt.backend()}}\n"
+    "        import sparse_ckpt._backend\n"
+    "    except ImportError as exc:\n"
+    "        out = {{'error': str(exc)}}\n"
+    "out['file'] = sparse_ckpt.__file__\n"
+    "out['warnings'] = [(w.category.__name__, str(w.message)) for w in caught]\n"
+    "out['C'] = getattr(sys.modules.get('sparse_ckpt._C'), '__file__', None)\n"
+    "print(json.dumps(out))\n"
+)
+
+
+def _clone(tmp_path: Path, *, with_c: bool, csrc_edit: str | None = None) -> Path:
+    """A copy of this package (a second checkout): its own ``_C`` or none, and ``csrc/`` (edited) or none."""
+    root = tmp_path / "clone"
+    ignore = shutil.ignore_patterns("__pycache__", *(() if with_c else ("_C*.so", "_C*.pyd")))
+    shutil.copytree(ROOT / "sparse_ckpt", root / "sparse_ckpt", ignore=ignore)
+    if csrc_edit is not None:
+        shutil.copytree(ROOT / "csrc", root / "csrc")
+        with open(root / "csrc" / "common.hpp", "a") as f:
+            f.write(csrc_edit)
+    return root
+
+
+def _run_clone(root: Path, backend: str | None = None) -> dict:
+    env = {k: v for k, v in os.environ.items() if k not in ("SPARSE_CKPT_BACKEND", "PYTHONWARNINGS")}
+    if backend is not None:
+        env["SPARSE_CKPT_BACKEND"] = backend
+    env["PYTHONPATH"] = str(root)
+    code = CLONE_PROBE.format(built=str(ROOT / "sparse_ckpt"))
+    proc = subprocess.run([sys.executable, "-c", code], cwd=root, env=env, check=False, capture_output=True, text=True,
+                          timeout=300)
+    assert proc.returncode == 0, proc.stderr
+    out = json.loads(proc.stdout.strip().splitlines()[-1])
+    assert out["file"] == str(root / "sparse_ckpt" / "__init__.py")
+    return out
+
+
+def _needs_built_core() -> None:
+    if not _cpp_built():
+        pytest.skip("C++ extension sparse_ckpt._C is not built")
+
+
+def test_an_unbuilt_clone_never_uses_another_clones_core(tmp_path: Path) -> None:
+    """A second, unbuilt checkout first on PYTHONPATH, this checkout's ``_C`` importable by name: the
+    clone runs its Python core, imports no foreign ``_C``, and says so once."""
+    _needs_built_core()
+    out = _run_clone(_clone(tmp_path, with_c=False))
+    assert (out["backend"], out["again"], out["C"]) == ("python", "python", None), out
+    [(category, message)] = out["warnings"]
+    assert category == "CoreFallbackWarning" and "runs its Python core" in message and "not built in" in message, message
+    assert "SPARSE_CKPT_BACKEND=python" in message and "build_ext --inplace" in message
+
+
+def test_forced_cpp_in_an_unbuilt_clone_says_it_is_not_built(tmp_path: Path) -> None:
+    _needs_built_core()
+    out = _run_clone(_clone(tmp_path, with_c=False), backend="cpp")
+    msg = out["error"]
+    assert msg.startswith("SPARSE_CKPT_BACKEND=cpp but the C++ core cannot be used: sparse_ckpt._C is not importable"), msg
+    assert "not built in" in msg and "circular import" not in msg and out["C"] is None, msg
+
+
+def test_a_core_built_from_other_sources_is_not_used(tmp_path: Path) -> None:
+    """``csrc/`` changed since ``_C`` was built: the build ids differ, the Python core runs (one
+    warning), and ``SPARSE_CKPT_BACKEND=cpp`` refuses, saying to rebuild."""
+    _needs_built_core()
+    root = _clone(tmp_path, with_c=True, csrc_edit="\n// an edit after the build\n")
+    out = _run_clone(root)
+    assert out["backend"] == "python", out
+    [(category, message)] = out["warnings"]
+    assert category == "CoreFallbackWarning" and "does not match the C++ sources" in message, message
+    forced = _run_clone(root, backend="cpp")
+    assert "does not match the C++ sources" in forced["error"] and "rebuild it" in forced["error"], forced
+    same = _clone(tmp_path / "same", with_c=True, csrc_edit="")  # unchanged sources: the build is used, silently
+    assert _run_clone(same) | {"C": None} == {"backend": "cpp", "again": "cpp", "file": str(same / "sparse_ckpt" / "__init__.py"),
+                                              "warnings": [], "C": None}
+
+
+def test_the_built_core_carries_the_build_id_of_this_tree() -> None:
+    from sparse_ckpt import _backend
+
+    _needs_built_core()
+    built = _backend.built_core()
+    assert built._BUILD_ID == _backend.source_build_id() and len(built._BUILD_ID) == 64
+
+
+def test_source_build_id_follows_every_source_file(tmp_path: Path) -> None:
+    from sparse_ckpt._backend import source_build_id
+
+    assert source_build_id(tmp_path) is None
+    (tmp_path / "a.cpp").write_text("int a;\n")
+    (tmp_path / "notes.txt").write_text("not a source")
+    first = source_build_id(tmp_path)
+    (tmp_path / "notes.txt").write_text("still not a source")
+    assert source_build_id(tmp_path) == first
+    (tmp_path / "b.hpp").write_text("#pragma once\n")
+    second = source_build_id(tmp_path)
+    (tmp_path / "a.cpp").write_text("int a = 1;\n")
+    assert len({first, second, source_build_id(tmp_path)}) == 3

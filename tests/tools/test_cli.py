@@ -391,19 +391,53 @@ def test_diff(checkpoint: tuple[Path, nn.Module, sc.MultiOptimizer], tmp_path: P
 
     assert cli.main(["diff", str(path), str(other)]) == 0
     out = capsys.readouterr().out
-    assert "  leaf 'dense' group 0: lr 0.01 -> 0.005" in out
-    assert "  leaf 'experts': 3 param(s) gained state: 'experts.2.up.weight', 'experts.2.up.bias', 'experts.2.down.weight'" in out
-    assert "  leaf 'experts' group 1: -1 param(s): 'experts.1.down.weight'" in out
-    assert "  leaf 'idle' group 0: +1 param(s): 'experts.1.down.weight'" in out
-    assert "  leaf 'dense': state exp_avg of 'embed.weight': float32 (8, 8) -> bfloat16 (8, 8)" in out
+    dense = "'embed.weight', 'embed.bias', 'router.weight', 'norm.weight', 'norm.bias', 'head.weight', 'head.bias'"
+    assert f"  7 param(s) {dense}: lr 0.01 -> 0.005" in out
+    assert "  1 param(s) 'experts.1.down.weight': lr 0.01 -> 0.0025" in out  # moved into the idle leaf's group
+    assert "  3 param(s) gained state: 'experts.2.up.weight', 'experts.2.up.bias', 'experts.2.down.weight'" in out
+    assert "  state exp_avg of 'embed.weight': float32 (8, 8) -> bfloat16 (8, 8)" in out
+    assert "layout:" not in out and out.rstrip().endswith("6 difference(s)")
+    assert cli.main(["diff", str(path), str(other), "--layout"]) == 0
+    out = capsys.readouterr().out
+    assert "  layout: leaf 'experts' group 1: -1 param(s): 'experts.1.down.weight'" in out
+    assert "  layout: leaf 'idle' group 0: +1 param(s): 'experts.1.down.weight'" in out
+    assert out.rstrip().endswith("8 difference(s)")
     assert cli.main(["diff", str(path), str(other), "--exit-code", "--json"]) == 3
     report = json.loads(capsys.readouterr().out)
     [o] = report["optimizers"]
-    dense = next(leaf for leaf in o["leaves"] if leaf["name"] == "dense")
-    assert dense["groups"][0]["settings"]["changed"]["lr"] == [0.01, 0.005]
-    assert dense["state_changes"] == [{"fqn": "embed.weight", "key": "exp_avg", "a": {"dtype": "float32", "shape": [8, 8]},
-                                       "b": {"dtype": "bfloat16", "shape": [8, 8]}}]
-    assert report["differences"] == 1 + 3 + 2 + 1
+    assert o["leaves"] == []
+    assert o["settings"][0] == {"fqns": dense.replace("'", "").split(", "), "changed": {"lr": [0.01, 0.005]}}
+    assert o["state_changes"] == [{"fqn": "embed.weight", "key": "exp_avg", "a": {"dtype": "float32", "shape": [8, 8]},
+                                   "b": {"dtype": "bfloat16", "shape": [8, 8]}}]
+    assert report["differences"] == 1 + 1 + 3 + 1
+
+
+def test_diff_compares_meaning_not_layout(checkpoint: tuple[Path, nn.Module, sc.MultiOptimizer], tmp_path: Path,
+                                          capsys: pytest.CaptureFixture[str]) -> None:
+    """A MultiOptimizer checkpoint and its lossless flat copy (no leaves, groups by settings) mean the same."""
+    path, _model, _opt = checkpoint
+    flat = tmp_path / "flat"
+    assert cli.main(["convert", str(path), str(flat), "--to", "flat", "--key", "optim"]) == 0
+    capsys.readouterr()
+    assert cli.main(["diff", str(path), str(flat), "--exit-code"]) == 0
+    assert capsys.readouterr().out.rstrip().endswith("no differences")
+    assert cli.main(["diff", str(path), str(flat), "--exit-code", "--layout"]) == 3
+    out = capsys.readouterr().out
+    assert "  layout: leaf 'dense': only in a (1 group(s), 7 params)" in out
+    assert "  layout: leaf 'optim': only in b (" in out
+
+
+def test_convert_shows_no_torch_warning(checkpoint: tuple[Path, nn.Module, sc.MultiOptimizer], tmp_path: Path) -> None:
+    """torch's single-process DCP warning is not the CLI user's business (warnings left on here)."""
+    path, _model, _opt = checkpoint
+    env = {k: v for k, v in os.environ.items() if k != "PYTHONWARNINGS"}
+    env["PYTHONPATH"] = os.pathsep.join(filter(None, [str(REPO), env.get("PYTHONPATH")]))
+    for args in (["convert", str(path), str(tmp_path / "flat"), "--to", "flat", "--key", "optim"],
+                 ["diff", str(path), str(tmp_path / "flat")]):
+        r = subprocess.run([sys.executable, "-m", "sparse_ckpt", *args], check=False, cwd=REPO, env=env,
+                           capture_output=True, text=True, timeout=120)
+        assert r.returncode == 0, r.stderr
+        assert "Warning" not in r.stderr + r.stdout, r.stderr
 
 
 def test_version(capsys: pytest.CaptureFixture[str]) -> None:

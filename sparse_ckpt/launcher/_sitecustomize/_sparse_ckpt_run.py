@@ -261,12 +261,13 @@ def _activate(names: list[str], problems: list[str]) -> list[dict]:
             sys.path.append(home)
             import sparse_ckpt.launcher.activate as activation
     except Exception as exc:
-        message = (
-            f"sparse-ckpt-run: sparse_ckpt cannot be imported by {sys.executable} ({type(exc).__name__}: {exc}); "
-            f"this process runs stock, without {', '.join(names)}"
-        )
+        message = f"sparse-ckpt-run: sparse_ckpt cannot be imported by {sys.executable} ({type(exc).__name__}: {exc})"
         if strict():
-            raise ImportError(message) from exc
+            raise ImportError(
+                f"{message}; SPARSE_CKPT_RUN_STRICT=1 (sparse-ckpt-run --strict): this process stops here "
+                f"instead of running without {', '.join(names)}"
+            ) from exc
+        message += f"; this process runs stock, without {', '.join(names)}"
         sys.stderr.write(f"WARNING {message}\n")
         return [{"integration": n, "status": "failed", "detail": message} for n in names]
     return activation.activate(names, problems=problems, strict=strict())
