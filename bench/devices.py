@@ -4,7 +4,7 @@
 that registers it -- ``torch_npu``, or the one ``SPARSE_CKPT_NPU_MODULE`` names -- only when no
 ``npu`` device type is registered yet); :func:`device_count` counts them; :func:`check_world_sizes` refuses a multi-rank run that
 needs more accelerators than the machine has (one rank per GPU/NPU). For the ranks themselves:
-:data:`PROCESS_GROUP_BACKENDS` (Gloo on CPU, NCCL on CUDA, HCCL on NPU), :func:`bind_rank` (the
+:func:`process_group_backend` (Gloo on CPU, NCCL on CUDA, HCCL on NPU), :func:`bind_rank` (the
 rank's device), :func:`current_device` and :func:`synchronize`.
 """
 
@@ -101,6 +101,14 @@ def check_world_sizes(name: str, sizes: Iterable[int]) -> None:
         )
 
 
+def process_group_backend(name: str) -> str:
+    """The ``torch.distributed`` backend of a run on ``name``: :data:`PROCESS_GROUP_BACKENDS`, unless the
+    ``npu`` device module names its own (``torch.npu.process_group_backend``: the emulated npu's ``npu_gloo``)."""
+    if name == "npu":
+        return str(getattr(_accelerator_module(name), "process_group_backend", PROCESS_GROUP_BACKENDS[name]))
+    return PROCESS_GROUP_BACKENDS[name]
+
+
 def bind_rank(name: str, rank: int) -> torch.device:
     """Make rank ``rank``'s device current (``cuda:<rank>`` / ``npu:<rank>``; CPU: nothing) and return it.
 
@@ -149,5 +157,6 @@ __all__ = [
     "device_name",
     "import_npu",
     "npu_registered",
+    "process_group_backend",
     "synchronize",
 ]

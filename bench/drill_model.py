@@ -191,6 +191,9 @@ def build(cfg: DrillConfig) -> tuple[DrillModel, sc.MultiOptimizer, dict[str, LR
         # An explicit mesh on the run's device: without one, fully_shard builds its default mesh on the
         # machine's accelerator (CUDA on a GPU machine) even when the run is Gloo on CPU.
         mesh = init_device_mesh(cfg.device, (dist.get_world_size(),))
+        # Moved by Module.to, not by fully_shard's in-place `param.data = ...`, which a device type
+        # outside torch's own (PrivateUse1: the npu) refuses for a CPU parameter.
+        model.to(mesh.device_type)
         fully_shard(model.vision, mesh=mesh)
         for block in model.blocks:
             fully_shard(block, mesh=mesh)

@@ -39,7 +39,7 @@ import torch.distributed as dist
 
 import sparse_ckpt as sc
 
-from .devices import PROCESS_GROUP_BACKENDS, bind_rank
+from .devices import bind_rank, process_group_backend
 
 PRELOAD = [
     "torch", "torch.distributed", "torch.distributed.checkpoint", "torch.distributed.checkpoint.state_dict",
@@ -117,7 +117,7 @@ def _rank_entry(
         warnings.filterwarnings("ignore", category=FutureWarning)
         device = bind_rank(setup.device, rank)
         dist.init_process_group(
-            PROCESS_GROUP_BACKENDS[setup.device], init_method=f"file://{store}", rank=rank, world_size=world_size,
+            process_group_backend(setup.device), init_method=f"file://{store}", rank=rank, world_size=world_size,
             timeout=timedelta(seconds=120), **({} if device.type == "cpu" else {"device_id": device}),
         )
         try:

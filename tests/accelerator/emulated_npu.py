@@ -7,8 +7,9 @@ when the source or torch changed), renames torch's ``PrivateUse1`` device type t
 generates the ``Tensor.npu()``-style methods. The device is host memory with two device indices, a
 pinned host allocator, streams and events that never wait, and every operator without a native
 kernel run by torch's boxed CPU fallback (see the C++ file). It emulates the *device type*, not an
-Ascend NPU: no numerics, speed or collectives of real hardware. It has no process-group backend:
-Gloo moves CPU tensors only.
+Ascend NPU: no numerics, speed or collectives of real hardware. Its process-group backend is
+``npu_gloo`` (emulated_npu_pg.py, registered here; ``torch.npu.process_group_backend`` names it): the
+collectives on ``npu`` tensors run on a Gloo group through host copies, where Ascend has HCCL.
 
 The bench and the accelerator tests import it when ``SPARSE_CKPT_NPU_MODULE=emulated_npu`` (with
 this folder on ``sys.path``), instead of ``torch_npu``. ``python tests/accelerator/emulated_npu.py``
@@ -24,6 +25,7 @@ import time
 import types
 from pathlib import Path
 
+import emulated_npu_pg
 import torch
 
 NAME = "npu"
@@ -86,6 +88,7 @@ def _device_module(ext: types.ModuleType) -> types.ModuleType:
     mod.default_stream = lambda device=None: torch.accelerator.current_stream(device)
     mod.stream = lambda stream: contextlib.nullcontext(stream)  # kernels never wait: one stream is as good as any
     mod.emulated = True
+    mod.process_group_backend = emulated_npu_pg.NAME  # what a run on this device passes to init_process_group
     return mod
 
 
@@ -98,6 +101,7 @@ def register() -> types.ModuleType:
     if current not in ("privateuseone", NAME):
         raise RuntimeError(f"emulated npu: PrivateUse1 is already registered as {current!r}; cannot also be 'npu'")
     ext = build()
+    emulated_npu_pg.register()
     if current != NAME:
         torch.utils.rename_privateuse1_backend(NAME)
     mod = _device_module(ext)

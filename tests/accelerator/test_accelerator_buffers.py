@@ -118,29 +118,22 @@ def test_device_state_round_trips(variant: str, dtype: torch.dtype, device_type:
     assert_optimizer_equal(dst3, src, grads=False)
 
 
-NO_PROCESS_GROUP = (
-    "the emulated npu has no process-group backend: Gloo moves CPU tensors only, and FSDP2 on a device mesh "
-    "needs all_gather_into_tensor and reduce_scatter_tensor on npu tensors (on Ascend: HCCL, torch_npu)"
-)
-
-
 @pytest.mark.parametrize("layout", ["buffers", "auto"])
 def test_fsdp2_on_a_device_mesh(tmp_path: Path, layout: str, device_type: str) -> None:
-    """One rank (NCCL on CUDA, HCCL on NPU), FSDP2 on a device mesh: DTensor state on the device, loaded exactly."""
+    """One rank (NCCL on CUDA, HCCL on NPU, npu_gloo on the emulated npu), FSDP2 on a device mesh: DTensor state
+    on the device, loaded exactly."""
     from torch.distributed.device_mesh import init_device_mesh
     from torch.distributed.fsdp import fully_shard
     from torch.distributed.tensor import DTensor
 
-    from bench.devices import PROCESS_GROUP_BACKENDS
+    from bench.devices import process_group_backend
 
     if device_type == "cpu":
         pytest.skip("the CPU FSDP2 cases are tests/dcp (Gloo)")
-    if getattr(torch.get_device_module(device_type), "emulated", False):
-        pytest.skip(NO_PROCESS_GROUP)
 
     os.environ.setdefault("MASTER_ADDR", "127.0.0.1")
     os.environ["MASTER_PORT"] = "29561" if layout == "buffers" else "29562"  # a fresh store per run
-    dist.init_process_group(PROCESS_GROUP_BACKENDS[device_type], rank=0, world_size=1)
+    dist.init_process_group(process_group_backend(device_type), rank=0, world_size=1)
     try:
         mesh = init_device_mesh(device_type, (1,))
 

@@ -10,8 +10,11 @@ npu; each skipped where absent; the CPU dry run with ``SPARSE_CKPT_TEST_DEVICE=c
   files and before ``.metadata`` (its writer raises in ``finish``). A fresh model and optimizer on
   the same device resume from the last complete checkpoint (step 2) with ``SparseLoadPlanner`` and
   train on to step 6: parameters, state (values, dtypes, devices), lrs and scheduler state equal
-  an uninterrupted run bit for bit. (The multi-rank drill, ``bench/resume.py``, needs the device's
-  process group: NCCL or HCCL; the emulated npu has none.)
+  an uninterrupted run bit for bit.
+* **Multi-rank drill:** ``bench/resume.py`` on the device: two FSDP2 ranks on ``<type>:0`` and
+  ``<type>:1`` (the device's process group: NCCL, HCCL, or the emulated npu's ``npu_gloo``), async saves,
+  the save of step 6 SIGKILLed, resumed from step 4 at world sizes 2 and 1, each bit for bit the
+  uninterrupted run.
 * **Reshard 2 -> 1:** two Gloo ranks, each holding half of the experts (expert parallelism: no
   DTensor, so Gloo moves only the plan's CPU objects) with their state on ``<type>:<rank>``, save
   one checkpoint; one process with every expert on one device loads it and must equal a
@@ -31,12 +34,13 @@ import pytest
 import torch
 import torch.distributed as dist
 import torch.distributed.checkpoint as dcp
-from _dist import run_ranks
+from _dist import guarded, run_ranks
 from helpers import assert_optimizer_equal
 from torch import nn
 from torch.distributed.checkpoint.api import CheckpointException
 
 import sparse_ckpt as sc
+from bench import resume
 from bench.devices import import_npu
 
 pytestmark = [pytest.mark.filterwarnings("ignore:torch.distributed is disabled:UserWarning")]
@@ -196,6 +200,20 @@ def test_reshard_two_ranks_to_one(device_type: str, tmp_path: Path, forbid_fork:
     assert_optimizer_equal(ref_opt, opt, grads=False, state_order=False)  # (state in checkpoint order)
     assert all(v.device == device for st in opt.state.values() for k, v in st.items() if k != "step")
     assert not any(p in opt.state for p in model.experts[3].parameters())
+
+
+def test_multi_rank_drill_on_device(device_type: str, tmp_path: Path, forbid_fork: None) -> None:
+    """The resume drill of ``bench/resume.py`` with FSDP2 ranks on the device (one per device, its process group):
+    the killed save is incomplete and the resumes at 2 and 1 ranks equal the uninterrupted run bit for bit."""
+    if device_type == "cpu":
+        pytest.skip("the CPU drill is tests/benchmark/test_resume_drill.py")
+    if torch.get_device_module(device_type).device_count() < 2:
+        pytest.skip(f"needs two {device_type} devices")
+    cfg = resume.DrillConfig(steps=8, every=2, device=device_type)  # saves at 2, 4, 6, 8; the save of 6 is killed
+    result = resume.run_drill(cfg, nproc=2, resume_sizes=(2, 1), root=tmp_path, rank_fn=guarded(resume.train_run))
+    assert result.incomplete == ["step-6"] and result.resumed_from == "step-4"
+    assert sorted(result.resumes) == [1, 2]
+    assert result.reference["device"] == device_type
 
 
 @_backends.only("cpp")  # (the bench measures both core backends itself)
