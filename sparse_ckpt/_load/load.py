@@ -6,6 +6,7 @@ already applied are rolled back, so on any error every optimizer is as it was.
 
 from __future__ import annotations
 
+import inspect
 from collections import defaultdict
 from collections.abc import Collection, Mapping
 from itertools import chain
@@ -37,6 +38,7 @@ from .apply import (
     snapshot,
 )
 from .decode import DecodedCheckpoint, decode_checkpoint
+from .positional import is_positional, positional_to_sparse, with_state_entry
 
 
 def _check_state_shapes(leaf: str, fqn: str, param: torch.Tensor, state: Any, path: str = "") -> None:
@@ -100,6 +102,7 @@ def plan_leaf(
     missing.extend(leaf_missing)
     used_settings.update(chain.from_iterable(target))
     chosen = _with_empty_groups(leaf, target, chosen, ckpt, strict)
+    chosen = _check_class_keys(leaf, optimizer, chosen, strict)
     check = None if isinstance(optimizer, _FLAT_STATE_OPTIMIZERS) else _check_state_shapes
     if not ckpt.names_of and not overrides_load_state_dict(optimizer) and not load_state_dict_pre_hooks(optimizer):
         groups = core.build_groups(optimizer.param_groups, chosen, copy_settings, True)
@@ -123,6 +126,88 @@ def plan_leaf(
         for fqn in used:
             check(leaf, fqn, fmap.param_of[fqn], ckpt.state_of[fqn])
     return {"state": packed_state, "param_groups": groups}
+
+
+NOT_CLASS_KEYS = frozenset({
+    "params", "param_names",  # the group's parameters, not settings
+    "initial_lr", "max_lr", "min_lr", "base_momentum", "max_momentum",  # added by LR schedulers
+    "decoupled_weight_decay", "differentiable", "fused", "foreach", "capturable", "maximize",  # added by newer torch
+})
+"""Group keys that say nothing about the optimizer class: a scheduler adds them, or a newer torch
+has them in a class's defaults where an older one did not (its ``__setstate__`` fills them in)."""
+
+
+def _check_class_keys(
+    leaf: str, optimizer: torch.optim.Optimizer, chosen: list[Any], strict: bool
+) -> list[Any]:
+    """Refuse saved settings written by another optimizer class: keys the target class's
+    ``defaults`` lack (and the target group lacks too), or ``defaults`` keys the saved settings
+    lack (`NOT_CLASS_KEYS` aside). ``strict=False`` loads them, each group keeping its own value of
+    the class's keys the checkpoint lacks. One check per distinct settings object."""
+    defaults = getattr(optimizer, "defaults", None)
+    if not isinstance(defaults, Mapping):
+        return chosen
+    seen: dict[int, Any] = {}
+    out = chosen
+    for gi, settings in enumerate(chosen):
+        if settings is None:
+            continue
+        done = seen.get(id(settings))
+        if done is not None:
+            if done is not settings:
+                out[gi] = done
+            continue
+        group = optimizer.param_groups[gi]
+        extra = [k for k in settings if k not in defaults and k not in group and k not in NOT_CLASS_KEYS]
+        lacking = [k for k in defaults if k not in settings and k not in NOT_CLASS_KEYS]
+        if not (extra or lacking):
+            seen[id(settings)] = settings
+            continue
+        if strict:
+            raise CheckpointMismatchError(_class_message(leaf, gi, type(optimizer), settings, extra, lacking))
+        if out is chosen:
+            out = list(chosen)
+        filled = {**settings, **{k: group[k] for k in lacking if k in group}}
+        seen[id(settings)] = out[gi] = filled
+    return out
+
+
+def _class_message(leaf: str, gi: int, cls: type, settings: Mapping[str, Any], extra: list[str], lacking: list[str]) -> str:
+    """Why saved settings belong to another optimizer class, and which classes have their keys."""
+    name = f"torch.optim.{cls.__name__}" if cls.__module__.startswith("torch.optim.") else cls.__qualname__
+    parts = []
+    if extra:
+        parts.append(f"settings {extra} that {cls.__name__}'s defaults lack")
+    if lacking:
+        parts.append(f"no {lacking}, which {cls.__name__} has")
+    keys = {k for k in settings if k not in NOT_CLASS_KEYS}
+    like = [c for c in _torch_optimizer_classes() if _class_keys(c) == keys]
+    by = f" (the keys of {', '.join(like)})" if like else ""
+    return (
+        f"leaf {leaf!r} group {gi}: the checkpoint was saved from another optimizer class than {name}: its saved "
+        f"group has {' and '.join(parts)}{by}. Load it into an optimizer of the class it was saved from; "
+        f"strict=False loads the saved settings anyway, each group keeping its own value of {cls.__name__}'s "
+        "settings the checkpoint lacks"
+    )
+
+
+def _torch_optimizer_classes() -> list[str]:
+    """``torch.optim.X`` for every optimizer class torch.optim exports (for messages)."""
+    return sorted(
+        f"torch.optim.{n}" for n, c in vars(torch.optim).items()
+        if isinstance(c, type) and issubclass(c, torch.optim.Optimizer) and c is not torch.optim.Optimizer
+    )
+
+
+def _class_keys(qualified: str) -> set[str]:
+    """The settings keys of a torch.optim class: its ``__init__`` parameters but ``params`` and `NOT_CLASS_KEYS`."""
+    cls = getattr(torch.optim, qualified.rsplit(".", 1)[1])
+    try:
+        names = inspect.signature(cls.__init__).parameters
+    except (TypeError, ValueError):
+        return set()
+    kinds = (inspect.Parameter.POSITIONAL_OR_KEYWORD, inspect.Parameter.KEYWORD_ONLY)
+    return {n for n, prm in names.items() if n != "self" and prm.kind in kinds} - NOT_CLASS_KEYS
 
 
 def _with_empty_groups(
@@ -249,6 +334,9 @@ def _plan(
     if fmap is None:
         fmap = build_fqn_map(model)
     leaves = named_leaves(optimizer)
+    state_dict = with_state_entry(state_dict)
+    if is_positional(state_dict):
+        state_dict = positional_to_sparse(state_dict, leaves, fmap, _positional_shape_check(leaves))
     ckpt = decode_checkpoint(state_dict, fmap, reader, present, _leaf_finder(leaves, fmap))
     missing: list[str] = []
     used_settings: set[str] = set()
@@ -257,6 +345,7 @@ def _plan(
         (leaf, opt, plan_leaf(leaf, opt, fmap, ckpt, strict, missing, used_settings, used_state))
         for leaf, opt in leaves
     ]
+    _refuse_nothing_matched(ckpt, used_settings, used_state)
     if strict:
         owned = fmap.param_of if unowned_are_other_ranks else None
         _raise_on_mismatch(
@@ -270,6 +359,32 @@ def _plan(
         for leaf, opt, plan in plans
     ]
     return fmap, prepared, ckpt
+
+
+def _positional_shape_check(leaves: list[tuple[str, Any]]) -> Any:
+    """``check(leaf, fqn, param, state)`` for `positional_to_sparse`: `_check_state_shapes`, but not for
+    optimizers whose state is not shaped like the parameters."""
+    flat = {leaf for leaf, opt in leaves if isinstance(opt, _FLAT_STATE_OPTIMIZERS)}
+
+    def check(leaf: str, fqn: str, param: torch.Tensor, state: Any) -> None:
+        if leaf not in flat:
+            _check_state_shapes(leaf, fqn, param, state)
+
+    return check
+
+
+def _refuse_nothing_matched(ckpt: DecodedCheckpoint, used_settings: set[str], used_state: set[str]) -> None:
+    """In every mode: a checkpoint with saved parameters of which the target optimizers hold none
+    (and no state landed) would apply nothing; refuse it, naming both sides' FQNs."""
+    saved = ckpt.settings_of or ckpt.state_of
+    if not saved or not used_settings or used_state or not ckpt.settings_of.keys().isdisjoint(used_settings):
+        return
+    theirs = list(ckpt.settings_of or ckpt.state_of)
+    raise CheckpointMismatchError(
+        f"none of the checkpoint's {len(theirs)} saved parameter(s) is a parameter of the target optimizer(s): "
+        f"it has {fmt_list(theirs, 3)}, the target {fmt_list(sorted(used_settings), 3)}. It was saved from another "
+        "model or under other module names: load it into a model whose parameters have the saved names"
+    )
 
 
 def _apply(prepared: list[PreparedLoad], fmap: FqnMap, ckpt: DecodedCheckpoint) -> None:
