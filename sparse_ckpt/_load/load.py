@@ -17,7 +17,7 @@ import torch
 from .. import _backend
 from .._dcp.origin import strip_origin
 from .._dist import agree_on_refusal
-from .._format.keys import STATE_PREFIX, STEP_KEY, owner_fqn
+from .._format.keys import STATE_PREFIX, STEP_KEY, owner_fqn, split_group_key
 from .._fqn import FqnMap, Model, build_fqn_map
 from .._gc import gc_paused
 from .._layouts.bucketed_load import BucketReader
@@ -345,7 +345,7 @@ def _plan(
         (leaf, opt, plan_leaf(leaf, opt, fmap, ckpt, strict, missing, used_settings, used_state))
         for leaf, opt in leaves
     ]
-    _refuse_nothing_matched(ckpt, used_settings, used_state)
+    _refuse_nothing_matched(ckpt, used_settings, used_state, present)
     if strict:
         owned = fmap.param_of if unowned_are_other_ranks else None
         _raise_on_mismatch(
@@ -373,13 +373,21 @@ def _positional_shape_check(leaves: list[tuple[str, Any]]) -> Any:
     return check
 
 
-def _refuse_nothing_matched(ckpt: DecodedCheckpoint, used_settings: set[str], used_state: set[str]) -> None:
+def _refuse_nothing_matched(
+    ckpt: DecodedCheckpoint, used_settings: set[str], used_state: set[str], present: Collection[str] | None
+) -> None:
     """In every mode: a checkpoint with saved parameters of which the target optimizers hold none
-    (and no state landed) would apply nothing; refuse it, naming both sides' FQNs."""
-    saved = ckpt.settings_of or ckpt.state_of
-    if not saved or not used_settings or used_state or not ckpt.settings_of.keys().isdisjoint(used_settings):
+    (and no state landed) would apply nothing; refuse it, naming both sides' FQNs. ``present`` (a
+    DCP load: every optimizer key of the checkpoint) also counts the flat entries the planner did not
+    read because the model has no such parameter."""
+    if not used_settings or used_state or not ckpt.settings_of.keys().isdisjoint(used_settings):
         return
     theirs = list(ckpt.settings_of or ckpt.state_of)
+    if not theirs and present:
+        flat = (split_group_key(k) for k in present)
+        theirs = list(dict.fromkeys(f[0] for f in flat if f is not None))
+    if not theirs:
+        return
     raise CheckpointMismatchError(
         f"none of the checkpoint's {len(theirs)} saved parameter(s) is a parameter of the target optimizer(s): "
         f"it has {fmt_list(theirs, 3)}, the target {fmt_list(sorted(used_settings), 3)}. It was saved from another "
