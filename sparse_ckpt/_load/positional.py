@@ -22,9 +22,12 @@ import torch
 
 from .._format.nested import NESTED_KEYS, nested_kind, nested_to_sparse
 from .._fqn import FqnMap
-from ..errors import CheckpointMismatchError, PositionalLoadWarning
+from ..errors import CheckpointMismatchError, PositionalLoadWarning, UsageError
 
-__all__ = ["is_positional", "positional_to_sparse", "with_state_entry"]
+__all__ = ["POSITION_MARK", "is_positional", "named_by_position", "positional_to_sparse", "with_state_entry"]
+
+POSITION_MARK = "#"
+"""How the tools name a parameter of a torch dict they have no name for: ``#<id>`` (``inspect``)."""
 
 PARAMS = "params"
 
@@ -67,6 +70,45 @@ def _refuse(detail: str, saved_sizes: list[list[Any]]) -> CheckpointMismatchErro
         f"{len(saved_sizes)} param group(s) of {_shape_text(saved_sizes)} parameters, in the order they were "
         "passed to the optimizer (sparse_ckpt then loads it by position, or optimizer.load_state_dict loads it)"
     )
+
+
+def named_by_position(sd: Mapping[str, Any], fqns: list[str] | None, *, placeholders: bool) -> dict[str, Any]:
+    """A torch ``Optimizer.state_dict()`` ``sd`` as DSD's nested FQN-keyed dict: the i-th parameter of
+    its groups (in order) named ``fqns[i]``; without ``fqns``, by the groups' saved ``param_names``
+    where every group has them; else ``#<id>`` (`POSITION_MARK`) with ``placeholders``, or a
+    `UsageError` saying what is needed (the checkpoint tools)."""
+    groups, state = sd[NESTED_KEYS[1]], sd[NESTED_KEYS[0]]
+    ids = [list(g.get(PARAMS, ())) if isinstance(g, Mapping) else [] for g in groups]
+    count = sum(map(len, ids))
+    if fqns is None and groups and all(isinstance(g, Mapping) and "param_names" in g for g in groups):
+        fqns = [n for g in groups for n in g["param_names"]]
+    if fqns is not None and len(fqns) != count:
+        raise UsageError(
+            f"{len(fqns)} FQN(s) given for the {count} parameter(s) of the torch optimizer.state_dict() "
+            f"(groups of {_shape_text(ids)}): give one FQN per parameter, in the optimizer's order"
+        )
+    if fqns is None:
+        if not placeholders:
+            raise UsageError(
+                f"{WHAT_IT_IS}: converting it needs the FQNs of its {count} parameter(s) in the optimizer's order "
+                f"(groups of {_shape_text(ids)}): pass --fqns FILE, one FQN per line, e.g. written by "
+                "[name for g in optimizer.param_groups for p in g['params'] for name, q in model.named_parameters() "
+                "if q is p]"
+            )
+        fqns = [f"{POSITION_MARK}{i}" for g in ids for i in g]
+    name_of: dict[Any, str] = {}
+    it = iter(fqns)
+    out_groups = []
+    for g, g_ids in zip(groups, ids):
+        names = [name_of.setdefault(i, next(it)) for i in g_ids]
+        out_groups.append({**{k: v for k, v in g.items() if k != PARAMS}, PARAMS: names})
+    out_state = {}
+    for key, value in state.items():
+        sid = _saved_id(key)
+        if sid not in name_of:
+            raise CheckpointMismatchError(f"{WHAT_IT_IS}: state entry {key!r} belongs to no id of its param groups")
+        out_state[name_of[sid]] = value
+    return {NESTED_KEYS[0]: out_state, NESTED_KEYS[1]: out_groups}
 
 
 def positional_to_sparse(

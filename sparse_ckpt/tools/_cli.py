@@ -64,6 +64,8 @@ def _parser() -> argparse.ArgumentParser:
     c.add_argument("--key", help=key_help)
     c.add_argument("--leaf", default=SINGLE_LEAF, help="leaf name for flat -> packed (default: %(default)s)")
     c.add_argument("--drop-empty-groups", action="store_true", help="packed -> flat: drop groups without parameters")
+    c.add_argument("--fqns", metavar="FILE",
+                   help="a torch optimizer.state_dict() (int ids): its parameters' FQNs, one per line, in the optimizer's order")
     e = sub.add_parser("export", help="write the optimizer part as safetensors + JSON (no pickle)")
     e.add_argument("checkpoint", help="DCP checkpoint directory")
     e.add_argument("out", help="destination directory (new or empty)")
@@ -98,7 +100,8 @@ def _run(args: argparse.Namespace, out: Callable[[str], None], err: Callable[[st
         return EXIT_DIFFERENT if args.exit_code and report["differences"] else EXIT_OK
     if args.command == "convert":
         keys = convert_checkpoint(
-            args.src, args.dst, args.to, key=args.key, leaf=args.leaf, drop_empty_groups=args.drop_empty_groups
+            args.src, args.dst, args.to, key=args.key, leaf=args.leaf, drop_empty_groups=args.drop_empty_groups,
+            fqns=_read_fqns(args.fqns),
         )
         shown = ", ".join(repr(k or "(top level)") for k in keys)
         out(f"wrote {args.dst}: optimizer {shown} in {args.to} format")
@@ -112,6 +115,17 @@ def _run(args: argparse.Namespace, out: Callable[[str], None], err: Callable[[st
         f"{s.values} JSON value(s); {s.file_bytes} bytes on disk in {s.seconds:.2f} s"
     )
     return EXIT_OK
+
+
+def _read_fqns(path: str | None) -> list[str] | None:
+    """``--fqns FILE``: its non-empty lines."""
+    if path is None:
+        return None
+    try:
+        with open(path, encoding="utf-8") as f:
+            return [line.strip() for line in f if line.strip()]
+    except OSError as exc:
+        raise UsageError(f"--fqns: cannot read {path!r}: {exc.strerror}") from None
 
 
 def main(argv: Sequence[str] | None = None) -> int:
