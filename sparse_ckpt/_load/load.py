@@ -147,28 +147,26 @@ def _check_class_keys(
     defaults = getattr(optimizer, "defaults", None)
     if not isinstance(defaults, Mapping):
         return chosen
-    seen: dict[int, Any] = {}
-    out = chosen
-    for gi, settings in enumerate(chosen):
-        if settings is None:
-            continue
-        done = seen.get(id(settings))
-        if done is not None:
-            if done is not settings:
-                out[gi] = done
-            continue
-        group = optimizer.param_groups[gi]
+    # each distinct settings object once, at its first group (C-speed: groups may be one per parameter)
+    first_of = dict(zip(map(id, reversed(chosen)), range(len(chosen) - 1, -1, -1)))
+    first_of.pop(id(None), None)
+    misfits: dict[int, list[str]] = {}
+    for sid, gi in first_of.items():
+        settings, group = chosen[gi], optimizer.param_groups[gi]
         extra = [k for k in settings if k not in defaults and k not in group and k not in NOT_CLASS_KEYS]
         lacking = [k for k in defaults if k not in settings and k not in NOT_CLASS_KEYS]
-        if not (extra or lacking):
-            seen[id(settings)] = settings
-            continue
-        if strict:
-            raise CheckpointMismatchError(_class_message(leaf, gi, type(optimizer), settings, extra, lacking))
-        if out is chosen:
-            out = list(chosen)
-        filled = {**settings, **{k: group[k] for k in lacking if k in group}}
-        seen[id(settings)] = out[gi] = filled
+        if extra or lacking:
+            if strict:
+                raise CheckpointMismatchError(_class_message(leaf, gi, type(optimizer), settings, extra, lacking))
+            misfits[sid] = lacking
+    if not misfits:
+        return chosen
+    out = list(chosen)
+    for gi, settings in enumerate(chosen):
+        lacking = misfits.get(id(settings)) if settings is not None else None
+        if lacking is not None:  # strict=False: the group keeps its own value of each key the checkpoint lacks
+            group = optimizer.param_groups[gi]
+            out[gi] = {**settings, **{k: group[k] for k in lacking if k in group}}
     return out
 
 

@@ -291,3 +291,13 @@ def test_the_same_class_always_loads(cls: type) -> None:
     model, opt = fresh(cls)
     sc.load_sparse_state_dict(model, opt, sc.sparse_state_dict(src_model, src))
     same_state(opt, src)
+
+
+def test_strict_false_keeps_each_groups_own_value_of_the_keys_the_checkpoint_lacks() -> None:
+    src_model, src = stepped(torch.optim.AdamW)
+    sd = sc.sparse_state_dict(src_model, src)
+    model = Net(1)
+    sgd = torch.optim.SGD([{"params": model.a.parameters(), "momentum": 0.9},
+                           {"params": model.b.parameters(), "momentum": 0.5}], lr=0.5)
+    sc.load_sparse_state_dict(model, sgd, sd, strict=False)
+    assert [(g["lr"], g["momentum"]) for g in sgd.param_groups] == [(0.01, 0.9), (0.01, 0.5)]
