@@ -6,6 +6,7 @@ already applied are rolled back, so on any error every optimizer is as it was.
 
 from __future__ import annotations
 
+import functools
 import inspect
 from collections import defaultdict
 from collections.abc import Collection, Mapping
@@ -140,9 +141,10 @@ has them in a class's defaults where an older one did not (its ``__setstate__`` 
 def _check_class_keys(
     leaf: str, optimizer: torch.optim.Optimizer, chosen: list[Any], strict: bool
 ) -> list[Any]:
-    """Refuse saved settings written by another optimizer class: keys the target class's
-    ``defaults`` lack (and the target group lacks too), or ``defaults`` keys the saved settings
-    lack (`NOT_CLASS_KEYS` aside). ``strict=False`` loads them, each group keeping its own value of
+    """Refuse saved settings written by another optimizer class: keys of a torch optimizer class
+    (`torch_class_keys`) that the target class's ``defaults`` lack (and the target group lacks too),
+    or ``defaults`` keys the saved settings lack (`NOT_CLASS_KEYS` aside). A key of the user's own
+    (a group's ``"name"``) is no class's, so it loads as torch loads it. ``strict=False`` loads them, each group keeping its own value of
     the class's keys the checkpoint lacks. One check per distinct settings object."""
     defaults = getattr(optimizer, "defaults", None)
     if not isinstance(defaults, Mapping):
@@ -150,10 +152,11 @@ def _check_class_keys(
     # each distinct settings object once, at its first group (C-speed: groups may be one per parameter)
     first_of = dict(zip(map(id, reversed(chosen)), range(len(chosen) - 1, -1, -1)))
     first_of.pop(id(None), None)
+    class_keys = torch_class_keys()
     misfits: dict[int, list[str]] = {}
     for sid, gi in first_of.items():
         settings, group = chosen[gi], optimizer.param_groups[gi]
-        extra = [k for k in settings if k not in defaults and k not in group and k not in NOT_CLASS_KEYS]
+        extra = [k for k in settings if k not in defaults and k not in group and k in class_keys]
         lacking = [k for k in defaults if k not in settings and k not in NOT_CLASS_KEYS]
         if extra or lacking:
             if strict:
@@ -189,8 +192,16 @@ def _class_message(leaf: str, gi: int, cls: type, settings: Mapping[str, Any], e
     )
 
 
+@functools.cache
+def torch_class_keys() -> frozenset[str]:
+    """Every settings key of a torch.optim optimizer class (`_class_keys`): a saved key outside
+    them is the user's own, not a sign of another class."""
+    return frozenset().union(*map(_class_keys, _torch_optimizer_classes()))
+
+
+@functools.cache
 def _torch_optimizer_classes() -> list[str]:
-    """``torch.optim.X`` for every optimizer class torch.optim exports (for messages)."""
+    """``torch.optim.X`` for every optimizer class torch.optim exports."""
     return sorted(
         f"torch.optim.{n}" for n, c in vars(torch.optim).items()
         if isinstance(c, type) and issubclass(c, torch.optim.Optimizer) and c is not torch.optim.Optimizer

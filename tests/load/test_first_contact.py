@@ -301,3 +301,12 @@ def test_strict_false_keeps_each_groups_own_value_of_the_keys_the_checkpoint_lac
                            {"params": model.b.parameters(), "momentum": 0.5}], lr=0.5)
     sc.load_sparse_state_dict(model, sgd, sd, strict=False)
     assert [(g["lr"], g["momentum"]) for g in sgd.param_groups] == [(0.01, 0.9), (0.01, 0.5)]
+
+
+def test_a_group_key_of_the_users_own_is_not_another_class() -> None:
+    """A saved key no torch optimizer class has (a group's name) loads as torch loads it."""
+    src_model = Net()
+    src = torch.optim.AdamW([{"params": src_model.parameters(), "name": "all"}], lr=0.01)
+    model, opt = fresh()
+    sc.load_sparse_state_dict(model, opt, sc.sparse_state_dict(src_model, src))
+    assert opt.param_groups[0]["name"] == "all" and opt.param_groups[0]["lr"] == 0.01
