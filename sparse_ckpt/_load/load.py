@@ -144,8 +144,9 @@ def _check_class_keys(
     """Refuse saved settings written by another optimizer class: keys of a torch optimizer class
     (`torch_class_keys`) that the target class's ``defaults`` lack (and the target group lacks too),
     or ``defaults`` keys the saved settings lack (`NOT_CLASS_KEYS` aside). A key of the user's own
-    (a group's ``"name"``) is no class's, so it loads as torch loads it. ``strict=False`` loads them, each group keeping its own value of
-    the class's keys the checkpoint lacks. One check per distinct settings object."""
+    (a group's ``"name"``) is no class's, so it loads as torch loads it. ``strict=False`` loads
+    them, each group keeping its own value of the class's keys the checkpoint lacks. One check per
+    distinct settings object."""
     defaults = getattr(optimizer, "defaults", None)
     if not isinstance(defaults, Mapping):
         return chosen
@@ -273,13 +274,20 @@ def load_sparse_state_dict(
     *,
     strict: bool = True,
 ) -> None:
-    """Restore param-group settings and existing state from ``state_dict`` (packed or flat).
+    """Restore param-group settings and existing state from ``state_dict`` (packed, flat, DSD's
+    nested dict, or a torch ``optimizer.state_dict()``).
 
     Parameters are matched by FQN, so a parameter may sit in another leaf or group than when
-    saved. Parameters without saved state get no state (no synthetic step). ``strict=True``
-    raises `CheckpointMismatchError` on missing or extra FQNs; ``strict=False`` keeps a
-    group's current settings when none of its FQNs is saved and ignores extra entries.
-    On any error every optimizer is left exactly as it was.
+    saved. Parameters without saved state get no state (no synthetic step). A torch
+    ``optimizer.state_dict()`` (int ids) names no parameter: it is matched by position, as torch's
+    ``load_state_dict`` does, where the groups and the state's shapes agree (with a
+    `~sparse_ckpt.errors.PositionalLoadWarning`), else refused. ``strict=True`` raises
+    `CheckpointMismatchError` on missing or extra FQNs, and on settings of another optimizer class
+    (keys of a torch optimizer class that the target class's ``defaults`` lack, or the reverse);
+    ``strict=False`` keeps a group's current settings when none of its FQNs is saved, ignores extra
+    entries, and loads another class's settings keeping each group's own value of its class's keys
+    the checkpoint lacks. In every mode a checkpoint none of whose saved parameters the target
+    holds is refused (nothing would be applied). On any error every optimizer is left exactly as it was.
     """
     load_owned(model, optimizer, state_dict, strict=strict, unowned_are_other_ranks=False)
 
