@@ -15,6 +15,7 @@ __all__ = [
     "CrossRankStateError",
     "LauncherError",
     "NotACheckpointError",
+    "PositionalLoadWarning",
     "ReentrantSerializationError",
     "SparseCheckpointError",
     "StockCheckpointWarning",
@@ -61,6 +62,11 @@ class CoreFallbackWarning(UserWarning):
 class StockCheckpointWarning(UserWarning):
     """Issued when a stock VeOmni checkpoint was migrated (`sparse_ckpt.integrations.veomni`);
     its message is the ``StockMigrationReport``."""
+
+
+class PositionalLoadWarning(UserWarning):
+    """Issued when a torch ``Optimizer.state_dict()`` (int parameter ids, no names) was loaded by
+    position onto the target's groups, as torch's own ``load_state_dict`` loads it (docs/semantics.md)."""
 
 
 class UsageError(SparseCheckpointError):

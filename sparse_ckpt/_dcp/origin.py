@@ -18,6 +18,8 @@ checkpointing in a group of several ranks is refused before anything is written
 
 from __future__ import annotations
 
+import copy
+from collections import OrderedDict
 from collections.abc import Mapping
 from typing import Any
 
@@ -25,7 +27,7 @@ from .._dist import world_and_rank
 from .._torch_internals import called_by_accelerate_custom_save
 from ..errors import CrossRankStateError
 
-__all__ = ["ORIGIN_KEY", "USE_INSTEAD", "origin_here", "refuse_rank0_only_save", "strip_origin"]
+__all__ = ["ORIGIN_KEY", "USE_INSTEAD", "OriginDict", "origin_here", "refuse_rank0_only_save", "strip_origin", "with_origin"]
 
 ORIGIN_KEY = "__sparse_ckpt__.origin"
 """Key of the origin record in a pickled sparse_ckpt dict (never written by DCP)."""
@@ -44,6 +46,54 @@ def origin_here() -> tuple[int, int] | None:
     """``(rank, world size)`` in an initialised process group of more than one rank, else ``None``."""
     world, rank = world_and_rank()
     return (rank, world) if world > 1 else None
+
+
+class OriginDict(dict):
+    """A sparse_ckpt optimizer dict that records where it was made (:data:`ORIGIN_KEY`).
+
+    In memory it is a plain ``dict`` of its items. Pickled, it is an ``OrderedDict`` (what module
+    ``state_dict()``s pickle as: ``torch.load``'s default ``weights_only`` unpickler reads it, where
+    it refuses a GLOBAL ``builtins.dict``); pickled or (deep) copied in a group of more than one
+    rank, it carries the origin record too, so a load on another rank refuses it. Subclasses
+    choose the plain items through :meth:`copy`."""
+
+    __slots__ = ("origin",)
+
+    def __init__(self, items: Mapping[str, Any] = (), origin: tuple[int, int] | None = None) -> None:  # type: ignore[assignment]
+        super().__init__(items)
+        self.origin = origin
+        """``(rank, world size)`` that made it, in a group of several ranks (`origin_here`)."""
+
+    def copy(self) -> dict[str, Any]:  # type: ignore[override]
+        """A plain ``dict`` with the same items."""
+        return dict(self)
+
+    def _detached(self) -> dict[str, Any]:
+        """The plain items a pickle or copy carries: `copy` plus, in a group of several ranks, the
+        origin record (a load on another rank must refuse one rank's state)."""
+        items = self.copy()
+        if self.origin is not None:
+            items[ORIGIN_KEY] = {"rank": self.origin[0], "world_size": self.origin[1]}
+        return items
+
+    def __reduce_ex__(self, protocol: Any) -> tuple[Any, ...]:
+        return (OrderedDict, (), None, None, iter(self._detached().items()))
+
+    def __reduce__(self) -> tuple[Any, ...]:
+        return self.__reduce_ex__(2)
+
+    def __copy__(self) -> dict[str, Any]:
+        return self._detached()
+
+    def __deepcopy__(self, memo: dict[int, Any]) -> dict[str, Any]:
+        return copy.deepcopy(self._detached(), memo)
+
+
+def with_origin(sd: dict[str, Any]) -> dict[str, Any]:
+    """``sd`` as an `OriginDict` recording this rank in a group of more than one rank; else ``sd``
+    itself (a single process's dict loads anywhere)."""
+    here = origin_here()
+    return sd if here is None else OriginDict(sd, here)
 
 
 def strip_origin(state_dict: Mapping[str, Any]) -> Mapping[str, Any]:

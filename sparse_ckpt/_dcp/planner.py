@@ -36,6 +36,7 @@ from .._format.keys import (
 from .._format.nested import NESTED_KEYS
 from .._fqn import build_fqn_map
 from .._layouts.bucketed_load import BucketReader, items_a_load_reads
+from .._leaves import named_leaves
 from .._torch_internals import (
     caller_frame,
     clear_dcp_flatten_flag,
@@ -207,6 +208,7 @@ class _TargetBuilder:
         self.unresolved: list[str] = []
         self.flat_fqns: set[str] = set()
         self.read_now: set[str] = set()
+        self.positions: list[Any] | None = None
 
     def rebuild(self, path: tuple[str | int, ...], paths: Mapping[str, tuple[str | int, ...]]) -> list[str]:
         """Replace the target's content by the checkpoint's entries under ``path``; returns their
@@ -306,8 +308,19 @@ class _TargetBuilder:
     def _nested_state(self, rel: tuple[str | int, ...], inner: str, md: Any) -> Any:
         fqn = str(rel[1])
         if fqn not in self.fmap.canonical:
+            if fqn.isdigit():  # a torch optimizer.state_dict()'s id: the load matches it by position
+                return allocate_item(md, self._param_at(int(fqn)), str(rel[-1]))
             return _SKIP  # another rank's parameter (the load checks the dict's own groups)
         return allocate_item(md, self._param(fqn), str(rel[-1]))
+
+    def _param_at(self, position: int) -> Any:
+        """The target optimizers' parameter at ``position`` (their groups one after the other, as torch
+        numbers them), to allocate a torch ``optimizer.state_dict()``'s state like (``None``: none)."""
+        if self.positions is None:
+            optimizer = getattr(self.target.owner, "optimizer", None)
+            leaves = named_leaves(optimizer) if optimizer is not None else []
+            self.positions = [p for _leaf, opt in leaves for g in opt.param_groups for p in g["params"]]
+        return self.positions[position] if position < len(self.positions) else None
 
     def _buffers(self, rel: tuple[str | int, ...], inner: str, md: Any) -> Any:
         return allocate_item(md, None, "") if inner in self.read_now else _SKIP

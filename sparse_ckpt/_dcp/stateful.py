@@ -17,8 +17,6 @@ dragging the model along), so ``dcp.async_save`` staging works on it.
 
 from __future__ import annotations
 
-import copy
-from collections import OrderedDict
 from collections.abc import Mapping
 from typing import Any
 
@@ -43,7 +41,7 @@ from .._torch_internals import (
     saved_by_dcp_with_all_ranks,
 )
 from ..errors import CheckpointMismatchError
-from .origin import ORIGIN_KEY, origin_here, refuse_rank0_only_save
+from .origin import OriginDict, origin_here, refuse_rank0_only_save
 
 __all__ = ["SparseOptimizerState", "SparseStateDict", "planned_load"]
 
@@ -87,23 +85,19 @@ class _PlannerGuard(torch.Tensor):
         return super().__torch_function__(func, (torch.Tensor,), args, kwargs or {})
 
 
-class SparseStateDict(dict):
+class SparseStateDict(OriginDict):
     """The dict `SparseOptimizerState.state_dict` returns: a plain ``dict`` tagged with its owner.
 
     DCP flattens it like any dict. `SparseLoadPlanner` recognises it in a load target and
-    sets ``planned``. Pickling produces an ``OrderedDict`` (readable by ``torch.load`` with
-    ``weights_only=True``) and (deep) copies a plain ``dict`` of the same items; in a
-    process group of several ranks plus the origin record `sparse_ckpt._dcp.origin.ORIGIN_KEY`,
-    so that a load on another rank refuses it (`sparse_ckpt._dcp.origin`).
+    sets ``planned``. Pickled or copied, it is the plain dict of an
+    `sparse_ckpt._dcp.origin.OriginDict` (its origin record included), the planner guard a plain tensor.
     """
 
-    __slots__ = ("fmap", "lost", "origin", "owner", "planned", "present", "reader", "unresolved")
+    __slots__ = ("fmap", "lost", "owner", "planned", "present", "reader", "unresolved")
 
     def __init__(self, items: Mapping[str, Any], owner: SparseOptimizerState) -> None:
-        super().__init__(items)
+        super().__init__(items, origin_here())
         self.owner = owner
-        self.origin = origin_here()
-        """``(rank, world size)`` that made it, in a group of several ranks (see `sparse_ckpt._dcp.origin`)."""
         self.planned = False
         self.unresolved: list[str] = []
         """Checkpoint state keys the planner skipped whose FQN it could not attribute to anyone."""
@@ -118,29 +112,6 @@ class SparseStateDict(dict):
         self.lost: list[str] = []
         """Items the planner found missing from the checkpoint's metadata (an element of a list
         with elements after it): the load refuses them."""
-
-    def _detached(self) -> dict[str, Any]:
-        """The plain items a pickle or copy carries: `copy` plus, in a group of several ranks, the
-        origin record (a load on another rank must refuse one rank's state)."""
-        items = self.copy()
-        if self.origin is not None:
-            items[ORIGIN_KEY] = {"rank": self.origin[0], "world_size": self.origin[1]}
-        return items
-
-    def __reduce_ex__(self, protocol: Any) -> tuple[Any, ...]:
-        # An ``OrderedDict`` (what module ``state_dict()``s pickle as), not ``dict``: torch.load's
-        # default ``weights_only`` unpickler refuses a GLOBAL ``builtins.dict``, so a Stateful's dict
-        # put through ``torch.save`` (a trainer's one-file checkpoint) could not be read back.
-        return (OrderedDict, (), None, None, iter(self._detached().items()))
-
-    def __copy__(self) -> dict[str, Any]:
-        return self._detached()
-
-    def __deepcopy__(self, memo: dict[int, Any]) -> dict[str, Any]:
-        return copy.deepcopy(self._detached(), memo)
-
-    def __reduce__(self) -> tuple[Any, ...]:
-        return self.__reduce_ex__(2)
 
     def copy(self) -> dict[str, Any]:  # type: ignore[override]
         """A plain ``dict`` with the same items (the planner guard as a plain tensor)."""

@@ -6,6 +6,8 @@ already applied are rolled back, so on any error every optimizer is as it was.
 
 from __future__ import annotations
 
+import functools
+import inspect
 from collections import defaultdict
 from collections.abc import Collection, Mapping
 from itertools import chain
@@ -16,7 +18,7 @@ import torch
 from .. import _backend
 from .._dcp.origin import strip_origin
 from .._dist import agree_on_refusal
-from .._format.keys import STATE_PREFIX, STEP_KEY, owner_fqn
+from .._format.keys import STATE_PREFIX, STEP_KEY, owner_fqn, split_group_key
 from .._fqn import FqnMap, Model, build_fqn_map
 from .._gc import gc_paused
 from .._layouts.bucketed_load import BucketReader
@@ -37,6 +39,7 @@ from .apply import (
     snapshot,
 )
 from .decode import DecodedCheckpoint, decode_checkpoint
+from .positional import is_positional, positional_to_sparse, with_state_entry
 
 
 def _check_state_shapes(leaf: str, fqn: str, param: torch.Tensor, state: Any, path: str = "") -> None:
@@ -100,6 +103,7 @@ def plan_leaf(
     missing.extend(leaf_missing)
     used_settings.update(chain.from_iterable(target))
     chosen = _with_empty_groups(leaf, target, chosen, ckpt, strict)
+    chosen = _check_class_keys(leaf, optimizer, chosen, strict)
     check = None if isinstance(optimizer, _FLAT_STATE_OPTIMIZERS) else _check_state_shapes
     if not ckpt.names_of and not overrides_load_state_dict(optimizer) and not load_state_dict_pre_hooks(optimizer):
         groups = core.build_groups(optimizer.param_groups, chosen, copy_settings, True)
@@ -123,6 +127,97 @@ def plan_leaf(
         for fqn in used:
             check(leaf, fqn, fmap.param_of[fqn], ckpt.state_of[fqn])
     return {"state": packed_state, "param_groups": groups}
+
+
+NOT_CLASS_KEYS = frozenset({
+    "params", "param_names",  # the group's parameters, not settings
+    "initial_lr", "max_lr", "min_lr", "base_momentum", "max_momentum",  # added by LR schedulers
+    "decoupled_weight_decay", "differentiable", "fused", "foreach", "capturable", "maximize",  # added by newer torch
+})
+"""Group keys that say nothing about the optimizer class: a scheduler adds them, or a newer torch
+has them in a class's defaults where an older one did not (its ``__setstate__`` fills them in)."""
+
+
+def _check_class_keys(
+    leaf: str, optimizer: torch.optim.Optimizer, chosen: list[Any], strict: bool
+) -> list[Any]:
+    """Refuse saved settings written by another optimizer class: keys of a torch optimizer class
+    (`torch_class_keys`) that the target class's ``defaults`` lack (and the target group lacks too),
+    or ``defaults`` keys the saved settings lack (`NOT_CLASS_KEYS` aside). A key of the user's own
+    (a group's ``"name"``) is no class's, so it loads as torch loads it. ``strict=False`` loads
+    them, each group keeping its own value of the class's keys the checkpoint lacks. One check per
+    distinct settings object."""
+    defaults = getattr(optimizer, "defaults", None)
+    if not isinstance(defaults, Mapping):
+        return chosen
+    # each distinct settings object once, at its first group (C-speed: groups may be one per parameter)
+    first_of = dict(zip(map(id, reversed(chosen)), range(len(chosen) - 1, -1, -1)))
+    first_of.pop(id(None), None)
+    class_keys = torch_class_keys()
+    misfits: dict[int, list[str]] = {}
+    for sid, gi in first_of.items():
+        settings, group = chosen[gi], optimizer.param_groups[gi]
+        extra = [k for k in settings if k not in defaults and k not in group and k in class_keys]
+        lacking = [k for k in defaults if k not in settings and k not in NOT_CLASS_KEYS]
+        if extra or lacking:
+            if strict:
+                raise CheckpointMismatchError(_class_message(leaf, gi, type(optimizer), settings, extra, lacking))
+            misfits[sid] = lacking
+    if not misfits:
+        return chosen
+    out = list(chosen)
+    for gi, settings in enumerate(chosen):
+        lacking = misfits.get(id(settings)) if settings is not None else None
+        if lacking is not None:  # strict=False: the group keeps its own value of each key the checkpoint lacks
+            group = optimizer.param_groups[gi]
+            out[gi] = {**settings, **{k: group[k] for k in lacking if k in group}}
+    return out
+
+
+def _class_message(leaf: str, gi: int, cls: type, settings: Mapping[str, Any], extra: list[str], lacking: list[str]) -> str:
+    """Why saved settings belong to another optimizer class, and which classes have their keys."""
+    name = f"torch.optim.{cls.__name__}" if cls.__module__.startswith("torch.optim.") else cls.__qualname__
+    parts = []
+    if extra:
+        parts.append(f"settings {extra} that {cls.__name__}'s defaults lack")
+    if lacking:
+        parts.append(f"no {lacking}, which {cls.__name__} has")
+    keys = {k for k in settings if k not in NOT_CLASS_KEYS}
+    like = [c for c in _torch_optimizer_classes() if _class_keys(c) == keys]
+    by = f" (the keys of {', '.join(like)})" if like else ""
+    return (
+        f"leaf {leaf!r} group {gi}: the checkpoint was saved from another optimizer class than {name}: its saved "
+        f"group has {' and '.join(parts)}{by}. Load it into an optimizer of the class it was saved from; "
+        f"strict=False loads the saved settings anyway, each group keeping its own value of {cls.__name__}'s "
+        "settings the checkpoint lacks"
+    )
+
+
+@functools.cache
+def torch_class_keys() -> frozenset[str]:
+    """Every settings key of a torch.optim optimizer class (`_class_keys`): a saved key outside
+    them is the user's own, not a sign of another class."""
+    return frozenset().union(*map(_class_keys, _torch_optimizer_classes()))
+
+
+@functools.cache
+def _torch_optimizer_classes() -> list[str]:
+    """``torch.optim.X`` for every optimizer class torch.optim exports."""
+    return sorted(
+        f"torch.optim.{n}" for n, c in vars(torch.optim).items()
+        if isinstance(c, type) and issubclass(c, torch.optim.Optimizer) and c is not torch.optim.Optimizer
+    )
+
+
+def _class_keys(qualified: str) -> set[str]:
+    """The settings keys of a torch.optim class: its ``__init__`` parameters but ``params`` and `NOT_CLASS_KEYS`."""
+    cls = getattr(torch.optim, qualified.rsplit(".", 1)[1])
+    try:
+        names = inspect.signature(cls.__init__).parameters
+    except (TypeError, ValueError):
+        return set()
+    kinds = (inspect.Parameter.POSITIONAL_OR_KEYWORD, inspect.Parameter.KEYWORD_ONLY)
+    return {n for n, prm in names.items() if n != "self" and prm.kind in kinds} - NOT_CLASS_KEYS
 
 
 def _with_empty_groups(
@@ -179,13 +274,20 @@ def load_sparse_state_dict(
     *,
     strict: bool = True,
 ) -> None:
-    """Restore param-group settings and existing state from ``state_dict`` (packed or flat).
+    """Restore param-group settings and existing state from ``state_dict`` (packed, flat, DSD's
+    nested dict, or a torch ``optimizer.state_dict()``).
 
     Parameters are matched by FQN, so a parameter may sit in another leaf or group than when
-    saved. Parameters without saved state get no state (no synthetic step). ``strict=True``
-    raises `CheckpointMismatchError` on missing or extra FQNs; ``strict=False`` keeps a
-    group's current settings when none of its FQNs is saved and ignores extra entries.
-    On any error every optimizer is left exactly as it was.
+    saved. Parameters without saved state get no state (no synthetic step). A torch
+    ``optimizer.state_dict()`` (int ids) names no parameter: it is matched by position, as torch's
+    ``load_state_dict`` does, where the groups and the state's shapes agree (with a
+    `~sparse_ckpt.errors.PositionalLoadWarning`), else refused. ``strict=True`` raises
+    `CheckpointMismatchError` on missing or extra FQNs, and on settings of another optimizer class
+    (keys of a torch optimizer class that the target class's ``defaults`` lack, or the reverse);
+    ``strict=False`` keeps a group's current settings when none of its FQNs is saved, ignores extra
+    entries, and loads another class's settings keeping each group's own value of its class's keys
+    the checkpoint lacks. In every mode a checkpoint none of whose saved parameters the target
+    holds is refused (nothing would be applied). On any error every optimizer is left exactly as it was.
     """
     load_owned(model, optimizer, state_dict, strict=strict, unowned_are_other_ranks=False)
 
@@ -250,6 +352,9 @@ def _plan(
     if fmap is None:
         fmap = build_fqn_map(model)
     leaves = named_leaves(optimizer)
+    state_dict = with_state_entry(state_dict)
+    if is_positional(state_dict):
+        state_dict = positional_to_sparse(state_dict, leaves, fmap, _positional_shape_check(leaves))
     ckpt = decode_checkpoint(state_dict, fmap, reader, present, _leaf_finder(leaves, fmap))
     missing: list[str] = []
     used_settings: set[str] = set()
@@ -258,6 +363,7 @@ def _plan(
         (leaf, opt, plan_leaf(leaf, opt, fmap, ckpt, strict, missing, used_settings, used_state))
         for leaf, opt in leaves
     ]
+    _refuse_nothing_matched(ckpt, used_settings, used_state, present)
     if strict:
         owned = fmap.param_of if unowned_are_other_ranks else None
         _raise_on_mismatch(
@@ -271,6 +377,40 @@ def _plan(
         for leaf, opt, plan in plans
     ]
     return fmap, prepared, ckpt
+
+
+def _positional_shape_check(leaves: list[tuple[str, Any]]) -> Any:
+    """``check(leaf, fqn, param, state)`` for `positional_to_sparse`: `_check_state_shapes`, but not for
+    optimizers whose state is not shaped like the parameters."""
+    flat = {leaf for leaf, opt in leaves if isinstance(opt, _FLAT_STATE_OPTIMIZERS)}
+
+    def check(leaf: str, fqn: str, param: torch.Tensor, state: Any) -> None:
+        if leaf not in flat:
+            _check_state_shapes(leaf, fqn, param, state)
+
+    return check
+
+
+def _refuse_nothing_matched(
+    ckpt: DecodedCheckpoint, used_settings: set[str], used_state: set[str], present: Collection[str] | None
+) -> None:
+    """In every mode: a checkpoint with saved parameters of which the target optimizers hold none
+    (and no state landed) would apply nothing; refuse it, naming both sides' FQNs. ``present`` (a
+    DCP load: every optimizer key of the checkpoint) also counts the flat entries the planner did not
+    read because the model has no such parameter."""
+    if not used_settings or used_state or not ckpt.settings_of.keys().isdisjoint(used_settings):
+        return
+    theirs = list(ckpt.settings_of or ckpt.state_of)
+    if not theirs and present:
+        flat = (split_group_key(k) for k in present)
+        theirs = list(dict.fromkeys(f[0] for f in flat if f is not None))
+    if not theirs:
+        return
+    raise CheckpointMismatchError(
+        f"none of the checkpoint's {len(theirs)} saved parameter(s) is a parameter of the target optimizer(s): "
+        f"it has {fmt_list(theirs, 3)}, the target {fmt_list(sorted(used_settings), 3)}. It was saved from another "
+        "model or under other module names: load it into a model whose parameters have the saved names"
+    )
 
 
 def _apply(prepared: list[PreparedLoad], fmap: FqnMap, ckpt: DecodedCheckpoint) -> None:

@@ -11,6 +11,7 @@ from typing import Any, Literal
 import torch
 
 from .. import _backend
+from .._dcp.origin import with_origin
 from .._format.codec import encode_settings, encode_table
 from .._format.item_record import groups_tail
 from .._format.keys import (
@@ -78,12 +79,15 @@ def sparse_state_dict(
     parameter-shaped state tensors into a few 1-D buffers (copies) with a layout table, ``"auto"``
     (what `sparse_ckpt.SparseOptimizerState` saves by default) only those below a size (see
     docs/dcp.md, *State layout*); with ``format="flat"``, ``"auto"`` is one item per tensor.
+
+    In a process group of more than one rank the dict records its rank (docs/semantics.md): pickled
+    (``torch.save``) or copied, it is refused by a load on another rank or world size.
     """
     if format not in FORMATS:
         raise ValueError(f"format must be one of {FORMATS}, got {format!r}")
     check_state_layout(state_layout, format)
     with gc_paused():
-        return build_state_dict(model, optimizer, format, Keying.here(), state_layout)
+        return with_origin(build_state_dict(model, optimizer, format, Keying.here(), state_layout))
 
 
 def build_state_dict(

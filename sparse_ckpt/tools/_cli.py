@@ -84,6 +84,8 @@ def _parser() -> argparse.ArgumentParser:
     c.add_argument("--key", help=key_help)
     c.add_argument("--leaf", help="leaf name for flat -> packed (default: the name of a single optimizer's leaf)")
     c.add_argument("--drop-empty-groups", action="store_true", help="packed -> flat: drop groups without parameters")
+    c.add_argument("--fqns", metavar="FILE",
+                   help="a torch optimizer.state_dict() (int ids): its parameters' FQNs, one per line, in the optimizer's order")
     e = sub.add_parser("export", help="write the optimizer part as safetensors + JSON (no pickle)")
     e.add_argument("checkpoint", help="DCP checkpoint directory")
     e.add_argument("out", help="destination directory (new or empty)")
@@ -127,7 +129,10 @@ def _run(args: argparse.Namespace, out: Callable[[str], None], err: Callable[[st
     if args.command == "convert":
         from .convert import convert_checkpoint
 
-        keys = convert_checkpoint(args.src, args.dst, args.to, key=args.key, drop_empty_groups=args.drop_empty_groups, **leaf)
+        keys = convert_checkpoint(
+            args.src, args.dst, args.to, key=args.key, drop_empty_groups=args.drop_empty_groups,
+            fqns=_read_fqns(args.fqns), **leaf,
+        )
         shown = ", ".join(repr(k or "(top level)") for k in keys)
         out(f"wrote {args.dst}: optimizer {shown} in {args.to} format")
         return EXIT_OK
@@ -140,6 +145,18 @@ def _run(args: argparse.Namespace, out: Callable[[str], None], err: Callable[[st
         f"{s.values} JSON value(s); {s.file_bytes} bytes on disk in {s.seconds:.2f} s"
     )
     return EXIT_OK
+
+
+def _read_fqns(path: str | None) -> list[str] | None:
+    """``--fqns FILE``: its non-empty lines."""
+    if path is None:
+        return None
+    try:
+        with open(path, encoding="utf-8") as f:
+            return [line.strip() for line in f if line.strip()]
+    except OSError as exc:
+        (usage_error,) = _errors("UsageError")
+        raise usage_error(f"--fqns: cannot read {path!r}: {exc.strerror}") from None
 
 
 def main(argv: Sequence[str] | None = None) -> int:

@@ -40,7 +40,7 @@ from .._format.keys import (
     state_key,
 )
 from .._format.keys_record import is_record_key, read_key_records
-from .._format.nested import NESTED_KEYS, nested_to_sparse
+from .._format.nested import NESTED_KEYS, nested_kind, nested_to_sparse
 from .._layouts.bucketed import dtype_name
 from .._layouts.bucketed_view import layout_view
 from .._leaves import SINGLE_LEAF
@@ -48,6 +48,7 @@ from .._limits import ITEM_BYTES
 from .._load.completeness import check_key_record, check_recorded_items, check_table_leaves
 from .._load.decode import decode_group_tables
 from .._load.decode_state import decode_scalar_tables, merge_scalars, merge_state
+from .._load.positional import POSITION_MARK, named_by_position
 from .._text import one_line
 from ..errors import CheckpointFormatError, SparseCheckpointError, UsageError
 
@@ -280,7 +281,10 @@ def named_groups(leaves: dict[str, list[Group]], flat: list[Group]) -> list[tupl
 
 
 def optimizer_format(opt: OptimizerEntries, leaves: Mapping[str, Any], flat: list[Group]) -> str:
-    """How ``opt`` is stored: ``nested`` (torch DSD), ``mixed``, ``packed`` or ``flat``."""
+    """How ``opt`` is stored: ``torch`` (a torch ``optimizer.state_dict()``, int ids, its parameters
+    named ``#<id>``), ``nested`` (torch DSD), ``mixed``, ``packed`` or ``flat``."""
+    if opt.nested and any(f.startswith(POSITION_MARK) for groups in leaves.values() for g in groups for f in g.fqns[:1]):
+        return "torch"
     return "nested" if opt.nested else "mixed" if leaves and flat else "packed" if leaves else "flat"
 
 
@@ -320,10 +324,14 @@ def entry_values(opt: OptimizerEntries, metadata: Metadata, read: Mapping[str, A
     return sparse_values(opt, values)
 
 
-def sparse_values(opt: OptimizerEntries, values: Mapping[str, Any]) -> dict[str, Any]:
+def sparse_values(opt: OptimizerEntries, values: Mapping[str, Any], fqns: list[str] | None = None,
+                  *, placeholders: bool = True) -> dict[str, Any]:
     """``values`` (``opt``'s entries by inner key) with torch DSD's nested entries rebuilt into
     their dict and rewritten into its packed equivalent (`sparse_ckpt._format.nested.nested_to_sparse`:
-    one group table of leaf ``optim``, ``state.{fqn}.{key}`` entries); any other entry as it is."""
+    one group table of leaf ``optim``, ``state.{fqn}.{key}`` entries); any other entry as it is.
+    A torch ``optimizer.state_dict()`` (int ids) is named by position first
+    (`sparse_ckpt._load.positional.named_by_position`: ``fqns``, its ``param_names``, or ``#<id>``
+    with ``placeholders``)."""
     if not opt.nested:
         return dict(values)
     out: dict[str, Any] = {}
@@ -334,6 +342,8 @@ def sparse_values(opt: OptimizerEntries, values: Mapping[str, Any]) -> dict[str,
             out[inner] = value
         else:
             set_path(root, rel, value)
+    if nested_kind(root) == "ids":
+        root = named_by_position(root, fqns, placeholders=placeholders)
     out.update(nested_to_sparse(root))
     return out
 
@@ -393,6 +403,11 @@ LOADER = "sparse_ckpt: dcp.load(..., planner=sparse_ckpt.SparseLoadPlanner()) in
 
 def loader_needed(summary: Mapping[str, Any]) -> str:
     """Which loader restores an optimizer that `inspect_checkpoint` summarised, and what others do."""
+    if summary["format"] == "torch":
+        return (
+            f"{LOADER} whose optimizers are built with the saved groups (by position, as torch loads it), or "
+            "optimizer.load_state_dict; `convert --to packed --fqns FILE` names its parameters"
+        )
     if summary["format"] == "nested":
         dsd = "torch DSD's set_optimizer_state_dict (it wrote it)"
         if summary["without_state"]:

@@ -115,8 +115,12 @@ def convert_checkpoint(
     key: str | None = None,
     leaf: str = SINGLE_LEAF,
     drop_empty_groups: bool = False,
+    fqns: list[str] | None = None,
 ) -> list[str]:
-    """Write ``src`` to ``dst`` with its optimizer part in format ``to``; returns the keys converted."""
+    """Write ``src`` to ``dst`` with its optimizer part in format ``to``; returns the keys converted.
+
+    A torch ``optimizer.state_dict()`` (int ids) is converted by FQN: ``fqns`` names its parameters in
+    the optimizer's order (else its groups' saved ``param_names``; else a `UsageError` says what is needed)."""
     metadata = open_checkpoint(src)
     if os.path.abspath(src) == os.path.abspath(dst):
         raise UsageError("SRC and DST must differ")
@@ -129,7 +133,8 @@ def convert_checkpoint(
     everything = read_entries(src, metadata, metadata.state_dict_metadata.keys(), unpickle_keys=set(others))
     new_opts = []
     for opt in opts:
-        values = sparse_values(opt, {inner: everything[flat] for inner, flat in opt.inner.items()})
+        values = sparse_values(opt, {inner: everything[flat] for inner, flat in opt.inner.items()}, fqns,
+                               placeholders=False)
         new_opts.append((opt.prefix, convert_optimizer(values, to, leaf=leaf, drop_empty_groups=drop_empty_groups)))
     nested: dict[str, Any] = {}
     for flat_key in others:
