@@ -20,7 +20,7 @@ import torch
 
 from .._torch_internals import file_item_location
 from ..errors import CheckpointFormatError, SparseCheckpointError
-from .saved_tensor import _CDIR, _EOCD, _LOCAL
+from .saved_tensor import _CDIR, _EOCD, _LOCAL, archive_disagreement
 
 __all__ = ["check_headers", "crc_failure", "damaged", "diagnose", "guard_reads", "header_crc_failure", "locate", "reason", "with_file"]
 
@@ -232,9 +232,30 @@ def check_headers(storage_reader: Any, metadata: Any, items: Iterable[Any], chec
                 f.seek(where[1])
                 bad = crc_failure(f.read(where[2]))
             else:
+                expect = _chunk_of(metadata, item.storage_index)
+                wrong = None if expect is None else archive_disagreement(f, where[1], where[2], *expect)
+                if wrong is not None:
+                    raise damaged(
+                        item.storage_index.fqn, where[0], f"its archive header disagrees with the checkpoint's .metadata: {wrong}"
+                    )
                 bad = header_crc_failure(f, where[1], where[2])
             if bad is not None:
                 raise damaged(item.storage_index.fqn, where[0], f"its record {bad!r} is damaged (its zip header or CRC-32 check fails)")
     finally:
         if f is not None:
             f.close()
+
+
+def _chunk_of(metadata: Any, index: Any) -> tuple[tuple[int, ...], torch.dtype] | None:
+    """``(sizes, dtype)`` of the stored chunk of tensor item ``index`` (a ``MetadataIndex``) as
+    ``.metadata`` records it; ``None`` when it records no such tensor chunk."""
+    from torch.distributed.checkpoint.metadata import TensorStorageMetadata
+
+    md = getattr(metadata, "state_dict_metadata", {}).get(index.fqn)
+    if not isinstance(md, TensorStorageMetadata):
+        return None
+    offset = tuple(index.offset) if index.offset is not None else None
+    chunks = [c for c in md.chunks if offset is None or tuple(c.offsets) == offset]
+    if index.index is not None and 0 <= index.index < len(md.chunks) and tuple(md.chunks[index.index].offsets) == offset:
+        chunks = [md.chunks[index.index]]
+    return (tuple(chunks[0].sizes), md.properties.dtype) if len(chunks) == 1 else None

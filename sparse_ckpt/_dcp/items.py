@@ -27,7 +27,7 @@ from .._format.keys import BUFFERS_PREFIX, PACKED_PREFIX, SCALARS_PREFIX, STEP_K
 from .._torch_internals import file_item_location
 from ..errors import CheckpointFormatError, CheckpointMismatchError, SparseCheckpointError
 from .damage import crc_failure, damaged, diagnose, header_crc_failure, reason, with_file
-from .saved_tensor import read_saved_tensor
+from .saved_tensor import archive_disagreement, read_saved_tensor
 
 __all__ = ["FileWindow", "ItemPlanner", "allocate_item", "allocate_like", "check_covered", "read_items", "weights_only_item", "weights_only_object"]
 
@@ -302,6 +302,9 @@ def _read_files_directly(storage_reader: Any, metadata: Metadata, items: list[Re
                 f, path = open(file, "rb"), file  # noqa: SIM115 - one file open at a time, closed below
             key = item.dest_index.fqn
             md = metadata.state_dict_metadata[key]
+            wrong = archive_disagreement(f, offset, length, tuple(md.size), md.properties.dtype)
+            if wrong is not None:  # (a damaged header can move where the tensor's bytes are read from)
+                raise damaged(key, file, f"its archive header disagrees with the checkpoint's .metadata: {wrong}")
             try:
                 tensor = read_saved_tensor(f, offset, length, tuple(md.size), md.properties.dtype)
             except EOFError as exc:
