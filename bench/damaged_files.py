@@ -312,7 +312,7 @@ def flip_sweep(rate: float = 1.0, seed: int = 0, variants: tuple[tuple[str, str]
                     try:
                         model, opt = _stepped(7)  # state of its own: a refusal must keep it
                         model.load_state_dict(model_sd)
-                        outcome, detail = classify(lambda m=model, o=opt: _load_stateful(path, fmt, m, o), opt, saved)
+                        outcome, detail = classify(lambda m=model, o=opt, p=path, f=fmt: _load_stateful(p, f, m, o), opt, saved)
                     finally:
                         with open(full, "r+b") as f:
                             f.seek(pos)
