@@ -322,16 +322,18 @@ def flip_sweep(rate: float = 1.0, seed: int = 0, variants: tuple[tuple[str, str]
                     here[outcome] += 1
                     if outcome == "raw":
                         raws.append(f"{fmt}/{layout} {file}@{pos} ({key}): {detail}")
-            per_variant[f"{fmt}/{layout}"] = {k: here.get(k, 0) for k in ("exact", "refused", "silent", "raw")}
+            c = per_variant[f"{fmt}/{layout}"] = {k: here.get(k, 0) for k in ("exact", "refused", "silent", "raw")}
             counts.update(here)
+            if out is not None:
+                print(f"flip {fmt}/{layout}: {sum(c.values())} flips: {c['exact']} exact, {c['refused']} refused, "
+                      f"{c['silent']} silent (per-item tensor bytes), {c['raw']} raw", file=out, flush=True)
     finally:
         shutil.rmtree(root, ignore_errors=True)
     result = {"trials": sum(counts.values()), **{k: counts.get(k, 0) for k in ("exact", "refused", "silent", "raw")},
               "variants": per_variant, "raw_cases": raws}
     if out is not None:
-        for name, c in per_variant.items():
-            print(f"flip {name}: {sum(c.values())} flips: {c['exact']} exact, {c['refused']} refused, "
-                  f"{c['silent']} silent (per-item tensor bytes), {c['raw']} raw", file=out)
+        print(f"flip: {result['trials']} flips: {result['exact']} exact, {result['refused']} refused, "
+              f"{result['silent']} silent, {result['raw']} raw", file=out)
         for line in raws[:40]:
             print("  RAW " + line, file=out)
     return result

@@ -26,8 +26,8 @@ from torch.distributed.tensor import empty as dtensor_empty
 from .._format.keys import BUFFERS_PREFIX, PACKED_PREFIX, SCALARS_PREFIX, STEP_KEY, is_table_key, table_kind
 from .._torch_internals import file_item_location
 from ..errors import CheckpointFormatError, CheckpointMismatchError, SparseCheckpointError
-from .damage import crc_failure, damaged, diagnose, header_crc_failure, reason, with_file
-from .saved_tensor import archive_disagreement, read_saved_tensor
+from .damage import crc_failure, damaged, diagnose, header_crc_failure, header_damage, reason, with_file
+from .saved_tensor import read_saved_tensor
 
 __all__ = ["FileWindow", "ItemPlanner", "allocate_item", "allocate_like", "check_covered", "read_items", "weights_only_item", "weights_only_object"]
 
@@ -302,9 +302,6 @@ def _read_files_directly(storage_reader: Any, metadata: Metadata, items: list[Re
                 f, path = open(file, "rb"), file  # noqa: SIM115 - one file open at a time, closed below
             key = item.dest_index.fqn
             md = metadata.state_dict_metadata[key]
-            wrong = archive_disagreement(f, offset, length, tuple(md.size), md.properties.dtype)
-            if wrong is not None:  # (a damaged header can move where the tensor's bytes are read from)
-                raise damaged(key, file, f"its archive header disagrees with the checkpoint's .metadata: {wrong}")
             try:
                 tensor = read_saved_tensor(f, offset, length, tuple(md.size), md.properties.dtype)
             except EOFError as exc:
@@ -313,9 +310,10 @@ def _read_files_directly(storage_reader: Any, metadata: Metadata, items: list[Re
                     "checkpoint)"
                 ) from None
             if tensor is None:  # not the plain case: torch.load reads every case
-                bad = header_crc_failure(f, offset, length)  # a zeroed byteorder: byte-swapped values
+                # a zeroed byteorder: byte-swapped values; a moved data start: other bytes
+                bad = header_crc_failure(f, offset, length, (tuple(md.size), md.properties.dtype))
                 if bad is not None:
-                    raise damaged(key, file, f"its record {bad!r} is damaged (its zip header or CRC-32 check fails)")
+                    raise damaged(key, file, header_damage(bad))
                 try:
                     tensor = torch.load(io.BufferedReader(FileWindow(f, offset, length)), map_location="cpu", weights_only=True)
                 except Exception as exc:  # noqa: BLE001 - zeroed or cut bytes: refused naming item and file

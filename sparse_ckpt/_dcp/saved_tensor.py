@@ -233,6 +233,8 @@ def read_saved_tensor(f: BinaryIO, offset: int, length: int, size: tuple[int, ..
     )
     if data_at is None or pkl_at is None or order_at is None or data_at + nbytes > length:
         return None
+    if data_at != data_start(data_local, len(names["/data/0"].encode())):
+        return None  # a damaged header moved the data (the caller's header check refuses it)
     if head[order_at : order_at + order_size] != b"little" or pkl_at + pkl_size > len(head):
         return None
     if not _plain_tensor(head[pkl_at : pkl_at + pkl_size], size, dtype):
@@ -301,58 +303,21 @@ def data_start(local: int, name_len: int) -> int:
     return -(-base // _ALIGN) * _ALIGN
 
 
-def archive_disagreement(f: BinaryIO, offset: int, length: int, size: tuple[int, ...], dtype: torch.dtype) -> str | None:
-    """What the archive of the tensor item at ``[offset, offset + length)`` of the open file ``f``
-    says that its ``.metadata`` (a tensor of ``size`` and ``dtype``, stored whole: DCP saves each
-    chunk contiguous) does not: its data record's length (the storage size), where its local header
-    puts the data (``torch.save``'s place, `data_start`, inside the item), and, where the pickle is
-    the plain one `read_saved_tensor` reads, the dtype, storage size and shape it rebuilds. ``None``
-    when they agree, or when the archive's directory cannot be read here (zip64: ``torch.load``
-    and the CRC checks decide then)."""
-    nbytes = torch.Size(size).numel() * dtype.itemsize
-    tail_at = max(0, length - _TAIL)
-    records = _records(_read_at(f, offset + tail_at, length - tail_at), tail_at)
-    if records is None:
-        return None
-    data = [n for n in records if n.endswith("/data/0") and n.count("/") == 2]
-    pkl = [n for n in records if n.endswith("/data.pkl") and n.count("/") == 1]
-    if len(data) != 1 or len(pkl) != 1:
-        return f"its archive has {len(data)} storage record(s) and {len(pkl)} pickle(s), a saved tensor has one of each"
-    local, stored, method = records[data[0]]
-    if method != 0 or stored != nbytes:
-        return f"its storage record holds {stored} bytes, its .metadata says {dtype} {tuple(size)} ({nbytes} bytes)"
-    if local >= 0xFFFFFFFF or stored >= 0xFFFFFFFF:
-        return None
-    name = data[0].encode()
-    head = _read_at(f, offset + local, _LOCAL.size + len(name))
-    if len(head) < _LOCAL.size:
-        return "its storage record's local header is cut off"
-    fields = _LOCAL.unpack_from(head)
-    start, expected = local + _LOCAL.size + fields[9] + fields[10], data_start(local, len(name))
-    if fields[9] != len(name) or start != expected or expected + nbytes > length:
-        return (
-            f"its storage record's local header puts the tensor's bytes at [{start}, {start + nbytes}) of the item "
-            f"({length} bytes), where torch.save puts them at {expected}"
-        )
-    p_local, p_size, p_method = records[pkl[0]]
-    p_head = _read_at(f, offset + p_local, _LOCAL.size + len(pkl[0].encode()))
-    if p_method != 0 or len(p_head) < _LOCAL.size:
-        return None
-    p_fields = _LOCAL.unpack_from(p_head)
-    p_start = p_local + _LOCAL.size + p_fields[9] + p_fields[10]
-    if p_start + p_size > length:
-        return None  # (the header check refuses it)
-    obj = _read_pickle(_read_at(f, offset + p_start, p_size))
+def pickle_disagreement(pkl: bytes, size: tuple[int, ...], dtype: torch.dtype) -> str | None:
+    """What the pickle ``pkl`` of a saved tensor (its ``data.pkl`` record) rebuilds that ``.metadata``
+    (a tensor of ``size`` and ``dtype``, stored whole: DCP saves each chunk contiguous) does not: the
+    dtype, storage size or shape, where it is the plain pickle `read_saved_tensor` reads; ``None``
+    when they agree or the pickle is another encoding (``_rebuild_tensor_v3``: ``torch.load`` reads
+    it and the load compares the tensor's dtype and shape)."""
+    obj = _read_pickle(pkl)
     if type(obj) is not tuple or len(obj) != 3 or obj[:2] != ("call", _REBUILD) or len(obj[2]) != 6:
-        return None  # another encoding (_rebuild_tensor_v3): torch.load reads it, the load checks its dtype and shape
+        return None
     storage, _storage_offset, got_size, _stride, _grad, _hooks = obj[2]
     pid = storage[1] if type(storage) is tuple and len(storage) == 2 else None
     if type(pid) is not tuple or len(pid) != 5 or type(pid[1]) is not tuple or len(pid[1]) != 2:
         return None
-    saved_dtype = _STORAGE_DTYPES.get(pid[1][1][1]) if type(pid[1][1]) is tuple and len(pid[1][1]) == 2 else None
-    if saved_dtype != dtype or pid[4] != torch.Size(size).numel() or got_size != tuple(size):
-        return (
-            f"its pickle rebuilds a {saved_dtype} tensor of shape {got_size} from {pid[4]} elements, its .metadata says "
-            f"{dtype} {tuple(size)}"
-        )
+    ref = pid[1][1]
+    saved = _STORAGE_DTYPES.get(ref[1]) if type(ref) is tuple and len(ref) == 2 else None
+    if saved != dtype or pid[4] != torch.Size(size).numel() or got_size != tuple(size):
+        return f"its pickle rebuilds {saved} {got_size} from {pid[4]} elements, its .metadata says {dtype} {tuple(size)}"
     return None
