@@ -21,7 +21,7 @@ import torch
 
 from .._torch_internals import file_item_location
 from ..errors import CheckpointFormatError, SparseCheckpointError
-from .saved_tensor import _CDIR, _EOCD, _LOCAL, data_start, pickle_disagreement
+from .saved_tensor import _CDIR, _EOCD, _LOCAL, data_start, pickled_dtype_disagrees
 
 __all__ = [
     "check_headers", "crc_failure", "damaged", "diagnose", "guard_reads", "header_crc_failure", "header_damage", "locate", "reason",
@@ -175,7 +175,8 @@ def header_crc_failure(f: Any, offset: int, length: int, expect: tuple[tuple[int
     records, whose bytes fail their CRC-32: a zeroed ``byteorder`` record makes ``torch.load``
     byte-swap a tensor, a zeroed ``data.pkl`` byte can change its shape or dtype. With ``expect``
     (the ``(sizes, dtype)`` its ``.metadata`` records), also the storage record of another byte
-    length and a ``data.pkl`` that rebuilds another dtype or shape (`pickle_disagreement`).
+    length and a ``data.pkl`` that names another dtype's storage (`pickled_dtype_disagrees`; a shape
+    that disagrees fails DCP's own size check, the fast path compares all of it).
     ``None`` when all pass or the directory cannot be read."""
     tail_at = max(0, length - _TAIL)
     f.seek(offset + tail_at)
@@ -221,7 +222,7 @@ def header_crc_failure(f: Any, offset: int, length: int, expect: tuple[tuple[int
         blob = f.read(size)
         if zlib.crc32(blob) != crc:
             return name
-        if expect is not None and name.endswith("/data.pkl") and pickle_disagreement(blob, *expect) is not None:
+        if expect is not None and name.endswith("/data.pkl") and pickled_dtype_disagrees(blob, expect[1]):
             return name
     return None
 

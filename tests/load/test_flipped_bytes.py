@@ -152,3 +152,23 @@ def test_every_flipped_byte_is_exact_or_refused() -> None:
     """The full sweep: every byte of every optimizer item flipped once (bench/README.md has its counts)."""
     result = damaged_files.flip_sweep(1.0, out=sys.stdout)
     assert result["raw"] == 0, "\n".join(result["raw_cases"][:10])
+
+
+def test_header_check_compares_the_archive_with_metadata(tmp_path: Path) -> None:
+    """`header_crc_failure` with what `.metadata` records: another storage size names the data record,
+    another dtype of the same item size the pickle; what agrees passes, and a moved data start (the
+    extra-field length) names the data record even without it."""
+    from sparse_ckpt._dcp.damage import header_crc_failure
+
+    file = tmp_path / "t.pt"
+    torch.save(torch.arange(6, dtype=torch.float32), file)
+    length = file.stat().st_size
+    with open(file, "rb") as f:
+        assert header_crc_failure(f, 0, length, ((6,), torch.float32)) is None
+        assert header_crc_failure(f, 0, length, ((5,), torch.float32)).endswith("/data/0")
+        assert header_crc_failure(f, 0, length, ((6,), torch.int32)).endswith("/data.pkl")
+    with zipfile.ZipFile(file) as z:
+        local = next(zi for zi in z.infolist() if zi.filename.endswith("/data/0")).header_offset
+    _flip(str(file), local + 28, 0x40)  # still 64-byte aligned, one step further
+    with open(file, "rb") as f:
+        assert header_crc_failure(f, 0, length).endswith("/data/0")
