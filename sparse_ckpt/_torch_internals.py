@@ -30,7 +30,10 @@ Why each is needed:
   ``"2_3"`` (flatten as torch <= 2.3 did) around a probe for an old checkpoint and resets it without a
   ``finally``, so a ``KeyboardInterrupt`` in that window leaves every later flatten of every DCP
   load and save in the old layout; a load planner of the library clears a flag left so and
-  restores it after the probe whatever happens (`dcp_flatten_as_saved`).
+  restores it after the probe whatever happens (`dcp_flatten_as_saved`);
+* the default process group's store (``distributed_c10d._get_default_store``): the bounded agreement
+  of ``integrations.dsd``'s loads (`sparse_ckpt._dist.agree_on_refusal`) waits on the other ranks with
+  a timeout of its own, which no collective of a Gloo or NCCL group offers without breaking the group.
 """
 
 from __future__ import annotations
@@ -377,6 +380,7 @@ ACCESSES: dict[str, str] = {
     "torch.distributed._state_dict_utils._offload_state_dict_to_cpu (integrations.dsd)": "2.13.0",
     "FileSystemReader.path and _StorageInfo.relative_path/offset/length/transform_descriptors (item bytes)": "2.13.0, 2.7.0",
     "torch.distributed.checkpoint._version._derived_version (DefaultLoadPlanner's flatten flag)": "2.13.0",
+    "torch.distributed.distributed_c10d._get_default_store (the bounded agreement)": "2.13.0",
 }
 """Every torch internal the library touches -> the versions it was checked on.
 tests/core/test_torch_internals.py checks each entry against the installed torch; CI runs it on
@@ -406,6 +410,14 @@ DSD_OPTIONS = (
     "flatten_optimizer_state_dict",
 )
 """The ``StateDictOptions`` fields ``integrations.dsd`` reads (``dsd_fqn_modifiers`` is read when present)."""
+
+
+def default_store() -> Any:
+    """The default process group's ``Store`` (torch's private ``_get_default_store``, checked on torch
+    2.13.0): what the bounded agreement of `sparse_ckpt._dist.agree_on_refusal` exchanges through."""
+    from torch.distributed.distributed_c10d import _get_default_store
+
+    return _get_default_store()
 
 
 def gather_full_state_dict(state_dict: dict[str, Any], *, cpu_offload: bool, ranks_only: tuple[int, ...]) -> dict[str, Any]:

@@ -9,7 +9,8 @@ experts) and ``vit`` (the tower), and VeOmni's ``build_lr_scheduler`` (linear, 4
 restore into fresh objects (another seed), and run 2 phase-2 steps (every expert routed, the tower
 used) against the uninterrupted run. Other checks ride along: async save, a single AdamW leaf, the
 stock checkpoint refused and migrated, the foreign (stock) loader on a sparse checkpoint, the
-ExtraParallel refusal, HF conversion of the sparse checkpoint. Rank 0 writes every fact to
+ExtraParallel refusal, HF conversion of the sparse checkpoint, every kind loaded again with the DSD hook
+active too (both install orders). Rank 0 writes every fact to
 ``root/facts.pt``; the tests assert on them (so each failure is its own test).
 """
 
@@ -311,6 +312,8 @@ def worker(rank: int, world_size: int, root: str) -> None:
     facts["ep_refused"] = error_of(sc.UnsupportedStateDictError, sparse.save, str(base / "ep"), ep_state)
     facts["ep_wrote"] = os.path.exists(base / "ep")
 
+    facts["with_dsd"] = _with_dsd(base, mesh, stock_path)
+
     handle.remove()
     facts["uninstalled_class"] = build_checkpointer("dcp", "fsdp2").__name__
 
@@ -321,6 +324,49 @@ def worker(rank: int, world_size: int, root: str) -> None:
         facts["hf_keys"] = sorted(hf)
         torch.save(facts, base / "facts.pt")
     dist.barrier()
+
+
+COMPOSED = ("veomni, then dsd", "dsd, then veomni")
+"""The orders in which the drill installs the pair VeOmni + the DSD hook (the launcher's default selection)."""
+
+
+def _with_dsd(base: Path, mesh: Any, stock_path: str) -> dict[str, Any]:
+    """Every checkpoint kind VeOmni's integration loads alone, loaded with the DSD hook active too, in
+    both install orders: its own (``MultiOptimizer``, one AdamW, an async save) and the stock one
+    (``migrate_stock=True``). Facts per order, as ``resume_case`` and the migration give them."""
+    from veomni.checkpoint import build_checkpointer
+
+    import sparse_ckpt.integrations.dsd as sc_dsd
+    import sparse_ckpt.integrations.veomni as sc_veomni
+
+    out: dict[str, Any] = {}
+    for order in COMPOSED:
+        sc_veomni.uninstall()
+        for name in order.split(", then "):
+            sc_dsd.install() if name == "dsd" else sc_veomni.install()
+        sparse = build_checkpointer("dcp", "fsdp2")
+        tag = order.replace(", then ", "-")
+        facts: dict[str, Any] = {
+            "sparse": resume_case(sparse, base, f"{tag}-sparse", mesh),
+            "sparse_single": resume_case(sparse, base, f"{tag}-single", mesh, multi=False),
+        }
+        model, optimizer, scheduler = build(mesh, seed=0)
+        train(model, optimizer, scheduler, STEPS_BEFORE, 0, after=False)
+        sparse.save(str(base / f"{tag}-async"), ckpt_state(model, optimizer, scheduler, 3), save_async=True)
+        sparse.wait_for_pending_save()
+        model2, optimizer2, _s, _e = restore(sparse, str(base / f"{tag}-async"), mesh)
+        facts["async_restored_equals_saved"] = same(snapshot(model, optimizer), snapshot(model2, optimizer2))
+        sc_veomni.install(migrate_stock=True)
+        model, optimizer, scheduler = build(mesh, seed=7)
+        with warnings.catch_warnings():
+            warnings.simplefilter("ignore")
+            build_checkpointer("dcp", "fsdp2").load(stock_path, state_of(model, optimizer))
+        facts["migrated_state"] = state_summary(snapshot(model, optimizer))
+        facts["migrated_lrs"] = lrs(optimizer)
+        sc_dsd.uninstall()
+        out[order] = facts
+    sc_veomni.install()
+    return out
 
 
 def _stock_load_target_keys(model: nn.Module, optimizer: Any) -> list[str]:

@@ -21,7 +21,7 @@ import torch
 
 from .._torch_internals import file_item_location
 from ..errors import CheckpointFormatError, SparseCheckpointError
-from .saved_tensor import _CDIR, _EOCD, _LOCAL, data_start, pickled_dtype_disagrees
+from .saved_tensor import _LOCAL, data_start, directory, end_record, pickled_dtype_disagrees
 
 __all__ = [
     "check_headers", "crc_failure", "damaged", "diagnose", "guard_reads", "header_crc_failure", "header_damage", "locate", "reason",
@@ -133,22 +133,17 @@ def crc_failure(blob: bytes) -> str | None:
     flat setting, a pickled value) whose bytes fail the CRC-32 its zip directory records; ``None``
     when all pass or the archive's directory cannot be read (``torch.load`` then refuses it). One
     ``zlib.crc32`` per record: a few microseconds for the small items it is used on."""
-    at = blob.rfind(b"PK\x05\x06")
-    if at < 0 or len(blob) - at < _EOCD.size:
+    end = end_record(blob)
+    if end is None:
         return None
-    n, cd_size, cd_off = _EOCD.unpack_from(blob, at)[4:7]
+    at, (n, cd_size, cd_off) = end[0], end[1][4:7]
     if cd_off + cd_size > at:
         return None
-    pos = cd_off
-    for _ in range(n):
-        if pos + _CDIR.size > len(blob):
+    for record in directory(blob, cd_off, n):
+        if record is None:
             return None
-        f = _CDIR.unpack_from(blob, pos)
-        if f[0] != 0x02014B50:
-            return None
-        method, crc, size, name_len, extra_len, comment_len, local = f[4], f[7], f[8], f[10], f[11], f[12], f[16]
-        name = blob[pos + _CDIR.size : pos + _CDIR.size + name_len].decode("utf-8", "replace")
-        pos += _CDIR.size + name_len + extra_len + comment_len
+        name, f = record
+        method, crc, size, local = f[4], f[7], f[8], f[16]
         if local + _LOCAL.size > len(blob):
             return name
         head = _LOCAL.unpack_from(blob, local)
@@ -181,24 +176,17 @@ def header_crc_failure(f: Any, offset: int, length: int, expect: tuple[tuple[int
     tail_at = max(0, length - _TAIL)
     f.seek(offset + tail_at)
     tail = f.read(length - tail_at)
-    at = tail.rfind(b"PK\x05\x06")
-    if at < 0 or len(tail) - at < _EOCD.size:
+    end = end_record(tail)
+    if end is None:
         return None
-    n, _cd_size, cd_off = _EOCD.unpack_from(tail, at)[4:7]
-    pos = cd_off - tail_at
-    if pos < 0:
+    n, cd_off = end[1][4], end[1][6]
+    if cd_off < tail_at:
         return None
-    for _ in range(n):
-        if pos + _CDIR.size > len(tail):
+    for record in directory(tail, cd_off - tail_at, n):
+        if record is None:
             return None
-        rec = _CDIR.unpack_from(tail, pos)
-        if rec[0] != 0x02014B50:
-            return None
-        flags, method, crc, size, name_len, extra_len, comment_len, local = (
-            rec[3], rec[4], rec[7], rec[8], rec[10], rec[11], rec[12], rec[16]
-        )
-        name = tail[pos + _CDIR.size : pos + _CDIR.size + name_len].decode("utf-8", "replace")
-        pos += _CDIR.size + name_len + extra_len + comment_len
+        name, rec = record
+        flags, method, crc, size, name_len, local = rec[3], rec[4], rec[7], rec[8], rec[10], rec[16]
         if local + _LOCAL.size + name_len > length:
             return name
         f.seek(offset + local)

@@ -24,13 +24,14 @@ from __future__ import annotations
 import re
 import struct
 import sys
+from collections.abc import Iterator
 from typing import Any, BinaryIO
 
 import torch
 
 from .._host_memory import empty_host
 
-__all__ = ["read_saved_tensor"]
+__all__ = ["directory", "end_record", "read_saved_tensor"]
 
 _STORAGE_DTYPES: dict[str, torch.dtype] = {
     "DoubleStorage": torch.float64,
@@ -160,27 +161,48 @@ def _read_pickle(data: bytes) -> Any:
         return None
 
 
+def end_record(buf: bytes) -> tuple[int, tuple[int, ...]] | None:
+    """``(offset, fields)`` of the zip end-of-central-directory record in ``buf`` (the last one; its
+    fields unpacked by ``_EOCD``: ``[4]`` records, ``[5]`` directory size, ``[6]`` directory offset),
+    ``None`` where there is none."""
+    at = buf.rfind(b"PK\x05\x06")
+    if at < 0 or len(buf) - at < _EOCD.size:
+        return None
+    return at, _EOCD.unpack_from(buf, at)
+
+
+def directory(buf: bytes, pos: int, n: int) -> Iterator[tuple[str, tuple[int, ...]] | None]:
+    """The ``n`` central directory records from offset ``pos`` of ``buf``, in order: ``(name, fields)``
+    (``fields`` unpacked by ``_CDIR``: ``[4]`` compression, ``[7]`` CRC-32, ``[8]`` size, ``[10]`` name
+    length, ``[16]`` local header offset), then ``None`` (and no more) at a record cut off or
+    without its signature."""
+    for _ in range(n):
+        if pos + _CDIR.size > len(buf):
+            yield None
+            return
+        f = _CDIR.unpack_from(buf, pos)
+        if f[0] != 0x02014B50:
+            yield None
+            return
+        yield buf[pos + _CDIR.size : pos + _CDIR.size + f[10]].decode("utf-8", "replace"), f
+        pos += _CDIR.size + f[10] + f[11] + f[12]
+
+
 def _records(tail: bytes, base: int) -> dict[str, tuple[int, int, int]] | None:
     """``name -> (local header offset, size, compression)`` from the central directory found in
     ``tail`` (the last bytes of the archive, ``base``: the archive offset of ``tail[0]``)."""
-    at = tail.rfind(b"PK\x05\x06")
-    if at < 0 or len(tail) - at < _EOCD.size:
+    end = end_record(tail)
+    if end is None:
         return None
-    _sig, _disk, _cd_disk, _n_here, n, cd_size, cd_off, _comment = _EOCD.unpack_from(tail, at)
+    _sig, _disk, _cd_disk, _n_here, n, cd_size, cd_off, _comment = end[1]
     if cd_off == 0xFFFFFFFF or cd_size == 0xFFFFFFFF or n == 0xFFFF or cd_off < base:
         return None  # zip64 (an archive over 4 GiB) or a directory outside the tail
-    pos = cd_off - base
     out: dict[str, tuple[int, int, int]] = {}
-    for _ in range(n):
-        if pos + _CDIR.size > len(tail):
+    for record in directory(tail, cd_off - base, n):
+        if record is None:
             return None
-        f = _CDIR.unpack_from(tail, pos)
-        if f[0] != 0x02014B50:
-            return None
-        method, size, name_len, extra_len, comment_len, local = f[4], f[8], f[10], f[11], f[12], f[16]
-        name = tail[pos + _CDIR.size : pos + _CDIR.size + name_len].decode("utf-8", "replace")
-        out[name] = (local, size, method)
-        pos += _CDIR.size + name_len + extra_len + comment_len
+        name, f = record
+        out[name] = (f[16], f[8], f[4])
     return out
 
 

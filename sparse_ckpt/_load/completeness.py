@@ -240,18 +240,19 @@ def _leaf_text(leaf_of: Callable[[str], str | None] | None, canon: str) -> str:
 
 def _node(state: Any, key: str) -> Any:
     """The value at recorded state key path ``key`` (escaped parts unescaped) in ``state``, else ``None``."""
-    node = state
-    for part in key_parts(key):
-        if not isinstance(node, dict) or part not in node:
-            return None
-        node = node[part]
-    return node
+    return _lookup(state, key)[1]
 
 
 def _has(state: Any, key: str) -> bool:
+    """Whether ``state`` holds recorded state key path ``key`` (a value ``None`` included)."""
+    return _lookup(state, key)[0]
+
+
+def _lookup(state: Any, key: str) -> tuple[bool, Any]:
+    """``(found, value)`` at recorded state key path ``key`` (escaped parts unescaped) in ``state``."""
     node = state
     for part in key_parts(key):
         if not isinstance(node, dict) or part not in node:
-            return False
+            return False, None
         node = node[part]
-    return True
+    return True, node

@@ -202,6 +202,7 @@ def load_owned(
     present: Collection[str] | None = None,
     unoptimized_ignored: bool = False,
     agree: str | None = None,
+    agree_within: float | None = None,
 ) -> None:
     """`load_sparse_state_dict` for the library's DCP and export paths.
 
@@ -217,8 +218,8 @@ def load_owned(
     optimizers, a rank whose optimizer lacks the parameters of its empty shards); entries that
     match no model parameter stay extra. ``agree`` (every rank of the default process group
     loads at once; the name of the call): the ranks agree on a refusal before anything is mutated
-    (`sparse_ckpt._dist.agree_on_refusal`), so one rank's refusal raises on every rank.
-    A dict that records another rank as its origin is refused (docs/semantics.md)."""
+    (`sparse_ckpt._dist.agree_on_refusal`, bounded by ``agree_within`` seconds when given), so one
+    rank's refusal raises on every rank. A dict that records another rank as its origin is refused (docs/semantics.md)."""
     with gc_paused():
         try:
             state_dict = strip_origin(state_dict)
@@ -227,10 +228,10 @@ def load_owned(
         except Exception as exc:
             if agree is None:
                 raise
-            agree_on_refusal(exc, agree)
+            agree_on_refusal(exc, agree, within=agree_within)
             raise  # (agree_on_refusal raised it already)
         if agree is not None:
-            agree_on_refusal(None, agree)
+            agree_on_refusal(None, agree, within=agree_within)
         _apply(prepared, fmap, ckpt)
 
 

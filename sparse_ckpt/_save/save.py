@@ -36,6 +36,7 @@ from .._layouts.bucketed_index import index_key, with_index_parts
 from .._leaves import named_leaves
 from ..errors import CheckpointFormatError, CheckpointMismatchError
 from .capture import capture_by_fqn
+from .state_values import check_state_values
 
 Format = Literal["packed", "flat"]
 FORMATS = ("packed", "flat")
@@ -121,6 +122,7 @@ def build_state_dict(
             items, scalar_groups = core.flatten_packed_state(
                 leaf, state_fqn, fmap.param_of, torch.Tensor, _CPU_DTYPES, torch.strided, _scalar_parts
             )
+            check_state_values(leaf, state_fqn, items.values())
             if scalar_groups:
                 scalar_groups = record_lists(items, scalar_groups)
                 if state_layout != "per_tensor":  # no per-item keys to carry the state order
@@ -141,7 +143,9 @@ def build_state_dict(
             table = encode_table(leaf, groups_fqn)
             slots.append(Slot.of(GROUPS_SLOT, leaf, table, tail=groups_tail(list(map(itemgetter(1), groups_fqn)))))
         else:
-            parts.append(_Part("items", leaf, items=core.flatten_state(leaf, state_fqn, fmap.param_of, False)))
+            items = core.flatten_state(leaf, state_fqn, fmap.param_of, False)
+            check_state_values(leaf, state_fqn, items.values())
+            parts.append(_Part("items", leaf, items=items))
             _check_flat_settings(leaf, groups_fqn)
             parts.append(_Part("items", leaf, items=core.flatten_groups(leaf, groups_fqn)))
             recorded.append((groups_fqn, state_fqn))

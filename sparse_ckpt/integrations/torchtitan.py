@@ -34,12 +34,13 @@ import torch.distributed.checkpoint as dcp
 from torch.distributed.checkpoint.api import CheckpointException
 from torch.distributed.checkpoint.metadata import Metadata
 
+from .._dcp.failures import own_failure
 from .._dcp.planner import SparseLoadPlanner
 from .._dcp.stateful import SparseOptimizerState, SparseStateDict
 from .._format.keys import PLANNER_GUARD_KEY
 from .._fqn import Model, build_fqn_map
 from .._leaves import named_leaves
-from ..errors import CheckpointMismatchError, SparseCheckpointError
+from ..errors import CheckpointMismatchError
 from ._overrides import arguments_of, with_signature_of
 from ._stock_migration import (
     DroppedState,
@@ -138,7 +139,7 @@ class SparseCheckpointManager(CheckpointManager):
         try:
             dcp.load(state_dict, checkpoint_id=checkpoint_id, planner=_TitanLoadPlanner())
         except CheckpointException as exc:
-            own = _own_failure(exc)
+            own = own_failure(exc)
             if own is None:
                 raise
             raise own from exc
@@ -167,17 +168,6 @@ def _accelerator_available() -> bool:
     if accelerator is not None and hasattr(accelerator, "is_available"):
         return bool(accelerator.is_available())
     return torch.cuda.is_available()  # pragma: no cover - torch without torch.accelerator
-
-
-def _own_failure(exc: CheckpointException) -> BaseException | None:
-    """The lowest rank's failure when every rank failed with a sparse_ckpt error, else ``None``."""
-    failures = []
-    for _rank, failure in sorted(exc.failures.items()):
-        error = failure[0] if isinstance(failure, tuple) else failure
-        if not isinstance(error, SparseCheckpointError):
-            return None
-        failures.append(error)
-    return failures[0] if failures else None
 
 
 class _TitanOptimizerState(SparseOptimizerState):

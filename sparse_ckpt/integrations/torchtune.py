@@ -57,9 +57,9 @@ import torch.distributed.checkpoint as dcp
 from torch.distributed.checkpoint.api import CheckpointException
 from torch.distributed.checkpoint.state_dict import StateDictOptions
 
+from .._dcp.failures import own_failure
 from .._dcp.planner import SparseLoadPlanner
 from .._dcp.stateful import SparseOptimizerState, SparseStateDict
-from ..errors import SparseCheckpointError
 from ._rebind import bindings
 from ._stock_migration import MigrationReport
 from ._torchtune_stock import TuneOptimizerState, migrate_full, split_marker, sync_marker
@@ -231,7 +231,7 @@ def load_distributed_checkpoint(original: Callable[..., Any], self: Any, model: 
         dcp.load(checkpoint_dict, storage_reader=dcp.FileSystemReader(path),
                  process_group=checkpointer._process_group, planner=_TuneLoadPlanner())
     except CheckpointException as exc:
-        own = _own_failure(exc)
+        own = own_failure(exc)
         if own is None:
             raise
         raise own from exc
@@ -289,15 +289,3 @@ def _record(report: MigrationReport | None) -> None:
     if report is not None:
         for line in report.summary():
             log.warning("sparse_ckpt migration: %s", line)
-
-
-def _own_failure(exc: CheckpointException) -> BaseException | None:
-    """The lowest rank's failure when every rank failed with a sparse_ckpt error, else ``None``."""
-    failures = []
-    for _rank, failure in sorted(exc.failures.items()):
-        error = failure[0] if isinstance(failure, tuple) else failure
-        if not isinstance(error, SparseCheckpointError):
-            return None
-        failures.append(error)
-    return failures[0] if failures else None
-

@@ -176,6 +176,25 @@ def _dcp_flatten_flag() -> None:
         _version._derived_version = None
 
 
+def _default_store() -> None:
+    import datetime
+
+    import torch.distributed as dist
+
+    own = not dist.is_initialized()
+    if own:
+        dist.init_process_group("gloo", store=dist.HashStore(), rank=0, world_size=1)
+    try:
+        store = ti.default_store()
+        store.set("sparse_ckpt/internals-check", "1")  # what the bounded agreement uses of it
+        store.wait(["sparse_ckpt/internals-check"], datetime.timedelta(seconds=1))
+        assert store.check(["sparse_ckpt/internals-check"]) and store.get("sparse_ckpt/internals-check") == b"1"
+        assert store.delete_key("sparse_ckpt/internals-check") and not store.check(["sparse_ckpt/internals-check"])
+    finally:
+        if own:
+            dist.destroy_process_group()
+
+
 CHECKS = {
     "torch.optim.Optimizer._optimizer_state_dict_pre_hooks": _hooks,
     "torch.optim.Optimizer._optimizer_state_dict_post_hooks": _hooks,
@@ -196,6 +215,7 @@ CHECKS = {
     "torch.distributed._state_dict_utils._offload_state_dict_to_cpu (integrations.dsd)": _dsd_helpers,
     "FileSystemReader.path and _StorageInfo.relative_path/offset/length/transform_descriptors (item bytes)": _file_item_location,
     "torch.distributed.checkpoint._version._derived_version (DefaultLoadPlanner's flatten flag)": _dcp_flatten_flag,
+    "torch.distributed.distributed_c10d._get_default_store (the bounded agreement)": _default_store,
 }
 
 

@@ -7,12 +7,19 @@
 - A rank whose optimizer lacks the parameters of its empty FSDP2 shards (Megatron-FSDP v2 builds
   its optimizers that way) resumes its own 2 -> 2 checkpoint bit-exactly: 22 of the MoE's 40
   parameters with state across the ranks, the scheduler's lrs.
+  So does every layout (nested, whose ``param_groups.N.params`` DCP keeps one rank's copy of, and
+  flat) into 2 ranks and into 1, and a 1-rank checkpoint into the asymmetric 2 ranks: exact.
 - A refusal on one rank of a 2-rank load (``set_optimizer_state_dict``; a ``SparseOptimizerState``
   inside ``dcp.load``) raises on both ranks, naming the refusing rank, and no rank loads anything.
+- ``set_optimizer_state_dict`` called on one rank only waits a bounded time for the others (not the
+  process group's timeout) and refuses there, naming the rule; the other rank's next collective, and
+  the next call on both ranks, work.
 """
 
 from __future__ import annotations
 
+import itertools
+import os
 from pathlib import Path
 from typing import Any
 
@@ -37,6 +44,7 @@ from trainer_drill import SAVE_AT, STEPS, parallelize
 
 import sparse_ckpt as sc
 import sparse_ckpt.integrations.dsd as sc_dsd
+from sparse_ckpt._dist import AGREEMENT_WAIT_ENV
 from sparse_ckpt.integrations.dsd import functions
 
 pytestmark = MULTI_RANK
@@ -149,6 +157,33 @@ def test_the_librarys_own_api_keeps_refusing_extra_fqns() -> None:
     fresh_model, fresh_opts, _ = two_optimizers(seed=1)
     with pytest.raises(sc.CheckpointMismatchError, match=r"in no target optimizer group.*strict=False"):
         sc.load_sparse_state_dict(fresh_model, {"rest": fresh_opts[0]}, sd)
+
+
+@_backends.only(_backends.DEFAULT)
+def test_nested_groups_are_matched_by_their_members(installed: Any) -> None:
+    """DSD's nested dict whose group lists only some of a live group's parameters (another rank's copy
+    of ``param_groups.N.params``): the rest take that group's settings, their saved state loads, the
+    dict is not changed; a live group none of whose parameters is listed stays refused (strict)."""
+    model = dsd_moe.model(0)
+    opt = dsd_moe.optimizer(model)
+    dsd_moe.train(model, opt, dsd_moe.scheduler(opt), range(SAVE_AT))
+    osd = dict(get_optimizer_state_dict(model, opt))
+    short = [*osd["param_groups"][0]["params"][:-2]]  # head.weight, head.bias: listed by no group
+    assert osd["param_groups"][0]["params"][-2:] == ["head.weight", "head.bias"] and "head.weight" in osd["state"]
+    cut = {**osd, "param_groups": [{**osd["param_groups"][0], "params": short}, osd["param_groups"][1]]}
+    fresh_model = dsd_moe.model(1)
+    fresh = dsd_moe.optimizer(fresh_model)
+    set_optimizer_state_dict(fresh_model, fresh, cut)
+    assert cut["param_groups"][0]["params"] == short
+    assert_deep_equal(local_state(fresh_model, fresh), local_state(model, opt), "members matched")
+    assert [g["lr"] for g in fresh.param_groups] == [g["lr"] for g in opt.param_groups]
+
+    no_vision = {**osd, "param_groups": [osd["param_groups"][0], {**osd["param_groups"][1], "params": []}]}
+    fresh_model = dsd_moe.model(1)
+    fresh = dsd_moe.optimizer(fresh_model)
+    with pytest.raises(sc.CheckpointMismatchError, match=r"no saved param-group settings: 'vision\."):
+        set_optimizer_state_dict(fresh_model, fresh, no_vision)
+    assert not fresh.state
 
 
 # --------------------------------------------------------------------------- 2 ranks
@@ -277,3 +312,135 @@ def test_a_shallow_copy_for_an_optimizer_with_partial_state_is_refused_not_parti
     with pytest.raises(CheckpointException, match=r"holds optimizer state of '.*' under 'optim'.*only some of its parameters"):
         dcp.load(target, checkpoint_id=str(tmp_path))
     assert_deep_equal(local_state(m2, o2), before, "the optimizer after the refusal")
+
+
+# --------------------------------------------------------------------------- rank-asymmetric optimizers, every layout
+
+LAYOUTS = {"nested": StateDictOptions(), "flat": FLAT}
+SOURCES = {"sparse_ckpt": get_optimizer_state_dict, "stock": STOCK["get_optimizer_state_dict"]}
+"""Who wrote the checkpoint: ``integrations.dsd`` (with its key record) or torch's own DSD."""
+
+
+def _merged(model: nn.Module, opt: torch.optim.Optimizer) -> dict[str, Any]:
+    """This process group's optimizer and parameters, whole (each FSDP2 shard list concatenated in rank
+    order; a parameter's state only where some rank's optimizer holds it), and every parameter's group
+    settings: comparable across world sizes. Rank-asymmetric optimizers welcome (no DTensor collective)."""
+    names = {p: n for n, p in model.named_parameters()}
+    mine = {
+        "params": {n: p.to_local().clone() for n, p in model.named_parameters()},
+        "state": local_state(model, opt),
+        "settings": {names[p]: {k: v for k, v in g.items() if k != "params"} for g in opt.param_groups for p in g["params"]},
+    }
+    ranks: list[Any] = [None] * dist.get_world_size()
+    dist.all_gather_object(ranks, mine)
+
+    def whole(parts: list[Any]) -> Any:
+        return torch.cat(parts) if isinstance(parts[0], torch.Tensor) and parts[0].dim() else parts[0]
+
+    fqns = sorted({f for r in ranks for f in r["state"]})
+    return {
+        "params": {n: whole([r["params"][n] for r in ranks]) for n in mine["params"]},
+        "state": {f: {k: whole([r["state"][f][k] for r in ranks if f in r["state"]]) for k in sorted(
+            next(r["state"][f] for r in ranks if f in r["state"]))} for f in fqns},
+        "settings": {f: next(r["settings"][f] for r in ranks if f in r["settings"]) for f in sorted(names.values())},
+    }
+
+
+def asymmetric_saves(rank: int, world_size: int, root: str) -> None:
+    """Checkpoints of the asymmetric optimizer after ``SAVE_AT`` steps, in every layout, and what they hold."""
+    sc_dsd.install()
+    for (source, get), (layout, options) in itertools.product(SOURCES.items(), LAYOUTS.items()):
+        model, opt, sched = _fresh()
+        dsd_moe.train(model, opt, sched, range(SAVE_AT), rank)
+        dcp.save({"model": get_model_state_dict(model), "optim": get(model, opt, options=options)},
+                 checkpoint_id=f"{root}/{world_size}-{source}-{layout}")
+        saved = _merged(model, opt)
+        if rank == 0:
+            torch.save(saved, f"{root}/{world_size}-{source}-{layout}.pt")
+    dist.barrier()
+    sc_dsd.uninstall()
+
+
+def asymmetric_loads(rank: int, world_size: int, root: str, saved_by: int) -> None:
+    """Every layout's checkpoint of ``saved_by`` ranks, loaded here exactly: the state that exists, no
+    other, each parameter's settings (the scheduler's lrs)."""
+    sc_dsd.install()
+    for source, layout in itertools.product(SOURCES, LAYOUTS):
+        options = LAYOUTS[layout]
+        where = f"{saved_by} -> {world_size} ranks, {source} {layout}, rank {rank}"
+        model, opt, _sched = _fresh()
+        target = {"model": get_model_state_dict(model), "optim": get_optimizer_state_dict(model, opt, options=options)}
+        dcp.load(target, checkpoint_id=f"{root}/{saved_by}-{source}-{layout}")
+        set_model_state_dict(model, target["model"])
+        set_optimizer_state_dict(model, opt, target["optim"], options=options)
+        got = _merged(model, opt)
+        want = torch.load(f"{root}/{saved_by}-{source}-{layout}.pt", weights_only=False)
+        assert len(got["state"]) == dsd_moe.STEPPED, where
+        assert_deep_equal(got, want, where, check_order=False)
+    dist.barrier()
+    sc_dsd.uninstall()
+
+
+@_backends.only(_backends.DEFAULT)
+def test_an_asymmetric_optimizer_resumes_exactly_in_every_layout_and_world_size(tmp_path: Path) -> None:
+    """The Megatron-FSDP-v2-style optimizer (rank 1 without ``head``) in DSD's nested layout (whose
+    replicated ``param_groups.N.params`` item DCP keeps from one rank: groups are matched by their
+    members, per rank, as DSD matches them) and in the flat one, written by ``integrations.dsd`` and by
+    torch's own DSD: 2 -> 2, 2 -> 1 and 1 -> 2 ranks, exact."""
+    run_ranks(asymmetric_saves, 2, str(tmp_path), timeout=120)
+    run_ranks(asymmetric_saves, 1, str(tmp_path), timeout=120)
+    run_ranks(asymmetric_loads, 2, str(tmp_path), 2, timeout=120)
+    run_ranks(asymmetric_loads, 1, str(tmp_path), 2, timeout=120)
+    run_ranks(asymmetric_loads, 2, str(tmp_path), 1, timeout=120)
+
+
+# --------------------------------------------------------------------------- a call on some ranks only
+
+WAIT_S = "2"
+"""The agreement's bound in this drill (``SPARSE_CKPT_AGREEMENT_WAIT_S``; 30 s by default)."""
+
+
+def one_rank_calls(rank: int, world_size: int, root: str) -> None:
+    os.environ[AGREEMENT_WAIT_ENV] = WAIT_S
+    sc_dsd.install()
+    model, opt, sched = _fresh()
+    dsd_moe.train(model, opt, sched, range(SAVE_AT), rank)
+    osd = get_optimizer_state_dict(model, opt, options=FLAT)
+    fresh_model, fresh_opt, _sched = _fresh()
+    if rank == 0:  # a rank-0-only restore: refused here within the bound, naming the rule, nothing loaded
+        with pytest.raises(sc.CheckpointMismatchError, match=r"rank\(s\) 1 did not reach its agreement within 2 s.*"
+                           r"every rank of the default process group calls it") as info:
+            set_optimizer_state_dict(fresh_model, fresh_opt, osd, options=FLAT)
+        assert AGREEMENT_WAIT_ENV in str(info.value)
+        assert not fresh_opt.state and [g["lr"] for g in fresh_opt.param_groups] == [0.01, dsd_moe.VISION_LR]
+    total = torch.ones(1)
+    dist.all_reduce(total)  # rank 1's next collective, and rank 0's: the process group is as it was
+    assert total.item() == world_size
+    set_optimizer_state_dict(fresh_model, fresh_opt, osd, options=FLAT)  # the advice: every rank calls it
+    assert_deep_equal(local_state(fresh_model, fresh_opt), local_state(model, opt), f"rank {rank}: after the refusal")
+    dist.barrier()
+    sc_dsd.uninstall()
+
+
+@_backends.only(_backends.DEFAULT)
+def test_a_call_on_one_rank_only_is_refused_within_the_bound_and_the_group_goes_on(tmp_path: Path) -> None:
+    """Only rank 0 calls ``set_optimizer_state_dict``: it refuses after the agreement's bound (not the
+    group's 30-minute timeout), naming the rule; rank 1's next collective works, and the call made on
+    both ranks then loads exactly."""
+    run_ranks(one_rank_calls, 2, str(tmp_path), timeout=120)
+
+
+@_backends.only(_backends.DEFAULT)
+@pytest.mark.parametrize("value", ["soon", "0", "-3", "nan", "inf"])
+def test_the_agreement_bound_must_be_a_positive_number_of_seconds(monkeypatch: pytest.MonkeyPatch, value: str) -> None:
+    """``SPARSE_CKPT_AGREEMENT_WAIT_S`` is read at each call; a value that is no positive, finite number
+    of seconds is refused naming the variable (unset: 30 s)."""
+    from sparse_ckpt._dist import agreement_wait_s
+
+    monkeypatch.delenv(AGREEMENT_WAIT_ENV, raising=False)
+    assert agreement_wait_s() == 30.0
+    monkeypatch.setenv(AGREEMENT_WAIT_ENV, "2.5")
+    assert agreement_wait_s() == 2.5
+    monkeypatch.setenv(AGREEMENT_WAIT_ENV, value)
+    with pytest.raises(sc.SparseCheckpointError, match=f"{AGREEMENT_WAIT_ENV}=.*positive number of seconds"):
+        agreement_wait_s()

@@ -131,11 +131,44 @@ def resume_run(root: str, source: str, mode: str, optimizers: list[Any] | None =
     return model, optimizer, rebuilt_scheduler(optimizer, 0 if mode == UNSTEPPED else SAVE_AT)
 
 
+ORDERS = {"alone": ("torchtune",), "torchtune, then the DSD hook": ("torchtune", "dsd"),
+          "the DSD hook, then torchtune": ("dsd", "torchtune")}
+"""The integrations active in a resume, in the order they were installed (the launcher's default
+selection activates both)."""
+
+
+def installed_resumes(root: str, rank: int, order: str) -> None:
+    """Every checkpoint (sparse_ckpt's and stock, sync and async) resumes bit for bit with the
+    integrations of ``order`` active (their import order aside, a pair loads what each loads alone)."""
+    import sparse_ckpt.integrations.dsd as sc_dsd
+
+    reference = load_reference(root, "tune")
+    for name in ORDERS[order]:
+        install() if name == "torchtune" else sc_dsd.install()
+    for mode in MODES:
+        for source in ("sparse", "stock"):
+            where = f"{mode}, {source} checkpoint, {order}"
+            model, optimizer, scheduler = resume_run(root, source, mode)
+            assert len(optimizer.state) == dsd_moe.STEPPED, where
+            report = sc_tune.last_migration_report()
+            if source == "sparse":
+                assert report is None, where
+            else:
+                assert report is not None and report.trainer == "torchtune", where
+                assert len(report.stateless["optim"]) == dsd_moe.PARAMS - dsd_moe.STEPPED, where
+                assert report.exact and not report.dropped, where  # saved at step 3: nothing looks synthetic
+            dsd_moe.train(model, optimizer, scheduler, range(SAVE_AT, STEPS), rank)
+            got = tune_outcome(model, optimizer, scheduler)
+            assert got["initial_lrs"] == reference["initial_lrs"], where
+            assert_resumed(got, reference, f"torchtune {where}")
+    sc_dsd.uninstall()
+    sc_tune.uninstall()
+
+
 def resumes(rank: int, world_size: int, root: str) -> None:
     """Fresh processes: stock resumes fail (pinned); installed, every checkpoint resumes exactly."""
     import sparse_ckpt.integrations.dsd as sc_dsd
 
-    reference = load_reference(root, "tune")
     for dsd_hook in (False, True):
         if dsd_hook:
             sc_dsd.install()
@@ -149,28 +182,8 @@ def resumes(rank: int, world_size: int, root: str) -> None:
             assert [g["lr"] for g in optimizer.param_groups] == FRESH_LRS
     sc_dsd.uninstall()
 
-    for order in ("alone", "with the DSD hook"):
-        install()
-        if order != "alone":
-            sc_dsd.install()
-        for mode in MODES:
-            for source in ("sparse", "stock") if order == "alone" else ("sparse",):
-                where = f"{mode}, {source} checkpoint, {order}"
-                model, optimizer, scheduler = resume_run(root, source, mode)
-                assert len(optimizer.state) == dsd_moe.STEPPED, where
-                report = sc_tune.last_migration_report()
-                if source == "sparse":
-                    assert report is None, where
-                else:
-                    assert report is not None and report.trainer == "torchtune", where
-                    assert len(report.stateless["optim"]) == dsd_moe.PARAMS - dsd_moe.STEPPED, where
-                    assert report.exact and not report.dropped, where  # saved at step 3: nothing looks synthetic
-                dsd_moe.train(model, optimizer, scheduler, range(SAVE_AT, STEPS), rank)
-                got = tune_outcome(model, optimizer, scheduler)
-                assert got["initial_lrs"] == reference["initial_lrs"], where
-                assert_resumed(got, reference, f"torchtune {where}")
-        sc_dsd.uninstall()
-        sc_tune.uninstall()
+    installed_resumes(root, rank, "alone")
+    installed_resumes(root, rank, "torchtune, then the DSD hook")
 
     sc_tune.install()  # a stock async checkpoint is read by position: other group sizes are refused, nothing loaded
     built: list[Any] = []
@@ -208,8 +221,8 @@ def resumes(rank: int, world_size: int, root: str) -> None:
 @_backends.only(_backends.DEFAULT)
 def test_torchtune_resumes_exactly_with_the_integration(tmp_path: Path) -> None:
     """Stock torchtune's sync and async resumes fail on the drill MoE (with or without the DSD hook);
-    installed, its own and the stock checkpoints resume bit for bit (its own also with the DSD hook
-    active); a never-stepped stock checkpoint resumes as saved or, with ``drop_synthetic_state``, as
+    installed, alone and with the DSD hook installed after it, its own and the stock checkpoints
+    resume bit for bit; a never-stepped stock checkpoint resumes as saved or, with ``drop_synthetic_state``, as
     the run from scratch, each with its migration report."""
     run_ranks(saves, 2, str(tmp_path), timeout=300)
     run_ranks(resumes, 2, str(tmp_path), timeout=300)
@@ -219,3 +232,16 @@ def test_torchtune_resumes_exactly_with_the_integration(tmp_path: Path) -> None:
 def test_docs_block_installs() -> None:
     """The docs/integrations/torchtune.md block the drill runs is the one-line install."""
     assert "import sparse_ckpt.integrations.torchtune as sc_tune" in doc_block(PAGES / "torchtune.md", BLOCK).code
+
+
+def resumes_dsd_first(rank: int, world_size: int, root: str) -> None:
+    installed_resumes(root, rank, "the DSD hook, then torchtune")
+
+
+@pytest.mark.slow
+@_backends.only(_backends.DEFAULT)
+def test_every_checkpoint_resumes_with_the_dsd_hook_installed_first(tmp_path: Path) -> None:
+    """The pair in the other order (the DSD hook, then torchtune): sync and async, sparse_ckpt's and
+    stock checkpoints resume bit for bit (the drill's saves again: slow)."""
+    run_ranks(saves, 2, str(tmp_path), timeout=300)
+    run_ranks(resumes_dsd_first, 2, str(tmp_path), timeout=300)

@@ -129,6 +129,21 @@ def test_extra_parallel_is_refused(facts: dict[str, Any]) -> None:
     assert not facts["ep_wrote"]
 
 
+@pytest.mark.parametrize("order", veomni_drill.COMPOSED)
+def test_every_checkpoint_loads_with_the_dsd_hook_active_too(facts: dict[str, Any], order: str) -> None:
+    """The pair VeOmni + the DSD hook (the launcher's default selection), installed in either order,
+    loads what VeOmni's integration loads alone: its own checkpoints (``MultiOptimizer``, one AdamW,
+    an async save) exactly, and the stock one migrated as without the hook."""
+    got = facts["with_dsd"][order]
+    for case in ("sparse", "sparse_single"):
+        alone = facts[case]
+        assert got[case]["resumed_equals_reference"] and got[case]["restored_equals_saved"], (order, case)
+        assert got[case]["state_restored"] == alone["state_restored"], (order, case)
+        assert got[case]["lrs_restored"] == alone["lrs_restored"] == alone["lrs_saved"], (order, case)
+    assert got["async_restored_equals_saved"]
+    assert got["migrated_state"] == facts["migrated_state"] and got["migrated_lrs"] == facts["migrated_lrs"]
+
+
 # --------------------------------------------------------------------------- stock checkpoints
 
 

@@ -15,15 +15,18 @@ are cut into this rank's shards, ``broadcast_from_rank0`` takes rank 0's dict. `
 the model's ``load_state_dict``) also makes the optimizer load refuse missing FQNs and entries that
 match no model parameter; as in DSD, entries of model parameters outside the optimizers passed are
 ignored (a dict merged from several optimizers, a rank whose optimizer lacks its empty shards'
-parameters). In a process group of several ranks the ranks agree on a refusal before anything is
-changed: one rank's refusal raises on every rank, naming it.
+parameters; in DSD's nested layout each rank matches its groups by their members, as DSD does). In a
+process group of several ranks the ranks agree on a refusal before anything is changed: one rank's
+refusal raises on every rank, naming it; a rank waits at most ``SPARSE_CKPT_AGREEMENT_WAIT_S``
+seconds (30) for the others to get there, then refuses alone (`sparse_ckpt._dist.agree_on_refusal`).
 
 The model side of ``get_state_dict``/``set_state_dict`` is torch's own ``get_model_state_dict`` /
 ``set_model_state_dict``. What this module cannot serve exactly goes to torch's DSD unchanged (so
 ``install()`` never breaks a call that worked): models with FSDP1 (``FullyShardedDataParallel``,
 flat parameters), the deprecated ``submodules`` argument, models using DSD's ``_fqn_modifiers``
-hook, and optimizers the library cannot capture (a class that overrides ``state_dict`` without a
-registered adapter, see `sparse_ckpt.register_state_dict_adapter`).
+hook, optimizers the library cannot capture (a class that overrides ``state_dict`` without a
+registered adapter, see `sparse_ckpt.register_state_dict_adapter`), and calls whose optimizers or
+dict hold values the library's formats cannot hold as they are (`values_held`), one warning each.
 """
 
 from __future__ import annotations
@@ -41,11 +44,15 @@ from torch.distributed.checkpoint.state_dict import StateDictOptions
 from torch.distributed.tensor import DTensor
 
 from ..._dcp.stateful import SparseOptimizerState, planned_load
-from ..._dist import agree_on_refusal, multi_rank, world_and_rank
+from ..._dist import agree_on_refusal, agreement_wait_s, multi_rank, world_and_rank
+from ..._format.codec import encode_settings
+from ..._format.keys import STATE_PREFIX
 from ..._fqn import build_fqn_map
 from ..._gc import gc_paused
+from ..._leaves import named_leaves
 from ..._load.load import load_owned
 from ..._save.capture import check_leaves
+from ..._save.state_values import values_load_back
 from ...errors import CheckpointFormatError, SparseCheckpointError, UnsupportedStateDictError
 from . import full, layouts
 from .target import DsdStateDict, remember_stateless
@@ -85,13 +92,11 @@ def get_optimizer_state_dict(
     opts = _checked(options, optims)
     if not served(model, optims, submodules, opts):
         return torch_dsd["get_optimizer_state_dict"](model, optimizers, submodules=submodules, options=options)
-    try:
-        return _optimizer_state_dict(model, optims, opts)
-    except CheckpointFormatError:
-        if settings_encodable(optims):
-            raise
-    _warn_unencodable()
-    return torch_dsd["get_optimizer_state_dict"](model, optimizers, submodules=submodules, options=options)
+    return _served_or_stock(
+        lambda: _optimizer_state_dict(model, optims, opts),
+        lambda: values_held(optims),
+        lambda: torch_dsd["get_optimizer_state_dict"](model, optimizers, submodules=submodules, options=options),
+    )
 
 
 def get_state_dict(
@@ -106,14 +111,16 @@ def get_state_dict(
     opts = _checked(options, optims)
     if not served(model, optims, submodules, opts):
         return torch_dsd["get_state_dict"](model, optimizers, submodules=submodules, options=options)
-    try:
+
+    def served_call() -> tuple[dict[str, Any], dict[str, Any]]:
         optim_sd = _optimizer_state_dict(model, optims, opts)
-    except CheckpointFormatError:
-        if settings_encodable(optims):
-            raise
-        _warn_unencodable()
-        return torch_dsd["get_state_dict"](model, optimizers, submodules=submodules, options=options)
-    return torch_dsd["get_model_state_dict"](model, options=options), optim_sd
+        return torch_dsd["get_model_state_dict"](model, options=options), optim_sd
+
+    return _served_or_stock(
+        served_call,
+        lambda: values_held(optims),
+        lambda: torch_dsd["get_state_dict"](model, optimizers, submodules=submodules, options=options),
+    )
 
 
 def set_optimizer_state_dict(
@@ -128,14 +135,11 @@ def set_optimizer_state_dict(
     opts = _checked(options, optims)
     if not served(model, optims, None, opts):
         return torch_dsd["set_optimizer_state_dict"](model, optimizers, optim_state_dict, options=options)
-    try:
-        _load_optimizers(model, optims, optim_state_dict, opts, "set_optimizer_state_dict")
-    except CheckpointFormatError:  # the load is transactional: nothing was changed
-        if dict_settings_encodable(optim_state_dict):
-            raise
-        _warn_unencodable()
-        return torch_dsd["set_optimizer_state_dict"](model, optimizers, optim_state_dict, options=options)
-    return None
+    return _served_or_stock(
+        lambda: _load_optimizers(model, optims, optim_state_dict, opts, "set_optimizer_state_dict"),
+        lambda: dict_values_held(optim_state_dict),
+        lambda: torch_dsd["set_optimizer_state_dict"](model, optimizers, optim_state_dict, options=options),
+    )
 
 
 def set_state_dict(
@@ -154,17 +158,20 @@ def set_state_dict(
         return torch_dsd["set_state_dict"](
             model, optimizers, model_state_dict=model_state_dict, optim_state_dict=optim_state_dict, options=options
         )
-    if optim_state_dict or opts.broadcast_from_rank0:  # (other ranks pass {} and receive rank 0's)
-        try:
-            _load_optimizers(model, optims, optim_state_dict, opts, "set_state_dict")
-        except CheckpointFormatError:  # the load is transactional: nothing was changed
-            if dict_settings_encodable(optim_state_dict):
-                raise
-            _warn_unencodable()
-            return torch_dsd["set_state_dict"](
-                model, optimizers, model_state_dict=model_state_dict, optim_state_dict=optim_state_dict, options=options
-            )
-    return torch_dsd["set_model_state_dict"](model, model_state_dict, options=options)
+    if not (optim_state_dict or opts.broadcast_from_rank0):  # (other ranks pass {} and receive rank 0's)
+        return torch_dsd["set_model_state_dict"](model, model_state_dict, options=options)
+
+    def served_call() -> Any:
+        _load_optimizers(model, optims, optim_state_dict, opts, "set_state_dict")
+        return torch_dsd["set_model_state_dict"](model, model_state_dict, options=options)
+
+    return _served_or_stock(
+        served_call,
+        lambda: dict_values_held(optim_state_dict),
+        lambda: torch_dsd["set_state_dict"](
+            model, optimizers, model_state_dict=model_state_dict, optim_state_dict=optim_state_dict, options=options
+        ),
+    )
 
 
 def served(model: nn.Module, optims: tuple[Any, ...], submodules: Any, options: StateDictOptions) -> bool:
@@ -183,48 +190,70 @@ def served(model: nn.Module, optims: tuple[Any, ...], submodules: Any, options: 
     return not any(callable(getattr(m, hook, None)) for m in model.modules())
 
 
-_SETTING_TYPES = frozenset((type(None), bool, int, float, str, bytes, torch.dtype, torch.device))
-"""The exact types of the setting values the table codec writes with their type (besides tensors and
-tuples/lists of these): docs/formats.md, *Table codec*."""
-
-
-def settings_encodable(optims: tuple[Any, ...]) -> bool:
-    """Whether every param-group setting of ``optims`` is a value sparse_ckpt's formats give back with
-    its type. A ``numpy.float64`` lr, an ``Enum`` member, a ``namedtuple`` or any other value is not:
-    stock DSD pickles such values, so a call that captures them goes to torch's DSD (see the module
-    doc) instead of failing where stock works."""
+def values_held(optims: tuple[Any, ...]) -> bool:
+    """Whether sparse_ckpt's formats hold every value of ``optims``: each group's settings encode in the
+    table codec (docs/formats.md, *Table codec*: exact types, ints of 64 bits, valid Unicode) and each
+    state value is one a load gives back with its type (`sparse_ckpt._save.state_values`). A
+    ``numpy.float64`` lr or step, an ``Enum`` member, a ``Decimal``, a ``namedtuple``, an int beyond 64
+    bits or a str with a lone surrogate is not: stock DSD pickles such values, so a call that holds
+    them goes to torch's DSD (see the module doc) instead of failing where stock works."""
     return all(
-        _encodable(value)
-        for optim in optims
-        for group in getattr(optim, "param_groups", ())
-        for key, value in group.items()
-        if key != "params"
+        _settings_held(leaf, gi, group)
+        for leaf, opt in named_leaves(layouts.leaves_of(optims))
+        for gi, group in enumerate(opt.param_groups)
+    ) and all(
+        values_load_back(state.values())
+        for _leaf, opt in named_leaves(layouts.leaves_of(optims))
+        for state in opt.state.values()
+        if isinstance(state, Mapping)
     )
 
 
-def dict_settings_encodable(sd: Mapping[str, Any]) -> bool:
-    """`settings_encodable` for the settings of a DSD dict, nested (``param_groups``: a list of
-    dicts) or flat (``param_groups.{fqn}.{key}`` entries)."""
-    groups = sd.get("param_groups")
+def dict_values_held(sd: Mapping[str, Any]) -> bool:
+    """`values_held` for the values of a DSD dict, nested (``state``: ``{fqn: {key: value}}``,
+    ``param_groups``: a list of dicts) or flat (``state.{fqn}.{key}`` and ``param_groups.{fqn}.{key}``
+    entries)."""
+    groups = sd.get(layouts.PARAM_GROUPS)
     if isinstance(groups, list):
-        return all(_encodable(v) for g in groups if isinstance(g, Mapping) for k, v in g.items() if k != "params")
-    return all(_encodable(v) for k, v in sd.items() if isinstance(k, str) and k.startswith("param_groups."))
+        state = sd.get(layouts.STATE)
+        states = state.values() if isinstance(state, Mapping) else ()
+        return all(_settings_held("optim", gi, g) for gi, g in enumerate(groups) if isinstance(g, Mapping)) and all(
+            values_load_back(s.values()) for s in states if isinstance(s, Mapping)
+        )
+    return all(
+        _settings_held("optim", 0, {k: v}) if k.startswith("param_groups.") else values_load_back((v,))
+        for k, v in sd.items()
+        if isinstance(k, str) and k.startswith(("param_groups.", STATE_PREFIX))
+    )
 
 
-def _encodable(value: Any) -> bool:
-    kind = type(value)
-    if kind in _SETTING_TYPES or isinstance(value, torch.Tensor):
-        return True
-    return (kind is tuple or kind is list) and all(_encodable(v) for v in value)
+def _settings_held(leaf: str, group_index: int, group: Mapping[str, Any]) -> bool:
+    """Whether the table codec encodes a group's settings (its ``params`` aside): the codec's own rules."""
+    try:
+        encode_settings(leaf, group_index, {k: v for k, v in group.items() if k != layouts.PARAMS})
+    except CheckpointFormatError:
+        return False
+    return True
 
 
-def _warn_unencodable() -> None:
+def _served_or_stock(run: Callable[[], Any], held: Callable[[], bool], stock: Callable[[], Any]) -> Any:
+    """``run()`` (this module's exact call); when it raises `CheckpointFormatError` and ``held()`` says
+    that a value of the optimizers (or of the dict loaded) is one sparse_ckpt's formats do not hold,
+    ``stock()`` (torch's DSD, one warning) instead: a call that works with stock DSD keeps working.
+    A load is transactional, so a refused one changed nothing before ``stock()`` runs."""
+    try:
+        return run()
+    except CheckpointFormatError:
+        if held():
+            raise
     warnings.warn(
-        "sparse_ckpt.integrations.dsd: a param-group setting of this optimizer has a type sparse_ckpt's "
-        "formats cannot give back with its type (e.g. a numpy.float64 lr); this call goes to torch's DSD "
-        "(synthetic step included). Set the value to its plain type (float(lr)) for an exact, sparse checkpoint",
+        "sparse_ckpt.integrations.dsd: a param-group setting or a state value of this optimizer has a type or "
+        "value sparse_ckpt's formats cannot give back as it is (e.g. a numpy.float64 lr or step, an Enum "
+        "member, an int beyond 64 bits); this call goes to torch's DSD (synthetic step included). Store plain "
+        "values (float(lr), member.value, a tensor) for an exact, sparse checkpoint",
         stacklevel=3,
     )
+    return stock()
 
 
 # --------------------------------------------------------------------------- internals
@@ -277,36 +306,41 @@ def _load_optimizers(
     outside ``optims`` are ignored). In a process group of several ranks every rank loads at once, so
     the ranks agree on a refusal before anything is mutated (``what``: the call, for its message)."""
     agree = what if multi_rank() else None
+    within = agreement_wait_s() if agree is not None else None  # stock DSD waits on no rank: a bounded wait
+    leaves = layouts.leaves_of(optims)
     if opts.broadcast_from_rank0 and multi_rank():
         data, refusal = {}, None
         if world_and_rank()[1] == 0:
             try:
-                data = layouts.loadable(osd)
+                data = layouts.loadable(layouts.matched_by_members(osd, leaves, build_fqn_map(model)))
             except SparseCheckpointError as exc:  # raised on every rank by the broadcast
                 refusal = exc
         data = full.broadcast_from_rank0(data, _broadcast_device(model), refusal)
     else:
         data = None
     try:
-        if data is None:
-            data = layouts.loadable(osd)
-        planned = planned_load(osd, data, model)  # a DsdStateDict the planner rebuilt: as SparseOptimizerState's load
+        unresolved: dict[str, Any] = {}
+        planned = planned_load(osd, unresolved, model)  # a DsdStateDict the planner rebuilt: as SparseOptimizerState's load
         if planned.get("fmap") is None:
             planned["fmap"] = build_fqn_map(model)
+        if data is None:
+            data = layouts.loadable(layouts.matched_by_members(osd, leaves, planned["fmap"]))
+        data.update(unresolved)
         if opts.full_state_dict:
             data = full.shard_like_params(data, planned["fmap"])
     except Exception as exc:
         if agree is not None:
-            agree_on_refusal(exc, agree)
+            agree_on_refusal(exc, agree, within=within)
         raise
     load_owned(
         model,
-        layouts.leaves_of(optims),
+        leaves,
         data,
         strict=opts.strict,
         unowned_are_other_ranks=multi_rank(),
         unoptimized_ignored=True,
         agree=agree,
+        agree_within=within,
         **planned,
     )
 

@@ -29,9 +29,10 @@ from ..._fqn import FqnMap
 from ..._leaves import SINGLE_LEAF, TITAN_LEAF, named_leaves
 from ..._save.capture import capture_by_fqn
 from ..._save.save import build_state_dict
+from ..._save.state_values import check_state_values
 from ...errors import CheckpointFormatError
 
-__all__ = ["flat_state_dict", "leaves_of", "loadable", "nested_state_dict"]
+__all__ = ["flat_state_dict", "leaves_of", "loadable", "matched_by_members", "nested_state_dict"]
 
 STATE, PARAM_GROUPS = NESTED_KEYS
 PARAMS = "params"
@@ -61,6 +62,8 @@ def nested_state_dict(fmap: FqnMap, optimizers: Any) -> dict[str, Any]:
             groups.append({**settings, PARAMS: list(fqns)})
         all_groups.extend(groups_fqn)
         encode_table(leaf, groups_fqn)  # values the table codec refuses are refused here, as the flat format does
+        values = (v for st in state_fqn.values() if isinstance(st, Mapping) for v in st.values())
+        check_state_values(leaf, state_fqn, values)  # (the flat format checks its items)
     key, record = build_key_record(all_groups, [state])
     return {STATE: state, PARAM_GROUPS: groups, key: record}
 
@@ -73,6 +76,51 @@ def flat_state_dict(model: Any, optimizers: Any) -> dict[str, Any]:
         return out
     state = {k: v for k, v in out.items() if k.startswith(STATE_PREFIX)}
     return {**state, **{k: v for k, v in out.items() if k not in state}}
+
+
+def matched_by_members(osd: Mapping[str, Any], optimizers: Any, fmap: FqnMap) -> Mapping[str, Any]:
+    """A nested dict ``osd`` as this rank's ``optimizers`` (see `leaves_of`) read it, groups matched
+    by their members as torch DSD matches them; any other dict as it is.
+
+    DCP keeps one rank's copy of a replicated item, so ``param_groups.N.params`` of a checkpoint saved
+    by ranks whose optimizers hold different parameters (Megatron-FSDP's empty shards, any
+    rank-asymmetric optimizer) lists one rank's parameters. As DSD, each live group takes the saved
+    group that lists any of its members: a member the saved group does not list is added to it (a copy;
+    ``osd`` is not changed), and the saved state of a model parameter that no saved group lists and no
+    optimizer here holds (another rank's, whose list was not kept) is left out, as DSD ignores
+    entries of parameters outside the optimizers. A live group none of whose members is listed stays
+    unmatched (refused as missing under ``strict``)."""
+    groups, state = osd.get(PARAM_GROUPS), osd.get(STATE, {})
+    if not isinstance(groups, list) or not isinstance(state, Mapping) or nested_kind({STATE: state, **osd}) != "fqn":
+        return osd
+    listed: dict[str, int] = {}
+    for gi, group in enumerate(groups):
+        params = group.get(PARAMS) if isinstance(group, Mapping) else None
+        if not isinstance(params, (list, tuple)):
+            return osd  # not DSD's layout: the loader names what is wrong
+        for fqn in params:
+            if isinstance(fqn, str):
+                listed.setdefault(fmap.resolve(fqn), gi)
+    added: dict[int, list[str]] = {}
+    held: set[str] = set()
+    for _leaf, opt in named_leaves(optimizers):
+        for group in opt.param_groups:
+            fqns = [f for p in group[PARAMS] if (f := fmap.fqn_of.get(id(p))) is not None]
+            held.update(fqns)
+            gi = next((listed[f] for f in fqns if f in listed), None)
+            for fqn in fqns if gi is not None else ():
+                if fqn not in listed:
+                    added.setdefault(gi, []).append(fqn)
+                    listed[fqn] = gi
+    others = [k for k in state if isinstance(k, str) and (f := fmap.resolve(k)) not in listed and f not in held
+              and f in fmap.param_of]
+    if not added and not others:
+        return osd
+    out = dict(osd)
+    out[PARAM_GROUPS] = [{**g, PARAMS: [*g[PARAMS], *added[gi]]} if gi in added else g for gi, g in enumerate(groups)]
+    if others:
+        out[STATE] = {k: v for k, v in state.items() if k not in others}
+    return out
 
 
 def loadable(osd: Mapping[str, Any]) -> dict[str, Any]:

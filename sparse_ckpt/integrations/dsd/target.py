@@ -127,11 +127,20 @@ def _unmarked(state_dict: Any) -> dict[tuple[str | int, ...], _Unmarked]:
         part = path[len(found[0])]
         if isinstance(part, str) and part.startswith(_GROUPS + "."):  # flat: param_groups.{fqn}.{setting}
             entry.fqns.add(part[len(_GROUPS) + 1 :].rsplit(".", 1)[0])
-    for prefix, entry in found_at.items():  # nested: each group's "params" list
-        groups = _node(state_dict, prefix).get(_GROUPS) if entry.groups else None
+    for prefix, entry in found_at.items():  # nested: each group's "params" list of FQNs
+        node = _node(state_dict, prefix) if entry.groups else None
+        groups = node.get(_GROUPS) if isinstance(node, Mapping) else None
         if isinstance(groups, list):
-            entry.fqns.update(f for g in groups if isinstance(g, Mapping) for f in g.get("params", ()) if isinstance(f, str))
+            entry.fqns.update(f for g in groups if isinstance(g, Mapping) for f in _fqns(g.get("params")))
     return {prefix: entry for prefix, entry in found_at.items() if entry.groups}
+
+
+def _fqns(params: Any) -> Iterator[str]:
+    """The FQNs a load target's ``params`` entry lists. The hook sees every load target in the process,
+    whoever built it: a placeholder (``None``, torchtune's target for a stock async checkpoint), a
+    ``Tensor`` or a list of parameter ids asks DCP for an item like any other value and lists no FQN."""
+    if isinstance(params, (list, tuple)):
+        yield from (f for f in params if isinstance(f, str))
 
 
 def _state_fqn(path: tuple[str | int, ...], prefix: tuple[str | int, ...], fqns: set[str]) -> str | None:
