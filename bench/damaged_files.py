@@ -9,6 +9,9 @@ saves small checkpoints of a stepped AdamW (formats ``packed`` with state layout
 * ``delete``: a data file removed;
 * ``record``: one storage record (``storage_data`` entry) dropped from ``.metadata``.
 
+``--flip`` (`flip_sweep`, ``--rate``) instead flips each byte of each optimizer item, one at a time,
+for every state layout of the packed format and the flat one.
+
 Each damaged checkpoint is loaded by ``dcp.load`` through `sparse_ckpt.SparseOptimizerState` and
 `sparse_ckpt.SparseLoadPlanner` (``surface="stateful"``) and by torch DSD's functions under
 ``sparse_ckpt.integrations.dsd.install()`` (``surface="dsd"``) into an optimizer that has state of
@@ -261,14 +264,92 @@ def sweep(stride: int, span: int, surfaces: tuple[str, ...] = SURFACES, variants
     return result
 
 
+FLIP_VARIANTS = (("packed", "auto"), ("packed", "per_tensor"), ("packed", "buffers"), ("flat", "auto"))
+"""The (format, state layout) pairs of the flip sweep: every layout of the packed format, and the flat one."""
+
+
+def optimizer_ranges(path: str) -> list[tuple[str, int, int, str]]:
+    """``(file, start, end, key)`` of every optimizer item (``optim.*``) of the checkpoint at ``path``."""
+    with open(os.path.join(path, ".metadata"), "rb") as f:
+        md = pickle.load(f)
+    return sorted(
+        (info.relative_path, info.offset, info.offset + info.length, index.fqn)
+        for index, info in md.storage_data.items()
+        if index.fqn.startswith("optim.")
+    )
+
+
+def flip_sweep(rate: float = 1.0, seed: int = 0, variants: tuple[tuple[str, str], ...] = FLIP_VARIANTS,
+               out: Any = None) -> dict[str, Any]:
+    """Flip (XOR 0xFF) one byte of one optimizer item at a time -- every byte (``rate=1``) or a seeded
+    sample of ``rate`` of them -- and load each damaged checkpoint through `SparseOptimizerState`:
+    ``exact`` or ``refused``; ``silent`` only inside a per-item tensor's raw bytes (no checksum
+    covers them: docs/guarantees.md), anywhere else (a bucket's bytes, a header, a table) it counts as
+    ``raw``. Counts per variant and in total."""
+    import random
+
+    warnings.filterwarnings("ignore", message="torch.distributed is disabled")
+    rng = random.Random(seed)
+    counts: Counter[str] = Counter()
+    per_variant: dict[str, dict[str, int]] = {}
+    raws: list[str] = []
+    root = tempfile.mkdtemp(prefix="flipped_bytes_")
+    try:
+        for fmt, layout in variants:
+            path, saved, model_sd = save(root, fmt, layout)
+            exempt = {f: [(a, b, k) for a, b, k in r if "__buffers__" not in k] for f, r in tensor_data_ranges(path).items()}
+            here: Counter[str] = Counter()
+            for file, start, end, key in optimizer_ranges(path):
+                full = os.path.join(path, file)
+                for pos in range(start, end):
+                    if rate < 1.0 and rng.random() >= rate:
+                        continue
+                    with open(full, "r+b") as f:
+                        f.seek(pos)
+                        byte = f.read(1)
+                        f.seek(pos)
+                        f.write(bytes([byte[0] ^ 0xFF]))
+                    try:
+                        model, opt = _stepped(7)  # state of its own: a refusal must keep it
+                        model.load_state_dict(model_sd)
+                        outcome, detail = classify(lambda m=model, o=opt, p=path, f=fmt: _load_stateful(p, f, m, o), opt, saved)
+                    finally:
+                        with open(full, "r+b") as f:
+                            f.seek(pos)
+                            f.write(byte)
+                    if outcome == "silent" and not any(a <= pos < b for a, b, _k in exempt.get(file, ())):
+                        outcome, detail = "raw", "loaded, not what was saved (outside a per-item tensor's raw bytes)"
+                    here[outcome] += 1
+                    if outcome == "raw":
+                        raws.append(f"{fmt}/{layout} {file}@{pos} ({key}): {detail}")
+            c = per_variant[f"{fmt}/{layout}"] = {k: here.get(k, 0) for k in ("exact", "refused", "silent", "raw")}
+            counts.update(here)
+            if out is not None:
+                print(f"flip {fmt}/{layout}: {sum(c.values())} flips: {c['exact']} exact, {c['refused']} refused, "
+                      f"{c['silent']} silent (per-item tensor bytes), {c['raw']} raw", file=out, flush=True)
+    finally:
+        shutil.rmtree(root, ignore_errors=True)
+    result = {"trials": sum(counts.values()), **{k: counts.get(k, 0) for k in ("exact", "refused", "silent", "raw")},
+              "variants": per_variant, "raw_cases": raws}
+    if out is not None:
+        print(f"flip: {result['trials']} flips: {result['exact']} exact, {result['refused']} refused, "
+              f"{result['silent']} silent, {result['raw']} raw", file=out)
+        for line in raws[:40]:
+            print("  RAW " + line, file=out)
+    return result
+
+
 def main(argv: list[str] | None = None) -> int:
-    """Command line: ``--stride N --span N --json PATH``; exit status 1 on any raw outcome."""
+    """Command line: ``--stride N --span N --json PATH``, or ``--flip [--rate R]`` (the flip
+    sweep); exit status 1 on any raw outcome."""
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--stride", type=int, default=1, help="damage every N-th byte offset (1: all)")
     parser.add_argument("--span", type=int, default=8, help="bytes zeroed at each offset")
+    parser.add_argument("--flip", action="store_true", help="flip each byte of each optimizer item instead (flip_sweep)")
+    parser.add_argument("--rate", type=float, default=1.0, help="with --flip: the share of bytes flipped (1: all)")
     parser.add_argument("--json", default=None)
     args = parser.parse_args(argv)
-    result = sweep(args.stride, args.span, out=sys.stdout)
+    result = flip_sweep(args.rate, out=sys.stdout) if args.flip else sweep(args.stride, args.span, out=sys.stdout)
     if args.json:
         with open(args.json, "w") as f:
             json.dump(result, f, indent=1)

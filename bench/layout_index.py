@@ -35,6 +35,7 @@ except ImportError:  # pragma: no cover - run as a script
 
 import sparse_ckpt as sc
 from sparse_ckpt import _backend
+from sparse_ckpt._format.bucket_checksums import split_checksums
 from sparse_ckpt._format.keys import BUFFERS_PREFIX, rank_tag, seal
 from sparse_ckpt._format.layout_index import build_index, decode_index
 from sparse_ckpt._layouts.bucketed import BUCKET_BYTES
@@ -49,7 +50,8 @@ def _entries(scale: Any) -> tuple[list[tuple[str, str, str, int, tuple[int, ...]
     sd = sc.sparse_state_dict(fx.model, fx.optimizer, state_layout="buffers")
     (layout,) = [v for k, v in sd.items() if k.startswith(BUFFERS_PREFIX) and ".L" in k]
     out = []
-    for dtype, numel, entries in _backend.core.decode_layout(LEAF, layout[:-8]):
+    table, _crcs = split_checksums(LEAF, "layout", layout[:-8])  # (the seal, then the bucket checksums off)
+    for dtype, numel, entries in _backend.core.decode_layout(LEAF, table):
         itemsize = 4 if dtype == "float32" else 8 if dtype in ("float64", "int64") else 2
         del numel
         out.extend((fqn, key, dtype, itemsize, sizes) for fqn, key, _shape, _offsets, sizes in entries)

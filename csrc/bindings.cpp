@@ -87,6 +87,8 @@ PYBIND11_MODULE(_C, m) {
           "Where each state chunk this rank needs comes from: (targets, sources, ops).");
     m.def("decode_layout", &decode_layout, py::arg("leaf"), py::arg("data"),
           "A layout table's buckets: [(dtype, numel, [(fqn, key, shape, offsets, sizes), ...]), ...].");
+    m.def("crc32c", &crc32c, py::arg("data"), py::arg("value") = 0,
+          "CRC-32C (Castagnoli) of a bytes-like object, continuing from value (a CRC of the bytes before).");
     m.def("claim_owners", &claim_owners, py::arg("leaf"), py::arg("groups_fqn"), py::arg("owner"),
           "Record leaf as owner of its FQNs; return (fqn, group index) of repeated listings.");
 }

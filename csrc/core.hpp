@@ -86,6 +86,9 @@ py::tuple merge_table_settings(py::object leaf, py::object settings, py::object 
 py::object merge_scalars(py::object state_of, py::object scalars_of, py::object tensor_type);
 py::object unlisted_keys(py::object keys_of, py::object state_of, py::object owned);
 
+// checksum.cpp
+py::object crc32c(py::object data, py::object value);
+
 // layout_codec.cpp
 py::tuple encode_layout(py::object leaf, py::object entries, py::object bucket_bytes);
 py::tuple plan_scatter(py::object leaf, py::object layouts, py::object chunk_of);

@@ -27,6 +27,7 @@ from .._format.keys import (
     WRAPPER_CHILD,
 )
 from .capture import pack_optimizer, remap_to_fqns
+from .checksum import crc32c
 from .common import MAGIC, MAX_DEPTH, VERSION
 from .flat_keys import flatten_groups, flatten_packed_state, flatten_state, unflatten
 from .layout_codec import decode_layout, encode_layout, plan_scatter
@@ -56,6 +57,7 @@ __all__ = [
     "capture_fqns",
     "cast_states",
     "claim_owners",
+    "crc32c",
     "decode_layout",
     "decode_table",
     "encode_layout",

@@ -11,6 +11,7 @@ without torch's advice. `guard_reads` makes a load's ``read_data`` raise these i
 from __future__ import annotations
 
 import io
+import math
 import os
 import re
 import zlib
@@ -21,9 +22,12 @@ import torch
 
 from .._torch_internals import file_item_location
 from ..errors import CheckpointFormatError, SparseCheckpointError
-from .saved_tensor import _LOCAL, directory, end_record
+from .saved_tensor import _LOCAL, data_start, directory, end_record, pickled_dtype_disagrees
 
-__all__ = ["check_headers", "crc_failure", "damaged", "diagnose", "guard_reads", "header_crc_failure", "locate", "reason", "with_file"]
+__all__ = [
+    "check_headers", "crc_failure", "damaged", "diagnose", "guard_reads", "header_crc_failure", "header_damage", "locate", "reason",
+    "with_file",
+]
 
 _HINT = "a damaged, truncated or partly copied checkpoint; nothing was loaded into the optimizer"
 
@@ -157,12 +161,22 @@ _TAIL = 4096
 """Bytes read from an item's end to find its zip directory (a one-tensor archive's is ~0.5 KiB)."""
 
 
-def header_crc_failure(f: Any, offset: int, length: int) -> str | None:
+def header_damage(record: str) -> str:
+    """The refusal's words for record ``record`` that `header_crc_failure` names."""
+    return f"its record {record!r} is damaged (its zip header or CRC-32 check fails, or it disagrees with the checkpoint's .metadata)"
+
+
+def header_crc_failure(f: Any, offset: int, length: int, expect: tuple[tuple[int, ...], torch.dtype] | None = None) -> str | None:
     """The name of the first record of the ``torch.save`` archive at ``[offset, offset + length)`` of
-    the open file ``f`` whose local header is damaged (its signature or name), or, other than tensor
-    data records (``*/data/*``), whose bytes fail their CRC-32:
-    a zeroed ``byteorder`` record makes ``torch.load`` byte-swap a tensor, a zeroed ``data.pkl`` byte
-    can change its shape or dtype. ``None`` when all pass or the directory cannot be read."""
+    the open file ``f`` whose local header is damaged (its signature or name, or, for tensor data
+    records (``*/data/*``), a data start other than where ``torch.save`` puts it: a damaged
+    extra-field length moves where ``torch.load`` reads the tensor from), or, other than tensor data
+    records, whose bytes fail their CRC-32: a zeroed ``byteorder`` record makes ``torch.load``
+    byte-swap a tensor, a zeroed ``data.pkl`` byte can change its shape or dtype. With ``expect``
+    (the ``(sizes, dtype)`` its ``.metadata`` records), also the storage record of another byte
+    length and a ``data.pkl`` that names another dtype's storage (`pickled_dtype_disagrees`; a shape
+    that disagrees fails DCP's own size check, the fast path compares all of it).
+    ``None`` when all pass or the directory cannot be read."""
     tail_at = max(0, length - _TAIL)
     f.seek(offset + tail_at)
     tail = f.read(length - tail_at)
@@ -188,10 +202,19 @@ def header_crc_failure(f: Any, offset: int, length: int) -> str | None:
             return name
         if fields[2] != flags or fields[3] != method or (not flags & 8 and fields[6:9] != (crc, size, rec[9])):
             return name  # the header disagrees with the directory: torch.load may read other bytes
-        if method != 0 or "/data/" in name or size > 1 << 20:
+        if "/data/" in name:
+            if local < 0xFFFFFFFF and size < 0xFFFFFFFF and start != data_start(local, name_len):
+                return name  # torch.save aligns a tensor's bytes: another start is a damaged extra field
+            if expect is not None and name.endswith("/data/0") and size != math.prod(expect[0]) * expect[1].itemsize:
+                return name
             continue  # tensor bytes: no check (see docs/guarantees.md)
+        if method != 0 or size > 1 << 20:
+            continue
         f.seek(offset + start)
-        if zlib.crc32(f.read(size)) != crc:
+        blob = f.read(size)
+        if zlib.crc32(blob) != crc:
+            return name
+        if expect is not None and name.endswith("/data.pkl") and pickled_dtype_disagrees(blob, expect[1]):
             return name
     return None
 
@@ -224,9 +247,24 @@ def check_headers(storage_reader: Any, metadata: Any, items: Iterable[Any], chec
                 f.seek(where[1])
                 bad = crc_failure(f.read(where[2]))
             else:
-                bad = header_crc_failure(f, where[1], where[2])
+                bad = header_crc_failure(f, where[1], where[2], _chunk_of(metadata, item.storage_index))
             if bad is not None:
-                raise damaged(item.storage_index.fqn, where[0], f"its record {bad!r} is damaged (its zip header or CRC-32 check fails)")
+                raise damaged(item.storage_index.fqn, where[0], header_damage(bad))
     finally:
         if f is not None:
             f.close()
+
+
+def _chunk_of(metadata: Any, index: Any) -> tuple[tuple[int, ...], torch.dtype] | None:
+    """``(sizes, dtype)`` of the stored chunk of tensor item ``index`` (a ``MetadataIndex``) as
+    ``.metadata`` records it; ``None`` when it records no such tensor chunk."""
+    from torch.distributed.checkpoint.metadata import TensorStorageMetadata
+
+    md = getattr(metadata, "state_dict_metadata", {}).get(index.fqn)
+    if not isinstance(md, TensorStorageMetadata):
+        return None
+    offset = tuple(index.offset) if index.offset is not None else None
+    chunks = [c for c in md.chunks if offset is None or tuple(c.offsets) == offset]
+    if index.index is not None and 0 <= index.index < len(md.chunks) and tuple(md.chunks[index.index].offsets) == offset:
+        chunks = [md.chunks[index.index]]
+    return (tuple(chunks[0].sizes), md.properties.dtype) if len(chunks) == 1 else None

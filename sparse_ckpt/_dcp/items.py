@@ -26,7 +26,7 @@ from torch.distributed.tensor import empty as dtensor_empty
 from .._format.keys import BUFFERS_PREFIX, PACKED_PREFIX, SCALARS_PREFIX, STEP_KEY, is_table_key, table_kind
 from .._torch_internals import file_item_location
 from ..errors import CheckpointFormatError, CheckpointMismatchError, SparseCheckpointError
-from .damage import crc_failure, damaged, diagnose, header_crc_failure, reason, with_file
+from .damage import crc_failure, damaged, diagnose, header_crc_failure, header_damage, reason, with_file
 from .saved_tensor import read_saved_tensor
 
 __all__ = ["FileWindow", "ItemPlanner", "WeightsOnlyStream", "allocate_item", "allocate_like", "check_covered", "read_items", "weights_only_item", "weights_only_object"]
@@ -320,9 +320,10 @@ def _read_files_directly(storage_reader: Any, metadata: Metadata, items: list[Re
                     "checkpoint)"
                 ) from None
             if tensor is None:  # not the plain case: torch.load reads every case
-                bad = header_crc_failure(f, offset, length)  # a zeroed byteorder: byte-swapped values
+                # a zeroed byteorder: byte-swapped values; a moved data start: other bytes
+                bad = header_crc_failure(f, offset, length, (tuple(md.size), md.properties.dtype))
                 if bad is not None:
-                    raise damaged(key, file, f"its record {bad!r} is damaged (its zip header or CRC-32 check fails)")
+                    raise damaged(key, file, header_damage(bad))
                 try:
                     tensor = torch.load(io.BufferedReader(FileWindow(f, offset, length)), map_location="cpu", weights_only=True)
                 except Exception as exc:  # noqa: BLE001 - zeroed or cut bytes: refused naming item and file

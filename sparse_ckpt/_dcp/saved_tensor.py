@@ -21,6 +21,7 @@ so the fast path checks as much as the path it replaces; a short read is refused
 
 from __future__ import annotations
 
+import re
 import struct
 import sys
 from collections.abc import Iterator
@@ -255,6 +256,8 @@ def read_saved_tensor(f: BinaryIO, offset: int, length: int, size: tuple[int, ..
     )
     if data_at is None or pkl_at is None or order_at is None or data_at + nbytes > length:
         return None
+    if data_at != data_start(data_local, len(names["/data/0"].encode())):
+        return None  # a damaged header moved the data (the caller's header check refuses it)
     if head[order_at : order_at + order_size] != b"little" or pkl_at + pkl_size > len(head):
         return None
     if not _plain_tensor(head[pkl_at : pkl_at + pkl_size], size, dtype):
@@ -308,3 +311,32 @@ def contiguous_strides(size: tuple[int, ...]) -> tuple[int, ...]:
         stride.append(acc)
         acc *= max(n, 1)
     return tuple(reversed(stride))
+
+
+_ALIGN = 64
+"""``torch.save`` starts every record's data at a multiple of 64 bytes of its archive (the extra
+field of the record's local header pads it there: 4 bytes of field header, then the padding)."""
+
+
+def data_start(local: int, name_len: int) -> int:
+    """Where ``torch.save`` puts the data of a record whose local header is at archive offset
+    ``local`` (an archive under 4 GiB: no zip64 field): the first multiple of 64 after the header,
+    its name and the 4-byte header of the padding field."""
+    base = local + _LOCAL.size + name_len + 4
+    return -(-base // _ALIGN) * _ALIGN
+
+
+_STORAGE_GLOBAL = re.compile(rb"ctorch\n(\w+Storage)\n")
+
+
+def pickled_dtype_disagrees(pkl: bytes, dtype: torch.dtype) -> bool:
+    """Whether the pickle ``pkl`` of a saved tensor (its ``data.pkl`` record) names one legacy storage
+    class and it is not ``dtype``'s (``torch.load`` would rebuild another dtype, which DCP's copy into
+    the target would cast silently). A scan for the ``GLOBAL`` opcode, no interpretation: a few
+    microseconds per item. Other encodings (``_rebuild_tensor_v3``'s ``UntypedStorage``) are not
+    judged here; the storage size is the data record's length, the shape DCP's own size check."""
+    names = _STORAGE_GLOBAL.findall(pkl)
+    if len(names) != 1:
+        return False
+    saved = _STORAGE_DTYPES.get(names[0].decode("ascii"))
+    return saved is not None and saved != dtype

@@ -19,6 +19,7 @@ import torch
 from torch.distributed.tensor import DTensor, Replicate, Shard
 
 from .. import _backend
+from .._format.bucket_checksums import split_checksums
 from .._format.keys import BUFFERS_PREFIX, index_tag
 from .._format.layout_index import REPLICATE, IndexPart, Spec, chunk_at, same_chunk
 from .._format.tags import LAYOUT_SLOT, Slot
@@ -48,7 +49,8 @@ def _part(slot: Slot, param_of: Mapping[str, torch.Tensor], meshes: dict[int, An
     whole: list[str] = []
     chunked: list[str] = []
     done: set[str] = set()
-    for _dtype, _numel, entries in _backend.core.decode_layout(leaf, slot.payload):
+    table, _crcs = split_checksums(leaf, slot.name, slot.payload)
+    for _dtype, _numel, entries in _backend.core.decode_layout(leaf, table):
         for fqn, _key, shape, offsets, sizes in entries:
             if fqn in done:
                 continue

@@ -18,12 +18,16 @@ from typing import Any
 
 from .. import _backend
 from .._dist import world_and_rank
+from .._format.bucket_checksums import split_checksums
 from .._format.keys import BUFFERS_PREFIX, check_table, split_buffers_key, tag_has_rank
 from .._format.layout_index import LayoutIndex, decode_index
 from .._fqn import FqnMap
 from ..errors import CheckpointFormatError, CheckpointMismatchError
 from .bucketed import _Geometry, buffer_key, layout_key
 from .bucketed_scatter import Plan, scatter
+
+Layouts = list[tuple[str, bytes, "tuple[int, ...] | None"]]
+"""``(rank tag, layout table, its buckets' CRC-32C or None)`` of each of a leaf's layouts (`open_layouts`)."""
 
 
 @dataclass
@@ -142,7 +146,7 @@ def _expand_leaf(
         return items.keys.get((layouts[li][0], bi)) or buffer_key(leaf, layouts[li][0], bi, dtype)
 
     held = [items.buffers.get((layouts[li][0], bi)) for li, bi, _dtype, _numel in plan[1]]
-    scatter(leaf, plan, held, key_of, reader, fmap, out)
+    scatter(leaf, plan, held, key_of, reader, fmap, out, [crcs for _ranks, _table, crcs in layouts])
 
 
 def _plan(
@@ -152,7 +156,7 @@ def _plan(
     reader: BucketReader | None,
     chunk_of: Callable[[str], Any],
     expected: Callable[[str, set[tuple[str, str]]], bool] | None,
-) -> tuple[list[tuple[str, bytes]], Plan]:
+) -> tuple[Layouts, Plan]:
     """The layout tables this rank plans from, and the core's scatter plan over them.
 
     The layouts read already (a DCP load's own) come first; when they do not hold all this rank
@@ -169,12 +173,12 @@ def _plan(
         for key in keys:
             unread.pop(key, None)
 
-    def attempt() -> tuple[list[tuple[str, bytes]], Any, set[tuple[str, str]], bool]:
+    def attempt() -> tuple[Layouts, Any, set[tuple[str, str]], bool]:
         """The plan over the layouts read so far, what it finds, and whether this rank's state is
         (also) elsewhere: ``expected`` says a parameter misses recorded state while more layouts
         are readable."""
         layouts = open_layouts(leaf, items.layouts)
-        plan = core.plan_scatter(leaf, [payload for _ranks, payload in layouts], chunk_of)
+        plan = core.plan_scatter(leaf, [table for _ranks, table, _crcs in layouts], chunk_of)
         found = {(fmap.canonical.get(t[0], t[0]), t[1]) for t in plan[0]}
         return layouts, plan, found, bool(unread) and expected is not None and expected(leaf, found)
 
@@ -231,7 +235,7 @@ def _check_index(
     leaf: str,
     key: str,
     by_index: set[tuple[str, str]] | CheckpointMismatchError | None,
-    layouts: list[tuple[str, bytes]],
+    layouts: Layouts,
     plan: Plan,
     found: set[tuple[str, str]],
 ) -> None:
@@ -258,13 +262,16 @@ def _check_index(
     )
 
 
-def open_layouts(leaf: str, layouts: Mapping[str, Any]) -> list[tuple[str, bytes]]:
-    """``(rank tag, payload)`` of each of a leaf's layout tables (``rank tag -> sealed bytes``), each seal checked."""
-    out = []
+def open_layouts(leaf: str, layouts: Mapping[str, Any]) -> Layouts:
+    """``(rank tag, layout table, bucket checksums)`` of each of a leaf's layouts (``rank tag ->
+    sealed bytes``), each seal checked (`sparse_ckpt._format.bucket_checksums`: ``None`` for a
+    layout written without checksums)."""
+    out: Layouts = []
     for ranks, value in layouts.items():
         key = layout_key(leaf, ranks)
         _leaf, payload = check_table(BUFFERS_PREFIX, key[len(BUFFERS_PREFIX) :], value)
-        out.append((ranks, payload))
+        table, crcs = split_checksums(leaf, key, payload)
+        out.append((ranks, table, crcs))
     return out
 
 

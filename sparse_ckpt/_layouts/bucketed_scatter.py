@@ -12,7 +12,7 @@ path (:func:`put_states`), as per-item entries would.
 from __future__ import annotations
 
 import math
-from collections.abc import Callable, Iterable
+from collections.abc import Callable, Iterable, Sequence
 from typing import Any, Protocol
 
 import torch
@@ -20,6 +20,7 @@ from torch.distributed.tensor import DTensor
 
 from .._dcp.items import allocate_like
 from .._dcp.saved_tensor import contiguous_strides
+from .._format.bucket_checksums import check_bucket
 from .._format.keys import is_plain_part, key_parts
 from .._fqn import FqnMap
 from ..errors import CheckpointFormatError, CheckpointMismatchError
@@ -47,12 +48,15 @@ def scatter(
     reader: BucketSource | None,
     fmap: FqnMap,
     out: dict[str, dict[str, Any]],
+    checksums: Sequence[tuple[int, ...] | None] = (),
 ) -> None:
     """Carry out ``plan`` into ``out`` (``canonical FQN -> {key path: tensor}``).
 
     ``held[si]``: source ``si``'s bucket when the load has it already, else ``None`` (it is read
     through ``reader``); ``key_of(si)``: its item key. A bucket that is neither held nor readable,
-    or that the reader did not hand over, is refused naming the first state it holds."""
+    or that the reader did not hand over, is refused naming the first state it holds.
+    ``checksums[li]``: the bucket checksums of the plan's layout ``li`` (``None`` or left out:
+    written without them), each bucket checked against its own (:func:`check_buffer`)."""
     targets, sources, ops = plan
     count = [0] * len(targets)
     for op in ops:
@@ -80,8 +84,8 @@ def scatter(
     consumed = [False] * len(sources)
 
     def fill(si: int, buf: Any) -> None:
-        _li, _bi, dtype, numel = sources[si]
-        check_buffer(leaf, key_of(si), buf, dtype, numel)
+        li, bi, dtype, numel = sources[si]
+        check_buffer(leaf, key_of(si), buf, dtype, numel, bi, checksums[li] if checksums else None)
         consumed[si] = True
         prod = math.prod
         run = by_source[si]
@@ -175,8 +179,12 @@ def check_consumed(
             )
 
 
-def check_buffer(leaf: str, key: str, buf: Any, dtype: str, numel: int) -> None:
-    """A bucket as its layout table describes it: a plain 1-D tensor of ``dtype`` and ``numel`` elements."""
+def check_buffer(
+    leaf: str, key: str, buf: Any, dtype: str, numel: int, bucket: int = 0, crcs: tuple[int, ...] | None = None
+) -> None:
+    """A bucket as its layout describes it: a plain 1-D tensor of ``dtype`` and ``numel`` elements
+    whose bytes have the CRC-32C ``crcs[bucket]`` (unchecked when ``crcs`` is ``None``: a layout
+    written without checksums; `sparse_ckpt._format.bucket_checksums`)."""
     if not isinstance(buf, torch.Tensor) or isinstance(buf, DTensor):
         raise CheckpointFormatError(f"leaf {leaf!r}: buffer item {key!r} is a {type(buf).__name__}, expected a tensor")
     if buf.ndim != 1 or dtype_name(buf.dtype) != dtype or buf.numel() != numel:
@@ -184,6 +192,7 @@ def check_buffer(leaf: str, key: str, buf: Any, dtype: str, numel: int) -> None:
             f"leaf {leaf!r}: buffer item {key!r} is a {dtype_name(buf.dtype)} tensor of shape {tuple(buf.shape)}, its "
             f"layout table says {dtype} of {numel} elements (truncated, or the layout disagrees with the data)"
         )
+    check_bucket(leaf, key, buf, bucket, crcs)
 
 
 def _allocate(leaf: str, target: tuple[Any, ...], fmap: FqnMap) -> torch.Tensor:

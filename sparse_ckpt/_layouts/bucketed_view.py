@@ -11,12 +11,13 @@ from typing import Any
 import torch
 
 from .. import _backend
+from .._format.bucket_checksums import split_checksums
 from .._format.keys import BUFFERS_PREFIX, check_table, key_parts, split_buffers_key
 from .._format.layout_index import check_index, decode_index
 from .._fqn import FqnMap
-from ..errors import CheckpointFormatError, CheckpointMismatchError
+from ..errors import CheckpointFormatError, CheckpointMismatchError, SparseCheckpointError
 from .bucketed import Chunk, buffer_key, dtype_name, torch_dtype
-from .bucketed_load import expand, open_layouts, split_items
+from .bucketed_load import Layouts, expand, open_layouts, split_items
 from .bucketed_scatter import check_buffer, check_consumed
 
 ReadBuffers = Callable[[list[str], Callable[[str, Any], None]], None]
@@ -25,11 +26,11 @@ ReadBuffers = Callable[[list[str], Callable[[str, Any], None]], None]
 
 
 def _layouts_by_key(keys: Iterable[str], values: Mapping[str, Any]) -> Iterator[tuple[str, str, bytes]]:
-    """``(key, leaf, unsealed layout)`` of every layout table among ``keys``, each checked as it is reached."""
+    """``(key, leaf, layout table)`` of every layout table among ``keys``, each checked as it is reached."""
     for key in keys:
         if key.rpartition(".")[2].startswith("L"):
             leaf, payload = check_table(BUFFERS_PREFIX, key[len(BUFFERS_PREFIX) :], values[key])
-            yield key, leaf, payload
+            yield key, leaf, split_checksums(leaf, key, payload)[0]
 
 
 def layout_view(keys: Iterable[str], values: Mapping[str, Any]) -> dict[str, dict[str, Any]]:
@@ -78,6 +79,34 @@ def layout_view(keys: Iterable[str], values: Mapping[str, Any]) -> dict[str, dic
     for leaf, payloads in by_leaf.items():  # together, the layouts hold every tensor exactly once
         core.plan_scatter(leaf, payloads, _whole(shapes_by_leaf[leaf]))
     _check_indexes(keys, values, decoded_by_leaf)
+    return out
+
+
+def checksum_failures(keys: Iterable[str], values: Mapping[str, Any], crc_of: Callable[[str], int | None]) -> list[tuple[str, str]]:
+    """``(bucket key, problem)`` for each bucket of the layouts among ``keys`` (``values``: the
+    layouts' sealed bytes; buckets are only looked up by key) whose bytes fail the CRC-32C its layout
+    records (`sparse_ckpt._format.bucket_checksums`); ``crc_of(bucket key)``: the CRC-32C of the
+    bucket as read (``None``: not read). Layouts written without checksums, and layouts that do not
+    decode (refused by the checks that read them), are skipped."""
+    out: list[tuple[str, str]] = []
+    for key in keys:
+        if not key.rpartition(".")[2].startswith("L") or not isinstance(values.get(key), bytes):
+            continue
+        try:
+            leaf, payload = check_table(BUFFERS_PREFIX, key[len(BUFFERS_PREFIX) :], values[key])
+            table, crcs = split_checksums(leaf, key, payload)
+            decoded = _backend.core.decode_layout(leaf, table) if crcs is not None else []
+        except SparseCheckpointError:
+            continue
+        ranks = split_buffers_key(key[len(BUFFERS_PREFIX) :])[3]
+        for bi, (dtype, _numel, _entries) in enumerate(decoded):
+            bkey = buffer_key(leaf, ranks, bi, dtype)
+            if bkey not in values:
+                bkey = buffer_key(leaf, ranks, bi)
+            got = crc_of(bkey)
+            if got is not None and (crcs is None or bi >= len(crcs) or got != crcs[bi]):
+                want = f"{crcs[bi]:08x}" if crcs is not None and bi < len(crcs) else "none"
+                out.append((bkey, f"leaf {leaf!r}: bucket {bkey!r} fails its CRC-32C check (read {got:08x}, its layout {key!r} records {want})"))
     return out
 
 
@@ -172,8 +201,8 @@ class FullTensors:
 
         def scatter(key: str, buf: Any) -> None:
             si = source_of[key]
-            _li, _bi, dtype, numel = plan.sources[si]
-            check_buffer(plan.leaf, key, buf, dtype, numel)
+            li, bi, dtype, numel = plan.sources[si]
+            check_buffer(plan.leaf, key, buf, dtype, numel, bi, plan.checksums[li])
             consumed[si] = True
             self.buffer_reads += 1
             self.buffer_bytes += buf.numel() * buf.element_size()
@@ -191,11 +220,12 @@ class _LeafPlan:
     """One leaf's scatter plan of whole tensors: targets, sources (buckets), ops by source and by target."""
 
     def __init__(
-        self, leaf: str, layouts: list[tuple[str, bytes]], keys: Mapping[tuple[str, int], str],
+        self, leaf: str, layouts: Layouts, keys: Mapping[tuple[str, int], str],
         shapes: Mapping[str, tuple[int, ...]],
     ) -> None:
         self.leaf, self._layouts, self._keys = leaf, layouts, keys
-        self.targets, self.sources, ops = _backend.core.plan_scatter(leaf, [p for _r, p in layouts], _whole(shapes))
+        self.targets, self.sources, ops = _backend.core.plan_scatter(leaf, [t for _r, t, _c in layouts], _whole(shapes))
+        self.checksums = [crcs for _r, _t, crcs in layouts]
         self.by_source: list[list[tuple[Any, ...]]] = [[] for _ in self.sources]
         self.ops_of: list[list[tuple[Any, ...]]] = [[] for _ in self.targets]
         for op in ops:

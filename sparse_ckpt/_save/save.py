@@ -12,6 +12,7 @@ import torch
 
 from .. import _backend
 from .._dcp.origin import with_origin
+from .._format.bucket_checksums import with_checksums
 from .._format.codec import encode_settings, encode_table
 from .._format.item_record import groups_tail
 from .._format.keys import (
@@ -137,7 +138,9 @@ def build_state_dict(
                 entries, local = bucketed.collect(leaf, state_fqn, items, fmap.param_of, own_item_bytes(state_layout, staged))
                 if entries:
                     layout, buckets = core.encode_layout(leaf, entries, bucketed.BUCKET_BYTES)
-                    parts.append(_Part("layout", leaf, buckets=bucketed.fill(buckets, local)))
+                    filled = bucketed.fill(buckets, local)
+                    parts.append(_Part("layout", leaf, buckets=filled))
+                    layout = with_checksums(layout, filled)  # each bucket's CRC-32C, under the layout's seal
                     slots.append(Slot.of(LAYOUT_SLOT, leaf, layout, buckets=tuple(dtype for dtype, _n, _m in buckets)))
             parts.append(_Part("items", leaf, items=items))
             parts.append(_Part("table", leaf, prefix=PACKED_PREFIX))

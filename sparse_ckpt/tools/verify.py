@@ -8,10 +8,14 @@ import zipfile
 from collections.abc import Mapping
 from typing import Any
 
+import torch
 from torch.distributed.checkpoint.metadata import Metadata, TensorStorageMetadata
 
 from .._dcp.items import FileWindow
 from .._dcp.metadata import find_optimizers
+from .._format.bucket_checksums import tensor_crc
+from .._format.keys import is_buffer_item
+from .._layouts.bucketed_view import checksum_failures
 from .._text import one_line
 from ..errors import SparseCheckpointError
 from ._reader import (
@@ -145,7 +149,9 @@ def verify_checkpoint(path: str | os.PathLike[str], *, batch_bytes: int = BATCH_
         key for key, md in metadata.state_dict_metadata.items() if not isinstance(md, TensorStorageMetadata) and key not in opt_keys
     }
     group_keys = {flat for opt in optimizers for flat in read_keys(opt)}
+    bucket_keys = {flat for opt in optimizers for inner, flat in opt.inner.items() if is_buffer_item(inner) and flat not in group_keys}
     kept: dict[str, Any] = {}
+    bucket_crcs: dict[str, int] = {}  # flattened bucket key -> its CRC-32C as read
     read = 0
     intact = [key for key in metadata.state_dict_metadata if key not in bad]
     for batch in batches(metadata, intact, batch_bytes):
@@ -160,6 +166,7 @@ def verify_checkpoint(path: str | os.PathLike[str], *, batch_bytes: int = BATCH_
                     problems.append({"key": key, "file": None, "problem": f"unreadable: {exc}"})
                     bad.add(key)
         read += len(got)
+        bucket_crcs.update({k: tensor_crc(v) for k, v in got.items() if k in bucket_keys and isinstance(v, torch.Tensor)})
         kept.update({k: v for k, v in got.items() if k in group_keys})
         del got
     loaders: dict[str, str] = {}
@@ -168,6 +175,8 @@ def verify_checkpoint(path: str | os.PathLike[str], *, batch_bytes: int = BATCH_
             continue  # already reported; decoding would only repeat it
         values = entry_values(opt, metadata, kept)
         name = opt.name or "(top level)"
+        for bucket, problem in checksum_failures(values, values, lambda inner, o=opt: bucket_crcs.get(o.inner.get(inner, ""))):
+            problems.append({"key": opt.inner.get(bucket, bucket), "file": None, "problem": problem})
         try:
             leaves, flat, state_by_fqn, unmatched = split_optimizer(values)
         except SparseCheckpointError as exc:

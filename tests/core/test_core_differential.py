@@ -62,6 +62,7 @@ FUNCTIONS = (
     "encode_layout",
     "decode_layout",
     "plan_scatter",
+    "crc32c",
 )
 
 PROPS = settings(
@@ -1593,3 +1594,59 @@ def test_encode_layout_agrees_on_huge_counts(chunks: list[tuple[str, int, int]],
     assert result[0] == "ok" or result[1] is CheckpointFormatError, result
     if result[0] == "ok":
         assert all(numel <= 2**63 - 1 for _d, numel, _m in result[1][1])
+
+
+# --------------------------------------------------------------------------- crc32c
+
+
+def _crc32c_reference(data: bytes, value: int = 0) -> int:
+    """CRC-32C bit by bit (reflected polynomial 0x82F63B78): what both cores must give."""
+    reg = value ^ 0xFFFFFFFF
+    for b in data:
+        reg ^= b
+        for _ in range(8):
+            reg = (reg >> 1) ^ 0x82F63B78 if reg & 1 else reg >> 1
+    return reg ^ 0xFFFFFFFF
+
+
+def test_crc32c_known_values() -> None:
+    """The standard check value, the empty input, and continuation (``crc32c(b + c) == crc32c(c, crc32c(b))``)."""
+    assert check("crc32c", b"123456789") == ("ok", 0xE3069283)
+    assert check("crc32c", b"") == ("ok", 0)
+    assert check("crc32c", b"", 0x1234) == ("ok", 0x1234)
+    mid = random.Random(2).randbytes(1 << 16 | 77)  # the numpy block path of the twin
+    assert check("crc32c", mid) == ("ok", _crc32c_reference(mid))
+    big = random.Random(3).randbytes(1 << 20 | 77)  # and the C++ core without the GIL
+    whole = check("crc32c", big)
+    assert check("crc32c", big[1000:], check("crc32c", big[:1000])[1]) == whole
+    assert check("crc32c", bytearray(big)) == whole and check("crc32c", memoryview(big)) == whole
+
+
+@PROPS
+@given(st.binary(max_size=20000), st.integers(0, 2**32 - 1), st.integers(0, 40))
+def test_crc32c_agrees_with_the_reference(data: bytes, value: int, cut: int) -> None:
+    """Any bytes, any starting value: both cores give the bitwise reference CRC-32C, as bytes, bytearray and
+    memoryview (also of a multi-byte format and a 2-d shape)."""
+    expected = _crc32c_reference(data, value)
+    assert check("crc32c", data, value) == ("ok", expected)
+    assert check("crc32c", bytearray(data), value) == ("ok", expected)
+    assert check("crc32c", memoryview(data)[cut:], value) == ("ok", _crc32c_reference(data[cut:], value))
+    words = data[: len(data) // 4 * 4]
+    if words:
+        shaped = memoryview(words).cast("I").cast("B").cast("I", (len(words) // 4, 1))
+        assert check("crc32c", shaped) == ("ok", _crc32c_reference(words))
+
+
+def test_crc32c_errors() -> None:
+    """The same TypeError/ValueError and message from both cores for each refusal."""
+    check_error("crc32c", "text", exc=TypeError, match="expected bytes, bytearray or memoryview, got str")
+    check_error("crc32c", np.zeros(4, np.uint8), exc=TypeError, match="got ndarray")
+    check_error("crc32c", memoryview(bytes(16)).cast("B", (4, 4))[::2], exc=ValueError, match="C-contiguous")
+    check_error("crc32c", b"x", 1.0, exc=TypeError, match="expected value as an int, got float")
+    check_error("crc32c", b"x", True, exc=TypeError, match="got bool")
+    check_error("crc32c", b"x", -1, exc=ValueError, match="value -1 is not a 32-bit CRC")
+    check_error("crc32c", b"x", 2**32, exc=ValueError, match="value 4294967296 is not a 32-bit CRC")
+    check_error("crc32c", b"x", 2**80, exc=ValueError, match="is not a 32-bit CRC")
+    released = memoryview(b"abc")
+    released.release()
+    check_error("crc32c", released, exc=ValueError, match="released memoryview")

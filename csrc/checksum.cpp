@@ -1,0 +1,125 @@
+// CRC-32C (Castagnoli; reflected polynomial 0x82F63B78, as iSCSI and ext4): the checksums a save
+// writes of the buckets of state_layout="buffers" (docs/formats.md, "Bucket checksums"). On x86
+// with SSE4.2 the CPU's crc32 instruction does the work (several GB/s); elsewhere a slicing-by-8
+// table. Twin: sparse_ckpt/_core_py/checksum.py (same value, errors and messages).
+#include "core.hpp"
+
+#include <cstddef>
+
+#if defined(__x86_64__) || defined(__i386__)
+#include <nmmintrin.h>
+#define SCKPT_CRC_HW 1
+#endif
+
+namespace sckpt {
+
+namespace {
+
+constexpr uint32_t kCrc32cPoly = 0x82F63B78u;
+constexpr Py_ssize_t kReleaseGilBytes = 1 << 20;  // below this, the GIL round trip costs more than it frees
+
+struct Crc32cTables {
+    uint32_t t[8][256];
+    Crc32cTables() {
+        for (uint32_t i = 0; i < 256; ++i) {
+            uint32_t c = i;
+            for (int k = 0; k < 8; ++k) c = (c & 1u) ? (c >> 1) ^ kCrc32cPoly : c >> 1;
+            t[0][i] = c;
+        }
+        for (uint32_t i = 0; i < 256; ++i)
+            for (int s = 1; s < 8; ++s) t[s][i] = (t[s - 1][i] >> 8) ^ t[0][t[s - 1][i] & 0xFFu];
+    }
+};
+
+const Crc32cTables& crc_tables() {
+    static const Crc32cTables tables;
+    return tables;
+}
+
+/// The register after ``n`` bytes at ``p`` from register ``reg`` (slicing-by-8).
+uint32_t crc32c_table(uint32_t reg, const unsigned char* p, size_t n) {
+    const auto& t = crc_tables().t;
+    while (n >= 8) {
+        uint32_t lo = reg ^ (uint32_t(p[0]) | uint32_t(p[1]) << 8 | uint32_t(p[2]) << 16 | uint32_t(p[3]) << 24);
+        reg = t[7][lo & 0xFFu] ^ t[6][(lo >> 8) & 0xFFu] ^ t[5][(lo >> 16) & 0xFFu] ^ t[4][lo >> 24] ^ t[3][p[4]] ^
+              t[2][p[5]] ^ t[1][p[6]] ^ t[0][p[7]];
+        p += 8;
+        n -= 8;
+    }
+    while (n--) reg = t[0][(reg ^ *p++) & 0xFFu] ^ (reg >> 8);
+    return reg;
+}
+
+#ifdef SCKPT_CRC_HW
+__attribute__((target("sse4.2"))) uint32_t crc32c_hw(uint32_t reg, const unsigned char* p, size_t n) {
+    while (n && (reinterpret_cast<uintptr_t>(p) & 7u)) {
+        reg = _mm_crc32_u8(reg, *p++);
+        --n;
+    }
+    uint64_t r = reg;
+    while (n >= 8) {
+        uint64_t v;
+        std::memcpy(&v, p, 8);
+        r = _mm_crc32_u64(r, v);
+        p += 8;
+        n -= 8;
+    }
+    reg = static_cast<uint32_t>(r);
+    while (n--) reg = _mm_crc32_u8(reg, *p++);
+    return reg;
+}
+
+bool have_crc_hw() {
+    static const bool yes = __builtin_cpu_supports("sse4.2");
+    return yes;
+}
+#endif
+
+uint32_t crc32c_update(uint32_t reg, const unsigned char* p, size_t n) {
+#ifdef SCKPT_CRC_HW
+    if (have_crc_hw()) return crc32c_hw(reg, p, n);
+#endif
+    return crc32c_table(reg, p, n);
+}
+
+struct Buffer {
+    Py_buffer view{};
+    bool held = false;
+    ~Buffer() {
+        if (held) PyBuffer_Release(&view);
+    }
+};
+
+}  // namespace
+
+py::object crc32c(py::object data, py::object value) {
+    PyObject* d = data.ptr();
+    if (!PyBytes_Check(d) && !PyByteArray_Check(d) && !PyMemoryView_Check(d))
+        raise_type("bytes, bytearray or memoryview", data);
+    if (PyMemoryView_Check(d)) {
+        py::object contiguous = steal(PyObject_GetAttrString(d, "c_contiguous"));  // (a released view raises here)
+        if (contiguous.ptr() != Py_True)
+            raise_builtin(PyExc_ValueError, steal(PyUnicode_FromString("expected a C-contiguous buffer")));
+    }
+    if (!PyLong_CheckExact(value.ptr())) raise_type("value as an int", value);
+    int overflow = 0;
+    long long v = PyLong_AsLongLongAndOverflow(value.ptr(), &overflow);
+    if (v == -1 && PyErr_Occurred()) throw py::error_already_set();
+    if (overflow != 0 || v < 0 || v > 0xFFFFFFFFLL)
+        raise_builtin(PyExc_ValueError, Msg() << "value " << py_repr(value) << " is not a 32-bit CRC (0 to 4294967295)");
+    Buffer buf;
+    check(PyObject_GetBuffer(d, &buf.view, PyBUF_SIMPLE));
+    buf.held = true;
+    uint32_t reg = ~static_cast<uint32_t>(v);
+    const auto* p = static_cast<const unsigned char*>(buf.view.buf);
+    size_t n = static_cast<size_t>(buf.view.len);
+    if (buf.view.len >= kReleaseGilBytes) {
+        py::gil_scoped_release unlocked;
+        reg = crc32c_update(reg, p, n);
+    } else {
+        reg = crc32c_update(reg, p, n);
+    }
+    return steal(PyLong_FromUnsignedLong(static_cast<unsigned long>(~reg)));
+}
+
+}  // namespace sckpt
