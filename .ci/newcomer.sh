@@ -37,15 +37,16 @@ bash -c "$SETUP_CMD"
 python -c "import sparse_ckpt, sparse_ckpt._C; print('sparse_ckpt', sparse_ckpt.__version__, 'backend', sparse_ckpt.backend())"
 
 step "README's first Python block"
-python - README.md > "$WORK/first_block.py" <<'EOF'
+# In a folder of its own: next to the clone, the clone's folder (sparse_ckpt/) would shadow the package.
+mkdir "$WORK/run"
+python - README.md > "$WORK/run/first_block.py" <<'EOF'
 import re
 import sys
 
 text = open(sys.argv[1], encoding="utf-8").read()
 print(re.search(r"^```python\n(.*?)^```", text, re.S | re.M).group(1))
 EOF
-mkdir "$WORK/run"
-(cd "$WORK/run" && python "$WORK/first_block.py")
+(cd "$WORK/run" && python first_block.py)
 echo "README's first Python block: ran"
 
 step "fast tests of tests/docs and tests/packaging: $FAST_TEST_CMD tests/docs tests/packaging"
