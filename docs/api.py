@@ -9,10 +9,16 @@ annotations that ``SparseCheckpointManager`` takes over from torchtitan (the sig
 ``CheckpointManager.__init__``, and the fields of its ``Config``) name types that torchtitan's own
 modules import (some only for type checking, one needing ``torchdata``, which torchtitan does not
 install); pdoc cannot evaluate them in sparse_ckpt's module and shows them as written.
+
+No trainer package is needed: the integrations import their trainers lazily, except
+``sparse_ckpt.integrations.torchtitan``, whose ``SparseCheckpointManager`` subclasses torchtitan's
+manager when the module is imported. Where torchtitan is not installed that one page is left out, and
+the build says so on stdout with the line that installs it (`NEEDS`); everything else renders.
 """
 
 from __future__ import annotations
 
+import importlib.util
 import re
 import sys
 import warnings
@@ -39,6 +45,17 @@ ALLOWED = re.compile(
 )
 """The one kind of pdoc warning that does not fail the build (see the module docstring)."""
 
+NEEDS = {
+    "sparse_ckpt.integrations.torchtitan": ("torchtitan", "pip install --no-deps -r .ci/requirements-torchtitan.txt"),
+}
+"""The integration modules that import their trainer when imported: module -> (trainer's import
+name, the line that installs it). Left out of the reference where the trainer is not installed."""
+
+
+def left_out() -> dict[str, str]:
+    """The modules of `NEEDS` whose trainer is not installed here: module -> the line that installs it."""
+    return {module: line for module, (trainer, line) in NEEDS.items() if importlib.util.find_spec(trainer) is None}
+
 
 def build(out_dir: Path) -> list[str]:
     """Render the reference into ``out_dir``; returns the warnings that fail the build."""
@@ -46,17 +63,24 @@ def build(out_dir: Path) -> list[str]:
     import pdoc.render
 
     sys.path.insert(0, str(ROOT))
+    missing = left_out()
+    modules = MODULES + ["!" + re.escape(module) for module in missing]
+    # pdoc still tries such a module when it lists its package's submodules, and says it could not
+    unimportable = [re.compile(f"^Couldn't import {re.escape(module)}:") for module in missing]
     pdoc.render.configure(docformat="restructuredtext", show_source=False, search=True)
     with warnings.catch_warnings(record=True) as caught:
         warnings.simplefilter("always")
-        pdoc.pdoc(*MODULES, output_directory=out_dir)
-    return [str(w.message) for w in caught if w.category is not DeprecationWarning and not ALLOWED.search(str(w.message))]
+        pdoc.pdoc(*modules, output_directory=out_dir)
+    texts = [str(w.message) for w in caught if w.category is not DeprecationWarning]
+    return [t for t in texts if not ALLOWED.search(t) and not any(u.search(t) for u in unimportable)]
 
 
 def main(argv: list[str]) -> int:
     if len(argv) != 1:
         print("usage: python docs/api.py OUT_DIR", file=sys.stderr)
         return 2
+    for module, line in left_out().items():
+        print(f"docs/api.py: {module} left out of the reference: its trainer is not installed; {line}")
     problems = build(Path(argv[0]))
     for text in problems:
         print(f"docs/api.py: pdoc: {text}", file=sys.stderr)

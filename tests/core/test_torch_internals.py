@@ -123,7 +123,7 @@ def _accelerate_frame() -> None:
     try:
         mod = importlib.import_module(module)
     except ImportError:
-        pytest.skip("accelerate is not installed")
+        pytest.skip("accelerate is not installed (pip install --no-deps -r .ci/requirements-accelerate.txt)")
     assert callable(getattr(mod, name, None)), f"{module}.{name} is gone"
 
 

@@ -219,6 +219,7 @@ def test_docs_section_has_its_two_blocks() -> None:
     assert "sc_accelerate.install()" in usage.code and "def fsdp2_accelerator(" in recipe.code
 
 
+@pytest.mark.slow  # a trainer drill
 @_backends.only(_backends.DEFAULT)
 def test_accelerate_fsdp2_save_state_load_state_drill(tmp_path: Path) -> None:
     """Once, on the default core (C++ where built): most of the drill's time is starting ranks."""

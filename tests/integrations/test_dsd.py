@@ -268,6 +268,7 @@ def direct(rank: int, root: str) -> None:
         assert_deep_equal(state_snapshot(m2, opt2), state_snapshot(m, opt), f"direct {options}", nan_equal="none", check_order=False)
 
 
+@pytest.mark.slow  # every case on two ranks: the fast tier has the single-process ones
 @_backends.only(_backends.DEFAULT)
 @pytest.mark.filterwarnings("ignore:torch.distributed is disabled")
 def test_dsd_cases_on_two_ranks(tmp_path: Path) -> None:

@@ -43,6 +43,7 @@ from hf_cpu_fsdp2 import cpu_fsdp2
 from hf_drill import SAVE_AT, STEPS
 
 pytestmark = [
+    pytest.mark.slow,  # a trainer drill: the fast tier (-m 'not slow') leaves it out
     pytest.mark.usefixtures("forbid_fork"),
     pytest.mark.filterwarnings("ignore::UserWarning", "ignore::FutureWarning", "ignore::DeprecationWarning"),
 ]

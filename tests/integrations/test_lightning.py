@@ -51,6 +51,7 @@ from trainer_drill import (
 )
 
 pytestmark = [
+    pytest.mark.slow,  # a trainer drill: the fast tier (-m 'not slow') leaves it out
     pytest.mark.usefixtures("forbid_fork"),
     pytest.mark.filterwarnings("ignore::UserWarning", "ignore::FutureWarning", "ignore::DeprecationWarning"),
 ]

@@ -25,7 +25,7 @@ from torch.distributed.device_mesh import init_device_mesh
 from bench import titan_scenario as tt
 from sparse_ckpt.integrations.torchtitan import SparseCheckpointManager
 
-pytestmark = pytest.mark.filterwarnings("ignore::UserWarning")
+pytestmark = [pytest.mark.filterwarnings("ignore::UserWarning"), pytest.mark.slow]  # a trainer drill: slow
 
 
 def _state_fqns(model, optimizers) -> dict[str, list[str]]:

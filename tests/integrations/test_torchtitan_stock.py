@@ -35,7 +35,7 @@ from bench import titan_scenario as tt
 from sparse_ckpt import CheckpointMismatchError
 from sparse_ckpt.integrations.torchtitan import SparseCheckpointManager
 
-pytestmark = pytest.mark.filterwarnings("ignore::UserWarning")
+pytestmark = [pytest.mark.filterwarnings("ignore::UserWarning"), pytest.mark.slow]  # a trainer drill: slow
 
 UPSTREAM = "torchtitan 0.3.0's stock behaviour changed (fixed upstream?): update this pin and the README"
 UNROUTED = [f"layers.{i}.experts.{e}.{w}" for i in range(tt.LAYERS) for e in (1, 3) for w in ("weight", "bias")]

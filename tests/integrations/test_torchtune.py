@@ -53,6 +53,7 @@ from sparse_ckpt import CheckpointMismatchError
 from sparse_ckpt.integrations import torchtune as sc_tune
 
 pytestmark = [
+    pytest.mark.slow,  # a trainer drill: the fast tier (-m 'not slow') leaves it out
     pytest.mark.usefixtures("forbid_fork"),
     pytest.mark.filterwarnings("ignore::UserWarning", "ignore::FutureWarning", "ignore::DeprecationWarning"),
 ]

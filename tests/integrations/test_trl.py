@@ -38,6 +38,7 @@ from hf_drill import SAVE_AT, STEPS
 from torch import nn
 
 pytestmark = [
+    pytest.mark.slow,  # a trainer drill: the fast tier (-m 'not slow') leaves it out
     *MULTI_RANK,
     pytest.mark.filterwarnings("ignore::UserWarning", "ignore::FutureWarning", "ignore::DeprecationWarning"),
 ]

@@ -32,6 +32,8 @@ import _backends
 import veomni_drill
 from _dist import run_ranks
 
+pytestmark = pytest.mark.slow  # every test reads the one trainer drill (two ranks, VeOmni's checkpointer)
+
 STEPPED = ["dense.bias", "dense.weight", "experts.0.weight", "experts.1.weight"]
 NEVER_STEPPED = ["experts.2.weight", "experts.3.weight", "tower.bias", "tower.weight"]
 ADAM = {"exp_avg": "values", "exp_avg_sq": "values", "step": 3.0}

@@ -35,6 +35,7 @@ from _dist import MULTI_RANK, assert_snapshots_equal, cpu_mesh, full_snapshot, r
 from trainer_drill import SAVE_AT, STEPS, parallelize
 
 pytestmark = [
+    pytest.mark.slow,  # a trainer drill: the fast tier (-m 'not slow') leaves it out
     *MULTI_RANK,
     pytest.mark.filterwarnings("ignore::UserWarning", "ignore::FutureWarning", "ignore::DeprecationWarning"),
 ]

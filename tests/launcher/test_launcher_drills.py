@@ -49,10 +49,10 @@ def _free_port() -> int:
         return s.getsockname()[1]
 
 
-def _launcher(name: str) -> str:
+def _launcher(name: str, install: str) -> str:
     path = BIN / name
     if not path.exists():
-        pytest.skip(f"{name} is not installed next to {BIN}")
+        pytest.skip(f"{name} is not installed next to {BIN} ({install})")
     return str(path)
 
 
@@ -94,11 +94,13 @@ def test_drill_scripts_have_no_sparse_ckpt_line() -> None:
         assert "install" not in names and "sparse_ckpt" not in names, script.name
 
 
+@pytest.mark.slow
 def test_accelerate_launch_hf_trainer(tmp_path: Path) -> None:
     """``sparse-ckpt-run accelerate launch train.py --save_steps 3 ...``: Trainer's own save and
     ``--resume_from_checkpoint`` resume exactly; stock ``accelerate launch`` cannot resume."""
-    pytest.importorskip("transformers")
-    accelerate = _launcher("accelerate")
+    pytest.importorskip("transformers", reason="transformers is not installed (pip install --no-deps -r "
+                        ".ci/requirements-veomni.txt: transformers 5.9.0 and its imports)")
+    accelerate = _launcher("accelerate", "pip install --no-deps -r .ci/requirements-accelerate.txt")
 
     def command(name: str, *more: str) -> list[str]:
         return [
@@ -114,7 +116,7 @@ def test_accelerate_launch_hf_trainer(tmp_path: Path) -> None:
 
 
 def _torchrun_drill(tmp_path: Path, script: str, stock_error: str) -> None:
-    torchrun = _launcher("torchrun")
+    torchrun = _launcher("torchrun", "it comes with torch")
 
     def command(out: str, *more: str) -> list[str]:
         return [torchrun, "--standalone", "--nproc-per-node", "2", str(DRILLS / script), str(tmp_path / "ckpt"), str(tmp_path / out), *more]
@@ -122,15 +124,18 @@ def _torchrun_drill(tmp_path: Path, script: str, stock_error: str) -> None:
     drill(command("fresh.pt"), command("resumed.pt", "--resume"), tmp_path / "fresh.pt", tmp_path / "resumed.pt", stock_error)
 
 
+@pytest.mark.slow
 def test_torchrun_lightning_fabric(tmp_path: Path) -> None:
     """``sparse-ckpt-run torchrun fabric_train.py``: ``fabric.save``/``fabric.load`` (DCP) resume exactly."""
-    pytest.importorskip("lightning")
+    pytest.importorskip("lightning", reason="lightning is not installed (pip install --no-deps -r .ci/requirements-lightning.txt)")
     _torchrun_drill(tmp_path, "drill_fabric.py", rf"Missing key in checkpoint state_dict: optimizer\.state\.{UNROUTED}\.step")
 
 
+@pytest.mark.slow
 def test_torchrun_olmo_core(tmp_path: Path) -> None:
     """``sparse-ckpt-run torchrun olmo_train.py``: OLMo-core's flat save/load resume exactly."""
-    pytest.importorskip("olmo_core")
+    pytest.importorskip("olmo_core",
+                        reason="ai2-olmo-core is not installed (pip install --no-deps -r .ci/requirements-olmo-core.txt)")
     _torchrun_drill(tmp_path, "drill_olmo_core.py", rf"Missing key in checkpoint state_dict: optim\.state\.{UNROUTED}\.step")
 
 

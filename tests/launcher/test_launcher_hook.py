@@ -219,6 +219,7 @@ def test_routed_line_goes_through_logging_when_configured(monkeypatch: pytest.Mo
     assert capsys.readouterr().err.startswith("INFO sparse-ckpt-run")
 
 
+@pytest.mark.slow  # two ranks through the launcher
 def test_a_prefixed_process_routes_dsd_and_check_reports_it(monkeypatch: pytest.MonkeyPatch, capsys: pytest.CaptureFixture[str]) -> None:
     """In the prefix's environment, importing torch DSD routes its functions through sparse_ckpt with one
     line on stderr (rank and pid); ``--check`` reports the same from a probe of the command's

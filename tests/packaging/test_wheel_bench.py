@@ -11,7 +11,7 @@ checkout's excepted), whether that interpreter is a virtualenv's or the system's
 installed with ``--no-deps --no-index``.
 
 About 35 s on 2 cores (copy < 1 s, wheel ~15 s, venv + install ~1 s, quick bench ~9 s, console
-script ~4 s, resume drill ~4 s). Marked ``slow``; runs once (under the ``python`` backend parameter).
+script ~4 s, resume drill ~4 s). Marked ``slow``; runs once (tests/packaging runs once per session).
 """
 
 from __future__ import annotations
@@ -28,8 +28,6 @@ import zipfile
 from pathlib import Path
 
 import pytest
-
-pytestmark = pytest.mark.slow
 
 ROOT = Path(__file__).resolve().parents[2]
 # Anywhere in the tree: build outputs and caches. Under bench/: the committed run and local outputs.
@@ -57,16 +55,20 @@ def _have_build_deps() -> bool:
             and tool("cmake", "cmake") and tool("ninja", "ninja"))
 
 
-def outer_import_paths() -> list[str]:
+def outer_import_paths(entries: list[str] | None = None, prefix: str | None = None) -> list[str]:
     """The import paths of the interpreter running the tests, for a nested venv: its site-packages (a
     venv's, and the base interpreter's where the venv sees them), user site and ``.pth``-added folders;
     not the standard library (the nested venv has its own) and nothing inside the checkout (the
-    nested venv must import the installed wheel, not the source tree)."""
+    nested venv must import the installed wheel, not the source tree), except the running venv's own
+    folders: the README's ``.venv`` lives inside the checkout. ``entries`` and ``prefix`` (default:
+    ``sys.path`` and ``sys.prefix``) are for the test."""
     stdlib = {Path(sysconfig.get_paths()[key]).resolve() for key in ("stdlib", "platstdlib")}
+    venv = Path(sys.prefix if prefix is None else prefix).resolve()
     out: list[str] = []
-    for entry in sys.path:
+    for entry in sys.path if entries is None else entries:
         path = Path(entry or ".").resolve()
-        if not path.is_dir() or path == ROOT or ROOT in path.parents:
+        in_venv = (path == venv or venv in path.parents) and not (venv == ROOT or venv in ROOT.parents)
+        if not path.is_dir() or path == ROOT or (ROOT in path.parents and not in_venv):
             continue
         if path in stdlib or (path.parent in stdlib and path.name == "lib-dynload"):
             continue
@@ -82,6 +84,20 @@ def _run(cmd: list[str], cwd: Path, env: dict[str, str], timeout: float) -> subp
     return proc
 
 
+def test_nested_venv_sees_a_venv_inside_the_checkout(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    """The README's ``.venv`` inside the checkout: its site-packages reach the nested venv; the checkout's
+    own folders (the source tree, ``tests/``) do not, and neither does a venv the checkout lies in."""
+    root = tmp_path / "checkout"
+    site = root / ".venv" / "lib" / "site-packages"
+    for folder in (site, root / "tests"):
+        folder.mkdir(parents=True)
+    monkeypatch.setattr(sys.modules[__name__], "ROOT", root.resolve())
+    entries = [str(root), str(root / "tests"), str(site)]
+    assert outer_import_paths(entries, str(root / ".venv")) == [str(site.resolve())]
+    assert outer_import_paths(entries, str(tmp_path)) == []  # the checkout inside the venv: nothing of it
+
+
+@pytest.mark.slow
 def test_bench_runs_from_the_installed_wheel(tmp_path: Path) -> None:
     times: dict[str, float] = {}
     # the child processes must not see the checkout or the test's backend choice

@@ -5,7 +5,9 @@ leave no reentrancy guard and no lock held, the cyclic GC exactly as it was befo
 a load all-or-nothing (the target optimizer unchanged, or fully loaded).
 
 * Exhaustive: a ``sys.settrace`` tracer raises ``KeyboardInterrupt`` at the N-th line event of a
-  frame inside the ``sparse_ckpt`` package, once, for every N of the run (the ``python`` core's
+  frame inside the ``sparse_ckpt`` package, once, for every N of the run (a sweep is quadratic in the
+  run's line count: by default a seeded sample, `SAMPLE_RATE` of the events, the first and last
+  included; ``SPARSE_CKPT_EXHAUSTIVE_SWEEPS=1``, which .ci/run sets, runs every N) (the ``python`` core's
   frames included), for saves (packed and flat) and loads (packed, flat, a two-leaf
   MultiOptimizer), with and without ``state_dict`` / ``load_state_dict`` pre- and post-hooks, and
   with the collector enabled or disabled beforehand. After each run the interrupt must have
@@ -240,8 +242,24 @@ def gc_setting() -> Iterator[None]:
     (gc.enable if was else gc.disable)()
 
 
+SAMPLE_RATE = 0.125
+"""The share of a run's line events a sweep interrupts by default (seeded: the same events every run)."""
+EXHAUSTIVE = os.environ.get("SPARSE_CKPT_EXHAUSTIVE_SWEEPS") == "1"
+"""``SPARSE_CKPT_EXHAUSTIVE_SWEEPS=1`` (.ci/run sets it): every line event, not a sample."""
+
+
+def sweep_events(total: int, seed: str) -> list[int]:
+    """The events (1-based) a sweep over ``total`` interrupts: all of them when `EXHAUSTIVE`, else the
+    first, the last and a `SAMPLE_RATE` sample of the rest drawn from ``random.Random(seed)``."""
+    if EXHAUSTIVE or total <= 2:
+        return list(range(1, total + 1))
+    inner = random.Random(seed).sample(range(2, total), max(1, round((total - 2) * SAMPLE_RATE)))
+    return [1, *sorted(inner), total]
+
+
 def sweep(op: Callable[[], Any], check: Callable[[str, int], None], prepare: Callable[[], Any] = lambda: None) -> int:
-    """Run ``op`` once per line event it has, interrupted at that event; ``check(where, at)`` after each.
+    """Run ``op`` once per line event it has (or a sample: `sweep_events`), interrupted at that event;
+    ``check(where, at)`` after each.
 
     ``prepare()`` runs (untraced) before every run. Counting and interrupted runs start at the
     same stack depth: the reentrancy check walks the stack, so its event count depends on it.
@@ -252,7 +270,7 @@ def sweep(op: Callable[[], Any], check: Callable[[str, int], None], prepare: Cal
     injector, interrupted = run_traced(op, 0)
     total = injector.count
     assert not interrupted and total > 20, total
-    for at in range(1, total + 1):
+    for at in sweep_events(total, os.environ.get("PYTEST_CURRENT_TEST", "").split(" ")[0]):
         prepare()
         injector, interrupted = run_traced(op, at)
         where = injector.where
@@ -472,3 +490,14 @@ def test_interrupted_pause_never_ends_another_threads_pause(gc_setting: None) ->
         leave.set()
         thread.join(JOIN_TIMEOUT)
     assert gc.isenabled() and _gc.pauses_in_progress() == 0
+
+
+def test_sweep_events_sample_is_seeded_and_keeps_the_ends() -> None:
+    """The default sample: the first and last events, `SAMPLE_RATE` of the rest, the same for a seed."""
+    if EXHAUSTIVE:
+        assert sweep_events(100, "x") == list(range(1, 101))
+        return
+    events = sweep_events(1002, "x")
+    assert events[0] == 1 and events[-1] == 1002 and events == sorted(set(events))
+    assert len(events) == 2 + round(1000 * SAMPLE_RATE)
+    assert events == sweep_events(1002, "x") and events != sweep_events(1002, "y")
