@@ -14,6 +14,7 @@ the tree must match it. An installed package has no ``csrc/``; its ``_C`` is the
 from __future__ import annotations
 
 import hashlib
+import importlib
 import os
 import sys
 import warnings
@@ -55,7 +56,7 @@ def built_core() -> ModuleType:
     if PathFinder.find_spec(name, [str(PACKAGE_DIR)]) is None:
         raise ImportError(f"{name} is not importable: it is not built in {PACKAGE_DIR}")
     try:
-        module = sys.modules[name] if name in sys.modules else __import__(name, fromlist=["_BUILD_ID"])
+        module = sys.modules[name] if name in sys.modules else importlib.import_module(name)
     except ImportError as exc:
         raise ImportError(f"{name} is not importable ({exc})") from exc
     where = Path(getattr(module, "__file__", "") or "").resolve().parent

@@ -12,6 +12,8 @@ from typing import Any
 
 import torch.distributed as dist
 
+from ._process_group import initialised, is_default_group
+
 __all__ = [
     "AGREEMENT_WAIT_ENV",
     "agree_on_refusal",
@@ -21,11 +23,6 @@ __all__ = [
     "multi_rank",
     "world_and_rank",
 ]
-
-
-def initialised() -> bool:
-    """Whether torch.distributed is available and its default process group initialised."""
-    return dist.is_available() and dist.is_initialized()
 
 
 def world_and_rank() -> tuple[int, int]:
@@ -38,11 +35,6 @@ def world_and_rank() -> tuple[int, int]:
 def multi_rank() -> bool:
     """Whether this process is one rank of an initialised default process group of several ranks."""
     return world_and_rank()[0] > 1
-
-
-def is_default_group(group: Any) -> bool:
-    """Whether ``group`` (``None`` means the default) is the default process group."""
-    return group is None or group is dist.group.WORLD
 
 
 _SUMMARY_CHARS = 2000
@@ -112,12 +104,16 @@ def agree_on_refusal(error: BaseException | None, what: str, *, within: float | 
     names = ", ".join(str(r) for r, _s in refused)
     if error is not None:
         if isinstance(error, errors.SparseCheckpointError):
-            error.args = (f"{what} refused on rank(s) {names} of {world} (this rank, {rank}, among them): {error}",
-                          *error.args[1:])
+            error.args = (
+                f"{what} refused on rank(s) {names} of {world} (this rank, {rank}, among them): {error}",
+                *error.args[1:],
+            )
         raise error
     first_cls = getattr(errors, refused[0][1][0], None)
-    cls = first_cls if isinstance(first_cls, type) and issubclass(first_cls, errors.SparseCheckpointError) else (
-        errors.CheckpointMismatchError
+    cls = (
+        first_cls
+        if isinstance(first_cls, type) and issubclass(first_cls, errors.SparseCheckpointError)
+        else (errors.CheckpointMismatchError)
     )
     detail = "; ".join(f"rank {r}: {name}: {msg}" for r, (name, msg) in refused)
     raise cls(

@@ -53,7 +53,7 @@ from typing import Any
 import torch
 
 from . import _backend
-from ._dist import initialised, is_default_group
+from ._process_group import initialised, is_default_group
 
 
 def state_dict_pre_hooks(opt: torch.optim.Optimizer) -> list[Callable[..., Any]]:
@@ -309,7 +309,9 @@ def local_chunk(dtensor: Any) -> Any:
     return chunk
 
 
-def file_item_location(storage_reader: Any, storage_info: Any, *, subclasses: bool = False) -> tuple[str, int, int] | None:
+def file_item_location(
+    storage_reader: Any, storage_info: Any, *, subclasses: bool = False
+) -> tuple[str, int, int] | None:
     """``(file, offset, length)`` of the bytes of a DCP item (``storage_info``: its entry in the
     metadata's ``storage_data``) that ``storage_reader`` would read, when it is torch's own
     ``FileSystemReader`` or `sparse_ckpt.SafeFileSystemReader` (not another subclass, unless ``subclasses``:
@@ -318,23 +320,38 @@ def file_item_location(storage_reader: Any, storage_info: Any, *, subclasses: bo
     through ``read_data``)."""
     from torch.distributed.checkpoint import FileSystemReader
 
-    from ._dcp.safe_reader import SafeFileSystemReader  # torch's reader, its files confined: the same layout
-
-    own = isinstance(storage_reader, FileSystemReader) if subclasses else type(storage_reader) in (FileSystemReader, SafeFileSystemReader)
+    kind = type(storage_reader)
+    # SafeFileSystemReader (torch's reader, its files confined) says so itself: no import of it here
+    own = (
+        isinstance(storage_reader, FileSystemReader)
+        if subclasses
+        else kind is FileSystemReader or vars(kind).get("files_like_torchs_reader", False)
+    )
     if not own or getattr(storage_info, "transform_descriptors", None):
         return None
     root = getattr(storage_reader, "path", None)
     rel = getattr(storage_info, "relative_path", None)
     offset, length = getattr(storage_info, "offset", None), getattr(storage_info, "length", None)
-    if not isinstance(root, (str, os.PathLike)) or type(rel) is not str or type(offset) is not int or type(length) is not int:
+    if (
+        not isinstance(root, (str, os.PathLike))
+        or type(rel) is not str
+        or type(offset) is not int
+        or type(length) is not int
+    ):
         return None
     return os.path.join(root, rel), offset, length
 
 
 _DCP_METADATA_CLASSES = {
     "torch.distributed.checkpoint.metadata": (
-        "Metadata", "StorageMeta", "TensorStorageMetadata", "BytesStorageMetadata", "ChunkStorageMetadata",
-        "TensorProperties", "_MEM_FORMAT_ENCODING", "MetadataIndex",
+        "Metadata",
+        "StorageMeta",
+        "TensorStorageMetadata",
+        "BytesStorageMetadata",
+        "ChunkStorageMetadata",
+        "TensorProperties",
+        "_MEM_FORMAT_ENCODING",
+        "MetadataIndex",
     ),
     "torch.distributed.checkpoint.filesystem": ("_StorageInfo",),
     # what torch < 2.2 wrote (TensorProperties lived with ShardedTensor's metadata); still importable
@@ -397,10 +414,12 @@ def dcp_flatten_as_saved(plan: Callable[[], Any]) -> Any:
     """``plan()`` (``DefaultLoadPlanner.create_local_plan``), with DCP's flatten flag cleared after it
     whatever happens: an interrupt inside DCP's probe for an old checkpoint, or at any line here, never
     leaves it set (the clear is written twice, nested, on the ``try`` lines: see `sparse_ckpt._gc`)."""
-    try: return plan()  # fmt: skip - body on the try's line: its line event is protected
+    try:
+        return plan()  # fmt: skip - body on the try's line: its line event is protected
     finally:
         try: clear_dcp_flatten_flag()  # fmt: skip
-        finally: clear_dcp_flatten_flag()  # fmt: skip - idempotent: redoes a clear the first did not finish
+        finally:
+            clear_dcp_flatten_flag()  # fmt: skip - idempotent: redoes a clear the first did not finish
 
 
 ACCESSES: dict[str, str] = {
@@ -465,7 +484,9 @@ def default_store() -> Any:
     return _get_default_store()
 
 
-def gather_full_state_dict(state_dict: dict[str, Any], *, cpu_offload: bool, ranks_only: tuple[int, ...]) -> dict[str, Any]:
+def gather_full_state_dict(
+    state_dict: dict[str, Any], *, cpu_offload: bool, ranks_only: tuple[int, ...]
+) -> dict[str, Any]:
     """torch DSD's ``full_state_dict`` gathering: every DTensor as its full tensor (a collective per
     tensor, in the dict's order), on CPU with ``cpu_offload``, kept only on ``ranks_only`` (others get
     ``{}``) when given. torch's private ``_gather_state_dict`` (checked on torch 2.13.0), the same

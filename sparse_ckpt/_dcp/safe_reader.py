@@ -45,7 +45,20 @@ METADATA_FILE = ".metadata"
 
 _PATHS = ("Path", "PurePath", "PosixPath", "PurePosixPath", "WindowsPath", "PureWindowsPath")
 """``pathlib`` classes (a ``StorageMeta.checkpoint_id`` saved as a path; ``pathlib._local`` on Python 3.13+)."""
-_BUILTINS = ("set", "frozenset", "bytearray", "complex", "tuple", "list", "dict", "int", "float", "str", "bytes", "bool")
+_BUILTINS = (
+    "set",
+    "frozenset",
+    "bytearray",
+    "complex",
+    "tuple",
+    "list",
+    "dict",
+    "int",
+    "float",
+    "str",
+    "bytes",
+    "bool",
+)
 """Builtin containers and scalars an older pickle protocol names (protocol 4 has opcodes for them)."""
 
 
@@ -113,7 +126,9 @@ def read_metadata_file(file: str | os.PathLike[str], root: str | os.PathLike[str
         except CheckpointFormatError:
             raise
         except Exception as exc:  # noqa: BLE001 - whatever the unpickler raises on garbage
-            raise CheckpointFormatError(f"{where} cannot be read ({one_line(exc)}): corrupt, or not a DCP checkpoint") from None
+            raise CheckpointFormatError(
+                f"{where} cannot be read ({one_line(exc)}): corrupt, or not a DCP checkpoint"
+            ) from None
     if not isinstance(metadata, Metadata) or not isinstance(metadata.state_dict_metadata, Mapping):
         raise CheckpointFormatError(f"{where} holds a {type(metadata).__name__}, not DCP metadata")
     if root is not None:
@@ -129,7 +144,9 @@ def check_storage_paths(metadata: Metadata, root: str | os.PathLike[str]) -> Non
     if storage is None:
         return  # DCP refuses it when it sets up its reader
     if not isinstance(storage, Mapping):
-        raise CheckpointFormatError(f"the checkpoint {os.fspath(root)!r} has storage records of type {type(storage).__name__}")
+        raise CheckpointFormatError(
+            f"the checkpoint {os.fspath(root)!r} has storage records of type {type(storage).__name__}"
+        )
     base = os.path.realpath(root)
     checked: set[str] = set()
     for index, info in storage.items():
@@ -173,7 +190,9 @@ def safe_read_metadata(reader: FileSystemReader, *args: Any, **kwargs: Any) -> M
     return metadata
 
 
-def safe_set_up_storage_reader(reader: FileSystemReader, metadata: Metadata, is_coordinator: bool, *args: Any, **kwargs: Any) -> None:
+def safe_set_up_storage_reader(
+    reader: FileSystemReader, metadata: Metadata, is_coordinator: bool, *args: Any, **kwargs: Any
+) -> None:
     """``FileSystemReader.set_up_storage_reader`` that first refuses storage records outside the
     reader's directory (`check_storage_paths`): every rank checks the metadata it reads from."""
     check_storage_paths(metadata, reader.path)
@@ -191,6 +210,9 @@ class SafeFileSystemReader(FileSystemReader):
     With `sparse_ckpt.SparseLoadPlanner` the optimizer's bytes items are read weights-only too; other
     bytes items are unpickled by the planner as DCP does (``SPARSE_CKPT_SAFE_LOAD=1`` reads every one
     weights-only: `sparse_ckpt.integrations.safe_load`)."""
+
+    files_like_torchs_reader = True
+    """Its items lie in its files as in torch's ``FileSystemReader`` (`file_item_location` reads them)."""
 
     def read_metadata(self, *args: Any, **kwargs: Any) -> Metadata:
         """The checkpoint's metadata, read by the restricted unpickler (`safe_read_metadata`)."""

@@ -56,9 +56,9 @@ def python_findings(path: Path) -> list[str]:
 # Objects of ours that customise how *they* are pickled (the save side): reducing to a plain
 # ``dict`` or refusing outright. Nothing here is called when a checkpoint is read.
 ALLOWED_SCOPES = {
-    ("sparse_ckpt/_dcp/stateful.py", "SparseStateDict.__reduce_ex__"),
+    ("sparse_ckpt/_dcp/origin.py", "OriginDict.__reduce_ex__"),  # pickles as a plain OrderedDict (+ origin)
+    ("sparse_ckpt/_dcp/origin.py", "OriginDict.__reduce__"),
     ("sparse_ckpt/_dcp/stateful.py", "_PlannerGuard.__reduce_ex__"),  # pickles as a plain uint8 tensor
-    ("sparse_ckpt/_dcp/stateful.py", "SparseStateDict.__reduce__"),
     ("sparse_ckpt/_dcp/stateful.py", "SparseOptimizerState.__reduce_ex__"),
     ("sparse_ckpt/_dcp/stateful.py", "SparseOptimizerState.__deepcopy__"),
     ("sparse_ckpt/integrations/dsd/target.py", "DsdStateDict.__reduce_ex__"),  # pickles as a plain OrderedDict
@@ -171,7 +171,9 @@ def test_static_python_sources() -> None:
 
 def test_static_cpp_sources() -> None:
     """No pickle/eval/exec in the C++ core."""
-    files = sorted(p for p in CSRC.rglob("*") if p.suffix in {".cpp", ".cc", ".cxx", ".h", ".hpp"}) if CSRC.exists() else []
+    files = (
+        sorted(p for p in CSRC.rglob("*") if p.suffix in {".cpp", ".cc", ".cxx", ".h", ".hpp"}) if CSRC.exists() else []
+    )
     if not files:
         pytest.skip("csrc/ has no C++ sources yet")
     findings = [f for path in files for f in cpp_findings(path)]
@@ -203,7 +205,7 @@ def test_static_checks_can_fail() -> None:
     assert not python_findings_text('"""we never use pickle"""\nmodel.eval()\n# eval(x)\n')
     assert cpp_findings_text('auto m = py::module_::import("pickle");')
     assert cpp_findings_text("py::exec(code);")
-    assert cpp_findings_text("obj.attr(\"__reduce__\")();")
+    assert cpp_findings_text('obj.attr("__reduce__")();')
     assert not cpp_findings_text("// no pickle here\n/* eval( */ int x = 1;")
 
 
