@@ -61,7 +61,8 @@ class CMakeBuild(build_ext):
         cmake = _tool("cmake", "CMAKE_BIN_DIR", "cmake")
         ninja = _tool("ninja", "BIN_DIR", "ninja")
         args = [
-            "-G", "Ninja",
+            "-G",
+            "Ninja",
             f"-DCMAKE_MAKE_PROGRAM={ninja}",
             f"-DCMAKE_BUILD_TYPE={'Debug' if self.debug else 'Release'}",
             f"-DPython_EXECUTABLE={sys.executable}",

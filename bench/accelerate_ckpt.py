@@ -63,12 +63,18 @@ def fsdp2_accelerator(world_size: int) -> Any:
     return acc
 
 
-def prepared(args: argparse.Namespace, world_size: int, all_state: bool, seed: int, steps: int) -> tuple[Any, nn.Module, Any]:
+def prepared(
+    args: argparse.Namespace, world_size: int, all_state: bool, seed: int, steps: int
+) -> tuple[Any, nn.Module, Any]:
     acc = fsdp2_accelerator(world_size)
     torch.manual_seed(seed)
     model = MoENet(args.experts, args.routed, args.dim, all_state)
     opt = torch.optim.AdamW(
-        [{"params": model.dense.parameters()}, {"params": model.experts.parameters()}, {"params": model.vision.parameters()}],
+        [
+            {"params": model.dense.parameters()},
+            {"params": model.experts.parameters()},
+            {"params": model.vision.parameters()},
+        ],
         lr=0.01,
     )
     sched = torch.optim.lr_scheduler.LambdaLR(opt, [lambda s: 0.5**s] * 3)
@@ -107,8 +113,13 @@ def _disk(path: str) -> tuple[int, int]:
 
 def worker(rank: int, world_size: int, port: int, args: argparse.Namespace, out_dir: str) -> None:
     os.environ.update(
-        MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port), RANK=str(rank), WORLD_SIZE=str(world_size),
-        LOCAL_RANK=str(rank), LOCAL_WORLD_SIZE=str(world_size), OMP_NUM_THREADS="1",
+        MASTER_ADDR="127.0.0.1",
+        MASTER_PORT=str(port),
+        RANK=str(rank),
+        WORLD_SIZE=str(world_size),
+        LOCAL_RANK=str(rank),
+        LOCAL_WORLD_SIZE=str(world_size),
+        OMP_NUM_THREADS="1",
     )
     import accelerate.accelerator as acc_mod
 
@@ -129,17 +140,34 @@ def worker(rank: int, world_size: int, port: int, args: argparse.Namespace, out_
                 t, error = timed(acc_mod.load_fsdp_optimizer, acc2.state.fsdp_plugin, acc2, opt2, model2, where, 0)
                 loads.append(t)
             items, size = _disk(os.path.join(out_dir, f"{scenario}_{method}_0", "optimizer_0"))
-            rows.append((scenario, method, n_state, items, size, statistics.median(saves), None if error else statistics.median(loads),
-                         None if error is None else f"{type(error).__name__}: {str(error).strip().splitlines()[-1][:90]}"))
+            rows.append(
+                (
+                    scenario,
+                    method,
+                    n_state,
+                    items,
+                    size,
+                    statistics.median(saves),
+                    None if error else statistics.median(loads),
+                    None if error is None else f"{type(error).__name__}: {str(error).strip().splitlines()[-1][:90]}",
+                )
+            )
             integration.uninstall()
     if rank == 0:
         n_params = sum(1 for _ in model.parameters())
-        print(f"accelerate FSDP2 optimizer checkpoint, {world_size} ranks, {n_params} params "
-              f"({args.experts} experts, {args.routed} routed, dim {args.dim}), median of {args.repeats}")
-        print(f"{'scenario':<8} {'method':<12} {'with state':>10} {'items':>6} {'bytes':>9} {'save ms':>8} {'load ms':>8}")
+        print(
+            f"accelerate FSDP2 optimizer checkpoint, {world_size} ranks, {n_params} params "
+            f"({args.experts} experts, {args.routed} routed, dim {args.dim}), median of {args.repeats}"
+        )
+        print(
+            f"{'scenario':<8} {'method':<12} {'with state':>10} {'items':>6} {'bytes':>9} {'save ms':>8} {'load ms':>8}"
+        )
         for scenario, method, n_state, items, size, save, load, err in rows:
             load_text = f"{load * 1e3:8.1f}" if load is not None else "  failed"
-            print(f"{scenario:<8} {method:<12} {n_state:>10} {items:>6} {size:>9} {save * 1e3:8.1f} {load_text}" + (f"  ({err})" if err else ""))
+            print(
+                f"{scenario:<8} {method:<12} {n_state:>10} {items:>6} {size:>9} {save * 1e3:8.1f} {load_text}"
+                + (f"  ({err})" if err else "")
+            )
     dist.barrier()
 
 

@@ -72,8 +72,10 @@ def _stepped(seed: int) -> tuple[nn.Module, torch.optim.Optimizer]:
 
 def _snapshot(opt: torch.optim.Optimizer) -> tuple[Any, ...]:
     sd = opt.state_dict()
-    state = {i: {k: (v.dtype, tuple(v.shape), v.tolist()) if isinstance(v, torch.Tensor) else v for k, v in s.items()}
-             for i, s in sd["state"].items()}
+    state = {
+        i: {k: (v.dtype, tuple(v.shape), v.tolist()) if isinstance(v, torch.Tensor) else v for k, v in s.items()}
+        for i, s in sd["state"].items()
+    }
     return (repr(sd["param_groups"]), repr(state))
 
 
@@ -173,7 +175,10 @@ def damages(path: str, stride: int, span: int) -> Iterator[tuple[str, Callable[[
         size = os.path.getsize(os.path.join(path, name))
         yield f"delete {name}", lambda p, n=name: os.remove(os.path.join(p, n))
         for offset in range(0, size, stride):
-            yield f"zero {name}[{offset}:{offset + span}]", lambda p, n=name, o=offset: _zero(os.path.join(p, n), o, span)
+            yield (
+                f"zero {name}[{offset}:{offset + span}]",
+                lambda p, n=name, o=offset: _zero(os.path.join(p, n), o, span),
+            )
             yield f"truncate {name}@{offset}", lambda p, n=name, o=offset: os.truncate(os.path.join(p, n), o)
     with open(os.path.join(path, ".metadata"), "rb") as f:
         md = pickle.load(f)
@@ -207,8 +212,13 @@ def _drop_record(path: str, index: Any) -> None:
         pickle.dump(md, f)
 
 
-def sweep(stride: int, span: int, surfaces: tuple[str, ...] = SURFACES, variants: tuple[tuple[str, str], ...] = VARIANTS,
-          out: Any = None) -> dict[str, Any]:
+def sweep(
+    stride: int,
+    span: int,
+    surfaces: tuple[str, ...] = SURFACES,
+    variants: tuple[tuple[str, str], ...] = VARIANTS,
+    out: Any = None,
+) -> dict[str, Any]:
     """Every damage of every variant through every surface; counts and the non-exact details."""
     warnings.filterwarnings("ignore", message="torch.distributed is disabled")
     counts: Counter[str] = Counter()
@@ -235,7 +245,9 @@ def sweep(stride: int, span: int, surfaces: tuple[str, ...] = SURFACES, variants
                     apply(copy)
                     model, opt = _stepped(7)  # state of its own: a refusal must keep it
                     model.load_state_dict(model_sd)
-                    outcome, detail = classify(lambda m=model, o=opt, ld=loader, c=copy, f=fmt: ld(c, f, m, o), opt, saved)
+                    outcome, detail = classify(
+                        lambda m=model, o=opt, ld=loader, c=copy, f=fmt: ld(c, f, m, o), opt, saved
+                    )
                     counts[outcome] += 1
                     line = f"{surface} {fmt}/{layout} {what}: {detail}"
                     if outcome == "raw":
@@ -254,11 +266,18 @@ def sweep(stride: int, span: int, surfaces: tuple[str, ...] = SURFACES, variants
         if not installed and sc_dsd.installed():
             sc_dsd.uninstall()
         shutil.rmtree(root, ignore_errors=True)
-    result = {"trials": sum(counts.values()), **{k: counts.get(k, 0) for k in ("exact", "refused", "silent", "raw")},
-              "raw_cases": raws, "silent_cases": silent}
+    result = {
+        "trials": sum(counts.values()),
+        **{k: counts.get(k, 0) for k in ("exact", "refused", "silent", "raw")},
+        "raw_cases": raws,
+        "silent_cases": silent,
+    }
     if out is not None:
-        print(f"{result['trials']} trials: {result['exact']} exact, {result['refused']} refused, "
-              f"{result['silent']} silent (zeroed tensor bytes), {result['raw']} raw", file=out)
+        print(
+            f"{result['trials']} trials: {result['exact']} exact, {result['refused']} refused, "
+            f"{result['silent']} silent (zeroed tensor bytes), {result['raw']} raw",
+            file=out,
+        )
         for line in raws[:40]:
             print("  RAW " + line, file=out)
     return result
@@ -279,8 +298,9 @@ def optimizer_ranges(path: str) -> list[tuple[str, int, int, str]]:
     )
 
 
-def flip_sweep(rate: float = 1.0, seed: int = 0, variants: tuple[tuple[str, str], ...] = FLIP_VARIANTS,
-               out: Any = None) -> dict[str, Any]:
+def flip_sweep(
+    rate: float = 1.0, seed: int = 0, variants: tuple[tuple[str, str], ...] = FLIP_VARIANTS, out: Any = None
+) -> dict[str, Any]:
     """Flip (XOR 0xFF) one byte of one optimizer item at a time -- every byte (``rate=1``) or a seeded
     sample of ``rate`` of them -- and load each damaged checkpoint through `SparseOptimizerState`:
     ``exact`` or ``refused``; ``silent`` only inside a per-item tensor's raw bytes (no checksum
@@ -297,7 +317,9 @@ def flip_sweep(rate: float = 1.0, seed: int = 0, variants: tuple[tuple[str, str]
     try:
         for fmt, layout in variants:
             path, saved, model_sd = save(root, fmt, layout)
-            exempt = {f: [(a, b, k) for a, b, k in r if "__buffers__" not in k] for f, r in tensor_data_ranges(path).items()}
+            exempt = {
+                f: [(a, b, k) for a, b, k in r if "__buffers__" not in k] for f, r in tensor_data_ranges(path).items()
+            }
             here: Counter[str] = Counter()
             for file, start, end, key in optimizer_ranges(path):
                 full = os.path.join(path, file)
@@ -312,7 +334,9 @@ def flip_sweep(rate: float = 1.0, seed: int = 0, variants: tuple[tuple[str, str]
                     try:
                         model, opt = _stepped(7)  # state of its own: a refusal must keep it
                         model.load_state_dict(model_sd)
-                        outcome, detail = classify(lambda m=model, o=opt, p=path, f=fmt: _load_stateful(p, f, m, o), opt, saved)
+                        outcome, detail = classify(
+                            lambda m=model, o=opt, p=path, f=fmt: _load_stateful(p, f, m, o), opt, saved
+                        )
                     finally:
                         with open(full, "r+b") as f:
                             f.seek(pos)
@@ -325,15 +349,26 @@ def flip_sweep(rate: float = 1.0, seed: int = 0, variants: tuple[tuple[str, str]
             c = per_variant[f"{fmt}/{layout}"] = {k: here.get(k, 0) for k in ("exact", "refused", "silent", "raw")}
             counts.update(here)
             if out is not None:
-                print(f"flip {fmt}/{layout}: {sum(c.values())} flips: {c['exact']} exact, {c['refused']} refused, "
-                      f"{c['silent']} silent (per-item tensor bytes), {c['raw']} raw", file=out, flush=True)
+                print(
+                    f"flip {fmt}/{layout}: {sum(c.values())} flips: {c['exact']} exact, {c['refused']} refused, "
+                    f"{c['silent']} silent (per-item tensor bytes), {c['raw']} raw",
+                    file=out,
+                    flush=True,
+                )
     finally:
         shutil.rmtree(root, ignore_errors=True)
-    result = {"trials": sum(counts.values()), **{k: counts.get(k, 0) for k in ("exact", "refused", "silent", "raw")},
-              "variants": per_variant, "raw_cases": raws}
+    result = {
+        "trials": sum(counts.values()),
+        **{k: counts.get(k, 0) for k in ("exact", "refused", "silent", "raw")},
+        "variants": per_variant,
+        "raw_cases": raws,
+    }
     if out is not None:
-        print(f"flip: {result['trials']} flips: {result['exact']} exact, {result['refused']} refused, "
-              f"{result['silent']} silent, {result['raw']} raw", file=out)
+        print(
+            f"flip: {result['trials']} flips: {result['exact']} exact, {result['refused']} refused, "
+            f"{result['silent']} silent, {result['raw']} raw",
+            file=out,
+        )
         for line in raws[:40]:
             print("  RAW " + line, file=out)
     return result
@@ -345,7 +380,9 @@ def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--stride", type=int, default=1, help="damage every N-th byte offset (1: all)")
     parser.add_argument("--span", type=int, default=8, help="bytes zeroed at each offset")
-    parser.add_argument("--flip", action="store_true", help="flip each byte of each optimizer item instead (flip_sweep)")
+    parser.add_argument(
+        "--flip", action="store_true", help="flip each byte of each optimizer item instead (flip_sweep)"
+    )
     parser.add_argument("--rate", type=float, default=1.0, help="with --flip: the share of bytes flipped (1: all)")
     parser.add_argument("--json", default=None)
     args = parser.parse_args(argv)

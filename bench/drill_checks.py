@@ -52,7 +52,7 @@ def check_checkpoint_keys(path: Path, cfg: DrillConfig) -> int:
     for key in md.state_dict_metadata:
         if key.startswith("optim.state."):
             n += 1
-            body = key[len("optim.state."):]
+            body = key[len("optim.state.") :]
             assert not body.startswith(unrouted) and not body.startswith("vision."), f"{path.name}: saved {key}"
     assert n, f"{path.name}: no optimizer state saved"
     return n

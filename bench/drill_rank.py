@@ -158,9 +158,7 @@ def _check_sparse_state(model: nn.Module, mo: sc.MultiOptimizer, cfg: DrillConfi
             assert not opt.state, f"{where}: the frozen vision leaf has state for {len(opt.state)} params"
 
 
-def snapshot(
-    model: nn.Module, mo: sc.MultiOptimizer, scheds: Mapping[str, LRScheduler], step: int
-) -> dict[str, Any]:
+def snapshot(model: nn.Module, mo: sc.MultiOptimizer, scheds: Mapping[str, LRScheduler], step: int) -> dict[str, Any]:
     """Full parameters, full optimizer state by ``leaf/fqn``, group lrs and scheduler states (collective)."""
     names = {id(p): n for n, p in model.named_parameters()}
     snap: dict[str, Any] = {"step": step, "params": {}, "state": {}, "lr": {}, "sched": {}}
@@ -239,8 +237,13 @@ def train_run(
             )
             t3 = time.perf_counter()
             info["saves"].append(
-                {"step": step, "wait_prev_s": t2 - t1, "async_save_s": t3 - t2, "mean_step_s": sum(window) / len(window),
-                 "steps": len(window)}
+                {
+                    "step": step,
+                    "wait_prev_s": t2 - t1,
+                    "async_save_s": t3 - t2,
+                    "mean_step_s": sum(window) / len(window),
+                    "steps": len(window),
+                }
             )
             window = []
     if pending is not None:

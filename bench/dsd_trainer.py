@@ -139,17 +139,35 @@ def worker(rank: int, world_size: int, args: argparse.Namespace, out_dir: str) -
             items = len(FileSystemReader(path).read_metadata().state_dict_metadata)
             size = sum(os.path.getsize(os.path.join(path, f)) for f in os.listdir(path))
             err = None if error is None else str(error).strip().splitlines()[-1][:100]
-            rows.append((scenario, method, after_save, items, size, statistics.median(saves), after_load, statistics.median(loads), err))
+            rows.append(
+                (
+                    scenario,
+                    method,
+                    after_save,
+                    items,
+                    size,
+                    statistics.median(saves),
+                    after_load,
+                    statistics.median(loads),
+                    err,
+                )
+            )
         sc_dsd.uninstall()
     if rank == 0:
         n_params = sum(1 for _ in model.parameters())
-        print(f"torch DSD optimizer checkpoint (get/set_optimizer_state_dict + dcp), {world_size} ranks, {n_params} params "
-              f"({args.experts} experts/layer, {args.routed} routed, dim {args.dim}), median of {args.repeats}, slowest rank")
-        print(f"{'scenario':<8} {'method':<10} {'state after save':>16} {'items':>6} {'bytes':>8} {'save ms':>8} {'state after load':>16} {'load ms':>8}")
+        print(
+            f"torch DSD optimizer checkpoint (get/set_optimizer_state_dict + dcp), {world_size} ranks, {n_params} params "
+            f"({args.experts} experts/layer, {args.routed} routed, dim {args.dim}), median of {args.repeats}, slowest rank"
+        )
+        print(
+            f"{'scenario':<8} {'method':<10} {'state after save':>16} {'items':>6} {'bytes':>8} {'save ms':>8} {'state after load':>16} {'load ms':>8}"
+        )
         for scenario, method, after_save, items, size, save, after_load, load, err in rows:
             load_text = "  failed" if err else f"{load * 1e3:8.1f}"
-            print(f"{scenario:<8} {method:<10} {after_save:>16} {items:>6} {size:>8} {save * 1e3:8.1f} {after_load:>16} {load_text}"
-                  + (f"  ({err})" if err else ""))
+            print(
+                f"{scenario:<8} {method:<10} {after_save:>16} {items:>6} {size:>8} {save * 1e3:8.1f} {after_load:>16} {load_text}"
+                + (f"  ({err})" if err else "")
+            )
         if args.json is not None:
             write_json(args, world_size, n_params, rows)
     dist.barrier()
@@ -157,12 +175,33 @@ def worker(rank: int, world_size: int, args: argparse.Namespace, out_dir: str) -
 
 def write_json(args: argparse.Namespace, world_size: int, n_params: int, rows: list[tuple[Any, ...]]) -> None:
     """The rows of :func:`worker` as JSON at ``args.json``, with the configuration and the machine."""
-    fields = ("scenario", "method", "state_after_save", "items", "bytes", "save_s", "state_after_load", "load_s", "load_error")
-    machine = {"cpu": cpu_model(), "cores": os.cpu_count(), "torch": torch.__version__,
-               "python": platform.python_version(), "load_average": os.getloadavg()}
-    config = {"nproc": world_size, "experts": args.experts, "routed": args.routed, "dim": args.dim,
-              "repeats": args.repeats, "params": n_params}
-    command = ("python -m bench.dsd_trainer --repeats " + str(args.repeats) + " --json " + str(args.json))
+    fields = (
+        "scenario",
+        "method",
+        "state_after_save",
+        "items",
+        "bytes",
+        "save_s",
+        "state_after_load",
+        "load_s",
+        "load_error",
+    )
+    machine = {
+        "cpu": cpu_model(),
+        "cores": os.cpu_count(),
+        "torch": torch.__version__,
+        "python": platform.python_version(),
+        "load_average": os.getloadavg(),
+    }
+    config = {
+        "nproc": world_size,
+        "experts": args.experts,
+        "routed": args.routed,
+        "dim": args.dim,
+        "repeats": args.repeats,
+        "params": n_params,
+    }
+    command = "python -m bench.dsd_trainer --repeats " + str(args.repeats) + " --json " + str(args.json)
     payload = {"command": command, "config": config, "machine": machine, "rows": [dict(zip(fields, r)) for r in rows]}
     args.json.parent.mkdir(parents=True, exist_ok=True)
     args.json.write_text(json.dumps(payload, indent=1) + "\n", encoding="utf-8")
@@ -176,13 +215,16 @@ def main(argv: list[str] | None = None) -> None:
     parser.add_argument("--routed", type=int, default=4)
     parser.add_argument("--dim", type=int, default=8)
     parser.add_argument("--repeats", type=int, default=5)
-    parser.add_argument("--json", type=Path, default=None, help="also write the table, the configuration and the machine here")
+    parser.add_argument(
+        "--json", type=Path, default=None, help="also write the table, the configuration and the machine here"
+    )
     args = parser.parse_args(argv)
     out_dir = tempfile.mkdtemp(prefix="sparse_ckpt_dsd_")
     try:
         run_ranks(worker, args.nproc, args, out_dir, err_dir=out_dir, timeout=600)
     finally:
         shutil.rmtree(out_dir, ignore_errors=True)
+
 
 if __name__ == "__main__":
     main()

@@ -115,8 +115,11 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--hidden", type=int, default=64, help="weights are HIDDENxHIDDEN (default: %(default)s)")
     parser.add_argument("--dir", help="scratch directory (default: a temporary one, removed at the end)")
     parser.add_argument("--out", help="write the results as JSON here")
-    parser.add_argument("--layouts", default="per_tensor",
-                        help="state layouts to save and export, comma-separated: per_tensor, buffers (default: %(default)s)")
+    parser.add_argument(
+        "--layouts",
+        default="per_tensor",
+        help="state layouts to save and export, comma-separated: per_tensor, buffers (default: %(default)s)",
+    )
     parser.add_argument("--child", nargs=3, metavar=("VARIANT", "CKPT", "OUT"), help=argparse.SUPPRESS)
     parser.add_argument("--layout", default="per_tensor", help=argparse.SUPPRESS)
     args = parser.parse_args(argv)
@@ -135,9 +138,24 @@ def main(argv: list[str] | None = None) -> int:
 
     def run_child(variant: str, ckpt: str, out: str, layout: str) -> dict[str, Any]:
         done = subprocess.run(
-            [sys.executable, "-m", module, "--scale", args.scale, "--hidden", str(args.hidden),
-             "--layout", layout, "--child", variant, ckpt, out],
-            check=True, capture_output=True, text=True,
+            [
+                sys.executable,
+                "-m",
+                module,
+                "--scale",
+                args.scale,
+                "--hidden",
+                str(args.hidden),
+                "--layout",
+                layout,
+                "--child",
+                variant,
+                ckpt,
+                out,
+            ],
+            check=True,
+            capture_output=True,
+            text=True,
         )
         return json.loads(done.stdout.strip().splitlines()[-1])
 
@@ -170,12 +188,16 @@ def main(argv: list[str] | None = None) -> int:
     if args.out:
         with open(args.out, "w") as f:
             json.dump(result, f, indent=2)
-    print(f"{args.scale}, {args.hidden}x{args.hidden} weights: {rows[0]['tensors']} state tensors, "
-          f"{mib(rows[0]['tensor_bytes'])} of state")
+    print(
+        f"{args.scale}, {args.hidden}x{args.hidden} weights: {rows[0]['tensors']} state tensors, "
+        f"{mib(rows[0]['tensor_bytes'])} of state"
+    )
     for r in rows:
         reads = f", {r['buffer_reads']} bucket reads ({mib(r['buffer_bytes_read'])})" if r["buffer_reads"] else ""
-        print(f"  {r['layout']:<10} {r['variant']:<9}  peak RSS {mib(r['peak_rss'])} (before export "
-              f"{mib(r['rss_before'])}, export added {mib(r['export_peak'])}), {r['seconds']:.1f} s{reads}")
+        print(
+            f"  {r['layout']:<10} {r['variant']:<9}  peak RSS {mib(r['peak_rss'])} (before export "
+            f"{mib(r['rss_before'])}, export added {mib(r['export_peak'])}), {r['seconds']:.1f} s{reads}"
+        )
     return 0
 
 

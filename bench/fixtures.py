@@ -143,7 +143,9 @@ class Projections(nn.Module):
 class MoEMlp(nn.Module):
     """``router`` plus ``experts``."""
 
-    def __init__(self, experts: int, shape: tuple[int, ...], router_shape: tuple[int, ...], device: torch.device) -> None:
+    def __init__(
+        self, experts: int, shape: tuple[int, ...], router_shape: tuple[int, ...], device: torch.device
+    ) -> None:
         super().__init__()
         self.router = Weight(router_shape, device)
         self.experts = nn.ModuleList(Projections(EXPERT_PROJECTIONS, shape, device) for _ in range(experts))
@@ -414,8 +416,9 @@ class FixtureCache:
 
 def param_shaped_state_tensors(opt: torch.optim.Optimizer) -> int:
     """State tensors shaped like their parameter (AdamW: ``exp_avg``, ``exp_avg_sq``; not the 0-dim ``step``)."""
-    return sum(1 for p, s in opt.state.items() for v in s.values()
-               if isinstance(v, torch.Tensor) and v.shape == p.shape)
+    return sum(
+        1 for p, s in opt.state.items() for v in s.values() if isinstance(v, torch.Tensor) and v.shape == p.shape
+    )
 
 
 def uniform_fixture(n: int, shape: tuple[int, ...], device: str = "cpu") -> Fixture:
@@ -430,8 +433,14 @@ def uniform_fixture(n: int, shape: tuple[int, ...], device: str = "cpu") -> Fixt
         opt = build_adamw(specs, **ADAMW_KWARGS)
         fill_state(opt, params)
         fx = Fixture(Scale(1, n), "layer", model, specs, opt, params)
-        fx.info = {"n_params": n, "shape": list(shape), "n_stateful": n, "n_groups": 1,
-                   "n_state_tensors": sum(len(s) for s in opt.state.values()),
-                   "n_param_shaped_state": param_shaped_state_tensors(opt), "n_leaves": N_LEAVES}
+        fx.info = {
+            "n_params": n,
+            "shape": list(shape),
+            "n_stateful": n,
+            "n_groups": 1,
+            "n_state_tensors": sum(len(s) for s in opt.state.values()),
+            "n_param_shaped_state": param_shaped_state_tensors(opt),
+            "n_leaves": N_LEAVES,
+        }
     fx.build_s = fx.info["fixture_build_s"] = time.perf_counter() - t0
     return fx

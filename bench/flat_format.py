@@ -75,21 +75,36 @@ def main(argv: list[str] | None = None) -> int:
         cases: dict[str, tuple[Callable[..., Any], Callable[[], Any] | None]] = {
             "save": (lambda: sc.sparse_state_dict(model, opt, format="flat"), None),
             "load": (lambda fresh: sc.load_sparse_state_dict(model, fresh, sd), fx.new_optimizer),
-            "dcp.save": (lambda path: dcp.save({"optim": sc.SparseOptimizerState(model, opt, format="flat")},
-                                               checkpoint_id=path), new_dir),
-            "dcp.load": (lambda fresh: dcp.load({"optim": sc.SparseOptimizerState(model, fresh, format="flat")},
-                                                checkpoint_id=saved, planner=sc.SparseLoadPlanner()), fx.new_optimizer),
+            "dcp.save": (
+                lambda path: dcp.save(
+                    {"optim": sc.SparseOptimizerState(model, opt, format="flat")}, checkpoint_id=path
+                ),
+                new_dir,
+            ),
+            "dcp.load": (
+                lambda fresh: dcp.load(
+                    {"optim": sc.SparseOptimizerState(model, fresh, format="flat")},
+                    checkpoint_id=saved,
+                    planner=sc.SparseLoadPlanner(),
+                ),
+                fx.new_optimizer,
+            ),
         }
-        print(f"flat format, fixture {spec.label}, {fx.n_params} params, {len(sd)} dict entries, backend "
-              f"{_backend.NAME}, {args.runs} runs")
+        print(
+            f"flat format, fixture {spec.label}, {fx.n_params} params, {len(sd)} dict entries, backend "
+            f"{_backend.NAME}, {args.runs} runs"
+        )
         print("| call | CPU median | CPU min | wall median | wall min |")
         print("| --- | --- | --- | --- | --- |")
         for name, (fn, setup) in cases.items():
             if name not in args.calls.split(","):
                 continue
             cpu, wall = _time(fn, setup, args.runs)
-            print(f"| {name} | {statistics.median(cpu) * 1e3:.1f} ms | {min(cpu) * 1e3:.1f} ms | "
-                  f"{statistics.median(wall) * 1e3:.1f} ms | {min(wall) * 1e3:.1f} ms |", flush=True)
+            print(
+                f"| {name} | {statistics.median(cpu) * 1e3:.1f} ms | {min(cpu) * 1e3:.1f} ms | "
+                f"{statistics.median(wall) * 1e3:.1f} ms | {min(wall) * 1e3:.1f} ms |",
+                flush=True,
+            )
     finally:
         shutil.rmtree(tmp, ignore_errors=True)
     return 0

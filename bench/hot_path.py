@@ -89,7 +89,9 @@ def _print_alternated(res: dict[str, Any]) -> None:
     for kind in ("wall", "cpu"):
         for m in METHODS:
             s = res[kind][m]
-            print(f"{kind:4} {m:5}: median {1e3 * statistics.median(s):7.1f} ms  ({1e3 * min(s):.1f}-{1e3 * max(s):.1f}, n={len(s)})")
+            print(
+                f"{kind:4} {m:5}: median {1e3 * statistics.median(s):7.1f} ms  ({1e3 * min(s):.1f}-{1e3 * max(s):.1f}, n={len(s)})"
+            )
     for kind in ("wall", "cpu"):
         print(
             f"median per-round ratio ({kind}): save {res[f'save/floor {kind}']:.3f}x / load {res[f'load/floor {kind}']:.3f}x the floor"
@@ -105,9 +107,15 @@ def _write(res: dict[str, Any], args: argparse.Namespace, argv: Sequence[str] | 
 
     cmd = " ".join(["python -m bench.hot_path", *(sys.argv[1:] if argv is None else argv)])
     data = {
-        "command": cmd, "scale": args.scale, "layout": args.layout, "rounds": args.rounds,
-        "torch": torch.__version__, "python": platform.python_version(), "backend": sc.backend(),
-        "cpu_count": os.cpu_count(), "load_average": list(os.getloadavg()),
+        "command": cmd,
+        "scale": args.scale,
+        "layout": args.layout,
+        "rounds": args.rounds,
+        "torch": torch.__version__,
+        "python": platform.python_version(),
+        "backend": sc.backend(),
+        "cpu_count": os.cpu_count(),
+        "load_average": list(os.getloadavg()),
         "samples_s": {"wall": res["wall"], "cpu": res["cpu"]},
         "ratios": {k: v for k, v in res.items() if "/floor" in k},
     }
@@ -249,7 +257,9 @@ def _print_checks(res: dict[str, dict[str, list[float]]], rounds: int) -> None:
             n = len(samples) // rounds  # calls per save / load
             per_call = [sum(samples[r * n : (r + 1) * n]) for r in range(rounds)]
             med = statistics.median(per_call)
-            print(f"  {name:55} {n}x/call  median {1e3 * med:7.2f} ms  min {1e3 * min(per_call):7.2f} ms  ({100 * med / whole:4.1f}%)")
+            print(
+                f"  {name:55} {n}x/call  median {1e3 * med:7.2f} ms  min {1e3 * min(per_call):7.2f} ms  ({100 * med / whole:4.1f}%)"
+            )
 
 
 _MARKER_C = """#include <valgrind/callgrind.h>

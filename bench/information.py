@@ -50,8 +50,12 @@ from .verdicts import (
 
 SAVE_FIRST = method_id("sparse", "save", TARGET_BACKEND, TARGET_FORMAT, FIRST_CALL)
 LOAD_FIRST = method_id("sparse", "load", TARGET_BACKEND, TARGET_FORMAT, FIRST_CALL)
-DCP_GROUP_IDS = (dcp_id("save", "packed", "groups"), dcp_id("load", "packed", "groups"),
-                 dcp_id("save", "flat", "groups"), dcp_id("load", "flat", "groups"))
+DCP_GROUP_IDS = (
+    dcp_id("save", "packed", "groups"),
+    dcp_id("load", "packed", "groups"),
+    dcp_id("save", "flat", "groups"),
+    dcp_id("load", "flat", "groups"),
+)
 INFO_CORE_FUNCTIONS = ("pack_optimizer", "remap_to_fqns", "encode_table")
 """Core functions whose python / cpp ratio is listed as information."""
 INFO_FIRST_SAVE = "sparse_state_dict: first call (FQN map built) / later calls (kept map checked)"
@@ -75,20 +79,32 @@ EXPORT_INFO = (
 both were measured."""
 
 
-
 def info_method_ids() -> list[str]:
     """Every method id the information rows divide (beyond the targets')."""
-    return [*DCP_GROUP_IDS, EXPORT_SAVE, EXPORT_LOAD, SAVE_FIRST, LOAD_FIRST,
-            *(core_id(fn, b) for fn in INFO_CORE_FUNCTIONS for b in ("python", "cpp"))]
+    return [
+        *DCP_GROUP_IDS,
+        EXPORT_SAVE,
+        EXPORT_LOAD,
+        SAVE_FIRST,
+        LOAD_FIRST,
+        *(core_id(fn, b) for fn in INFO_CORE_FUNCTIONS for b in ("python", "cpp")),
+    ]
 
 
 def _info(name: str, backend: str, value: float | None, where: str, why: str = "", detail: str = "") -> dict:
-    return {"name": name, "backend": backend, "value": value, "where": where, "reason": why if value is None else "",
-            "detail": detail}
+    return {
+        "name": name,
+        "backend": backend,
+        "value": value,
+        "where": where,
+        "reason": why if value is None else "",
+        "detail": detail,
+    }
 
 
-def _largest_with(results: dict[str, Any], layout: str, ok: Callable[[dict[str, Any]], bool],
-                  prefer: str = TARGET_SCALE) -> dict[str, Any] | None:
+def _largest_with(
+    results: dict[str, Any], layout: str, ok: Callable[[dict[str, Any]], bool], prefer: str = TARGET_SCALE
+) -> dict[str, Any] | None:
     """The run of ``layout`` at ``prefer`` if ``ok``, else the largest one that is ``ok``."""
     run = find_run(results, prefer, layout)
     if run is not None and ok(run):
@@ -103,24 +119,42 @@ def compute_info(results: dict[str, Any]) -> list[dict[str, Any]]:
     where both sides were measured (named in ``where``)."""
     check_method_ids(info_method_ids())
     rows: list[dict[str, Any]] = []
-    pairs = ((INFO_FIRST_SAVE, SAVE_FIRST, SAVE), (INFO_FIRST_LOAD, LOAD_FIRST, LOAD),
-             (INFO_DSD_SET, DSD_SET, LOAD), (INFO_LOAD_VS_TORCH_LOAD, LOAD, FLOOR_LOAD_STATE_DICT),
-             (INFO_DSD_GET, DSD_GET, SAVE))
+    pairs = (
+        (INFO_FIRST_SAVE, SAVE_FIRST, SAVE),
+        (INFO_FIRST_LOAD, LOAD_FIRST, LOAD),
+        (INFO_DSD_SET, DSD_SET, LOAD),
+        (INFO_LOAD_VS_TORCH_LOAD, LOAD, FLOOR_LOAD_STATE_DICT),
+        (INFO_DSD_GET, DSD_GET, SAVE),
+    )
     for name, num, den in pairs:
         for layout in (TARGET_LAYOUT, "layer"):
             run = _largest_with(results, layout, lambda r, n=num, d=den: ratio(median(r, n), median(r, d)) is not None)
             if run is None:
                 rows.append(_info(name, TARGET_BACKEND, None, f"one group per {layout}", "not measured at any scale"))
                 continue
-            rows.append(_info(name, TARGET_BACKEND, ratio(median(run, num), median(run, den)),
-                              f"{run['scale']}, {layout}", detail=f"{fmt_time(median(run, num))} vs "
-                              f"{fmt_time(median(run, den))}"))
+            rows.append(
+                _info(
+                    name,
+                    TARGET_BACKEND,
+                    ratio(median(run, num), median(run, den)),
+                    f"{run['scale']}, {layout}",
+                    detail=f"{fmt_time(median(run, num))} vs {fmt_time(median(run, den))}",
+                )
+            )
     for fn in INFO_CORE_FUNCTIONS:
         py, cpp = core_id(fn, "python"), core_id(fn, "cpp")
-        run = _largest_with(results, TARGET_LAYOUT, lambda r, a=py, b=cpp: ratio(median(r, a), median(r, b)) is not None)
-        rows.append(_info(f"core.{fn}: python / cpp", "python ÷ cpp",
-                          ratio(median(run, py), median(run, cpp)) if run else None,
-                          f"{run['scale']}, {TARGET_LAYOUT}" if run else "—", "not measured at any scale"))
+        run = _largest_with(
+            results, TARGET_LAYOUT, lambda r, a=py, b=cpp: ratio(median(r, a), median(r, b)) is not None
+        )
+        rows.append(
+            _info(
+                f"core.{fn}: python / cpp",
+                "python ÷ cpp",
+                ratio(median(run, py), median(run, cpp)) if run else None,
+                f"{run['scale']}, {TARGET_LAYOUT}" if run else "—",
+                "not measured at any scale",
+            )
+        )
     run = _largest_with(results, TARGET_LAYOUT, lambda r: all(median(r, i) is not None for i in DCP_GROUP_IDS))
     save_p, load_p, save_f, load_f = DCP_GROUP_IDS
     if run is None:
@@ -128,16 +162,43 @@ def compute_info(results: dict[str, Any]) -> list[dict[str, Any]]:
             rows.append(_info(name, "—", None, "—", "flat DCP not measured at any scale"))
     else:
         where = f"{run['scale']}, {TARGET_LAYOUT}"
-        rows.append(_info(INFO_DCP_GROUPS_TIME, "—", ratio(sum_medians(run, save_f, load_f), sum_medians(run, save_p, load_p)), where))
-        rows.append(_info(INFO_DCP_GROUPS_BYTES, "—", ratio(run["figures"][save_f].get("bytes"),
-                                                            run["figures"][save_p].get("bytes")), where))
+        rows.append(
+            _info(
+                INFO_DCP_GROUPS_TIME,
+                "—",
+                ratio(sum_medians(run, save_f, load_f), sum_medians(run, save_p, load_p)),
+                where,
+            )
+        )
+        rows.append(
+            _info(
+                INFO_DCP_GROUPS_BYTES,
+                "—",
+                ratio(run["figures"][save_f].get("bytes"), run["figures"][save_p].get("bytes")),
+                where,
+            )
+        )
     for layout in (TARGET_LAYOUT, "layer"):
-        run = _largest_with(results, layout, lambda r: all(r["figures"].get(i, {}).get("bytes") for i in
-                                                           (DCP_NAIVE_SAVE, DCP_STATEFUL_SAVE)), DCP_TARGET_SCALE)
-        value = None if run is None else ratio(run["figures"][DCP_NAIVE_SAVE]["bytes"],
-                                                run["figures"][DCP_STATEFUL_SAVE]["bytes"])
-        rows.append(_info(INFO_DCP_NAIVE_BYTES, "—", value, f"{run['scale']}, {layout}" if run else "—",
-                          "not measured at any scale"))
+        run = _largest_with(
+            results,
+            layout,
+            lambda r: all(r["figures"].get(i, {}).get("bytes") for i in (DCP_NAIVE_SAVE, DCP_STATEFUL_SAVE)),
+            DCP_TARGET_SCALE,
+        )
+        value = (
+            None
+            if run is None
+            else ratio(run["figures"][DCP_NAIVE_SAVE]["bytes"], run["figures"][DCP_STATEFUL_SAVE]["bytes"])
+        )
+        rows.append(
+            _info(
+                INFO_DCP_NAIVE_BYTES,
+                "—",
+                value,
+                f"{run['scale']}, {layout}" if run else "—",
+                "not measured at any scale",
+            )
+        )
     return rows + export_info(results)
 
 
@@ -162,8 +223,11 @@ def export_info(results: dict[str, Any]) -> list[dict[str, Any]]:
             for run in runs_of(results, layout):
                 a, b = _field(run, num, field), _field(run, den, field)
                 if a is not None and b is not None:
-                    found.append(_info(name, "—", a / b, f"{run['scale']}, {layout}",
-                                       detail=f"{fmt[field](a)} vs {fmt[field](b)}"))
+                    found.append(
+                        _info(
+                            name, "—", a / b, f"{run['scale']}, {layout}", detail=f"{fmt[field](a)} vs {fmt[field](b)}"
+                        )
+                    )
         rows += found or [_info(name, "—", None, "—", f"{num} and {den} not both measured at any scale")]
     return rows
 
@@ -192,8 +256,16 @@ def growth_rows(results: dict[str, Any]) -> list[dict[str, Any]]:
             if (fig.get("family") or mid.partition("/")[0]) not in (*SPARSE_FAMILIES, "floor"):
                 continue
             time_ratio = ratio(median(big, mid), median(small, mid))
-            rows.append({"figure": mid, "backend": fig.get("backend") or "—", "time_ratio": time_ratio,
-                         "per_param": per_param_growth(small, big, mid), "where": where,
-                         "reason": "" if time_ratio is not None else missing_reason(results, big, mid) or
-                         missing_reason(results, small, mid)})
+            rows.append(
+                {
+                    "figure": mid,
+                    "backend": fig.get("backend") or "—",
+                    "time_ratio": time_ratio,
+                    "per_param": per_param_growth(small, big, mid),
+                    "where": where,
+                    "reason": ""
+                    if time_ratio is not None
+                    else missing_reason(results, big, mid) or missing_reason(results, small, mid),
+                }
+            )
     return rows

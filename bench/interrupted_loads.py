@@ -134,7 +134,9 @@ def run(trials: int, seed: int = 0, out: Any = sys.stdout) -> dict[str, Any]:
                 if not _same(o.state_dict(), expected):
                     failures.append(f"trial {i} ({fmt}, {layout}): the clean load is not exact")
             except (Exception, dcp.api.CheckpointException) as exc:  # noqa: BLE001 - counted and reported
-                failures.append(f"trial {i} ({fmt}, {layout}): {type(exc).__name__}: {str(exc).strip().splitlines()[-1][:200]}")
+                failures.append(
+                    f"trial {i} ({fmt}, {layout}): {type(exc).__name__}: {str(exc).strip().splitlines()[-1][:200]}"
+                )
     finally:
         signal.setitimer(signal.ITIMER_REAL, 0)
         signal.signal(signal.SIGALRM, previous)

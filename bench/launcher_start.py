@@ -59,13 +59,20 @@ def main(argv: list[str] | None = None) -> dict[str, float]:
         times["prefixed"].append(_start(prefixed, args.code))
     medians = {k: statistics.median(v) * 1e3 for k, v in times.items()}
     load = os.getloadavg()[0] if hasattr(os, "getloadavg") else float("nan")
-    print(f"python -c {args.code!r}: {args.repeats} starts each, alternated; {os.cpu_count()} CPUs, load average {load:.2f}")
+    print(
+        f"python -c {args.code!r}: {args.repeats} starts each, alternated; {os.cpu_count()} CPUs, load average {load:.2f}"
+    )
     for name, values in times.items():
         print(_row(name, values))
     print(f"difference of the medians: {medians['prefixed'] - medians['stock']:+.1f} ms")
-    cached = [os.path.exists(importlib.util.cache_from_source(os.path.join(SITE_DIR, f))) for f in ("sitecustomize.py", "_sparse_ckpt_run.py")]
+    cached = [
+        os.path.exists(importlib.util.cache_from_source(os.path.join(SITE_DIR, f)))
+        for f in ("sitecustomize.py", "_sparse_ckpt_run.py")
+    ]
     print(f"hook bytecode cached: {all(cached)} ({SITE_DIR}/__pycache__)")
-    imported = subprocess.run([sys.executable, "-c", PROBE], env=prefixed, capture_output=True, text=True, check=True).stdout.split()
+    imported = subprocess.run(
+        [sys.executable, "-c", PROBE], env=prefixed, capture_output=True, text=True, check=True
+    ).stdout.split()
     print(f"prefixed process imported torch: {imported[0] == '1'}, sparse_ckpt: {imported[1] == '1'}")
     if args.json:
         print(json.dumps({**medians, "difference": medians["prefixed"] - medians["stock"]}))

@@ -105,7 +105,9 @@ def measure(scale: Any, modes: list[str], saved: int, load: int, ranks: list[int
     rows = []
     for mode in modes:
         t0 = time.perf_counter()
-        index = seal(build_index(LEAF, [(rank_tag(saved, [s]), p) for s, p in enumerate(_parts(entries, experts, mode, saved))]))
+        index = seal(
+            build_index(LEAF, [(rank_tag(saved, [s]), p) for s, p in enumerate(_parts(entries, experts, mode, saved))])
+        )
         build_s = time.perf_counter() - t0
         table_bytes = []
         for s in range(saved):  # every saved rank's table, encoded and measured, then dropped
@@ -117,14 +119,25 @@ def measure(scale: Any, modes: list[str], saved: int, load: int, ranks: list[int
             tags = decoded.tags_for(_needs(entries, experts, mode, saved, load, rank))
             select_s = time.perf_counter() - t0
             chosen = sorted(int(t.partition("r")[2]) for t in tags)
-            rows.append({
-                "scale": scale.label, "mode": mode, "saved": saved, "load": load, "rank": rank,
-                "state_tensors": len(entries),
-                "without_index": {"tables": saved, "bytes": sum(table_bytes)},
-                "with_index": {"tables": len(chosen), "saved_ranks": chosen, "index_bytes": len(index),
-                               "bytes": len(index) + sum(table_bytes[s] for s in chosen)},
-                "index_build_s": build_s, "index_decode_and_select_s": select_s,
-            })
+            rows.append(
+                {
+                    "scale": scale.label,
+                    "mode": mode,
+                    "saved": saved,
+                    "load": load,
+                    "rank": rank,
+                    "state_tensors": len(entries),
+                    "without_index": {"tables": saved, "bytes": sum(table_bytes)},
+                    "with_index": {
+                        "tables": len(chosen),
+                        "saved_ranks": chosen,
+                        "index_bytes": len(index),
+                        "bytes": len(index) + sum(table_bytes[s] for s in chosen),
+                    },
+                    "index_build_s": build_s,
+                    "index_decode_and_select_s": select_s,
+                }
+            )
     return rows
 
 

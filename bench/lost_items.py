@@ -49,16 +49,22 @@ def main(argv: list[str] | None = None) -> int:
             counts = Counter(v.split(":")[0] for v in result.values())
             totals[fmt].update(counts)
             odd = [k for k, v in result.items() if v.startswith(("silent", "raw"))]
-            print(f"{fmt:18} {name:13} " + " ".join(f"{k}={counts[k]}" for k in ("refused", "exact", "silent", "raw"))
-                  + (f"  e.g. {odd[:3]}" if odd else ""), flush=True)
+            print(
+                f"{fmt:18} {name:13} "
+                + " ".join(f"{k}={counts[k]}" for k in ("refused", "exact", "silent", "raw"))
+                + (f"  e.g. {odd[:3]}" if odd else ""),
+                flush=True,
+            )
     print()
     print("| format | items | refused | exact | silent | raw |")
     print("| --- | --- | --- | --- | --- | --- |")
     for fmt, c in totals.items():
         print(f"| {fmt} | {sum(c.values())} | {c['refused']} | {c['exact']} | {c['silent']} | {c['raw']} |")
     all_counts = sum(totals.values(), Counter())
-    print(f"| all | {sum(all_counts.values())} | {all_counts['refused']} | {all_counts['exact']} | "
-          f"{all_counts['silent']} | {all_counts['raw']} |")
+    print(
+        f"| all | {sum(all_counts.values())} | {all_counts['refused']} | {all_counts['exact']} | "
+        f"{all_counts['silent']} | {all_counts['raw']} |"
+    )
     return 0
 
 

@@ -289,7 +289,6 @@ class FixtureContext:
         return nested_load_target(sd)
 
 
-
 def runner_for(m: Method, ctx: FixtureContext, core: ModuleType | None) -> Runner:
     """The timed call (and its untimed per-sample set-up) for method ``m`` on ``ctx``."""
     fx = ctx.fx
@@ -303,7 +302,8 @@ def runner_for(m: Method, ctx: FixtureContext, core: ModuleType | None) -> Runne
         first = m.part == FIRST_CALL  # no kept FQN map: cleared (untimed) before each sample
         if m.op == "save":
             return (lambda _: sc.sparse_state_dict(fx.model, fx.optimizer, format=fmt)), (  # type: ignore[arg-type]
-                sc.clear_fqn_cache if first else None)
+                sc.clear_fqn_cache if first else None
+            )
         sd = ctx.sparse[fmt]
 
         def fresh_target() -> Any:

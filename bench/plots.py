@@ -44,10 +44,14 @@ DCP_STYLE = {
     (NAIVE, "all"): ("naive layout (fqn-keyed optimizer.state_dict())", "tab:brown", "-", "D"),
 }
 CORE_PANELS = (
-    ("core functions: save side", ("pack_optimizer", "remap_to_fqns", "flatten_state", "flatten_groups",
-                                   "encode_table")),
-    ("core functions: load side", ("decode_table", "unflatten.packed", "unflatten.flat", "match_groups",
-                                   "assign_state_ids")),
+    (
+        "core functions: save side",
+        ("pack_optimizer", "remap_to_fqns", "flatten_state", "flatten_groups", "encode_table"),
+    ),
+    (
+        "core functions: load side",
+        ("decode_table", "unflatten.packed", "unflatten.flat", "match_groups", "assign_state_ids"),
+    ),
 )
 FIGURE_NAMES = ("headline.png", "scaling.png", "core.png")
 SAVEFIG = {"dpi": 100, "bbox_inches": "tight", "pad_inches": 0.15}
@@ -94,10 +98,17 @@ class Series:
 
 def _sparse_series(op: str, formats: tuple[str, ...] = ("packed",)) -> list[Series]:
     name = "sparse_state_dict" if op == "save" else "load_sparse_state_dict"
-    return [Series(f"{name} ({fmt}), {b}" if len(formats) > 1 else f"{name}, {b}",
-                   (sparse_id(op, b, fmt),), C_SPARSE[fmt], BACKEND_STYLE[b],
-                   key=f"sparse_ckpt ({fmt}), {b} core" if len(formats) > 1 else f"sparse_ckpt, {b} core")
-            for fmt in formats for b in BACKENDS]
+    return [
+        Series(
+            f"{name} ({fmt}), {b}" if len(formats) > 1 else f"{name}, {b}",
+            (sparse_id(op, b, fmt),),
+            C_SPARSE[fmt],
+            BACKEND_STYLE[b],
+            key=f"sparse_ckpt ({fmt}), {b} core" if len(formats) > 1 else f"sparse_ckpt, {b} core",
+        )
+        for fmt in formats
+        for b in BACKENDS
+    ]
 
 
 FLOOR_KEY = "torch floor: optimizer.state_dict() / load_state_dict()"
@@ -105,13 +116,19 @@ DSD_KEY = "DSD get / set_optimizer_state_dict"
 
 
 def _save_series(formats: tuple[str, ...] = ("packed",)) -> list[Series]:
-    return [Series("optimizer.state_dict() (floor)", (FLOOR_STATE_DICT,), C_FLOOR, key=FLOOR_KEY),
-            *_sparse_series("save", formats), Series("DSD get_optimizer_state_dict", (DSD_GET,), C_DSD, key=DSD_KEY)]
+    return [
+        Series("optimizer.state_dict() (floor)", (FLOOR_STATE_DICT,), C_FLOOR, key=FLOOR_KEY),
+        *_sparse_series("save", formats),
+        Series("DSD get_optimizer_state_dict", (DSD_GET,), C_DSD, key=DSD_KEY),
+    ]
 
 
 def _load_series(formats: tuple[str, ...] = ("packed",)) -> list[Series]:
-    return [Series("optimizer.load_state_dict() (floor)", (FLOOR_LOAD_STATE_DICT,), C_FLOOR, key=FLOOR_KEY),
-            *_sparse_series("load", formats), Series("DSD set_optimizer_state_dict", (DSD_SET,), C_DSD, key=DSD_KEY)]
+    return [
+        Series("optimizer.load_state_dict() (floor)", (FLOOR_LOAD_STATE_DICT,), C_FLOOR, key=FLOOR_KEY),
+        *_sparse_series("load", formats),
+        Series("DSD set_optimizer_state_dict", (DSD_SET,), C_DSD, key=DSD_KEY),
+    ]
 
 
 def _dcp_series(ops: tuple[str, ...], field: str = "median_s") -> dict[tuple[str, str], Series]:
@@ -124,14 +141,17 @@ def _dcp_series(ops: tuple[str, ...], field: str = "median_s") -> dict[tuple[str
 
 
 def _core_series(functions: Iterable[str], colors: dict[str, str]) -> list[Series]:
-    return [Series(f"{fn}, {b}", (core_id(fn, b),), colors[fn], BACKEND_STYLE[b])
-            for fn in functions for b in BACKENDS]
+    return [Series(f"{fn}, {b}", (core_id(fn, b),), colors[fn], BACKEND_STYLE[b]) for fn in functions for b in BACKENDS]
 
 
 def plot_method_ids() -> list[str]:
     """Every method id a plot series refers to (checked like the targets')."""
-    series = [*_save_series(("packed", "flat")), *_load_series(("packed", "flat")),
-              *_dcp_series(("save", "load")).values(), *_core_series(CORE_FUNCTIONS, dict.fromkeys(CORE_FUNCTIONS, ""))]
+    series = [
+        *_save_series(("packed", "flat")),
+        *_load_series(("packed", "flat")),
+        *_dcp_series(("save", "load")).values(),
+        *_core_series(CORE_FUNCTIONS, dict.fromkeys(CORE_FUNCTIONS, "")),
+    ]
     return [i for s in series for i in s.ids]
 
 
@@ -143,7 +163,7 @@ def coverage(series: Series, runs: list[dict[str, Any]]) -> str:
         return ""
     if not measured:
         return " (not measured)"
-    if measured == [r["scale"] for r in runs[:len(measured)]]:
+    if measured == [r["scale"] for r in runs[: len(measured)]]:
         return f" (up to {measured[-1]})"
     return f" (only {', '.join(measured)})"
 
@@ -159,12 +179,18 @@ def coinciding(series: Series, other: Series, runs: list[dict[str, Any]]) -> flo
 
 
 def _style(s: Series) -> dict[str, Any]:
-    return {"linestyle": s.style, "color": s.color, "marker": s.marker, "markersize": 5 if s.marker == "o" else 4.5,
-            "linewidth": 1.6}
+    return {
+        "linestyle": s.style,
+        "color": s.color,
+        "marker": s.marker,
+        "markersize": 5 if s.marker == "o" else 4.5,
+        "linewidth": 1.6,
+    }
 
 
-def _draw(ax: Any, runs: list[dict[str, Any]], series: list[Series], ylabel: str, title: str,
-          annotate_missing: bool = True) -> list[Any]:
+def _draw(
+    ax: Any, runs: list[dict[str, Any]], series: list[Series], ylabel: str, title: str, annotate_missing: bool = True
+) -> list[Any]:
     """Plot ``series`` over ``runs`` on log-log axes; return the legend handles (one per series, its label
     with :func:`coverage` when ``annotate_missing``; greyed when not measured at all)."""
     from matplotlib.lines import Line2D
@@ -210,8 +236,15 @@ def _key_handles(series: Iterable[Series], runs: list[dict[str, Any]]) -> list[A
     handles = []
     for key, group in keys.items():
         measured = any(s.value(r) is not None for s in group for r in runs)
-        handles.append(Line2D([], [], alpha=1.0 if measured else 0.35, **_style(group[0]),
-                              label=key if measured else f"{key} (not measured)"))
+        handles.append(
+            Line2D(
+                [],
+                [],
+                alpha=1.0 if measured else 0.35,
+                **_style(group[0]),
+                label=key if measured else f"{key} (not measured)",
+            )
+        )
     return handles
 
 
@@ -229,14 +262,29 @@ def ratio_note(runs: list[dict[str, Any]], pairs: Iterable[tuple[str, Series, Se
 
 
 def _legend_below(ax: Any, handles: list[Any], ncol: int = 1) -> None:
-    ax.legend(handles=handles, loc="upper center", bbox_to_anchor=(0.5, -0.22), ncol=ncol, fontsize=8,
-              frameon=False, handlelength=3)
+    ax.legend(
+        handles=handles,
+        loc="upper center",
+        bbox_to_anchor=(0.5, -0.22),
+        ncol=ncol,
+        fontsize=8,
+        frameon=False,
+        handlelength=3,
+    )
 
 
 def _figure_legend(fig: Any, handles: list[Any], title: str, ncol: int = 3) -> None:
     """A legend below the whole (sub)figure, inside it (constrained layout makes room)."""
-    legend = fig.legend(handles=handles, title=title, loc="outside lower center", ncol=ncol, fontsize=8,
-                        title_fontsize=8, frameon=False, handlelength=3)
+    legend = fig.legend(
+        handles=handles,
+        title=title,
+        loc="outside lower center",
+        ncol=ncol,
+        fontsize=8,
+        title_fontsize=8,
+        frameon=False,
+        handlelength=3,
+    )
     legend.get_title().set_multialignment("center")
 
 
@@ -250,8 +298,12 @@ def _title(title: str, note: str) -> str:
     return f"{title}\n{note}" if note else title
 
 
-def _drop_coinciding(series: dict[tuple[str, str], Series], runs: list[dict[str, Any]],
-                     dropped: dict[tuple[str, str], list[tuple[str, float]]], panel: str) -> list[Series]:
+def _drop_coinciding(
+    series: dict[tuple[str, str], Series],
+    runs: list[dict[str, Any]],
+    dropped: dict[tuple[str, str], list[tuple[str, float]]],
+    panel: str,
+) -> list[Series]:
     """``series`` without those of :data:`DCP_COINCIDING` that lie within :data:`COINCIDE_WITHIN` of
     their partner; each one left out is recorded in ``dropped[(its label, partner's label)]``."""
     out = dict(series)
@@ -268,8 +320,10 @@ def _dropped_note(dropped: dict[tuple[str, str], list[tuple[str, float]]]) -> st
     parts = []
     for (gone, kept), where in dropped.items():
         panels = " and ".join(p for p, _dev in where)
-        parts.append(f"{gone} ≈ {kept} in the {panels} panel{'s' if len(where) > 1 else ''} "
-                     f"(within {math.ceil(100 * max(d for _p, d in where))}%): not drawn there")
+        parts.append(
+            f"{gone} ≈ {kept} in the {panels} panel{'s' if len(where) > 1 else ''} "
+            f"(within {math.ceil(100 * max(d for _p, d in where))}%): not drawn there"
+        )
     return "\n".join(parts)
 
 
@@ -287,18 +341,26 @@ def plot_headline(results: dict[str, Any], path: str, plt: Any) -> None:
     floor_l, cpp_l, dsd_l = load[0], load[1], load[-1]
     note_s = ratio_note(runs, [("cpp / floor", cpp_s, floor_s), ("DSD get / cpp", dsd_s, cpp_s)])
     note_l = ratio_note(runs, [("cpp / floor", cpp_l, floor_l), ("DSD set / cpp", dsd_l, cpp_l)])
-    for ax, series, title in ((ax_save, save, _title(f"save: optimizer → dict (one group per {layout})", note_s)),
-                              (ax_load, load, _title(f"load: dict → fresh optimizer (one group per {layout})", note_l))):
+    for ax, series, title in (
+        (ax_save, save, _title(f"save: optimizer → dict (one group per {layout})", note_s)),
+        (ax_load, load, _title(f"load: dict → fresh optimizer (one group per {layout})", note_l)),
+    ):
         _legend_below(ax, _draw(ax, runs, series, "seconds (median)", title), ncol=2)
-    panels = ((ax_t, _dcp_series(("save", "load")), "seconds (median save + load)", "DCP save + load", "time"),
-              (ax_b, _dcp_series(("save",), "bytes"), "bytes on disk", "DCP checkpoint size", "bytes"),
-              (ax_i, _dcp_series(("save",), "items"), "items in the DCP metadata", "DCP items", "items"))
+    panels = (
+        (ax_t, _dcp_series(("save", "load")), "seconds (median save + load)", "DCP save + load", "time"),
+        (ax_b, _dcp_series(("save",), "bytes"), "bytes on disk", "DCP checkpoint size", "bytes"),
+        (ax_i, _dcp_series(("save",), "items"), "items in the DCP metadata", "DCP items", "items"),
+    )
     dropped: dict[tuple[str, str], list[tuple[str, float]]] = {}
     for ax, series, ylabel, title, what in panels:
-        note = ratio_note(runs, [("naive layout / SparseOptimizerState", series[(NAIVE, "all")],
-                                  series[("packed", STATEFUL)]),
-                                 ("param groups alone, flat / packed", series[("flat", "groups")],
-                                  series[("packed", "groups")])], sep="\n")
+        note = ratio_note(
+            runs,
+            [
+                ("naive layout / SparseOptimizerState", series[(NAIVE, "all")], series[("packed", STATEFUL)]),
+                ("param groups alone, flat / packed", series[("flat", "groups")], series[("packed", "groups")]),
+            ],
+            sep="\n",
+        )
         drawn = list(series.values()) if ax is ax_t else _drop_coinciding(series, runs, dropped, what)
         handles = _draw(ax, runs, drawn, ylabel, _title(f"{title} (one group per {layout})", note), ax is ax_t)
         if ax is ax_t:
@@ -314,13 +376,19 @@ def plot_scaling(results: dict[str, Any], path: str, plt: Any) -> None:
     (one row per layout), the DCP panels below, each block with one legend."""
     layouts = list(results["config"]["layouts"])
     blocks = (
-        ("sparse_ckpt vs torch's floor and DSD (sparse_ckpt: packed blue, flat purple; cpp core solid, python dashed)",
-         (("save side", _save_series(("packed", "flat"))), ("load side", _load_series(("packed", "flat")))),
-         ("save panels: optimizer.state_dict(), sparse_state_dict, DSD get; load panels: optimizer.load_state_dict(), "
-          "load_sparse_state_dict, DSD set")),
-        ("DCP: dcp.save and dcp.load of each dict",
-         (("dcp.save", list(_dcp_series(("save",)).values())), ("dcp.load", list(_dcp_series(("load",)).values()))),
-         ""),
+        (
+            "sparse_ckpt vs torch's floor and DSD (sparse_ckpt: packed blue, flat purple; cpp core solid, python dashed)",
+            (("save side", _save_series(("packed", "flat"))), ("load side", _load_series(("packed", "flat")))),
+            (
+                "save panels: optimizer.state_dict(), sparse_state_dict, DSD get; load panels: optimizer.load_state_dict(), "
+                "load_sparse_state_dict, DSD set"
+            ),
+        ),
+        (
+            "DCP: dcp.save and dcp.load of each dict",
+            (("dcp.save", list(_dcp_series(("save",)).values())), ("dcp.load", list(_dcp_series(("load",)).values()))),
+            "",
+        ),
     )
     fig = plt.figure(figsize=(14, 6.8 * len(layouts) + 4), layout="constrained")
     for sub, (title, panels, about) in zip(fig.subfigures(2, 1), blocks):
@@ -328,8 +396,14 @@ def plot_scaling(results: dict[str, Any], path: str, plt: Any) -> None:
         for row, layout in enumerate(layouts):
             runs = runs_of(results, layout)
             for col, (name, series) in enumerate(panels):
-                _draw(axes[row][col], runs, series, "seconds (median)", f"{name} — one group per {layout}",
-                      annotate_missing=False)
+                _draw(
+                    axes[row][col],
+                    runs,
+                    series,
+                    "seconds (median)",
+                    f"{name} — one group per {layout}",
+                    annotate_missing=False,
+                )
         handles = _key_handles([s for _name, series in panels for s in series], results["runs"])
         _figure_legend(sub, handles, "\n".join(x for x in (about, MISSING_NOTE) if x))
         sub.suptitle(title, fontsize=10)
@@ -344,8 +418,13 @@ def plot_core(results: dict[str, Any], path: str, plt: Any) -> None:
     layouts = list(results["config"]["layouts"])
     palette = plt.get_cmap("tab10")
     colors = {fn: palette(i % 10) for i, fn in enumerate(CORE_FUNCTIONS)}
-    fig, axes = plt.subplots(len(layouts), len(CORE_PANELS), figsize=(7 * len(CORE_PANELS),
-                             3.8 * len(layouts) + 2.4), squeeze=False, layout="constrained")
+    fig, axes = plt.subplots(
+        len(layouts),
+        len(CORE_PANELS),
+        figsize=(7 * len(CORE_PANELS), 3.8 * len(layouts) + 2.4),
+        squeeze=False,
+        layout="constrained",
+    )
     style_key = [Line2D([], [], color="grey", linestyle=BACKEND_STYLE[b], label=f"{b} core") for b in BACKENDS]
     for row, layout in enumerate(layouts):
         runs = runs_of(results, layout)
@@ -368,8 +447,10 @@ def write_plots(results: dict[str, Any], out_dir: str) -> tuple[list[str], str |
         matplotlib.use("Agg")
         import matplotlib.pyplot as plt
     except ImportError:
-        return [], ("matplotlib is not installed (pip install 'sparse_ckpt[bench]'); "
-                    f"{', '.join(FIGURE_NAMES)} were not written")
+        return [], (
+            "matplotlib is not installed (pip install 'sparse_ckpt[bench]'); "
+            f"{', '.join(FIGURE_NAMES)} were not written"
+        )
     check_method_ids(plot_method_ids())
     paths = []
     for name, plot in zip(FIGURE_NAMES, (plot_headline, plot_scaling, plot_core)):

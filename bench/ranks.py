@@ -42,8 +42,14 @@ import sparse_ckpt as sc
 from .devices import bind_rank, process_group_backend
 
 PRELOAD = [
-    "torch", "torch.distributed", "torch.distributed.checkpoint", "torch.distributed.checkpoint.state_dict",
-    "torch.distributed.fsdp", "torch.distributed.tensor", "torch._dynamo", "sparse_ckpt",
+    "torch",
+    "torch.distributed",
+    "torch.distributed.checkpoint",
+    "torch.distributed.checkpoint.state_dict",
+    "torch.distributed.fsdp",
+    "torch.distributed.tensor",
+    "torch._dynamo",
+    "sparse_ckpt",
 ]
 """Modules the fork server imports once, so that the ranks forked from it need not (``torch._dynamo``:
 ~1.4 s on 2 cores, imported lazily by FSDP2's first backward). Importing them touches no device."""
@@ -96,14 +102,26 @@ def free_port() -> int:
 def _torchrun_env(rank: int, world_size: int, port: int) -> None:
     """The variables torchrun gives a rank, which trainers read (Accelerate's ``PartialState``, VeOmni's
     parallel state); the process group itself is set up through a file store, not through them."""
-    os.environ.update({
-        "RANK": str(rank), "LOCAL_RANK": str(rank), "WORLD_SIZE": str(world_size),
-        "LOCAL_WORLD_SIZE": str(world_size), "MASTER_ADDR": "127.0.0.1", "MASTER_PORT": str(port),
-    })
+    os.environ.update(
+        {
+            "RANK": str(rank),
+            "LOCAL_RANK": str(rank),
+            "WORLD_SIZE": str(world_size),
+            "LOCAL_WORLD_SIZE": str(world_size),
+            "MASTER_ADDR": "127.0.0.1",
+            "MASTER_PORT": str(port),
+        }
+    )
 
 
 def _rank_entry(
-    fn: Callable[..., Any], rank: int, world_size: int, store: str, err_dir: str, setup: RankSetup, args: tuple[Any, ...],
+    fn: Callable[..., Any],
+    rank: int,
+    world_size: int,
+    store: str,
+    err_dir: str,
+    setup: RankSetup,
+    args: tuple[Any, ...],
     port: int = 0,
 ) -> None:
     code = 0
@@ -117,8 +135,12 @@ def _rank_entry(
         warnings.filterwarnings("ignore", category=FutureWarning)
         device = bind_rank(setup.device, rank)
         dist.init_process_group(
-            process_group_backend(setup.device), init_method=f"file://{store}", rank=rank, world_size=world_size,
-            timeout=timedelta(seconds=120), **({} if device.type == "cpu" else {"device_id": device}),
+            process_group_backend(setup.device),
+            init_method=f"file://{store}",
+            rank=rank,
+            world_size=world_size,
+            timeout=timedelta(seconds=120),
+            **({} if device.type == "cpu" else {"device_id": device}),
         )
         try:
             fn(rank, world_size, *args)

@@ -44,9 +44,11 @@ def fmt_status(row: dict[str, Any]) -> str:
 
 def indicative_banner(results: dict[str, Any]) -> str | None:
     """The warning printed above the targets when some (quick mode: all) get no verdict, else ``None``."""
-    scales = (f"the targets are stated at {DCP_TARGET_SCALE} (DCP), {TARGET_SCALE} (save / load cost, backends) "
-              f"and {GROWTH_FROM} → {GROWTH_TO} (growth), where torch's baselines grow quadratically and sparse_ckpt "
-              "linearly; on smaller scales a ratio 'outside' its target is not a failure.")
+    scales = (
+        f"the targets are stated at {DCP_TARGET_SCALE} (DCP), {TARGET_SCALE} (save / load cost, backends) "
+        f"and {GROWTH_FROM} → {GROWTH_TO} (growth), where torch's baselines grow quadratically and sparse_ckpt "
+        "linearly; on smaller scales a ratio 'outside' its target is not a failure."
+    )
     if results["config"].get("quick"):
         why = targets_mode(results)[1]
         return f"INDICATIVE ONLY ({why}): {scales} Run the full bench (without --quick) to judge them."
@@ -54,8 +56,10 @@ def indicative_banner(results: dict[str, Any]) -> str | None:
     indicative = [r for r in rows if r["status"] == INDICATIVE]
     if not indicative:
         return None
-    return (f"{len(indicative)} of {len(rows)} targets INDICATIVE (measured at a smaller scale than theirs, named "
-            f"in 'where'): {scales}")
+    return (
+        f"{len(indicative)} of {len(rows)} targets INDICATIVE (measured at a smaller scale than theirs, named "
+        f"in 'where'): {scales}"
+    )
 
 
 def targets_markdown(rows: Iterable[dict[str, Any]]) -> list[str]:
@@ -63,8 +67,10 @@ def targets_markdown(rows: Iterable[dict[str, Any]]) -> list[str]:
     lines = ["| target | backend | measured | required | status | where |", "| --- | --- | --- | --- | --- | --- |"]
     for r in rows:
         where = r["where"] + (f" — {r['detail']}" if r.get("detail") else "")
-        lines.append(f"| {r['target']} | {r['backend']} | {_fmt_value(r)} | {r['op']} {r['threshold']:g}× "
-                     f"| {fmt_status(r)} | {where} |")
+        lines.append(
+            f"| {r['target']} | {r['backend']} | {_fmt_value(r)} | {r['op']} {r['threshold']:g}× "
+            f"| {fmt_status(r)} | {where} |"
+        )
     return lines
 
 
@@ -85,17 +91,24 @@ def growth_markdown(rows: Iterable[dict[str, Any]]) -> list[str]:
         if r["time_ratio"] is None:
             lines.append(f"| {r['figure']} | {r['backend']} | — | — ({r['reason']}) | {r['where']} |")
         else:
-            lines.append(f"| {r['figure']} | {r['backend']} | {r['time_ratio']:.2f}× | {r['per_param']:.2f}× "
-                         f"| {r['where']} |")
+            lines.append(
+                f"| {r['figure']} | {r['backend']} | {r['time_ratio']:.2f}× | {r['per_param']:.2f}× | {r['where']} |"
+            )
     return lines
 
 
 def run_markdown(run: dict[str, Any]) -> list[str]:
     """One table for one ``(scale, layout)`` run."""
-    head = (f"### {run['scale']}, one group per {run['layout']} — {run['n_params']:,} params, "
-            f"{run['n_stateful']:,} with state, {run['n_groups']:,} groups")
-    lines = [head, "", "| method | backend | format | median (min–max) | n | note |",
-             "| --- | --- | --- | --- | --- | --- |"]
+    head = (
+        f"### {run['scale']}, one group per {run['layout']} — {run['n_params']:,} params, "
+        f"{run['n_stateful']:,} with state, {run['n_groups']:,} groups"
+    )
+    lines = [
+        head,
+        "",
+        "| method | backend | format | median (min–max) | n | note |",
+        "| --- | --- | --- | --- | --- | --- |",
+    ]
     for mid, fig in run["figures"].items():
         fmt = fig.get("format") or ""
         if fig.get("part") == "groups":
@@ -108,16 +121,19 @@ def run_markdown(run: dict[str, Any]) -> list[str]:
         n = fig.get("n", "")
         if n and fig.get("inner", 1) > 1:
             n = f"{n} × {fig['inner']}"
-        lines.append(f"| {fig.get('label', mid)} | {fig.get('backend') or '—'} | {fmt or '—'} | {fmt_cell(fig)} "
-                     f"| {n} | {note} |")
+        lines.append(
+            f"| {fig.get('label', mid)} | {fig.get('backend') or '—'} | {fmt or '—'} | {fmt_cell(fig)} | {n} | {note} |"
+        )
     return lines
 
 
 def machine_line(m: dict[str, Any]) -> str:
     """``CPU, N cores; Python; torch; device; backends`` in one line."""
     device = m["device"] + (f" ({m['device_name']})" if m.get("device_name") else "")
-    return (f"{m['cpu_model']}, {m['cores']} cores; Python {m['python']}; torch {m['torch']}; device {device}; "
-            "backends: " + ", ".join(f"{k} {v}" for k, v in m["backends"].items()))
+    return (
+        f"{m['cpu_model']}, {m['cores']} cores; Python {m['python']}; torch {m['torch']}; device {device}; "
+        "backends: " + ", ".join(f"{k} {v}" for k, v in m["backends"].items())
+    )
 
 
 def render_markdown(results: dict[str, Any]) -> str:
@@ -130,9 +146,11 @@ def render_markdown(results: dict[str, Any]) -> str:
         "",
         f"Machine: {machine_line(m)}.",
         "",
-        (f"Command: `{results['command']}` — repeats {c['repeats']} (warm-up excluded), budget {c['budget_s']:g} s "
-        f"per method, hidden {c['hidden'] or 'tiny (2,)'}, {c['no_state_fraction']:.0%} of experts without state, "
-        f"state via `{c['state_init']}`, gc {'enabled' if c['gc'] else 'disabled while timing'}."),
+        (
+            f"Command: `{results['command']}` — repeats {c['repeats']} (warm-up excluded), budget {c['budget_s']:g} s "
+            f"per method, hidden {c['hidden'] or 'tiny (2,)'}, {c['no_state_fraction']:.0%} of experts without state, "
+            f"state via `{c['state_init']}`, gc {'enabled' if c['gc'] else 'disabled while timing'}."
+        ),
         "",
         "## Targets",
         "",
@@ -146,9 +164,17 @@ def render_markdown(results: dict[str, Any]) -> str:
     lines += ["## Information (no targets)", "", *info_markdown(info), ""]
     growth = growth_rows(results)
     if growth:
-        lines += ["## Growth of every figure (information)", "",
-                  ("Time at the larger scale ÷ time at the smaller, and per parameter (÷ the parameter ratio; "
-                   "1.00× = linear)."), "", *growth_markdown(growth), ""]
+        lines += [
+            "## Growth of every figure (information)",
+            "",
+            (
+                "Time at the larger scale ÷ time at the smaller, and per parameter (÷ the parameter ratio; "
+                "1.00× = linear)."
+            ),
+            "",
+            *growth_markdown(growth),
+            "",
+        ]
     lines += ["## Timings", ""]
     for run in results["runs"]:
         lines += run_markdown(run) + [""]

@@ -56,8 +56,10 @@ def machine(name: str, data: dict[str, Any]) -> str:
         m = data["machine"]
         return f"{m['cpu']}, {m['cores']} cores, torch {m['torch']}, load average up to {max(m['load_average']):.1f}"
     if name == "hot_path.json":
-        return (f"{data['cpu_count']}-core CPU VM, load average {max(data['load_average']):.2f}, "
-                f"torch {data['torch']}, {data['backend']} core")
+        return (
+            f"{data['cpu_count']}-core CPU VM, load average {max(data['load_average']):.2f}, "
+            f"torch {data['torch']}, {data['backend']} core"
+        )
     if name == "results.json":
         m = data["machine"]
         return f"{m['cpu_model']}, {m['cores']} cores, torch {m['torch']}"
@@ -85,42 +87,74 @@ def _x(a: float, b: float) -> str:
 
 # ---- the stock-vs-sparse_ckpt comparisons -------------------------------------------------------
 
+
 def stock_rows(results: Path = RESULTS) -> list[dict[str, Any]]:
     """One row per trainer comparison: stock and sparse_ckpt items, bytes, save and load seconds
     (``None`` where the stock load fails), with the JSON file it comes from."""
     rows = []
     dsd = {(r["scenario"], r["method"]): r for r in load("dsd_trainer.json", results)["rows"]}
-    for scenario, title in (("fresh", "torch DSD, saved before the first step"), ("step3", "torch DSD, saved after step 3")):
+    for scenario, title in (
+        ("fresh", "torch DSD, saved before the first step"),
+        ("step3", "torch DSD, saved after step 3"),
+    ):
         s, o = dsd[(scenario, "stock")], dsd[(scenario, "install()")]
-        rows.append({"what": title, "source": "dsd_trainer.json", "stock": (s["items"], s["bytes"], s["save_s"],
-                     None if s["load_error"] else s["load_s"]), "sparse": (o["items"], o["bytes"], o["save_s"], o["load_s"])})
+        rows.append(
+            {
+                "what": title,
+                "source": "dsd_trainer.json",
+                "stock": (s["items"], s["bytes"], s["save_s"], None if s["load_error"] else s["load_s"]),
+                "sparse": (o["items"], o["bytes"], o["save_s"], o["load_s"]),
+            }
+        )
     titan = load("titan_compare.json", results)["results"]
-    for scenario, title in (("moe", "torchtitan, half the experts routed"), ("dense", "torchtitan, every expert routed")):
+    for scenario, title in (
+        ("moe", "torchtitan, half the experts routed"),
+        ("dense", "torchtitan, every expert routed"),
+    ):
         s, o = titan[f"{scenario}/stock"], titan[f"{scenario}/sparse"]
-        rows.append({"what": title, "source": "titan_compare.json",
-                     "stock": (s["optimizer_items"], s["bytes"], s["save_s"], s["load_s"]),
-                     "sparse": (o["optimizer_items"], o["bytes"], o["save_s"], o["load_s"]),
-                     "note": "allow_partial_load=True" if scenario == "moe" else None,
-                     "label": title + (" (stock load: partial)" if scenario == "moe" else "")})
+        rows.append(
+            {
+                "what": title,
+                "source": "titan_compare.json",
+                "stock": (s["optimizer_items"], s["bytes"], s["save_s"], s["load_s"]),
+                "sparse": (o["optimizer_items"], o["bytes"], o["save_s"], o["load_s"]),
+                "note": "allow_partial_load=True" if scenario == "moe" else None,
+                "label": title + (" (stock load: partial)" if scenario == "moe" else ""),
+            }
+        )
     ve = load("veomni_checkpointer.json", results)
-    rows.append({"what": "VeOmni, 24 of 32 experts routed", "source": "veomni_checkpointer.json",
-                 "stock": tuple(ve["stock"][k] if k in ("optimizer_items", "bytes") else ve["stock"][k]["median"]
-                                for k in ("optimizer_items", "bytes", "save_s", "load_s")),
-                 "sparse": tuple(ve["sparse"][k] if k in ("optimizer_items", "bytes") else ve["sparse"][k]["median"]
-                                 for k in ("optimizer_items", "bytes", "save_s", "load_s"))})
+    rows.append(
+        {
+            "what": "VeOmni, 24 of 32 experts routed",
+            "source": "veomni_checkpointer.json",
+            "stock": tuple(
+                ve["stock"][k] if k in ("optimizer_items", "bytes") else ve["stock"][k]["median"]
+                for k in ("optimizer_items", "bytes", "save_s", "load_s")
+            ),
+            "sparse": tuple(
+                ve["sparse"][k] if k in ("optimizer_items", "bytes") else ve["sparse"][k]["median"]
+                for k in ("optimizer_items", "bytes", "save_s", "load_s")
+            ),
+        }
+    )
     return rows
 
 
 def stock_table(results: Path = RESULTS) -> str:
     """The stock-vs-sparse_ckpt table: items, bytes, save and load, each stock -> sparse_ckpt (ratio)."""
-    out = ["| comparison (data) | optimizer DCP items | bytes on disk | save | load |", "| --- | --- | --- | --- | --- |"]
+    out = [
+        "| comparison (data) | optimizer DCP items | bytes on disk | save | load |",
+        "| --- | --- | --- | --- | --- |",
+    ]
     for r in stock_rows(results):
         (si, sb, ss, sl), (oi, ob, os_, ol) = r["stock"], r["sparse"]
-        load_cell = (f"fails -> {_t(ol)}" if sl is None else f"{_t(sl)} -> {_t(ol)} ({_x(sl, ol)})")
+        load_cell = f"fails -> {_t(ol)}" if sl is None else f"{_t(sl)} -> {_t(ol)} ({_x(sl, ol)})"
         if r.get("note"):
             load_cell += f" (stock: {r['note']})"
-        out.append(f"| {r['what']} ([{r['source']}](../bench/results/{r['source']})) | {_n(si)} -> {_n(oi)} "
-                   f"({_x(si, oi)}) | {_mb(sb)} -> {_mb(ob)} ({_x(sb, ob)}) | {_t(ss)} -> {_t(os_)} ({_x(ss, os_)}) | {load_cell} |")
+        out.append(
+            f"| {r['what']} ([{r['source']}](../bench/results/{r['source']})) | {_n(si)} -> {_n(oi)} "
+            f"({_x(si, oi)}) | {_mb(sb)} -> {_mb(ob)} ({_x(sb, ob)}) | {_t(ss)} -> {_t(os_)} ({_x(ss, os_)}) | {load_cell} |"
+        )
     return "\n".join(out)
 
 
@@ -128,30 +162,39 @@ def naive_table(results: Path = RESULTS) -> str:
     """DCP of the whole optimizer, plain (FQN-keyed ``optimizer.state_dict()``) vs SparseOptimizerState,
     from the main bench's committed run, where both were measured."""
     data = load("results.json", results)
-    out = ["| fixture (results.json) | plain DCP: items, bytes, save / load | SparseOptimizerState: items, bytes, save / load |",
-           "| --- | --- | --- |"]
+    out = [
+        "| fixture (results.json) | plain DCP: items, bytes, save / load | SparseOptimizerState: items, bytes, save / load |",
+        "| --- | --- | --- |",
+    ]
     for run in data["runs"]:
         f = run["figures"]
         naive_s, naive_l = f.get("dcp/save/naive/all", {}), f.get("dcp/load/naive/all", {})
         ours_s, ours_l = f.get("dcp/save/packed/stateful", {}), f.get("dcp/load/packed/stateful", {})
-        if run["scale"] not in NAIVE_SCALES or not all(x.get("status") == "ok" for x in (naive_s, naive_l, ours_s, ours_l)):
+        if run["scale"] not in NAIVE_SCALES or not all(
+            x.get("status") == "ok" for x in (naive_s, naive_l, ours_s, ours_l)
+        ):
             continue
         groups = "one group per parameter" if run["layout"] == "param" else "one group per layer"
-        out.append(f"| `{run['scale']}`, {_n(run['n_params'])} parameters, {groups} | {_n(naive_s['items'])}, "
-                   f"{naive_s['bytes'] / MIB:.1f} MiB, {_t(naive_s['median_s'])} / {_t(naive_l['median_s'])} | "
-                   f"{_n(ours_s['items'])}, {ours_s['bytes'] / MIB:.1f} MiB, {_t(ours_s['median_s'])} / {_t(ours_l['median_s'])} |")
+        out.append(
+            f"| `{run['scale']}`, {_n(run['n_params'])} parameters, {groups} | {_n(naive_s['items'])}, "
+            f"{naive_s['bytes'] / MIB:.1f} MiB, {_t(naive_s['median_s'])} / {_t(naive_l['median_s'])} | "
+            f"{_n(ours_s['items'])}, {ours_s['bytes'] / MIB:.1f} MiB, {_t(ours_s['median_s'])} / {_t(ours_l['median_s'])} |"
+        )
     return "\n".join(out)
 
 
 # ---- .metadata vs ranks, DCP vs the raw-bytes floor ------------------------------------------------
+
 
 def metadata_table(results: Path = RESULTS) -> str:
     """``.metadata`` size and unpickle time per layout at each rank count."""
     data = load("scale_metadata.json", results)
     rows = {(r["ranks"], r["layout"]): r for r in data["rows"]}
     ranks = [n for n in sorted({r["ranks"] for r in data["rows"]}) if n in METADATA_RANKS]
-    out = ["| ranks | " + " | ".join(f"`{lay}`: `.metadata`, unpickle" for lay in LAYOUTS) + " |",
-           "| --- |" + " --- |" * len(LAYOUTS)]
+    out = [
+        "| ranks | " + " | ".join(f"`{lay}`: `.metadata`, unpickle" for lay in LAYOUTS) + " |",
+        "| --- |" + " --- |" * len(LAYOUTS),
+    ]
     for n in ranks:
         cells = []
         for lay in LAYOUTS:
@@ -172,25 +215,33 @@ def _fixture_label(run: dict[str, Any]) -> str:
 def floor_table(results: Path = RESULTS) -> str:
     """Whole-optimizer ``dcp.save`` / ``dcp.load`` per layout as a multiple of the raw-bytes floor."""
     data = load("scale_dcp.json", results)
-    out = ["| fixture | layout | items | save ÷ floor (both fsync) | load ÷ floor | save / load |",
-           "| --- | --- | --- | --- | --- | --- |"]
+    out = [
+        "| fixture | layout | items | save ÷ floor (both fsync) | load ÷ floor | save / load |",
+        "| --- | --- | --- | --- | --- | --- |",
+    ]
     for run in data["runs"]:
         rows = {r["layout"]: r for r in run["rows"]}
         for i, lay in enumerate(LAYOUTS):
             r = rows[lay]
-            out.append(f"| {_fixture_label(run) if i == 0 else ''} | {lay} | {_n(r['items'])} | "
-                       f"{r['save_vs_floor_synced']:.2f}x | {r['vs_floor'][1]:.2f}x | {_t(r['save_s'])} / {_t(r['load_s'])} |")
+            out.append(
+                f"| {_fixture_label(run) if i == 0 else ''} | {lay} | {_n(r['items'])} | "
+                f"{r['save_vs_floor_synced']:.2f}x | {r['vs_floor'][1]:.2f}x | {_t(r['save_s'])} / {_t(r['load_s'])} |"
+            )
         f = rows["floor"]
-        out.append(f"|  | floor (`torch.save` + fsync / `torch.load`) | 1 | | | "
-                   f"{_t(f['save_s'] / f['save_vs_floor_synced'])} / {_t(f['load_s'])} |")
+        out.append(
+            f"|  | floor (`torch.save` + fsync / `torch.load`) | 1 | | | "
+            f"{_t(f['save_s'] / f['save_vs_floor_synced'])} / {_t(f['load_s'])} |"
+        )
     return "\n".join(out)
 
 
 def spread20_table(results: Path = RESULTS) -> str:
     """``bench.scale dcp --spread``: min / median / max of every layout's saves and loads, huge pages on and off."""
     data = load("scale_dcp_spread.json", results)
-    out = ["| fixture | layout | huge pages | save: min / median / max | load: min / median / max | n |",
-           "| --- | --- | --- | --- | --- | --- |"]
+    out = [
+        "| fixture | layout | huge pages | save: min / median / max | load: min / median / max | n |",
+        "| --- | --- | --- | --- | --- | --- |",
+    ]
     for run in data["runs"]:
         pages = "advised (default)" if run["huge_pages"] == "1" else "`SPARSE_CKPT_HUGE_PAGES=0`"
         for row in run["spread"]:
@@ -203,14 +254,26 @@ def spread20_table(results: Path = RESULTS) -> str:
 def hot_table(results: Path = RESULTS) -> str:
     """``bench.hot_path``: the floor, save and load alternated; medians and per-round ratio medians."""
     data = load("hot_path.json", results)
-    out = ["| alternated, `" + data["scale"] + "` one group per " + data["layout"] + " | wall: median (min-max) | CPU: median | ÷ floor, wall | ÷ floor, CPU |",
-           "| --- | --- | --- | --- | --- |"]
-    labels = {"floor": "`optimizer.state_dict()` (the floor)", "save": "`sparse_state_dict`", "load": "`load_sparse_state_dict`"}
+    out = [
+        "| alternated, `"
+        + data["scale"]
+        + "` one group per "
+        + data["layout"]
+        + " | wall: median (min-max) | CPU: median | ÷ floor, wall | ÷ floor, CPU |",
+        "| --- | --- | --- | --- | --- |",
+    ]
+    labels = {
+        "floor": "`optimizer.state_dict()` (the floor)",
+        "save": "`sparse_state_dict`",
+        "load": "`load_sparse_state_dict`",
+    }
     for m, label in labels.items():
         w, c = data["samples_s"]["wall"][m], data["samples_s"]["cpu"][m]
         ratio = ("", "") if m == "floor" else tuple(f"{data['ratios'][f'{m}/floor {k}']:.2f}x" for k in ("wall", "cpu"))
-        out.append(f"| {label} | {_t(statistics.median(w))} ({_t(min(w))}-{_t(max(w))}) | {_t(statistics.median(c))} | "
-                   f"{ratio[0]} | {ratio[1]} |")
+        out.append(
+            f"| {label} | {_t(statistics.median(w))} ({_t(min(w))}-{_t(max(w))}) | {_t(statistics.median(c))} | "
+            f"{ratio[0]} | {ratio[1]} |"
+        )
     return "\n".join(out)
 
 
@@ -219,9 +282,14 @@ def memory_table(results: Path = RESULTS) -> str:
     data = load("results.json", results)
     out = ["| `61x256` (47 275 parameters) | one group per parameter | one group per layer |", "| --- | --- | --- |"]
     runs = {r["layout"]: r["figures"] for r in data["runs"] if r["scale"] == "61x256"}
-    names = (("floor/state_dict", "`optimizer.state_dict()` (the floor)"), ("sparse/save/cpp/packed", "`sparse_state_dict`"),
-             ("sparse/load/cpp/packed", "`load_sparse_state_dict`"), ("floor/load_state_dict", "`optimizer.load_state_dict()`"),
-             ("dsd/get", "DSD `get_optimizer_state_dict`"), ("dsd/set", "DSD `set_optimizer_state_dict`"))
+    names = (
+        ("floor/state_dict", "`optimizer.state_dict()` (the floor)"),
+        ("sparse/save/cpp/packed", "`sparse_state_dict`"),
+        ("sparse/load/cpp/packed", "`load_sparse_state_dict`"),
+        ("floor/load_state_dict", "`optimizer.load_state_dict()`"),
+        ("dsd/get", "DSD `get_optimizer_state_dict`"),
+        ("dsd/set", "DSD `set_optimizer_state_dict`"),
+    )
     for key, label in names:
         cells = []
         for lay in ("param", "layer"):
@@ -232,8 +300,12 @@ def memory_table(results: Path = RESULTS) -> str:
 
 
 TABLES: dict[str, Callable[[Path], str]] = {
-    "stock": stock_table, "naive": naive_table, "metadata": metadata_table, "floor": floor_table,
-    "spread20": spread20_table, "memory": memory_table,
+    "stock": stock_table,
+    "naive": naive_table,
+    "metadata": metadata_table,
+    "floor": floor_table,
+    "spread20": spread20_table,
+    "memory": memory_table,
     "hot": hot_table,
 }
 
@@ -251,6 +323,7 @@ def render_page(text: str, results: Path = RESULTS) -> str:
 
 
 # ---- plots ----------------------------------------------------------------------------------------
+
 
 def _footer(fig: Any, sources: list[str], results: Path) -> None:
     lines = [f"made by `{COMMAND}` from bench/results/{', '.join(sources)}"]
@@ -272,8 +345,13 @@ def plot_stock(out: Path, results: Path = RESULTS) -> Path:
         for j, who in enumerate(("stock", "sparse")):
             vals = [None if r[who][k] is None else r[who][k] * scale for r in rows]
             pos = [i + (0.2 if j == 0 else -0.2) for i in y]
-            ax.barh(pos, [v or 0 for v in vals], height=0.38, color="#b0b0b0" if who == "stock" else "tab:blue",
-                    label="stock" if who == "stock" else "sparse_ckpt")
+            ax.barh(
+                pos,
+                [v or 0 for v in vals],
+                height=0.38,
+                color="#b0b0b0" if who == "stock" else "tab:blue",
+                label="stock" if who == "stock" else "sparse_ckpt",
+            )
             bars += list(zip(pos, vals))
         ax.set_xscale("log")
         present = [v for _p, v in bars if v]
@@ -281,15 +359,18 @@ def plot_stock(out: Path, results: Path = RESULTS) -> Path:
         ax.set_xlim(lo, hi)
         for p, v in bars:
             text = "stock load fails" if v is None else (f" {v:,.0f}" if v >= 100 else f" {v:.3g}")
-            ax.text(v if v else lo * 1.15, p, text, va="center", fontsize=7.5,
-                    color="#aa0000" if v is None else "black")
+            ax.text(
+                v if v else lo * 1.15, p, text, va="center", fontsize=7.5, color="#aa0000" if v is None else "black"
+            )
         ax.set_title(title, fontsize=10)
         ax.set_yticks(y)
         ax.set_yticklabels([r.get("label", r["what"]) for r in rows] if k == 0 else [], fontsize=8.5)
         ax.invert_yaxis()
         ax.grid(axis="x", alpha=0.3)
     axes[0].legend(loc="lower left", bbox_to_anchor=(0, 1.07), ncol=2, fontsize=9, frameon=False)
-    fig.suptitle("Stock trainer checkpointing vs sparse_ckpt, same model and trainer per row (lower is better)", fontsize=11)
+    fig.suptitle(
+        "Stock trainer checkpointing vs sparse_ckpt, same model and trainer per row (lower is better)", fontsize=11
+    )
     _footer(fig, ["dsd_trainer.json", "titan_compare.json", "veomni_checkpointer.json"], results)
     fig.tight_layout(rect=(0, 0.09, 1, 0.97))
     return _save(fig, out / "results-stock.png")
@@ -306,7 +387,9 @@ def plot_metadata(out: Path, results: Path = RESULTS) -> Path:
         rows = sorted((r for r in data["rows"] if r["layout"] == lay), key=lambda r: r["ranks"])
         colour, marker = styles[lay]
         axes[0].plot([r["ranks"] for r in rows], [r["bytes"] for r in rows], marker=marker, color=colour, label=lay)
-        axes[1].plot([r["ranks"] for r in rows], [r["unpickle_s"] for r in rows], marker=marker, color=colour, label=lay)
+        axes[1].plot(
+            [r["ranks"] for r in rows], [r["unpickle_s"] for r in rows], marker=marker, color=colour, label=lay
+        )
     for ax, title in zip(axes, ("`.metadata` size (bytes)", "unpickling it, every rank, every load (s)")):
         ax.set_xscale("log", base=2)
         ranks = sorted({r["ranks"] for r in data["rows"]})
@@ -317,8 +400,11 @@ def plot_metadata(out: Path, results: Path = RESULTS) -> Path:
         ax.set_title(title, fontsize=10)
         ax.grid(alpha=0.3)
     axes[0].legend(title="state_layout", fontsize=9)
-    fig.suptitle(f"DCP `.metadata` vs ranks: optimizer of `{data['fixture']}` ({data['n_param_shaped_state']:,} state tensors), "
-                 "FSDP2-sharded, one sample per point", fontsize=10.5)
+    fig.suptitle(
+        f"DCP `.metadata` vs ranks: optimizer of `{data['fixture']}` ({data['n_param_shaped_state']:,} state tensors), "
+        "FSDP2-sharded, one sample per point",
+        fontsize=10.5,
+    )
     _footer(fig, ["scale_metadata.json"], results)
     fig.tight_layout(rect=(0, 0.08, 1, 0.96))
     return _save(fig, out / "results-metadata.png")
@@ -332,9 +418,13 @@ def plot_floor(out: Path, results: Path = RESULTS) -> Path:
     fig, axes = plt.subplots(1, 2, figsize=(12, 4.8), sharey=True)
     colours = {"auto": "tab:blue", "buffers": "tab:green", "per_tensor": "#888888"}
     fixtures = [run["fixture"] for run in data["runs"]]
-    for ax, (title, value) in zip(axes, (("save ÷ floor (DCP's default writer vs torch.save + fsync)",
-                                          lambda r: r["save_vs_floor_synced"]),
-                                         ("load ÷ floor (torch.load)", lambda r: r["vs_floor"][1]))):
+    for ax, (title, value) in zip(
+        axes,
+        (
+            ("save ÷ floor (DCP's default writer vs torch.save + fsync)", lambda r: r["save_vs_floor_synced"]),
+            ("load ÷ floor (torch.load)", lambda r: r["vs_floor"][1]),
+        ),
+    ):
         for j, lay in enumerate(LAYOUTS):
             vals = [value(next(r for r in run["rows"] if r["layout"] == lay)) for run in data["runs"]]
             pos = [i + (j - 1) * 0.27 for i in range(len(fixtures))]
@@ -350,8 +440,11 @@ def plot_floor(out: Path, results: Path = RESULTS) -> Path:
         ax.grid(axis="y", alpha=0.3)
     axes[0].set_ylabel("× the raw-bytes floor (1 = as fast; dotted: 2×)")
     axes[0].legend(title="state_layout", fontsize=9)
-    fig.suptitle("dcp.save / dcp.load of the whole optimizer (SparseOptimizerState) vs torch.save / torch.load of "
-                 "the same bytes, medians of 11", fontsize=10.5)
+    fig.suptitle(
+        "dcp.save / dcp.load of the whole optimizer (SparseOptimizerState) vs torch.save / torch.load of "
+        "the same bytes, medians of 11",
+        fontsize=10.5,
+    )
     _footer(fig, ["scale_dcp.json"], results)
     fig.tight_layout(rect=(0, 0.07, 1, 0.96))
     return _save(fig, out / "results-floor.png")
@@ -374,7 +467,9 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--results", type=Path, default=RESULTS, help="the JSON files (default: bench/results/)")
     parser.add_argument("--page", type=Path, default=PAGE, help="the page whose marked tables are re-rendered")
     parser.add_argument("--img", type=Path, default=IMG, help="where the plots go (default: docs/img/)")
-    parser.add_argument("--check", action="store_true", help="tables only: exit 1 if the page is not what the JSON gives")
+    parser.add_argument(
+        "--check", action="store_true", help="tables only: exit 1 if the page is not what the JSON gives"
+    )
     args = parser.parse_args(argv)
     text = args.page.read_text(encoding="utf-8")
     rendered = render_page(text, args.results)

@@ -149,7 +149,15 @@ def run_drill(
     kdir = dirs["killed"]
     markers = [kdir / f"stalled-{r}" for r in range(nproc)]
     killed_after = run_killed(
-        rank_fn, nproc, cfg, str(kdir / "ckpt"), str(kdir), None, kill, markers=markers, err_dir=str(kdir),
+        rank_fn,
+        nproc,
+        cfg,
+        str(kdir / "ckpt"),
+        str(kdir),
+        None,
+        kill,
+        markers=markers,
+        err_dir=str(kdir),
         device=cfg.device,
     )
     ckpts = sorted((p for p in (kdir / "ckpt").iterdir() if STEP_DIR.match(p.name)), key=lambda p: int(p.name[5:]))
@@ -164,8 +172,9 @@ def run_drill(
     result = DrillResult(cfg, nproc, base, kill, found[1].name, reference, killed_after, incomplete)
     for n in resume_sizes:
         rdir = dirs[f"resume-{n}"]
-        run_ranks(rank_fn, n, cfg, str(rdir / "ckpt"), str(rdir), str(kdir / "ckpt"), err_dir=str(rdir),
-                  device=cfg.device)
+        run_ranks(
+            rank_fn, n, cfg, str(rdir / "ckpt"), str(rdir), str(kdir / "ckpt"), err_dir=str(rdir), device=cfg.device
+        )
         info = json.loads((rdir / TIMINGS).read_text())
         snap = torch.load(rdir / SNAPSHOT, weights_only=True)
         check_snapshot_sparsity(snap, cfg, initial)
@@ -218,26 +227,50 @@ def main(argv: Sequence[str] | None = None) -> int:
     parser.add_argument("--nproc", type=int, default=2, help="world size of the trained and killed runs (default 2)")
     parser.add_argument("--steps", type=int, default=DrillConfig.steps, help="total steps N+M (default %(default)s)")
     parser.add_argument("--every", type=int, default=DrillConfig.every, help="save every K steps (default %(default)s)")
-    parser.add_argument("--kill-at", type=int, default=None, help="the save step in flight when killed "
-                        "(default: the second to last save)")
-    parser.add_argument("--resume-sizes", type=_sizes, default=None, help="world sizes to resume at (default 1,2,4 "
-                        "with --nproc first; on cuda/npu only those the devices present allow)")
-    parser.add_argument("--device", choices=DEVICES, default="cpu", help="cpu: Gloo ranks (default); cuda: NCCL, one "
-                        "rank per GPU (--nproc and --resume-sizes at most the GPUs present); npu: torch_npu, HCCL")
+    parser.add_argument(
+        "--kill-at",
+        type=int,
+        default=None,
+        help="the save step in flight when killed (default: the second to last save)",
+    )
+    parser.add_argument(
+        "--resume-sizes",
+        type=_sizes,
+        default=None,
+        help="world sizes to resume at (default 1,2,4 "
+        "with --nproc first; on cuda/npu only those the devices present allow)",
+    )
+    parser.add_argument(
+        "--device",
+        choices=DEVICES,
+        default="cpu",
+        help="cpu: Gloo ranks (default); cuda: NCCL, one "
+        "rank per GPU (--nproc and --resume-sizes at most the GPUs present); npu: torch_npu, HCCL",
+    )
     parser.add_argument("--dim", type=int, default=DrillConfig.dim, help="model width (default %(default)s)")
     parser.add_argument("--hidden", type=int, default=DrillConfig.hidden, help="expert width (default %(default)s)")
-    parser.add_argument("--experts", type=int, default=DrillConfig.n_experts, help="experts per block (default "
-                        "%(default)s)")
-    parser.add_argument("--routed", type=int, default=DrillConfig.routed, help="experts that get tokens "
-                        "(default %(default)s)")
+    parser.add_argument(
+        "--experts", type=int, default=DrillConfig.n_experts, help="experts per block (default %(default)s)"
+    )
+    parser.add_argument(
+        "--routed", type=int, default=DrillConfig.routed, help="experts that get tokens (default %(default)s)"
+    )
     parser.add_argument("--blocks", type=int, default=DrillConfig.n_blocks, help="MoE blocks (default %(default)s)")
     parser.add_argument("--out", default=None, help="keep the run here (default: a temporary directory, removed)")
     args = parser.parse_args(argv)
     if args.nproc < 1:
         parser.error("--nproc must be >= 1")
-    cfg = DrillConfig(steps=args.steps, every=args.every, kill_at=args.kill_at, dim=args.dim, hidden=args.hidden,
-                      n_experts=args.experts, routed=min(args.routed, args.experts), n_blocks=args.blocks,
-                      device=args.device)
+    cfg = DrillConfig(
+        steps=args.steps,
+        every=args.every,
+        kill_at=args.kill_at,
+        dim=args.dim,
+        hidden=args.hidden,
+        n_experts=args.experts,
+        routed=min(args.routed, args.experts),
+        n_blocks=args.blocks,
+        device=args.device,
+    )
     try:
         kill = cfg.kill_step()
     except ValueError as exc:
@@ -251,9 +284,12 @@ def main(argv: Sequence[str] | None = None) -> int:
         print(f"error: {exc}", file=sys.stderr)
         return 2
     where = args.device if present is None else f"{args.device} ({present} present)"
-    print(f"resume drill: {args.nproc} rank(s) on {where}, {cfg.steps} steps, save every {cfg.every}, SIGKILL during "
-          f"the save of step {kill}, resume at {','.join(map(str, sizes))}; core {sc.backend()}; "
-          f"torch {torch.__version__}", flush=True)
+    print(
+        f"resume drill: {args.nproc} rank(s) on {where}, {cfg.steps} steps, save every {cfg.every}, SIGKILL during "
+        f"the save of step {kill}, resume at {','.join(map(str, sizes))}; core {sc.backend()}; "
+        f"torch {torch.__version__}",
+        flush=True,
+    )
     root = args.out
     tmp = None
     if root is None:
@@ -268,16 +304,20 @@ def main(argv: Sequence[str] | None = None) -> int:
             return 1
         for line in format_saves("uninterrupted run", res.reference):
             print(line)
-        print(f"killed run: SIGKILL {res.killed_after_s:.2f} s after start, while saving step {res.kill_step}; "
-              f"incomplete (no .metadata): {', '.join(res.incomplete)}; last complete: {res.resumed_from}")
+        print(
+            f"killed run: SIGKILL {res.killed_after_s:.2f} s after start, while saving step {res.kill_step}; "
+            f"incomplete (no .metadata): {', '.join(res.incomplete)}; last complete: {res.resumed_from}"
+        )
         for n, info in res.resumes.items():
             for line in format_saves(f"resume at {n} rank(s)", info):
                 print(line)
             c = info["checks"]
-            print(f"  checks: OK, bit-identical to the uninterrupted run at step {cfg.steps}: {c['params']} parameters, "
-                  f"optimizer state of {c['state_params']} parameters ({c['state_tensors']} tensors), lr and scheduler "
-                  f"state of 3 leaves; no state for {len(cfg.unrouted_prefixes())} unrouted experts or the vision "
-                  "leaf; no {} entries")
+            print(
+                f"  checks: OK, bit-identical to the uninterrupted run at step {cfg.steps}: {c['params']} parameters, "
+                f"optimizer state of {c['state_params']} parameters ({c['state_tensors']} tensors), lr and scheduler "
+                f"state of 3 leaves; no state for {len(cfg.unrouted_prefixes())} unrouted experts or the vision "
+                "leaf; no {} entries"
+            )
         print("resume drill: PASS")
         return 0
     finally:

@@ -114,8 +114,9 @@ def machine_info(device: str, backends: dict[str, Any]) -> dict[str, Any]:
         "platform": platform.platform(),
         "sparse_ckpt": getattr(sparse_ckpt, "__version__", "?"),
         "default_backend": sparse_ckpt.backend(),
-        "backends": {name: "available" if not isinstance(mod, str) else f"unavailable ({mod})"
-                     for name, mod in backends.items()},
+        "backends": {
+            name: "available" if not isinstance(mod, str) else f"unavailable ({mod})" for name, mod in backends.items()
+        },
         "device": device,
         "torch_threads": torch.get_num_threads(),
     }
@@ -215,49 +216,100 @@ def figure_detail(fig: dict[str, Any]) -> str:
 
 def parse_args(argv: Sequence[str] | None, prog: str | None = None) -> argparse.Namespace:
     """The command line (see ``bench/README.md``)."""
-    p = argparse.ArgumentParser(prog=prog or default_prog(), description=__doc__,
-                                formatter_class=argparse.RawDescriptionHelpFormatter)
+    p = argparse.ArgumentParser(
+        prog=prog or default_prog(), description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter
+    )
     p.add_argument("--device", choices=("cpu", "cuda", "npu"), default="cpu", help="where params and state live")
     p.add_argument("--scales", default=None, help=f"LxE list (default {DEFAULT_SCALES}; --quick: {QUICK_SCALES})")
-    p.add_argument("--layouts", default=",".join(LAYOUTS), help="comma list of: layer (one group per layer), "
-                   "param (one group per parameter)")
-    p.add_argument("--repeats", type=int, default=None, help=f"timed repeats after one warm-up (default 5; "
-                   f"--quick: {QUICK_REPEATS})")
+    p.add_argument(
+        "--layouts",
+        default=",".join(LAYOUTS),
+        help="comma list of: layer (one group per layer), param (one group per parameter)",
+    )
+    p.add_argument(
+        "--repeats",
+        type=int,
+        default=None,
+        help=f"timed repeats after one warm-up (default 5; --quick: {QUICK_REPEATS})",
+    )
     p.add_argument("--quick", action="store_true", help="small scales, few repeats: < 2 min on 2 cores")
-    p.add_argument("--out", default=None, help=f"output directory (default: bench/out in a checkout, "
-                   f"./{INSTALLED_OUT} for an installed wheel)")
+    p.add_argument(
+        "--out",
+        default=None,
+        help=f"output directory (default: bench/out in a checkout, ./{INSTALLED_OUT} for an installed wheel)",
+    )
     p.add_argument("--hidden", type=int, default=0, help="realistic tensors: (N, N) weights (default: tiny (2,))")
     p.add_argument("--no-state-fraction", type=float, default=0.5, help="fraction of experts without state")
-    p.add_argument("--dsd-max-params", type=int, default=None,
-                   help=f"skip DSD get/set above this many params (default: no limit; --quick: {QUICK_DSD_MAX_PARAMS})")
-    p.add_argument("--dcp-max-items", type=int, default=None,
-                   help=f"skip DCP save/load of dicts with more entries (default {DEFAULT_DCP_MAX_ITEMS:,}; "
-                   f"--quick: {QUICK_DCP_MAX_ITEMS:,}; 0: no limit)")
-    p.add_argument("--floor-load-max-groups", type=int, default=0,
-                   help="skip the floor optimizer.load_state_dict() above this many param groups: torch's own "
-                   "load is O(params x groups): one call at 47 275 groups ran > 10 min on 2 cores (default 0: no limit)")
-    p.add_argument("--floor-load-max-params", type=int, default=0,
-                   help="skip the floor optimizer.load_state_dict() above this many params (whatever the groups): "
-                   "with one group per layer it is O(params^2) (20 s at 47 275 params here) (default 0: no limit)")
-    p.add_argument("--dsd-set-max-groups", type=int, default=0,
-                   help="skip DSD set_optimizer_state_dict above this many param groups: it calls torch's "
-                   "load_state_dict, O(params x groups) (default 0: no limit)")
-    p.add_argument("--budget", type=float, default=None,
-                   help=f"seconds per method and run: fewer repeats when exceeded (default {DEFAULT_BUDGET_S:g}; "
-                   f"--quick: {QUICK_BUDGET_S:g})")
-    p.add_argument("--state-init", choices=STATE_INITS, default="fill",
-                   help="fill: write AdamW state directly (default); step: one real optimizer step")
-    p.add_argument("--methods", default=None, help="only methods whose id starts with one of these comma prefixes "
-                   "(e.g. sparse/,floor/); the others are recorded as skipped")
+    p.add_argument(
+        "--dsd-max-params",
+        type=int,
+        default=None,
+        help=f"skip DSD get/set above this many params (default: no limit; --quick: {QUICK_DSD_MAX_PARAMS})",
+    )
+    p.add_argument(
+        "--dcp-max-items",
+        type=int,
+        default=None,
+        help=f"skip DCP save/load of dicts with more entries (default {DEFAULT_DCP_MAX_ITEMS:,}; "
+        f"--quick: {QUICK_DCP_MAX_ITEMS:,}; 0: no limit)",
+    )
+    p.add_argument(
+        "--floor-load-max-groups",
+        type=int,
+        default=0,
+        help="skip the floor optimizer.load_state_dict() above this many param groups: torch's own "
+        "load is O(params x groups): one call at 47 275 groups ran > 10 min on 2 cores (default 0: no limit)",
+    )
+    p.add_argument(
+        "--floor-load-max-params",
+        type=int,
+        default=0,
+        help="skip the floor optimizer.load_state_dict() above this many params (whatever the groups): "
+        "with one group per layer it is O(params^2) (20 s at 47 275 params here) (default 0: no limit)",
+    )
+    p.add_argument(
+        "--dsd-set-max-groups",
+        type=int,
+        default=0,
+        help="skip DSD set_optimizer_state_dict above this many param groups: it calls torch's "
+        "load_state_dict, O(params x groups) (default 0: no limit)",
+    )
+    p.add_argument(
+        "--budget",
+        type=float,
+        default=None,
+        help=f"seconds per method and run: fewer repeats when exceeded (default {DEFAULT_BUDGET_S:g}; "
+        f"--quick: {QUICK_BUDGET_S:g})",
+    )
+    p.add_argument(
+        "--state-init",
+        choices=STATE_INITS,
+        default="fill",
+        help="fill: write AdamW state directly (default); step: one real optimizer step",
+    )
+    p.add_argument(
+        "--methods",
+        default=None,
+        help="only methods whose id starts with one of these comma prefixes "
+        "(e.g. sparse/,floor/); the others are recorded as skipped",
+    )
     p.add_argument("--gc", action="store_true", help="keep the garbage collector enabled while timing")
     p.add_argument("--seed", type=int, default=0)
     p.add_argument("--tmp", default=None, help="directory for DCP checkpoints (default: system temp)")
-    p.add_argument("--progress", choices=PROGRESS_MODES, default="auto",
-                   help="progress on stderr: bar (redrawn line), lines (one per finished figure), off; "
-                   "auto (default): bar on a terminal, lines otherwise")
+    p.add_argument(
+        "--progress",
+        choices=PROGRESS_MODES,
+        default="auto",
+        help="progress on stderr: bar (redrawn line), lines (one per finished figure), off; "
+        "auto (default): bar on a terminal, lines otherwise",
+    )
     p.add_argument("--no-progress", action="store_true", help="same as --progress off")
-    p.add_argument("--report", metavar="RESULTS_JSON", default=None,
-                   help="measure nothing: re-render results.md and the figures (into --out) from a results.json")
+    p.add_argument(
+        "--report",
+        metavar="RESULTS_JSON",
+        default=None,
+        help="measure nothing: re-render results.md and the figures (into --out) from a results.json",
+    )
     args = p.parse_args(argv)
     if args.out is None:
         args.out = default_out()
@@ -295,9 +347,7 @@ GROUP_LIMITS = {
         ("--floor-load-max-groups", "n_groups", "torch's load_state_dict is O(params x groups)"),
         ("--floor-load-max-params", "n_params", "torch's load_state_dict is O(params x groups), O(params^2) here"),
     ),
-    ("dsd", "set"): (
-        ("--dsd-set-max-groups", "n_groups", "it calls torch's load_state_dict, O(params x groups)"),
-    ),
+    ("dsd", "set"): (("--dsd-set-max-groups", "n_groups", "it calls torch's load_state_dict, O(params x groups)"),),
 }
 LIMIT_UNITS = {"n_groups": "groups", "n_params": "params"}
 
@@ -327,8 +377,12 @@ def new_results(args: argparse.Namespace, backends: dict[str, Any], methods: lis
     """The results dict before anything is measured: command, machine, configuration."""
     return {
         "schema": "sparse_ckpt-bench/1",
-        "command": " ".join([getattr(args, "prog", None) or default_prog(),
-                             *(shlex.quote(a) for a in (getattr(args, "argv", None) or []))]),
+        "command": " ".join(
+            [
+                getattr(args, "prog", None) or default_prog(),
+                *(shlex.quote(a) for a in (getattr(args, "argv", None) or [])),
+            ]
+        ),
         "machine": machine_info(args.device, backends),
         "config": {
             "scales": [s.label for s in args.scale_list],
@@ -353,8 +407,9 @@ def new_results(args: argparse.Namespace, backends: dict[str, Any], methods: lis
     }
 
 
-def run_bench(args: argparse.Namespace, partial_path: str | None = None,
-              results: dict[str, Any] | None = None) -> dict[str, Any]:
+def run_bench(
+    args: argparse.Namespace, partial_path: str | None = None, results: dict[str, Any] | None = None
+) -> dict[str, Any]:
     """Measure everything ``args`` asks for; return the results dict (without targets).
 
     ``results``: the dict from :func:`new_results` to fill (default: a new one). With
@@ -365,8 +420,13 @@ def run_bench(args: argparse.Namespace, partial_path: str | None = None,
     methods = plan_methods()
     if results is None:
         results = new_results(args, backends, methods)
-    cache = FixtureCache(hidden=args.hidden, device=args.device, no_state_fraction=args.no_state_fraction,
-                         state_init=args.state_init, seed=args.seed)
+    cache = FixtureCache(
+        hidden=args.hidden,
+        device=args.device,
+        no_state_fraction=args.no_state_fraction,
+        state_init=args.state_init,
+        seed=args.seed,
+    )
     sync = functools.partial(synchronize, args.device)
     probe = FixtureCache(device=args.device).get(Scale(2, 4), "layer")
     results["notes"]["dsd_sparse_roundtrip"] = (
@@ -387,10 +447,19 @@ def run_bench(args: argparse.Namespace, partial_path: str | None = None,
                 fx = cache.get(scale, layout)
                 if big and not args.gc:
                     freeze_heap()  # built with the collector paused; its little garbage is frozen along
-                progress.done(f"{desc} fixture", f"{fx.n_params:,} params, {len(fx.optimizer.param_groups):,} groups "
-                              f"({time.perf_counter() - t0:.1f} s)")
-                run: dict[str, Any] = {"scale": scale.label, "layers": scale.layers, "experts": scale.experts,
-                                       "layout": layout, **fx.info, "figures": {}}
+                progress.done(
+                    f"{desc} fixture",
+                    f"{fx.n_params:,} params, {len(fx.optimizer.param_groups):,} groups "
+                    f"({time.perf_counter() - t0:.1f} s)",
+                )
+                run: dict[str, Any] = {
+                    "scale": scale.label,
+                    "layers": scale.layers,
+                    "experts": scale.experts,
+                    "layout": layout,
+                    **fx.info,
+                    "figures": {},
+                }
                 ctx = FixtureContext(fx, tmp_root, args.device)
                 try:
                     for m in methods:
@@ -437,8 +506,9 @@ def thaw_heap() -> None:
     gc.collect()
 
 
-def measure_one(m: Method, ctx: FixtureContext, args: argparse.Namespace, backends: dict[str, Any],
-                sync: Any) -> dict[str, Any]:
+def measure_one(
+    m: Method, ctx: FixtureContext, args: argparse.Namespace, backends: dict[str, Any], sync: Any
+) -> dict[str, Any]:
     """One figure: measured, or skipped/unavailable/error with the reason."""
     meta = {"family": m.family, "op": m.op, "backend": m.backend, "format": m.fmt, "part": m.part, "label": m.label}
     skip = skip_reason(m, ctx, args, backends)
@@ -496,10 +566,12 @@ def header_lines(results: dict[str, Any], out_dir: str, source: str | None = Non
         f"backends  {backends}; default {m['default_backend']}",
         f"device    {device}",
         f"scales    {scales}; layouts {', '.join(c['layouts'])} (one group per layer / per parameter)",
-        (f"timing    {c['repeats']} repeats after 1 warm-up, budget {c['budget_s']:g} s per figure, gc "
-         f"{'on' if c['gc'] else 'off'}; skip limits: DSD params {_limit(c['dsd_max_params'])}, DCP items "
-         f"{_limit(c['dcp_max_items'])}, floor-load groups {_limit(c['floor_load_max_groups'])} / params "
-         f"{_limit(c.get('floor_load_max_params'))}, DSD-set groups {_limit(c['dsd_set_max_groups'])}"),
+        (
+            f"timing    {c['repeats']} repeats after 1 warm-up, budget {c['budget_s']:g} s per figure, gc "
+            f"{'on' if c['gc'] else 'off'}; skip limits: DSD params {_limit(c['dsd_max_params'])}, DCP items "
+            f"{_limit(c['dcp_max_items'])}, floor-load groups {_limit(c['floor_load_max_groups'])} / params "
+            f"{_limit(c.get('floor_load_max_params'))}, DSD-set groups {_limit(c['dsd_set_max_groups'])}"
+        ),
         f"output    {out_dir}",
     ]
     if source:
@@ -507,8 +579,9 @@ def header_lines(results: dict[str, Any], out_dir: str, source: str | None = Non
     return [*lines, RULE]
 
 
-def print_header(results: dict[str, Any], out_dir: str, source: str | None = None,
-                 stream: TextIO | None = None) -> None:
+def print_header(
+    results: dict[str, Any], out_dir: str, source: str | None = None, stream: TextIO | None = None
+) -> None:
     """The header, flushed at once (the progress goes to stderr meanwhile)."""
     stream = sys.stdout if stream is None else stream
     for line in header_lines(results, out_dir, source):

@@ -85,7 +85,9 @@ def main(argv: Sequence[str] | None = None) -> int:
     print(f"{args.fixture}, {_backend.backend()} core, {args.runs} runs (ms: median, min)")
     for name, values in {"total": total, **times}.items():
         if values:
-            print(f"  {name:22s} {statistics.median(values) * 1e3:8.2f} {min(values) * 1e3:8.2f}  ({len(values)} calls)")
+            print(
+                f"  {name:22s} {statistics.median(values) * 1e3:8.2f} {min(values) * 1e3:8.2f}  ({len(values)} calls)"
+            )
     return 0
 
 

@@ -101,22 +101,37 @@ def parse_args(argv: Sequence[str] | None) -> argparse.Namespace:
     a = sub.add_parser("async", help="dcp.async_save: blocked and total time per layout vs stock DCP (DSD)")
     for sp, default in ((d, DCP_FIXTURES), (a, ASYNC_FIXTURES)):
         sp.add_argument("--fixtures", default=None, help=f"LxE[:hH][:eVxD],... (default {default})")
-        sp.add_argument("--scale", default=None, help="with --hidden: the fixtures LxE:hH for each H (earlier interface)")
-        sp.add_argument("--hidden", type=_ints, default=[0, 64], help="with --scale: 0 tiny (2,) tensors, N (N, N) weights")
+        sp.add_argument(
+            "--scale", default=None, help="with --hidden: the fixtures LxE:hH for each H (earlier interface)"
+        )
+        sp.add_argument(
+            "--hidden", type=_ints, default=[0, 64], help="with --scale: 0 tiny (2,) tensors, N (N, N) weights"
+        )
     d.add_argument("--device", default="cpu")
-    d.add_argument("--spread", action="store_true",
-                   help="run twice, SPARSE_CKPT_HUGE_PAGES=1 and =0, and print min/median/max of the samples per layout")
+    d.add_argument(
+        "--spread",
+        action="store_true",
+        help="run twice, SPARSE_CKPT_HUGE_PAGES=1 and =0, and print min/median/max of the samples per layout",
+    )
     t = sub.add_parser("threshold", help="dcp.save + dcp.load of equal-size state chunks: per-item vs buffers")
-    t.add_argument("--sizes", type=_sizes, default=_sizes("4K,16K,64K,256K,1M,4M,16M"), help="chunk sizes (bytes, K, M)")
+    t.add_argument(
+        "--sizes", type=_sizes, default=_sizes("4K,16K,64K,256K,1M,4M,16M"), help="chunk sizes (bytes, K, M)"
+    )
     t.add_argument("--total", type=parse_size, default=parse_size("64M"), help="state bytes per point, about")
     t.add_argument("--max-params", type=int, default=16_384, help="at most this many parameters per point")
     t.add_argument("--layouts", type=_layouts, default=list(PAIR))
-    t.add_argument("--async", dest="asynchronous", action="store_true",
-                   help="time how long dcp.async_save blocks (per_tensor vs buffers) instead of dcp.save/dcp.load")
+    t.add_argument(
+        "--async",
+        dest="asynchronous",
+        action="store_true",
+        help="time how long dcp.async_save blocks (per_tensor vs buffers) instead of dcp.save/dcp.load",
+    )
     for sp in (m, d, a):
         sp.add_argument("--layouts", type=_layouts, default=list(STATE_LAYOUTS), help=f"among {STATE_LAYOUTS}")
     for sp in (m, d, a, t):
-        sp.add_argument("--group-layout", default="layer", choices=("layer", "param"), help="one group per layer / param")
+        sp.add_argument(
+            "--group-layout", default="layer", choices=("layer", "param"), help="one group per layer / param"
+        )
         sp.add_argument("--repeats", type=int, default=3)
         sp.add_argument("--threads", type=int, default=None, help="torch.set_num_threads (default: torch's own)")
         sp.add_argument("--out", default=None, help="write the figures as JSON here")
@@ -131,14 +146,29 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
     """The figures of ``args.mode``."""
     if args.mode == "metadata":
         (spec,) = parse_fixture_specs(args.fixture)
-        return run_metadata(spec, args.group_layout, args.ranks, args.max_records, args.repeats, args.check,
-                            args.check_sample, tuple(args.layouts))
+        return run_metadata(
+            spec,
+            args.group_layout,
+            args.ranks,
+            args.max_records,
+            args.repeats,
+            args.check,
+            args.check_sample,
+            tuple(args.layouts),
+        )
     if args.mode == "dcp" and args.spread:
-        return {"runs": run_spread(_fixtures(args, DCP_FIXTURES), args.group_layout, args.repeats, args.device, args.layouts),
-                "device": args.device, "spread": True}
+        return {
+            "runs": run_spread(
+                _fixtures(args, DCP_FIXTURES), args.group_layout, args.repeats, args.device, args.layouts
+            ),
+            "device": args.device,
+            "spread": True,
+        }
     if args.mode == "dcp":
-        return {"runs": run_dcp(_fixtures(args, DCP_FIXTURES), args.group_layout, args.repeats, args.device, args.layouts),
-                "device": args.device}
+        return {
+            "runs": run_dcp(_fixtures(args, DCP_FIXTURES), args.group_layout, args.repeats, args.device, args.layouts),
+            "device": args.device,
+        }
     if args.mode == "async":
         return {"runs": run_async(_fixtures(args, ASYNC_FIXTURES), args.group_layout, args.repeats, args.layouts)}
     if args.asynchronous:
@@ -162,11 +192,19 @@ def main(argv: Sequence[str] | None = None) -> int:
         torch.set_num_threads(args.threads)
     t0 = time.perf_counter()
     result = {"mode": args.mode, **run(args)}
-    result.update({"command": " ".join(["python -m bench.scale", *(argv if argv is not None else sys.argv[1:])]),
-                   "layouts": list(args.layouts), "torch": torch.__version__, "python": sys.version.split()[0],
-                   "backend": sc.backend(), "cpu_count": os.cpu_count(), "repeats": args.repeats,
-                   "torch_threads": torch.get_num_threads(),
-                   "total_s": time.perf_counter() - t0})
+    result.update(
+        {
+            "command": " ".join(["python -m bench.scale", *(argv if argv is not None else sys.argv[1:])]),
+            "layouts": list(args.layouts),
+            "torch": torch.__version__,
+            "python": sys.version.split()[0],
+            "backend": sc.backend(),
+            "cpu_count": os.cpu_count(),
+            "repeats": args.repeats,
+            "torch_threads": torch.get_num_threads(),
+            "total_s": time.perf_counter() - t0,
+        }
+    )
     if args.out:
         os.makedirs(os.path.dirname(os.path.abspath(args.out)), exist_ok=True)
         with open(args.out, "w") as f:

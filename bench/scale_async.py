@@ -76,7 +76,9 @@ def async_rows(fx: Any, names: Sequence[str], repeats: int, root: str) -> list[d
     """Per variant: blocked, ``state_dict()`` and total seconds (samples and medians), bytes on disk."""
     import torch.distributed.checkpoint as dcp
 
-    samples: dict[str, dict[str, list[float]]] = {n: {"blocked_s": [], "state_dict_s": [], "total_s": []} for n in names}
+    samples: dict[str, dict[str, list[float]]] = {
+        n: {"blocked_s": [], "state_dict_s": [], "total_s": []} for n in names
+    }
     disk: dict[str, int] = {}
     for i in range(repeats):
         for name in rotated(names, i):
@@ -95,8 +97,14 @@ def async_rows(fx: Any, names: Sequence[str], repeats: int, root: str) -> list[d
     rows = []
     for name in names:
         s = samples[name]
-        rows.append({"variant": name, **{k: statistics.median(v) for k, v in s.items()}, "disk_bytes": disk[name],
-                     "samples_s": s})
+        rows.append(
+            {
+                "variant": name,
+                **{k: statistics.median(v) for k, v in s.items()},
+                "disk_bytes": disk[name],
+                "samples_s": s,
+            }
+        )
     stock = next((r for r in rows if r["variant"] == STOCK), None)
     for r in rows:
         if stock is not None:
@@ -104,8 +112,9 @@ def async_rows(fx: Any, names: Sequence[str], repeats: int, root: str) -> list[d
     return rows
 
 
-def run_async(specs: Sequence[FixtureSpec], group_layout: str, repeats: int,
-              layouts: Sequence[str] = STATE_LAYOUTS) -> list[dict[str, Any]]:
+def run_async(
+    specs: Sequence[FixtureSpec], group_layout: str, repeats: int, layouts: Sequence[str] = STATE_LAYOUTS
+) -> list[dict[str, Any]]:
     """Mode ``async``: :func:`async_rows` of every fixture (in a one-rank Gloo group), printed as they come."""
     import torch.distributed as dist
 
@@ -121,10 +130,12 @@ def run_async(specs: Sequence[FixtureSpec], group_layout: str, repeats: int,
                 rows = async_rows(fx, [*layouts, STOCK], repeats, root)
             for r in rows:
                 vs = r.get("vs_stock")
-                print(f"{spec.label:<20} {r['variant']:<11} blocked {r['blocked_s']:>7.3f} s (state_dict "
-                      f"{r['state_dict_s']:.3f} s)  total {r['total_s']:>7.3f} s  "
-                      f"{r['disk_bytes'] / 2**20:>7.1f} MiB" + (f"  x stock {vs[0]:.2f}/{vs[1]:.2f}" if vs else ""),
-                      flush=True)
+                print(
+                    f"{spec.label:<20} {r['variant']:<11} blocked {r['blocked_s']:>7.3f} s (state_dict "
+                    f"{r['state_dict_s']:.3f} s)  total {r['total_s']:>7.3f} s  "
+                    f"{r['disk_bytes'] / 2**20:>7.1f} MiB" + (f"  x stock {vs[0]:.2f}/{vs[1]:.2f}" if vs else ""),
+                    flush=True,
+                )
             out.append({"fixture": spec.label, "info": info, "rows": rows})
             del fx
     finally:
@@ -154,17 +165,23 @@ def run_async_threshold(sizes: Sequence[int], total: int, max_params: int, repea
                 rows = async_rows(fx, ["per_tensor", "buffers"], repeats, root)
             by = {r["variant"]: r for r in rows}
             ratio = by["per_tensor"]["blocked_s"] / by["buffers"]["blocked_s"]
-            points.append({"chunk_bytes": size, "n_params": n, "n_state_tensors": 2 * n, "rows": rows,
-                           "blocked_ratio": ratio})
-            print(f"chunk {size_label(size):>7} x {2 * n:>6} tensors  async_save blocked: per_tensor "
-                  f"{by['per_tensor']['blocked_s']:.3f} s  buffers {by['buffers']['blocked_s']:.3f} s  "
-                  f"per_tensor/buffers {ratio:.2f}", flush=True)
+            points.append(
+                {"chunk_bytes": size, "n_params": n, "n_state_tensors": 2 * n, "rows": rows, "blocked_ratio": ratio}
+            )
+            print(
+                f"chunk {size_label(size):>7} x {2 * n:>6} tensors  async_save blocked: per_tensor "
+                f"{by['per_tensor']['blocked_s']:.3f} s  buffers {by['buffers']['blocked_s']:.3f} s  "
+                f"per_tensor/buffers {ratio:.2f}",
+                flush=True,
+            )
             del fx
     finally:
         if started:
             dist.destroy_process_group()
         shutil.rmtree(root, ignore_errors=True)
     cross = from_size_on(sorted((p["chunk_bytes"], p["blocked_ratio"] <= 1) for p in points))
-    print("crossover (one item per tensor blocks no longer than buffers from this size on): "
-          + (size_label(cross) if cross else "none in the sweep"))
+    print(
+        "crossover (one item per tensor blocks no longer than buffers from this size on): "
+        + (size_label(cross) if cross else "none in the sweep")
+    )
     return {"points": points, "crossover_blocked_bytes": cross, "async": True}

@@ -97,8 +97,9 @@ def floor_state(opt: torch.optim.Optimizer) -> dict[str, torch.Tensor]:
     return {str(dtype): torch.cat([p.cpu() for p in parts]) for dtype, parts in by_dtype.items()}
 
 
-def layout_rows(fx: Fixture, layouts: Sequence[str], repeats: int, root: str, device: str = "cpu",
-                floor: bool = True) -> list[dict[str, Any]]:
+def layout_rows(
+    fx: Fixture, layouts: Sequence[str], repeats: int, root: str, device: str = "cpu", floor: bool = True
+) -> list[dict[str, Any]]:
     """Per layout (and the floor): save and load samples, their medians, items and bytes on disk."""
     import torch.distributed.checkpoint as dcp
 
@@ -106,7 +107,9 @@ def layout_rows(fx: Fixture, layouts: Sequence[str], repeats: int, root: str, de
     names = [*layouts, *([FLOOR] if floor else [])]
     samples: dict[str, tuple[list[float], list[float]]] = {n: ([], []) for n in names}
     synced: list[float] = []  # the floor's save with fsync, as DCP's FileSystemWriter syncs by default
-    unsynced: dict[str, list[float]] = {n: [] for n in layouts}  # each layout saved by FileSystemWriter(sync_files=False)
+    unsynced: dict[str, list[float]] = {
+        n: [] for n in layouts
+    }  # each layout saved by FileSystemWriter(sync_files=False)
     info: dict[str, tuple[int, int]] = {}
     flat = floor_state(fx.optimizer) if floor else {}
     for i in range(repeats):
@@ -122,16 +125,30 @@ def layout_rows(fx: Fixture, layouts: Sequence[str], repeats: int, root: str, de
             else:
                 state = sc.SparseOptimizerState(fx.model, fx.optimizer, state_layout=name)
                 save_s = timed(lambda path=path, state=state: (dcp.save({LEAF: state}, checkpoint_id=path), sync()))
-                unsynced[name].append(timed(lambda path=path, state=state: (dcp.save(
-                    {LEAF: state}, storage_writer=dcp.FileSystemWriter(path + ".nosync", sync_files=False)), sync())))
+                unsynced[name].append(
+                    timed(
+                        lambda path=path, state=state: (
+                            dcp.save(
+                                {LEAF: state}, storage_writer=dcp.FileSystemWriter(path + ".nosync", sync_files=False)
+                            ),
+                            sync(),
+                        )
+                    )
+                )
                 shutil.rmtree(path + ".nosync", ignore_errors=True)
                 settle()
                 fresh = build_adamw(fx.specs, **ADAMW_KWARGS)
                 target = sc.SparseOptimizerState(fx.model, fresh)
-                load_s = timed(lambda path=path, target=target: (
-                    dcp.load({LEAF: target}, checkpoint_id=path, planner=sc.SparseLoadPlanner()), sync()))
+                load_s = timed(
+                    lambda path=path, target=target: (
+                        dcp.load({LEAF: target}, checkpoint_id=path, planner=sc.SparseLoadPlanner()),
+                        sync(),
+                    )
+                )
                 if len(fresh.state) != len(fx.optimizer.state):
-                    raise AssertionError(f"{name}: loaded state of {len(fresh.state)} params, saved {len(fx.optimizer.state)}")
+                    raise AssertionError(
+                        f"{name}: loaded state of {len(fresh.state)} params, saved {len(fx.optimizer.state)}"
+                    )
                 del fresh, target, state  # the loaded copy is not kept into the next sample (untimed)
                 items = dcp_items(path)
             info[name] = (items, disk_bytes(path))
@@ -145,8 +162,16 @@ def layout_rows(fx: Fixture, layouts: Sequence[str], repeats: int, root: str, de
     rows = []
     for name in names:
         save, load = samples[name]
-        rows.append({"layout": name, "save_s": statistics.median(save), "load_s": statistics.median(load),
-                     "items": info[name][0], "disk_bytes": info[name][1], "samples_s": [save, load]})
+        rows.append(
+            {
+                "layout": name,
+                "save_s": statistics.median(save),
+                "load_s": statistics.median(load),
+                "items": info[name][0],
+                "disk_bytes": info[name][1],
+                "samples_s": [save, load],
+            }
+        )
         if name == FLOOR and synced:
             rows[-1]["save_synced_s"] = statistics.median(synced)
             rows[-1]["save_synced_samples_s"] = synced
@@ -173,8 +198,9 @@ def add_ratios(rows: list[dict[str, Any]]) -> None:
             r["vs_best"] = [r["save_s"] / best[0], r["load_s"] / best[1]]
 
 
-def run_dcp(specs: Sequence[FixtureSpec], group_layout: str, repeats: int, device: str,
-            layouts: Sequence[str] = STATE_LAYOUTS) -> list[dict[str, Any]]:
+def run_dcp(
+    specs: Sequence[FixtureSpec], group_layout: str, repeats: int, device: str, layouts: Sequence[str] = STATE_LAYOUTS
+) -> list[dict[str, Any]]:
     """Mode ``dcp``: :func:`layout_rows` of every fixture, printed as they come."""
     out = []
     for spec in specs:
@@ -188,16 +214,20 @@ def run_dcp(specs: Sequence[FixtureSpec], group_layout: str, repeats: int, devic
         finally:
             shutil.rmtree(root, ignore_errors=True)
         for row in rows:
-            print(f"{spec.label:<20} {row['layout']:<11} save {row['save_s']:>8.3f} s  load {row['load_s']:>8.3f} s  "
-                  f"items {row['items']:>7,}  {row['disk_bytes'] / 2**20:>8.1f} MiB  "
-                  f"x floor {_pair(row.get('vs_floor'))}  x best {_pair(row.get('vs_best'))}", flush=True)
+            print(
+                f"{spec.label:<20} {row['layout']:<11} save {row['save_s']:>8.3f} s  load {row['load_s']:>8.3f} s  "
+                f"items {row['items']:>7,}  {row['disk_bytes'] / 2**20:>8.1f} MiB  "
+                f"x floor {_pair(row.get('vs_floor'))}  x best {_pair(row.get('vs_best'))}",
+                flush=True,
+            )
         out.append({"fixture": spec.label, "info": info, "rows": rows})
         del fx
     return out
 
 
-def run_spread(specs: Sequence[FixtureSpec], group_layout: str, repeats: int, device: str,
-               layouts: Sequence[str] = STATE_LAYOUTS) -> list[dict[str, Any]]:
+def run_spread(
+    specs: Sequence[FixtureSpec], group_layout: str, repeats: int, device: str, layouts: Sequence[str] = STATE_LAYOUTS
+) -> list[dict[str, Any]]:
     """Mode ``dcp --spread``: :func:`run_dcp` twice, with the huge-page advice of the host buffers on
     (``SPARSE_CKPT_HUGE_PAGES=1``, the default) and off (``=0``), and per fixture, layout and setting
     the spread of the save and load samples (min / median / max): whether a layout's saves are
@@ -210,8 +240,10 @@ def run_spread(specs: Sequence[FixtureSpec], group_layout: str, repeats: int, de
         for setting in ("1", "0"):
             os.environ[HUGE_PAGES_ENV] = setting
             print(f"{HUGE_PAGES_ENV}={setting}", flush=True)
-            runs = [{**run, "huge_pages": setting, "spread": [spread(row) for row in run["rows"]]}
-                    for run in run_dcp(specs, group_layout, repeats, device, layouts)]
+            runs = [
+                {**run, "huge_pages": setting, "spread": [spread(row) for row in run["rows"]]}
+                for run in run_dcp(specs, group_layout, repeats, device, layouts)
+            ]
             print(spread_table(runs), flush=True)  # each setting's figures as soon as they are in
             out += runs
     finally:
@@ -225,21 +257,28 @@ def run_spread(specs: Sequence[FixtureSpec], group_layout: str, repeats: int, de
 def spread(row: dict[str, Any]) -> dict[str, Any]:
     """``{layout, save: [min, median, max], load: [...]}`` of one :func:`layout_rows` row's samples."""
     save, load = row["samples_s"]
-    return {"layout": row["layout"], "n": len(save),
-            "save": [min(save), statistics.median(save), max(save)],
-            "load": [min(load), statistics.median(load), max(load)]}
+    return {
+        "layout": row["layout"],
+        "n": len(save),
+        "save": [min(save), statistics.median(save), max(save)],
+        "load": [min(load), statistics.median(load), max(load)],
+    }
 
 
 def spread_table(runs: Sequence[dict[str, Any]]) -> str:
     """A markdown table of :func:`run_spread`'s figures: one row per fixture, layout and huge-page setting."""
-    lines = ["| fixture | layout | huge pages | n | save min / median / max | load min / median / max |",
-             "| --- | --- | --- | --- | --- | --- |"]
+    lines = [
+        "| fixture | layout | huge pages | n | save min / median / max | load min / median / max |",
+        "| --- | --- | --- | --- | --- | --- |",
+    ]
     ms = "{:.0f} / {:.0f} / {:.0f} ms".format
     for run in runs:
         for sp in run["spread"]:
             setting = "-" if sp["layout"] == FLOOR else ("on" if run["huge_pages"] == "1" else "off (=0)")
-            lines.append(f"| `{run['fixture']}` | {sp['layout']} | {setting} | {sp['n']} | "
-                         f"{ms(*(1e3 * x for x in sp['save']))} | {ms(*(1e3 * x for x in sp['load']))} |")
+            lines.append(
+                f"| `{run['fixture']}` | {sp['layout']} | {setting} | {sp['n']} | "
+                f"{ms(*(1e3 * x for x in sp['save']))} | {ms(*(1e3 * x for x in sp['load']))} |"
+            )
     return "\n".join(lines)
 
 
@@ -249,7 +288,9 @@ def _pair(value: list[float] | None) -> str:
 
 def state_bytes(opt: torch.optim.Optimizer) -> int:
     """Bytes of the optimizer's tensor state."""
-    return sum(v.numel() * v.element_size() for st in opt.state.values() for v in st.values() if isinstance(v, torch.Tensor))
+    return sum(
+        v.numel() * v.element_size() for st in opt.state.values() for v in st.values() if isinstance(v, torch.Tensor)
+    )
 
 
 # --------------------------------------------------------------------------- threshold
@@ -261,8 +302,9 @@ def threshold_counts(sizes: Sequence[int], total: int, max_params: int) -> list[
     return [(size, max(1, min(max_params, total // (2 * size)))) for size in sizes]
 
 
-def run_threshold(sizes: Sequence[int], total: int, max_params: int, repeats: int,
-                  layouts: Sequence[str] = PAIR) -> dict[str, Any]:
+def run_threshold(
+    sizes: Sequence[int], total: int, max_params: int, repeats: int, layouts: Sequence[str] = PAIR
+) -> dict[str, Any]:
     """Mode ``threshold``: per chunk size, ``dcp.save``/``dcp.load`` of the uniform fixture in each of
     ``layouts``; the per-item / bucketed ratios and the crossover."""
     points = []
@@ -275,26 +317,43 @@ def run_threshold(sizes: Sequence[int], total: int, max_params: int, repeats: in
                 rows = layout_rows(fx, layouts, repeats, root, floor=False)
         finally:
             shutil.rmtree(root, ignore_errors=True)
-        point = {"chunk_bytes": size, "n_params": n, "n_state_tensors": 2 * n, "state_bytes": state_bytes(fx.optimizer),
-                 "rows": rows}
+        point = {
+            "chunk_bytes": size,
+            "n_params": n,
+            "n_state_tensors": 2 * n,
+            "state_bytes": state_bytes(fx.optimizer),
+            "rows": rows,
+        }
         by = {r["layout"]: r for r in rows}
         if all(p in by for p in PAIR):
             per, buf = by["per_tensor"], by["buffers"]
-            point["ratio"] = [per["save_s"] / buf["save_s"], per["load_s"] / buf["load_s"],
-                              (per["save_s"] + per["load_s"]) / (buf["save_s"] + buf["load_s"])]
+            point["ratio"] = [
+                per["save_s"] / buf["save_s"],
+                per["load_s"] / buf["load_s"],
+                (per["save_s"] + per["load_s"]) / (buf["save_s"] + buf["load_s"]),
+            ]
         points.append(point)
-        print(f"chunk {size_label(size):>7} x {2 * n:>6} tensors  " + "  ".join(
-            f"{r['layout']} {r['save_s']:.3f}/{r['load_s']:.3f} s" for r in rows)
-            + (f"  per_tensor/buffers {_pair(point['ratio'])} (sum {point['ratio'][2]:.2f})" if "ratio" in point else ""),
-            flush=True)
+        print(
+            f"chunk {size_label(size):>7} x {2 * n:>6} tensors  "
+            + "  ".join(f"{r['layout']} {r['save_s']:.3f}/{r['load_s']:.3f} s" for r in rows)
+            + (
+                f"  per_tensor/buffers {_pair(point['ratio'])} (sum {point['ratio'][2]:.2f})"
+                if "ratio" in point
+                else ""
+            ),
+            flush=True,
+        )
         del fx
     result = {"points": points, **crossover(points)}
-    print("crossover (per-item at least as fast as buffers from this size on, at every larger size too): "
-          + "; ".join(f"{what} {size_label(result[f'crossover{sfx}_bytes']) if result[f'crossover{sfx}_bytes'] else 'none'}"
-                      for what, sfx in (("save and load", ""), ("save", "_save"), ("load", "_load"),
-                                        ("save + load", "_sum")))
-          + f"; the first size where save and load both hold: "
-          f"{size_label(result['first_bytes']) if result['first_bytes'] else 'none'}")
+    print(
+        "crossover (per-item at least as fast as buffers from this size on, at every larger size too): "
+        + "; ".join(
+            f"{what} {size_label(result[f'crossover{sfx}_bytes']) if result[f'crossover{sfx}_bytes'] else 'none'}"
+            for what, sfx in (("save and load", ""), ("save", "_save"), ("load", "_load"), ("save + load", "_sum"))
+        )
+        + f"; the first size where save and load both hold: "
+        f"{size_label(result['first_bytes']) if result['first_bytes'] else 'none'}"
+    )
     return result
 
 
@@ -322,7 +381,9 @@ def crossover(points: Sequence[dict[str, Any]]) -> dict[str, int | None]:
     rated = sorted((p["chunk_bytes"], p["ratio"]) for p in points if "ratio" in p)
     out: dict[str, int | None] = {}
     for suffix, idx in CRITERIA.items():
-        out[f"crossover{suffix}_bytes"] = from_size_on([(size, all(r[i] <= 1.0 for i in idx if i < len(r))) for size, r in rated])
+        out[f"crossover{suffix}_bytes"] = from_size_on(
+            [(size, all(r[i] <= 1.0 for i in idx if i < len(r))) for size, r in rated]
+        )
     out["first_bytes"] = next((size for size, r in rated if r[0] <= 1.0 and r[1] <= 1.0), None)
     return out
 

@@ -103,7 +103,11 @@ def build_metadata(plans: list[Any]) -> Any:
 
 def count_records(metadata: Any) -> dict[str, int]:
     chunks = sum(len(getattr(md, "chunks", ())) or 1 for md in metadata.state_dict_metadata.values())
-    return {"items": len(metadata.state_dict_metadata), "chunk_records": chunks, "storage_records": len(metadata.storage_data)}
+    return {
+        "items": len(metadata.state_dict_metadata),
+        "chunk_records": chunks,
+        "storage_records": len(metadata.storage_data),
+    }
 
 
 def time_pickle(metadata: Any, repeats: int) -> dict[str, float]:
@@ -131,10 +135,17 @@ def metadata_row(sd: dict[str, Any], world: int, layout: str, sample: int, repea
     plans = local_plans(sd, world, layout, sample)
     md = build_metadata(plans)
     del plans
-    row: dict[str, Any] = {"ranks": world, "layout": layout, "sample": sample, **count_records(md),
-                           **time_pickle(md, repeats)}
+    row: dict[str, Any] = {
+        "ranks": world,
+        "layout": layout,
+        "sample": sample,
+        **count_records(md),
+        **time_pickle(md, repeats),
+    }
     if sample > 1:  # linear in the tensors planned: scale up (the state items dominate every figure)
-        row["measured"] = {k: row[k] for k in ("items", "chunk_records", "storage_records", "bytes", "pickle_s", "unpickle_s")}
+        row["measured"] = {
+            k: row[k] for k in ("items", "chunk_records", "storage_records", "bytes", "pickle_s", "unpickle_s")
+        }
         for k in ("chunk_records", "storage_records", "bytes", "pickle_s", "unpickle_s"):
             row[k] = row[k] * sample
         state = [k for k in sd if is_state_item(k)]
@@ -160,13 +171,23 @@ def auto_threshold() -> tuple[str, int] | None:
 def split(sd: dict[str, Any]) -> dict[str, int]:
     """Per-item state tensors, layout tables and buffers of a one-rank dict."""
     buffers = [k for k in sd if k.startswith(BUFFERS_PREFIX)]
-    return {"per_item_state": sum(1 for k in sd if is_state_item(k)),
-            "layout_tables": sum(1 for k in buffers if not isinstance(sd[k], torch.Tensor)),
-            "buffers": sum(1 for k in buffers if isinstance(sd[k], torch.Tensor))}
+    return {
+        "per_item_state": sum(1 for k in sd if is_state_item(k)),
+        "layout_tables": sum(1 for k in buffers if not isinstance(sd[k], torch.Tensor)),
+        "buffers": sum(1 for k in buffers if isinstance(sd[k], torch.Tensor)),
+    }
 
 
-def run_metadata(spec: FixtureSpec, group_layout: str, ranks: list[int], max_records: int, repeats: int,
-                 check: list[int], check_sample: int, layouts: tuple[str, ...] = STATE_LAYOUTS) -> dict[str, Any]:
+def run_metadata(
+    spec: FixtureSpec,
+    group_layout: str,
+    ranks: list[int],
+    max_records: int,
+    repeats: int,
+    check: list[int],
+    check_sample: int,
+    layouts: tuple[str, ...] = STATE_LAYOUTS,
+) -> dict[str, Any]:
     """Mode ``metadata``: one row per (ranks, layout) with records, bytes, (un)pickle times and the ratios
     to ``per_tensor`` at the same N; ``check``: full vs sampled per-tensor rows."""
     fx = FixtureCache(hidden=spec.hidden, embed=spec.embed, no_state_fraction=0.5).get(spec.scale, group_layout)
@@ -189,13 +210,23 @@ def run_metadata(spec: FixtureSpec, group_layout: str, ranks: list[int], max_rec
         exact = metadata_row(sd, world, "per_tensor", 1, repeats)
         scaled = metadata_row(sd, world, "per_tensor", check_sample, repeats)
         checks.append({"ranks": world, "full": exact, "scaled": scaled})
-        print(f"check at {world} ranks: full {exact['bytes']} bytes, pickle {exact['pickle_s']:.3f} s, unpickle "
-              f"{exact['unpickle_s']:.3f} s; 1/{check_sample} scaled: {scaled['bytes']} bytes, pickle "
-              f"{scaled['pickle_s']:.3f} s, unpickle {scaled['unpickle_s']:.3f} s")
+        print(
+            f"check at {world} ranks: full {exact['bytes']} bytes, pickle {exact['pickle_s']:.3f} s, unpickle "
+            f"{exact['unpickle_s']:.3f} s; 1/{check_sample} scaled: {scaled['bytes']} bytes, pickle "
+            f"{scaled['pickle_s']:.3f} s, unpickle {scaled['unpickle_s']:.3f} s"
+        )
     threshold = auto_threshold()
-    return {"fixture": spec.label, "group_layout": group_layout, "n_param_shaped_state": fx.info["n_param_shaped_state"],
-            "info": fx.info, "split": splits, "auto_threshold": threshold, "auto_check": auto_check(sds, threshold),
-            "rows": rows, "checks": checks}
+    return {
+        "fixture": spec.label,
+        "group_layout": group_layout,
+        "n_param_shaped_state": fx.info["n_param_shaped_state"],
+        "info": fx.info,
+        "split": splits,
+        "auto_threshold": threshold,
+        "auto_check": auto_check(sds, threshold),
+        "rows": rows,
+        "checks": checks,
+    }
 
 
 def auto_check(sds: dict[str, dict[str, Any]], threshold: tuple[str, int] | None) -> dict[str, Any] | None:
@@ -217,14 +248,18 @@ def add_vs_per_tensor(rows: list[dict[str, Any]]) -> None:
     for r in rows:
         p = ref.get(r["ranks"])
         if p is not None:
-            r["vs_per_tensor"] = {"chunk_records": r["chunk_records"] / p["chunk_records"], "bytes": r["bytes"] / p["bytes"],
-                                  "unpickle_s": r["unpickle_s"] / p["unpickle_s"] if p["unpickle_s"] else None}
+            r["vs_per_tensor"] = {
+                "chunk_records": r["chunk_records"] / p["chunk_records"],
+                "bytes": r["bytes"] / p["bytes"],
+                "unpickle_s": r["unpickle_s"] / p["unpickle_s"] if p["unpickle_s"] else None,
+            }
 
 
 def _print_metadata_row(row: dict[str, Any]) -> None:
     note = f" (scaled x{row['sample']})" if row["sample"] > 1 else ""
-    print(f"{row['ranks']:>5} ranks {row['layout']:<10} items {row['items']:>10,} chunk records {row['chunk_records']:>12,} "
-          f"storage records {row['storage_records']:>12,} .metadata {row['bytes'] / 2**20:>10.1f} MiB "
-          f"pickle {row['pickle_s']:>8.3f} s unpickle {row['unpickle_s']:>8.3f} s{note}", flush=True)
-
-
+    print(
+        f"{row['ranks']:>5} ranks {row['layout']:<10} items {row['items']:>10,} chunk records {row['chunk_records']:>12,} "
+        f"storage records {row['storage_records']:>12,} .metadata {row['bytes'] / 2**20:>10.1f} MiB "
+        f"pickle {row['pickle_s']:>8.3f} s unpickle {row['unpickle_s']:>8.3f} s{note}",
+        flush=True,
+    )

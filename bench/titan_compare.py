@@ -84,8 +84,10 @@ def run(layers: int, experts: int, dim: int, routed_fraction: float, repeat: int
     shape = {"layers": layers, "experts": experts, "dim": dim}
     params = sum(p.numel() for p in tt.TitanMoE(**shape).parameters())
     tensors = len(list(tt.TitanMoE(**shape).parameters()))
-    out: dict[str, Any] = {"shape": {**shape, "parameters": tensors, "numel": params, "routed_fraction": routed_fraction},
-                           "results": {}}
+    out: dict[str, Any] = {
+        "shape": {**shape, "parameters": tensors, "numel": params, "routed_fraction": routed_fraction},
+        "results": {},
+    }
     for scenario in ("moe", "dense"):
         routed = tt.routed_experts(experts, routed_fraction if scenario == "moe" else 1.0)
         for kind in MANAGERS:
@@ -97,10 +99,12 @@ def run(layers: int, experts: int, dim: int, routed_fraction: float, repeat: int
             row["save_s"] = statistics.median(r["save_s"] for r in runs)
             row["load_s"] = statistics.median(r["load_s"] for r in runs)
             out["results"][f"{scenario}/{kind}"] = row
-            print(f"{scenario:5s} {kind:6s} items {row['items']:6d} (optimizer {row['optimizer_items']:6d})  "
-                  f"bytes {row['bytes']:10d}  save {row['save_s']:7.3f} s  load {row['load_s']:7.3f} s  "
-                  f"state {row['params_with_state_saved']} -> {row['params_with_state_loaded']}  [{row['loader']}]",
-                  flush=True)
+            print(
+                f"{scenario:5s} {kind:6s} items {row['items']:6d} (optimizer {row['optimizer_items']:6d})  "
+                f"bytes {row['bytes']:10d}  save {row['save_s']:7.3f} s  load {row['load_s']:7.3f} s  "
+                f"state {row['params_with_state_saved']} -> {row['params_with_state_loaded']}  [{row['loader']}]",
+                flush=True,
+            )
     return out
 
 

@@ -145,8 +145,16 @@ def Loader(position: int = 0) -> Counter:
     return Counter("position", position)
 
 
-def manager(config_cls: Any, base_folder: str, model: nn.Module, optimizers: Any, schedulers: Any,
-            train_state: Counter, loader: Counter | None = None, **config: Any) -> Any:
+def manager(
+    config_cls: Any,
+    base_folder: str,
+    model: nn.Module,
+    optimizers: Any,
+    schedulers: Any,
+    train_state: Counter,
+    loader: Counter | None = None,
+    **config: Any,
+) -> Any:
     """``config_cls(enable=True, interval=1, ...)`` built the way torchtitan's trainer builds its manager."""
     fields = {"enable": True, "interval": 1, "keep_latest_k": 0, **config}
     return config_cls(**fields).build(

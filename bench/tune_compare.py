@@ -121,8 +121,14 @@ def written(run: Path, async_: bool) -> tuple[int, int, int]:
 
 
 def worker(rank: int, world_size: int, port: int, args: argparse.Namespace, out_dir: str) -> None:
-    os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port), RANK=str(rank), WORLD_SIZE=str(world_size),
-                      LOCAL_RANK=str(rank), OMP_NUM_THREADS="1")
+    os.environ.update(
+        MASTER_ADDR="127.0.0.1",
+        MASTER_PORT=str(port),
+        RANK=str(rank),
+        WORLD_SIZE=str(world_size),
+        LOCAL_RANK=str(rank),
+        OMP_NUM_THREADS="1",
+    )
     dist.init_process_group("gloo", rank=rank, world_size=world_size)
     logging.disable(logging.WARNING)  # torchtune logs every step at INFO
     from torch.distributed.device_mesh import init_device_mesh
@@ -150,20 +156,37 @@ def worker(rank: int, world_size: int, port: int, args: argparse.Namespace, out_
                     loaded = None if error else len(result[0].state)
                 entries = written(Path(out_dir) / f"{scenario}-{way}-{method}-0", async_)
                 err = None if error is None else f"{type(error).__name__}: {str(error).strip().splitlines()[-1][:110]}"
-                rows.append((scenario, way, method, with_state, loaded, *entries, statistics.median(saves),
-                             None if error else statistics.median(loads), err))
+                rows.append(
+                    (
+                        scenario,
+                        way,
+                        method,
+                        with_state,
+                        loaded,
+                        *entries,
+                        statistics.median(saves),
+                        None if error else statistics.median(loads),
+                        err,
+                    )
+                )
                 sc_tune.uninstall()
     if rank == 0:
         n = sum(1 for _ in model.parameters())
-        print(f"torchtune 0.6.1 recipe checkpoints, {world_size} ranks, {n} parameters ({args.layers} layers x "
-              f"{args.experts} experts, {args.routed} routed in 'moe', dim {args.dim}), median of {args.repeats}")
-        print(f"{'scenario':<8} {'way':<5} {'method':<11} {'state':>11} {'opt items':>9} {'items':>6} {'bytes':>10} "
-              f"{'save ms':>8} {'resume ms':>9}")
+        print(
+            f"torchtune 0.6.1 recipe checkpoints, {world_size} ranks, {n} parameters ({args.layers} layers x "
+            f"{args.experts} experts, {args.routed} routed in 'moe', dim {args.dim}), median of {args.repeats}"
+        )
+        print(
+            f"{'scenario':<8} {'way':<5} {'method':<11} {'state':>11} {'opt items':>9} {'items':>6} {'bytes':>10} "
+            f"{'save ms':>8} {'resume ms':>9}"
+        )
         for scenario, way, method, before, after, opt_items, items, size, save, load, err in rows:
             state = f"{before}->{after if after is not None else 'x'}"
             load_text = f"{load * 1e3:9.1f}" if load is not None else "    fails"
-            print(f"{scenario:<8} {way:<5} {method:<11} {state:>11} {opt_items:>9} {items:>6} {size:>10} "
-                  f"{save * 1e3:8.1f} {load_text}" + (f"  ({err})" if err else ""))
+            print(
+                f"{scenario:<8} {way:<5} {method:<11} {state:>11} {opt_items:>9} {items:>6} {size:>10} "
+                f"{save * 1e3:8.1f} {load_text}" + (f"  ({err})" if err else "")
+            )
     dist.barrier()
     dist.destroy_process_group()
 

@@ -49,19 +49,21 @@ def config(root: str | Path, *, async_: bool, resume: bool) -> Any:
     ``output_dir`` the run's checkpoints; a resume of a sync run reads ``epoch_0`` of ``output_dir``."""
     root = Path(root)
     files = [f"epoch_{EPOCH}/{SHARD}"] if resume and not async_ else [BASE]
-    return OmegaConf.create({
-        "device": "cpu",
-        "resume_from_checkpoint": resume,
-        "enable_async_checkpointing": async_,
-        "optimizer_in_bwd": False,
-        "checkpointer": {
-            "_component_": "torchtune.training.FullModelTorchTuneCheckpointer",
-            "checkpoint_dir": str(root / "base"),
-            "checkpoint_files": files,
-            "output_dir": str(root / "out"),
-            "model_type": "LLAMA3",
-        },
-    })
+    return OmegaConf.create(
+        {
+            "device": "cpu",
+            "resume_from_checkpoint": resume,
+            "enable_async_checkpointing": async_,
+            "optimizer_in_bwd": False,
+            "checkpointer": {
+                "_component_": "torchtune.training.FullModelTorchTuneCheckpointer",
+                "checkpoint_dir": str(root / "base"),
+                "checkpoint_files": files,
+                "output_dir": str(root / "out"),
+                "model_type": "LLAMA3",
+            },
+        }
+    )
 
 
 def write_base(root: str | Path, model: torch.nn.Module) -> None:
@@ -78,7 +80,9 @@ def client(root: str | Path, *, async_: bool, resume: bool) -> CheckpointClient:
     return CheckpointClient(config(root, async_=async_, resume=resume))
 
 
-def save(root: str | Path, model: torch.nn.Module, optimizer: torch.optim.Optimizer, *, async_: bool) -> CheckpointClient:
+def save(
+    root: str | Path, model: torch.nn.Module, optimizer: torch.optim.Optimizer, *, async_: bool
+) -> CheckpointClient:
     """The recipe's end-of-epoch save (epoch 0 of 2: model, optimizer and training progress)."""
     ckpt = client(root, async_=async_, resume=False)
     progress = TrainingProgress(seed=SEED, epochs_run=EPOCH + 1, total_epochs=TOTAL_EPOCHS, max_steps_per_epoch=3)
@@ -96,8 +100,9 @@ def wait(ckpt: CheckpointClient) -> None:
     dist.barrier()
 
 
-def resume(root: str | Path, model: torch.nn.Module, make_optimizer: Callable[[torch.nn.Module], Any], *,
-           async_: bool) -> tuple[Any, dict[str, Any]]:
+def resume(
+    root: str | Path, model: torch.nn.Module, make_optimizer: Callable[[torch.nn.Module], Any], *, async_: bool
+) -> tuple[Any, dict[str, Any]]:
     """The recipe's ``setup`` on ``resume_from_checkpoint: True``: base (or ``epoch_0``) weights into the
     sharded ``model`` (torchtune assigns new parameters), then ``make_optimizer(model)`` (the recipe's
     ``config.instantiate(cfg_optimizer, model.parameters())``) and the sync optimizer state into it,

@@ -80,35 +80,114 @@ class Target:
     layout: str
 
 
-SAVE_COST_PARAM = Target("save cost: sparse_state_dict / optimizer.state_dict(), one group per param", "<=",
-                         SAVE_COST_PARAM_MAX, TARGET_SCALE, "param")
-SAVE_COST_LAYER = Target("save cost: sparse_state_dict / optimizer.state_dict(), one group per layer", "<=",
-                         SAVE_COST_LAYER_MAX, TARGET_SCALE, "layer")
-LOAD_COST_PARAM = Target("load cost: load_sparse_state_dict / optimizer.state_dict(), one group per param", "<=",
-                         LOAD_COST_PARAM_MAX, TARGET_SCALE, "param")
-LOAD_COST_LAYER = Target("load cost: load_sparse_state_dict / optimizer.state_dict(), one group per layer", "<=",
-                         LOAD_COST_LAYER_MAX, TARGET_SCALE, "layer")
-BACKEND_SPEEDUP = Target("backend: python / cpp on sparse_state_dict + load_sparse_state_dict", ">=",
-                         BACKEND_SPEEDUP_MIN, TARGET_SCALE, "param")
-DCP_VS_NAIVE_PARAM = Target("DCP time: whole optimizer (SparseOptimizerState + planner) / naive layout, "
-                            "one group per param", "<=", DCP_VS_NAIVE_MAX, DCP_TARGET_SCALE, "param")
-DCP_VS_NAIVE_LAYER = Target("DCP time: whole optimizer (SparseOptimizerState + planner) / naive layout, "
-                            "one group per layer", "<=", DCP_VS_NAIVE_MAX, DCP_TARGET_SCALE, "layer")
-DCP_ITEMS_PARAM = Target("DCP items: packed / (param-shaped state tensors + leaves + tables), one group per param",
-                         "<=", DCP_ITEMS_MAX, DCP_TARGET_SCALE, "param")
-DCP_ITEMS_LAYER = Target("DCP items: packed / (param-shaped state tensors + leaves + tables), one group per layer",
-                         "<=", DCP_ITEMS_MAX, DCP_TARGET_SCALE, "layer")
-GROWTH_SAVE_PARAM = Target(f"growth {GROWTH_FROM} → {GROWTH_TO} per param: sparse_state_dict / "
-                           "optimizer.state_dict(), one group per param", "<=", GROWTH_VS_TORCH_MAX, GROWTH_TO, "param")
-GROWTH_SAVE_LAYER = Target(f"growth {GROWTH_FROM} → {GROWTH_TO} per param: sparse_state_dict / "
-                           "optimizer.state_dict(), one group per layer", "<=", GROWTH_VS_TORCH_MAX, GROWTH_TO, "layer")
-GROWTH_LOAD_PARAM = Target(f"growth {GROWTH_FROM} → {GROWTH_TO} per param: load_sparse_state_dict / "
-                           "optimizer.state_dict(), one group per param", "<=", GROWTH_VS_TORCH_MAX, GROWTH_TO, "param")
-GROWTH_LOAD_LAYER = Target(f"growth {GROWTH_FROM} → {GROWTH_TO} per param: load_sparse_state_dict / "
-                           "optimizer.state_dict(), one group per layer", "<=", GROWTH_VS_TORCH_MAX, GROWTH_TO, "layer")
-TARGETS = (SAVE_COST_PARAM, SAVE_COST_LAYER, LOAD_COST_PARAM, LOAD_COST_LAYER, BACKEND_SPEEDUP, DCP_VS_NAIVE_PARAM,
-           DCP_VS_NAIVE_LAYER, DCP_ITEMS_PARAM, DCP_ITEMS_LAYER, GROWTH_SAVE_PARAM, GROWTH_SAVE_LAYER,
-           GROWTH_LOAD_PARAM, GROWTH_LOAD_LAYER)
+SAVE_COST_PARAM = Target(
+    "save cost: sparse_state_dict / optimizer.state_dict(), one group per param",
+    "<=",
+    SAVE_COST_PARAM_MAX,
+    TARGET_SCALE,
+    "param",
+)
+SAVE_COST_LAYER = Target(
+    "save cost: sparse_state_dict / optimizer.state_dict(), one group per layer",
+    "<=",
+    SAVE_COST_LAYER_MAX,
+    TARGET_SCALE,
+    "layer",
+)
+LOAD_COST_PARAM = Target(
+    "load cost: load_sparse_state_dict / optimizer.state_dict(), one group per param",
+    "<=",
+    LOAD_COST_PARAM_MAX,
+    TARGET_SCALE,
+    "param",
+)
+LOAD_COST_LAYER = Target(
+    "load cost: load_sparse_state_dict / optimizer.state_dict(), one group per layer",
+    "<=",
+    LOAD_COST_LAYER_MAX,
+    TARGET_SCALE,
+    "layer",
+)
+BACKEND_SPEEDUP = Target(
+    "backend: python / cpp on sparse_state_dict + load_sparse_state_dict",
+    ">=",
+    BACKEND_SPEEDUP_MIN,
+    TARGET_SCALE,
+    "param",
+)
+DCP_VS_NAIVE_PARAM = Target(
+    "DCP time: whole optimizer (SparseOptimizerState + planner) / naive layout, one group per param",
+    "<=",
+    DCP_VS_NAIVE_MAX,
+    DCP_TARGET_SCALE,
+    "param",
+)
+DCP_VS_NAIVE_LAYER = Target(
+    "DCP time: whole optimizer (SparseOptimizerState + planner) / naive layout, one group per layer",
+    "<=",
+    DCP_VS_NAIVE_MAX,
+    DCP_TARGET_SCALE,
+    "layer",
+)
+DCP_ITEMS_PARAM = Target(
+    "DCP items: packed / (param-shaped state tensors + leaves + tables), one group per param",
+    "<=",
+    DCP_ITEMS_MAX,
+    DCP_TARGET_SCALE,
+    "param",
+)
+DCP_ITEMS_LAYER = Target(
+    "DCP items: packed / (param-shaped state tensors + leaves + tables), one group per layer",
+    "<=",
+    DCP_ITEMS_MAX,
+    DCP_TARGET_SCALE,
+    "layer",
+)
+GROWTH_SAVE_PARAM = Target(
+    f"growth {GROWTH_FROM} → {GROWTH_TO} per param: sparse_state_dict / optimizer.state_dict(), one group per param",
+    "<=",
+    GROWTH_VS_TORCH_MAX,
+    GROWTH_TO,
+    "param",
+)
+GROWTH_SAVE_LAYER = Target(
+    f"growth {GROWTH_FROM} → {GROWTH_TO} per param: sparse_state_dict / optimizer.state_dict(), one group per layer",
+    "<=",
+    GROWTH_VS_TORCH_MAX,
+    GROWTH_TO,
+    "layer",
+)
+GROWTH_LOAD_PARAM = Target(
+    f"growth {GROWTH_FROM} → {GROWTH_TO} per param: load_sparse_state_dict / "
+    "optimizer.state_dict(), one group per param",
+    "<=",
+    GROWTH_VS_TORCH_MAX,
+    GROWTH_TO,
+    "param",
+)
+GROWTH_LOAD_LAYER = Target(
+    f"growth {GROWTH_FROM} → {GROWTH_TO} per param: load_sparse_state_dict / "
+    "optimizer.state_dict(), one group per layer",
+    "<=",
+    GROWTH_VS_TORCH_MAX,
+    GROWTH_TO,
+    "layer",
+)
+TARGETS = (
+    SAVE_COST_PARAM,
+    SAVE_COST_LAYER,
+    LOAD_COST_PARAM,
+    LOAD_COST_LAYER,
+    BACKEND_SPEEDUP,
+    DCP_VS_NAIVE_PARAM,
+    DCP_VS_NAIVE_LAYER,
+    DCP_ITEMS_PARAM,
+    DCP_ITEMS_LAYER,
+    GROWTH_SAVE_PARAM,
+    GROWTH_SAVE_LAYER,
+    GROWTH_LOAD_PARAM,
+    GROWTH_LOAD_LAYER,
+)
 """Every target, in table order."""
 
 SAVE = sparse_id("save", TARGET_BACKEND, TARGET_FORMAT)
@@ -119,9 +198,22 @@ LOAD_PY = sparse_id("load", "python", TARGET_FORMAT)
 
 def target_method_ids() -> list[str]:
     """Every method id the targets divide."""
-    return [FLOOR_STATE_DICT, FLOOR_LOAD_STATE_DICT, DSD_GET, DSD_SET, SAVE, LOAD, SAVE_PY, LOAD_PY,
-            DCP_STATEFUL_SAVE, DCP_STATEFUL_LOAD, DCP_NAIVE_SAVE, DCP_NAIVE_LOAD, DCP_PACKED_SAVE,
-            DCP_PACKED_GROUPS_SAVE]
+    return [
+        FLOOR_STATE_DICT,
+        FLOOR_LOAD_STATE_DICT,
+        DSD_GET,
+        DSD_SET,
+        SAVE,
+        LOAD,
+        SAVE_PY,
+        LOAD_PY,
+        DCP_STATEFUL_SAVE,
+        DCP_STATEFUL_LOAD,
+        DCP_NAIVE_SAVE,
+        DCP_NAIVE_LOAD,
+        DCP_PACKED_SAVE,
+        DCP_PACKED_GROUPS_SAVE,
+    ]
 
 
 def check_method_ids(extra: Iterable[str] = ()) -> None:
@@ -195,8 +287,17 @@ def runs_of(results: dict[str, Any], layout: str) -> list[dict[str, Any]]:
 # --------------------------------------------------------------------------- targets
 
 
-def _row(name: str, backend: str, value: float | None, op: str, threshold: float, where: str, why: str = "",
-         judged: bool = False, detail: str = "") -> dict[str, Any]:
+def _row(
+    name: str,
+    backend: str,
+    value: float | None,
+    op: str,
+    threshold: float,
+    where: str,
+    why: str = "",
+    judged: bool = False,
+    detail: str = "",
+) -> dict[str, Any]:
     """A targets row: ``verdict`` from the numbers; ``status`` the verdict, or INDICATIVE unless ``judged``."""
     if value is None:
         verdict = NA
@@ -230,7 +331,9 @@ def targets_mode(results: dict[str, Any]) -> tuple[bool, str]:
     return True, f"{TARGET_SCALE}, one group per {TARGET_LAYOUT}"
 
 
-Measure = Callable[[dict[str, Any]], tuple[Optional[float], str, str]]  # Optional, not "| None": evaluated on import (3.9)
+Measure = Callable[
+    [dict[str, Any]], tuple[Optional[float], str, str]
+]  # Optional, not "| None": evaluated on import (3.9)
 """``run -> (value, why it is missing, detail)``."""
 
 
@@ -258,6 +361,7 @@ def _cost(num: str, den: str, results: dict[str, Any]) -> Measure:
         if value is None:
             return None, missing_reason(results, run, num, den), ""
         return value, "", f"{fmt_time(median(run, num))} vs {fmt_time(median(run, den))}"
+
     return measure
 
 
@@ -268,6 +372,7 @@ def _speedup(results: dict[str, Any]) -> Measure:
         if value is None:
             return None, missing_reason(results, run, SAVE_PY, LOAD_PY, SAVE, LOAD), ""
         return value, "", f"python {fmt_time(py)} vs cpp {fmt_time(cpp)} (save + load)"
+
     return measure
 
 
@@ -284,6 +389,7 @@ def _dcp_vs_naive(results: dict[str, Any]) -> Measure:
         if None not in items:
             detail += f"; {items[0]:,} vs {items[1]:,} items"
         return value, "", detail
+
     return measure
 
 
@@ -298,8 +404,15 @@ def _dcp_items(results: dict[str, Any]) -> Measure:
         if shaped is None or leaves is None:
             return None, "the run does not record n_param_shaped_state / n_leaves", ""
         bound = shaped + leaves + tables
-        return items / bound, "", (f"{items:,} items; bound {bound:,} = {shaped:,} param-shaped state tensors + "
-                                   f"{leaves} leaf + {tables} table item{'s' if tables != 1 else ''}")
+        return (
+            items / bound,
+            "",
+            (
+                f"{items:,} items; bound {bound:,} = {shaped:,} param-shaped state tensors + "
+                f"{leaves} leaf + {tables} table item{'s' if tables != 1 else ''}"
+            ),
+        )
+
     return measure
 
 
@@ -319,16 +432,35 @@ def _growth_row(results: dict[str, Any], target: Target, method_id: str) -> dict
     args = (target.name, TARGET_BACKEND)
     if small is None or big is None:
         absent = [s for s, r in ((GROWTH_FROM, small), (GROWTH_TO, big)) if r is None]
-        return _row(*args, None, target.op, target.threshold, where,
-                    f"{' and '.join(absent)} with one group per {target.layout} not run")
+        return _row(
+            *args,
+            None,
+            target.op,
+            target.threshold,
+            where,
+            f"{' and '.join(absent)} with one group per {target.layout} not run",
+        )
     mine, torch_ = per_param_growth(small, big, method_id), per_param_growth(small, big, FLOOR_STATE_DICT)
     value = ratio(mine, torch_)
     if value is None:
-        why = "; ".join(x for x in (missing_reason(results, small, method_id, FLOOR_STATE_DICT),
-                                    missing_reason(results, big, method_id, FLOOR_STATE_DICT)) if x)
+        why = "; ".join(
+            x
+            for x in (
+                missing_reason(results, small, method_id, FLOOR_STATE_DICT),
+                missing_reason(results, big, method_id, FLOOR_STATE_DICT),
+            )
+            if x
+        )
         return _row(*args, None, target.op, target.threshold, where, why)
-    return _row(*args, value, target.op, target.threshold, where, judged=not results["config"].get("quick"),
-                detail=f"per-param growth: sparse_ckpt {mine:.2f}×, torch {torch_:.2f}×")
+    return _row(
+        *args,
+        value,
+        target.op,
+        target.threshold,
+        where,
+        judged=not results["config"].get("quick"),
+        detail=f"per-param growth: sparse_ckpt {mine:.2f}×, torch {torch_:.2f}×",
+    )
 
 
 def compute_targets(results: dict[str, Any]) -> list[dict[str, Any]]:

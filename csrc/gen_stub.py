@@ -30,8 +30,13 @@ TWIN = "sparse_ckpt._core_py"
 TWIN_DIR = ROOT / "sparse_ckpt" / "_core_py"
 """The twin's modules: the stub copies their module-level type aliases (``Name = Callable[...]``)
 that a signature uses."""
-IMPORTABLE = {"Callable": "collections.abc", "Iterable": "collections.abc", "Mapping": "collections.abc",
-              "Sequence": "collections.abc", "Any": "typing"}
+IMPORTABLE = {
+    "Callable": "collections.abc",
+    "Iterable": "collections.abc",
+    "Mapping": "collections.abc",
+    "Sequence": "collections.abc",
+    "Any": "typing",
+}
 """Names an annotation may use besides builtins and the aliases, and where the stub imports them from."""
 
 HEADER = '''\

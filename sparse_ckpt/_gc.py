@@ -70,12 +70,14 @@ def _end_locked(token: int) -> None:
 
 def _begin(token: int) -> None:
     """:func:`_begin_locked` under the lock."""
-    with _lock: _begin_locked(token)  # fmt: skip - keep on one line: no line event between acquire and release
+    # keep on one line: no line event between acquire and release
+    with _lock: _begin_locked(token)  # fmt: skip
 
 
 def _end(token: int) -> None:
     """:func:`_end_locked` under the lock."""
-    with _lock: _end_locked(token)  # fmt: skip - keep on one line: no line event between acquire and release
+    # keep on one line: no line event between acquire and release
+    with _lock: _end_locked(token)  # fmt: skip
 
 
 @contextmanager
@@ -90,8 +92,10 @@ def gc_paused() -> Iterator[None]:
         _begin(token)
         yield
     finally:
-        try: _end(token)  # fmt: skip - body on the try's line: its line event is protected
-        finally: _end(token)  # fmt: skip - idempotent: completes an end the first did not finish
+        # body on the try's line: its line event is protected
+        try: _end(token)  # fmt: skip
+        # idempotent: completes an end the first did not finish
+        finally: _end(token)  # fmt: skip
 
 
 def pauses_in_progress() -> int:

@@ -38,8 +38,15 @@ from typing import Any
 
 import torch
 
-__all__ = ["HUGE_PAGES_ENV", "HUGE_PAGE_BYTES", "PINNED_STAGING_ENV", "empty_host", "huge_pages_wanted",
-           "pinned_staging_wanted", "staging_host"]
+__all__ = [
+    "HUGE_PAGES_ENV",
+    "HUGE_PAGE_BYTES",
+    "PINNED_STAGING_ENV",
+    "empty_host",
+    "huge_pages_wanted",
+    "pinned_staging_wanted",
+    "staging_host",
+]
 
 HUGE_PAGE_BYTES = 2 << 20
 """The huge page size advised for (x86-64 and arm64 with 4 KiB base pages); a buffer smaller than

@@ -107,9 +107,7 @@ def refuse_state_dict(obj: Any, leaf: str | None = None, advice: str = PASS_THE_
     else:
         return
     where = f"leaf {leaf!r}: " if leaf is not None else ""
-    raise TypeError(
-        f"{where}you passed a state dict ({kind}) where an optimizer is expected; {advice}"
-    )
+    raise TypeError(f"{where}you passed a state dict ({kind}) where an optimizer is expected; {advice}")
 
 
 def _leaf_value(name: Any, opt: Any) -> Any:
@@ -153,11 +151,7 @@ def held_optimizers_hint(obj: Any) -> str:
             found.append(f"`.{attr}` (a {type(value).__name__})")
         elif isinstance(value, Mapping) and value and all(isinstance(v, torch.optim.Optimizer) for v in value.values()):
             found.append(f"`.{attr}` (a mapping of {len(value)} optimizers)")
-        elif (
-            isinstance(value, (list, tuple))
-            and value
-            and all(isinstance(v, torch.optim.Optimizer) for v in value)
-        ):
+        elif isinstance(value, (list, tuple)) and value and all(isinstance(v, torch.optim.Optimizer) for v in value):
             found.append(f"`.{attr}` (a list of {len(value)} optimizers)")
     if not found:
         return ""

@@ -58,8 +58,11 @@ class MultiOptimizer:
     ) -> None:
         self.state_layout: StateLayout = check_state_layout(state_layout)
         validate_model(model)
-        refuse_state_dict(optimizers, advice="pass the optimizers, as a mapping {name: optimizer} (`{'experts': opt}`, "
-                          "not `opt.state_dict()`) or a trainer's optimizer container")
+        refuse_state_dict(
+            optimizers,
+            advice="pass the optimizers, as a mapping {name: optimizer} (`{'experts': opt}`, "
+            "not `opt.state_dict()`) or a trainer's optimizer container",
+        )
         if isinstance(optimizers, Mapping):
             pairs = named_leaves(optimizers)
         else:
@@ -82,7 +85,9 @@ class MultiOptimizer:
                 for p in group["params"]:
                     other = seen.setdefault(id(p), name)
                     if other != name:
-                        raise ValueError(f"a parameter of shape {tuple(p.shape)} is in leaf {other!r} and leaf {name!r}")
+                        raise ValueError(
+                            f"a parameter of shape {tuple(p.shape)} is in leaf {other!r} and leaf {name!r}"
+                        )
         self.model = model
         self._optimizers = dict(pairs)
 
@@ -164,4 +169,6 @@ class MultiOptimizer:
         """Restore from a sparse (packed or flat) state dict, as `SparseOptimizerState.load_state_dict`."""
         from ._dcp.stateful import SparseOptimizerState
 
-        SparseOptimizerState(self.model, self, strict=strict, state_layout=self.state_layout).load_state_dict(state_dict)
+        SparseOptimizerState(self.model, self, strict=strict, state_layout=self.state_layout).load_state_dict(
+            state_dict
+        )

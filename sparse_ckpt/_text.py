@@ -9,9 +9,7 @@ from typing import Any
 __all__ = ["first_n", "one_line"]
 
 
-def first_n(
-    items: Sequence[Any], limit: int, *, more: str = " (+{n} more)", sep: str = ", ", show: Any = str
-) -> str:
+def first_n(items: Sequence[Any], limit: int, *, more: str = " (+{n} more)", sep: str = ", ", show: Any = str) -> str:
     """The first ``limit`` of ``items`` (each through ``show``) joined by ``sep``, followed by
     ``more`` formatted with ``n``, the number left out, when some are (``more`` and ``sep`` set the
     wording: ``"a, b (+3 more)"``, ``"a, b and 3 more"``)."""

@@ -21,7 +21,9 @@ from typing import Any
 
 ROOT = Path(__file__).resolve().parents[1]
 DOC_FILES = (
-    ROOT / "README.md", *sorted((ROOT / "docs").glob("*.md")), *sorted((ROOT / "docs" / "integrations").glob("*.md")),
+    ROOT / "README.md",
+    *sorted((ROOT / "docs").glob("*.md")),
+    *sorted((ROOT / "docs" / "integrations").glob("*.md")),
     ROOT / "bench" / "README.md",
 )
 """The Markdown files whose ``python`` blocks run as tests."""

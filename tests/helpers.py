@@ -373,7 +373,9 @@ class IdentitySnapshot:
             assert opt.state is snap["state_obj"], "optimizer.state replaced"
             assert list(opt.state.keys()) == snap["state_keys"], "optimizer.state gained or lost entries"
             for key, frozen in zip(snap["state_keys"], snap["state_vals"]):
-                assert deep_equal(opt.state[key], frozen, **self.same), f"state of a {tuple(key.shape)} parameter changed"
+                assert deep_equal(opt.state[key], frozen, **self.same), (
+                    f"state of a {tuple(key.shape)} parameter changed"
+                )
             assert opt.param_groups is snap["groups_obj"], "optimizer.param_groups replaced"
             assert len(opt.param_groups) == len(snap["groups"])
             for gi, (group, (settings, params)) in enumerate(zip(opt.param_groups, snap["groups"])):
@@ -506,7 +508,12 @@ def same_bits(a: Any, b: Any) -> bool:
         return False
     if isinstance(a, torch.Tensor):
         return (a.dtype, a.shape, a.device, a.requires_grad, _tensor_bytes(a)) == (
-            b.dtype, b.shape, b.device, b.requires_grad, _tensor_bytes(b))
+            b.dtype,
+            b.shape,
+            b.device,
+            b.requires_grad,
+            _tensor_bytes(b),
+        )
     if isinstance(a, float):
         return struct.pack("<d", a) == struct.pack("<d", b)
     if isinstance(a, dict):
@@ -521,8 +528,11 @@ def same_bits(a: Any, b: Any) -> bool:
 
 
 def _both_nan_equal(a: torch.Tensor, b: torch.Tensor) -> bool:
-    return bool(a.is_floating_point() and torch.equal(torch.nan_to_num(a, nan=0.0), torch.nan_to_num(b, nan=0.0))
-                and torch.equal(a.isnan(), b.isnan()))
+    return bool(
+        a.is_floating_point()
+        and torch.equal(torch.nan_to_num(a, nan=0.0), torch.nan_to_num(b, nan=0.0))
+        and torch.equal(a.isnan(), b.isnan())
+    )
 
 
 def fqn_view(
@@ -576,7 +586,7 @@ def flat_settings(sd: Mapping[str, Any]) -> dict[str, dict[str, Any]]:
     out: dict[str, dict[str, Any]] = {}
     for key, value in sd.items():
         if key.startswith("param_groups.") and "__packed__" not in key:
-            fqn, _, name = key[len("param_groups."):].rpartition(".")
+            fqn, _, name = key[len("param_groups.") :].rpartition(".")
             out.setdefault(fqn, {})[name] = value
     return out
 
@@ -587,9 +597,11 @@ def find_table_key(sd: Mapping[Any, Any], leaf: str | None = None) -> str:
     (exactly that leaf: not one whose name merely starts with it). Asserts there is exactly one;
     keys that are not strings are passed over."""
     keys = [
-        k for k in sd
-        if isinstance(k, str) and k.startswith(PACKED_PREFIX)
-        and (leaf is None or k[len(PACKED_PREFIX):].rpartition(".")[0] == leaf)
+        k
+        for k in sd
+        if isinstance(k, str)
+        and k.startswith(PACKED_PREFIX)
+        and (leaf is None or k[len(PACKED_PREFIX) :].rpartition(".")[0] == leaf)
     ]
     assert len(keys) == 1, f"packed group tables{'' if leaf is None else f' of leaf {leaf!r}'}: {keys}"
     return keys[0]

@@ -99,7 +99,9 @@ TRAIN = {"stock": train_stock, "in_code": train_in_code, "prefixed": train_stock
 def _error_text(exc: BaseException) -> str:
     parts = ["".join(traceback.format_exception(exc))]
     for failure in getattr(exc, "worker_failures", {}).values():  # Ray Train v2's WorkerGroupError
-        parts.append("".join(traceback.format_exception(failure)) if isinstance(failure, BaseException) else str(failure))
+        parts.append(
+            "".join(traceback.format_exception(failure)) if isinstance(failure, BaseException) else str(failure)
+        )
     return "\n".join(parts)
 
 

@@ -70,7 +70,9 @@ def v1_state_keys(sd: Mapping[str, Any], fqns: Iterable[str] = ()) -> list[str]:
     return [k for k in as_v1(sd, fqns) if k.startswith(STATE_PREFIX)]
 
 
-def _build_v1(model: Any, optimizer: Any, format: str, keying: Any, state_layout: str = "per_tensor", **kw: Any) -> dict:
+def _build_v1(
+    model: Any, optimizer: Any, format: str, keying: Any, state_layout: str = "per_tensor", **kw: Any
+) -> dict:
     """``build_state_dict`` as packed version 1 writes it: per-item scalars, no scalar tables
     (and one item per state tensor: version 1 had no other layout, so ``"auto"`` is per-tensor)."""
     if state_layout == "auto":

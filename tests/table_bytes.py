@@ -101,8 +101,12 @@ def tab(
 ) -> bytes:
     """A table from encoded :func:`settings` and :func:`group` parts; counts can be overridden to lie."""
     return (
-        magic + u16(version) + u32(len(setts) if n_settings is None else n_settings) + b"".join(setts)
-        + u32(len(groups) if n_groups is None else n_groups) + b"".join(groups)
+        magic
+        + u16(version)
+        + u32(len(setts) if n_settings is None else n_settings)
+        + b"".join(setts)
+        + u32(len(groups) if n_groups is None else n_groups)
+        + b"".join(groups)
     )
 
 

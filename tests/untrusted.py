@@ -59,7 +59,9 @@ def poison_metadata(path: Path, marker: Path, kind: str = "exec") -> None:
 def bytes_keys(path: Path, prefix: str) -> list[str]:
     """The keys of the checkpoint's bytes items under ``prefix``."""
     md = metadata(path)
-    return [k for k, v in md.state_dict_metadata.items() if isinstance(v, BytesStorageMetadata) and k.startswith(prefix)]
+    return [
+        k for k, v in md.state_dict_metadata.items() if isinstance(v, BytesStorageMetadata) and k.startswith(prefix)
+    ]
 
 
 def replace_item(path: Path, key: str, value: Any) -> None:

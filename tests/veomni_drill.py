@@ -188,7 +188,9 @@ def resume_case(checkpointer: Any, root: Path, name: str, mesh: Any, multi: bool
     model, optimizer, scheduler = build(mesh, seed=0, multi=multi)
     train(model, optimizer, scheduler, STEPS_BEFORE, 0, after=False)
     before = snapshot(model, optimizer)
-    checkpointer.save(str(root / name), ckpt_state(model, optimizer, scheduler, STEPS_BEFORE), global_steps=STEPS_BEFORE)
+    checkpointer.save(
+        str(root / name), ckpt_state(model, optimizer, scheduler, STEPS_BEFORE), global_steps=STEPS_BEFORE
+    )
     after_save = snapshot(model, optimizer)
     train(model, optimizer, scheduler, STEPS_AFTER, STEPS_BEFORE, after=True)
     reference = snapshot(model, optimizer)
@@ -272,7 +274,9 @@ def worker(rank: int, world_size: int, root: str) -> None:
         warnings.simplefilter("always")
         report = sc_veomni.load_stock_checkpoint(stock_path, state)
     facts["migration_report"] = {g.leaf: (g.params, g.no_settings, g.no_state) for g in report.leaves}
-    facts["migration_warnings"] = [str(w.message) for w in caught if issubclass(w.category, sc_veomni.StockCheckpointWarning)]
+    facts["migration_warnings"] = [
+        str(w.message) for w in caught if issubclass(w.category, sc_veomni.StockCheckpointWarning)
+    ]
     facts["migrated_state"] = state_summary(snapshot(model, optimizer))
     facts["migrated_lrs"] = lrs(optimizer)
     facts["migrated_extra_step"] = state["extra_state"]["global_step"]

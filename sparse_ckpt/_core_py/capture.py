@@ -70,8 +70,7 @@ def remap_to_fqns(
         fqn = fqn_of.get(id(param))
         if fqn is None:
             raise CheckpointMismatchError(
-                f"leaf {leaf!r}: {where}: optimizer parameter of shape {tuple(param.shape)} "
-                "is not owned by the model"
+                f"leaf {leaf!r}: {where}: optimizer parameter of shape {tuple(param.shape)} is not owned by the model"
             )
         return fqn
 

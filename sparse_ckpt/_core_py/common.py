@@ -93,7 +93,9 @@ class Reader:
 
     def take(self, n: int, what: str) -> bytes:
         if n > len(self.data) - self.pos:
-            raise self.fail(f"truncated {self.noun} reading {what} ({n} bytes wanted, {len(self.data) - self.pos} left)")
+            raise self.fail(
+                f"truncated {self.noun} reading {what} ({n} bytes wanted, {len(self.data) - self.pos} left)"
+            )
         chunk = self.data[self.pos : self.pos + n]
         self.pos += n
         return chunk

@@ -252,9 +252,7 @@ def unflatten(
             state_keys.append(key)
         elif key.startswith(PACKED_PREFIX):
             if not isinstance(value, bytes):
-                raise CheckpointFormatError(
-                    f"packed group table {key!r} is a {type(value).__name__}, expected bytes"
-                )
+                raise CheckpointFormatError(f"packed group table {key!r} is a {type(value).__name__}, expected bytes")
             packed[key[len(PACKED_PREFIX) :]] = value
         elif key.startswith(GROUPS_PREFIX):
             body = key[len(GROUPS_PREFIX) :]
@@ -299,4 +297,3 @@ def unflatten(
             raise CheckpointFormatError(f"state key {key!r} collides with nested state of {fqn!r}")
         node[parts[-1]] = flat[key]
     return settings_by_fqn, state_by_fqn, packed, scalars, unmatched
-

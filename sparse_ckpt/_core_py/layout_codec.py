@@ -343,9 +343,7 @@ def _first_overlap(boxes: list[_Box]) -> tuple[_Box, _Box] | None:
     return None
 
 
-def _chunk(
-    leaf: str, fqn: str, value: Any
-) -> tuple[tuple[int, ...], tuple[int, ...], tuple[int, ...]] | None:
+def _chunk(leaf: str, fqn: str, value: Any) -> tuple[tuple[int, ...], tuple[int, ...], tuple[int, ...]] | None:
     """``chunk_of``'s answer, checked: ``None`` or a chunk of a shape (three int tuples)."""
     if value is None:
         return None

@@ -9,9 +9,7 @@ from typing import Any
 from .errors import CheckpointMismatchError
 
 
-def match_groups(
-    leaf: str, target_fqns: list[list[str]], settings_of: dict[str, Any]
-) -> tuple[list[Any], list[str]]:
+def match_groups(leaf: str, target_fqns: list[list[str]], settings_of: dict[str, Any]) -> tuple[list[Any], list[str]]:
     """For each target group pick the saved settings of its FQNs.
 
     ``settings_of`` maps FQN to an *interned* settings object (equal settings are the same
@@ -82,5 +80,3 @@ def assign_state_ids(target_fqns: list[list[str]], state_by_fqn: dict[str, Any])
             packed_state[pid_of[fqn]] = s
             used.append(fqn)
     return packed_state, used
-
-

@@ -99,9 +99,7 @@ def _wrapper_word(mod: Any, module_wrapper: type | None, has_module_key: bool) -
     return 1 + bool(isinstance(mod, module_wrapper))
 
 
-def _child_names(
-    mod: Any, raw: str, canon: str, k: str, stripped: Any, module_wrapper: type | None
-) -> tuple[str, str]:
+def _child_names(mod: Any, raw: str, canon: str, k: str, stripped: Any, module_wrapper: type | None) -> tuple[str, str]:
     """``(raw name, canonical name)`` of the entry ``k`` (a parameter or a child module) of ``mod``
     named ``raw``/``canon``: ``k`` is left out of the canonical name when it is in ``stripped``
     or is ``WRAPPER_CHILD`` of a ``module_wrapper``; while nothing was left out the canonical name

@@ -152,10 +152,15 @@ def scalar_record(
     return bytes(out)
 
 
-
 def _encode_value(
-    out: bytearray, value: Any, tensor_type: type, to_parts: TensorToParts, to_name: ValueToName | None, where: str,
-    depth: int, named: list[bool],
+    out: bytearray,
+    value: Any,
+    tensor_type: type,
+    to_parts: TensorToParts,
+    to_name: ValueToName | None,
+    where: str,
+    depth: int,
+    named: list[bool],
 ) -> None:
     """One value (tag and payload); ``named[0]`` is set when a named value (dtype, device) is written."""
     if depth > MAX_DEPTH:
@@ -241,7 +246,11 @@ def _encode_str(out: bytearray, text: str, where: str) -> None:
 
 
 def encode_settings(
-    leaf: str, group_index: int, settings: dict[Any, Any], tensor_type: type, to_parts: TensorToParts,
+    leaf: str,
+    group_index: int,
+    settings: dict[Any, Any],
+    tensor_type: type,
+    to_parts: TensorToParts,
     to_name: ValueToName | None = None,
 ) -> bytes:
     """Encode one group's settings (the ``settings`` production of the table format).
@@ -254,8 +263,13 @@ def encode_settings(
 
 
 def _encode_settings(
-    leaf: str, group_index: int, settings: dict[Any, Any], tensor_type: type, to_parts: TensorToParts,
-    to_name: ValueToName | None, named: list[bool],
+    leaf: str,
+    group_index: int,
+    settings: dict[Any, Any],
+    tensor_type: type,
+    to_parts: TensorToParts,
+    to_name: ValueToName | None,
+    named: list[bool],
 ) -> bytes:
     out = bytearray()
     out += len32(len(settings))
@@ -269,7 +283,10 @@ def _encode_settings(
 
 
 def encode_table(
-    leaf: str, groups_fqn: list[tuple[dict, list[str]]], tensor_type: type, to_parts: TensorToParts,
+    leaf: str,
+    groups_fqn: list[tuple[dict, list[str]]],
+    tensor_type: type,
+    to_parts: TensorToParts,
     to_name: ValueToName | None = None,
 ) -> bytes:
     """Encode a leaf's groups as a table (version 1, or 2 when it holds a named value, see

@@ -25,7 +25,15 @@ from ..errors import CheckpointFormatError, SparseCheckpointError
 from .saved_tensor import _LOCAL, data_start, directory, end_record, pickled_dtype_disagrees
 
 __all__ = [
-    "check_headers", "crc_failure", "damaged", "diagnose", "guard_reads", "header_crc_failure", "header_damage", "locate", "reason",
+    "check_headers",
+    "crc_failure",
+    "damaged",
+    "diagnose",
+    "guard_reads",
+    "header_crc_failure",
+    "header_damage",
+    "locate",
+    "reason",
     "with_file",
 ]
 
@@ -88,7 +96,9 @@ def diagnose(storage_reader: Any, metadata: Any, items: Iterable[Any]) -> Checkp
     return None if found is None else damaged(*found)
 
 
-def with_file(exc: CheckpointFormatError, storage_reader: Any, metadata: Any, items: Iterable[Any]) -> CheckpointFormatError:
+def with_file(
+    exc: CheckpointFormatError, storage_reader: Any, metadata: Any, items: Iterable[Any]
+) -> CheckpointFormatError:
     """``exc`` (an item refused as it was read, which names no file) with the item and file
     `locate` blames added; ``exc`` itself when none is found."""
     found = locate(storage_reader, metadata, items)
@@ -152,7 +162,9 @@ def crc_failure(blob: bytes) -> str | None:
             return name
         head = _LOCAL.unpack_from(blob, local)
         start = local + _LOCAL.size + head[9] + head[10]
-        if head[0] != 0x04034B50 or (method == 0 and (start + size > len(blob) or zlib.crc32(blob[start : start + size]) != crc)):
+        if head[0] != 0x04034B50 or (
+            method == 0 and (start + size > len(blob) or zlib.crc32(blob[start : start + size]) != crc)
+        ):
             return name
     return None
 
@@ -166,7 +178,9 @@ def header_damage(record: str) -> str:
     return f"its record {record!r} is damaged (its zip header or CRC-32 check fails, or it disagrees with the checkpoint's .metadata)"
 
 
-def header_crc_failure(f: Any, offset: int, length: int, expect: tuple[tuple[int, ...], torch.dtype] | None = None) -> str | None:
+def header_crc_failure(
+    f: Any, offset: int, length: int, expect: tuple[tuple[int, ...], torch.dtype] | None = None
+) -> str | None:
     """The name of the first record of the ``torch.save`` archive at ``[offset, offset + length)`` of
     the open file ``f`` whose local header is damaged (its signature or name, or, for tensor data
     records (``*/data/*``), a data start other than where ``torch.save`` puts it: a damaged
@@ -198,7 +212,12 @@ def header_crc_failure(f: Any, offset: int, length: int, expect: tuple[tuple[int
         fields = _LOCAL.unpack_from(head)
         start = local + _LOCAL.size + fields[9] + fields[10]
         # a damaged local header moves where torch.load reads the record's bytes from
-        if fields[0] != 0x04034B50 or fields[9] != name_len or head[_LOCAL.size :] != name.encode() or start + size > length:
+        if (
+            fields[0] != 0x04034B50
+            or fields[9] != name_len
+            or head[_LOCAL.size :] != name.encode()
+            or start + size > length
+        ):
             return name
         if fields[2] != flags or fields[3] != method or (not flags & 8 and fields[6:9] != (crc, size, rec[9])):
             return name  # the header disagrees with the directory: torch.load may read other bytes
@@ -219,7 +238,9 @@ def header_crc_failure(f: Any, offset: int, length: int, expect: tuple[tuple[int
     return None
 
 
-def check_headers(storage_reader: Any, metadata: Any, items: Iterable[Any], checked: Callable[[str], bool] = lambda key: False) -> None:
+def check_headers(
+    storage_reader: Any, metadata: Any, items: Iterable[Any], checked: Callable[[str], bool] = lambda key: False
+) -> None:
     """`header_crc_failure` for every tensor item of ``items`` (``ReadItem``\\ s) that DCP is about to
     read with ``torch.load``, `crc_failure` for every bytes item (DCP's own ``load_bytes`` unpickles
     what a stock planner reads: a zeroed float would load as 0.0) unless ``checked(key)`` (the
@@ -265,6 +286,10 @@ def _chunk_of(metadata: Any, index: Any) -> tuple[tuple[int, ...], torch.dtype] 
         return None
     offset = tuple(index.offset) if index.offset is not None else None
     chunks = [c for c in md.chunks if offset is None or tuple(c.offsets) == offset]
-    if index.index is not None and 0 <= index.index < len(md.chunks) and tuple(md.chunks[index.index].offsets) == offset:
+    if (
+        index.index is not None
+        and 0 <= index.index < len(md.chunks)
+        and tuple(md.chunks[index.index].offsets) == offset
+    ):
         chunks = [md.chunks[index.index]]
     return (tuple(chunks[0].sizes), md.properties.dtype) if len(chunks) == 1 else None

@@ -29,7 +29,17 @@ from ..errors import CheckpointFormatError, CheckpointMismatchError, SparseCheck
 from .damage import crc_failure, damaged, diagnose, header_crc_failure, header_damage, reason, with_file
 from .saved_tensor import read_saved_tensor
 
-__all__ = ["FileWindow", "ItemPlanner", "WeightsOnlyStream", "allocate_item", "allocate_like", "check_covered", "read_items", "weights_only_item", "weights_only_object"]
+__all__ = [
+    "FileWindow",
+    "ItemPlanner",
+    "WeightsOnlyStream",
+    "allocate_item",
+    "allocate_like",
+    "check_covered",
+    "read_items",
+    "weights_only_item",
+    "weights_only_object",
+]
 
 Consume = Callable[[str, Any], None]
 
@@ -42,7 +52,9 @@ class WeightsOnlyStream(io.BytesIO):
     later reader (``SPARSE_CKPT_SAFE_LOAD``'s ``load_bytes``) need not check it again."""
 
 
-def weights_only_item(key: str, value: io.BytesIO, table: bool, *, what: str | None = None, hint: str = _NOT_DATA) -> io.BytesIO:
+def weights_only_item(
+    key: str, value: io.BytesIO, table: bool, *, what: str | None = None, hint: str = _NOT_DATA
+) -> io.BytesIO:
     """Unpickle a DCP bytes item with ``weights_only=True``; return a fresh stream of it for DCP
     (a `WeightsOnlyStream`)."""
     out = WeightsOnlyStream()
@@ -51,7 +63,9 @@ def weights_only_item(key: str, value: io.BytesIO, table: bool, *, what: str | N
     return out
 
 
-def weights_only_object(key: str, value: io.BytesIO, table: bool, *, what: str | None = None, hint: str = _NOT_DATA) -> Any:
+def weights_only_object(
+    key: str, value: io.BytesIO, table: bool, *, what: str | None = None, hint: str = _NOT_DATA
+) -> Any:
     """The object of a DCP bytes item, unpickled with ``weights_only=True`` (``table``: it must be ``bytes``).
     A refusal is a `CheckpointFormatError` naming ``what`` (default: the table kind, or "optimizer
     item") and the key, the global the unpickler refused, and ``hint``."""
@@ -64,9 +78,7 @@ def weights_only_object(key: str, value: io.BytesIO, table: bool, *, what: str |
     try:
         obj = torch.load(value, weights_only=True)
     except Exception as exc:  # noqa: BLE001 - any refusal of the restricted unpickler
-        raise CheckpointFormatError(
-            f"{what} {key!r} is not a plain data item ({reason(exc)}): {hint}"
-        ) from None
+        raise CheckpointFormatError(f"{what} {key!r} is not a plain data item ({reason(exc)}): {hint}") from None
     if table and not isinstance(obj, bytes):
         raise CheckpointFormatError(f"{what} {key!r} holds a {type(obj).__name__}, expected bytes")
     return obj
@@ -208,7 +220,11 @@ def read_items(
         return {}
     planner = ItemPlanner(metadata, consume, raw_keys=raw_keys, unpickle_keys=unpickle_keys, is_table=is_table)
     plan = create_default_local_load_plan(targets, metadata)
-    planner.expect(item for item in plan.items if isinstance(metadata.state_dict_metadata[item.dest_index.fqn], TensorStorageMetadata))
+    planner.expect(
+        item
+        for item in plan.items
+        if isinstance(metadata.state_dict_metadata[item.dest_index.fqn], TensorStorageMetadata)
+    )
     if consume is None:
         for key, target in targets.items():  # a tensor without data (no element): nothing to read
             if isinstance(target, torch.Tensor) and key not in planner.chunks_expected:
@@ -232,9 +248,12 @@ def read_items(
     except SparseCheckpointError:
         raise
     except Exception as exc:  # noqa: BLE001 - a damaged file: refused naming the item and its file
-        raise (diagnose(storage_reader, metadata, items) or CheckpointFormatError(
-            f"reading checkpoint items{where} failed ({reason(exc)}): a damaged or truncated checkpoint"
-        )) from None
+        raise (
+            diagnose(storage_reader, metadata, items)
+            or CheckpointFormatError(
+                f"reading checkpoint items{where} failed ({reason(exc)}): a damaged or truncated checkpoint"
+            )
+        ) from None
     return planner.values
 
 
@@ -270,7 +289,9 @@ class FileWindow(io.RawIOBase):
         return got
 
 
-def _read_files_directly(storage_reader: Any, metadata: Metadata, items: list[ReadItem], planner: ItemPlanner) -> list[ReadItem]:
+def _read_files_directly(
+    storage_reader: Any, metadata: Metadata, items: list[ReadItem], planner: ItemPlanner
+) -> list[ReadItem]:
     """Read the plan's whole one-chunk tensor items straight from their files into their own
     tensors (one ``readinto`` of the tensor's bytes, `read_saved_tensor`, or ``torch.load`` of the
     item's bytes where that does not apply: one read, where ``read_data`` loads into one tensor and
@@ -325,10 +346,16 @@ def _read_files_directly(storage_reader: Any, metadata: Metadata, items: list[Re
                 if bad is not None:
                     raise damaged(key, file, header_damage(bad))
                 try:
-                    tensor = torch.load(io.BufferedReader(FileWindow(f, offset, length)), map_location="cpu", weights_only=True)
+                    tensor = torch.load(
+                        io.BufferedReader(FileWindow(f, offset, length)), map_location="cpu", weights_only=True
+                    )
                 except Exception as exc:  # noqa: BLE001 - zeroed or cut bytes: refused naming item and file
                     raise damaged(key, file, f"its bytes are not a readable tensor ({reason(exc)})") from None
-            if not isinstance(tensor, torch.Tensor) or tuple(tensor.shape) != tuple(md.size) or tensor.dtype != md.properties.dtype:
+            if (
+                not isinstance(tensor, torch.Tensor)
+                or tuple(tensor.shape) != tuple(md.size)
+                or tensor.dtype != md.properties.dtype
+            ):
                 raise CheckpointFormatError(
                     f"checkpoint item {key!r} holds {type(tensor).__name__} "
                     f"{tuple(getattr(tensor, 'shape', ()))} {getattr(tensor, 'dtype', '')}, its metadata says "

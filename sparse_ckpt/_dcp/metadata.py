@@ -32,6 +32,7 @@ __all__ = [
     "unrecognised_optimizer_items",
 ]
 
+
 def read_metadata(path: str | os.PathLike[str]) -> Metadata:
     """The checkpoint's DCP metadata, read by the restricted unpickler (`read_metadata_file`);
     :class:`NotACheckpointError` when there is none, `CheckpointFormatError` when it cannot be read, names
@@ -40,9 +41,7 @@ def read_metadata(path: str | os.PathLike[str]) -> Metadata:
     if not os.path.isdir(path):
         raise NotACheckpointError(f"{path!r} is not a directory: incomplete or not a DCP checkpoint")
     if not os.path.isfile(os.path.join(path, METADATA_FILE)):
-        raise NotACheckpointError(
-            f"{path!r} has no {METADATA_FILE} file: incomplete or not a DCP checkpoint"
-        )
+        raise NotACheckpointError(f"{path!r} has no {METADATA_FILE} file: incomplete or not a DCP checkpoint")
     return read_metadata_file(os.path.join(path, METADATA_FILE), path)
 
 

@@ -27,7 +27,15 @@ from .._dist import world_and_rank
 from .._torch_internals import called_by_accelerate_custom_save
 from ..errors import CrossRankStateError
 
-__all__ = ["ORIGIN_KEY", "USE_INSTEAD", "OriginDict", "origin_here", "refuse_rank0_only_save", "strip_origin", "with_origin"]
+__all__ = [
+    "ORIGIN_KEY",
+    "USE_INSTEAD",
+    "OriginDict",
+    "origin_here",
+    "refuse_rank0_only_save",
+    "strip_origin",
+    "with_origin",
+]
 
 ORIGIN_KEY = "__sparse_ckpt__.origin"
 """Key of the origin record in a pickled sparse_ckpt dict (never written by DCP)."""
@@ -39,7 +47,6 @@ USE_INSTEAD = (
     "dcp.save/dcp.load with planner=sparse_ckpt.SparseLoadPlanner()"
 )
 """What the cross-rank errors tell the user to do."""
-
 
 
 def origin_here() -> tuple[int, int] | None:

@@ -150,7 +150,10 @@ class SparseLoadPlanner(DefaultLoadPlanner):
         `CheckpointFormatError` naming the key.
         """
         key = read_item.dest_index.fqn
-        super().load_bytes(read_item, optimizer_bytes(key, value, getattr(self, "_optimizer_keys", ()), everything=self._all_weights_only))
+        super().load_bytes(
+            read_item,
+            optimizer_bytes(key, value, getattr(self, "_optimizer_keys", ()), everything=self._all_weights_only),
+        )
 
 
 def reads_weights_only(key: str, optimizer_keys: Collection[str], *, everything: bool = False) -> bool:
@@ -159,7 +162,9 @@ def reads_weights_only(key: str, optimizer_keys: Collection[str], *, everything:
     return everything or is_table_key(key) or key in optimizer_keys
 
 
-def optimizer_bytes(key: str, value: io.BytesIO, optimizer_keys: Collection[str], *, everything: bool = False) -> io.BytesIO:
+def optimizer_bytes(
+    key: str, value: io.BytesIO, optimizer_keys: Collection[str], *, everything: bool = False
+) -> io.BytesIO:
     """Bytes item ``key`` as a load planner of the library hands it to DCP's ``load_bytes``: unpickled
     with ``weights_only=True`` and saved again (`weights_only_item`, which checks its CRCs; tables and
     buffers must be ``bytes``) when `reads_weights_only`, else ``value`` as it is."""
@@ -194,7 +199,9 @@ class _TargetBuilder:
     layout's items, packed tables (every rank's), foreign-loader guards, flat group settings and
     per-item state (this rank's parameters only), anything else."""
 
-    def __init__(self, target: SparseStateDict, metadata: Metadata, storage_reader: Any, *, read_whole: bool = False) -> None:
+    def __init__(
+        self, target: SparseStateDict, metadata: Metadata, storage_reader: Any, *, read_whole: bool = False
+    ) -> None:
         self.target = target
         self.metadata = metadata
         self.storage_reader = storage_reader
@@ -234,10 +241,12 @@ class _TargetBuilder:
             )
         self.fmap = self.target.fmap = build_fqn_map(self.target.owner.model)
         self.flat_fqns = {s[0] for rel, _md, _key in entries if (s := split_group_key(str(rel[0]))) is not None}
-        buffered = {str(rel[0]): key for rel, _md, key in entries if len(rel) == 1 and str(rel[0]).startswith(BUFFERS_PREFIX)}
+        buffered = {
+            str(rel[0]): key for rel, _md, key in entries if len(rel) == 1 and str(rel[0]).startswith(BUFFERS_PREFIX)
+        }
         self.read_now = items_a_load_reads(buffered, self.storage_reader is not None)
-        self.target.reader = None if self.storage_reader is None or not buffered else BucketReader(
-            buffered, self._item_reader()
+        self.target.reader = (
+            None if self.storage_reader is None or not buffered else BucketReader(buffered, self._item_reader())
         )
         whole: dict[str, str] = {}  # DCP key -> key in the target: items read here, not by DCP
         new: dict[str, Any] = {}
@@ -255,8 +264,13 @@ class _TargetBuilder:
             set_path(new, rel, value)
             keys.append(key)
         if whole:  # straight from their files into the tensors the optimizer will keep
-            read_items(self.storage_reader, self.metadata, list(whole), lambda key, t: new.__setitem__(whole[key], t),
-                       require_storage=True)
+            read_items(
+                self.storage_reader,
+                self.metadata,
+                list(whole),
+                lambda key, t: new.__setitem__(whole[key], t),
+                require_storage=True,
+            )
             self.read_here.update(whole)
         self.target.lost = _drop_holes(new, {rel for rel, _md, _key in entries})
         self.target.present = {str(rel[0]) for rel, _md, _key in entries}
@@ -268,7 +282,9 @@ class _TargetBuilder:
 
     @staticmethod
     def _kind(rel: tuple[str | int, ...], inner: str, md: Any, buffered: Mapping[str, str]) -> str:
-        if len(rel) > 2 and inner in NESTED_KEYS:  # DSD's nested layout: ('state', fqn, key...) / ('param_groups', i, key)
+        if (
+            len(rel) > 2 and inner in NESTED_KEYS
+        ):  # DSD's nested layout: ('state', fqn, key...) / ('param_groups', i, key)
             return "nested_state" if inner == NESTED_KEYS[0] else "plain"
         if inner in buffered:
             return "buffers"

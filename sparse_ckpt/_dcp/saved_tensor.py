@@ -223,7 +223,9 @@ def _read_at(f: BinaryIO, offset: int, length: int) -> bytes:
     return f.read(length)
 
 
-def read_saved_tensor(f: BinaryIO, offset: int, length: int, size: tuple[int, ...], dtype: torch.dtype) -> torch.Tensor | None:
+def read_saved_tensor(
+    f: BinaryIO, offset: int, length: int, size: tuple[int, ...], dtype: torch.dtype
+) -> torch.Tensor | None:
     """The tensor ``torch.save`` wrote at ``[offset, offset + length)`` of the open file ``f``, read
     with one ``readinto`` into a new contiguous CPU tensor, when it is a plain contiguous tensor of
     ``size`` and ``dtype`` (see the module doc); ``None`` for anything else (read it with

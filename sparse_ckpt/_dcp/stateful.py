@@ -47,6 +47,7 @@ __all__ = ["SparseOptimizerState", "SparseStateDict", "planned_load"]
 
 _PLANNER_HINT = "pass planner=sparse_ckpt.SparseLoadPlanner() to dcp.load"
 
+
 class _PlannerGuard(torch.Tensor):
     """A one-element tensor that refuses to be a load target (see `PLANNER_GUARD_KEY`).
 

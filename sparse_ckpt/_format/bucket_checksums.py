@@ -40,7 +40,9 @@ def tensor_crc(t: torch.Tensor) -> int:
 def with_checksums(table: bytes, buckets: Sequence[torch.Tensor]) -> bytes:
     """``table`` (a layout table) followed by the checksum trailer of ``buckets`` (in bucket order)."""
     crcs = [tensor_crc(b) for b in buckets]
-    return b"".join((table, struct.pack(f"<{len(crcs)}I", *crcs), _TAIL.pack(len(crcs), CHECKSUMS_VERSION, CHECKSUMS_MAGIC)))
+    return b"".join(
+        (table, struct.pack(f"<{len(crcs)}I", *crcs), _TAIL.pack(len(crcs), CHECKSUMS_VERSION, CHECKSUMS_MAGIC))
+    )
 
 
 def split_checksums(leaf: str, key: str, payload: bytes) -> tuple[bytes, tuple[int, ...] | None]:
@@ -57,7 +59,9 @@ def split_checksums(leaf: str, key: str, payload: bytes) -> tuple[bytes, tuple[i
         )
     start = len(payload) - _TAIL.size - 4 * n
     if start < 0:
-        raise CheckpointFormatError(f"leaf {leaf!r}: layout {key!r} claims {n} bucket checksums in {len(payload)} bytes")
+        raise CheckpointFormatError(
+            f"leaf {leaf!r}: layout {key!r} claims {n} bucket checksums in {len(payload)} bytes"
+        )
     return payload[:start], struct.unpack_from(f"<{n}I", payload, start)
 
 

@@ -9,7 +9,14 @@ from collections.abc import Iterable
 from itertools import chain
 from operator import itemgetter
 
-__all__ = ["ITEMS_ENTRY", "groups_tail", "items_record", "items_record_parts", "split_items_record", "with_items_record"]
+__all__ = [
+    "ITEMS_ENTRY",
+    "groups_tail",
+    "items_record",
+    "items_record_parts",
+    "split_items_record",
+    "with_items_record",
+]
 
 ITEMS_ENTRY = "~items"
 """The key of a table's *item record* (see :func:`with_items_record`)."""

@@ -239,7 +239,9 @@ class LayoutIndex:
     of: dict[str, tuple[str, Any]] = field(default_factory=dict)
     """FQN -> ``("spec", Spec)``, ``("whole", tag indices)`` or ``("chunks", tag indices)``."""
 
-    def tags_for(self, needs: Iterable[tuple[str, tuple[tuple[int, ...], tuple[int, ...], tuple[int, ...]]]]) -> set[str]:
+    def tags_for(
+        self, needs: Iterable[tuple[str, tuple[tuple[int, ...], tuple[int, ...], tuple[int, ...]]]]
+    ) -> set[str]:
         """The layout tags to read for ``needs``: ``(FQN, (global shape, offsets, sizes))`` of the
         chunks this rank needs. Each needed FQN the index lists gets the tables whose chunks
         overlap its chunk (one per distinct saved chunk, a tag already chosen preferred), at least
@@ -266,7 +268,9 @@ class LayoutIndex:
                 chosen.add(min(alternatives))
         return {self.tags[t] for t in chosen}
 
-    def _spec_pieces(self, spec: Spec, chunk: tuple[tuple[int, ...], tuple[int, ...], tuple[int, ...]]) -> list[tuple[int, ...]]:
+    def _spec_pieces(
+        self, spec: Spec, chunk: tuple[tuple[int, ...], tuple[int, ...], tuple[int, ...]]
+    ) -> list[tuple[int, ...]]:
         shape, mesh, ranks, _placements = spec
         target_shape, offsets, sizes = chunk
         coords = shard_ranges(spec, offsets, sizes) if target_shape == shape else []
@@ -392,10 +396,14 @@ def decode_index(leaf: str, key: str, data: bytes) -> LayoutIndex:
             if type(mi) is not int or not 0 <= mi < len(checked_meshes):
                 raise bad(f"description {idx}: mesh {mi!r} out of range")
             mesh_shape, mesh_ranks = checked_meshes[mi]
-            if not _ints(placements) or len(placements) != len(mesh_shape) or any(
-                not REPLICATE <= p < len(shape) for p in placements
+            if (
+                not _ints(placements)
+                or len(placements) != len(mesh_shape)
+                or any(not REPLICATE <= p < len(shape) for p in placements)
             ):
-                raise bad(f"description {idx}: placements {placements!r} for a {len(shape)}-d tensor on a {len(mesh_shape)}-d mesh")
+                raise bad(
+                    f"description {idx}: placements {placements!r} for a {len(shape)}-d tensor on a {len(mesh_shape)}-d mesh"
+                )
             value: tuple[str, Any] = ("spec", (shape, mesh_shape, mesh_ranks, placements))
         elif len(desc) == 1 and next(iter(desc)) in ("whole", "chunks"):
             kind = next(iter(desc))

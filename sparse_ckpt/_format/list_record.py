@@ -25,7 +25,9 @@ def list_nodes(value: Any) -> int:
     return 1
 
 
-def record_lists(items: dict[str, Any], scalar_groups: list[tuple[dict[str, Any], list[str]]]) -> list[tuple[dict[str, Any], list[str]]]:
+def record_lists(
+    items: dict[str, Any], scalar_groups: list[tuple[dict[str, Any], list[str]]]
+) -> list[tuple[dict[str, Any], list[str]]]:
     """``scalar_groups`` (the core's ``flatten_packed_state``) with :data:`LENS_ENTRY` added for
     every parameter whose per-item entries (``items``) hold a list: such a parameter moves to a
     group of its own counts (the groups' order and the other parameters' groups stay)."""

@@ -77,7 +77,9 @@ def nested_to_sparse(sd: Mapping[str, Any], *, leaf: str = SINGLE_LEAF) -> dict[
     fqns: set[str] = set()
     for gi, group in enumerate(groups):
         if not isinstance(group, Mapping):
-            raise CheckpointFormatError(f"nested optimizer dict: param group {gi} is a {type(group).__name__}, not a dict")
+            raise CheckpointFormatError(
+                f"nested optimizer dict: param group {gi} is a {type(group).__name__}, not a dict"
+            )
         params = group.get(PARAMS)
         if not isinstance(params, (list, tuple)) or not all(isinstance(p, str) for p in params):
             raise CheckpointFormatError(

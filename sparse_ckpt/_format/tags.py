@@ -196,16 +196,26 @@ def _part_digest(part: IndexPart | None) -> tuple[str, ...]:
     """A digest of each piece of an index part (``()`` for none): equal pieces travel once."""
     if part is None:
         return ()
-    return tuple(f"{i}:{hashlib.blake2b(repr(piece).encode('utf-8'), digest_size=16).hexdigest()}" for i, piece in enumerate(part))
+    return tuple(
+        f"{i}:{hashlib.blake2b(repr(piece).encode('utf-8'), digest_size=16).hexdigest()}"
+        for i, piece in enumerate(part)
+    )
 
 
-def _sealed(slots: list[Slot], tags: list[str], written: list[tuple[str, str, tuple[str, ...]]]) -> list[tuple[str, bytes]]:
+def _sealed(
+    slots: list[Slot], tags: list[str], written: list[tuple[str, str, tuple[str, ...]]]
+) -> list[tuple[str, bytes]]:
     """``(tag, sealed value)`` per slot; the tables carry the keys of every item in ``written``
     (``(slot name, tag, buckets)`` of every rank's slots), sorted, without repeats."""
     record = None
     if any(s.tail is not None for s in slots):
         record = items_record(sorted({key for name, tag, buckets in written for key in slot_keys(name, tag, buckets)}))
     return [
-        (tag, seal(s.payload) if s.tail is None or record is None else seal_parts(items_record_parts(s.payload, s.tail, record)))
+        (
+            tag,
+            seal(s.payload)
+            if s.tail is None or record is None
+            else seal_parts(items_record_parts(s.payload, s.tail, record)),
+        )
         for s, tag in zip(slots, tags)
     ]

@@ -37,7 +37,9 @@ def dtype_name(dtype: torch.dtype) -> str:
 def torch_dtype(leaf: str, fqn: str, key: str, name: str) -> torch.dtype:
     dtype = getattr(torch, name, None)
     if not isinstance(dtype, torch.dtype):
-        raise CheckpointFormatError(f"leaf {leaf!r}: state {key!r} of {fqn!r} has an unknown dtype {name!r} in its layout")
+        raise CheckpointFormatError(
+            f"leaf {leaf!r}: state {key!r} of {fqn!r} has an unknown dtype {name!r} in its layout"
+        )
     return dtype
 
 
@@ -186,12 +188,18 @@ def fill(buckets: list[tuple[str, int, list[tuple[int, int]]]], local: list[torc
         device = chunks[0].device
         if len(chunks) == 1 and device.type == "cpu":  # one CPU chunk alone: the (flattened) state tensor itself
             buf = chunks[0].detach().reshape(-1)
-        elif device.type == "cpu":  # a new host buffer on huge pages where the OS offers them (its page faults dominated the copy)
+        elif (
+            device.type == "cpu"
+        ):  # a new host buffer on huge pages where the OS offers them (its page faults dominated the copy)
             buf = empty_host(numel, chunks[0].dtype)
             stack_into(buf, chunks)
         else:  # accelerator chunks, concatenated on their device, copied to a host (pinned where asked) buffer
             buf = staging_host(numel, chunks[0].dtype, device)
-            buf.copy_(chunks[0].detach().reshape(-1) if len(chunks) == 1 else torch.cat([t.detach().reshape(-1) for t in chunks]))
+            buf.copy_(
+                chunks[0].detach().reshape(-1)
+                if len(chunks) == 1
+                else torch.cat([t.detach().reshape(-1) for t in chunks])
+            )
         if buf.numel() != numel:  # pragma: no cover - the core's sizes are the chunks'
             raise AssertionError(f"bucket of {buf.numel()} elements, layout says {numel}")
         out.append(buf)

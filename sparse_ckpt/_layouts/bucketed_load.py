@@ -215,10 +215,12 @@ def _index(leaf: str, items: _LeafItems, reader: BucketReader | None) -> LayoutI
     checked; ``None`` when the checkpoint has none (written before it, or by ranks that could not
     coordinate): then all of the leaf's layouts are read."""
     if len(items.index) > 1:
-        raise CheckpointFormatError(f"leaf {leaf!r}: the checkpoint has {len(items.index)} layout indexes ({sorted(items.index)})")
+        raise CheckpointFormatError(
+            f"leaf {leaf!r}: the checkpoint has {len(items.index)} layout indexes ({sorted(items.index)})"
+        )
     if not items.index:
         return None
-    (key, value), = items.index.items()
+    ((key, value),) = items.index.items()
     if value is None:
         if reader is None or key not in reader.keys:
             return None

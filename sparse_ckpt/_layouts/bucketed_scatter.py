@@ -199,7 +199,9 @@ def _allocate(leaf: str, target: tuple[Any, ...], fmap: FqnMap) -> torch.Tensor:
     """A new state tensor for ``target`` (core ``plan_scatter``), allocated like its parameter."""
     fqn, key, dtype_name_, shape, _offsets, sizes = target
     t = allocate_like(shape, torch_dtype(leaf, fqn, key, dtype_name_), fmap.param_of[fmap.canonical[fqn]])
-    if isinstance(t, DTensor) and tuple(t.to_local().shape) != tuple(sizes):  # pragma: no cover - the chunk is the parameter's
+    if isinstance(t, DTensor) and tuple(t.to_local().shape) != tuple(
+        sizes
+    ):  # pragma: no cover - the chunk is the parameter's
         raise CheckpointMismatchError(f"leaf {leaf!r}: state {key!r} of {fqn!r}: local shape differs from its chunk")
     return t
 

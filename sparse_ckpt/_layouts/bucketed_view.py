@@ -82,7 +82,9 @@ def layout_view(keys: Iterable[str], values: Mapping[str, Any]) -> dict[str, dic
     return out
 
 
-def checksum_failures(keys: Iterable[str], values: Mapping[str, Any], crc_of: Callable[[str], int | None]) -> list[tuple[str, str]]:
+def checksum_failures(
+    keys: Iterable[str], values: Mapping[str, Any], crc_of: Callable[[str], int | None]
+) -> list[tuple[str, str]]:
     """``(bucket key, problem)`` for each bucket of the layouts among ``keys`` (``values``: the
     layouts' sealed bytes; buckets are only looked up by key) whose bytes fail the CRC-32C its layout
     records (`sparse_ckpt._format.bucket_checksums`); ``crc_of(bucket key)``: the CRC-32C of the
@@ -106,7 +108,12 @@ def checksum_failures(keys: Iterable[str], values: Mapping[str, Any], crc_of: Ca
             got = crc_of(bkey)
             if got is not None and (crcs is None or bi >= len(crcs) or got != crcs[bi]):
                 want = f"{crcs[bi]:08x}" if crcs is not None and bi < len(crcs) else "none"
-                out.append((bkey, f"leaf {leaf!r}: bucket {bkey!r} fails its CRC-32C check (read {got:08x}, its layout {key!r} records {want})"))
+                out.append(
+                    (
+                        bkey,
+                        f"leaf {leaf!r}: bucket {bkey!r} fails its CRC-32C check (read {got:08x}, its layout {key!r} records {want})",
+                    )
+                )
     return out
 
 
@@ -141,7 +148,9 @@ def full_state(keys: Iterable[str], values: Mapping[str, Any]) -> dict[str, dict
     shapes: dict[str, tuple[int, ...]] = {}
     for _key, leaf, payload in _layouts_by_key(keys, values):
         _first_shapes(_backend.core.decode_layout(leaf, payload), shapes)
-    whole = FqnMap(canonical={f: f for f in shapes}, param_of={f: torch.empty(s, device="meta") for f, s in shapes.items()})
+    whole = FqnMap(
+        canonical={f: f for f in shapes}, param_of={f: torch.empty(s, device="meta") for f, s in shapes.items()}
+    )
     return expand(keys, values, whole, None)
 
 
@@ -190,7 +199,9 @@ class FullTensors:
             out.update({wanted[ti]: t for ti, t in made.items()})
         return [out[i] for i in which]
 
-    def _read_leaf(self, plan: _LeafPlan, wanted: Mapping[int, torch.dtype], read: ReadBuffers) -> dict[int, torch.Tensor]:
+    def _read_leaf(
+        self, plan: _LeafPlan, wanted: Mapping[int, torch.dtype], read: ReadBuffers
+    ) -> dict[int, torch.Tensor]:
         """Targets ``wanted`` (index -> dtype) of one leaf's plan, filled from the buckets holding them."""
         made = {ti: torch.empty(plan.targets[ti][3], dtype=dtype) for ti, dtype in wanted.items()}
         needed = sorted({op[0] for ti in wanted for op in plan.ops_of[ti]})
@@ -220,7 +231,10 @@ class _LeafPlan:
     """One leaf's scatter plan of whole tensors: targets, sources (buckets), ops by source and by target."""
 
     def __init__(
-        self, leaf: str, layouts: Layouts, keys: Mapping[tuple[str, int], str],
+        self,
+        leaf: str,
+        layouts: Layouts,
+        keys: Mapping[tuple[str, int], str],
         shapes: Mapping[str, tuple[int, ...]],
     ) -> None:
         self.leaf, self._layouts, self._keys = leaf, layouts, keys

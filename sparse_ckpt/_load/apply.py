@@ -97,9 +97,7 @@ def copy_group(group: dict[str, Any]) -> dict[str, Any]:
     """A saved group's settings, copied; ``params`` is shared (the caller replaces it)."""
     if type(group) is not dict:
         return copy_settings(group)
-    return {
-        k: v if k == "params" or type(v) in IMMUTABLE_TYPES else copy_settings(v) for k, v in group.items()
-    }
+    return {k: v if k == "params" or type(v) in IMMUTABLE_TYPES else copy_settings(v) for k, v in group.items()}
 
 
 @dataclass

@@ -127,7 +127,9 @@ def item_leaf(key: str) -> str:
 
 
 def check_lists(
-    state_of: Mapping[str, Any], lens_of: Mapping[str, tuple[tuple[tuple[str, int], ...], str]], owned: Mapping[str, Any]
+    state_of: Mapping[str, Any],
+    lens_of: Mapping[str, tuple[tuple[tuple[str, int], ...], str]],
+    owned: Mapping[str, Any],
 ) -> None:
     """Complete or refused for list-valued state (LBFGS ``al``, ``old_dirs``, ...): each recorded
     entry of a target parameter holds the recorded number of values (:func:`list_nodes`), else

@@ -264,7 +264,10 @@ def decode_checkpoint(
             if not unlisted and keys_of:
                 unlisted.extend(core.unlisted_keys(keys_of, out.state_of, fmap.param_of) or [("", "")])
             return any(
-                fqn and keys_of[fqn][1] == leaf and (fqn, k) not in found and not _has_path(out.state_of.get(fqn, {}), k)
+                fqn
+                and keys_of[fqn][1] == leaf
+                and (fqn, k) not in found
+                and not _has_path(out.state_of.get(fqn, {}), k)
                 for fqn, k in unlisted
             )
 
@@ -286,8 +289,15 @@ def decode_checkpoint(
         check_table_leaves(out.table_leaves, scalar_tables, buffer_keys)
     if record is not None:
         check_key_record(
-            record, out.settings_of, out.names_of, out.state_of, out.empty_groups, out.table_leaves, fmap.param_of,
-            fmap.resolve if aliases else str, leaf_of,
+            record,
+            out.settings_of,
+            out.names_of,
+            out.state_of,
+            out.empty_groups,
+            out.table_leaves,
+            fmap.param_of,
+            fmap.resolve if aliases else str,
+            leaf_of,
         )
     return out
 

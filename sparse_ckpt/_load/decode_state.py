@@ -48,7 +48,12 @@ def merge_state(
     lens_of: dict[str, tuple[tuple[tuple[str, int], ...], str]] = {}
     scalars_of = (
         decode_scalar_tables(
-            scalar_tables, resolve=resolve, is_known=is_known, unmatched=unmatched, keys_of=keys_of, lens_of=lens_of,
+            scalar_tables,
+            resolve=resolve,
+            is_known=is_known,
+            unmatched=unmatched,
+            keys_of=keys_of,
+            lens_of=lens_of,
             records=records,
         )
         if scalar_tables

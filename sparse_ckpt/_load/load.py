@@ -109,7 +109,16 @@ def plan_leaf(
         groups = core.build_groups(optimizer.param_groups, chosen, copy_settings, True)
         state: defaultdict[Any, Any] = defaultdict(dict)
         used = core.cast_states(
-            leaf, optimizer.param_groups, target, chosen, ckpt.state_of, state, torch.Tensor, check, cast_tensor, cast_value
+            leaf,
+            optimizer.param_groups,
+            target,
+            chosen,
+            ckpt.state_of,
+            state,
+            torch.Tensor,
+            check,
+            cast_tensor,
+            cast_value,
         )
         used_state.update(used)
         return PreparedLoad(leaf, optimizer, state=state, param_groups=groups)
@@ -119,7 +128,9 @@ def plan_leaf(
     groups = core.build_groups(optimizer.param_groups, chosen, copy_settings, False)
     for gi, new in enumerate(groups):
         if ckpt.names_of and target[gi] and any(f in ckpt.names_of for f in target[gi]):
-            new = groups[gi] = _with_param_names(new, optimizer.param_groups[gi], target[gi], ckpt.names_of, ckpt.names_list_of)
+            new = groups[gi] = _with_param_names(
+                new, optimizer.param_groups[gi], target[gi], ckpt.names_of, ckpt.names_list_of
+            )
         new["params"] = packed_groups[gi]["params"]
     packed_state, used = core.assign_state_ids(target, ckpt.state_of)
     used_state.update(used)
@@ -129,18 +140,28 @@ def plan_leaf(
     return {"state": packed_state, "param_groups": groups}
 
 
-NOT_CLASS_KEYS = frozenset({
-    "params", "param_names",  # the group's parameters, not settings
-    "initial_lr", "max_lr", "min_lr", "base_momentum", "max_momentum",  # added by LR schedulers
-    "decoupled_weight_decay", "differentiable", "fused", "foreach", "capturable", "maximize",  # added by newer torch
-})
+NOT_CLASS_KEYS = frozenset(
+    {
+        "params",
+        "param_names",  # the group's parameters, not settings
+        "initial_lr",
+        "max_lr",
+        "min_lr",
+        "base_momentum",
+        "max_momentum",  # added by LR schedulers
+        "decoupled_weight_decay",
+        "differentiable",
+        "fused",
+        "foreach",
+        "capturable",
+        "maximize",  # added by newer torch
+    }
+)
 """Group keys that say nothing about the optimizer class: a scheduler adds them, or a newer torch
 has them in a class's defaults where an older one did not (its ``__setstate__`` fills them in)."""
 
 
-def _check_class_keys(
-    leaf: str, optimizer: torch.optim.Optimizer, chosen: list[Any], strict: bool
-) -> list[Any]:
+def _check_class_keys(leaf: str, optimizer: torch.optim.Optimizer, chosen: list[Any], strict: bool) -> list[Any]:
     """Refuse saved settings written by another optimizer class: keys of a torch optimizer class
     (`torch_class_keys`) that the target class's ``defaults`` lack (and the target group lacks too),
     or ``defaults`` keys the saved settings lack (`NOT_CLASS_KEYS` aside). A key of the user's own
@@ -174,7 +195,9 @@ def _check_class_keys(
     return out
 
 
-def _class_message(leaf: str, gi: int, cls: type, settings: Mapping[str, Any], extra: list[str], lacking: list[str]) -> str:
+def _class_message(
+    leaf: str, gi: int, cls: type, settings: Mapping[str, Any], extra: list[str], lacking: list[str]
+) -> str:
     """Why saved settings belong to another optimizer class, and which classes have their keys."""
     name = f"torch.optim.{cls.__name__}" if cls.__module__.startswith("torch.optim.") else cls.__qualname__
     parts = []
@@ -204,7 +227,8 @@ def torch_class_keys() -> frozenset[str]:
 def _torch_optimizer_classes() -> list[str]:
     """``torch.optim.X`` for every optimizer class torch.optim exports."""
     return sorted(
-        f"torch.optim.{n}" for n, c in vars(torch.optim).items()
+        f"torch.optim.{n}"
+        for n, c in vars(torch.optim).items()
         if isinstance(c, type) and issubclass(c, torch.optim.Optimizer) and c is not torch.optim.Optimizer
     )
 
@@ -325,8 +349,17 @@ def load_owned(
     with gc_paused():
         try:
             state_dict = strip_origin(state_dict)
-            fmap, prepared, ckpt = _plan(model, optimizer, state_dict, strict, unowned_are_other_ranks, fmap, reader,
-                                         present, unoptimized_ignored)
+            fmap, prepared, ckpt = _plan(
+                model,
+                optimizer,
+                state_dict,
+                strict,
+                unowned_are_other_ranks,
+                fmap,
+                reader,
+                present,
+                unoptimized_ignored,
+            )
         except Exception as exc:
             if agree is None:
                 raise
@@ -367,7 +400,12 @@ def _plan(
     if strict:
         owned = fmap.param_of if unowned_are_other_ranks else None
         _raise_on_mismatch(
-            ckpt, missing, used_settings, used_state, {leaf for leaf, _ in leaves}, owned,
+            ckpt,
+            missing,
+            used_settings,
+            used_state,
+            {leaf for leaf, _ in leaves},
+            owned,
             fmap.param_of if unoptimized_ignored else None,
         )
     # Every leaf's pre-hooks and validation run before any leaf is changed, and post-hooks only
@@ -462,7 +500,9 @@ def _commit(item: Any, fmap: FqnMap, ckpt: DecodedCheckpoint) -> None:
         raise CheckpointMismatchError(_misfit_message(item.leaf, item.optimizer, fmap, ckpt, exc)) from exc
 
 
-def _misfit_message(leaf: str, optimizer: torch.optim.Optimizer, fmap: FqnMap, ckpt: DecodedCheckpoint, exc: Exception) -> str:
+def _misfit_message(
+    leaf: str, optimizer: torch.optim.Optimizer, fmap: FqnMap, ckpt: DecodedCheckpoint, exc: Exception
+) -> str:
     """Why a leaf's optimizer class refused the saved state: which state keys it was given."""
     cls = type(optimizer).__name__
     examples: dict[tuple[str, ...], str] = {}

@@ -155,8 +155,9 @@ def positional_to_sparse(
             try:
                 check_shapes(leaf, fqn, p, value)
             except CheckpointMismatchError as exc:
-                raise _refuse(f"the state of id {key!r} does not fit parameter {fqn!r} at its position ({exc})",
-                              saved_params) from None
+                raise _refuse(
+                    f"the state of id {key!r} does not fit parameter {fqn!r} at its position ({exc})", saved_params
+                ) from None
         per_leaf[leaf][1][fqn] = value
     out: dict[str, Any] = {}
     for leaf, (leaf_groups, leaf_state) in per_leaf.items():

@@ -185,12 +185,13 @@ def _check_packed(leaf: str, state_dict: Any) -> None:
     (or tuples)."""
     if not isinstance(state_dict, dict) or "state" not in state_dict or "param_groups" not in state_dict:
         raise CheckpointFormatError(
-            f"leaf {leaf!r}: state_dict produced {type(state_dict).__name__} without 'state' and "
-            "'param_groups' entries"
+            f"leaf {leaf!r}: state_dict produced {type(state_dict).__name__} without 'state' and 'param_groups' entries"
         )
     state, groups = state_dict["state"], state_dict["param_groups"]
     if not isinstance(state, dict):
-        raise CheckpointFormatError(f"leaf {leaf!r}: state_dict produced 'state' as a {type(state).__name__}, not a dict")
+        raise CheckpointFormatError(
+            f"leaf {leaf!r}: state_dict produced 'state' as a {type(state).__name__}, not a dict"
+        )
     if not isinstance(groups, (list, tuple)):
         raise CheckpointFormatError(
             f"leaf {leaf!r}: state_dict produced 'param_groups' as a {type(groups).__name__}, not a list"
@@ -200,6 +201,4 @@ def _check_packed(leaf: str, state_dict: Any) -> None:
             raise CheckpointFormatError(f"leaf {leaf!r}: group {gi} is a {type(group).__name__}, not a dict")
         params = group.get("params", [])
         if not isinstance(params, (list, tuple)):
-            raise CheckpointFormatError(
-                f"leaf {leaf!r}: group {gi} 'params' is a {type(params).__name__}, not a list"
-            )
+            raise CheckpointFormatError(f"leaf {leaf!r}: group {gi} 'params' is a {type(params).__name__}, not a list")

@@ -135,7 +135,9 @@ def build_state_dict(
                 parts.append(_Part("table", leaf, prefix=SCALARS_PREFIX))
                 slots.append(Slot.of(SCALARS_SLOT, leaf, scalars))
             if state_layout != "per_tensor":
-                entries, local = bucketed.collect(leaf, state_fqn, items, fmap.param_of, own_item_bytes(state_layout, staged))
+                entries, local = bucketed.collect(
+                    leaf, state_fqn, items, fmap.param_of, own_item_bytes(state_layout, staged)
+                )
                 if entries:
                     layout, buckets = core.encode_layout(leaf, entries, bucketed.BUCKET_BYTES)
                     filled = bucketed.fill(buckets, local)
@@ -174,14 +176,14 @@ def build_state_dict(
     if guards and format == "packed":
         out.update(dict.fromkeys(foreign_guard_keys(first_fqns), foreign_guard_value()))
     if format == "flat":  # the key record: complete or refused (docs/formats.md, *Key record*)
-        key, value = build_key_record(
-            chain.from_iterable(g for g, _s in recorded), [s for _g, s in recorded]
-        )
+        key, value = build_key_record(chain.from_iterable(g for g, _s in recorded), [s for _g, s in recorded])
         out[key] = value
     return out
 
 
-def _in_state_order(groups: list[tuple[dict[str, Any], list[str]]], state_fqn: Mapping[str, Any]) -> list[tuple[dict[str, Any], list[str]]]:
+def _in_state_order(
+    groups: list[tuple[dict[str, Any], list[str]]], state_fqn: Mapping[str, Any]
+) -> list[tuple[dict[str, Any], list[str]]]:
     """A scalar table's groups as runs of parameters in state order, each run referring to its
     scalar dict (a dict shared by several runs is encoded once): the table then lists every
     parameter with state in the order the optimizer holds it, which a load restores when buffered

@@ -29,7 +29,13 @@ from .._format.keys import STATE_PREFIX, STEP_KEY, is_state_item, owner_fqn, spl
 from .._text import first_n
 
 __all__ = [
-    "DroppedState", "KeptState", "LeafGaps", "MigrationReport", "drop_synthetic_state", "flat_fqns", "state_keys_by_fqn",
+    "DroppedState",
+    "KeptState",
+    "LeafGaps",
+    "MigrationReport",
+    "drop_synthetic_state",
+    "flat_fqns",
+    "state_keys_by_fqn",
     "step_one_fqns",
 ]
 
@@ -129,7 +135,9 @@ class MigrationReport:
             )
         for leaf, fqns in self.stateless.items():
             if fqns:
-                lines.append(f"{self.checkpoint_id}: leaf {leaf!r}: {len(fqns)} parameter(s) have no state: {_names(fqns, limit)}")
+                lines.append(
+                    f"{self.checkpoint_id}: leaf {leaf!r}: {len(fqns)} parameter(s) have no state: {_names(fqns, limit)}"
+                )
         return lines
 
     def __str__(self) -> str:
@@ -140,9 +148,12 @@ class MigrationReport:
                 f"  leaf {g.leaf!r} ({g.params} params): {len(g.no_settings)} without saved settings"
                 f"{_examples(g.no_settings, ' (kept the current settings: ', ')')}, {len(g.no_state)} without saved "
                 f"state{_examples(g.no_state, ' (left without state: ', ')')}"
-                + (f", {len(g.possibly_synthetic)} loaded with step == 1 that DSD's synthetic step may have invented"
-                   f"{_examples(g.possibly_synthetic, ' (the resume is exact only if they really stepped once: ', ')')}"
-                   if g.possibly_synthetic else "")
+                + (
+                    f", {len(g.possibly_synthetic)} loaded with step == 1 that DSD's synthetic step may have invented"
+                    f"{_examples(g.possibly_synthetic, ' (the resume is exact only if they really stepped once: ', ')')}"
+                    if g.possibly_synthetic
+                    else ""
+                )
             )
         return "\n".join([*lines, *self.summary()])
 
@@ -204,7 +215,11 @@ def drop_synthetic_state(data: MutableMapping[str, Any], by_fqn: Mapping[str, li
 def step_one_fqns(data: Mapping[str, Any], by_fqn: Mapping[str, list[str]]) -> list[str]:
     """The FQNs (sorted) whose state in ``data`` has ``step == 1``: what a synthetic step writes, and
     what a real first step writes too (``by_fqn``: `state_keys_by_fqn` of ``data``)."""
-    return sorted(fqn for fqn, keys in by_fqn.items() if _step_is_one(data.get(_step_key(fqn)) if _step_key(fqn) in keys else None))
+    return sorted(
+        fqn
+        for fqn, keys in by_fqn.items()
+        if _step_is_one(data.get(_step_key(fqn)) if _step_key(fqn) in keys else None)
+    )
 
 
 def _step_is_one(step: Any) -> bool:

@@ -60,8 +60,12 @@ def split_marker(full_sd: Mapping[str, Any]) -> tuple[dict[str, Any], bool]:
     osd = {k: v for k, v in full_sd.items() if k != MARKER}
     if marker is None:
         return osd, False
-    if not (isinstance(marker, Mapping) and marker.get("layout") == _MARKER_VALUE["layout"]
-            and isinstance(marker.get("version"), int) and marker["version"] <= _MARKER_VALUE["version"]):
+    if not (
+        isinstance(marker, Mapping)
+        and marker.get("layout") == _MARKER_VALUE["layout"]
+        and isinstance(marker.get("version"), int)
+        and marker["version"] <= _MARKER_VALUE["version"]
+    ):
         raise CheckpointFormatError(
             f"the optimizer dict's {MARKER!r} entry is {marker!r}: written by a newer sparse_ckpt (this one reads "
             f"version {_MARKER_VALUE['version']} of layout {_MARKER_VALUE['layout']!r}); upgrade sparse_ckpt"
@@ -69,7 +73,9 @@ def split_marker(full_sd: Mapping[str, Any]) -> tuple[dict[str, Any], bool]:
     return osd, True
 
 
-def migrate_full(model: Any, optimizer: Any, osd: dict[str, Any], checkpoint_id: str, drop: bool) -> tuple[dict[str, Any], MigrationReport]:
+def migrate_full(
+    model: Any, optimizer: Any, osd: dict[str, Any], checkpoint_id: str, drop: bool
+) -> tuple[dict[str, Any], MigrationReport]:
     """A stock nested optimizer dict (state by FQN) to load as saved, minus the synthetic state when
     ``drop``; and its report. Every rank of the default process group calls it (``drop`` compares
     values across ranks)."""
@@ -82,7 +88,7 @@ def migrate_full(model: Any, optimizer: Any, osd: dict[str, Any], checkpoint_id:
     flat: dict[str, Any] = {}
     by_fqn: dict[str, list[str]] = {}
     for fqn, values in state.items():
-        for key, value in (values.items() if isinstance(values, Mapping) else ()):
+        for key, value in values.items() if isinstance(values, Mapping) else ():
             flat[f"{STATE_PREFIX}{fqn}.{key}"] = value
             by_fqn.setdefault(str(fqn), []).append(f"{STATE_PREFIX}{fqn}.{key}")
     dropped = drop_synthetic_state(flat, by_fqn) if drop else []
@@ -152,7 +158,9 @@ class TuneOptimizerState(SparseOptimizerState):
         if not self.stock:
             super().load_state_dict(state_dict)
             return
-        osd, report = migrate_full(self.model, self.optimizer, self._by_fqn(state_dict), self.checkpoint_id, self.drop_synthetic)
+        osd, report = migrate_full(
+            self.model, self.optimizer, self._by_fqn(state_dict), self.checkpoint_id, self.drop_synthetic
+        )
         dsd.set_optimizer_state_dict(self.model, self.optimizer, osd, options=StateDictOptions())
         self.report = report
 
@@ -179,8 +187,10 @@ class TuneOptimizerState(SparseOptimizerState):
             )
         fqns = [fmap.fqn_of[id(p)] for group in live for p in group[PARAMS]]
         state = {fqns[pid]: dict(values) for pid, values in data[STATE].items()}
-        groups = [{**{k: v for k, v in g.items() if k != PARAMS}, PARAMS: [fqns[i] for i in ids]}
-                  for g, ids in zip(saved, saved_ids)]
+        groups = [
+            {**{k: v for k, v in g.items() if k != PARAMS}, PARAMS: [fqns[i] for i in ids]}
+            for g, ids in zip(saved, saved_ids)
+        ]
         return {STATE: state, PARAM_GROUPS: groups}
 
 

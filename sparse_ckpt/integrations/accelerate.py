@@ -59,7 +59,16 @@ _TARGETS = ("accelerate.accelerator", "accelerate.utils.fsdp_utils", "accelerate
 """Modules whose ``save_fsdp_optimizer``/``load_fsdp_optimizer`` are replaced: the one
 ``Accelerator.save_state``/``load_state`` resolve them in, and their public homes."""
 _SAVE_PARAMS = ["fsdp_plugin", "accelerator", "optimizer", "model", "output_dir", "optimizer_index", "use_dcp"]
-_LOAD_PARAMS = ["fsdp_plugin", "accelerator", "optimizer", "model", "input_dir", "optimizer_index", "adapter_only", "use_dcp"]
+_LOAD_PARAMS = [
+    "fsdp_plugin",
+    "accelerator",
+    "optimizer",
+    "model",
+    "input_dir",
+    "optimizer_index",
+    "adapter_only",
+    "use_dcp",
+]
 
 _lock = threading.Lock()
 _saved: list[tuple[Any, str, Any]] = []
@@ -97,11 +106,15 @@ def install(*, format: Format = "packed", strict: bool = True) -> None:
             (cls, "save_state", _capturing_save_state(cls.save_state)),
         ]
         for module in modules:
-            for name, ours in (("save_fsdp_optimizer", save_fsdp_optimizer), ("load_fsdp_optimizer", load_fsdp_optimizer)):
+            for name, ours in (
+                ("save_fsdp_optimizer", save_fsdp_optimizer),
+                ("load_fsdp_optimizer", load_fsdp_optimizer),
+            ):
                 if hasattr(module, name):
                     replacements.append((module, name, ours))
         _accelerates.update(
-            save_fsdp_optimizer=accelerator_mod.save_fsdp_optimizer, load_fsdp_optimizer=accelerator_mod.load_fsdp_optimizer
+            save_fsdp_optimizer=accelerator_mod.save_fsdp_optimizer,
+            load_fsdp_optimizer=accelerator_mod.load_fsdp_optimizer,
         )
         # Modules that bound accelerate's functions at their import (transformers.trainer does).
         originals = {id(fn): (fn, globals()[name]) for name, fn in _accelerates.items()}
@@ -131,7 +144,13 @@ def installed() -> bool:
 
 
 def save_fsdp_optimizer(
-    fsdp_plugin: Any, accelerator: Any, optimizer: Any, model: Any, output_dir: str, optimizer_index: int = 0, use_dcp: bool = True
+    fsdp_plugin: Any,
+    accelerator: Any,
+    optimizer: Any,
+    model: Any,
+    output_dir: str,
+    optimizer_index: int = 0,
+    use_dcp: bool = True,
 ) -> None:
     """Accelerate's ``save_fsdp_optimizer``, sparse and exact for FSDP2 sharded DCP checkpoints.
 
@@ -140,9 +159,15 @@ def save_fsdp_optimizer(
     other configuration is handed to Accelerate's own function.
     """
     if not _handled(fsdp_plugin, use_dcp):
-        return _original("save_fsdp_optimizer")(fsdp_plugin, accelerator, optimizer, model, output_dir, optimizer_index, use_dcp)
+        return _original("save_fsdp_optimizer")(
+            fsdp_plugin, accelerator, optimizer, model, output_dir, optimizer_index, use_dcp
+        )
     captured = getattr(_pending, "captured", {}).pop(id(optimizer), None)
-    state: Any = Captured(captured) if captured is not None else SparseOptimizerState(model, optimizer, format=_options["format"])
+    state: Any = (
+        Captured(captured)
+        if captured is not None
+        else SparseOptimizerState(model, optimizer, format=_options["format"])
+    )
     ckpt_dir = os.path.join(output_dir, f"{_optimizer_name()}_{optimizer_index}")
     os.makedirs(ckpt_dir, exist_ok=True)
     dcp.save({OPTIMIZER_KEY: state}, storage_writer=dcp.FileSystemWriter(ckpt_dir))
@@ -174,7 +199,9 @@ def load_fsdp_optimizer(
     ckpt_dir = Path(input_dir) if Path(input_dir).name == name else Path(input_dir) / name
     accelerator.wait_for_everyone()
     state = SparseOptimizerState(model, optimizer, strict=_options["strict"])
-    dcp.load({OPTIMIZER_KEY: state}, storage_reader=SafeFileSystemReader(os.fspath(ckpt_dir)), planner=SparseLoadPlanner())
+    dcp.load(
+        {OPTIMIZER_KEY: state}, storage_reader=SafeFileSystemReader(os.fspath(ckpt_dir)), planner=SparseLoadPlanner()
+    )
     accelerator.wait_for_everyone()
     return None
 
@@ -226,8 +253,11 @@ def _capturing_save_state(original: Callable[..., Any]) -> Callable[..., Any]:
     def save_state(self: Any, *args: Any, **kwargs: Any) -> Any:
         plugin = getattr(getattr(self, "state", None), "fsdp_plugin", None)
         captured: dict[int, Any] = {}
-        if plugin is not None and getattr(getattr(self, "distributed_type", None), "name", None) == "FSDP" \
-                and _handled(plugin, True):
+        if (
+            plugin is not None
+            and getattr(getattr(self, "distributed_type", None), "name", None) == "FSDP"
+            and _handled(plugin, True)
+        ):
             for opt, model in zip(self._optimizers, self._models):
                 state = SparseOptimizerState(model, opt, format=_options["format"])
                 captured[id(opt)] = state._captured(Keying.with_ranks())
@@ -261,4 +291,3 @@ def _guarded_register(original: Callable[..., Any]) -> Callable[..., Any]:
     register_for_checkpointing.__doc__ = original.__doc__
     register_for_checkpointing.__wrapped__ = original  # type: ignore[attr-defined]
     return register_for_checkpointing
-

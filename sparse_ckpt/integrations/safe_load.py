@@ -48,7 +48,9 @@ def _read_metadata(self: FileSystemReader, *args: Any, **kwargs: Any) -> Any:
     return safe_read_metadata(self, *args, **kwargs)
 
 
-def _set_up_storage_reader(self: FileSystemReader, metadata: Any, is_coordinator: bool, *args: Any, **kwargs: Any) -> None:
+def _set_up_storage_reader(
+    self: FileSystemReader, metadata: Any, is_coordinator: bool, *args: Any, **kwargs: Any
+) -> None:
     safe_set_up_storage_reader(self, metadata, is_coordinator, *args, **kwargs)
 
 

@@ -139,7 +139,12 @@ class SparseCheckpointManager(CheckpointManager):
             state.checkpoint_id = str(checkpoint_id)
             state.report = None
         try:
-            dcp.load(state_dict, checkpoint_id=checkpoint_id, storage_reader=safe_reader_for(checkpoint_id), planner=_TitanLoadPlanner())
+            dcp.load(
+                state_dict,
+                checkpoint_id=checkpoint_id,
+                storage_reader=safe_reader_for(checkpoint_id),
+                planner=_TitanLoadPlanner(),
+            )
         except CheckpointException as exc:
             own = own_failure(exc)
             if own is None:
@@ -232,9 +237,7 @@ class _TitanOptimizerState(SparseOptimizerState):
                         if fqn not in with_state:
                             missing.append(fqn)
             stateless[leaf] = tuple(missing)
-        entries = tuple(
-            DroppedState(leaf_of.get(fmap.resolve(fqn), "?"), fqn, tuple(by_fqn[fqn])) for fqn in dropped
-        )
+        entries = tuple(DroppedState(leaf_of.get(fmap.resolve(fqn), "?"), fqn, tuple(by_fqn[fqn])) for fqn in dropped)
         maybe = tuple(KeptState(leaf_of.get(fmap.resolve(fqn), "?"), fqn, tuple(by_fqn[fqn])) for fqn in kept)
         return MigrationReport(self.checkpoint_id, entries, stateless, maybe)
 
@@ -246,7 +249,10 @@ class _TitanLoadPlanner(SparseLoadPlanner):
         self, state_dict: dict[str, Any], metadata: Metadata | None = None, is_coordinator: bool = False
     ) -> None:
         target = state_dict.get(OPTIMIZER)
-        if metadata is not None and isinstance(target, SparseStateDict) and isinstance(target.owner, _TitanOptimizerState):
+        if (
+            metadata is not None
+            and isinstance(target, SparseStateDict)
+            and isinstance(target.owner, _TitanOptimizerState)
+        ):
             target.owner.check_source(metadata, OPTIMIZER)
         super().set_up_planner(state_dict, metadata, is_coordinator)
-

@@ -107,14 +107,18 @@ def install(*, drop_synthetic_state: bool = False) -> None:
             return
         homes = [importlib.import_module(name) for name in _TRAINING]
         client = importlib.import_module(_CLIENT).CheckpointClient
-        ours = {"get_full_optimizer_state_dict": get_full_optimizer_state_dict,
-                "load_from_full_optimizer_state_dict": load_from_full_optimizer_state_dict}
+        ours = {
+            "get_full_optimizer_state_dict": get_full_optimizer_state_dict,
+            "load_from_full_optimizer_state_dict": load_from_full_optimizer_state_dict,
+        }
         theirs = {name: getattr(homes[1], name) for name in ours}
         patched = [(home, name, getattr(home, name), fn) for home in homes for name, fn in ours.items()]
         originals = {id(theirs[name]): (theirs[name], fn) for name, fn in ours.items()}
         patched.extend(bindings(originals, skip=homes))
-        for name, fn in (("_save_checkpoint_async", _save_checkpoint_async),
-                         ("load_distributed_checkpoint", load_distributed_checkpoint)):
+        for name, fn in (
+            ("_save_checkpoint_async", _save_checkpoint_async),
+            ("load_distributed_checkpoint", load_distributed_checkpoint),
+        ):
             original = vars(client)[name]
             theirs[name] = original
             patched.append((client, name, original, _method(fn, original)))
@@ -151,7 +155,9 @@ def last_migration_report() -> MigrationReport | None:
 # --------------------------------------------------------------------------- sync: recipe_state.pt
 
 
-def get_full_optimizer_state_dict(model: Any, opt: Any, is_rank_zero: bool, device: torch.device | None = None) -> dict[str, Any]:
+def get_full_optimizer_state_dict(
+    model: Any, opt: Any, is_rank_zero: bool, device: torch.device | None = None
+) -> dict[str, Any]:
     """torchtune's ``training.get_full_optimizer_state_dict``, sparse and exact.
 
     DSD's nested full dict (``state`` by FQN, ``param_groups`` with FQN lists) gathered to rank 0 on
@@ -190,8 +196,9 @@ def load_from_full_optimizer_state_dict(model: Any, opt: Any, full_sd: dict[str,
 # --------------------------------------------------------------------------- async: DistributedCheckpointer
 
 
-def _save_checkpoint_async(original: Callable[..., Any], self: Any, model: Any, optimizer: Any,
-                           training_progress: Any, epoch: int) -> None:
+def _save_checkpoint_async(
+    original: Callable[..., Any], self: Any, model: Any, optimizer: Any, training_progress: Any, epoch: int
+) -> None:
     """``CheckpointClient._save_checkpoint_async`` with a `SparseOptimizerState` as the optimizer entry
     (the rest as torchtune's: the training progress, ``model.state_dict()``, ``save_async=True``)."""
     if not _served(model, optimizer):
@@ -219,7 +226,9 @@ def load_distributed_checkpoint(original: Callable[..., Any], self: Any, model: 
         raise ValueError(
             f"no intermediate distributed checkpoint (dist_epoch_N with a .metadata file) in {checkpointer._output_dir}"
         )
-    state = TuneOptimizerState(model, optimizer, checkpoint_id=str(path), drop_synthetic=_options["drop_synthetic_state"])
+    state = TuneOptimizerState(
+        model, optimizer, checkpoint_id=str(path), drop_synthetic=_options["drop_synthetic_state"]
+    )
     checkpoint_dict: dict[str, Any] = {
         training.MODEL_KEY: model.state_dict(),
         training.OPT_KEY: state,
@@ -229,8 +238,12 @@ def load_distributed_checkpoint(original: Callable[..., Any], self: Any, model: 
         training.MAX_STEPS_KEY: 0,
     }
     try:
-        dcp.load(checkpoint_dict, storage_reader=SafeFileSystemReader(path),
-                 process_group=checkpointer._process_group, planner=_TuneLoadPlanner())
+        dcp.load(
+            checkpoint_dict,
+            storage_reader=SafeFileSystemReader(path),
+            process_group=checkpointer._process_group,
+            planner=_TuneLoadPlanner(),
+        )
     except CheckpointException as exc:
         own = own_failure(exc)
         if own is None:
@@ -247,7 +260,11 @@ class _TuneLoadPlanner(SparseLoadPlanner):
 
     def set_up_planner(self, state_dict: dict[str, Any], metadata: Any = None, is_coordinator: bool = False) -> None:
         for key, value in list(state_dict.items()):
-            if metadata is not None and isinstance(value, SparseStateDict) and isinstance(value.owner, TuneOptimizerState):
+            if (
+                metadata is not None
+                and isinstance(value, SparseStateDict)
+                and isinstance(value.owner, TuneOptimizerState)
+            ):
                 stock = value.owner.stock_target(metadata, key)
                 if stock is not None:
                     state_dict[key] = stock

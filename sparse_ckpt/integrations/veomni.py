@@ -173,8 +173,9 @@ def _checkpointer_class(migrate_stock: bool) -> type:
     """The class (built once, on first use: it subclasses VeOmni's); the migrating one subclasses the other."""
     if migrate_stock:
         base = _checkpointer_class(False)
-        return type(base.__name__, (base,), {"__module__": __name__, "__doc__": base.__doc__,
-                                             "migrate_stock_checkpoints": True})
+        return type(
+            base.__name__, (base,), {"__module__": __name__, "__doc__": base.__doc__, "migrate_stock_checkpoints": True}
+        )
     return _build_class()
 
 

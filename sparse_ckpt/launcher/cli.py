@@ -64,25 +64,46 @@ def _parser() -> argparse.ArgumentParser:
     )
     names = ", ".join(f"{n}{'' if i.default else ' (opt-in)'}" for n, i in hook.INTEGRATIONS.items())
     p.add_argument(
-        "--integrations", metavar="LIST",
+        "--integrations",
+        metavar="LIST",
         help=f"comma-separated: auto (default: every integration not marked opt-in), none, NAME, -NAME; integrations: {names} "
         "(sets SPARSE_CKPT_INTEGRATIONS)",
     )
-    p.add_argument("--strict", action="store_true", help="a process whose integration fails to install stops (SPARSE_CKPT_RUN_STRICT=1) "
-                   "instead of running stock with a warning")
-    p.add_argument("--safe-load", action="store_true", help="read every DCP checkpoint as one from elsewhere: .metadata by a "
-                   "restricted unpickler, bytes items weights-only, nothing outside the checkpoint (SPARSE_CKPT_SAFE_LOAD=1)")
-    p.add_argument("--log", choices=("auto", "logging"), help="auto (default): the routing line goes to stderr when logging would "
-                   "not show it; logging: only through the sparse_ckpt.launcher logger (SPARSE_CKPT_RUN_LOG)")
-    p.add_argument("--check", action="store_true", help="do not run CMD: print what would be routed, from a probe process of "
-                   "CMD's Python interpreter with CMD's environment (exit 1 if an integration would fail)")
+    p.add_argument(
+        "--strict",
+        action="store_true",
+        help="a process whose integration fails to install stops (SPARSE_CKPT_RUN_STRICT=1) "
+        "instead of running stock with a warning",
+    )
+    p.add_argument(
+        "--safe-load",
+        action="store_true",
+        help="read every DCP checkpoint as one from elsewhere: .metadata by a "
+        "restricted unpickler, bytes items weights-only, nothing outside the checkpoint (SPARSE_CKPT_SAFE_LOAD=1)",
+    )
+    p.add_argument(
+        "--log",
+        choices=("auto", "logging"),
+        help="auto (default): the routing line goes to stderr when logging would "
+        "not show it; logging: only through the sparse_ckpt.launcher logger (SPARSE_CKPT_RUN_LOG)",
+    )
+    p.add_argument(
+        "--check",
+        action="store_true",
+        help="do not run CMD: print what would be routed, from a probe process of "
+        "CMD's Python interpreter with CMD's environment (exit 1 if an integration would fail)",
+    )
     p.add_argument("--version", action="version", version=f"sparse-ckpt-run (sparse_ckpt {__version__})")
     p.add_argument("command", nargs=argparse.REMAINDER, metavar="CMD [ARGS ...]")
     return p
 
 
 def environment(
-    base: Mapping[str, str], *, integrations: str | None = None, strict: bool = False, log: str | None = None,
+    base: Mapping[str, str],
+    *,
+    integrations: str | None = None,
+    strict: bool = False,
+    log: str | None = None,
     safe_load: bool = False,
 ) -> dict[str, str]:
     """The environment the command runs with: ``base`` with `SITE_DIR` first on ``PYTHONPATH``
@@ -212,19 +233,25 @@ def _check(command: Sequence[str], env: dict[str, str], out: list[str]) -> int:
     out.append("integrations (each process activates them when it imports their trigger):")
     out.extend(plan(env))
     try:
-        proc = subprocess.run([interpreter, *options, "-c", PROBE], env=env, capture_output=True, text=True, timeout=600, check=False)
+        proc = subprocess.run(
+            [interpreter, *options, "-c", PROBE], env=env, capture_output=True, text=True, timeout=600, check=False
+        )
     except (OSError, subprocess.TimeoutExpired) as exc:
         out.append(f"probe: could not run {interpreter}: {exc}")
         return EXIT_CHECK_FAILED
-    found = [line[len(_MARK):] for line in proc.stdout.splitlines() if line.startswith(_MARK)]
+    found = [line[len(_MARK) :] for line in proc.stdout.splitlines() if line.startswith(_MARK)]
     if not found:
         tail = (proc.stderr or proc.stdout).strip().splitlines()[-5:]
         out.append(f"probe: {interpreter} exited {proc.returncode} without a report: " + " | ".join(tail))
         return EXIT_CHECK_FAILED
     report = json.loads(found[-1])
-    out.append(f"probe ({report['executable']}, Python {report['python']}, torch {report.get('torch') or 'not imported'}):")
+    out.append(
+        f"probe ({report['executable']}, Python {report['python']}, torch {report.get('torch') or 'not imported'}):"
+    )
     if not report["hook"]:
-        out.append("  the hook did not load in this interpreter (started with -S, -I or -E? another sitecustomize first?)")
+        out.append(
+            "  the hook did not load in this interpreter (started with -S, -I or -E? another sitecustomize first?)"
+        )
         out.append("result: not routed: this command's Python runs stock (the hook did not load)")
         return EXIT_CHECK_FAILED
     for trigger, what in report["triggers"].items():
@@ -236,7 +263,9 @@ def _check(command: Sequence[str], env: dict[str, str], out: list[str]) -> int:
     bad = report["problems"] or any(o["status"] in ("refused", "failed") for o in report["outcomes"])
     bad = bad or any(w.startswith("import failed") for w in report["triggers"].values())
     if bad and env.get("SPARSE_CKPT_RUN_STRICT") == "1":
-        out.append("result: not routed: under --strict a process that imports these triggers stops with an error (see above)")
+        out.append(
+            "result: not routed: under --strict a process that imports these triggers stops with an error (see above)"
+        )
     else:
         out.append("result: " + ("not routed: some integrations would run stock (see above)" if bad else "ok"))
     return EXIT_CHECK_FAILED if bad else EXIT_OK
@@ -253,10 +282,14 @@ def main(argv: Sequence[str] | None = None) -> int:
     if not hook.enabled():  # SPARSE_CKPT_RUN=0: the command as it is
         env = dict(os.environ)
         if args.check:
-            print(f"sparse-ckpt-run --check: SPARSE_CKPT_RUN={env['SPARSE_CKPT_RUN']}: off; {' '.join(command)} runs stock")
+            print(
+                f"sparse-ckpt-run --check: SPARSE_CKPT_RUN={env['SPARSE_CKPT_RUN']}: off; {' '.join(command)} runs stock"
+            )
             return EXIT_OK
     else:
-        env = environment(os.environ, integrations=args.integrations, strict=args.strict, log=args.log, safe_load=args.safe_load)
+        env = environment(
+            os.environ, integrations=args.integrations, strict=args.strict, log=args.log, safe_load=args.safe_load
+        )
         _, problems = hook.selection(env.get("SPARSE_CKPT_INTEGRATIONS", "auto"), env)
         if problems:
             for p in problems:

@@ -45,8 +45,13 @@ class _VersionAction(argparse.Action):
     """``--version``: the text is built when asked for (it reads the core choice), not for every parse."""
 
     def __init__(self, option_strings: Sequence[str], dest: str = argparse.SUPPRESS, **kwargs: object) -> None:
-        super().__init__(option_strings, dest, nargs=0, default=argparse.SUPPRESS,
-                         help="show the version of sparse_ckpt, torch and the core, and exit")
+        super().__init__(
+            option_strings,
+            dest,
+            nargs=0,
+            default=argparse.SUPPRESS,
+            help="show the version of sparse_ckpt, torch and the core, and exit",
+        )
 
     def __call__(self, parser: argparse.ArgumentParser, *args: object, **kwargs: object) -> None:
         print(_version())
@@ -73,8 +78,11 @@ def _parser() -> argparse.ArgumentParser:
     d.add_argument("a", help="first DCP checkpoint directory")
     d.add_argument("b", help="second DCP checkpoint directory")
     d.add_argument("--key", help="the optimizer's key in both (default: the only one, or equal keys)")
-    d.add_argument("--layout", action="store_true",
-                   help="also compare the layout: leaves, groups by index and their parameters (default: what they mean, by FQN)")
+    d.add_argument(
+        "--layout",
+        action="store_true",
+        help="also compare the layout: leaves, groups by index and their parameters (default: what they mean, by FQN)",
+    )
     d.add_argument("--json", action="store_true", help="machine-readable output")
     d.add_argument("--exit-code", action="store_true", help=f"exit {EXIT_DIFFERENT} when they differ")
     c = sub.add_parser("convert", help="rewrite the optimizer part between packed and flat format")
@@ -84,15 +92,20 @@ def _parser() -> argparse.ArgumentParser:
     c.add_argument("--key", help=key_help)
     c.add_argument("--leaf", help="leaf name for flat -> packed (default: the name of a single optimizer's leaf)")
     c.add_argument("--drop-empty-groups", action="store_true", help="packed -> flat: drop groups without parameters")
-    c.add_argument("--fqns", metavar="FILE",
-                   help="a torch optimizer.state_dict() (int ids): its parameters' FQNs, one per line, in the optimizer's order")
+    c.add_argument(
+        "--fqns",
+        metavar="FILE",
+        help="a torch optimizer.state_dict() (int ids): its parameters' FQNs, one per line, in the optimizer's order",
+    )
     e = sub.add_parser("export", help="write the optimizer part as safetensors + JSON (no pickle)")
     e.add_argument("checkpoint", help="DCP checkpoint directory")
     e.add_argument("out", help="destination directory (new or empty)")
     e.add_argument("--key", help="the optimizer's key (default: the checkpoint's only optimizer)")
     e.add_argument("--leaf", help="leaf name for flat-format settings (default: the name of a single optimizer's leaf)")
     r = sub.add_parser(
-        "run", add_help=False, help="run a command with sparse_ckpt active in every Python process it starts (sparse-ckpt-run)"
+        "run",
+        add_help=False,
+        help="run a command with sparse_ckpt active in every Python process it starts (sparse-ckpt-run)",
     )
     r.add_argument("args", nargs=argparse.REMAINDER, help="sparse-ckpt-run's options and the command")
     return parser
@@ -130,8 +143,13 @@ def _run(args: argparse.Namespace, out: Callable[[str], None], err: Callable[[st
         from .convert import convert_checkpoint
 
         keys = convert_checkpoint(
-            args.src, args.dst, args.to, key=args.key, drop_empty_groups=args.drop_empty_groups,
-            fqns=_read_fqns(args.fqns), **leaf,
+            args.src,
+            args.dst,
+            args.to,
+            key=args.key,
+            drop_empty_groups=args.drop_empty_groups,
+            fqns=_read_fqns(args.fqns),
+            **leaf,
         )
         shown = ", ".join(repr(k or "(top level)") for k in keys)
         out(f"wrote {args.dst}: optimizer {shown} in {args.to} format")

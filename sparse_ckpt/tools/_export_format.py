@@ -144,13 +144,15 @@ def render_groups(groups: list[Group], state_by_fqn: Mapping[str, Any]) -> dict[
         if si is None:
             si = index_of[group.blob] = len(settings)
             settings.append({k: encode_setting(k, v) for k, v in group.settings.items()})
-        entry = OneLine({
-            "index": gi,
-            "settings": si,
-            "params": len(group.fqns),
-            "with_state": sum(1 for f in group.fqns if state_by_fqn.get(f)),
-            "first_fqns": group.fqns[:FIRST_FQNS],
-        })
+        entry = OneLine(
+            {
+                "index": gi,
+                "settings": si,
+                "params": len(group.fqns),
+                "with_state": sum(1 for f in group.fqns if state_by_fqn.get(f)),
+                "first_fqns": group.fqns[:FIRST_FQNS],
+            }
+        )
         if group.settings_vary:
             entry["settings_vary_across_tables"] = True
         out_groups.append(entry)

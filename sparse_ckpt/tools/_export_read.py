@@ -18,7 +18,9 @@ def read_manifest(out_dir: str | os.PathLike[str]) -> dict[str, Any]:
     """The export's manifest, checked for format and version (`CheckpointFormatError`)."""
     path = os.path.join(os.fspath(out_dir), MANIFEST_FILE)
     if not os.path.isfile(path):
-        raise CheckpointFormatError(f"{os.fspath(out_dir)!r} has no {MANIFEST_FILE}: incomplete or not a sparse_ckpt export")
+        raise CheckpointFormatError(
+            f"{os.fspath(out_dir)!r} has no {MANIFEST_FILE}: incomplete or not a sparse_ckpt export"
+        )
     try:
         with open(path, encoding="utf-8") as f:
             manifest = json.load(f)
@@ -31,7 +33,9 @@ def read_manifest(out_dir: str | os.PathLike[str]) -> dict[str, Any]:
             f"{path!r}: export version {manifest.get('version')!r} is not supported (this sparse_ckpt reads {EXPORT_VERSION})"
         )
     tensors = manifest.get("tensors")
-    if not (isinstance(tensors, dict) and tensors.get("file") == TENSORS_FILE and isinstance(tensors.get("bytes"), int)):
+    if not (
+        isinstance(tensors, dict) and tensors.get("file") == TENSORS_FILE and isinstance(tensors.get("bytes"), int)
+    ):
         raise CheckpointFormatError(f"{path!r}: 'tensors' must name {TENSORS_FILE!r} and its size")
     if not isinstance(manifest.get("tables"), list) or not isinstance(manifest.get("values"), dict):
         raise CheckpointFormatError(f"{path!r}: 'tables' must be a list and 'values' an object")
@@ -85,7 +89,9 @@ def _open(out_dir: str | os.PathLike[str]) -> tuple[dict[str, Any], _Tensors, di
         bad = [n for n in state_names if not n.startswith(STATE_PREFIX) or n.startswith(SCALARS_PREFIX)]
         bad += [n for n in tensors.keys if n.startswith(PACKED_PREFIX) and n not in table_keys]
         bad += [
-            k for k in manifest["values"] if not k.startswith(STATE_PREFIX) or k.startswith(SCALARS_PREFIX) or k in names
+            k
+            for k in manifest["values"]
+            if not k.startswith(STATE_PREFIX) or k.startswith(SCALARS_PREFIX) or k in names
         ]
         if bad:
             raise CheckpointFormatError(f"{TENSORS_FILE}/{MANIFEST_FILE}: unexpected or duplicate entry {bad[0]!r}")

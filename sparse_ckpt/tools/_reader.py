@@ -159,7 +159,13 @@ def read_entries(
     try:
         reader.set_up_storage_reader(reader.read_metadata(), is_coordinator=True)
         values = read_items(
-            reader, metadata, keys, consume, raw_keys=raw_keys, unpickle_keys=unpickle_keys, require_storage=require_storage,
+            reader,
+            metadata,
+            keys,
+            consume,
+            raw_keys=raw_keys,
+            unpickle_keys=unpickle_keys,
+            require_storage=require_storage,
             where=f" of {os.fspath(path)!r}",
         )
     except SparseCheckpointError:
@@ -266,8 +272,9 @@ def split_optimizer(values: Mapping[str, Any]) -> tuple[dict[str, list[Group]], 
         assert record is not None
         unmatched = [k for k in unmatched if not is_record_key(k)]
         named = {fqn for fqn, raw in settings_by_fqn.items() if "param_names" in raw}
-        everything = set(settings_by_fqn).union(state_by_fqn, *(fqns for _i, _n, fqns in record.groups),
-                                                *(fqns for _k, _l, fqns in record.state))
+        everything = set(settings_by_fqn).union(
+            state_by_fqn, *(fqns for _i, _n, fqns in record.groups), *(fqns for _k, _l, fqns in record.state)
+        )
         check_key_record(record, settings_by_fqn, named, state_by_fqn, {}, [], everything)
     return leaves, flat_groups(settings_by_fqn), state_by_fqn, unmatched
 
@@ -283,7 +290,9 @@ def named_groups(leaves: dict[str, list[Group]], flat: list[Group]) -> list[tupl
 def optimizer_format(opt: OptimizerEntries, leaves: Mapping[str, Any], flat: list[Group]) -> str:
     """How ``opt`` is stored: ``torch`` (a torch ``optimizer.state_dict()``, int ids, its parameters
     named ``#<id>``), ``nested`` (torch DSD), ``mixed``, ``packed`` or ``flat``."""
-    if opt.nested and any(f.startswith(POSITION_MARK) for groups in leaves.values() for g in groups for f in g.fqns[:1]):
+    if opt.nested and any(
+        f.startswith(POSITION_MARK) for groups in leaves.values() for g in groups for f in g.fqns[:1]
+    ):
         return "torch"
     return "nested" if opt.nested else "mixed" if leaves and flat else "packed" if leaves else "flat"
 
@@ -324,8 +333,9 @@ def entry_values(opt: OptimizerEntries, metadata: Metadata, read: Mapping[str, A
     return sparse_values(opt, values)
 
 
-def sparse_values(opt: OptimizerEntries, values: Mapping[str, Any], fqns: list[str] | None = None,
-                  *, placeholders: bool = True) -> dict[str, Any]:
+def sparse_values(
+    opt: OptimizerEntries, values: Mapping[str, Any], fqns: list[str] | None = None, *, placeholders: bool = True
+) -> dict[str, Any]:
     """``values`` (``opt``'s entries by inner key) with torch DSD's nested entries rebuilt into
     their dict and rewritten into its packed equivalent (`sparse_ckpt._format.nested.nested_to_sparse`:
     one group table of leaf ``optim``, ``state.{fqn}.{key}`` entries); any other entry as it is.
@@ -398,7 +408,9 @@ def pack_flat_groups(flat: list[Group], leaf: str, leaves: Mapping[str, Any]) ->
     return {packed_table_key(leaf, table): table}
 
 
-LOADER = "sparse_ckpt: dcp.load(..., planner=sparse_ckpt.SparseLoadPlanner()) into a SparseOptimizerState or MultiOptimizer"
+LOADER = (
+    "sparse_ckpt: dcp.load(..., planner=sparse_ckpt.SparseLoadPlanner()) into a SparseOptimizerState or MultiOptimizer"
+)
 
 
 def loader_needed(summary: Mapping[str, Any]) -> str:

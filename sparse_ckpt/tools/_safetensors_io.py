@@ -85,7 +85,9 @@ def write_safetensors(
         for name, tensor in tensors:
             want = planned.pop(name, None)
             if want is None or tensor.dtype != want[1] or tuple(tensor.shape) != want[2]:
-                raise CheckpointFormatError(f"internal: tensor {name!r} is not planned (or twice), or not as planned: {want}")
+                raise CheckpointFormatError(
+                    f"internal: tensor {name!r} is not planned (or twice), or not as planned: {want}"
+                )
             if tensor.numel():
                 flat = tensor.detach().to("cpu").contiguous().reshape(-1).view(torch.uint8)
                 if at != base + want[0]:

@@ -44,6 +44,7 @@ from ._reader import (
 
 __all__ = ["convert_checkpoint", "convert_optimizer"]
 
+
 def convert_optimizer(
     values: Mapping[str, Any], to: str, *, leaf: str = SINGLE_LEAF, drop_empty_groups: bool = False
 ) -> dict[str, Any]:
@@ -60,7 +61,10 @@ def convert_optimizer(
     out = {k: v for k, v in values.items() if not k.startswith(GROUPS_PREFIX)}
     if to == "flat":
         # DSD's layout has no tables: scalars become per-item state again (each FQN's first).
-        out = {**expand_scalar_tables(values, flat=True), **{k: v for k, v in out.items() if not k.startswith(SCALARS_PREFIX)}}
+        out = {
+            **expand_scalar_tables(values, flat=True),
+            **{k: v for k, v in out.items() if not k.startswith(SCALARS_PREFIX)},
+        }
         escaped = [k for k in values if is_state_item(k) and has_escaped_part(k)]
         if escaped and leaves:
             raise CheckpointFormatError(
@@ -133,8 +137,9 @@ def convert_checkpoint(
     everything = read_entries(src, metadata, metadata.state_dict_metadata.keys(), unpickle_keys=set(others))
     new_opts = []
     for opt in opts:
-        values = sparse_values(opt, {inner: everything[flat] for inner, flat in opt.inner.items()}, fqns,
-                               placeholders=False)
+        values = sparse_values(
+            opt, {inner: everything[flat] for inner, flat in opt.inner.items()}, fqns, placeholders=False
+        )
         new_opts.append((opt.prefix, convert_optimizer(values, to, leaf=leaf, drop_empty_groups=drop_empty_groups)))
     nested: dict[str, Any] = {}
     for flat_key in others:

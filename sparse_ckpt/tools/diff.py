@@ -16,6 +16,7 @@ from .inspect import LIST_LIMIT, fmt_names, fmt_value, state_sig, walk_state
 
 __all__ = ["count_differences", "diff_checkpoints", "format_diff", "same_value"]
 
+
 class _View:
     """One optimizer of one checkpoint as the diff sees it: leaves, groups, state metadata."""
 
@@ -51,8 +52,14 @@ def same_value(a: Any, b: Any) -> bool:
         return (
             a.dtype == b.dtype
             and a.shape == b.shape
-            and bool(torch.equal(a, b) or (a.is_floating_point() and torch.equal(a.isnan(), b.isnan())
-                                         and torch.equal(torch.nan_to_num(a), torch.nan_to_num(b))))
+            and bool(
+                torch.equal(a, b)
+                or (
+                    a.is_floating_point()
+                    and torch.equal(a.isnan(), b.isnan())
+                    and torch.equal(torch.nan_to_num(a), torch.nan_to_num(b))
+                )
+            )
         )
     if isinstance(a, float):
         return a == b or (math.isnan(a) and math.isnan(b))
@@ -116,8 +123,14 @@ def _layout_diff(a: _View, b: _View) -> list[dict[str, Any]]:
         if ga is None or gb is None:
             groups = ga if ga is not None else gb
             assert groups is not None
-            leaves.append({"name": name, "only_in": "a" if gb is None else "b", "groups": len(groups),
-                           "params": sum(len(g.fqns) for g in groups)})
+            leaves.append(
+                {
+                    "name": name,
+                    "only_in": "a" if gb is None else "b",
+                    "groups": len(groups),
+                    "params": sum(len(g.fqns) for g in groups),
+                }
+            )
             continue
         group_diffs = []
         for gi in range(max(len(ga), len(gb))):

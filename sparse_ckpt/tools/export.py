@@ -155,7 +155,9 @@ def export_checkpoint(
     metadata = open_checkpoint(ckpt_dir)
     found = select_optimizers(find_optimizers(metadata), key)
     if not found:
-        raise UsageError(f"{os.fspath(ckpt_dir)!r} holds no optimizer entries ('<key>.state.*' / '<key>.param_groups.*')")
+        raise UsageError(
+            f"{os.fspath(ckpt_dir)!r} holds no optimizer entries ('<key>.state.*' / '<key>.param_groups.*')"
+        )
     if len(found) > 1:
         names = ", ".join(repr(o.name) for o in found)
         raise UsageError(f"{os.fspath(ckpt_dir)!r} holds {len(found)} optimizers ({names}): pass --key")
@@ -201,9 +203,7 @@ def export_checkpoint(
     buffers_keys = [k for k in opt.inner if k.startswith(BUFFERS_PREFIX)]  # layout tables and buckets
     buffered = FullTensors(buffers_keys, values) if buffers_keys else None
     state = _state_entries(tensor_keys, sdm, opt.inner, buffered, order)
-    layout: list[tuple[str, torch.dtype, tuple[int, ...]]] = [
-        (k, torch.uint8, (len(t),)) for k, t in tables.items()
-    ]
+    layout: list[tuple[str, torch.dtype, tuple[int, ...]]] = [(k, torch.uint8, (len(t),)) for k, t in tables.items()]
     layout += [(k, t.dtype, tuple(t.shape)) for k, t in scalar_tensors.items()]
     layout += [(e.name, e.dtype, e.shape) for e in state]
     for k, dtype, _shape in layout:
@@ -211,8 +211,13 @@ def export_checkpoint(
 
     def read_buckets(keys: list[str], consume: Callable[[str, Any], None]) -> None:
         for bucket in keys:  # one at a time: a failure names its bucket
-            read_entries(ckpt_dir, metadata, [opt.inner[bucket]], require_storage=True,
-                         consume=lambda _flat, value, bucket=bucket: consume(bucket, value))
+            read_entries(
+                ckpt_dir,
+                metadata,
+                [opt.inner[bucket]],
+                require_storage=True,
+                consume=lambda _flat, value, bucket=bucket: consume(bucket, value),
+            )
 
     def stream() -> Iterator[tuple[str, torch.Tensor]]:
         for k, t in tables.items():
@@ -225,7 +230,9 @@ def export_checkpoint(
         reading = sorted(state, key=lambda e: (0, position[e.item]) if e.item is not None else (1, e.buffered))
         for batch in cut(reading, _StateEntry.nbytes, batch_bytes):
             got = read_entries(ckpt_dir, metadata, [opt.inner[e.item] for e in batch if e.item is not None])
-            full = buffered.read([e.buffered for e in batch if e.buffered is not None], read_buckets) if buffered else []
+            full = (
+                buffered.read([e.buffered for e in batch if e.buffered is not None], read_buckets) if buffered else []
+            )
             full.reverse()
             for e in batch:
                 yield e.name, got.pop(opt.inner[e.item]) if e.item is not None else full.pop()
@@ -297,7 +304,10 @@ class _StateEntry:
 
 
 def _state_entries(
-    tensor_keys: list[str], sdm: Mapping[str, Any], inner: Mapping[str, str], buffered: FullTensors | None,
+    tensor_keys: list[str],
+    sdm: Mapping[str, Any],
+    inner: Mapping[str, str],
+    buffered: FullTensors | None,
     order: StateOrder,
 ) -> list[_StateEntry]:
     """Every exported state tensor, per item or buffered, in the export's order (`StateOrder`)."""
@@ -312,7 +322,9 @@ def _state_entries(
     names = [e.name for _key, e in entries]
     if len(set(names)) != len(names):
         twice = next(n for i, n in enumerate(names) if n in names[:i])
-        raise CheckpointFormatError(f"state {twice!r} is both in a buffer and a per-item entry (corrupt or edited checkpoint)")
+        raise CheckpointFormatError(
+            f"state {twice!r} is both in a buffer and a per-item entry (corrupt or edited checkpoint)"
+        )
     return [e for _key, e in entries]
 
 
@@ -340,8 +352,9 @@ def _like_param(name: str, value: torch.Tensor, param: torch.Tensor | None) -> t
     local = dt.to_local()
     if local.untyped_storage().nbytes() > local.numel() * local.element_size():
         # A view into the full tensor: keep only this rank's shard alive.
-        dt = DTensor.from_local(local.clone(), param.device_mesh, param.placements, run_check=False,
-                                shape=dt.shape, stride=dt.stride())
+        dt = DTensor.from_local(
+            local.clone(), param.device_mesh, param.placements, run_check=False, shape=dt.shape, stride=dt.stride()
+        )
     return dt
 
 

@@ -30,6 +30,7 @@ from .verify import storage_problems
 
 __all__ = ["expert_summary", "format_inspect", "id_ranges", "inspect_checkpoint", "inspect_details", "jsonable"]
 
+
 def walk_state(node: Mapping[str, Any], prefix: str = "") -> list[tuple[str, Any]]:
     """``(dotted key, leaf value)`` of one parameter's (nested) state."""
     out: list[tuple[str, Any]] = []
@@ -285,8 +286,10 @@ def _expert_lines(experts: list[dict[str, Any]], params: bool) -> list[str]:
     span = f"{lo[0]}/{lo[1]}" if lo == hi else f"{lo[0]}/{lo[1]} to {hi[0]}/{hi[1]}"
     extra = f", {partial} partial" if partial else ""
     lines = [
-        (f"    experts with state: {with_state}/{total} in {len(experts)} layer(s) "
-        f"(per layer: {span}{extra}; FQNs '...experts.N...')")
+        (
+            f"    experts with state: {with_state}/{total} in {len(experts)} layer(s) "
+            f"(per layer: {span}{extra}; FQNs '...experts.N...')"
+        )
     ]
     if params:
         width = max(len(e["layer"]) for e in experts)

@@ -85,7 +85,13 @@ def storage_problems(
         infos = records.get(key, [])
         expected = len(md.chunks) if isinstance(md, TensorStorageMetadata) else 1
         if len(infos) < expected:
-            problems.append({"key": key, "file": None, "problem": f"{expected - len(infos)} of {expected} storage record(s) missing from .metadata"})
+            problems.append(
+                {
+                    "key": key,
+                    "file": None,
+                    "problem": f"{expected - len(infos)} of {expected} storage record(s) missing from .metadata",
+                }
+            )
             bad.add(key)
             continue
         for info in infos:
@@ -105,13 +111,25 @@ def storage_problems(
                 bad.add(key)
                 break
             if offset < 0 or length < 0 or offset + length > size:
-                problems.append({"key": key, "file": rel, "problem": f"truncated: needs bytes {offset}..{offset + length} of {rel!r}, which has {size}"})
+                problems.append(
+                    {
+                        "key": key,
+                        "file": rel,
+                        "problem": f"truncated: needs bytes {offset}..{offset + length} of {rel!r}, which has {size}",
+                    }
+                )
                 bad.add(key)
                 break
             if check_data and not getattr(info, "transform_descriptors", None):
                 to_check.setdefault(rel, []).append((offset, length, key))
     for rel, keys in missing_files.items():
-        problems.append({"key": keys[0], "file": rel, "problem": f"data file {rel!r} is missing ({len(keys)} item(s), e.g. {keys[0]!r})"})
+        problems.append(
+            {
+                "key": keys[0],
+                "file": rel,
+                "problem": f"data file {rel!r} is missing ({len(keys)} item(s), e.g. {keys[0]!r})",
+            }
+        )
     unchecked = 0
     for rel, items in to_check.items():
         with open(os.path.join(root, rel), "rb") as f:
@@ -121,9 +139,20 @@ def storage_problems(
                 error, n = _check_zip(f, offset, length)
                 unchecked += n
                 if error is not None:
-                    problems.append({"key": key, "file": rel, "problem": f"corrupt item (bytes {offset}..{offset + length} of {rel!r}): {error}"})
+                    problems.append(
+                        {
+                            "key": key,
+                            "file": rel,
+                            "problem": f"corrupt item (bytes {offset}..{offset + length} of {rel!r}): {error}",
+                        }
+                    )
                     bad.add(key)
-    stats = {"items": len(metadata.state_dict_metadata), "files": len(sizes), "bytes": total, "crc_unchecked": unchecked}
+    stats = {
+        "items": len(metadata.state_dict_metadata),
+        "files": len(sizes),
+        "bytes": total,
+        "crc_unchecked": unchecked,
+    }
     return problems, bad, stats
 
 
@@ -146,10 +175,17 @@ def verify_checkpoint(path: str | os.PathLike[str], *, batch_bytes: int = BATCH_
     optimizers = find_optimizers(metadata)
     opt_keys = {flat for opt in optimizers for flat in opt.inner.values()}
     raw_keys = {
-        key for key, md in metadata.state_dict_metadata.items() if not isinstance(md, TensorStorageMetadata) and key not in opt_keys
+        key
+        for key, md in metadata.state_dict_metadata.items()
+        if not isinstance(md, TensorStorageMetadata) and key not in opt_keys
     }
     group_keys = {flat for opt in optimizers for flat in read_keys(opt)}
-    bucket_keys = {flat for opt in optimizers for inner, flat in opt.inner.items() if is_buffer_item(inner) and flat not in group_keys}
+    bucket_keys = {
+        flat
+        for opt in optimizers
+        for inner, flat in opt.inner.items()
+        if is_buffer_item(inner) and flat not in group_keys
+    }
     kept: dict[str, Any] = {}
     bucket_crcs: dict[str, int] = {}  # flattened bucket key -> its CRC-32C as read
     read = 0
@@ -166,7 +202,9 @@ def verify_checkpoint(path: str | os.PathLike[str], *, batch_bytes: int = BATCH_
                     problems.append({"key": key, "file": None, "problem": f"unreadable: {exc}"})
                     bad.add(key)
         read += len(got)
-        bucket_crcs.update({k: tensor_crc(v) for k, v in got.items() if k in bucket_keys and isinstance(v, torch.Tensor)})
+        bucket_crcs.update(
+            {k: tensor_crc(v) for k, v in got.items() if k in bucket_keys and isinstance(v, torch.Tensor)}
+        )
         kept.update({k: v for k, v in got.items() if k in group_keys})
         del got
     loaders: dict[str, str] = {}
@@ -175,7 +213,9 @@ def verify_checkpoint(path: str | os.PathLike[str], *, batch_bytes: int = BATCH_
             continue  # already reported; decoding would only repeat it
         values = entry_values(opt, metadata, kept)
         name = opt.name or "(top level)"
-        for bucket, problem in checksum_failures(values, values, lambda inner, o=opt: bucket_crcs.get(o.inner.get(inner, ""))):
+        for bucket, problem in checksum_failures(
+            values, values, lambda inner, o=opt: bucket_crcs.get(o.inner.get(inner, ""))
+        ):
             problems.append({"key": opt.inner.get(bucket, bucket), "file": None, "problem": problem})
         try:
             leaves, flat, state_by_fqn, unmatched = split_optimizer(values)
@@ -189,9 +229,21 @@ def verify_checkpoint(path: str | os.PathLike[str], *, batch_bytes: int = BATCH_
         fmt = optimizer_format(opt, leaves, flat)
         loaders[opt.name] = loader_needed({"format": fmt, "without_state": without, "foreign_guards": len(opt.guards)})
         if orphans:
-            problems.append({"key": name, "file": None, "problem": f"optimizer {name!r}: state of {len(orphans)} parameter(s) in no group (e.g. {orphans[0]!r})"})
+            problems.append(
+                {
+                    "key": name,
+                    "file": None,
+                    "problem": f"optimizer {name!r}: state of {len(orphans)} parameter(s) in no group (e.g. {orphans[0]!r})",
+                }
+            )
         if unmatched:
-            problems.append({"key": name, "file": None, "problem": f"optimizer {name!r}: {len(unmatched)} key(s) match no parameter (e.g. {unmatched[0]!r})"})
+            problems.append(
+                {
+                    "key": name,
+                    "file": None,
+                    "problem": f"optimizer {name!r}: {len(unmatched)} key(s) match no parameter (e.g. {unmatched[0]!r})",
+                }
+            )
     return {
         "checkpoint": os.fspath(path),
         "ok": not problems,
@@ -210,8 +262,10 @@ def format_verify(report: dict[str, Any]) -> str:
     """The text form of a ``verify`` report."""
     lines = [
         f"checkpoint: {report['checkpoint']}",
-        (f"{report['items']} item(s) in {report['files']} file(s), {report['bytes']} bytes; "
-        f"{report['read']} read; optimizers: {', '.join(repr(o or '(top level)') for o in report['optimizers']) or 'none'}"),
+        (
+            f"{report['items']} item(s) in {report['files']} file(s), {report['bytes']} bytes; "
+            f"{report['read']} read; optimizers: {', '.join(repr(o or '(top level)') for o in report['optimizers']) or 'none'}"
+        ),
     ]
     for name, loader in report.get("loaders", {}).items():
         lines.append(f"optimizer {name or '(top level)'!r} loads with {loader}")

@@ -30,8 +30,11 @@ def skip_reason(device_type: str) -> str | None:
     try:
         check_device(device_type)
     except DeviceUnavailable as exc:
-        how = ("run it on a GPU machine, e.g. with bench/device_check.sh" if device_type == "cuda" else
-               "install torch_npu on an Ascend machine, or run .ci/npu.sh (the emulated npu device)")
+        how = (
+            "run it on a GPU machine, e.g. with bench/device_check.sh"
+            if device_type == "cuda"
+            else "install torch_npu on an Ascend machine, or run .ci/npu.sh (the emulated npu device)"
+        )
         return f"{exc}; {how}"
     return None
 

@@ -100,8 +100,9 @@ class NpuGlooGroup(dist.ProcessGroup):
     def reduce_scatter_single(self, output: torch.Tensor, input: torch.Tensor, opts: Any = None) -> Any:
         return self.reduce_scatter([output], [list(input.chunk(self._world_size))], opts)
 
-    def reduce_scatter_tensor_coalesced(self, outputs: list[torch.Tensor], inputs: list[torch.Tensor],
-                                        opts: Any = None) -> Any:
+    def reduce_scatter_tensor_coalesced(
+        self, outputs: list[torch.Tensor], inputs: list[torch.Tensor], opts: Any = None
+    ) -> Any:
         work = None
         for out, inp in zip(outputs, inputs):
             work = self.reduce_scatter_single(out, inp, opts)
@@ -112,8 +113,10 @@ class NpuGlooGroup(dist.ProcessGroup):
     # -- gathers and broadcast --------------------------------------------------------------------
     def allgather(self, outputs: list[list[torch.Tensor]], inputs: list[torch.Tensor], opts: Any = None) -> Any:
         opts = opts if opts is not None else dist.AllgatherOptions()
-        host_out = [[_host(t) if t.device.type == "cpu" else torch.empty(t.shape, dtype=t.dtype) for t in outs]
-                    for outs in outputs]
+        host_out = [
+            [_host(t) if t.device.type == "cpu" else torch.empty(t.shape, dtype=t.dtype) for t in outs]
+            for outs in outputs
+        ]
         host_out = [[t if t.is_contiguous() else t.contiguous() for t in outs] for outs in host_out]
         work = self._gloo.allgather(host_out, [_host(t) for t in inputs], opts)
         work.wait()
@@ -128,8 +131,9 @@ class NpuGlooGroup(dist.ProcessGroup):
         _back(output, host)
         return work
 
-    def allgather_into_tensor_coalesced(self, outputs: list[torch.Tensor], inputs: list[torch.Tensor],
-                                        opts: Any = None) -> Any:
+    def allgather_into_tensor_coalesced(
+        self, outputs: list[torch.Tensor], inputs: list[torch.Tensor], opts: Any = None
+    ) -> Any:
         work = None
         for out, inp in zip(outputs, inputs):
             work = self.all_gather_single(out, inp, opts)
@@ -137,8 +141,9 @@ class NpuGlooGroup(dist.ProcessGroup):
 
     all_gather_single_coalesced = allgather_into_tensor_coalesced
 
-    def allgather_coalesced(self, outputs: list[list[torch.Tensor]], inputs: list[torch.Tensor],
-                            opts: Any = None) -> Any:
+    def allgather_coalesced(
+        self, outputs: list[list[torch.Tensor]], inputs: list[torch.Tensor], opts: Any = None
+    ) -> Any:
         work = None
         for outs, inp in zip(outputs, inputs):
             work = self.allgather([outs], [inp], opts)

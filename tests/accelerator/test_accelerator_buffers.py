@@ -85,13 +85,18 @@ def test_device_state_round_trips(variant: str, dtype: torch.dtype, device_type:
         name = layout if fmt == "packed" else f"{layout}-{fmt}"
         with warnings.catch_warnings():
             warnings.simplefilter("ignore")
-            dcp.save({"optim": sc.SparseOptimizerState(model, src, format=fmt, state_layout=layout)},
-                     checkpoint_id=tmp_path / name)
+            dcp.save(
+                {"optim": sc.SparseOptimizerState(model, src, format=fmt, state_layout=layout)},
+                checkpoint_id=tmp_path / name,
+            )
         model2 = _model(dtype, device)
         model2.load_state_dict(model.state_dict())
         dst = torch.optim.AdamW(model2.parameters(), lr=0.5, **VARIANTS[variant])
-        dcp.load({"optim": sc.SparseOptimizerState(model2, dst, format=fmt)}, checkpoint_id=tmp_path / name,
-                 planner=sc.SparseLoadPlanner())
+        dcp.load(
+            {"optim": sc.SparseOptimizerState(model2, dst, format=fmt)},
+            checkpoint_id=tmp_path / name,
+            planner=sc.SparseLoadPlanner(),
+        )
         for st in dst.state.values():
             for k, v in st.items():
                 want = device if k != "step" or variant in ("fused", "capturable") else torch.device("cpu")
@@ -141,8 +146,9 @@ def test_fsdp2_on_a_device_mesh(tmp_path: Path, layout: str, device_type: str) -
             model = _model(torch.float32, device_type)
             for layer in (model[0], model[2]):
                 fully_shard(layer, mesh=mesh)
-            return model, sc.MultiOptimizer(model, {"optim": torch.optim.AdamW(model.parameters(), lr=0.01)},
-                                            state_layout=layout)
+            return model, sc.MultiOptimizer(
+                model, {"optim": torch.optim.AdamW(model.parameters(), lr=0.01)}, state_layout=layout
+            )
 
         model, opt = build()
         _steps(model, opt, 2, seed=3)
@@ -155,7 +161,11 @@ def test_fsdp2_on_a_device_mesh(tmp_path: Path, layout: str, device_type: str) -
             for k, v in st.items():
                 v2 = st2[k]
                 if k != "step":
-                    assert isinstance(v2, DTensor) and v2.device_mesh == p2.device_mesh and v2.to_local().device.type == device_type
+                    assert (
+                        isinstance(v2, DTensor)
+                        and v2.device_mesh == p2.device_mesh
+                        and v2.to_local().device.type == device_type
+                    )
                     v, v2 = v.to_local(), v2.to_local()
                 assert torch.equal(v.cpu(), v2.cpu()), k
         _steps(model, opt, 1, seed=9)
@@ -179,11 +189,17 @@ def test_pinned_staging(device_type: str, tmp_path: Path, monkeypatch: pytest.Mo
     sd = sc.sparse_state_dict(model, src, state_layout="buffers")
     buffers = [v for k, v in sd.items() if k.startswith("state.__buffers__.") and isinstance(v, torch.Tensor)]
     assert buffers and all(v.device.type == "cpu" and v.is_pinned() for v in buffers)
-    dcp.save({"optim": sc.SparseOptimizerState(model, src, state_layout="buffers")}, checkpoint_id=tmp_path, no_dist=True)
+    dcp.save(
+        {"optim": sc.SparseOptimizerState(model, src, state_layout="buffers")}, checkpoint_id=tmp_path, no_dist=True
+    )
     model2 = _model(torch.float32, device)
     model2.load_state_dict(model.state_dict())
     dst = torch.optim.AdamW(model2.parameters(), lr=0.5, fused=True)
-    dcp.load({"optim": sc.SparseOptimizerState(model2, dst)}, checkpoint_id=tmp_path, planner=sc.SparseLoadPlanner(),
-             no_dist=True)
+    dcp.load(
+        {"optim": sc.SparseOptimizerState(model2, dst)},
+        checkpoint_id=tmp_path,
+        planner=sc.SparseLoadPlanner(),
+        no_dist=True,
+    )
     assert_optimizer_equal(dst, src, grads=False)
     assert all(v.device == device for st in dst.state.values() for v in st.values())

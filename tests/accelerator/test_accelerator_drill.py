@@ -76,8 +76,9 @@ def build(device: torch.device, variant: str) -> tuple[Moe, sc.MultiOptimizer, d
     kw = VARIANTS[variant]
     experts = list(model.experts.parameters())
     dense = [p for n, p in model.named_parameters() if not n.startswith("experts.")]
-    opt = sc.MultiOptimizer(model, {"experts": torch.optim.AdamW(experts, lr=0.01, **kw),
-                                    "dense": torch.optim.AdamW(dense, lr=0.02, **kw)})
+    opt = sc.MultiOptimizer(
+        model, {"experts": torch.optim.AdamW(experts, lr=0.01, **kw), "dense": torch.optim.AdamW(dense, lr=0.02, **kw)}
+    )
     scheds = {leaf: torch.optim.lr_scheduler.StepLR(o, step_size=1, gamma=0.5) for leaf, o in opt.leaves()}
     return model, opt, scheds
 
@@ -101,8 +102,7 @@ class InterruptedWriter(dcp.FileSystemWriter):
 
 
 def _app_state(model: Moe, opt: sc.MultiOptimizer, scheds: dict[str, Any]) -> dict[str, Any]:
-    return {"model": model.state_dict(), "optim": opt,
-            "sched": {leaf: s.state_dict() for leaf, s in scheds.items()}}
+    return {"model": model.state_dict(), "optim": opt, "sched": {leaf: s.state_dict() for leaf, s in scheds.items()}}
 
 
 def _stager() -> Any:
@@ -110,8 +110,11 @@ def _stager() -> Any:
     ``Tensor.pin_memory`` of the current accelerator)."""
     from torch.distributed.checkpoint.staging import DefaultStager, StagingOptions
 
-    return DefaultStager(StagingOptions(use_pinned_memory=True, use_shared_memory=False, use_async_staging=False,
-                                        use_non_blocking_copy=False))
+    return DefaultStager(
+        StagingOptions(
+            use_pinned_memory=True, use_shared_memory=False, use_async_staging=False, use_non_blocking_copy=False
+        )
+    )
 
 
 @pytest.mark.parametrize("variant", list(VARIANTS))
@@ -124,11 +127,16 @@ def test_resume_drill_on_device(variant: str, device_type: str, tmp_path: Path) 
     model, opt, scheds = build(device, variant)
     for step in (2, 4):
         train(model, opt, scheds, step - 2, step)
-        writer = dcp.FileSystemWriter(tmp_path / f"step-{step}") if step == 2 else InterruptedWriter(tmp_path / f"step-{step}")
+        writer = (
+            dcp.FileSystemWriter(tmp_path / f"step-{step}")
+            if step == 2
+            else InterruptedWriter(tmp_path / f"step-{step}")
+        )
         with warnings.catch_warnings():
             warnings.simplefilter("ignore")
-            future = dcp.async_save(_app_state(model, opt, scheds), storage_writer=writer, async_stager=_stager(),
-                                    no_dist=True)
+            future = dcp.async_save(
+                _app_state(model, opt, scheds), storage_writer=writer, async_stager=_stager(), no_dist=True
+            )
             if step == 2:
                 future.result()
             else:
@@ -179,8 +187,13 @@ def _ep_train(model: Moe, opt: torch.optim.Optimizer) -> None:
     """Two steps with gradients from a per-FQN seed (the same on any rank layout); expert 3 gets none."""
     for step in range(2):
         for n, p in model.named_parameters():
-            p.grad = None if n.startswith("experts.3.") else torch.randn(
-                p.shape, generator=torch.Generator().manual_seed(zlib.crc32(n.encode()) + step)).to(p.device)
+            p.grad = (
+                None
+                if n.startswith("experts.3.")
+                else torch.randn(p.shape, generator=torch.Generator().manual_seed(zlib.crc32(n.encode()) + step)).to(
+                    p.device
+                )
+            )
         opt.step()
 
 
@@ -194,8 +207,12 @@ def test_reshard_two_ranks_to_one(device_type: str, tmp_path: Path, forbid_fork:
     ref, ref_opt = _ep_model(device, list(range(N_EXPERTS)))
     _ep_train(ref, ref_opt)
     model, opt = _ep_model(device, list(range(N_EXPERTS)))
-    dcp.load({"optim": sc.SparseOptimizerState(model, opt)}, checkpoint_id=tmp_path / "ckpt",
-             planner=sc.SparseLoadPlanner(), no_dist=True)
+    dcp.load(
+        {"optim": sc.SparseOptimizerState(model, opt)},
+        checkpoint_id=tmp_path / "ckpt",
+        planner=sc.SparseLoadPlanner(),
+        no_dist=True,
+    )
     model.load_state_dict(ref.state_dict())  # (the checkpoint holds the optimizer only)
     assert_optimizer_equal(ref_opt, opt, grads=False, state_order=False)  # (state in checkpoint order)
     assert all(v.device == device for st in opt.state.values() for k, v in st.items() if k != "step")
@@ -225,8 +242,22 @@ def test_bench_quick_on_device(device_type: str, tmp_path: Path) -> None:
     from bench.run import main
 
     out = tmp_path / "bench"
-    rc = main(["--device", device_type, "--scales", "2x8", "--repeats", "1", "--budget", "0.2", "--progress", "off",
-               "--out", str(out)])
+    rc = main(
+        [
+            "--device",
+            device_type,
+            "--scales",
+            "2x8",
+            "--repeats",
+            "1",
+            "--budget",
+            "0.2",
+            "--progress",
+            "off",
+            "--out",
+            str(out),
+        ]
+    )
     assert rc == 0
     results = json.loads((out / "results.json").read_text())
     assert results["machine"]["device"] == device_type

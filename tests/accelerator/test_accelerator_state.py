@@ -182,7 +182,11 @@ def assert_restored_exactly(
     for leaf, o in opt.leaves():
         opt3[leaf].load_state_dict(copy.deepcopy(o.state_dict()))  # torch's own restore: the placement to match
     assert_optimizer_equal(opt3, opt2, grads=False)
-    if (name, dtype) in TORCH_CASTS or (name, dtype, kernels_of(next(model.parameters()).device)) in NEXT_STEP_NOT_REPRODUCIBLE:
+    if (name, dtype) in TORCH_CASTS or (
+        name,
+        dtype,
+        kernels_of(next(model.parameters()).device),
+    ) in NEXT_STEP_NOT_REPRODUCIBLE:
         return
     train(model, opt, 1, seed=50)
     train(model2, opt2, 1, seed=50)
@@ -205,8 +209,10 @@ def test_dict_path_from_host_memory(optimizer_name: str, dtype: torch.dtype, dev
     """The dict with every tensor moved to the CPU (as ``torch.load(map_location="cpu")`` gives it) restores
     onto the device exactly."""
     model, opt = trained(optimizer_name, dtype, device_type)
-    sd = {k: v.cpu() if isinstance(v, torch.Tensor) else v
-          for k, v in clone_state_dict(sc.sparse_state_dict(model, opt)).items()}
+    sd = {
+        k: v.cpu() if isinstance(v, torch.Tensor) else v
+        for k, v in clone_state_dict(sc.sparse_state_dict(model, opt)).items()
+    }
     model2, opt2 = fresh_copy(model, optimizer_name, dtype)
     sc.load_sparse_state_dict(model2, opt2, sd)
     assert_restored_exactly(model, opt, model2, opt2, optimizer_name, dtype)
@@ -215,11 +221,18 @@ def test_dict_path_from_host_memory(optimizer_name: str, dtype: torch.dtype, dev
 def test_dcp_path(optimizer_name: str, dtype: torch.dtype, device_type: str, tmp_path: Path) -> None:
     """A DCP checkpoint of device state restores exactly into a fresh model and optimizer on the device."""
     model, opt = trained(optimizer_name, dtype, device_type)
-    dcp.save({"model": model.state_dict(), "optim": sc.SparseOptimizerState(model, opt)}, checkpoint_id=tmp_path,
-             no_dist=True)
+    dcp.save(
+        {"model": model.state_dict(), "optim": sc.SparseOptimizerState(model, opt)},
+        checkpoint_id=tmp_path,
+        no_dist=True,
+    )
     model2, opt2 = build(1, optimizer_name, dtype, device_type)
     msd = model2.state_dict()
-    dcp.load({"model": msd, "optim": sc.SparseOptimizerState(model2, opt2)}, checkpoint_id=tmp_path,
-             planner=sc.SparseLoadPlanner(), no_dist=True)
+    dcp.load(
+        {"model": msd, "optim": sc.SparseOptimizerState(model2, opt2)},
+        checkpoint_id=tmp_path,
+        planner=sc.SparseLoadPlanner(),
+        no_dist=True,
+    )
     model2.load_state_dict(msd)
     assert_restored_exactly(model, opt, model2, opt2, optimizer_name, dtype)

@@ -61,8 +61,24 @@ core_backend = _backends.run_once
 @pytest.fixture(scope="module")
 def bench_out(tmp_path_factory: pytest.TempPathFactory) -> str:
     out = str(tmp_path_factory.mktemp("bench"))
-    code = main(["--quick", "--scales", "1x2,2x4", "--repeats", "1", "--budget", "0.5", "--out", out,
-                 "--no-progress", "--dsd-max-params", "20", "--dcp-max-items", "200"])
+    code = main(
+        [
+            "--quick",
+            "--scales",
+            "1x2,2x4",
+            "--repeats",
+            "1",
+            "--budget",
+            "0.5",
+            "--out",
+            out,
+            "--no-progress",
+            "--dsd-max-params",
+            "20",
+            "--dcp-max-items",
+            "200",
+        ]
+    )
     assert code == 0
     return out
 
@@ -139,8 +155,16 @@ def test_targets_and_outputs(bench_out: str) -> None:
     assert all(r["verdict"] in {verdicts.PASS, verdicts.MISS, verdicts.NA} for r in rows)
     assert all((r["status"] == verdicts.NA) == (r["verdict"] == verdicts.NA) for r in rows)
     by_name = {r["target"]: r for r in rows}
-    for t in (verdicts.SAVE_COST_PARAM, verdicts.SAVE_COST_LAYER, verdicts.LOAD_COST_PARAM, verdicts.LOAD_COST_LAYER,
-              verdicts.BACKEND_SPEEDUP, verdicts.DCP_ITEMS_PARAM, verdicts.DCP_ITEMS_LAYER, verdicts.DCP_VS_NAIVE_LAYER):
+    for t in (
+        verdicts.SAVE_COST_PARAM,
+        verdicts.SAVE_COST_LAYER,
+        verdicts.LOAD_COST_PARAM,
+        verdicts.LOAD_COST_LAYER,
+        verdicts.BACKEND_SPEEDUP,
+        verdicts.DCP_ITEMS_PARAM,
+        verdicts.DCP_ITEMS_LAYER,
+        verdicts.DCP_VS_NAIVE_LAYER,
+    ):
         row = by_name[t.name]
         assert row["value"] is not None and row["where"].startswith(f"2x4, {t.layout} (largest measured"), t.name
     # the naive layout of 2x4 with one group per param exceeds --dcp-max-items 200: measured at 1x2 instead
@@ -199,8 +223,9 @@ def test_dcp_naive_and_stateful_round_trip(tmp_path) -> None:
         naive = naive_state_dict(fx.model, fx.optimizer)
         assert set(naive["state"]) == {n for n, p in fx.model.named_parameters() if p in fx.optimizer.state}
         fqn_of = {id(p): n for n, p in fx.model.named_parameters()}
-        assert [g["params"] for g in naive["param_groups"]] == [[fqn_of[id(p)] for p in g["params"]]
-                                                                for g in fx.optimizer.param_groups]
+        assert [g["params"] for g in naive["param_groups"]] == [
+            [fqn_of[id(p)] for p in g["params"]] for g in fx.optimizer.param_groups
+        ]
         for m in (Method("dcp", "save", None, "naive", "all"), Method("dcp", "save", None, "packed", "stateful")):
             call, setup = runner_for(m, ctx, None)
             call(setup())
@@ -241,9 +266,11 @@ def _fig(t: float, **extra: object) -> dict:
 
 
 def _results(runs: list[dict], quick: bool = False, cpp: str = "available") -> dict:
-    return {"machine": {"backends": {"cpp": cpp, "python": "available"}},
-            "config": {"layouts": ["param", "layer"], "scales": sorted({r["scale"] for r in runs}), "quick": quick},
-            "runs": runs}
+    return {
+        "machine": {"backends": {"cpp": cpp, "python": "available"}},
+        "config": {"layouts": ["param", "layer"], "scales": sorted({r["scale"] for r in runs}), "quick": quick},
+        "runs": runs,
+    }
 
 
 def _run(scale: str, layout: str, figures: dict, **info: object) -> dict:
@@ -266,16 +293,43 @@ def test_full_run_at_target_scale_gets_verdicts() -> None:
         assert row["status"] == verdicts.INDICATIVE and row["verdict"] == verdicts.MISS
         assert report_markdown.indicative_banner(results(scale, quick))
     assert report_markdown.indicative_banner(results("61x256", False)) is None
+
+
 def test_header_and_progress_lines(capsys: pytest.CaptureFixture[str], tmp_path) -> None:
     """stdout starts with a header a person can read; a non-TTY stderr gets one line per figure, no \\r."""
-    assert main(["--quick", "--scales", "1x2", "--layouts", "param", "--repeats", "1", "--budget", "0.2",
-                 "--out", str(tmp_path), "--methods", "floor/"]) == 0
+    assert (
+        main(
+            [
+                "--quick",
+                "--scales",
+                "1x2",
+                "--layouts",
+                "param",
+                "--repeats",
+                "1",
+                "--budget",
+                "0.2",
+                "--out",
+                str(tmp_path),
+                "--methods",
+                "floor/",
+            ]
+        )
+        == 0
+    )
     out, err = capsys.readouterr()
     head = out.splitlines()[:12]
     assert head[0] == bench_run.RULE and head[1].startswith("sparse_ckpt bench: QUICK mode") and "INDICATIVE" in head[1]
     text = "\n".join(head)
-    for key in ("command   python -m bench --quick --scales 1x2", "machine ", "torch 2.", "backends  python available",
-                "device    cpu", "scales    1x2 (13 params)", f"output    {tmp_path}"):
+    for key in (
+        "command   python -m bench --quick --scales 1x2",
+        "machine ",
+        "torch 2.",
+        "backends  python available",
+        "device    cpu",
+        "scales    1x2 (13 params)",
+        f"output    {tmp_path}",
+    ):
         assert key in text, key
     assert "\r" not in err
     lines = err.splitlines()
@@ -306,8 +360,11 @@ def test_checkout_entry_points(tmp_path) -> None:
     root = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
     assert bench_run.in_checkout() and bench_run.default_out() == os.path.join(root, "bench", "out")
     env = {k: v for k, v in os.environ.items() if k != "PYTHONPATH"}
-    for cmd in ([sys.executable, "-m", "bench", "--help"], [sys.executable, "bench/run.py", "--help"],
-                [sys.executable, "-m", "bench.resume", "--help"]):
+    for cmd in (
+        [sys.executable, "-m", "bench", "--help"],
+        [sys.executable, "bench/run.py", "--help"],
+        [sys.executable, "-m", "bench.resume", "--help"],
+    ):
         proc = subprocess.run(cmd, check=False, cwd=root, env=env, capture_output=True, text=True, timeout=120)
         assert proc.returncode == 0, (cmd, proc.stderr)
         assert proc.stdout.startswith("usage: "), cmd
@@ -327,11 +384,14 @@ def test_targets_compute_ratios() -> None:
     layer = {**cost, "sparse/save/cpp/packed": _fig(3.0), "sparse/load/cpp/packed": _fig(5.0)}
 
     def dcp(stateful: float, naive: float, items: int) -> dict:
-        return {"dcp/save/packed/stateful": _fig(stateful, items=items + 1, bytes=100),
-                "dcp/load/packed/stateful": _fig(stateful),
-                "dcp/save/naive/all": _fig(naive, items=5 * items, bytes=300), "dcp/load/naive/all": _fig(naive),
-                "dcp/save/packed/all": _fig(stateful, items=items, bytes=100),
-                "dcp/save/packed/groups": _fig(0.01, items=1, bytes=10)}
+        return {
+            "dcp/save/packed/stateful": _fig(stateful, items=items + 1, bytes=100),
+            "dcp/load/packed/stateful": _fig(stateful),
+            "dcp/save/naive/all": _fig(naive, items=5 * items, bytes=300),
+            "dcp/load/naive/all": _fig(naive),
+            "dcp/save/packed/all": _fig(stateful, items=items, bytes=100),
+            "dcp/save/packed/groups": _fig(0.01, items=1, bytes=10),
+        }
 
     runs = [
         _run("61x256", "param", cost),
@@ -380,8 +440,11 @@ def test_growth_targets() -> None:
     p_small, p_big = Scale(61, 256).n_params, Scale(200, 1024).n_params
     k = p_big / p_small  # a linear cost grows by k
     small = {"floor/state_dict": _fig(1.0), "sparse/save/cpp/packed": _fig(1.0), "sparse/load/cpp/packed": _fig(2.0)}
-    big = {"floor/state_dict": _fig(1.1 * k), "sparse/save/cpp/packed": _fig(1.2 * k),
-           "sparse/load/cpp/packed": _fig(2 * 1.6 * k)}
+    big = {
+        "floor/state_dict": _fig(1.1 * k),
+        "sparse/save/cpp/packed": _fig(1.2 * k),
+        "sparse/load/cpp/packed": _fig(2 * 1.6 * k),
+    }
     runs = [_run("61x256", "param", small), _run("200x1024", "param", big)]
     rows = {r["target"]: r for r in verdicts.compute_targets(_results(runs))}
     save, load = rows[verdicts.GROWTH_SAVE_PARAM.name], rows[verdicts.GROWTH_LOAD_PARAM.name]
@@ -407,14 +470,37 @@ def test_skipped_baseline_falls_back_to_largest_measured_scale() -> None:
         _run("61x256", "param", {"dsd/set": skipped, "sparse/load/cpp/packed": _fig(1.0)}),
     ]
     rows = [r for r in information.compute_info(_results(runs)) if r["name"] == information.INFO_DSD_SET]
-    assert [(r["where"].split(" —")[0], r["value"]) for r in rows] == [("24x128, param", pytest.approx(150.0)),
-                                                                      ("61x256, layer", pytest.approx(50.0))]
+    assert [(r["where"].split(" —")[0], r["value"]) for r in rows] == [
+        ("24x128, param", pytest.approx(150.0)),
+        ("61x256, layer", pytest.approx(50.0)),
+    ]
 
 
 def test_dsd_set_max_groups_skips_only_the_set(tmp_path: os.PathLike) -> None:
     out = str(tmp_path)
-    assert main(["--quick", "--scales", "1x2", "--layouts", "param", "--repeats", "1", "--budget", "0.5",
-                 "--out", out, "--no-progress", "--methods", "dsd/", "--dsd-set-max-groups", "3"]) == 0
+    assert (
+        main(
+            [
+                "--quick",
+                "--scales",
+                "1x2",
+                "--layouts",
+                "param",
+                "--repeats",
+                "1",
+                "--budget",
+                "0.5",
+                "--out",
+                out,
+                "--no-progress",
+                "--methods",
+                "dsd/",
+                "--dsd-set-max-groups",
+                "3",
+            ]
+        )
+        == 0
+    )
     figs = _load(out)["runs"][0]["figures"]
     assert figs["dsd/get"]["status"] == "ok"
     assert figs["dsd/set"]["status"] == "skipped" and "--dsd-set-max-groups 3" in figs["dsd/set"]["reason"]
@@ -499,15 +585,18 @@ def _synthetic_full_results() -> dict:
         for layout in ("layer", "param"):
             figures = {}
             for k, mid in enumerate(sorted(planned_ids())):
-                skipped = ((mid.startswith("dsd/") and i >= 2) or (mid == "floor/load_state_dict" and i >= 2)
-                           or (mid.startswith("dcp/") and "/flat/all" in mid and i >= 2)
-                           or (mid.startswith(("dcp/", "export/")) and "/packed/groups" not in mid and i >= 3)
-                           or ("/naive/" in mid and layout == "param" and i >= 2))
+                skipped = (
+                    (mid.startswith("dsd/") and i >= 2)
+                    or (mid == "floor/load_state_dict" and i >= 2)
+                    or (mid.startswith("dcp/") and "/flat/all" in mid and i >= 2)
+                    or (mid.startswith(("dcp/", "export/")) and "/packed/groups" not in mid and i >= 3)
+                    or ("/naive/" in mid and layout == "param" and i >= 2)
+                )
                 if skipped:
                     figures[mid] = {"status": "skipped", "reason": "over a --*-max-* limit"}
                     continue
                 extra = {"items": 10 ** (i + 2) + k, "bytes": 10 ** (i + 5) + k} if "/save" in mid else {}
-                figures[mid] = _fig(1e-4 * 4 ** i * (1 + k % 7), **extra)
+                figures[mid] = _fig(1e-4 * 4**i * (1 + k % 7), **extra)
             runs.append(_run(scale, layout, figures, n_param_shaped_state=100, n_leaves=1))
     res = _results(runs)
     res["config"]["layouts"] = ["layer", "param"]
@@ -557,7 +646,9 @@ def layout_problems(fig: object) -> list[str]:
     names = [f"legend {i} ({lg.texts[0].get_text()[:30]!r}...)" for i, lg in enumerate(legends)]
     for name, box in zip(names, boxes):
         if box.x0 < frame.x0 - 1 or box.y0 < frame.y0 - 1 or box.x1 > frame.x1 + 1 or box.y1 > frame.y1 + 1:
-            problems.append(f"{name} outside the figure: {[round(v) for v in box.extents]} vs {[round(v) for v in frame.extents]}")
+            problems.append(
+                f"{name} outside the figure: {[round(v) for v in box.extents]} vs {[round(v) for v in frame.extents]}"
+            )
     for i in range(len(boxes)):
         for j in range(i + 1, len(boxes)):
             if overlap(boxes[i], boxes[j]):
@@ -591,8 +682,18 @@ def test_plot_coverage_and_coinciding_series() -> None:
     """Legend suffixes say how far a line goes; a bytes / items line is left out only where another
     one covers every scale it was measured at, within :data:`plots.COINCIDE_WITHIN`."""
     skipped = {"status": "skipped", "reason": "limit"}
-    runs = [_run(s, "param", {"a": _fig(1.0, bytes=100), "b": _fig(1.0, bytes=103),
-                              "c": _fig(1.0, bytes=150) if s != "61x256" else skipped}) for s in PLOT_SCALES[:3]]
+    runs = [
+        _run(
+            s,
+            "param",
+            {
+                "a": _fig(1.0, bytes=100),
+                "b": _fig(1.0, bytes=103),
+                "c": _fig(1.0, bytes=150) if s != "61x256" else skipped,
+            },
+        )
+        for s in PLOT_SCALES[:3]
+    ]
     runs[2]["figures"]["a"] = skipped
     a, b, c = (plots.Series(n, (n,), "k", field="bytes") for n in "abc")
     assert plots.coverage(b, runs) == ""
@@ -610,10 +711,15 @@ def test_export_vs_dcp_info_rows() -> None:
     scale and layout where both figures were measured, none where either was skipped."""
     skipped = {"status": "skipped", "reason": "9,999 entries > --dcp-max-items 200"}
 
-    def figs(export_s: float, export_bytes: int, load_s: float, dcp_s: float, dcp_bytes: int, dcp_load_s: float) -> dict:
-        return {"export/save": _fig(export_s, bytes=export_bytes), "export/load": _fig(load_s),
-                "dcp/save/packed/stateful": _fig(dcp_s, items=10, bytes=dcp_bytes),
-                "dcp/load/packed/stateful": _fig(dcp_load_s)}
+    def figs(
+        export_s: float, export_bytes: int, load_s: float, dcp_s: float, dcp_bytes: int, dcp_load_s: float
+    ) -> dict:
+        return {
+            "export/save": _fig(export_s, bytes=export_bytes),
+            "export/load": _fig(load_s),
+            "dcp/save/packed/stateful": _fig(dcp_s, items=10, bytes=dcp_bytes),
+            "dcp/load/packed/stateful": _fig(dcp_load_s),
+        }
 
     runs = [
         _run("8x64", "param", figs(0.5, 900, 0.2, 1.0, 1000, 0.8)),

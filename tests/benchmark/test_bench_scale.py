@@ -97,23 +97,42 @@ def test_metadata_mode_records_per_layout(tmp_path: os.PathLike[str]) -> None:
     assert res["split"]["buffers"]["per_item_state"] == 0 and res["split"]["buffers"]["layout_tables"] == 1
     if "auto" in STATE_LAYOUTS:  # the two embeddings' state (4 tensors) per item, the rest bucketed
         assert res["split"]["auto"]["per_item_state"] == 4
-        assert rows[4, "buffers"]["chunk_records"] < rows[4, "auto"]["chunk_records"] < rows[4, "per_tensor"]["chunk_records"]
+        assert (
+            rows[4, "buffers"]["chunk_records"]
+            < rows[4, "auto"]["chunk_records"]
+            < rows[4, "per_tensor"]["chunk_records"]
+        )
 
 
 def test_threshold_mode_counts_and_crossover(tmp_path: os.PathLike[str]) -> None:
     res = _run(tmp_path, "threshold", "--sizes", "4K,16K", "--total", "64K", "--repeats", "1")
-    assert [(p["chunk_bytes"], p["n_params"], p["n_state_tensors"]) for p in res["points"]] == [(4096, 8, 16), (16384, 2, 4)]
+    assert [(p["chunk_bytes"], p["n_params"], p["n_state_tensors"]) for p in res["points"]] == [
+        (4096, 8, 16),
+        (16384, 2, 4),
+    ]
     for p in res["points"]:
         assert [r["layout"] for r in p["rows"]] == ["per_tensor", "buffers"] and len(p["ratio"]) == 3
         assert p["state_bytes"] >= 64 << 10  # plus the 0-dim steps
-    assert set(res) >= {"crossover_bytes", "crossover_save_bytes", "crossover_load_bytes", "crossover_sum_bytes",
-                        "first_bytes"}
+    assert set(res) >= {
+        "crossover_bytes",
+        "crossover_save_bytes",
+        "crossover_load_bytes",
+        "crossover_sum_bytes",
+        "first_bytes",
+    }
     assert threshold_counts([4, 1 << 30], 1 << 20, 100) == [(4, 100), (1 << 30, 1)]
     assert parse_size("16K") == parse_size("16KiB") == 16384 and parse_size("1M") == 1 << 20
-    pts = [{"chunk_bytes": s, "ratio": r}
-           for s, r in ((1, [2.0, 2.0, 2.0]), (2, [0.9, 1.0, 0.95]), (4, [1.1, 0.5, 0.9]), (8, [0.8, 0.9, 0.85]))]
-    assert crossover(pts) == {"crossover_bytes": 8, "crossover_save_bytes": 8, "crossover_load_bytes": 2,
-                              "crossover_sum_bytes": 2, "first_bytes": 2}
+    pts = [
+        {"chunk_bytes": s, "ratio": r}
+        for s, r in ((1, [2.0, 2.0, 2.0]), (2, [0.9, 1.0, 0.95]), (4, [1.1, 0.5, 0.9]), (8, [0.8, 0.9, 0.85]))
+    ]
+    assert crossover(pts) == {
+        "crossover_bytes": 8,
+        "crossover_save_bytes": 8,
+        "crossover_load_bytes": 2,
+        "crossover_sum_bytes": 2,
+        "first_bytes": 2,
+    }
     assert set(crossover(pts[:1]).values()) == {None}
 
 
@@ -128,9 +147,11 @@ def test_async_mode_blocked_and_total(tmp_path: os.PathLike[str]) -> None:
 
 def test_report_tables_and_svg(tmp_path: os.PathLike[str]) -> None:
     paths = []
-    for argv in (("dcp", "--fixtures", "1x2:h0", "--repeats", "1"),
-                 ("metadata", "--fixture", "1x2:h0", "--ranks", "2,4", "--repeats", "1"),
-                 ("threshold", "--sizes", "4K", "--total", "16K", "--repeats", "1")):
+    for argv in (
+        ("dcp", "--fixtures", "1x2:h0", "--repeats", "1"),
+        ("metadata", "--fixture", "1x2:h0", "--ranks", "2,4", "--repeats", "1"),
+        ("threshold", "--sizes", "4K", "--total", "16K", "--repeats", "1"),
+    ):
         _run(tmp_path, *argv)
         paths.append(os.path.join(tmp_path, f"{argv[0]}.json"))
     svg = os.path.join(tmp_path, "scale.svg")

@@ -64,9 +64,16 @@ def test_each_plot_names_its_command_and_machine(tmp_path: Path, monkeypatch: py
     matplotlib.use("Agg")
     footers: list[str] = []
     real = results_page._footer
-    monkeypatch.setattr(results_page, "_footer", lambda fig, sources, results: (
-        footers.append("\n".join([results_page.COMMAND, *(results_page.machine(s, results_page.load(s)) for s in sources)])),
-        real(fig, sources, results)))
+    monkeypatch.setattr(
+        results_page,
+        "_footer",
+        lambda fig, sources, results: (
+            footers.append(
+                "\n".join([results_page.COMMAND, *(results_page.machine(s, results_page.load(s)) for s in sources)])
+            ),
+            real(fig, sources, results),
+        ),
+    )
     for plot in results_page.PLOTS:
         plot(tmp_path)
     assert len(footers) == len(results_page.PLOTS)

@@ -80,12 +80,19 @@ def test_resume_is_bit_identical(drill: resume.DrillResult, world_size: int) -> 
     # run_drill compared everything; these are the counts of what it compared
     n_routed = CFG.n_blocks * CFG.routed * 2  # up and down of every routed expert
     n_dense = 3 + CFG.n_blocks  # adapter, embed, head, routers
-    assert info["checks"] == {"params": 39, "state_params": n_routed + n_dense, "state_tensors": 3 * (n_routed + n_dense)}
+    assert info["checks"] == {
+        "params": 39,
+        "state_params": n_routed + n_dense,
+        "state_tensors": 3 * (n_routed + n_dense),
+    }
 
 
 def test_no_state_for_unrouted_experts_or_vision(drill: resume.DrillResult) -> None:
-    paths = [drill.root / "reference" / "ckpt" / "step-8", drill.root / "killed" / "ckpt" / "step-4",
-             *(drill.root / f"resume-{n}" / "ckpt" / "step-8" for n in RESUME_SIZES)]
+    paths = [
+        drill.root / "reference" / "ckpt" / "step-8",
+        drill.root / "killed" / "ckpt" / "step-4",
+        *(drill.root / f"resume-{n}" / "ckpt" / "step-8" for n in RESUME_SIZES),
+    ]
     for path in paths:
         assert resume.check_checkpoint_keys(path, CFG) > 0
         [report] = inspect_checkpoint(str(path))["optimizers"]
@@ -108,8 +115,17 @@ def test_no_state_for_unrouted_experts_or_vision(drill: resume.DrillResult) -> N
 @pytest.mark.parametrize("skip", ["optim", "sched"])
 def test_broken_resume_is_caught(drill: resume.DrillResult, tmp_path: Path, skip: str) -> None:
     """Resuming without the optimizer (or the schedulers) trains on, but the comparison fails."""
-    resume.run_ranks(guarded(resume.train_run), 2, CFG, str(tmp_path / "ckpt"), str(tmp_path),
-                     str(drill.root / "killed" / "ckpt"), None, (skip,), err_dir=str(tmp_path))
+    resume.run_ranks(
+        guarded(resume.train_run),
+        2,
+        CFG,
+        str(tmp_path / "ckpt"),
+        str(tmp_path),
+        str(drill.root / "killed" / "ckpt"),
+        None,
+        (skip,),
+        err_dir=str(tmp_path),
+    )
     ref = torch.load(drill.root / "reference" / resume.SNAPSHOT, weights_only=True)
     got = torch.load(tmp_path / resume.SNAPSHOT, weights_only=True)
     with pytest.raises(AssertionError, match=f"resume without {skip}: "):
@@ -140,8 +156,9 @@ def test_cli(core_backend: str, tmp_path: Path) -> None:
         pytest.skip("the CLI runs the same drill; once is enough")
     out = io.StringIO()
     with redirect_stdout(out):
-        code = resume.main(["--nproc", "1", "--steps", "4", "--every", "1", "--resume-sizes", "2",
-                            "--out", str(tmp_path / "run")])
+        code = resume.main(
+            ["--nproc", "1", "--steps", "4", "--every", "1", "--resume-sizes", "2", "--out", str(tmp_path / "run")]
+        )
     text = out.getvalue()
     assert code == 0, text
     assert "SIGKILL" in text and "last complete: step-2" in text and "resume drill: PASS" in text

@@ -205,8 +205,9 @@ def _run_clone(root: Path, backend: str | None = None) -> dict:
         env["SPARSE_CKPT_BACKEND"] = backend
     env["PYTHONPATH"] = str(root)
     code = CLONE_PROBE.format(built=str(ROOT / "sparse_ckpt"))
-    proc = subprocess.run([sys.executable, "-c", code], cwd=root, env=env, check=False, capture_output=True, text=True,
-                          timeout=300)
+    proc = subprocess.run(
+        [sys.executable, "-c", code], cwd=root, env=env, check=False, capture_output=True, text=True, timeout=300
+    )
     assert proc.returncode == 0, proc.stderr
     out = json.loads(proc.stdout.strip().splitlines()[-1])
     assert out["file"] == str(root / "sparse_ckpt" / "__init__.py")
@@ -225,7 +226,9 @@ def test_an_unbuilt_clone_never_uses_another_clones_core(tmp_path: Path) -> None
     out = _run_clone(_clone(tmp_path, with_c=False))
     assert (out["backend"], out["again"], out["C"]) == ("python", "python", None), out
     [(category, message)] = out["warnings"]
-    assert category == "CoreFallbackWarning" and "runs its Python core" in message and "not built in" in message, message
+    assert category == "CoreFallbackWarning" and "runs its Python core" in message and "not built in" in message, (
+        message
+    )
     assert "SPARSE_CKPT_BACKEND=python" in message and "build_ext --inplace" in message
 
 
@@ -233,7 +236,9 @@ def test_forced_cpp_in_an_unbuilt_clone_says_it_is_not_built(tmp_path: Path) -> 
     _needs_built_core()
     out = _run_clone(_clone(tmp_path, with_c=False), backend="cpp")
     msg = out["error"]
-    assert msg.startswith("SPARSE_CKPT_BACKEND=cpp but the C++ core cannot be used: sparse_ckpt._C is not importable"), msg
+    assert msg.startswith(
+        "SPARSE_CKPT_BACKEND=cpp but the C++ core cannot be used: sparse_ckpt._C is not importable"
+    ), msg
     assert "not built in" in msg and "circular import" not in msg and out["C"] is None, msg
 
 
@@ -249,8 +254,13 @@ def test_a_core_built_from_other_sources_is_not_used(tmp_path: Path) -> None:
     forced = _run_clone(root, backend="cpp")
     assert "does not match the C++ sources" in forced["error"] and "rebuild it" in forced["error"], forced
     same = _clone(tmp_path / "same", with_c=True, csrc_edit="")  # unchanged sources: the build is used, silently
-    assert _run_clone(same) | {"C": None} == {"backend": "cpp", "again": "cpp", "file": str(same / "sparse_ckpt" / "__init__.py"),
-                                              "warnings": [], "C": None}
+    assert _run_clone(same) | {"C": None} == {
+        "backend": "cpp",
+        "again": "cpp",
+        "file": str(same / "sparse_ckpt" / "__init__.py"),
+        "warnings": [],
+        "C": None,
+    }
 
 
 def test_the_built_core_carries_the_build_id_of_this_tree() -> None:

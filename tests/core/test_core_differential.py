@@ -191,12 +191,24 @@ ints = st.one_of(st.integers(-(2**64), 2**64), st.sampled_from(HUGE_INTS))
 floats = st.one_of(st.floats(allow_nan=True, allow_infinity=True), st.sampled_from([-0.0, math.nan, -math.inf]))
 texts = st.one_of(st.text(max_size=6), st.sampled_from(GOOD_TEXT))
 good_scalars = st.one_of(
-    st.none(), st.booleans(), st.integers(-(2**63), 2**63 - 1), floats, texts, st.binary(max_size=6),
+    st.none(),
+    st.booleans(),
+    st.integers(-(2**63), 2**63 - 1),
+    floats,
+    texts,
+    st.binary(max_size=6),
     st.sampled_from(TENSORS[:-1] if _uint16 else TENSORS),
 )
 any_scalars = st.one_of(
-    st.none(), st.booleans(), ints, floats, texts, st.sampled_from(BAD_TEXT), st.binary(max_size=6),
-    st.sampled_from(TENSORS), st.sampled_from(BAD_VALUES),
+    st.none(),
+    st.booleans(),
+    ints,
+    floats,
+    texts,
+    st.sampled_from(BAD_TEXT),
+    st.binary(max_size=6),
+    st.sampled_from(TENSORS),
+    st.sampled_from(BAD_VALUES),
 )
 
 
@@ -234,10 +246,7 @@ def groups_fqn(draw: st.DrawFn, settings_st: st.SearchStrategy = good_settings, 
         names = st.text(alphabet="abc.01_é", min_size=1, max_size=8)
     pool = draw(st.lists(settings_st, min_size=1, max_size=2))
     n = draw(st.integers(0, 4))
-    return [
-        (dict(draw(st.sampled_from(pool))), draw(st.lists(names, max_size=4)))
-        for _ in range(n)
-    ]
+    return [(dict(draw(st.sampled_from(pool))), draw(st.lists(names, max_size=4))) for _ in range(n)]
 
 
 # --------------------------------------------------------------------------- capture: pack + remap
@@ -249,7 +258,9 @@ def optimizer_inputs(draw: st.DrawFn) -> tuple[list[dict], dict]:
     groups = []
     for _ in range(draw(st.integers(0, 4))):
         idx = draw(st.lists(st.integers(0, len(PARAMS) - 1), max_size=5))
-        pairs = st.dictionaries(any_keys, st.one_of(st.integers(), st.sampled_from(BAD_VALUES + TENSORS[:2])), max_size=3)
+        pairs = st.dictionaries(
+            any_keys, st.one_of(st.integers(), st.sampled_from(BAD_VALUES + TENSORS[:2])), max_size=3
+        )
         items = [kv for kv in draw(pairs).items() if kv[0] != "params"]
         items.insert(draw(st.integers(0, len(items))), ("params", [PARAMS[i] for i in idx]))
         groups.append(dict(items))
@@ -359,8 +370,16 @@ def test_remap_not_owned_and_other_errors() -> None:
     ids = [a, b]
     msg = check_error("remap_to_fqns", "L", [{"params": [0, 1]}], {}, ids, {id(a): "a"}, exc=Exception)
     assert "is not owned by the model" in msg and "(2, 2)" in msg
-    check_error("remap_to_fqns", "L", [{"params": [0]}], {1: {}}, ids, {id(a): "a"}, exc=Exception,
-                match="state: optimizer parameter")
+    check_error(
+        "remap_to_fqns",
+        "L",
+        [{"params": [0]}],
+        {1: {}},
+        ids,
+        {id(a): "a"},
+        exc=Exception,
+        match="state: optimizer parameter",
+    )
     check_error("remap_to_fqns", "L", [{"lr": 1}], {}, ids, {}, exc=CheckpointFormatError, match="no 'params'")
     check_error("remap_to_fqns", "L", [], {"k": 1}, ids, {}, exc=Exception, match="non-parameter key 'k'")
     check_error("remap_to_fqns", "L", [], {1.0: 1}, ids, {}, exc=Exception)
@@ -441,7 +460,9 @@ def _non_empty_leaves(state: Any) -> bool:
 
 
 def test_flatten_edge_cases() -> None:
-    check_error("flatten_state", "l", {"a": [1]}, {}, True, exc=CheckpointFormatError, match="is a list, expected a dict")
+    check_error(
+        "flatten_state", "l", {"a": [1]}, {}, True, exc=CheckpointFormatError, match="is a list, expected a dict"
+    )
     check("flatten_state", "l", {"a": collections.OrderedDict(b=1, c={"d": 2})}, {}, True)
     od = collections.OrderedDict(x=1, y=2)
     od.move_to_end("x")  # items() order differs from the dict storage order
@@ -449,19 +470,43 @@ def test_flatten_edge_cases() -> None:
     check("flatten_state", "l", {1.5: {None: 1, (1, 2): {"z": 3}}}, {}, True)
     outside_contract("flatten_state", "l", 5, {}, True)
     assert check("flatten_state", "l", {"w": {"ema.decay": 1, 7: 2, "~t": 3, "%": 4}}, {}, True)[1] == {
-        "state.w.~sema%2Edecay": 1, "state.w.~i7": 2, "state.w.~s~t": 3, "state.w.%": 4
+        "state.w.~sema%2Edecay": 1,
+        "state.w.~i7": 2,
+        "state.w.~s~t": 3,
+        "state.w.%": 4,
     }
-    check_error("flatten_state", "l", {"w": {"ema.decay": 1}}, {}, False, exc=CheckpointFormatError,
-                match="'ema.decay' of 'w' cannot be written in the flat format")
+    check_error(
+        "flatten_state",
+        "l",
+        {"w": {"ema.decay": 1}},
+        {},
+        False,
+        exc=CheckpointFormatError,
+        match="'ema.decay' of 'w' cannot be written in the flat format",
+    )
     check_error("flatten_state", "l", {"w": {7: 1}}, {}, False, exc=CheckpointFormatError, match="7")
-    check_error("flatten_state", "l", {"w": {(1,): 1}}, {}, True, exc=CheckpointFormatError,
-                match="is a tuple; state keys must be str or int")
+    check_error(
+        "flatten_state",
+        "l",
+        {"w": {(1,): 1}},
+        {},
+        True,
+        exc=CheckpointFormatError,
+        match="is a tuple; state keys must be str or int",
+    )
     check_error("flatten_state", "l", {"w": {"a": {}}}, {}, True, exc=CheckpointFormatError, match="empty dict")
     assert check("flatten_state", "l", {"x": {"exp_avg": {"b": 1}}}, {"x", "x.exp_avg"}, True)[1] == {
         "state.x.~sexp_avg.b": 1
     }
-    check_error("flatten_state", "l", {"x": {"exp_avg": {"b": 1}}}, {"x", "x.exp_avg"}, False,
-                exc=CheckpointFormatError, match="would be read back as state of parameter 'x.exp_avg'")
+    check_error(
+        "flatten_state",
+        "l",
+        {"x": {"exp_avg": {"b": 1}}},
+        {"x", "x.exp_avg"},
+        False,
+        exc=CheckpointFormatError,
+        match="would be read back as state of parameter 'x.exp_avg'",
+    )
     check("flatten_groups", "l", [({"lr": 1}, ["a", "b"]), ({}, ["c"]), ({"x": 2}, [])])
     outside_contract("flatten_groups", "l", [({"lr": 1}, ["a"], "extra")])
     outside_contract("flatten_groups", "l", [({"lr": 1},)])
@@ -470,10 +515,20 @@ def test_flatten_edge_cases() -> None:
     outside_contract("flatten_groups", "l", [[{"lr": 1}, ["a"]]])  # a pair is a tuple
     check_error("flatten_groups", "l", [({"my.lr": 1}, ["a"])], exc=CheckpointFormatError, match="group 0: setting key")
     check_error("flatten_groups", "l", [({3: 1}, ["a"])], exc=CheckpointFormatError, match="setting key 3")
-    check_error("unflatten", {"state.w.~x": 1, "param_groups.__packed__.l.0": b""}, {"w"},
-                exc=CheckpointFormatError, match="invalid escaped part '~x'")
-    check_error("unflatten", {"state.w.~i1x": 1, "param_groups.__packed__.l.0": b""}, {"w"},
-                exc=CheckpointFormatError, match="invalid escaped part")
+    check_error(
+        "unflatten",
+        {"state.w.~x": 1, "param_groups.__packed__.l.0": b""},
+        {"w"},
+        exc=CheckpointFormatError,
+        match="invalid escaped part '~x'",
+    )
+    check_error(
+        "unflatten",
+        {"state.w.~i1x": 1, "param_groups.__packed__.l.0": b""},
+        {"w"},
+        exc=CheckpointFormatError,
+        match="invalid escaped part",
+    )
     assert check("unflatten", {"state.w.~sa": 1}, {"w"})[1][1] == {"w": {"~sa": 1}}  # flat: never unescaped
     loop: dict = {}
     loop["self"] = loop
@@ -495,7 +550,10 @@ def flat_dicts(draw: st.DrawFn) -> tuple[list[tuple[Any, Any]], list[str]]:
         st.sampled_from([1, None, b"state.a.x", ("state.a",)]),
     )
     value = st.one_of(
-        st.integers(), st.binary(max_size=3), st.sampled_from(TENSORS[:2]), st.none(),
+        st.integers(),
+        st.binary(max_size=3),
+        st.sampled_from(TENSORS[:2]),
+        st.none(),
         st.dictionaries(st.sampled_from(["x", "y", "b"]), st.integers(), max_size=2),
     )
     items = draw(st.lists(st.tuples(key, value), max_size=8))
@@ -576,17 +634,42 @@ def test_unflatten_never_writes_into_the_input() -> None:
 
 _REQ_GRAD = torch.tensor(1.0, requires_grad=True)
 SCALAR_CANDIDATES = [
-    torch.tensor(3.0), torch.tensor(3.0), torch.tensor(4.0), torch.tensor(2, dtype=torch.int64),
-    torch.tensor(1.5, dtype=torch.bfloat16), torch.tensor(float("nan")), torch.tensor(True),
-    torch.tensor(1 + 2j, dtype=torch.complex64), torch.arange(4.0)[2],  # a 0-d view into a larger storage
-    torch.zeros(2), torch.zeros(1, 1), torch.nn.Parameter(torch.tensor(1.0)), _REQ_GRAD,
+    torch.tensor(3.0),
+    torch.tensor(3.0),
+    torch.tensor(4.0),
+    torch.tensor(2, dtype=torch.int64),
+    torch.tensor(1.5, dtype=torch.bfloat16),
+    torch.tensor(float("nan")),
+    torch.tensor(True),
+    torch.tensor(1 + 2j, dtype=torch.complex64),
+    torch.arange(4.0)[2],  # a 0-d view into a larger storage
+    torch.zeros(2),
+    torch.zeros(1, 1),
+    torch.nn.Parameter(torch.tensor(1.0)),
+    _REQ_GRAD,
     torch.tensor(7, dtype=torch.uint16) if _uint16 else torch.zeros(0),
-    True, False, 0, -(2**63), 2**63 - 1, 2**63, -(2**63) - 1, 0.5, -0.0, math.nan, math.inf,
-    "s", None, b"x", (1,), [2], {"n": 1},
+    True,
+    False,
+    0,
+    -(2**63),
+    2**63 - 1,
+    2**63,
+    -(2**63) - 1,
+    0.5,
+    -0.0,
+    math.nan,
+    math.inf,
+    "s",
+    None,
+    b"x",
+    (1,),
+    [2],
+    {"n": 1},
 ]
 scalar_keys = st.one_of(
     st.sampled_from(["step", "eta", "mu", "", "a.b", "~x", "%", "é", "\ud800", "exp_avg"]),
-    st.integers(-2, 2), st.sampled_from([None, 1.5, (1,)]),
+    st.integers(-2, 2),
+    st.sampled_from([None, 1.5, (1,)]),
 )
 scalar_states = st.dictionaries(scalar_keys, st.sampled_from(SCALAR_CANDIDATES), max_size=4)
 
@@ -603,8 +686,16 @@ def test_flatten_packed_state(state_fqn: dict) -> None:
     """Both cores hoist the same leading scalars; items plus hoisted scalars are flatten_state's output."""
     known = {"w", "v", "w.x", "u"}
     res = check("flatten_packed_state", "l", state_fqn, known, torch.Tensor, CPU_DTYPES, torch.strided, _scalar_parts)
-    check("flatten_packed_state", "l", collections.OrderedDict(reversed(list(state_fqn.items()))), known,
-          torch.Tensor, CPU_DTYPES, torch.strided, _scalar_parts)
+    check(
+        "flatten_packed_state",
+        "l",
+        collections.OrderedDict(reversed(list(state_fqn.items()))),
+        known,
+        torch.Tensor,
+        CPU_DTYPES,
+        torch.strided,
+        _scalar_parts,
+    )
     full = check("flatten_state", "l", state_fqn, known, True)
     assert res[0] == full[0]
     if res[0] != "ok":
@@ -626,7 +717,10 @@ def test_flatten_packed_state(state_fqn: dict) -> None:
     for fqn, state in state_fqn.items():  # exactly the leading run went into the table
         run = []
         for key, value in state.items():
-            if table_codec.scalar_record("l", fqn, key, value, torch.Tensor, CPU_DTYPES, torch.strided, _scalar_parts) is None:
+            if (
+                table_codec.scalar_record("l", fqn, key, value, torch.Tensor, CPU_DTYPES, torch.strided, _scalar_parts)
+                is None
+            ):
                 break
             run.append(key)
         in_groups = [list(s)[:-1] for s, fqns in groups if fqn in fqns]
@@ -644,40 +738,93 @@ def test_flatten_packed_state(state_fqn: dict) -> None:
 def test_flatten_packed_state_edge_cases() -> None:
     t = torch.tensor(5.0)
     adam = {"step": t, "exp_avg": torch.zeros(2), "exp_avg_sq": torch.zeros(2)}
-    items, groups = check("flatten_packed_state", "l", {"a": adam, "b": dict(adam), "c": {"step": torch.tensor(6.0)}},
-                          {}, torch.Tensor, CPU_DTYPES, torch.strided, _scalar_parts)[1]
+    items, groups = check(
+        "flatten_packed_state",
+        "l",
+        {"a": adam, "b": dict(adam), "c": {"step": torch.tensor(6.0)}},
+        {},
+        torch.Tensor,
+        CPU_DTYPES,
+        torch.strided,
+        _scalar_parts,
+    )[1]
     assert list(items) == ["state.a.exp_avg", "state.a.exp_avg_sq", "state.b.exp_avg", "state.b.exp_avg_sq"]
     assert [(list(s), f) for s, f in groups] == [(["step", KEYS_ENTRY], ["a", "b"]), (["step", KEYS_ENTRY], ["c"])]
     assert groups[0][0][KEYS_ENTRY] == ("exp_avg", "exp_avg_sq") and groups[1][0][KEYS_ENTRY] == ()
     assert groups[0][0]["step"] is t  # the saved value itself (encode_table copies it out)
     # only the leading run: a scalar after a non-scalar stays per item, in order
-    items, groups = check("flatten_packed_state", "l", {"w": {"n": 1, "m": torch.zeros(2), "k": 2}}, {},
-                          torch.Tensor, CPU_DTYPES, torch.strided, _scalar_parts)[1]
+    items, groups = check(
+        "flatten_packed_state",
+        "l",
+        {"w": {"n": 1, "m": torch.zeros(2), "k": 2}},
+        {},
+        torch.Tensor,
+        CPU_DTYPES,
+        torch.strided,
+        _scalar_parts,
+    )[1]
     assert list(items) == ["state.w.m", "state.w.k"] and groups == [({"n": 1, KEYS_ENTRY: ("m", "k")}, ["w"])]
     # a parameter without scalars is listed too (its keys recorded); one whose state is {} is not
-    items, groups = check("flatten_packed_state", "l", {"a": {"m": 1.5j}, "b": {}, "c": {"e": {"x": [1]}, 7: 0.5j}}, {},
-                          torch.Tensor, CPU_DTYPES, torch.strided, _scalar_parts)[1]
+    items, groups = check(
+        "flatten_packed_state",
+        "l",
+        {"a": {"m": 1.5j}, "b": {}, "c": {"e": {"x": [1]}, 7: 0.5j}},
+        {},
+        torch.Tensor,
+        CPU_DTYPES,
+        torch.strided,
+        _scalar_parts,
+    )[1]
     assert groups == [({KEYS_ENTRY: ("m",)}, ["a"]), ({KEYS_ENTRY: ("e.x", "~i7")}, ["c"])]
     # keys that UTF-8 cannot encode still group (by their surrogate-passing bytes) on both cores
-    _items, groups = check("flatten_packed_state", "l", {"a": {"\ud800": [1]}, "b": {"\ud800": [2]}, "c": {"\udc00": [3]}},
-                           {}, torch.Tensor, CPU_DTYPES, torch.strided, _scalar_parts)[1]
+    _items, groups = check(
+        "flatten_packed_state",
+        "l",
+        {"a": {"\ud800": [1]}, "b": {"\ud800": [2]}, "c": {"\udc00": [3]}},
+        {},
+        torch.Tensor,
+        CPU_DTYPES,
+        torch.strided,
+        _scalar_parts,
+    )[1]
     assert [f for _s, f in groups] == [["a", "b"], ["c"]]
     # key order is part of a group's identity
-    _items, groups = check("flatten_packed_state", "l", {"a": {"x": 1, "y": 2}, "b": {"y": 2, "x": 1}}, {},
-                           torch.Tensor, CPU_DTYPES, torch.strided, _scalar_parts)[1]
+    _items, groups = check(
+        "flatten_packed_state",
+        "l",
+        {"a": {"x": 1, "y": 2}, "b": {"y": 2, "x": 1}},
+        {},
+        torch.Tensor,
+        CPU_DTYPES,
+        torch.strided,
+        _scalar_parts,
+    )[1]
     assert len(groups) == 2
     # errors are flatten_state's, in the same order
     for bad in ({"a": [1]}, {"a": {"n": 1, "d": {}}}, {"a": {"n": 1, (1,): 2}}):
-        assert check("flatten_packed_state", "l", bad, {}, torch.Tensor, CPU_DTYPES, torch.strided, _scalar_parts)[2:] == \
-            check("flatten_state", "l", bad, {}, True)[2:]
-    check("flatten_packed_state", "l", {"x": {"n": 1, "exp_avg": {"b": 1}}}, {"x", "x.exp_avg"}, torch.Tensor,
-          CPU_DTYPES, torch.strided, _scalar_parts)
+        assert (
+            check("flatten_packed_state", "l", bad, {}, torch.Tensor, CPU_DTYPES, torch.strided, _scalar_parts)[2:]
+            == check("flatten_state", "l", bad, {}, True)[2:]
+        )
+    check(
+        "flatten_packed_state",
+        "l",
+        {"x": {"n": 1, "exp_avg": {"b": 1}}},
+        {"x", "x.exp_avg"},
+        torch.Tensor,
+        CPU_DTYPES,
+        torch.strided,
+        _scalar_parts,
+    )
     for value in SCALAR_CANDIDATES:  # the CPU fast path gives exactly tensor_to_parts's parts
         if type(value) is torch.Tensor and _scalar_parts(value) is not None:
             assert _scalar_parts(value) == tensor_to_parts(value), value
     meta = torch.tensor(1.0).to("meta")
     assert _scalar_parts(meta) is None and _scalar_parts(torch.tensor(1.0).conj()) is not None
-    assert _scalar_parts(torch.tensor(1j).conj()) is None and _scalar_parts(torch.tensor(1.0, dtype=torch.float8_e4m3fn)) is None
+    assert (
+        _scalar_parts(torch.tensor(1j).conj()) is None
+        and _scalar_parts(torch.tensor(1.0, dtype=torch.float8_e4m3fn)) is None
+    )
     loop: dict = {"n": 1}
     loop["self"] = loop
     for mod in (P, C):
@@ -700,7 +847,16 @@ def test_flatten_packed_state_edge_cases() -> None:
     ],
 )
 def test_flatten_packed_state_scalar_parts_results(result: Any) -> None:
-    check("flatten_packed_state", "l", {"w": {"step": TENSORS[0], "n": 1}}, {}, torch.Tensor, CPU_DTYPES, torch.strided, _parts(result))
+    check(
+        "flatten_packed_state",
+        "l",
+        {"w": {"step": TENSORS[0], "n": 1}},
+        {},
+        torch.Tensor,
+        CPU_DTYPES,
+        torch.strided,
+        _parts(result),
+    )
 
 
 def test_flatten_packed_state_callback_mutates() -> None:
@@ -717,16 +873,26 @@ def test_flatten_packed_state_callback_mutates() -> None:
 
 
 def test_unflatten_scalar_tables() -> None:
-    flat = {"state.__packed__.l.0": b"x", "param_groups.__packed__.l.1": b"y", "state.w.~i1": 2,
-            "state.__packed__": 3, "state.w.__packed__.q": 4}
+    flat = {
+        "state.__packed__.l.0": b"x",
+        "param_groups.__packed__.l.1": b"y",
+        "state.w.~i1": 2,
+        "state.__packed__": 3,
+        "state.w.__packed__.q": 4,
+    }
     res = check("unflatten", fresh=lambda: (dict(flat), {"w": 1}))[1]
     assert res[3] == {"l.0": b"x"} and res[2] == {"l.1": b"y"}
     assert res[1] == {"w": {1: 2, "__packed__": {"q": 4}}} and res[4] == ["state.__packed__"]
     # scalar tables alone make the dict packed (escaped parts are decoded)
     assert check("unflatten", {"state.__packed__.l.0": b"", "state.w.~i1": 2}, {"w"})[1][1] == {"w": {1: 2}}
     for bad in ("notbytes", bytearray(b"x"), None, torch.zeros(1)):
-        check_error("unflatten", {"state.__packed__.l.0": bad}, {}, exc=CheckpointFormatError,
-                    match="scalar table 'state.__packed__.l.0' is a")
+        check_error(
+            "unflatten",
+            {"state.__packed__.l.0": bad},
+            {},
+            exc=CheckpointFormatError,
+            match="scalar table 'state.__packed__.l.0' is a",
+        )
 
 
 # --------------------------------------------------------------------------- table codec
@@ -762,8 +928,16 @@ def test_encode_settings(settings_: dict, group_index: Any) -> None:
 
 @pytest.mark.parametrize("value", BAD_VALUES + [bytearray(), memoryview(b"x"), [1, {2}], (1, (2, object()))])
 def test_encode_unsupported_value(value: Any) -> None:
-    check_error("encode_settings", "L", 3, {"k": value}, torch.Tensor, tensor_to_parts,
-                exc=CheckpointFormatError, match="unsupported value type")
+    check_error(
+        "encode_settings",
+        "L",
+        3,
+        {"k": value},
+        torch.Tensor,
+        tensor_to_parts,
+        exc=CheckpointFormatError,
+        match="unsupported value type",
+    )
 
 
 class _Sub:
@@ -789,9 +963,17 @@ class _Sub:
 
 
 _SUBCLASS_VALUES = [
-    _Sub.Float(0.5), _Sub.Int(3), _Sub.Str("x"), _Sub.Bytes(b"x"), _Sub.Tuple((1, 2)), _Sub.List([1]),
-    collections.namedtuple("Betas", "a b")(0.9, 0.99), enum.IntEnum("Mode", "A").A,
-    enum.Enum("Kind", [("A", "a")], type=str).A, np.float64(0.25), [1, (2, np.float64(3.0))],
+    _Sub.Float(0.5),
+    _Sub.Int(3),
+    _Sub.Str("x"),
+    _Sub.Bytes(b"x"),
+    _Sub.Tuple((1, 2)),
+    _Sub.List([1]),
+    collections.namedtuple("Betas", "a b")(0.9, 0.99),
+    enum.IntEnum("Mode", "A").A,
+    enum.Enum("Kind", [("A", "a")], type=str).A,
+    np.float64(0.25),
+    [1, (2, np.float64(3.0))],
 ]
 
 
@@ -799,19 +981,49 @@ _SUBCLASS_VALUES = [
 def test_encode_refuses_subclass_values_alike(value: Any) -> None:
     """Both cores refuse a value of a subclass of int/float/str/bytes/tuple/list with the same
     message naming its type and base (it would decode as the base type)."""
-    message = check_error("encode_settings", "L", 3, {"k": value}, torch.Tensor, tensor_to_parts,
-                          exc=CheckpointFormatError, match="leaf 'L' group 3 key 'k': a value of type ")
+    message = check_error(
+        "encode_settings",
+        "L",
+        3,
+        {"k": value},
+        torch.Tensor,
+        tensor_to_parts,
+        exc=CheckpointFormatError,
+        match="leaf 'L' group 3 key 'k': a value of type ",
+    )
     assert re.search(r"a value of type [\w.<>]+ \(a subclass of \w+\) would load back as a plain \w+", message), message
-    check_error("encode_table", "L", [({"k": 1}, ["a"]), ({"k": value}, ["b"])], torch.Tensor, tensor_to_parts,
-                exc=CheckpointFormatError, match="leaf 'L' group 1 key 'k': a value of type ")
+    check_error(
+        "encode_table",
+        "L",
+        [({"k": 1}, ["a"]), ({"k": value}, ["b"])],
+        torch.Tensor,
+        tensor_to_parts,
+        exc=CheckpointFormatError,
+        match="leaf 'L' group 1 key 'k': a value of type ",
+    )
 
 
 @pytest.mark.parametrize("key", BAD_KEYS)
 def test_encode_non_string_key(key: Any) -> None:
-    check_error("encode_settings", "L", 0, {"ok": 1, key: 2}, torch.Tensor, tensor_to_parts,
-                exc=CheckpointFormatError, match="is not a string")
-    check_error("encode_table", "L", [({"ok": 1}, ["a"]), ({key: 2}, ["b"])], torch.Tensor, tensor_to_parts,
-                exc=CheckpointFormatError, match="group 1: setting key")
+    check_error(
+        "encode_settings",
+        "L",
+        0,
+        {"ok": 1, key: 2},
+        torch.Tensor,
+        tensor_to_parts,
+        exc=CheckpointFormatError,
+        match="is not a string",
+    )
+    check_error(
+        "encode_table",
+        "L",
+        [({"ok": 1}, ["a"]), ({key: 2}, ["b"])],
+        torch.Tensor,
+        tensor_to_parts,
+        exc=CheckpointFormatError,
+        match="group 1: setting key",
+    )
 
 
 @pytest.mark.parametrize("value", HUGE_INTS + [True, False, 0, -1])
@@ -842,8 +1054,12 @@ def test_encode_depth_limit(depth: int, kind: type) -> None:
     res = check("encode_settings", "L", 0, {"k": value}, torch.Tensor, tensor_to_parts)
     assert (res[0] == "ok") == (depth <= 32), res
     if res[0] == "ok":
-        check("decode_table", "L", P.encode_table("L", [({"k": value}, [])], torch.Tensor, tensor_to_parts),
-              parts_to_tensor)
+        check(
+            "decode_table",
+            "L",
+            P.encode_table("L", [({"k": value}, [])], torch.Tensor, tensor_to_parts),
+            parts_to_tensor,
+        )
 
 
 def test_encode_table_shapes() -> None:
@@ -854,8 +1070,16 @@ def test_encode_table_shapes() -> None:
     check("encode_table", "L", [({"a": 1}, ["x", None])], torch.Tensor, tensor_to_parts)
     check("encode_table", "L", [({"a": 1}, ("x", "y"))], torch.Tensor, tensor_to_parts)
     check("encode_table", "L", [(collections.OrderedDict(b=1, a=2), ["x"])], torch.Tensor, tensor_to_parts)
-    for groups in ([({"a": 1}, "xy")], [({"a": 1}, 5)], [({"a": 1}, ["x"], 1)], [({"a": 1},)], [7], 7,
-                   [([1, 2], ["x"])], (g for g in [({"a": 1}, ["x"])])):
+    for groups in (
+        [({"a": 1}, "xy")],
+        [({"a": 1}, 5)],
+        [({"a": 1}, ["x"], 1)],
+        [({"a": 1},)],
+        [7],
+        7,
+        [([1, 2], ["x"])],
+        (g for g in [({"a": 1}, ["x"])]),
+    ):
         outside_contract("encode_table", "L", groups, torch.Tensor, tensor_to_parts)
     outside_contract("encode_settings", "L", 0, [("a", 1)], torch.Tensor, tensor_to_parts)
     outside_contract("encode_settings", "L", 0, 5, torch.Tensor, tensor_to_parts)
@@ -919,19 +1143,27 @@ def test_encode_to_parts_outside_contract(result: Any) -> None:
     outside_contract("encode_table", "L", [({"lr": tensor}, ["p"])], torch.Tensor, _parts(result))
 
 
-
 # --------------------------------------------------------------------------- named values (dtype, device)
 
 ALL_DTYPES = sorted({v for v in vars(torch).values() if isinstance(v, torch.dtype)}, key=str)
-DEVICES = [torch.device("cpu"), torch.device("cuda", 1), torch.device("cuda"), torch.device("meta"),
-           torch.device("hpu", 7), torch.device("xpu", 0)]
+DEVICES = [
+    torch.device("cpu"),
+    torch.device("cuda", 1),
+    torch.device("cuda"),
+    torch.device("meta"),
+    torch.device("hpu", 7),
+    torch.device("xpu", 0),
+]
 named_scalars = st.one_of(good_scalars, st.sampled_from(ALL_DTYPES), st.sampled_from(DEVICES))
 named_values = st.recursive(named_scalars, _nest, max_leaves=5)
 
 
 @PROPS
-@given(st.lists(st.tuples(st.dictionaries(good_keys, named_values, max_size=4), st.lists(good_keys, max_size=2)),
-                max_size=3))
+@given(
+    st.lists(
+        st.tuples(st.dictionaries(good_keys, named_values, max_size=4), st.lists(good_keys, max_size=2)), max_size=3
+    )
+)
 def test_named_values_round_trip(groups: list) -> None:
     """dtype and device settings (what VeOmni's anyprecision_adamw puts in its groups): the same
     bytes from both cores, version 2 exactly when a table holds one, decoded back to the same values."""
@@ -953,8 +1185,10 @@ def _leaves(values: Any) -> Iterator[Any]:
 
 
 def test_every_torch_dtype_and_device_round_trips() -> None:
-    groups = [({"d": dt, "dev": DEVICES[i % len(DEVICES)], "both": (dt, [DEVICES[0]])}, [f"p{i}"])
-              for i, dt in enumerate(ALL_DTYPES)]
+    groups = [
+        ({"d": dt, "dev": DEVICES[i % len(DEVICES)], "both": (dt, [DEVICES[0]])}, [f"p{i}"])
+        for i, dt in enumerate(ALL_DTYPES)
+    ]
     res = check("encode_table", "l", groups, torch.Tensor, tensor_to_parts, value_to_name)
     settings_, _blobs, _groups = check("decode_table", "l", res[1], parts_to_tensor, name_to_value)[1]
     assert [s["d"] for s in settings_] == ALL_DTYPES and all(s["d"] is dt for s, dt in zip(settings_, ALL_DTYPES))
@@ -964,12 +1198,34 @@ def test_every_torch_dtype_and_device_round_trips() -> None:
 def test_named_value_needs_to_name() -> None:
     """Without ``to_name`` (or when it says ``None``) a dtype is refused like any other value."""
     for to_name in ((), (None,), (lambda v: None,)):
-        check_error("encode_settings", "L", 2, {"m": torch.float32}, torch.Tensor, tensor_to_parts, *to_name,
-                    exc=CheckpointFormatError, match="leaf 'L' group 2 key 'm': unsupported value type dtype")
+        check_error(
+            "encode_settings",
+            "L",
+            2,
+            {"m": torch.float32},
+            torch.Tensor,
+            tensor_to_parts,
+            *to_name,
+            exc=CheckpointFormatError,
+            match="leaf 'L' group 2 key 'm': unsupported value type dtype",
+        )
 
 
-@pytest.mark.parametrize("name", [("dtype",), ("dtype", 3), ("dtype", "x", 1), ["dtype", "x"], ("other", "x"),
-                                  (b"dtype", "x"), ([1], "x"), "dtype", 5, ("dtype", "\ud800")])
+@pytest.mark.parametrize(
+    "name",
+    [
+        ("dtype",),
+        ("dtype", 3),
+        ("dtype", "x", 1),
+        ["dtype", "x"],
+        ("other", "x"),
+        (b"dtype", "x"),
+        ([1], "x"),
+        "dtype",
+        5,
+        ("dtype", "\ud800"),
+    ],
+)
 def test_to_name_results(name: Any) -> None:
     res = check("encode_settings", "L", 0, {"k": (1, object())}, torch.Tensor, tensor_to_parts, lambda v: name)
     assert res[0] == "err" and res[1] in (TypeError, CheckpointFormatError), res
@@ -979,8 +1235,16 @@ def test_to_name_errors_propagate() -> None:
     def to_name(v: Any) -> Any:
         raise KeyError("mine")
 
-    check_error("encode_table", "L", [({"k": torch.float16}, [])], torch.Tensor, tensor_to_parts, to_name,
-                exc=KeyError, match="mine")
+    check_error(
+        "encode_table",
+        "L",
+        [({"k": torch.float16}, [])],
+        torch.Tensor,
+        tensor_to_parts,
+        to_name,
+        exc=KeyError,
+        match="mine",
+    )
 
 
 def _named_table(tag: int, text: bytes | str, version: int | None = None) -> bytes:
@@ -1104,11 +1368,15 @@ def test_decode_cases(name: str) -> None:
 
 def test_decode_every_prefix_and_bitflip() -> None:
     groups = [
-        ({"lr": 0.1, "betas": (0.9, 0.999), "t": TENSORS[2], "s": "é", "b": b"\x00", "n": None, "l": [True, False]},
-         ["a.w", "a.b"]),
+        (
+            {"lr": 0.1, "betas": (0.9, 0.999), "t": TENSORS[2], "s": "é", "b": b"\x00", "n": None, "l": [True, False]},
+            ["a.w", "a.b"],
+        ),
         ({"lr": torch.tensor(1e-3)}, []),
-        ({"lr": 0.1, "betas": (0.9, 0.999), "t": TENSORS[2], "s": "é", "b": b"\x00", "n": None, "l": [True, False]},
-         ["日本"]),
+        (
+            {"lr": 0.1, "betas": (0.9, 0.999), "t": TENSORS[2], "s": "é", "b": b"\x00", "n": None, "l": [True, False]},
+            ["日本"],
+        ),
     ]
     data = P.encode_table("optim", groups, torch.Tensor, tensor_to_parts)
     assert C.encode_table("optim", groups, torch.Tensor, tensor_to_parts) == data
@@ -1378,7 +1646,11 @@ def _mutations() -> dict[str, Callable[[torch.nn.Module], None]]:
         m[0]._parameters = dict(reversed(list(m[0]._parameters.items())))
 
     def swap_children(m: torch.nn.Module) -> None:
-        m._modules = {"0": m._modules["1"], "1": m._modules["0"], **{k: v for k, v in m._modules.items() if k not in "01"}}
+        m._modules = {
+            "0": m._modules["1"],
+            "1": m._modules["0"],
+            **{k: v for k, v in m._modules.items() if k not in "01"},
+        }
 
     def wrap(m: torch.nn.Module) -> None:
         w = _Wrapper()
@@ -1503,8 +1775,10 @@ def test_end_to_end_with_real_optimizer() -> None:
     groups_fqn_, state_fqn = check("remap_to_fqns", "optim", groups, state, ids, fqn_of)[1]
     blob = check("encode_table", "optim", groups_fqn_, torch.Tensor, tensor_to_parts)[1]
     check("decode_table", "optim", blob, parts_to_tensor)
-    flat = {**check("flatten_state", "optim", state_fqn, set(fqn_of.values()), True)[1],
-            **check("flatten_groups", "optim", groups_fqn_)[1]}
+    flat = {
+        **check("flatten_state", "optim", state_fqn, set(fqn_of.values()), True)[1],
+        **check("flatten_groups", "optim", groups_fqn_)[1],
+    }
     flat[f"param_groups.__packed__.optim.{len(blob)}"] = blob
     known = {n: n for n in fqn_of.values()}
     _settings, state_by_fqn, _tables, _scalars, _unmatched = check("unflatten", flat, known)[1]
@@ -1531,8 +1805,9 @@ def test_flatten_packed_state_cpu_fast_path_matches_scalar_parts() -> None:
         slow = core.flatten_packed_state("l", state, {}, torch.Tensor, {}, torch.strided, counting)
         assert n_fast < len(calls) == len(values)
         assert same(fast, slow)
-        assert core.encode_table("l", fast[1], torch.Tensor, tensor_to_parts) == \
-            core.encode_table("l", slow[1], torch.Tensor, tensor_to_parts)
+        assert core.encode_table("l", fast[1], torch.Tensor, tensor_to_parts) == core.encode_table(
+            "l", slow[1], torch.Tensor, tensor_to_parts
+        )
 
 
 def test_lengths_over_u32_are_format_errors() -> None:
@@ -1576,16 +1851,31 @@ def test_layout_decoders_agree_on_any_bytes(data: bytes, seed: int) -> None:
     the same result or the same exception type and message; a defect is only ever a format error."""
     rnd = random.Random(seed)
     chunk = rnd.choice([None, ((6, 2), (0, 0), (6, 2)), ((4,), (1,), (3,)), ((2**62,), (0,), (2**62,))])
-    for table in (data, _LAYOUT_HEADER + data, _LAYOUT_HEADER + _layout_tokens(rnd), _LAYOUT_HEADER + _layout_tokens(rnd)):
-        for result in (check("decode_layout", "leaf", table),
-                       check("plan_scatter", "leaf", [table, table], lambda f, c=chunk: c)):
+    for table in (
+        data,
+        _LAYOUT_HEADER + data,
+        _LAYOUT_HEADER + _layout_tokens(rnd),
+        _LAYOUT_HEADER + _layout_tokens(rnd),
+    ):
+        for result in (
+            check("decode_layout", "leaf", table),
+            check("plan_scatter", "leaf", [table, table], lambda f, c=chunk: c),
+        ):
             assert result[0] == "ok" or result[1] in (CheckpointFormatError, CheckpointMismatchError), result
 
 
 @PROPS
-@given(st.lists(st.tuples(st.sampled_from(["a", "b", "c"]), st.sampled_from([0, 1, 3, 2**31, 2**62, 2**63 - 1]),
-                          st.sampled_from([1, 2, 4, 8, 16])), max_size=5),
-       st.sampled_from([1, 64, 2**62, 2**100]))
+@given(
+    st.lists(
+        st.tuples(
+            st.sampled_from(["a", "b", "c"]),
+            st.sampled_from([0, 1, 3, 2**31, 2**62, 2**63 - 1]),
+            st.sampled_from([1, 2, 4, 8, 16]),
+        ),
+        max_size=5,
+    ),
+    st.sampled_from([1, 64, 2**62, 2**100]),
+)
 def test_encode_layout_agrees_on_huge_counts(chunks: list[tuple[str, int, int]], bucket_bytes: int) -> None:
     """Chunks up to 2**63-1 elements in one bucket: the cores agree (results, or the format error of
     a bucket over 2**63-1 elements), never a raw struct.error."""

@@ -22,8 +22,13 @@ from sparse_ckpt import _core_py as P
 from sparse_ckpt._core_py.layout_codec import LAYOUT_MAGIC
 from sparse_ckpt.errors import CheckpointFormatError, CheckpointMismatchError
 
-PROPS = settings(max_examples=200, deadline=None, derandomize=True, database=None,
-                 suppress_health_check=[HealthCheck.too_slow, HealthCheck.data_too_large])
+PROPS = settings(
+    max_examples=200,
+    deadline=None,
+    derandomize=True,
+    database=None,
+    suppress_health_check=[HealthCheck.too_slow, HealthCheck.data_too_large],
+)
 DTYPES = {"float32": 4, "bfloat16": 2, "int64": 8, "bool": 1}
 
 
@@ -43,8 +48,13 @@ def chunk(draw: st.DrawFn) -> tuple[tuple[int, ...], tuple[int, ...], tuple[int,
 
 @st.composite
 def entries(draw: st.DrawFn) -> list[tuple[Any, ...]]:
-    names = draw(st.lists(st.tuples(st.sampled_from(["a", "b.w", "é", "c"]), st.sampled_from(["exp_avg", "~i7", "m.x"])),
-                          unique=True, max_size=6))
+    names = draw(
+        st.lists(
+            st.tuples(st.sampled_from(["a", "b.w", "é", "c"]), st.sampled_from(["exp_avg", "~i7", "m.x"])),
+            unique=True,
+            max_size=6,
+        )
+    )
     out = []
     for fqn, key in names:
         dtype = draw(st.sampled_from(list(DTYPES)))
@@ -90,12 +100,22 @@ def test_encode_layout_refusals(bad: list) -> None:
     check_error("encode_layout", "leaf", bad, 64, exc=CheckpointFormatError, match="leaf 'leaf'")
 
 
-@pytest.mark.parametrize("args", [
-    (1, [], 1), ("l", "x", 1), ("l", [], 0), ("l", [], True), ("l", [], 1.0), ("l", [("a",)], 1),
-    ("l", [["a", "k", "f", 4, (1,), (0,), (1,)]], 1), ("l", [(1, "k", "f", 4, (1,), (0,), (1,))], 1),
-    ("l", [("a", "k", "f", 4.0, (1,), (0,), (1,))], 1), ("l", [("a", "k", "f", 4, (1.0,), (0,), (1,))], 1),
-    ("l", [("a", "k", "f", 4, 1, (0,), (1,))], 1),
-])
+@pytest.mark.parametrize(
+    "args",
+    [
+        (1, [], 1),
+        ("l", "x", 1),
+        ("l", [], 0),
+        ("l", [], True),
+        ("l", [], 1.0),
+        ("l", [("a",)], 1),
+        ("l", [["a", "k", "f", 4, (1,), (0,), (1,)]], 1),
+        ("l", [(1, "k", "f", 4, (1,), (0,), (1,))], 1),
+        ("l", [("a", "k", "f", 4.0, (1,), (0,), (1,))], 1),
+        ("l", [("a", "k", "f", 4, (1.0,), (0,), (1,))], 1),
+        ("l", [("a", "k", "f", 4, 1, (0,), (1,))], 1),
+    ],
+)
 def test_encode_layout_outside_the_contract(args: tuple) -> None:
     res = check("encode_layout", *args)
     assert res[0] == "err" and res[1] in (TypeError, ValueError), res
@@ -151,13 +171,22 @@ def test_encode_layout_at_scale() -> None:
     recent chunks or names) and a shared chunk met again after many others: the cores agree."""
     shapes = [(n, 3) for n in range(1, 21)]
     chunks = [(s, (0, 0), s) for s in shapes]
-    ents = [(f"layers.{i}.w{'é' if i % 3 else ''}", k, "float32" if i % 5 else "bfloat16", 4 if i % 5 else 2,
-             *chunks[i % len(chunks)]) for i in range(1500) for k in ("exp_avg", "exp_avg_sq")]
+    ents = [
+        (
+            f"layers.{i}.w{'é' if i % 3 else ''}",
+            k,
+            "float32" if i % 5 else "bfloat16",
+            4 if i % 5 else 2,
+            *chunks[i % len(chunks)],
+        )
+        for i in range(1500)
+        for k in ("exp_avg", "exp_avg_sq")
+    ]
     table, buckets = check("encode_layout", "leaf", ents, 4096)[1]
     assert sum(len(m) for _d, _n, m in buckets) == len(ents)
     assert check("decode_layout", "leaf", table)[0] == "ok"
     for at, first in ((2999, 0), (2000, 1999), (1501, 7)):
-        twice = [*ents[:at], (str(ents[first][0]), "".join(ents[first][1]), *ents[at][2:]), *ents[at + 1:]]
+        twice = [*ents[:at], (str(ents[first][0]), "".join(ents[first][1]), *ents[at][2:]), *ents[at + 1 :]]
         check_error("encode_layout", "leaf", twice, 4096, exc=CheckpointFormatError, match="listed twice in one layout")
     late = [*ents, ("z", "k", "float32", 0, *chunks[0])]  # a shared chunk, known good, with a bad item size
     check_error("encode_layout", "leaf", late, 4096, exc=CheckpointFormatError, match="item size 0")
@@ -182,8 +211,11 @@ def _shard_layouts(shape: tuple[int, ...], parts: int, rng: random.Random, dtype
     out = []
     for r in range(parts):
         lo, hi = bounds[r], bounds[r + 1]
-        ents = [(fqn, key, dtype, DTYPES[dtype], shape, (lo, *(0 for _ in shape[1:])), (hi - lo, *shape[1:]))
-                for fqn in ("p", "q") for key in ("exp_avg", "exp_avg_sq")]
+        ents = [
+            (fqn, key, dtype, DTYPES[dtype], shape, (lo, *(0 for _ in shape[1:])), (hi - lo, *shape[1:]))
+            for fqn in ("p", "q")
+            for key in ("exp_avg", "exp_avg_sq")
+        ]
         out.append(P.encode_layout("leaf", ents, 40)[0])
     return out
 
@@ -194,9 +226,18 @@ def _run(plan: Any, layouts: list[bytes], values: dict[tuple[str, str], torch.Te
     bufs = []
     for li, data in enumerate(layouts):
         for _dtype, _numel, entries in P.decode_layout("leaf", data):
-            bufs.append(((li, len([b for b in bufs if b[0][0] == li])), torch.cat([
-                values[(f, k)][tuple(slice(o, o + s) for o, s in zip(offs, sizes))].reshape(-1)
-                for f, k, _shape, offs, sizes in entries] or [torch.empty(0)])))
+            bufs.append(
+                (
+                    (li, len([b for b in bufs if b[0][0] == li])),
+                    torch.cat(
+                        [
+                            values[(f, k)][tuple(slice(o, o + s) for o, s in zip(offs, sizes))].reshape(-1)
+                            for f, k, _shape, offs, sizes in entries
+                        ]
+                        or [torch.empty(0)]
+                    ),
+                )
+            )
     by_id = dict(bufs)
     out = [torch.full(t[5], float("nan")) for t in targets]
     for si, src_off, src_sizes, src_start, ti, dst_start, box in ops:
@@ -215,14 +256,21 @@ def test_scatter_plan_reshards_exactly(seed: int) -> None:
     layouts = _shard_layouts(shape, rng.randint(1, 4), rng)
     if rng.random() < 0.3:
         layouts.append(layouts[0])  # a replica's identical layout: its chunks are used once
-    values = {(f, k): torch.arange(math.prod(shape), dtype=torch.float32).reshape(shape) + 100 * i
-              for i, (f, k) in enumerate((f, k) for f in ("p", "q") for k in ("exp_avg", "exp_avg_sq"))}
+    values = {
+        (f, k): torch.arange(math.prod(shape), dtype=torch.float32).reshape(shape) + 100 * i
+        for i, (f, k) in enumerate((f, k) for f in ("p", "q") for k in ("exp_avg", "exp_avg_sq"))
+    }
     lo = rng.randint(0, shape[0])
     hi = rng.randint(lo, shape[0])
     mine = {"p": (shape, (lo, 0), (hi - lo, shape[1])), "q": (shape, (0, 0), shape)}
     plan = check("plan_scatter", "leaf", layouts, lambda f: mine.get(f))[1]
     targets, sources, _ops = plan
-    assert [(t[0], t[1]) for t in targets] == [("p", "exp_avg"), ("p", "exp_avg_sq"), ("q", "exp_avg"), ("q", "exp_avg_sq")]
+    assert [(t[0], t[1]) for t in targets] == [
+        ("p", "exp_avg"),
+        ("p", "exp_avg_sq"),
+        ("q", "exp_avg"),
+        ("q", "exp_avg_sq"),
+    ]
     assert len({(li, bi) for li, bi, _d, _n in sources}) == len(sources)
     for t, got in zip(targets, _run(plan, layouts, values)):
         fqn, key, _dtype, _shape, offs, sizes = t
@@ -234,15 +282,40 @@ def test_scatter_plan_refusals() -> None:
     rng = random.Random(0)
     full = _shard_layouts((4, 2), 2, rng)
     mine = {"p": ((4, 2), (0, 0), (4, 2))}
-    check_error("plan_scatter", "leaf", full[:1], lambda f: mine.get(f), exc=CheckpointMismatchError,
-                match="the checkpoint's buffers cover")
-    check_error("plan_scatter", "leaf", full, lambda f: {"p": ((5, 2), (0, 0), (5, 2))}.get(f),
-                exc=CheckpointMismatchError, match="has shape (4, 2) in the checkpoint, the parameter (5, 2)")
+    check_error(
+        "plan_scatter",
+        "leaf",
+        full[:1],
+        lambda f: mine.get(f),
+        exc=CheckpointMismatchError,
+        match="the checkpoint's buffers cover",
+    )
+    check_error(
+        "plan_scatter",
+        "leaf",
+        full,
+        lambda f: {"p": ((5, 2), (0, 0), (5, 2))}.get(f),
+        exc=CheckpointMismatchError,
+        match="has shape (4, 2) in the checkpoint, the parameter (5, 2)",
+    )
     other = _shard_layouts((4, 2), 1, rng, dtype="bfloat16")
-    check_error("plan_scatter", "leaf", [*full, *other], lambda f: mine.get(f), exc=CheckpointFormatError,
-                match="layout tables disagree on state 'exp_avg' of 'p'")
-    for answer in ((1, 2), ((4, 2), (0, 0)), ((4, 2), (0, 0), (5, 2)), ((4,), (0, 0), (4, 2)), ((4.0, 2), (0, 0), (4, 2)),
-                   [(4, 2), (0, 0), (4, 2)], "x"):
+    check_error(
+        "plan_scatter",
+        "leaf",
+        [*full, *other],
+        lambda f: mine.get(f),
+        exc=CheckpointFormatError,
+        match="layout tables disagree on state 'exp_avg' of 'p'",
+    )
+    for answer in (
+        (1, 2),
+        ((4, 2), (0, 0)),
+        ((4, 2), (0, 0), (5, 2)),
+        ((4,), (0, 0), (4, 2)),
+        ((4.0, 2), (0, 0), (4, 2)),
+        [(4, 2), (0, 0), (4, 2)],
+        "x",
+    ):
         res = check("plan_scatter", "leaf", full, lambda f, a=answer: a)
         assert res[0] == "err" and res[1] in (TypeError, ValueError), res
     res = check("plan_scatter", "leaf", full, lambda f: 1 / 0)
@@ -276,35 +349,58 @@ def test_damaged_layouts_fail_alike(data: st.DataObject) -> None:
 def test_decode_layout_edge_cases() -> None:
     check_error("decode_layout", "leaf", b"", exc=CheckpointFormatError, match="truncated layout reading magic")
     check_error("decode_layout", "leaf", b"SCKT\x01\x00", exc=CheckpointFormatError, match="bad magic")
-    check_error("decode_layout", "leaf", LAYOUT_MAGIC + b"\x02\x00", exc=CheckpointFormatError, match="unsupported version 2")
+    check_error(
+        "decode_layout", "leaf", LAYOUT_MAGIC + b"\x02\x00", exc=CheckpointFormatError, match="unsupported version 2"
+    )
     empty = check("decode_layout", "leaf", LAYOUT_MAGIC + b"\x01\x00" + b"\x00" * 4)
     assert empty == ("ok", [])
-    table = P.encode_layout("leaf", [("a", "k", "float32", 4, (2,), (0,), (2,)), ("a", "k2", "float32", 4, (2,), (0,), (2,))], 64)[0]
+    table = P.encode_layout(
+        "leaf", [("a", "k", "float32", 4, (2,), (0,), (2,)), ("a", "k2", "float32", 4, (2,), (0,), (2,))], 64
+    )[0]
     twice = table.replace(b"k2", b"k\x00", 1).replace(b"\x02\x00\x00\x00k\x00", b"\x01\x00\x00\x00k", 1)
     assert check("decode_layout", "leaf", twice)[0] == "err"
     for bad in (1, "x", bytearray(table)):
         assert check("decode_layout", "leaf", bad)[0] == "err"
-    assert same(check("decode_layout", "leaf", table)[1], [("float32", 4, [("a", "k", (2,), (0,), (2,)), ("a", "k2", (2,), (0,), (2,))])])
+    assert same(
+        check("decode_layout", "leaf", table)[1],
+        [("float32", 4, [("a", "k", (2,), (0,), (2,)), ("a", "k2", (2,), (0,), (2,))])],
+    )
 
 
 # --------------------------------------------------------------------------- recorded keys
 
 
 @PROPS
-@given(st.dictionaries(st.sampled_from(["a", "b", "c.d", "é"]),
-                       st.tuples(st.tuples(*[st.sampled_from(["step", "exp_avg", "~i7", "m.x"])] * 2), st.just("leaf"))),
-       st.dictionaries(st.sampled_from(["a", "b", "c.d", "é", "z"]),
-                       st.dictionaries(st.sampled_from(["exp_avg", "step", "m", 7]), st.just(0))),
-       st.sets(st.sampled_from(["a", "b", "c.d", "z"])))
+@given(
+    st.dictionaries(
+        st.sampled_from(["a", "b", "c.d", "é"]),
+        st.tuples(st.tuples(*[st.sampled_from(["step", "exp_avg", "~i7", "m.x"])] * 2), st.just("leaf")),
+    ),
+    st.dictionaries(
+        st.sampled_from(["a", "b", "c.d", "é", "z"]),
+        st.dictionaries(st.sampled_from(["exp_avg", "step", "m", 7]), st.just(0)),
+    ),
+    st.sets(st.sampled_from(["a", "b", "c.d", "z"])),
+)
 def test_unlisted_keys(keys_of: dict, state_of: dict, owned: set) -> None:
     res = check("unlisted_keys", keys_of, state_of, dict.fromkeys(owned))
-    assert res[1] == [(f, k) for f, (keys, _l) in keys_of.items() if f in owned for k in keys if k not in state_of.get(f, {})]
+    assert res[1] == [
+        (f, k) for f, (keys, _l) in keys_of.items() if f in owned for k in keys if k not in state_of.get(f, {})
+    ]
 
 
-@pytest.mark.parametrize("args", [
-    ([], {}, {}), ({}, [], {}), ({}, {}, set()), ({"a": ["k"]}, {}, {"a": 1}), ({"a": (["k"], "l")}, {}, {"a": 1}),
-    ({"a": (("k",), "l")}, {"a": [1]}, {"a": 1}), ({"a": (("k",),)}, {}, {"a": 1}),
-])
+@pytest.mark.parametrize(
+    "args",
+    [
+        ([], {}, {}),
+        ({}, [], {}),
+        ({}, {}, set()),
+        ({"a": ["k"]}, {}, {"a": 1}),
+        ({"a": (["k"], "l")}, {}, {"a": 1}),
+        ({"a": (("k",), "l")}, {"a": [1]}, {"a": 1}),
+        ({"a": (("k",),)}, {}, {"a": 1}),
+    ],
+)
 def test_unlisted_keys_outside_the_contract(args: tuple) -> None:
     res = check("unlisted_keys", *args)
     assert res[0] == "err" and res[1] is TypeError, res
@@ -321,12 +417,24 @@ def test_overlapping_layouts_with_a_gap_are_refused() -> None:
     """Rows [0,6) and [4,8) of a 10x2 state hold 12 + 8 = 20 elements, as many as the tensor: a
     count does not see that rows 4-5 come twice and rows 8-9 never."""
     whole = ((10, 2), (0, 0), (10, 2))
-    check_error("plan_scatter", "leaf", [_rows(0, 6), _rows(4, 8)], lambda f: whole, exc=CheckpointMismatchError,
-                match="leaf 'leaf': state 'exp_avg' of 'p': the checkpoint's layouts overlap (chunks at offsets (0, 0) "
-                      "of sizes (6, 2) and at offsets (4, 0) of sizes (4, 2))")
+    check_error(
+        "plan_scatter",
+        "leaf",
+        [_rows(0, 6), _rows(4, 8)],
+        lambda f: whole,
+        exc=CheckpointMismatchError,
+        match="leaf 'leaf': state 'exp_avg' of 'p': the checkpoint's layouts overlap (chunks at offsets (0, 0) "
+        "of sizes (6, 2) and at offsets (4, 0) of sizes (4, 2))",
+    )
     # a chunk of this rank that only the overlap touches: refused too; one the overlap misses loads
-    check_error("plan_scatter", "leaf", [_rows(0, 6), _rows(4, 8)], lambda f: ((10, 2), (4, 0), (2, 2)),
-                exc=CheckpointMismatchError, match="layouts overlap")
+    check_error(
+        "plan_scatter",
+        "leaf",
+        [_rows(0, 6), _rows(4, 8)],
+        lambda f: ((10, 2), (4, 0), (2, 2)),
+        exc=CheckpointMismatchError,
+        match="layouts overlap",
+    )
     assert check("plan_scatter", "leaf", [_rows(0, 6), _rows(4, 8)], lambda f: ((10, 2), (0, 0), (3, 2)))[0] == "ok"
     assert check("plan_scatter", "leaf", [_rows(0, 6), _rows(6, 10)], lambda f: whole)[0] == "ok"
 
@@ -336,9 +444,13 @@ def test_a_gap_is_named_a_missing_buffer_and_a_0d_replica_is_planned_once() -> N
     element count, with its own message, so the count's message does not offer one). A 0-d state that
     two layout tables list (replicas) is one box: planned once, no overlap."""
     whole = ((10, 2), (0, 0), (10, 2))
-    message = check_error("plan_scatter", "leaf", [_rows(0, 4), _rows(6, 10)], lambda f: whole, exc=CheckpointMismatchError)
-    assert message == ("leaf 'leaf': state 'exp_avg' of 'p': the checkpoint's buffers cover 16 of the 20 elements of "
-                       "this rank's chunk (a buffer or layout table is missing from the checkpoint)"), message
+    message = check_error(
+        "plan_scatter", "leaf", [_rows(0, 4), _rows(6, 10)], lambda f: whole, exc=CheckpointMismatchError
+    )
+    assert message == (
+        "leaf 'leaf': state 'exp_avg' of 'p': the checkpoint's buffers cover 16 of the 20 elements of "
+        "this rank's chunk (a buffer or layout table is missing from the checkpoint)"
+    ), message
     scalar = P.encode_layout("leaf", [("p", "step", "float32", 4, (), (), ())], 1 << 20)[0]
     targets, sources, ops = check("plan_scatter", "leaf", [scalar, scalar], lambda f: ((), (), ()))[1]
     assert [t[:2] for t in targets] == [("p", "step")] and len(sources) == 1 and len(ops) == 1
@@ -348,11 +460,23 @@ def test_a_bucket_past_int64_is_refused_alike() -> None:
     """encode_layout: Python raised a raw struct.error, C++ wrapped the count; now one error."""
     big = 2**62
     ents = [(f, "k", "float32", 4, (big,), (0,), (big,)) for f in ("a", "b", "c", "d", "e")]
-    check_error("encode_layout", "leaf", ents, 2**100, exc=CheckpointFormatError,
-                match="leaf 'leaf': state 'k' of 'b': its float32 bucket would hold 9223372036854775808 elements")
+    check_error(
+        "encode_layout",
+        "leaf",
+        ents,
+        2**100,
+        exc=CheckpointFormatError,
+        match="leaf 'leaf': state 'k' of 'b': its float32 bucket would hold 9223372036854775808 elements",
+    )
     huge = [(f, "k", "float32", 4, (2**63 - 1,), (0,), (2**63 - 1,)) for f in ("x", "y", "z")]  # past 2**64 too
-    check_error("encode_layout", "leaf", huge, 2**100, exc=CheckpointFormatError,
-                match="leaf 'leaf': state 'k' of 'y': its float32 bucket would hold 18446744073709551614 elements")
+    check_error(
+        "encode_layout",
+        "leaf",
+        huge,
+        2**100,
+        exc=CheckpointFormatError,
+        match="leaf 'leaf': state 'k' of 'y': its float32 bucket would hold 18446744073709551614 elements",
+    )
 
 
 def test_a_bucket_count_past_int64_is_refused_alike() -> None:
@@ -361,10 +485,21 @@ def test_a_bucket_count_past_int64_is_refused_alike() -> None:
     n = 2**63 - 1
     raw = bytearray(P.encode_layout("leaf", [("a", "k", "float32", 4, (n,), (0,), (n,))], 2**100)[0])
     one = raw[10 + 4 + len("float32") + 8 + 4 :]  # the entry
-    table = bytes(raw[:10]) + (7).to_bytes(4, "little") + b"float32" + (2 * n).to_bytes(8, "little") + (2).to_bytes(4, "little")
+    table = (
+        bytes(raw[:10])
+        + (7).to_bytes(4, "little")
+        + b"float32"
+        + (2 * n).to_bytes(8, "little")
+        + (2).to_bytes(4, "little")
+    )
     table += bytes(one) + bytes(one).replace(b"\x01\x00\x00\x00a", b"\x01\x00\x00\x00b", 1)
-    for name, args in (("decode_layout", ("leaf", table)), ("plan_scatter", ("leaf", [table], lambda f: ((n,), (0,), (n,))))):
-        check_error(name, *args, exc=CheckpointFormatError, match="bucket of 18446744073709551614 elements (at most 2**63-1)")
+    for name, args in (
+        ("decode_layout", ("leaf", table)),
+        ("plan_scatter", ("leaf", [table], lambda f: ((n,), (0,), (n,)))),
+    ):
+        check_error(
+            name, *args, exc=CheckpointFormatError, match="bucket of 18446744073709551614 elements (at most 2**63-1)"
+        )
 
 
 def _dim_fields(table: bytes) -> list[int]:
@@ -388,8 +523,10 @@ def _dim_fields(table: bytes) -> list[int]:
 
 
 def _ground_truth(shape: tuple[int, ...]) -> dict[tuple[str, str], torch.Tensor]:
-    return {(f, k): torch.arange(math.prod(shape), dtype=torch.float32).reshape(shape) * (1 + i) + 0.5
-            for i, (f, k) in enumerate((f, k) for f in ("p", "q") for k in ("exp_avg", "exp_avg_sq"))}
+    return {
+        (f, k): torch.arange(math.prod(shape), dtype=torch.float32).reshape(shape) * (1 + i) + 0.5
+        for i, (f, k) in enumerate((f, k) for f in ("p", "q") for k in ("exp_avg", "exp_avg_sq"))
+    }
 
 
 @PROPS
@@ -405,8 +542,10 @@ def test_mutated_layouts_are_never_accepted_wrong(data: st.DataObject) -> None:
     saved: dict[tuple[int, int], tuple[str, int, torch.Tensor]] = {}
     for li, table in enumerate(layouts):
         for bi, (dtype, numel, entries) in enumerate(P.decode_layout("leaf", table)):
-            parts = [truth[(f, k)][tuple(slice(o, o + s) for o, s in zip(offs, sizes))].reshape(-1)
-                     for f, k, _shape, offs, sizes in entries]
+            parts = [
+                truth[(f, k)][tuple(slice(o, o + s) for o, s in zip(offs, sizes))].reshape(-1)
+                for f, k, _shape, offs, sizes in entries
+            ]
             saved[(li, bi)] = (dtype, numel, torch.cat(parts) if parts else torch.empty(0))
     victim = data.draw(st.integers(0, len(layouts) - 1))
     table = layouts[victim]
@@ -503,23 +642,40 @@ def test_plans_of_many_tables_agree(case: tuple[list[bytes], dict[str, Any]]) ->
 def test_plans_of_many_replicas_and_pieces() -> None:
     """Twelve row pieces of one state, each saved by two ranks (24 placements, 12 boxes), with and
     without one piece missing or doubled: planned as the twin plans it."""
-    rows = [P.encode_layout("leaf", [("p", "exp_avg", "float32", 4, (12, 2), (r, 0), (1, 2))], 64)[0] for r in range(12)]
+    rows = [
+        P.encode_layout("leaf", [("p", "exp_avg", "float32", 4, (12, 2), (r, 0), (1, 2))], 64)[0] for r in range(12)
+    ]
     whole = ((12, 2), (0, 0), (12, 2))
     targets, sources, ops = check("plan_scatter", "leaf", [*rows, *rows[::-1]], lambda f: whole)[1]
     assert len(targets) == 1 and len(ops) == 12 and len(sources) == 12
-    check_error("plan_scatter", "leaf", [*rows[:5], *rows[6:]], lambda f: whole, exc=CheckpointMismatchError,
-                match="cover 22 of the 24 elements")
+    check_error(
+        "plan_scatter",
+        "leaf",
+        [*rows[:5], *rows[6:]],
+        lambda f: whole,
+        exc=CheckpointMismatchError,
+        match="cover 22 of the 24 elements",
+    )
     doubled = P.encode_layout("leaf", [("p", "exp_avg", "float32", 4, (12, 2), (3, 0), (2, 2))], 64)[0]
-    check_error("plan_scatter", "leaf", [*rows, doubled], lambda f: whole, exc=CheckpointMismatchError,
-                match="chunks at offsets (3, 0) of sizes (1, 2) and at offsets (3, 0) of sizes (2, 2)")
+    check_error(
+        "plan_scatter",
+        "leaf",
+        [*rows, doubled],
+        lambda f: whole,
+        exc=CheckpointMismatchError,
+        match="chunks at offsets (3, 0) of sizes (1, 2) and at offsets (3, 0) of sizes (2, 2)",
+    )
 
 
 def test_plan_survives_chunk_of_dropping_tables() -> None:
     """``chunk_of`` that deletes the tables already read from the list (their only reference): the
     C++ core keeps them alive for its indexes; both cores give the same plan."""
+
     def fresh() -> tuple:
-        layouts = [bytes(P.encode_layout("leaf", [(f, "exp_avg", "float32", 4, (2,), (0,), (2,))], 64)[0])
-                   for f in ("a", "b", "c")]
+        layouts = [
+            bytes(P.encode_layout("leaf", [(f, "exp_avg", "float32", 4, (2,), (0,), (2,))], 64)[0])
+            for f in ("a", "b", "c")
+        ]
 
         def chunk_of(fqn: str) -> Any:
             if fqn == "b":

@@ -104,19 +104,30 @@ DTYPES = [torch.float32, torch.float64, torch.bfloat16, torch.int64]
 @st.composite
 def cast_inputs(draw: st.DrawFn) -> tuple:
     n = draw(st.integers(1, 5))
-    params = [torch.nn.Parameter(torch.zeros(2, dtype=d), requires_grad=d.is_floating_point) for d in
-              [draw(st.sampled_from(DTYPES[:3])) for _ in range(n)]]
+    params = [
+        torch.nn.Parameter(torch.zeros(2, dtype=d), requires_grad=d.is_floating_point)
+        for d in [draw(st.sampled_from(DTYPES[:3])) for _ in range(n)]
+    ]
     layout = draw(st.lists(st.lists(st.integers(0, n - 1), max_size=3), min_size=1, max_size=3))
-    flags = draw(st.lists(st.sampled_from([{}, {"fused": True}, {"capturable": True}, {"fused": None}]),
-                          min_size=len(layout), max_size=len(layout)))
+    flags = draw(
+        st.lists(
+            st.sampled_from([{}, {"fused": True}, {"capturable": True}, {"fused": None}]),
+            min_size=len(layout),
+            max_size=len(layout),
+        )
+    )
     state_of: dict[str, Any] = {}
     for i in range(n):
         kind = draw(st.sampled_from(["none", "adam", "mixed", "nested", "scalar", "badshape"]))
         if kind == "adam":
             state_of[f"w{i}"] = {"step": torch.tensor(3.0), "exp_avg": torch.ones(2, dtype=params[i].dtype)}
         elif kind == "mixed":
-            state_of[f"w{i}"] = {"step": torch.tensor(1.0, dtype=torch.float64), "m": torch.ones(2, dtype=torch.float64),
-                                 "count": 7, "ints": torch.ones(2, dtype=torch.int64)}
+            state_of[f"w{i}"] = {
+                "step": torch.tensor(1.0, dtype=torch.float64),
+                "m": torch.ones(2, dtype=torch.float64),
+                "count": 7,
+                "ints": torch.ones(2, dtype=torch.int64),
+            }
         elif kind == "nested":
             state_of[f"w{i}"] = {"inner": {"step": torch.tensor(2.0), "v": torch.ones(2)}, "lst": [torch.ones(1)]}
         elif kind == "scalar":
@@ -153,8 +164,9 @@ def test_cast_states(inputs: tuple, with_check: bool) -> None:
             return cast_value(*args)
 
         state: defaultdict = defaultdict(dict)
-        used = core.cast_states("leaf", groups, target, chosen, state_of, state, torch.Tensor,
-                                check if with_check else None, ct, cv)
+        used = core.cast_states(
+            "leaf", groups, target, chosen, state_of, state, torch.Tensor, check if with_check else None, ct, cv
+        )
         keyed = [(params.index(p), v) for p, v in state.items()]
         return used, keyed, calls
 
@@ -173,19 +185,40 @@ def test_cast_states_keeps_tensors_that_need_no_cast() -> None:
     saved = {"step": torch.tensor(1.0), "exp_avg": torch.ones(2), "half": torch.ones(2, dtype=torch.float16)}
     for core in (P, C):
         state: dict = {}
-        core.cast_states("l", [{"params": [p]}], [["w"]], [None], {"w": saved}, state, torch.Tensor,
-                         None, cast_tensor, cast_value)
+        core.cast_states(
+            "l", [{"params": [p]}], [["w"]], [None], {"w": saved}, state, torch.Tensor, None, cast_tensor, cast_value
+        )
         out = state[p]
         assert out["step"] is saved["step"] and out["exp_avg"] is saved["exp_avg"]
         assert out["half"].dtype == torch.float32
         fused: dict = {}
         step64 = {"step": torch.tensor(1.0, dtype=torch.float64)}
-        core.cast_states("l", [{"params": [p]}], [["w"]], [{"fused": True}], {"w": step64}, fused,
-                         torch.Tensor, None, cast_tensor, cast_value)
+        core.cast_states(
+            "l",
+            [{"params": [p]}],
+            [["w"]],
+            [{"fused": True}],
+            {"w": step64},
+            fused,
+            torch.Tensor,
+            None,
+            cast_tensor,
+            cast_value,
+        )
         assert fused[p]["step"].dtype == torch.float32  # fused/capturable: float32 on the param's device
         plain: dict = {}
-        core.cast_states("l", [{"params": [p]}], [["w"]], [{"lr": 0.1}], {"w": step64}, plain,
-                         torch.Tensor, None, cast_tensor, cast_value)
+        core.cast_states(
+            "l",
+            [{"params": [p]}],
+            [["w"]],
+            [{"lr": 0.1}],
+            {"w": step64},
+            plain,
+            torch.Tensor,
+            None,
+            cast_tensor,
+            cast_value,
+        )
         assert plain[p]["step"] is step64["step"]  # otherwise step is left alone
 
 
@@ -194,8 +227,9 @@ def test_cast_states_keeps_tensors_that_need_no_cast() -> None:
 
 @PROPS
 @given(
-    st.lists(st.tuples(st.integers(0, 2), st.lists(st.sampled_from(["a", "b", "c", "alias_a", "d"]), max_size=3)),
-             max_size=5),
+    st.lists(
+        st.tuples(st.integers(0, 2), st.lists(st.sampled_from(["a", "b", "c", "alias_a", "d"]), max_size=3)), max_size=5
+    ),
     st.booleans(),
 )
 def test_merge_table_settings(groups: list[tuple[int, list[str]]], preset: bool) -> None:
@@ -230,8 +264,10 @@ def test_merge_table_settings(groups: list[tuple[int, list[str]]], preset: bool)
 
 
 @PROPS
-@given(st.lists(st.lists(st.sampled_from(["a", "b", "c", "d"]), max_size=3), max_size=4),
-       st.dictionaries(st.sampled_from(["a", "b", "x"]), st.sampled_from(["leaf", "other"]), max_size=2))
+@given(
+    st.lists(st.lists(st.sampled_from(["a", "b", "c", "d"]), max_size=3), max_size=4),
+    st.dictionaries(st.sampled_from(["a", "b", "x"]), st.sampled_from(["leaf", "other"]), max_size=2),
+)
 def test_claim_owners(fqn_groups: list[list[str]], before: dict[str, str]) -> None:
     groups_fqn = [({"lr": 0.1}, fqns) for fqns in fqn_groups]
 

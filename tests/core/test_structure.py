@@ -63,7 +63,7 @@ def test_no_import_cycles() -> None:
 
     def visit(node: str, stack: list[str]) -> None:
         if node in stack:
-            raise AssertionError("import cycle: " + " -> ".join([*stack[stack.index(node):], node]))
+            raise AssertionError("import cycle: " + " -> ".join([*stack[stack.index(node) :], node]))
         if node in done:
             return
         for dep in sorted(graph[node]):
@@ -88,7 +88,10 @@ def test_cycle_check_can_fail(tmp_path: Path) -> None:
     assert _imports(tmp_path / "sub" / "m.py", tmp_path) == {"a", "b"}
     assert _imports(tmp_path / "d.py") == {"sub", "sub.m"}
     assert [_module_name(tmp_path / f, tmp_path) for f in ("sub/__init__.py", "sub/m.py", "__init__.py")] == [
-        "sub", "sub.m", "__init__"]
+        "sub",
+        "sub.m",
+        "__init__",
+    ]
 
 
 def _cpp():
@@ -133,8 +136,14 @@ def test_test_modules_share_code_through_the_helper_modules() -> None:
     crossing = []
     for path in sorted(tests.glob("*/test_*.py")):
         for node in ast.walk(ast.parse(path.read_text())):
-            names = [a.name for a in node.names] if isinstance(node, ast.Import) else (
-                [node.module] if isinstance(node, ast.ImportFrom) and node.module and not node.level else [])
-            crossing += [f"{path.relative_to(tests)} imports {name}" for name in names
-                         if name.startswith("test_") and not (path.parent / f"{name}.py").exists()]
+            names = (
+                [a.name for a in node.names]
+                if isinstance(node, ast.Import)
+                else ([node.module] if isinstance(node, ast.ImportFrom) and node.module and not node.level else [])
+            )
+            crossing += [
+                f"{path.relative_to(tests)} imports {name}"
+                for name in names
+                if name.startswith("test_") and not (path.parent / f"{name}.py").exists()
+            ]
     assert not crossing, crossing

@@ -36,7 +36,12 @@ def _optimizer_with_hooks() -> torch.optim.Optimizer:
 
 def _hooks() -> None:
     opt = _optimizer_with_hooks()
-    for read in (ti.state_dict_pre_hooks, ti.state_dict_post_hooks, ti.load_state_dict_pre_hooks, ti.load_state_dict_post_hooks):
+    for read in (
+        ti.state_dict_pre_hooks,
+        ti.state_dict_post_hooks,
+        ti.load_state_dict_pre_hooks,
+        ti.load_state_dict_post_hooks,
+    ):
         assert len(read(opt)) == 1, f"{read.__name__} finds no registered hook: torch renamed the hook dict"
 
 
@@ -83,9 +88,14 @@ def _dcp_save_frames() -> None:
         # parameter (nor local), and the library reads it with a default of False there.
         takes = inspect.signature(getattr(torch.distributed.checkpoint, code.co_name)).parameters
         for local in ("process_group", "no_dist"):
-            assert local in names or (local == "no_dist" and local not in takes), f"{code.co_name} has no local {local!r}"
-    takes_collectives = [code for code in ti._DCP_SAVE_CODES
-                         if "use_collectives" in inspect.signature(getattr(torch.distributed.checkpoint, code.co_name)).parameters]
+            assert local in names or (local == "no_dist" and local not in takes), (
+                f"{code.co_name} has no local {local!r}"
+            )
+    takes_collectives = [
+        code
+        for code in ti._DCP_SAVE_CODES
+        if "use_collectives" in inspect.signature(getattr(torch.distributed.checkpoint, code.co_name)).parameters
+    ]
     assert all("use_collectives" in code.co_varnames for code in takes_collectives)  # none on torch 2.7
 
 
@@ -198,7 +208,9 @@ def _dcp_metadata_globals() -> None:
 
     found = ti.dcp_metadata_globals()
     for name in ("_MEM_FORMAT_ENCODING", "TensorProperties", "Metadata", "MetadataIndex"):
-        assert ("torch.distributed.checkpoint.metadata", name) in found, f"torch.distributed.checkpoint.metadata.{name} is gone"
+        assert ("torch.distributed.checkpoint.metadata", name) in found, (
+            f"torch.distributed.checkpoint.metadata.{name} is gone"
+        )
     assert ("torch.distributed.checkpoint.filesystem", "_StorageInfo") in found, "filesystem._StorageInfo is gone"
     assert found["torch.serialization", "_get_layout"]("torch.strided") is torch.strided
     with tempfile.TemporaryDirectory() as root:
@@ -294,7 +306,12 @@ def test_no_other_module_reads_frames_or_private_torch_attributes() -> None:
         for node in ast.walk(ast.parse(path.read_text(encoding="utf-8"))):
             if isinstance(node, ast.Attribute) and node.attr in FRAME_NAMES:
                 found.append(f"{rel}:{node.lineno}: .{node.attr}")
-            if (isinstance(node, ast.Attribute) and node.attr.startswith("_") and not node.attr.startswith("__")
-                    and isinstance(node.value, ast.Attribute) and ast.unparse(node.value).startswith("torch.")):
+            if (
+                isinstance(node, ast.Attribute)
+                and node.attr.startswith("_")
+                and not node.attr.startswith("__")
+                and isinstance(node.value, ast.Attribute)
+                and ast.unparse(node.value).startswith("torch.")
+            ):
                 found.append(f"{rel}:{node.lineno}: {ast.unparse(node)}")
     assert not found, found

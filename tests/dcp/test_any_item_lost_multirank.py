@@ -69,7 +69,11 @@ def test_a_lost_rank_or_table_is_refused_on_every_rank(tmp_path: Path, layout: s
     root = str(tmp_path)
     run_spawned(_save, 2, root, layout)
     keys = list(dcp.FileSystemReader(f"{root}/ckpt").read_metadata().state_dict_metadata)
-    tables = [k for k in keys if k.startswith((f"optim.{PACKED_PREFIX}", f"optim.{SCALARS_PREFIX}", f"optim.{BUFFERS_PREFIX}"))]
+    tables = [
+        k
+        for k in keys
+        if k.startswith((f"optim.{PACKED_PREFIX}", f"optim.{SCALARS_PREFIX}", f"optim.{BUFFERS_PREFIX}"))
+    ]
     cases = {"intact": []}
     for i, key in enumerate(tables):
         cases[f"lost{i}"] = [key]

@@ -78,8 +78,10 @@ def test_auto_is_the_default_and_splits_by_size(threshold: Any) -> None:
     numel = sum(opt.state[params[n.rsplit(".", 1)[0]]][n.rsplit(".", 1)[1]].numel() for n in small)
     assert [v.numel() for k, v in sd.items() if k.startswith(BUFFERS_PREFIX) and ".B" in k] == [numel]
     threshold(1 << 62)  # nothing is large enough: all buffered, as "buffers" writes it
-    assert sc.SparseOptimizerState(model, opt).state_dict().keys() == sc.SparseOptimizerState(
-        model, opt, state_layout="buffers").state_dict().keys()
+    assert (
+        sc.SparseOptimizerState(model, opt).state_dict().keys()
+        == sc.SparseOptimizerState(model, opt, state_layout="buffers").state_dict().keys()
+    )
 
 
 def test_every_layout_loads_into_every_layout(tmp_path: Path, threshold: Any) -> None:
@@ -94,8 +96,11 @@ def test_every_layout_loads_into_every_layout(tmp_path: Path, threshold: Any) ->
             model2 = make_moe(1, n_experts=4)
             model2.load_state_dict(model.state_dict())
             opt2 = torch.optim.AdamW(model2.parameters(), lr=0.5)
-            dcp.load({"optim": sc.SparseOptimizerState(model2, opt2, state_layout=loading)},
-                     checkpoint_id=tmp_path / saved, planner=sc.SparseLoadPlanner())
+            dcp.load(
+                {"optim": sc.SparseOptimizerState(model2, opt2, state_layout=loading)},
+                checkpoint_id=tmp_path / saved,
+                planner=sc.SparseLoadPlanner(),
+            )
             assert_optimizer_equal(opt2, opt, grads=False)
 
 
@@ -104,7 +109,9 @@ def test_tools_see_auto_as_per_tensor(tmp_path: Path, threshold: Any) -> None:
     threshold(_split(model, opt)[0])
     for layout in ("auto", "per_tensor"):
         dcp.save({"optim": sc.SparseOptimizerState(model, opt, state_layout=layout)}, checkpoint_id=tmp_path / layout)
-    reports = {layout: tools.inspect_checkpoint(tmp_path / layout)["optimizers"][0] for layout in ("auto", "per_tensor")}
+    reports = {
+        layout: tools.inspect_checkpoint(tmp_path / layout)["optimizers"][0] for layout in ("auto", "per_tensor")
+    }
     assert reports["auto"]["items"] < reports["per_tensor"]["items"]
     for r in reports.values():
         for field in ("items", "table_bytes", "disk_bytes"):
@@ -128,7 +135,9 @@ def test_auto_item_counts(tmp_path: Path, threshold: Any) -> None:
 
 
 @pytest.mark.parametrize("layout", ["buffers", "per_tensor"])
-def test_items_are_read_straight_into_their_tensors(tmp_path: Path, monkeypatch: pytest.MonkeyPatch, layout: str) -> None:
+def test_items_are_read_straight_into_their_tensors(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch, layout: str
+) -> None:
     """A load reads each bucket, and each whole state item of a plain CPU parameter, from its file
     into the tensor it keeps (``torch.load`` of the item's bytes), not through ``read_data`` (which
     loads into one tensor and copies into another); a storage reader of another type still goes
@@ -152,10 +161,16 @@ def test_items_are_read_straight_into_their_tensors(tmp_path: Path, monkeypatch:
         model2 = make_moe(1, n_experts=4)
         model2.load_state_dict(model.state_dict())
         opt2 = torch.optim.AdamW(model2.parameters(), lr=0.5)
-        dcp.load({"optim": sc.SparseOptimizerState(model2, opt2)}, storage_reader=reader, planner=sc.SparseLoadPlanner())
+        dcp.load(
+            {"optim": sc.SparseOptimizerState(model2, opt2)}, storage_reader=reader, planner=sc.SparseLoadPlanner()
+        )
         assert_optimizer_equal(opt2, opt, grads=False)
-        tensors = [k for k in through_read_data if (k.startswith(f"optim.{BUFFERS_PREFIX}") and ".B" in k)
-                   or (k.startswith(f"optim.{STATE_PREFIX}") and "__" not in k)]
+        tensors = [
+            k
+            for k in through_read_data
+            if (k.startswith(f"optim.{BUFFERS_PREFIX}") and ".B" in k)
+            or (k.startswith(f"optim.{STATE_PREFIX}") and "__" not in k)
+        ]
         assert (not tensors) if direct else tensors, through_read_data
 
 
@@ -173,12 +188,17 @@ def test_async_save_buffers_fewer_tensors(tmp_path: Path, monkeypatch: pytest.Mo
     for name in ("sync", "async"):
         md = dcp.FileSystemReader(str(tmp_path / name)).read_metadata()
         keys = [k.removeprefix("optim.") for k in md.state_dict_metadata]
-        per_item[name] = {k[len(STATE_PREFIX) :] for k in keys if k.startswith(STATE_PREFIX) and "__" not in k.split(".")[1]}
+        per_item[name] = {
+            k[len(STATE_PREFIX) :] for k in keys if k.startswith(STATE_PREFIX) and "__" not in k.split(".")[1]
+        }
     assert per_item["sync"] == set() and per_item["async"] == big and not small & per_item["async"]
     for name in ("sync", "async"):
         model2 = make_moe(1, n_experts=4)
         model2.load_state_dict(model.state_dict())
         opt2 = torch.optim.AdamW(model2.parameters(), lr=0.5)
-        dcp.load({"optim": sc.SparseOptimizerState(model2, opt2)}, checkpoint_id=tmp_path / name,
-                 planner=sc.SparseLoadPlanner())
+        dcp.load(
+            {"optim": sc.SparseOptimizerState(model2, opt2)},
+            checkpoint_id=tmp_path / name,
+            planner=sc.SparseLoadPlanner(),
+        )
         assert_optimizer_equal(opt2, opt, grads=False)

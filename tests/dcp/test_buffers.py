@@ -84,8 +84,12 @@ def test_round_trip_equals_per_tensor(name: str, dtype: torch.dtype) -> None:
     buffered = sc.sparse_state_dict(model, src, state_layout="buffers")
     per_item = [k for k in buffered if k.startswith("state.") and not k.startswith((SCALARS_PREFIX, BUFFERS_PREFIX))]
     shaped = {n: p.shape for n, p in model.named_parameters()}
-    assert not [k for k in per_item if isinstance(buffered[k], torch.Tensor) and any(
-        k.startswith(f"state.{n}.") and buffered[k].shape == s for n, s in shaped.items())], per_item
+    assert not [
+        k
+        for k in per_item
+        if isinstance(buffered[k], torch.Tensor)
+        and any(k.startswith(f"state.{n}.") and buffered[k].shape == s for n, s in shaped.items())
+    ], per_item
     assert [k for k in buffered if k.startswith(BUFFERS_PREFIX)]
     loaded = {}
     for label, sd in (("per_tensor", per_tensor), ("buffers", buffered)):
@@ -180,11 +184,20 @@ def test_dcp_items_per_leaf_and_dtype(tmp_path: Path) -> None:
     """An MoE's DCP checkpoint: per-tensor, one item per state tensor; buffers, one per leaf and
     dtype (one bucket each here) plus one layout table per leaf."""
     model = make_moe(0, n_experts=8)
-    opt = sc.MultiOptimizer(model, {"experts": torch.optim.AdamW(model.expert_params(), lr=0.01),
-                                    "dense": torch.optim.AdamW(model.dense_params(), lr=0.01)})
+    opt = sc.MultiOptimizer(
+        model,
+        {
+            "experts": torch.optim.AdamW(model.expert_params(), lr=0.01),
+            "dense": torch.optim.AdamW(model.dense_params(), lr=0.01),
+        },
+    )
     train(model, opt, 2, only_experts=[0, 3, 5])
-    tensors = sum(isinstance(v, torch.Tensor) and v.ndim > 0 for o in opt._optimizers.values()
-                  for st in o.state.values() for v in st.values())
+    tensors = sum(
+        isinstance(v, torch.Tensor) and v.ndim > 0
+        for o in opt._optimizers.values()
+        for st in o.state.values()
+        for v in st.values()
+    )
     counts = {}
     for layout in ("per_tensor", "buffers"):
         dcp.save({"optim": sc.SparseOptimizerState(model, opt, state_layout=layout)}, checkpoint_id=tmp_path / layout)
@@ -195,8 +208,13 @@ def test_dcp_items_per_leaf_and_dtype(tmp_path: Path) -> None:
     assert len(counts["buffers"]) == 2 * (1 + 1) + tables + guards  # per leaf: a layout and one float32 buffer
     model2 = make_moe(1, n_experts=8)
     model2.load_state_dict(model.state_dict())
-    opt2 = sc.MultiOptimizer(model2, {"experts": torch.optim.AdamW(model2.expert_params(), lr=0.5),
-                                      "dense": torch.optim.AdamW(model2.dense_params(), lr=0.5)})
+    opt2 = sc.MultiOptimizer(
+        model2,
+        {
+            "experts": torch.optim.AdamW(model2.expert_params(), lr=0.5),
+            "dense": torch.optim.AdamW(model2.dense_params(), lr=0.5),
+        },
+    )
     dcp.load({"optim": opt2}, checkpoint_id=tmp_path / "buffers", planner=sc.SparseLoadPlanner())
     for leaf in ("experts", "dense"):
         assert_optimizer_equal(opt2[leaf], opt[leaf], grads=False)
@@ -279,8 +297,14 @@ def test_missing_buffer_is_refused(strict: bool) -> None:
     model, _src, sd = _buffered()
     key = _one(sd, "B")
     del sd[key]
-    _refused(model, sd, sc.CheckpointMismatchError, rf"leaf 'optim': buffer item '{key}', which holds state 'exp_avg' "
-             r"of '.*' \(and maybe more\), is missing from the checkpoint", strict)
+    _refused(
+        model,
+        sd,
+        sc.CheckpointMismatchError,
+        rf"leaf 'optim': buffer item '{key}', which holds state 'exp_avg' "
+        r"of '.*' \(and maybe more\), is missing from the checkpoint",
+        strict,
+    )
 
 
 @pytest.mark.parametrize("strict", [True, False])
@@ -288,7 +312,9 @@ def test_missing_layout_is_refused(strict: bool) -> None:
     """Without its layout table the buffered state is missing: the recorded state keys refuse it."""
     model, _src, sd = _buffered()
     del sd[_one(sd, "L")]
-    _refused(model, sd, sc.CheckpointMismatchError, r"leaf 'optim': parameter '.*' has no saved state 'exp_avg'", strict)
+    _refused(
+        model, sd, sc.CheckpointMismatchError, r"leaf 'optim': parameter '.*' has no saved state 'exp_avg'", strict
+    )
 
 
 @pytest.mark.parametrize("damage", ["truncated", "longer", "dtype", "2-d", "not a tensor"])
@@ -296,8 +322,13 @@ def test_buffer_that_disagrees_with_its_layout_is_refused(damage: str) -> None:
     model, _src, sd = _buffered()
     key = _one(sd, "B")
     buf = sd[key]
-    sd[key] = {"truncated": buf[:-1], "longer": torch.cat([buf, buf[:1]]), "dtype": buf.double(),
-               "2-d": buf.reshape(1, -1), "not a tensor": buf.tolist()}[damage]
+    sd[key] = {
+        "truncated": buf[:-1],
+        "longer": torch.cat([buf, buf[:1]]),
+        "dtype": buf.double(),
+        "2-d": buf.reshape(1, -1),
+        "not a tensor": buf.tolist(),
+    }[damage]
     _refused(model, sd, sc.CheckpointFormatError, rf"leaf 'optim': buffer item '{key}' is a ")
 
 
@@ -319,7 +350,9 @@ def test_layout_of_another_shape_is_refused() -> None:
     entries = [(fqn, "exp_avg", "float32", 4, (99, 99), (0, 0), (1, 1))]
     table, _buckets = _backend.core.encode_layout("optim", entries, 1 << 20)
     sd[key] = seal(table)
-    _refused(model, sd, sc.CheckpointMismatchError, rf"state 'exp_avg' of '{fqn}' has shape \(99, 99\) in the checkpoint")
+    _refused(
+        model, sd, sc.CheckpointMismatchError, rf"state 'exp_avg' of '{fqn}' has shape \(99, 99\) in the checkpoint"
+    )
 
 
 def test_flat_format_has_no_buffers() -> None:
@@ -362,13 +395,17 @@ def test_tools_understand_buffers(tmp_path: Path) -> None:
     keys = _dcp_items(tmp_path / "converted")
     assert not [k for k in keys if BUFFERS_PREFIX in k] and "optim.state.embed.weight.exp_avg" in keys
     model2, dst = _fresh(model, "AdamW")
-    dcp.load({"optim": sc.SparseOptimizerState(model2, dst)}, checkpoint_id=tmp_path / "converted",
-             planner=sc.SparseLoadPlanner())
+    dcp.load(
+        {"optim": sc.SparseOptimizerState(model2, dst)},
+        checkpoint_id=tmp_path / "converted",
+        planner=sc.SparseLoadPlanner(),
+    )
     assert_optimizer_equal(dst, src, grads=False, state_order=False)
     for layout in ("per_tensor", "buffers"):
         export.export_checkpoint(tmp_path / layout, tmp_path / f"export_{layout}")
     assert (tmp_path / "export_buffers" / export.TENSORS_FILE).read_bytes() == (
-        tmp_path / "export_per_tensor" / export.TENSORS_FILE).read_bytes()
+        tmp_path / "export_per_tensor" / export.TENSORS_FILE
+    ).read_bytes()
 
 
 @pytest.mark.parametrize("layout", ["per_tensor", "buffers"])
@@ -380,12 +417,17 @@ def test_verify_reports_an_incomplete_checkpoint(tmp_path: Path, layout: str) ->
     model, src = _trained("AdamW")
     dcp.save({"optim": sc.SparseOptimizerState(model, src, state_layout=layout)}, checkpoint_id=tmp_path)
     keys = _dcp_items(tmp_path)
-    lost = "optim.state.embed.weight.exp_avg_sq" if layout == "per_tensor" else next(
-        k for k in keys if k.startswith(f"optim.{BUFFERS_PREFIX}") and ".B" in k)
+    lost = (
+        "optim.state.embed.weight.exp_avg_sq"
+        if layout == "per_tensor"
+        else next(k for k in keys if k.startswith(f"optim.{BUFFERS_PREFIX}") and ".B" in k)
+    )
     drop_from_metadata(tmp_path, lost)
     report = verify_checkpoint(tmp_path)
     assert not report["ok"]
-    assert ("has no saved state 'exp_avg_sq'" if layout == "per_tensor" else "is missing") in report["problems"][0]["problem"]
+    assert ("has no saved state 'exp_avg_sq'" if layout == "per_tensor" else "is missing") in report["problems"][0][
+        "problem"
+    ]
 
 
 def test_planner_reads_layout_tables_weights_only_as_bytes(tmp_path: Path) -> None:
@@ -396,8 +438,12 @@ def test_planner_reads_layout_tables_weights_only_as_bytes(tmp_path: Path) -> No
     key = _one(sd, "L")
     dcp.save({"optim": {**sd, key: [1, 2]}}, checkpoint_id=str(tmp_path), no_dist=True)
     model2, dst = _fresh(model, "AdamW")
-    with pytest.raises(CheckpointException, match=r"layout table 'optim\.state\.__buffers__\.optim\.Lw1r0' holds a list"):
-        dcp.load({"optim": sc.SparseOptimizerState(model2, dst)}, checkpoint_id=tmp_path, planner=sc.SparseLoadPlanner())
+    with pytest.raises(
+        CheckpointException, match=r"layout table 'optim\.state\.__buffers__\.optim\.Lw1r0' holds a list"
+    ):
+        dcp.load(
+            {"optim": sc.SparseOptimizerState(model2, dst)}, checkpoint_id=tmp_path, planner=sc.SparseLoadPlanner()
+        )
     assert not dst.state
 
 

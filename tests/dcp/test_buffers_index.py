@@ -47,7 +47,9 @@ def _torch_chunks(size: int, n: int) -> list[tuple[int, int]]:
     return out + [(size, size)] * (n - len(out))
 
 
-def _reference_chunk(shape: tuple[int, ...], mesh: tuple[int, ...], codes: tuple[int, ...], coord: tuple[int, ...]) -> Any:
+def _reference_chunk(
+    shape: tuple[int, ...], mesh: tuple[int, ...], codes: tuple[int, ...], coord: tuple[int, ...]
+) -> Any:
     lo, hi = [0] * len(shape), list(shape)
     for m, code in enumerate(codes):
         if code != REPLICATE:
@@ -97,8 +99,9 @@ def test_round_trip_and_selection() -> None:
     assert index.tags == ("w4r0", "w4r1", "w4r2", "w4r3")
     assert index.of == {"w": ("spec", SPEC), **{f"e{r}": ("whole", (r,)) for r in range(4)}}
     # rows 0-3 of 8 on a 2-rank load: saved ranks 0 and 1; experts 1 and 2 are whole in ranks 1, 2
-    assert index.tags_for([("w", ((8, 4), (0, 0), (4, 4))), ("e1", ((1,), (0,), (1,))), ("e2", ((1,), (0,), (1,)))]) == {
-        "w4r0", "w4r1", "w4r2"}
+    assert index.tags_for(
+        [("w", ((8, 4), (0, 0), (4, 4))), ("e1", ((1,), (0,), (1,))), ("e2", ((1,), (0,), (1,)))]
+    ) == {"w4r0", "w4r1", "w4r2"}
     assert index.tags_for([("w", ((8, 4), (0, 0), (0, 4)))]) == {"w4r0"}  # an empty chunk: one table, for its keys
     assert index.tags_for([("other", ((1,), (0,), (1,)))]) == set()
 
@@ -229,10 +232,15 @@ def test_verify_checks_an_index_against_the_layouts() -> None:
     check_index(decode_index(LEAF, "k", _index(good)), tables)
     wrong = [
         [("w2r0", (((spec, ("s",)),), ("e1",), ())), ("w2r1", (((spec, ("s",)),), ("e0",), ()))],  # experts swapped
-        [("w2r0", (((spec, ("s",)),), ("e0", "e1"), ())), ("w2r1", (((spec, ("s",)),), (), ()))],  # a tag not listing e1
+        [
+            ("w2r0", (((spec, ("s",)),), ("e0", "e1"), ())),
+            ("w2r1", (((spec, ("s",)),), (), ())),
+        ],  # a tag not listing e1
     ]
     for parts in wrong:
-        with pytest.raises(sc.CheckpointFormatError, match=r"state 'exp_avg' of 'e.' in layout tag 'w2r.' is not where"):
+        with pytest.raises(
+            sc.CheckpointFormatError, match=r"state 'exp_avg' of 'e.' in layout tag 'w2r.' is not where"
+        ):
             check_index(decode_index(LEAF, "k", _index(parts)), tables)
     shifted = {**tables, "w2r1": [("s", "exp_avg", (4,), (1,), (2,)), *tables["w2r1"][1:]]}  # not torch's chunk
     with pytest.raises(sc.CheckpointFormatError, match="state 'exp_avg' of 's' in layout tag 'w2r1'"):
@@ -246,4 +254,6 @@ def test_one_process_writes_no_index() -> None:
     opt.step()
     sd = sc.sparse_state_dict(model, opt, state_layout="buffers")
     assert [k for k in sd if k.startswith(BUFFERS_PREFIX)] == [
-        f"{BUFFERS_PREFIX}optim.Lw1r0", f"{BUFFERS_PREFIX}optim.B0_float32_w1r0"]
+        f"{BUFFERS_PREFIX}optim.Lw1r0",
+        f"{BUFFERS_PREFIX}optim.B0_float32_w1r0",
+    ]

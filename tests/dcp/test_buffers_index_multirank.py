@@ -119,7 +119,11 @@ def _load_resharded(rank: int, world_size: int, root: str, cases: list[tuple[str
     for name, saved, indexed in cases:
         model, opt, read = _load(f"{root}/{name}", world_size, rank, mesh)
         assert_matches(local_view(model, opt), _reference(root, saved), f"rank {rank}: {name} -> {world_size}")
-        want = expected_tables(saved, world_size, rank) if indexed else {leaf: set(range(saved)) for leaf in ("dense", "experts")}
+        want = (
+            expected_tables(saved, world_size, rank)
+            if indexed
+            else {leaf: set(range(saved)) for leaf in ("dense", "experts")}
+        )
         assert layouts_read(read) == want, (name, rank, read)
         dist.barrier()
     if world_size == 4:  # the same world on another mesh: HSDP (2 replicas x 2 shards) reads the
@@ -202,11 +206,19 @@ def test_resharding_reads_only_overlapping_layouts(tmp_path: Path) -> None:
     lost = _damaged(tmp_path, "lost4", "lost")
     corrupt = _damaged(tmp_path, "corrupt4", "corrupt")
     run_spawned(_load_resharded, 2, root, [("ckpt4", 4, True)])  # and ckpt2 at expert parallelism 1
-    run_spawned(_refused, 2, root, {
-        "lost4": ("CheckpointMismatchError", f"item {lost!r} is missing"),
-        # the changed byte fails the item's zip CRC-32 before the index's own sealed digest is checked
-        "corrupt4": ("CheckpointFormatError", rf"layout table 'optim\.{re.escape(corrupt)}': .*fails its CRC-32 check"),
-    })
+    run_spawned(
+        _refused,
+        2,
+        root,
+        {
+            "lost4": ("CheckpointMismatchError", f"item {lost!r} is missing"),
+            # the changed byte fails the item's zip CRC-32 before the index's own sealed digest is checked
+            "corrupt4": (
+                "CheckpointFormatError",
+                rf"layout table 'optim\.{re.escape(corrupt)}': .*fails its CRC-32 check",
+            ),
+        },
+    )
     run_spawned(_load_resharded, 4, root, [("ckpt2", 2, True), ("old2", 2, False)])  # and ckpt4 on HSDP
     _one_process(root, "ckpt4", 4)
     _one_process(root, "ckpt2", 2)

@@ -117,7 +117,8 @@ def test_resharding_drills(tmp_path: Path, layout: str) -> None:
     run_spawned(_save_ep2, 2, root, layout)
     reference = merge_views([torch.load(f"{root}/ref{r}.pt") for r in range(2)])
     assert sorted(reference) == sorted(
-        ["dense.weight", "dense.bias", "proj.weight", "proj.bias"] + [f"experts.{i}.{p}" for i in range(4) for p in ("weight", "bias")]
+        ["dense.weight", "dense.bias", "proj.weight", "proj.bias"]
+        + [f"experts.{i}.{p}" for i in range(4) for p in ("weight", "bias")]
     )
 
     # 2 -> 1: one process, no process group, every expert
@@ -127,6 +128,10 @@ def test_resharding_drills(tmp_path: Path, layout: str) -> None:
         _load(f"{root}/ckpt", model, opt)
     assert_matches(local_view(model, opt), reference, "2 -> 1")
     assert sorted(n for n, p in model.named_parameters() if opt["experts"].state.get(p)) == [
-        "experts.0.bias", "experts.0.weight", "experts.2.bias", "experts.2.weight"]
+        "experts.0.bias",
+        "experts.0.weight",
+        "experts.2.bias",
+        "experts.2.weight",
+    ]
 
     run_spawned(_load_ep, 4, root, 1, "2 -> 4, expert parallelism 4")

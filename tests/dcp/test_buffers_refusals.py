@@ -41,8 +41,11 @@ def _refused(model: nn.Module, path: Path, exc: type[Exception], match: str) -> 
     train(model2, opt2, 1, only_experts=[1], seed=9)
     before = snapshot_optimizer(opt2)
     with pytest.raises(exc, match=match):
-        dcp.load({"optim": sc.SparseOptimizerState(model2, opt2, state_layout="buffers")}, checkpoint_id=path,
-                 planner=sc.SparseLoadPlanner())
+        dcp.load(
+            {"optim": sc.SparseOptimizerState(model2, opt2, state_layout="buffers")},
+            checkpoint_id=path,
+            planner=sc.SparseLoadPlanner(),
+        )
     assert_optimizer_equal(opt2, before)
 
 
@@ -72,9 +75,13 @@ def test_a_buffer_the_metadata_calls_empty_is_refused(tmp_path: Path) -> None:
 
     _edit_metadata(tmp_path, empty)
     inner = key.removeprefix("optim.")
-    _refused(model, tmp_path, sc.CheckpointFormatError,
-             rf"leaf 'optim': buffer item '{inner}', which holds state 'exp_avg' of '[\w.]+' .*the checkpoint holds "
-             "it empty or not at all")
+    _refused(
+        model,
+        tmp_path,
+        sc.CheckpointFormatError,
+        rf"leaf 'optim': buffer item '{inner}', which holds state 'exp_avg' of '[\w.]+' .*the checkpoint holds "
+        "it empty or not at all",
+    )
 
 
 def test_an_empty_buffer_saved_through_dcp_is_refused(tmp_path: Path) -> None:
@@ -103,7 +110,9 @@ def test_plan_caching_cannot_reuse_a_bucket_key_for_another_dtype(tmp_path: Path
     """Save 1: state only for an fp32 4x4 parameter; before save 2 that state goes and a bf16 4x4
     parameter steps. Same bucket index, rank set and size: the key must still differ, else DCP's
     cached plan (which does not compare dtypes) writes save 2 with save 1's float32 metadata."""
-    model = nn.ParameterDict({"a": nn.Parameter(torch.ones(4, 4)), "b": nn.Parameter(torch.ones(4, 4, dtype=torch.bfloat16))})
+    model = nn.ParameterDict(
+        {"a": nn.Parameter(torch.ones(4, 4)), "b": nn.Parameter(torch.ones(4, 4, dtype=torch.bfloat16))}
+    )
     opt = torch.optim.Adam(model.parameters(), lr=0.1)
     model["a"].grad = torch.full((4, 4), 0.5)
     opt.step()
@@ -115,11 +124,16 @@ def test_plan_caching_cannot_reuse_a_bucket_key_for_another_dtype(tmp_path: Path
     opt.step()
     dcp.save({"optim": state}, checkpoint_id=tmp_path / "2", planner=DefaultSavePlanner(enable_plan_caching=True))
     fresh = torch.optim.Adam(model.parameters(), lr=0.1)
-    dcp.load({"optim": sc.SparseOptimizerState(model, fresh, state_layout="buffers")}, checkpoint_id=tmp_path / "2",
-             planner=sc.SparseLoadPlanner())
+    dcp.load(
+        {"optim": sc.SparseOptimizerState(model, fresh, state_layout="buffers")},
+        checkpoint_id=tmp_path / "2",
+        planner=sc.SparseLoadPlanner(),
+    )
     assert_optimizer_equal(fresh, opt)
     keys = dcp.FileSystemReader(str(tmp_path / "2")).read_metadata().state_dict_metadata
-    assert [k.rpartition(".")[2] for k in keys if k.startswith(f"optim.{BUFFERS_PREFIX}optim.B")] == ["B0_bfloat16_w1r0"]
+    assert [k.rpartition(".")[2] for k in keys if k.startswith(f"optim.{BUFFERS_PREFIX}optim.B")] == [
+        "B0_bfloat16_w1r0"
+    ]
 
 
 def test_tools_refuse_overlapping_layouts() -> None:
@@ -135,7 +149,9 @@ def test_tools_refuse_overlapping_layouts() -> None:
         table, _buckets = _backend.core.encode_layout("optim", [entry], 1 << 20)
         values[bucketed.layout_key("optim", f"w2r{rank}")] = seal(table)
         values[bucketed.buffer_key("optim", f"w2r{rank}", 0, "float32")] = torch.zeros(2 * (hi - lo))
-    with pytest.raises(sc.CheckpointMismatchError, match=r"leaf 'optim': state 'exp_avg' of 'p': the checkpoint's layouts overlap"):
+    with pytest.raises(
+        sc.CheckpointMismatchError, match=r"leaf 'optim': state 'exp_avg' of 'p': the checkpoint's layouts overlap"
+    ):
         bucketed_view.layout_view(list(values), values)
     with pytest.raises(sc.CheckpointMismatchError, match="layouts overlap"):
         bucketed_view.full_state(list(values), values)

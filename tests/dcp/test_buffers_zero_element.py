@@ -100,7 +100,9 @@ def test_a_bucket_view_of_a_dtensor_has_torchs_strides(mesh: object, shape: tupl
     model = _model(mesh, Shard(0))
     fqn = f"p{SHAPES.index(shape)}"
     local = torch.empty(getattr(model, fqn).to_local().shape)
-    view = bucketed_scatter._wrap(local, (fqn, "exp_avg", "float32", shape, (0,) * len(shape), shape), build_fqn_map(model))
+    view = bucketed_scatter._wrap(
+        local, (fqn, "exp_avg", "float32", shape, (0,) * len(shape), shape), build_fqn_map(model)
+    )
     assert isinstance(view, DTensor) and view.shape == torch.Size(shape)
     assert view.stride() == torch.empty(shape).stride()
 

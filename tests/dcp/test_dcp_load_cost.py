@@ -51,8 +51,9 @@ def test_load_target_is_not_captured_and_fqn_map_built_once(tmp_path: Path, fmt:
 
     monkeypatch.setattr(sc_dcp, "build_fqn_map", counting)
     monkeypatch.setattr(sc_load, "build_fqn_map", counting)
-    dcp.load({"optim": sc.SparseOptimizerState(model2, opt2)}, checkpoint_id=tmp_path / "c",
-             planner=sc.SparseLoadPlanner())
+    dcp.load(
+        {"optim": sc.SparseOptimizerState(model2, opt2)}, checkpoint_id=tmp_path / "c", planner=sc.SparseLoadPlanner()
+    )
     assert hook_calls == []  # the load target was never captured (torch's state_dict would run hooks)
     assert len(builds) == 1  # the planner's map is the load's
     assert_optimizer_equal(opt2, opt, grads=False)  # state in the saved order, as torch keeps it
@@ -123,8 +124,9 @@ def test_no_stateful_load_target_is_captured(tmp_path: Path, kind: str, monkeypa
     model = make_moe(3)
     opts = _leaf_opts(model)
     saved = STATEFULS[kind](model, opts)
-    train(model, saved if isinstance(saved, sc.MultiOptimizer) else sc.MultiOptimizer(model, opts), 2,
-          only_experts=[0, 1])
+    train(
+        model, saved if isinstance(saved, sc.MultiOptimizer) else sc.MultiOptimizer(model, opts), 2, only_experts=[0, 1]
+    )
     dcp.save({"optim": saved}, checkpoint_id=tmp_path / "c")
 
     model2 = make_moe(3)

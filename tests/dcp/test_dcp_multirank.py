@@ -42,8 +42,9 @@ def save(path: str, model: nn.Module, opt: sc.MultiOptimizer) -> None:
 
 def load(path: str, model: nn.Module, opt: sc.MultiOptimizer) -> None:
     msd = model.state_dict()
-    dcp.load({"model": msd, "optim": sc.SparseOptimizerState(model, opt)}, checkpoint_id=path,
-             planner=sc.SparseLoadPlanner())
+    dcp.load(
+        {"model": msd, "optim": sc.SparseOptimizerState(model, opt)}, checkpoint_id=path, planner=sc.SparseLoadPlanner()
+    )
     model.load_state_dict(msd)
 
 
@@ -118,8 +119,13 @@ def test_world_size_changes(tmp_path: Path) -> None:
     save(ck1, model, opt)
 
     run_ranks(_save_sharded, 4, ck4, str(tmp_path / "ref4.pt"))
-    run_ranks(_load_resharded, 2, [(ck4, str(tmp_path / "ref4.pt")), (ck1, str(tmp_path / "ref1.pt"))],
-              ck2, str(tmp_path / "ref2.pt"))
+    run_ranks(
+        _load_resharded,
+        2,
+        [(ck4, str(tmp_path / "ref4.pt")), (ck1, str(tmp_path / "ref1.pt"))],
+        ck2,
+        str(tmp_path / "ref2.pt"),
+    )
 
     model, opt = build_fsdp(seed=9, sharded=False)
     load(ck2, model, opt)
@@ -230,9 +236,13 @@ def test_expert_parallel_tables(tmp_path: Path) -> None:
     model = nn.Module()
     model.shared = nn.Linear(4, 4)
     model.experts = nn.ModuleDict({str(i): nn.Linear(4, 4) for i in range(4)})
-    groups = [{"params": [*model.experts[str(2 * r)].parameters(), *model.experts[str(2 * r + 1)].parameters()]}
-              for r in range(2)]
-    opt = sc.MultiOptimizer(model, {"experts": torch.optim.AdamW(groups), "shared": torch.optim.AdamW(model.shared.parameters())})
+    groups = [
+        {"params": [*model.experts[str(2 * r)].parameters(), *model.experts[str(2 * r + 1)].parameters()]}
+        for r in range(2)
+    ]
+    opt = sc.MultiOptimizer(
+        model, {"experts": torch.optim.AdamW(groups), "shared": torch.optim.AdamW(model.shared.parameters())}
+    )
     st = sc.SparseOptimizerState(model, opt)
     target = {"app": {"optim": st.state_dict()}}
     with warnings.catch_warnings():

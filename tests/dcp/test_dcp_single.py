@@ -42,13 +42,18 @@ def trained(seed: int = 0) -> tuple[nn.Module, sc.MultiOptimizer]:
 
 
 def save(path: Path, model: nn.Module, opt: Any, fmt: str = "packed") -> None:
-    dcp.save({"model": model.state_dict(), "optim": sc.SparseOptimizerState(model, opt, format=fmt)}, checkpoint_id=path)
+    dcp.save(
+        {"model": model.state_dict(), "optim": sc.SparseOptimizerState(model, opt, format=fmt)}, checkpoint_id=path
+    )
 
 
 def load(path: Path, model: nn.Module, opt: Any, **kw: Any) -> None:
     msd = model.state_dict()
-    dcp.load({"model": msd, "optim": sc.SparseOptimizerState(model, opt, **kw)}, checkpoint_id=path,
-             planner=sc.SparseLoadPlanner())
+    dcp.load(
+        {"model": msd, "optim": sc.SparseOptimizerState(model, opt, **kw)},
+        checkpoint_id=path,
+        planner=sc.SparseLoadPlanner(),
+    )
     model.load_state_dict(msd)
 
 
@@ -75,8 +80,10 @@ def test_fresh_optimizer_resumes_exactly(tmp_path: Path, fmt: str) -> None:
         assert not any(k.endswith(".step") for k in keys)
         # besides the tables: one foreign-loader guard per leaf (its first FQN) and the nested layout's one
         guards = {k for k in keys if k.startswith("optim.param_groups.") and "__packed__" not in k}
-        assert guards == {f"optim.param_groups.{fqn}.lr" for fqn in ("embed.weight", "experts.0.up.weight",
-                                                                     "experts.3.up.weight", "0")}
+        assert guards == {
+            f"optim.param_groups.{fqn}.lr"
+            for fqn in ("embed.weight", "experts.0.up.weight", "experts.3.up.weight", "0")
+        }
     else:
         assert "optim.param_groups.experts.3.up.weight.lr" in keys  # flat: every param, stateless too
         assert not any("__packed__" in k for k in keys)
@@ -102,8 +109,13 @@ def test_without_planner_fails_before_reading(tmp_path: Path, fmt: str, as_multi
     """Without SparseLoadPlanner, dcp.load fails while planning -- before any byte reaches the live
     state tensors -- naming the planner; also when every setting and state key would match."""
     model, opt = trained()
-    dcp.save({"model": model.state_dict(), "optim": opt if as_multi and fmt == "packed"
-              else sc.SparseOptimizerState(model, opt, format=fmt)}, checkpoint_id=tmp_path)
+    dcp.save(
+        {
+            "model": model.state_dict(),
+            "optim": opt if as_multi and fmt == "packed" else sc.SparseOptimizerState(model, opt, format=fmt),
+        },
+        checkpoint_id=tmp_path,
+    )
 
     # A target that matches the checkpoint key for key: same settings, state for every saved param,
     # but different values -- DCP alone would read straight into these live tensors.
@@ -173,12 +185,16 @@ def test_strict_rejects_extra_saved_params_and_is_transactional(tmp_path: Path) 
     step_all(dst, dst_opt)
     before = snapshot_optimizer(dst_opt)
     with pytest.raises(sc.CheckpointMismatchError, match=r"layers\.c\.weight"):
-        dcp.load({"optim": sc.SparseOptimizerState(dst, dst_opt)}, checkpoint_id=tmp_path,
-                 planner=sc.SparseLoadPlanner())
+        dcp.load(
+            {"optim": sc.SparseOptimizerState(dst, dst_opt)}, checkpoint_id=tmp_path, planner=sc.SparseLoadPlanner()
+        )
     assert_optimizer_equal(before, dst_opt)  # the planner read into new buffers, not the live state
 
-    dcp.load({"optim": sc.SparseOptimizerState(dst, dst_opt, strict=False)}, checkpoint_id=tmp_path,
-             planner=sc.SparseLoadPlanner())
+    dcp.load(
+        {"optim": sc.SparseOptimizerState(dst, dst_opt, strict=False)},
+        checkpoint_id=tmp_path,
+        planner=sc.SparseLoadPlanner(),
+    )
     assert dst_opt.param_groups[0]["lr"] == 0.01
     for name in ("a", "b"):
         for pn in ("weight", "bias"):
@@ -215,8 +231,11 @@ def test_dsd_flat_checkpoint_loads(tmp_path: Path) -> None:
     model2 = make_moe(1)
     opt2 = torch.optim.AdamW([{"params": model2.dense_params()}, {"params": model2.expert_params(), "lr": 0.5}])
     msd = model2.state_dict()
-    dcp.load({"model": msd, "optim": sc.SparseOptimizerState(model2, opt2)}, checkpoint_id=tmp_path,
-             planner=sc.SparseLoadPlanner())
+    dcp.load(
+        {"model": msd, "optim": sc.SparseOptimizerState(model2, opt2)},
+        checkpoint_id=tmp_path,
+        planner=sc.SparseLoadPlanner(),
+    )
     model2.load_state_dict(msd)
     assert_optimizer_equal(opt, opt2, grads=False)
     assert not opt2.state.get(model2.experts[1].up.weight)
@@ -284,5 +303,8 @@ def test_wrong_key_is_reported(tmp_path: Path) -> None:
     with warnings.catch_warnings():
         warnings.simplefilter("ignore")
         with pytest.raises(CheckpointException, match="no optimizer entries under 'optimizer'"):
-            dcp.load({"optimizer": sc.SparseOptimizerState(model, opt)}, checkpoint_id=tmp_path,
-                     planner=sc.SparseLoadPlanner())
+            dcp.load(
+                {"optimizer": sc.SparseOptimizerState(model, opt)},
+                checkpoint_id=tmp_path,
+                planner=sc.SparseLoadPlanner(),
+            )

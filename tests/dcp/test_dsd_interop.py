@@ -38,7 +38,9 @@ def _adamw(model: _Net, lr: float = 0.01) -> torch.optim.Optimizer:
 
 
 def _sgd(model: _Net, lr: float = 0.01) -> torch.optim.Optimizer:
-    return torch.optim.SGD([{"params": _layer(model, 0, 1)}, {"params": _layer(model, 2), "lr": lr * 2}], lr=lr, momentum=0.9)
+    return torch.optim.SGD(
+        [{"params": _layer(model, 0, 1)}, {"params": _layer(model, 2), "lr": lr * 2}], lr=lr, momentum=0.9
+    )
 
 
 def _train(model: _Net, opts: list[torch.optim.Optimizer], with_grad: list[nn.Parameter], steps: int = 2) -> None:
@@ -83,7 +85,9 @@ def test_dsd_needs_no_process_group_here() -> None:
     assert "param_groups.layers.0.weight.lr" in dsd_get(model, opt)
 
 
-def _loads_like_dsd_and_source(make: Any, flat: dict[str, Any], src_model: nn.Module, src: Any) -> torch.optim.Optimizer:
+def _loads_like_dsd_and_source(
+    make: Any, flat: dict[str, Any], src_model: nn.Module, src: Any
+) -> torch.optim.Optimizer:
     """``flat`` loaded by us and by DSD into fresh copies (other values, lr 0.5): both equal, and
     equal to the source."""
     ours_model, dsd_model = _Net(seed=1), _Net(seed=1)
@@ -111,14 +115,24 @@ def test_dsd_flat_dict_loads_like_dsd_set(make: Any) -> None:
 
 def test_dsd_flat_dict_of_two_optimizers_loads_into_a_multioptimizer() -> None:
     src_model = _Net()
-    a, b = torch.optim.AdamW(_layer(src_model, 0, 1), lr=0.01), torch.optim.SGD(_layer(src_model, 2), lr=0.1, momentum=0.9)
+    a, b = (
+        torch.optim.AdamW(_layer(src_model, 0, 1), lr=0.01),
+        torch.optim.SGD(_layer(src_model, 2), lr=0.1, momentum=0.9),
+    )
     _train(src_model, [a, b], list(src_model.parameters()))
     flat = dsd_get(src_model, [a, b])
     model, dsd_model = _Net(seed=1), _Net(seed=1)
     ours = sc.MultiOptimizer(
-        model, {"a": torch.optim.AdamW(_layer(model, 0, 1), lr=0.5), "b": torch.optim.SGD(_layer(model, 2), lr=0.5, momentum=0.9)}
+        model,
+        {
+            "a": torch.optim.AdamW(_layer(model, 0, 1), lr=0.5),
+            "b": torch.optim.SGD(_layer(model, 2), lr=0.5, momentum=0.9),
+        },
     )
-    theirs = [torch.optim.AdamW(_layer(dsd_model, 0, 1), lr=0.5), torch.optim.SGD(_layer(dsd_model, 2), lr=0.5, momentum=0.9)]
+    theirs = [
+        torch.optim.AdamW(_layer(dsd_model, 0, 1), lr=0.5),
+        torch.optim.SGD(_layer(dsd_model, 2), lr=0.5, momentum=0.9),
+    ]
     sc.load_sparse_state_dict(model, ours, flat)
     dsd_set(dsd_model, theirs, flat)
     assert_deep_equal(fqn_view(model, [o for _, o in ours.leaves()]), fqn_view(dsd_model, theirs), **SAME)

@@ -47,7 +47,11 @@ class Net(nn.Module):
 def adamw(model: Net, lr: float = 0.01) -> torch.optim.Optimizer:
     """Group 0: dense and head; group 1: vision (never gets a gradient in :func:`train`)."""
     return torch.optim.AdamW(
-        [{"params": [*model.dense.parameters(), *model.head.parameters()]}, {"params": list(model.vision.parameters())}], lr=lr
+        [
+            {"params": [*model.dense.parameters(), *model.head.parameters()]},
+            {"params": list(model.vision.parameters())},
+        ],
+        lr=lr,
     )
 
 
@@ -86,7 +90,10 @@ def test_nested_dict_of_a_fully_stepped_optimizer_loads_like_dsd_set() -> None:
     src = adamw(src_model)
     for i in range(2):
         src.zero_grad()
-        (src_model(torch.randn(3, 4, generator=torch.Generator().manual_seed(i))).sum() + src_model.vision(torch.ones(1, 4)).sum()).backward()
+        (
+            src_model(torch.randn(3, 4, generator=torch.Generator().manual_seed(i))).sum()
+            + src_model.vision(torch.ones(1, 4)).sum()
+        ).backward()
         src.step()
     nested = nested_of(src_model, src)
     assert nested_kind(nested) == "fqn"
@@ -213,7 +220,12 @@ def test_nested_dcp_checkpoint_loads_with_the_planner(nested_ckpt: tuple[Path, N
     path, src_model, src = nested_ckpt
     model = Net(seed=1)
     opt = adamw(model, lr=0.5)
-    dcp.load({"optimizer": sc.SparseOptimizerState(model, opt)}, checkpoint_id=str(path), planner=sc.SparseLoadPlanner(), no_dist=True)
+    dcp.load(
+        {"optimizer": sc.SparseOptimizerState(model, opt)},
+        checkpoint_id=str(path),
+        planner=sc.SparseLoadPlanner(),
+        no_dist=True,
+    )
     assert_deep_equal(view(model, opt), view(src_model, src), **SAME)
     assert all(p not in opt.state for p in model.vision.parameters())
 
@@ -241,7 +253,12 @@ def test_cli_reads_and_converts_a_nested_checkpoint(
     assert tools.inspect_checkpoint(converted)["optimizers"][0]["format"] == "packed"
     model = Net(seed=1)
     opt = adamw(model, lr=0.5)
-    dcp.load({"optimizer": sc.SparseOptimizerState(model, opt)}, checkpoint_id=str(converted), planner=sc.SparseLoadPlanner(), no_dist=True)
+    dcp.load(
+        {"optimizer": sc.SparseOptimizerState(model, opt)},
+        checkpoint_id=str(converted),
+        planner=sc.SparseLoadPlanner(),
+        no_dist=True,
+    )
     assert_deep_equal(view(model, opt), view(src_model, src), **SAME)
 
     assert cli.main(["export", str(path), str(tmp_path / "export")]) == 2
@@ -280,7 +297,9 @@ def test_a_dict_recording_another_rank_is_refused_and_changes_nothing() -> None:
     target_model = Net()
     target = adamw(target_model)
     for record in ({"rank": 1, "world_size": 2}, {"rank": 0, "world_size": 2}):
-        with pytest.raises(sc.CrossRankStateError, match=r"made on rank \d of 2 and is being loaded on rank 0 of 1.*install\(\)"):
+        with pytest.raises(
+            sc.CrossRankStateError, match=r"made on rank \d of 2 and is being loaded on rank 0 of 1.*install\(\)"
+        ):
             sc.load_sparse_state_dict(target_model, target, {**sd, ORIGIN_KEY: record})
         assert not target.state
     with pytest.raises(sc.CrossRankStateError, match="malformed"):
@@ -297,6 +316,10 @@ def test_an_origin_record_that_reached_a_dcp_checkpoint_is_not_read(tmp_path: Pa
     dcp.save({"optim": sd}, checkpoint_id=str(tmp_path / "ckpt"), no_dist=True)
     target_model = Net()
     target = adamw(target_model)
-    dcp.load({"optim": sc.SparseOptimizerState(target_model, target)}, checkpoint_id=str(tmp_path / "ckpt"),
-             planner=sc.SparseLoadPlanner(), no_dist=True)
+    dcp.load(
+        {"optim": sc.SparseOptimizerState(target_model, target)},
+        checkpoint_id=str(tmp_path / "ckpt"),
+        planner=sc.SparseLoadPlanner(),
+        no_dist=True,
+    )
     assert_deep_equal(view(target_model, target), view(model, opt))

@@ -90,13 +90,25 @@ def test_dcp_saved_torch_state_dict_loads_by_position(tmp_path: Path, strict: bo
     same_state(opt, ref)
     # ... and into a MultiOptimizer of the same groups, leaf after leaf
     model2 = Net(1)
-    multi = sc.MultiOptimizer(model2, {"experts": torch.optim.AdamW(model2.experts.parameters(), lr=0.5),
-                                       "head": torch.optim.AdamW(model2.head.parameters(), lr=0.5)})
-    two_groups = torch.optim.AdamW([{"params": src.param_groups[0]["params"][:2]},
-                                    {"params": src.param_groups[0]["params"][2:]}], lr=0.01)
-    two_groups.load_state_dict({**src.state_dict(), "param_groups": [
-        {**src.state_dict()["param_groups"][0], "params": [0, 1]},
-        {**src.state_dict()["param_groups"][0], "params": [2, 3]}]})
+    multi = sc.MultiOptimizer(
+        model2,
+        {
+            "experts": torch.optim.AdamW(model2.experts.parameters(), lr=0.5),
+            "head": torch.optim.AdamW(model2.head.parameters(), lr=0.5),
+        },
+    )
+    two_groups = torch.optim.AdamW(
+        [{"params": src.param_groups[0]["params"][:2]}, {"params": src.param_groups[0]["params"][2:]}], lr=0.01
+    )
+    two_groups.load_state_dict(
+        {
+            **src.state_dict(),
+            "param_groups": [
+                {**src.state_dict()["param_groups"][0], "params": [0, 1]},
+                {**src.state_dict()["param_groups"][0], "params": [2, 3]},
+            ],
+        }
+    )
     path2 = save(tmp_path / "ckpt2", two_groups.state_dict())
     with pytest.warns(PositionalLoadWarning, match=r"\[2, 2\]"):
         load(path2, model2, multi)
@@ -132,8 +144,9 @@ def test_dcp_saved_torch_state_dict_whose_groups_disagree_is_refused_in_every_mo
 # --------------------------------------------------------------------------- nothing matched, another class
 
 
-@pytest.mark.parametrize(("fmt", "layout"), [("packed", "auto"), ("packed", "per_tensor"), ("packed", "buffers"),
-                                             ("flat", "per_tensor")])
+@pytest.mark.parametrize(
+    ("fmt", "layout"), [("packed", "auto"), ("packed", "per_tensor"), ("packed", "buffers"), ("flat", "per_tensor")]
+)
 def test_a_renamed_module_is_refused_in_every_mode_and_layout(tmp_path: Path, fmt: str, layout: str) -> None:
     src_model = Wrapped(0, "experts")
     src = torch.optim.AdamW(src_model.parameters(), lr=0.01)
@@ -159,8 +172,13 @@ def test_another_optimizer_class_is_refused_through_dcp(tmp_path: Path, fmt: str
     sgd = torch.optim.SGD(model.parameters(), lr=0.5, momentum=0.9)
     message = refused(path, model, sgd, r"another optimizer class than torch\.optim\.SGD")
     assert "'betas'" in message and "'momentum'" in message
-    multi = sc.MultiOptimizer(model, {"experts": torch.optim.AdamW(model.experts.parameters(), lr=0.5),
-                                      "head": torch.optim.SGD(model.head.parameters(), lr=0.5, momentum=0.9)})
+    multi = sc.MultiOptimizer(
+        model,
+        {
+            "experts": torch.optim.AdamW(model.experts.parameters(), lr=0.5),
+            "head": torch.optim.SGD(model.head.parameters(), lr=0.5, momentum=0.9),
+        },
+    )
     refused(path, model, multi, r"leaf 'head' group 0: .*another optimizer class than torch\.optim\.SGD")
     load(path, model, sgd, strict=False)  # the hint: the saved settings, SGD's own momentum kept
     assert sgd.param_groups[0]["lr"] == 0.01 and sgd.param_groups[0]["momentum"] == 0.9
@@ -178,7 +196,9 @@ def _pickle_each_rank(rank: int, world_size: int, out: str, single: str) -> None
     torch.distributed.barrier()
     model2, opt2 = build_fsdp(seed=1, sharded=True)
     other = torch.load(f"{out}.{1 - rank}", weights_only=False)
-    with pytest.raises(sc.CrossRankStateError, match=rf"made on rank {1 - rank} of 2 and is being loaded on rank {rank} of 2"):
+    with pytest.raises(
+        sc.CrossRankStateError, match=rf"made on rank {1 - rank} of 2 and is being loaded on rank {rank} of 2"
+    ):
         sc.load_sparse_state_dict(model2, opt2, other)
     assert not opt2["body"].state
     sc.load_sparse_state_dict(model2, opt2, torch.load(f"{out}.{rank}", weights_only=False))  # its own rank's: loads

@@ -30,10 +30,13 @@ def _model() -> nn.ModuleDict:
 
 
 def _opt(model: nn.ModuleDict) -> sc.MultiOptimizer:
-    return sc.MultiOptimizer(model, {
-        "experts": torch.optim.AdamW(model["experts"].parameters(), lr=0.01),
-        "vision": torch.optim.AdamW(model["vision"].parameters(), lr=0.01),
-    })
+    return sc.MultiOptimizer(
+        model,
+        {
+            "experts": torch.optim.AdamW(model["experts"].parameters(), lr=0.01),
+            "vision": torch.optim.AdamW(model["vision"].parameters(), lr=0.01),
+        },
+    )
 
 
 def _saved(path: Path) -> tuple[nn.ModuleDict, sc.MultiOptimizer]:
@@ -111,6 +114,8 @@ def test_own_loaders_skip_the_guards(tmp_path: Path) -> None:
 
     report = tools.inspect_checkpoint(tmp_path)["optimizers"][0]
     assert report["foreign_guards"] == 3 and "other loaders are refused" in report["loader"]
-    assert report["items"] == len([k for k in md.state_dict_metadata if k.startswith("optimizer.")]) - 3 - 1  # guards, planner guard
+    assert (
+        report["items"] == len([k for k in md.state_dict_metadata if k.startswith("optimizer.")]) - 3 - 1
+    )  # guards, planner guard
     verify = tools.verify_checkpoint(tmp_path)
     assert verify["ok"] and "SparseLoadPlanner" in verify["loaders"]["optimizer"]

@@ -20,8 +20,20 @@ import sparse_ckpt._host_memory as host_memory
 from sparse_ckpt._dcp import saved_tensor
 from sparse_ckpt._dcp.saved_tensor import read_saved_tensor
 
-LEGACY = [torch.float64, torch.float32, torch.float16, torch.bfloat16, torch.int64, torch.int32, torch.int16,
-          torch.int8, torch.uint8, torch.bool, torch.complex128, torch.complex64]
+LEGACY = [
+    torch.float64,
+    torch.float32,
+    torch.float16,
+    torch.bfloat16,
+    torch.int64,
+    torch.int32,
+    torch.int16,
+    torch.int8,
+    torch.uint8,
+    torch.bool,
+    torch.complex128,
+    torch.complex64,
+]
 
 
 def _write(path: Path, value: Any, junk: int = 37) -> tuple[int, int]:
@@ -41,7 +53,11 @@ def _read(path: Path, where: tuple[int, int], size: tuple[int, ...], dtype: torc
 
 
 def _sample(size: tuple[int, ...], dtype: torch.dtype) -> torch.Tensor:
-    return (torch.randn(size) * 100).to(dtype) if dtype.is_floating_point or dtype.is_complex else torch.randint(0, 2 if dtype == torch.bool else 100, size).to(dtype)
+    return (
+        (torch.randn(size) * 100).to(dtype)
+        if dtype.is_floating_point or dtype.is_complex
+        else torch.randint(0, 2 if dtype == torch.bool else 100, size).to(dtype)
+    )
 
 
 @pytest.mark.parametrize("dtype", LEGACY, ids=str)
@@ -79,9 +95,23 @@ def test_large_buffer_is_read_whole(tmp_path: Path) -> None:
         ({"t": torch.arange(6.0)}, (6,), torch.float32),  # not a tensor
         ([torch.arange(6.0), torch.arange(6.0)], (6,), torch.float32),
     ],
-    ids=["transposed", "offset_view", "requires_grad", "float8", "uint16", "dtype", "shape", "numel", "empty", "dict", "list"],
+    ids=[
+        "transposed",
+        "offset_view",
+        "requires_grad",
+        "float8",
+        "uint16",
+        "dtype",
+        "shape",
+        "numel",
+        "empty",
+        "dict",
+        "list",
+    ],
 )
-def test_everything_else_is_left_to_torch_load(tmp_path: Path, value: Any, size: tuple[int, ...], dtype: torch.dtype) -> None:
+def test_everything_else_is_left_to_torch_load(
+    tmp_path: Path, value: Any, size: tuple[int, ...], dtype: torch.dtype
+) -> None:
     where = _write(tmp_path / "f", value)
     assert _read(tmp_path / "f", where, size, dtype) is None
 
@@ -93,6 +123,7 @@ def test_damaged_archives_are_left_to_torch_load(tmp_path: Path) -> None:
     offset, length = _write(tmp_path / "f", t)
     raw = (tmp_path / "f").read_bytes()
     item = raw[offset : offset + length]
+
     def compressed(record: str) -> bytes:
         """The archive with ``record``'s central directory entry saying "deflated"."""
         blob = bytearray(item)
@@ -153,8 +184,14 @@ def test_short_read_is_an_error(tmp_path: Path) -> None:
     junk=st.integers(0, 200),
     expect_dtype=st.sampled_from([None, torch.float32, torch.int64]),
 )
-def test_agrees_with_torch_load(tmp_path_factory: pytest.TempPathFactory, dtype: torch.dtype, size: tuple[int, ...],
-                                transpose: bool, junk: int, expect_dtype: torch.dtype | None) -> None:
+def test_agrees_with_torch_load(
+    tmp_path_factory: pytest.TempPathFactory,
+    dtype: torch.dtype,
+    size: tuple[int, ...],
+    transpose: bool,
+    junk: int,
+    expect_dtype: torch.dtype | None,
+) -> None:
     """Differential: whenever the fast path returns a tensor, it is bit for bit what ``torch.load``
     reads, with the dtype and shape asked for."""
     t = _sample(size, dtype) if dtype != torch.float8_e5m2 else torch.randn(size).to(dtype)
@@ -196,7 +233,9 @@ def test_dcp_items_take_the_fast_path(tmp_path: Path, monkeypatch: pytest.Monkey
     model2 = make_moe(0)
     model2.load_state_dict(model.state_dict())
     opt2 = torch.optim.AdamW(model2.parameters(), lr=0.5)
-    dcp.load({"optim": sc.SparseOptimizerState(model2, opt2)}, checkpoint_id=tmp_path / "c", planner=sc.SparseLoadPlanner())
+    dcp.load(
+        {"optim": sc.SparseOptimizerState(model2, opt2)}, checkpoint_id=tmp_path / "c", planner=sc.SparseLoadPlanner()
+    )
     assert_optimizer_equal(opt2, opt, grads=False)
     assert fast and ("fallback",) not in fast, fast
 
@@ -248,7 +287,9 @@ def test_the_pickle_reader_never_raises_on_damaged_pickles(data: st.DataObject) 
     assert saved_tensor._plain_tensor(bytes(blob), (3, 4), torch.float32) in (True, False)
 
 
-@pytest.mark.parametrize(("env", "wanted"), [(None, True), ("1", True), ("on", True), (" ON ", True), ("0", False), ("off", False)])
+@pytest.mark.parametrize(
+    ("env", "wanted"), [(None, True), ("1", True), ("on", True), (" ON ", True), ("0", False), ("off", False)]
+)
 def test_huge_pages_wanted(monkeypatch: pytest.MonkeyPatch, env: str | None, wanted: bool) -> None:
     if env is None:
         monkeypatch.delenv(host_memory.HUGE_PAGES_ENV, raising=False)

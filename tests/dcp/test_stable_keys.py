@@ -64,8 +64,10 @@ def test_rank_tags_are_compact() -> None:
     assert rank_tag(8, [1, 2, 3, 7]) == "w8r1-3+7"
 
 
-@pytest.mark.parametrize("tag", ["w", "w2", "w2r", "w2r2", "w2r-1", "w2r0-", "w2r1-0", "w2r0:2", "w2r0-1:0",
-                                 "wxr0", "w2r0++1", "w2r 0", "w02r0x"])
+@pytest.mark.parametrize(
+    "tag",
+    ["w", "w2", "w2r", "w2r2", "w2r-1", "w2r0-", "w2r1-0", "w2r0:2", "w2r0-1:0", "wxr0", "w2r0++1", "w2r 0", "w02r0x"],
+)
 def test_malformed_rank_tags_are_refused(tag: str) -> None:
     with pytest.raises(CheckpointFormatError, match="is not a valid"):
         parse_rank_tag(tag)
@@ -96,8 +98,13 @@ def test_a_rank_tagged_table_is_sealed() -> None:
 def test_keys_stay_when_values_move() -> None:
     """An lr change and another step change values only: the same keys, in both layouts."""
     model = make_moe(0)
-    opt = sc.MultiOptimizer(model, {"experts": torch.optim.AdamW(model.expert_params(), lr=0.01),
-                                    "dense": torch.optim.AdamW(model.dense_params(), lr=0.01)})
+    opt = sc.MultiOptimizer(
+        model,
+        {
+            "experts": torch.optim.AdamW(model.expert_params(), lr=0.01),
+            "dense": torch.optim.AdamW(model.dense_params(), lr=0.01),
+        },
+    )
     sched = torch.optim.lr_scheduler.StepLR(opt["dense"], step_size=1, gamma=0.5)
     for layout in ("per_tensor", "buffers"):
         train(model, opt, 1, only_experts=[0])
@@ -121,9 +128,13 @@ def test_ranks_that_cannot_coordinate_key_tables_by_content() -> None:
     a, b = (build_state_dict(model, opt, "packed", Keying(world=2, rank=r), "buffers") for r in (0, 1))
     tables = [k for k in a if k.startswith((PACKED_PREFIX, SCALARS_PREFIX))]
     assert all(k.rpartition(".")[2].startswith("d") for k in tables) and tables == [
-        k for k in b if k.startswith((PACKED_PREFIX, SCALARS_PREFIX))]
+        k for k in b if k.startswith((PACKED_PREFIX, SCALARS_PREFIX))
+    ]
     assert [k.rpartition(".")[2] for k in a if k.startswith(BUFFERS_PREFIX)] == ["Lw2r0", "B0_float32_w2r0"]
-    assert [k.rpartition(".")[2] for k in b if k.startswith(BUFFERS_PREFIX)] == ["Lw2r1", "B0_float32_w2r1"]  # bucket keys name their dtype
+    assert [k.rpartition(".")[2] for k in b if k.startswith(BUFFERS_PREFIX)] == [
+        "Lw2r1",
+        "B0_float32_w2r1",
+    ]  # bucket keys name their dtype
     for g in opt.param_groups:
         g["lr"] = 0.5
     c = build_state_dict(model, opt, "packed", Keying(world=2, rank=0))
@@ -159,7 +170,8 @@ def test_a_checkpoint_written_before_stable_keys_loads(tmp_path: Path) -> None:
     shutil.copytree(FIXTURE, tmp_path / "ckpt")
     keys = list(dcp.FileSystemReader(str(tmp_path / "ckpt")).read_metadata().state_dict_metadata)
     assert [k for k in keys if "__packed__" in k] and all(
-        len(k.rpartition(".")[2]) == 16 for k in keys if "__packed__" in k)
+        len(k.rpartition(".")[2]) == 16 for k in keys if "__packed__" in k
+    )
     model, opt = build_drill(range(4), None, seed=3)
     expected = torch.load(FIXTURE / "expected.pt")
     with torch.no_grad():  # the fixture holds the optimizer only; the parameters come from the view
@@ -228,7 +240,9 @@ def _plan_caching(rank: int, world_size: int, root: str) -> None:
         assert _tables(f"{root}/{layout}3", "param_groups", "dense") == ["w2r0", "w2r1"]
         assert _tables(f"{root}/{layout}3", "state", "dense") == ["w2r0-1"]  # the steps still agree
         _model3, opt3 = build_drill((2 * rank, 2 * rank + 1), mesh, seed=5, state_layout=layout)
-        with pytest.raises(sc.CheckpointMismatchError, match=r"conflicting saved settings for parameter 'dense\.weight'"):
+        with pytest.raises(
+            sc.CheckpointMismatchError, match=r"conflicting saved settings for parameter 'dense\.weight'"
+        ):
             dcp.load({"optim": opt3}, checkpoint_id=f"{root}/{layout}3", planner=sc.SparseLoadPlanner())
         assert not opt3["dense"].state
         dist.barrier()

@@ -21,8 +21,13 @@ def test_api_reference_builds_the_public_surface(tmp_path: Path) -> None:
         pytest.skip("pdoc is not installed (pip install -e '.[test]')")
     # In its own process: pdoc evaluates the annotations of what it renders in place (torchtitan's
     # string annotations on SparseCheckpointManager become types), which later tests compare.
-    done = subprocess.run([sys.executable, str(ROOT / "docs" / "api.py"), str(tmp_path)],
-                          capture_output=True, text=True, cwd=ROOT, check=False)
+    done = subprocess.run(
+        [sys.executable, str(ROOT / "docs" / "api.py"), str(tmp_path)],
+        capture_output=True,
+        text=True,
+        cwd=ROOT,
+        check=False,
+    )
     assert (done.returncode, done.stderr) == (0, ""), done.stderr  # no warning but the allowed kind
     pages = {p.relative_to(tmp_path).as_posix() for p in tmp_path.rglob("*.html")}
     assert {"sparse_ckpt.html", "sparse_ckpt/errors.html", "sparse_ckpt/export.html", "sparse_ckpt/tools.html"} <= pages

@@ -12,8 +12,15 @@ import pytest
 from doc_blocks import ROOT, fences
 
 PAGES = tuple(
-    p for p in (ROOT / "README.md", *sorted((ROOT / "docs").glob("*.md")), *sorted((ROOT / "docs" / "integrations").glob("*.md")),
-                ROOT / "bench" / "README.md", ROOT / "CONTRIBUTING.md") if p.is_file()
+    p
+    for p in (
+        ROOT / "README.md",
+        *sorted((ROOT / "docs").glob("*.md")),
+        *sorted((ROOT / "docs" / "integrations").glob("*.md")),
+        ROOT / "bench" / "README.md",
+        ROOT / "CONTRIBUTING.md",
+    )
+    if p.is_file()
 )
 PENDING: set[Path] = set()
 """Pages another branch adds: a link to one is checked once it exists (add one while its page is on

@@ -63,9 +63,18 @@ def test_the_expected_blocks_run() -> None:
     assert runs["docs/cli.md"] == 1
     integrations = {p.name: [b.skip is None for b in blocks(p)] for p in (ROOT / "docs" / "integrations").glob("*.md")}
     assert integrations == {  # every trainer block is run by its trainer's test, none here
-        "README.md": [], "dsd.md": [False], "hugging-face.md": [False] * 2, "lightning.md": [False] * 2,
-        "olmo-core.md": [False], "nemo-automodel.md": [False] * 2, "veomni.md": [False], "torchtitan.md": [False] * 2,
-        "verl.md": [], "trl.md": [], "torchtune.md": [False], "ray.md": [False],
+        "README.md": [],
+        "dsd.md": [False],
+        "hugging-face.md": [False] * 2,
+        "lightning.md": [False] * 2,
+        "olmo-core.md": [False],
+        "nemo-automodel.md": [False] * 2,
+        "veomni.md": [False],
+        "torchtitan.md": [False] * 2,
+        "verl.md": [],
+        "trl.md": [],
+        "torchtune.md": [False],
+        "ray.md": [False],
     }, integrations
 
 

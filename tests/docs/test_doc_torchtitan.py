@@ -8,7 +8,9 @@ from typing import Any
 
 import pytest
 
-pytest.importorskip("torchtitan", reason="torchtitan is not installed (pip install --no-deps -r .ci/requirements-torchtitan.txt)")
+pytest.importorskip(
+    "torchtitan", reason="torchtitan is not installed (pip install --no-deps -r .ci/requirements-torchtitan.txt)"
+)
 
 import torch.distributed as dist
 from doc_blocks import ROOT, blocks, run_block

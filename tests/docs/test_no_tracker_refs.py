@@ -10,8 +10,18 @@ from pathlib import Path
 
 from doc_blocks import ROOT
 
-SCANNED = ("sparse_ckpt", "csrc", "tests", "docs", "bench", ".ci", "README.md", "CONTRIBUTING.md", "setup.py",
-           "pyproject.toml")
+SCANNED = (
+    "sparse_ckpt",
+    "csrc",
+    "tests",
+    "docs",
+    "bench",
+    ".ci",
+    "README.md",
+    "CONTRIBUTING.md",
+    "setup.py",
+    "pyproject.toml",
+)
 """What is scanned: every text file under these paths (folders recursively)."""
 SUFFIXES = {".py", ".pyi", ".md", ".cpp", ".h", ".hpp", ".sh", ".txt", ".toml", ".cfg", ".in", ".yml", ".yaml", ""}
 """The kinds of text file scanned (``""``: extension-less scripts such as ``.ci/run``)."""
@@ -31,8 +41,11 @@ def scanned_files() -> list[Path]:
         if path.is_file():
             out.append(path)
         elif path.is_dir():
-            out += [p for p in sorted(path.rglob("*")) if p.is_file() and p.suffix in SUFFIXES
-                    and not SKIPPED_DIRS.intersection(p.relative_to(ROOT).parts)]
+            out += [
+                p
+                for p in sorted(path.rglob("*"))
+                if p.is_file() and p.suffix in SUFFIXES and not SKIPPED_DIRS.intersection(p.relative_to(ROOT).parts)
+            ]
     return out
 
 
@@ -56,8 +69,14 @@ def test_no_file_names_a_tracker_ticket() -> None:
 
 def test_the_pattern_finds_what_it_looks_for() -> None:
     word = _WORD
-    hits = [f"({word} 28, item 4)", f"{word.title()} 28, item 6: a dtype", f"{word}s 23 and 31", f"the {word}-30 drill",
-            f"{word} #37", f"the {word}'s MoE"]
+    hits = [
+        f"({word} 28, item 4)",
+        f"{word.title()} 28, item 6: a dtype",
+        f"{word}s 23 and 31",
+        f"the {word}-30 drill",
+        f"{word} #37",
+        f"the {word}'s MoE",
+    ]
     misses = [f"raise an error or {word} a warning", f"a known {word} of torch", f"t{word} 3", f"{word}d 3 times"]
     assert all(references(h) for h in hits), [h for h in hits if not references(h)]
     assert not any(references(m) for m in misses), [m for m in misses if references(m)]

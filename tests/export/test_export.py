@@ -61,8 +61,10 @@ def trained() -> tuple[nn.Module, sc.MultiOptimizer]:
 
 def save(path: Path, model: nn.Module, opt: Any, fmt: str = "packed", state_layout: str | None = None) -> None:
     layout = {} if state_layout is None else {"state_layout": state_layout}
-    dcp.save({"model": model.state_dict(), "optim": sc.SparseOptimizerState(model, opt, format=fmt, **layout)},
-             checkpoint_id=path)
+    dcp.save(
+        {"model": model.state_dict(), "optim": sc.SparseOptimizerState(model, opt, format=fmt, **layout)},
+        checkpoint_id=path,
+    )
 
 
 @pytest.fixture
@@ -184,8 +186,10 @@ def unrender(value: Any) -> Any:
         if set(value) == {"bytes_hex"}:
             return bytes.fromhex(value["bytes_hex"])
         if set(value) == {"tensor", "shape", "values"}:
-            items = [complex(*v["complex"]) if isinstance(v, dict) and "complex" in v else unrender(v)
-                     for v in value["values"]]
+            items = [
+                complex(*v["complex"]) if isinstance(v, dict) and "complex" in v else unrender(v)
+                for v in value["values"]
+            ]
             return torch.tensor(items, dtype=getattr(torch, value["tensor"])).reshape(value["shape"])
         raise AssertionError(f"unknown tagged value {value!r}")
     return value
@@ -262,10 +266,13 @@ def _two_leaves(seed: int) -> tuple[nn.Module, sc.MultiOptimizer]:
     """README's toy MoE: 4 experts (one group) and a dense layer, one AdamW leaf each."""
     torch.manual_seed(seed)
     model = nn.ModuleDict({"experts": nn.ModuleList(nn.Linear(4, 4) for _ in range(4)), "dense": nn.Linear(4, 4)})
-    opt = sc.MultiOptimizer(model, {
-        "experts": torch.optim.AdamW(model["experts"].parameters(), lr=0.01),
-        "dense": torch.optim.AdamW(model["dense"].parameters(), lr=0.01, betas=(0.8, 0.95)),
-    })
+    opt = sc.MultiOptimizer(
+        model,
+        {
+            "experts": torch.optim.AdamW(model["experts"].parameters(), lr=0.01),
+            "dense": torch.optim.AdamW(model["dense"].parameters(), lr=0.01, betas=(0.8, 0.95)),
+        },
+    )
     return model, opt
 
 
@@ -293,10 +300,15 @@ def test_manifest_renders_group_settings_two_leaves(tmp_path: Path) -> None:
     ]
     experts = rendering["experts"]
     assert experts["settings"][0]["lr"] == 0.01 and experts["settings"][0]["betas"] == {"tuple": [0.9, 0.999]}
-    assert experts["groups"] == [{
-        "index": 0, "settings": 0, "params": 8, "with_state": 2,
-        "first_fqns": ["experts.0.weight", "experts.0.bias", "experts.1.weight"][:FIRST_FQNS],
-    }]
+    assert experts["groups"] == [
+        {
+            "index": 0,
+            "settings": 0,
+            "params": 8,
+            "with_state": 2,
+            "first_fqns": ["experts.0.weight", "experts.0.bias", "experts.1.weight"][:FIRST_FQNS],
+        }
+    ]
 
     # Edit the rendering: what load_export installs still comes from the binary tables.
     path = tmp_path / "out" / MANIFEST_FILE
@@ -464,8 +476,16 @@ def test_export_holds_no_pickle_and_loading_never_unpickles(
     model2, opt2 = build(seed=1)
     model2.load_state_dict(model.state_dict())
     with pytest.MonkeyPatch.context() as mp:
-        for mod, attr in [(pickle, "load"), (pickle, "loads"), (pickle, "Unpickler"), (_pickle, "load"),
-                          (_pickle, "loads"), (_pickle, "Unpickler"), (torch, "load"), (torch.serialization, "load")]:
+        for mod, attr in [
+            (pickle, "load"),
+            (pickle, "loads"),
+            (pickle, "Unpickler"),
+            (_pickle, "load"),
+            (_pickle, "loads"),
+            (_pickle, "Unpickler"),
+            (torch, "load"),
+            (torch.serialization, "load"),
+        ]:
             mp.setattr(mod, attr, forbid)
         with pytest.raises(_Forbidden):
             torch.load(io.BytesIO(b""))  # the patch is effective
@@ -550,8 +570,13 @@ class EPNet(nn.Module):
 
 
 def _ep_opt(model: EPNet) -> sc.MultiOptimizer:
-    return sc.MultiOptimizer(model, {"experts": torch.optim.AdamW(model.experts.parameters(), lr=0.5),
-                                     "shared": torch.optim.AdamW(model.shared.parameters(), lr=0.5)})
+    return sc.MultiOptimizer(
+        model,
+        {
+            "experts": torch.optim.AdamW(model.experts.parameters(), lr=0.5),
+            "shared": torch.optim.AdamW(model.shared.parameters(), lr=0.5),
+        },
+    )
 
 
 def _save_ep(rank: int, world_size: int, ckpt: str) -> None:

@@ -76,7 +76,10 @@ def test_buffers_export_equals_per_tensor_export(name: str, tmp_path: Path, monk
         dcp.save({"optim": sc.SparseOptimizerState(model, opt, state_layout=layout)}, checkpoint_id=tmp_path / layout)
     keys = dcp.FileSystemReader(str(tmp_path / "buffers")).read_metadata().state_dict_metadata
     buckets = [k for k in keys if k.startswith(f"optim.{BUFFERS_PREFIX}optim.B")]
-    assert len(buckets) >= (5 if name == "AdamW" else 2) and {k.split("_")[-2] for k in buckets} == {"float32", "bfloat16"}
+    assert len(buckets) >= (5 if name == "AdamW" else 2) and {k.split("_")[-2] for k in buckets} == {
+        "float32",
+        "bfloat16",
+    }
     per_item = [k for k in keys if k.startswith("optim.state.") and BUFFERS_PREFIX not in k and "__packed__" not in k]
     assert bool(per_item) == (name == "Adafactor")  # a mix: some state per item, some buffered
 
@@ -103,11 +106,16 @@ def test_buffers_of_every_dtype_export_like_per_item_state(tmp_path: Path) -> No
     opt = torch.optim.SGD(model.parameters(), lr=0.1, momentum=0.9)
     model(torch.ones(1, 3)).sum().backward()
     opt.step()
-    opt.state[model.weight].update({
-        "half": torch.arange(6, dtype=torch.bfloat16).reshape(2, 3), "note": "warm-up",
-        "mask": torch.tensor([[True, False, True], [False, True, False]]),
-        "empty": torch.zeros(0), "count": torch.tensor(7, dtype=torch.int64), "ratio": float("nan"),
-    })
+    opt.state[model.weight].update(
+        {
+            "half": torch.arange(6, dtype=torch.bfloat16).reshape(2, 3),
+            "note": "warm-up",
+            "mask": torch.tensor([[True, False, True], [False, True, False]]),
+            "empty": torch.zeros(0),
+            "count": torch.tensor(7, dtype=torch.int64),
+            "ratio": float("nan"),
+        }
+    )
     for layout in LAYOUTS:
         dcp.save({"optim": sc.SparseOptimizerState(model, opt, state_layout=layout)}, checkpoint_id=tmp_path / layout)
         export_checkpoint(tmp_path / layout, tmp_path / f"x_{layout}")
@@ -177,8 +185,11 @@ def _save_fsdp_layouts(rank: int, world_size: int, root: str, ref: str) -> None:
     body = opt["body"]
     p = next(iter(body.state))
     st = body.state[p]
-    body.state[p] = {"step": st["step"], "extra": torch.arange(p.numel(), dtype=torch.float32).reshape(p.shape),
-                     **{k: v for k, v in st.items() if k != "step"}}
+    body.state[p] = {
+        "step": st["step"],
+        "extra": torch.arange(p.numel(), dtype=torch.float32).reshape(p.shape),
+        **{k: v for k, v in st.items() if k != "step"},
+    }
     snap = full_snapshot(model, opt)
     for layout in LAYOUTS:
         dcp.save({"optim": sc.SparseOptimizerState(model, opt, state_layout=layout)}, checkpoint_id=f"{root}/{layout}")
@@ -278,7 +289,11 @@ def _empty(md: Any, key: str) -> None:
     [
         (_no_data, sc.CheckpointFormatError, "item '{key}' of .*: \\.metadata lists data for 0 of its"),
         (_no_storage, sc.CheckpointMismatchError, "checkpoint item '{key}' has no storage entry"),
-        (_empty, sc.CheckpointFormatError, "buffer item '{inner}' is torch\\.\\w+ of shape \\(0,\\), its layout table says"),
+        (
+            _empty,
+            sc.CheckpointFormatError,
+            "buffer item '{inner}' is torch\\.\\w+ of shape \\(0,\\), its layout table says",
+        ),
         (drop_from_metadata, sc.CheckpointMismatchError, "'{inner}'"),
     ],
     ids=["no data", "no storage record", "empty", "lost"],
@@ -325,7 +340,9 @@ def test_an_unreadable_bucket_is_refused(tmp_path: Path) -> None:
     with open(path / info.relative_path, "r+b") as f:
         f.seek(info.offset)
         f.write(bytes(info.length))
-    with pytest.raises(sc.CheckpointFormatError, match=f"checkpoint item '{key}' in file .*: its bytes are not a readable item"):
+    with pytest.raises(
+        sc.CheckpointFormatError, match=f"checkpoint item '{key}' in file .*: its bytes are not a readable item"
+    ):
         export_checkpoint(path, tmp_path / "out")
     assert not (tmp_path / "out" / MANIFEST_FILE).exists()
 
@@ -340,8 +357,7 @@ def _layouts(*chunks: tuple[int, int]) -> dict[str, Any]:
         entry = ("p", "exp_avg", "float32", 4, (10, 2), (lo, 0), (hi - lo, 2))
         table, _buckets = _backend.core.encode_layout("optim", [entry], 1 << 20)
         values[bucketed.layout_key("optim", f"w{len(chunks)}r{rank}")] = seal(table)
-        values[bucketed.buffer_key("optim", f"w{len(chunks)}r{rank}", 0, "float32")] = torch.arange(
-            2.0 * lo, 2.0 * hi)
+        values[bucketed.buffer_key("optim", f"w{len(chunks)}r{rank}", 0, "float32")] = torch.arange(2.0 * lo, 2.0 * hi)
     return values
 
 
@@ -359,7 +375,9 @@ def test_full_tensors_plan_and_checks() -> None:
 
     [t] = full.read([0], read)
     assert torch.equal(t, torch.arange(20.0).reshape(10, 2)) and full.buffer_reads == 2
-    with pytest.raises(sc.CheckpointMismatchError, match="leaf 'optim': state 'exp_avg' of 'p': the checkpoint's layouts overlap"):
+    with pytest.raises(
+        sc.CheckpointMismatchError, match="leaf 'optim': state 'exp_avg' of 'p': the checkpoint's layouts overlap"
+    ):
         FullTensors(list(_layouts((0, 6), (4, 8))), _layouts((0, 6), (4, 8)))
     with pytest.raises(sc.CheckpointMismatchError, match="'exp_avg' of 'p'"):
         FullTensors(list(_layouts((0, 6), (7, 10))), _layouts((0, 6), (7, 10)))
@@ -368,11 +386,15 @@ def test_full_tensors_plan_and_checks() -> None:
         for k in keys:
             consume(k, values[k][:-1])
 
-    with pytest.raises(sc.CheckpointFormatError, match=r"buffer item '.*B0_float32_w2r0' is a float32 tensor of shape \(11,\)"):
+    with pytest.raises(
+        sc.CheckpointFormatError, match=r"buffer item '.*B0_float32_w2r0' is a float32 tensor of shape \(11,\)"
+    ):
         full.read([0], short)
 
     def lost(keys: list[str], consume: Any) -> None:
         consume(keys[0], values[keys[0]])
 
-    with pytest.raises(sc.CheckpointFormatError, match=r"buffer item '.*w2r1', which holds state 'exp_avg' of 'p'.*was not read"):
+    with pytest.raises(
+        sc.CheckpointFormatError, match=r"buffer item '.*w2r1', which holds state 'exp_avg' of 'p'.*was not read"
+    ):
         full.read([0], lost)

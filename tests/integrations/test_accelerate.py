@@ -138,7 +138,9 @@ def drill(rank: int, world_size: int, root_dir: str) -> None:
     at_save = snapshot(model, opt, sched)
     acc.save_state(root / "stock")
     acc, model, opt, sched = prepared(world_size, seed=1)
-    with pytest.raises(CheckpointException, match=r"Missing key in checkpoint state_dict: optimizer\.state\.vision\.weight\.step"):
+    with pytest.raises(
+        CheckpointException, match=r"Missing key in checkpoint state_dict: optimizer\.state\.vision\.weight\.step"
+    ):
         acc.load_state(root / "stock")
     assert len(opt.optimizer.state) == 4  # the failed load left DSD's invented state behind
     assert [g["lr"] for g in opt.param_groups] == [LR, LR]  # and the fresh lrs: vision's moved lr is lost
@@ -148,8 +150,12 @@ def drill(rank: int, world_size: int, root_dir: str) -> None:
     torch.manual_seed(0)
     net = Net()
     adam = torch.optim.AdamW([{"params": net.dense.parameters()}, {"params": net.vision.parameters()}], lr=LR)
-    names = {"accelerator": fsdp2_accelerator(world_size), "model": net, "optimizer": adam,
-             "scheduler": torch.optim.lr_scheduler.LambdaLR(adam, list(LAMBDAS))}
+    names = {
+        "accelerator": fsdp2_accelerator(world_size),
+        "model": net,
+        "optimizer": adam,
+        "scheduler": torch.optim.lr_scheduler.LambdaLR(adam, list(LAMBDAS)),
+    }
     run_block(doc_blocks()[0], names)
     assert integration.installed()
     report = tools.inspect_checkpoint(root / "ckpt" / "accelerate" / "optimizer_0")["optimizers"][0]
@@ -248,7 +254,11 @@ def test_install_is_idempotent_and_undone(restore: Any) -> None:
         assert acc_mod.Accelerator.register_for_checkpointing.__wrapped__ is stock[2]
     integration.uninstall()
     integration.uninstall()
-    assert (acc_mod.save_fsdp_optimizer, acc_mod.load_fsdp_optimizer, acc_mod.Accelerator.register_for_checkpointing) == stock
+    assert (
+        acc_mod.save_fsdp_optimizer,
+        acc_mod.load_fsdp_optimizer,
+        acc_mod.Accelerator.register_for_checkpointing,
+    ) == stock
     assert utils.save_fsdp_optimizer is fsdp_utils.save_fsdp_optimizer is stock[0]
     with pytest.raises(ValueError, match="format"):
         integration.install(format="nested")  # type: ignore[arg-type]
@@ -286,7 +296,11 @@ def test_other_configurations_stay_accelerates(restore: Any, monkeypatch: pytest
             self.fsdp_version = version
             self.state_dict_type = type("T", (), {"name": kind})()
 
-    for plugin, use_dcp in ((Plugin(1, "SHARDED_STATE_DICT"), True), (Plugin(2, "FULL_STATE_DICT"), True), (Plugin(2, "SHARDED_STATE_DICT"), False)):
+    for plugin, use_dcp in (
+        (Plugin(1, "SHARDED_STATE_DICT"), True),
+        (Plugin(2, "FULL_STATE_DICT"), True),
+        (Plugin(2, "SHARDED_STATE_DICT"), False),
+    ):
         acc_mod.save_fsdp_optimizer(plugin, None, None, None, "out", 0, use_dcp)
         acc_mod.load_fsdp_optimizer(plugin, None, None, None, "out", 0, False, use_dcp)
     assert [name for name, _ in calls] == ["save_fsdp_optimizer", "load_fsdp_optimizer"] * 3
@@ -295,5 +309,7 @@ def test_other_configurations_stay_accelerates(restore: Any, monkeypatch: pytest
 def test_importing_the_integration_does_not_import_accelerate() -> None:
     code = "import sys, sparse_ckpt.integrations.accelerate as m; assert 'accelerate' not in sys.modules, 'imported'; print(m.installed())"
     env = {**os.environ, "PYTHONPATH": os.pathsep.join(filter(None, [str(ROOT), os.environ.get("PYTHONPATH")]))}
-    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, env=env, timeout=120, check=False)
+    out = subprocess.run(
+        [sys.executable, "-c", code], capture_output=True, text=True, env=env, timeout=120, check=False
+    )
     assert out.returncode == 0 and out.stdout.strip() == "False", out.stderr

@@ -113,8 +113,10 @@ def test_dsd_checkpoints_load_with_another_integration_active(tmp_path: Path, ot
             undo.append(install_other())
     try:
         for layout, options in LAYOUTS.items():
-            for source, get in (("sparse", sc_dsd.get_optimizer_state_dict),
-                                ("stock", functions.torch_dsd["get_optimizer_state_dict"])):
+            for source, get in (
+                ("sparse", sc_dsd.get_optimizer_state_dict),
+                ("stock", functions.torch_dsd["get_optimizer_state_dict"]),
+            ):
                 where = f"{source} DSD checkpoint, {layout}, with {other}"
                 model, opt = _trained()
                 path = str(tmp_path / f"{source}-{layout}")

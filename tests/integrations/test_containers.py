@@ -83,8 +83,11 @@ def test_veomni_multi_optimizer_everywhere_an_optimizer_is_accepted(tmp_path):
     dcp.save({"optim": state}, checkpoint_id=str(tmp_path / "c"))
     model3 = _moe()
     vmo3, opts3 = _veomni(model3)
-    dcp.load({"optim": sc.SparseOptimizerState(model3, vmo3)}, checkpoint_id=str(tmp_path / "c"),
-             planner=sc.SparseLoadPlanner())
+    dcp.load(
+        {"optim": sc.SparseOptimizerState(model3, vmo3)},
+        checkpoint_id=str(tmp_path / "c"),
+        planner=sc.SparseLoadPlanner(),
+    )
     assert opts3["dense"].param_groups[0]["lr"] == 0.0025 and not opts3["dense"].state
     mo = sc.MultiOptimizer(model3, vmo3)
     assert mo.keys() == ["experts", "dense"] and mo["dense"] is opts3["dense"]
@@ -117,8 +120,10 @@ def _titan(model_parts: list[nn.Module], lr: float = 0.01):
 
 def test_torchtitan_container_and_model_parts():
     torch.manual_seed(0)
-    parts = [nn.ModuleDict({"dense": nn.Linear(3, 3), "experts": nn.ModuleList(nn.Linear(3, 3) for _ in range(2))}),
-             nn.ModuleDict({"out_dense": nn.Linear(3, 3), "head": nn.Linear(3, 3)})]
+    parts = [
+        nn.ModuleDict({"dense": nn.Linear(3, 3), "experts": nn.ModuleList(nn.Linear(3, 3) for _ in range(2))}),
+        nn.ModuleDict({"out_dense": nn.Linear(3, 3), "head": nn.Linear(3, 3)}),
+    ]
     container = _titan(parts)
     names = [name for name, _ in named_leaves(container)]
     assert names == [f"optim{i}" for i in range(len(container.optimizers))] and len(names) == 4
@@ -132,8 +137,10 @@ def test_torchtitan_container_and_model_parts():
     before.assert_unchanged(parts[0])
     assert not container.optimizers[0].state  # torchtitan's own state_dict would have invented it
 
-    parts2 = [nn.ModuleDict({"dense": nn.Linear(3, 3), "experts": nn.ModuleList(nn.Linear(3, 3) for _ in range(2))}),
-              nn.ModuleDict({"out_dense": nn.Linear(3, 3), "head": nn.Linear(3, 3)})]
+    parts2 = [
+        nn.ModuleDict({"dense": nn.Linear(3, 3), "experts": nn.ModuleList(nn.Linear(3, 3) for _ in range(2))}),
+        nn.ModuleDict({"out_dense": nn.Linear(3, 3), "head": nn.Linear(3, 3)}),
+    ]
     for a, b in zip(parts, parts2):
         b.load_state_dict(a.state_dict())
     container2 = _titan(parts2)
@@ -142,7 +149,9 @@ def test_torchtitan_container_and_model_parts():
     assert not container2.optimizers[0].state
     for a, b in zip(container.optimizers, container2.optimizers):
         assert len(a.state) == len(b.state)
-        for p, q in zip((p for g in a.param_groups for p in g["params"]), (q for g in b.param_groups for q in g["params"])):
+        for p, q in zip(
+            (p for g in a.param_groups for p in g["params"]), (q for g in b.param_groups for q in g["params"])
+        ):
             assert a.state.get(p, {}).keys() == b.state.get(q, {}).keys()
     sc.SparseOptimizerState(parts2, container2)  # accepted at construction
 
@@ -205,7 +214,9 @@ def test_a_wrapper_with_state_of_its_own_is_not_unwrapped():
 
 def test_unknown_containers_are_told_what_to_pass():
     model = _moe()
-    holder = _Holder([torch.optim.SGD(model["experts"].parameters(), lr=0.1), torch.optim.SGD(model["dense"].parameters())])
+    holder = _Holder(
+        [torch.optim.SGD(model["experts"].parameters(), lr=0.1), torch.optim.SGD(model["dense"].parameters())]
+    )
     with pytest.raises(UnsupportedStateDictError, match=r"holds optimizer\(s\) at `.parts` \(a list of 2 optimizers\)"):
         sc.sparse_state_dict(model, holder)
     with pytest.raises(UnsupportedStateDictError, match=r"`.parts`"):
@@ -230,8 +241,9 @@ def test_model_parts():
     (a["x"](torch.randn(1, 2)).sum() + b["y"](torch.randn(1, 2)).sum()).backward()
     opt.step()
     sd = sc.sparse_state_dict([a, b], opt)
-    assert {k for k in sd if is_state_item(k)} == {f"state.{n}.momentum_buffer" for n in
-                                                          ("x.weight", "x.bias", "y.weight", "y.bias")}
+    assert {k for k in sd if is_state_item(k)} == {
+        f"state.{n}.momentum_buffer" for n in ("x.weight", "x.bias", "y.weight", "y.bias")
+    }
     opt2 = torch.optim.SGD([*a.parameters(), *b.parameters()], lr=0.5, momentum=0.9)
     sc.load_sparse_state_dict((a, b), opt2, sd)
     assert opt2.param_groups[0]["lr"] == 0.1 and len(opt2.state) == 4

@@ -113,13 +113,25 @@ def state_snapshot(m: Any, opt: Any) -> dict[str, Any]:
     """Full copies of the optimizer state by FQN and the lrs (comparable across world sizes)."""
     names = {id(p): n for n, p in m.named_parameters()}
     state = {names[id(p)]: st for o in _each(opt) for p, st in o.state.items()}
-    return {"state": {n: full_copy(state[n]) for n in sorted(state)}, "lrs": [g["lr"] for o in _each(opt) for g in o.param_groups]}
+    return {
+        "state": {n: full_copy(state[n]) for n in sorted(state)},
+        "lrs": [g["lr"] for o in _each(opt) for g in o.param_groups],
+    }
 
 
 # --------------------------------------------------------------------------- what trainers do
 
 
-def save(m: Any, opt: Any, sched: Any, path: str, options: StateDictOptions, *, combined: bool = False, writer: Any = dcp.save) -> Any:
+def save(
+    m: Any,
+    opt: Any,
+    sched: Any,
+    path: str,
+    options: StateDictOptions,
+    *,
+    combined: bool = False,
+    writer: Any = dcp.save,
+) -> Any:
     """A trainer's save: DSD's dicts into ``dcp.save`` (``combined``: ``get_state_dict``)."""
     if combined:
         model_sd, optim_sd = get_state_dict(m, _each(opt), options=options)
@@ -129,7 +141,9 @@ def save(m: Any, opt: Any, sched: Any, path: str, options: StateDictOptions, *, 
     return writer({"model": model_sd, "optim": optim_sd}, checkpoint_id=path)
 
 
-def resume(path: str, options: StateDictOptions, planner: Any, *, two: bool = False, combined: bool = False) -> tuple[Any, Any, Any]:
+def resume(
+    path: str, options: StateDictOptions, planner: Any, *, two: bool = False, combined: bool = False
+) -> tuple[Any, Any, Any]:
     """A trainer's resume into a fresh model, optimizer(s) and scheduler(s)."""
     m, opt, sched = fresh(two)
     if combined:
@@ -182,13 +196,21 @@ def stock_pinned(rank: int, root: str, m: Any, opt: Any, sched: Any) -> None:
     m2, opt2, _ = fresh()
     target = {"model": get_model_state_dict(m2), "optim": get_optimizer_state_dict(m2, opt2, options=NESTED)}
     assert len(opt2.state) == dsd_moe.PARAMS
-    with pytest.raises(CheckpointException, match=r"Missing key in checkpoint state_dict: optim\.state\.layers\.0\.experts\.4\.weight\.step"):
+    with pytest.raises(
+        CheckpointException,
+        match=r"Missing key in checkpoint state_dict: optim\.state\.layers\.0\.experts\.4\.weight\.step",
+    ):
         dcp.load(target, checkpoint_id=f"{root}/stock")
 
 
 def layouts_match_torch(m: Any, opt: Any) -> None:
     """For an optimizer with state (DSD steps none then), torch's dicts and ours (but its key record) are equal (also gathered with ``full_state_dict``), keys in the same order."""
-    for options in (NESTED, FLAT, StateDictOptions(full_state_dict=True), StateDictOptions(full_state_dict=True, flatten_optimizer_state_dict=True)):
+    for options in (
+        NESTED,
+        FLAT,
+        StateDictOptions(full_state_dict=True),
+        StateDictOptions(full_state_dict=True, flatten_optimizer_state_dict=True),
+    ):
         ours = sc_dsd.get_optimizer_state_dict(m, _each(opt), options=options)
         assert isinstance(ours, sc_dsd.DsdStateDict)
         theirs = STOCK["get_optimizer_state_dict"](m, _each(opt), options=options)
@@ -223,7 +245,9 @@ def variants(rank: int, root: str, m: Any, opt: Any, sched: Any, two: bool) -> N
     for name, options, combined in [*plans, ("offload", offload, False), ("async", NESTED, False)]:
         for planner in (None, DefaultLoadPlanner(), TrainerPlanner()):
             where = f"{tag}: {name}, planner {type(planner).__name__}"
-            check_exact(rank, resume(f"{root}/{tag}-{name}", options, planner, two=two, combined=combined), reference, where)
+            check_exact(
+                rank, resume(f"{root}/{tag}-{name}", options, planner, two=two, combined=combined), reference, where
+            )
 
     # full_state_dict + broadcast_from_rank0 (set_state_dict): rank 0 reads the files, the others pass {}
     m2, opt2, _ = fresh(two)
@@ -234,7 +258,13 @@ def variants(rank: int, root: str, m: Any, opt: Any, sched: Any, two: bool) -> N
     assert with_state(opt2) == dsd_moe.STEPPED
     got = state_snapshot(m2, opt2)
     if rank == 0:
-        assert_deep_equal(got, torch.load(f"{root}/{tag}-at-save.pt", weights_only=False), f"{tag}: broadcast", nan_equal="none", check_order=False)
+        assert_deep_equal(
+            got,
+            torch.load(f"{root}/{tag}-at-save.pt", weights_only=False),
+            f"{tag}: broadcast",
+            nan_equal="none",
+            check_order=False,
+        )
     if not two:  # a dict rank 0 refuses (torch's id-keyed one) is refused on every rank, none left waiting
         ids = opt2.state_dict() if rank == 0 else {}
         with pytest.raises(sc.CheckpointFormatError, match="keyed by parameter ids"):
@@ -246,11 +276,19 @@ def variants(rank: int, root: str, m: Any, opt: Any, sched: Any, two: bool) -> N
     set_optimizer_state_dict(m3, _each(opt3), full, options=StateDictOptions(full_state_dict=True))
     got = state_snapshot(m3, opt3)
     if rank == 0:
-        assert_deep_equal(got, torch.load(f"{root}/{tag}-at-save.pt", weights_only=False), f"{tag}: full", nan_equal="none", check_order=False)
+        assert_deep_equal(
+            got,
+            torch.load(f"{root}/{tag}-at-save.pt", weights_only=False),
+            f"{tag}: full",
+            nan_equal="none",
+            check_order=False,
+        )
 
     if not two:  # a stock checkpoint (DSD's own save) loads as it is, by every planner
         for planner in (None, TrainerPlanner()):
-            check_exact(rank, resume(f"{root}/stock", NESTED, planner), reference, f"stock checkpoint, {type(planner).__name__}")
+            check_exact(
+                rank, resume(f"{root}/stock", NESTED, planner), reference, f"stock checkpoint, {type(planner).__name__}"
+            )
 
 
 def direct(rank: int, root: str) -> None:
@@ -265,7 +303,9 @@ def direct(rank: int, root: str) -> None:
         dcp.load(target, checkpoint_id=f"{root}/direct", planner=sc.SparseLoadPlanner())
         sc_dsd.set_optimizer_state_dict(m2, opt2, target["optim"], options=options)
         assert len(opt2.state) == dsd_moe.STEPPED
-        assert_deep_equal(state_snapshot(m2, opt2), state_snapshot(m, opt), f"direct {options}", nan_equal="none", check_order=False)
+        assert_deep_equal(
+            state_snapshot(m2, opt2), state_snapshot(m, opt), f"direct {options}", nan_equal="none", check_order=False
+        )
 
 
 @pytest.mark.slow  # every case on two ranks: the fast tier has the single-process ones
@@ -290,7 +330,13 @@ def two_to_one(root: Path) -> None:
     finally:
         sc_dsd.uninstall()
     assert len(opt.state) == dsd_moe.STEPPED
-    assert_deep_equal(state_snapshot(m, opt), torch.load(root / "one-at-save.pt", weights_only=False), "2 -> 1", nan_equal="none", check_order=False)
+    assert_deep_equal(
+        state_snapshot(m, opt),
+        torch.load(root / "one-at-save.pt", weights_only=False),
+        "2 -> 1",
+        nan_equal="none",
+        check_order=False,
+    )
 
 
 # --------------------------------------------------------------------------- one process
@@ -313,7 +359,9 @@ def test_get_invents_nothing_and_keeps_every_group() -> None:
     assert [len(g["params"]) for g in nested["param_groups"]] == [dsd_moe.PARAMS - 2, 2]
     assert not [k for k in flat if k.startswith("state.")]
     assert {k.split(".")[-1] for k in flat if not is_record_key(k)} == set(opt.param_groups[0]) - {"params"}
-    assert len({k.rsplit(".", 1)[0] for k in flat if not is_record_key(k)}) == dsd_moe.PARAMS  # param_groups.{fqn}.* for all 40
+    assert (
+        len({k.rsplit(".", 1)[0] for k in flat if not is_record_key(k)}) == dsd_moe.PARAMS
+    )  # param_groups.{fqn}.* for all 40
     assert flat["param_groups.vision.weight.lr"] == 0.125
     # torch's own, for the record: the same call steps the optimizer first
     STOCK["get_optimizer_state_dict"](m, opt)
@@ -433,7 +481,10 @@ def test_a_copy_of_the_marked_dict_loads_or_is_refused_never_silently_stateless(
         m2 = dsd_moe.model(0)
         opt2 = dsd_moe.optimizer(m2)
         other = {"optim": pickle.loads(pickle.dumps(dict(get_optimizer_state_dict(m2, opt2, options=options))))}
-        with pytest.raises(CheckpointException, match=r"CheckpointMismatchError: the checkpoint holds optimizer state under 'optim'.*asks for none of it"):
+        with pytest.raises(
+            CheckpointException,
+            match=r"CheckpointMismatchError: the checkpoint holds optimizer state under 'optim'.*asks for none of it",
+        ):
             dcp.load(other, checkpoint_id=str(tmp_path / "c"))
         for made in (dict, lambda d: {k: v for k, v in d.items()}):  # a temporary, copied: NeMo's pattern
             m2 = dsd_moe.model(0)
@@ -443,7 +494,9 @@ def test_a_copy_of_the_marked_dict_loads_or_is_refused_never_silently_stateless(
             assert type(copied["optim"]) is dict
             set_optimizer_state_dict(m2, opt2, copied["optim"], options=options)
             assert with_state(opt2) == dsd_moe.STEPPED
-            assert_deep_equal(state_snapshot(m2, opt2), state_snapshot(m, opt), "a copied target", nan_equal="none", check_order=False)
+            assert_deep_equal(
+                state_snapshot(m2, opt2), state_snapshot(m, opt), "a copied target", nan_equal="none", check_order=False
+            )
         marked = {"optim": get_optimizer_state_dict(m2, opt2, options=options)}
         dcp.load(marked, checkpoint_id=str(tmp_path / "c"))
         torchs = {"optim": STOCK["get_optimizer_state_dict"](m2, opt2, options=options)}  # unmarked, with state
@@ -452,10 +505,17 @@ def test_a_copy_of_the_marked_dict_loads_or_is_refused_never_silently_stateless(
 
 @pytest.mark.parametrize(
     "options",
-    [NESTED, FLAT, StateDictOptions(full_state_dict=True), StateDictOptions(full_state_dict=True, flatten_optimizer_state_dict=True)],
+    [
+        NESTED,
+        FLAT,
+        StateDictOptions(full_state_dict=True),
+        StateDictOptions(full_state_dict=True, flatten_optimizer_state_dict=True),
+    ],
     ids=["nested", "flat", "full", "full-flat"],
 )
-def test_a_returned_dict_round_trips_through_torch_save_and_a_weights_only_load(tmp_path: Path, options: StateDictOptions) -> None:
+def test_a_returned_dict_round_trips_through_torch_save_and_a_weights_only_load(
+    tmp_path: Path, options: StateDictOptions
+) -> None:
     """``torch.save`` of a returned dict (what Lightning Fabric's one-file checkpoint does) reads back
     with ``torch.load``'s default ``weights_only=True`` and loads exactly; copies are plain dicts."""
     m, opt = trained()
@@ -467,11 +527,15 @@ def test_a_returned_dict_round_trips_through_torch_save_and_a_weights_only_load(
     m2 = dsd_moe.model(0)
     opt2 = dsd_moe.optimizer(m2)
     sc_dsd.set_optimizer_state_dict(m2, opt2, back, options=options)
-    assert_deep_equal(state_snapshot(m2, opt2), state_snapshot(m, opt), "through torch.save", nan_equal="none", check_order=False)
+    assert_deep_equal(
+        state_snapshot(m2, opt2), state_snapshot(m, opt), "through torch.save", nan_equal="none", check_order=False
+    )
 
 
 @pytest.mark.parametrize("options", [NESTED, FLAT], ids=["nested", "flat"])
-def test_an_optimizer_that_never_stepped_round_trips_without_state(restore: Any, tmp_path: Path, options: StateDictOptions) -> None:
+def test_an_optimizer_that_never_stepped_round_trips_without_state(
+    restore: Any, tmp_path: Path, options: StateDictOptions
+) -> None:
     """Installed: saved before the first step (nothing invented), resumed with every group's settings
     and no state (DCP writes no ``state`` entry for the nested layout's empty dict)."""
     sc_dsd.install()
@@ -519,7 +583,9 @@ def test_a_partial_load_of_a_checkpoint_without_optimizer_leaves_the_marked_dict
 
 
 @pytest.mark.parametrize("options", [NESTED, FLAT], ids=["nested", "flat"])
-def test_a_copy_loads_like_the_marked_dict_from_a_checkpoint_without_its_state(restore: Any, tmp_path: Path, options: StateDictOptions) -> None:
+def test_a_copy_loads_like_the_marked_dict_from_a_checkpoint_without_its_state(
+    restore: Any, tmp_path: Path, options: StateDictOptions
+) -> None:
     """Installed: a shallow copy of the dict returned for a fresh optimizer is rebuilt like the marked
     dict also where the checkpoint holds no state under its path: a library checkpoint saved before
     the first step (packed settings) loads every group's settings, a model-only checkpoint is left as
@@ -543,12 +609,16 @@ def test_a_copy_loads_like_the_marked_dict_from_a_checkpoint_without_its_state(r
         dcp.load(target, checkpoint_id=str(tmp_path / "model"), planner=DefaultLoadPlanner(allow_partial_load=True))
         assert_deep_equal(dict(target["optim"]), before, "a partial load without the optimizer")
         target = {"optim": made(get_optimizer_state_dict(m2, opt2, options=options))}  # DCP's load replaced a value
-        with pytest.raises(CheckpointException, match=r"CheckpointMismatchError: the checkpoint has no optimizer entries under 'optim'"):
+        with pytest.raises(
+            CheckpointException, match=r"CheckpointMismatchError: the checkpoint has no optimizer entries under 'optim'"
+        ):
             dcp.load(target, checkpoint_id=str(tmp_path / "model"))
 
 
 @pytest.mark.parametrize("strict", [True, False], ids=["strict", "lenient"])
-def test_a_lost_param_group_is_refused_by_name_and_the_optimizer_is_untouched(restore: Any, tmp_path: Path, strict: bool) -> None:
+def test_a_lost_param_group_is_refused_by_name_and_the_optimizer_is_untouched(
+    restore: Any, tmp_path: Path, strict: bool
+) -> None:
     """Installed: a nested checkpoint that lost every entry of ``param_groups.0`` from its metadata (a
     partial copy) while ``param_groups.1`` is there is refused by ``set_optimizer_state_dict`` naming
     the lost item, as ``SparseOptimizerState``'s load refuses it, strict or not, the optimizer as it
@@ -557,14 +627,21 @@ def test_a_lost_param_group_is_refused_by_name_and_the_optimizer_is_untouched(re
     m, opt = trained()
     sc_dsd.install()
     dcp.save({"optim": get_optimizer_state_dict(m, opt)}, checkpoint_id=str(tmp_path))
-    for key in [k for k in dcp.FileSystemReader(str(tmp_path)).read_metadata().state_dict_metadata if k.startswith("optim.param_groups.0.")]:
+    for key in [
+        k
+        for k in dcp.FileSystemReader(str(tmp_path)).read_metadata().state_dict_metadata
+        if k.startswith("optim.param_groups.0.")
+    ]:
         drop_from_metadata(tmp_path, key)
     m2, opt2 = trained(1)
     opt2.param_groups[1]["lr"] = 0.5
     before = state_snapshot(m2, opt2)
     target = {"optim": get_optimizer_state_dict(m2, opt2)}
     dcp.load(target, checkpoint_id=str(tmp_path))
-    with pytest.raises(sc.CheckpointMismatchError, match=r"optimizer item 'param_groups\.0' is missing from the checkpoint, and its list has items after it"):
+    with pytest.raises(
+        sc.CheckpointMismatchError,
+        match=r"optimizer item 'param_groups\.0' is missing from the checkpoint, and its list has items after it",
+    ):
         set_optimizer_state_dict(m2, opt2, target["optim"], options=StateDictOptions(strict=strict))
     assert_deep_equal(state_snapshot(m2, opt2), before, "after the refused load", nan_equal="none")
 
@@ -584,15 +661,22 @@ def test_a_copy_is_rebuilt_or_refused_also_with_the_librarys_planner(restore: An
         dcp.load(target, checkpoint_id=str(tmp_path), planner=sc.SparseLoadPlanner())
         set_optimizer_state_dict(m2, opt2, target["optim"])
         assert with_state(opt2) == dsd_moe.STEPPED
-        assert_deep_equal(state_snapshot(m2, opt2), state_snapshot(m, opt), "SparseLoadPlanner", nan_equal="none", check_order=False)
+        assert_deep_equal(
+            state_snapshot(m2, opt2), state_snapshot(m, opt), "SparseLoadPlanner", nan_equal="none", check_order=False
+        )
     m2 = dsd_moe.model(0)
     opt2 = dsd_moe.optimizer(m2)
     other = {"optim": pickle.loads(pickle.dumps(dict(get_optimizer_state_dict(m2, opt2))))}
-    with pytest.raises(CheckpointException, match=r"CheckpointMismatchError: the checkpoint holds optimizer state under 'optim'.*asks for none of it"):
+    with pytest.raises(
+        CheckpointException,
+        match=r"CheckpointMismatchError: the checkpoint holds optimizer state under 'optim'.*asks for none of it",
+    ):
         dcp.load(other, checkpoint_id=str(tmp_path), planner=sc.SparseLoadPlanner())
 
 
-def test_a_copys_bytes_items_are_read_weights_only_by_the_librarys_planner(restore: Any, tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+def test_a_copys_bytes_items_are_read_weights_only_by_the_librarys_planner(
+    restore: Any, tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
     """Installed, ``planner=sparse_ckpt.SparseLoadPlanner()``: the bytes items a rebuilt shallow copy
     reads (its ``param_groups`` values) are unpickled with ``weights_only=True``, as the planner's own
     targets' are (they went through DCP's full unpickler)."""
@@ -601,8 +685,11 @@ def test_a_copys_bytes_items_are_read_weights_only_by_the_librarys_planner(resto
     m, opt = trained()
     sc_dsd.install()
     dcp.save({"optim": get_optimizer_state_dict(m, opt)}, checkpoint_id=str(tmp_path))
-    bytes_items = {k for k, md in dcp.FileSystemReader(str(tmp_path)).read_metadata().state_dict_metadata.items()
-                   if type(md).__name__ == "BytesStorageMetadata"}
+    bytes_items = {
+        k
+        for k, md in dcp.FileSystemReader(str(tmp_path)).read_metadata().state_dict_metadata.items()
+        if type(md).__name__ == "BytesStorageMetadata"
+    }
     assert bytes_items
     restricted: list[str] = []
     real = sc_planner.weights_only_item
@@ -618,4 +705,6 @@ def test_a_copys_bytes_items_are_read_weights_only_by_the_librarys_planner(resto
     dcp.load(target, checkpoint_id=str(tmp_path), planner=sc.SparseLoadPlanner())
     set_optimizer_state_dict(m2, opt2, target["optim"])
     assert set(restricted) == bytes_items
-    assert_deep_equal(state_snapshot(m2, opt2), state_snapshot(m, opt), "weights-only copy", nan_equal="none", check_order=False)
+    assert_deep_equal(
+        state_snapshot(m2, opt2), state_snapshot(m, opt), "weights-only copy", nan_equal="none", check_order=False
+    )

@@ -31,8 +31,13 @@ from typing import Any
 
 import pytest
 
-pytest.importorskip("accelerate", reason="accelerate is not installed (pip install --no-deps -r .ci/requirements-accelerate.txt)")
-pytest.importorskip("transformers", reason="transformers is not installed (pip install --no-deps -r .ci/requirements-veomni.txt: transformers 5.9.0 and its imports)")
+pytest.importorskip(
+    "accelerate", reason="accelerate is not installed (pip install --no-deps -r .ci/requirements-accelerate.txt)"
+)
+pytest.importorskip(
+    "transformers",
+    reason="transformers is not installed (pip install --no-deps -r .ci/requirements-veomni.txt: transformers 5.9.0 and its imports)",
+)
 
 import _backends
 import dsd_moe

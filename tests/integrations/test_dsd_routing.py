@@ -76,8 +76,10 @@ def sparse_round_trip(get: Get, put: Set, path: str) -> dict[str, Any]:
             return facts
     put(model2, opt2, target["optim"])
     got = opt2.state_dict()
-    exact = got["param_groups"] == want["param_groups"] and got["state"].keys() == want["state"].keys() and all(
-        torch.equal(got["state"][i][k], v) for i, s in want["state"].items() for k, v in s.items()
+    exact = (
+        got["param_groups"] == want["param_groups"]
+        and got["state"].keys() == want["state"].keys()
+        and all(torch.equal(got["state"][i][k], v) for i, s in want["state"].items() for k, v in s.items())
     )
     facts["resume"] = "exact" if exact else "differs"
     facts["resumed_state"] = len(opt2.state)
@@ -199,7 +201,11 @@ def spawned_child(path: str) -> tuple[bool, dict[str, Any], dict[str, Any]]:
     routed = sparse_round_trip(get_optimizer_state_dict, set_optimizer_state_dict, str(Path(path) / "routed"))
     installed = sc_dsd.installed()
     sc_dsd.uninstall()
-    return installed, routed, sparse_round_trip(get_optimizer_state_dict, set_optimizer_state_dict, str(Path(path) / "stock"))
+    return (
+        installed,
+        routed,
+        sparse_round_trip(get_optimizer_state_dict, set_optimizer_state_dict, str(Path(path) / "stock")),
+    )
 
 
 def test_a_spawned_child_that_calls_install_is_routed(tmp_path: Path) -> None:
@@ -227,7 +233,9 @@ def test_signature_and_code_are_torchs_again_after_uninstall(restore: Any) -> No
     assert all(f.__code__ is before[n][0] for n, f in fns.items())
 
 
-def test_install_refuses_loudly_where_torchs_function_cannot_be_routed(restore: Any, monkeypatch: pytest.MonkeyPatch) -> None:
+def test_install_refuses_loudly_where_torchs_function_cannot_be_routed(
+    restore: Any, monkeypatch: pytest.MonkeyPatch
+) -> None:
     """A torch whose DSD function is wrapped (here: a ``functools.wraps`` wrapper, which has a closure):
     ``install()`` raises naming it and patches nothing, so ``installed()`` never says True while stock runs."""
     from sparse_ckpt.integrations.dsd import patching
@@ -239,7 +247,8 @@ def test_install_refuses_loudly_where_torchs_function_cannot_be_routed(restore: 
         return torchs(*args, **kwargs)
 
     monkeypatch.setitem(patching._TORCH, "get_optimizer_state_dict", wrapped)
-    with pytest.raises(RuntimeError, match=r"get_optimizer_state_dict has a closure.*cannot be routed.*Nothing was installed"):
+    with pytest.raises(
+        RuntimeError, match=r"get_optimizer_state_dict has a closure.*cannot be routed.*Nothing was installed"
+    ):
         sc_dsd.install()
     assert not sc_dsd.installed() and not any(patching.routed(f) for f in patching._TORCH.values())
-

@@ -78,7 +78,10 @@ def merged_flat(get: Any, model: nn.Module, opts: list[torch.optim.Optimizer]) -
 
 def local_state(model: nn.Module, opt: torch.optim.Optimizer) -> dict[str, Any]:
     names = {p: n for n, p in model.named_parameters()}
-    return {names[p]: {k: (v.to_local() if isinstance(v, DTensor) else v).clone() for k, v in s.items()} for p, s in opt.state.items()}
+    return {
+        names[p]: {k: (v.to_local() if isinstance(v, DTensor) else v).clone() for k, v in s.items()}
+        for p, s in opt.state.items()
+    }
 
 
 @_backends.only(_backends.DEFAULT)
@@ -109,7 +112,9 @@ def test_a_merged_dict_of_two_optimizers_loads_into_each_as_with_stock_dsd(insta
         merged_flat(STOCK["get_optimizer_state_dict"], fresh_model, fresh_opts)  # what a stock trainer's target does
         for opt in fresh_opts:
             setter(fresh_model, opt, optim_state_dict=stock_merged, options=FLAT)
-        loaded.append(([local_state(fresh_model, o) for o in fresh_opts], [o.param_groups[0]["lr"] for o in fresh_opts]))
+        loaded.append(
+            ([local_state(fresh_model, o) for o in fresh_opts], [o.param_groups[0]["lr"] for o in fresh_opts])
+        )
     assert sum(map(len, loaded[0][0])) == dsd_moe.PARAMS
     assert_deep_equal(loaded[1], loaded[0], "installed vs stock, on stock's dict")
 
@@ -229,8 +234,10 @@ def asymmetric_and_refusals(rank: int, world_size: int, root: str) -> None:
 
     model, opt, sched = _fresh()
     dsd_moe.train(model, opt, sched, range(SAVE_AT), rank)
-    dcp.save({"model": get_model_state_dict(model), "optim": get_optimizer_state_dict(model, opt, options=FLAT)},
-             checkpoint_id=f"{root}/asym")
+    dcp.save(
+        {"model": get_model_state_dict(model), "optim": get_optimizer_state_dict(model, opt, options=FLAT)},
+        checkpoint_id=f"{root}/asym",
+    )
     sched_state = sched.state_dict()
 
     model, opt, sched = _fresh()
@@ -243,7 +250,9 @@ def asymmetric_and_refusals(rank: int, world_size: int, root: str) -> None:
     got = _snapshot(model, opt)
     assert _with_state_everywhere(model, opt) == dsd_moe.STEPPED
     assert got["lrs"] == reference["lrs"] == sched.get_last_lr(), got["lrs"]
-    assert_deep_equal(got, reference, f"rank {rank}: asymmetric 2 -> 2 resume", check_order=False)  # DCP: metadata order
+    assert_deep_equal(
+        got, reference, f"rank {rank}: asymmetric 2 -> 2 resume", check_order=False
+    )  # DCP: metadata order
 
     # a refusal on rank 1 only: set_optimizer_state_dict raises on both ranks, naming rank 1
     model, opt, sched = _fresh()
@@ -309,7 +318,9 @@ def test_a_shallow_copy_for_an_optimizer_with_partial_state_is_refused_not_parti
     assert len(o2.state) == 2
     before = local_state(m2, o2)
     target = {"optim": dict(get_optimizer_state_dict(m2, o2, options=options))}
-    with pytest.raises(CheckpointException, match=r"holds optimizer state of '.*' under 'optim'.*only some of its parameters"):
+    with pytest.raises(
+        CheckpointException, match=r"holds optimizer state of '.*' under 'optim'.*only some of its parameters"
+    ):
         dcp.load(target, checkpoint_id=str(tmp_path))
     assert_deep_equal(local_state(m2, o2), before, "the optimizer after the refusal")
 
@@ -329,7 +340,9 @@ def _merged(model: nn.Module, opt: torch.optim.Optimizer) -> dict[str, Any]:
     mine = {
         "params": {n: p.to_local().clone() for n, p in model.named_parameters()},
         "state": local_state(model, opt),
-        "settings": {names[p]: {k: v for k, v in g.items() if k != "params"} for g in opt.param_groups for p in g["params"]},
+        "settings": {
+            names[p]: {k: v for k, v in g.items() if k != "params"} for g in opt.param_groups for p in g["params"]
+        },
     }
     ranks: list[Any] = [None] * dist.get_world_size()
     dist.all_gather_object(ranks, mine)
@@ -340,8 +353,13 @@ def _merged(model: nn.Module, opt: torch.optim.Optimizer) -> dict[str, Any]:
     fqns = sorted({f for r in ranks for f in r["state"]})
     return {
         "params": {n: whole([r["params"][n] for r in ranks]) for n in mine["params"]},
-        "state": {f: {k: whole([r["state"][f][k] for r in ranks if f in r["state"]]) for k in sorted(
-            next(r["state"][f] for r in ranks if f in r["state"]))} for f in fqns},
+        "state": {
+            f: {
+                k: whole([r["state"][f][k] for r in ranks if f in r["state"]])
+                for k in sorted(next(r["state"][f] for r in ranks if f in r["state"]))
+            }
+            for f in fqns
+        },
         "settings": {f: next(r["settings"][f] for r in ranks if f in r["settings"]) for f in sorted(names.values())},
     }
 
@@ -352,8 +370,10 @@ def asymmetric_saves(rank: int, world_size: int, root: str) -> None:
     for (source, get), (layout, options) in itertools.product(SOURCES.items(), LAYOUTS.items()):
         model, opt, sched = _fresh()
         dsd_moe.train(model, opt, sched, range(SAVE_AT), rank)
-        dcp.save({"model": get_model_state_dict(model), "optim": get(model, opt, options=options)},
-                 checkpoint_id=f"{root}/{world_size}-{source}-{layout}")
+        dcp.save(
+            {"model": get_model_state_dict(model), "optim": get(model, opt, options=options)},
+            checkpoint_id=f"{root}/{world_size}-{source}-{layout}",
+        )
         saved = _merged(model, opt)
         if rank == 0:
             torch.save(saved, f"{root}/{world_size}-{source}-{layout}.pt")
@@ -408,8 +428,11 @@ def one_rank_calls(rank: int, world_size: int, root: str) -> None:
     osd = get_optimizer_state_dict(model, opt, options=FLAT)
     fresh_model, fresh_opt, _sched = _fresh()
     if rank == 0:  # a rank-0-only restore: refused here within the bound, naming the rule, nothing loaded
-        with pytest.raises(sc.CheckpointMismatchError, match=r"rank\(s\) 1 did not reach its agreement within 2 s.*"
-                           r"every rank of the default process group calls it") as info:
+        with pytest.raises(
+            sc.CheckpointMismatchError,
+            match=r"rank\(s\) 1 did not reach its agreement within 2 s.*"
+            r"every rank of the default process group calls it",
+        ) as info:
             set_optimizer_state_dict(fresh_model, fresh_opt, osd, options=FLAT)
         assert AGREEMENT_WAIT_ENV in str(info.value)
         assert not fresh_opt.state and [g["lr"] for g in fresh_opt.param_groups] == [0.01, dsd_moe.VISION_LR]

@@ -30,7 +30,9 @@ from typing import Any
 
 import pytest
 
-pytest.importorskip("lightning", reason="lightning is not installed (pip install --no-deps -r .ci/requirements-lightning.txt)")
+pytest.importorskip(
+    "lightning", reason="lightning is not installed (pip install --no-deps -r .ci/requirements-lightning.txt)"
+)
 
 import _backends
 import dsd_moe
@@ -174,7 +176,9 @@ def fabric_resumes(rank: int, world_size: int, root: str) -> None:
             docs["resume"](fabric, model, optimizer, scheduler, path=Path(root) / f"{source}-{kind}")
             assert len(optimizer.optimizer.state) == dsd_moe.STEPPED, (kind, source)
             fabric_train(*run, range(SAVE_AT, STEPS), rank)
-            assert_resumed(fabric_outcome(model, optimizer, scheduler), reference, f"Fabric {kind}, {source} checkpoint")
+            assert_resumed(
+                fabric_outcome(model, optimizer, scheduler), reference, f"Fabric {kind}, {source} checkpoint"
+            )
 
 
 @_backends.only(_backends.DEFAULT)
@@ -205,7 +209,10 @@ def trainer_module() -> Any:
 
         def configure_optimizers(self) -> Any:
             optimizer = dsd_moe.optimizer(self.moe)
-            return {"optimizer": optimizer, "lr_scheduler": {"scheduler": dsd_moe.scheduler(optimizer), "interval": "step"}}
+            return {
+                "optimizer": optimizer,
+                "lr_scheduler": {"scheduler": dsd_moe.scheduler(optimizer), "interval": "step"},
+            }
 
     return MoeModule()
 
@@ -218,9 +225,16 @@ def trainer(world_size: int, kind: str, steps: int) -> Any:
         data_parallel_size=world_size, tensor_parallel_size=1, save_distributed_checkpoint=KINDS[kind]
     )
     return L.Trainer(
-        accelerator="cpu", devices=world_size, strategy=strategy, max_steps=steps, logger=False,
-        enable_checkpointing=False, enable_progress_bar=False, enable_model_summary=False,
-        use_distributed_sampler=False, num_sanity_val_steps=0,
+        accelerator="cpu",
+        devices=world_size,
+        strategy=strategy,
+        max_steps=steps,
+        logger=False,
+        enable_checkpointing=False,
+        enable_progress_bar=False,
+        enable_model_summary=False,
+        use_distributed_sampler=False,
+        num_sanity_val_steps=0,
     )
 
 

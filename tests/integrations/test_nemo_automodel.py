@@ -33,7 +33,8 @@ from typing import Any
 import pytest
 
 pytest.importorskip(
-    "nemo_automodel", reason="nemo-automodel is not installed (pip install --no-deps -r .ci/requirements-nemo-automodel.txt)"
+    "nemo_automodel",
+    reason="nemo-automodel is not installed (pip install --no-deps -r .ci/requirements-nemo-automodel.txt)",
 )
 
 import _backends
@@ -138,7 +139,9 @@ def invented(optimizer: Any, model: Any, steps: int) -> None:
 
 def real_part(result: dict[str, Any], reference: dict[str, Any]) -> dict[str, Any]:
     """``result`` with its state cut to the parameters ``reference`` has state for."""
-    state = {leaf: {fqn: v for fqn, v in s.items() if fqn in reference["state"][leaf]} for leaf, s in result["state"].items()}
+    state = {
+        leaf: {fqn: v for fqn, v in s.items() if fqn in reference["state"][leaf]} for leaf, s in result["state"].items()
+    }
     return {**result, "state": state, "with_state": reference["with_state"]}
 
 
@@ -235,5 +238,7 @@ def test_the_remedy_disables_the_materializer_nemo_calls() -> None:
 
     assert REMEDY.split(" =")[0] in doc_block(PAGE, REMEDY).code
     assert callable(stateful_wrappers._materialize_missing_adam_state)
-    assert "_materialize_missing_adam_state(optimizer)" in inspect.getsource(stateful_wrappers.OptimizerState.state_dict)
+    assert "_materialize_missing_adam_state(optimizer)" in inspect.getsource(
+        stateful_wrappers.OptimizerState.state_dict
+    )
     assert "sc_dsd.install()" in doc_block(PAGE, BLOCK).code

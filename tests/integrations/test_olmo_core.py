@@ -29,7 +29,9 @@ from typing import Any
 
 import pytest
 
-pytest.importorskip("olmo_core", reason="ai2-olmo-core is not installed (pip install --no-deps -r .ci/requirements-olmo-core.txt)")
+pytest.importorskip(
+    "olmo_core", reason="ai2-olmo-core is not installed (pip install --no-deps -r .ci/requirements-olmo-core.txt)"
+)
 
 import _backends
 import dsd_moe
@@ -89,7 +91,9 @@ def save(api: str, path: Path, model: Any, optimizer: Any, scheduler: Any) -> No
         if docs:  # installed: the docs' save
             docs["save"](model, optimizer, state, path=path)
         else:
-            Checkpointer(work_dir=path.parent / "work").save(path, BasicTrainModule(model, optimizer, rank_microbatch_size=4), state)
+            Checkpointer(work_dir=path.parent / "work").save(
+                path, BasicTrainModule(model, optimizer, rank_microbatch_size=4), state
+            )
     else:
         save_model_and_optim_state(path, model, optimizer, flatten_optimizer_state=True)
         scheduler_path(path).parent.mkdir(exist_ok=True)
@@ -105,7 +109,9 @@ def load(api: str, path: Path, model: Any, optimizer: Any, scheduler: Any) -> No
         if docs:  # installed: the docs' resume
             state = docs["resume"](model, optimizer, path=path)
         else:
-            state = Checkpointer(work_dir=path.parent / "work").load(path, BasicTrainModule(model, optimizer, rank_microbatch_size=4))
+            state = Checkpointer(work_dir=path.parent / "work").load(
+                path, BasicTrainModule(model, optimizer, rank_microbatch_size=4)
+            )
         assert state is not None and state["global_step"] == SAVE_AT
         scheduler.load_state_dict(state["scheduler"])
     else:

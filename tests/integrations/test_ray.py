@@ -64,8 +64,11 @@ def drill() -> Iterator[tuple[Path, str]]:
     root = Path(tempfile.mkdtemp(prefix="sc_ray_"))  # short: Ray's socket paths live under its session dir
     env = child_env({"RAY_DEDUP_LOGS": "0"})  # one routing line per worker, not "[repeated 2x]"
     try:
-        first = run([sys.executable, str(DRIVER), str(root), "in_code:fresh", "stock:resume", "in_code:resume"],
-                    env=env, timeout=1500)
+        first = run(
+            [sys.executable, str(DRIVER), str(root), "in_code:fresh", "stock:resume", "in_code:resume"],
+            env=env,
+            timeout=1500,
+        )
         assert first.returncode == 0, first.stdout[-6000:]
         second = run([*prefix(), sys.executable, str(DRIVER), str(root), "prefixed:resume"], env=env, timeout=900)
         assert second.returncode == 0, second.stdout[-6000:]
@@ -75,7 +78,9 @@ def drill() -> Iterator[tuple[Path, str]]:
 
 
 @pytest.mark.slow
-def test_ray_train_resumes_exactly_in_code_and_with_the_prefix_and_stock_fails(drill: tuple[Path, str], core_backend: str) -> None:
+def test_ray_train_resumes_exactly_in_code_and_with_the_prefix_and_stock_fails(
+    drill: tuple[Path, str], core_backend: str
+) -> None:
     root, prefixed_output = drill
     fresh = record(root, "in_code-fresh")
     assert fresh["ok"], fresh["error"][-4000:]
@@ -84,7 +89,9 @@ def test_ray_train_resumes_exactly_in_code_and_with_the_prefix_and_stock_fails(d
 
     stock = record(root, "stock-resume")
     assert not stock["ok"], "the stock resume succeeded: the drill no longer shows the failure"
-    assert "Missing key in checkpoint state_dict" in stock["error"] and UNROUTED in stock["error"], stock["error"][-4000:]
+    assert "Missing key in checkpoint state_dict" in stock["error"] and UNROUTED in stock["error"], stock["error"][
+        -4000:
+    ]
 
     for name in ("in_code-resume", "prefixed-resume"):
         got = record(root, name)

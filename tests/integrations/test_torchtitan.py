@@ -17,7 +17,9 @@ import os
 
 import pytest
 
-pytest.importorskip("torchtitan", reason="torchtitan is not installed (pip install --no-deps -r .ci/requirements-torchtitan.txt)")
+pytest.importorskip(
+    "torchtitan", reason="torchtitan is not installed (pip install --no-deps -r .ci/requirements-torchtitan.txt)"
+)
 
 from _dist import assert_snapshots_equal, full_snapshot, run_ranks
 from torch.distributed.device_mesh import init_device_mesh
@@ -46,8 +48,16 @@ def _drill_mode(rank: int, mesh, folder: str, async_mode: str) -> None:
     tt.train(*ref, before, tt.ROUTED_BEFORE, use_aux=False, rank=rank)
     model, optimizers, schedulers = live = tt.build(0, mesh)
     tt.train(*live, before, tt.ROUTED_BEFORE, use_aux=False, rank=rank)
-    mgr = tt.manager(SparseCheckpointManager.Config, folder, model, optimizers, schedulers, tt.TrainState(2),
-                     tt.Loader(7), async_mode=async_mode)
+    mgr = tt.manager(
+        SparseCheckpointManager.Config,
+        folder,
+        model,
+        optimizers,
+        schedulers,
+        tt.TrainState(2),
+        tt.Loader(7),
+        async_mode=async_mode,
+    )
     stateless = [f"layers.{i}.experts.{e}.{w}" for i in range(tt.LAYERS) for e in (1, 3) for w in ("weight", "bias")]
     saved_fqns = _state_fqns(model, optimizers)
     assert saved_fqns["optim0"] == [] and not set(stateless) & set(saved_fqns["optim1"]), saved_fqns

@@ -14,7 +14,9 @@ from typing import Any
 
 import pytest
 
-pytest.importorskip("torchtitan", reason="torchtitan is not installed (pip install --no-deps -r .ci/requirements-torchtitan.txt)")
+pytest.importorskip(
+    "torchtitan", reason="torchtitan is not installed (pip install --no-deps -r .ci/requirements-torchtitan.txt)"
+)
 
 import torch
 import torch.distributed as dist
@@ -94,7 +96,9 @@ def test_migration_report_and_log(tmp_path, one_rank, caplog) -> None:
         stock.save(2)
         stock.close()
         fresh = tt.build(1)
-        mgr = tt.manager(Config, base, *fresh, tt.TrainState(), migrate_stock_checkpoints=True, drop_synthetic_state=True)
+        mgr = tt.manager(
+            Config, base, *fresh, tt.TrainState(), migrate_stock_checkpoints=True, drop_synthetic_state=True
+        )
         caplog.clear()
         with caplog.at_level(logging.WARNING, logger="sparse_ckpt.integrations.torchtitan"):
             assert mgr.load() is True
@@ -104,11 +108,15 @@ def test_migration_report_and_log(tmp_path, one_rank, caplog) -> None:
         assert len(fresh[1].optimizers[0].state) == 2 - len(dropped)
         messages = [r.getMessage() for r in caplog.records]
         if dropped:
-            assert any("leaf 'optim0': dropped the synthetic-step state" in m and "aux.bias" in m for m in messages), messages
+            assert any("leaf 'optim0': dropped the synthetic-step state" in m and "aux.bias" in m for m in messages), (
+                messages
+            )
         else:
             assert [float(s["step"]) for s in fresh[1].optimizers[0].state.values()] == [1.0, 1.0]
             assert not any("dropped" in m for m in messages), messages
-        assert any("leaf 'optim1': 8 parameter(s) have no state: layers.0.experts.1.weight" in m for m in messages), messages
+        assert any("leaf 'optim1': 8 parameter(s) have no state: layers.0.experts.1.weight" in m for m in messages), (
+            messages
+        )
 
 
 class IdentityAdapter(BaseStateDictAdapter):
@@ -129,22 +137,37 @@ class IdentityAdapter(BaseStateDictAdapter):
 
 
 def _build(config: Any, objs: tuple, base: str, sd_adapter: Any = None) -> Any:
-    return config.build(dataloader=tt.Loader(), model_parts=[objs[0]], optimizers=objs[1], lr_schedulers=objs[2],
-                        states={"train_state": tt.TrainState()}, sd_adapter=sd_adapter, base_folder=base)
+    return config.build(
+        dataloader=tt.Loader(),
+        model_parts=[objs[0]],
+        optimizers=objs[1],
+        lr_schedulers=objs[2],
+        states={"train_state": tt.TrainState()},
+        sd_adapter=sd_adapter,
+        base_folder=base,
+    )
 
 
 def test_last_step_model_only_and_hf_paths(tmp_path, one_rank) -> None:
     objs = _trained()
-    mgr = _build(Config(enable=True, keep_latest_k=0, last_save_in_hf=True, export_dtype="bfloat16"),
-                 objs, str(tmp_path / "hf"), IdentityAdapter())
+    mgr = _build(
+        Config(enable=True, keep_latest_k=0, last_save_in_hf=True, export_dtype="bfloat16"),
+        objs,
+        str(tmp_path / "hf"),
+        IdentityAdapter(),
+    )
     assert mgr.save(2, last_step=True) is True
     mgr.close()
     exported = tmp_path / "hf" / "checkpoint" / "step-2"
     assert (exported / "model.safetensors.index.json").is_file() and not (exported / ".metadata").exists()
 
     fresh = tt.build(1)
-    mgr2 = _build(Config(enable=True, keep_latest_k=0, initial_load_path=str(exported), initial_load_in_hf=True),
-                  fresh, str(tmp_path / "empty"), IdentityAdapter())
+    mgr2 = _build(
+        Config(enable=True, keep_latest_k=0, initial_load_path=str(exported), initial_load_in_hf=True),
+        fresh,
+        str(tmp_path / "empty"),
+        IdentityAdapter(),
+    )
     assert mgr2.load() is True
     mgr2.close()
     for (name, a), b in zip(objs[0].named_parameters(), fresh[0].parameters()):
@@ -161,8 +184,11 @@ def test_last_step_model_only_and_hf_paths(tmp_path, one_rank) -> None:
     mgr4.close()
     # ... and as the initial checkpoint of a new run (model only): loads
     fresh = tt.build(1)
-    mgr5 = _build(Config(enable=True, keep_latest_k=0, initial_load_path=str(tmp_path / "dcp" / "checkpoint" / "step-2")),
-                  fresh, str(tmp_path / "new"))
+    mgr5 = _build(
+        Config(enable=True, keep_latest_k=0, initial_load_path=str(tmp_path / "dcp" / "checkpoint" / "step-2")),
+        fresh,
+        str(tmp_path / "new"),
+    )
     assert mgr5.load() is True
     mgr5.close()
     assert all(torch.equal(a, b) for a, b in zip(objs[0].parameters(), fresh[0].parameters()))
@@ -203,19 +229,32 @@ def _stages(seed: int, ids: tuple[list[int], list[int]] = ([0], [1])) -> tuple[l
         implementation="for-loop",
         param_groups=[ParamGroupConfig(pattern=r".*", optimizer_name="AdamW", optimizer_kwargs={"lr": tt.LR})],
     ).build(model_parts=parts)
-    return parts, optimizers, LRSchedulersContainer.Config(warmup_steps=tt.WARMUP).build(optimizers=optimizers, training_steps=100)
+    return (
+        parts,
+        optimizers,
+        LRSchedulersContainer.Config(warmup_steps=tt.WARMUP).build(optimizers=optimizers, training_steps=100),
+    )
 
 
 def _build_parts(config: Any, objs: tuple, base: str) -> Any:
-    return config.build(dataloader=tt.Loader(), model_parts=objs[0], optimizers=objs[1], lr_schedulers=objs[2],
-                        states={"train_state": tt.TrainState()}, sd_adapter=None, base_folder=base)
+    return config.build(
+        dataloader=tt.Loader(),
+        model_parts=objs[0],
+        optimizers=objs[1],
+        lr_schedulers=objs[2],
+        states={"train_state": tt.TrainState()},
+        sd_adapter=None,
+        base_folder=base,
+    )
 
 
 def test_pipeline_parallel_model_parts(tmp_path, one_rank) -> None:
     parts, optimizers, schedulers = objs = _stages(0)
     for step in range(2):
         optimizers.zero_grad()
-        parts[1](parts[0](torch.randn(4, tt.DIM, generator=torch.Generator().manual_seed(step)))).pow(2).mean().backward()
+        parts[1](parts[0](torch.randn(4, tt.DIM, generator=torch.Generator().manual_seed(step)))).pow(
+            2
+        ).mean().backward()
         optimizers.step()
         schedulers.step()
     assert [len(o.state) for o in optimizers.optimizers] == [5, 7]  # router + experts 0, 2; part 1 also aux
@@ -237,14 +276,18 @@ def test_pipeline_parallel_model_parts(tmp_path, one_rank) -> None:
         _build_parts(Config(enable=True), _stages(0, ([0], [0])), str(tmp_path / "dup"))
 
 
-@pytest.mark.skipif(not torch.accelerator.is_available(), reason="async_with_pinned_mem needs an accelerator (this host has none)")
+@pytest.mark.skipif(
+    not torch.accelerator.is_available(), reason="async_with_pinned_mem needs an accelerator (this host has none)"
+)
 def test_pinned_memory_async_on_an_accelerator(tmp_path, one_rank, monkeypatch) -> None:
     monkeypatch.setenv("MASTER_ADDR", "127.0.0.1")  # the background save process sets up its own group
     monkeypatch.setenv("MASTER_PORT", str(free_port()))
     device = torch.accelerator.current_accelerator()
     objs = tt.build(0, device=device)
     tt.train(*objs, range(1, 3), tt.ROUTED_BEFORE, use_aux=False)
-    copies = {n: [{k: v.clone() for k, v in s.items()} for s in o.state.values()] for n, o in tt.leaves(objs[1]).items()}
+    copies = {
+        n: [{k: v.clone() for k, v in s.items()} for s in o.state.values()] for n, o in tt.leaves(objs[1]).items()
+    }
     mgr = tt.manager(Config, str(tmp_path), *objs, tt.TrainState(2), async_mode="async_with_pinned_mem")
     assert mgr.save(2) is True
     mgr.maybe_wait_for_staging()
@@ -265,23 +308,39 @@ def test_pinned_memory_async_on_an_accelerator(tmp_path, one_rank, monkeypatch) 
 def test_wrong_objects_fail_when_built(tmp_path) -> None:
     model, optimizers, schedulers = tt.build(0)
     cases = [
-        ({"model_parts": model.state_dict()}, TypeError, r"model must be an nn.Module or a list of nn.Module.*OrderedDict"),
+        (
+            {"model_parts": model.state_dict()},
+            TypeError,
+            r"model must be an nn.Module or a list of nn.Module.*OrderedDict",
+        ),
         ({"model_parts": []}, TypeError, r"model is an empty list"),
         ({"model_parts": [model, model.state_dict()]}, TypeError, r"model part 1 is a OrderedDict, not an nn.Module"),
         ({"optimizers": schedulers}, TypeError, r"expected a torch.optim.Optimizer.*got LRSchedulersContainer"),
         ({"optimizers": [optimizers]}, TypeError, r"expected a torch.optim.Optimizer.*got list"),
     ]
     for change, exc, pattern in cases:
-        kwargs = {"dataloader": None, "model_parts": [model], "optimizers": optimizers, "lr_schedulers": schedulers,
-                  "states": {}, "sd_adapter": None, "base_folder": str(tmp_path), **change}
+        kwargs = {
+            "dataloader": None,
+            "model_parts": [model],
+            "optimizers": optimizers,
+            "lr_schedulers": schedulers,
+            "states": {},
+            "sd_adapter": None,
+            "base_folder": str(tmp_path),
+            **change,
+        }
         with pytest.raises(exc, match=pattern):
             Config(enable=True).build(**kwargs)
     assert not os.path.exists(tmp_path / "checkpoint")
     with pytest.raises(ValueError, match="drop_synthetic_state=True needs migrate_stock_checkpoints=True"):
         Config(enable=True, drop_synthetic_state=True)
     # disabled: built without looking at the objects, as the stock manager
-    assert Config(enable=False).build(dataloader=None, model_parts=None, optimizers=None, lr_schedulers=None,
-                                      states={}, sd_adapter=None).load() is False
+    assert (
+        Config(enable=False)
+        .build(dataloader=None, model_parts=None, optimizers=None, lr_schedulers=None, states={}, sd_adapter=None)
+        .load()
+        is False
+    )
 
 
 def test_the_container_itself_in_plain_dcp(tmp_path) -> None:
@@ -349,8 +408,9 @@ def test_migration_report_lists_state_kept_as_possibly_synthetic(tmp_path, one_r
     stock.save(2)
     stock.close()
     fresh = tt.build(1)
-    mgr = tt.manager(Config, str(tmp_path), *fresh, tt.TrainState(), migrate_stock_checkpoints=True,
-                     drop_synthetic_state=True)
+    mgr = tt.manager(
+        Config, str(tmp_path), *fresh, tt.TrainState(), migrate_stock_checkpoints=True, drop_synthetic_state=True
+    )
     assert mgr.load() is True
     mgr.close()
     report = mgr.migration_report

@@ -21,7 +21,9 @@ from __future__ import annotations
 import _backends
 import pytest
 
-pytest.importorskip("torchtitan", reason="torchtitan is not installed (pip install --no-deps -r .ci/requirements-torchtitan.txt)")
+pytest.importorskip(
+    "torchtitan", reason="torchtitan is not installed (pip install --no-deps -r .ci/requirements-torchtitan.txt)"
+)
 
 import torch
 from _dist import assert_snapshots_equal, full_snapshot, run_ranks
@@ -60,7 +62,9 @@ def _load_error(config_cls, folder: str, mesh, objs: tuple | None = None, **conf
         mgr.load()
     except BaseException as exc:  # noqa: BLE001 - DCP's CheckpointException is a BaseException
         # (the stock load's synthetic step has already created state when it fails)
-        assert config_cls is not SparseCheckpointManager.Config or not _state(*objs[:2]), "a refused load changed the optimizer"
+        assert config_cls is not SparseCheckpointManager.Config or not _state(*objs[:2]), (
+            "a refused load changed the optimizer"
+        )
         return exc
     finally:
         mgr.close()
@@ -87,9 +91,9 @@ def _stock(rank: int, world_size: int, base: str) -> None:
     mgr.save(2)
     mgr.close()
     invented = _state(*live[:2])
-    assert sorted(k for k in invented if k.startswith("aux.")) == AUX and all(_is_synthetic(invented[k]) for k in AUX), (
-        f"{UPSTREAM}: the save no longer creates state in the live never-stepped optimizer"
-    )
+    assert sorted(k for k in invented if k.startswith("aux.")) == AUX and all(
+        _is_synthetic(invented[k]) for k in AUX
+    ), f"{UPSTREAM}: the save no longer creates state in the live never-stepped optimizer"
 
     # -- stock load of its own checkpoint fails on the first unrouted expert
     texts = _failure_texts(_load_error(CheckpointManager.Config, stock_dir, mesh))
@@ -109,9 +113,9 @@ def _stock(rank: int, world_size: int, base: str) -> None:
         tt.train(*objs, after, tt.ROUTED_AFTER, use_aux=True, rank=rank)
     expected, resumed = _snap(ref), _snap(partial)
     differ = [n for n in expected["params"] if not torch.equal(expected["params"][n], resumed["params"][n])]
-    assert set(differ) >= {f"layers.{i}.experts.{e}.weight" for i in range(tt.LAYERS) for e in (1, 3)} | {"aux.weight"}, (
-        f"{UPSTREAM}: parameters that differ after the partial resume: {differ}"
-    )
+    assert set(differ) >= {f"layers.{i}.experts.{e}.weight" for i in range(tt.LAYERS) for e in (1, 3)} | {
+        "aux.weight"
+    }, f"{UPSTREAM}: parameters that differ after the partial resume: {differ}"
 
     # -- SparseCheckpointManager refuses the stock checkpoint unless told to migrate it
     refused = _load_error(SparseCheckpointManager.Config, stock_dir, mesh)
@@ -120,13 +124,23 @@ def _stock(rank: int, world_size: int, base: str) -> None:
 
     # -- migrated, dropping synthetic state: bit-exact with the uninterrupted run
     migrated = tt.build(1, mesh)
-    mgr = tt.manager(SparseCheckpointManager.Config, stock_dir, *migrated, tt.TrainState(),
-                     migrate_stock_checkpoints=True, drop_synthetic_state=True)
+    mgr = tt.manager(
+        SparseCheckpointManager.Config,
+        stock_dir,
+        *migrated,
+        tt.TrainState(),
+        migrate_stock_checkpoints=True,
+        drop_synthetic_state=True,
+    )
     assert mgr.load() is True
     mgr.close()
     report = mgr.migration_report
     assert [(d.leaf, d.fqn) for d in report.dropped] == [("optim0", f) for f in AUX], report
-    assert sorted(report.dropped[0].keys) == ["state.aux.bias.exp_avg", "state.aux.bias.exp_avg_sq", "state.aux.bias.step"]
+    assert sorted(report.dropped[0].keys) == [
+        "state.aux.bias.exp_avg",
+        "state.aux.bias.exp_avg_sq",
+        "state.aux.bias.step",
+    ]
     assert report.stateless == {"optim0": ("aux.weight", "aux.bias"), "optim1": tuple(sorted(UNROUTED, key=_order))}
     assert not _state(*migrated[:2]).keys() & set(AUX + UNROUTED), "state invented or kept"
     assert tt.lrs(migrated[1]) == [tt.LR * 3 / tt.WARMUP] * 2
@@ -135,13 +149,16 @@ def _stock(rank: int, world_size: int, base: str) -> None:
 
     # -- migrated as saved: bit-exact with the run that kept the invented state
     as_saved = tt.build(1, mesh)
-    mgr = tt.manager(SparseCheckpointManager.Config, stock_dir, *as_saved, tt.TrainState(), migrate_stock_checkpoints=True)
+    mgr = tt.manager(
+        SparseCheckpointManager.Config, stock_dir, *as_saved, tt.TrainState(), migrate_stock_checkpoints=True
+    )
     assert mgr.load() is True
     mgr.close()
     assert mgr.migration_report.dropped == () and mgr.migration_report.stateless["optim0"] == ()
     tt.train(*as_saved, after, tt.ROUTED_AFTER, use_aux=True, rank=rank)
-    assert_snapshots_equal(_snap(as_saved), _snap(live), "migrated (as saved) vs the stock-saving run",
-                           state_key_order=False)
+    assert_snapshots_equal(
+        _snap(as_saved), _snap(live), "migrated (as saved) vs the stock-saving run", state_key_order=False
+    )
 
     # -- the foreign-loader hazard: the stock manager pointed at a sparse_ckpt checkpoint
     sparse = tt.build(0, mesh)
@@ -156,8 +173,10 @@ def _stock(rank: int, world_size: int, base: str) -> None:
     untouched = full_snapshot(*tt.build(1, mesh)[:2])["params"]
     foreign = tt.build(1, mesh)
     texts = _failure_texts(_load_error(tt.PartialLoadManager.Config, sparse_dir, mesh, objs=foreign))
-    guard = ("Invalid checkpoint metadata for optimizer.param_groups.aux.weight.lr, expected BytesStorageMetadata "
-             "but found <class 'torch.distributed.checkpoint.metadata.TensorStorageMetadata'>")
+    guard = (
+        "Invalid checkpoint metadata for optimizer.param_groups.aux.weight.lr, expected BytesStorageMetadata "
+        "but found <class 'torch.distributed.checkpoint.metadata.TensorStorageMetadata'>"
+    )
     assert texts == {guard}, texts
     assert_deep_equal(full_snapshot(*foreign[:2])["params"], untouched, "model after the refused foreign load")
 

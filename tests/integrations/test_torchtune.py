@@ -26,7 +26,9 @@ from typing import Any
 
 import pytest
 
-pytest.importorskip("torchtune", reason="torchtune is not installed (pip install --no-deps -r .ci/requirements-torchtune.txt)")
+pytest.importorskip(
+    "torchtune", reason="torchtune is not installed (pip install --no-deps -r .ci/requirements-torchtune.txt)"
+)
 
 import _backends
 import dsd_moe
@@ -64,8 +66,10 @@ UNSTEPPED = "unstepped"
 """A sync run saved before its first step (stock: state invented for all 40 parameters)."""
 RUNS = {**MODES, UNSTEPPED: False}
 BLOCK = "sc_tune.install()"
-STOCK_ERRORS = {"sync": (KeyError, r"layers\.0\.experts\.4\.weight"),
-                "async": (CheckpointException, r"Missing key in checkpoint state_dict: optimizer\.state\.\d+\.step")}
+STOCK_ERRORS = {
+    "sync": (KeyError, r"layers\.0\.experts\.4\.weight"),
+    "async": (CheckpointException, r"Missing key in checkpoint state_dict: optimizer\.state\.\d+\.step"),
+}
 
 
 def fresh(steps: int = 0) -> tuple[Any, Any, Any]:
@@ -80,7 +84,9 @@ def fresh(steps: int = 0) -> tuple[Any, Any, Any]:
 def rebuilt_scheduler(optimizer: Any, global_step: int) -> Any:
     """The recipe's ``_setup_lr_scheduler(..., last_epoch=global_step - 1)``: from the loaded
     ``initial_lr`` (a KeyError when the load lost it)."""
-    return torch.optim.lr_scheduler.LambdaLR(optimizer, [lambda s: 0.9**s, lambda s: 0.5**s], last_epoch=global_step - 1)
+    return torch.optim.lr_scheduler.LambdaLR(
+        optimizer, [lambda s: 0.9**s, lambda s: 0.5**s], last_epoch=global_step - 1
+    )
 
 
 def tune_outcome(model: Any, optimizer: Any, scheduler: Any) -> dict[str, Any]:
@@ -114,7 +120,9 @@ def saves(rank: int, world_size: int, root: str) -> None:
             if source == "stock" and run == UNSTEPPED:  # DSD's synthetic step, in the live optimizer
                 assert len(optimizer.state) == dsd_moe.PARAMS
             else:
-                assert_same(tune_outcome(model, optimizer, scheduler), before, f"{source} {run}: the save changed the run")
+                assert_same(
+                    tune_outcome(model, optimizer, scheduler), before, f"{source} {run}: the save changed the run"
+                )
     sc_tune.uninstall()
 
 
@@ -132,8 +140,11 @@ def resume_run(root: str, source: str, mode: str, optimizers: list[Any] | None =
     return model, optimizer, rebuilt_scheduler(optimizer, 0 if mode == UNSTEPPED else SAVE_AT)
 
 
-ORDERS = {"alone": ("torchtune",), "torchtune, then the DSD hook": ("torchtune", "dsd"),
-          "the DSD hook, then torchtune": ("dsd", "torchtune")}
+ORDERS = {
+    "alone": ("torchtune",),
+    "torchtune, then the DSD hook": ("torchtune", "dsd"),
+    "the DSD hook, then torchtune": ("dsd", "torchtune"),
+}
 """The integrations active in a resume, in the order they were installed (the launcher's default
 selection activates both)."""
 

@@ -15,7 +15,9 @@ import textwrap
 
 import pytest
 
-pytest.importorskip("torchtune", reason="torchtune is not installed (pip install --no-deps -r .ci/requirements-torchtune.txt)")
+pytest.importorskip(
+    "torchtune", reason="torchtune is not installed (pip install --no-deps -r .ci/requirements-torchtune.txt)"
+)
 
 import _backends
 

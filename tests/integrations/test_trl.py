@@ -112,7 +112,9 @@ def tokenizer() -> Any:
     from transformers import PreTrainedTokenizerFast
 
     vocab = {"<pad>": 0, "<eos>": 1, **{f"t{i}": i for i in range(2, VOCAB)}}
-    return PreTrainedTokenizerFast(tokenizer_object=Tokenizer(WordLevel(vocab, unk_token="<pad>")), pad_token="<pad>", eos_token="<eos>")
+    return PreTrainedTokenizerFast(
+        tokenizer_object=Tokenizer(WordLevel(vocab, unk_token="<pad>")), pad_token="<pad>", eos_token="<eos>"
+    )
 
 
 def dataset() -> Any:
@@ -150,7 +152,9 @@ def trainer(output_dir: str) -> Any:
         dataloader_num_workers=0,
         gradient_checkpointing=False,  # SFTConfig's default is True; the drill MoE has no checkpointing
     )
-    return cpu_fsdp2(SFTTrainer, adamw)(model=make_model(), args=args, train_dataset=dataset(), processing_class=tokenizer())
+    return cpu_fsdp2(SFTTrainer, adamw)(
+        model=make_model(), args=args, train_dataset=dataset(), processing_class=tokenizer()
+    )
 
 
 @_backends.only(_backends.DEFAULT)

@@ -181,8 +181,18 @@ def test_unpatched_veomni_reading_a_sparse_checkpoint(facts: dict[str, Any]) -> 
     target = set(facts["foreign_target_keys"])
     params = STEPPED + NEVER_STEPPED
     settings = {
-        "amsgrad", "betas", "capturable", "decoupled_weight_decay", "differentiable", "eps", "foreach", "fused",
-        "initial_lr", "lr", "maximize", "weight_decay",
+        "amsgrad",
+        "betas",
+        "capturable",
+        "decoupled_weight_decay",
+        "differentiable",
+        "eps",
+        "foreach",
+        "fused",
+        "initial_lr",
+        "lr",
+        "maximize",
+        "weight_decay",
     }
     assert target == {f"optimizer.param_groups.{f}.{k}" for f in params for k in settings} | {
         f"optimizer.state.{f}.{k}" for f in params for k in ("exp_avg", "exp_avg_sq", "step")
@@ -205,7 +215,8 @@ def test_unpatched_veomni_reading_a_sparse_single_optimizer_checkpoint(facts: di
     params = STEPPED + NEVER_STEPPED
     target = set(facts["foreign_single_target_keys"])
     assert {k for k in target if k.startswith("optimizer.param_groups.")} >= {
-        "optimizer.param_groups.0.lr", "optimizer.param_groups.0.params"
+        "optimizer.param_groups.0.lr",
+        "optimizer.param_groups.0.params",
     }
     assert {k for k in target if k.startswith("optimizer.state.")} == {
         f"optimizer.state.{f}.{k}" for f in params for k in ("exp_avg", "exp_avg_sq", "step")

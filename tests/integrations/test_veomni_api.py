@@ -109,7 +109,9 @@ def test_veomnis_optimizer_wrapper_is_refused_naming_its_attribute(call: str) ->
     model, mo, _ = trained()
     wrapper = OptimizerState(model, mo)
     snap = IdentitySnapshot(model, list(mo.optimizers_dict.values()))
-    with pytest.raises(TypeError, match=r"got OptimizerState; it holds optimizer\(s\) at `\.optimizer` \(a MultiOptimizer\)"):
+    with pytest.raises(
+        TypeError, match=r"got OptimizerState; it holds optimizer\(s\) at `\.optimizer` \(a MultiOptimizer\)"
+    ):
         if call == "SparseOptimizerState":
             sc.SparseOptimizerState(model, wrapper)
         elif call == "sparse_state_dict":
@@ -167,7 +169,10 @@ def one_rank_group(monkeypatch: pytest.MonkeyPatch) -> Iterator[None]:
     """A 1-rank Gloo group in this process (VeOmni's checkpointer needs one), and VeOmni's CPU no-op."""
     monkeypatch.setattr(torch.cpu, "empty_cache", lambda: None, raising=False)  # VeOmni calls it after a save
     dist.init_process_group(
-        "gloo", init_method=f"tcp://127.0.0.1:{free_port()}", rank=0, world_size=1,
+        "gloo",
+        init_method=f"tcp://127.0.0.1:{free_port()}",
+        rank=0,
+        world_size=1,
         timeout=datetime.timedelta(seconds=60),
     )
     try:
@@ -181,8 +186,14 @@ def test_docs_veomni_example(tmp_path: Path, monkeypatch: pytest.MonkeyPatch, on
     monkeypatch.chdir(tmp_path)
     model, optimizer, scheduler = trained()
     model2, optimizer2, _ = build(seed=1)
-    namespace: dict[str, Any] = {"__name__": "docs", "model": model, "optimizer": optimizer,
-                                 "scheduler": scheduler, "model2": model2, "optimizer2": optimizer2}
+    namespace: dict[str, Any] = {
+        "__name__": "docs",
+        "model": model,
+        "optimizer": optimizer,
+        "scheduler": scheduler,
+        "model2": model2,
+        "optimizer2": optimizer2,
+    }
     try:
         run_block(block, namespace)
     finally:
@@ -205,12 +216,18 @@ def test_trainable_only_stage_dir_and_model_only(tmp_path: Path, one_rank_group:
     model.tower.requires_grad_(False)  # a LoRA-style frozen base: not in the optimizer
     opt = mo.optimizers_dict["body"]
     sparse = sc_veomni.sparse_checkpointer_class()
-    sparse.save(str(tmp_path / "ckpt"), {"model": model, "optimizer": opt}, trainable_only=True,
-                stage_dir=str(tmp_path / "stage"))
+    sparse.save(
+        str(tmp_path / "ckpt"),
+        {"model": model, "optimizer": opt},
+        trainable_only=True,
+        stage_dir=str(tmp_path / "stage"),
+    )
     assert (tmp_path / "ckpt/.metadata").is_file() and not any((tmp_path / "stage").iterdir())
     model2, mo2, _ = build(seed=1)
     frozen = model2.tower.weight.detach().clone()
-    sparse.load(str(tmp_path / "ckpt"), {"model": model2, "optimizer": mo2.optimizers_dict["body"]}, trainable_only=True)
+    sparse.load(
+        str(tmp_path / "ckpt"), {"model": model2, "optimizer": mo2.optimizers_dict["body"]}, trainable_only=True
+    )
     assert torch.equal(model2.body.weight, model.body.weight) and torch.equal(model2.tower.weight, frozen)
     assert mo2.optimizers_dict["body"].param_groups[0]["lr"] == 0.0025
     model3, mo3, _ = build(seed=1)
@@ -243,19 +260,47 @@ def test_save_and_load_have_veomnis_signatures_and_pass_its_arguments_on(
     received: dict[str, Any] = {}
     stock_save = DistributedCheckpointer.save.__func__
 
-    def save(cls: type, path: str, state: dict[str, Any], save_async: bool = False, global_steps: Any = None,
-             storage_writer: Any = None, trainable_only: bool = False, save_to_lowest_rank: bool = False,
-             parallel_state: Any = None, stage_dir: Any = None, new_option: int = 0) -> None:
+    def save(
+        cls: type,
+        path: str,
+        state: dict[str, Any],
+        save_async: bool = False,
+        global_steps: Any = None,
+        storage_writer: Any = None,
+        trainable_only: bool = False,
+        save_to_lowest_rank: bool = False,
+        parallel_state: Any = None,
+        stage_dir: Any = None,
+        new_option: int = 0,
+    ) -> None:
         received["new_option"] = new_option
-        stock_save(cls, path, state, save_async, global_steps, storage_writer, trainable_only, save_to_lowest_rank,
-                   parallel_state, stage_dir)
+        stock_save(
+            cls,
+            path,
+            state,
+            save_async,
+            global_steps,
+            storage_writer,
+            trainable_only,
+            save_to_lowest_rank,
+            parallel_state,
+            stage_dir,
+        )
 
     monkeypatch.setattr(DistributedCheckpointer, "save", classmethod(save))
     sparse.save(str(tmp_path / "b"), {"model": model, "optimizer": mo}, new_option=7)
     assert received == {"new_option": 7} and (tmp_path / "b/.metadata").is_file()
 
-    def load(cls: type, path: str, state: dict[str, Any], process_group: Any = None, storage_reader: Any = None,
-             trainable_only: bool = False, parallel_state: Any = None, new_option: int = 0) -> dict[str, Any]:
+    def load(
+        cls: type,
+        path: str,
+        state: dict[str, Any],
+        process_group: Any = None,
+        storage_reader: Any = None,
+        trainable_only: bool = False,
+        parallel_state: Any = None,
+        new_option: int = 0,
+    ) -> dict[str, Any]:
         raise AssertionError("not reached")
 
     monkeypatch.setattr(DistributedCheckpointer, "load", classmethod(load))
@@ -273,12 +318,16 @@ def test_ddp_backend(tmp_path: Path, one_rank_group: None) -> None:
         ddp = nn.parallel.DistributedDataParallel(model)
         checkpointer.save(str(tmp_path / "ckpt"), {"model": ddp, "optimizer": mo}, global_steps=3)
         model2, mo2, _ = build(seed=1)
-        checkpointer.load(str(tmp_path / "ckpt/global_step_3"), {"model": nn.parallel.DistributedDataParallel(model2),
-                                                                "optimizer": mo2})
+        checkpointer.load(
+            str(tmp_path / "ckpt/global_step_3"),
+            {"model": nn.parallel.DistributedDataParallel(model2), "optimizer": mo2},
+        )
     assert mo2.optimizers_dict["vit"].param_groups[0]["lr"] == 0.0025 and not mo2.optimizers_dict["vit"].state
     for key in ("exp_avg", "exp_avg_sq", "step"):
-        assert torch.equal(mo2.optimizers_dict["body"].state[model2.body.weight][key],
-                           mo.optimizers_dict["body"].state[model.body.weight][key])
+        assert torch.equal(
+            mo2.optimizers_dict["body"].state[model2.body.weight][key],
+            mo.optimizers_dict["body"].state[model.body.weight][key],
+        )
 
 
 @pytest.mark.parametrize("single", [True, False], ids=["one-AdamW-nested", "MultiOptimizer-flat"])
@@ -293,7 +342,9 @@ def test_stock_checkpoint_migration(tmp_path: Path, one_rank_group: None, single
             optimizer.step()
             optimizer.zero_grad()
         optimizer.param_groups[0]["lr"] = 0.005
-    DistributedCheckpointer.save(str(tmp_path / "stock"), {"model": model, "optimizer": optimizer, "extra_state": {"s": 1}})
+    DistributedCheckpointer.save(
+        str(tmp_path / "stock"), {"model": model, "optimizer": optimizer, "extra_state": {"s": 1}}
+    )
     model2, mo2, _ = build(seed=1)
     optimizer2 = torch.optim.AdamW(model2.parameters(), lr=0.01) if single else mo2
     state = {"model": model2, "optimizer": optimizer2, "extra_state": {}}
@@ -360,8 +411,9 @@ def test_anyprecision_adamw_round_trips_through_veomnis_checkpointer(tmp_path: P
     _, torch_loaded = _anyprecision(1)
     torch_loaded.load_state_dict(opt.state_dict())
     params = [p for g in opt2.param_groups for p in g["params"]]
-    assert same_bits([opt2.state[p] for p in params],
-                     [torch_loaded.state[p] for g in torch_loaded.param_groups for p in g["params"]])
+    assert same_bits(
+        [opt2.state[p] for p in params], [torch_loaded.state[p] for g in torch_loaded.param_groups for p in g["params"]]
+    )
 
 
 def test_unsupported_group_value_is_refused_before_veomni_writes(tmp_path: Path, one_rank_group: None) -> None:
@@ -372,7 +424,9 @@ def test_unsupported_group_value_is_refused_before_veomni_writes(tmp_path: Path,
     with sc_veomni.install():
         checkpointer = build_checkpointer("dcp", "fsdp2")
         with pytest.raises(sc.CheckpointFormatError, match="group 0 key 'schedule': unsupported value type object"):
-            checkpointer.save(str(tmp_path), {"model": model, "optimizer": opt, "extra_state": {"s": 1}}, global_steps=2)
+            checkpointer.save(
+                str(tmp_path), {"model": model, "optimizer": opt, "extra_state": {"s": 1}}, global_steps=2
+            )
     assert not (tmp_path / "global_step_2").exists()
 
 

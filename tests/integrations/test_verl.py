@@ -66,7 +66,10 @@ def fresh(kind: str) -> tuple[Any, Any, Any]:
 
     vision = [p for n, p in model.named_parameters() if n.startswith("vision.")]
     rest = [p for n, p in model.named_parameters() if not n.startswith("vision.")]
-    leaves = {"non_extra_parallel": torch.optim.AdamW(rest, lr=0.01), "vit": torch.optim.AdamW(vision, lr=dsd_moe.VISION_LR)}
+    leaves = {
+        "non_extra_parallel": torch.optim.AdamW(rest, lr=0.01),
+        "vit": torch.optim.AdamW(vision, lr=dsd_moe.VISION_LR),
+    }
     optimizer = MultiOptimizer(model, leaves, key_names=list(leaves))
     return model, optimizer, _Schedulers([_lambda(leaves["non_extra_parallel"], 0.9), _lambda(leaves["vit"], 0.5)])
 
@@ -172,7 +175,9 @@ def drill(rank: int, world_size: int, root: str) -> None:
     assert got["with_state"] == dsd_moe.STEPPED + 2, got["with_state"]
     assert got["lrs"] == references["veomni"]["lrs"], (got["lrs"], references["veomni"]["lrs"])
     cut = {leaf: {f: v for f, v in st.items() if f in got["state"][leaf]} for leaf, st in stock_veomni["state"].items()}
-    assert_snapshots_equal(got, {**stock_veomni, "state": cut}, "installed load of the stock checkpoint", state_key_order=False)
+    assert_snapshots_equal(
+        got, {**stock_veomni, "state": cut}, "installed load of the stock checkpoint", state_key_order=False
+    )
     sc_dsd.uninstall()
 
 

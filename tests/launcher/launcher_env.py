@@ -37,9 +37,17 @@ def prefix(*options: str) -> list[str]:
     return [sys.executable, "-m", "sparse_ckpt", "run", *options]
 
 
-def run(command: Sequence[str], env: Mapping[str, str] | None = None, cwd: Path | None = None, timeout: float = 600) -> subprocess.CompletedProcess:
+def run(
+    command: Sequence[str], env: Mapping[str, str] | None = None, cwd: Path | None = None, timeout: float = 600
+) -> subprocess.CompletedProcess:
     """Run ``command`` (its output captured, stdout and stderr together in ``.stdout``)."""
     return subprocess.run(
-        list(command), env=dict(env or child_env()), cwd=cwd or ROOT, stdout=subprocess.PIPE, stderr=subprocess.STDOUT,
-        text=True, timeout=timeout, check=False,
+        list(command),
+        env=dict(env or child_env()),
+        cwd=cwd or ROOT,
+        stdout=subprocess.PIPE,
+        stderr=subprocess.STDOUT,
+        text=True,
+        timeout=timeout,
+        check=False,
     )

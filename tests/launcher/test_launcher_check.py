@@ -40,13 +40,16 @@ def test_interpreter_options_that_keep_the_hook_out_are_not_routed(
     assert out.rstrip().endswith("result: not routed: this command's Python runs stock (the hook did not load)"), out
 
 
-def test_options_that_leave_the_hook_in_are_routed(monkeypatch: pytest.MonkeyPatch, capsys: pytest.CaptureFixture[str]) -> None:
+def test_options_that_leave_the_hook_in_are_routed(
+    monkeypatch: pytest.MonkeyPatch, capsys: pytest.CaptureFixture[str]
+) -> None:
     status, out = check(monkeypatch, capsys, sys.executable, "-X", "dev", "-W", "ignore", "-B", "-c", "pass")
     assert status == cli.EXIT_OK and "options -X dev -W ignore -B" in out and out.rstrip().endswith("result: ok"), out
 
 
-def test_a_scripts_shebang_options_are_probed(tmp_path: Path, monkeypatch: pytest.MonkeyPatch,
-                                              capsys: pytest.CaptureFixture[str]) -> None:
+def test_a_scripts_shebang_options_are_probed(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch, capsys: pytest.CaptureFixture[str]
+) -> None:
     script = tmp_path / "train"
     script.write_text(f"#!{sys.executable} -I\nprint('trained')\n")
     script.chmod(script.stat().st_mode | stat.S_IXUSR)
@@ -58,7 +61,9 @@ def test_a_scripts_shebang_options_are_probed(tmp_path: Path, monkeypatch: pytes
 def test_a_missing_command_is_an_error(monkeypatch: pytest.MonkeyPatch, capsys: pytest.CaptureFixture[str]) -> None:
     status, out = check(monkeypatch, capsys, "no-such-command-sparse-ckpt", "--flag")
     assert status == cli.EXIT_NOT_FOUND, out
-    assert "no-such-command-sparse-ckpt: command not found" in out and "result: error" in out and "result: ok" not in out
+    assert (
+        "no-such-command-sparse-ckpt: command not found" in out and "result: error" in out and "result: ok" not in out
+    )
 
 
 @pytest.mark.parametrize(
@@ -98,13 +103,16 @@ def test_under_strict_an_unimportable_sparse_ckpt_stops_the_process(
 @pytest.mark.parametrize("args", [["--help"], ["--version"], [], ["--integrations", "nosuch", "true"], ["true"]])
 def test_sparse_ckpt_run_starts_without_torch(args: list[str]) -> None:
     """--help, --version, a usage error and the launcher's own start (before the exec) import no torch."""
-    code = ("import atexit, sys\n"
-            "atexit.register(lambda: print('@@torch', 'torch' in sys.modules, file=sys.stderr))\n"
-            f"sys.argv = ['sparse-ckpt-run', *{args!r}]\n"
-            "from sparse_ckpt.launcher import cli\n"
-            "cli.os.execvpe = lambda *a: sys.exit(0)  # stop where the command would start\n"
-            "cli.console_main()\n")
-    proc = subprocess.run([sys.executable, "-c", code], check=False, env=child_env(), capture_output=True, text=True,
-                          timeout=120)
+    code = (
+        "import atexit, sys\n"
+        "atexit.register(lambda: print('@@torch', 'torch' in sys.modules, file=sys.stderr))\n"
+        f"sys.argv = ['sparse-ckpt-run', *{args!r}]\n"
+        "from sparse_ckpt.launcher import cli\n"
+        "cli.os.execvpe = lambda *a: sys.exit(0)  # stop where the command would start\n"
+        "cli.console_main()\n"
+    )
+    proc = subprocess.run(
+        [sys.executable, "-c", code], check=False, env=child_env(), capture_output=True, text=True, timeout=120
+    )
     assert "@@torch False" in proc.stderr, proc.stderr
     assert proc.returncode == (0 if args in (["--help"], ["--version"], ["true"]) else cli.EXIT_USAGE), proc.stderr

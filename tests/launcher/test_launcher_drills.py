@@ -35,11 +35,31 @@ pytestmark = pytest.mark.filterwarnings("ignore::UserWarning", "ignore::FutureWa
 
 PARAMS, STEPPED = 40, 22
 UNROUTED = r"layers\.0\.experts\.4\.weight"
-ROUTED_LINE = re.compile(r"^INFO sparse-ckpt-run \(rank (\d+), pid \d+\): routed torch DSD .* -> sparse_ckpt\.integrations\.dsd$")
+ROUTED_LINE = re.compile(
+    r"^INFO sparse-ckpt-run \(rank (\d+), pid \d+\): routed torch DSD .* -> sparse_ckpt\.integrations\.dsd$"
+)
 HF_ARGS = [
-    "--max_steps", "5", "--save_strategy", "steps", "--save_steps", "3", "--per_device_train_batch_size", "2",
-    "--use_cpu", "--report_to", "none", "--seed", "0", "--remove_unused_columns", "False", "--disable_tqdm", "True",
-    "--logging_strategy", "no", "--dataloader_num_workers", "0",
+    "--max_steps",
+    "5",
+    "--save_strategy",
+    "steps",
+    "--save_steps",
+    "3",
+    "--per_device_train_batch_size",
+    "2",
+    "--use_cpu",
+    "--report_to",
+    "none",
+    "--seed",
+    "0",
+    "--remove_unused_columns",
+    "False",
+    "--disable_tqdm",
+    "True",
+    "--logging_strategy",
+    "no",
+    "--dataloader_num_workers",
+    "0",
 ]
 
 
@@ -90,7 +110,9 @@ def test_drill_scripts_have_no_sparse_ckpt_line() -> None:
         imported = [a.name for n in ast.walk(tree) if isinstance(n, ast.Import) for a in n.names]
         imported += [n.module or "" for n in ast.walk(tree) if isinstance(n, ast.ImportFrom)]
         assert imported and not [m for m in imported if m.startswith("sparse_ckpt")], (script.name, imported)
-        names = {n.id for n in ast.walk(tree) if isinstance(n, ast.Name)} | {n.attr for n in ast.walk(tree) if isinstance(n, ast.Attribute)}
+        names = {n.id for n in ast.walk(tree) if isinstance(n, ast.Name)} | {
+            n.attr for n in ast.walk(tree) if isinstance(n, ast.Attribute)
+        }
         assert "install" not in names and "sparse_ckpt" not in names, script.name
 
 
@@ -98,44 +120,87 @@ def test_drill_scripts_have_no_sparse_ckpt_line() -> None:
 def test_accelerate_launch_hf_trainer(tmp_path: Path) -> None:
     """``sparse-ckpt-run accelerate launch train.py --save_steps 3 ...``: Trainer's own save and
     ``--resume_from_checkpoint`` resume exactly; stock ``accelerate launch`` cannot resume."""
-    pytest.importorskip("transformers", reason="transformers is not installed (pip install --no-deps -r "
-                        ".ci/requirements-veomni.txt: transformers 5.9.0 and its imports)")
+    pytest.importorskip(
+        "transformers",
+        reason="transformers is not installed (pip install --no-deps -r "
+        ".ci/requirements-veomni.txt: transformers 5.9.0 and its imports)",
+    )
     accelerate = _launcher("accelerate", "pip install --no-deps -r .ci/requirements-accelerate.txt")
 
     def command(name: str, *more: str) -> list[str]:
         return [
-            accelerate, "launch", "--multi_gpu", "--num_processes", "2", "--num_machines", "1", "--mixed_precision", "no",
-            "--dynamo_backend", "no", "--main_process_port", str(_free_port()), str(DRILLS / "drill_hf_trainer.py"),
-            "--output_dir", str(tmp_path / name), *HF_ARGS, *more,
+            accelerate,
+            "launch",
+            "--multi_gpu",
+            "--num_processes",
+            "2",
+            "--num_machines",
+            "1",
+            "--mixed_precision",
+            "no",
+            "--dynamo_backend",
+            "no",
+            "--main_process_port",
+            str(_free_port()),
+            str(DRILLS / "drill_hf_trainer.py"),
+            "--output_dir",
+            str(tmp_path / name),
+            *HF_ARGS,
+            *more,
         ]
 
     fresh = command("fresh")
     resume = command("resumed", "--resume_from_checkpoint", str(tmp_path / "fresh" / "checkpoint-3"))
-    drill(fresh, resume, tmp_path / "fresh" / "outcome.pt", tmp_path / "resumed" / "outcome.pt",
-          rf"Missing key in checkpoint state_dict: optimizer\.state\.{UNROUTED}\.step")
+    drill(
+        fresh,
+        resume,
+        tmp_path / "fresh" / "outcome.pt",
+        tmp_path / "resumed" / "outcome.pt",
+        rf"Missing key in checkpoint state_dict: optimizer\.state\.{UNROUTED}\.step",
+    )
 
 
 def _torchrun_drill(tmp_path: Path, script: str, stock_error: str) -> None:
     torchrun = _launcher("torchrun", "it comes with torch")
 
     def command(out: str, *more: str) -> list[str]:
-        return [torchrun, "--standalone", "--nproc-per-node", "2", str(DRILLS / script), str(tmp_path / "ckpt"), str(tmp_path / out), *more]
+        return [
+            torchrun,
+            "--standalone",
+            "--nproc-per-node",
+            "2",
+            str(DRILLS / script),
+            str(tmp_path / "ckpt"),
+            str(tmp_path / out),
+            *more,
+        ]
 
-    drill(command("fresh.pt"), command("resumed.pt", "--resume"), tmp_path / "fresh.pt", tmp_path / "resumed.pt", stock_error)
+    drill(
+        command("fresh.pt"),
+        command("resumed.pt", "--resume"),
+        tmp_path / "fresh.pt",
+        tmp_path / "resumed.pt",
+        stock_error,
+    )
 
 
 @pytest.mark.slow
 def test_torchrun_lightning_fabric(tmp_path: Path) -> None:
     """``sparse-ckpt-run torchrun fabric_train.py``: ``fabric.save``/``fabric.load`` (DCP) resume exactly."""
-    pytest.importorskip("lightning", reason="lightning is not installed (pip install --no-deps -r .ci/requirements-lightning.txt)")
-    _torchrun_drill(tmp_path, "drill_fabric.py", rf"Missing key in checkpoint state_dict: optimizer\.state\.{UNROUTED}\.step")
+    pytest.importorskip(
+        "lightning", reason="lightning is not installed (pip install --no-deps -r .ci/requirements-lightning.txt)"
+    )
+    _torchrun_drill(
+        tmp_path, "drill_fabric.py", rf"Missing key in checkpoint state_dict: optimizer\.state\.{UNROUTED}\.step"
+    )
 
 
 @pytest.mark.slow
 def test_torchrun_olmo_core(tmp_path: Path) -> None:
     """``sparse-ckpt-run torchrun olmo_train.py``: OLMo-core's flat save/load resume exactly."""
-    pytest.importorskip("olmo_core",
-                        reason="ai2-olmo-core is not installed (pip install --no-deps -r .ci/requirements-olmo-core.txt)")
-    _torchrun_drill(tmp_path, "drill_olmo_core.py", rf"Missing key in checkpoint state_dict: optim\.state\.{UNROUTED}\.step")
-
-
+    pytest.importorskip(
+        "olmo_core", reason="ai2-olmo-core is not installed (pip install --no-deps -r .ci/requirements-olmo-core.txt)"
+    )
+    _torchrun_drill(
+        tmp_path, "drill_olmo_core.py", rf"Missing key in checkpoint state_dict: optim\.state\.{UNROUTED}\.step"
+    )

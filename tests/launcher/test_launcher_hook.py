@@ -25,12 +25,16 @@ from sparse_ckpt.launcher import activate as activation
 from sparse_ckpt.launcher import cli
 from sparse_ckpt.launcher._sitecustomize import _sparse_ckpt_run as hook
 
-PROBE = "import json, sys; print(json.dumps({'torch': 'torch' in sys.modules, 'sparse_ckpt': 'sparse_ckpt' in sys.modules, " \
-        "'hook': type(sys.meta_path[0]).__name__, 'site': getattr(sys.modules.get('sitecustomize'), '__file__', None)}))"
+PROBE = (
+    "import json, sys; print(json.dumps({'torch': 'torch' in sys.modules, 'sparse_ckpt': 'sparse_ckpt' in sys.modules, "
+    "'hook': type(sys.meta_path[0]).__name__, 'site': getattr(sys.modules.get('sitecustomize'), '__file__', None)}))"
+)
 
 
 def probe(env: dict[str, str], code: str = PROBE, cwd: Path | None = None) -> dict:
-    proc = subprocess.run([sys.executable, "-c", code], env=env, capture_output=True, text=True, timeout=120, check=False, cwd=cwd)
+    proc = subprocess.run(
+        [sys.executable, "-c", code], env=env, capture_output=True, text=True, timeout=120, check=False, cwd=cwd
+    )
     assert proc.returncode == 0, proc.stderr
     return json.loads(proc.stdout.strip().splitlines()[-1])
 
@@ -39,7 +43,12 @@ def test_a_process_that_never_imports_torch_imports_neither_torch_nor_sparse_ckp
     """Under the prefix's environment the hook is in place (first on ``sys.meta_path``), and a process
     that imports nothing of torch has imported neither torch nor sparse_ckpt at its end."""
     got = probe(cli.environment(child_env()))
-    assert got == {"torch": False, "sparse_ckpt": False, "hook": "_Hook", "site": str(Path(cli.SITE_DIR, "sitecustomize.py"))}
+    assert got == {
+        "torch": False,
+        "sparse_ckpt": False,
+        "hook": "_Hook",
+        "site": str(Path(cli.SITE_DIR, "sitecustomize.py")),
+    }
 
 
 def test_an_existing_sitecustomize_keeps_running(tmp_path: Path) -> None:
@@ -51,11 +60,19 @@ def test_an_existing_sitecustomize_keeps_running(tmp_path: Path) -> None:
     (mine / "sitecustomize.py").write_text("import os\nos.environ['USER_SITECUSTOMIZE_RAN'] = '1'\n")
     code = PROBE.replace("}))", ", 'ran': __import__('os').environ.get('USER_SITECUSTOMIZE_RAN')}))")
     env = cli.environment(child_env({"PYTHONPATH": str(mine)}))
-    assert probe(env, code) == {"torch": False, "sparse_ckpt": False, "hook": "_Hook", "site": str(mine / "sitecustomize.py"), "ran": "1"}
+    assert probe(env, code) == {
+        "torch": False,
+        "sparse_ckpt": False,
+        "hook": "_Hook",
+        "site": str(mine / "sitecustomize.py"),
+        "ran": "1",
+    }
     off = probe({**env, "SPARSE_CKPT_RUN": "0"}, code)
     assert off["ran"] == "1" and off["hook"] != "_Hook"
     (mine / "sitecustomize.py").write_text("raise ValueError('broken site')\n")
-    proc = subprocess.run([sys.executable, "-c", PROBE], env=env, capture_output=True, text=True, timeout=120, check=False)
+    proc = subprocess.run(
+        [sys.executable, "-c", PROBE], env=env, capture_output=True, text=True, timeout=120, check=False
+    )
     assert proc.returncode == 0 and "Error in sitecustomize" in proc.stderr and "broken site" in proc.stderr
     assert json.loads(proc.stdout)["hook"] == "_Hook"
     assert not (Path(cli.SITE_DIR) / "usercustomize.py").exists()  # usercustomize is never shadowed
@@ -134,7 +151,11 @@ def test_environment_keeps_the_users_pythonpath() -> None:
     """The hook's folder leads ``PYTHONPATH``; what was there follows unchanged; options become variables."""
     env = cli.environment({"PYTHONPATH": "/a::/b"}, integrations="dsd", strict=True, log="logging")
     assert env["PYTHONPATH"] == f"{cli.SITE_DIR}{os.pathsep}/a::/b"
-    assert (env["SPARSE_CKPT_INTEGRATIONS"], env["SPARSE_CKPT_RUN_STRICT"], env["SPARSE_CKPT_RUN_LOG"]) == ("dsd", "1", "logging")
+    assert (env["SPARSE_CKPT_INTEGRATIONS"], env["SPARSE_CKPT_RUN_STRICT"], env["SPARSE_CKPT_RUN_LOG"]) == (
+        "dsd",
+        "1",
+        "logging",
+    )
     assert cli.environment({})["PYTHONPATH"] == cli.SITE_DIR
 
 
@@ -167,7 +188,9 @@ def test_the_hook_activates_once_after_the_outermost_trigger(tmp_path: Path, mon
     assert type(sys.modules["fake_dsd"].__loader__).__name__ == "SourceFileLoader"
 
 
-def test_a_refused_install_runs_stock_with_one_warning(monkeypatch: pytest.MonkeyPatch, capsys: pytest.CaptureFixture[str]) -> None:
+def test_a_refused_install_runs_stock_with_one_warning(
+    monkeypatch: pytest.MonkeyPatch, capsys: pytest.CaptureFixture[str]
+) -> None:
     """``install()`` raising ``RuntimeError`` (a torch whose internals it refuses): the process goes on
     stock with one WARNING line naming the integration and the way to make it an error; with strict,
     `LauncherError` (a SparseCheckpointError) instead. An integration module this sparse_ckpt lacks is
@@ -179,7 +202,9 @@ def test_a_refused_install_runs_stock_with_one_warning(monkeypatch: pytest.Monke
 
     monkeypatch.setattr(sc_dsd, "install", refuse)
     monkeypatch.setattr(activation.logger, "propagate", False)  # no handler (pytest's capture is on the root)
-    monkeypatch.setitem(hook.INTEGRATIONS, "ghost", hook.Integration("ghost", ("ghost",), "sparse_ckpt.integrations.ghost_trainer", "r"))
+    monkeypatch.setitem(
+        hook.INTEGRATIONS, "ghost", hook.Integration("ghost", ("ghost",), "sparse_ckpt.integrations.ghost_trainer", "r")
+    )
     monkeypatch.setattr(activation, "INTEGRATIONS", hook.INTEGRATIONS)
     out = activation.activate(["dsd", "ghost"])
     assert [(o["integration"], o["status"]) for o in out] == [("dsd", "refused"), ("ghost", "absent")]
@@ -192,7 +217,9 @@ def test_a_refused_install_runs_stock_with_one_warning(monkeypatch: pytest.Monke
     assert not sc_dsd.installed()
 
 
-def test_routed_line_goes_through_logging_when_configured(monkeypatch: pytest.MonkeyPatch, capsys: pytest.CaptureFixture[str]) -> None:
+def test_routed_line_goes_through_logging_when_configured(
+    monkeypatch: pytest.MonkeyPatch, capsys: pytest.CaptureFixture[str]
+) -> None:
     """With a handler showing INFO, the routing line is an INFO record of ``sparse_ckpt.launcher`` and
     nothing is written to stderr directly; without one, it is written to stderr (never lost)."""
     import sparse_ckpt.integrations.dsd as sc_dsd
@@ -220,26 +247,36 @@ def test_routed_line_goes_through_logging_when_configured(monkeypatch: pytest.Mo
 
 
 @pytest.mark.slow  # two ranks through the launcher
-def test_a_prefixed_process_routes_dsd_and_check_reports_it(monkeypatch: pytest.MonkeyPatch, capsys: pytest.CaptureFixture[str]) -> None:
+def test_a_prefixed_process_routes_dsd_and_check_reports_it(
+    monkeypatch: pytest.MonkeyPatch, capsys: pytest.CaptureFixture[str]
+) -> None:
     """In the prefix's environment, importing torch DSD routes its functions through sparse_ckpt with one
     line on stderr (rank and pid); ``--check`` reports the same from a probe of the command's
     interpreter, without running the command, and exits 0."""
-    code = ("from torch.distributed.checkpoint.state_dict import get_optimizer_state_dict as f; import torch; "
-            "import sparse_ckpt.integrations.dsd as d; m = torch.nn.Linear(2, 2); o = torch.optim.AdamW(m.parameters()); "
-            "print(isinstance(f(m, o), d.DsdStateDict) and not o.state, d.installed())")
-    proc = run([sys.executable, "-c", code], env=cli.environment(child_env({"RANK": "3"}), integrations="dsd"), timeout=300)
+    code = (
+        "from torch.distributed.checkpoint.state_dict import get_optimizer_state_dict as f; import torch; "
+        "import sparse_ckpt.integrations.dsd as d; m = torch.nn.Linear(2, 2); o = torch.optim.AdamW(m.parameters()); "
+        "print(isinstance(f(m, o), d.DsdStateDict) and not o.state, d.installed())"
+    )
+    proc = run(
+        [sys.executable, "-c", code], env=cli.environment(child_env({"RANK": "3"}), integrations="dsd"), timeout=300
+    )
     assert proc.returncode == 0, proc.stdout
     lines = proc.stdout.strip().splitlines()
     assert lines[-1] == "True True"
     said = [line for line in lines if "sparse-ckpt-run" in line]
-    assert len(said) == 1 and said[0].startswith("INFO sparse-ckpt-run (rank 3, pid ") and "routed torch DSD" in said[0], said
+    assert (
+        len(said) == 1 and said[0].startswith("INFO sparse-ckpt-run (rank 3, pid ") and "routed torch DSD" in said[0]
+    ), said
     monkeypatch.setattr(os, "environ", child_env())
     assert cli.main(["--check", "--integrations", "dsd", sys.executable, "-c", "raise SystemExit(3)"]) == cli.EXIT_OK
     out = capsys.readouterr().out
     assert "dsd        routed: torch DSD" in out and out.rstrip().endswith("result: ok"), out
 
 
-def test_a_trainer_integration_module_is_picked_up_when_present(monkeypatch: pytest.MonkeyPatch, capsys: pytest.CaptureFixture[str]) -> None:
+def test_a_trainer_integration_module_is_picked_up_when_present(
+    monkeypatch: pytest.MonkeyPatch, capsys: pytest.CaptureFixture[str]
+) -> None:
     """The table maps a trainer's package to ``sparse_ckpt.integrations.<name>.install``: when that module
     exists (here a stand-in for torchtune's) its ``install()`` is called and the line names it; when it
     does not, the entry is skipped as ``absent`` and nothing is said about it."""

@@ -57,8 +57,10 @@ def make_model(seed: int = 0) -> nn.Module:
 def _groups(model: nn.Module, name: str) -> list[dict[str, Any]]:
     if name == "LBFGS":  # one group only
         return [{"params": list(model.parameters())}]
-    return [{"params": list(model["a"].parameters())},
-            {"params": [model["b"].weight, model["idle"].weight], "lr": 0.02, "weight_decay": 0.1}]
+    return [
+        {"params": list(model["a"].parameters())},
+        {"params": [model["b"].weight, model["idle"].weight], "lr": 0.02, "weight_decay": 0.1},
+    ]
 
 
 def optimizers(model: nn.Module, name: str, fmt: str) -> list[torch.optim.Optimizer]:
@@ -78,11 +80,13 @@ def train(model: nn.Module, opts: list[torch.optim.Optimizer], steps: int, seed:
     for _ in range(steps):
         for o in opts:
             if isinstance(o, torch.optim.LBFGS):
+
                 def closure(o: torch.optim.Optimizer = o) -> torch.Tensor:
                     o.zero_grad()
                     loss = model["b"](model["a"](x)).pow(2).sum()
                     loss.backward()
                     return loss
+
                 o.step(closure)
             else:
                 for p in (model["a"].weight, model["a"].bias, model["b"].weight):
@@ -106,8 +110,9 @@ def save(path: Path, model: nn.Module, opts: list[torch.optim.Optimizer], fmt: s
         dcp.save({"optim": dsd.get_optimizer_state_dict(model, opts, options=options)}, checkpoint_id=path)
         return
     layout = "auto" if fmt == "packed" else "per_tensor"
-    state = sc.SparseOptimizerState(model, _leaves(opts, fmt, model), format="packed" if fmt == "packed" else "flat",
-                                    state_layout=layout)
+    state = sc.SparseOptimizerState(
+        model, _leaves(opts, fmt, model), format="packed" if fmt == "packed" else "flat", state_layout=layout
+    )
     dcp.save({"optim": state}, checkpoint_id=path)
 
 
@@ -151,7 +156,9 @@ def outcomes(name: str, fmt: str, path: Path) -> dict[str, str]:
     return result
 
 
-def verdict(load_damaged: Callable[[], None], target: list[torch.optim.Optimizer], saved: list[torch.optim.Optimizer]) -> str:
+def verdict(
+    load_damaged: Callable[[], None], target: list[torch.optim.Optimizer], saved: list[torch.optim.Optimizer]
+) -> str:
     """What one load of a damaged checkpoint did to ``target``: ``"refused"`` (a sparse_ckpt error, and
     ``target`` as it was before), ``"exact"`` (``target`` equals the ``saved`` optimizers), ``"silent"``
     (it loaded something else) or ``"raw: ..."`` (another error)."""
@@ -196,8 +203,16 @@ def _without(node: Any, path: tuple[Any, ...]) -> Any:
     if not path:
         return node
     if isinstance(node, dict):
-        return {k: (_without(v, path[1:]) if k == path[0] else v) for k, v in node.items() if not (k == path[0] and len(path) == 1)}
-    return [(_without(v, path[1:]) if i == path[0] else v) for i, v in enumerate(node) if not (i == path[0] and len(path) == 1)]
+        return {
+            k: (_without(v, path[1:]) if k == path[0] else v)
+            for k, v in node.items()
+            if not (k == path[0] and len(path) == 1)
+        }
+    return [
+        (_without(v, path[1:]) if i == path[0] else v)
+        for i, v in enumerate(node)
+        if not (i == path[0] and len(path) == 1)
+    ]
 
 
 def _perturbed(opts: list[torch.optim.Optimizer]) -> None:
@@ -211,7 +226,9 @@ def _perturbed(opts: list[torch.optim.Optimizer]) -> None:
                     g[k] = tuple(x / 2 for x in v)
 
 
-def _load_dict(model: nn.Module, opts: list[torch.optim.Optimizer], fmt: str, sd: Any, options: StateDictOptions) -> None:
+def _load_dict(
+    model: nn.Module, opts: list[torch.optim.Optimizer], fmt: str, sd: Any, options: StateDictOptions
+) -> None:
     """Load the in-memory dict ``sd`` of format ``fmt`` into ``opts``."""
     if fmt.startswith("dsd-"):
         dsd.set_optimizer_state_dict(model, opts, sd, options=options)

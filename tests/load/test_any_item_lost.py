@@ -47,8 +47,13 @@ OPTIMIZERS: dict[str, Callable[[nn.Module], Any]] = {
     "AdamW": lambda m: torch.optim.AdamW(m.parameters(), lr=0.01),
     "SGD-momentum": lambda m: torch.optim.SGD(m.parameters(), lr=0.1, momentum=0.9),
     "LBFGS": _lbfgs,
-    "multi": lambda m: sc.MultiOptimizer(m, {"first": torch.optim.AdamW(m[0].parameters(), lr=0.01),
-                                             "second": torch.optim.SGD(m[1].parameters(), lr=0.1, momentum=0.9)}),
+    "multi": lambda m: sc.MultiOptimizer(
+        m,
+        {
+            "first": torch.optim.AdamW(m[0].parameters(), lr=0.01),
+            "second": torch.optim.SGD(m[1].parameters(), lr=0.1, momentum=0.9),
+        },
+    ),
 }
 
 
@@ -56,11 +61,13 @@ def _train(model: nn.Module, opt: Any, steps: int, seed: int = 0) -> None:
     if isinstance(opt, torch.optim.LBFGS):
         x = torch.randn(5, 3, generator=torch.Generator().manual_seed(seed))
         for _ in range(steps):
+
             def closure() -> torch.Tensor:
                 opt.zero_grad()
                 loss = model(x).pow(2).sum()
                 loss.backward()
                 return loss
+
             opt.step(closure)
         return
     for s in range(steps):
@@ -93,8 +100,11 @@ def _outcomes(name: str, layout: str, strict: bool, tmp_path: Path) -> dict[str,
         target_model.load_state_dict(model.state_dict())
         before = snapshot_optimizer(target)
         try:
-            dcp.load({"optim": _state(target_model, target, layout, strict)}, checkpoint_id=path,
-                     planner=sc.SparseLoadPlanner())
+            dcp.load(
+                {"optim": _state(target_model, target, layout, strict)},
+                checkpoint_id=path,
+                planner=sc.SparseLoadPlanner(),
+            )
         except sc.SparseCheckpointError as exc:
             assert_optimizer_equal(target, before, grads=False)
             outcomes[key] = f"refused: {type(exc).__name__}"
@@ -127,10 +137,14 @@ def test_a_lost_scalar_table_is_refused_by_name(name: str, layout: str, tmp_path
     dcp.save({"optim": sc.SparseOptimizerState(model, opt, state_layout=layout)}, checkpoint_id=tmp_path)
     drop_from_metadata(tmp_path, "optim.state.__packed__.optim.w1r0")
     target = OPTIMIZERS[name](model)
-    with pytest.raises(sc.CheckpointMismatchError,
-                       match=r"leaf 'optim': checkpoint item 'state\.__packed__\.optim\.w1r0' is missing"):
-        dcp.load({"optim": sc.SparseOptimizerState(model, target, state_layout=layout)}, checkpoint_id=tmp_path,
-                 planner=sc.SparseLoadPlanner())
+    with pytest.raises(
+        sc.CheckpointMismatchError, match=r"leaf 'optim': checkpoint item 'state\.__packed__\.optim\.w1r0' is missing"
+    ):
+        dcp.load(
+            {"optim": sc.SparseOptimizerState(model, target, state_layout=layout)},
+            checkpoint_id=tmp_path,
+            planner=sc.SparseLoadPlanner(),
+        )
     assert not target.state
 
 
@@ -148,7 +162,9 @@ def test_a_lost_list_element_is_refused(key: str, which: str, tmp_path: Path) ->
     drop_from_metadata(tmp_path, f"optim.state.0.weight.{key}.{index}")
     target = _lbfgs(model)
     with pytest.raises(sc.CheckpointMismatchError, match=rf"'0\.weight'|state\.0\.weight\.{key}\.{index}"):
-        dcp.load({"optim": sc.SparseOptimizerState(model, target)}, checkpoint_id=tmp_path, planner=sc.SparseLoadPlanner())
+        dcp.load(
+            {"optim": sc.SparseOptimizerState(model, target)}, checkpoint_id=tmp_path, planner=sc.SparseLoadPlanner()
+        )
     assert not target.state
 
 
@@ -161,8 +177,11 @@ def test_a_lost_leaf_group_table_is_refused_with_strict_false(tmp_path: Path) ->
     drop_from_metadata(tmp_path, "optim.param_groups.__packed__.second.w1r0")
     target = OPTIMIZERS["multi"](model)
     with pytest.raises(sc.CheckpointMismatchError, match=r"leaf 'second'"):
-        dcp.load({"optim": sc.SparseOptimizerState(model, target, strict=False)}, checkpoint_id=tmp_path,
-                 planner=sc.SparseLoadPlanner())
+        dcp.load(
+            {"optim": sc.SparseOptimizerState(model, target, strict=False)},
+            checkpoint_id=tmp_path,
+            planner=sc.SparseLoadPlanner(),
+        )
 
 
 def test_verify_reports_a_lost_scalar_table(tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:

@@ -424,7 +424,10 @@ def test_group_table_for_leaf_the_target_lacks() -> None:
     model = Net()
     multi = sc.MultiOptimizer(
         model,
-        {"experts": torch.optim.SGD(model.a.parameters(), lr=0.1), "dense": torch.optim.SGD(model.b.parameters(), lr=0.2)},
+        {
+            "experts": torch.optim.SGD(model.a.parameters(), lr=0.1),
+            "dense": torch.optim.SGD(model.b.parameters(), lr=0.2),
+        },
     )
     sd = sc.sparse_state_dict(model, multi)
     target = {"experts": torch.optim.SGD(model.a.parameters(), lr=0.5)}
@@ -472,7 +475,9 @@ def test_non_bytes_value_under_packed_key(value: Any) -> None:
 
 
 @pytest.mark.parametrize(
-    "key", [3, ("state", "a.weight"), None, b"state.a.weight.exp_avg", 1.5], ids=["int", "tuple", "None", "bytes", "float"]
+    "key",
+    [3, ("state", "a.weight"), None, b"state.a.weight.exp_avg", 1.5],
+    ids=["int", "tuple", "None", "bytes", "float"],
 )
 def test_non_string_key(key: Any) -> None:
     """A key that is not a ``str``."""
@@ -512,7 +517,9 @@ def test_state_nested_under_tensor() -> None:
 
 def test_table_lists_fqn_the_model_lacks() -> None:
     """A settings table whose FQNs are unknown to the target model (strict)."""
-    table = tab(GOOD_SETTINGS, [group(0, ["a.weight", "a.bias", "zzz"]), group(1, ["b.weight", "b.bias"]), group(1, [])])
+    table = tab(
+        GOOD_SETTINGS, [group(0, ["a.weight", "a.bias", "zzz"]), group(1, ["b.weight", "b.bias"]), group(1, [])]
+    )
     load_fails(with_table({}, table), MISMATCH, "zzz", target=lr_only_target())
 
 
@@ -744,9 +751,21 @@ def test_decode_table_mutated(seed: int) -> None:
 def _rich_tables() -> list[bytes]:
     """Valid tables covering every value tag, unicode, the deepest nesting and shared settings."""
     rich = {
-        "lr": 0.1, "betas": (0.9, 0.999), "nan": float("nan"), "neg0": -0.0, "big": 2**63 - 1, "small": -(2**63),
-        "flag": True, "off": False, "none": None, "name": "é日本🙂", "raw": b"\x00\xff", "list": [1, [2.5, ("x",)]],
-        "t": torch.tensor([-0.0, 1.5], dtype=torch.float64), "t0": torch.tensor(0.5), "empty": torch.zeros(0, 3),
+        "lr": 0.1,
+        "betas": (0.9, 0.999),
+        "nan": float("nan"),
+        "neg0": -0.0,
+        "big": 2**63 - 1,
+        "small": -(2**63),
+        "flag": True,
+        "off": False,
+        "none": None,
+        "name": "é日本🙂",
+        "raw": b"\x00\xff",
+        "list": [1, [2.5, ("x",)]],
+        "t": torch.tensor([-0.0, 1.5], dtype=torch.float64),
+        "t0": torch.tensor(0.5),
+        "empty": torch.zeros(0, 3),
         "bf16": torch.arange(6, dtype=torch.bfloat16).reshape(2, 3),
     }
     nested: Any = 1
@@ -758,10 +777,15 @@ def _rich_tables() -> list[bytes]:
         [(rich, ["a.w", "a.b"]), ({"lr": 0.2}, ["c"]), (dict(rich), ["日本.x"]), ({}, [])],
         [({"deep": nested, "lr": torch.tensor([1, -2, 3], dtype=torch.int32)}, ["p"]), ({"lr": 1}, ["q", "r", "s"])],
     ]
-    named = {"momentum_dtype": torch.bfloat16, "dev": torch.device("cuda", 1), "mix": (torch.float32, [torch.device("cpu"), None])}
+    named = {
+        "momentum_dtype": torch.bfloat16,
+        "dev": torch.device("cuda", 1),
+        "mix": (torch.float32, [torch.device("cpu"), None]),
+    }
     tables = [_core_py.encode_table("fz", g, torch.Tensor, tensor_to_parts) for g in groups_list]
-    return tables + [_core_py.encode_table("fz", [(rich, ["a"]), (named, ["b", "c"])], torch.Tensor, tensor_to_parts,
-                                           value_to_name)]
+    return tables + [
+        _core_py.encode_table("fz", [(rich, ["a"]), (named, ["b", "c"])], torch.Tensor, tensor_to_parts, value_to_name)
+    ]
 
 
 RICH_TABLES = _rich_tables()
@@ -895,8 +919,11 @@ def _two_rank_buffers() -> tuple[nn.Module, torch.optim.Optimizer, list[dict[str
     opt.step()
     sd = sc.sparse_state_dict(model, opt, state_layout="buffers")
     # (the group table's item record names this save's own w1r0 buffers: the 'ranks' below replace them)
-    base = {k: without_items_record(PACKED_PREFIX, k[len(PACKED_PREFIX) :], v) if k.startswith(PACKED_PREFIX) else v
-            for k, v in sd.items() if not k.startswith(BUFFERS_PREFIX)}
+    base = {
+        k: without_items_record(PACKED_PREFIX, k[len(PACKED_PREFIX) :], v) if k.startswith(PACKED_PREFIX) else v
+        for k, v in sd.items()
+        if not k.startswith(BUFFERS_PREFIX)
+    }
     dicts = []
     for rank in range(2):
         entries, local = [], []
@@ -905,7 +932,9 @@ def _two_rank_buffers() -> tuple[nn.Module, torch.optim.Optimizer, list[dict[str
             lo, hi = (0, rows // 2) if rank == 0 else (rows // 2, rows)
             for key in ("exp_avg", "exp_avg_sq"):
                 t = opt.state[p][key]
-                entries.append((name, key, "float32", 4, tuple(t.shape), (lo, *[0] * (t.ndim - 1)), (hi - lo, *t.shape[1:])))
+                entries.append(
+                    (name, key, "float32", 4, tuple(t.shape), (lo, *[0] * (t.ndim - 1)), (hi - lo, *t.shape[1:]))
+                )
                 local.append(t[lo:hi])
         layout, buckets = backend.core.encode_layout("optim", entries, 64)
         tag = f"w2r{rank}"
@@ -938,7 +967,7 @@ def test_mutated_layout_tables_load_exactly_or_are_refused(seed: int) -> None:
         at = rnd.randrange(6, len(bad))
         bad[at] ^= rnd.randint(1, 255)
     edited = {**base, **r0, **r1, key: seal(bytes(bad))}
-    for core in (_core_py, *( [backend.core] if backend.NAME == "cpp" else [])):
+    for core in (_core_py, *([backend.core] if backend.NAME == "cpp" else [])):
         saved_core = backend.core
         backend.core = core
         try:

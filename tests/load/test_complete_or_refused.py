@@ -24,8 +24,13 @@ pytestmark = pytest.mark.filterwarnings("ignore:torch.distributed is disabled:Us
 
 def _source() -> tuple[nn.Module, sc.MultiOptimizer]:
     model = make_moe(0)
-    opt = sc.MultiOptimizer(model, {"experts": torch.optim.AdamW(model.expert_params(), lr=0.01),
-                                    "dense": torch.optim.SGD(model.dense_params(), lr=0.1, momentum=0.9)})
+    opt = sc.MultiOptimizer(
+        model,
+        {
+            "experts": torch.optim.AdamW(model.expert_params(), lr=0.01),
+            "dense": torch.optim.SGD(model.dense_params(), lr=0.1, momentum=0.9),
+        },
+    )
     train(model, opt, 2, only_experts=[0, 2])
     return model, opt
 
@@ -33,8 +38,13 @@ def _source() -> tuple[nn.Module, sc.MultiOptimizer]:
 def _target(model: nn.Module) -> tuple[nn.Module, sc.MultiOptimizer]:
     model2 = make_moe(1)
     model2.load_state_dict(model.state_dict())
-    opt2 = sc.MultiOptimizer(model2, {"experts": torch.optim.AdamW(model2.expert_params(), lr=0.5),
-                                      "dense": torch.optim.SGD(model2.dense_params(), lr=0.5, momentum=0.5)})
+    opt2 = sc.MultiOptimizer(
+        model2,
+        {
+            "experts": torch.optim.AdamW(model2.expert_params(), lr=0.5),
+            "dense": torch.optim.SGD(model2.dense_params(), lr=0.5, momentum=0.5),
+        },
+    )
     train(model2, opt2, 1, only_experts=[1], seed=9)  # it has state of its own: a refusal must keep it
     return model2, opt2
 
@@ -57,8 +67,11 @@ def test_a_lost_item_is_refused(lost: str, strict: bool) -> None:
     del sd[lost]
     fqn, _, key = lost.removeprefix("state.").rpartition(".")
     leaf = "experts" if fqn.startswith("experts.") else "dense"
-    _refused(model, lambda m, o: sc.load_sparse_state_dict(m, o, sd, strict=strict),
-             rf"leaf '{leaf}': parameter '{fqn}' has no saved state '{key}'.*strict=False does not change this")
+    _refused(
+        model,
+        lambda m, o: sc.load_sparse_state_dict(m, o, sd, strict=strict),
+        rf"leaf '{leaf}': parameter '{fqn}' has no saved state '{key}'.*strict=False does not change this",
+    )
 
 
 def test_a_lost_nested_item_is_refused() -> None:
@@ -94,16 +107,26 @@ def test_a_parameter_of_another_rank_is_not_checked() -> None:
     from sparse_ckpt._load.load import load_owned
 
     model = make_moe(0)
-    opt = sc.MultiOptimizer(model, {"experts": torch.optim.AdamW(model.expert_params(), lr=0.01),
-                                    "dense": torch.optim.SGD(model.dense_params(), lr=0.1, momentum=0.9)})
+    opt = sc.MultiOptimizer(
+        model,
+        {
+            "experts": torch.optim.AdamW(model.expert_params(), lr=0.01),
+            "dense": torch.optim.SGD(model.dense_params(), lr=0.1, momentum=0.9),
+        },
+    )
     train(model, opt, 2, only_experts=[0, 3])
     sd = sc.sparse_state_dict(model, opt)
     del sd["state.experts.3.up.weight.exp_avg_sq"]  # expert 3 is another rank's here
     shard = make_moe(1)
     shard.load_state_dict(model.state_dict())
     del shard.experts[3]
-    dst = sc.MultiOptimizer(shard, {"experts": torch.optim.AdamW(shard.expert_params(), lr=0.5),
-                                    "dense": torch.optim.SGD(shard.dense_params(), lr=0.5, momentum=0.5)})
+    dst = sc.MultiOptimizer(
+        shard,
+        {
+            "experts": torch.optim.AdamW(shard.expert_params(), lr=0.5),
+            "dense": torch.optim.SGD(shard.dense_params(), lr=0.5, momentum=0.5),
+        },
+    )
     load_owned(shard, dst, sd, strict=True, unowned_are_other_ranks=True)
     assert_optimizer_equal(dst["dense"], opt["dense"], grads=False)
 
@@ -130,13 +153,18 @@ def _dcp_load(path: Path, strict: bool) -> Any:
 
 
 @pytest.mark.parametrize("strict", [True, False])
-@pytest.mark.parametrize(("layout", "item"), [("per_tensor", "exp_avg_sq"), ("buffers", "buffer"), ("buffers", "layout")])
+@pytest.mark.parametrize(
+    ("layout", "item"), [("per_tensor", "exp_avg_sq"), ("buffers", "buffer"), ("buffers", "layout")]
+)
 def test_an_item_removed_from_the_metadata_is_refused(tmp_path: Path, layout: str, item: str, strict: bool) -> None:
     model, opt = _source()
     dcp.save({"optim": sc.SparseOptimizerState(model, opt, state_layout=layout)}, checkpoint_id=tmp_path)
     keys = list(dcp.FileSystemReader(str(tmp_path)).read_metadata().state_dict_metadata)
     if item == "exp_avg_sq":
-        key, match = "optim.state.experts.2.up.weight.exp_avg_sq", r"leaf 'experts': parameter 'experts\.2\.up\.weight' has no saved state 'exp_avg_sq'"
+        key, match = (
+            "optim.state.experts.2.up.weight.exp_avg_sq",
+            r"leaf 'experts': parameter 'experts\.2\.up\.weight' has no saved state 'exp_avg_sq'",
+        )
     elif item == "buffer":
         key = next(k for k in keys if k.startswith(f"optim.{BUFFERS_PREFIX}experts.B"))
         match = rf"leaf 'experts': buffer item '{key.removeprefix('optim.')}', which holds state 'exp_avg' of 'experts\.0\.up\.weight'"
@@ -162,7 +190,9 @@ def test_an_item_whose_chunk_records_are_damaged_is_refused(tmp_path: Path, layo
         md = pickle.load(f)
     key = "optim.state.experts.0.up.weight.exp_avg"
     if layout == "auto":  # a small tensor is buffered: damage the one state item left, the layout table's
-        key = next(k for k, v in md.state_dict_metadata.items() if k.startswith(f"optim.{BUFFERS_PREFIX}") and ".B" in k)
+        key = next(
+            k for k, v in md.state_dict_metadata.items() if k.startswith(f"optim.{BUFFERS_PREFIX}") and ".B" in k
+        )
     chunks = md.state_dict_metadata[key].chunks
     if damage == "lost":
         chunks.clear()
@@ -173,12 +203,16 @@ def test_an_item_whose_chunk_records_are_damaged_is_refused(tmp_path: Path, layo
     model2, opt2 = _target(model)
     before = snapshot_optimizer(opt2)
     with pytest.raises((sc.CheckpointFormatError, CheckpointException), match=r"\.metadata lists data for \d+ of its"):
-        dcp.load({"optim": sc.SparseOptimizerState(model2, opt2)}, checkpoint_id=tmp_path, planner=sc.SparseLoadPlanner())
+        dcp.load(
+            {"optim": sc.SparseOptimizerState(model2, opt2)}, checkpoint_id=tmp_path, planner=sc.SparseLoadPlanner()
+        )
     assert_optimizer_equal(opt2, before)
 
 
 @pytest.mark.parametrize("layout", ["per_tensor", "buffers", "auto"])
-def test_any_single_lost_item_is_refused_or_loads_exactly(tmp_path: Path, monkeypatch: pytest.MonkeyPatch, layout: str) -> None:
+def test_any_single_lost_item_is_refused_or_loads_exactly(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch, layout: str
+) -> None:
     """Complete or refused, exhaustively: for a small checkpoint of each layout (``auto`` with a
     threshold that leaves both per-item and buffered state), removing any single optimizer item from
     the ``.metadata`` either fails the load with the optimizer untouched or loads exactly what was
@@ -190,14 +224,23 @@ def test_any_single_lost_item_is_refused_or_loads_exactly(tmp_path: Path, monkey
     import sparse_ckpt._layouts as layouts
 
     model, opt = _source()
-    sizes = sorted({v.numel() * v.element_size() for _leaf, o in opt.leaves() for st in o.state.values()
-                    for v in st.values() if isinstance(v, torch.Tensor) and v.dim() > 0})
+    sizes = sorted(
+        {
+            v.numel() * v.element_size()
+            for _leaf, o in opt.leaves()
+            for st in o.state.values()
+            for v in st.values()
+            if isinstance(v, torch.Tensor) and v.dim() > 0
+        }
+    )
     monkeypatch.setattr(layouts, "AUTO_OWN_ITEM_BYTES", sizes[len(sizes) // 2])
     saved = tmp_path / "saved"
     dcp.save({"optim": sc.SparseOptimizerState(model, opt, state_layout=layout)}, checkpoint_id=saved)
     entries = dcp.FileSystemReader(str(saved)).read_metadata().state_dict_metadata
     keys = [k for k in entries if k.startswith("optim.")]
-    guards = {k for k in keys if k == f"optim.{PLANNER_GUARD_KEY}" or is_foreign_guard(k.removeprefix("optim."), entries[k])}
+    guards = {
+        k for k in keys if k == f"optim.{PLANNER_GUARD_KEY}" or is_foreign_guard(k.removeprefix("optim."), entries[k])
+    }
     outcomes: dict[str, str] = {}
     for key in keys:
         damaged = tmp_path / "damaged"
@@ -210,7 +253,9 @@ def test_any_single_lost_item_is_refused_or_loads_exactly(tmp_path: Path, monkey
                 p2.copy_(p)
         before = {leaf: snapshot_optimizer(o) for leaf, o in opt2.leaves()}
         try:
-            dcp.load({"optim": sc.SparseOptimizerState(model2, opt2)}, checkpoint_id=damaged, planner=sc.SparseLoadPlanner())
+            dcp.load(
+                {"optim": sc.SparseOptimizerState(model2, opt2)}, checkpoint_id=damaged, planner=sc.SparseLoadPlanner()
+            )
         except (sc.SparseCheckpointError, CheckpointException):
             for leaf, o in opt2.leaves():
                 assert_optimizer_equal(o, before[leaf])

@@ -53,7 +53,9 @@ def test_zeroed_table_bytes_never_advise_weights_only_false(tmp_path: Path) -> N
     damaged_files._zero(data, 0, os.path.getsize(data))
     model, opt = damaged_files._stepped(7)
     model.load_state_dict(model_sd)
-    outcome, detail = damaged_files.classify(lambda: damaged_files._load_stateful(path, "packed", model, opt), opt, saved)
+    outcome, detail = damaged_files.classify(
+        lambda: damaged_files._load_stateful(path, "packed", model, opt), opt, saved
+    )
     assert outcome == "refused", detail
     assert damaged_files.BAD_ADVICE not in detail
 

@@ -43,8 +43,14 @@ def test_any_single_lost_item_of_any_optimizer_is_refused_or_exact(fmt: str) -> 
     assert counts["refused"] >= 4 * len(OPTIMIZERS)
 
 
-_DCP_CASES = [("packed", "RMSprop"), ("flat", "AdamW"), ("flat-multi", "SGD-momentum"), ("dsd-flat", "LBFGS"),
-              ("dsd-nested", "Adafactor"), ("dsd-nested-multi", "ASGD")]
+_DCP_CASES = [
+    ("packed", "RMSprop"),
+    ("flat", "AdamW"),
+    ("flat-multi", "SGD-momentum"),
+    ("dsd-flat", "LBFGS"),
+    ("dsd-nested", "Adafactor"),
+    ("dsd-nested-multi", "ASGD"),
+]
 
 
 @pytest.mark.parametrize(("fmt", "name"), _DCP_CASES, ids=[f"{f}-{n}" for f, n in _DCP_CASES])
@@ -73,12 +79,18 @@ def test_a_lost_setting_or_state_item_is_refused_naming_leaf_fqn_and_key(flatten
         lost_lr = {k: v for k, v in sd.items() if k != "param_groups.b.weight.lr"}
     else:
         lost_state = {**sd, "state": {k: v for k, v in sd["state"].items() if k != "b.weight"}}
-        lost_lr = {**sd, "param_groups": [sd["param_groups"][0], {k: v for k, v in sd["param_groups"][1].items() if k != "lr"}]}
+        lost_lr = {
+            **sd,
+            "param_groups": [sd["param_groups"][0], {k: v for k, v in sd["param_groups"][1].items() if k != "lr"}],
+        }
     for damaged, what in ((lost_state, r"state 'momentum_buffer'"), (lost_lr, r"setting 'lr'")):
         target = optimizers(model, "SGD-momentum", "flat")
-        with pytest.raises(sc.CheckpointMismatchError, match=rf"leaf 'optim': parameter 'b\.weight' has no saved {what}.*key record"):
-            dsd.set_optimizer_state_dict(model, target, damaged, options=StateDictOptions(
-                flatten_optimizer_state_dict=flatten, strict=False))
+        with pytest.raises(
+            sc.CheckpointMismatchError, match=rf"leaf 'optim': parameter 'b\.weight' has no saved {what}.*key record"
+        ):
+            dsd.set_optimizer_state_dict(
+                model, target, damaged, options=StateDictOptions(flatten_optimizer_state_dict=flatten, strict=False)
+            )
         assert not target[0].state
 
 

@@ -50,8 +50,14 @@ class _MoE(nn.Module):
 def _build(model: _MoE) -> tuple[sc.MultiOptimizer, list[torch.optim.lr_scheduler.LRScheduler]]:
     experts = torch.optim.AdamW(
         [
-            {"params": list(model.experts[0].parameters()) + list(model.experts[1].parameters()), "lr": torch.tensor(0.01)},
-            {"params": list(model.experts[2].parameters()) + list(model.experts[3].parameters()), "lr": torch.tensor(0.02)},
+            {
+                "params": list(model.experts[0].parameters()) + list(model.experts[1].parameters()),
+                "lr": torch.tensor(0.01),
+            },
+            {
+                "params": list(model.experts[2].parameters()) + list(model.experts[3].parameters()),
+                "lr": torch.tensor(0.02),
+            },
         ],
         weight_decay=0.1,
     )

@@ -92,12 +92,16 @@ def test_a_never_stepped_torch_state_dict_loads_its_groups() -> None:
 def test_a_torch_state_dict_of_several_groups_loads_into_a_multi_optimizer_leaf_by_leaf() -> None:
     """The saved groups in order onto the leaves' groups in order (torch numbers them so)."""
     src_model = Net()
-    src = torch.optim.AdamW([{"params": src_model.a.parameters(), "lr": 0.01}, {"params": src_model.b.parameters(), "lr": 0.02}])
+    src = torch.optim.AdamW(
+        [{"params": src_model.a.parameters(), "lr": 0.01}, {"params": src_model.b.parameters(), "lr": 0.02}]
+    )
     src_model.b(torch.randn(3, 4)).sum().backward()
     src.step()
     model = Net(1)
-    multi = sc.MultiOptimizer(model, {"a": torch.optim.AdamW(model.a.parameters(), lr=0.5),
-                                      "b": torch.optim.AdamW(model.b.parameters(), lr=0.5)})
+    multi = sc.MultiOptimizer(
+        model,
+        {"a": torch.optim.AdamW(model.a.parameters(), lr=0.5), "b": torch.optim.AdamW(model.b.parameters(), lr=0.5)},
+    )
     with pytest.warns(PositionalLoadWarning, match=r"2 group\(s\) of \[2, 2\]"):
         sc.load_sparse_state_dict(model, multi, src.state_dict())
     ref = torch.optim.AdamW([{"params": model.a.parameters()}, {"params": model.b.parameters()}])
@@ -115,7 +119,9 @@ def test_a_torch_state_dict_whose_groups_disagree_is_refused_and_its_hint_loads(
     model = Net(1)
     split = torch.optim.AdamW([{"params": model.a.parameters()}, {"params": model.b.parameters()}], lr=0.5)
     for strict in (True, False):
-        message = refused(model, split, src.state_dict(), r"optimizer\.state_dict\(\) \(int parameter ids", strict=strict)
+        message = refused(
+            model, split, src.state_dict(), r"optimizer\.state_dict\(\) \(int parameter ids", strict=strict
+        )
         assert "1 param group(s) of [4] parameters" in message and "[2, 2]" in message
     built_as_saved = torch.optim.AdamW(model.parameters(), lr=0.5)
     with pytest.warns(PositionalLoadWarning):
@@ -165,8 +171,9 @@ def test_a_renamed_module_is_refused_in_every_mode_and_its_hint_loads(fmt: str) 
 def test_a_partly_matching_checkpoint_follows_the_missing_hint() -> None:
     """'strict=False loads what there is and keeps those groups' current settings', followed."""
     src_model, src = stepped()
-    sd = {k: v for k, v in sc.sparse_state_dict(src_model, src, format="flat").items()
-          if ".a." not in f".{k}"}  # a flat checkpoint without a's entries
+    sd = {
+        k: v for k, v in sc.sparse_state_dict(src_model, src, format="flat").items() if ".a." not in f".{k}"
+    }  # a flat checkpoint without a's entries
     model = Net(1)
     part = torch.optim.AdamW([{"params": model.a.parameters()}, {"params": model.b.parameters()}], lr=0.5)
     refused(model, part, sd, r"strict=False loads what there is")
@@ -178,16 +185,23 @@ def test_a_partly_matching_checkpoint_follows_the_missing_hint() -> None:
 def test_extra_saved_parameters_follow_their_hints() -> None:
     """'Load into all the optimizers ... at once, or pass strict=False', both followed."""
     src_model = Net()
-    src = sc.MultiOptimizer(src_model, {"a": torch.optim.AdamW(src_model.a.parameters(), lr=0.01),
-                                        "b": torch.optim.AdamW(src_model.b.parameters(), lr=0.02)})
+    src = sc.MultiOptimizer(
+        src_model,
+        {
+            "a": torch.optim.AdamW(src_model.a.parameters(), lr=0.01),
+            "b": torch.optim.AdamW(src_model.b.parameters(), lr=0.02),
+        },
+    )
     sd = sc.sparse_state_dict(src_model, src)
     model = Net(1)
     only_b = torch.optim.AdamW(model.b.parameters(), lr=0.5)
     refused(model, only_b, sd, r"at once .*or pass strict=False")
     sc.load_sparse_state_dict(model, only_b, sd, strict=False)
     assert only_b.param_groups[0]["lr"] == 0.02
-    both = sc.MultiOptimizer(model, {"a": torch.optim.AdamW(model.a.parameters(), lr=0.5),
-                                     "b": torch.optim.AdamW(model.b.parameters(), lr=0.5)})
+    both = sc.MultiOptimizer(
+        model,
+        {"a": torch.optim.AdamW(model.a.parameters(), lr=0.5), "b": torch.optim.AdamW(model.b.parameters(), lr=0.5)},
+    )
     sc.load_sparse_state_dict(model, both, sd)
     assert [both["a"].param_groups[0]["lr"], both["b"].param_groups[0]["lr"]] == [0.01, 0.02]
 
@@ -204,16 +218,19 @@ def test_unmatched_keys_follow_their_hint() -> None:
 
 def test_an_empty_group_of_a_leaf_the_target_lacks_follows_its_hints() -> None:
     src_model = Net()
-    src = sc.MultiOptimizer(src_model, {"a": torch.optim.AdamW(src_model.parameters(), lr=0.01),
-                                        "e": torch.optim.AdamW([{"params": []}], lr=0.03)})
+    src = sc.MultiOptimizer(
+        src_model,
+        {"a": torch.optim.AdamW(src_model.parameters(), lr=0.01), "e": torch.optim.AdamW([{"params": []}], lr=0.03)},
+    )
     sd = sc.sparse_state_dict(src_model, src)
     model = Net(1)
     only_a = torch.optim.AdamW(model.parameters(), lr=0.5)
     refused(model, only_a, sd, r"empty group 0.*or pass strict=False")
     sc.load_sparse_state_dict(model, only_a, sd, strict=False)
     assert only_a.param_groups[0]["lr"] == 0.01
-    both = sc.MultiOptimizer(model, {"a": torch.optim.AdamW(model.parameters(), lr=0.5),
-                                     "e": torch.optim.AdamW([{"params": []}], lr=0.5)})
+    both = sc.MultiOptimizer(
+        model, {"a": torch.optim.AdamW(model.parameters(), lr=0.5), "e": torch.optim.AdamW([{"params": []}], lr=0.5)}
+    )
     sc.load_sparse_state_dict(model, both, sd)
     assert both["e"].param_groups[0]["lr"] == 0.03
 
@@ -243,12 +260,22 @@ def test_another_optimizer_class_is_refused_naming_its_keys_and_the_hints_load(f
 
 def test_another_optimizer_class_into_a_multi_optimizer_leaf_is_refused() -> None:
     src_model = Net()
-    src = sc.MultiOptimizer(src_model, {"a": torch.optim.AdamW(src_model.a.parameters(), lr=0.01),
-                                        "b": torch.optim.AdamW(src_model.b.parameters(), lr=0.01)})
+    src = sc.MultiOptimizer(
+        src_model,
+        {
+            "a": torch.optim.AdamW(src_model.a.parameters(), lr=0.01),
+            "b": torch.optim.AdamW(src_model.b.parameters(), lr=0.01),
+        },
+    )
     sd = sc.sparse_state_dict(src_model, src)
     model = Net(1)
-    multi = sc.MultiOptimizer(model, {"a": torch.optim.AdamW(model.a.parameters(), lr=0.5),
-                                      "b": torch.optim.SGD(model.b.parameters(), lr=0.5, momentum=0.9)})
+    multi = sc.MultiOptimizer(
+        model,
+        {
+            "a": torch.optim.AdamW(model.a.parameters(), lr=0.5),
+            "b": torch.optim.SGD(model.b.parameters(), lr=0.5, momentum=0.9),
+        },
+    )
     before = snapshot_optimizer(multi["a"])
     with pytest.raises(sc.CheckpointMismatchError, match=r"leaf 'b' group 0: .*torch\.optim\.SGD"):
         sc.load_sparse_state_dict(model, multi, sd)
@@ -270,11 +297,16 @@ def test_keys_newer_torch_or_a_scheduler_adds_are_not_another_class() -> None:
     torch.optim.lr_scheduler.LambdaLR(src, lambda epoch: 1.0)  # adds initial_lr to the saved groups
     nested = {
         "state": {f"b.{n}": v for n, v in zip(("weight", "bias"), [src.state[p] for p in src_model.b.parameters()])},
-        "param_groups": [{
-            **{k: v for k, v in src.param_groups[0].items()
-               if k not in ("params", "decoupled_weight_decay", "differentiable", "fused", "foreach", "capturable")},
-            "params": ["a.weight", "a.bias", "b.weight", "b.bias"],
-        }],
+        "param_groups": [
+            {
+                **{
+                    k: v
+                    for k, v in src.param_groups[0].items()
+                    if k not in ("params", "decoupled_weight_decay", "differentiable", "fused", "foreach", "capturable")
+                },
+                "params": ["a.weight", "a.bias", "b.weight", "b.bias"],
+            }
+        ],
     }
     assert "initial_lr" in nested["param_groups"][0]
     model, opt = fresh(torch.optim.AdamW)
@@ -284,8 +316,19 @@ def test_keys_newer_torch_or_a_scheduler_adds_are_not_another_class() -> None:
     opt.step()
 
 
-@pytest.mark.parametrize("cls", [torch.optim.Adam, torch.optim.AdamW, torch.optim.SGD, torch.optim.Adagrad,
-                                 torch.optim.RMSprop, torch.optim.NAdam, torch.optim.RAdam, torch.optim.Adamax])
+@pytest.mark.parametrize(
+    "cls",
+    [
+        torch.optim.Adam,
+        torch.optim.AdamW,
+        torch.optim.SGD,
+        torch.optim.Adagrad,
+        torch.optim.RMSprop,
+        torch.optim.NAdam,
+        torch.optim.RAdam,
+        torch.optim.Adamax,
+    ],
+)
 def test_the_same_class_always_loads(cls: type) -> None:
     src_model, src = stepped(cls)
     model, opt = fresh(cls)
@@ -297,8 +340,9 @@ def test_strict_false_keeps_each_groups_own_value_of_the_keys_the_checkpoint_lac
     src_model, src = stepped(torch.optim.AdamW)
     sd = sc.sparse_state_dict(src_model, src)
     model = Net(1)
-    sgd = torch.optim.SGD([{"params": model.a.parameters(), "momentum": 0.9},
-                           {"params": model.b.parameters(), "momentum": 0.5}], lr=0.5)
+    sgd = torch.optim.SGD(
+        [{"params": model.a.parameters(), "momentum": 0.9}, {"params": model.b.parameters(), "momentum": 0.5}], lr=0.5
+    )
     sc.load_sparse_state_dict(model, sgd, sd, strict=False)
     assert [(g["lr"], g["momentum"]) for g in sgd.param_groups] == [(0.01, 0.9), (0.01, 0.5)]
 

@@ -43,7 +43,9 @@ def _tensor_item(path: str, buckets: bool) -> tuple[str, str, int, int, int]:
     for index, info in sorted(md.storage_data.items(), key=lambda kv: kv[1].offset):
         if not index.fqn.startswith("optim.state.") or ("__buffers__" in index.fqn) != buckets:
             continue
-        if not isinstance(md.state_dict_metadata[index.fqn], torch.distributed.checkpoint.metadata.TensorStorageMetadata):
+        if not isinstance(
+            md.state_dict_metadata[index.fqn], torch.distributed.checkpoint.metadata.TensorStorageMetadata
+        ):
             continue
         with open(os.path.join(path, info.relative_path), "rb") as f:
             f.seek(info.offset)
@@ -51,7 +53,13 @@ def _tensor_item(path: str, buckets: bool) -> tuple[str, str, int, int, int]:
         with zipfile.ZipFile(__import__("io").BytesIO(blob)) as z:
             rec = next(zi for zi in z.infolist() if zi.filename.endswith("/data/0"))
         name_len, extra_len = struct.unpack_from("<HH", blob, rec.header_offset + 26)
-        return index.fqn, info.relative_path, info.offset, rec.header_offset, rec.header_offset + 30 + name_len + extra_len
+        return (
+            index.fqn,
+            info.relative_path,
+            info.offset,
+            rec.header_offset,
+            rec.header_offset + 30 + name_len + extra_len,
+        )
     raise AssertionError("no such item")
 
 
@@ -143,7 +151,9 @@ def test_sampled_flips_are_exact_or_refused() -> None:
     silent loads only inside a per-item tensor's raw bytes, none in the buffers layout."""
     result = damaged_files.flip_sweep(RATE, seed=1)
     assert result["raw"] == 0, "\n".join(result["raw_cases"][:10])
-    assert result["variants"]["packed/buffers"]["silent"] == 0 and result["variants"]["packed/auto"]["silent"] == 0, result
+    assert result["variants"]["packed/buffers"]["silent"] == 0 and result["variants"]["packed/auto"]["silent"] == 0, (
+        result
+    )
     assert result["refused"] >= 20, result
 
 

@@ -71,8 +71,11 @@ def test_trainer_group_values_round_trip_through_dcp(tmp_path: Path, fmt: str, l
     model2, opt2 = _optimizer(1, 0.5)
     for g in opt2.param_groups:
         g.update({k: "changed" for k in TRAINER_VALUES})
-    dcp.load({"optim": sc.SparseOptimizerState(model2, opt2, format=fmt)}, checkpoint_id=tmp_path,
-             planner=sc.SparseLoadPlanner())
+    dcp.load(
+        {"optim": sc.SparseOptimizerState(model2, opt2, format=fmt)},
+        checkpoint_id=tmp_path,
+        planner=sc.SparseLoadPlanner(),
+    )
     _loaded_like(opt, opt2)
 
 
@@ -89,8 +92,11 @@ def test_trainer_group_values_survive_convert(tmp_path: Path, to: str) -> None:
     model2, opt2 = _optimizer(3, 0.5)
     for g in opt2.param_groups:
         g.update({k: "changed" for k in TRAINER_VALUES})
-    dcp.load({"optim": sc.SparseOptimizerState(model2, opt2, format=to)}, checkpoint_id=tmp_path / "dst",
-             planner=sc.SparseLoadPlanner())
+    dcp.load(
+        {"optim": sc.SparseOptimizerState(model2, opt2, format=to)},
+        checkpoint_id=tmp_path / "dst",
+        planner=sc.SparseLoadPlanner(),
+    )
     _loaded_like(opt, opt2)
 
 
@@ -104,7 +110,9 @@ def test_unsupported_group_value_is_refused_before_dcp_writes(tmp_path: Path, fm
     model, opt = _optimizer(2, 0.01)
     opt.param_groups[1]["schedule"] = _Schedule() if where == "top" else (1, [_Schedule()])
     path = tmp_path / "ckpt"
-    with pytest.raises(CheckpointFormatError, match=r"leaf 'optim' group 1 key 'schedule': unsupported value type _Schedule"):
+    with pytest.raises(
+        CheckpointFormatError, match=r"leaf 'optim' group 1 key 'schedule': unsupported value type _Schedule"
+    ):
         sc.sparse_state_dict(model, opt, format=fmt)
     with pytest.raises(CheckpointFormatError, match="unsupported value type _Schedule"):
         dcp.save({"optim": sc.SparseOptimizerState(model, opt, format=fmt)}, checkpoint_id=path)

@@ -65,7 +65,9 @@ def _step(model: nn.ParameterList, opt: torch.optim.Optimizer, mask: list[bool],
     opt.step()
 
 
-def _assert_equivalent(ma: nn.ParameterList, a: torch.optim.Optimizer, mb: nn.ParameterList, b: torch.optim.Optimizer) -> None:
+def _assert_equivalent(
+    ma: nn.ParameterList, a: torch.optim.Optimizer, mb: nn.ParameterList, b: torch.optim.Optimizer
+) -> None:
     (sa, ga), (sb, gb) = fqn_view(ma, [a], groups=True), fqn_view(mb, [b], groups=True)  # names: list indices
     assert sorted(sa) == sorted(sb)
     for i in sa:
@@ -78,7 +80,12 @@ def _assert_equivalent(ma: nn.ParameterList, a: torch.optim.Optimizer, mb: nn.Pa
 def _cases(draw: st.DrawFn) -> dict[str, Any]:
     n = draw(st.integers(1, 6))
     n_groups = draw(st.integers(1, min(3, n)))
-    assign = draw(st.permutations(list(range(n_groups)) + draw(st.lists(st.integers(0, n_groups - 1), min_size=n - n_groups, max_size=n - n_groups))))
+    assign = draw(
+        st.permutations(
+            list(range(n_groups))
+            + draw(st.lists(st.integers(0, n_groups - 1), min_size=n - n_groups, max_size=n - n_groups))
+        )
+    )
     return {
         "kind": draw(st.sampled_from(KINDS)),
         "flag": draw(st.booleans()),
@@ -164,4 +171,6 @@ def test_state_tensors_are_taken_not_copied_like_torch(scalar_tables: bool, monk
     steps = [opt64.state[p]["step"] for p in m64]
     assert steps[0] is not steps[1] and steps[0].untyped_storage().data_ptr() != steps[1].untyped_storage().data_ptr()
     for p, q in zip(m64, model):
-        assert opt64.state[p]["step"].dtype == torch.float32 and torch.equal(opt64.state[p]["step"], src.state[q]["step"])
+        assert opt64.state[p]["step"].dtype == torch.float32 and torch.equal(
+            opt64.state[p]["step"], src.state[q]["step"]
+        )

@@ -107,7 +107,9 @@ class _SetstateFails(torch.optim.SGD):
             raise _Boom("__setstate__ failed after installing")
 
 
-def _target(layout: str = "ab", cls_b: type = torch.optim.SGD, n: int = 4, layers_b: tuple[int, ...] = (2, 3)) -> tuple[_Net, Any]:
+def _target(
+    layout: str = "ab", cls_b: type = torch.optim.SGD, n: int = 4, layers_b: tuple[int, ...] = (2, 3)
+) -> tuple[_Net, Any]:
     model = _Net(n=n, seed=7)
     a = _leaf_a(model, one_group=layout == "a1")
     return model, sc.MultiOptimizer(model, {"a": a, "b": _leaf_b(model, cls_b, layers_b)})
@@ -129,7 +131,13 @@ def _extra() -> tuple[_Net, Any, dict[str, Any], type, str]:
 
 def _conflict() -> tuple[_Net, Any, dict[str, Any], type, str]:
     model, opt = _target(layout="a1")
-    return model, opt, _source(), sc.CheckpointMismatchError, r"leaf 'a' group 0.*'layers\.0\.weight'.*'layers\.1\.weight'.*'lr'"
+    return (
+        model,
+        opt,
+        _source(),
+        sc.CheckpointMismatchError,
+        r"leaf 'a' group 0.*'layers\.0\.weight'.*'layers\.1\.weight'.*'lr'",
+    )
 
 
 def _group_size_by_pre_hook() -> tuple[_Net, Any, dict[str, Any], type, str]:
@@ -368,7 +376,10 @@ def test_table_of_a_leaf_the_target_lacks_is_named(fmt: str) -> None:
             self.extra = nn.Linear(2, 2)
 
     src_model = Bigger()
-    src = {"a": torch.optim.SGD(_layer(src_model, 0, 1), lr=0.1), "extra": torch.optim.SGD(src_model.extra.parameters(), lr=0.2)}
+    src = {
+        "a": torch.optim.SGD(_layer(src_model, 0, 1), lr=0.1),
+        "extra": torch.optim.SGD(src_model.extra.parameters(), lr=0.2),
+    }
     sd = sc.sparse_state_dict(src_model, src, format=fmt)
     model = _Net(n=2)
     opt = {"a": torch.optim.SGD(_layer(model, 0, 1), lr=0.5)}
@@ -707,7 +718,9 @@ CASES: list[tuple[Callable[[], Case], type[BaseException], list[str]]] = [
 
 
 @pytest.mark.parametrize(("scenario", "error", "names"), CASES, ids=[s[0].__name__[3:] for s in CASES])
-def test_failed_load_changes_nothing(scenario: Callable[[], Case], error: type[BaseException], names: list[str]) -> None:
+def test_failed_load_changes_nothing(
+    scenario: Callable[[], Case], error: type[BaseException], names: list[str]
+) -> None:
     """The load raises ``error`` naming what is wrong; the target is as before and trains identically."""
     case = scenario()
     twin_model, twin_leaves = copy.deepcopy((case.model, case.leaves))

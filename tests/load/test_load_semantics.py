@@ -53,7 +53,11 @@ def _build(kind: str, model: _Net, lr: float = 0.01) -> Any:
     """
     if kind == "single":
         return torch.optim.AdamW(
-            [{"params": _layer(model, 0)}, {"params": _layer(model, 1)}, {"params": _layer(model, 2) + _layer(model, 3)}],
+            [
+                {"params": _layer(model, 0)},
+                {"params": _layer(model, 1)},
+                {"params": _layer(model, 2) + _layer(model, 3)},
+            ],
             lr=lr,
         )
     leaves = {
@@ -199,9 +203,7 @@ def _adamw_pair(dtype_dst: torch.dtype, **dst_kw: Any) -> tuple[_Net, torch.opti
     src.step()
 
     def make_dst(model: _Net) -> torch.optim.Optimizer:
-        return torch.optim.AdamW(
-            [{"params": _layer(model, 0), **dst_kw}, {"params": _layer(model, 1)}], lr=0.01
-        )
+        return torch.optim.AdamW([{"params": _layer(model, 0), **dst_kw}, {"params": _layer(model, 1)}], lr=0.01)
 
     return src_model, src, _Net(n=2, dtype=dtype_dst), make_dst
 
@@ -258,7 +260,9 @@ class _NestedStateSGD(torch.optim.SGD):
                 if p.grad is None:
                     continue
                 st = self.state[p]
-                inner = st.setdefault("extra", {"ema": torch.zeros_like(p), "step": torch.zeros((), dtype=torch.float64)})
+                inner = st.setdefault(
+                    "extra", {"ema": torch.zeros_like(p), "step": torch.zeros((), dtype=torch.float64)}
+                )
                 inner["ema"].add_(p.grad)
                 inner["step"] += 1
                 st["count"] = st.get("count", 0) + 1
@@ -314,7 +318,9 @@ def test_pre_hook_sees_torch_format_packed_dict(fmt: str) -> None:
 
     def record(into: list[dict]) -> Callable[..., None]:
         def hook(opt: torch.optim.Optimizer, d: dict) -> None:
-            into.append({"keys": list(d), "state": dict(d["state"]), "param_groups": [dict(g) for g in d["param_groups"]]})
+            into.append(
+                {"keys": list(d), "state": dict(d["state"]), "param_groups": [dict(g) for g in d["param_groups"]]}
+            )
 
         return hook
 
@@ -342,7 +348,10 @@ def test_pre_hook_result_replaces_the_dict() -> None:
     sd = sc.sparse_state_dict(src_model, src)
 
     def hook(opt: torch.optim.Optimizer, d: dict) -> dict:
-        new = {"state": {k: v for k, v in d["state"].items() if k != 0}, "param_groups": [dict(g) for g in d["param_groups"]]}
+        new = {
+            "state": {k: v for k, v in d["state"].items() if k != 0},
+            "param_groups": [dict(g) for g in d["param_groups"]],
+        }
         new["param_groups"][2]["lr"] = 0.123
         return new
 
@@ -387,7 +396,9 @@ def test_post_hooks_run_once_after_the_state_is_in_place(kind: str) -> None:
         assert pre[2] == 0  # pre-hooks run before anything is applied
         assert post[2] == (len(leaf.state), [g["lr"] for g in leaf.param_groups])
     # every pre-hook runs before any post-hook: a failing later leaf cannot follow a post-hook
-    assert max(i for i, e in enumerate(events) if e[0] == "pre") < min(i for i, e in enumerate(events) if e[0] == "post")
+    assert max(i for i, e in enumerate(events) if e[0] == "pre") < min(
+        i for i, e in enumerate(events) if e[0] == "post"
+    )
 
 
 class _OwnLoad(torch.optim.AdamW):
@@ -516,7 +527,9 @@ def test_apply_never_uses_torchs_per_param_group_scan(monkeypatch: pytest.Monkey
 
 def test_packed_empty_group_is_matched_by_leaf_and_index() -> None:
     src_model = _Net(n=2)
-    src = torch.optim.SGD([{"params": _layer(src_model, 0)}, {"params": [], "lr": 0.3}, {"params": _layer(src_model, 1)}], lr=0.1)
+    src = torch.optim.SGD(
+        [{"params": _layer(src_model, 0)}, {"params": [], "lr": 0.3}, {"params": _layer(src_model, 1)}], lr=0.1
+    )
     sd = sc.sparse_state_dict(src_model, src)
     model = _Net(n=2)
     opt = torch.optim.SGD([{"params": _layer(model, 0)}, {"params": []}, {"params": _layer(model, 1)}], lr=0.9)
@@ -524,11 +537,16 @@ def test_packed_empty_group_is_matched_by_leaf_and_index() -> None:
     assert [g["lr"] for g in opt.param_groups] == [0.1, 0.3, 0.1]
     ref = torch.optim.SGD([{"params": _layer(model, 0)}, {"params": []}, {"params": _layer(model, 1)}], lr=0.9)
     ref.load_state_dict(src.state_dict())
-    assert_deep_equal([{k: v for k, v in g.items() if k != "params"} for g in opt.param_groups],
-                      [{k: v for k, v in g.items() if k != "params"} for g in ref.param_groups], **SAME)
+    assert_deep_equal(
+        [{k: v for k, v in g.items() if k != "params"} for g in opt.param_groups],
+        [{k: v for k, v in g.items() if k != "params"} for g in ref.param_groups],
+        **SAME,
+    )
 
     # an empty target group at an index where the checkpoint has none: strict error, else kept
-    other = torch.optim.SGD([{"params": _layer(model, 0)}, {"params": _layer(model, 1)}, {"params": [], "lr": 0.7}], lr=0.9)
+    other = torch.optim.SGD(
+        [{"params": _layer(model, 0)}, {"params": _layer(model, 1)}, {"params": [], "lr": 0.7}], lr=0.9
+    )
     with pytest.raises(sc.CheckpointMismatchError, match="leaf 'optim' group 2: the target group has no parameters"):
         sc.load_sparse_state_dict(model, other, sd)
     sc.load_sparse_state_dict(model, other, sd, strict=False)

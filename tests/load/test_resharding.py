@@ -42,7 +42,13 @@ def _d(model: _Model, *idx: int) -> list[nn.Parameter]:
 
 
 def _train(model: _Model, opt: Any, with_grad: list[nn.Parameter], steps: int = 2) -> None:
-    leaves = [opt] if isinstance(opt, torch.optim.Optimizer) else [o for _, o in opt.leaves()] if isinstance(opt, sc.MultiOptimizer) else list(opt.values())
+    leaves = (
+        [opt]
+        if isinstance(opt, torch.optim.Optimizer)
+        else [o for _, o in opt.leaves()]
+        if isinstance(opt, sc.MultiOptimizer)
+        else list(opt.values())
+    )
     for s in range(steps):
         gen = torch.Generator().manual_seed(s)
         for p in model.parameters():
@@ -120,7 +126,10 @@ def test_parameter_moved_to_another_group_of_the_leaf(fmt: str) -> None:
         momentum=0.9,
     )
     _train(src_model, src, _e(src_model, 0, 1))
-    sd = {k: v.clone() if isinstance(v, torch.Tensor) else v for k, v in sc.sparse_state_dict(src_model, src, format=fmt).items()}
+    sd = {
+        k: v.clone() if isinstance(v, torch.Tensor) else v
+        for k, v in sc.sparse_state_dict(src_model, src, format=fmt).items()
+    }
     model = _Model(seed=1)
     opt = torch.optim.SGD([{"params": _e(model, 2, 1)}, {"params": _e(model, 0)}], lr=0.7, momentum=0.0)
     sc.load_sparse_state_dict(model, opt, sd)
@@ -129,7 +138,11 @@ def test_parameter_moved_to_another_group_of_the_leaf(fmt: str) -> None:
     assert_deep_equal(fqn_view(model, [opt]), fqn_view(src_model, [src]), **SAME)
     # the resumed SGD step uses each parameter's own momentum buffer
     ref_model = _Model(seed=1)
-    ref = torch.optim.SGD([{"params": _e(ref_model, 0), "lr": 0.1}, {"params": _e(ref_model, 1, 2), "lr": 0.2, "momentum": 0.5}], lr=0.3, momentum=0.9)
+    ref = torch.optim.SGD(
+        [{"params": _e(ref_model, 0), "lr": 0.1}, {"params": _e(ref_model, 1, 2), "lr": 0.2, "momentum": 0.5}],
+        lr=0.3,
+        momentum=0.9,
+    )
     ref.load_state_dict(copy.deepcopy(src.state_dict()))  # loads alias the dict's tensors (as torch)
     _train(model, opt, _e(model, 0, 1, 2), steps=1)
     _train(ref_model, ref, _e(ref_model, 0, 1, 2), steps=1)
@@ -159,7 +172,10 @@ def test_tables_of_several_ranks_load_into_one() -> None:
     assert sum(k.startswith("param_groups.__packed__.dense.") for k in tables) == 1
     merged = {**r0, **r1}  # what DCP holds after both ranks saved (dense state is replicated)
     model = _Model(seed=1)
-    opt = {"experts": torch.optim.AdamW(_e(model, 0, 1, 2, 3), lr=0.5), "dense": torch.optim.AdamW(_d(model, 0, 1), lr=0.5)}
+    opt = {
+        "experts": torch.optim.AdamW(_e(model, 0, 1, 2, 3), lr=0.5),
+        "dense": torch.optim.AdamW(_d(model, 0, 1), lr=0.5),
+    }
     with pytest.raises(sc.CheckpointMismatchError, match="'experts.0.weight'.*'experts.1.weight'.*'lr'"):
         sc.load_sparse_state_dict(model, opt, merged)  # one group cannot take lr 0.01 and 0.002
     opt["experts"] = torch.optim.AdamW([{"params": _e(model, i)} for i in range(4)], lr=0.5)
@@ -193,7 +209,9 @@ def test_tied_parameter_saved_under_first_fqn_loads_under_alias(fmt: str) -> Non
     sd = sc.sparse_state_dict(model, src, format=fmt)
     assert "state.enc.weight.exp_avg" in sd and not any("dec.weight" in k for k in sd)
     sd = as_v1(sd)  # per-item keys only (scalar tables name their FQNs inside: see test_packed_v2.py)
-    renamed = {k.replace("enc.weight", "dec.weight"): v for k, v in sd.items() if not k.startswith("param_groups.__packed__")}
+    renamed = {
+        k.replace("enc.weight", "dec.weight"): v for k, v in sd.items() if not k.startswith("param_groups.__packed__")
+    }
     if fmt == "packed":  # the table names enc.weight; state keys use the alias
         renamed.update({k: v for k, v in sd.items() if k.startswith("param_groups.__packed__")})
     opt = torch.optim.Adam(model.parameters(), lr=0.5)
@@ -220,10 +238,17 @@ def test_param_names_are_per_parameter_not_a_group_setting(fmt: str) -> None:
     model = _Model(seed=1)
     merged = torch.optim.AdamW(_named(model, "experts.1.") + _named(model, "experts.0."), lr=0.5)
     sc.load_sparse_state_dict(model, merged, sd)
-    assert merged.param_groups[0]["param_names"] == ["experts.1.weight", "experts.1.bias", "experts.0.weight", "experts.0.bias"]
+    assert merged.param_groups[0]["param_names"] == [
+        "experts.1.weight",
+        "experts.1.bias",
+        "experts.0.weight",
+        "experts.0.bias",
+    ]
     assert merged.param_groups[0]["lr"] == 0.01
 
-    swapped = torch.optim.AdamW([{"params": _named(model, "experts.1.")}, {"params": _named(model, "experts.0.")}], lr=0.5)
+    swapped = torch.optim.AdamW(
+        [{"params": _named(model, "experts.1.")}, {"params": _named(model, "experts.0.")}], lr=0.5
+    )
     sc.load_sparse_state_dict(model, swapped, sd)
     assert swapped.param_groups[0]["param_names"] == ["experts.1.weight", "experts.1.bias"]
     assert swapped.param_groups[1]["param_names"] == ["experts.0.weight", "experts.0.bias"]
@@ -241,7 +266,10 @@ def test_param_names_with_local_names_and_an_unnamed_target() -> None:
     FQN's name by position; an unnamed target then gains the saved names, as with torch."""
     src_model = _Model()
     src = torch.optim.SGD(
-        [{"params": list(src_model.experts[0].named_parameters())}, {"params": list(src_model.experts[1].named_parameters())}],
+        [
+            {"params": list(src_model.experts[0].named_parameters())},
+            {"params": list(src_model.experts[1].named_parameters())},
+        ],
         lr=0.1,
     )
     sd = sc.sparse_state_dict(src_model, src)

@@ -335,8 +335,11 @@ def test_planner_reads_flat_group_values_weights_only(tmp_path: Path, capsys: py
     dcp.save({"optim": sd}, checkpoint_id=tmp_path)
     opt2 = torch.optim.AdamW(model.parameters(), lr=0.5)
     with pytest.raises(CheckpointException, match=r"optimizer item 'optim\.param_groups\.weight\.lr'"):
-        dcp.load({"optim": sc.SparseOptimizerState(model, opt2, format="flat")}, checkpoint_id=tmp_path,
-                 planner=sc.SparseLoadPlanner())
+        dcp.load(
+            {"optim": sc.SparseOptimizerState(model, opt2, format="flat")},
+            checkpoint_id=tmp_path,
+            planner=sc.SparseLoadPlanner(),
+        )
     assert "PAYLOAD RAN" not in capsys.readouterr().out
     assert opt2.param_groups[0]["lr"] == 0.5
 

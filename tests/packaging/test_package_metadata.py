@@ -207,11 +207,23 @@ def test_tools_and_export_are_submodules() -> None:
 # The top-level API the docs present: save/load, DCP, MultiOptimizer, adapters, the errors
 # a user catches, and the helpers. Tools, export and integrations are submodules.
 TOP_LEVEL_API = {
-    "sparse_state_dict", "load_sparse_state_dict", "SparseOptimizerState", "SparseLoadPlanner", "MultiOptimizer",
-    "SafeFileSystemReader", "register_state_dict_adapter", "AdapterHandle",
-    "SparseCheckpointError", "UnsupportedStateDictError", "ReentrantSerializationError", "CheckpointMismatchError",
-    "CrossRankStateError", "CheckpointFormatError",
-    "clear_fqn_cache", "backend", "__version__",
+    "sparse_state_dict",
+    "load_sparse_state_dict",
+    "SparseOptimizerState",
+    "SparseLoadPlanner",
+    "MultiOptimizer",
+    "SafeFileSystemReader",
+    "register_state_dict_adapter",
+    "AdapterHandle",
+    "SparseCheckpointError",
+    "UnsupportedStateDictError",
+    "ReentrantSerializationError",
+    "CheckpointMismatchError",
+    "CrossRankStateError",
+    "CheckpointFormatError",
+    "clear_fqn_cache",
+    "backend",
+    "__version__",
 }
 
 
@@ -219,8 +231,11 @@ def test_top_level_exports_exactly_the_public_api() -> None:
     assert len(sparse_ckpt.__all__) == len(set(sparse_ckpt.__all__)), "a name is listed twice in __all__"
     assert set(sparse_ckpt.__all__) == TOP_LEVEL_API
     # nothing public at top level beyond __all__ but the package's own submodules (and the __future__ import)
-    public = {n for n, v in vars(sparse_ckpt).items()
-              if not n.startswith("_") and not isinstance(v, type(sys)) and v is not __future__.annotations}
+    public = {
+        n
+        for n, v in vars(sparse_ckpt).items()
+        if not n.startswith("_") and not isinstance(v, type(sys)) and v is not __future__.annotations
+    }
     assert public <= set(sparse_ckpt.__all__), public - set(sparse_ckpt.__all__)
 
 
@@ -229,7 +244,9 @@ def test_top_level_errors_are_those_of_the_errors_module() -> None:
         value = getattr(sparse_ckpt, name)
         if isinstance(value, type) and issubclass(value, BaseException):
             assert value is getattr(errors, name) and name in errors.__all__, name
-    assert set(errors.__all__) == {n for n, v in vars(errors).items() if isinstance(v, type) and v.__module__ == errors.__name__}
+    assert set(errors.__all__) == {
+        n for n, v in vars(errors).items() if isinstance(v, type) and v.__module__ == errors.__name__
+    }
 
 
 def _exception_classes(path: Path) -> set[str]:
@@ -242,8 +259,11 @@ def _exception_classes(path: Path) -> set[str]:
         for base in node.bases:
             name = base.id if isinstance(base, ast.Name) else base.attr if isinstance(base, ast.Attribute) else ""
             builtin = getattr(builtins, name, None)
-            if (name.endswith(("Error", "Exception", "Warning")) or hasattr(errors, name)
-                    or (isinstance(builtin, type) and issubclass(builtin, BaseException))):
+            if (
+                name.endswith(("Error", "Exception", "Warning"))
+                or hasattr(errors, name)
+                or (isinstance(builtin, type) and issubclass(builtin, BaseException))
+            ):
                 found.add(node.name)
     return found
 
@@ -284,8 +304,9 @@ def _copy_source_tree(dst: Path) -> None:
 
 
 def _setup(cwd: Path, *args: str) -> None:
-    proc = subprocess.run([sys.executable, "setup.py", "-q", *args], check=False, cwd=cwd, capture_output=True,
-                          text=True, timeout=300)
+    proc = subprocess.run(
+        [sys.executable, "setup.py", "-q", *args], check=False, cwd=cwd, capture_output=True, text=True, timeout=300
+    )
     assert proc.returncode == 0, proc.stdout + proc.stderr
 
 
@@ -335,7 +356,12 @@ def _configure_copied_checkout(tmp: str) -> subprocess.CompletedProcess[str]:
     env = {**os.environ, "CMAKE_ARGS": "-DCMAKE_CXX_COMPILER=/nonexistent/sparse-ckpt-cxx"}
     return subprocess.run(
         [sys.executable, "setup.py", "build_ext", "--build-temp", "build/temp"],
-        check=False, cwd=dst, env=env, capture_output=True, text=True, timeout=300,
+        check=False,
+        cwd=dst,
+        env=env,
+        capture_output=True,
+        text=True,
+        timeout=300,
     )
 
 

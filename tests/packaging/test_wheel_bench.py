@@ -31,12 +31,41 @@ import pytest
 
 ROOT = Path(__file__).resolve().parents[2]
 # Anywhere in the tree: build outputs and caches. Under bench/: the committed run and local outputs.
-IGNORED_NAMES = {".git", "build", "dist", "__pycache__", ".pytest_cache", ".ruff_cache", ".hypothesis", ".venv",
-                 "venv", "_skbuild"}
+IGNORED_NAMES = {
+    ".git",
+    "build",
+    "dist",
+    "__pycache__",
+    ".pytest_cache",
+    ".ruff_cache",
+    ".hypothesis",
+    ".venv",
+    "venv",
+    "_skbuild",
+}
 IGNORED_SUFFIXES = (".egg-info", ".so", ".pyd", ".o")
-BENCH_FILES = ("__init__.py", "__main__.py", "run.py", "report.py", "verdicts.py", "information.py",
-               "report_markdown.py", "plots.py", "units.py", "measure.py", "methods.py", "timing.py", "fixtures.py",
-               "resume.py", "drill_model.py", "drill_rank.py", "drill_checks.py", "ranks.py", "devices.py", "README.md")
+BENCH_FILES = (
+    "__init__.py",
+    "__main__.py",
+    "run.py",
+    "report.py",
+    "verdicts.py",
+    "information.py",
+    "report_markdown.py",
+    "plots.py",
+    "units.py",
+    "measure.py",
+    "methods.py",
+    "timing.py",
+    "fixtures.py",
+    "resume.py",
+    "drill_model.py",
+    "drill_rank.py",
+    "drill_checks.py",
+    "ranks.py",
+    "devices.py",
+    "README.md",
+)
 
 
 def _ignore(directory: str, names: list[str]) -> set[str]:
@@ -51,8 +80,11 @@ def _have_build_deps() -> bool:
     def tool(module: str, exe: str) -> bool:
         return importlib.util.find_spec(module) is not None or shutil.which(exe) is not None
 
-    return (all(importlib.util.find_spec(m) is not None for m in ("setuptools", "pybind11"))
-            and tool("cmake", "cmake") and tool("ninja", "ninja"))
+    return (
+        all(importlib.util.find_spec(m) is not None for m in ("setuptools", "pybind11"))
+        and tool("cmake", "cmake")
+        and tool("ninja", "ninja")
+    )
 
 
 def outer_import_paths(entries: list[str] | None = None, prefix: str | None = None) -> list[str]:
@@ -79,8 +111,9 @@ def outer_import_paths(entries: list[str] | None = None, prefix: str | None = No
 
 def _run(cmd: list[str], cwd: Path, env: dict[str, str], timeout: float) -> subprocess.CompletedProcess[str]:
     proc = subprocess.run(cmd, cwd=cwd, env=env, capture_output=True, text=True, timeout=timeout, check=False)
-    assert proc.returncode == 0, f"{cmd} exited {proc.returncode}\n--- stdout\n{proc.stdout[-4000:]}\n" \
-                                 f"--- stderr\n{proc.stderr[-4000:]}"
+    assert proc.returncode == 0, (
+        f"{cmd} exited {proc.returncode}\n--- stdout\n{proc.stdout[-4000:]}\n--- stderr\n{proc.stderr[-4000:]}"
+    )
     return proc
 
 
@@ -112,8 +145,12 @@ def test_bench_runs_from_the_installed_wheel(tmp_path: Path) -> None:
     t0 = time.perf_counter()
     dist = tmp_path / "dist"
     no_isolation = ["--no-build-isolation"] if _have_build_deps() else []
-    _run([sys.executable, "-m", "pip", "wheel", str(src), "--no-deps", *no_isolation, "-w", str(dist), "-q"],
-         tmp_path, env, 600)
+    _run(
+        [sys.executable, "-m", "pip", "wheel", str(src), "--no-deps", *no_isolation, "-w", str(dist), "-q"],
+        tmp_path,
+        env,
+        600,
+    )
     times["wheel"] = time.perf_counter() - t0
     wheels = list(dist.glob("sparse_ckpt-*.whl"))
     assert len(wheels) == 1, wheels
@@ -146,20 +183,38 @@ def test_bench_runs_from_the_installed_wheel(tmp_path: Path) -> None:
     outer = outer_import_paths()
     assert any(Path(p, "torch").is_dir() for p in outer), f"torch is in none of {outer}"
     Path(purelib.stdout.strip(), "outer_interpreter.pth").write_text("".join(f"{p}\n" for p in outer))
-    _run([sys.executable, "-m", "pip", "--python", str(python), "install", "--no-deps", "--no-index", "-q",
-          str(wheels[0])], tmp_path, env, 300)
+    _run(
+        [
+            sys.executable,
+            "-m",
+            "pip",
+            "--python",
+            str(python),
+            "install",
+            "--no-deps",
+            "--no-index",
+            "-q",
+            str(wheels[0]),
+        ],
+        tmp_path,
+        env,
+        300,
+    )
     times["venv+install"] = time.perf_counter() - t0
 
     work = tmp_path / "work"  # outside the source tree: `bench` is not importable from here
     work.mkdir()
-    code = ("import json, sparse_ckpt, sparse_ckpt._C, sparse_ckpt.bench; "
-            "print(json.dumps([sparse_ckpt.__file__, sparse_ckpt.bench.__file__, sparse_ckpt._C.__file__]))")
+    code = (
+        "import json, sparse_ckpt, sparse_ckpt._C, sparse_ckpt.bench; "
+        "print(json.dumps([sparse_ckpt.__file__, sparse_ckpt.bench.__file__, sparse_ckpt._C.__file__]))"
+    )
     probe = _run([str(python), "-c", code], work, env, 120)
     site = str(venv.resolve())
     for path in json.loads(probe.stdout):
         assert str(Path(path).resolve()).startswith(site), f"{path} is not the installed wheel's"
-    gone = subprocess.run([str(python), "-c", "import bench"], cwd=work, env=env, capture_output=True, text=True,
-                          timeout=60, check=False)
+    gone = subprocess.run(
+        [str(python), "-c", "import bench"], cwd=work, env=env, capture_output=True, text=True, timeout=60, check=False
+    )
     assert gone.returncode != 0 and "No module named 'bench'" in gone.stderr
 
     t0 = time.perf_counter()
@@ -177,8 +232,23 @@ def test_bench_runs_from_the_installed_wheel(tmp_path: Path) -> None:
     assert (out1 / "results.md").exists()
 
     t0 = time.perf_counter()
-    proc = _run([str(venv / "bin" / "sparse-ckpt-bench"), "--quick", "--scales", "1x2", "--layouts", "param",
-                 "--repeats", "1", "--budget", "0.2"], work, env, 300)
+    proc = _run(
+        [
+            str(venv / "bin" / "sparse-ckpt-bench"),
+            "--quick",
+            "--scales",
+            "1x2",
+            "--layouts",
+            "param",
+            "--repeats",
+            "1",
+            "--budget",
+            "0.2",
+        ],
+        work,
+        env,
+        300,
+    )
     times["sparse-ckpt-bench (1x2)"] = time.perf_counter() - t0
     default_out = work / "sparse_ckpt_bench_out"  # the default --out of an installed bench: the working directory
     assert "command   sparse-ckpt-bench --quick" in proc.stdout and f"output    {default_out}" in proc.stdout
@@ -186,8 +256,24 @@ def test_bench_runs_from_the_installed_wheel(tmp_path: Path) -> None:
     assert not list(venv.rglob("bench/out")), "an installed bench writes nothing into site-packages"
 
     t0 = time.perf_counter()
-    proc = _run([str(python), "-m", "sparse_ckpt.bench.resume", "--nproc", "1", "--steps", "6", "--every", "2",
-                 "--resume-sizes", "1"], work, env, 300)
+    proc = _run(
+        [
+            str(python),
+            "-m",
+            "sparse_ckpt.bench.resume",
+            "--nproc",
+            "1",
+            "--steps",
+            "6",
+            "--every",
+            "2",
+            "--resume-sizes",
+            "1",
+        ],
+        work,
+        env,
+        300,
+    )
     times["python -m sparse_ckpt.bench.resume (1 rank)"] = time.perf_counter() - t0
     assert proc.stdout.rstrip().endswith("resume drill: PASS")
 

@@ -73,7 +73,9 @@ def test_two_optimizers_in_parallel(fmt: str) -> None:
 
     o1.register_state_dict_post_hook(meet("o1"))
     o2.register_state_dict_post_hook(meet("o2"))
-    results = run_threads([lambda: sc.sparse_state_dict(m1, o1, format=fmt), lambda: sc.sparse_state_dict(m2, o2, format=fmt)])
+    results = run_threads(
+        [lambda: sc.sparse_state_dict(m1, o1, format=fmt), lambda: sc.sparse_state_dict(m2, o2, format=fmt)]
+    )
     assert [status for status, _ in results] == ["ok", "ok"], results
     assert sorted(inside) == ["o1", "o2"]
     assert_deep_equal(results[0][1], ref1, "thread 1", **EXACT)

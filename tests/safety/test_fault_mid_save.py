@@ -121,7 +121,9 @@ def _wait_for(path: Path, procs: list[subprocess.Popen], what: str) -> None:
 
 def _tree_digest(root: Path) -> dict[str, str]:
     return {
-        str(p.relative_to(root)): hashlib.sha256(p.read_bytes()).hexdigest() for p in sorted(root.rglob("*")) if p.is_file()
+        str(p.relative_to(root)): hashlib.sha256(p.read_bytes()).hexdigest()
+        for p in sorted(root.rglob("*"))
+        if p.is_file()
     }
 
 
@@ -162,9 +164,20 @@ def test_sigkill_during_save_keeps_previous_checkpoint(tmp_path: Path) -> None:
     procs: list[subprocess.Popen] = []
     try:
         for rank in (0, 1):
-            cmd = [sys.executable, str(script), str(rank), str(tmp_path / "store"), str(prev), str(new), str(marks), os.pathsep.join([str(HERE), str(TESTS)])]
+            cmd = [
+                sys.executable,
+                str(script),
+                str(rank),
+                str(tmp_path / "store"),
+                str(prev),
+                str(new),
+                str(marks),
+                os.pathsep.join([str(HERE), str(TESTS)]),
+            ]
             procs.append(
-                subprocess.Popen(cmd, env=env, cwd=tmp_path, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
+                subprocess.Popen(
+                    cmd, env=env, cwd=tmp_path, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True
+                )
             )
         _wait_for(marks / "saved_prev_0", procs, "the first checkpoint")
         _wait_for(marks / "saved_prev_1", procs, "the first checkpoint")
@@ -195,8 +208,12 @@ def test_sigkill_during_save_keeps_previous_checkpoint(tmp_path: Path) -> None:
     assert new.is_dir() and not (new / ".metadata").exists()
     model, fresh = build_job()
     with pytest.raises((FileNotFoundError, sc.SparseCheckpointError, dcp.CheckpointException)):
-        dcp.load({"optim": sc.SparseOptimizerState(model, fresh)}, checkpoint_id=str(new),
-                 planner=sc.SparseLoadPlanner(), no_dist=True)
+        dcp.load(
+            {"optim": sc.SparseOptimizerState(model, fresh)},
+            checkpoint_id=str(new),
+            planner=sc.SparseLoadPlanner(),
+            no_dist=True,
+        )
     assert not fresh.state
     if importlib.util.find_spec("sparse_ckpt.tools._cli") is not None:
         code, output = _run_cli("inspect", str(new))
@@ -207,8 +224,12 @@ def test_sigkill_during_save_keeps_previous_checkpoint(tmp_path: Path) -> None:
     assert _tree_digest(prev) == prev_files
     reference = torch.load(marks / "reference.pt", weights_only=True)
     model, fresh = build_job()
-    dcp.load({"optim": sc.SparseOptimizerState(model, fresh)}, checkpoint_id=str(prev),
-             planner=sc.SparseLoadPlanner(), no_dist=True)
+    dcp.load(
+        {"optim": sc.SparseOptimizerState(model, fresh)},
+        checkpoint_id=str(prev),
+        planner=sc.SparseLoadPlanner(),
+        no_dist=True,
+    )
     assert model.unused not in fresh.state  # no state invented for the gradient-less parameter
     assert len(reference["state"]) == 4  # 5 parameters, one never stepped
     # key order is not compared: after a multi-rank DCP save it follows the metadata

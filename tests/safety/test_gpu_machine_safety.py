@@ -126,14 +126,18 @@ def test_scanners_see_what_they_look_for() -> None:
 
 def test_no_fork_in_the_source() -> None:
     found = [f"{rel}:{line}: {what}" for rel, tree, lines in _sources() for line, what in fork_uses(tree, lines)]
-    assert not found, "processes started by fork (a forked rank cannot use CUDA once its parent has touched it; " \
-                      "use bench/ranks.py's forkserver/spawn):\n" + "\n".join(found)
+    assert not found, (
+        "processes started by fork (a forked rank cannot use CUDA once its parent has touched it; "
+        "use bench/ranks.py's forkserver/spawn):\n" + "\n".join(found)
+    )
 
 
 def test_every_fully_shard_gets_a_mesh() -> None:
     found = [f"{rel}:{line}" for rel, tree, _lines in _sources() for line in meshless_fully_shard(tree)]
-    assert not found, "fully_shard without mesh= builds the default mesh on the machine's accelerator (CUDA on a " \
-                      "GPU machine) even for a Gloo/CPU run; pass mesh=init_device_mesh('cpu', ...):\n" + "\n".join(found)
+    assert not found, (
+        "fully_shard without mesh= builds the default mesh on the machine's accelerator (CUDA on a "
+        "GPU machine) even for a Gloo/CPU run; pass mesh=init_device_mesh('cpu', ...):\n" + "\n".join(found)
+    )
 
 
 def test_ranks_never_start_by_fork(forbid_fork: None) -> None:

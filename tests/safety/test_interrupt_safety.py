@@ -64,7 +64,7 @@ class LineInjector:
         if event == "line":
             self.count += 1
             if self.count == self.at:
-                self.where = f"{frame.f_code.co_filename[len(PKG_DIR):]}:{frame.f_lineno} ({frame.f_code.co_name})"
+                self.where = f"{frame.f_code.co_filename[len(PKG_DIR) :]}:{frame.f_lineno} ({frame.f_code.co_name})"
                 raise KeyboardInterrupt
         return self._local
 
@@ -210,13 +210,15 @@ def fingerprint(optimizer: Any) -> tuple[Any, ...]:
     for name, opt in named_leaves(optimizer):
         groups = opt.param_groups
         params = [p for g in groups for p in g["params"]]
-        out.append((
-            name,
-            tuple(_plain({k: v for k, v in g.items() if k != "params"}) for g in groups),
-            tuple(tuple(id(p) for p in g["params"]) for g in groups),
-            tuple(_plain(opt.state[p]) if p in opt.state else None for p in params),
-            len(opt.state),
-        ))
+        out.append(
+            (
+                name,
+                tuple(_plain({k: v for k, v in g.items() if k != "params"}) for g in groups),
+                tuple(tuple(id(p) for p in g["params"]) for g in groups),
+                tuple(_plain(opt.state[p]) if p in opt.state else None for p in params),
+                len(opt.state),
+            )
+        )
     return tuple(out)
 
 
@@ -457,8 +459,10 @@ def test_real_sigalrm_interrupts(gc_setting: None) -> None:
         signal.signal(signal.SIGALRM, previous)
     elapsed = time.perf_counter() - t0
     assert landings.total() == trials, f"{trials} trials, but {landings.counts} interrupts landed"
-    assert enough(), f"only {trials} interrupts landed in {elapsed:.0f} s ({landings.counts}); the test needs " \
-                     f"{SIGALRM_MIN_TRIALS}, {SIGALRM_MIN_INSIDE} inside saves and inside loads each"
+    assert enough(), (
+        f"only {trials} interrupts landed in {elapsed:.0f} s ({landings.counts}); the test needs "
+        f"{SIGALRM_MIN_TRIALS}, {SIGALRM_MIN_INSIDE} inside saves and inside loads each"
+    )
     assert broken == 0, f"{broken} of {trials} interrupts ({landings.counts}) left something broken"
 
 

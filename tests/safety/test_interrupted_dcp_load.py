@@ -68,8 +68,10 @@ def saved(tmp_path: Any) -> Callable[..., tuple[str, dict[str, Any]]]:
         if extra:
             model_sd["extra"] = torch.ones(2)
         path = str(tmp_path / f"{fmt}-{layout}-{extra}")
-        dcp.save({"model": model_sd, "optim": sc.SparseOptimizerState(model, opt, format=fmt, state_layout=layout)},
-                 checkpoint_id=path)
+        dcp.save(
+            {"model": model_sd, "optim": sc.SparseOptimizerState(model, opt, format=fmt, state_layout=layout)},
+            checkpoint_id=path,
+        )
         return path, opt.state_dict()
 
     return make
@@ -79,8 +81,11 @@ def _load(path: str, fmt: str) -> dict[str, Any]:
     model, opt = _fresh()
     with warnings.catch_warnings():
         warnings.simplefilter("ignore")
-        dcp.load({"model": model.state_dict(), "optim": sc.SparseOptimizerState(model, opt, format=fmt)},
-                 checkpoint_id=path, planner=sc.SparseLoadPlanner())
+        dcp.load(
+            {"model": model.state_dict(), "optim": sc.SparseOptimizerState(model, opt, format=fmt)},
+            checkpoint_id=path,
+            planner=sc.SparseLoadPlanner(),
+        )
     return opt.state_dict()
 
 

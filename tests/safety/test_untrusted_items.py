@@ -57,8 +57,10 @@ def saved(tmp_path_factory: pytest.TempPathFactory) -> dict[str, Path]:
         path = tmp_path_factory.mktemp(fmt) / "ckpt"
         with warnings.catch_warnings():
             warnings.simplefilter("ignore")
-            dcp.save({"model": model.state_dict(), "extra": {"note": "epoch 3"}, "optim": _optim_sd(fmt, model, opt)},
-                     checkpoint_id=path)
+            dcp.save(
+                {"model": model.state_dict(), "extra": {"note": "epoch 3"}, "optim": _optim_sd(fmt, model, opt)},
+                checkpoint_id=path,
+            )
         out[fmt] = path
     return out
 
@@ -70,7 +72,9 @@ def _setting_key(path: Path) -> str:
 
 
 @pytest.fixture
-def poisoned(saved: dict[str, Path], tmp_path: Path, request: pytest.FixtureRequest) -> Iterator[tuple[str, Path, str, str]]:
+def poisoned(
+    saved: dict[str, Path], tmp_path: Path, request: pytest.FixtureRequest
+) -> Iterator[tuple[str, Path, str, str]]:
     """``(format, checkpoint, poisoned key, global)``; the marker must not exist afterwards."""
     fmt, kind = request.param
     path = tmp_path / "ckpt"
@@ -96,8 +100,11 @@ def test_sparse_load_planner_refuses(poisoned: tuple[str, Path, str, str]) -> No
     model, opt = build(1)
     before = snapshot_optimizer(opt)
     with pytest.raises((sc.CheckpointFormatError, CheckpointException)) as err:
-        dcp.load({"optim": sc.SparseOptimizerState(model, opt)}, storage_reader=sc.SafeFileSystemReader(path),
-                 planner=sc.SparseLoadPlanner())
+        dcp.load(
+            {"optim": sc.SparseOptimizerState(model, opt)},
+            storage_reader=sc.SafeFileSystemReader(path),
+            planner=sc.SparseLoadPlanner(),
+        )
     _refused(err.value, key, name)
     assert_deep_equal(snapshot_optimizer(opt), before)
 

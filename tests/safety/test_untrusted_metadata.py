@@ -119,8 +119,11 @@ def test_safe_reader_refuses_a_poisoned_checkpoint(poisoned: tuple[Path, Path, s
     model, opt = moe_with_leaves(1)
     before = snapshot_optimizer(opt)
     with pytest.raises((sc.CheckpointFormatError, CheckpointException)) as err:
-        dcp.load({"model": model.state_dict(), "optim": opt}, storage_reader=sc.SafeFileSystemReader(path),
-                 planner=sc.SparseLoadPlanner())
+        dcp.load(
+            {"model": model.state_dict(), "optim": opt},
+            storage_reader=sc.SafeFileSystemReader(path),
+            planner=sc.SparseLoadPlanner(),
+        )
     _refused(err.value, name)
     assert_deep_equal(snapshot_optimizer(opt), before)
     with pytest.raises(sc.CheckpointFormatError) as err:
@@ -222,7 +225,18 @@ def test_launcher_safe_load_refuses_in_the_child(poisoned: tuple[Path, Path, str
     tests = Path(__file__).resolve().parents[1]
     env = {k: v for k, v in os.environ.items() if not k.startswith("SPARSE_CKPT_") or k == "SPARSE_CKPT_BACKEND"}
     env.update(PYTHONPATH=os.pathsep.join([str(tests.parent), str(tests)]), OMP_NUM_THREADS="1")
-    command = [sys.executable, "-m", "sparse_ckpt", "run", "--safe-load", "--integrations", "none", sys.executable, str(script), str(path)]
+    command = [
+        sys.executable,
+        "-m",
+        "sparse_ckpt",
+        "run",
+        "--safe-load",
+        "--integrations",
+        "none",
+        sys.executable,
+        str(script),
+        str(path),
+    ]
     proc = subprocess.run(command, env=env, capture_output=True, text=True, timeout=300, check=False)
     assert "REFUSED" in proc.stdout, proc.stdout + proc.stderr
     _refused(Exception(proc.stdout), name)

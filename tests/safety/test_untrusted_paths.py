@@ -61,7 +61,9 @@ def _load(path: Path, reader: object = None) -> nn.Module:
 
 def _refused(exc: BaseException, rel: str) -> None:
     text = str(exc)
-    assert f"is stored at {rel!r}" in text and "checkpoint item '" in text and "nothing outside the checkpoint" in text, text[-1500:]
+    assert (
+        f"is stored at {rel!r}" in text and "checkpoint item '" in text and "nothing outside the checkpoint" in text
+    ), text[-1500:]
 
 
 def test_torchs_reader_reads_outside(moved: tuple[Path, str], clean: Path) -> None:

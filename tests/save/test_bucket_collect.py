@@ -33,10 +33,16 @@ def _value(kind: str, shape: tuple[int, ...], dtype: torch.dtype) -> Any:
 
 
 @settings(max_examples=60, deadline=None)
-@given(st.lists(st.tuples(st.sampled_from(SHAPES),
-                          st.lists(st.tuples(st.sampled_from(KEYS), st.sampled_from(DTYPES), st.sampled_from(KINDS)),
-                                   max_size=4)), max_size=8),
-       st.sampled_from([None, 1, 8, 20, 10**9]))
+@given(
+    st.lists(
+        st.tuples(
+            st.sampled_from(SHAPES),
+            st.lists(st.tuples(st.sampled_from(KEYS), st.sampled_from(DTYPES), st.sampled_from(KINDS)), max_size=4),
+        ),
+        max_size=8,
+    ),
+    st.sampled_from([None, 1, 8, 20, 10**9]),
+)
 def test_collect_takes_exactly_the_parameter_shaped_state(params: list, own_item_bytes: int | None) -> None:
     param_of: dict[str, torch.Tensor] = {}
     state_fqn: dict[str, Any] = {}

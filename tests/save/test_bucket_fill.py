@@ -24,7 +24,13 @@ def _chunk(shape: tuple[int, ...], how: str, seed: int) -> torch.Tensor:
 
 
 @settings(max_examples=60, deadline=None)
-@given(st.lists(st.tuples(st.sampled_from(SHAPES), st.sampled_from(["plain", "transposed", "grad", "strided"])), min_size=1, max_size=12))
+@given(
+    st.lists(
+        st.tuples(st.sampled_from(SHAPES), st.sampled_from(["plain", "transposed", "grad", "strided"])),
+        min_size=1,
+        max_size=12,
+    )
+)
 def test_stack_into_is_cat_of_flattened(spec: list[tuple[tuple[int, ...], str]]) -> None:
     chunks = [_chunk(shape, how, i) for i, (shape, how) in enumerate(spec)]
     expected = torch.cat([c.detach().reshape(-1) for c in chunks])
@@ -34,7 +40,12 @@ def test_stack_into_is_cat_of_flattened(spec: list[tuple[tuple[int, ...], str]])
 
 
 def test_fill_runs_of_shapes_and_a_lone_chunk() -> None:
-    chunks = [torch.arange(6.0).view(2, 3), torch.arange(6.0, 12.0).view(2, 3), torch.arange(12.0, 15.0), torch.arange(15.0, 21.0).view(3, 2)]
+    chunks = [
+        torch.arange(6.0).view(2, 3),
+        torch.arange(6.0, 12.0).view(2, 3),
+        torch.arange(12.0, 15.0),
+        torch.arange(15.0, 21.0).view(3, 2),
+    ]
     lone = torch.arange(4.0).view(2, 2)
     buckets = [("float32", 21, [(i, 0) for i in range(4)]), ("float32", 4, [(4, 0)])]
     big, alone = fill(buckets, [*chunks, lone])

@@ -138,14 +138,18 @@ def test_torch_compile_prefix_stripped(fmt: str) -> None:
 def test_activation_checkpoint_wrapper_prefix_stripped(fmt: str) -> None:
     model = _seq()
     wrapped = nn.Sequential(checkpoint_wrapper(model[0]), model[1])
-    assert [n for n, _ in wrapped.named_parameters()][:2] == ["0._checkpoint_wrapped_module.weight",
-                                                               "0._checkpoint_wrapped_module.bias"]
+    assert [n for n, _ in wrapped.named_parameters()][:2] == [
+        "0._checkpoint_wrapped_module.weight",
+        "0._checkpoint_wrapped_module.bias",
+    ]
     opt = _adam_with_state(wrapped)
     sd = sc.sparse_state_dict(wrapped, opt, format=fmt)
     settings = decoded_settings(wrapped, sd) if fmt == "packed" else flat_settings(sd)
     assert list(settings) == PLAIN
     if fmt == "flat":
-        assert_deep_equal(without_key_record(sd), _dsd_flat(wrapped, opt), "checkpoint_wrapper flat vs DSD", check_order=False)
+        assert_deep_equal(
+            without_key_record(sd), _dsd_flat(wrapped, opt), "checkpoint_wrapper flat vs DSD", check_order=False
+        )
     # A checkpoint written from the wrapped model loads into the plain one and vice versa.
     opt_plain = torch.optim.Adam(model.parameters(), lr=0.5)
     sc.load_sparse_state_dict(model, opt_plain, clone_value(sd))
@@ -196,8 +200,9 @@ def test_tied_parameter_loads_from_any_alias() -> None:
     model = Tied(head_first=False)
     opt = _adam_with_state(model)
     sd = sc.sparse_state_dict(model, opt, format="flat")
-    renamed = {k.replace("emb.weight", "head.weight"): v.clone() if isinstance(v, torch.Tensor) else v
-               for k, v in sd.items()}
+    renamed = {
+        k.replace("emb.weight", "head.weight"): v.clone() if isinstance(v, torch.Tensor) else v for k, v in sd.items()
+    }
     assert any("head.weight" in k for k in renamed) and not any("emb.weight" in k for k in renamed)
     opt2 = torch.optim.Adam(model.parameters(), lr=0.7)
     sc.load_sparse_state_dict(model, opt2, renamed)
@@ -229,7 +234,9 @@ def test_fqn_map_built_once_per_call(monkeypatch: pytest.MonkeyPatch, fmt: str) 
 
 def _public_canonical(model: nn.Module) -> tuple[dict, dict, list[tuple[str, int]]]:
     """The FQN map from the public API: ``(fqn_of, canonical, [(fqn, id(param))])``."""
-    ddp = {n for n, m in model.named_modules(remove_duplicate=False) if isinstance(m, nn.parallel.DistributedDataParallel)}
+    ddp = {
+        n for n, m in model.named_modules(remove_duplicate=False) if isinstance(m, nn.parallel.DistributedDataParallel)
+    }
     named = [(raw, canonical_name(raw, ddp), p) for raw, p in model.named_parameters(remove_duplicate=False)]
     fqn_of, canonical, param_of = _backend.core.fqn_tables(named)
     return fqn_of, canonical, [(fqn, id(p)) for fqn, p in param_of.items()]
@@ -320,7 +327,9 @@ def _compile_child(model: nn.Module) -> None:
 
 
 _CHANGES = {
-    "replace_param": lambda m: setattr(m.experts[0].up, "weight", nn.Parameter(torch.zeros_like(m.experts[0].up.weight))),
+    "replace_param": lambda m: setattr(
+        m.experts[0].up, "weight", nn.Parameter(torch.zeros_like(m.experts[0].up.weight))
+    ),
     "add_expert": lambda m: m.experts.append(type(m.experts[0])(4)),
     "delete_expert": lambda m: m.experts.__delitem__(1),
     "direct_dict_write": lambda m: m.experts[0].up._parameters.__setitem__("extra", nn.Parameter(torch.zeros(1))),

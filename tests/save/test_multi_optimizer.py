@@ -48,7 +48,10 @@ def test_step_and_zero_grad_fan_out() -> None:
     model = make_moe(0)
     mo = sc.MultiOptimizer(
         model,
-        {"experts": torch.optim.SGD(model.expert_params(), lr=0.1), "dense": torch.optim.SGD(model.dense_params(), lr=0.1)},
+        {
+            "experts": torch.optim.SGD(model.expert_params(), lr=0.1),
+            "dense": torch.optim.SGD(model.dense_params(), lr=0.1),
+        },
     )
     ref_model = make_moe(0)
     ref = torch.optim.SGD(ref_model.parameters(), lr=0.1)

@@ -73,8 +73,12 @@ def dcp_save(path: Path, model: nn.Module, opt: Any, fmt: str = "packed") -> Non
 
 
 def dcp_load(path: Path, model: nn.Module, opt: Any, **kw: Any) -> None:
-    dcp.load({"optim": sc.SparseOptimizerState(model, opt, **kw)}, checkpoint_id=str(path),
-             planner=sc.SparseLoadPlanner(), no_dist=True)
+    dcp.load(
+        {"optim": sc.SparseOptimizerState(model, opt, **kw)},
+        checkpoint_id=str(path),
+        planner=sc.SparseLoadPlanner(),
+        no_dist=True,
+    )
 
 
 def item_keys(path: Path) -> list[str]:
@@ -109,16 +113,28 @@ def decode_groups(key: str, value: bytes, keys: bool = False) -> tuple[str, list
 def test_item_count_of_an_adam_moe(tmp_path: Path, v1: Callable[[bool], None]) -> None:
     """No DCP item per parameter for ``step``: items <= param-shaped tensors + leaves + tables."""
     model = make_moe(0, n_experts=8)
-    opt = sc.MultiOptimizer(model, {
-        "experts": torch.optim.Adam(model.expert_params(), lr=1e-2),
-        "dense": torch.optim.AdamW(model.dense_params(), lr=1e-2),
-    })
+    opt = sc.MultiOptimizer(
+        model,
+        {
+            "experts": torch.optim.Adam(model.expert_params(), lr=1e-2),
+            "dense": torch.optim.AdamW(model.dense_params(), lr=1e-2),
+        },
+    )
     train(model, opt, 2, only_experts=[0, 2, 5])
     dcp_save(tmp_path / "v2", model, opt)
-    keys = [k for k in item_keys(tmp_path / "v2") if k.startswith("optim.") and "load_with" not in k and not k.endswith(".lr")]
+    keys = [
+        k
+        for k in item_keys(tmp_path / "v2")
+        if k.startswith("optim.") and "load_with" not in k and not k.endswith(".lr")
+    ]
     stateful = [p for _leaf, o in opt.leaves() for p in o.state]
-    param_shaped = sum(1 for _l, o in opt.leaves() for p, s in o.state.items() for v in s.values()
-                       if isinstance(v, torch.Tensor) and v.shape == p.shape)
+    param_shaped = sum(
+        1
+        for _l, o in opt.leaves()
+        for p, s in o.state.items()
+        for v in s.values()
+        if isinstance(v, torch.Tensor) and v.shape == p.shape
+    )
     tables = [k for k in keys if "__packed__" in k]
     assert len(tables) == 4  # a group table and a scalar table per leaf
     assert len(keys) <= param_shaped + 2 + len(tables)
@@ -127,7 +143,11 @@ def test_item_count_of_an_adam_moe(tmp_path: Path, v1: Callable[[bool], None]) -
 
     v1(True)
     dcp_save(tmp_path / "v1", model, opt)
-    old = [k for k in item_keys(tmp_path / "v1") if k.startswith("optim.") and "load_with" not in k and not k.endswith(".lr")]
+    old = [
+        k
+        for k in item_keys(tmp_path / "v1")
+        if k.startswith("optim.") and "load_with" not in k and not k.endswith(".lr")
+    ]
     assert len(old) == len(keys) + len(stateful) - 2  # one step item per stateful parameter, no scalar tables
     assert sum(k.endswith(".step") for k in old) == len(stateful)
 
@@ -209,8 +229,13 @@ def test_optimizer_sweep_round_trip_equals_torch(name: str, via: str, tmp_path: 
     _leaf, groups = decode_groups(key, table)
     assert all(list(s) == hoisted for s, _f in groups), [list(s) for s, _f in groups]
     if hoisted:
-        assert not [k for k in sd if k.endswith(tuple(f".{h}" for h in hoisted)) and k.startswith("state.")
-                    and not k.startswith(SCALARS_PREFIX)]
+        assert not [
+            k
+            for k in sd
+            if k.endswith(tuple(f".{h}" for h in hoisted))
+            and k.startswith("state.")
+            and not k.startswith(SCALARS_PREFIX)
+        ]
     before = snapshot_optimizer(src)
 
     model2 = make_moe(0, n_experts=3)
@@ -274,8 +299,11 @@ def test_v1_and_v2_restore_identically(tmp_path: Path, v1: Callable[[bool], None
     # version 1's per-item state is the flat format's (no key here needs an escape): the test
     # helper's version 1 is the real one
     flat = sc.sparse_state_dict(model, src, format="flat")
-    assert_deep_equal({k: v for k, v in sd1.items() if k.startswith("state.")},
-                      {k: v for k, v in flat.items() if k.startswith("state.")}, "v1 state is DSD's flat state")
+    assert_deep_equal(
+        {k: v for k, v in sd1.items() if k.startswith("state.")},
+        {k: v for k, v in flat.items() if k.startswith("state.")},
+        "v1 state is DSD's flat state",
+    )
     assert any(k.endswith(".step") for k in item_keys(tmp_path / "v1"))
     assert not any(k.endswith(".step") for k in item_keys(tmp_path / "v2"))
     restored = []
@@ -326,18 +354,40 @@ def test_what_stays_per_item() -> None:
     opt.state[p["g"]] = {"b": True, "i": -(2**63), "x": math.nan, "s": torch.tensor(2, dtype=torch.int32), "none": None}
     opt.state[p["h"]] = {"v": torch.arange(3.0)[1]}  # a 0-d view of a larger tensor: hoisted
     sd = sc.sparse_state_dict(model, opt)
-    assert sorted(k for k in sd if k.startswith("state.") and not k.startswith(SCALARS_PREFIX)) == sorted([
-        "state.a.t", "state.a.after", "state.b.g", "state.c.big", "state.c.f", "state.d.~sema%2Edecay",
-        "state.e.q", "state.f.f8", "state.g.none",
-    ])
+    assert sorted(k for k in sd if k.startswith("state.") and not k.startswith(SCALARS_PREFIX)) == sorted(
+        [
+            "state.a.t",
+            "state.a.after",
+            "state.b.g",
+            "state.c.big",
+            "state.c.f",
+            "state.d.~sema%2Edecay",
+            "state.e.q",
+            "state.f.f8",
+            "state.g.none",
+        ]
+    )
     [(key, table)] = scalar_tables_of(sd).items()
     _leaf, groups = decode_groups(key, table, keys=True)
     assert [(list(s), f) for s, f in groups] == [  # every parameter with state, and its per-item keys
-        (["n", KEYS_ENTRY], ["a"]), ([KEYS_ENTRY], ["b"]), ([KEYS_ENTRY], ["c"]), ([KEYS_ENTRY], ["d"]),
-        ([KEYS_ENTRY], ["e"]), ([KEYS_ENTRY], ["f"]), (["b", "i", "x", "s", KEYS_ENTRY], ["g"]), (["v", KEYS_ENTRY], ["h"]),
+        (["n", KEYS_ENTRY], ["a"]),
+        ([KEYS_ENTRY], ["b"]),
+        ([KEYS_ENTRY], ["c"]),
+        ([KEYS_ENTRY], ["d"]),
+        ([KEYS_ENTRY], ["e"]),
+        ([KEYS_ENTRY], ["f"]),
+        (["b", "i", "x", "s", KEYS_ENTRY], ["g"]),
+        (["v", KEYS_ENTRY], ["h"]),
     ]
     assert [s[KEYS_ENTRY] for s, _f in groups] == [
-        ("t", "after"), ("g",), ("big", "f"), ("~sema%2Edecay",), ("q",), ("f8",), ("none",), (),
+        ("t", "after"),
+        ("g",),
+        ("big", "f"),
+        ("~sema%2Edecay",),
+        ("q",),
+        ("f8",),
+        ("none",),
+        (),
     ]
     model2 = nn.ParameterDict({n: nn.Parameter(torch.ones(2)) for n in "abcdefgh"})
     dst = torch.optim.SGD(model2.parameters(), lr=0.1)
@@ -432,8 +482,11 @@ def test_conflicting_tables_are_refused() -> None:
     bad = {**a, k: t}
     model2, dst = adam_moe(seed=4)
     before = snapshot_optimizer(dst)
-    with pytest.raises(CheckpointMismatchError, match=r"leaf 'optim': parameter 'embed\.weight' has different "
-                       r"scalar state in two scalar tables .*key 'step'"):
+    with pytest.raises(
+        CheckpointMismatchError,
+        match=r"leaf 'optim': parameter 'embed\.weight' has different "
+        r"scalar state in two scalar tables .*key 'step'",
+    ):
         sc.load_sparse_state_dict(model2, dst, bad)
     assert_deep_equal(snapshot_optimizer(dst), before, "unchanged after a failed load")
 
@@ -443,8 +496,11 @@ def test_scalar_also_per_item_is_refused() -> None:
     train(model, opt, 1)
     sd = sc.sparse_state_dict(model, opt)
     sd["state.embed.weight.step"] = torch.tensor(1.0)
-    with pytest.raises(CheckpointFormatError, match=r"leaf 'optim': state key 'step' of 'embed\.weight' is both in a "
-                       r"scalar table and the per-item entry 'state\.embed\.weight\.step'"):
+    with pytest.raises(
+        CheckpointFormatError,
+        match=r"leaf 'optim': state key 'step' of 'embed\.weight' is both in a "
+        r"scalar table and the per-item entry 'state\.embed\.weight\.step'",
+    ):
         sc.load_sparse_state_dict(model, torch.optim.Adam(model.parameters()), sd)
 
 
@@ -537,8 +593,13 @@ def test_extra_state_strict_and_non_strict_like_v1(monkeypatch: pytest.MonkeyPat
         for strict, unowned in ((True, False), (False, False), (True, True)):
             model = _pair("a")
             opt = torch.optim.Adam(model.parameters(), lr=0.5)
-            runs.append(_outcome(lambda sd=sd, m=model, o=opt, s=strict, u=unowned:
-                                 load_owned(m, o, sd, strict=s, unowned_are_other_ranks=u)))
+            runs.append(
+                _outcome(
+                    lambda sd=sd, m=model, o=opt, s=strict, u=unowned: load_owned(
+                        m, o, sd, strict=s, unowned_are_other_ranks=u
+                    )
+                )
+            )
             if runs[-1] == ("ok",):
                 assert list(opt.state[model["a"]]) == ["step", "exp_avg", "exp_avg_sq"]
         outcomes[v] = runs
@@ -561,8 +622,13 @@ def test_scalars_of_an_unknown_fqn_are_unmatched_like_v1(monkeypatch: pytest.Mon
     for sd in (sd1, sd2):
         for strict in (True, False):
             model = _pair("a")
-            outcomes.append(_outcome(lambda sd=sd, m=model, s=strict:
-                                     sc.load_sparse_state_dict(m, torch.optim.Adam(m.parameters()), sd, strict=s)))
+            outcomes.append(
+                _outcome(
+                    lambda sd=sd, m=model, s=strict: sc.load_sparse_state_dict(
+                        m, torch.optim.Adam(m.parameters()), sd, strict=s
+                    )
+                )
+            )
     assert outcomes[:2] == outcomes[2:]
     assert outcomes[0][0] is CheckpointMismatchError and "'state.ghost.step'" in outcomes[0][1]
     assert outcomes[1] == ("ok",)

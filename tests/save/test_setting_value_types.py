@@ -123,8 +123,11 @@ def test_plain_values_come_back_with_their_type(fmt: str, tmp_path: Path) -> Non
     opt.param_groups[0].update(period=3, tag="x", blob=b"\x00", sizes=[1, 2], flag=True, none=None)
     dcp.save({"optim": sc.SparseOptimizerState(model, opt, format=fmt)}, checkpoint_id=tmp_path)  # type: ignore[arg-type]
     opt2 = torch.optim.AdamW(model.parameters(), lr=0.5)
-    dcp.load({"optim": sc.SparseOptimizerState(model, opt2, format=fmt)}, checkpoint_id=tmp_path,  # type: ignore[arg-type]
-             planner=sc.SparseLoadPlanner())
+    dcp.load(
+        {"optim": sc.SparseOptimizerState(model, opt2, format=fmt)},
+        checkpoint_id=tmp_path,  # type: ignore[arg-type]
+        planner=sc.SparseLoadPlanner(),
+    )
     for k, v in opt.param_groups[0].items():
         if k != "params":
             assert type(opt2.param_groups[0][k]) is type(v) and opt2.param_groups[0][k] == v, k
@@ -160,8 +163,9 @@ def _dsd_setting_round_trip(key: str, value: Any, options: StateDictOptions, pat
     if installed:
         dsd.install()  # as a trainer runs it: its dcp.load plans the marked target from the checkpoint
     try:
-        dcp.save({"optim": warn(lambda: dsd_stock.get_optimizer_state_dict(model, opt, options=options))},
-                 checkpoint_id=path)
+        dcp.save(
+            {"optim": warn(lambda: dsd_stock.get_optimizer_state_dict(model, opt, options=options))}, checkpoint_id=path
+        )
         model2, opt2 = build()
         # a key AdamW does not have is set by the trainer's own code, again on resume (DSD's flat
         # layout loads only the keys the target's groups have, stock as here)
@@ -244,11 +248,14 @@ def _save_and_load(how: str, model: nn.Module, opt: torch.optim.Optimizer, path:
         sc.load_sparse_state_dict(model, fresh, sc.sparse_state_dict(model, opt, format=fmt))  # type: ignore[arg-type]
         return fresh
     if how == "dcp-MultiOptimizer":
+
         def state(o: torch.optim.Optimizer) -> Any:
             return sc.MultiOptimizer(model, {"optim": o})
     else:
+
         def state(o: torch.optim.Optimizer) -> Any:
             return sc.SparseOptimizerState(model, o, format=fmt)  # type: ignore[arg-type]
+
     dcp.save({"optim": state(opt)}, checkpoint_id=path)
     dcp.load({"optim": state(fresh)}, checkpoint_id=path, planner=sc.SparseLoadPlanner())
     return fresh
@@ -293,10 +300,25 @@ def test_the_state_value_refusal_s_advice_followed_saves_and_loads_back(case: st
 
 
 PLAIN_STATE = {
-    "none": None, "flag": True, "count": 3, "huge": 2**70, "rate": 0.25, "z": complex(1, 2), "tag": "x\ud800",
-    "blob": b"\x00", "buf": bytearray(b"\x01"), "pair": (1, 2.0), "seq": [1, "a"], "bag": {1, 2},
-    "table": {"a": 1}, "in_pair": ({"a": 1}, OrderedDict(a=1), Counter(a=2)), "dtype": torch.bfloat16,
-    "device": torch.device("cpu"), "size": torch.Size([2, 3]), "in_list": [torch.ones(2)], "empty": [],
+    "none": None,
+    "flag": True,
+    "count": 3,
+    "huge": 2**70,
+    "rate": 0.25,
+    "z": complex(1, 2),
+    "tag": "x\ud800",
+    "blob": b"\x00",
+    "buf": bytearray(b"\x01"),
+    "pair": (1, 2.0),
+    "seq": [1, "a"],
+    "bag": {1, 2},
+    "table": {"a": 1},
+    "in_pair": ({"a": 1}, OrderedDict(a=1), Counter(a=2)),
+    "dtype": torch.bfloat16,
+    "device": torch.device("cpu"),
+    "size": torch.Size([2, 3]),
+    "in_list": [torch.ones(2)],
+    "empty": [],
 }
 
 
@@ -350,9 +372,7 @@ def _dsd_state_round_trip(value: Any, options: StateDictOptions, path: Path, ins
 
 @pytest.mark.parametrize("layout", ["flat", "nested"])
 @pytest.mark.parametrize("case", list(STATE_VALUES))
-def test_the_dsd_drop_in_hands_a_state_value_to_torch_dsd_as_stock_does(
-    case: str, layout: str, tmp_path: Path
-) -> None:
+def test_the_dsd_drop_in_hands_a_state_value_to_torch_dsd_as_stock_does(case: str, layout: str, tmp_path: Path) -> None:
     """A state value sparse_ckpt's formats cannot give back sends `dsd.install()`'s calls to torch's
     DSD (one warning each), both layouts: never a new refusal. What stock DSD gives back comes back
     as stock gives it; a refusal is only one stock makes too (its flat layout takes tensor, int,

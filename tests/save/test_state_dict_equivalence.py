@@ -217,8 +217,15 @@ def test_fixed_case_with_all_hooks_and_stateless_params() -> None:
 
 def test_differential_check_detects_a_wrong_id_assignment() -> None:
     """Guard against a vacuous comparison: a packed dict with shifted ids must not compare equal."""
-    case = Case("sgd", [(3,), (3,)], [0, 1], [0, 1], [{"lr": 0.1, "momentum": 0.9}, {"lr": 0.2, "momentum": 0.9}],
-                [[True, True]], "none")
+    case = Case(
+        "sgd",
+        [(3,), (3,)],
+        [0, 1],
+        [0, 1],
+        [{"lr": 0.1, "momentum": 0.9}, {"lr": 0.2, "momentum": 0.9}],
+        [[True, True]],
+        "none",
+    )
     _model, opt, _ = build(case)
     packed, _ = capture_packed("optim", opt)
     packed["param_groups"][1]["params"] = [0]

@@ -36,7 +36,13 @@ def run_cli(*args: str) -> subprocess.CompletedProcess[str]:
     env["PYTHONPATH"] = os.pathsep.join(filter(None, [str(REPO), env.get("PYTHONPATH")]))
     env["PYTHONWARNINGS"] = "ignore"
     return subprocess.run(
-        [sys.executable, "-m", "sparse_ckpt", *args], check=False, cwd=REPO, env=env, capture_output=True, text=True, timeout=120
+        [sys.executable, "-m", "sparse_ckpt", *args],
+        check=False,
+        cwd=REPO,
+        env=env,
+        capture_output=True,
+        text=True,
+        timeout=120,
     )
 
 
@@ -77,7 +83,11 @@ def test_inspect_text_and_json(checkpoint: tuple[Path, nn.Module, sc.MultiOptimi
     assert [leaf["name"] for leaf in o["leaves"]] == ["dense", "experts", "idle"]
     leaves = {leaf["name"]: leaf for leaf in o["leaves"]}
     experts = leaves["experts"]
-    assert [(g["params"], g["with_state"], g["without_state"]) for g in experts["groups"]] == [(3, 3, 0), (3, 3, 0), (3, 0, 3)]
+    assert [(g["params"], g["with_state"], g["without_state"]) for g in experts["groups"]] == [
+        (3, 3, 0),
+        (3, 3, 0),
+        (3, 0, 3),
+    ]
     idle = leaves["idle"]["groups"][0]["settings"]
     assert idle["lr"] == 0.0025 and idle["betas"] == [0.9, 0.999] and idle["weight_decay"] == 0.01
     for name, o_leaf in (("dense", opt["dense"]), ("experts", opt["experts"])):
@@ -119,19 +129,26 @@ def test_convert_round_trip(checkpoint: tuple[Path, nn.Module, sc.MultiOptimizer
     packed_keys = keys(packed)
     assert {k for k in packed_keys if not k.startswith("optim.param_groups.")} == state
     assert [k for k in packed_keys if "__packed__" in k] and all(
-        k.startswith("optim.param_groups.__packed__.optim.") for k in packed_keys if k.startswith("optim.param_groups.")
-        and not k.endswith(".lr")
+        k.startswith("optim.param_groups.__packed__.optim.")
+        for k in packed_keys
+        if k.startswith("optim.param_groups.") and not k.endswith(".lr")
     )
     # the converted packed checkpoint is guarded against foreign loaders like one sparse_ckpt saves;
     # the flat one holds no guard (its param_groups.*.lr entries are the real settings)
-    assert {k for k in packed_keys if k.endswith(".lr")} == {"optim.param_groups.embed.weight.lr", "optim.param_groups.0.lr"}
+    assert {k for k in packed_keys if k.endswith(".lr")} == {
+        "optim.param_groups.embed.weight.lr",
+        "optim.param_groups.0.lr",
+    }
     assert "optim.param_groups.0.lr" not in flat_keys
 
     for src in (flat, packed):
         model2, opt2 = build(seed=1)
         msd = model2.state_dict()
-        dcp.load({"model": msd, "optim": sc.SparseOptimizerState(model2, opt2)}, checkpoint_id=src,
-                 planner=sc.SparseLoadPlanner())
+        dcp.load(
+            {"model": msd, "optim": sc.SparseOptimizerState(model2, opt2)},
+            checkpoint_id=src,
+            planner=sc.SparseLoadPlanner(),
+        )
         model2.load_state_dict(msd)
         assert_optimizer_equal(opt, opt2, grads=False)
         assert not opt2["idle"].state and opt2["idle"].param_groups[0]["lr"] == 0.0025
@@ -202,9 +219,20 @@ def test_inspect_params_and_expert_counts(
     report = inspect_checkpoint(str(path), params=True)
     leaves = {leaf["name"]: leaf for leaf in report["optimizers"][0]["leaves"]}
     [layer] = leaves["experts"]["experts"]
-    assert layer == {"layer": "experts", "experts": 3, "with_state": 2, "partial": 0, "without_state": 1,
-                     "without_state_ids": [2], "partial_ids": []}
-    assert leaves["idle"]["params_without_state"] == ["experts.3.up.weight", "experts.3.up.bias", "experts.3.down.weight"]
+    assert layer == {
+        "layer": "experts",
+        "experts": 3,
+        "with_state": 2,
+        "partial": 0,
+        "without_state": 1,
+        "without_state_ids": [2],
+        "partial_ids": [],
+    }
+    assert leaves["idle"]["params_without_state"] == [
+        "experts.3.up.weight",
+        "experts.3.up.bias",
+        "experts.3.down.weight",
+    ]
     assert "params_without_state" not in inspect_checkpoint(str(path))["optimizers"][0]["leaves"][0]
 
 
@@ -267,7 +295,10 @@ def test_closed_pipe_is_quiet(tmp_path: Path, unbuffered: bool) -> None:
         env["PYTHONUNBUFFERED"] = "1"
     proc = subprocess.Popen(
         [sys.executable, "-m", "sparse_ckpt", "inspect", str(path), "--params"],
-        cwd=REPO, env=env, stdout=subprocess.PIPE, stderr=subprocess.PIPE,
+        cwd=REPO,
+        env=env,
+        stdout=subprocess.PIPE,
+        stderr=subprocess.PIPE,
     )
     assert proc.stdout is not None and proc.stderr is not None
     first = proc.stdout.readline()
@@ -280,8 +311,11 @@ def test_closed_pipe_is_quiet(tmp_path: Path, unbuffered: bool) -> None:
     assert err == "", err
 
 
-def test_broken_pipe_in_process(checkpoint: tuple[Path, nn.Module, sc.MultiOptimizer],
-                                monkeypatch: pytest.MonkeyPatch, capsys: pytest.CaptureFixture[str]) -> None:
+def test_broken_pipe_in_process(
+    checkpoint: tuple[Path, nn.Module, sc.MultiOptimizer],
+    monkeypatch: pytest.MonkeyPatch,
+    capsys: pytest.CaptureFixture[str],
+) -> None:
     class Closed(io.StringIO):
         def write(self, _text: str) -> int:
             raise BrokenPipeError(32, "Broken pipe")
@@ -339,7 +373,11 @@ def test_verify_finds_truncation_and_bit_flips(
     assert cli.main(["verify", str(path), "--json"]) == 0
     report = json.loads(capsys.readouterr().out)
     md = dcp.FileSystemReader(str(path)).read_metadata()
-    assert report["ok"] and report["items"] == report["read"] == len(md.state_dict_metadata) and report["crc_unchecked"] == 0
+    assert (
+        report["ok"]
+        and report["items"] == report["read"] == len(md.state_dict_metadata)
+        and report["crc_unchecked"] == 0
+    )
 
     [data] = [p.name for p in path.iterdir() if p.suffix == ".distcp"]
     truncated = tmp_path / "truncated"
@@ -359,12 +397,15 @@ def test_verify_finds_truncation_and_bit_flips(
     key = "optim.state.experts.0.up.weight.exp_avg"
     [info] = [s for i, s in md.storage_data.items() if i.fqn == key]
     blob = (path / data).read_bytes()
-    member = next(z for z in zipfile.ZipFile(io.BytesIO(blob[info.offset: info.offset + info.length])).infolist()
-                  if "/data/" in z.filename)
+    member = next(
+        z
+        for z in zipfile.ZipFile(io.BytesIO(blob[info.offset : info.offset + info.length])).infolist()
+        if "/data/" in z.filename
+    )
     at = info.offset + member.header_offset
-    name_len, extra_len = struct.unpack("<HH", blob[at + 26: at + 30])
+    name_len, extra_len = struct.unpack("<HH", blob[at + 26 : at + 30])
     at += 30 + name_len + extra_len + 3
-    (flipped / data).write_bytes(blob[:at] + bytes([blob[at] ^ 0x40]) + blob[at + 1:])
+    (flipped / data).write_bytes(blob[:at] + bytes([blob[at] ^ 0x40]) + blob[at + 1 :])
     assert cli.main(["verify", str(flipped), "--json"]) == 1
     [problem] = json.loads(capsys.readouterr().out)["problems"]
     assert problem["key"] == key and "CRC" in problem["problem"], problem
@@ -373,8 +414,9 @@ def test_verify_finds_truncation_and_bit_flips(
 # --------------------------------------------------------------------------- diff, --version, export
 
 
-def test_diff(checkpoint: tuple[Path, nn.Module, sc.MultiOptimizer], tmp_path: Path,
-              capsys: pytest.CaptureFixture[str]) -> None:
+def test_diff(
+    checkpoint: tuple[Path, nn.Module, sc.MultiOptimizer], tmp_path: Path, capsys: pytest.CaptureFixture[str]
+) -> None:
     path, model, opt = checkpoint
     assert cli.main(["diff", str(path), str(path), "--exit-code"]) == 0
     assert capsys.readouterr().out.rstrip().endswith("no differences")
@@ -407,13 +449,20 @@ def test_diff(checkpoint: tuple[Path, nn.Module, sc.MultiOptimizer], tmp_path: P
     [o] = report["optimizers"]
     assert o["leaves"] == []
     assert o["settings"][0] == {"fqns": dense.replace("'", "").split(", "), "changed": {"lr": [0.01, 0.005]}}
-    assert o["state_changes"] == [{"fqn": "embed.weight", "key": "exp_avg", "a": {"dtype": "float32", "shape": [8, 8]},
-                                   "b": {"dtype": "bfloat16", "shape": [8, 8]}}]
+    assert o["state_changes"] == [
+        {
+            "fqn": "embed.weight",
+            "key": "exp_avg",
+            "a": {"dtype": "float32", "shape": [8, 8]},
+            "b": {"dtype": "bfloat16", "shape": [8, 8]},
+        }
+    ]
     assert report["differences"] == 1 + 1 + 3 + 1
 
 
-def test_diff_compares_meaning_not_layout(checkpoint: tuple[Path, nn.Module, sc.MultiOptimizer], tmp_path: Path,
-                                          capsys: pytest.CaptureFixture[str]) -> None:
+def test_diff_compares_meaning_not_layout(
+    checkpoint: tuple[Path, nn.Module, sc.MultiOptimizer], tmp_path: Path, capsys: pytest.CaptureFixture[str]
+) -> None:
     """A MultiOptimizer checkpoint and its lossless flat copy (no leaves, groups by settings) mean the same."""
     path, _model, _opt = checkpoint
     flat = tmp_path / "flat"
@@ -432,10 +481,19 @@ def test_convert_shows_no_torch_warning(checkpoint: tuple[Path, nn.Module, sc.Mu
     path, _model, _opt = checkpoint
     env = {k: v for k, v in os.environ.items() if k != "PYTHONWARNINGS"}
     env["PYTHONPATH"] = os.pathsep.join(filter(None, [str(REPO), env.get("PYTHONPATH")]))
-    for args in (["convert", str(path), str(tmp_path / "flat"), "--to", "flat", "--key", "optim"],
-                 ["diff", str(path), str(tmp_path / "flat")]):
-        r = subprocess.run([sys.executable, "-m", "sparse_ckpt", *args], check=False, cwd=REPO, env=env,
-                           capture_output=True, text=True, timeout=120)
+    for args in (
+        ["convert", str(path), str(tmp_path / "flat"), "--to", "flat", "--key", "optim"],
+        ["diff", str(path), str(tmp_path / "flat")],
+    ):
+        r = subprocess.run(
+            [sys.executable, "-m", "sparse_ckpt", *args],
+            check=False,
+            cwd=REPO,
+            env=env,
+            capture_output=True,
+            text=True,
+            timeout=120,
+        )
         assert r.returncode == 0, r.stderr
         assert "Warning" not in r.stderr + r.stdout, r.stderr
 

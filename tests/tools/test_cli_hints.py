@@ -16,7 +16,9 @@ from sparse_ckpt.tools import inspect_checkpoint
 pytestmark = pytest.mark.filterwarnings("ignore:torch.distributed is disabled:UserWarning")
 
 
-def test_convert_to_flat_with_an_empty_group_follows_its_hint(tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
+def test_convert_to_flat_with_an_empty_group_follows_its_hint(
+    tmp_path: Path, capsys: pytest.CaptureFixture[str]
+) -> None:
     torch.manual_seed(0)
     model = nn.Linear(4, 2)
     opt = torch.optim.AdamW([{"params": model.parameters()}, {"params": [], "lr": 0.3}], lr=0.01)
@@ -30,7 +32,11 @@ def test_convert_to_flat_with_an_empty_group_follows_its_hint(tmp_path: Path, ca
     assert cli.main(["convert", src, out, "--to", "flat", "--drop-empty-groups"]) == 0
     assert inspect_checkpoint(out)["optimizers"][0]["format"] == "flat"
     target = torch.optim.AdamW(model.parameters(), lr=0.5)
-    dcp.load({"optim": sc.SparseOptimizerState(model, target)}, checkpoint_id=out, planner=sc.SparseLoadPlanner(),
-             no_dist=True)
+    dcp.load(
+        {"optim": sc.SparseOptimizerState(model, target)},
+        checkpoint_id=out,
+        planner=sc.SparseLoadPlanner(),
+        no_dist=True,
+    )
     assert target.param_groups[0]["lr"] == 0.01
     assert all(torch.equal(target.state[p][k], opt.state[p][k]) for p in model.parameters() for k in opt.state[p])

@@ -32,19 +32,29 @@ def modules_after(code: str) -> tuple[int, str, set[str]]:
     """Run ``code`` after `REPORT` in a fresh interpreter: (exit status, stdout, modules imported at exit)."""
     env = dict(os.environ)
     env["PYTHONPATH"] = os.pathsep.join(filter(None, [str(REPO), env.get("PYTHONPATH")]))
-    proc = subprocess.run([sys.executable, "-c", REPORT + code], check=False, cwd=REPO, env=env,
-                          capture_output=True, text=True, timeout=300)
+    proc = subprocess.run(
+        [sys.executable, "-c", REPORT + code],
+        check=False,
+        cwd=REPO,
+        env=env,
+        capture_output=True,
+        text=True,
+        timeout=300,
+    )
     [line] = [x for x in proc.stderr.splitlines() if x.startswith("@@modules ")]
-    return proc.returncode, proc.stdout, set(json.loads(line[len("@@modules "):]))
+    return proc.returncode, proc.stdout, set(json.loads(line[len("@@modules ") :]))
 
 
 def cli(*args: str) -> tuple[int, str, set[str]]:
-    return modules_after(f"import runpy; sys.argv = ['sparse_ckpt', *{list(args)!r}]; "
-                         "runpy.run_module('sparse_ckpt', run_name='__main__', alter_sys=True)")
+    return modules_after(
+        f"import runpy; sys.argv = ['sparse_ckpt', *{list(args)!r}]; "
+        "runpy.run_module('sparse_ckpt', run_name='__main__', alter_sys=True)"
+    )
 
 
 @pytest.mark.parametrize(
-    ("args", "status"), [(["--help"], 0), (["--version"], 0), (["nosuch"], 2), (["inspect"], 2), (["diff", "--help"], 0)]
+    ("args", "status"),
+    [(["--help"], 0), (["--version"], 0), (["nosuch"], 2), (["inspect"], 2), (["diff", "--help"], 0)],
 )
 def test_help_version_and_usage_errors_import_no_torch(args: list[str], status: int) -> None:
     got, out, modules = cli(*args)
@@ -57,8 +67,10 @@ def test_help_version_and_usage_errors_import_no_torch(args: list[str], status: 
 def test_import_sparse_ckpt_imports_no_torch_until_a_name_is_used() -> None:
     _, out, modules = modules_after("import sparse_ckpt as sc; print(sc.__version__, 'torch' in sys.modules)")
     assert out.split() == [sc.__version__, "False"] and "torch" not in modules
-    _, out, _ = modules_after("from sparse_ckpt import MultiOptimizer; import sparse_ckpt as sc; "
-                              "print(MultiOptimizer.__module__, sc.sparse_state_dict.__module__)")
+    _, out, _ = modules_after(
+        "from sparse_ckpt import MultiOptimizer; import sparse_ckpt as sc; "
+        "print(MultiOptimizer.__module__, sc.sparse_state_dict.__module__)"
+    )
     assert out.split() == ["sparse_ckpt._multi_optimizer", "sparse_ckpt._save.save"]
 
 
@@ -79,6 +91,12 @@ def test_inspect_imports_only_the_inspector(tmp_path: Path) -> None:
     status, out, modules = cli("inspect", str(tmp_path / "ckpt"))
     assert status == 0 and "packed format" in out, out
     assert "sparse_ckpt.tools.inspect" in modules
-    unneeded = {"sparse_ckpt.tools.export", "sparse_ckpt.tools.convert", "sparse_ckpt.tools.diff",
-                "sparse_ckpt.integrations", "sparse_ckpt._save", "safetensors"}
+    unneeded = {
+        "sparse_ckpt.tools.export",
+        "sparse_ckpt.tools.convert",
+        "sparse_ckpt.tools.diff",
+        "sparse_ckpt.integrations",
+        "sparse_ckpt._save",
+        "safetensors",
+    }
     assert not unneeded & modules, unneeded & modules

@@ -32,7 +32,9 @@ def model_and_ckpt(tmp_path: Path) -> tuple[nn.Module, torch.optim.Optimizer, st
     return model, opt, path
 
 
-def test_inspect_describes_a_torch_state_dict_and_what_loads_it(tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
+def test_inspect_describes_a_torch_state_dict_and_what_loads_it(
+    tmp_path: Path, capsys: pytest.CaptureFixture[str]
+) -> None:
     _model, _opt, path = model_and_ckpt(tmp_path)
     [summary] = inspect_checkpoint(path)["optimizers"]
     assert summary["format"] == "torch" and summary["params"] == 4 and summary["with_state"] == 2
@@ -41,7 +43,9 @@ def test_inspect_describes_a_torch_state_dict_and_what_loads_it(tmp_path: Path, 
     assert "torch format" in capsys.readouterr().out
 
 
-def test_convert_says_what_it_needs_and_converts_when_given_it(tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
+def test_convert_says_what_it_needs_and_converts_when_given_it(
+    tmp_path: Path, capsys: pytest.CaptureFixture[str]
+) -> None:
     model, opt, path = model_and_ckpt(tmp_path)
     assert cli.main(["convert", path, str(tmp_path / "out"), "--to", "packed"]) == 2
     err = capsys.readouterr().err
@@ -59,12 +63,17 @@ def test_convert_says_what_it_needs_and_converts_when_given_it(tmp_path: Path, c
     # The converted checkpoint loads by FQN (no positions), even into other groups.
     torch.manual_seed(1)
     target_model = nn.Sequential(nn.Linear(4, 4), nn.Linear(4, 2))
-    target = torch.optim.AdamW([{"params": target_model[1].parameters()}, {"params": target_model[0].parameters()}],
-                               lr=0.5)
+    target = torch.optim.AdamW(
+        [{"params": target_model[1].parameters()}, {"params": target_model[0].parameters()}], lr=0.5
+    )
     with warnings.catch_warnings():
         warnings.simplefilter("error", PositionalLoadWarning)
-        dcp.load({"optim": sc.SparseOptimizerState(target_model, target)}, checkpoint_id=out,
-                 planner=sc.SparseLoadPlanner(), no_dist=True)
+        dcp.load(
+            {"optim": sc.SparseOptimizerState(target_model, target)},
+            checkpoint_id=out,
+            planner=sc.SparseLoadPlanner(),
+            no_dist=True,
+        )
     ref = torch.optim.AdamW(target_model.parameters(), lr=0.5)
     ref.load_state_dict(copy.deepcopy(opt.state_dict()))
     assert [g["lr"] for g in target.param_groups] == [0.01, 0.01]
@@ -85,6 +94,10 @@ def test_convert_names_a_torch_state_dict_by_its_saved_param_names(tmp_path: Pat
     out = str(tmp_path / "out")
     assert cli.main(["convert", path, out, "--to", "flat"]) == 0
     target = torch.optim.AdamW(model.parameters(), lr=0.5)
-    dcp.load({"optim": sc.SparseOptimizerState(model, target)}, checkpoint_id=out,
-             planner=sc.SparseLoadPlanner(), no_dist=True)
+    dcp.load(
+        {"optim": sc.SparseOptimizerState(model, target)},
+        checkpoint_id=out,
+        planner=sc.SparseLoadPlanner(),
+        no_dist=True,
+    )
     assert target.param_groups[0]["lr"] == 0.01 and len(target.state) == 2

@@ -57,9 +57,11 @@ def broadcast_from_rank0(
     _world, rank = world_and_rank()
     skeleton: list[Any] = [None]
     if rank == 0:
-        skeleton[0] = refusal if refusal is not None else {
-            k: _TensorSpec(v) if isinstance(v, torch.Tensor) else v for k, v in data.items()
-        }
+        skeleton[0] = (
+            refusal
+            if refusal is not None
+            else {k: _TensorSpec(v) if isinstance(v, torch.Tensor) else v for k, v in data.items()}
+        )
     dist.broadcast_object_list(skeleton, src=0)
     if isinstance(skeleton[0], SparseCheckpointError):
         raise skeleton[0]
@@ -93,4 +95,3 @@ def shard_like_params(data: dict[str, Any], fmap: FqnMap) -> dict[str, Any]:
                 value.to(param.device), param.device_mesh, param.placements, src_data_rank=None
             )
     return out
-

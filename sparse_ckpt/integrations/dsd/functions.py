@@ -320,7 +320,9 @@ def _load_optimizers(
         data = None
     try:
         unresolved: dict[str, Any] = {}
-        planned = planned_load(osd, unresolved, model)  # a DsdStateDict the planner rebuilt: as SparseOptimizerState's load
+        planned = planned_load(
+            osd, unresolved, model
+        )  # a DsdStateDict the planner rebuilt: as SparseOptimizerState's load
         if planned.get("fmap") is None:
             planned["fmap"] = build_fqn_map(model)
         if data is None:

@@ -112,8 +112,11 @@ def matched_by_members(osd: Mapping[str, Any], optimizers: Any, fmap: FqnMap) ->
                 if fqn not in listed:
                     added.setdefault(gi, []).append(fqn)
                     listed[fqn] = gi
-    others = [k for k in state if isinstance(k, str) and (f := fmap.resolve(k)) not in listed and f not in held
-              and f in fmap.param_of]
+    others = [
+        k
+        for k in state
+        if isinstance(k, str) and (f := fmap.resolve(k)) not in listed and f not in held and f in fmap.param_of
+    ]
     if not added and not others:
         return osd
     out = dict(osd)

@@ -71,7 +71,8 @@ def install() -> None:
     Raises ``RuntimeError`` (and patches nothing) on a torch whose DSD functions cannot be routed or
     whose DSD or ``DefaultLoadPlanner.set_up_planner`` do not have the signatures this module replaces.
     """
-    with _lock: _install_locked()  # fmt: skip - one line: no line event between acquire and release (see sparse_ckpt._gc)
+    # one line: no line event between acquire and release (see sparse_ckpt._gc)
+    with _lock: _install_locked()  # fmt: skip
     if safe_load.requested():  # SPARSE_CKPT_SAFE_LOAD=1: every DCP load of the process read safely too
         safe_load.install()
 
@@ -88,7 +89,8 @@ def uninstall() -> None:
     """Undo `install`: torch's functions run their own code again and ``DefaultLoadPlanner`` has its
     own ``set_up_planner`` (a ``set_up_planner`` that something else set since is left alone).
     No-op when nothing is patched; also undoes a partial install."""
-    with _lock: _uninstall_locked()  # fmt: skip - one line: no line event between acquire and release
+    # one line: no line event between acquire and release
+    with _lock: _uninstall_locked()  # fmt: skip
 
 
 def _uninstall_locked() -> None:
@@ -101,7 +103,9 @@ def _uninstall_locked() -> None:
 def installed() -> bool:
     """Whether `install` is in effect: read from the patched objects themselves (all of torch's four
     functions routed and the planner patched)."""
-    return all(routed(fn) for fn in _TORCH.values()) and vars(DefaultLoadPlanner).get("set_up_planner") is _set_up_planner
+    return (
+        all(routed(fn) for fn in _TORCH.values()) and vars(DefaultLoadPlanner).get("set_up_planner") is _set_up_planner
+    )
 
 
 def _code_change(fn: Any, code: Any) -> tuple[Callable[[], None], Callable[[], None]]:
@@ -130,7 +134,9 @@ def _planner_change(new: Any) -> tuple[Callable[[], None], Callable[[], None]]:
     return do, undo
 
 
-def _set_up_planner(self: DefaultLoadPlanner, state_dict: Any, metadata: Any = None, is_coordinator: bool = False) -> None:
+def _set_up_planner(
+    self: DefaultLoadPlanner, state_dict: Any, metadata: Any = None, is_coordinator: bool = False
+) -> None:
     """``DefaultLoadPlanner.set_up_planner`` that first rebuilds the marked optimizer dicts and the
     recognised copies, refuses other optimizer dicts that ask for none of the checkpoint's state, and
     has copies that hold a key record ask for the checkpoint's record instead. DCP's flatten flag left
@@ -168,7 +174,6 @@ def _read_weights_only(planner: DefaultLoadPlanner, keys: set[str]) -> None:
 
     load_bytes.__doc__ = plain.__doc__
     vars(planner)["load_bytes"] = load_bytes
-
 
 
 def _torchs_set_up_planner() -> Any:

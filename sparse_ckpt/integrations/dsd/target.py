@@ -247,7 +247,9 @@ def rebuild_copies(
     if not copies:
         return 0
     targets = {path: DsdStateDict(node, owner) for path, (node, owner) in copies.items()}
-    done = _rebuild(targets.items(), metadata, frame if frame is not None else caller_frame(1), allow_partial_load, keys)
+    done = _rebuild(
+        targets.items(), metadata, frame if frame is not None else caller_frame(1), allow_partial_load, keys
+    )
     for path, (node, _owner) in copies.items():  # one left as it was (allow_partial_load) gets its own items
         node.clear()
         node.update(targets[path])
@@ -261,7 +263,12 @@ def marked_targets(node: Any) -> Iterator[tuple[tuple[str | int, ...], DsdStateD
 
 
 def rebuild_marked(
-    state_dict: Any, metadata: Metadata | None, frame: Any = None, *, allow_partial_load: bool = False, keys: set[str] | None = None
+    state_dict: Any,
+    metadata: Metadata | None,
+    frame: Any = None,
+    *,
+    allow_partial_load: bool = False,
+    keys: set[str] | None = None,
 ) -> int:
     """Rebuild every marked dict in the load target ``state_dict`` from ``metadata`` (see the
     module doc); returns how many. ``frame``: the caller of ``set_up_planner`` (to reach the

@@ -46,8 +46,15 @@ class Integration:
     __slots__ = ("conflicts", "default", "function", "module", "name", "routes", "triggers")
 
     def __init__(
-        self, name: str, triggers: tuple, module: str, routes: str, *, default: bool = True,
-        conflicts: tuple = (), function: str = "install",
+        self,
+        name: str,
+        triggers: tuple,
+        module: str,
+        routes: str,
+        *,
+        default: bool = True,
+        conflicts: tuple = (),
+        function: str = "install",
     ) -> None:
         self.name = name
         self.triggers = triggers
@@ -62,24 +69,35 @@ INTEGRATIONS = {
     i.name: i
     for i in (
         Integration(
-            "dsd", ("torch.distributed.checkpoint.state_dict",), "sparse_ckpt.integrations.dsd",
+            "dsd",
+            ("torch.distributed.checkpoint.state_dict",),
+            "sparse_ckpt.integrations.dsd",
             "torch DSD (get/set_optimizer_state_dict, get/set_state_dict, DefaultLoadPlanner.set_up_planner)",
         ),
         Integration(
-            "torchtune", ("torchtune",), "sparse_ckpt.integrations.torchtune",
+            "torchtune",
+            ("torchtune",),
+            "sparse_ckpt.integrations.torchtune",
             "torchtune's optimizer checkpointing",
         ),
         Integration(
-            "veomni", ("veomni.checkpoint",), "sparse_ckpt.integrations.veomni",
+            "veomni",
+            ("veomni.checkpoint",),
+            "sparse_ckpt.integrations.veomni",
             "VeOmni's build_checkpointer('dcp', ...)",
         ),
         Integration(
-            "accelerate", ("accelerate",), "sparse_ckpt.integrations.accelerate",
+            "accelerate",
+            ("accelerate",),
+            "sparse_ckpt.integrations.accelerate",
             "Accelerate's save_fsdp_optimizer/load_fsdp_optimizer (sparse_ckpt's packed format)",
-            default=False, conflicts=("dsd",),
+            default=False,
+            conflicts=("dsd",),
         ),
         Integration(
-            "safe_load", ("torch.distributed.checkpoint",), "sparse_ckpt.integrations.safe_load",
+            "safe_load",
+            ("torch.distributed.checkpoint",),
+            "sparse_ckpt.integrations.safe_load",
             "every DCP FileSystemReader load (.metadata by a restricted unpickler, bytes items weights-only, "
             "no read outside the checkpoint)",
             default=False,
@@ -132,7 +150,9 @@ def selection(value: str | None = None, environ: dict | None = None) -> tuple[li
         elif name in INTEGRATIONS:
             names = {name}
         else:
-            problems.append(f"unknown integration {name!r} in SPARSE_CKPT_INTEGRATIONS (known: {', '.join(INTEGRATIONS)})")
+            problems.append(
+                f"unknown integration {name!r} in SPARSE_CKPT_INTEGRATIONS (known: {', '.join(INTEGRATIONS)})"
+            )
             continue
         if token.startswith("-"):
             chosen -= names
@@ -146,7 +166,9 @@ def selection(value: str | None = None, environ: dict | None = None) -> tuple[li
             continue
         clash = [c for c in selected if c in integration.conflicts or name in INTEGRATIONS[c].conflicts]
         if clash:
-            problems.append(f"integrations {clash[0]!r} and {name!r} conflict (both would own the same checkpoints); {name!r} is not activated")
+            problems.append(
+                f"integrations {clash[0]!r} and {name!r} conflict (both would own the same checkpoints); {name!r} is not activated"
+            )
             continue
         selected.append(name)
     return selected, problems

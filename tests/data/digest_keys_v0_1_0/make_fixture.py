@@ -25,10 +25,13 @@ import sparse_ckpt as sc
 HERE = Path(__file__).parent
 
 model = DrillNet(range(4))
-opt = sc.MultiOptimizer(model, {
-    "dense": torch.optim.AdamW([*model.dense.parameters(), *model.proj.parameters()], lr=DENSE_LR),
-    "experts": torch.optim.AdamW(model.experts.parameters(), lr=EXPERT_LR),
-})
+opt = sc.MultiOptimizer(
+    model,
+    {
+        "dense": torch.optim.AdamW([*model.dense.parameters(), *model.proj.parameters()], lr=DENSE_LR),
+        "experts": torch.optim.AdamW(model.experts.parameters(), lr=EXPERT_LR),
+    },
+)
 train_drill(model, opt, 2, seed=0, rank=0)
 for name in (".metadata", "__0_0.distcp"):
     (HERE / name).unlink(missing_ok=True)

@@ -35,7 +35,12 @@ def main() -> None:
     (args,) = HfArgumentParser(TrainingArguments).parse_args_into_dataclasses()
     trainer = cpu_fsdp2(Trainer, dsd_moe.optimizer)(model=dsd_moe.model(0), args=args, train_dataset=Batches())
     trainer.train(resume_from_checkpoint=args.resume_from_checkpoint)
-    record(os.path.join(args.output_dir, "outcome.pt"), trainer.model, trainer.optimizer.optimizer, trainer.lr_scheduler.get_last_lr())
+    record(
+        os.path.join(args.output_dir, "outcome.pt"),
+        trainer.model,
+        trainer.optimizer.optimizer,
+        trainer.lr_scheduler.get_last_lr(),
+    )
 
 
 if __name__ == "__main__":

@@ -32,7 +32,9 @@ def record(path: str, model: nn.Module, optimizer: torch.optim.Optimizer, schedu
     names = list(model.named_parameters())
     result = {
         "params": {n: _full(p) for n, p in names},
-        "state": {n: {k: _full(v) for k, v in sorted(optimizer.state[p].items())} for n, p in names if p in optimizer.state},
+        "state": {
+            n: {k: _full(v) for k, v in sorted(optimizer.state[p].items())} for n, p in names if p in optimizer.state
+        },
         "lrs": [g["lr"] for g in optimizer.param_groups],
         "scheduler_lrs": [float(lr) for lr in scheduler_lrs],
         "with_state": len(optimizer.state),
