@@ -6,7 +6,7 @@ What makes it so: a tensor item's archive header is checked against ``.metadata`
 where the tensor's bytes start, the dtype and shape its pickle rebuilds), and every bucket of the
 buffers layout against the CRC-32C its layout item records (docs/formats.md, *Bucket checksums*).
 The default run flips a seeded sample of the bytes (:data:`RATE`); the full sweep
-(``python -m bench.damaged_files --flip``) is the ``slow`` test.
+(``python -m bench.damaged_files --flip``) is the ``slow`` test, opt-in with ``SPARSE_CKPT_FULL_FLIP_SWEEP=1``.
 """
 
 from __future__ import annotations
@@ -158,8 +158,14 @@ def test_sampled_flips_are_exact_or_refused() -> None:
 
 
 @pytest.mark.slow
+@pytest.mark.skipif(
+    os.environ.get("SPARSE_CKPT_FULL_FLIP_SWEEP") != "1",
+    reason="the full sweep (about 110 000 loads, hours on 2 cores) runs with SPARSE_CKPT_FULL_FLIP_SWEEP=1 "
+    "(or: python -m bench.damaged_files --flip)",
+)
 def test_every_flipped_byte_is_exact_or_refused() -> None:
-    """The full sweep: every byte of every optimizer item flipped once (bench/README.md has its counts)."""
+    """The full sweep: every byte of every optimizer item flipped once (bench/README.md has its counts).
+    Opt-in: too long for the README's test command and CI (the seeded sample above runs there)."""
     result = damaged_files.flip_sweep(1.0, out=sys.stdout)
     assert result["raw"] == 0, "\n".join(result["raw_cases"][:10])
 
