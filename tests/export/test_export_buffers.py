@@ -217,11 +217,15 @@ def test_fsdp2_buffers_export_equals_per_tensor_export(tmp_path: Path) -> None:
 
 def _save_ep_layouts(rank: int, world_size: int, root: str) -> None:
     """Expert parallelism: each rank its own experts (tables ``w2r0``, ``w2r1``), a shared layer
-    (a table both write once), saved per tensor and buffered."""
+    (a table both write once; its state the same on both ranks, so the copy DCP keeps of a replicated
+    item does not depend on which rank it picks), saved per tensor and buffered."""
     model = EPNet((2 * rank, 2 * rank + 1), seed=0)
     opt = _ep_opt(model)
     x = torch.randn(3, 4, generator=torch.Generator().manual_seed(rank))
     model.experts[str(2 * rank)](torch.tanh(model.shared(x))).pow(2).mean().backward()
+    for p in model.shared.parameters():  # replicated: its gradients averaged, as data parallelism does
+        torch.distributed.all_reduce(p.grad)
+        p.grad /= world_size
     opt["experts"].step()
     opt["shared"].step()
     for layout in LAYOUTS:
