@@ -76,12 +76,32 @@ def weights_only_object(
     if bad is not None:
         raise CheckpointFormatError(f"{what} {key!r}: its record {bad!r} fails its CRC-32 check (damaged bytes)")
     try:
-        obj = torch.load(value, weights_only=True)
+        with torch.serialization.safe_globals(numpy_scalar_globals()):
+            obj = torch.load(value, weights_only=True)
     except Exception as exc:  # noqa: BLE001 - any refusal of the restricted unpickler
         raise CheckpointFormatError(f"{what} {key!r} is not a plain data item ({reason(exc)}): {hint}") from None
     if table and not isinstance(obj, bytes):
         raise CheckpointFormatError(f"{what} {key!r} holds a {type(obj).__name__}, expected bytes")
     return obj
+
+
+_NUMPY_SCALAR_TYPES = ("bool_", "int8", "int16", "int32", "int64", "uint8", "uint16", "uint32", "uint64")
+_NUMPY_SCALAR_TYPES += ("float16", "float32", "float64", "longdouble", "complex64", "complex128", "clongdouble")
+
+
+def numpy_scalar_globals() -> list[Any]:
+    """What a pickled numeric numpy scalar names (its reconstructor, ``numpy.dtype`` and the dtype's
+    class): data only, which torch's ``weights_only`` unpickler refuses unless allowed. A state value a
+    stock DSD checkpoint holds as a bytes item (a ``LambdaLR`` computing with numpy) then loads under
+    the library's weights-only reads as it does under stock DCP. Empty without numpy."""
+    try:
+        import numpy as np
+    except ImportError:  # pragma: no cover - DCP needs numpy
+        return []
+    core = getattr(np, "_core", None) or np.core  # numpy 2 / numpy 1
+    out: list[Any] = [core.multiarray.scalar, np.dtype]
+    out += [type(np.dtype(getattr(np, name))) for name in _NUMPY_SCALAR_TYPES if hasattr(np, name)]
+    return out
 
 
 def allocate_like(size: tuple[int, ...], dtype: torch.dtype, like: torch.Tensor | None) -> torch.Tensor:
