@@ -301,7 +301,8 @@ def check_index(index: LayoutIndex, tables: dict[str, list[tuple[str, str, Any, 
         ti = where.get(tag)
         if ti is None:
             raise CheckpointFormatError(
-                f"leaf {index.leaf!r}: layout index {index.key!r} does not list layout tag {tag!r} (a damaged or edited checkpoint)"
+                f"leaf {index.leaf!r}: layout index {index.key!r} does not list layout tag {tag!r} (a damaged or "
+                "edited checkpoint)"
             )
         rank = min(_tag_ranks(tag))
         for fqn, key, shape, offsets, sizes in entries:
@@ -402,7 +403,8 @@ def decode_index(leaf: str, key: str, data: bytes) -> LayoutIndex:
                 or any(not REPLICATE <= p < len(shape) for p in placements)
             ):
                 raise bad(
-                    f"description {idx}: placements {placements!r} for a {len(shape)}-d tensor on a {len(mesh_shape)}-d mesh"
+                    f"description {idx}: placements {placements!r} for a {len(shape)}-d tensor on a "
+                    f"{len(mesh_shape)}-d mesh"
                 )
             value: tuple[str, Any] = ("spec", (shape, mesh_shape, mesh_ranks, placements))
         elif len(desc) == 1 and next(iter(desc)) in ("whole", "chunks"):

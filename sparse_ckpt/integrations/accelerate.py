@@ -9,9 +9,11 @@ makes ``load_state`` fail (``Missing key in checkpoint state_dict: optimizer.sta
 `install` replaces Accelerate's ``save_fsdp_optimizer`` / ``load_fsdp_optimizer`` (the
 functions ``Accelerator.save_state`` / ``load_state`` call, their homes in
 ``accelerate.utils``, and every module that bound them before, such as ``transformers.trainer``)
-with ones that save ``{"optimizer": SparseOptimizerState(model, optimizer)}`` through DCP into the same ``optimizer_{i}`` directory and load it with
+with ones that save ``{"optimizer": SparseOptimizerState(model, optimizer)}`` through DCP into the
+same ``optimizer_{i}`` directory and load it with
 `sparse_ckpt.SparseLoadPlanner` (``Accelerator.save_state`` captures those optimizers
-before Accelerate writes the models, so a save sparse_ckpt refuses writes nothing): exact (every group's settings, only the state that
+before Accelerate writes the models, so a save sparse_ckpt refuses writes nothing): exact (every
+group's settings, only the state that
 exists), sparse, nothing invented, the live optimizer untouched by a save. Loading also reads the
 directories stock Accelerate wrote before (DSD's nested layout, docs/formats.md),
 so existing runs resume; note that such a checkpoint holds whatever DSD wrote, including the
@@ -241,7 +243,8 @@ def _check_signature(module: Any, name: str, expected: list[str]) -> None:
         version = getattr(importlib.import_module("accelerate"), "__version__", "?")
         raise RuntimeError(
             f"sparse_ckpt.integrations.accelerate: accelerate {version}'s {module.__name__}.{name} has parameters "
-            f"{params}, expected {expected} (the integration is written against accelerate 1.15.0); nothing was installed"
+            f"{params}, expected {expected} (the integration is written against accelerate 1.15.0); nothing was "
+            "installed"
         )
 
 

@@ -212,7 +212,8 @@ def rebuild_copies(
     state while the checkpoint holds state under its path is a `sparse_ckpt.CheckpointMismatchError`
     (DCP would read the settings and leave the state unread, silently), raised before any copy is
     touched; so is one that asks for the state of some of its parameters and not of another whose state
-    the checkpoint holds (its copy was made for an optimizer with partial state). Returns how many copies were rebuilt; ``keys`` (`SparseLoadPlanner`'s optimizer keys)
+    the checkpoint holds (its copy was made for an optimizer with partial state). Returns how many
+    copies were rebuilt; ``keys`` (`SparseLoadPlanner`'s optimizer keys)
     gets the DCP keys the copies read, so that planner unpickles their bytes items with
     ``weights_only=True`` as it does its own targets'."""
     if metadata is None:
