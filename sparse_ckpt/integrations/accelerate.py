@@ -170,7 +170,7 @@ def save_fsdp_optimizer(
         if captured is not None
         else SparseOptimizerState(model, optimizer, format=_options["format"])
     )
-    ckpt_dir = os.path.join(output_dir, f"{_optimizer_name()}_{optimizer_index}")
+    ckpt_dir = os.path.join(output_dir, _optimizer_dir(optimizer_index))
     os.makedirs(ckpt_dir, exist_ok=True)
     dcp.save({OPTIMIZER_KEY: state}, storage_writer=dcp.FileSystemWriter(ckpt_dir))
     return None
@@ -197,7 +197,7 @@ def load_fsdp_optimizer(
         return _original("load_fsdp_optimizer")(
             fsdp_plugin, accelerator, optimizer, model, input_dir, optimizer_index, adapter_only, use_dcp
         )
-    name = f"{_optimizer_name()}_{optimizer_index}"
+    name = _optimizer_dir(optimizer_index)
     ckpt_dir = Path(input_dir) if Path(input_dir).name == name else Path(input_dir) / name
     accelerator.wait_for_everyone()
     state = SparseOptimizerState(model, optimizer, strict=_options["strict"])
@@ -224,8 +224,9 @@ def _original(name: str) -> Callable[..., Any]:
     return _accelerates.get(name) or getattr(importlib.import_module("accelerate.utils.fsdp_utils"), name)
 
 
-def _optimizer_name() -> str:
-    return str(importlib.import_module("accelerate.utils.constants").OPTIMIZER_NAME)
+def _optimizer_dir(optimizer_index: int) -> str:
+    """The directory Accelerate names for optimizer ``optimizer_index`` (``optimizer_{i}``)."""
+    return f"{importlib.import_module('accelerate.utils.constants').OPTIMIZER_NAME}_{optimizer_index}"
 
 
 def _handled(fsdp_plugin: Any, use_dcp: bool) -> bool:
