@@ -1,7 +1,8 @@
 """Security: sparse_ckpt never unpickles or executes code from a checkpoint.
 
 Static: no ``pickle``-family import (but the restricted ``.metadata`` unpickler's, which resolves only
-DCP's metadata classes), no ``torch.load`` (unless ``weights_only=True`` is passed literally), no ``eval``/``exec``/``compile`` call and no ``__reduce__`` in ``sparse_ckpt/*.py``;
+DCP's metadata classes), no ``torch.load`` (unless ``weights_only=True`` is passed literally), no
+``eval``/``exec``/``compile`` call and no ``__reduce__`` in ``sparse_ckpt/*.py``;
 no pickle/eval/exec/``__reduce__`` in ``csrc/`` (comments stripped). Dynamic: with every
 unpickling/evaluating entry point patched to fail, packed tables decode and packed and flat dicts
 load; a pickle payload stored as a packed table is rejected without being executed.
