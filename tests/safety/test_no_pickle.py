@@ -20,6 +20,7 @@ from contextlib import contextmanager
 from pathlib import Path
 from typing import Any
 
+import _backends
 import pytest
 import torch
 from helpers import deep_equal, table_bytes
@@ -162,6 +163,7 @@ def cpp_findings_text(text: str, rel: str = "<probe>") -> list[str]:
     return found
 
 
+@_backends.only(_backends.DEFAULT)  # a scan of the sources: no core runs
 def test_static_python_sources() -> None:
     """No unpickling or code evaluation anywhere in the package."""
     files = sorted(PACKAGE.rglob("*.py"))
@@ -170,6 +172,7 @@ def test_static_python_sources() -> None:
     assert not findings, "unsafe constructs:\n" + "\n".join(findings)
 
 
+@_backends.only(_backends.DEFAULT)  # a scan of the sources: no core runs
 def test_static_cpp_sources() -> None:
     """No pickle/eval/exec in the C++ core."""
     files = (
@@ -181,6 +184,7 @@ def test_static_cpp_sources() -> None:
     assert not findings, "unsafe constructs:\n" + "\n".join(findings)
 
 
+@_backends.only(_backends.DEFAULT)  # a scan of the sources: no core runs
 def test_static_checks_can_fail() -> None:
     """The scanners flag each construct (so an empty result means something)."""
     probes = {
