@@ -2,7 +2,8 @@
 
 ``SPARSE_CKPT_EXHAUSTIVE_SWEEPS=1``, which .ci/run sets for the full suite, turns every sample into
 the whole: the interrupt sweeps interrupt every line event, the launcher drills launch the stock
-launcher in each drill, and the multi-rank tests run on both core backends. Each sampling module
+launcher in each drill, the multi-rank tests run on both core backends and the wheel is built and
+run (``packaging/test_wheel_bench.py``). Each sampling module
 says what its default run leaves to CI.
 """
 
