@@ -13,7 +13,9 @@ from __future__ import annotations
 import os
 import random
 from collections.abc import Callable, Hashable, Sequence
-from typing import TypeVar
+from typing import Any, TypeVar
+
+import pytest
 
 EXHAUSTIVE = os.environ.get("SPARSE_CKPT_EXHAUSTIVE_SWEEPS") == "1"
 """``SPARSE_CKPT_EXHAUSTIVE_SWEEPS=1`` (.ci/run sets it): run in full what the default run samples."""
@@ -38,3 +40,11 @@ def sample(cases: Sequence[T], seed: str, kind: Callable[[T], Hashable] = lambda
     rest = [i for i in range(len(cases)) if i not in keep]
     keep.update(random.Random(seed).sample(rest, round(len(rest) * SAMPLE_RATE)))
     return [cases[i] for i in sorted(keep)]
+
+
+def params(cases: Sequence[tuple[Any, ...]], seed: str, kind: Callable[[Any], Hashable]) -> list[Any]:
+    """``cases`` as ``pytest.mark.parametrize`` values, each one `sample` leaves out skipped with a
+    reason naming CI: every run collects the same cases, the default run runs the sample."""
+    picked = set(sample(cases, seed, kind))
+    skip = pytest.mark.skip(reason="CI runs it (SPARSE_CKPT_EXHAUSTIVE_SWEEPS=1, tests/_sampling.py)")
+    return [case if case in picked else pytest.param(*case, marks=skip) for case in cases]

@@ -1,13 +1,14 @@
-"""What the default run's lost-item and damaged-file sweeps run (`_sampling.sample`): the same cases
-every run, the first and the last, every kind at least once and a `_sampling.SAMPLE_RATE` share of
-the rest; every case under ``SPARSE_CKPT_EXHAUSTIVE_SWEEPS=1``."""
+"""What the default run's lost-item and damaged-file sweeps (and save/test_packed_v2.py's optimizer
+sweep) run (`_sampling.sample`): the same cases every run, the first and the last, every kind at
+least once and a `_sampling.SAMPLE_RATE` share of the rest; every case under
+``SPARSE_CKPT_EXHAUSTIVE_SWEEPS=1``."""
 
 from __future__ import annotations
 
 import _backends
 import _sampling
 import pytest
-from _sampling import SAMPLE_RATE, sample
+from _sampling import SAMPLE_RATE, params, sample
 from lost_item_sweep import item_kind
 from test_damaged_files import _pick
 
@@ -61,3 +62,19 @@ def test_the_damage_sample_keeps_every_kind_of_damage(monkeypatch: pytest.Monkey
     picked = _pick(cases, "s")
     assert {what.split(" ")[0] for what, _ in picked} == {"delete", "zero", "truncate", "record"}
     assert len(picked) < len(cases) / 3
+
+
+@pytest.mark.parametrize("exhaustive", [False, True])
+def test_params_collect_every_case_and_skip_what_the_sample_leaves_out(
+    monkeypatch: pytest.MonkeyPatch, exhaustive: bool
+) -> None:
+    """`_sampling.params` (the optimizer sweep of save/test_packed_v2.py): the same cases collected in
+    every run, those `sample` leaves out skipped, none under the variable."""
+    monkeypatch.setattr(_sampling, "EXHAUSTIVE", exhaustive)
+    cases = [(c, _kind(c)) for c in CASES]
+    values = params(cases, "x", lambda case: case[1])
+    run = [v for v in values if type(v) is tuple]  # a skipped one is a ParameterSet (a named tuple)
+    skipped = [v for v in values if type(v) is not tuple]
+    assert run == sample(cases, "x", lambda case: case[1]) and len(values) == len(cases)
+    assert all(v.marks[0].name == "skip" and v.values in cases for v in skipped)
+    assert not skipped if exhaustive else len(skipped) == len(cases) - len(run) > 0
