@@ -6,7 +6,8 @@ Every kind of state: per-item tensors, scalars that live only in the scalar tabl
 ``step``, LBFGS's ``func_evals``/``n_iter``), list-valued state (LBFGS's ``al``, ``old_dirs``,
 ``old_stps``, ``ro``: one DCP item per element), buffers and layout tables, and several leaves;
 both state layouts, strict and not. By default each sweep removes a `_sampling.sample` of the items
-(every kind, the first and the last); CI removes each one.
+(every kind, the first and the last) and each optimizer is swept in one layout and strictness of
+four (`SWEEPS`); CI sweeps each in all four and removes each item.
 """
 
 from __future__ import annotations
@@ -19,7 +20,7 @@ from typing import Any
 import pytest
 import torch
 import torch.distributed.checkpoint as dcp
-from _sampling import sample
+from _sampling import params, sample
 from helpers import assert_optimizer_equal, snapshot_optimizer
 from legacy_checkpoints import drop_from_metadata
 from lost_item_sweep import item_kind
@@ -118,9 +119,13 @@ def _outcomes(name: str, layout: str, strict: bool, tmp_path: Path) -> dict[str,
     return outcomes
 
 
-@pytest.mark.parametrize("strict", [True, False])
-@pytest.mark.parametrize("layout", ["per_tensor", "buffers"])
-@pytest.mark.parametrize("name", list(OPTIMIZERS))
+_VARIANTS = [(layout, strict) for strict in (True, False) for layout in ("per_tensor", "buffers")]
+SWEEPS = [(name, *_VARIANTS[(i + j) % 4]) for i, name in enumerate(OPTIMIZERS) for j in range(4)]
+"""Every optimizer, layout and strictness; by default (`_sampling.params`) each optimizer in one of the
+four variants, the variants taking turns, and a seeded share of the rest."""
+
+
+@pytest.mark.parametrize(("name", "layout", "strict"), params(SWEEPS, "lost-item-sweeps", lambda case: case[0]))
 def test_any_single_lost_item_is_refused_or_harmless(name: str, layout: str, strict: bool, tmp_path: Path) -> None:
     outcomes = _outcomes(name, layout, strict, tmp_path)
     loaded = sorted(k for k, v in outcomes.items() if v == "loaded")
