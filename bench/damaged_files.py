@@ -49,6 +49,8 @@ from torch.distributed.checkpoint.metadata import TensorStorageMetadata
 
 import sparse_ckpt as sc
 
+from . import provenance
+
 VARIANTS = (("packed", "per_tensor"), ("packed", "auto"), ("flat", "auto"))
 SURFACES = ("stateful", "dsd")
 BAD_ADVICE = "weights_only=False"
@@ -389,7 +391,7 @@ def main(argv: list[str] | None = None) -> int:
     result = flip_sweep(args.rate, out=sys.stdout) if args.flip else sweep(args.stride, args.span, out=sys.stdout)
     if args.json:
         with open(args.json, "w") as f:
-            json.dump(result, f, indent=1)
+            json.dump({**result, "provenance": provenance.record()}, f, indent=1)
     return 1 if result["raw"] else 0
 
 

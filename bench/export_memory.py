@@ -39,6 +39,8 @@ import time
 from collections.abc import Iterable, Mapping
 from typing import Any
 
+from . import provenance
+
 VARIANTS = ("stream", "save_file")
 LAYOUTS = ("per_tensor", "buffers")
 LEAF = "optim"
@@ -185,6 +187,7 @@ def main(argv: list[str] | None = None) -> int:
         if not args.dir:
             shutil.rmtree(scratch, ignore_errors=True)
     result = {"scale": args.scale, "hidden": args.hidden, "fixture": info, "variants": rows}
+    result["provenance"] = provenance.record()
     if args.out:
         with open(args.out, "w") as f:
             json.dump(result, f, indent=2)

@@ -45,6 +45,7 @@ from typing import Any
 import torch
 
 try:  # a checkout (python -m bench.scale) or the wheel (python -m sparse_ckpt.bench.scale)
+    from . import provenance
     from .fixtures import parse_fixture_specs, parse_scales
     from .scale_async import run_async, run_async_threshold
     from .scale_dcp import PAIR, parse_size, run_dcp, run_spread, run_threshold
@@ -203,6 +204,7 @@ def main(argv: Sequence[str] | None = None) -> int:
             "repeats": args.repeats,
             "torch_threads": torch.get_num_threads(),
             "total_s": time.perf_counter() - t0,
+            "provenance": provenance.record(),
         }
     )
     if args.out:

@@ -21,7 +21,7 @@ import pytest
 import torch
 
 import sparse_ckpt as sc
-from bench import information, plots, report_markdown, verdicts
+from bench import information, plots, provenance, report_markdown, verdicts
 from bench import run as bench_run
 from bench.fixtures import (
     ADAMW_KWARGS,
@@ -91,6 +91,7 @@ def _load(out: str) -> dict:
 def test_results_json_schema(bench_out: str) -> None:
     res = _load(bench_out)
     assert res["schema"] == "sparse_ckpt-bench/1"
+    assert provenance.problems("results.json", res, "rerun") == [], res.get("provenance")
     m = res["machine"]
     for key, typ in (("cpu_model", str), ("cores", int), ("torch", str), ("python", str), ("device", str)):
         assert isinstance(m[key], typ), key

@@ -12,7 +12,7 @@ import _backends
 import pytest
 
 import sparse_ckpt as sc
-from bench import scale
+from bench import provenance, scale
 from bench.fixtures import EMBED_NAMES, FixtureCache, FixtureSpec, Scale, parse_fixture_specs
 from bench.scale_dcp import FLOOR, crossover, parse_size, threshold_counts
 from bench.scale_metadata import auto_threshold, split
@@ -27,7 +27,9 @@ def _run(tmp_path: os.PathLike[str], *argv: str) -> dict:
     out = os.path.join(tmp_path, f"{argv[0]}.json")
     assert scale.main([*argv, "--out", out]) == 0
     with open(out) as f:
-        return json.load(f)
+        data = json.load(f)
+    assert provenance.problems(out, data, "rerun") == [], "a bench.scale result records its provenance"
+    return data
 
 
 def _mixed_spec() -> str:
