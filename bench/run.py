@@ -37,10 +37,12 @@ import torch
 
 import sparse_ckpt
 
-from . import provenance, report, report_markdown
-from .devices import DeviceUnavailable, check_device, device_name, synchronize
-from .fixtures import LAYOUTS, STATE_INITS, FixtureCache, Scale, gc_paused, parse_scales
-from .measure import (
+from . import provenance
+from .provenance import cpu_model
+from .suite import report, report_markdown
+from .suite.devices import DeviceUnavailable, check_device, device_name, synchronize
+from .suite.fixtures import LAYOUTS, STATE_INITS, FixtureCache, Scale, gc_paused, parse_scales
+from .suite.measure import (
     FixtureContext,
     backend_modules,
     dcp_stats,
@@ -50,11 +52,10 @@ from .measure import (
     silence_known_warnings,
     use_backend,
 )
-from .methods import EXPORT_SAVE, Method, plan_methods
-from .provenance import cpu_model
-from .timing import time_method
-from .units import fmt_time
-from .verdicts import targets_mode
+from .suite.methods import EXPORT_SAVE, Method, plan_methods
+from .suite.timing import time_method
+from .suite.units import fmt_time
+from .suite.verdicts import targets_mode
 
 DEFAULT_SCALES = "8x64,24x128,61x256,120x512,200x1024"
 QUICK_SCALES = "2x8,4x16"

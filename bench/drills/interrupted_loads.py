@@ -36,7 +36,7 @@ from torch import nn
 
 import sparse_ckpt as sc
 
-from . import provenance
+from .. import provenance
 
 VARIANTS = (("packed", "auto"), ("packed", "per_tensor"), ("flat", "auto"))
 """(format, state_layout) of the checkpoints the trials cycle through."""

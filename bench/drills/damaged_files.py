@@ -49,7 +49,7 @@ from torch.distributed.checkpoint.metadata import TensorStorageMetadata
 
 import sparse_ckpt as sc
 
-from . import provenance
+from .. import provenance
 
 VARIANTS = (("packed", "per_tensor"), ("packed", "auto"), ("flat", "auto"))
 SURFACES = ("stateful", "dsd")

@@ -29,8 +29,8 @@ from collections.abc import Sequence
 from typing import Any
 
 try:  # a checkout (python -m bench.layout_index) or the wheel
-    from . import provenance
-    from .fixtures import FixtureCache, parse_scales
+    from .. import provenance
+    from ..suite.fixtures import FixtureCache, parse_scales
 except ImportError:  # pragma: no cover - run as a script
     import provenance  # type: ignore[no-redef]
     from fixtures import FixtureCache, parse_scales  # type: ignore[no-redef]

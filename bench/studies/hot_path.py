@@ -39,8 +39,8 @@ from typing import Any
 
 import sparse_ckpt as sc
 
-from . import provenance
-from .fixtures import FixtureCache, gc_paused, parse_scales
+from .. import provenance
+from ..suite.fixtures import FixtureCache, gc_paused, parse_scales
 
 METHODS = ("floor", "save", "load")
 

@@ -32,9 +32,9 @@ import torch
 import torch.distributed as dist
 from torch import nn
 
-from . import provenance
-from .provenance import cpu_model
-from .ranks import run_ranks
+from .. import provenance
+from ..drills.ranks import run_ranks
+from ..provenance import cpu_model
 
 
 class Layer(nn.Module):

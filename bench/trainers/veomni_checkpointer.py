@@ -34,8 +34,8 @@ import torch.distributed as dist
 import torch.multiprocessing as mp
 from torch import nn
 
-from . import provenance
-from .ranks import free_port
+from .. import provenance
+from ..drills.ranks import free_port
 
 KINDS = ("model", "stock", "sparse")
 """``model``: stock VeOmni saving and loading the model alone (the floor both others include)."""

@@ -36,7 +36,7 @@ from torchtitan.components.checkpoint import CheckpointManager
 
 from sparse_ckpt.integrations.torchtitan import SparseCheckpointManager
 
-from . import provenance
+from .. import provenance
 from . import titan_scenario as tt
 
 MANAGERS = {
