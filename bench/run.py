@@ -37,10 +37,12 @@ import torch
 
 import sparse_ckpt
 
-from . import report, report_markdown
-from .devices import DeviceUnavailable, check_device, device_name, synchronize
-from .fixtures import LAYOUTS, STATE_INITS, FixtureCache, Scale, gc_paused, parse_scales
-from .measure import (
+from . import provenance
+from .provenance import cpu_model
+from .suite import report, report_markdown
+from .suite.devices import DeviceUnavailable, check_device, device_name, synchronize
+from .suite.fixtures import LAYOUTS, STATE_INITS, FixtureCache, Scale, gc_paused, parse_scales
+from .suite.measure import (
     FixtureContext,
     backend_modules,
     dcp_stats,
@@ -50,10 +52,10 @@ from .measure import (
     silence_known_warnings,
     use_backend,
 )
-from .methods import EXPORT_SAVE, Method, plan_methods
-from .timing import time_method
-from .units import fmt_time
-from .verdicts import targets_mode
+from .suite.methods import EXPORT_SAVE, Method, plan_methods
+from .suite.timing import time_method
+from .suite.units import fmt_time
+from .suite.verdicts import targets_mode
 
 DEFAULT_SCALES = "8x64,24x128,61x256,120x512,200x1024"
 QUICK_SCALES = "2x8,4x16"
@@ -90,18 +92,6 @@ def default_prog() -> str:
         rel = os.path.relpath(__file__)
         return f"python {__file__ if rel.startswith('..') else rel}"
     return f"python -m {__package__}"
-
-
-def cpu_model() -> str:
-    """The CPU's model name (``/proc/cpuinfo`` on Linux, else ``platform``)."""
-    try:
-        with open("/proc/cpuinfo", encoding="utf-8") as f:
-            for line in f:
-                if line.lower().startswith("model name"):
-                    return line.split(":", 1)[1].strip()
-    except OSError:
-        pass
-    return platform.processor() or platform.machine()
 
 
 def machine_info(device: str, backends: dict[str, Any]) -> dict[str, Any]:
@@ -648,6 +638,7 @@ def main(argv: Sequence[str] | None = None, prog: str | None = None) -> int:
     partial = os.path.join(args.out, "results.partial.json")
     results = run_bench(args, partial, results)
     results["elapsed_s"] = time.perf_counter() - t0
+    results["provenance"] = provenance.record()
     paths = report.write_all(results, args.out)
     if os.path.exists(partial):
         os.remove(partial)

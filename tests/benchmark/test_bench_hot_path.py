@@ -10,7 +10,7 @@ import importlib
 import _backends
 import pytest
 
-from bench import hot_path
+from bench.studies import hot_path
 from sparse_ckpt import _backend
 
 core_backend = _backends.run_once

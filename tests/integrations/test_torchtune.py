@@ -50,7 +50,7 @@ from trainer_drill import (
     sharded,
 )
 
-from bench import tune_scenario as ts
+from bench.trainers import tune_scenario as ts
 from sparse_ckpt import CheckpointMismatchError
 from sparse_ckpt.integrations import torchtune as sc_tune
 

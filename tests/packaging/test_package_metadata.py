@@ -170,9 +170,12 @@ def test_setup_py_only_builds_the_extension() -> None:
 
 def test_pyproject_lists_every_package() -> None:
     """pyproject.toml lists the packages explicitly (the bench is mapped from bench/): every package
-    folder of sparse_ckpt/ must be there, or the wheel would miss it."""
+    folder of sparse_ckpt/ and of bench/ must be there, or the wheel would miss it."""
     folders = {".".join(p.parent.relative_to(ROOT).parts) for p in PACKAGE.rglob("__init__.py")}
-    assert set(setup_metadata()["packages"]) == folders | {"sparse_ckpt.bench"}
+    bench = {
+        ".".join(("sparse_ckpt", *p.parent.relative_to(ROOT).parts)) for p in (ROOT / "bench").rglob("__init__.py")
+    }
+    assert set(setup_metadata()["packages"]) == folders | bench
 
 
 def test_readme_install_commands_name_existing_extras() -> None:

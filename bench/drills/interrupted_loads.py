@@ -36,6 +36,8 @@ from torch import nn
 
 import sparse_ckpt as sc
 
+from .. import provenance
+
 VARIANTS = (("packed", "auto"), ("packed", "per_tensor"), ("flat", "auto"))
 """(format, state_layout) of the checkpoints the trials cycle through."""
 
@@ -171,7 +173,7 @@ def main(argv: list[str] | None = None) -> int:
     result = run(args.trials, args.seed)
     if args.json:
         with open(args.json, "w") as f:
-            json.dump(result, f, indent=1)
+            json.dump({**result, "provenance": provenance.record()}, f, indent=1)
     return 1 if result["clean_load_failures"] else 0
 
 

@@ -39,7 +39,7 @@ import torch.distributed as dist
 
 import sparse_ckpt as sc
 
-from .devices import bind_rank, process_group_backend
+from ..suite.devices import bind_rank, process_group_backend
 
 PRELOAD = [
     "torch",

@@ -1,4 +1,4 @@
-"""The torchtitan scenario shared by tests/integrations/test_torchtitan*.py and bench/titan_compare.py.
+"""The torchtitan scenario shared by tests/integrations/test_torchtitan*.py and bench/trainers/titan_compare.py.
 
 A small MoE-ish model (``layers.{i}.router`` and ``layers.{i}.experts.{e}``, plus ``aux``, a
 ``Linear`` used only when asked), built with torchtitan's own ``OptimizersContainer.Config``

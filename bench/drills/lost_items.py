@@ -19,7 +19,7 @@ import warnings
 from collections import Counter
 from pathlib import Path
 
-_TESTS = Path(__file__).resolve().parent.parent / "tests"
+_TESTS = Path(__file__).resolve().parents[2] / "tests"
 
 
 def main(argv: list[str] | None = None) -> int:

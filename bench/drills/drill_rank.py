@@ -27,7 +27,7 @@ from torch.optim.lr_scheduler import LRScheduler
 
 import sparse_ckpt as sc
 
-from .devices import current_device, synchronize
+from ..suite.devices import current_device, synchronize
 from .drill_model import DrillConfig, build, make_batch
 
 SNAPSHOT = "snapshot.pt"

@@ -29,7 +29,7 @@ import torch.distributed.checkpoint as dcp
 import sparse_ckpt as sc
 from sparse_ckpt import _backend
 
-from .fixtures import FixtureCache, parse_fixture_specs
+from ..suite.fixtures import FixtureCache, parse_fixture_specs
 
 
 def _time(fn: Callable[[], Any], setup: Callable[[], Any] | None, runs: int) -> tuple[list[float], list[float]]:

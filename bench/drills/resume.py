@@ -53,7 +53,7 @@ import torch.distributed as dist
 
 import sparse_ckpt as sc
 
-from .devices import DEVICES, DeviceUnavailable, check_device, check_world_sizes, device_count
+from ..suite.devices import DEVICES, DeviceUnavailable, check_device, check_world_sizes, device_count
 from .drill_checks import check_checkpoint_keys, check_snapshot_sparsity, compare_snapshots
 from .drill_model import DrillConfig, DrillModel, VisionDecay, build
 from .drill_rank import (

@@ -1,6 +1,6 @@
 """``bench.scale`` mode ``metadata``: the ``.metadata`` DCP's coordinator would write for an FSDP2 job
 of N ranks saving a fixture's optimizer through ``SparseOptimizerState``, in every state layout of
-``sparse_ckpt._layouts.STATE_LAYOUTS`` -- no processes (see ``bench/scale.py`` and bench/README.md).
+``sparse_ckpt._layouts.STATE_LAYOUTS`` -- no processes (see ``bench/scale/scale.py`` and bench/README.md).
 
 Each rank's local plan is the library's own one-rank ``sparse_state_dict`` of the fixture in that
 layout, taken as the rank's local shard: its per-item state tensors are planned as chunks of tensors
@@ -26,7 +26,7 @@ import sparse_ckpt as sc
 from sparse_ckpt._format.keys import BUFFERS_PREFIX, is_state_item
 from sparse_ckpt._layouts import STATE_LAYOUTS
 
-from .fixtures import FixtureCache, FixtureSpec, gc_paused
+from ..suite.fixtures import FixtureCache, FixtureSpec, gc_paused
 
 LEAF = "optim"
 

@@ -29,8 +29,10 @@ from collections.abc import Sequence
 from typing import Any
 
 try:  # a checkout (python -m bench.layout_index) or the wheel
-    from .fixtures import FixtureCache, parse_scales
+    from .. import provenance
+    from ..suite.fixtures import FixtureCache, parse_scales
 except ImportError:  # pragma: no cover - run as a script
+    import provenance  # type: ignore[no-redef]
     from fixtures import FixtureCache, parse_scales  # type: ignore[no-redef]
 
 import sparse_ckpt as sc
@@ -181,7 +183,7 @@ def main(argv: Sequence[str] | None = None) -> int:
         )
     if args.json:
         with open(args.json, "w") as f:
-            json.dump(rows, f, indent=1)
+            json.dump({"rows": rows, "provenance": provenance.record()}, f, indent=1)
     return 0
 
 

@@ -39,6 +39,8 @@ import time
 from collections.abc import Iterable, Mapping
 from typing import Any
 
+from .. import provenance
+
 VARIANTS = ("stream", "save_file")
 LAYOUTS = ("per_tensor", "buffers")
 LEAF = "optim"
@@ -97,8 +99,8 @@ def build_checkpoint(scale: str, hidden: int, path: str, layout: str = "per_tens
     """Save the bench fixture's optimizer at ``scale`` with ``dcp.save`` (``state_layout=layout``); its sizes."""
     import sparse_ckpt as sc
 
-    from .fixtures import FixtureCache, parse_scales
-    from .measure import dcp_save
+    from ..suite.fixtures import FixtureCache, parse_scales
+    from ..suite.measure import dcp_save
 
     fx = FixtureCache(hidden=hidden).get(parse_scales(scale)[0], "layer")
     dcp_save({LEAF: sc.SparseOptimizerState(fx.model, fx.optimizer, state_layout=layout)}, path)  # type: ignore[arg-type]
@@ -185,6 +187,7 @@ def main(argv: list[str] | None = None) -> int:
         if not args.dir:
             shutil.rmtree(scratch, ignore_errors=True)
     result = {"scale": args.scale, "hidden": args.hidden, "fixture": info, "variants": rows}
+    result["provenance"] = provenance.record()
     if args.out:
         with open(args.out, "w") as f:
             json.dump(result, f, indent=2)

@@ -49,6 +49,8 @@ from torch.distributed.checkpoint.metadata import TensorStorageMetadata
 
 import sparse_ckpt as sc
 
+from .. import provenance
+
 VARIANTS = (("packed", "per_tensor"), ("packed", "auto"), ("flat", "auto"))
 SURFACES = ("stateful", "dsd")
 BAD_ADVICE = "weights_only=False"
@@ -266,18 +268,34 @@ def sweep(
         if not installed and sc_dsd.installed():
             sc_dsd.uninstall()
         shutil.rmtree(root, ignore_errors=True)
+    return _tally(counts, raws, out, "", "trials", " (zeroed tensor bytes)", silent_cases=silent)
+
+
+OUTCOMES = ("exact", "refused", "silent", "raw")
+"""What a load of a damaged checkpoint can do (`classify`)."""
+
+
+def _counts_line(counts: dict[str, int], noun: str, silent_note: str) -> str:
+    """``N trials: a exact, b refused, c silent, d raw``."""
+    return (
+        f"{sum(counts.get(k, 0) for k in OUTCOMES)} {noun}: {counts.get('exact', 0)} exact, "
+        f"{counts.get('refused', 0)} refused, {counts.get('silent', 0)} silent{silent_note}, {counts.get('raw', 0)} raw"
+    )
+
+
+def _tally(
+    counts: Counter[str], raws: list[str], out: Any, prefix: str, noun: str, silent_note: str, **extra: Any
+) -> dict[str, Any]:
+    """A sweep's result: the trials, the count of each outcome, ``extra`` and the raw cases; printed
+    to ``out`` (if given) as one summary line and the first 40 raw cases."""
     result = {
         "trials": sum(counts.values()),
-        **{k: counts.get(k, 0) for k in ("exact", "refused", "silent", "raw")},
+        **{k: counts.get(k, 0) for k in OUTCOMES},
+        **extra,
         "raw_cases": raws,
-        "silent_cases": silent,
     }
     if out is not None:
-        print(
-            f"{result['trials']} trials: {result['exact']} exact, {result['refused']} refused, "
-            f"{result['silent']} silent (zeroed tensor bytes), {result['raw']} raw",
-            file=out,
-        )
+        print(prefix + _counts_line(result, noun, silent_note), file=out)
         for line in raws[:40]:
             print("  RAW " + line, file=out)
     return result
@@ -346,32 +364,17 @@ def flip_sweep(
                     here[outcome] += 1
                     if outcome == "raw":
                         raws.append(f"{fmt}/{layout} {file}@{pos} ({key}): {detail}")
-            c = per_variant[f"{fmt}/{layout}"] = {k: here.get(k, 0) for k in ("exact", "refused", "silent", "raw")}
+            c = per_variant[f"{fmt}/{layout}"] = {k: here.get(k, 0) for k in OUTCOMES}
             counts.update(here)
             if out is not None:
                 print(
-                    f"flip {fmt}/{layout}: {sum(c.values())} flips: {c['exact']} exact, {c['refused']} refused, "
-                    f"{c['silent']} silent (per-item tensor bytes), {c['raw']} raw",
+                    f"flip {fmt}/{layout}: " + _counts_line(c, "flips", " (per-item tensor bytes)"),
                     file=out,
                     flush=True,
                 )
     finally:
         shutil.rmtree(root, ignore_errors=True)
-    result = {
-        "trials": sum(counts.values()),
-        **{k: counts.get(k, 0) for k in ("exact", "refused", "silent", "raw")},
-        "variants": per_variant,
-        "raw_cases": raws,
-    }
-    if out is not None:
-        print(
-            f"flip: {result['trials']} flips: {result['exact']} exact, {result['refused']} refused, "
-            f"{result['silent']} silent, {result['raw']} raw",
-            file=out,
-        )
-        for line in raws[:40]:
-            print("  RAW " + line, file=out)
-    return result
+    return _tally(counts, raws, out, "flip: ", "flips", "", variants=per_variant)
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -389,7 +392,7 @@ def main(argv: list[str] | None = None) -> int:
     result = flip_sweep(args.rate, out=sys.stdout) if args.flip else sweep(args.stride, args.span, out=sys.stdout)
     if args.json:
         with open(args.json, "w") as f:
-            json.dump(result, f, indent=1)
+            json.dump({**result, "provenance": provenance.record()}, f, indent=1)
     return 1 if result["raw"] else 0
 
 

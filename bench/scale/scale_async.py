@@ -29,7 +29,7 @@ from typing import Any
 import sparse_ckpt as sc
 from sparse_ckpt._layouts import STATE_LAYOUTS
 
-from .fixtures import FixtureCache, FixtureSpec
+from ..suite.fixtures import FixtureCache, FixtureSpec
 from .scale_dcp import LEAF, disk_bytes, rotated, settle, state_bytes
 
 STOCK = "stock_dsd"
@@ -151,7 +151,7 @@ def run_async_threshold(sizes: Sequence[int], total: int, max_params: int, repea
     tensor blocks no longer (the crossover ``state_layout="auto"`` uses inside ``async_save``)."""
     import torch.distributed as dist
 
-    from .fixtures import uniform_fixture
+    from ..suite.fixtures import uniform_fixture
     from .scale_dcp import from_size_on, size_label, threshold_counts
 
     points = []

@@ -23,7 +23,7 @@ import torch
 from sparse_ckpt import _backend, _fqn, sparse_state_dict
 from sparse_ckpt._layouts import bucketed
 
-from .fixtures import FixtureCache, parse_fixture_specs
+from ..suite.fixtures import FixtureCache, parse_fixture_specs
 
 CORE_PHASES = ("flatten_packed_state", "encode_layout")
 

@@ -39,7 +39,8 @@ from typing import Any
 
 import sparse_ckpt as sc
 
-from .fixtures import FixtureCache, gc_paused, parse_scales
+from .. import provenance
+from ..suite.fixtures import FixtureCache, gc_paused, parse_scales
 
 METHODS = ("floor", "save", "load")
 
@@ -118,6 +119,7 @@ def _write(res: dict[str, Any], args: argparse.Namespace, argv: Sequence[str] | 
         "load_average": list(os.getloadavg()),
         "samples_s": {"wall": res["wall"], "cpu": res["cpu"]},
         "ratios": {k: v for k, v in res.items() if "/floor" in k},
+        "provenance": provenance.record(),
     }
     with open(args.out, "w", encoding="utf-8") as f:
         json.dump(data, f, indent=1)

@@ -45,7 +45,8 @@ from typing import Any
 import torch
 
 try:  # a checkout (python -m bench.scale) or the wheel (python -m sparse_ckpt.bench.scale)
-    from .fixtures import parse_fixture_specs, parse_scales
+    from .. import provenance
+    from ..suite.fixtures import parse_fixture_specs, parse_scales
     from .scale_async import run_async, run_async_threshold
     from .scale_dcp import PAIR, parse_size, run_dcp, run_spread, run_threshold
     from .scale_metadata import run_metadata
@@ -203,6 +204,7 @@ def main(argv: Sequence[str] | None = None) -> int:
             "repeats": args.repeats,
             "torch_threads": torch.get_num_threads(),
             "total_s": time.perf_counter() - t0,
+            "provenance": provenance.record(),
         }
     )
     if args.out:

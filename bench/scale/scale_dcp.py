@@ -26,8 +26,8 @@ import torch
 import sparse_ckpt as sc
 from sparse_ckpt._layouts import STATE_LAYOUTS
 
-from .devices import synchronize
-from .fixtures import ADAMW_KWARGS, Fixture, FixtureCache, FixtureSpec, build_adamw, uniform_fixture
+from ..suite.devices import synchronize
+from ..suite.fixtures import ADAMW_KWARGS, Fixture, FixtureCache, FixtureSpec, build_adamw, uniform_fixture
 
 LEAF = "optim"
 FLOOR = "floor"

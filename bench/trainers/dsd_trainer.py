@@ -32,8 +32,9 @@ import torch
 import torch.distributed as dist
 from torch import nn
 
-from .ranks import run_ranks
-from .run import cpu_model
+from .. import provenance
+from ..drills.ranks import run_ranks
+from ..provenance import cpu_model
 
 
 class Layer(nn.Module):
@@ -203,6 +204,7 @@ def write_json(args: argparse.Namespace, world_size: int, n_params: int, rows: l
     }
     command = "python -m bench.dsd_trainer --repeats " + str(args.repeats) + " --json " + str(args.json)
     payload = {"command": command, "config": config, "machine": machine, "rows": [dict(zip(fields, r)) for r in rows]}
+    payload["provenance"] = provenance.record()
     args.json.parent.mkdir(parents=True, exist_ok=True)
     args.json.write_text(json.dumps(payload, indent=1) + "\n", encoding="utf-8")
     print(f"wrote {args.json}")

@@ -34,7 +34,8 @@ import torch.distributed as dist
 import torch.multiprocessing as mp
 from torch import nn
 
-from .ranks import free_port
+from .. import provenance
+from ..drills.ranks import free_port
 
 KINDS = ("model", "stock", "sparse")
 """``model``: stock VeOmni saving and loading the model alone (the floor both others include)."""
@@ -195,7 +196,7 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
             f"{r['save_s']['min']:7.3f}/{r['save_s']['median']:7.3f} {r['load_s']['min']:7.3f}/{r['load_s']['median']:7.3f}"
         )
     if args.json:
-        args.json.write_text(json.dumps(results, indent=1))
+        args.json.write_text(json.dumps({**results, "provenance": provenance.record()}, indent=1))
     return results
 
 

@@ -35,7 +35,7 @@ import torch
 import torch.distributed as dist
 from torch import nn
 
-from .ranks import free_port
+from ..drills.ranks import free_port
 
 
 class MoeLayer(nn.Module):
@@ -133,7 +133,7 @@ def worker(rank: int, world_size: int, port: int, args: argparse.Namespace, out_
     logging.disable(logging.WARNING)  # torchtune logs every step at INFO
     from torch.distributed.device_mesh import init_device_mesh
 
-    from bench import tune_scenario as ts
+    from bench.trainers import tune_scenario as ts
     from sparse_ckpt.integrations import torchtune as sc_tune
 
     mesh = init_device_mesh("cpu", (world_size,))

@@ -29,7 +29,7 @@ import torch
 import torch.distributed as dist
 from torch import nn
 
-from .ranks import free_port
+from ..drills.ranks import free_port
 
 
 class MoENet(nn.Module):

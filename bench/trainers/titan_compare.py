@@ -36,6 +36,7 @@ from torchtitan.components.checkpoint import CheckpointManager
 
 from sparse_ckpt.integrations.torchtitan import SparseCheckpointManager
 
+from .. import provenance
 from . import titan_scenario as tt
 
 MANAGERS = {
@@ -126,6 +127,7 @@ def main(argv: list[str] | None = None) -> int:
         finally:
             dist.destroy_process_group()
     result["torch"] = torch.__version__
+    result["provenance"] = provenance.record()
     if args.out:
         args.out.write_text(json.dumps(result, indent=1) + "\n")
     return 0
