@@ -44,7 +44,7 @@ def fresh(opt_cls: type = torch.optim.AdamW, **kw: Any) -> tuple[Net, torch.opti
 
 
 def per_layer(model: Net, lr_a: float, lr_b: float, b_cls: type = torch.optim.AdamW, **b_kw: Any) -> sc.MultiOptimizer:
-    """Leaf ``a``: AdamW over ``model.a`` (lr ``lr_a``); leaf ``b``: ``b_cls`` over ``model.b`` (lr ``lr_b``, ``b_kw``)."""
+    """Leaf ``a``: AdamW over ``model.a``, lr ``lr_a``; leaf ``b``: ``b_cls`` over ``model.b``, lr ``lr_b``."""
     return sc.MultiOptimizer(
         model,
         {"a": torch.optim.AdamW(model.a.parameters(), lr=lr_a), "b": b_cls(model.b.parameters(), lr=lr_b, **b_kw)},
