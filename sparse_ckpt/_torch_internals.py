@@ -432,16 +432,26 @@ ACCESSES: dict[str, str] = {
     "torch.nn.Module._parameters": "2.13.0",
     "torch.Tensor._make_subclass": "2.13.0",
     "DTensor.__create_chunk_list__ (DCP's tensor protocol)": "2.13.0",
-    "torch.distributed.checkpoint.state_dict_loader.load (caller frame; locals process_group, no_dist)": "2.13.0, 2.7.0",
-    "torch.distributed.checkpoint.state_dict_saver.save/async_save (caller frame; locals process_group, no_dist, use_collectives)": "2.13.0",
+    (
+        "torch.distributed.checkpoint.state_dict_loader.load (caller frame; locals process_group, no_dist)"
+    ): "2.13.0, 2.7.0",
+    (
+        "torch.distributed.checkpoint.state_dict_saver.save/async_save "
+        "(caller frame; locals process_group, no_dist, use_collectives)"
+    ): "2.13.0",
     "torch.distributed.checkpoint.state_dict_saver.async_save (caller frame: a save that stages)": "2.13.0, 2.7.0",
     "torch.distributed.checkpoint.state_dict_loader._load_state_dict (caller frame; local storage_reader)": "2.13.0",
     "accelerate.checkpointing.save_custom_state (caller frame)": "accelerate 1.15.0 on torch 2.13.0",
     "sys._getframe / sys._current_frames (CPython)": "CPython 3.11, torch 2.13.0",
-    "torch.distributed.checkpoint.state_dict.{get,set}_optimizer_state_dict/{get,set}_state_dict.__code__ (plain functions without a closure; integrations.dsd routes them)": "2.13.0, 2.7.0 (source)",
+    (
+        "torch.distributed.checkpoint.state_dict.{get,set}_optimizer_state_dict/{get,set}_state_dict.__code__ "
+        "(plain functions without a closure; integrations.dsd routes them)"
+    ): "2.13.0, 2.7.0 (source)",
     "torch.distributed._state_dict_utils._gather_state_dict (integrations.dsd)": "2.13.0",
     "torch.distributed._state_dict_utils._offload_state_dict_to_cpu (integrations.dsd)": "2.13.0",
-    "FileSystemReader.path and _StorageInfo.relative_path/offset/length/transform_descriptors (item bytes)": "2.13.0, 2.7.0",
+    (
+        "FileSystemReader.path and _StorageInfo.relative_path/offset/length/transform_descriptors (item bytes)"
+    ): "2.13.0, 2.7.0",
     "torch.distributed.checkpoint._version._derived_version (DefaultLoadPlanner's flatten flag)": "2.13.0",
     "DCP metadata pickle: metadata._MEM_FORMAT_ENCODING, filesystem._StorageInfo, serialization._get_layout": "2.13.0",
     "torch.distributed.distributed_c10d._get_default_store (the bounded agreement)": "2.13.0",

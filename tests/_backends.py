@@ -12,7 +12,10 @@ or a module binds one of these fixtures to the name ``core_backend``, which over
   job, ``.ci/sanitize.sh``) selects them.
 
 A single test whose subject does not depend on the core but whose run is costly takes
-``@_backends.only(name)``: it runs on that backend only.
+``@_backends.only(name)``: it runs on that backend only. A test that starts ranks, whose core calls
+the single-process tests and the differential tests of ``core/`` already cover on both cores, takes
+``@_backends.ranks``: the default backend by default, both under ``SPARSE_CKPT_EXHAUSTIVE_SWEEPS=1``
+(.ci/run; :mod:`_sampling`).
 """
 
 from __future__ import annotations
@@ -21,6 +24,7 @@ import os
 from types import ModuleType
 
 import pytest
+from _sampling import EXHAUSTIVE
 
 from sparse_ckpt import _backend, _core_py
 
@@ -68,3 +72,9 @@ def only(name: str) -> pytest.MarkDecorator:
 
 DEFAULT = _backend.NAME
 """The backend ``import sparse_ckpt`` chose: ``cpp`` where it is built (what users get)."""
+
+
+ranks = pytest.mark.parametrize("core_backend", ["python", "cpp"] if EXHAUSTIVE else [DEFAULT], indirect=True)
+"""A multi-rank test's backends: `DEFAULT` only, both under ``SPARSE_CKPT_EXHAUSTIVE_SWEEPS=1`` (.ci/run).
+The ranks run the same Python layers on either core; the cores' outputs and errors are the same
+(``core/``'s differential tests), and the single-process tests run on both."""

@@ -441,41 +441,62 @@ def deep_diff(
     ``"none"`` (nowhere: plain ``==`` and ``torch.equal``).
     """
     if isinstance(a, torch.Tensor) or isinstance(b, torch.Tensor):
-        if not (isinstance(a, torch.Tensor) and isinstance(b, torch.Tensor)):
-            return f"{where}: {type(a)} vs {type(b)}"
-        if a.dtype != b.dtype:
-            return f"{where}: dtype {a.dtype} vs {b.dtype}"
-        if a.shape != b.shape:
-            return f"{where}: shape {tuple(a.shape)} vs {tuple(b.shape)}"
-        if a.device != b.device:
-            return f"{where}: device {a.device} vs {b.device}"
-        if not (torch.equal(a, b) or (nan_equal == "all" and _both_nan_equal(a, b))):
-            return f"{where}: tensors differ\n{a}\n{b}"
-        return None
+        return _tensor_diff(a, b, where, nan_equal)
     options: dict[str, Any] = {"check_order": check_order, "nan_equal": nan_equal, "mapping": mapping}
     if isinstance(a, mapping):
-        if not isinstance(b, mapping):
-            return f"{where}: {type(a).__name__} vs {type(b).__name__}"
-        if check_order:
-            if list(a.keys()) != list(b.keys()):
-                return f"{where}: keys {list(a.keys())} vs {list(b.keys())}"
-        elif set(a.keys()) != set(b.keys()):
-            return f"{where}: keys {sorted(map(str, a))} vs {sorted(map(str, b))}"
-        for k in a:
-            diff = deep_diff(a[k], b[k], f"{where}[{k!r}]", **options)
-            if diff is not None:
-                return diff
-        return None
+        return _mapping_diff(a, b, where, options)
     if isinstance(a, (list, tuple)):
-        if type(a) is not type(b):
-            return f"{where}: {type(a).__name__} vs {type(b).__name__}"
-        if len(a) != len(b):
-            return f"{where}: length {len(a)} vs {len(b)}"
-        for i, (x, y) in enumerate(zip(a, b)):
-            diff = deep_diff(x, y, f"{where}[{i}]", **options)
-            if diff is not None:
-                return diff
-        return None
+        return _sequence_diff(a, b, where, options)
+    return _plain_diff(a, b, where, nan_equal)
+
+
+def _tensor_diff(a: Any, b: Any, where: str, nan_equal: NanEqual) -> str | None:
+    """`deep_diff` where ``a`` or ``b`` is a tensor."""
+    if not (isinstance(a, torch.Tensor) and isinstance(b, torch.Tensor)):
+        return f"{where}: {type(a)} vs {type(b)}"
+    if a.dtype != b.dtype:
+        return f"{where}: dtype {a.dtype} vs {b.dtype}"
+    if a.shape != b.shape:
+        return f"{where}: shape {tuple(a.shape)} vs {tuple(b.shape)}"
+    if a.device != b.device:
+        return f"{where}: device {a.device} vs {b.device}"
+    if not (torch.equal(a, b) or (nan_equal == "all" and _both_nan_equal(a, b))):
+        return f"{where}: tensors differ\n{a}\n{b}"
+    return None
+
+
+def _mapping_diff(a: Any, b: Any, where: str, options: dict[str, Any]) -> str | None:
+    """`deep_diff` where ``a`` is a mapping (an instance of ``options["mapping"]``)."""
+    mapping = options["mapping"]
+    if not isinstance(b, mapping):
+        return f"{where}: {type(a).__name__} vs {type(b).__name__}"
+    if options["check_order"]:
+        if list(a.keys()) != list(b.keys()):
+            return f"{where}: keys {list(a.keys())} vs {list(b.keys())}"
+    elif set(a.keys()) != set(b.keys()):
+        return f"{where}: keys {sorted(map(str, a))} vs {sorted(map(str, b))}"
+    for k in a:
+        diff = deep_diff(a[k], b[k], f"{where}[{k!r}]", **options)
+        if diff is not None:
+            return diff
+    return None
+
+
+def _sequence_diff(a: list | tuple, b: Any, where: str, options: dict[str, Any]) -> str | None:
+    """`deep_diff` where ``a`` is a list or tuple."""
+    if type(a) is not type(b):
+        return f"{where}: {type(a).__name__} vs {type(b).__name__}"
+    if len(a) != len(b):
+        return f"{where}: length {len(a)} vs {len(b)}"
+    for i, (x, y) in enumerate(zip(a, b)):
+        diff = deep_diff(x, y, f"{where}[{i}]", **options)
+        if diff is not None:
+            return diff
+    return None
+
+
+def _plain_diff(a: Any, b: Any, where: str, nan_equal: NanEqual) -> str | None:
+    """`deep_diff` of anything else: same type and ``==`` (NaN as ``nan_equal`` says)."""
     if type(a) is not type(b):
         return f"{where}: {type(a).__name__} {a!r} vs {type(b).__name__} {b!r}"
     if nan_equal != "none" and isinstance(a, float) and math.isnan(a):

@@ -89,9 +89,28 @@ def encode_layout(
         raise ValueError(f"bucket_bytes must be a positive int, got {bucket_bytes!r}")
     if type(entries) not in (list, tuple):
         raise _type_error("entries as a list", entries)
+    parsed, by_dtype = _read_entries(leaf, entries)
+    buckets = _fill_buckets(leaf, parsed, by_dtype, bucket_bytes)
+    return _write_layout(leaf, parsed, buckets), buckets
+
+
+# The steps of encode_layout. Its C++ twin (csrc/layout_codec.cpp) keeps them in one function: there
+# one pass reads, checks and sizes each entry and shares each parameter's chunk between its states
+# (ChunkPool), which is what makes a large optimizer's table cheap to encode; splitting it would cost
+# that sharing or pass state between the steps. Both raise the same errors in the same order.
+
+_Parsed = list[tuple[str, str, str, tuple[int, ...], tuple[int, ...], tuple[int, ...]]]
+"""``encode_layout``'s entries, read and checked: ``(fqn, key, dtype, shape, offsets, sizes)``."""
+_Buckets = list[tuple[str, int, list[tuple[int, int]]]]
+
+
+def _read_entries(leaf: str, entries: list[Entry]) -> tuple[_Parsed, dict[str, list[tuple[int, int]]]]:
+    """``entries`` read and checked in order (types, item size, chunk, ``(fqn, key)`` listed once):
+    ``(parsed, by_dtype)``, ``by_dtype`` mapping each dtype (in order of first appearance) to its
+    entries' ``(index, nbytes)``."""
     by_dtype: dict[str, list[tuple[int, int]]] = {}  # dtype -> [(entry index, nbytes)]
     seen: set[tuple[str, str]] = set()
-    parsed: list[tuple[str, str, str, tuple[int, ...], tuple[int, ...], tuple[int, ...]]] = []
+    parsed: _Parsed = []
     for i, e in enumerate(entries):
         if type(e) is not tuple or len(e) != 7:
             raise _type_error("an entry as a tuple of 7", e)
@@ -113,7 +132,15 @@ def encode_layout(
         seen.add((fqn, key))
         parsed.append((fqn, key, dtype, shape, offsets, sizes))
         by_dtype.setdefault(dtype, []).append((i, _volume(sizes) * itemsize))
-    buckets: list[tuple[str, int, list[tuple[int, int]]]] = []
+    return parsed, by_dtype
+
+
+def _fill_buckets(
+    leaf: str, parsed: _Parsed, by_dtype: dict[str, list[tuple[int, int]]], bucket_bytes: int
+) -> _Buckets:
+    """Each dtype's entries, in order, in buckets of at most ``bucket_bytes`` bytes (at least one
+    entry each): ``[(dtype, numel, [(entry index, element offset), ...]), ...]``."""
+    buckets: _Buckets = []
     for dtype, items in by_dtype.items():
         current: list[tuple[int, int]] = []
         numel = 0
@@ -133,6 +160,11 @@ def encode_layout(
                 )
         if current:
             buckets.append((dtype, numel, current))
+    return buckets
+
+
+def _write_layout(leaf: str, parsed: _Parsed, buckets: _Buckets) -> bytes:
+    """The layout table's bytes: magic, version, then per bucket its dtype, numel and entries."""
     out = bytearray(LAYOUT_MAGIC)
     out += U16.pack(LAYOUT_VERSION)
     out += len32(len(buckets))
@@ -149,7 +181,7 @@ def encode_layout(
             for dims in (shape, offsets, sizes):
                 for d in dims:
                     out += I64.pack(d)
-    return bytes(out), buckets
+    return bytes(out)
 
 
 def decode_layout(

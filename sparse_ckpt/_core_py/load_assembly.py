@@ -107,7 +107,8 @@ def cast_states(
 
     A parameter listed in several groups takes the fused/capturable flag of the first new group
     listing it (torch's rule); a new group's flags are its ``chosen`` settings' (those of
-    :func:`build_groups`), or the group's own when ``chosen`` is ``None``. ``check_shapes(leaf, fqn, param, saved)`` (``None``: no check) runs
+    :func:`build_groups`), or the group's own when ``chosen`` is ``None``.
+    ``check_shapes(leaf, fqn, param, saved)`` (``None``: no check) runs
     for every used state that is not plainly the param's shape and dtype. Tensors are cast by
     ``cast_tensor(value, key, special, floating, dtype, device)`` unless the cast would return the
     tensor itself (non-``step`` with the param's dtype -- for a floating param -- and device;

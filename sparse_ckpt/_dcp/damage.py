@@ -175,7 +175,10 @@ _TAIL = 4096
 
 def header_damage(record: str) -> str:
     """The refusal's words for record ``record`` that `header_crc_failure` names."""
-    return f"its record {record!r} is damaged (its zip header or CRC-32 check fails, or it disagrees with the checkpoint's .metadata)"
+    return (
+        f"its record {record!r} is damaged (its zip header or CRC-32 check fails, or it disagrees with the "
+        "checkpoint's .metadata)"
+    )
 
 
 def header_crc_failure(

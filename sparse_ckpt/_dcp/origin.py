@@ -135,7 +135,8 @@ def refuse_rank0_only_save(optimizer: object) -> None:
         return
     if called_by_accelerate_custom_save(2):  # from the caller of our caller's state_dict() up
         raise CrossRankStateError(
-            f"a sparse_ckpt Stateful of a {type(optimizer).__name__} is registered with Accelerate's register_for_checkpointing, which saves the state_dict() "
+            f"a sparse_ckpt Stateful of a {type(optimizer).__name__} is registered with Accelerate's "
+            "register_for_checkpointing, which saves the state_dict() "
             "of the main process only and loads that one file on every rank: every other rank would get the "
             f"main process's optimizer state; {USE_INSTEAD}"
         )

@@ -24,7 +24,7 @@ from __future__ import annotations
 import re
 import struct
 import sys
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 from typing import Any, BinaryIO
 
 import torch
@@ -61,103 +61,148 @@ _REBUILD = ("torch._utils", "_rebuild_tensor_v2")
 _ORDERED_DICT = ("collections", "OrderedDict")
 
 
+class _NotTaken(Exception):
+    """The pickle is not the one-tensor pickle `_read_pickle` reads (its answer is then ``None``)."""
+
+
+class _PickleMachine:
+    """The state of `_read_pickle`'s interpreter (stack, marks, memo, position in ``data``) and one
+    method per opcode it reads (`_OPS`); a method raises `_NotTaken` (or an error of a short or
+    damaged pickle) for anything outside the one-tensor pickle."""
+
+    __slots__ = ("data", "marks", "memo", "pos", "stack")
+
+    def __init__(self, data: bytes) -> None:
+        self.data = data
+        self.pos = 0
+        self.stack: list[Any] = []
+        self.marks: list[int] = []
+        self.memo: dict[int, Any] = {}
+
+    def take(self, k: int) -> bytes:
+        if self.pos + k > len(self.data):
+            raise ValueError("truncated")
+        out = self.data[self.pos : self.pos + k]
+        self.pos += k
+        return out
+
+    def line(self) -> str:
+        end = self.data.find(b"\n", self.pos)
+        if end < 0:
+            raise ValueError("truncated")
+        out = self.data[self.pos : end].decode("ascii")
+        self.pos = end + 1
+        return out
+
+    def int_le(self, k: int, signed: bool = False) -> int:
+        return int.from_bytes(self.take(k), "little", signed=signed)
+
+    def push(self, value: Any) -> None:
+        self.stack.append(value)
+
+    def since_mark(self) -> tuple[Any, ...]:
+        at = self.marks.pop()
+        items = tuple(self.stack[at:])
+        del self.stack[at:]
+        return items
+
+    def proto(self) -> None:
+        if self.take(1)[0] > 2:
+            raise _NotTaken
+
+    def global_(self) -> None:
+        ref = (self.line(), self.line())
+        if ref not in (_REBUILD, _ORDERED_DICT) and not (ref[0] == "torch" and ref[1] in _STORAGE_DTYPES):
+            raise _NotTaken
+        self.push(("global", ref))
+
+    def put(self, k: int) -> None:
+        value = self.stack[-1]
+        self.memo[self.int_le(k)] = value
+
+    def get(self, k: int) -> None:
+        self.push(self.memo[self.int_le(k)])
+
+    def mark(self) -> None:
+        self.marks.append(len(self.stack))
+
+    def unicode(self) -> None:
+        self.push(self.take(self.int_le(4)).decode("utf-8"))
+
+    def long1(self) -> None:
+        self.push(self.int_le(self.take(1)[0], signed=True))
+
+    def tuple_n(self, k: int) -> None:
+        if len(self.stack) < k:
+            raise _NotTaken
+        items = tuple(self.stack[len(self.stack) - k :])
+        del self.stack[len(self.stack) - k :]
+        self.push(items)
+
+    def persid(self) -> None:
+        self.push(("storage", self.stack.pop()))
+
+    def reduce(self) -> None:
+        """Records the call, never makes it."""
+        args, fn = self.stack.pop(), self.stack.pop()
+        if type(fn) is not tuple or fn[:1] != ("global",) or type(args) is not tuple:
+            raise _NotTaken
+        if fn[1] == _ORDERED_DICT and args:
+            raise _NotTaken
+        self.push(("call", fn[1], args))
+
+    def stop(self) -> Any:
+        """The value: the one item left, where the pickle ends here with no open mark."""
+        ok = self.pos == len(self.data) and len(self.stack) == 1 and not self.marks
+        return self.stack.pop() if ok else None
+
+
+_OPS: dict[bytes, Callable[[_PickleMachine], None]] = {
+    b"\x80": _PickleMachine.proto,  # PROTO
+    b"c": _PickleMachine.global_,  # GLOBAL
+    b"q": lambda m: m.put(1),  # BINPUT
+    b"r": lambda m: m.put(4),  # LONG_BINPUT
+    b"h": lambda m: m.get(1),  # BINGET
+    b"j": lambda m: m.get(4),  # LONG_BINGET
+    b"(": _PickleMachine.mark,  # MARK
+    b"X": _PickleMachine.unicode,  # BINUNICODE
+    b"K": lambda m: m.push(m.int_le(1)),  # BININT1
+    b"M": lambda m: m.push(m.int_le(2)),  # BININT2
+    b"J": lambda m: m.push(m.int_le(4, signed=True)),  # BININT
+    b"\x8a": _PickleMachine.long1,  # LONG1
+    b")": lambda m: m.push(()),  # EMPTY_TUPLE
+    b"\x85": lambda m: m.tuple_n(1),  # TUPLE1
+    b"\x86": lambda m: m.tuple_n(2),  # TUPLE2
+    b"\x87": lambda m: m.tuple_n(3),  # TUPLE3
+    b"t": lambda m: m.push(m.since_mark()),  # TUPLE
+    b"\x88": lambda m: m.push(True),  # NEWTRUE
+    b"\x89": lambda m: m.push(False),  # NEWFALSE
+    b"Q": _PickleMachine.persid,  # BINPERSID
+    b"R": _PickleMachine.reduce,  # REDUCE
+}
+"""The opcodes `_read_pickle` reads but STOP, each the `_PickleMachine` step it takes."""
+
+
 def _read_pickle(data: bytes) -> Any:
     """The value of the pickle ``data`` when it is what ``torch.save`` writes for one tensor, read by
-    a small interpreter of the few protocol-2 opcodes that pickle uses; ``None`` for anything else.
+    a small interpreter of the few protocol-2 opcodes that pickle uses (`_OPS`); ``None`` for anything else.
 
     Nothing is unpickled in Python's sense: no global is resolved and nothing is called. A
     ``GLOBAL`` is kept as its ``(module, name)`` (only ``_rebuild_tensor_v2``, a legacy storage
     class or ``OrderedDict`` are accepted), ``REDUCE`` only records a call (``("call", global,
     args)``; ``OrderedDict`` only with no arguments), ``BINPERSID`` only records the storage's id
     (``("storage", pid)``). Values are ints, strs, bools and tuples."""
-    stack: list[Any] = []
-    marks: list[int] = []
-    memo: dict[int, Any] = {}
-    pos, n = 0, len(data)
-
-    def take(k: int) -> bytes:
-        nonlocal pos
-        if pos + k > n:
-            raise ValueError("truncated")
-        out = data[pos : pos + k]
-        pos += k
-        return out
-
-    def line() -> str:
-        nonlocal pos
-        end = data.find(b"\n", pos)
-        if end < 0:
-            raise ValueError("truncated")
-        out = data[pos:end].decode("ascii")
-        pos = end + 1
-        return out
-
-    def since_mark() -> tuple[Any, ...]:
-        at = marks.pop()
-        items = tuple(stack[at:])
-        del stack[at:]
-        return items
-
+    machine = _PickleMachine(data)
     try:
         while True:
-            op = take(1)
-            if op == b"\x80":  # PROTO
-                if take(1)[0] > 2:
-                    return None
-            elif op == b"c":  # GLOBAL
-                ref = (line(), line())
-                if ref not in (_REBUILD, _ORDERED_DICT) and not (ref[0] == "torch" and ref[1] in _STORAGE_DTYPES):
-                    return None
-                stack.append(("global", ref))
-            elif op == b"q":  # BINPUT
-                memo[take(1)[0]] = stack[-1]
-            elif op == b"r":  # LONG_BINPUT
-                memo[int.from_bytes(take(4), "little")] = stack[-1]
-            elif op == b"h":  # BINGET
-                stack.append(memo[take(1)[0]])
-            elif op == b"j":  # LONG_BINGET
-                stack.append(memo[int.from_bytes(take(4), "little")])
-            elif op == b"(":  # MARK
-                marks.append(len(stack))
-            elif op == b"X":  # BINUNICODE
-                stack.append(take(int.from_bytes(take(4), "little")).decode("utf-8"))
-            elif op == b"K":  # BININT1
-                stack.append(take(1)[0])
-            elif op == b"M":  # BININT2
-                stack.append(int.from_bytes(take(2), "little"))
-            elif op == b"J":  # BININT
-                stack.append(int.from_bytes(take(4), "little", signed=True))
-            elif op == b"\x8a":  # LONG1
-                stack.append(int.from_bytes(take(take(1)[0]), "little", signed=True))
-            elif op == b")":  # EMPTY_TUPLE
-                stack.append(())
-            elif op in (b"\x85", b"\x86", b"\x87"):  # TUPLE1..3
-                k = op[0] - 0x84
-                if len(stack) < k:
-                    return None
-                items = tuple(stack[len(stack) - k :])
-                del stack[len(stack) - k :]
-                stack.append(items)
-            elif op == b"t":  # TUPLE
-                stack.append(since_mark())
-            elif op == b"\x88":  # NEWTRUE
-                stack.append(True)
-            elif op == b"\x89":  # NEWFALSE
-                stack.append(False)
-            elif op == b"Q":  # BINPERSID
-                stack.append(("storage", stack.pop()))
-            elif op == b"R":  # REDUCE: recorded, never called
-                args, fn = stack.pop(), stack.pop()
-                if type(fn) is not tuple or fn[:1] != ("global",) or type(args) is not tuple:
-                    return None
-                if fn[1] == _ORDERED_DICT and args:
-                    return None
-                stack.append(("call", fn[1], args))
-            elif op == b".":  # STOP
-                return stack.pop() if pos == n and len(stack) == 1 and not marks else None
-            else:
+            op = machine.take(1)
+            if op == b".":  # STOP
+                return machine.stop()
+            step = _OPS.get(op)
+            if step is None:
                 return None
-    except (ValueError, IndexError, KeyError, UnicodeDecodeError):
+            step(machine)
+    except (_NotTaken, ValueError, IndexError, KeyError, UnicodeDecodeError):
         return None
 
 

@@ -79,5 +79,6 @@ def check_bucket(leaf: str, key: str, buf: torch.Tensor, bucket: int, crcs: tupl
     if got != crcs[bucket]:
         raise CheckpointFormatError(
             f"leaf {leaf!r}: buffer item {key!r} fails its CRC-32C check (computed {got:08x}, its layout records "
-            f"{crcs[bucket]:08x}): a damaged, truncated or partly copied checkpoint; nothing was loaded into the optimizer"
+            f"{crcs[bucket]:08x}): a damaged, truncated or partly copied checkpoint; nothing was loaded into the "
+            "optimizer"
         )

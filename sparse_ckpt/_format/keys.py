@@ -245,7 +245,8 @@ def _check_table(prefix: str, rest: str, table: object) -> tuple[str, bytes]:
         payload, digest = table[:-_DIGEST_BYTES], table[-_DIGEST_BYTES:]
         if len(table) < _DIGEST_BYTES or _seal_digest(payload) != digest:
             raise CheckpointFormatError(
-                f"leaf {leaf!r}: {kind} '{prefix}{rest}' does not match its sealed digest (corrupt or edited checkpoint)"
+                f"leaf {leaf!r}: {kind} '{prefix}{rest}' does not match its sealed digest (corrupt or edited "
+                "checkpoint)"
             )
         return leaf, payload
     digest = tag[1:] if tag.startswith("d") and _is_digest(tag[1:]) else tag

@@ -19,7 +19,7 @@ makes them) into the index bytes (a table-codec table); :func:`decode_index` rea
 from __future__ import annotations
 
 import math
-from collections.abc import Iterable
+from collections.abc import Callable, Iterable
 from dataclasses import dataclass, field
 from itertools import islice, product
 from typing import Any
@@ -301,7 +301,8 @@ def check_index(index: LayoutIndex, tables: dict[str, list[tuple[str, str, Any, 
         ti = where.get(tag)
         if ti is None:
             raise CheckpointFormatError(
-                f"leaf {index.leaf!r}: layout index {index.key!r} does not list layout tag {tag!r} (a damaged or edited checkpoint)"
+                f"leaf {index.leaf!r}: layout index {index.key!r} does not list layout tag {tag!r} (a damaged or "
+                "edited checkpoint)"
             )
         rank = min(_tag_ranks(tag))
         for fqn, key, shape, offsets, sizes in entries:
@@ -338,6 +339,11 @@ def same_chunk(a: tuple[tuple[int, ...], tuple[int, ...]], b: tuple[tuple[int, .
     return a[1] == b[1] and (0 in a[1] or a[0] == b[0])
 
 
+_Bad = Callable[[str], CheckpointFormatError]
+"""`decode_index`'s refusal: ``bad(what)`` is the error naming leaf, index key and ``what``."""
+_Mesh = tuple[tuple[int, ...], tuple[int, ...]]
+
+
 def decode_index(leaf: str, key: str, data: bytes) -> LayoutIndex:
     """Index item ``key``'s (unsealed) bytes, decoded and checked: a :class:`CheckpointFormatError`
     naming leaf and key for any defect (the table codec's own checks, then the index's: version,
@@ -348,6 +354,27 @@ def decode_index(leaf: str, key: str, data: bytes) -> LayoutIndex:
         return CheckpointFormatError(f"leaf {leaf!r}: layout index {key!r}: {what} (a damaged or edited checkpoint)")
 
     settings, _blobs, groups = decode_table(leaf, data)
+    header = _index_header(settings, groups, bad)
+    tags = header["tags"]
+    runs = _index_runs(tags, bad)
+    checked_meshes = _index_meshes(header["meshes"], bad)
+    rank_tag = _tags_of({r for _shape, ranks in checked_meshes for r in ranks}, runs)
+    missing = [r for _shape, ranks in checked_meshes for r in ranks if r not in rank_tag]
+    if missing:
+        raise bad(f"mesh rank {missing[0]} holds none of the index's layout tags")
+    out = LayoutIndex(leaf, key, tags, rank_tag)
+    for idx, fqns in groups[1:]:
+        value = _index_description(idx, settings[idx], len(tags), checked_meshes, bad)
+        for fqn in fqns:
+            if fqn in out.of:
+                raise bad(f"parameter {fqn!r} is listed twice")
+            out.of[fqn] = value
+    return out
+
+
+def _index_header(settings: Any, groups: Any, bad: _Bad) -> dict[str, Any]:
+    """The index's header (the first group's settings, listing no FQN): its version this library's,
+    its keys the version, ``tags`` (checked here: a non-empty tuple of str) and ``meshes``."""
     if not groups or groups[0][1] or settings[groups[0][0]].get(HEADER, None) is None:
         raise bad("no header")
     header = settings[groups[0][0]]
@@ -358,6 +385,11 @@ def decode_index(leaf: str, key: str, data: bytes) -> LayoutIndex:
     tags = header["tags"]
     if type(tags) is not tuple or not tags or not all(type(t) is str for t in tags):
         raise bad("tags are not a non-empty tuple of str")
+    return header
+
+
+def _index_runs(tags: tuple[str, ...], bad: _Bad) -> list[list[tuple[int, int, int]]]:
+    """Each tag's rank runs; every tag a rank tag of one world."""
     runs: list[list[tuple[int, int, int]]] = []
     world = None
     for tag in tags:
@@ -369,10 +401,15 @@ def decode_index(leaf: str, key: str, data: bytes) -> LayoutIndex:
             raise bad(f"tag {tag!r} is not a rank tag of the others' world")
         world = parsed[0]
         runs.append(parsed[1])
-    meshes = header["meshes"]
+    return runs
+
+
+def _index_meshes(meshes: Any, bad: _Bad) -> list[_Mesh]:
+    """The header's meshes, each ``(shape, ranks)`` of a shape within ``MAX_NDIM`` listing each of its
+    ranks once."""
     if type(meshes) is not tuple:
         raise bad("meshes are not a tuple")
-    checked_meshes: list[tuple[tuple[int, ...], tuple[int, ...]]] = []
+    checked_meshes: list[_Mesh] = []
     for mesh in meshes:
         if type(mesh) is not tuple or len(mesh) != 2 or not all(_ints(x) for x in mesh):
             raise bad("a mesh is not (shape, ranks)")
@@ -382,42 +419,37 @@ def decode_index(leaf: str, key: str, data: bytes) -> LayoutIndex:
         if len(set(ranks)) != len(ranks):
             raise bad(f"mesh {shape} lists a rank twice")
         checked_meshes.append((shape, ranks))
-    rank_tag = _tags_of({r for _shape, ranks in checked_meshes for r in ranks}, runs)
-    missing = [r for _shape, ranks in checked_meshes for r in ranks if r not in rank_tag]
-    if missing:
-        raise bad(f"mesh rank {missing[0]} holds none of the index's layout tags")
-    out = LayoutIndex(leaf, key, tags, rank_tag)
-    for idx, fqns in groups[1:]:
-        desc = settings[idx]
-        if set(desc) == {"shape", "mesh", "placements"}:
-            shape, mi, placements = desc["shape"], desc["mesh"], desc["placements"]
-            if not _ints(shape) or len(shape) > MAX_NDIM or any(d < 0 for d in shape):
-                raise bad(f"description {idx}: shape {shape!r}")
-            if type(mi) is not int or not 0 <= mi < len(checked_meshes):
-                raise bad(f"description {idx}: mesh {mi!r} out of range")
-            mesh_shape, mesh_ranks = checked_meshes[mi]
-            if (
-                not _ints(placements)
-                or len(placements) != len(mesh_shape)
-                or any(not REPLICATE <= p < len(shape) for p in placements)
-            ):
-                raise bad(
-                    f"description {idx}: placements {placements!r} for a {len(shape)}-d tensor on a {len(mesh_shape)}-d mesh"
-                )
-            value: tuple[str, Any] = ("spec", (shape, mesh_shape, mesh_ranks, placements))
-        elif len(desc) == 1 and next(iter(desc)) in ("whole", "chunks"):
-            kind = next(iter(desc))
-            ts = desc[kind]
-            if not _ints(ts) or not ts or any(not 0 <= t < len(tags) for t in ts):
-                raise bad(f"description {idx}: {kind} tags {ts!r}")
-            value = (kind, tuple(ts))
-        else:
-            raise bad(f"description {idx} has keys {sorted(desc)}")
-        for fqn in fqns:
-            if fqn in out.of:
-                raise bad(f"parameter {fqn!r} is listed twice")
-            out.of[fqn] = value
-    return out
+    return checked_meshes
+
+
+def _index_description(idx: int, desc: Any, n_tags: int, meshes: list[_Mesh], bad: _Bad) -> tuple[str, Any]:
+    """Description ``idx`` (settings ``desc``) checked against the index's ``n_tags`` tags and
+    ``meshes``: ``("spec", (shape, mesh shape, mesh ranks, placements))`` or ``("whole"|"chunks",
+    tag indices)``."""
+    if set(desc) == {"shape", "mesh", "placements"}:
+        shape, mi, placements = desc["shape"], desc["mesh"], desc["placements"]
+        if not _ints(shape) or len(shape) > MAX_NDIM or any(d < 0 for d in shape):
+            raise bad(f"description {idx}: shape {shape!r}")
+        if type(mi) is not int or not 0 <= mi < len(meshes):
+            raise bad(f"description {idx}: mesh {mi!r} out of range")
+        mesh_shape, mesh_ranks = meshes[mi]
+        if (
+            not _ints(placements)
+            or len(placements) != len(mesh_shape)
+            or any(not REPLICATE <= p < len(shape) for p in placements)
+        ):
+            raise bad(
+                f"description {idx}: placements {placements!r} for a {len(shape)}-d tensor on a "
+                f"{len(mesh_shape)}-d mesh"
+            )
+        return ("spec", (shape, mesh_shape, mesh_ranks, placements))
+    if len(desc) == 1 and next(iter(desc)) in ("whole", "chunks"):
+        kind = next(iter(desc))
+        ts = desc[kind]
+        if not _ints(ts) or not ts or any(not 0 <= t < n_tags for t in ts):
+            raise bad(f"description {idx}: {kind} tags {ts!r}")
+        return (kind, tuple(ts))
+    raise bad(f"description {idx} has keys {sorted(desc)}")
 
 
 def _tags_of(ranks: set[int], runs: list[list[tuple[int, int, int]]]) -> dict[int, int]:

@@ -37,6 +37,13 @@ NESTED_KEYS = ("state", "param_groups")
 
 PARAMS = "params"
 
+_FQNS_ADVICE = (
+    "write every 'params' entry and every 'state' key as its parameter's FQN, as "
+    "get_optimizer_state_dict(model, optimizer) does (optimizer.load_state_dict would pair the entries by "
+    "position and ignore the names)"
+)
+"""What to do with a nested dict that lists some parameters by FQN and others otherwise (an int id)."""
+
 
 def nested_kind(sd: Any) -> str | None:
     """``"fqn"`` for DSD's nested FQN-keyed layout, ``"ids"`` for a torch ``Optimizer.state_dict()``
@@ -83,16 +90,15 @@ def nested_to_sparse(sd: Mapping[str, Any], *, leaf: str = SINGLE_LEAF) -> dict[
         params = group.get(PARAMS)
         if not isinstance(params, (list, tuple)) or not all(isinstance(p, str) for p in params):
             raise CheckpointFormatError(
-                f"nested optimizer dict: param group {gi} has no 'params' list of FQNs (got {_kind(params)}); "
-                "an int-keyed torch Optimizer.state_dict() needs its optimizer: load it with optimizer.load_state_dict"
+                f"nested optimizer dict: param group {gi} has no 'params' list of FQNs (got {_kind(params)}): "
+                + _FQNS_ADVICE
             )
         groups_fqn.append(({k: v for k, v in group.items() if k != PARAMS}, list(params)))
         fqns.update(params)
     bad = next((k for k in state if not isinstance(k, str)), None)
     if bad is not None:
         raise CheckpointFormatError(
-            f"nested optimizer dict: state key {bad!r} is a {type(bad).__name__}, not an FQN (an int-keyed torch "
-            "Optimizer.state_dict() needs its optimizer: load it with optimizer.load_state_dict)"
+            f"nested optimizer dict: state key {bad!r} is a {type(bad).__name__}, not an FQN: " + _FQNS_ADVICE
         )
     fqns.update(state)
     core = _backend.core

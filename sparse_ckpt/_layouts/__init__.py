@@ -6,7 +6,8 @@ a chunk of at least :data:`AUTO_OWN_ITEM_BYTES` (:data:`AUTO_ASYNC_OWN_ITEM_BYTE
 ``per_tensor``: one item per state tensor (``state.{fqn}.{key}``), written and read by the core's
 flat keys. ``buffers``: per leaf, rank and dtype a few 1-D buckets plus a layout table; its save,
 load and inspection views are :mod:`.bucketed` (save), :mod:`.bucketed_load` (which tables a load reads) and
-:mod:`.bucketed_scatter` (their buckets into state tensors), :mod:`.bucketed_view`. ``auto`` writes nothing ``buffers`` and ``per_tensor`` do not: its
+:mod:`.bucketed_scatter` (their buckets into state tensors), :mod:`.bucketed_view`. ``auto`` writes
+nothing ``buffers`` and ``per_tensor`` do not: its
 checkpoints are buffers-layout checkpoints with some state left per item, which the buffers layout
 always allowed. Keys: docs/formats.md (*State layout*).
 """

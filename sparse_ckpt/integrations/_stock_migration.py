@@ -136,12 +136,16 @@ class MigrationReport:
         for leaf, fqns in self.stateless.items():
             if fqns:
                 lines.append(
-                    f"{self.checkpoint_id}: leaf {leaf!r}: {len(fqns)} parameter(s) have no state: {_names(fqns, limit)}"
+                    f"{self.checkpoint_id}: leaf {leaf!r}: {len(fqns)} parameter(s) have no state: "
+                    f"{_names(fqns, limit)}"
                 )
         return lines
 
     def __str__(self) -> str:
-        header = f"migrated the stock {self.trainer} optimizer checkpoint {self.checkpoint_id} into sparse_ckpt's checkpointer:"
+        header = (
+            f"migrated the stock {self.trainer} optimizer checkpoint {self.checkpoint_id} into sparse_ckpt's "
+            "checkpointer:"
+        )
         lines = [header] if self.leaves else []
         for g in self.leaves:
             lines.append(
@@ -150,7 +154,7 @@ class MigrationReport:
                 f"state{_examples(g.no_state, ' (left without state: ', ')')}"
                 + (
                     f", {len(g.possibly_synthetic)} loaded with step == 1 that DSD's synthetic step may have invented"
-                    f"{_examples(g.possibly_synthetic, ' (the resume is exact only if they really stepped once: ', ')')}"
+                    + _examples(g.possibly_synthetic, " (the resume is exact only if they really stepped once: ", ")")
                     if g.possibly_synthetic
                     else ""
                 )

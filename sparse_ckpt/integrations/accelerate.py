@@ -9,9 +9,11 @@ makes ``load_state`` fail (``Missing key in checkpoint state_dict: optimizer.sta
 `install` replaces Accelerate's ``save_fsdp_optimizer`` / ``load_fsdp_optimizer`` (the
 functions ``Accelerator.save_state`` / ``load_state`` call, their homes in
 ``accelerate.utils``, and every module that bound them before, such as ``transformers.trainer``)
-with ones that save ``{"optimizer": SparseOptimizerState(model, optimizer)}`` through DCP into the same ``optimizer_{i}`` directory and load it with
+with ones that save ``{"optimizer": SparseOptimizerState(model, optimizer)}`` through DCP into the
+same ``optimizer_{i}`` directory and load it with
 `sparse_ckpt.SparseLoadPlanner` (``Accelerator.save_state`` captures those optimizers
-before Accelerate writes the models, so a save sparse_ckpt refuses writes nothing): exact (every group's settings, only the state that
+before Accelerate writes the models, so a save sparse_ckpt refuses writes nothing): exact (every
+group's settings, only the state that
 exists), sparse, nothing invented, the live optimizer untouched by a save. Loading also reads the
 directories stock Accelerate wrote before (DSD's nested layout, docs/formats.md),
 so existing runs resume; note that such a checkpoint holds whatever DSD wrote, including the
@@ -168,7 +170,7 @@ def save_fsdp_optimizer(
         if captured is not None
         else SparseOptimizerState(model, optimizer, format=_options["format"])
     )
-    ckpt_dir = os.path.join(output_dir, f"{_optimizer_name()}_{optimizer_index}")
+    ckpt_dir = os.path.join(output_dir, _optimizer_dir(optimizer_index))
     os.makedirs(ckpt_dir, exist_ok=True)
     dcp.save({OPTIMIZER_KEY: state}, storage_writer=dcp.FileSystemWriter(ckpt_dir))
     return None
@@ -195,7 +197,7 @@ def load_fsdp_optimizer(
         return _original("load_fsdp_optimizer")(
             fsdp_plugin, accelerator, optimizer, model, input_dir, optimizer_index, adapter_only, use_dcp
         )
-    name = f"{_optimizer_name()}_{optimizer_index}"
+    name = _optimizer_dir(optimizer_index)
     ckpt_dir = Path(input_dir) if Path(input_dir).name == name else Path(input_dir) / name
     accelerator.wait_for_everyone()
     state = SparseOptimizerState(model, optimizer, strict=_options["strict"])
@@ -222,8 +224,9 @@ def _original(name: str) -> Callable[..., Any]:
     return _accelerates.get(name) or getattr(importlib.import_module("accelerate.utils.fsdp_utils"), name)
 
 
-def _optimizer_name() -> str:
-    return str(importlib.import_module("accelerate.utils.constants").OPTIMIZER_NAME)
+def _optimizer_dir(optimizer_index: int) -> str:
+    """The directory Accelerate names for optimizer ``optimizer_index`` (``optimizer_{i}``)."""
+    return f"{importlib.import_module('accelerate.utils.constants').OPTIMIZER_NAME}_{optimizer_index}"
 
 
 def _handled(fsdp_plugin: Any, use_dcp: bool) -> bool:
@@ -241,7 +244,8 @@ def _check_signature(module: Any, name: str, expected: list[str]) -> None:
         version = getattr(importlib.import_module("accelerate"), "__version__", "?")
         raise RuntimeError(
             f"sparse_ckpt.integrations.accelerate: accelerate {version}'s {module.__name__}.{name} has parameters "
-            f"{params}, expected {expected} (the integration is written against accelerate 1.15.0); nothing was installed"
+            f"{params}, expected {expected} (the integration is written against accelerate 1.15.0); nothing was "
+            "installed"
         )
 
 

@@ -30,11 +30,9 @@ from dataclasses import dataclass
 from typing import Any
 
 import torch
-import torch.distributed.checkpoint as dcp
-from torch.distributed.checkpoint.api import CheckpointException
 from torch.distributed.checkpoint.metadata import Metadata
 
-from .._dcp.failures import own_failure
+from .._dcp.failures import load_raising_own
 from .._dcp.planner import SparseLoadPlanner
 from .._dcp.safe_reader import safe_reader_for
 from .._dcp.stateful import SparseOptimizerState, SparseStateDict
@@ -138,18 +136,12 @@ class SparseCheckpointManager(CheckpointManager):
         if isinstance(state, _TitanOptimizerState):
             state.checkpoint_id = str(checkpoint_id)
             state.report = None
-        try:
-            dcp.load(
-                state_dict,
-                checkpoint_id=checkpoint_id,
-                storage_reader=safe_reader_for(checkpoint_id),
-                planner=_TitanLoadPlanner(),
-            )
-        except CheckpointException as exc:
-            own = own_failure(exc)
-            if own is None:
-                raise
-            raise own from exc
+        load_raising_own(
+            state_dict,
+            checkpoint_id=checkpoint_id,
+            storage_reader=safe_reader_for(checkpoint_id),
+            planner=_TitanLoadPlanner(),
+        )
         if MODEL in self.states:
             self.states[MODEL].load_state_dict(state_dict)
         if isinstance(state, _TitanOptimizerState) and state.report is not None:

@@ -53,11 +53,9 @@ from collections.abc import Callable
 from typing import Any
 
 import torch
-import torch.distributed.checkpoint as dcp
-from torch.distributed.checkpoint.api import CheckpointException
 from torch.distributed.checkpoint.state_dict import StateDictOptions
 
-from .._dcp.failures import own_failure
+from .._dcp.failures import load_raising_own
 from .._dcp.planner import SparseLoadPlanner
 from .._dcp.safe_reader import SafeFileSystemReader
 from .._dcp.stateful import SparseOptimizerState, SparseStateDict
@@ -237,18 +235,12 @@ def load_distributed_checkpoint(original: Callable[..., Any], self: Any, model: 
         training.TOTAL_EPOCHS_KEY: 0,
         training.MAX_STEPS_KEY: 0,
     }
-    try:
-        dcp.load(
-            checkpoint_dict,
-            storage_reader=SafeFileSystemReader(path),
-            process_group=checkpointer._process_group,
-            planner=_TuneLoadPlanner(),
-        )
-    except CheckpointException as exc:
-        own = own_failure(exc)
-        if own is None:
-            raise
-        raise own from exc
+    load_raising_own(
+        checkpoint_dict,
+        storage_reader=SafeFileSystemReader(path),
+        process_group=checkpointer._process_group,
+        planner=_TuneLoadPlanner(),
+    )
     dsd.torch_dsd["set_model_state_dict"](model, checkpoint_dict[training.MODEL_KEY])
     _record(state.report)
     return checkpoint_dict

@@ -355,7 +355,8 @@ def load_stock_checkpoint(path: str, state: dict[str, Any], **options: Any) -> S
     ``state`` is what VeOmni's ``load`` takes (``model``, ``optimizer``, optionally ``extra_state``),
     ``options`` its keyword arguments (``process_group``, ``storage_reader``, ``trainable_only``,
     ``parallel_state``). ``state`` is filled the same way: the model and ``extra_state`` exactly as
-    stock VeOmni loads them; the optimizer from what the checkpoint has (DSD's flat layout of a ``MultiOptimizer`` or the nested
+    stock VeOmni loads them; the optimizer from what the checkpoint has (DSD's flat layout of a
+    ``MultiOptimizer`` or the nested
     one of a single optimizer), matched by FQN. Parameters with no saved settings keep their
     group's current settings (stock VeOmni saves no settings for a sub-optimizer without state:
     a scheduler-moved lr of a leaf that never stepped is lost; restore the scheduler and step it

@@ -76,7 +76,10 @@ def _outcome(name: str, status: str, detail: str) -> dict[str, Any]:
 def _failed(name: str, exc: Exception, strict: bool) -> dict[str, Any]:
     refused = isinstance(exc, RuntimeError)
     what = "refused this process's packages" if refused else "failed"
-    message = f"sparse-ckpt-run ({describe_process()}): {INTEGRATIONS[name].module}.install() {what} ({type(exc).__name__}: {exc})"
+    message = (
+        f"sparse-ckpt-run ({describe_process()}): {INTEGRATIONS[name].module}.install() {what} "
+        f"({type(exc).__name__}: {exc})"
+    )
     if strict:
         raise LauncherError(f"{message}; SPARSE_CKPT_RUN_STRICT=1 asks for this process to stop") from exc
     message += (

@@ -54,7 +54,10 @@ integration's trigger module that is installed, as a trainer would, and reports 
 def _parser() -> argparse.ArgumentParser:
     p = argparse.ArgumentParser(
         prog="sparse-ckpt-run",
-        usage="sparse-ckpt-run [--integrations LIST] [--strict] [--safe-load] [--log {auto,logging}] [--check] CMD [ARGS ...]",
+        usage=(
+            "sparse-ckpt-run [--integrations LIST] [--strict] [--safe-load] [--log {auto,logging}] [--check] "
+            "CMD [ARGS ...]"
+        ),
         description=(
             "Run CMD with sparse_ckpt active in every Python process it starts (torchrun and Accelerate "
             "workers, multiprocessing spawn children, subprocesses): torch DSD and the trainers' checkpointing "
@@ -66,7 +69,8 @@ def _parser() -> argparse.ArgumentParser:
     p.add_argument(
         "--integrations",
         metavar="LIST",
-        help=f"comma-separated: auto (default: every integration not marked opt-in), none, NAME, -NAME; integrations: {names} "
+        help="comma-separated: auto (default: every integration not marked opt-in), none, NAME, -NAME; "
+        f"integrations: {names} "
         "(sets SPARSE_CKPT_INTEGRATIONS)",
     )
     p.add_argument(
@@ -283,7 +287,8 @@ def main(argv: Sequence[str] | None = None) -> int:
         env = dict(os.environ)
         if args.check:
             print(
-                f"sparse-ckpt-run --check: SPARSE_CKPT_RUN={env['SPARSE_CKPT_RUN']}: off; {' '.join(command)} runs stock"
+                f"sparse-ckpt-run --check: SPARSE_CKPT_RUN={env['SPARSE_CKPT_RUN']}: off; {' '.join(command)} runs "
+                "stock"
             )
             return EXIT_OK
     else:

@@ -30,7 +30,8 @@ def read_manifest(out_dir: str | os.PathLike[str]) -> dict[str, Any]:
         raise CheckpointFormatError(f"{path!r} is not a sparse_ckpt export manifest")
     if manifest.get("version") != EXPORT_VERSION:
         raise CheckpointFormatError(
-            f"{path!r}: export version {manifest.get('version')!r} is not supported (this sparse_ckpt reads {EXPORT_VERSION})"
+            f"{path!r}: export version {manifest.get('version')!r} is not supported (this sparse_ckpt reads "
+            f"{EXPORT_VERSION})"
         )
     tensors = manifest.get("tensors")
     if not (

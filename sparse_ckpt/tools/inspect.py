@@ -322,7 +322,8 @@ def format_inspect(report: dict[str, Any], groups_raw: dict[tuple[str, str, int]
     for opt in report["optimizers"]:
         key = opt["key"] or "(top level)"
         lines.append(
-            f"optimizer {key!s}: {_FORMATS.get(opt['format'], opt['format'])} format, {len(opt['leaves'])} leaf/leaves, {opt['params']} params "
+            f"optimizer {key!s}: {_FORMATS.get(opt['format'], opt['format'])} format, {len(opt['leaves'])} "
+            f"leaf/leaves, {opt['params']} params "
             f"({opt['with_state']} with state, {opt['without_state']} without), {opt['items']} items, "
             f"state {opt['state_bytes']} bytes, tables {opt['table_bytes']} bytes{_scalar_note(opt)}, "
             f"on disk {opt['disk_bytes']} bytes"

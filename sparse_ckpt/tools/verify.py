@@ -233,7 +233,9 @@ def verify_checkpoint(path: str | os.PathLike[str], *, batch_bytes: int = BATCH_
                 {
                     "key": name,
                     "file": None,
-                    "problem": f"optimizer {name!r}: state of {len(orphans)} parameter(s) in no group (e.g. {orphans[0]!r})",
+                    "problem": (
+                        f"optimizer {name!r}: state of {len(orphans)} parameter(s) in no group (e.g. {orphans[0]!r})"
+                    ),
                 }
             )
         if unmatched:
@@ -241,7 +243,9 @@ def verify_checkpoint(path: str | os.PathLike[str], *, batch_bytes: int = BATCH_
                 {
                     "key": name,
                     "file": None,
-                    "problem": f"optimizer {name!r}: {len(unmatched)} key(s) match no parameter (e.g. {unmatched[0]!r})",
+                    "problem": (
+                        f"optimizer {name!r}: {len(unmatched)} key(s) match no parameter (e.g. {unmatched[0]!r})"
+                    ),
                 }
             )
     return {
@@ -264,7 +268,8 @@ def format_verify(report: dict[str, Any]) -> str:
         f"checkpoint: {report['checkpoint']}",
         (
             f"{report['items']} item(s) in {report['files']} file(s), {report['bytes']} bytes; "
-            f"{report['read']} read; optimizers: {', '.join(repr(o or '(top level)') for o in report['optimizers']) or 'none'}"
+            f"{report['read']} read; optimizers: "
+            f"{', '.join(repr(o or '(top level)') for o in report['optimizers']) or 'none'}"
         ),
     ]
     for name, loader in report.get("loaders", {}).items():

@@ -3,7 +3,8 @@
 ``SPARSE_CKPT_BACKEND=python`` forces the pure-Python core, ``cpp`` forces the extension (an
 ``ImportError`` when it is not built, never a silent fallback), anything else is an ``ImportError``
 (on first use: ``import sparse_ckpt`` itself imports no core); unset picks ``_C`` when it is built in
-the package's folder from the sources beside it, else the Python core with one warning. "Not importable" is simulated with
+the package's folder from the sources beside it, else the Python core with one warning. "Not importable"
+is simulated with
 ``sys.modules['sparse_ckpt._C'] = None``.
 
 The main cases run ``import sparse_ckpt`` in fresh interpreters. Importing the package (torch,

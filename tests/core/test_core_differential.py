@@ -1785,7 +1785,7 @@ def test_lengths_over_u32_are_format_errors() -> None:
     assert common.len32(2**32 - 1) == b"\xff\xff\xff\xff"
 
 
-# --------------------------------------------------------------------------- layout codec: random and hostile tables, both cores agree
+# ----------------------------------------------------------- layout codec: random and hostile tables, both cores agree
 
 _LAYOUT_HEADER = b"SCKL\x01\x00"
 

@@ -259,18 +259,34 @@ CHECKS = {
     "torch.nn.Module._parameters": _module_dicts,
     "torch.Tensor._make_subclass": _make_subclass,
     "DTensor.__create_chunk_list__ (DCP's tensor protocol)": _chunk_protocol,
-    "torch.distributed.checkpoint.state_dict_loader.load (caller frame; locals process_group, no_dist)": _dcp_load_frame,
-    "torch.distributed.checkpoint.state_dict_saver.save/async_save (caller frame; locals process_group, no_dist, use_collectives)": _dcp_save_frames,
-    "torch.distributed.checkpoint.state_dict_saver.async_save (caller frame: a save that stages)": _dcp_async_save_frame,
-    "torch.distributed.checkpoint.state_dict_loader._load_state_dict (caller frame; local storage_reader)": _dcp_storage_reader_frame,
+    (
+        "torch.distributed.checkpoint.state_dict_loader.load (caller frame; locals process_group, no_dist)"
+    ): _dcp_load_frame,
+    (
+        "torch.distributed.checkpoint.state_dict_saver.save/async_save "
+        "(caller frame; locals process_group, no_dist, use_collectives)"
+    ): _dcp_save_frames,
+    (
+        "torch.distributed.checkpoint.state_dict_saver.async_save (caller frame: a save that stages)"
+    ): _dcp_async_save_frame,
+    (
+        "torch.distributed.checkpoint.state_dict_loader._load_state_dict (caller frame; local storage_reader)"
+    ): _dcp_storage_reader_frame,
     "accelerate.checkpointing.save_custom_state (caller frame)": _accelerate_frame,
     "sys._getframe / sys._current_frames (CPython)": _frames,
-    "torch.distributed.checkpoint.state_dict.{get,set}_optimizer_state_dict/{get,set}_state_dict.__code__ (plain functions without a closure; integrations.dsd routes them)": _dsd_routable,
+    (
+        "torch.distributed.checkpoint.state_dict.{get,set}_optimizer_state_dict/{get,set}_state_dict.__code__ "
+        "(plain functions without a closure; integrations.dsd routes them)"
+    ): _dsd_routable,
     "torch.distributed._state_dict_utils._gather_state_dict (integrations.dsd)": _dsd_helpers,
     "torch.distributed._state_dict_utils._offload_state_dict_to_cpu (integrations.dsd)": _dsd_helpers,
-    "FileSystemReader.path and _StorageInfo.relative_path/offset/length/transform_descriptors (item bytes)": _file_item_location,
+    (
+        "FileSystemReader.path and _StorageInfo.relative_path/offset/length/transform_descriptors (item bytes)"
+    ): _file_item_location,
     "torch.distributed.checkpoint._version._derived_version (DefaultLoadPlanner's flatten flag)": _dcp_flatten_flag,
-    "DCP metadata pickle: metadata._MEM_FORMAT_ENCODING, filesystem._StorageInfo, serialization._get_layout": _dcp_metadata_globals,
+    (
+        "DCP metadata pickle: metadata._MEM_FORMAT_ENCODING, filesystem._StorageInfo, serialization._get_layout"
+    ): _dcp_metadata_globals,
     "torch.distributed.distributed_c10d._get_default_store (the bounded agreement)": _default_store,
 }
 

@@ -12,6 +12,7 @@ import pickle
 import shutil
 from pathlib import Path
 
+import _backends
 import pytest
 import torch
 import torch.distributed.checkpoint as dcp
@@ -64,6 +65,7 @@ def _without(root: Path, name: str, keys: list[str]) -> None:
         pickle.dump(md, f)
 
 
+@_backends.ranks
 @pytest.mark.parametrize("layout", ["buffers", "per_tensor"])
 def test_a_lost_rank_or_table_is_refused_on_every_rank(tmp_path: Path, layout: str) -> None:
     root = str(tmp_path)

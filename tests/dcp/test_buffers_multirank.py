@@ -14,6 +14,7 @@ import warnings
 from pathlib import Path
 from typing import Any
 
+import _backends
 import pytest
 import torch
 import torch.distributed as dist
@@ -111,6 +112,7 @@ def _load_ep(rank: int, world_size: int, root: str, experts_per_rank: int, label
     dist.barrier()
 
 
+@_backends.ranks
 @pytest.mark.parametrize("layout", ["buffers", "auto"])
 def test_resharding_drills(tmp_path: Path, layout: str) -> None:
     root = str(tmp_path)

@@ -9,6 +9,7 @@ from __future__ import annotations
 import warnings
 from pathlib import Path
 
+import _backends
 import pytest
 import torch
 import torch.distributed as dist
@@ -81,6 +82,7 @@ def _fsdp_resume(rank: int, world_size: int, ckpt: str) -> None:
     assert_snapshots_equal(full_snapshot(model2, opt2), full_snapshot(model, opt), "next step", state_key_order=False)
 
 
+@_backends.ranks
 def test_fsdp2_two_ranks_resume(tmp_path: Path) -> None:
     run_ranks(_fsdp_resume, 2, str(tmp_path / "ckpt"))
 
@@ -111,6 +113,7 @@ def _load_resharded(rank: int, world_size: int, sources: list[tuple[str, str]], 
         torch.save(snap, ref)
 
 
+@_backends.ranks
 def test_world_size_changes(tmp_path: Path) -> None:
     """1 -> 2, 4 -> 2 and 2 -> 1 (a plain, unsharded model in a process without a process group)."""
     ck1, ck2, ck4 = (str(tmp_path / f"ws{n}") for n in (1, 2, 4))
@@ -228,6 +231,7 @@ def _expert_parallel(rank: int, world_size: int, ckpt: str) -> None:
     assert not opt3["experts"].state
 
 
+@_backends.ranks
 def test_expert_parallel_tables(tmp_path: Path) -> None:
     ckpt = str(tmp_path / "ep")
     run_ranks(_expert_parallel, 2, ckpt)

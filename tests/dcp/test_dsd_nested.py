@@ -193,6 +193,38 @@ def test_nested_dicts_that_are_not_dsds_layout_are_refused() -> None:
     assert_deep_equal(view(model, opt), before)  # a failed load changes nothing
 
 
+@pytest.mark.parametrize("where", ["params", "state"])
+def test_a_nested_dict_mixing_fqns_and_ids_is_refused_with_advice_that_works(where: str) -> None:
+    """A DSD nested dict with one parameter given by its int id (in a group's ``params``, or as a
+    ``state`` key) is refused; the advice, followed (that entry written as its FQN), loads it exactly
+    as the untouched dict. (The advice this replaced, ``optimizer.load_state_dict``, pairs the
+    entries by position: a mixed ``state`` key is left in the optimizer as an int, its state lost.)"""
+    model, opt = trained()
+    nested = nested_of(model, opt)
+    mixed = copy.deepcopy(nested)
+    if where == "params":
+        mixed["param_groups"][0]["params"][1] = 1
+    else:
+        mixed["state"][0] = mixed["state"].pop("dense.weight")
+    target = Net(seed=1)
+    target_opt = adamw(target)
+    before = view(target, target_opt)
+    with pytest.raises(sc.CheckpointFormatError, match="as its parameter's FQN") as info:
+        sc.load_sparse_state_dict(target, target_opt, mixed)
+    assert "get_optimizer_state_dict(model, optimizer)" in str(info.value)
+    assert_deep_equal(view(target, target_opt), before)  # the refusal changed nothing
+    # the advice: the entry written as its parameter's FQN
+    if where == "params":
+        mixed["param_groups"][0]["params"][1] = "dense.bias"
+    else:
+        mixed["state"]["dense.weight"] = mixed["state"].pop(0)
+    sc.load_sparse_state_dict(target, target_opt, mixed)
+    expected_model = Net(seed=1)
+    expected_opt = adamw(expected_model)
+    sc.load_sparse_state_dict(expected_model, expected_opt, nested)
+    assert_deep_equal(view(target, target_opt), view(expected_model, expected_opt), **SAME)
+
+
 def test_nested_to_sparse_is_the_packed_equivalent() -> None:
     model, opt = trained()
     sparse = nested_to_sparse(nested_of(model, opt))

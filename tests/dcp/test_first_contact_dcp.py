@@ -10,6 +10,7 @@ import copy
 from pathlib import Path
 from typing import Any
 
+import _backends
 import pytest
 import torch
 import torch.distributed.checkpoint as dcp
@@ -209,6 +210,7 @@ def _pickle_each_rank(rank: int, world_size: int, out: str, single: str) -> None
     assert plain_opt["body"].state
 
 
+@_backends.ranks
 @pytest.mark.usefixtures("forbid_fork")
 def test_one_ranks_pickled_sparse_state_dict_is_refused_elsewhere(tmp_path: Path) -> None:
     model, opt = trained_fsdp(sharded=False)

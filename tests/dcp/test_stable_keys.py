@@ -14,6 +14,7 @@ import warnings
 from pathlib import Path
 from typing import Any, ClassVar
 
+import _backends
 import pytest
 import torch
 import torch.distributed as dist
@@ -242,6 +243,7 @@ def _plan_caching(rank: int, world_size: int, root: str) -> None:
         dist.barrier()
 
 
+@_backends.ranks
 def test_plan_caching_hits_and_a_one_rank_change_is_kept(tmp_path: Path) -> None:
     run_spawned(_plan_caching, 2, str(tmp_path))
     with open(tmp_path / "per_tensor3" / ".metadata", "rb") as f:

@@ -1,5 +1,5 @@
-"""Every ``python`` block of README.md, docs/*.md, docs/integrations/*.md and bench/README.md runs as written: the blocks
-of one file in order, in one namespace, in a fresh working directory (they write ``ckpt/...``),
+"""Every ``python`` block of README.md, docs/*.md, docs/integrations/*.md and bench/README.md runs as
+written: the blocks of one file in order, in one namespace, in a fresh working directory (they write ``ckpt/...``),
 single process. Any exception fails the test, its traceback naming the file and line.
 
 A block marked ``<!-- doc-test: skip; tests/... runs it (...) -->`` (see ``tests/doc_blocks.py``)

@@ -13,6 +13,7 @@ import struct
 from pathlib import Path
 from typing import Any
 
+import _backends
 import pytest
 import torch
 import torch.distributed as dist
@@ -543,6 +544,7 @@ def _load_fsdp(rank: int, world_size: int, ckpt: str, out: str, ref: str) -> Non
     assert_snapshots_equal(a, b, f"rank {rank}: next step")
 
 
+@_backends.ranks
 def test_fsdp2_two_rank_checkpoint(tmp_path: Path) -> None:
     """Saved by 2 FSDP2 ranks; exported in one process; loaded unsharded here and sharded on 2 ranks
     (state becomes DTensors placed like the params; the next step equals a DCP-loaded twin)."""
@@ -606,6 +608,7 @@ def _load_ep(rank: int, world_size: int, ckpt: str, out: str) -> None:
     dist.barrier()
 
 
+@_backends.ranks
 def test_expert_parallel_two_rank_checkpoint(tmp_path: Path) -> None:
     ckpt, out = tmp_path / "ep", tmp_path / "export"
     run_ranks(_save_ep, 2, str(ckpt))

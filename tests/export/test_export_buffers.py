@@ -10,6 +10,7 @@ import pickle
 from pathlib import Path
 from typing import Any
 
+import _backends
 import pytest
 import torch
 import torch.distributed.checkpoint as dcp
@@ -197,6 +198,7 @@ def _save_fsdp_layouts(rank: int, world_size: int, root: str, ref: str) -> None:
         torch.save(snap, ref)
 
 
+@_backends.ranks
 def test_fsdp2_buffers_export_equals_per_tensor_export(tmp_path: Path) -> None:
     """Saved by 2 FSDP2 ranks per tensor and buffered (plus per-item state): the exports are equal
     byte for byte, whole tensors assembled from both ranks' buckets, and load exactly."""
@@ -232,6 +234,7 @@ def _save_ep_layouts(rank: int, world_size: int, root: str) -> None:
         dcp.save({"optim": sc.SparseOptimizerState(model, opt, state_layout=layout)}, checkpoint_id=f"{root}/{layout}")
 
 
+@_backends.ranks
 def test_expert_parallel_buffers_export_equals_per_tensor_export(tmp_path: Path) -> None:
     run_ranks(_save_ep_layouts, 2, str(tmp_path))
     for layout in LAYOUTS:

@@ -307,7 +307,10 @@ def test_other_configurations_stay_accelerates(restore: Any, monkeypatch: pytest
 
 
 def test_importing_the_integration_does_not_import_accelerate() -> None:
-    code = "import sys, sparse_ckpt.integrations.accelerate as m; assert 'accelerate' not in sys.modules, 'imported'; print(m.installed())"
+    code = (
+        "import sys, sparse_ckpt.integrations.accelerate as m; "
+        "assert 'accelerate' not in sys.modules, 'imported'; print(m.installed())"
+    )
     env = {**os.environ, "PYTHONPATH": os.pathsep.join(filter(None, [str(ROOT), os.environ.get("PYTHONPATH")]))}
     out = subprocess.run(
         [sys.executable, "-c", code], capture_output=True, text=True, env=env, timeout=120, check=False

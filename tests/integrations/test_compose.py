@@ -4,12 +4,12 @@ The pairs the launcher's default selection activates together are ``dsd`` + ``to
 ``dsd`` + ``veomni``; ``dsd`` + ``accelerate`` is refused (docs/launcher.md; tests/launcher/). The
 matrix, pair x checkpoint kind:
 
-| pair | checkpoint kinds | where |
+| pair | checkpoint kinds (both install orders unless said) | where |
 | --- | --- | --- |
-| dsd + torchtune | torchtune's own and stock, sync and async, both install orders | ``test_torchtune.py`` (the drill; the second order is ``slow``) |
-| dsd + torchtune | torchtune's stock async load target through the DSD hook (placeholder groups) | here (no torchtune needed) |
-| dsd + veomni | VeOmni's own (``MultiOptimizer``, one AdamW, async) and stock (migrated), both install orders | ``test_veomni.py`` (its drill) |
-| dsd + torchtune, dsd + veomni | DSD's own, stock DSD's, nested and flat, both install orders | here |
+| dsd + torchtune | torchtune's own and stock, sync and async | ``test_torchtune.py`` (its drill; 2nd order ``slow``) |
+| dsd + torchtune | torchtune's stock async load target via the DSD hook (placeholder groups) | here (no torchtune) |
+| dsd + veomni | VeOmni's own (``MultiOptimizer``, one AdamW, async) and stock (migrated) | ``test_veomni.py`` (drill) |
+| dsd + torchtune, dsd + veomni | DSD's own, stock DSD's, nested and flat | here |
 
 The DSD hook plans every ``dcp.load`` of the process, so it must accept every load target DCP
 accepts, whoever built it (the torchtune integration's placeholder groups hold ``"params": None``).

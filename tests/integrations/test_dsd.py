@@ -204,7 +204,8 @@ def stock_pinned(rank: int, root: str, m: Any, opt: Any, sched: Any) -> None:
 
 
 def layouts_match_torch(m: Any, opt: Any) -> None:
-    """For an optimizer with state (DSD steps none then), torch's dicts and ours (but its key record) are equal (also gathered with ``full_state_dict``), keys in the same order."""
+    """For an optimizer with state (DSD steps none then), torch's dicts and ours (but its key record) are
+    equal (also gathered with ``full_state_dict``), keys in the same order."""
     for options in (
         NESTED,
         FLAT,

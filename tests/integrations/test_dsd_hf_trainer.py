@@ -1,6 +1,7 @@
 """Hugging Face ``Trainer`` (transformers + accelerate, FSDP2) resumed exactly by ``integrations.dsd``.
 
-The trainer drill (:mod:`trainer_drill`'s MoE and checks) with the real packages: 2 Gloo ranks, FSDP2 over a CPU mesh, the MoE of
+The trainer drill (:mod:`trainer_drill`'s MoE and checks) with the real packages: 2 Gloo ranks, FSDP2
+over a CPU mesh, the MoE of
 :mod:`dsd_moe` (40 parameters, 22 with gradients, ``vision`` in its own AdamW group whose lr a
 LambdaLR moves), trained for 5 steps with a checkpoint after step 3 through ``Trainer``'s own
 checkpointing (``save_steps=3``: ``_save_checkpoint`` -> accelerate's ``save_fsdp_optimizer`` ->
@@ -36,7 +37,10 @@ pytest.importorskip(
 )
 pytest.importorskip(
     "transformers",
-    reason="transformers is not installed (pip install --no-deps -r .ci/requirements-veomni.txt: transformers 5.9.0 and its imports)",
+    reason=(
+        "transformers is not installed (pip install --no-deps -r .ci/requirements-veomni.txt: "
+        "transformers 5.9.0 and its imports)"
+    ),
 )
 
 import _backends

@@ -214,14 +214,21 @@ def resumes(rank: int, world_size: int, root: str) -> None:
         sc_tune.uninstall()
 
 
+@pytest.fixture(scope="module")
+def saved(tmp_path_factory: pytest.TempPathFactory) -> str:
+    """The drill's saves (:func:`saves`, on the default backend), once for the module: the resumes only read them."""
+    root = tmp_path_factory.mktemp("torchtune-saves")
+    run_ranks(saves, 2, str(root), timeout=300)
+    return str(root)
+
+
 @_backends.only(_backends.DEFAULT)
-def test_torchtune_resumes_exactly_with_the_integration(tmp_path: Path) -> None:
+def test_torchtune_resumes_exactly_with_the_integration(saved: str) -> None:
     """Stock torchtune's sync and async resumes fail on the drill MoE (with or without the DSD hook);
     installed, alone and with the DSD hook installed after it, its own and the stock checkpoints
     resume bit for bit; a never-stepped stock checkpoint resumes as saved or, with ``drop_synthetic_state``, as
     the run from scratch, each with its migration report."""
-    run_ranks(saves, 2, str(tmp_path), timeout=300)
-    run_ranks(resumes, 2, str(tmp_path), timeout=300)
+    run_ranks(resumes, 2, saved, timeout=300)
 
 
 @_backends.only(_backends.DEFAULT)
@@ -239,8 +246,7 @@ def resumes_dsd_first(rank: int, world_size: int, root: str) -> None:
 
 @pytest.mark.slow
 @_backends.only(_backends.DEFAULT)
-def test_every_checkpoint_resumes_with_the_dsd_hook_installed_first(tmp_path: Path) -> None:
+def test_every_checkpoint_resumes_with_the_dsd_hook_installed_first(saved: str) -> None:
     """The pair in the other order (the DSD hook, then torchtune): sync and async, sparse_ckpt's and
-    stock checkpoints resume bit for bit (the drill's saves again: slow)."""
-    run_ranks(saves, 2, str(tmp_path), timeout=300)
-    run_ranks(resumes_dsd_first, 2, str(tmp_path), timeout=300)
+    stock checkpoints resume bit for bit (the drill's saves, shared with the test above)."""
+    run_ranks(resumes_dsd_first, 2, saved, timeout=300)

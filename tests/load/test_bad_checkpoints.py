@@ -900,7 +900,7 @@ def test_fuzz_harness_can_fail() -> None:
         try_decode(b"SCKT", decoders=[_core_py.decode_table, lambda *_a: ([], [], [])])
 
 
-# --------------------------------------------------------------------------- layout tables: damaged, missing or inconsistent
+# --------------------------------------------------------------------- layout tables: damaged, missing or inconsistent
 
 
 def _two_rank_buffers() -> tuple[nn.Module, torch.optim.Optimizer, list[dict[str, Any]]]:

@@ -158,7 +158,10 @@ def test_an_item_removed_from_the_metadata_is_refused(tmp_path: Path, layout: st
         )
     elif item == "buffer":
         key = next(k for k in keys if k.startswith(f"optim.{BUFFERS_PREFIX}experts.B"))
-        match = rf"leaf 'experts': buffer item '{key.removeprefix('optim.')}', which holds state 'exp_avg' of 'experts\.0\.up\.weight'"
+        match = (
+            rf"leaf 'experts': buffer item '{key.removeprefix('optim.')}', "
+            r"which holds state 'exp_avg' of 'experts\.0\.up\.weight'"
+        )
     else:
         key = next(k for k in keys if k.startswith(f"optim.{BUFFERS_PREFIX}experts.L"))
         match = r"leaf 'experts': parameter 'experts\.0\.up\.weight' has no saved state 'exp_avg'"

@@ -68,7 +68,8 @@ def test_any_item_removed_from_the_metadata_is_refused_or_exact(fmt: str, name: 
 
 @pytest.mark.parametrize("flatten", [True, False], ids=["flat", "nested"])
 def test_a_lost_setting_or_state_item_is_refused_naming_leaf_fqn_and_key(flatten: bool) -> None:
-    """Single-item losses that once loaded silently: SGD's momentum buffer (the parameter's only state), a group's lr."""
+    """Single-item losses that once loaded silently: SGD's momentum buffer (the parameter's only state),
+    a group's lr."""
     model = make_model(0)
     opts = optimizers(model, "SGD-momentum", "flat")
     train(model, opts, 2, seed=1)

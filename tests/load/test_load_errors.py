@@ -401,7 +401,7 @@ def test_packed_empty_group_of_a_missing_leaf_is_an_error() -> None:
         sc.load_sparse_state_dict(model, opt, sd)
 
 
-# --------------------------------------------------------------------------- one Adam target with state, every error class
+# ---------------------------------------------------------------------- one Adam target with state, every error class
 
 
 Net = TwoLayerNet

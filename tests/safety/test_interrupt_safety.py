@@ -33,6 +33,7 @@ from typing import Any
 
 import pytest
 import torch
+from _sampling import EXHAUSTIVE
 from helpers import assert_deep_equal
 from torch import nn
 
@@ -246,8 +247,6 @@ def gc_setting() -> Iterator[None]:
 
 SAMPLE_RATE = 0.125
 """The share of a run's line events a sweep interrupts by default (seeded: the same events every run)."""
-EXHAUSTIVE = os.environ.get("SPARSE_CKPT_EXHAUSTIVE_SWEEPS") == "1"
-"""``SPARSE_CKPT_EXHAUSTIVE_SWEEPS=1`` (.ci/run sets it): every line event, not a sample."""
 
 
 def sweep_events(total: int, seed: str) -> list[int]:

@@ -1,7 +1,8 @@
 """Security: sparse_ckpt never unpickles or executes code from a checkpoint.
 
 Static: no ``pickle``-family import (but the restricted ``.metadata`` unpickler's, which resolves only
-DCP's metadata classes), no ``torch.load`` (unless ``weights_only=True`` is passed literally), no ``eval``/``exec``/``compile`` call and no ``__reduce__`` in ``sparse_ckpt/*.py``;
+DCP's metadata classes), no ``torch.load`` (unless ``weights_only=True`` is passed literally), no
+``eval``/``exec``/``compile`` call and no ``__reduce__`` in ``sparse_ckpt/*.py``;
 no pickle/eval/exec/``__reduce__`` in ``csrc/`` (comments stripped). Dynamic: with every
 unpickling/evaluating entry point patched to fail, packed tables decode and packed and flat dicts
 load; a pickle payload stored as a packed table is rejected without being executed.
@@ -19,6 +20,7 @@ from contextlib import contextmanager
 from pathlib import Path
 from typing import Any
 
+import _backends
 import pytest
 import torch
 from helpers import deep_equal, table_bytes
@@ -161,6 +163,7 @@ def cpp_findings_text(text: str, rel: str = "<probe>") -> list[str]:
     return found
 
 
+@_backends.only(_backends.DEFAULT)  # a scan of the sources: no core runs
 def test_static_python_sources() -> None:
     """No unpickling or code evaluation anywhere in the package."""
     files = sorted(PACKAGE.rglob("*.py"))
@@ -169,6 +172,7 @@ def test_static_python_sources() -> None:
     assert not findings, "unsafe constructs:\n" + "\n".join(findings)
 
 
+@_backends.only(_backends.DEFAULT)  # a scan of the sources: no core runs
 def test_static_cpp_sources() -> None:
     """No pickle/eval/exec in the C++ core."""
     files = (
@@ -180,6 +184,7 @@ def test_static_cpp_sources() -> None:
     assert not findings, "unsafe constructs:\n" + "\n".join(findings)
 
 
+@_backends.only(_backends.DEFAULT)  # a scan of the sources: no core runs
 def test_static_checks_can_fail() -> None:
     """The scanners flag each construct (so an empty result means something)."""
     probes = {

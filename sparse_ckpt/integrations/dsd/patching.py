@@ -51,7 +51,7 @@ from ..._torch_internals import (
 from .. import safe_load
 from .._rebind import all_or_nothing, original_code, route_code, routed, unroutable
 from . import functions
-from .target import align_key_records, rebuild_copies, rebuild_marked
+from .target import align_key_records, rebuild_load_target
 
 __all__ = ["install", "installed", "uninstall"]
 
@@ -152,9 +152,7 @@ def _set_up_planner(
     # the copies are rebuilt as the marked dicts are: the library's planner rebuilds those itself (not
     # the copies), whatever its allow_partial_load (which is for the entries that are not optimizer dicts)
     partial = getattr(self, "allow_partial_load", False) and not ours
-    if not ours:
-        rebuild_marked(state_dict, metadata, frame, allow_partial_load=partial, keys=keys)
-    rebuild_copies(state_dict, metadata, frame, allow_partial_load=partial, keys=keys)
+    rebuild_load_target(state_dict, metadata, frame, marked=not ours, allow_partial_load=partial, keys=keys)
     align_key_records(state_dict, metadata)  # copies holding a key record: the checkpoint's, if any
     if not ours:
         _read_weights_only(self, keys)

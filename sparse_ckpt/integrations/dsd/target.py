@@ -47,6 +47,7 @@ __all__ = [
     "align_key_records",
     "marked_targets",
     "rebuild_copies",
+    "rebuild_load_target",
     "rebuild_marked",
     "remember_stateless",
 ]
@@ -196,13 +197,30 @@ def _copied_from(node: dict[str, Any]) -> SparseOptimizerState | None:
     return None
 
 
-def rebuild_copies(
+def rebuild_load_target(
     state_dict: Any,
     metadata: Metadata | None,
     frame: Any = None,
     *,
+    marked: bool = True,
     allow_partial_load: bool = False,
     keys: set[str] | None = None,
+) -> int:
+    """Rebuild what ``DefaultLoadPlanner.set_up_planner`` rebuilds in the load target ``state_dict``:
+    the marked dicts (`rebuild_marked`; not with ``marked=False``: the library's planner rebuilds
+    those itself), then the recognised copies (`rebuild_copies`). Returns how many were rebuilt.
+    ``frame``: the caller of ``set_up_planner`` (to reach the load's storage reader for
+    ``state_layout="buffers"`` checkpoints; ``None``: this function's caller). ``allow_partial_load``
+    and ``keys`` are `rebuild_marked`'s and `rebuild_copies`'s."""
+    if metadata is None:
+        return 0
+    frame = frame if frame is not None else caller_frame(1)
+    done = rebuild_marked(state_dict, metadata, frame, allow_partial_load, keys) if marked else 0
+    return done + rebuild_copies(state_dict, metadata, frame, allow_partial_load, keys)
+
+
+def rebuild_copies(
+    state_dict: Any, metadata: Metadata, frame: Any, allow_partial_load: bool, keys: set[str] | None
 ) -> int:
     """Rebuild, exactly like a marked dict (`rebuild_marked`, ``allow_partial_load`` included), every
     unmarked optimizer dict of the load target that asks for no state and is a shallow copy of a dict
@@ -212,11 +230,10 @@ def rebuild_copies(
     state while the checkpoint holds state under its path is a `sparse_ckpt.CheckpointMismatchError`
     (DCP would read the settings and leave the state unread, silently), raised before any copy is
     touched; so is one that asks for the state of some of its parameters and not of another whose state
-    the checkpoint holds (its copy was made for an optimizer with partial state). Returns how many copies were rebuilt; ``keys`` (`SparseLoadPlanner`'s optimizer keys)
+    the checkpoint holds (its copy was made for an optimizer with partial state). Returns how many
+    copies were rebuilt; ``keys`` (`SparseLoadPlanner`'s optimizer keys)
     gets the DCP keys the copies read, so that planner unpickles their bytes items with
     ``weights_only=True`` as it does its own targets'."""
-    if metadata is None:
-        return 0
     unmarked = _unmarked(state_dict)
     if not unmarked:
         return 0
@@ -247,9 +264,7 @@ def rebuild_copies(
     if not copies:
         return 0
     targets = {path: DsdStateDict(node, owner) for path, (node, owner) in copies.items()}
-    done = _rebuild(
-        targets.items(), metadata, frame if frame is not None else caller_frame(1), allow_partial_load, keys
-    )
+    done = _rebuild(targets.items(), metadata, frame, allow_partial_load, keys)
     for path, (node, _owner) in copies.items():  # one left as it was (allow_partial_load) gets its own items
         node.clear()
         node.update(targets[path])
@@ -263,12 +278,7 @@ def marked_targets(node: Any) -> Iterator[tuple[tuple[str | int, ...], DsdStateD
 
 
 def rebuild_marked(
-    state_dict: Any,
-    metadata: Metadata | None,
-    frame: Any = None,
-    *,
-    allow_partial_load: bool = False,
-    keys: set[str] | None = None,
+    state_dict: Any, metadata: Metadata, frame: Any, allow_partial_load: bool, keys: set[str] | None
 ) -> int:
     """Rebuild every marked dict in the load target ``state_dict`` from ``metadata`` (see the
     module doc); returns how many. ``frame``: the caller of ``set_up_planner`` (to reach the
@@ -276,12 +286,10 @@ def rebuild_marked(
     (the planner's), a marked dict the checkpoint has nothing for is left as it is, as DCP leaves
     target entries the checkpoint lacks; without it that is a `CheckpointMismatchError`. ``keys`` gets the
     DCP keys the rebuilt dicts read (their bytes items are then read weights-only)."""
-    if metadata is None:
-        return 0
     targets = list(marked_targets(state_dict))
     if not targets:
         return 0
-    return _rebuild(targets, metadata, frame if frame is not None else caller_frame(1), allow_partial_load, keys)
+    return _rebuild(targets, metadata, frame, allow_partial_load, keys)
 
 
 def _rebuild(

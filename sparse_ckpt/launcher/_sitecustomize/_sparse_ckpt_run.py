@@ -167,7 +167,8 @@ def selection(value: str | None = None, environ: dict | None = None) -> tuple[li
         clash = [c for c in selected if c in integration.conflicts or name in INTEGRATIONS[c].conflicts]
         if clash:
             problems.append(
-                f"integrations {clash[0]!r} and {name!r} conflict (both would own the same checkpoints); {name!r} is not activated"
+                f"integrations {clash[0]!r} and {name!r} conflict (both would own the same checkpoints); {name!r} is "
+                "not activated"
             )
             continue
         selected.append(name)
