@@ -19,6 +19,7 @@ import sys
 import _backends
 import pytest
 import torch
+from helpers import small_bench_args
 
 import sparse_ckpt as sc
 from bench import provenance
@@ -302,15 +303,7 @@ def test_header_and_progress_lines(capsys: pytest.CaptureFixture[str], tmp_path)
     assert (
         main(
             [
-                "--quick",
-                "--scales",
-                "1x2",
-                "--layouts",
-                "param",
-                "--repeats",
-                "1",
-                "--budget",
-                "0.2",
+                *small_bench_args("0.2"),
                 "--out",
                 str(tmp_path),
                 "--methods",
@@ -483,15 +476,7 @@ def test_dsd_set_max_groups_skips_only_the_set(tmp_path: os.PathLike) -> None:
     assert (
         main(
             [
-                "--quick",
-                "--scales",
-                "1x2",
-                "--layouts",
-                "param",
-                "--repeats",
-                "1",
-                "--budget",
-                "0.5",
+                *small_bench_args("0.5"),
                 "--out",
                 out,
                 "--no-progress",

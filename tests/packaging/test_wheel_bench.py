@@ -28,6 +28,7 @@ import zipfile
 from pathlib import Path
 
 import pytest
+from helpers import small_bench_args
 
 ROOT = Path(__file__).resolve().parents[2]
 # Anywhere in the tree: build outputs and caches. Under bench/: the committed run and local outputs.
@@ -238,15 +239,7 @@ def test_bench_runs_from_the_installed_wheel(tmp_path: Path) -> None:
     proc = _run(
         [
             str(venv / "bin" / "sparse-ckpt-bench"),
-            "--quick",
-            "--scales",
-            "1x2",
-            "--layouts",
-            "param",
-            "--repeats",
-            "1",
-            "--budget",
-            "0.2",
+            *small_bench_args("0.2"),
         ],
         work,
         env,
