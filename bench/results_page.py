@@ -193,7 +193,8 @@ def stock_table(results: Path = RESULTS) -> str:
             load_cell += f" (stock: {r['note']})"
         out.append(
             f"| {r['what']} ([{r['source']}](../bench/results/{r['source']})) | {_n(si)} -> {_n(oi)} "
-            f"({_x(si, oi)}) | {_mb(sb)} -> {_mb(ob)} ({_x(sb, ob)}) | {_t(ss)} -> {_t(os_)} ({_x(ss, os_)}) | {load_cell} |"
+            f"({_x(si, oi)}) | {_mb(sb)} -> {_mb(ob)} ({_x(sb, ob)}) | {_t(ss)} -> {_t(os_)} ({_x(ss, os_)}) | "
+            f"{load_cell} |"
         )
     return "\n".join(out)
 
@@ -203,7 +204,10 @@ def naive_table(results: Path = RESULTS) -> str:
     from the main bench's committed run, where both were measured."""
     data = load("results.json", results)
     out = [
-        "| fixture (results.json) | plain DCP: items, bytes, save / load | SparseOptimizerState: items, bytes, save / load |",
+        (
+            "| fixture (results.json) | plain DCP: items, bytes, save / load "
+            "| SparseOptimizerState: items, bytes, save / load |"
+        ),
         "| --- | --- | --- |",
     ]
     for run in data["runs"]:
@@ -218,7 +222,8 @@ def naive_table(results: Path = RESULTS) -> str:
         out.append(
             f"| `{run['scale']}`, {_n(run['n_params'])} parameters, {groups} | {_n(naive_s['items'])}, "
             f"{naive_s['bytes'] / MIB:.1f} MiB, {_t(naive_s['median_s'])} / {_t(naive_l['median_s'])} | "
-            f"{_n(ours_s['items'])}, {ours_s['bytes'] / MIB:.1f} MiB, {_t(ours_s['median_s'])} / {_t(ours_l['median_s'])} |"
+            f"{_n(ours_s['items'])}, {ours_s['bytes'] / MIB:.1f} MiB, {_t(ours_s['median_s'])} / "
+            f"{_t(ours_l['median_s'])} |"
         )
     return "\n".join(out)
 

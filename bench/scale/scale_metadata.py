@@ -258,7 +258,8 @@ def add_vs_per_tensor(rows: list[dict[str, Any]]) -> None:
 def _print_metadata_row(row: dict[str, Any]) -> None:
     note = f" (scaled x{row['sample']})" if row["sample"] > 1 else ""
     print(
-        f"{row['ranks']:>5} ranks {row['layout']:<10} items {row['items']:>10,} chunk records {row['chunk_records']:>12,} "
+        f"{row['ranks']:>5} ranks {row['layout']:<10} items {row['items']:>10,} chunk records "
+        f"{row['chunk_records']:>12,} "
         f"storage records {row['storage_records']:>12,} .metadata {row['bytes'] / 2**20:>10.1f} MiB "
         f"pickle {row['pickle_s']:>8.3f} s unpickle {row['unpickle_s']:>8.3f} s{note}",
         flush=True,

@@ -18,7 +18,8 @@ A ``buffers`` checkpoint is exported with ``stream`` only (the variants differ i
 not in the reading). Per export: the child's peak RSS (``VmHWM`` of ``/proc/self/status``: the high-water mark of
 this process image), its RSS just before the export (``VmRSS``), the difference (what the export
 added at its peak), the wall time, the buckets read (``buffer_reads``, ``buffer_bytes_read``) and
-a digest of ``optimizer.safetensors`` (the ``stream`` exports of every layout must be equal). Not ``resource.getrusage(RUSAGE_SELF).ru_maxrss``: Linux
+a digest of ``optimizer.safetensors`` (the ``stream`` exports of every layout must be equal). Not
+``resource.getrusage(RUSAGE_SELF).ru_maxrss``: Linux
 carries the parent's high-water mark over ``fork``/``exec`` into it, so every child would report
 at least the RSS of the process that built the fixture. Not ``tracemalloc``: torch allocates
 tensor memory outside Python's allocator. The fixture is built and saved in a child of its own

@@ -1,4 +1,5 @@
-"""The flat format's save and load on a bench fixture: ``python -m bench.flat_format [--fixture 24x128] [--runs 9] [--calls save,load]``.
+"""The flat format's save and load on a bench fixture:
+``python -m bench.flat_format [--fixture 24x128] [--runs 9] [--calls save,load]``.
 
 Times, per call (one warm-up, then ``--runs``), the CPU time of this process (``time.process_time``:
 less disturbed than wall time by other jobs on a shared machine) and the wall time of:

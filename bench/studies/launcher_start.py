@@ -39,7 +39,8 @@ def _start(env: dict[str, str], code: str) -> float:
 
 def _row(name: str, times: list[float]) -> str:
     q = statistics.quantiles(times, n=4)
-    return f"{name:<10} median {statistics.median(times) * 1e3:7.1f} ms   quartiles {q[0] * 1e3:6.1f} / {q[2] * 1e3:6.1f} ms"
+    median = statistics.median(times)
+    return f"{name:<10} median {median * 1e3:7.1f} ms   quartiles {q[0] * 1e3:6.1f} / {q[2] * 1e3:6.1f} ms"
 
 
 def main(argv: list[str] | None = None) -> dict[str, float]:
@@ -60,7 +61,8 @@ def main(argv: list[str] | None = None) -> dict[str, float]:
     medians = {k: statistics.median(v) * 1e3 for k, v in times.items()}
     load = os.getloadavg()[0] if hasattr(os, "getloadavg") else float("nan")
     print(
-        f"python -c {args.code!r}: {args.repeats} starts each, alternated; {os.cpu_count()} CPUs, load average {load:.2f}"
+        f"python -c {args.code!r}: {args.repeats} starts each, alternated; {os.cpu_count()} CPUs, load average "
+        f"{load:.2f}"
     )
     for name, values in times.items():
         print(_row(name, values))

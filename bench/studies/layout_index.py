@@ -179,7 +179,8 @@ def main(argv: Sequence[str] | None = None) -> int:
             f"{row['scale']} {row['mode']:<4} {args.saved} -> {args.load} ranks, rank {row['rank']}: without index "
             f"{w['tables']} tables, {w['bytes']:,} bytes; with index {i['tables']} tables (saved ranks "
             f"{i['saved_ranks']}) + index of {i['index_bytes']:,} bytes = {i['bytes']:,} bytes "
-            f"(index built in {row['index_build_s']:.2f} s, decoded and selected in {row['index_decode_and_select_s']:.3f} s)"
+            f"(index built in {row['index_build_s']:.2f} s, decoded and selected in "
+            f"{row['index_decode_and_select_s']:.3f} s)"
         )
     if args.json:
         with open(args.json, "w") as f:

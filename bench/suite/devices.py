@@ -2,7 +2,8 @@
 
 :func:`check_device` makes sure a device of the kind is present (for ``npu``, importing the module
 that registers it -- ``torch_npu``, or the one ``SPARSE_CKPT_NPU_MODULE`` names -- only when no
-``npu`` device type is registered yet); :func:`device_count` counts them; :func:`check_world_sizes` refuses a multi-rank run that
+``npu`` device type is registered yet); :func:`device_count` counts them; :func:`check_world_sizes` refuses a
+multi-rank run that
 needs more accelerators than the machine has (one rank per GPU/NPU). For the ranks themselves:
 :func:`process_group_backend` (Gloo on CPU, NCCL on CUDA, HCCL on NPU), :func:`bind_rank` (the
 rank's device), :func:`current_device` and :func:`synchronize`.

@@ -377,10 +377,14 @@ def plot_scaling(results: dict[str, Any], path: str, plt: Any) -> None:
     layouts = list(results["config"]["layouts"])
     blocks = (
         (
-            "sparse_ckpt vs torch's floor and DSD (sparse_ckpt: packed blue, flat purple; cpp core solid, python dashed)",
+            (
+                "sparse_ckpt vs torch's floor and DSD (sparse_ckpt: packed blue, flat purple; "
+                "cpp core solid, python dashed)"
+            ),
             (("save side", _save_series(("packed", "flat"))), ("load side", _load_series(("packed", "flat")))),
             (
-                "save panels: optimizer.state_dict(), sparse_state_dict, DSD get; load panels: optimizer.load_state_dict(), "
+                "save panels: optimizer.state_dict(), sparse_state_dict, DSD get; load panels: "
+                "optimizer.load_state_dict(), "
                 "load_sparse_state_dict, DSD set"
             ),
         ),

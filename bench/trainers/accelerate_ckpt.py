@@ -1,4 +1,5 @@
-"""Accelerate FSDP2 optimizer checkpoints: stock ``save_state``/``load_state`` vs ``sparse_ckpt.integrations.accelerate``.
+"""Accelerate FSDP2 optimizer checkpoints: stock ``save_state``/``load_state`` vs
+``sparse_ckpt.integrations.accelerate``.
 
 ``python -m bench.accelerate_ckpt [--nproc 2] [--experts 32] [--routed 8] [--dim 64] [--repeats 3]``
 (in a wheel: ``python -m sparse_ckpt.bench.accelerate_ckpt``; needs ``accelerate``).
@@ -48,7 +49,8 @@ class MoENet(nn.Module):
 
 
 def fsdp2_accelerator(world_size: int) -> Any:
-    """The recipe of docs/integrations/hugging-face.md: FSDP2 forced on CPU (distributed type set explicitly, CPU mesh)."""
+    """The recipe of docs/integrations/hugging-face.md: FSDP2 forced on CPU (distributed type set explicitly, CPU "
+    "mesh)."""
     from accelerate import Accelerator
     from accelerate.state import PartialState
     from accelerate.utils import DistributedType, FullyShardedDataParallelPlugin, ParallelismConfig

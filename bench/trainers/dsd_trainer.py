@@ -157,17 +157,20 @@ def worker(rank: int, world_size: int, args: argparse.Namespace, out_dir: str) -
     if rank == 0:
         n_params = sum(1 for _ in model.parameters())
         print(
-            f"torch DSD optimizer checkpoint (get/set_optimizer_state_dict + dcp), {world_size} ranks, {n_params} params "
-            f"({args.experts} experts/layer, {args.routed} routed, dim {args.dim}), median of {args.repeats}, slowest rank"
+            f"torch DSD optimizer checkpoint (get/set_optimizer_state_dict + dcp), {world_size} ranks, {n_params} "
+            "params "
+            f"({args.experts} experts/layer, {args.routed} routed, dim {args.dim}), median of {args.repeats}, "
+            "slowest rank"
         )
         print(
-            f"{'scenario':<8} {'method':<10} {'state after save':>16} {'items':>6} {'bytes':>8} {'save ms':>8} {'state after load':>16} {'load ms':>8}"
+            f"{'scenario':<8} {'method':<10} {'state after save':>16} {'items':>6} {'bytes':>8} {'save ms':>8} "
+            f"{'state after load':>16} {'load ms':>8}"
         )
         for scenario, method, after_save, items, size, save, after_load, load, err in rows:
             load_text = "  failed" if err else f"{load * 1e3:8.1f}"
             print(
-                f"{scenario:<8} {method:<10} {after_save:>16} {items:>6} {size:>8} {save * 1e3:8.1f} {after_load:>16} {load_text}"
-                + (f"  ({err})" if err else "")
+                f"{scenario:<8} {method:<10} {after_save:>16} {items:>6} {size:>8} {save * 1e3:8.1f} "
+                f"{after_load:>16} {load_text}" + (f"  ({err})" if err else "")
             )
         if args.json is not None:
             write_json(args, world_size, n_params, rows)

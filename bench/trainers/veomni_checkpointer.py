@@ -193,7 +193,8 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
         r = results[kind]
         print(
             f"{kind:8} {r['items']:6d} {r['optimizer_items']:6d} {r['bytes']:10d} "
-            f"{r['save_s']['min']:7.3f}/{r['save_s']['median']:7.3f} {r['load_s']['min']:7.3f}/{r['load_s']['median']:7.3f}"
+            f"{r['save_s']['min']:7.3f}/{r['save_s']['median']:7.3f} "
+            f"{r['load_s']['min']:7.3f}/{r['load_s']['median']:7.3f}"
         )
     if args.json:
         args.json.write_text(json.dumps({**results, "provenance": provenance.record()}, indent=1))

@@ -220,8 +220,8 @@ def test_reshard_two_ranks_to_one(device_type: str, tmp_path: Path, forbid_fork:
 
 
 def test_multi_rank_drill_on_device(device_type: str, tmp_path: Path, forbid_fork: None) -> None:
-    """The resume drill of ``bench/drills/resume.py`` with FSDP2 ranks on the device (one per device, its process group):
-    the killed save is incomplete and the resumes at 2 and 1 ranks equal the uninterrupted run bit for bit."""
+    """The resume drill of ``bench/drills/resume.py`` with FSDP2 ranks on the device (one per device, its process
+    group): the killed save is incomplete and the resumes at 2 and 1 ranks equal the uninterrupted run bit for bit."""
     if device_type == "cpu":
         pytest.skip("the CPU drill is tests/benchmark/test_resume_drill.py")
     if torch.get_device_module(device_type).device_count() < 2:
