@@ -43,6 +43,7 @@ __all__ = [
     "HUGE_PAGE_BYTES",
     "PINNED_STAGING_ENV",
     "empty_host",
+    "host_snapshot",
     "huge_pages_wanted",
     "pinned_staging_wanted",
     "staging_host",
@@ -123,4 +124,26 @@ def empty_host(size: tuple[int, ...] | int, dtype: torch.dtype) -> torch.Tensor:
         end = (ptr + nbytes) // HUGE_PAGE_BYTES * HUGE_PAGE_BYTES
         if end > start:
             _MADVISE(start, end - start, _MADV_HUGEPAGE)  # advice only: a refusal changes nothing
+    return out
+
+
+def host_snapshot(t: torch.Tensor) -> torch.Tensor | None:
+    """A copy of ``t`` in a new :func:`empty_host` buffer of its shape, for a plain contiguous CPU
+    tensor without autograd that holds all of its storage and is large enough for the huge-page
+    advice (two huge pages); else ``None`` (a copy the usual way, ``copy.deepcopy``, costs the same).
+    What ``dcp.async_save`` stages a large state tensor into: its own copy would fault 4 KiB pages."""
+    if (
+        type(t) is not torch.Tensor
+        or t.device.type != "cpu"
+        or t.requires_grad
+        or t.layout is not torch.strided
+        or not t.is_contiguous()
+        or t.storage_offset() != 0
+    ):
+        return None
+    nbytes = t.numel() * t.element_size()
+    if nbytes < 2 * HUGE_PAGE_BYTES or t.untyped_storage().nbytes() != nbytes or not huge_pages_wanted():
+        return None
+    out = empty_host(tuple(t.shape), t.dtype)
+    out.copy_(t)
     return out

@@ -100,12 +100,14 @@ def build_state_dict(
     *,
     guards: bool = False,
     staged: bool = False,
+    snapshots: list[torch.Tensor] | None = None,
 ) -> dict[str, Any]:
     """`sparse_state_dict` with the table keys chosen by ``keying`` (called with gc paused);
     ``guards=True`` (what the DCP ``Stateful`` saves, packed format) adds the foreign-loader guards
     (`sparse_ckpt._format.keys.foreign_guard_keys`); ``staged``: for ``dcp.async_save``, which
     copies the dict before it returns (``state_layout="auto"`` then buffers fewer tensors,
-    `sparse_ckpt._layouts.own_item_bytes`)."""
+    `sparse_ckpt._layouts.own_item_bytes`); ``snapshots``: the buckets filled with copies of the
+    state (no live tensor aliases them) are appended to it (`sparse_ckpt._layouts.bucketed.fill`)."""
     core = _backend.core
     fmap = build_fqn_map(model)
     parts: list[_Part] = []  # the dict's items in order; tables and layouts wait for their tags
@@ -140,7 +142,7 @@ def build_state_dict(
                 )
                 if entries:
                     layout, buckets = core.encode_layout(leaf, entries, bucketed.BUCKET_BYTES)
-                    filled = bucketed.fill(buckets, local)
+                    filled = bucketed.fill(buckets, local, snapshots)
                     parts.append(_Part("layout", leaf, buckets=filled))
                     layout = with_checksums(layout, filled)  # each bucket's CRC-32C, under the layout's seal
                     slots.append(Slot.of(LAYOUT_SLOT, leaf, layout, buckets=tuple(dtype for dtype, _n, _m in buckets)))
