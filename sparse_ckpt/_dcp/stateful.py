@@ -178,8 +178,8 @@ class SparseOptimizerState:
     passed to `sparse_ckpt.load_sparse_state_dict`.
     ``state_layout`` (packed format): ``"auto"`` (default) writes each rank's small
     parameter-shaped state chunks of a leaf as a few 1-D items plus a layout table and every
-    tensor whose chunks reach `sparse_ckpt._layouts.AUTO_OWN_ITEM_BYTES` (4 MiB, inside
-    ``dcp.async_save`` too) as an item of its own,
+    tensor whose chunks reach `sparse_ckpt._layouts.AUTO_OWN_ITEM_BYTES` (4 MiB; 1 MiB inside
+    ``dcp.async_save``) as an item of its own,
     ``"buffers"`` buffers them all, ``"per_tensor"`` writes one item per state tensor (see
     docs/dcp.md, *State layout*); all load into any world size, mesh or layout. Load it with
     ``dcp.load(..., planner=sparse_ckpt.SparseLoadPlanner())``.

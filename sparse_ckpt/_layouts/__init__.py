@@ -41,13 +41,13 @@ huge pages), by 1.8-2.5x at 4 MiB and 1.03-1.1x at 64 MiB, so the threshold favo
 which runs far more often, and keeps the copies a save makes (and the host memory they take while
 DCP writes) to the small tensors."""
 
-AUTO_ASYNC_OWN_ITEM_BYTES = AUTO_OWN_ITEM_BYTES
-"""The same inside ``dcp.async_save``, which copies the whole state dict before it returns (the
-time it blocks the training loop). The buckets are copies made for that save, and the stager
-shares them instead of copying them again (`sparse_ckpt.SparseStateDict`'s ``__deepcopy__``), so
-bucketing a tensor costs the loop one copy, as an item of its own does; the bucket's copy lands on
-huge pages and a small item's on 4 KiB ones (``sparse_ckpt._host_memory``), so the blocking save's
-threshold holds here too. Tensors at or above it are staged into huge-page buffers of their own."""
+AUTO_ASYNC_OWN_ITEM_BYTES = 1 << 20
+"""The same inside ``dcp.async_save``, which stages (copies) the whole state dict before it returns
+(sharing the buckets, copies made for that save, instead of copying them again). Measured while
+the stager still copied the buckets a second time: one item per tensor blocked the training loop
+less than bucketing from 16-64 KiB on (``python -m bench.scale threshold --async``). 1 MiB keeps
+tensors that small bucketed all the same: each item of its own adds a chunk record per rank to
+the ``.metadata`` (what the buffers layout exists to bound)."""
 
 
 def own_item_bytes(state_layout: StateLayout, staged: bool = False) -> int | None:

@@ -20,6 +20,7 @@ from torch import nn
 import sparse_ckpt as sc
 from sparse_ckpt._dcp.stateful import SparseStateDict
 from sparse_ckpt._format.keys import BUFFERS_PREFIX
+from sparse_ckpt._host_memory import HUGE_PAGE_BYTES
 from sparse_ckpt._layouts import AUTO_ASYNC_OWN_ITEM_BYTES, STATE_LAYOUTS
 
 pytestmark = pytest.mark.filterwarnings("ignore:torch.distributed is disabled:UserWarning")
@@ -27,12 +28,12 @@ pytestmark = pytest.mark.filterwarnings("ignore:torch.distributed is disabled:Us
 
 class _Mixed(nn.Module):
     """Small parameters (bucketed by ``auto``) and one whose state tensors are items of their own
-    inside ``dcp.async_save`` (at least ``AUTO_ASYNC_OWN_ITEM_BYTES`` each)."""
+    inside ``dcp.async_save``, large enough to be staged into huge-page buffers (`host_snapshot`)."""
 
     def __init__(self) -> None:
         super().__init__()
         self.small = nn.ModuleList(nn.Linear(8, 8) for _ in range(6))
-        rows = -(-AUTO_ASYNC_OWN_ITEM_BYTES // (4 * 64))
+        rows = -(-max(AUTO_ASYNC_OWN_ITEM_BYTES, 2 * HUGE_PAGE_BYTES) // (4 * 64))
         self.big = nn.Parameter(torch.zeros(rows, 64))
 
 
