@@ -27,7 +27,7 @@ from .._format.keys import PLANNER_GUARD_KEY
 from .._format.tags import Keying
 from .._fqn import FqnMap, Model, validate_model
 from .._gc import gc_paused
-from .._host_memory import host_snapshot
+from .._host_memory import HostPool
 from .._layouts import DEFAULT_STATE_LAYOUT, StateLayout, check_state_layout
 from .._layouts.bucketed_load import BucketReader
 from .._load.load import load_owned
@@ -133,15 +133,16 @@ class SparseStateDict(OriginDict):
         """A plain ``dict`` of copies of the items (`copy`), as ``dcp.async_save``'s stager makes
         before it returns. For a capture made for ``dcp.async_save`` (``snapshots``), the buckets it
         already filled with copies of the state are shared, not copied a second time (no live tensor
-        aliases them, and nothing else holds them), and each large CPU state tensor is copied into a
-        host buffer on huge pages (`sparse_ckpt._host_memory.host_snapshot`): either way the copy
-        holds the values as of the save, whatever the optimizer does next."""
+        aliases them, and nothing else holds them), and each CPU state tensor of at least 64 KiB is
+        copied into a buffer of the owner's pool, reused from save to save
+        (`sparse_ckpt._host_memory.HostPool.snapshot`): either way the copy holds the values as of
+        the save, whatever the optimizer does next."""
         if self.snapshots is not None:
             for t in self.snapshots:
                 memo.setdefault(id(t), t)
             for v in self.values():
                 if isinstance(v, torch.Tensor) and id(v) not in memo:
-                    snap = host_snapshot(v)
+                    snap = self.owner.host_pool.snapshot(v)
                     if snap is not None:
                         memo[id(v)] = snap
         return super().__deepcopy__(memo)
@@ -207,6 +208,9 @@ class SparseOptimizerState:
         self.optimizer = optimizer
         self.format: Format = format
         self.strict = strict
+        self.host_pool = HostPool()
+        """The host buffers ``dcp.async_save`` captures of this state copy into, reused from save
+        to save (`sparse_ckpt._host_memory.HostPool`); released with this object."""
 
     def state_dict(self) -> SparseStateDict:
         """The sparse optimizer dict (see `sparse_ckpt.sparse_state_dict`), tagged for the planner.
@@ -245,6 +249,8 @@ class SparseOptimizerState:
         refuse_rank0_only_save(self.optimizer)
         sd: dict[str, Any] = {PLANNER_GUARD_KEY: _PlannerGuard.make()}  # first: DCP plans keys in order
         snapshots: list[torch.Tensor] = []
+        if staged:
+            self.host_pool.begin()
         if keying is not None:
             with gc_paused():
                 sd.update(
@@ -257,6 +263,7 @@ class SparseOptimizerState:
                         guards=True,
                         staged=staged,
                         snapshots=snapshots if staged else None,
+                        pool=self.host_pool if staged else None,
                     )
                 )
         return SparseStateDict(sd, self, tuple(snapshots) if staged else None)

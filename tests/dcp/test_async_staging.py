@@ -8,6 +8,7 @@ state) once, so the checkpoint holds the values as of the call whatever the opti
 from __future__ import annotations
 
 import copy
+import threading
 from pathlib import Path
 from typing import Any
 
@@ -16,11 +17,12 @@ import torch
 import torch.distributed.checkpoint as dcp
 from helpers import assert_optimizer_equal, snapshot_optimizer
 from torch import nn
+from torch.distributed.checkpoint import FileSystemWriter
 
 import sparse_ckpt as sc
 from sparse_ckpt._dcp.stateful import SparseStateDict
 from sparse_ckpt._format.keys import BUFFERS_PREFIX
-from sparse_ckpt._host_memory import HUGE_PAGE_BYTES
+from sparse_ckpt._host_memory import HUGE_PAGE_BYTES, HostPool
 from sparse_ckpt._layouts import AUTO_ASYNC_OWN_ITEM_BYTES, STATE_LAYOUTS
 
 pytestmark = pytest.mark.filterwarnings("ignore:torch.distributed is disabled:UserWarning")
@@ -113,3 +115,82 @@ def test_a_plain_deep_copy_shares_no_tensor() -> None:
     out = copy.deepcopy(sd)
     tensors = [v for v in sd.values() if isinstance(v, torch.Tensor)]
     assert tensors and not any(out[k] is v for k, v in sd.items() if isinstance(v, torch.Tensor))
+
+
+def _staged_save(path: Path, state: sc.SparseOptimizerState, **kwargs: Any) -> Any:
+    return dcp.async_save({"optim": state}, checkpoint_id=path, **kwargs)
+
+
+@pytest.mark.parametrize("layout", ["auto", "buffers", "per_tensor"])
+def test_a_second_save_allocates_no_staging_buffer(tmp_path: Path, layout: str) -> None:
+    """The host buffers a ``dcp.async_save`` capture copies into come back to the state's pool once
+    DCP is done with them: the next save of the same `SparseOptimizerState` allocates none."""
+    model, opt = _trained(seed=0)
+    state = sc.SparseOptimizerState(model, opt, state_layout=layout)
+    _staged_save(tmp_path / "a", state).result()
+    first = state.host_pool.allocated
+    assert first > 0, "nothing was staged into the pool"
+    for name in ("b", "c"):
+        for v in opt.state[model.big].values():
+            v.add_(1)
+        at_save = snapshot_optimizer(opt)
+        _staged_save(tmp_path / name, state).result()
+        assert state.host_pool.allocated == first
+        assert len(state.host_pool) == first
+        assert_optimizer_equal(at_save, _load(tmp_path / name, model), grads=False)
+
+
+@pytest.mark.parametrize("layout", ["auto", "buffers"])
+def test_two_saves_in_flight_hold_their_own_values(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch, layout: str
+) -> None:
+    """A pooled buffer DCP may still read is never handed out again: the second of two saves in
+    flight (their writes held until both calls returned) stages into new buffers, and each
+    checkpoint holds the values as of its call."""
+    release = threading.Event()
+    write_data = FileSystemWriter.write_data
+
+    def held(self: FileSystemWriter, plan: Any, planner: Any) -> Any:
+        assert release.wait(timeout=120)
+        return write_data(self, plan, planner)
+
+    monkeypatch.setattr(FileSystemWriter, "write_data", held)
+    model, opt = _trained(seed=0)
+    state = sc.SparseOptimizerState(model, opt, state_layout=layout)
+    expected, futures, allocated = [], [], []
+    try:
+        for i in range(2):
+            expected.append(snapshot_optimizer(opt))
+            futures.append(_staged_save(tmp_path / f"s{i}", state))
+            allocated.append(state.host_pool.allocated)
+            for st in opt.state.values():
+                for v in st.values():
+                    v.add_(1)
+    finally:
+        release.set()
+    for i, future in enumerate(futures):
+        future.result()
+        assert_optimizer_equal(expected[i], _load(tmp_path / f"s{i}", model), grads=False)
+    assert allocated[0] > 0 and allocated[1] == 2 * allocated[0]
+
+
+def test_the_pool_reuses_only_released_buffers() -> None:
+    """`HostPool.take` hands out a buffer again only once everything handed out over it (views
+    DCP derives from it included) is gone, and `HostPool.begin` drops the free buffers the previous
+    capture did not use."""
+    pool = HostPool()
+    pool.begin()
+    a = pool.take((4, 8), torch.float32)
+    view = a.narrow(0, 1, 2)
+    del a
+    b = pool.take((32,), torch.float32)
+    assert pool.allocated == 2 and b.untyped_storage().data_ptr() != view.untyped_storage().data_ptr()
+    del view
+    c = pool.take((2, 16), torch.float32)
+    assert pool.allocated == 2 and c.shape == (2, 16)
+    del b, c
+    pool.begin()
+    pool.take((32,), torch.float32)
+    pool.begin()
+    assert len(pool) == 1
+    assert len(copy.deepcopy(pool)) == 0
