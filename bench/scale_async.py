@@ -15,6 +15,12 @@ faulted in (one ``torch.stack`` per dtype and shape), in the same rotation as th
 ``async_save`` must copy before it returns is the state's bytes once; each row's ``vs_floor`` is its
 ``blocked_s`` over ``copy_floor_s``.
 
+Each ``SparseOptimizerState`` variant is one object for all its samples, as a training loop keeps
+its Stateful, and is saved once untimed before the first sample: like the copy floor's buffers,
+the host buffers its captures stage into (its pool, ``sparse_ckpt._host_memory.HostPool``) are
+then allocated and mapped, and a sample measures a save of a run that has saved before. Each
+row's ``staging_allocs`` is how many host buffers each sample's save allocated (0 once warm).
+
 Variants: ``SparseOptimizerState`` in every layout of ``STATE_LAYOUTS``, and ``stock``: the state
 dict of torch DSD's ``get_optimizer_state_dict(model, optimizer)`` with its default options (DCP's own
 tutorial's pattern: an app Stateful returning DSD's dict), so the capture runs inside ``async_save``
@@ -97,13 +103,26 @@ def one_rank_group(root: str) -> bool:
     return True
 
 
+class TimedSparse(Timed):
+    """:class:`Timed` over one ``SparseOptimizerState`` (its ``host_pool`` kept from save to save)."""
+
+    def __init__(self, state: Any) -> None:
+        super().__init__(state.state_dict)
+        self.state = state
+
+
 def variant(fx: Any, name: str) -> Timed:
     """The Stateful ``async_save`` gets for variant ``name``."""
     if name == STOCK:
         from torch.distributed.checkpoint.state_dict import get_optimizer_state_dict
 
         return Timed(lambda: get_optimizer_state_dict(fx.model, fx.optimizer))
-    return Timed(sc.SparseOptimizerState(fx.model, fx.optimizer, state_layout=name).state_dict)
+    return TimedSparse(sc.SparseOptimizerState(fx.model, fx.optimizer, state_layout=name))
+
+
+def allocated(stateful: Timed) -> int:
+    """Host buffers the Stateful's staging pool allocated so far (0 for the stock variant)."""
+    return stateful.state.host_pool.allocated if isinstance(stateful, TimedSparse) else 0
 
 
 def async_rows(
@@ -117,7 +136,14 @@ def async_rows(
     samples: dict[str, dict[str, list[float]]] = {
         n: {"blocked_s": [], "state_dict_s": [], "total_s": []} for n in names
     }
+    allocs: dict[str, list[int]] = {n: [] for n in names}
     disk: dict[str, int] = {}
+    statefuls = {n: variant(fx, n) for n in names}
+    for name, stateful in statefuls.items():  # warm-up: a run that has saved before
+        if isinstance(stateful, TimedSparse):
+            dcp.async_save({LEAF: stateful}, checkpoint_id=os.path.join(root, f"{name}_warm")).result()
+            shutil.rmtree(os.path.join(root, f"{name}_warm"), ignore_errors=True)
+    settle()
     copier = CopyFloor(fx.optimizer) if floor is not None else None
     for i in range(repeats):
         for name in rotated([*names, FLOOR] if copier is not None else names, i):
@@ -126,10 +152,12 @@ def async_rows(
                 settle()
                 continue
             path = os.path.join(root, f"{name}{i}")
-            stateful = variant(fx, name)
+            stateful = statefuls[name]
+            before = allocated(stateful)
             t0 = time.perf_counter()
             future = dcp.async_save({LEAF: stateful}, checkpoint_id=path)
             blocked = time.perf_counter() - t0
+            allocs[name].append(allocated(stateful) - before)
             future.result()
             total = time.perf_counter() - t0
             for key, value in (("blocked_s", blocked), ("state_dict_s", stateful.state_dict_s), ("total_s", total)):
@@ -145,6 +173,7 @@ def async_rows(
                 "variant": name,
                 **{k: statistics.median(v) for k, v in s.items()},
                 "disk_bytes": disk[name],
+                "staging_allocs": allocs[name],
                 "samples_s": s,
             }
         )
@@ -180,7 +209,8 @@ def run_async(
                 vs = r.get("vs_stock")
                 print(
                     f"{spec.label:<20} {r['variant']:<11} blocked {r['blocked_s']:>7.3f} s (state_dict "
-                    f"{r['state_dict_s']:.3f} s, x floor {r['vs_floor']:.2f})  total {r['total_s']:>7.3f} s  "
+                    f"{r['state_dict_s']:.3f} s, x floor {r['vs_floor']:.2f}, new buffers {max(r['staging_allocs'])})  "
+                    f"total {r['total_s']:>7.3f} s  "
                     f"{r['disk_bytes'] / 2**20:>7.1f} MiB" + (f"  x stock {vs[0]:.2f}/{vs[1]:.2f}" if vs else ""),
                     flush=True,
                 )
