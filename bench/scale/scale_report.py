@@ -161,19 +161,26 @@ def async_threshold_table(res: dict[str, Any]) -> str:
 
 
 def async_table(res: dict[str, Any]) -> str:
-    """Fixtures × variants: blocked (state_dict part), total, ratios to stock."""
+    """Fixtures × variants: blocked (state_dict part), × the copy floor (where measured), total,
+    ratios to stock."""
     lines = [
-        "| fixture | variant | blocked (of which `state_dict()`) | total until the future is done | × stock (blocked / total) |",
-        "| --- | --- | --- | --- | --- |",
+        (
+            "| fixture | variant | blocked (of which `state_dict()`) | × copy floor | total until the future is done "
+            "| × stock (blocked / total) |"
+        ),
+        "| --- | --- | --- | --- | --- | --- |",
     ]
     for run in res["runs"]:
-        fixture = f"`{run['fixture']}`"
+        floor = run.get("copy_floor_s")
+        fixture = f"`{run['fixture']}`" + (f" (copy floor {seconds(floor)})" if floor else "")
         for r in run["rows"]:
             v = r.get("vs_stock")
+            vf = r.get("vs_floor")
             name = "stock DCP (DSD)" if r["variant"].startswith("stock") else f"SparseOptimizerState {r['variant']}"
             lines.append(
                 f"| {fixture} | {name} | {seconds(r['blocked_s'])} ({seconds(r['state_dict_s'])}) | "
-                f"{seconds(r['total_s'])} | {'' if v is None or r['variant'].startswith('stock') else f'{ratio(v[0])} / {ratio(v[1])}'} |"
+                f"{'' if vf is None else ratio(vf)} | {seconds(r['total_s'])} | "
+                f"{'' if v is None or r['variant'].startswith('stock') else f'{ratio(v[0])} / {ratio(v[1])}'} |"
             )
             fixture = ""
     return "\n".join(lines)
