@@ -271,6 +271,18 @@ def merge_scalars(state_of: dict[str, dict], scalars_of: Mapping[str, tuple[dict
     Every FQN gets its own scalar dict and its own tensors (an optimizer steps each ``step`` in
     place). A scalar key that is also a per-item key is a :class:`CheckpointFormatError`.
     The core's ``merge_scalars`` (exact dicts; copies are made here for other mappings).
+
+    How this compares with torch's ``Optimizer.load_state_dict`` (2.13,
+    ``_process_value_according_to_param_policy``): torch hands ``step`` over as it is outside
+    fused/capturable groups (shared with the caller's dict) and casts the other tensors with
+    ``Tensor.to`` (the caller's tensor itself when nothing changes); the load does the same with
+    per-item entries (`sparse_ckpt._core_py.load_assembly.cast_states`). A scalar table's tensors
+    are decoded from its bytes, so nothing here is shared with the caller's dict either way; the
+    ``clone()`` of every later taker is not a defensive copy but the one tensor per parameter that
+    torch's dict has and the table holds once for the many parameters sharing a scalar dict.
+    ``clone()`` is the cheapest way to make one (0-d CPU tensors: ``torch.full``,
+    ``torch.scalar_tensor`` and ``torch._foreach_mul`` over the list cost more per tensor; views of
+    one storage, as ``unbind`` gives, would share memory between parameters).
     """
     if type(state_of) is not dict:
         state_of = dict(state_of)
