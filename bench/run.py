@@ -41,7 +41,7 @@ from . import provenance
 from .provenance import cpu_model
 from .suite import report, report_markdown
 from .suite.devices import DeviceUnavailable, check_device, device_name, synchronize
-from .suite.fixtures import LAYOUTS, STATE_INITS, FixtureCache, Scale, gc_paused, parse_scales
+from .suite.fixtures import LAYOUTS, NAME_STYLES, STATE_INITS, FixtureCache, Scale, gc_paused, parse_scales
 from .suite.measure import (
     FixtureContext,
     backend_modules,
@@ -283,6 +283,13 @@ def parse_args(argv: Sequence[str] | None, prog: str | None = None) -> argparse.
         help="only methods whose id starts with one of these comma prefixes "
         "(e.g. sparse/,floor/); the others are recorded as skipped",
     )
+    p.add_argument(
+        "--names",
+        choices=tuple(NAME_STYLES),
+        default="bench",
+        help="module names: bench (layers.0.attn.q_proj.weight, default) or deepseek (DeepSeek-V3's, one "
+        "module deeper: model.layers.0.self_attn.q_proj.weight)",
+    )
     p.add_argument("--gc", action="store_true", help="keep the garbage collector enabled while timing")
     p.add_argument("--seed", type=int, default=0)
     p.add_argument("--tmp", default=None, help="directory for DCP checkpoints (default: system temp)")
@@ -388,6 +395,7 @@ def new_results(args: argparse.Namespace, backends: dict[str, Any], methods: lis
             "dsd_set_max_groups": args.dsd_set_max_groups or None,
             "budget_s": args.budget,
             "state_init": args.state_init,
+            "names": getattr(args, "names", "bench"),
             "gc": args.gc,
             "seed": args.seed,
             "methods": [m.id for m in methods],
@@ -416,6 +424,7 @@ def run_bench(
         no_state_fraction=args.no_state_fraction,
         state_init=args.state_init,
         seed=args.seed,
+        names=getattr(args, "names", "bench"),
     )
     sync = functools.partial(synchronize, args.device)
     probe = FixtureCache(device=args.device).get(Scale(2, 4), "layer")
@@ -551,7 +560,10 @@ def header_lines(results: dict[str, Any], out_dir: str, source: str | None = Non
         RULE,
         f"sparse_ckpt bench: {mode}",
         f"command   {results['command']}",
-        f"machine   {m['cpu_model']}, {m['cores']} cores ({m.get('torch_threads', '?')} torch threads); {m['platform']}",
+        (
+            f"machine   {m['cpu_model']}, {m['cores']} cores ({m.get('torch_threads', '?')} torch threads); "
+            f"{m['platform']}"
+        ),
         f"software  python {m['python']}, torch {m['torch']}, sparse_ckpt {m['sparse_ckpt']}",
         f"backends  {backends}; default {m['default_backend']}",
         f"device    {device}",

@@ -52,7 +52,10 @@ def dcp_table(res: dict[str, Any]) -> str:
     """Fixtures × layouts: save / load medians, the ratios to the floor and to the faster of per_tensor /
     buffers, items and bytes on disk."""
     lines = [
-        "| fixture | layout | save | load | × floor (save / load) | × faster of per_tensor, buffers | items | on disk |",
+        (
+            "| fixture | layout | save | load | × floor (save / load) | × faster of per_tensor, buffers "
+            "| items | on disk |"
+        ),
         "| --- | --- | --- | --- | --- | --- | --- | --- |",
     ]
     for run in res["runs"]:

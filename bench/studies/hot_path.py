@@ -11,6 +11,12 @@ per-round ratios save / floor and load / floor (the figures the targets are stat
 
     python -m bench.hot_path --rounds 21
 
+``--names deepseek`` builds the same parameters under DeepSeek-V3's module names, one module deeper
+(``model.layers.0.mlp.experts.5.gate_proj.weight``, ``model.layers.0.self_attn.q_proj.weight``), and
+``--state-init step`` gets the state from one real AdamW step instead of filling it:
+
+    python -m bench.hot_path --rounds 21 --names deepseek --state-init step
+
 ``--checks`` times each phase and check of a save and a load on its own (the functions below,
 wrapped with a timer; min and median over ``--rounds`` calls), the per-call cost of each check;
 ``--profile save|load`` prints the cProfile of one call instead (sorted by ``--sort``, default
@@ -40,7 +46,7 @@ from typing import Any
 import sparse_ckpt as sc
 
 from .. import provenance
-from ..suite.fixtures import FixtureCache, gc_paused, parse_scales
+from ..suite.fixtures import NAME_STYLES, STATE_INITS, FixtureCache, gc_paused, parse_scales
 
 METHODS = ("floor", "save", "load")
 
@@ -56,7 +62,8 @@ def _calls(fx: Any) -> dict[str, tuple[Callable[[Any], Any], Callable[[], Any] |
 
 def _fixture(args: argparse.Namespace) -> Any:
     (scale,) = parse_scales(args.scale)
-    return FixtureCache(seed=args.seed).get(scale, args.layout)
+    names, state_init = getattr(args, "names", "bench"), getattr(args, "state_init", "fill")
+    return FixtureCache(seed=args.seed, names=names, state_init=state_init).get(scale, args.layout)
 
 
 def alternated(fx: Any, rounds: int) -> dict[str, Any]:
@@ -91,11 +98,13 @@ def _print_alternated(res: dict[str, Any]) -> None:
         for m in METHODS:
             s = res[kind][m]
             print(
-                f"{kind:4} {m:5}: median {1e3 * statistics.median(s):7.1f} ms  ({1e3 * min(s):.1f}-{1e3 * max(s):.1f}, n={len(s)})"
+                f"{kind:4} {m:5}: median {1e3 * statistics.median(s):7.1f} ms  "
+                f"({1e3 * min(s):.1f}-{1e3 * max(s):.1f}, n={len(s)})"
             )
     for kind in ("wall", "cpu"):
         print(
-            f"median per-round ratio ({kind}): save {res[f'save/floor {kind}']:.3f}x / load {res[f'load/floor {kind}']:.3f}x the floor"
+            f"median per-round ratio ({kind}): save {res[f'save/floor {kind}']:.3f}x / load "
+            f"{res[f'load/floor {kind}']:.3f}x the floor"
         )
 
 
@@ -111,6 +120,8 @@ def _write(res: dict[str, Any], args: argparse.Namespace, argv: Sequence[str] | 
         "command": cmd,
         "scale": args.scale,
         "layout": args.layout,
+        "names": args.names,
+        "state_init": args.state_init,
         "rounds": args.rounds,
         "torch": torch.__version__,
         "python": platform.python_version(),
@@ -260,7 +271,8 @@ def _print_checks(res: dict[str, dict[str, list[float]]], rounds: int) -> None:
             per_call = [sum(samples[r * n : (r + 1) * n]) for r in range(rounds)]
             med = statistics.median(per_call)
             print(
-                f"  {name:55} {n}x/call  median {1e3 * med:7.2f} ms  min {1e3 * min(per_call):7.2f} ms  ({100 * med / whole:4.1f}%)"
+                f"  {name:55} {n}x/call  median {1e3 * med:7.2f} ms  min {1e3 * min(per_call):7.2f} ms  "
+                f"({100 * med / whole:4.1f}%)"
             )
 
 
@@ -300,6 +312,7 @@ def instructions(args: argparse.Namespace) -> dict[str, int]:
             cmd = [
                 "valgrind", "--tool=callgrind", f"--callgrind-out-file={tmp}/cg.%p",
                 sys.executable, "-m", "bench.hot_path", "--scale", args.scale, "--layout", args.layout,
+                "--names", args.names, "--state-init", args.state_init,
                 "--seed", str(args.seed), "--one-call", method, "--marker", _marker(tmp),
             ]  # fmt: skip
             subprocess.run(cmd, check=True, env=env, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
@@ -321,6 +334,8 @@ def main(argv: Sequence[str] | None = None) -> None:
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("--scale", default="61x256")
     p.add_argument("--layout", default="param", choices=("param", "layer"))
+    p.add_argument("--names", default="bench", choices=tuple(NAME_STYLES), help="module names (fixtures.NAME_STYLES)")
+    p.add_argument("--state-init", default="fill", choices=STATE_INITS, help="fill the state, or one real step")
     p.add_argument("--seed", type=int, default=0)
     p.add_argument("--rounds", type=int, default=21)
     p.add_argument("--profile", choices=METHODS)

@@ -49,6 +49,39 @@ STATE_INITS = ("fill", "step")
 DENSE_NAMES = ("attn.q_proj", "attn.k_proj", "attn.v_proj", "attn.o_proj", "mlp.router", "input_norm", "post_attn_norm")
 EXPERT_NAMES = ("gate_proj", "up_proj", "down_proj")
 NORM_NAMES = ("input_norm", "post_attn_norm")
+
+
+@dataclass(frozen=True)
+class NameStyle:
+    """The module names of a fixture's model: what a layer calls its attention, router and norms, and
+    the module the ``layers`` list sits in (``root``, empty: the model itself)."""
+
+    attn: str
+    router: str
+    input_norm: str
+    post_attn_norm: str
+    root: str = ""
+
+    @property
+    def dense(self) -> tuple[str, ...]:
+        """Each layer's dense parameters' module paths, in registration order (``DENSE_NAMES``' order)."""
+        attn = tuple(f"{self.attn}.{p}" for p in ATTENTION_PROJECTIONS)
+        return (*attn, f"mlp.{self.router}", self.input_norm, self.post_attn_norm)
+
+    @property
+    def norms(self) -> tuple[str, str]:
+        """The two norms' module names (no weight decay in the ``param`` layout)."""
+        return (self.input_norm, self.post_attn_norm)
+
+
+NAME_STYLES: dict[str, NameStyle] = {
+    "bench": NameStyle("attn", "router", "input_norm", "post_attn_norm"),
+    "deepseek": NameStyle("self_attn", "gate", "input_layernorm", "post_attention_layernorm", root="model"),
+}
+"""``bench``: the bench's short names (``layers.0.attn.q_proj.weight``); ``deepseek``: DeepSeek-V3's in
+Hugging Face, one module deeper and longer (``model.layers.0.self_attn.q_proj.weight``,
+``model.layers.0.mlp.gate.weight``, ``model.layers.0.post_attention_layernorm.weight``); the same
+parameters, shapes and order either way."""
 ADAMW_KWARGS: dict[str, Any] = {"lr": 3e-4, "betas": (0.9, 0.95), "weight_decay": 0.1, "foreach": False}
 """AdamW settings of every group (``foreach=False``: the single-tensor path, fine for tiny tensors)."""
 NORM_OVERRIDES: dict[str, Any] = {"weight_decay": 0.0}
@@ -144,38 +177,70 @@ class MoEMlp(nn.Module):
     """``router`` plus ``experts``."""
 
     def __init__(
-        self, experts: int, shape: tuple[int, ...], router_shape: tuple[int, ...], device: torch.device
+        self,
+        experts: int,
+        shape: tuple[int, ...],
+        router_shape: tuple[int, ...],
+        device: torch.device,
+        router: str = "router",
     ) -> None:
         super().__init__()
-        self.router = Weight(router_shape, device)
+        self.add_module(router, Weight(router_shape, device))
         self.experts = nn.ModuleList(Projections(EXPERT_PROJECTIONS, shape, device) for _ in range(experts))
 
 
 class Layer(nn.Module):
-    """One decoder layer: norms, attention and the MoE MLP."""
+    """One decoder layer: norms, attention and the MoE MLP (module names from ``style``)."""
 
-    def __init__(self, experts: int, hidden: int, device: torch.device) -> None:
+    def __init__(
+        self, experts: int, hidden: int, device: torch.device, style: NameStyle = NAME_STYLES["bench"]
+    ) -> None:
         super().__init__()
         weight = (hidden, hidden) if hidden else (2,)
         norm = (hidden,) if hidden else (2,)
         router = (experts, hidden) if hidden else (2,)
-        self.input_norm = Weight(norm, device)
-        self.attn = Projections(ATTENTION_PROJECTIONS, weight, device)
-        self.post_attn_norm = Weight(norm, device)
-        self.mlp = MoEMlp(experts, weight, router, device)
+        self.style = style
+        self.add_module(style.input_norm, Weight(norm, device))
+        self.add_module(style.attn, Projections(ATTENTION_PROJECTIONS, weight, device))
+        self.add_module(style.post_attn_norm, Weight(norm, device))
+        self.mlp = MoEMlp(experts, weight, router, device, style.router)
 
 
 class MoEModel(nn.Module):
     """``layers.{l}`` decoder layers (parameters only; there is no forward), with ``embed=(V, D)`` also
-    ``embed_tokens`` before and ``lm_head`` after them, ``(V, D)`` weights."""
+    ``embed_tokens`` before and ``lm_head`` after them, ``(V, D)`` weights. A ``style`` with a ``root``
+    puts the embedding and the layers one module down (``model.layers.{l}``, as Hugging Face does);
+    :meth:`decoder_layers` is the layer list either way."""
 
-    def __init__(self, scale: Scale, hidden: int, device: torch.device, embed: tuple[int, int] | None = None) -> None:
+    def __init__(
+        self,
+        scale: Scale,
+        hidden: int,
+        device: torch.device,
+        embed: tuple[int, int] | None = None,
+        style: NameStyle = NAME_STYLES["bench"],
+    ) -> None:
         super().__init__()
+        self.root = style.root
+        body: nn.Module = self
+        if style.root:
+            body = nn.Module()
+            self.add_module(style.root, body)
         if embed is not None:
-            self.embed_tokens = Weight(embed, device)
-        self.layers = nn.ModuleList(Layer(scale.experts, hidden, device) for _ in range(scale.layers))
+            body.add_module("embed_tokens", Weight(embed, device))
+        body.add_module(
+            "layers", nn.ModuleList(Layer(scale.experts, hidden, device, style) for _ in range(scale.layers))
+        )
         if embed is not None:
             self.lm_head = Weight(embed, device)
+
+    def body(self) -> nn.Module:
+        """The module holding ``layers`` and ``embed_tokens``: the model, or its ``root`` module."""
+        return self.get_submodule(self.root)
+
+    def decoder_layers(self) -> nn.ModuleList:
+        """The decoder layers (``layers``, under ``style.root`` where there is one)."""
+        return self.body().get_submodule("layers")
 
 
 EMBED_NAMES = ("embed_tokens", "lm_head")
@@ -184,7 +249,8 @@ EMBED_NAMES = ("embed_tokens", "lm_head")
 
 def embed_params(model: MoEModel) -> list[nn.Parameter]:
     """``embed_tokens.weight`` and ``lm_head.weight`` where the model has them (else none)."""
-    return [getattr(model, name).weight for name in EMBED_NAMES if hasattr(model, name)]
+    mods = (getattr(model.body(), "embed_tokens", None), getattr(model, "lm_head", None))
+    return [m.weight for m in mods if m is not None]
 
 
 @dataclass(frozen=True)
@@ -220,7 +286,7 @@ def parse_fixture_specs(text: str) -> list[FixtureSpec]:
 
 def layer_params(layer: Layer) -> Iterator[tuple[str, nn.Parameter, bool]]:
     """``(local name, param, is_expert)`` of one layer, dense first, in a fixed order."""
-    for name in DENSE_NAMES:
+    for name in layer.style.dense:
         mod: Any = layer
         for part in name.split("."):
             mod = getattr(mod, part)
@@ -279,13 +345,13 @@ def group_specs(model: MoEModel, layout: str) -> list[dict[str, Any]]:
     if layout not in LAYOUTS:
         raise ValueError(f"layout must be one of {LAYOUTS}, got {layout!r}")
     specs: list[dict[str, Any]] = [{"params": [p]} for p in embed_params(model)]  # one group each
-    for layer in model.layers:
+    for layer in model.decoder_layers():
         if layout == "layer":
             specs.append({"params": [p for _n, p, _e in layer_params(layer)]})
         else:
             for name, p, _e in layer_params(layer):
                 spec: dict[str, Any] = {"params": [p]}
-                if name in NORM_NAMES:
+                if name in layer.style.norms:
                     spec.update(NORM_OVERRIDES)
                 specs.append(spec)
     return specs
@@ -297,7 +363,7 @@ def stateful_params(model: MoEModel, no_state_fraction: float, seed: int) -> lis
         raise ValueError(f"no_state_fraction must be in [0, 1], got {no_state_fraction}")
     rng = random.Random(seed)
     out: list[nn.Parameter] = embed_params(model)
-    for layer in model.layers:
+    for layer in model.decoder_layers():
         n = len(layer.mlp.experts)
         idle = set(rng.sample(range(n), round(n * no_state_fraction)))
         for name, p, is_expert in layer_params(layer):
@@ -348,7 +414,8 @@ def step_state(opt: torch.optim.Optimizer, stateful: list[nn.Parameter]) -> None
 
 
 class FixtureCache:
-    """Build each ``(scale, layout)`` fixture once per run (one model per scale)."""
+    """Build each ``(scale, layout)`` fixture once per run (one model per scale); ``names``: the
+    model's module names (:data:`NAME_STYLES`)."""
 
     def __init__(
         self,
@@ -359,9 +426,13 @@ class FixtureCache:
         state_init: str = "fill",
         seed: int = 0,
         embed: tuple[int, int] | None = None,
+        names: str = "bench",
     ) -> None:
         if state_init not in STATE_INITS:
             raise ValueError(f"state_init must be one of {STATE_INITS}, got {state_init!r}")
+        if names not in NAME_STYLES:
+            raise ValueError(f"names must be one of {tuple(NAME_STYLES)}, got {names!r}")
+        self.names = names
         self.hidden = hidden
         self.device = torch.device(device)
         self.no_state_fraction = no_state_fraction
@@ -393,7 +464,7 @@ class FixtureCache:
         t0 = time.perf_counter()
         with gc_paused():
             if scale not in self._models:
-                model = MoEModel(scale, self.hidden, self.device, self.embed)
+                model = MoEModel(scale, self.hidden, self.device, self.embed, NAME_STYLES[self.names])
                 self._models[scale] = (model, stateful_params(model, self.no_state_fraction, self.seed))
             model, stateful = self._models[scale]
             specs = group_specs(model, layout)
