@@ -55,7 +55,7 @@ FAILED=0
 COUNT="$("$PY" - "$DEVICE" <<'PY' 2>"$OUT/device.err"
 import sys
 sys.path.insert(0, ".")
-from bench.devices import DeviceUnavailable, device_count
+from bench.suite.devices import DeviceUnavailable, device_count
 try:
     n = device_count(sys.argv[1])
 except DeviceUnavailable as exc:
@@ -82,7 +82,7 @@ if torch.cuda.is_available():
         print(f"gpu {i}     {p.name}, {p.total_memory / 2**30:.0f} GiB, capability {p.major}.{p.minor}")
 import sys
 sys.path.insert(0, ".")
-from bench.devices import device_name, npu_registered
+from bench.suite.devices import device_name, npu_registered
 if npu_registered() or sys.argv[1:] == ["npu"]:
     try:
         print(f"npu       {device_name('npu')}")

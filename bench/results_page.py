@@ -3,7 +3,10 @@
 ``python -m bench.results_page`` (in a checkout; needs matplotlib for the plots) re-renders every
 table of docs/results.md between its ``<!-- results_page: NAME -->`` and ``<!-- /results_page -->``
 markers, and writes the plots to docs/img/. ``--check`` renders the tables only and exits 1 when
-the page differs from what the JSON gives (``tests/benchmark/test_results_page.py`` runs it).
+the page differs from what the JSON gives, or when a JSON file it reads is not current: it lacks the
+provenance every bench records (commit, date, machine, load) or predates the package's default state
+layout, a format version or ``BENCH_INPUTS_VERSION`` (`bench.provenance`; bench/README.md,
+"Refreshing the results"). ``bash bench/refresh_results.sh`` re-measures them all.
 Nothing is measured here: every number comes from a file in bench/results/, which names how it was
 measured; each plot names that file, the command that made it and the machine.
 """
@@ -18,6 +21,8 @@ from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
+from . import provenance
+
 ROOT = Path(__file__).resolve().parents[1]
 RESULTS = ROOT / "bench" / "results"
 PAGE = ROOT / "docs" / "results.md"
@@ -31,8 +36,22 @@ NAIVE_SCALES = ("24x128", "61x256")
 METADATA_RANKS = (8, 64, 256, 1024)
 """The rank counts the `.metadata` table shows (the plot has every one measured)."""
 
+SOURCES = (
+    "hot_path.json",
+    "dsd_trainer.json",
+    "veomni_checkpointer.json",
+    "results.json",
+    "scale_dcp.json",
+    "scale_dcp_spread.json",
+    "scale_metadata.json",
+    "titan_compare.json",
+)
+"""The JSON files of bench/results/ the page's tables and plots read (bench/refresh_results.sh makes each)."""
+REFRESH = "bash bench/refresh_results.sh"
+
 MACHINES = {
-    # where a JSON file does not record the machine, bench/README.md's account of the run does
+    # where a JSON file measured before provenance was recorded does not name the machine,
+    # bench/README.md's account of the run does
     "dsd_trainer.json": None,  # recorded in the file
     "titan_compare.json": "shared 2-core CPU VM, load average ~3-6",
     "veomni_checkpointer.json": "2-core CPU VM, load average ~2",
@@ -52,6 +71,15 @@ def load(name: str, results: Path = RESULTS) -> dict[str, Any]:
 
 def machine(name: str, data: dict[str, Any]) -> str:
     """The machine a JSON file was measured on, in words."""
+    prov = data.get("provenance")
+    if isinstance(prov, dict) and "machine" in prov:
+        m, load_avg = prov["machine"], prov["load_average"]
+        loads = [x[0] for x in (load_avg.get("before"), load_avg.get("after")) if x]
+        return (
+            f"{m['cpu']}, {m['cores']} cores, torch {m['torch']}"
+            + (f", load average {min(loads):.1f}-{max(loads):.1f}" if loads else "")
+            + f", commit {prov['commit']}, {prov['date'][:10]}"
+        )
     if name == "dsd_trainer.json":
         m = data["machine"]
         return f"{m['cpu']}, {m['cores']} cores, torch {m['torch']}, load average up to {max(m['load_average']):.1f}"
@@ -65,6 +93,18 @@ def machine(name: str, data: dict[str, Any]) -> str:
         return f"{m['cpu_model']}, {m['cores']} cores, torch {m['torch']}"
     torch_version = data.get("torch")
     return MACHINES[name] + (f", torch {torch_version}" if torch_version else "")
+
+
+def stale(results: Path = RESULTS) -> list[str]:
+    """Why the JSON files the page reads are not current (`bench.provenance.problems`), one line each; [] if all are."""
+    out = []
+    for name in SOURCES:
+        path = results / name
+        if not path.is_file():
+            out.append(f"{name}: missing from {results}; rerun: {REFRESH} {name}")
+            continue
+        out += provenance.problems(name, load(name, results), f"{REFRESH} {name}")
+    return out
 
 
 def _n(x: float) -> str:
@@ -153,7 +193,8 @@ def stock_table(results: Path = RESULTS) -> str:
             load_cell += f" (stock: {r['note']})"
         out.append(
             f"| {r['what']} ([{r['source']}](../bench/results/{r['source']})) | {_n(si)} -> {_n(oi)} "
-            f"({_x(si, oi)}) | {_mb(sb)} -> {_mb(ob)} ({_x(sb, ob)}) | {_t(ss)} -> {_t(os_)} ({_x(ss, os_)}) | {load_cell} |"
+            f"({_x(si, oi)}) | {_mb(sb)} -> {_mb(ob)} ({_x(sb, ob)}) | {_t(ss)} -> {_t(os_)} ({_x(ss, os_)}) | "
+            f"{load_cell} |"
         )
     return "\n".join(out)
 
@@ -163,7 +204,10 @@ def naive_table(results: Path = RESULTS) -> str:
     from the main bench's committed run, where both were measured."""
     data = load("results.json", results)
     out = [
-        "| fixture (results.json) | plain DCP: items, bytes, save / load | SparseOptimizerState: items, bytes, save / load |",
+        (
+            "| fixture (results.json) | plain DCP: items, bytes, save / load "
+            "| SparseOptimizerState: items, bytes, save / load |"
+        ),
         "| --- | --- | --- |",
     ]
     for run in data["runs"]:
@@ -178,7 +222,8 @@ def naive_table(results: Path = RESULTS) -> str:
         out.append(
             f"| `{run['scale']}`, {_n(run['n_params'])} parameters, {groups} | {_n(naive_s['items'])}, "
             f"{naive_s['bytes'] / MIB:.1f} MiB, {_t(naive_s['median_s'])} / {_t(naive_l['median_s'])} | "
-            f"{_n(ours_s['items'])}, {ours_s['bytes'] / MIB:.1f} MiB, {_t(ours_s['median_s'])} / {_t(ours_l['median_s'])} |"
+            f"{_n(ours_s['items'])}, {ours_s['bytes'] / MIB:.1f} MiB, {_t(ours_s['median_s'])} / "
+            f"{_t(ours_l['median_s'])} |"
         )
     return "\n".join(out)
 
@@ -468,16 +513,20 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--page", type=Path, default=PAGE, help="the page whose marked tables are re-rendered")
     parser.add_argument("--img", type=Path, default=IMG, help="where the plots go (default: docs/img/)")
     parser.add_argument(
-        "--check", action="store_true", help="tables only: exit 1 if the page is not what the JSON gives"
+        "--check",
+        action="store_true",
+        help="tables only: exit 1 if the page is not what the JSON gives or a JSON file is not current",
     )
     args = parser.parse_args(argv)
     text = args.page.read_text(encoding="utf-8")
     rendered = render_page(text, args.results)
     if args.check:
+        problems = stale(args.results)
+        for line in problems:
+            print(f"not current: {line}", file=sys.stderr)
         if rendered != text:
             print(f"{args.page} is out of date with {args.results}: run {COMMAND}", file=sys.stderr)
-            return 1
-        return 0
+        return 1 if problems or rendered != text else 0
     if rendered != text:
         args.page.write_text(rendered, encoding="utf-8")
     print(f"wrote {args.page}")

@@ -37,10 +37,12 @@ import torch
 
 import sparse_ckpt
 
-from . import report, report_markdown
-from .devices import DeviceUnavailable, check_device, device_name, synchronize
-from .fixtures import LAYOUTS, STATE_INITS, FixtureCache, Scale, gc_paused, parse_scales
-from .measure import (
+from . import provenance
+from .provenance import cpu_model
+from .suite import report, report_markdown
+from .suite.devices import DeviceUnavailable, check_device, device_name, synchronize
+from .suite.fixtures import LAYOUTS, NAME_STYLES, STATE_INITS, FixtureCache, Scale, gc_paused, parse_scales
+from .suite.measure import (
     FixtureContext,
     backend_modules,
     dcp_stats,
@@ -50,10 +52,10 @@ from .measure import (
     silence_known_warnings,
     use_backend,
 )
-from .methods import EXPORT_SAVE, Method, plan_methods
-from .timing import time_method
-from .units import fmt_time
-from .verdicts import targets_mode
+from .suite.methods import EXPORT_SAVE, Method, plan_methods
+from .suite.timing import time_method
+from .suite.units import fmt_time
+from .suite.verdicts import targets_mode
 
 DEFAULT_SCALES = "8x64,24x128,61x256,120x512,200x1024"
 QUICK_SCALES = "2x8,4x16"
@@ -90,18 +92,6 @@ def default_prog() -> str:
         rel = os.path.relpath(__file__)
         return f"python {__file__ if rel.startswith('..') else rel}"
     return f"python -m {__package__}"
-
-
-def cpu_model() -> str:
-    """The CPU's model name (``/proc/cpuinfo`` on Linux, else ``platform``)."""
-    try:
-        with open("/proc/cpuinfo", encoding="utf-8") as f:
-            for line in f:
-                if line.lower().startswith("model name"):
-                    return line.split(":", 1)[1].strip()
-    except OSError:
-        pass
-    return platform.processor() or platform.machine()
 
 
 def machine_info(device: str, backends: dict[str, Any]) -> dict[str, Any]:
@@ -293,6 +283,13 @@ def parse_args(argv: Sequence[str] | None, prog: str | None = None) -> argparse.
         help="only methods whose id starts with one of these comma prefixes "
         "(e.g. sparse/,floor/); the others are recorded as skipped",
     )
+    p.add_argument(
+        "--names",
+        choices=tuple(NAME_STYLES),
+        default="bench",
+        help="module names: bench (layers.0.attn.q_proj.weight, default) or deepseek (DeepSeek-V3's, one "
+        "module deeper: model.layers.0.self_attn.q_proj.weight)",
+    )
     p.add_argument("--gc", action="store_true", help="keep the garbage collector enabled while timing")
     p.add_argument("--seed", type=int, default=0)
     p.add_argument("--tmp", default=None, help="directory for DCP checkpoints (default: system temp)")
@@ -398,6 +395,7 @@ def new_results(args: argparse.Namespace, backends: dict[str, Any], methods: lis
             "dsd_set_max_groups": args.dsd_set_max_groups or None,
             "budget_s": args.budget,
             "state_init": args.state_init,
+            "names": getattr(args, "names", "bench"),
             "gc": args.gc,
             "seed": args.seed,
             "methods": [m.id for m in methods],
@@ -426,6 +424,7 @@ def run_bench(
         no_state_fraction=args.no_state_fraction,
         state_init=args.state_init,
         seed=args.seed,
+        names=getattr(args, "names", "bench"),
     )
     sync = functools.partial(synchronize, args.device)
     probe = FixtureCache(device=args.device).get(Scale(2, 4), "layer")
@@ -561,7 +560,10 @@ def header_lines(results: dict[str, Any], out_dir: str, source: str | None = Non
         RULE,
         f"sparse_ckpt bench: {mode}",
         f"command   {results['command']}",
-        f"machine   {m['cpu_model']}, {m['cores']} cores ({m.get('torch_threads', '?')} torch threads); {m['platform']}",
+        (
+            f"machine   {m['cpu_model']}, {m['cores']} cores ({m.get('torch_threads', '?')} torch threads); "
+            f"{m['platform']}"
+        ),
         f"software  python {m['python']}, torch {m['torch']}, sparse_ckpt {m['sparse_ckpt']}",
         f"backends  {backends}; default {m['default_backend']}",
         f"device    {device}",
@@ -648,6 +650,7 @@ def main(argv: Sequence[str] | None = None, prog: str | None = None) -> int:
     partial = os.path.join(args.out, "results.partial.json")
     results = run_bench(args, partial, results)
     results["elapsed_s"] = time.perf_counter() - t0
+    results["provenance"] = provenance.record()
     paths = report.write_all(results, args.out)
     if os.path.exists(partial):
         os.remove(partial)

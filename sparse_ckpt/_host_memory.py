@@ -32,8 +32,11 @@ Where the accelerator has no pinned allocator the buffer is an ordinary one.
 from __future__ import annotations
 
 import ctypes
+import math
 import mmap
 import os
+import threading
+import weakref
 from typing import Any
 
 import torch
@@ -42,6 +45,8 @@ __all__ = [
     "HUGE_PAGES_ENV",
     "HUGE_PAGE_BYTES",
     "PINNED_STAGING_ENV",
+    "POOLED_MIN_BYTES",
+    "HostPool",
     "empty_host",
     "huge_pages_wanted",
     "pinned_staging_wanted",
@@ -124,3 +129,103 @@ def empty_host(size: tuple[int, ...] | int, dtype: torch.dtype) -> torch.Tensor:
         if end > start:
             _MADVISE(start, end - start, _MADV_HUGEPAGE)  # advice only: a refusal changes nothing
     return out
+
+
+class HostPool:
+    """Host buffers reused from one ``dcp.async_save`` to the next (one pool per
+    `sparse_ckpt.SparseOptimizerState` or `sparse_ckpt.MultiOptimizer`; nothing global).
+
+    A capture for ``dcp.async_save`` copies the state into host buffers before the call returns
+    (the buckets, and the stager's copy of every other large tensor). A new buffer pays a page
+    fault per page on its first write; a buffer of the previous save, already mapped, does not.
+    :meth:`take` hands out a distinct tensor object that aliases a pooled buffer (``Tensor.set_``,
+    not a view, so a view DCP derives from it keeps it alive) and keeps only a weak reference to
+    it: the buffer is reused once that object is gone, that is once DCP dropped the staged dict
+    after writing it. A buffer still referenced (a save in flight) is never handed out again; a
+    new one is allocated instead. :meth:`begin` (at each capture) drops the free buffers the
+    previous capture did not use, so the pool holds at most the buffers of the last capture and
+    of the saves still in flight: the host memory of one staged copy of the state stays
+    allocated between saves (docs/dcp.md)."""
+
+    def __init__(self) -> None:
+        self._free: dict[tuple[torch.dtype, int], list[_Pooled]] = {}
+        self._lock = threading.Lock()
+        self._round = 0
+        self.allocated = 0
+        """How many buffers this pool allocated (a count the tests and the benchmark read)."""
+
+    def __reduce__(self) -> tuple[type[HostPool], tuple[()]]:
+        """A copy or a pickle of its owner gets an empty pool (buffers are not state)."""
+        return (HostPool, ())
+
+    def __len__(self) -> int:
+        """How many buffers the pool holds (free or handed out)."""
+        with self._lock:
+            return sum(len(entries) for entries in self._free.values())
+
+    def begin(self) -> None:
+        """Start a capture: forget the free buffers the previous capture took none of."""
+        with self._lock:
+            self._round += 1
+            for key, entries in list(self._free.items()):
+                kept = [e for e in entries if e.round >= self._round - 1 or not e.free()]
+                if kept:
+                    self._free[key] = kept
+                else:
+                    del self._free[key]
+
+    def take(self, shape: tuple[int, ...], dtype: torch.dtype) -> torch.Tensor:
+        """A CPU tensor of ``shape`` and ``dtype`` (contents undefined) in a pooled buffer nobody
+        else references, or in a new :func:`empty_host` buffer added to the pool."""
+        numel = math.prod(shape)
+        with self._lock:
+            entries = self._free.setdefault((dtype, numel), [])
+            entry = next((e for e in entries if e.free()), None)
+            if entry is None:
+                entry = _Pooled(empty_host(numel, dtype))
+                entries.append(entry)
+                self.allocated += 1
+            out = torch.empty(0, dtype=dtype).set_(entry.base.untyped_storage(), 0, shape)
+            entry.held = weakref.ref(out)
+            entry.round = self._round
+        return out
+
+    def snapshot(self, t: torch.Tensor) -> torch.Tensor | None:
+        """A copy of ``t`` in a pooled buffer (:meth:`take`), for a plain contiguous CPU tensor
+        without autograd that holds all of its storage and has at least :data:`POOLED_MIN_BYTES`;
+        else ``None`` (the caller copies it the usual way)."""
+        if (
+            type(t) is not torch.Tensor
+            or t.device.type != "cpu"
+            or t.requires_grad
+            or t.layout is not torch.strided
+            or not t.is_contiguous()
+            or t.storage_offset() != 0
+        ):
+            return None
+        nbytes = t.numel() * t.element_size()
+        if nbytes < POOLED_MIN_BYTES or t.untyped_storage().nbytes() != nbytes:
+            return None
+        out = self.take(tuple(t.shape), t.dtype)
+        out.copy_(t)
+        return out
+
+
+POOLED_MIN_BYTES = 64 << 10
+"""Tensors smaller than this are copied the usual way by ``dcp.async_save``'s stager (a pool
+lookup would cost more than their page faults)."""
+
+
+class _Pooled:
+    """A pooled buffer and a weak reference to the tensor last handed out over it."""
+
+    __slots__ = ("base", "held", "round")
+
+    def __init__(self, base: torch.Tensor) -> None:
+        self.base = base
+        self.held: weakref.ref[torch.Tensor] | None = None
+        self.round = 0
+
+    def free(self) -> bool:
+        """Whether nothing handed out over the buffer is alive."""
+        return self.held is None or self.held() is None

@@ -1,7 +1,7 @@
 """Run a function on N Gloo ranks in real processes (multi-rank tests).
 
 ``run_ranks(fn, world_size, *args)`` runs ``fn(rank, world_size, *args)`` on ``world_size`` Gloo
-ranks through the drill's launcher (``bench/ranks.py``: ranks forked from a fork server that never
+ranks through the drill's launcher (``bench/drills/ranks.py``: ranks forked from a fork server that never
 touched a device, or spawned; never forked from the test process, which crashes on GPU machines)
 and always destroys the process group. ``fn`` must be a module-level function. A worker's exception
 fails the parent test with the worker's traceback; the other ranks are terminated. The workers use
@@ -41,8 +41,8 @@ from torch.distributed.fsdp import fully_shard
 from torch.distributed.tensor import DTensor
 
 import sparse_ckpt as sc
-from bench import ranks
-from bench.ranks import free_port
+from bench.drills import ranks
+from bench.drills.ranks import free_port
 from sparse_ckpt._leaves import named_leaves
 
 MULTI_RANK = [

@@ -8,7 +8,7 @@ Folders and modules whose tests would only repeat the same run override it (test
 
 ``forbid_fork`` (used by the modules that start ranks) makes ``os.fork`` raise in the test process:
 ranks forked from a process that may have touched CUDA crash on GPU machines, so they must start
-from a fork server or by spawn (``bench/ranks.py``).
+from a fork server or by spawn (``bench/drills/ranks.py``).
 """
 
 from __future__ import annotations
@@ -30,7 +30,7 @@ def forbid_fork(monkeypatch):
 
     def refuse(*_args, **_kwargs):
         raise ForkForbidden(
-            "os.fork() in the test process: start ranks with forkserver or spawn (bench/ranks.py), "
+            "os.fork() in the test process: start ranks with forkserver or spawn (bench/drills/ranks.py), "
             "a forked rank cannot use CUDA once the parent has touched it"
         )
 

@@ -1,7 +1,8 @@
 """Small builders and deep-compare helpers shared by the test suite.
 
 * :func:`make_moe` -- a tiny MoE-like model (router, experts, dense layers), deterministic per seed;
-  :func:`moe_with_leaves` -- it with a three-leaf MultiOptimizer; :func:`route_top1` -- its routing.
+  :func:`moe_with_leaves` -- it with a three-leaf MultiOptimizer; :func:`route_top1` -- its routing;
+  :func:`experts_and_dense` -- it with a two-leaf MultiOptimizer (``experts``, ``dense``).
 * :class:`TwoLayerNet`, :class:`LayerNet` (+ :func:`layer_params`), :class:`TiedNet` -- small models;
   :func:`randomize` -- seeded values for every parameter of a module.
 * :func:`train` -- a few real optimizer steps, optionally with some parameters left without a grad.
@@ -19,6 +20,8 @@
 * :func:`clone_value` / :func:`clone_state_dict` -- deep copies with tensors cloned (for frozen
   "before" values and for what a storage round trip gives).
 * :func:`find_table_key` -- the one packed group-table key of a flat dict (of one leaf).
+* :func:`sparse_dcp_load` -- ``dcp.load`` of an optimizer through ``SparseOptimizerState`` and ``SparseLoadPlanner``.
+* :func:`small_bench_args` -- the bench's smallest quick run (its command-line arguments).
 * :func:`fqn_view` -- ``(fqn -> state, fqn -> settings)`` of optimizers, comparable across models
   (``groups=True``: ``[(settings, fqns)]`` per param group instead of ``fqn -> settings``).
 
@@ -124,6 +127,19 @@ def moe_with_leaves(seed: int) -> tuple[TinyMoE, sc.MultiOptimizer]:
         },
     )
     return model, opt
+
+
+def experts_and_dense(
+    model: TinyMoE,
+    experts: Callable[[Any], torch.optim.Optimizer],
+    dense: Callable[[Any], torch.optim.Optimizer] | None = None,
+) -> sc.MultiOptimizer:
+    """A MultiOptimizer of leaves ``experts`` (``experts(model.expert_params())``) and ``dense``
+    (``dense(model.dense_params())``; ``dense`` defaults to ``experts``)."""
+    make_dense = experts if dense is None else dense
+    return sc.MultiOptimizer(
+        model, {"experts": experts(model.expert_params()), "dense": make_dense(model.dense_params())}
+    )
 
 
 def randomize(module: nn.Module, seed: int, scale: float = 1.0) -> None:
@@ -665,3 +681,20 @@ def decoded_settings(model: nn.Module, sd: Mapping[str, Any]) -> dict[str, dict[
 def all_equal(items: Sequence[torch.Tensor]) -> bool:
     """Whether all tensors in ``items`` are exactly equal."""
     return all(torch.equal(items[0], t) for t in items[1:])
+
+
+def small_bench_args(budget: str) -> list[str]:
+    """The bench's arguments for its smallest quick run (scale 1x2, layout ``param``, one repeat, ``budget``
+    seconds a figure): what the bench tests and the installed wheel's bench test run."""
+    return ["--quick", "--scales", "1x2", "--layouts", "param", "--repeats", "1", "--budget", budget]
+
+
+def sparse_dcp_load(
+    path: Any, model: nn.Module, optimizer: Any, key: str = "optim", *, state: dict[str, Any] | None = None, **kw: Any
+) -> None:
+    """``dcp.load`` of ``{**state, key: sc.SparseOptimizerState(model, optimizer)}`` from ``path`` with
+    ``sc.SparseLoadPlanner()`` (``kw``: more of ``dcp.load``'s arguments, e.g. ``no_dist=True``)."""
+    import torch.distributed.checkpoint as dcp
+
+    items = {**(state or {}), key: sc.SparseOptimizerState(model, optimizer)}
+    dcp.load(items, checkpoint_id=path, planner=sc.SparseLoadPlanner(), **kw)

@@ -5,7 +5,8 @@
 accelerator a ``Trainer`` (or a subclass such as TRL's ``SFTTrainer``) creates, and builds the drill's
 optimizer and LambdaLR with ``create_optimizer``/``create_scheduler`` (Trainer's documented hooks).
 It imports nothing of sparse_ckpt: the launcher drill's training script, which must reach sparse_ckpt
-through the launcher alone, uses it as the test drills do.
+through the launcher alone, uses it as the test drills do. :func:`moe_trainer`: the drill MoE's
+``Trainer`` on :class:`Batches` (one optimizer step per epoch on 2 ranks).
 """
 
 from __future__ import annotations
@@ -49,3 +50,20 @@ def cpu_fsdp2(base: type, make_optimizer: Callable[[nn.Module], torch.optim.Opti
 
     CpuFsdp2.__name__ = CpuFsdp2.__qualname__ = f"CpuFsdp2{base.__name__}"
     return CpuFsdp2
+
+
+class Batches(torch.utils.data.Dataset):
+    """One optimizer step per epoch on 2 ranks (4 samples, 2 per rank)."""
+
+    def __len__(self) -> int:
+        return 4
+
+    def __getitem__(self, i: int) -> dict[str, torch.Tensor]:
+        x, y = dsd_moe.batch(0, i, n=1)
+        return {"x": x[0], "labels": y[0]}
+
+
+def moe_trainer(base: type, args: Any) -> Any:
+    """A ``base`` (``transformers.Trainer``) on a fresh drill MoE (seed 0) and :class:`Batches`, FSDP2 on CPU,
+    :func:`dsd_moe.optimizer` (AdamW, two groups) and LambdaLR: the HF ``Trainer`` drills' trainer."""
+    return cpu_fsdp2(base, dsd_moe.optimizer)(model=dsd_moe.model(0), args=args, train_dataset=Batches())

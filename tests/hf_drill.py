@@ -20,6 +20,20 @@ from helpers import assert_deep_equal
 
 STEPS = 5
 SAVE_AT = 3
+TRAINING_ARGS: dict[str, Any] = {
+    "max_steps": STEPS,
+    "save_strategy": "steps",
+    "save_steps": SAVE_AT,
+    "per_device_train_batch_size": 2,
+    "use_cpu": True,
+    "report_to": "none",
+    "seed": 0,
+    "disable_tqdm": True,
+    "logging_strategy": "no",
+    "dataloader_num_workers": 0,
+}
+"""The drills' ``TrainingArguments``/``SFTConfig`` settings but ``output_dir``: :data:`STEPS` steps, a
+checkpoint after step :data:`SAVE_AT`, 2 samples a rank, CPU, seeded, quiet."""
 
 
 def outcome(t: Any) -> dict[str, Any]:

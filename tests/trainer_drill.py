@@ -14,7 +14,10 @@ uninterrupted run:
 - :func:`save_reference` / :func:`load_reference`: the uninterrupted run's outcome across jobs;
 - :func:`assert_resumed`: the resumed run equals it bit for bit, 22 parameters with state, and
   every group's lr is the scheduler's;
-- :func:`doc_block`: the block of a trainer's page (docs/integrations/) a drill runs as written.
+- :func:`doc_block`: the block of a trainer's page (docs/integrations/) a drill runs as written;
+- :data:`MARKS`: the drill modules' ``pytestmark``.
+
+A drill module imports this one as ``drill`` (``drill.outcome``, ``drill.SAVE_AT``...).
 """
 
 from __future__ import annotations
@@ -23,6 +26,7 @@ from pathlib import Path
 from typing import Any
 
 import dsd_moe
+import pytest
 import torch
 import torch.distributed as dist
 from _dist import assert_snapshots_equal, cpu_mesh, full_snapshot
@@ -39,6 +43,12 @@ PAGES = ROOT / "docs" / "integrations"
 """The trainer pages; each drill names its own (``PAGES / "lightning.md"``)."""
 FRESH_LRS = [0.01, dsd_moe.VISION_LR]
 """The lrs of a fresh :func:`dsd_moe.optimizer` (what a failed resume leaves)."""
+MARKS = [
+    pytest.mark.slow,  # a trainer drill: the fast tier (-m 'not slow') leaves it out
+    pytest.mark.usefixtures("forbid_fork"),
+    pytest.mark.filterwarnings("ignore::UserWarning", "ignore::FutureWarning", "ignore::DeprecationWarning"),
+]
+"""Every trainer drill module's ``pytestmark`` (the HF ``Trainer`` drills' too): slow, no fork, trainers' warnings."""
 
 
 def parallelize(model: nn.Module, mesh: DeviceMesh) -> nn.Module:

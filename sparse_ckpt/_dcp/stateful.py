@@ -27,6 +27,7 @@ from .._format.keys import PLANNER_GUARD_KEY
 from .._format.tags import Keying
 from .._fqn import FqnMap, Model, validate_model
 from .._gc import gc_paused
+from .._host_memory import HostPool
 from .._layouts import DEFAULT_STATE_LAYOUT, StateLayout, check_state_layout
 from .._layouts.bucketed_load import BucketReader
 from .._load.load import load_owned
@@ -94,11 +95,17 @@ class SparseStateDict(OriginDict):
     `sparse_ckpt._dcp.origin.OriginDict` (its origin record included), the planner guard a plain tensor.
     """
 
-    __slots__ = ("fmap", "lost", "owner", "planned", "present", "reader", "unresolved")
+    __slots__ = ("fmap", "lost", "owner", "planned", "present", "reader", "snapshots", "unresolved")
 
-    def __init__(self, items: Mapping[str, Any], owner: SparseOptimizerState) -> None:
+    def __init__(
+        self, items: Mapping[str, Any], owner: SparseOptimizerState, snapshots: tuple[torch.Tensor, ...] | None = None
+    ) -> None:
         super().__init__(items, origin_here())
         self.owner = owner
+        self.snapshots = snapshots
+        """For a capture made for ``dcp.async_save``: the items that are already copies made for
+        this dict (its buckets), which a deep copy shares instead of copying them again
+        (`__deepcopy__`); ``None`` for any other dict."""
         self.planned = False
         self.unresolved: list[str] = []
         """Checkpoint state keys the planner skipped whose FQN it could not attribute to anyone."""
@@ -121,6 +128,24 @@ class SparseStateDict(OriginDict):
         if isinstance(guard, _PlannerGuard):
             out[PLANNER_GUARD_KEY] = guard.plain()
         return out
+
+    def __deepcopy__(self, memo: dict[int, Any]) -> dict[str, Any]:
+        """A plain ``dict`` of copies of the items (`copy`), as ``dcp.async_save``'s stager makes
+        before it returns. For a capture made for ``dcp.async_save`` (``snapshots``), the buckets it
+        already filled with copies of the state are shared, not copied a second time (no live tensor
+        aliases them, and nothing else holds them), and each CPU state tensor of at least 64 KiB is
+        copied into a buffer of the owner's pool, reused from save to save
+        (`sparse_ckpt._host_memory.HostPool.snapshot`): either way the copy holds the values as of
+        the save, whatever the optimizer does next."""
+        if self.snapshots is not None:
+            for t in self.snapshots:
+                memo.setdefault(id(t), t)
+            for v in self.values():
+                if isinstance(v, torch.Tensor) and id(v) not in memo:
+                    snap = self.owner.host_pool.snapshot(v)
+                    if snap is not None:
+                        memo[id(v)] = snap
+        return super().__deepcopy__(memo)
 
 
 def planned_load(state_dict: Mapping[str, Any], data: dict[str, Any], model: Model) -> dict[str, Any]:
@@ -183,6 +208,9 @@ class SparseOptimizerState:
         self.optimizer = optimizer
         self.format: Format = format
         self.strict = strict
+        self.host_pool = HostPool()
+        """The host buffers ``dcp.async_save`` captures of this state copy into, reused from save
+        to save (`sparse_ckpt._host_memory.HostPool`); released with this object."""
 
     def state_dict(self) -> SparseStateDict:
         """The sparse optimizer dict (see `sparse_ckpt.sparse_state_dict`), tagged for the planner.
@@ -220,14 +248,25 @@ class SparseOptimizerState:
         with this first, so a save that will be refused writes nothing."""
         refuse_rank0_only_save(self.optimizer)
         sd: dict[str, Any] = {PLANNER_GUARD_KEY: _PlannerGuard.make()}  # first: DCP plans keys in order
+        snapshots: list[torch.Tensor] = []
+        if staged:
+            self.host_pool.begin()
         if keying is not None:
             with gc_paused():
                 sd.update(
                     build_state_dict(
-                        self.model, self.optimizer, self.format, keying, self.state_layout, guards=True, staged=staged
+                        self.model,
+                        self.optimizer,
+                        self.format,
+                        keying,
+                        self.state_layout,
+                        guards=True,
+                        staged=staged,
+                        snapshots=snapshots if staged else None,
+                        pool=self.host_pool if staged else None,
                     )
                 )
-        return SparseStateDict(sd, self)
+        return SparseStateDict(sd, self, tuple(snapshots) if staged else None)
 
     def load_state_dict(self, state_dict: Mapping[str, Any]) -> None:
         """Restore from what DCP read (see `sparse_ckpt.load_sparse_state_dict`).

@@ -43,8 +43,9 @@ which runs far more often, and keeps the copies a save makes (and the host memor
 DCP writes) to the small tensors."""
 
 AUTO_ASYNC_OWN_ITEM_BYTES = 1 << 20
-"""The same inside ``dcp.async_save``, which stages (copies) the whole state dict before it returns:
-there a copy into a bucket is a second copy, and one item per tensor blocks the training loop
+"""The same inside ``dcp.async_save``, which stages (copies) the whole state dict before it returns
+(sharing the buckets, copies made for that save, instead of copying them again). Measured while
+the stager still copied the buckets a second time: one item per tensor blocked the training loop
 less than bucketing from 16-64 KiB on (``python -m bench.scale threshold --async``). 1 MiB keeps
 tensors that small bucketed all the same: each item of its own adds a chunk record per rank to
 the ``.metadata`` (what the buffers layout exists to bound)."""

@@ -19,7 +19,7 @@ import torch
 from torch.distributed.tensor import DTensor, Replicate, Shard
 
 from .._format.keys import BUFFERS_PREFIX, STATE_PREFIX, buffer_tag, escape_part, is_plain_part, layout_tag
-from .._host_memory import empty_host, staging_host
+from .._host_memory import HostPool, empty_host, staging_host
 from .._limits import ITEM_BYTES
 from .._torch_internals import local_chunk
 from ..errors import CheckpointFormatError
@@ -177,33 +177,45 @@ def collect(
     return entries, local
 
 
-def fill(buckets: list[tuple[str, int, list[tuple[int, int]]]], local: list[torch.Tensor]) -> list[torch.Tensor]:
+def fill(
+    buckets: list[tuple[str, int, list[tuple[int, int]]]],
+    local: list[torch.Tensor],
+    snapshots: list[torch.Tensor] | None = None,
+    pool: HostPool | None = None,
+) -> list[torch.Tensor]:
     """One CPU buffer per bucket of the core's ``encode_layout``, holding its chunks in order
     (concatenated on their device, so a GPU state costs one bucket of device memory at a time).
     Several chunks are copied; a bucket of one CPU chunk is that tensor, flattened (like a
-    per-item entry, it is the live state: DCP writes or stages it before training goes on)."""
+    per-item entry, it is the live state: DCP writes or stages it before training goes on).
+    ``snapshots``: the buffers this call allocated and filled (copies no live state aliases) are
+    appended to it; ``pool``: where the CPU ones are allocated (`sparse_ckpt._host_memory.HostPool`)."""
     out = []
     for _dtype, numel, members in buckets:
         chunks = [local[i] for i, _offset in members]
         device = chunks[0].device
         if len(chunks) == 1 and device.type == "cpu":  # one CPU chunk alone: the (flattened) state tensor itself
             buf = chunks[0].detach().reshape(-1)
-        elif (
-            device.type == "cpu"
-        ):  # a new host buffer on huge pages where the OS offers them (its page faults dominated the copy)
-            buf = empty_host(numel, chunks[0].dtype)
-            stack_into(buf, chunks)
-        else:  # accelerator chunks, concatenated on their device, copied to a host (pinned where asked) buffer
-            buf = staging_host(numel, chunks[0].dtype, device)
-            buf.copy_(
-                chunks[0].detach().reshape(-1)
-                if len(chunks) == 1
-                else torch.cat([t.detach().reshape(-1) for t in chunks])
-            )
+        else:
+            buf = _copied(numel, chunks, device, pool)
+            if snapshots is not None:
+                snapshots.append(buf)
         if buf.numel() != numel:  # pragma: no cover - the core's sizes are the chunks'
             raise AssertionError(f"bucket of {buf.numel()} elements, layout says {numel}")
         out.append(buf)
     return out
+
+
+def _copied(numel: int, chunks: list[torch.Tensor], device: torch.device, pool: HostPool | None) -> torch.Tensor:
+    """A host buffer (from ``pool``, else new) holding ``chunks`` (on ``device``) in order."""
+    if device.type == "cpu":  # a host buffer on huge pages where the OS offers them (page faults dominated)
+        buf = pool.take((numel,), chunks[0].dtype) if pool is not None else empty_host(numel, chunks[0].dtype)
+        stack_into(buf, chunks)
+    else:  # accelerator chunks, concatenated on their device, copied to a host (pinned where asked) buffer
+        buf = staging_host(numel, chunks[0].dtype, device)
+        buf.copy_(
+            chunks[0].detach().reshape(-1) if len(chunks) == 1 else torch.cat([t.detach().reshape(-1) for t in chunks])
+        )
+    return buf
 
 
 def stack_into(buf: torch.Tensor, chunks: list[torch.Tensor]) -> None:

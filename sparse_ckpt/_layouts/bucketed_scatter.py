@@ -151,7 +151,8 @@ def put_states(out: dict[str, dict[str, Any]], leaf: str, entries: Iterable[tupl
         last = parts[-1]
         if last in node:
             raise CheckpointFormatError(
-                f"leaf {leaf!r}: state {key!r} of {fqn!r} is both in a buffer and a per-item entry (corrupt or edited checkpoint)"
+                f"leaf {leaf!r}: state {key!r} of {fqn!r} is both in a buffer and a per-item entry (corrupt or "
+                "edited checkpoint)"
             )
         node[last] = value
 

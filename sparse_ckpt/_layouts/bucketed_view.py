@@ -111,7 +111,10 @@ def checksum_failures(
                 out.append(
                     (
                         bkey,
-                        f"leaf {leaf!r}: bucket {bkey!r} fails its CRC-32C check (read {got:08x}, its layout {key!r} records {want})",
+                        (
+                            f"leaf {leaf!r}: bucket {bkey!r} fails its CRC-32C check (read {got:08x}, "
+                            f"its layout {key!r} records {want})"
+                        ),
                     )
                 )
     return out
@@ -119,7 +122,8 @@ def checksum_failures(
 
 def _check_indexes(keys: Iterable[str], values: Mapping[str, Any], tables: Mapping[str, dict[str, Any]]) -> None:
     """Each layout index among ``keys`` agrees with its leaf's layout tables (``tables``: leaf ->
-    rank tag -> decoded entries), else a :class:`CheckpointFormatError` (`sparse_ckpt._format.layout_index.check_index`)."""
+    rank tag -> decoded entries), else a :class:`CheckpointFormatError`
+    (`sparse_ckpt._format.layout_index.check_index`)."""
     for key in keys:
         leaf, kind, _bucket, _ranks = split_buffers_key(key[len(BUFFERS_PREFIX) :])
         if kind != "index":

@@ -28,7 +28,7 @@ from .._format.keys_record import RECORD_PREFIX, read_key_records
 from .._format.nested import nested_kind, nested_to_sparse
 from .._fqn import FqnMap
 from .._layouts.bucketed_load import BucketReader, expand
-from ..errors import CheckpointFormatError, CheckpointMismatchError
+from ..errors import CheckpointMismatchError
 from .completeness import check_key_record, check_recorded_items, check_table_leaves
 from .decode_state import _has_path, merge_state
 
@@ -165,121 +165,25 @@ def decode_checkpoint(
     flat = state_dict if type(state_dict) is dict else dict(state_dict)  # the core reads dicts
     flat = without_foreign_guards(flat)
     settings_raw, state_raw, _tables, scalar_tables, unmatched = core.unflatten(flat, known_fqns)
-    record = None  # the key record of a flat or nested dict (an unmatched key: no pass over the dict for it)
-    if unmatched and any(k.startswith(RECORD_PREFIX) for k in unmatched):
-        record = read_key_records({k: flat[k] for k in unmatched if k.startswith(RECORD_PREFIX)})
-        unmatched = [k for k in unmatched if not k.startswith(RECORD_PREFIX)]
-    buffer_keys = [k for k in unmatched if k.startswith(BUFFERS_PREFIX)]  # (unmatched is short)
-    if buffer_keys:
-        unmatched = [k for k in unmatched if not k.startswith(BUFFERS_PREFIX)]
+    record, buffer_keys, unmatched = _split_unmatched(flat, unmatched)
     out = DecodedCheckpoint(
         unmatched_keys=list(unmatched), has_tables=bool(decoded), tables=decoded, resolve=fmap.resolve
     )
-    interned: dict[bytes, dict] = {}
-
-    def intern(blob: bytes, settings: dict) -> dict:
-        return interned.setdefault(blob, settings)
-
-    def conflict(canon: str, source: Any) -> CheckpointMismatchError:
-        return CheckpointMismatchError(
-            f"conflicting saved settings for parameter {canon!r}: "
-            f"{source_text(out.first_source(canon, settings_raw))} and {source_text(source)} differ"
-        )
-
-    def put_settings(fqn: str, settings: dict, source: Any) -> str:
-        """Record ``settings`` for ``fqn``; returns its canonical FQN."""
-        canon = fmap.resolve(fqn)
-        prev = out.settings_of.setdefault(canon, settings)
-        if prev is not settings:
-            raise conflict(canon, source)
-        return canon
-
+    merger = _SettingsMerger(out, fmap, settings_raw)
     for table in decoded:
-        leaf, settings, blobs, groups = table.leaf, table.settings, table.blobs, table.groups
-        if leaf not in out.table_leaves:
-            out.table_leaves.append(leaf)
-        if not any("param_names" in s for s in settings):  # the usual table: one core pass over its FQNs
-            shared = [intern(blob, s) for blob, s in zip(blobs, settings)]
-            empty, clash = core.merge_table_settings(leaf, shared, groups, fmap.canonical, out.settings_of)
-            if clash is not None:
-                raise conflict(clash[0], (leaf, clash[1]))
-            for gi in empty:
-                _put_empty_group(out, leaf, gi, shared[groups[gi][0]])
-            continue
-        unnamed: dict[int, dict] = {}
-        for gi, (idx, fqns) in enumerate(groups):
-            if fqns and "param_names" in settings[idx]:
-                s = unnamed.get(idx)
-                if s is None:
-                    bare = {k: v for k, v in settings[idx].items() if k != "param_names"}
-                    blob = encode_settings(leaf, gi, bare)
-                    s = unnamed[idx] = intern(blob, bare)
-                names = settings[idx]["param_names"]
-                positional = isinstance(names, (list, tuple)) and len(names) == len(fqns)
-                for i, fqn in enumerate(fqns):
-                    name = names[i] if positional else None
-                    out.names_of.setdefault(fmap.resolve(fqn), name if isinstance(name, str) else None)
-            else:
-                s = intern(blobs[idx], settings[idx])
-            if not fqns:
-                _put_empty_group(out, leaf, gi, s)
-            # A parameter may sit in two groups of one leaf (torch allows it): the settings must agree.
-            source = (leaf, gi)  # once per group, not per parameter
-            for fqn in fqns:
-                put_settings(fqn, s, source)
-
-    for fqn, raw in settings_raw.items():
-        if "param_names" in raw:  # DSD's flat layout repeats the group's whole list for each FQN
-            names = raw["param_names"]
-            raw = {k: v for k, v in raw.items() if k != "param_names"}
-            name = None
-            if isinstance(names, (list, tuple)):
-                name = fqn if fqn in names else names[0] if len(names) == 1 else None
-                out.names_list_of[fmap.resolve(fqn)] = list(names)
-            out.names_of.setdefault(fmap.resolve(fqn), name if isinstance(name, str) else None)
-        blob = encode_settings(f"flat:{fqn}", 0, raw)
-        put_settings(fqn, intern(blob, raw), f"flat entries of {fqn!r}")
-
-    if len(fmap.canonical) == len(fmap.param_of):  # no aliases: every FQN is its own canonical name
-        out.state_of = state_raw
-    else:
-        for fqn, state in state_raw.items():
-            canon = fmap.resolve(fqn)
-            if canon in out.state_of:
-                raise CheckpointMismatchError(
-                    f"parameter {canon!r} has saved state under two names ({fqn!r} is an alias)"
-                )
-            out.state_of[canon] = state
+        merger.table(table)
+    merger.flat_entries()
+    out.state_of = _canonical_state(state_raw, fmap)
     fqns = known[0] if known else set()
     aliases = len(fmap.canonical) > len(fmap.param_of)
     records: list[tuple[str, ...]] = [t.items for t in decoded if t.items is not None]
-
-    def buffered(keys_of: Mapping[str, tuple[tuple[str, ...], str]]) -> dict[str, dict[str, Any]] | None:
-        if not (buffer_keys or (reader is not None and reader.keys)):
-            return None
-        unlisted: list[tuple[str, str]] = []
-
-        def expected(leaf: str, found: set[tuple[str, str]]) -> bool:
-            """Whether a parameter of the target misses recorded state of ``leaf`` besides ``found``."""
-            if not unlisted and keys_of:
-                unlisted.extend(core.unlisted_keys(keys_of, out.state_of, fmap.param_of) or [("", "")])
-            return any(
-                fqn
-                and keys_of[fqn][1] == leaf
-                and (fqn, k) not in found
-                and not _has_path(out.state_of.get(fqn, {}), k)
-                for fqn, k in unlisted
-            )
-
-        return expand(buffer_keys, flat, fmap, reader, expected)
-
     out.state_of = merge_state(
         out.state_of,
         scalar_tables,
         resolve=fmap.resolve if aliases else None,  # merged by canonical FQN: a table may name a parameter by an alias
         is_known=(lambda f: f in fqns or f in settings_raw) if settings_raw else fqns.__contains__,
         unmatched=out.unmatched_keys,
-        buffered=buffered,
+        buffered=_buffered_reader(out, flat, fmap, buffer_keys, reader),
         owned=fmap.param_of,
         records=records,
     )
@@ -302,6 +206,146 @@ def decode_checkpoint(
     return out
 
 
+def _split_unmatched(flat: dict[str, Any], unmatched: list[str]) -> tuple[Any, list[str], list[str]]:
+    """``(key record, buffer keys, the other keys)`` of the keys ``unflatten`` left unmatched: the key
+    record of a flat or nested dict (read here: an unmatched key, so no pass over the dict for it) or
+    ``None``, and the buffers of ``state_layout="buffers"``."""
+    record = None
+    if unmatched and any(k.startswith(RECORD_PREFIX) for k in unmatched):
+        record = read_key_records({k: flat[k] for k in unmatched if k.startswith(RECORD_PREFIX)})
+        unmatched = [k for k in unmatched if not k.startswith(RECORD_PREFIX)]
+    buffer_keys = [k for k in unmatched if k.startswith(BUFFERS_PREFIX)]  # (unmatched is short)
+    if buffer_keys:
+        unmatched = [k for k in unmatched if not k.startswith(BUFFERS_PREFIX)]
+    return record, buffer_keys, unmatched
+
+
+class _SettingsMerger:
+    """Fills ``out.settings_of`` (and the names and empty groups) from the tables and the flat entries;
+    equal settings (equal encoded bytes) are one interned dict, and one parameter's settings from two
+    places must be that same dict."""
+
+    def __init__(self, out: DecodedCheckpoint, fmap: FqnMap, settings_raw: dict[str, dict]) -> None:
+        self.out, self.fmap, self.settings_raw = out, fmap, settings_raw
+        self.interned: dict[bytes, dict] = {}
+
+    def intern(self, blob: bytes, settings: dict) -> dict:
+        return self.interned.setdefault(blob, settings)
+
+    def conflict(self, canon: str, source: Any) -> CheckpointMismatchError:
+        return CheckpointMismatchError(
+            f"conflicting saved settings for parameter {canon!r}: "
+            f"{source_text(self.out.first_source(canon, self.settings_raw))} and {source_text(source)} differ"
+        )
+
+    def put(self, fqn: str, settings: dict, source: Any) -> str:
+        """Record ``settings`` for ``fqn``; returns its canonical FQN."""
+        canon = self.fmap.resolve(fqn)
+        prev = self.out.settings_of.setdefault(canon, settings)
+        if prev is not settings:
+            raise self.conflict(canon, source)
+        return canon
+
+    def table(self, table: GroupTable) -> None:
+        """One packed group table's settings."""
+        out, leaf, settings, blobs, groups = self.out, table.leaf, table.settings, table.blobs, table.groups
+        if leaf not in out.table_leaves:
+            out.table_leaves.append(leaf)
+        if any("param_names" in s for s in settings):
+            self._named_table(table)
+            return
+        # the usual table: one core pass over its FQNs
+        shared = [self.intern(blob, s) for blob, s in zip(blobs, settings)]
+        empty, clash = _backend.core.merge_table_settings(leaf, shared, groups, self.fmap.canonical, out.settings_of)
+        if clash is not None:
+            raise self.conflict(clash[0], (leaf, clash[1]))
+        for gi in empty:
+            _put_empty_group(out, leaf, gi, shared[groups[gi][0]])
+
+    def _named_table(self, table: GroupTable) -> None:
+        """A table whose settings hold ``param_names``: the names go to ``names_of``, per FQN."""
+        out, leaf, settings, blobs = self.out, table.leaf, table.settings, table.blobs
+        unnamed: dict[int, dict] = {}
+        for gi, (idx, fqns) in enumerate(table.groups):
+            if fqns and "param_names" in settings[idx]:
+                s = unnamed.get(idx)
+                if s is None:
+                    bare = {k: v for k, v in settings[idx].items() if k != "param_names"}
+                    blob = encode_settings(leaf, gi, bare)
+                    s = unnamed[idx] = self.intern(blob, bare)
+                names = settings[idx]["param_names"]
+                positional = isinstance(names, (list, tuple)) and len(names) == len(fqns)
+                for i, fqn in enumerate(fqns):
+                    name = names[i] if positional else None
+                    out.names_of.setdefault(self.fmap.resolve(fqn), name if isinstance(name, str) else None)
+            else:
+                s = self.intern(blobs[idx], settings[idx])
+            if not fqns:
+                _put_empty_group(out, leaf, gi, s)
+            # A parameter may sit in two groups of one leaf (torch allows it): the settings must agree.
+            source = (leaf, gi)  # once per group, not per parameter
+            for fqn in fqns:
+                self.put(fqn, s, source)
+
+    def flat_entries(self) -> None:
+        """The flat format's ``param_groups.{fqn}.{key}`` settings."""
+        out, resolve = self.out, self.fmap.resolve
+        for fqn, raw in self.settings_raw.items():
+            if "param_names" in raw:  # DSD's flat layout repeats the group's whole list for each FQN
+                names = raw["param_names"]
+                raw = {k: v for k, v in raw.items() if k != "param_names"}
+                name = None
+                if isinstance(names, (list, tuple)):
+                    name = fqn if fqn in names else names[0] if len(names) == 1 else None
+                    out.names_list_of[resolve(fqn)] = list(names)
+                out.names_of.setdefault(resolve(fqn), name if isinstance(name, str) else None)
+            blob = encode_settings(f"flat:{fqn}", 0, raw)
+            self.put(fqn, self.intern(blob, raw), f"flat entries of {fqn!r}")
+
+
+def _canonical_state(state_raw: dict[str, dict], fmap: FqnMap) -> dict[str, dict]:
+    """The saved state by canonical FQN (``state_raw`` itself when the model has no aliases); state
+    saved under two names of one parameter is refused."""
+    if len(fmap.canonical) == len(fmap.param_of):  # no aliases: every FQN is its own canonical name
+        return state_raw
+    state_of: dict[str, dict] = {}
+    for fqn, state in state_raw.items():
+        canon = fmap.resolve(fqn)
+        if canon in state_of:
+            raise CheckpointMismatchError(f"parameter {canon!r} has saved state under two names ({fqn!r} is an alias)")
+        state_of[canon] = state
+    return state_of
+
+
+def _buffered_reader(
+    out: DecodedCheckpoint, flat: dict[str, Any], fmap: FqnMap, buffer_keys: list[str], reader: BucketReader | None
+) -> Callable[[Mapping[str, tuple[tuple[str, ...], str]]], dict[str, dict[str, Any]] | None]:
+    """`merge_state`'s ``buffered``: the buffered state expanded for the target's parameters (``None``
+    when the checkpoint has no buffers)."""
+    core = _backend.core
+
+    def buffered(keys_of: Mapping[str, tuple[tuple[str, ...], str]]) -> dict[str, dict[str, Any]] | None:
+        if not (buffer_keys or (reader is not None and reader.keys)):
+            return None
+        unlisted: list[tuple[str, str]] = []
+
+        def expected(leaf: str, found: set[tuple[str, str]]) -> bool:
+            """Whether a parameter of the target misses recorded state of ``leaf`` besides ``found``."""
+            if not unlisted and keys_of:
+                unlisted.extend(core.unlisted_keys(keys_of, out.state_of, fmap.param_of) or [("", "")])
+            return any(
+                fqn
+                and keys_of[fqn][1] == leaf
+                and (fqn, k) not in found
+                and not _has_path(out.state_of.get(fqn, {}), k)
+                for fqn, k in unlisted
+            )
+
+        return expand(buffer_keys, flat, fmap, reader, expected)
+
+    return buffered
+
+
 def _put_empty_group(out: DecodedCheckpoint, leaf: str, gi: int, settings: dict) -> None:
     """Record a table group without parameters; tables of several ranks must agree on it."""
     prev = out.empty_groups.setdefault((leaf, gi), settings)
@@ -312,15 +356,9 @@ def _put_empty_group(out: DecodedCheckpoint, leaf: str, gi: int, settings: dict)
 
 
 def _other_layouts(state_dict: Mapping[str, Any]) -> Mapping[str, Any]:
-    """DSD's nested FQN-keyed dict as its packed equivalent (:mod:`sparse_ckpt._format.nested`); a torch
-    ``Optimizer.state_dict()`` (int ids) is refused with what to call instead; others as they are."""
-    kind = nested_kind(state_dict)
-    if kind is None:
-        return state_dict
-    if kind == "fqn":
+    """DSD's nested FQN-keyed dict as its packed equivalent (:mod:`sparse_ckpt._format.nested`); others
+    as they are (a torch ``Optimizer.state_dict()``, int ids, never gets here: the load converts it
+    first, `sparse_ckpt._load.positional`)."""
+    if nested_kind(state_dict) == "fqn":
         return nested_to_sparse(state_dict)
-    raise CheckpointFormatError(
-        "this is a torch.optim.Optimizer.state_dict() (int-keyed 'state' and a 'param_groups' list), not a "
-        "sparse_ckpt dict: load it with optimizer.load_state_dict(sd), or save with "
-        "sparse_ckpt.sparse_state_dict(model, optimizer) to get a dict load_sparse_state_dict reads"
-    )
+    return state_dict

@@ -43,7 +43,8 @@ def merge_state(
     buffered state (``buffered(keys_of)``: FQN -> entries, or ``None``; a load scatters tensors, the
     tools see metadata), then checked complete (:func:`check_complete`) for the parameters in
     ``owned`` (default: every parameter a scalar table records keys for), for a load (``owned``
-    given) its lists too (`sparse_ckpt._load.completeness.check_lists`). The tables' item records are appended to ``records``."""
+    given) its lists too (`sparse_ckpt._load.completeness.check_lists`). The tables' item records are appended to
+    ``records``."""
     keys_of: dict[str, tuple[tuple[str, ...], str]] = {}
     lens_of: dict[str, tuple[tuple[tuple[str, int], ...], str]] = {}
     scalars_of = (
@@ -221,7 +222,8 @@ def decode_scalar_tables(
                     first, first_leaf = found[fqn]
                     raise CheckpointMismatchError(
                         f"leaf {leaf!r}: parameter {fqn!r} has different scalar state in two scalar tables "
-                        f"(of leaf {first_leaf!r} and leaf {leaf!r}; key {_first_differing(leaf, first, scalars[idx])!r})"
+                        f"(of leaf {first_leaf!r} and leaf {leaf!r}; key "
+                        f"{_first_differing(leaf, first, scalars[idx])!r})"
                     )
     return found
 
@@ -271,6 +273,18 @@ def merge_scalars(state_of: dict[str, dict], scalars_of: Mapping[str, tuple[dict
     Every FQN gets its own scalar dict and its own tensors (an optimizer steps each ``step`` in
     place). A scalar key that is also a per-item key is a :class:`CheckpointFormatError`.
     The core's ``merge_scalars`` (exact dicts; copies are made here for other mappings).
+
+    How this compares with torch's ``Optimizer.load_state_dict`` (2.13,
+    ``_process_value_according_to_param_policy``): torch hands ``step`` over as it is outside
+    fused/capturable groups (shared with the caller's dict) and casts the other tensors with
+    ``Tensor.to`` (the caller's tensor itself when nothing changes); the load does the same with
+    per-item entries (`sparse_ckpt._core_py.load_assembly.cast_states`). A scalar table's tensors
+    are decoded from its bytes, so nothing here is shared with the caller's dict either way; the
+    ``clone()`` of every later taker is not a defensive copy but the one tensor per parameter that
+    torch's dict has and the table holds once for the many parameters sharing a scalar dict.
+    ``clone()`` is the cheapest way to make one (0-d CPU tensors: ``torch.full``,
+    ``torch.scalar_tensor`` and ``torch._foreach_mul`` over the list cost more per tensor; views of
+    one storage, as ``unbind`` gives, would share memory between parameters).
     """
     if type(state_of) is not dict:
         state_of = dict(state_of)

@@ -345,7 +345,8 @@ def load_owned(
     match no model parameter stay extra. ``agree`` (every rank of the default process group
     loads at once; the name of the call): the ranks agree on a refusal before anything is mutated
     (`sparse_ckpt._dist.agree_on_refusal`, bounded by ``agree_within`` seconds when given), so one
-    rank's refusal raises on every rank. A dict that records another rank as its origin is refused (docs/semantics.md)."""
+    rank's refusal raises on every rank. A dict that records another rank as its origin is refused
+    (docs/semantics.md)."""
     with gc_paused():
         try:
             state_dict = strip_origin(state_dict)

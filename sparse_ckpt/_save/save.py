@@ -32,6 +32,7 @@ from .._format.tags import GROUPS_SLOT, LAYOUT_SLOT, SCALARS_SLOT, Keying, Slot
 from .._format.tensor_parts import CODEC_DTYPES, tensor_to_parts
 from .._fqn import Model, build_fqn_map
 from .._gc import gc_paused
+from .._host_memory import HostPool
 from .._layouts import StateLayout, bucketed, check_state_layout, own_item_bytes
 from .._layouts.bucketed_index import index_key, with_index_parts
 from .._leaves import named_leaves
@@ -100,12 +101,16 @@ def build_state_dict(
     *,
     guards: bool = False,
     staged: bool = False,
+    snapshots: list[torch.Tensor] | None = None,
+    pool: HostPool | None = None,
 ) -> dict[str, Any]:
     """`sparse_state_dict` with the table keys chosen by ``keying`` (called with gc paused);
     ``guards=True`` (what the DCP ``Stateful`` saves, packed format) adds the foreign-loader guards
     (`sparse_ckpt._format.keys.foreign_guard_keys`); ``staged``: for ``dcp.async_save``, which
     copies the dict before it returns (``state_layout="auto"`` then buffers fewer tensors,
-    `sparse_ckpt._layouts.own_item_bytes`)."""
+    `sparse_ckpt._layouts.own_item_bytes`); ``snapshots``: the buckets filled with copies of the
+    state (no live tensor aliases them) are appended to it (`sparse_ckpt._layouts.bucketed.fill`);
+    ``pool``: where CPU buckets are allocated (reused from save to save)."""
     core = _backend.core
     fmap = build_fqn_map(model)
     parts: list[_Part] = []  # the dict's items in order; tables and layouts wait for their tags
@@ -140,7 +145,7 @@ def build_state_dict(
                 )
                 if entries:
                     layout, buckets = core.encode_layout(leaf, entries, bucketed.BUCKET_BYTES)
-                    filled = bucketed.fill(buckets, local)
+                    filled = bucketed.fill(buckets, local, snapshots, pool)
                     parts.append(_Part("layout", leaf, buckets=filled))
                     layout = with_checksums(layout, filled)  # each bucket's CRC-32C, under the layout's seal
                     slots.append(Slot.of(LAYOUT_SLOT, leaf, layout, buckets=tuple(dtype for dtype, _n, _m in buckets)))

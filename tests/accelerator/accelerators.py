@@ -3,7 +3,7 @@
 ``cuda`` where ``torch.cuda.is_available()``; ``npu`` where an ``npu`` device type is registered or
 registers on import: ``torch_npu`` on Ascend machines, or the module that ``SPARSE_CKPT_NPU_MODULE``
 names (``.ci/npu.sh`` sets ``emulated_npu``: tests/accelerator/emulated_npu.py, PrivateUse1 in host
-memory renamed ``npu``). The same lookup as the bench's (``bench.devices.check_device``).
+memory renamed ``npu``). The same lookup as the bench's (``bench.suite.devices.check_device``).
 
 ``SPARSE_CKPT_TEST_DEVICE`` narrows the list: ``cuda`` or ``npu`` runs that type only; ``cpu`` runs
 the modules on the CPU instead (their dry run, for a machine without an accelerator: the dry run of
@@ -17,7 +17,7 @@ import os
 import pytest
 import torch
 
-from bench.devices import DeviceUnavailable, check_device
+from bench.suite.devices import DeviceUnavailable, check_device
 
 DEVICE_TYPES = ("cuda", "npu")
 CHOSEN = os.environ.get("SPARSE_CKPT_TEST_DEVICE", "")

@@ -16,7 +16,7 @@ lacks) is a sum divided by the group size; ``PREMUL_SUM`` is not supported (FSDP
 
 from __future__ import annotations
 
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from datetime import timedelta
 from typing import Any
 
@@ -36,6 +36,21 @@ def _back(dst: torch.Tensor, src: torch.Tensor) -> None:
     """Copy a host result into ``dst`` unless they are the same tensor."""
     if dst is not src:
         dst.copy_(src)
+
+
+def _each(single: Callable[..., Any], outputs: list[torch.Tensor], inputs: list[torch.Tensor], opts: Any) -> Any:
+    """A coalesced collective as one ``single(output, input, opts)`` per pair; the last one's work."""
+    work = None
+    for out, inp in zip(outputs, inputs):
+        work = single(out, inp, opts)
+    return work
+
+
+def _back_lists(dsts: list[list[torch.Tensor]], srcs: list[list[torch.Tensor]]) -> None:
+    """:func:`_back` for each tensor of lists of tensors (a gather's outputs)."""
+    for outs, hosts in zip(dsts, srcs):
+        for t, h in zip(outs, hosts):
+            _back(t, h)
 
 
 def _is_avg(opts: Any) -> bool:
@@ -103,10 +118,7 @@ class NpuGlooGroup(dist.ProcessGroup):
     def reduce_scatter_tensor_coalesced(
         self, outputs: list[torch.Tensor], inputs: list[torch.Tensor], opts: Any = None
     ) -> Any:
-        work = None
-        for out, inp in zip(outputs, inputs):
-            work = self.reduce_scatter_single(out, inp, opts)
-        return work
+        return _each(self.reduce_scatter_single, outputs, inputs, opts)
 
     reduce_scatter_single_coalesced = reduce_scatter_tensor_coalesced
 
@@ -120,9 +132,7 @@ class NpuGlooGroup(dist.ProcessGroup):
         host_out = [[t if t.is_contiguous() else t.contiguous() for t in outs] for outs in host_out]
         work = self._gloo.allgather(host_out, [_host(t) for t in inputs], opts)
         work.wait()
-        for outs, hosts in zip(outputs, host_out):
-            for t, h in zip(outs, hosts):
-                _back(t, h)
+        _back_lists(outputs, host_out)
         return work
 
     def all_gather_single(self, output: torch.Tensor, input: torch.Tensor, opts: Any = None) -> Any:
@@ -134,20 +144,14 @@ class NpuGlooGroup(dist.ProcessGroup):
     def allgather_into_tensor_coalesced(
         self, outputs: list[torch.Tensor], inputs: list[torch.Tensor], opts: Any = None
     ) -> Any:
-        work = None
-        for out, inp in zip(outputs, inputs):
-            work = self.all_gather_single(out, inp, opts)
-        return work
+        return _each(self.all_gather_single, outputs, inputs, opts)
 
     all_gather_single_coalesced = allgather_into_tensor_coalesced
 
     def allgather_coalesced(
         self, outputs: list[list[torch.Tensor]], inputs: list[torch.Tensor], opts: Any = None
     ) -> Any:
-        work = None
-        for outs, inp in zip(outputs, inputs):
-            work = self.allgather([outs], [inp], opts)
-        return work
+        return _each(lambda outs, inp, o: self.allgather([outs], [inp], o), outputs, inputs, opts)
 
     def broadcast(self, tensors: list[torch.Tensor], opts: Any = None) -> Any:
         opts = opts if opts is not None else dist.BroadcastOptions()
@@ -163,9 +167,7 @@ class NpuGlooGroup(dist.ProcessGroup):
         host_out = [[torch.empty(t.shape, dtype=t.dtype) for t in outs] for outs in outputs]
         work = self._gloo.gather(host_out, [_host(t) for t in inputs], opts)
         work.wait()
-        for outs, hosts in zip(outputs, host_out):
-            for t, h in zip(outs, hosts):
-                _back(t, h)
+        _back_lists(outputs, host_out)
         return work
 
     def scatter(self, outputs: list[torch.Tensor], inputs: list[list[torch.Tensor]], opts: Any = None) -> Any:

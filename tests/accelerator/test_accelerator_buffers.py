@@ -131,7 +131,7 @@ def test_fsdp2_on_a_device_mesh(tmp_path: Path, layout: str, device_type: str) -
     from torch.distributed.fsdp import fully_shard
     from torch.distributed.tensor import DTensor
 
-    from bench.devices import process_group_backend
+    from bench.suite.devices import process_group_backend
 
     if device_type == "cpu":
         pytest.skip("the CPU FSDP2 cases are tests/dcp (Gloo)")

@@ -11,7 +11,7 @@ npu; each skipped where absent; the CPU dry run with ``SPARSE_CKPT_TEST_DEVICE=c
   the same device resume from the last complete checkpoint (step 2) with ``SparseLoadPlanner`` and
   train on to step 6: parameters, state (values, dtypes, devices), lrs and scheduler state equal
   an uninterrupted run bit for bit.
-* **Multi-rank drill:** ``bench/resume.py`` on the device: two FSDP2 ranks on ``<type>:0`` and
+* **Multi-rank drill:** ``bench/drills/resume.py`` on the device: two FSDP2 ranks on ``<type>:0`` and
   ``<type>:1`` (the device's process group: NCCL, HCCL, or the emulated npu's ``npu_gloo``), async saves,
   the save of step 6 SIGKILLed, resumed from step 4 at world sizes 2 and 1, each bit for bit the
   uninterrupted run.
@@ -40,8 +40,8 @@ from torch import nn
 from torch.distributed.checkpoint.api import CheckpointException
 
 import sparse_ckpt as sc
-from bench import resume
-from bench.devices import import_npu
+from bench.drills import resume
+from bench.suite.devices import import_npu
 
 pytestmark = [pytest.mark.filterwarnings("ignore:torch.distributed is disabled:UserWarning")]
 
@@ -220,8 +220,8 @@ def test_reshard_two_ranks_to_one(device_type: str, tmp_path: Path, forbid_fork:
 
 
 def test_multi_rank_drill_on_device(device_type: str, tmp_path: Path, forbid_fork: None) -> None:
-    """The resume drill of ``bench/resume.py`` with FSDP2 ranks on the device (one per device, its process group):
-    the killed save is incomplete and the resumes at 2 and 1 ranks equal the uninterrupted run bit for bit."""
+    """The resume drill of ``bench/drills/resume.py`` with FSDP2 ranks on the device (one per device, its process
+    group): the killed save is incomplete and the resumes at 2 and 1 ranks equal the uninterrupted run bit for bit."""
     if device_type == "cpu":
         pytest.skip("the CPU drill is tests/benchmark/test_resume_drill.py")
     if torch.get_device_module(device_type).device_count() < 2:

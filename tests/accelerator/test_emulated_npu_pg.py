@@ -13,7 +13,7 @@ import torch
 import torch.distributed as dist
 from _dist import guarded
 
-from bench import ranks
+from bench.drills import ranks
 
 
 def _collectives(rank: int, world_size: int) -> None:

@@ -19,11 +19,14 @@ import sys
 import _backends
 import pytest
 import torch
+from helpers import small_bench_args
 
 import sparse_ckpt as sc
-from bench import information, plots, report_markdown, verdicts
+from bench import provenance
 from bench import run as bench_run
-from bench.fixtures import (
+from bench.run import main
+from bench.suite import information, plots, report_markdown, verdicts
+from bench.suite.fixtures import (
     ADAMW_KWARGS,
     FixtureCache,
     Scale,
@@ -33,14 +36,14 @@ from bench.fixtures import (
     parse_scales,
     step_state,
 )
-from bench.measure import (
+from bench.suite.measure import (
     LEAF,
     FixtureContext,
     naive_items,
     naive_state_dict,
     runner_for,
 )
-from bench.methods import (
+from bench.suite.methods import (
     CORE_FUNCTIONS,
     DCP_NAIVE_SAVE,
     DCP_STATEFUL_SAVE,
@@ -49,7 +52,6 @@ from bench.methods import (
     plan_methods,
     planned_ids,
 )
-from bench.run import main
 
 STATUSES = {"ok", "skipped", "unavailable"}
 
@@ -91,6 +93,7 @@ def _load(out: str) -> dict:
 def test_results_json_schema(bench_out: str) -> None:
     res = _load(bench_out)
     assert res["schema"] == "sparse_ckpt-bench/1"
+    assert provenance.problems("results.json", res, "rerun") == [], res.get("provenance")
     m = res["machine"]
     for key, typ in (("cpu_model", str), ("cores", int), ("torch", str), ("python", str), ("device", str)):
         assert isinstance(m[key], typ), key
@@ -300,15 +303,7 @@ def test_header_and_progress_lines(capsys: pytest.CaptureFixture[str], tmp_path)
     assert (
         main(
             [
-                "--quick",
-                "--scales",
-                "1x2",
-                "--layouts",
-                "param",
-                "--repeats",
-                "1",
-                "--budget",
-                "0.2",
+                *small_bench_args("0.2"),
                 "--out",
                 str(tmp_path),
                 "--methods",
@@ -481,15 +476,7 @@ def test_dsd_set_max_groups_skips_only_the_set(tmp_path: os.PathLike) -> None:
     assert (
         main(
             [
-                "--quick",
-                "--scales",
-                "1x2",
-                "--layouts",
-                "param",
-                "--repeats",
-                "1",
-                "--budget",
-                "0.5",
+                *small_bench_args("0.5"),
                 "--out",
                 out,
                 "--no-progress",

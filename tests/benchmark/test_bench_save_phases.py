@@ -5,7 +5,7 @@ from __future__ import annotations
 
 import pytest
 
-from bench import save_phases
+from bench.studies import save_phases
 from sparse_ckpt import _backend, _fqn
 from sparse_ckpt._layouts import bucketed
 

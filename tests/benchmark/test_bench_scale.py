@@ -12,10 +12,11 @@ import _backends
 import pytest
 
 import sparse_ckpt as sc
-from bench import scale
-from bench.fixtures import EMBED_NAMES, FixtureCache, FixtureSpec, Scale, parse_fixture_specs
-from bench.scale_dcp import FLOOR, crossover, parse_size, threshold_counts
-from bench.scale_metadata import auto_threshold, split
+from bench import provenance
+from bench.scale import scale
+from bench.scale.scale_dcp import FLOOR, crossover, parse_size, threshold_counts
+from bench.scale.scale_metadata import auto_threshold, split
+from bench.suite.fixtures import EMBED_NAMES, FixtureCache, FixtureSpec, Scale, parse_fixture_specs
 from sparse_ckpt._format.keys import is_state_item
 from sparse_ckpt._layouts import STATE_LAYOUTS
 
@@ -27,7 +28,9 @@ def _run(tmp_path: os.PathLike[str], *argv: str) -> dict:
     out = os.path.join(tmp_path, f"{argv[0]}.json")
     assert scale.main([*argv, "--out", out]) == 0
     with open(out) as f:
-        return json.load(f)
+        data = json.load(f)
+    assert provenance.problems(out, data, "rerun") == [], "a bench.scale result records its provenance"
+    return data
 
 
 def _mixed_spec() -> str:

@@ -1,4 +1,4 @@
-"""The resume drill (``bench/resume.py``: train, kill a save, resume at other world sizes), at test
+"""The resume drill (``bench/drills/resume.py``: train, kill a save, resume at other world sizes), at test
 sizes, under each core backend.
 
 One drill per backend (cached for the tests of this module): an uninterrupted 2-rank FSDP2 run of
@@ -25,7 +25,7 @@ import torch.distributed.checkpoint as dcp
 from _dist import guarded
 
 import sparse_ckpt as sc
-from bench import resume
+from bench.drills import resume
 from sparse_ckpt.tools import inspect_checkpoint
 
 pytestmark = [

@@ -127,6 +127,28 @@ def check_error(name: str, *args: Any, exc: type[BaseException], match: str | No
     return result[2]
 
 
+def settings_error(group_index: int, settings_: dict[Any, Any], *to_name: Any, match: str) -> str:
+    """:func:`check_error` of ``encode_settings`` for leaf ``L``: a ``CheckpointFormatError`` containing ``match``."""
+    return check_error(
+        "encode_settings",
+        "L",
+        group_index,
+        settings_,
+        torch.Tensor,
+        tensor_to_parts,
+        *to_name,
+        exc=CheckpointFormatError,
+        match=match,
+    )
+
+
+def table_error(groups: list[Any], match: str) -> str:
+    """:func:`check_error` of ``encode_table`` for leaf ``L``: a ``CheckpointFormatError`` containing ``match``."""
+    return check_error(
+        "encode_table", "L", groups, torch.Tensor, tensor_to_parts, exc=CheckpointFormatError, match=match
+    )
+
+
 # --------------------------------------------------------------------------- module surface
 
 
@@ -515,20 +537,14 @@ def test_flatten_edge_cases() -> None:
     outside_contract("flatten_groups", "l", [[{"lr": 1}, ["a"]]])  # a pair is a tuple
     check_error("flatten_groups", "l", [({"my.lr": 1}, ["a"])], exc=CheckpointFormatError, match="group 0: setting key")
     check_error("flatten_groups", "l", [({3: 1}, ["a"])], exc=CheckpointFormatError, match="setting key 3")
-    check_error(
-        "unflatten",
-        {"state.w.~x": 1, "param_groups.__packed__.l.0": b""},
-        {"w"},
-        exc=CheckpointFormatError,
-        match="invalid escaped part '~x'",
-    )
-    check_error(
-        "unflatten",
-        {"state.w.~i1x": 1, "param_groups.__packed__.l.0": b""},
-        {"w"},
-        exc=CheckpointFormatError,
-        match="invalid escaped part",
-    )
+    for part, match in (("~x", "invalid escaped part '~x'"), ("~i1x", "invalid escaped part")):
+        check_error(
+            "unflatten",
+            {f"state.w.{part}": 1, "param_groups.__packed__.l.0": b""},
+            {"w"},
+            exc=CheckpointFormatError,
+            match=match,
+        )
     assert check("unflatten", {"state.w.~sa": 1}, {"w"})[1][1] == {"w": {"~sa": 1}}  # flat: never unescaped
     loop: dict = {}
     loop["self"] = loop
@@ -928,16 +944,7 @@ def test_encode_settings(settings_: dict, group_index: Any) -> None:
 
 @pytest.mark.parametrize("value", BAD_VALUES + [bytearray(), memoryview(b"x"), [1, {2}], (1, (2, object()))])
 def test_encode_unsupported_value(value: Any) -> None:
-    check_error(
-        "encode_settings",
-        "L",
-        3,
-        {"k": value},
-        torch.Tensor,
-        tensor_to_parts,
-        exc=CheckpointFormatError,
-        match="unsupported value type",
-    )
+    settings_error(3, {"k": value}, match="unsupported value type")
 
 
 class _Sub:
@@ -981,49 +988,15 @@ _SUBCLASS_VALUES = [
 def test_encode_refuses_subclass_values_alike(value: Any) -> None:
     """Both cores refuse a value of a subclass of int/float/str/bytes/tuple/list with the same
     message naming its type and base (it would decode as the base type)."""
-    message = check_error(
-        "encode_settings",
-        "L",
-        3,
-        {"k": value},
-        torch.Tensor,
-        tensor_to_parts,
-        exc=CheckpointFormatError,
-        match="leaf 'L' group 3 key 'k': a value of type ",
-    )
+    message = settings_error(3, {"k": value}, match="leaf 'L' group 3 key 'k': a value of type ")
     assert re.search(r"a value of type [\w.<>]+ \(a subclass of \w+\) would load back as a plain \w+", message), message
-    check_error(
-        "encode_table",
-        "L",
-        [({"k": 1}, ["a"]), ({"k": value}, ["b"])],
-        torch.Tensor,
-        tensor_to_parts,
-        exc=CheckpointFormatError,
-        match="leaf 'L' group 1 key 'k': a value of type ",
-    )
+    table_error([({"k": 1}, ["a"]), ({"k": value}, ["b"])], match="leaf 'L' group 1 key 'k': a value of type ")
 
 
 @pytest.mark.parametrize("key", BAD_KEYS)
 def test_encode_non_string_key(key: Any) -> None:
-    check_error(
-        "encode_settings",
-        "L",
-        0,
-        {"ok": 1, key: 2},
-        torch.Tensor,
-        tensor_to_parts,
-        exc=CheckpointFormatError,
-        match="is not a string",
-    )
-    check_error(
-        "encode_table",
-        "L",
-        [({"ok": 1}, ["a"]), ({key: 2}, ["b"])],
-        torch.Tensor,
-        tensor_to_parts,
-        exc=CheckpointFormatError,
-        match="group 1: setting key",
-    )
+    settings_error(0, {"ok": 1, key: 2}, match="is not a string")
+    table_error([({"ok": 1}, ["a"]), ({key: 2}, ["b"])], match="group 1: setting key")
 
 
 @pytest.mark.parametrize("value", HUGE_INTS + [True, False, 0, -1])
@@ -1198,16 +1171,8 @@ def test_every_torch_dtype_and_device_round_trips() -> None:
 def test_named_value_needs_to_name() -> None:
     """Without ``to_name`` (or when it says ``None``) a dtype is refused like any other value."""
     for to_name in ((), (None,), (lambda v: None,)):
-        check_error(
-            "encode_settings",
-            "L",
-            2,
-            {"m": torch.float32},
-            torch.Tensor,
-            tensor_to_parts,
-            *to_name,
-            exc=CheckpointFormatError,
-            match="leaf 'L' group 2 key 'm': unsupported value type dtype",
+        settings_error(
+            2, {"m": torch.float32}, *to_name, match="leaf 'L' group 2 key 'm': unsupported value type dtype"
         )
 
 

@@ -14,21 +14,17 @@ from typing import Any
 import _backends
 import pytest
 import torch
-from hypothesis import HealthCheck, given, settings
+from hypothesis import given, settings
 from hypothesis import strategies as st
-from test_core_differential import check, check_error, same  # (skips this module too when _C is not built)
+from test_core_differential import PROPS as DIFFERENTIAL_PROPS  # (skips this module too when _C is not built)
+from test_core_differential import check, check_error, same
 
 from sparse_ckpt import _core_py as P
 from sparse_ckpt._core_py.layout_codec import LAYOUT_MAGIC
 from sparse_ckpt.errors import CheckpointFormatError, CheckpointMismatchError
 
-PROPS = settings(
-    max_examples=200,
-    deadline=None,
-    derandomize=True,
-    database=None,
-    suppress_health_check=[HealthCheck.too_slow, HealthCheck.data_too_large],
-)
+PROPS = settings(DIFFERENTIAL_PROPS, max_examples=200)
+"""The differential tests' settings (derandomized, no deadline, no database), fewer examples."""
 DTYPES = {"float32": 4, "bfloat16": 2, "int64": 8, "bool": 1}
 
 

@@ -19,7 +19,7 @@ from torch.distributed.device_mesh import init_device_mesh
 from torch.distributed.tensor import DTensor, Replicate, Shard, distribute_tensor
 
 import sparse_ckpt as sc
-from bench.ranks import free_port
+from bench.drills.ranks import free_port
 from sparse_ckpt._dcp.saved_tensor import contiguous_strides
 from sparse_ckpt._fqn import build_fqn_map
 from sparse_ckpt._layouts import bucketed_scatter

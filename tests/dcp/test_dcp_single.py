@@ -13,7 +13,7 @@ from typing import Any
 import pytest
 import torch
 import torch.distributed.checkpoint as dcp
-from helpers import assert_optimizer_equal, make_moe, moe_with_leaves, snapshot_optimizer, train
+from helpers import assert_optimizer_equal, make_moe, moe_with_leaves, snapshot_optimizer, sparse_dcp_load, train
 from torch import nn
 from torch.distributed.checkpoint import DefaultLoadPlanner
 from torch.distributed.checkpoint.api import CheckpointException
@@ -231,11 +231,7 @@ def test_dsd_flat_checkpoint_loads(tmp_path: Path) -> None:
     model2 = make_moe(1)
     opt2 = torch.optim.AdamW([{"params": model2.dense_params()}, {"params": model2.expert_params(), "lr": 0.5}])
     msd = model2.state_dict()
-    dcp.load(
-        {"model": msd, "optim": sc.SparseOptimizerState(model2, opt2)},
-        checkpoint_id=tmp_path,
-        planner=sc.SparseLoadPlanner(),
-    )
+    sparse_dcp_load(tmp_path, model2, opt2, state={"model": msd})
     model2.load_state_dict(msd)
     assert_optimizer_equal(opt, opt2, grads=False)
     assert not opt2.state.get(model2.experts[1].up.weight)
@@ -303,8 +299,4 @@ def test_wrong_key_is_reported(tmp_path: Path) -> None:
     with warnings.catch_warnings():
         warnings.simplefilter("ignore")
         with pytest.raises(CheckpointException, match="no optimizer entries under 'optimizer'"):
-            dcp.load(
-                {"optimizer": sc.SparseOptimizerState(model, opt)},
-                checkpoint_id=tmp_path,
-                planner=sc.SparseLoadPlanner(),
-            )
+            sparse_dcp_load(tmp_path, model, opt, key="optimizer")

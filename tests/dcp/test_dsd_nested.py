@@ -16,7 +16,7 @@ from typing import Any
 import pytest
 import torch
 import torch.distributed.checkpoint as dcp
-from helpers import assert_deep_equal, fqn_view
+from helpers import assert_deep_equal, fqn_view, sparse_dcp_load
 from torch import nn
 from torch.distributed.checkpoint.state_dict import get_optimizer_state_dict, set_optimizer_state_dict
 
@@ -252,12 +252,7 @@ def test_nested_dcp_checkpoint_loads_with_the_planner(nested_ckpt: tuple[Path, N
     path, src_model, src = nested_ckpt
     model = Net(seed=1)
     opt = adamw(model, lr=0.5)
-    dcp.load(
-        {"optimizer": sc.SparseOptimizerState(model, opt)},
-        checkpoint_id=str(path),
-        planner=sc.SparseLoadPlanner(),
-        no_dist=True,
-    )
+    sparse_dcp_load(str(path), model, opt, key="optimizer", no_dist=True)
     assert_deep_equal(view(model, opt), view(src_model, src), **SAME)
     assert all(p not in opt.state for p in model.vision.parameters())
 
@@ -285,12 +280,7 @@ def test_cli_reads_and_converts_a_nested_checkpoint(
     assert tools.inspect_checkpoint(converted)["optimizers"][0]["format"] == "packed"
     model = Net(seed=1)
     opt = adamw(model, lr=0.5)
-    dcp.load(
-        {"optimizer": sc.SparseOptimizerState(model, opt)},
-        checkpoint_id=str(converted),
-        planner=sc.SparseLoadPlanner(),
-        no_dist=True,
-    )
+    sparse_dcp_load(str(converted), model, opt, key="optimizer", no_dist=True)
     assert_deep_equal(view(model, opt), view(src_model, src), **SAME)
 
     assert cli.main(["export", str(path), str(tmp_path / "export")]) == 2
@@ -348,10 +338,5 @@ def test_an_origin_record_that_reached_a_dcp_checkpoint_is_not_read(tmp_path: Pa
     dcp.save({"optim": sd}, checkpoint_id=str(tmp_path / "ckpt"), no_dist=True)
     target_model = Net()
     target = adamw(target_model)
-    dcp.load(
-        {"optim": sc.SparseOptimizerState(target_model, target)},
-        checkpoint_id=str(tmp_path / "ckpt"),
-        planner=sc.SparseLoadPlanner(),
-        no_dist=True,
-    )
+    sparse_dcp_load(str(tmp_path / "ckpt"), target_model, target, no_dist=True)
     assert_deep_equal(view(target_model, target), view(model, opt))

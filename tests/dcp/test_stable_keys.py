@@ -20,7 +20,7 @@ import torch
 import torch.distributed as dist
 import torch.distributed.checkpoint as dcp
 from _spawned import assert_matches, build_drill, cpu_mesh, local_view, run_spawned, train_drill
-from helpers import assert_optimizer_equal, make_moe, train
+from helpers import assert_optimizer_equal, experts_and_dense, make_moe, train
 from hypothesis import given, settings
 from hypothesis import strategies as st
 from legacy_checkpoints import legacy
@@ -99,13 +99,7 @@ def test_a_rank_tagged_table_is_sealed() -> None:
 def test_keys_stay_when_values_move() -> None:
     """An lr change and another step change values only: the same keys, in both layouts."""
     model = make_moe(0)
-    opt = sc.MultiOptimizer(
-        model,
-        {
-            "experts": torch.optim.AdamW(model.expert_params(), lr=0.01),
-            "dense": torch.optim.AdamW(model.dense_params(), lr=0.01),
-        },
-    )
+    opt = experts_and_dense(model, lambda params: torch.optim.AdamW(params, lr=0.01))
     sched = torch.optim.lr_scheduler.StepLR(opt["dense"], step_size=1, gamma=0.5)
     for layout in ("per_tensor", "buffers"):
         train(model, opt, 1, only_experts=[0])

@@ -219,6 +219,19 @@ def layouts_match_torch(m: Any, opt: Any) -> None:
         assert_deep_equal(without_key_record(ours), theirs, f"layout {options}", nan_equal="none")
 
 
+def same_as_at_save(rank: int, root: str, tag: str, m: Any, opt: Any, where: str) -> None:
+    """Every rank snapshots (a collective); rank 0 compares with run ``tag``'s state at its save."""
+    got = state_snapshot(m, opt)
+    if rank == 0:
+        assert_deep_equal(
+            got,
+            torch.load(f"{root}/{tag}-at-save.pt", weights_only=False),
+            f"{tag}: {where}",
+            nan_equal="none",
+            check_order=False,
+        )
+
+
 def variants(rank: int, root: str, m: Any, opt: Any, sched: Any, two: bool) -> None:
     """Installed: every layout, planner and call style resumes exactly; a stock checkpoint loads as it is."""
     tag = "two" if two else "one"
@@ -257,15 +270,7 @@ def variants(rank: int, root: str, m: Any, opt: Any, sched: Any, two: bool) -> N
     broadcast = StateDictOptions(full_state_dict=True, broadcast_from_rank0=True)
     set_state_dict(m2, _each(opt2), model_state_dict=model_full, optim_state_dict=full, options=broadcast)
     assert with_state(opt2) == dsd_moe.STEPPED
-    got = state_snapshot(m2, opt2)
-    if rank == 0:
-        assert_deep_equal(
-            got,
-            torch.load(f"{root}/{tag}-at-save.pt", weights_only=False),
-            f"{tag}: broadcast",
-            nan_equal="none",
-            check_order=False,
-        )
+    same_as_at_save(rank, root, tag, m2, opt2, "broadcast")
     if not two:  # a dict rank 0 refuses (torch's id-keyed one) is refused on every rank, none left waiting
         ids = opt2.state_dict() if rank == 0 else {}
         with pytest.raises(sc.CheckpointFormatError, match="keyed by parameter ids"):
@@ -275,15 +280,7 @@ def variants(rank: int, root: str, m: Any, opt: Any, sched: Any, two: bool) -> N
     full = torch.load(f"{root}/{tag}-full.pt", weights_only=False)
     m3, opt3, _ = fresh(two)
     set_optimizer_state_dict(m3, _each(opt3), full, options=StateDictOptions(full_state_dict=True))
-    got = state_snapshot(m3, opt3)
-    if rank == 0:
-        assert_deep_equal(
-            got,
-            torch.load(f"{root}/{tag}-at-save.pt", weights_only=False),
-            f"{tag}: full",
-            nan_equal="none",
-            check_order=False,
-        )
+    same_as_at_save(rank, root, tag, m3, opt3, "full")
 
     if not two:  # a stock checkpoint (DSD's own save) loads as it is, by every planner
         for planner in (None, TrainerPlanner()):

@@ -44,52 +44,23 @@ pytest.importorskip(
 )
 
 import _backends
-import dsd_moe
 import hf_drill
-import torch
 from _dist import run_ranks
-from hf_cpu_fsdp2 import cpu_fsdp2
-from hf_drill import SAVE_AT, STEPS
+from hf_cpu_fsdp2 import moe_trainer
+from hf_drill import SAVE_AT
+from trainer_drill import MARKS
 
-pytestmark = [
-    pytest.mark.slow,  # a trainer drill: the fast tier (-m 'not slow') leaves it out
-    pytest.mark.usefixtures("forbid_fork"),
-    pytest.mark.filterwarnings("ignore::UserWarning", "ignore::FutureWarning", "ignore::DeprecationWarning"),
-]
+pytestmark = MARKS
 
 STOCK_ERROR = r"Missing key in checkpoint state_dict: optimizer\.state\.layers\.0\.experts\.4\.weight\.step"
-
-
-class Batches(torch.utils.data.Dataset):
-    """One optimizer step per epoch on 2 ranks (4 samples, 2 per rank)."""
-
-    def __len__(self) -> int:
-        return 4
-
-    def __getitem__(self, i: int) -> dict[str, torch.Tensor]:
-        x, y = dsd_moe.batch(0, i, n=1)
-        return {"x": x[0], "labels": y[0]}
 
 
 def trainer(output_dir: str) -> Any:
     """A fresh Trainer on a fresh MoE (seed 0), FSDP2 on CPU, AdamW (two groups) and LambdaLR."""
     from transformers import Trainer, TrainingArguments
 
-    args = TrainingArguments(
-        output_dir=output_dir,
-        max_steps=STEPS,
-        save_strategy="steps",
-        save_steps=SAVE_AT,
-        per_device_train_batch_size=2,
-        use_cpu=True,
-        report_to="none",
-        seed=0,
-        remove_unused_columns=False,
-        disable_tqdm=True,
-        logging_strategy="no",
-        dataloader_num_workers=0,
-    )
-    return cpu_fsdp2(Trainer, dsd_moe.optimizer)(model=dsd_moe.model(0), args=args, train_dataset=Batches())
+    args = TrainingArguments(output_dir=output_dir, remove_unused_columns=False, **hf_drill.TRAINING_ARGS)
+    return moe_trainer(Trainer, args)
 
 
 def checkpoint_size(path: Path) -> dict[str, int]:

@@ -37,26 +37,11 @@ pytest.importorskip(
 import _backends
 import dsd_moe
 import torch
+import trainer_drill as drill
 from _dist import run_ranks
 from doc_blocks import ROOT, run_block
-from trainer_drill import (
-    FRESH_LRS,
-    SAVE_AT,
-    STEPS,
-    assert_resumed,
-    assert_same,
-    doc_block,
-    load_reference,
-    outcome,
-    parallelize,
-    save_reference,
-)
 
-pytestmark = [
-    pytest.mark.slow,  # a trainer drill: the fast tier (-m 'not slow') leaves it out
-    pytest.mark.usefixtures("forbid_fork"),
-    pytest.mark.filterwarnings("ignore::UserWarning", "ignore::FutureWarning", "ignore::DeprecationWarning"),
-]
+pytestmark = drill.MARKS
 
 KINDS = {"dcp": True, "file": False}
 """Checkpoint kind -> ``save_distributed_checkpoint``."""
@@ -73,7 +58,7 @@ TRAINER_BLOCK = "trainer.save_checkpoint(path)"
 
 def installed(marker: str) -> dict[str, Any]:
     """Run the docs block containing ``marker`` (it calls ``install()``); its names."""
-    names = run_block(doc_block(PAGE, marker), {"__name__": "docs"})
+    names = run_block(drill.doc_block(PAGE, marker), {"__name__": "docs"})
     assert names["sc_dsd"].installed()
     return names
 
@@ -102,7 +87,7 @@ def fabric_run(world_size: int, kind: str) -> tuple[Any, Any, Any, Any]:
     from lightning.fabric.strategies import ModelParallelStrategy
 
     strategy = ModelParallelStrategy(
-        lambda model, mesh: parallelize(model, mesh["data_parallel"]),
+        lambda model, mesh: drill.parallelize(model, mesh["data_parallel"]),
         data_parallel_size=world_size,
         tensor_parallel_size=1,
         save_distributed_checkpoint=KINDS[kind],
@@ -124,7 +109,7 @@ def fabric_train(fabric: Any, model: Any, optimizer: Any, scheduler: Any, steps:
 
 
 def fabric_outcome(model: Any, optimizer: Any, scheduler: Any) -> dict[str, Any]:
-    return outcome(model.module, optimizer.optimizer, scheduler)
+    return drill.outcome(model.module, optimizer.optimizer, scheduler)
 
 
 def fabric_load(fabric: Any, path: Path, model: Any, optimizer: Any, scheduler: Any) -> None:
@@ -140,34 +125,36 @@ def fabric_saves(rank: int, world_size: int, root: str) -> None:
     """The uninterrupted run, the stock checkpoints, then (installed) the sparse ones."""
     _quiet()
     run = fabric_run(world_size, "dcp")
-    fabric_train(*run, range(STEPS), rank)
-    save_reference(root, "fabric", fabric_outcome(*run[1:]))
+    fabric_train(*run, range(drill.STEPS), rank)
+    drill.save_reference(root, "fabric", fabric_outcome(*run[1:]))
     at_save = {}
     for kind in KINDS:
         fabric, model, optimizer, scheduler = run = fabric_run(world_size, kind)
-        fabric_train(*run, range(SAVE_AT), rank)
+        fabric_train(*run, range(drill.SAVE_AT), rank)
         at_save[kind] = fabric_outcome(model, optimizer, scheduler)
         fabric.save(Path(root) / f"stock-{kind}", {"model": model, "optimizer": optimizer, "scheduler": scheduler})
 
     docs = installed(FABRIC_BLOCK)  # after Lightning's imports: the usual order
     for kind in KINDS:
         fabric, model, optimizer, scheduler = run = fabric_run(world_size, kind)
-        fabric_train(*run, range(SAVE_AT), rank)
+        fabric_train(*run, range(drill.SAVE_AT), rank)
         docs["save"](fabric, model, optimizer, scheduler, path=Path(root) / f"sparse-{kind}")
-        assert_same(fabric_outcome(model, optimizer, scheduler), at_save[kind], f"{kind}: after the installed save")
+        drill.assert_same(
+            fabric_outcome(model, optimizer, scheduler), at_save[kind], f"{kind}: after the installed save"
+        )
 
 
 def fabric_resumes(rank: int, world_size: int, root: str) -> None:
     """Fresh processes: the stock resumes fail (pinned); installed, every checkpoint resumes exactly."""
     _quiet()
-    reference = load_reference(root, "fabric")
+    reference = drill.load_reference(root, "fabric")
     for kind in KINDS:
         fabric, model, optimizer, scheduler = fabric_run(world_size, kind)
         error, pattern = stock_error(kind, "optimizer", UNROUTED)
         with pytest.raises(error, match=pattern):
             fabric_load(fabric, Path(root) / f"stock-{kind}", model, optimizer, scheduler)
         assert len(optimizer.optimizer.state) == dsd_moe.PARAMS  # DSD's synthetic step: 18 invented
-        assert [g["lr"] for g in optimizer.param_groups] == FRESH_LRS
+        assert [g["lr"] for g in optimizer.param_groups] == drill.FRESH_LRS
 
     docs = installed(FABRIC_BLOCK)
     for kind in KINDS:
@@ -175,8 +162,8 @@ def fabric_resumes(rank: int, world_size: int, root: str) -> None:
             fabric, model, optimizer, scheduler = run = fabric_run(world_size, kind)
             docs["resume"](fabric, model, optimizer, scheduler, path=Path(root) / f"{source}-{kind}")
             assert len(optimizer.optimizer.state) == dsd_moe.STEPPED, (kind, source)
-            fabric_train(*run, range(SAVE_AT, STEPS), rank)
-            assert_resumed(
+            fabric_train(*run, range(drill.SAVE_AT, drill.STEPS), rank)
+            drill.assert_resumed(
                 fabric_outcome(model, optimizer, scheduler), reference, f"Fabric {kind}, {source} checkpoint"
             )
 
@@ -201,7 +188,7 @@ def trainer_module() -> Any:
             self.moe = dsd_moe.model(0)
 
         def configure_model(self) -> None:
-            parallelize(self.moe, self.device_mesh["data_parallel"])
+            drill.parallelize(self.moe, self.device_mesh["data_parallel"])
 
         def training_step(self, batch: Any, batch_idx: int) -> torch.Tensor:
             x, y = dsd_moe.batch(self.global_step, self.global_rank)
@@ -239,26 +226,26 @@ def trainer(world_size: int, kind: str, steps: int) -> Any:
 
 
 def data() -> Any:
-    return torch.utils.data.DataLoader(list(range(STEPS)), batch_size=None)
+    return torch.utils.data.DataLoader(list(range(drill.STEPS)), batch_size=None)
 
 
 def trainer_outcome(t: Any, module: Any) -> dict[str, Any]:
-    return outcome(module.moe, t.optimizers[0], t.lr_scheduler_configs[0].scheduler)
+    return drill.outcome(module.moe, t.optimizers[0], t.lr_scheduler_configs[0].scheduler)
 
 
 def trainer_saves(rank: int, world_size: int, root: str) -> None:
     _quiet()
-    t, module = trainer(world_size, "dcp", STEPS), trainer_module()
+    t, module = trainer(world_size, "dcp", drill.STEPS), trainer_module()
     t.fit(module, data())
-    save_reference(root, "trainer", trainer_outcome(t, module))
+    drill.save_reference(root, "trainer", trainer_outcome(t, module))
     for kind in KINDS:
-        t, module = trainer(world_size, kind, SAVE_AT), trainer_module()
+        t, module = trainer(world_size, kind, drill.SAVE_AT), trainer_module()
         t.fit(module, data())
         t.save_checkpoint(Path(root) / f"stock-{kind}.ckpt")
 
     docs = installed(TRAINER_BLOCK)  # after Lightning's imports: the usual order
     for kind in KINDS:
-        t, module = trainer(world_size, kind, SAVE_AT), trainer_module()
+        t, module = trainer(world_size, kind, drill.SAVE_AT), trainer_module()
         t.fit(module, data())
         docs["save"](t, path=Path(root) / f"sparse-{kind}.ckpt")
         assert len(t.optimizers[0].state) == dsd_moe.STEPPED
@@ -266,22 +253,22 @@ def trainer_saves(rank: int, world_size: int, root: str) -> None:
 
 def trainer_resumes(rank: int, world_size: int, root: str) -> None:
     _quiet()
-    reference = load_reference(root, "trainer")
+    reference = drill.load_reference(root, "trainer")
     for kind in KINDS:
-        t, module = trainer(world_size, kind, STEPS), trainer_module()
+        t, module = trainer(world_size, kind, drill.STEPS), trainer_module()
         error, pattern = stock_error(kind, "optimizer_0", f"moe.{UNROUTED}")
         with pytest.raises(error, match=pattern):
             t.fit(module, data(), ckpt_path=Path(root) / f"stock-{kind}.ckpt")
         assert len(t.optimizers[0].state) == dsd_moe.PARAMS  # DSD's synthetic step: 18 invented
-        assert [g["lr"] for g in t.optimizers[0].param_groups] == FRESH_LRS
+        assert [g["lr"] for g in t.optimizers[0].param_groups] == drill.FRESH_LRS
 
     docs = installed(TRAINER_BLOCK)
     for kind in KINDS:
         for source in ("stock", "sparse"):
-            t, module = trainer(world_size, kind, STEPS), trainer_module()
+            t, module = trainer(world_size, kind, drill.STEPS), trainer_module()
             docs["resume"](t, module, data(), path=Path(root) / f"{source}-{kind}.ckpt")
-            assert t.global_step == STEPS
-            assert_resumed(trainer_outcome(t, module), reference, f"Trainer {kind}, {source}")
+            assert t.global_step == drill.STEPS
+            drill.assert_resumed(trainer_outcome(t, module), reference, f"Trainer {kind}, {source}")
 
 
 @_backends.only(_backends.DEFAULT)
@@ -293,5 +280,5 @@ def test_trainer_model_parallel_resumes_exactly_with_dsd_install(tmp_path: Path)
 @_backends.only(_backends.DEFAULT)
 def test_docs_blocks_install_and_define_save_and_resume() -> None:
     for marker in (FABRIC_BLOCK, TRAINER_BLOCK):
-        block = doc_block(PAGE, marker)
+        block = drill.doc_block(PAGE, marker)
         assert "sc_dsd.install()" in block.code and "def save(" in block.code and "def resume(" in block.code

@@ -39,31 +39,15 @@ pytest.importorskip(
 
 import _backends
 import dsd_moe
+import trainer_drill as drill
 from _dist import run_ranks
 from doc_blocks import ROOT, run_block
-from trainer_drill import (
-    FRESH_LRS,
-    SAVE_AT,
-    STEPS,
-    assert_resumed,
-    assert_same,
-    doc_block,
-    load_reference,
-    outcome,
-    save_reference,
-    sgd,
-    sharded,
-)
 
-pytestmark = [
-    pytest.mark.slow,  # a trainer drill: the fast tier (-m 'not slow') leaves it out
-    pytest.mark.usefixtures("forbid_fork"),
-    pytest.mark.filterwarnings("ignore::UserWarning", "ignore::FutureWarning", "ignore::DeprecationWarning"),
-]
+pytestmark = drill.MARKS
 
 PAGE = ROOT / "docs/integrations/nemo-automodel.md"
 """The trainer's page, whose blocks this drill runs as written."""
-OPTIMIZERS = {"sgd": sgd, "adamw": dsd_moe.optimizer}
+OPTIMIZERS = {"sgd": drill.sgd, "adamw": dsd_moe.optimizer}
 STOCK_ERROR = r"Missing key in checkpoint state_dict: optim\.state\.layers\.0\.experts\.4\.weight\.momentum_buffer"
 ADAM_ERROR = r"Missing key in checkpoint state_dict: optim\.state\.layers\.0\.experts\.4\.weight\.step"
 BLOCK = "checkpointer.save_optimizer(optimizer, model, path, scheduler)"
@@ -71,7 +55,7 @@ REMEDY = "_materialize_missing_adam_state = lambda"
 
 
 def fresh(kind: str) -> tuple[Any, Any, Any]:
-    model = sharded()
+    model = drill.sharded()
     optimizer = OPTIMIZERS[kind](model)
     return model, optimizer, dsd_moe.scheduler(optimizer)
 
@@ -111,7 +95,7 @@ docs: dict[str, Any] = {}
 def install(root: str) -> None:
     """Run the usage block of docs/integrations/nemo-automodel.md ("NeMo Automodel") in ``root``."""
     os.chdir(root)
-    docs.update(run_block(doc_block(PAGE, BLOCK), {"__name__": "docs"}))
+    docs.update(run_block(drill.doc_block(PAGE, BLOCK), {"__name__": "docs"}))
     assert docs["sc_dsd"].installed()
 
 
@@ -119,7 +103,7 @@ def remedy() -> None:
     """Run the NeMo-specific remedy block of docs/integrations/nemo-automodel.md, as written."""
     from nemo_automodel.components.checkpoint import stateful_wrappers
 
-    run_block(doc_block(PAGE, REMEDY), {"__name__": "docs"})
+    run_block(drill.doc_block(PAGE, REMEDY), {"__name__": "docs"})
     assert stateful_wrappers._materialize_missing_adam_state(None) is None  # the no-op
 
 
@@ -150,33 +134,35 @@ def saves(rank: int, world_size: int, root: str) -> None:
     at_save = {}
     for kind in OPTIMIZERS:
         model, optimizer, scheduler = fresh(kind)
-        dsd_moe.train(model, optimizer, scheduler, range(STEPS), rank)
-        save_reference(root, f"nemo-{kind}", outcome(model, optimizer, scheduler))
+        dsd_moe.train(model, optimizer, scheduler, range(drill.STEPS), rank)
+        drill.save_reference(root, f"nemo-{kind}", drill.outcome(model, optimizer, scheduler))
         model, optimizer, scheduler = fresh(kind)
-        dsd_moe.train(model, optimizer, scheduler, range(SAVE_AT), rank)
-        at_save[kind] = outcome(model, optimizer, scheduler)
+        dsd_moe.train(model, optimizer, scheduler, range(drill.SAVE_AT), rank)
+        at_save[kind] = drill.outcome(model, optimizer, scheduler)
         save(rank, Path(root) / f"stock-{kind}", model, optimizer, scheduler)
         after = len(optimizer.state)
         assert after == (dsd_moe.PARAMS if kind == "adamw" else dsd_moe.STEPPED)  # AdamW: NeMo's materializer
         if kind == "adamw":
-            invented(optimizer, model, SAVE_AT)
+            invented(optimizer, model, drill.SAVE_AT)
 
     install(root)  # after NeMo's imports: the usual order
     model, optimizer, scheduler = fresh("sgd")
-    dsd_moe.train(model, optimizer, scheduler, range(SAVE_AT), rank)
+    dsd_moe.train(model, optimizer, scheduler, range(drill.SAVE_AT), rank)
     save(rank, Path(root) / "sparse-sgd", model, optimizer, scheduler)
-    assert_same(outcome(model, optimizer, scheduler), at_save["sgd"], "SGD: after the installed save")
+    drill.assert_same(drill.outcome(model, optimizer, scheduler), at_save["sgd"], "SGD: after the installed save")
 
     model, optimizer, scheduler = fresh("adamw")
-    dsd_moe.train(model, optimizer, scheduler, range(SAVE_AT), rank)
+    dsd_moe.train(model, optimizer, scheduler, range(drill.SAVE_AT), rank)
     save(rank, Path(root) / "materialized-adamw", model, optimizer, scheduler)
     assert len(optimizer.state) == dsd_moe.PARAMS  # install() alone: NeMo still writes into its optimizer
 
     remedy()
     model, optimizer, scheduler = fresh("adamw")
-    dsd_moe.train(model, optimizer, scheduler, range(SAVE_AT), rank)
+    dsd_moe.train(model, optimizer, scheduler, range(drill.SAVE_AT), rank)
     save(rank, Path(root) / "sparse-adamw", model, optimizer, scheduler)
-    assert_same(outcome(model, optimizer, scheduler), at_save["adamw"], "AdamW (remedy): after the installed save")
+    drill.assert_same(
+        drill.outcome(model, optimizer, scheduler), at_save["adamw"], "AdamW (remedy): after the installed save"
+    )
 
 
 def resumes(rank: int, world_size: int, root: str) -> None:
@@ -184,31 +170,33 @@ def resumes(rank: int, world_size: int, root: str) -> None:
     SGD resumes exactly; with the remedy, AdamW too."""
     from torch.distributed.checkpoint.api import CheckpointException
 
-    references = {kind: load_reference(root, f"nemo-{kind}") for kind in OPTIMIZERS}
+    references = {kind: drill.load_reference(root, f"nemo-{kind}") for kind in OPTIMIZERS}
 
     def resume(kind: str, source: str) -> tuple[Any, Any, dict[str, Any]]:
         model, optimizer, scheduler = fresh(kind)
         load(rank, Path(root) / f"{source}-{kind}", model, optimizer, scheduler)
-        dsd_moe.train(model, optimizer, scheduler, range(SAVE_AT, STEPS), rank)
-        return model, optimizer, outcome(model, optimizer, scheduler)
+        dsd_moe.train(model, optimizer, scheduler, range(drill.SAVE_AT, drill.STEPS), rank)
+        return model, optimizer, drill.outcome(model, optimizer, scheduler)
 
     def materialized(kind: str, source: str) -> None:
         """AdamW through NeMo's materializer: 40 states; parameters, lrs and the 22 real states exact."""
         model, optimizer, got = resume(kind, source)
         assert got["with_state"] == dsd_moe.PARAMS, source
-        invented(optimizer, model, STEPS)
-        assert_same(real_part(got, references[kind]), references[kind], f"AdamW, {source} checkpoint (materialized)")
+        invented(optimizer, model, drill.STEPS)
+        drill.assert_same(
+            real_part(got, references[kind]), references[kind], f"AdamW, {source} checkpoint (materialized)"
+        )
 
     model, optimizer, scheduler = fresh("sgd")
     with pytest.raises(CheckpointException, match=STOCK_ERROR):
         load(rank, Path(root) / "stock-sgd", model, optimizer, scheduler)
     assert len(optimizer.state) == dsd_moe.PARAMS  # DSD's synthetic step: a momentum_buffer for all 40
-    assert [g["lr"] for g in optimizer.param_groups] == FRESH_LRS
+    assert [g["lr"] for g in optimizer.param_groups] == drill.FRESH_LRS
     materialized("adamw", "stock")
 
     install(root)
     for source in ("stock", "sparse"):
-        assert_resumed(resume("sgd", source)[2], references["sgd"], f"SGD, {source} checkpoint")
+        drill.assert_resumed(resume("sgd", source)[2], references["sgd"], f"SGD, {source} checkpoint")
     for source in ("stock", "materialized"):
         materialized("adamw", source)  # install() alone: NeMo's materializer still fills the fresh optimizer
 
@@ -219,7 +207,7 @@ def resumes(rank: int, world_size: int, root: str) -> None:
         load(rank, Path(root) / "sparse-adamw", model, optimizer, scheduler)
 
     docs["sc_dsd"].install()
-    assert_resumed(resume("adamw", "sparse")[2], references["adamw"], "AdamW (remedy), its own checkpoint")
+    drill.assert_resumed(resume("adamw", "sparse")[2], references["adamw"], "AdamW (remedy), its own checkpoint")
     materialized("adamw", "stock")  # what NeMo wrote into a checkpoint stays there
 
 
@@ -236,9 +224,9 @@ def test_the_remedy_disables_the_materializer_nemo_calls() -> None:
 
     from nemo_automodel.components.checkpoint import stateful_wrappers
 
-    assert REMEDY.split(" =")[0] in doc_block(PAGE, REMEDY).code
+    assert REMEDY.split(" =")[0] in drill.doc_block(PAGE, REMEDY).code
     assert callable(stateful_wrappers._materialize_missing_adam_state)
     assert "_materialize_missing_adam_state(optimizer)" in inspect.getsource(
         stateful_wrappers.OptimizerState.state_dict
     )
-    assert "sc_dsd.install()" in doc_block(PAGE, BLOCK).code
+    assert "sc_dsd.install()" in drill.doc_block(PAGE, BLOCK).code

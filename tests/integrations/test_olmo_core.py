@@ -37,26 +37,11 @@ import _backends
 import dsd_moe
 import torch
 import torch.distributed as dist
+import trainer_drill as drill
 from _dist import run_ranks
 from doc_blocks import ROOT, run_block
-from trainer_drill import (
-    FRESH_LRS,
-    SAVE_AT,
-    STEPS,
-    assert_resumed,
-    assert_same,
-    doc_block,
-    load_reference,
-    outcome,
-    save_reference,
-    sharded,
-)
 
-pytestmark = [
-    pytest.mark.slow,  # a trainer drill: the fast tier (-m 'not slow') leaves it out
-    pytest.mark.usefixtures("forbid_fork"),
-    pytest.mark.filterwarnings("ignore::UserWarning", "ignore::FutureWarning", "ignore::DeprecationWarning"),
-]
+pytestmark = drill.MARKS
 
 PAGE = ROOT / "docs/integrations/olmo-core.md"
 """The trainer's page, whose blocks this drill runs as written."""
@@ -71,12 +56,12 @@ docs: dict[str, Any] = {}
 def install(root: str) -> None:
     """Run the docs block in ``root`` (its ``Checkpointer`` works under ``ckpt/``)."""
     os.chdir(root)
-    docs.update(run_block(doc_block(PAGE, BLOCK), {"__name__": "docs"}))
+    docs.update(run_block(drill.doc_block(PAGE, BLOCK), {"__name__": "docs"}))
     assert docs["sc_dsd"].installed()
 
 
 def fresh() -> tuple[Any, Any, Any]:
-    model = sharded()
+    model = drill.sharded()
     optimizer = dsd_moe.optimizer(model)
     return model, optimizer, dsd_moe.scheduler(optimizer)
 
@@ -87,7 +72,7 @@ def save(api: str, path: Path, model: Any, optimizer: Any, scheduler: Any) -> No
     from olmo_core.train.train_module import BasicTrainModule
 
     if api == "checkpointer":
-        state = {"global_step": SAVE_AT, "scheduler": scheduler.state_dict()}
+        state = {"global_step": drill.SAVE_AT, "scheduler": scheduler.state_dict()}
         if docs:  # installed: the docs' save
             docs["save"](model, optimizer, state, path=path)
         else:
@@ -112,7 +97,7 @@ def load(api: str, path: Path, model: Any, optimizer: Any, scheduler: Any) -> No
             state = Checkpointer(work_dir=path.parent / "work").load(
                 path, BasicTrainModule(model, optimizer, rank_microbatch_size=4)
             )
-        assert state is not None and state["global_step"] == SAVE_AT
+        assert state is not None and state["global_step"] == drill.SAVE_AT
         scheduler.load_state_dict(state["scheduler"])
     else:
         load_model_and_optim_state(path, model, optimizer, flatten_optimizer_state=True)
@@ -127,34 +112,34 @@ def scheduler_path(path: Path) -> Path:
 def saves(rank: int, world_size: int, root: str) -> None:
     """The uninterrupted run, the stock checkpoints, then (installed) the sparse ones."""
     model, optimizer, scheduler = fresh()
-    dsd_moe.train(model, optimizer, scheduler, range(STEPS), rank)
-    save_reference(root, "olmo", outcome(model, optimizer, scheduler))
+    dsd_moe.train(model, optimizer, scheduler, range(drill.STEPS), rank)
+    drill.save_reference(root, "olmo", drill.outcome(model, optimizer, scheduler))
     at_save = {}
     for api in APIS:
         model, optimizer, scheduler = fresh()
-        dsd_moe.train(model, optimizer, scheduler, range(SAVE_AT), rank)
-        at_save[api] = outcome(model, optimizer, scheduler)
+        dsd_moe.train(model, optimizer, scheduler, range(drill.SAVE_AT), rank)
+        at_save[api] = drill.outcome(model, optimizer, scheduler)
         save(api, Path(root) / f"stock-{api}", model, optimizer, scheduler)
 
     install(root)  # after OLMo-core's imports: the usual order
     for api in APIS:
         model, optimizer, scheduler = fresh()
-        dsd_moe.train(model, optimizer, scheduler, range(SAVE_AT), rank)
+        dsd_moe.train(model, optimizer, scheduler, range(drill.SAVE_AT), rank)
         save(api, Path(root) / f"sparse-{api}", model, optimizer, scheduler)
-        assert_same(outcome(model, optimizer, scheduler), at_save[api], f"{api}: after the installed save")
+        drill.assert_same(drill.outcome(model, optimizer, scheduler), at_save[api], f"{api}: after the installed save")
 
 
 def resumes(rank: int, world_size: int, root: str) -> None:
     """Fresh processes: the stock resumes fail (pinned); installed, every checkpoint resumes exactly."""
     from torch.distributed.checkpoint.api import CheckpointException
 
-    reference = load_reference(root, "olmo")
+    reference = drill.load_reference(root, "olmo")
     for api in APIS:
         model, optimizer, scheduler = fresh()
         with pytest.raises(CheckpointException, match=STOCK_ERROR):
             load(api, Path(root) / f"stock-{api}", model, optimizer, scheduler)
         assert len(optimizer.state) == dsd_moe.PARAMS  # DSD's synthetic step: 18 invented
-        assert [g["lr"] for g in optimizer.param_groups] == FRESH_LRS
+        assert [g["lr"] for g in optimizer.param_groups] == drill.FRESH_LRS
 
     install(root)
     for api in APIS:
@@ -162,8 +147,10 @@ def resumes(rank: int, world_size: int, root: str) -> None:
             model, optimizer, scheduler = fresh()
             load(api, Path(root) / f"{source}-{api}", model, optimizer, scheduler)
             assert len(optimizer.state) == dsd_moe.STEPPED, (api, source)
-            dsd_moe.train(model, optimizer, scheduler, range(SAVE_AT, STEPS), rank)
-            assert_resumed(outcome(model, optimizer, scheduler), reference, f"OLMo-core {api}, {source} checkpoint")
+            dsd_moe.train(model, optimizer, scheduler, range(drill.SAVE_AT, drill.STEPS), rank)
+            drill.assert_resumed(
+                drill.outcome(model, optimizer, scheduler), reference, f"OLMo-core {api}, {source} checkpoint"
+            )
 
 
 @_backends.only(_backends.DEFAULT)
@@ -174,5 +161,5 @@ def test_olmo_core_resumes_exactly_with_dsd_install(tmp_path: Path) -> None:
 
 @_backends.only(_backends.DEFAULT)
 def test_docs_block_installs_and_defines_save_and_resume() -> None:
-    block = doc_block(PAGE, BLOCK)
+    block = drill.doc_block(PAGE, BLOCK)
     assert "sc_dsd.install()" in block.code and "def save(" in block.code and "def resume(" in block.code

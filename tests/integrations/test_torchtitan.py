@@ -1,7 +1,7 @@
 """torchtitan's own checkpoint entry point with sparse_ckpt plugged in, on 2 Gloo ranks with FSDP2
 (the real torchtitan package; skipped when it is not installed).
 
-The scenario (bench/titan_scenario.py): experts 1 and 3 of every layer got no tokens before the save,
+The scenario (bench/trainers/titan_scenario.py): experts 1 and 3 of every layer got no tokens before the save,
 leaf ``optim0`` (Adam over ``aux``) never stepped while the warmup scheduler moved its lr.
 ``SparseCheckpointManager.Config(...).build(...)`` (as torchtitan's trainer builds its manager)
 saves and restores it into fresh objects exactly: lrs, scheduler, train_state and dataloader
@@ -24,7 +24,7 @@ pytest.importorskip(
 from _dist import assert_snapshots_equal, full_snapshot, run_ranks
 from torch.distributed.device_mesh import init_device_mesh
 
-from bench import titan_scenario as tt
+from bench.trainers import titan_scenario as tt
 from sparse_ckpt.integrations.torchtitan import SparseCheckpointManager
 
 pytestmark = [pytest.mark.filterwarnings("ignore::UserWarning"), pytest.mark.slow]  # a trainer drill: slow

@@ -29,7 +29,7 @@ from torchtitan.components.optimizer import LRSchedulersContainer, OptimizersCon
 from torchtitan.protocols.state_dict_adapter import BaseStateDictAdapter
 
 import sparse_ckpt as sc
-from bench import titan_scenario as tt
+from bench.trainers import titan_scenario as tt
 from sparse_ckpt import CheckpointMismatchError
 from sparse_ckpt.integrations.torchtitan import SparseCheckpointManager
 

@@ -33,7 +33,7 @@ from torch.distributed.device_mesh import init_device_mesh
 from torch.distributed.tensor import DTensor
 from torchtitan.components.checkpoint import CheckpointManager
 
-from bench import titan_scenario as tt
+from bench.trainers import titan_scenario as tt
 from sparse_ckpt import CheckpointMismatchError
 from sparse_ckpt.integrations.torchtitan import SparseCheckpointManager
 

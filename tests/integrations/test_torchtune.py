@@ -33,32 +33,16 @@ pytest.importorskip(
 import _backends
 import dsd_moe
 import torch
+import trainer_drill as drill
 from _dist import run_ranks
 from doc_blocks import run_block
 from torch.distributed.checkpoint.api import CheckpointException
-from trainer_drill import (
-    FRESH_LRS,
-    PAGES,
-    SAVE_AT,
-    STEPS,
-    assert_resumed,
-    assert_same,
-    doc_block,
-    load_reference,
-    outcome,
-    save_reference,
-    sharded,
-)
 
-from bench import tune_scenario as ts
+from bench.trainers import tune_scenario as ts
 from sparse_ckpt import CheckpointMismatchError
 from sparse_ckpt.integrations import torchtune as sc_tune
 
-pytestmark = [
-    pytest.mark.slow,  # a trainer drill: the fast tier (-m 'not slow') leaves it out
-    pytest.mark.usefixtures("forbid_fork"),
-    pytest.mark.filterwarnings("ignore::UserWarning", "ignore::FutureWarning", "ignore::DeprecationWarning"),
-]
+pytestmark = drill.MARKS
 
 MODES = {"sync": False, "async": True}
 """The drill's two ways, by ``enable_async_checkpointing``."""
@@ -74,7 +58,7 @@ STOCK_ERRORS = {
 
 def fresh(steps: int = 0) -> tuple[Any, Any, Any]:
     """A sharded model, its AdamW (two groups) and a scheduler, trained ``steps`` steps."""
-    model = sharded()
+    model = drill.sharded()
     optimizer = dsd_moe.optimizer(model)
     scheduler = dsd_moe.scheduler(optimizer)
     dsd_moe.train(model, optimizer, scheduler, range(steps), torch.distributed.get_rank())
@@ -91,7 +75,7 @@ def rebuilt_scheduler(optimizer: Any, global_step: int) -> Any:
 
 def tune_outcome(model: Any, optimizer: Any, scheduler: Any) -> dict[str, Any]:
     """:func:`trainer_drill.outcome`, the scheduler reduced to what a rebuilt one can equal."""
-    snap = outcome(model, optimizer, scheduler)
+    snap = drill.outcome(model, optimizer, scheduler)
     snap["sched"] = {k: snap["sched"][k] for k in ("last_epoch", "_last_lr")}
     snap["initial_lrs"] = [g["initial_lr"] for g in optimizer.param_groups]
     return snap
@@ -99,28 +83,28 @@ def tune_outcome(model: Any, optimizer: Any, scheduler: Any) -> dict[str, Any]:
 
 def install() -> None:
     """The docs' block (docs/integrations/torchtune.md), run as written: it installs."""
-    namespace = run_block(doc_block(PAGES / "torchtune.md", BLOCK), {"__name__": "docs"})
+    namespace = run_block(drill.doc_block(drill.PAGES / "torchtune.md", BLOCK), {"__name__": "docs"})
     assert namespace["sc_tune"].installed()
 
 
 def saves(rank: int, world_size: int, root: str) -> None:
     """The uninterrupted run, stock checkpoints of both ways, then (installed) sparse ones."""
-    model, optimizer, scheduler = fresh(STEPS)
-    save_reference(root, "tune", tune_outcome(model, optimizer, scheduler))
-    model, optimizer, scheduler = fresh(STEPS - SAVE_AT)
-    save_reference(root, "tune-scratch", tune_outcome(model, optimizer, scheduler))
+    model, optimizer, scheduler = fresh(drill.STEPS)
+    drill.save_reference(root, "tune", tune_outcome(model, optimizer, scheduler))
+    model, optimizer, scheduler = fresh(drill.STEPS - drill.SAVE_AT)
+    drill.save_reference(root, "tune-scratch", tune_outcome(model, optimizer, scheduler))
     for source in ("stock", "sparse"):
         if source == "sparse":
             install()
         for run, async_ in RUNS.items():
             ts.write_base(Path(root) / f"{source}-{run}", dsd_moe.model(0))
-            model, optimizer, scheduler = fresh(0 if run == UNSTEPPED else SAVE_AT)
+            model, optimizer, scheduler = fresh(0 if run == UNSTEPPED else drill.SAVE_AT)
             before = tune_outcome(model, optimizer, scheduler)
             ts.save(Path(root) / f"{source}-{run}", model, optimizer, async_=async_)
             if source == "stock" and run == UNSTEPPED:  # DSD's synthetic step, in the live optimizer
                 assert len(optimizer.state) == dsd_moe.PARAMS
             else:
-                assert_same(
+                drill.assert_same(
                     tune_outcome(model, optimizer, scheduler), before, f"{source} {run}: the save changed the run"
                 )
     sc_tune.uninstall()
@@ -129,7 +113,7 @@ def saves(rank: int, world_size: int, root: str) -> None:
 def resume_run(root: str, source: str, mode: str, optimizers: list[Any] | None = None) -> tuple[Any, Any, Any]:
     """The recipe's resume of run ``{source}-{mode}`` into a fresh sharded model (the optimizer it
     builds goes into ``optimizers`` too, for a resume that raises)."""
-    model = sharded()
+    model = drill.sharded()
 
     def make_optimizer(m: Any) -> Any:
         optimizer = dsd_moe.optimizer(m)
@@ -137,7 +121,7 @@ def resume_run(root: str, source: str, mode: str, optimizers: list[Any] | None =
         return optimizer
 
     optimizer, _ = ts.resume(Path(root) / f"{source}-{mode}", model, make_optimizer, async_=RUNS[mode])
-    return model, optimizer, rebuilt_scheduler(optimizer, 0 if mode == UNSTEPPED else SAVE_AT)
+    return model, optimizer, rebuilt_scheduler(optimizer, 0 if mode == UNSTEPPED else drill.SAVE_AT)
 
 
 ORDERS = {
@@ -154,7 +138,7 @@ def installed_resumes(root: str, rank: int, order: str) -> None:
     integrations of ``order`` active (their import order aside, a pair loads what each loads alone)."""
     import sparse_ckpt.integrations.dsd as sc_dsd
 
-    reference = load_reference(root, "tune")
+    reference = drill.load_reference(root, "tune")
     for name in ORDERS[order]:
         install() if name == "torchtune" else sc_dsd.install()
     for mode in MODES:
@@ -169,10 +153,10 @@ def installed_resumes(root: str, rank: int, order: str) -> None:
                 assert report is not None and report.trainer == "torchtune", where
                 assert len(report.stateless["optim"]) == dsd_moe.PARAMS - dsd_moe.STEPPED, where
                 assert report.exact and not report.dropped, where  # saved at step 3: nothing looks synthetic
-            dsd_moe.train(model, optimizer, scheduler, range(SAVE_AT, STEPS), rank)
+            dsd_moe.train(model, optimizer, scheduler, range(drill.SAVE_AT, drill.STEPS), rank)
             got = tune_outcome(model, optimizer, scheduler)
             assert got["initial_lrs"] == reference["initial_lrs"], where
-            assert_resumed(got, reference, f"torchtune {where}")
+            drill.assert_resumed(got, reference, f"torchtune {where}")
     sc_dsd.uninstall()
     sc_tune.uninstall()
 
@@ -191,7 +175,7 @@ def resumes(rank: int, world_size: int, root: str) -> None:
                 resume_run(root, "stock", mode, built)
             (optimizer,) = built
             assert len(optimizer.state) == dsd_moe.PARAMS  # torchtune's synthetic step: 18 invented
-            assert [g["lr"] for g in optimizer.param_groups] == FRESH_LRS
+            assert [g["lr"] for g in optimizer.param_groups] == drill.FRESH_LRS
     sc_dsd.uninstall()
 
     installed_resumes(root, rank, "alone")
@@ -205,11 +189,11 @@ def resumes(rank: int, world_size: int, root: str) -> None:
         return built[-1]
 
     with pytest.raises(CheckpointMismatchError, match="param groups hold parameter ids"):
-        ts.resume(Path(root) / "stock-async", sharded(), one_group, async_=True)
+        ts.resume(Path(root) / "stock-async", drill.sharded(), one_group, async_=True)
     assert not built[0].state and built[0].param_groups[0]["lr"] == 0.01
     sc_tune.uninstall()
 
-    scratch = load_reference(root, "tune-scratch")
+    scratch = drill.load_reference(root, "tune-scratch")
     for drop in (False, True):
         sc_tune.install(drop_synthetic_state=drop)
         for source in ("sparse", "stock"):
@@ -225,8 +209,8 @@ def resumes(rank: int, world_size: int, root: str) -> None:
                 assert len(report.possibly_synthetic) == dsd_moe.PARAMS and not report.exact, where
                 assert len(optimizer.state) == dsd_moe.PARAMS and not report.stateless["optim"], where
             if not optimizer.state:  # then it is the run from scratch, bit for bit
-                dsd_moe.train(model, optimizer, scheduler, range(STEPS - SAVE_AT), rank)
-                assert_same(tune_outcome(model, optimizer, scheduler), scratch, where)
+                dsd_moe.train(model, optimizer, scheduler, range(drill.STEPS - drill.SAVE_AT), rank)
+                drill.assert_same(tune_outcome(model, optimizer, scheduler), scratch, where)
         sc_tune.uninstall()
 
 
@@ -250,7 +234,10 @@ def test_torchtune_resumes_exactly_with_the_integration(saved: str) -> None:
 @_backends.only(_backends.DEFAULT)
 def test_docs_block_installs() -> None:
     """The docs/integrations/torchtune.md block the drill runs is the one-line install."""
-    assert "import sparse_ckpt.integrations.torchtune as sc_tune" in doc_block(PAGES / "torchtune.md", BLOCK).code
+    assert (
+        "import sparse_ckpt.integrations.torchtune as sc_tune"
+        in drill.doc_block(drill.PAGES / "torchtune.md", BLOCK).code
+    )
 
 
 def resumes_dsd_first(rank: int, world_size: int, root: str) -> None:

@@ -34,7 +34,6 @@ import hf_drill
 import torch
 from _dist import MULTI_RANK, run_ranks
 from hf_cpu_fsdp2 import cpu_fsdp2
-from hf_drill import SAVE_AT, STEPS
 from torch import nn
 
 pytestmark = [
@@ -140,17 +139,8 @@ def trainer(output_dir: str) -> Any:
 
     args = SFTConfig(
         output_dir=output_dir,
-        max_steps=STEPS,
-        save_strategy="steps",
-        save_steps=SAVE_AT,
-        per_device_train_batch_size=2,
-        use_cpu=True,
-        report_to="none",
-        seed=0,
-        disable_tqdm=True,
-        logging_strategy="no",
-        dataloader_num_workers=0,
         gradient_checkpointing=False,  # SFTConfig's default is True; the drill MoE has no checkpointing
+        **hf_drill.TRAINING_ARGS,
     )
     return cpu_fsdp2(SFTTrainer, adamw)(
         model=make_model(), args=args, train_dataset=dataset(), processing_class=tokenizer()

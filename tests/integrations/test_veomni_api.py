@@ -260,49 +260,25 @@ def test_save_and_load_have_veomnis_signatures_and_pass_its_arguments_on(
     received: dict[str, Any] = {}
     stock_save = DistributedCheckpointer.save.__func__
 
-    def save(
-        cls: type,
-        path: str,
-        state: dict[str, Any],
-        save_async: bool = False,
-        global_steps: Any = None,
-        storage_writer: Any = None,
-        trainable_only: bool = False,
-        save_to_lowest_rank: bool = False,
-        parallel_state: Any = None,
-        stage_dir: Any = None,
-        new_option: int = 0,
-    ) -> None:
-        received["new_option"] = new_option
-        stock_save(
-            cls,
-            path,
-            state,
-            save_async,
-            global_steps,
-            storage_writer,
-            trainable_only,
-            save_to_lowest_rank,
-            parallel_state,
-            stage_dir,
-        )
+    def later(stock: Any) -> inspect.Signature:
+        """``stock``'s signature with the parameter ``new_option: int = 0`` a later VeOmni might add."""
+        signature = inspect.signature(stock)
+        added = inspect.Parameter("new_option", inspect.Parameter.POSITIONAL_OR_KEYWORD, default=0, annotation=int)
+        return signature.replace(parameters=[*signature.parameters.values(), added])
 
+    def save(cls: type, *args: Any, new_option: int = 0, **kwargs: Any) -> None:
+        received["new_option"] = new_option
+        stock_save(cls, *args, **kwargs)
+
+    save.__signature__ = later(stock_save)  # type: ignore[attr-defined]
     monkeypatch.setattr(DistributedCheckpointer, "save", classmethod(save))
     sparse.save(str(tmp_path / "b"), {"model": model, "optimizer": mo}, new_option=7)
     assert received == {"new_option": 7} and (tmp_path / "b/.metadata").is_file()
 
-    def load(
-        cls: type,
-        path: str,
-        state: dict[str, Any],
-        process_group: Any = None,
-        storage_reader: Any = None,
-        trainable_only: bool = False,
-        parallel_state: Any = None,
-        new_option: int = 0,
-    ) -> dict[str, Any]:
+    def load(cls: type, *args: Any, **kwargs: Any) -> dict[str, Any]:
         raise AssertionError("not reached")
 
+    load.__signature__ = later(DistributedCheckpointer.load.__func__)  # type: ignore[attr-defined]
     monkeypatch.setattr(DistributedCheckpointer, "load", classmethod(load))
     model2, mo2, _ = build(seed=1)
     with pytest.raises(TypeError, match=r"takes \['new_option'\], which sparse_ckpt.integrations.veomni does not"):

@@ -1,5 +1,5 @@
 """The single-lost-item sweep shared by tests/load/test_every_format_complete.py and
-bench/lost_items.py: for one optimizer class and one format, save a tiny DCP checkpoint, then for
+bench/drills/lost_items.py: for one optimizer class and one format, save a tiny DCP checkpoint, then for
 each optimizer item of its ``.metadata`` remove that item alone and load into a target optimizer
 that has state of its own; each outcome is ``refused`` (a `sparse_ckpt.SparseCheckpointError`, the
 target exactly as before), ``exact`` (the target equals the source) or ``silent`` (loaded, not

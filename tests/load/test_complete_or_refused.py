@@ -13,7 +13,7 @@ import pytest
 import torch
 import torch.distributed.checkpoint as dcp
 from _sampling import sample
-from helpers import assert_optimizer_equal, make_moe, snapshot_optimizer, train
+from helpers import assert_optimizer_equal, experts_and_dense, make_moe, snapshot_optimizer, train
 from legacy_checkpoints import drop_from_metadata, legacy
 from lost_item_sweep import item_kind
 from torch import nn
@@ -24,16 +24,15 @@ from sparse_ckpt._format.keys import BUFFERS_PREFIX, PLANNER_GUARD_KEY, is_forei
 pytestmark = pytest.mark.filterwarnings("ignore:torch.distributed is disabled:UserWarning")
 
 
-def _source() -> tuple[nn.Module, sc.MultiOptimizer]:
+def _source(only_experts: tuple[int, ...] = (0, 2)) -> tuple[nn.Module, sc.MultiOptimizer]:
+    """The MoE (seed 0) with AdamW experts and SGD-momentum dense layers, 2 steps with ``only_experts`` routed."""
     model = make_moe(0)
-    opt = sc.MultiOptimizer(
+    opt = experts_and_dense(
         model,
-        {
-            "experts": torch.optim.AdamW(model.expert_params(), lr=0.01),
-            "dense": torch.optim.SGD(model.dense_params(), lr=0.1, momentum=0.9),
-        },
+        lambda params: torch.optim.AdamW(params, lr=0.01),
+        lambda params: torch.optim.SGD(params, lr=0.1, momentum=0.9),
     )
-    train(model, opt, 2, only_experts=[0, 2])
+    train(model, opt, 2, only_experts=list(only_experts))
     return model, opt
 
 
@@ -108,15 +107,7 @@ def test_a_parameter_of_another_rank_is_not_checked() -> None:
     """Only the target's parameters must be complete: a shard of the model loads its own."""
     from sparse_ckpt._load.load import load_owned
 
-    model = make_moe(0)
-    opt = sc.MultiOptimizer(
-        model,
-        {
-            "experts": torch.optim.AdamW(model.expert_params(), lr=0.01),
-            "dense": torch.optim.SGD(model.dense_params(), lr=0.1, momentum=0.9),
-        },
-    )
-    train(model, opt, 2, only_experts=[0, 3])
+    model, opt = _source(only_experts=(0, 3))
     sd = sc.sparse_state_dict(model, opt)
     del sd["state.experts.3.up.weight.exp_avg_sq"]  # expert 3 is another rank's here
     shard = make_moe(1)

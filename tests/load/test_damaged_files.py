@@ -19,7 +19,7 @@ import pytest
 from _sampling import sample
 
 import sparse_ckpt as sc
-from bench import damaged_files
+from bench.drills import damaged_files
 from sparse_ckpt.tools import convert_checkpoint, inspect_checkpoint
 
 pytestmark = pytest.mark.filterwarnings("ignore::UserWarning")

@@ -43,6 +43,14 @@ def fresh(opt_cls: type = torch.optim.AdamW, **kw: Any) -> tuple[Net, torch.opti
     return model, opt_cls(model.parameters(), lr=0.5, **kw)
 
 
+def per_layer(model: Net, lr_a: float, lr_b: float, b_cls: type = torch.optim.AdamW, **b_kw: Any) -> sc.MultiOptimizer:
+    """Leaf ``a``: AdamW over ``model.a``, lr ``lr_a``; leaf ``b``: ``b_cls`` over ``model.b``, lr ``lr_b``."""
+    return sc.MultiOptimizer(
+        model,
+        {"a": torch.optim.AdamW(model.a.parameters(), lr=lr_a), "b": b_cls(model.b.parameters(), lr=lr_b, **b_kw)},
+    )
+
+
 def torch_loaded(model: nn.Module, src: torch.optim.Optimizer, opt_cls: type = torch.optim.AdamW) -> Any:
     """What torch's own ``load_state_dict`` makes of ``src``'s dict on a fresh optimizer over ``model``."""
     ref = opt_cls(model.parameters(), lr=0.5)
@@ -98,10 +106,7 @@ def test_a_torch_state_dict_of_several_groups_loads_into_a_multi_optimizer_leaf_
     src_model.b(torch.randn(3, 4)).sum().backward()
     src.step()
     model = Net(1)
-    multi = sc.MultiOptimizer(
-        model,
-        {"a": torch.optim.AdamW(model.a.parameters(), lr=0.5), "b": torch.optim.AdamW(model.b.parameters(), lr=0.5)},
-    )
+    multi = per_layer(model, 0.5, 0.5)
     with pytest.warns(PositionalLoadWarning, match=r"2 group\(s\) of \[2, 2\]"):
         sc.load_sparse_state_dict(model, multi, src.state_dict())
     ref = torch.optim.AdamW([{"params": model.a.parameters()}, {"params": model.b.parameters()}])
@@ -185,23 +190,14 @@ def test_a_partly_matching_checkpoint_follows_the_missing_hint() -> None:
 def test_extra_saved_parameters_follow_their_hints() -> None:
     """'Load into all the optimizers ... at once, or pass strict=False', both followed."""
     src_model = Net()
-    src = sc.MultiOptimizer(
-        src_model,
-        {
-            "a": torch.optim.AdamW(src_model.a.parameters(), lr=0.01),
-            "b": torch.optim.AdamW(src_model.b.parameters(), lr=0.02),
-        },
-    )
+    src = per_layer(src_model, 0.01, 0.02)
     sd = sc.sparse_state_dict(src_model, src)
     model = Net(1)
     only_b = torch.optim.AdamW(model.b.parameters(), lr=0.5)
     refused(model, only_b, sd, r"at once .*or pass strict=False")
     sc.load_sparse_state_dict(model, only_b, sd, strict=False)
     assert only_b.param_groups[0]["lr"] == 0.02
-    both = sc.MultiOptimizer(
-        model,
-        {"a": torch.optim.AdamW(model.a.parameters(), lr=0.5), "b": torch.optim.AdamW(model.b.parameters(), lr=0.5)},
-    )
+    both = per_layer(model, 0.5, 0.5)
     sc.load_sparse_state_dict(model, both, sd)
     assert [both["a"].param_groups[0]["lr"], both["b"].param_groups[0]["lr"]] == [0.01, 0.02]
 
@@ -260,22 +256,10 @@ def test_another_optimizer_class_is_refused_naming_its_keys_and_the_hints_load(f
 
 def test_another_optimizer_class_into_a_multi_optimizer_leaf_is_refused() -> None:
     src_model = Net()
-    src = sc.MultiOptimizer(
-        src_model,
-        {
-            "a": torch.optim.AdamW(src_model.a.parameters(), lr=0.01),
-            "b": torch.optim.AdamW(src_model.b.parameters(), lr=0.01),
-        },
-    )
+    src = per_layer(src_model, 0.01, 0.01)
     sd = sc.sparse_state_dict(src_model, src)
     model = Net(1)
-    multi = sc.MultiOptimizer(
-        model,
-        {
-            "a": torch.optim.AdamW(model.a.parameters(), lr=0.5),
-            "b": torch.optim.SGD(model.b.parameters(), lr=0.5, momentum=0.9),
-        },
-    )
+    multi = per_layer(model, 0.5, 0.5, torch.optim.SGD, momentum=0.9)
     before = snapshot_optimizer(multi["a"])
     with pytest.raises(sc.CheckpointMismatchError, match=r"leaf 'b' group 0: .*torch\.optim\.SGD"):
         sc.load_sparse_state_dict(model, multi, sd)

@@ -23,7 +23,7 @@ import pytest
 import torch
 
 import sparse_ckpt as sc
-from bench import damaged_files
+from bench.drills import damaged_files
 from sparse_ckpt._format.bucket_checksums import split_checksums
 from sparse_ckpt._format.keys import BUFFERS_PREFIX, check_table, seal
 from sparse_ckpt.tools import verify_checkpoint

@@ -27,6 +27,7 @@ from pathlib import Path
 from urllib.parse import unquote, urlparse
 from urllib.request import url2pathname
 
+import child_process
 import pytest
 
 import sparse_ckpt
@@ -73,11 +74,7 @@ print(json.dumps({"safetensors": "safetensors" in sys.modules}))
 
 
 def _probe(code: str) -> dict:
-    env = dict(os.environ)
-    env["PYTHONPATH"] = os.pathsep.join(filter(None, [str(ROOT), env.get("PYTHONPATH")]))
-    proc = subprocess.run(
-        [sys.executable, "-c", code], cwd=ROOT, env=env, capture_output=True, text=True, timeout=300, check=False
-    )
+    proc = child_process.run([sys.executable, "-c", code], cwd=ROOT, env=child_process.repo_env(), timeout=300)
     assert proc.returncode == 0, proc.stderr
     return json.loads(proc.stdout.strip().splitlines()[-1])
 
@@ -170,9 +167,12 @@ def test_setup_py_only_builds_the_extension() -> None:
 
 def test_pyproject_lists_every_package() -> None:
     """pyproject.toml lists the packages explicitly (the bench is mapped from bench/): every package
-    folder of sparse_ckpt/ must be there, or the wheel would miss it."""
+    folder of sparse_ckpt/ and of bench/ must be there, or the wheel would miss it."""
     folders = {".".join(p.parent.relative_to(ROOT).parts) for p in PACKAGE.rglob("__init__.py")}
-    assert set(setup_metadata()["packages"]) == folders | {"sparse_ckpt.bench"}
+    bench = {
+        ".".join(("sparse_ckpt", *p.parent.relative_to(ROOT).parts)) for p in (ROOT / "bench").rglob("__init__.py")
+    }
+    assert set(setup_metadata()["packages"]) == folders | bench
 
 
 def test_readme_install_commands_name_existing_extras() -> None:
@@ -354,14 +354,8 @@ def _configure_copied_checkout(tmp: str) -> subprocess.CompletedProcess[str]:
         "CMAKE_HOME_DIRECTORY:INTERNAL=/another/checkout\nCMAKE_CACHEFILE_DIR:INTERNAL=/another/checkout/build\n"
     )
     env = {**os.environ, "CMAKE_ARGS": "-DCMAKE_CXX_COMPILER=/nonexistent/sparse-ckpt-cxx"}
-    return subprocess.run(
-        [sys.executable, "setup.py", "build_ext", "--build-temp", "build/temp"],
-        check=False,
-        cwd=dst,
-        env=env,
-        capture_output=True,
-        text=True,
-        timeout=300,
+    return child_process.run(
+        [sys.executable, "setup.py", "build_ext", "--build-temp", "build/temp"], cwd=dst, env=env, timeout=300
     )
 
 

@@ -29,6 +29,7 @@ from pathlib import Path
 
 import pytest
 from _sampling import EXHAUSTIVE
+from helpers import small_bench_args
 
 ROOT = Path(__file__).resolve().parents[2]
 # Anywhere in the tree: build outputs and caches. Under bench/: the committed run and local outputs.
@@ -49,23 +50,26 @@ BENCH_FILES = (
     "__init__.py",
     "__main__.py",
     "run.py",
-    "report.py",
-    "verdicts.py",
-    "information.py",
-    "report_markdown.py",
-    "plots.py",
-    "units.py",
-    "measure.py",
-    "methods.py",
-    "timing.py",
-    "fixtures.py",
-    "resume.py",
-    "drill_model.py",
-    "drill_rank.py",
-    "drill_checks.py",
-    "ranks.py",
-    "devices.py",
+    "suite/report.py",
+    "suite/verdicts.py",
+    "suite/information.py",
+    "suite/report_markdown.py",
+    "suite/plots.py",
+    "suite/units.py",
+    "suite/measure.py",
+    "suite/methods.py",
+    "suite/timing.py",
+    "suite/fixtures.py",
+    "drills/resume.py",
+    "drills/drill_model.py",
+    "drills/drill_rank.py",
+    "drills/drill_checks.py",
+    "drills/ranks.py",
+    "suite/devices.py",
     "README.md",
+    "scale/__main__.py",
+    "studies/__init__.py",
+    "trainers/__init__.py",
 )
 
 
@@ -241,15 +245,7 @@ def test_bench_runs_from_the_installed_wheel(tmp_path: Path) -> None:
     proc = _run(
         [
             str(venv / "bin" / "sparse-ckpt-bench"),
-            "--quick",
-            "--scales",
-            "1x2",
-            "--layouts",
-            "param",
-            "--repeats",
-            "1",
-            "--budget",
-            "0.2",
+            *small_bench_args("0.2"),
         ],
         work,
         env,

@@ -27,7 +27,7 @@ from _dist import DefaultMeshForbidden, ForkForbidden, cpu_mesh, run_ranks
 from torch import nn
 from torch.distributed.fsdp import fully_shard
 
-from bench import ranks
+from bench.drills import ranks
 
 ROOT = Path(__file__).resolve().parents[2]
 SCANNED = ("sparse_ckpt", "bench", "tests")
@@ -128,7 +128,7 @@ def test_no_fork_in_the_source() -> None:
     found = [f"{rel}:{line}: {what}" for rel, tree, lines in _sources() for line, what in fork_uses(tree, lines)]
     assert not found, (
         "processes started by fork (a forked rank cannot use CUDA once its parent has touched it; "
-        "use bench/ranks.py's forkserver/spawn):\n" + "\n".join(found)
+        "use bench/drills/ranks.py's forkserver/spawn):\n" + "\n".join(found)
     )
 
 

@@ -10,7 +10,7 @@ left set before it flattens a target.
 
 * A line sweep: a ``sys.settrace`` tracer raises ``KeyboardInterrupt`` at the N-th line event of a
   frame of the package *or of DCP* (``torch/distributed/checkpoint``) during ``dcp.load``, for a
-  deterministic sample of N over the whole load (bench/interrupted_loads.py runs random real
+  deterministic sample of N over the whole load (bench/drills/interrupted_loads.py runs random real
   signals over thousands of loads); after each, the flag is clear and a clean load is exact.
 * The probe path (a checkpoint item the target lacks outside the optimizer) is swept the same way.
 """

@@ -13,6 +13,7 @@ from helpers import (
     assert_optimizer_equal,
     clone_value,
     decoded_settings,
+    experts_and_dense,
     make_batch,
     make_moe,
     snapshot_optimizer,
@@ -46,13 +47,7 @@ def _set_grads(model: Any, seed: int) -> None:
 
 def test_step_and_zero_grad_fan_out() -> None:
     model = make_moe(0)
-    mo = sc.MultiOptimizer(
-        model,
-        {
-            "experts": torch.optim.SGD(model.expert_params(), lr=0.1),
-            "dense": torch.optim.SGD(model.dense_params(), lr=0.1),
-        },
-    )
+    mo = experts_and_dense(model, lambda params: torch.optim.SGD(params, lr=0.1))
     ref_model = make_moe(0)
     ref = torch.optim.SGD(ref_model.parameters(), lr=0.1)
     _set_grads(model, 1)

@@ -14,10 +14,12 @@ import zipfile
 from pathlib import Path
 
 import _backends
+import child_process
 import pytest
 import torch
 import torch.distributed.checkpoint as dcp
-from helpers import assert_optimizer_equal, moe_with_leaves, train
+from child_process import REPO, repo_env
+from helpers import assert_optimizer_equal, moe_with_leaves, sparse_dcp_load, train
 from torch import nn
 
 import sparse_ckpt as sc
@@ -28,22 +30,13 @@ from sparse_ckpt.tools.inspect import expert_summary, id_ranges
 
 pytestmark = pytest.mark.filterwarnings("ignore:torch.distributed is disabled:UserWarning")
 
-REPO = Path(__file__).resolve().parents[2]
 
-
-def run_cli(*args: str) -> subprocess.CompletedProcess[str]:
-    env = dict(os.environ)
-    env["PYTHONPATH"] = os.pathsep.join(filter(None, [str(REPO), env.get("PYTHONPATH")]))
-    env["PYTHONWARNINGS"] = "ignore"
-    return subprocess.run(
-        [sys.executable, "-m", "sparse_ckpt", *args],
-        check=False,
-        cwd=REPO,
-        env=env,
-        capture_output=True,
-        text=True,
-        timeout=120,
-    )
+def run_cli(*args: str, warnings: str | None = "ignore") -> subprocess.CompletedProcess[str]:
+    """``python -m sparse_ckpt *args`` in a child process (``PYTHONWARNINGS=warnings``; None: unset)."""
+    env = repo_env({k: v for k, v in os.environ.items() if k != "PYTHONWARNINGS"})
+    if warnings is not None:
+        env["PYTHONWARNINGS"] = warnings
+    return child_process.run([sys.executable, "-m", "sparse_ckpt", *args], env=env)
 
 
 build = moe_with_leaves
@@ -144,11 +137,7 @@ def test_convert_round_trip(checkpoint: tuple[Path, nn.Module, sc.MultiOptimizer
     for src in (flat, packed):
         model2, opt2 = build(seed=1)
         msd = model2.state_dict()
-        dcp.load(
-            {"model": msd, "optim": sc.SparseOptimizerState(model2, opt2)},
-            checkpoint_id=src,
-            planner=sc.SparseLoadPlanner(),
-        )
+        sparse_dcp_load(src, model2, opt2, state={"model": msd})
         model2.load_state_dict(msd)
         assert_optimizer_equal(opt, opt2, grads=False)
         assert not opt2["idle"].state and opt2["idle"].param_groups[0]["lr"] == 0.0025
@@ -479,21 +468,11 @@ def test_diff_compares_meaning_not_layout(
 def test_convert_shows_no_torch_warning(checkpoint: tuple[Path, nn.Module, sc.MultiOptimizer], tmp_path: Path) -> None:
     """torch's single-process DCP warning is not the CLI user's business (warnings left on here)."""
     path, _model, _opt = checkpoint
-    env = {k: v for k, v in os.environ.items() if k != "PYTHONWARNINGS"}
-    env["PYTHONPATH"] = os.pathsep.join(filter(None, [str(REPO), env.get("PYTHONPATH")]))
     for args in (
         ["convert", str(path), str(tmp_path / "flat"), "--to", "flat", "--key", "optim"],
         ["diff", str(path), str(tmp_path / "flat")],
     ):
-        r = subprocess.run(
-            [sys.executable, "-m", "sparse_ckpt", *args],
-            check=False,
-            cwd=REPO,
-            env=env,
-            capture_output=True,
-            text=True,
-            timeout=120,
-        )
+        r = run_cli(*args, warnings=None)
         assert r.returncode == 0, r.stderr
         assert "Warning" not in r.stderr + r.stdout, r.stderr
 

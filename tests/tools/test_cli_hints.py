@@ -7,6 +7,7 @@ from pathlib import Path
 import pytest
 import torch
 import torch.distributed.checkpoint as dcp
+from helpers import sparse_dcp_load
 from torch import nn
 
 import sparse_ckpt as sc
@@ -32,11 +33,6 @@ def test_convert_to_flat_with_an_empty_group_follows_its_hint(
     assert cli.main(["convert", src, out, "--to", "flat", "--drop-empty-groups"]) == 0
     assert inspect_checkpoint(out)["optimizers"][0]["format"] == "flat"
     target = torch.optim.AdamW(model.parameters(), lr=0.5)
-    dcp.load(
-        {"optim": sc.SparseOptimizerState(model, target)},
-        checkpoint_id=out,
-        planner=sc.SparseLoadPlanner(),
-        no_dist=True,
-    )
+    sparse_dcp_load(out, model, target, no_dist=True)
     assert target.param_groups[0]["lr"] == 0.01
     assert all(torch.equal(target.state[p][k], opt.state[p][k]) for p in model.parameters() for k in opt.state[p])

@@ -6,19 +6,18 @@ convert, diff, integrations, safetensors). Each case runs in a fresh interpreter
 from __future__ import annotations
 
 import json
-import os
-import subprocess
 import sys
 from pathlib import Path
 
 import _backends
+import child_process
 import pytest
 import torch
 import torch.distributed.checkpoint as dcp
+from child_process import repo_env
 
 import sparse_ckpt as sc
 
-REPO = Path(__file__).resolve().parents[2]
 core_backend = _backends.run_once
 """Start-up does not depend on the core: once."""
 
@@ -30,17 +29,7 @@ REPORT = (
 
 def modules_after(code: str) -> tuple[int, str, set[str]]:
     """Run ``code`` after `REPORT` in a fresh interpreter: (exit status, stdout, modules imported at exit)."""
-    env = dict(os.environ)
-    env["PYTHONPATH"] = os.pathsep.join(filter(None, [str(REPO), env.get("PYTHONPATH")]))
-    proc = subprocess.run(
-        [sys.executable, "-c", REPORT + code],
-        check=False,
-        cwd=REPO,
-        env=env,
-        capture_output=True,
-        text=True,
-        timeout=300,
-    )
+    proc = child_process.run([sys.executable, "-c", REPORT + code], env=repo_env(), timeout=300)
     [line] = [x for x in proc.stderr.splitlines() if x.startswith("@@modules ")]
     return proc.returncode, proc.stdout, set(json.loads(line[len("@@modules ") :]))
 

@@ -11,9 +11,9 @@ from pathlib import Path
 import pytest
 import torch
 import torch.distributed.checkpoint as dcp
+from helpers import sparse_dcp_load
 from torch import nn
 
-import sparse_ckpt as sc
 from sparse_ckpt.errors import PositionalLoadWarning
 from sparse_ckpt.tools import _cli as cli
 from sparse_ckpt.tools import inspect_checkpoint
@@ -68,12 +68,7 @@ def test_convert_says_what_it_needs_and_converts_when_given_it(
     )
     with warnings.catch_warnings():
         warnings.simplefilter("error", PositionalLoadWarning)
-        dcp.load(
-            {"optim": sc.SparseOptimizerState(target_model, target)},
-            checkpoint_id=out,
-            planner=sc.SparseLoadPlanner(),
-            no_dist=True,
-        )
+        sparse_dcp_load(out, target_model, target, no_dist=True)
     ref = torch.optim.AdamW(target_model.parameters(), lr=0.5)
     ref.load_state_dict(copy.deepcopy(opt.state_dict()))
     assert [g["lr"] for g in target.param_groups] == [0.01, 0.01]
@@ -94,10 +89,5 @@ def test_convert_names_a_torch_state_dict_by_its_saved_param_names(tmp_path: Pat
     out = str(tmp_path / "out")
     assert cli.main(["convert", path, out, "--to", "flat"]) == 0
     target = torch.optim.AdamW(model.parameters(), lr=0.5)
-    dcp.load(
-        {"optim": sc.SparseOptimizerState(model, target)},
-        checkpoint_id=out,
-        planner=sc.SparseLoadPlanner(),
-        no_dist=True,
-    )
+    sparse_dcp_load(out, model, target, no_dist=True)
     assert target.param_groups[0]["lr"] == 0.01 and len(target.state) == 2

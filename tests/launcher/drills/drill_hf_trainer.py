@@ -13,27 +13,14 @@ from __future__ import annotations
 
 import os
 
-import dsd_moe
-import torch
 from drill_outcome import record
-from hf_cpu_fsdp2 import cpu_fsdp2
+from hf_cpu_fsdp2 import moe_trainer
 from transformers import HfArgumentParser, Trainer, TrainingArguments
-
-
-class Batches(torch.utils.data.Dataset):
-    """One optimizer step per epoch on 2 ranks (4 samples, 2 per rank)."""
-
-    def __len__(self) -> int:
-        return 4
-
-    def __getitem__(self, i: int) -> dict[str, torch.Tensor]:
-        x, y = dsd_moe.batch(0, i, n=1)
-        return {"x": x[0], "labels": y[0]}
 
 
 def main() -> None:
     (args,) = HfArgumentParser(TrainingArguments).parse_args_into_dataclasses()
-    trainer = cpu_fsdp2(Trainer, dsd_moe.optimizer)(model=dsd_moe.model(0), args=args, train_dataset=Batches())
+    trainer = moe_trainer(Trainer, args)
     trainer.train(resume_from_checkpoint=args.resume_from_checkpoint)
     record(
         os.path.join(args.output_dir, "outcome.pt"),

@@ -1,0 +1,1 @@
+"""The state layouts at scale: ``python -m bench.scale`` (scale.py) and its modes."""
