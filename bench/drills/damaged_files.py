@@ -220,8 +220,11 @@ def sweep(
     surfaces: tuple[str, ...] = SURFACES,
     variants: tuple[tuple[str, str], ...] = VARIANTS,
     out: Any = None,
+    pick: Callable[[list[tuple[str, Callable[[str], None]]], str], list[tuple[str, Callable[[str], None]]]]
+    | None = None,
 ) -> dict[str, Any]:
-    """Every damage of every variant through every surface; counts and the non-exact details."""
+    """Every damage of every variant through every surface (or those ``pick(damages, variant)`` keeps);
+    counts and the non-exact details."""
     warnings.filterwarnings("ignore", message="torch.distributed is disabled")
     counts: Counter[str] = Counter()
     raws: list[str] = []
@@ -240,7 +243,8 @@ def sweep(
                 path, saved, model_sd = _save_dsd(root, fmt) if surface == "dsd" else save(root, fmt, layout)
                 loader = _load_dsd if surface == "dsd" else _load_stateful
                 raw_data = tensor_data_ranges(path)
-                for what, apply in damages(path, stride, span):
+                cases = list(damages(path, stride, span))
+                for what, apply in pick(cases, f"{surface}-{fmt}-{layout}") if pick else cases:
                     copy = path + ".damaged"
                     shutil.rmtree(copy, ignore_errors=True)
                     shutil.copytree(path, copy)

@@ -12,7 +12,7 @@ from __future__ import annotations
 
 import functools
 import pickle
-from collections.abc import Callable
+from collections.abc import Callable, Hashable
 from pathlib import Path
 from typing import Any
 
@@ -25,6 +25,9 @@ from torch.distributed.checkpoint.state_dict import StateDictOptions
 
 import sparse_ckpt as sc
 from sparse_ckpt.integrations import dsd
+
+Pick = Callable[[list[Any]], list[Any]]
+"""Which of a sweep's items to remove (`_sampling.sample` in the tests; the bench removes all)."""
 
 OPTIMIZERS: dict[str, Callable[..., torch.optim.Optimizer]] = {
     "SGD-momentum": lambda p: torch.optim.SGD(p, lr=0.1, momentum=0.9),
@@ -127,8 +130,21 @@ def load(path: Path, model: nn.Module, opts: list[torch.optim.Optimizer], fmt: s
     dcp.load({"optim": state}, checkpoint_id=path, planner=sc.SparseLoadPlanner())
 
 
-def outcomes(name: str, fmt: str, path: Path) -> dict[str, str]:
-    """``DCP key -> outcome`` (see the module doc) of removing each optimizer item alone."""
+def item_kind(item: str | tuple[Any, ...]) -> Hashable:
+    """A lost item's kind (`_sampling.sample`): the state items of one state name (``("state", name)``),
+    the setting items (``"param_groups"``), or the item itself (key records, guards, packed tables); a
+    DCP key or an in-memory path (`in_memory_outcomes`), with or without the ``optim.`` prefix."""
+    parts = [p for part in ((item,) if isinstance(item, str) else item) for p in str(part).split(".")]
+    if parts[0] == "optim":
+        parts = parts[1:]
+    if parts[0] == "state":
+        return ("state", parts[-1])
+    return "param_groups" if parts[0] == "param_groups" else ".".join(parts)
+
+
+def outcomes(name: str, fmt: str, path: Path, pick: Pick = list) -> dict[str, str]:
+    """``DCP key -> outcome`` (see the module doc) of removing each optimizer item alone (the items
+    ``pick`` keeps: all by default)."""
     model = make_model(0)
     opts = optimizers(model, name, fmt)
     train(model, opts, 2, seed=1)
@@ -136,7 +152,7 @@ def outcomes(name: str, fmt: str, path: Path) -> dict[str, str]:
     save(path, model, opts, fmt)
     original = (path / ".metadata").read_bytes()
     md = pickle.loads(original)
-    keys = [k for k in md.state_dict_metadata if k.startswith("optim.")]
+    keys = pick([k for k in md.state_dict_metadata if k.startswith("optim.")])
     target_model = make_model(0)
     target_model.load_state_dict(model.state_dict())
     result: dict[str, str] = {}
@@ -236,7 +252,7 @@ def _load_dict(
         sc.load_sparse_state_dict(model, _leaves(opts, fmt, model), sd)
 
 
-def in_memory_outcomes(name: str, fmt: str) -> dict[tuple[Any, ...], str]:
+def in_memory_outcomes(name: str, fmt: str, pick: Pick = list) -> dict[tuple[Any, ...], str]:
     """``outcomes`` without DCP: each item (as DCP would write them) removed from the dict itself,
     the dict loaded by the library's function for the format (``load_sparse_state_dict`` or
     ``integrations.dsd.set_optimizer_state_dict``)."""
@@ -259,7 +275,7 @@ def in_memory_outcomes(name: str, fmt: str) -> dict[tuple[Any, ...], str]:
     target_model.load_state_dict(model.state_dict())
     initial = [copy.deepcopy(o.state_dict()) for o in target]
     result: dict[tuple[Any, ...], str] = {}
-    for path in _items(saved):
+    for path in pick(_items(saved)):
         damaged = _without(saved, path)
         for o, sd in zip(target, initial, strict=True):
             o.load_state_dict(copy.deepcopy(sd))

@@ -14,7 +14,17 @@ from pathlib import Path
 
 import pytest
 import torch
-from lost_item_sweep import FORMATS, OPTIMIZERS, in_memory_outcomes, make_model, optimizers, outcomes, train
+from _sampling import sample
+from lost_item_sweep import (
+    FORMATS,
+    OPTIMIZERS,
+    in_memory_outcomes,
+    item_kind,
+    make_model,
+    optimizers,
+    outcomes,
+    train,
+)
 from torch.distributed.checkpoint.state_dict import StateDictOptions
 
 import sparse_ckpt as sc
@@ -28,11 +38,11 @@ pytestmark = pytest.mark.filterwarnings("ignore:torch.distributed is disabled:Us
 @pytest.mark.parametrize("fmt", FORMATS)
 def test_any_single_lost_item_of_any_optimizer_is_refused_or_exact(fmt: str) -> None:
     """Every optimizer, every item the format writes (as DCP stores them: a list of tensors item by
-    item) removed from the dict alone: refused (target untouched) or exact; the state and setting
-    items of every stepped parameter are refused."""
+    item; by default a `_sampling.sample` of them, every kind) removed from the dict alone: refused
+    (target untouched) or exact; the state and setting items of every stepped parameter are refused."""
     counts: Counter[str] = Counter()
     for name in OPTIMIZERS:
-        result = in_memory_outcomes(name, fmt)
+        result = in_memory_outcomes(name, fmt, pick=lambda items, n=name: sample(items, f"{n}-{fmt}", item_kind))
         bad = {p: v for p, v in result.items() if v not in ("refused", "exact")}
         assert not bad, (name, bad)
         exact = [p for p, v in result.items() if v == "exact"]
@@ -55,10 +65,10 @@ _DCP_CASES = [
 
 @pytest.mark.parametrize(("fmt", "name"), _DCP_CASES, ids=[f"{f}-{n}" for f, n in _DCP_CASES])
 def test_any_item_removed_from_the_metadata_is_refused_or_exact(fmt: str, name: str, tmp_path: Path) -> None:
-    """Through DCP (each optimizer item removed from ``.metadata`` alone, loaded with the library's
-    planner): refused with a sparse_ckpt error and the target untouched, or exact (the planner
-    guard and the key record)."""
-    result = outcomes(name, fmt, tmp_path)
+    """Through DCP (each optimizer item, by default a `_sampling.sample` of every kind, removed from
+    ``.metadata`` alone, loaded with the library's planner): refused with a sparse_ckpt error and the
+    target untouched, or exact (the planner guard and the key record)."""
+    result = outcomes(name, fmt, tmp_path, pick=lambda keys: sample(keys, f"{name}-{fmt}", item_kind))
     bad = {k: v for k, v in result.items() if v not in ("refused", "exact")}
     assert not bad, bad
     exact = {k for k, v in result.items() if v == "exact"}
