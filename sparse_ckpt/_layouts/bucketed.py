@@ -12,7 +12,7 @@ is :mod:`.bucketed_load`, the tools' view :mod:`.bucketed_view`.
 from __future__ import annotations
 
 import math
-from collections.abc import Mapping
+from collections.abc import Mapping, Sequence
 from typing import Any
 
 import torch
@@ -53,7 +53,7 @@ class _Geometry:
     def __init__(self) -> None:
         self._cache: dict[Any, Chunk | None] = {}
         self._largest: dict[Any, int] = {}
-        self._whole: dict[torch.Size, tuple[Chunk, int]] = {}
+        self.wholes: dict[torch.Size, tuple[Chunk, int]] = {}  # (read by collect's loop)
 
     def largest(self, p: torch.Tensor) -> int:
         """The element count of the parameter's largest chunk over all ranks (the same number on
@@ -74,10 +74,10 @@ class _Geometry:
     def whole(self, shape: torch.Size) -> tuple[Chunk, int]:
         """A plain parameter's chunk (all of it) and element count: one tuple per shape, shared by
         every parameter of that shape (the core's ``encode_layout`` reads a chunk it met once)."""
-        known = self._whole.get(shape)
+        known = self.wholes.get(shape)
         if known is None:
             dims = tuple(shape)
-            known = self._whole[shape] = ((dims, (0,) * len(dims), dims), math.prod(dims))
+            known = self.wholes[shape] = ((dims, (0,) * len(dims), dims), math.prod(dims))
         return known
 
     def of(self, p: torch.Tensor) -> Chunk | None:
@@ -108,73 +108,128 @@ def collect(
     ``own_item_bytes`` (``state_layout="auto"``): a state tensor whose largest chunk over all
     ranks has at least that many bytes stays in ``items`` (decided from the global shape and
     placements, so every rank decides alike and DCP sees the tensor as one sharded item); ``None``
-    buffers them all."""
+    buffers them all.
+
+    A plain parameter's state (every state tensor of a model without DTensors) goes through one
+    tight loop: a state value's item key is looked up before any read of the tensor (a 0-d
+    ``step`` has no item: no shape read), then the four reads that decide (shape, layout,
+    ``is_meta``, dtype); names, item sizes and key parts are looked up once per dtype and key."""
     entries: list[tuple[Any, ...]] = []
     local: list[torch.Tensor] = []
-    add_entry, add_local, take = entries.append, local.append, items.pop  # (bound once: called per state tensor)
+    add_entry, add_local = entries.append, local.append  # (bound once: called per state tensor)
+    names = _Names(own_item_bytes)
     geometry = _Geometry()
-    names: dict[torch.dtype, tuple[str, int]] = {}
-    dtype: Any = None  # the last state tensor's dtype, and its name and item size
-    name, itemsize = "", 0
-    parts: dict[str, str | None] = {}  # str state key -> its key part (the same few keys recur per parameter)
-    missing = object()
-    plain, strided = torch.Tensor, torch.strided
-    whole = geometry.whole
+    parts, part_of, spec_of, wholes, whole = names.parts, names.part, names.spec, geometry.wholes, geometry.whole
+    tensor, strided = torch.Tensor, torch.strided
+    dtype: Any = None  # the last state tensor's dtype, and its name, item size and own-item limit
+    name, itemsize, limit = "", 0, math.inf
     for fqn, state in state_fqn.items():
         p = param_of.get(fqn)
         if p is None or type(state) is not dict:
             continue
-        sharded = isinstance(p, DTensor)
+        if isinstance(p, DTensor):
+            _collect_sharded(fqn, p, state, items, geometry, names, entries, local)
+            continue
         pshape = p.shape
+        (shape, offsets, sizes), largest = wholes.get(pshape) or whole(pshape)  # (one tuple per shape)
         prefix = f"{STATE_PREFIX}{fqn}."  # its state items' keys: prefix + key part
-        if sharded:
-            chunk = None
-            largest = -1  # elements of the parameter's largest chunk over all ranks (computed when first needed)
-        else:  # the chunk is the whole parameter, the same tuple for every parameter of this shape
-            chunk, largest = whole(pshape)
-            shape, offsets, sizes = chunk
         for key, v in state.items():
-            if type(v) is plain and not sharded:
-                if v.shape != pshape or v.layout is not strided or v.is_meta:
-                    continue
-                t = v
-            elif sharded and isinstance(v, DTensor):
-                if v.shape != pshape or v.placements != p.placements or v.device_mesh != p.device_mesh:
-                    continue
-                t = v.to_local()
-                if t.layout is not strided:
-                    continue
-                if chunk is None:
-                    chunk = geometry.of(p)
-                    if chunk is None:
-                        break
-                    shape, offsets, sizes = chunk
-                if tuple(t.shape) != sizes:
-                    continue  # (a plain tensor's chunk is its parameter's shape, checked above)
-            else:
+            if type(v) is not tensor:
                 continue
-            if t.dtype is not dtype:
-                dtype = t.dtype
-                spec = names.get(dtype)
-                if spec is None:
-                    spec = names[dtype] = (dtype_name(dtype), t.element_size())
-                name, itemsize = spec
-            if own_item_bytes is not None:
-                if largest < 0:
-                    largest = geometry.largest(p)
-                if largest * itemsize >= own_item_bytes:
-                    continue  # large enough to be an item of its own: no copy into a buffer
-            if type(key) is str:
-                part = parts.get(key, missing)
-                if part is missing:
-                    part = parts[key] = key if is_plain_part(key) else escape_part(key)
-            else:  # (not cached: 1 and True are one dict key but escape apart)
-                part = escape_part(key)
-            if part is None or take(prefix + part, missing) is missing:
+            part = parts.get(key, _MISSING) if type(key) is str else _MISSING
+            if part is _MISSING:
+                part = part_of(key)
+            if part is None:
+                continue
+            item = prefix + part
+            if item not in items:
                 continue  # a 0-d parameter's state went into the scalar table
+            if v.shape != pshape or v.layout is not strided or v.is_meta:
+                continue
+            if v.dtype is not dtype:
+                dtype = v.dtype
+                name, itemsize, limit = spec_of(dtype, v.element_size())
+            if largest >= limit:
+                continue  # large enough to be an item of its own: no copy into a buffer
+            del items[item]
             add_entry((fqn, part, name, itemsize, shape, offsets, sizes))
-            add_local(t)
+            add_local(v)
     return entries, local
+
+
+_MISSING = object()
+
+
+class _Names:
+    """What :func:`collect` looks up once: a dtype's name, item size and own-item limit; a state
+    key's key part."""
+
+    __slots__ = ("own_item_bytes", "parts", "specs")
+
+    def __init__(self, own_item_bytes: int | None) -> None:
+        self.own_item_bytes = own_item_bytes
+        self.specs: dict[torch.dtype, tuple[str, int, float]] = {}
+        self.parts: dict[str, str | None] = {}  # str state key -> its key part (the same few keys recur)
+
+    def spec(self, dtype: torch.dtype, element_size: int) -> tuple[str, int, float]:
+        """``(name, item size, limit)``: a state tensor of ``dtype`` whose largest chunk over all
+        ranks has at least ``limit`` elements stays an item of its own (never without ``own_item_bytes``)."""
+        known = self.specs.get(dtype)
+        if known is None:
+            own = self.own_item_bytes
+            limit = -(-own // element_size) if own is not None else math.inf
+            known = self.specs[dtype] = (dtype_name(dtype), element_size, limit)
+        return known
+
+    def part(self, key: Any) -> str | None:
+        """The state key's key part (``None``: a key no item can have)."""
+        if type(key) is not str:  # (not cached: 1 and True are one dict key but escape apart)
+            return escape_part(key)
+        part = self.parts.get(key, _MISSING)
+        if part is _MISSING:
+            part = self.parts[key] = key if is_plain_part(key) else escape_part(key)
+        return part  # type: ignore[return-value]
+
+
+def _collect_sharded(
+    fqn: str,
+    p: DTensor,
+    state: dict[Any, Any],
+    items: dict[str, Any],
+    geometry: _Geometry,
+    names: _Names,
+    entries: list[tuple[Any, ...]],
+    local: list[torch.Tensor],
+) -> None:
+    """:func:`collect` for a DTensor parameter: its state DTensors of its shape, mesh and placements
+    (their local chunks, where the placements are all ``Shard``/``Replicate``)."""
+    chunk = None
+    largest = -1  # elements of the parameter's largest chunk over all ranks (computed when first needed)
+    prefix = f"{STATE_PREFIX}{fqn}."
+    for key, v in state.items():
+        if not isinstance(v, DTensor) or v.shape != p.shape:
+            continue
+        if v.placements != p.placements or v.device_mesh != p.device_mesh:
+            continue
+        t = v.to_local()
+        if t.layout is not torch.strided:
+            continue
+        if chunk is None:
+            chunk = geometry.of(p)
+            if chunk is None:
+                return  # its state stays per-item, as DCP shards it
+        if tuple(t.shape) != chunk[2]:
+            continue
+        name, itemsize, limit = names.spec(t.dtype, t.element_size())
+        if largest < 0:
+            largest = geometry.largest(p)
+        if largest >= limit:
+            continue  # large enough to be an item of its own: no copy into a buffer
+        part = names.part(key)
+        if part is None or items.pop(prefix + part, _MISSING) is _MISSING:
+            continue  # a 0-d parameter's state went into the scalar table
+        entries.append((fqn, part, name, itemsize, *chunk))
+        local.append(t)
 
 
 def fill(
@@ -182,13 +237,16 @@ def fill(
     local: list[torch.Tensor],
     snapshots: list[torch.Tensor] | None = None,
     pool: HostPool | None = None,
+    sizes: Sequence[tuple[int, ...]] | None = None,
 ) -> list[torch.Tensor]:
     """One CPU buffer per bucket of the core's ``encode_layout``, holding its chunks in order
     (concatenated on their device, so a GPU state costs one bucket of device memory at a time).
     Several chunks are copied; a bucket of one CPU chunk is that tensor, flattened (like a
     per-item entry, it is the live state: DCP writes or stages it before training goes on).
     ``snapshots``: the buffers this call allocated and filled (copies no live state aliases) are
-    appended to it; ``pool``: where the CPU ones are allocated (`sparse_ckpt._host_memory.HostPool`)."""
+    appended to it; ``pool``: where the CPU ones are allocated (`sparse_ckpt._host_memory.HostPool`);
+    ``sizes``: each local tensor's shape where the caller knows it (the layout entries' chunk sizes),
+    so the copy reads no shape back."""
     out = []
     for _dtype, numel, members in buckets:
         chunks = [local[i] for i, _offset in members]
@@ -196,7 +254,8 @@ def fill(
         if len(chunks) == 1 and device.type == "cpu":  # one CPU chunk alone: the (flattened) state tensor itself
             buf = chunks[0].detach().reshape(-1)
         else:
-            buf = _copied(numel, chunks, device, pool)
+            shapes = [sizes[i] for i, _offset in members] if sizes is not None else None
+            buf = _copied(numel, chunks, device, pool, shapes)
             if snapshots is not None:
                 snapshots.append(buf)
         if buf.numel() != numel:  # pragma: no cover - the core's sizes are the chunks'
@@ -205,11 +264,17 @@ def fill(
     return out
 
 
-def _copied(numel: int, chunks: list[torch.Tensor], device: torch.device, pool: HostPool | None) -> torch.Tensor:
+def _copied(
+    numel: int,
+    chunks: list[torch.Tensor],
+    device: torch.device,
+    pool: HostPool | None,
+    shapes: Sequence[tuple[int, ...]] | None = None,
+) -> torch.Tensor:
     """A host buffer (from ``pool``, else new) holding ``chunks`` (on ``device``) in order."""
     if device.type == "cpu":  # a host buffer on huge pages where the OS offers them (page faults dominated)
         buf = pool.take((numel,), chunks[0].dtype) if pool is not None else empty_host(numel, chunks[0].dtype)
-        stack_into(buf, chunks)
+        stack_into(buf, chunks, shapes)
     else:  # accelerator chunks, concatenated on their device, copied to a host (pinned where asked) buffer
         buf = staging_host(numel, chunks[0].dtype, device)
         buf.copy_(
@@ -218,32 +283,32 @@ def _copied(numel: int, chunks: list[torch.Tensor], device: torch.device, pool: 
     return buf
 
 
-def stack_into(buf: torch.Tensor, chunks: list[torch.Tensor]) -> None:
+def stack_into(buf: torch.Tensor, chunks: list[torch.Tensor], shapes: Sequence[tuple[int, ...]] | None = None) -> None:
     """Copy ``chunks`` (CPU tensors of ``buf``'s dtype, in order) into the 1-D ``buf``, which holds
     exactly their elements. Each run of consecutive chunks of one shape is one ``torch.stack`` into
     the run's part of ``buf`` viewed as ``(n, *shape)``: no flattened view per chunk (the bucket of
-    9 552 state tensors of 64x64 filled in 28.9 ms instead of 44 ms, bench/README.md *Scale*)."""
-    pos = 0
-    run: list[torch.Tensor] = []
+    9 552 state tensors of 64x64 filled in 28.9 ms instead of 44 ms, bench/README.md *Scale*).
+    ``shapes``: the chunks' shapes where the caller knows them (a run's shape is then often the same
+    tuple object, compared by identity); the stacks run without autograd (``out=`` refuses chunks
+    that require grad under it; the state's values are what is copied), so no chunk is read but by
+    the copy."""
+    if shapes is None:
+        shapes = [t.shape for t in chunks]
+    pos = start = 0
     shape: Any = None
-    for t in chunks:
-        if t.requires_grad:  # (stack's out= refuses autograd inputs; the state's values are what is saved)
-            t = t.detach()
-        s = t.shape
-        if s != shape:
-            if run:
-                pos = _stack_run(buf, pos, run, shape)
-            run = [t]
-            shape = s
-        else:
-            run.append(t)
-    if run:
-        pos = _stack_run(buf, pos, run, shape)
+    with torch.no_grad():
+        for i, s in enumerate(shapes):
+            if s is not shape and s != shape:
+                if i > start:
+                    pos = _stack_run(buf, pos, chunks[start:i], shape)
+                start, shape = i, s
+        if start < len(chunks):
+            pos = _stack_run(buf, pos, chunks[start:], shape)
     if pos != buf.numel():  # pragma: no cover - the core's sizes are the chunks'
         raise AssertionError(f"chunks of {pos} elements for a bucket of {buf.numel()}")
 
 
-def _stack_run(buf: torch.Tensor, pos: int, run: list[torch.Tensor], shape: torch.Size) -> int:
+def _stack_run(buf: torch.Tensor, pos: int, run: list[torch.Tensor], shape: tuple[int, ...]) -> int:
     end = pos + len(run) * math.prod(shape)
     torch.stack(run, out=buf[pos:end].view(len(run), *shape))
     return end

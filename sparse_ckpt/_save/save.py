@@ -145,7 +145,7 @@ def build_state_dict(
                 )
                 if entries:
                     layout, buckets = core.encode_layout(leaf, entries, bucketed.BUCKET_BYTES)
-                    filled = bucketed.fill(buckets, local, snapshots, pool)
+                    filled = bucketed.fill(buckets, local, snapshots, pool, list(map(itemgetter(6), entries)))
                     parts.append(_Part("layout", leaf, buckets=filled))
                     layout = with_checksums(layout, filled)  # each bucket's CRC-32C, under the layout's seal
                     slots.append(Slot.of(LAYOUT_SLOT, leaf, layout, buckets=tuple(dtype for dtype, _n, _m in buckets)))

@@ -1877,6 +1877,16 @@ def test_crc32c_known_values() -> None:
     assert check("crc32c", bytearray(big)) == whole and check("crc32c", memoryview(big)) == whole
 
 
+@pytest.mark.parametrize("start", [0, 3])
+@pytest.mark.parametrize("size", [3 * 4096 - 1, 3 * 4096, 3 * 4096 + 8, 6 * 4096 + 13])
+def test_crc32c_across_lane_groups(size: int, start: int) -> None:
+    """Inputs around whole groups of the C++ core's three 4 KiB lanes, from an aligned and a misaligned
+    start: both cores give the bitwise reference, from zero and continued."""
+    data = random.Random(size + start).randbytes(size + start)[start:]
+    for value in (0, 0x9E3779B9):
+        assert check("crc32c", memoryview(data), value) == ("ok", _crc32c_reference(data, value))
+
+
 @PROPS
 @given(st.binary(max_size=20000), st.integers(0, 2**32 - 1), st.integers(0, 40))
 def test_crc32c_agrees_with_the_reference(data: bytes, value: int, cut: int) -> None:

@@ -37,6 +37,10 @@ def test_stack_into_is_cat_of_flattened(spec: list[tuple[tuple[int, ...], str]])
     buf = torch.full((expected.numel(),), float("nan"))
     stack_into(buf, chunks)
     assert torch.equal(buf, expected)
+    given_shapes = torch.full((expected.numel(),), float("nan"))  # the shapes as the layout entries give them
+    stack_into(given_shapes, chunks, [shape for shape, _how in spec])
+    assert torch.equal(given_shapes, expected)
+    assert not any(c.grad is not None for c in chunks) and torch.is_grad_enabled()
 
 
 def test_fill_runs_of_shapes_and_a_lone_chunk() -> None:
@@ -50,5 +54,7 @@ def test_fill_runs_of_shapes_and_a_lone_chunk() -> None:
     buckets = [("float32", 21, [(i, 0) for i in range(4)]), ("float32", 4, [(4, 0)])]
     big, alone = fill(buckets, [*chunks, lone])
     assert torch.equal(big, torch.arange(21.0))
+    sized, _alone = fill(buckets, [*chunks, lone], sizes=[(2, 3), (2, 3), (3,), (3, 2), (2, 2)])
+    assert torch.equal(sized, torch.arange(21.0))
     assert alone.data_ptr() == lone.data_ptr()  # one chunk alone: the live tensor, flattened, no copy
     assert torch.equal(alone, torch.arange(4.0))
