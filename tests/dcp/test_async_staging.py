@@ -28,6 +28,20 @@ from sparse_ckpt._layouts import AUTO_ASYNC_OWN_ITEM_BYTES, STATE_LAYOUTS
 pytestmark = pytest.mark.filterwarnings("ignore:torch.distributed is disabled:UserWarning")
 
 
+def _stager_deep_copies() -> bool:
+    """Whether this torch's ``dcp.async_save`` stages by deep-copying the state dict (its
+    ``DefaultStager``, as torch 2.13 does): only then does the stager's copy go through
+    ``SparseStateDict.__deepcopy__`` and the pool. Older torch's writer copies the dict into buffers
+    of its own before the call returns, so only the capture's buckets come from the pool and DCP holds
+    none of them while it writes."""
+    from torch.distributed.checkpoint import staging
+
+    return hasattr(staging, "DefaultStager")
+
+
+STAGER_DEEP_COPIES = _stager_deep_copies()
+
+
 class _Mixed(nn.Module):
     """Small parameters (bucketed by ``auto``) and one whose state tensors are items of their own
     inside ``dcp.async_save``, large enough to be staged into huge-page buffers (`host_snapshot`)."""
@@ -129,7 +143,10 @@ def test_a_second_save_allocates_no_staging_buffer(tmp_path: Path, layout: str) 
     state = sc.SparseOptimizerState(model, opt, state_layout=layout)
     _staged_save(tmp_path / "a", state).result()
     first = state.host_pool.allocated
-    assert first > 0, "nothing was staged into the pool"
+    if layout == "per_tensor" and not STAGER_DEEP_COPIES:
+        assert first == 0  # no bucket, and the writer stages the state tensors in buffers of its own
+    else:
+        assert first > 0, "nothing was staged into the pool"
     for name in ("b", "c"):
         for v in opt.state[model.big].values():
             v.add_(1)
@@ -171,7 +188,10 @@ def test_two_saves_in_flight_hold_their_own_values(
     for i, future in enumerate(futures):
         future.result()
         assert_optimizer_equal(expected[i], _load(tmp_path / f"s{i}", model), grads=False)
-    assert allocated[0] > 0 and allocated[1] == 2 * allocated[0]
+    # With the deep-copying stager DCP writes from the pooled buffers, so the second save needs its own;
+    # older torch's writer copied them into its own before the first call returned, released them, and
+    # the second save may reuse them.
+    assert allocated[0] > 0 and allocated[1] == (2 if STAGER_DEEP_COPIES else 1) * allocated[0]
 
 
 def test_the_pool_reuses_only_released_buffers() -> None:
