@@ -18,10 +18,16 @@ from bench import results_page
 
 
 def test_the_page_is_what_the_json_gives() -> None:
-    # the tables only: whether the committed JSON is current (``--check``'s provenance half) is
-    # tests/benchmark/test_results_provenance.py's, on synthetic files
     text = results_page.PAGE.read_text(encoding="utf-8")
     assert results_page.render_page(text) == text, "docs/results.md is out of date: run python -m bench.results_page"
+
+
+def test_the_committed_results_are_current() -> None:
+    """``python -m bench.results_page --check`` on the committed files: each records its provenance and
+    was measured with the current default layout, formats and bench inputs (the rule's details are
+    tests/benchmark/test_results_provenance.py's, on synthetic files)."""
+    assert results_page.stale() == []
+    assert results_page.main(["--check"]) == 0
 
 
 def test_every_table_is_marked_and_rendered() -> None:
@@ -37,12 +43,16 @@ def test_a_changed_measurement_changes_the_page(tmp_path: Path) -> None:
     results = tmp_path / "results"
     shutil.copytree(results_page.RESULTS, results, ignore=shutil.ignore_patterns("*.png", "*.svg", "*.md"))
     titan = json.loads((results / "titan_compare.json").read_text(encoding="utf-8"))
+    stock, before = (titan["results"][f"moe/{kind}"]["optimizer_items"] for kind in ("stock", "sparse"))
+    assert before != 12345
     titan["results"]["moe/sparse"]["optimizer_items"] = 12345
     (results / "titan_compare.json").write_text(json.dumps(titan), encoding="utf-8")
     text = results_page.PAGE.read_text(encoding="utf-8")
     assert results_page.render_page(text, results) != text
     table = results_page.stock_table(results)
-    assert "83 334 -> 12 345 (6.8x)" in table and "83 334 -> 6 199" not in table
+    n = results_page._n
+    assert f"{n(stock)} -> 12 345 ({results_page._x(stock, 12345)})" in table
+    assert f"{n(stock)} -> {n(before)} " not in table
 
 
 def test_the_plots_are_drawn_from_the_json_and_linked(tmp_path: Path) -> None:
