@@ -114,8 +114,8 @@ def record() -> dict[str, Any]:
 
 
 def problems(name: str, data: dict[str, Any], rerun: str) -> list[str]:
-    """Why the result ``data`` (the JSON file ``name``) is not current, each naming the file and ``rerun``; [] if it "
-    "is."""
+    """Why the result ``data`` (the JSON file ``name``) is not current, each naming the file and ``rerun``;
+    [] if it is."""
     prov = data.get("provenance") if isinstance(data, dict) else None
     if not isinstance(prov, dict):
         return [f"{name}: records no provenance (commit, date, machine, load); rerun: {rerun}"]

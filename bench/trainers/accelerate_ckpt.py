@@ -49,8 +49,8 @@ class MoENet(nn.Module):
 
 
 def fsdp2_accelerator(world_size: int) -> Any:
-    """The recipe of docs/integrations/hugging-face.md: FSDP2 forced on CPU (distributed type set explicitly, CPU "
-    "mesh)."""
+    """The recipe of docs/integrations/hugging-face.md: FSDP2 forced on CPU (distributed type set explicitly,
+    CPU mesh)."""
     from accelerate import Accelerator
     from accelerate.state import PartialState
     from accelerate.utils import DistributedType, FullyShardedDataParallelPlugin, ParallelismConfig
