@@ -44,9 +44,15 @@ def cpu_model() -> str:
     return platform.processor() or platform.machine()
 
 
+# What the benches and the results page write into the checkout: not a change of what is measured.
+OUTPUTS = ("bench/results", "docs/results.md", "docs/img")
+EXCLUDED_OUTPUTS = tuple(f":(exclude){path}" for path in OUTPUTS)
+
+
 def commit(root: Path | None = None) -> str:
     """The commit of the checkout at ``root`` (default: the one this bench is in), ``-dirty`` when its
-    tracked files have changes, or the installed package's version outside a checkout."""
+    tracked files have changes other than the measurements themselves (``OUTPUTS``: a refresh rewrites
+    them one after another), or the installed package's version outside a checkout."""
     root = Path(__file__).resolve().parents[1] if root is None else root
 
     def git(*args: str) -> str:
@@ -57,7 +63,8 @@ def commit(root: Path | None = None) -> str:
     try:
         if (root / ".git").exists() and (root / "sparse_ckpt").is_dir():
             sha = git("rev-parse", "--short=12", "HEAD")
-            return sha + ("-dirty" if git("status", "--porcelain", "--untracked-files=no") else "")
+            changed = git("status", "--porcelain", "--untracked-files=no", "--", ".", *EXCLUDED_OUTPUTS)
+            return sha + ("-dirty" if changed else "")
     except (OSError, subprocess.SubprocessError):
         pass
     import sparse_ckpt
