@@ -139,6 +139,8 @@ def test_commit_names_a_dirty_tree_and_an_installed_package(tmp_path: Path) -> N
         pytest.skip("no git")
     (tmp_path / "sparse_ckpt").mkdir()
     (tmp_path / "sparse_ckpt" / "f.py").write_text("x = 1\n")
+    (tmp_path / "bench" / "results").mkdir(parents=True)
+    (tmp_path / "bench" / "results" / "r.json").write_text("{}\n")
 
     def git(*args: str) -> str:
         cmd = ["git", "-C", str(tmp_path), "-c", "user.name=t", "-c", "user.email=t@t", *args]
@@ -148,6 +150,8 @@ def test_commit_names_a_dirty_tree_and_an_installed_package(tmp_path: Path) -> N
     git("add", ".")
     git("commit", "-q", "-m", "one")
     sha = git("rev-parse", "--short=12", "HEAD")
+    assert provenance.commit(tmp_path) == sha
+    (tmp_path / "bench" / "results" / "r.json").write_text('{"a": 1}\n')  # a refresh's own output
     assert provenance.commit(tmp_path) == sha
     (tmp_path / "sparse_ckpt" / "f.py").write_text("x = 2\n")
     assert provenance.commit(tmp_path) == sha + "-dirty"
