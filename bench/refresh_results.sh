@@ -2,7 +2,7 @@
 # Re-measure every JSON file docs/results.md reads (bench/results/), each recording its provenance,
 # then re-render the page, its plots, bench/results/results.md and its figures, and scale.svg.
 #
-#   bash bench/refresh_results.sh                     # everything: ~34 min on a quiet 2-core machine
+#   bash bench/refresh_results.sh                     # everything: ~39 min on a quiet 2-core machine
 #   bash bench/refresh_results.sh titan_compare.json  # only the named files, then the page
 #   bash bench/refresh_results.sh --smoke DIR         # tiny sizes into DIR (a copy of the page and its
 #                                                     # plots into DIR/page): the commands work; the
@@ -47,11 +47,11 @@ FULL[results.json]='python -m bench --scales 8x64,24x128,61x256 --repeats 3 --bu
     --progress lines --out "$OUT"'
 SMALL[results.json]='python -m bench --scales 61x256 --repeats 1 --budget 0.1 --methods floor/state_dict,dsd/get
     --progress lines --out "$OUT"'
-EST[results.json]=9
+EST[results.json]=14
 FULL[scale_dcp.json]='python -m bench.scale dcp --fixtures 24x128:h0,24x128:h64,4x16:h512,8x64:h64:e32768x64
     --repeats 11 --threads 1 --out "$OUT/scale_dcp.json"'
 SMALL[scale_dcp.json]='python -m bench.scale dcp --fixtures 2x8:h0 --repeats 1 --threads 1 --out "$OUT/scale_dcp.json"'
-EST[scale_dcp.json]=4
+EST[scale_dcp.json]=6
 FULL[scale_dcp_spread.json]='python -m bench.scale dcp --fixtures 24x128:h64 --repeats 15 --threads 1 --spread
     --out "$OUT/scale_dcp_spread.json"'
 SMALL[scale_dcp_spread.json]='python -m bench.scale dcp --fixtures 2x8:h0 --repeats 2 --threads 1 --spread
@@ -61,11 +61,11 @@ FULL[scale_metadata.json]='python -m bench.scale metadata --fixture 61x256:h0:e3
     --max-records 400000 --repeats 1 --check 16 --check-sample 4 --out "$OUT/scale_metadata.json"'
 SMALL[scale_metadata.json]='python -m bench.scale metadata --fixture 2x8:h0 --ranks 8,64 --repeats 1
     --out "$OUT/scale_metadata.json"'
-EST[scale_metadata.json]=5
+EST[scale_metadata.json]=3
 FULL[titan_compare.json]='python -m bench.titan_compare --repeat 3 --out "$OUT/titan_compare.json"'
 SMALL[titan_compare.json]='python -m bench.titan_compare --layers 1 --experts 4 --dim 8 --repeat 1
     --out "$OUT/titan_compare.json"'
-EST[titan_compare.json]=6
+EST[titan_compare.json]=7
 
 steps=("$@")
 [[ ${#steps[@]} -gt 0 ]] || steps=("${ORDER[@]}")
