@@ -154,9 +154,12 @@ class HostPool:
         self.allocated = 0
         """How many buffers this pool allocated (a count the tests and the benchmark read)."""
 
-    def __reduce__(self) -> tuple[type[HostPool], tuple[()]]:
+    def __getstate__(self) -> dict[str, Any]:
         """A copy or a pickle of its owner gets an empty pool (buffers are not state)."""
-        return (HostPool, ())
+        return {"buffers": 0}
+
+    def __setstate__(self, state: dict[str, Any]) -> None:
+        self.__init__()  # type: ignore[misc]
 
     def __len__(self) -> int:
         """How many buffers the pool holds (free or handed out)."""

@@ -61,13 +61,12 @@ _REBUILD = ("torch._utils", "_rebuild_tensor_v2")
 _ORDERED_DICT = ("collections", "OrderedDict")
 
 
-class _NotTaken(Exception):
-    """The pickle is not the one-tensor pickle `_read_pickle` reads (its answer is then ``None``)."""
+_NOT_TAKEN = "not the one-tensor pickle"  # a ValueError's message: `_read_pickle`'s answer is then None
 
 
 class _PickleMachine:
     """The state of `_read_pickle`'s interpreter (stack, marks, memo, position in ``data``) and one
-    method per opcode it reads (`_OPS`); a method raises `_NotTaken` (or an error of a short or
+    method per opcode it reads (`_OPS`); a method raises ``ValueError(_NOT_TAKEN)`` (or an error of a short or
     damaged pickle) for anything outside the one-tensor pickle."""
 
     __slots__ = ("data", "marks", "memo", "pos", "stack")
@@ -108,12 +107,12 @@ class _PickleMachine:
 
     def proto(self) -> None:
         if self.take(1)[0] > 2:
-            raise _NotTaken
+            raise ValueError(_NOT_TAKEN)
 
     def global_(self) -> None:
         ref = (self.line(), self.line())
         if ref not in (_REBUILD, _ORDERED_DICT) and not (ref[0] == "torch" and ref[1] in _STORAGE_DTYPES):
-            raise _NotTaken
+            raise ValueError(_NOT_TAKEN)
         self.push(("global", ref))
 
     def put(self, k: int) -> None:
@@ -134,7 +133,7 @@ class _PickleMachine:
 
     def tuple_n(self, k: int) -> None:
         if len(self.stack) < k:
-            raise _NotTaken
+            raise ValueError(_NOT_TAKEN)
         items = tuple(self.stack[len(self.stack) - k :])
         del self.stack[len(self.stack) - k :]
         self.push(items)
@@ -146,9 +145,9 @@ class _PickleMachine:
         """Records the call, never makes it."""
         args, fn = self.stack.pop(), self.stack.pop()
         if type(fn) is not tuple or fn[:1] != ("global",) or type(args) is not tuple:
-            raise _NotTaken
+            raise ValueError(_NOT_TAKEN)
         if fn[1] == _ORDERED_DICT and args:
-            raise _NotTaken
+            raise ValueError(_NOT_TAKEN)
         self.push(("call", fn[1], args))
 
     def stop(self) -> Any:
@@ -202,7 +201,7 @@ def _read_pickle(data: bytes) -> Any:
             if step is None:
                 return None
             step(machine)
-    except (_NotTaken, ValueError, IndexError, KeyError, UnicodeDecodeError):
+    except (ValueError, IndexError, KeyError, UnicodeDecodeError):
         return None
 
 

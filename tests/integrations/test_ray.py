@@ -33,6 +33,7 @@ import dsd_moe
 import pytest
 import torch
 import trainer_drill
+from _sampling import EXHAUSTIVE
 from launcher.launcher_env import child_env, prefix, run  # tests/launcher: how the drills start a prefixed command
 
 pytest.importorskip(
@@ -78,6 +79,10 @@ def drill() -> Iterator[tuple[Path, str]]:
 
 
 @pytest.mark.slow
+@pytest.mark.skipif(
+    not EXHAUSTIVE,
+    reason="starts a Ray cluster (~95 s): CI runs it (SPARSE_CKPT_EXHAUSTIVE_SWEEPS=1, tests/_sampling.py)",
+)
 def test_ray_train_resumes_exactly_in_code_and_with_the_prefix_and_stock_fails(
     drill: tuple[Path, str], core_backend: str
 ) -> None:

@@ -29,6 +29,8 @@ from sparse_ckpt.tools._reader import expand_scalar_tables, open_checkpoint, rea
 from sparse_ckpt.tools.inspect import expert_summary, id_ranges
 
 pytestmark = pytest.mark.filterwarnings("ignore:torch.distributed is disabled:UserWarning")
+# Each test runs the CLI in a child process (a torch import each): the default core backend by default,
+# both under SPARSE_CKPT_EXHAUSTIVE_SWEEPS=1 (.ci/run), as for the multi-rank tests (`_backends.ranks`).
 
 
 def run_cli(*args: str, warnings: str | None = "ignore") -> subprocess.CompletedProcess[str]:
@@ -56,6 +58,7 @@ def checkpoint(tmp_path: Path) -> tuple[Path, nn.Module, sc.MultiOptimizer]:
     return path, model, opt
 
 
+@_backends.ranks
 def test_inspect_text_and_json(checkpoint: tuple[Path, nn.Module, sc.MultiOptimizer]) -> None:
     path, model, opt = checkpoint
     text = run_cli("inspect", str(path))
@@ -95,6 +98,7 @@ def test_inspect_text_and_json(checkpoint: tuple[Path, nn.Module, sc.MultiOptimi
     assert o["state_without_group"] == [] and o["unmatched_keys"] == []
 
 
+@_backends.ranks
 def test_convert_round_trip(checkpoint: tuple[Path, nn.Module, sc.MultiOptimizer], tmp_path: Path) -> None:
     path, _model, opt = checkpoint
     flat, packed = tmp_path / "flat", tmp_path / "packed"
@@ -143,6 +147,7 @@ def test_convert_round_trip(checkpoint: tuple[Path, nn.Module, sc.MultiOptimizer
         assert not opt2["idle"].state and opt2["idle"].param_groups[0]["lr"] == 0.0025
 
 
+@_backends.ranks
 def test_convert_to_flat_refuses_escaped_state_keys(tmp_path: Path) -> None:
     """A packed checkpoint with a state key the flat layout cannot hold (here ``'ema.decay'``)."""
     model = nn.Linear(2, 2)
@@ -157,6 +162,7 @@ def test_convert_to_flat_refuses_escaped_state_keys(tmp_path: Path) -> None:
     assert r.returncode == 0 and "__sparse_ckpt__" not in r.stdout and "unrecognised" not in r.stdout, r.stdout
 
 
+@_backends.ranks
 def test_not_a_checkpoint_exits_2(tmp_path: Path) -> None:
     empty = tmp_path / "empty"
     empty.mkdir()
@@ -165,6 +171,7 @@ def test_not_a_checkpoint_exits_2(tmp_path: Path) -> None:
     assert "incomplete or not a DCP checkpoint" in r.stderr and "Traceback" not in r.stderr
 
 
+@_backends.ranks
 def test_usage_errors_exit_2_in_process(
     checkpoint: tuple[Path, nn.Module, sc.MultiOptimizer], tmp_path: Path, capsys: pytest.CaptureFixture[str]
 ) -> None:
@@ -191,6 +198,7 @@ def test_usage_errors_exit_2_in_process(
 # --------------------------------------------------------------------------- inspect --params, experts
 
 
+@_backends.ranks
 def test_inspect_params_and_expert_counts(
     checkpoint: tuple[Path, nn.Module, sc.MultiOptimizer], capsys: pytest.CaptureFixture[str]
 ) -> None:
@@ -225,6 +233,7 @@ def test_inspect_params_and_expert_counts(
     assert "params_without_state" not in inspect_checkpoint(str(path))["optimizers"][0]["leaves"][0]
 
 
+@_backends.ranks
 def test_expert_summary_layers_and_partial_experts() -> None:
     fqns = [f"model.layers.{layer}.mlp.experts.{e}.{w}" for layer in (10, 2) for e in range(4) for w in ("w1", "w2")]
     fqns += ["model.layers.2.mlp.shared_experts.w1", "model.layers.2.attn.q.weight"]  # not routed experts
@@ -235,6 +244,7 @@ def test_expert_summary_layers_and_partial_experts() -> None:
     assert rows[0]["partial_ids"] == [3] and rows[0]["without_state_ids"] == [1, 2]
 
 
+@_backends.ranks
 def test_expert_ids_as_ranges_in_text_only(tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
     """``--params`` text compresses runs of expert ids (``0-3, 7, 9-199``); ``--json`` keeps every id."""
     assert id_ranges([]) == ""
@@ -300,6 +310,7 @@ def test_closed_pipe_is_quiet(tmp_path: Path, unbuffered: bool) -> None:
     assert err == "", err
 
 
+@_backends.ranks
 def test_broken_pipe_in_process(
     checkpoint: tuple[Path, nn.Module, sc.MultiOptimizer],
     monkeypatch: pytest.MonkeyPatch,
@@ -323,6 +334,7 @@ def _one_line_error(capsys: pytest.CaptureFixture[str]) -> str:
     return err
 
 
+@_backends.ranks
 def test_damaged_checkpoints_exit_1_with_one_line(
     checkpoint: tuple[Path, nn.Module, sc.MultiOptimizer], tmp_path: Path, capsys: pytest.CaptureFixture[str]
 ) -> None:
@@ -352,6 +364,7 @@ def test_damaged_checkpoints_exit_1_with_one_line(
     assert r.returncode == 1 and r.stderr.count("\n") == 1 and "Traceback" not in r.stderr, r.stderr
 
 
+@_backends.ranks
 def test_verify_finds_truncation_and_bit_flips(
     checkpoint: tuple[Path, nn.Module, sc.MultiOptimizer], tmp_path: Path, capsys: pytest.CaptureFixture[str]
 ) -> None:
@@ -403,6 +416,7 @@ def test_verify_finds_truncation_and_bit_flips(
 # --------------------------------------------------------------------------- diff, --version, export
 
 
+@_backends.ranks
 def test_diff(
     checkpoint: tuple[Path, nn.Module, sc.MultiOptimizer], tmp_path: Path, capsys: pytest.CaptureFixture[str]
 ) -> None:
@@ -449,6 +463,7 @@ def test_diff(
     assert report["differences"] == 1 + 1 + 3 + 1
 
 
+@_backends.ranks
 def test_diff_compares_meaning_not_layout(
     checkpoint: tuple[Path, nn.Module, sc.MultiOptimizer], tmp_path: Path, capsys: pytest.CaptureFixture[str]
 ) -> None:
@@ -465,6 +480,7 @@ def test_diff_compares_meaning_not_layout(
     assert "  layout: leaf 'optim': only in b (" in out
 
 
+@_backends.ranks
 def test_convert_shows_no_torch_warning(checkpoint: tuple[Path, nn.Module, sc.MultiOptimizer], tmp_path: Path) -> None:
     """torch's single-process DCP warning is not the CLI user's business (warnings left on here)."""
     path, _model, _opt = checkpoint
@@ -477,6 +493,7 @@ def test_convert_shows_no_torch_warning(checkpoint: tuple[Path, nn.Module, sc.Mu
         assert "Warning" not in r.stderr + r.stdout, r.stderr
 
 
+@_backends.ranks
 def test_version(capsys: pytest.CaptureFixture[str]) -> None:
     with pytest.raises(SystemExit) as exc:
         cli.main(["--version"])
@@ -484,6 +501,7 @@ def test_version(capsys: pytest.CaptureFixture[str]) -> None:
     assert capsys.readouterr().out.startswith(f"sparse_ckpt {sc.__version__} (torch ")
 
 
+@_backends.ranks
 def test_export_command(checkpoint: tuple[Path, nn.Module, sc.MultiOptimizer], tmp_path: Path) -> None:
     path, model, opt = checkpoint
     out = tmp_path / "export"
