@@ -442,7 +442,7 @@ def _refuse_nothing_matched(
     theirs = list(ckpt.settings_of or ckpt.state_of)
     if not theirs and present:
         flat = (split_group_key(k) for k in present)
-        theirs = list(dict.fromkeys(f[0] for f in flat if f is not None))
+        theirs = sorted({f[0] for f in flat if f is not None})  # `present` may be a set: name them in one order
     if not theirs:
         return
     raise CheckpointMismatchError(
