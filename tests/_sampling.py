@@ -2,9 +2,9 @@
 
 ``SPARSE_CKPT_EXHAUSTIVE_SWEEPS=1``, which .ci/run sets for the full suite, turns every sample into
 the whole: the interrupt sweeps interrupt every line event, all three launcher drills run, each with
-the stock launcher, the Ray Train drill runs, the multi-rank and CLI tests run on both core backends, the wheel is built and
-run (``packaging/test_wheel_bench.py``) and the lost-item and damaged-file sweeps of ``load/`` run
-every case (`sample`). Each sampling module
+the stock launcher, the Ray Train drill runs, the multi-rank and CLI tests run on both core backends,
+the wheel is built and run (``packaging/test_wheel_bench.py``) and the lost-item and damaged-file
+sweeps of ``load/`` run every case (`sample`). Each sampling module
 says what its default run leaves to CI.
 """
 
