@@ -58,6 +58,24 @@ class Expert(nn.Module):
         return self.down(torch.relu(self.up(x)))
 
 
+def damaged(data: Any, blob: bytes) -> bytes:
+    """``blob`` with 1 to 4 random damages drawn from hypothesis ``data`` (a byte flipped, the tail cut,
+    or a byte inserted), for the readers' fuzz tests."""
+    from hypothesis import strategies as st
+
+    out = bytearray(blob)
+    for _ in range(data.draw(st.integers(1, 4))):
+        at = data.draw(st.integers(0, len(out)))
+        action = data.draw(st.sampled_from(["flip", "cut", "insert"]))
+        if action == "flip" and at < len(out):
+            out[at] = data.draw(st.integers(0, 255))
+        elif action == "cut":
+            del out[at:]
+        else:
+            out[at:at] = bytes([data.draw(st.integers(0, 255))])
+    return bytes(out)
+
+
 def route_top1(h: torch.Tensor, logits: torch.Tensor, experts: Sequence[nn.Module]) -> torch.Tensor:
     """Each row of ``h`` through its best expert (argmax of ``logits``), gated by its softmax weight;
     rows sum into zeros (a row whose expert was never chosen adds nothing, that expert gets no grad)."""
