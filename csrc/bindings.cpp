@@ -91,4 +91,8 @@ PYBIND11_MODULE(_C, m) {
           "CRC-32C (Castagnoli) of a bytes-like object, continuing from value (a CRC of the bytes before).");
     m.def("claim_owners", &claim_owners, py::arg("leaf"), py::arg("groups_fqn"), py::arg("owner"),
           "Record leaf as owner of its FQNs; return (fqn, group index) of repeated listings.");
+    m.def("collect_plain", &collect_plain, py::arg("state_fqn"), py::arg("items"), py::arg("param_of"),
+          py::arg("tensor_type"), py::arg("dtensor_type"), py::arg("strided"), py::arg("parts"), py::arg("part_of"),
+          py::arg("wholes"), py::arg("whole"), py::arg("spec_of"), py::arg("sharded"),
+          "Take the parameter-shaped state tensors of plain parameters out of items: (entries, locals).");
 }

@@ -26,6 +26,7 @@ from .._format.keys import (
     STEP_KEY,
     WRAPPER_CHILD,
 )
+from .bucket_collect import collect_plain
 from .capture import pack_optimizer, remap_to_fqns
 from .checksum import crc32c
 from .common import MAGIC, MAX_DEPTH, VERSION
@@ -57,6 +58,7 @@ __all__ = [
     "capture_fqns",
     "cast_states",
     "claim_owners",
+    "collect_plain",
     "crc32c",
     "decode_layout",
     "decode_table",

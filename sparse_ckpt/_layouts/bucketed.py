@@ -18,6 +18,7 @@ from typing import Any
 import torch
 from torch.distributed.tensor import DTensor, Replicate, Shard
 
+from .. import _backend
 from .._format.keys import BUFFERS_PREFIX, STATE_PREFIX, buffer_tag, escape_part, is_plain_part, layout_tag
 from .._host_memory import HostPool, empty_host, staging_host
 from .._limits import ITEM_BYTES
@@ -110,51 +111,32 @@ def collect(
     placements, so every rank decides alike and DCP sees the tensor as one sharded item); ``None``
     buffers them all.
 
-    A plain parameter's state (every state tensor of a model without DTensors) goes through one
-    tight loop: a state value's item key is looked up before any read of the tensor (a 0-d
-    ``step`` has no item: no shape read), then the four reads that decide (shape, layout,
-    ``is_meta``, dtype); names, item sizes and key parts are looked up once per dtype and key."""
-    entries: list[tuple[Any, ...]] = []
-    local: list[torch.Tensor] = []
-    add_entry, add_local = entries.append, local.append  # (bound once: called per state tensor)
+    A plain parameter's state (every state tensor of a model without DTensors) goes through the
+    core's ``collect_plain`` (`sparse_ckpt._core_py.bucket_collect`): a state value's item key is
+    looked up before any read of the tensor (a 0-d ``step`` has no item: no shape read), then the
+    four reads that decide (shape, layout, ``is_meta``, dtype); names, item sizes and key parts are
+    looked up once per dtype and key (:class:`_Names`, :class:`_Geometry`). A DTensor parameter's
+    state goes through :func:`_collect_sharded`."""
     names = _Names(own_item_bytes)
     geometry = _Geometry()
-    parts, part_of, spec_of, wholes, whole = names.parts, names.part, names.spec, geometry.wholes, geometry.whole
-    tensor, strided = torch.Tensor, torch.strided
-    dtype: Any = None  # the last state tensor's dtype, and its name, item size and own-item limit
-    name, itemsize, limit = "", 0, math.inf
-    for fqn, state in state_fqn.items():
-        p = param_of.get(fqn)
-        if p is None or type(state) is not dict:
-            continue
-        if isinstance(p, DTensor):
-            _collect_sharded(fqn, p, state, items, geometry, names, entries, local)
-            continue
-        pshape = p.shape
-        (shape, offsets, sizes), largest = wholes.get(pshape) or whole(pshape)  # (one tuple per shape)
-        prefix = f"{STATE_PREFIX}{fqn}."  # its state items' keys: prefix + key part
-        for key, v in state.items():
-            if type(v) is not tensor:
-                continue
-            part = parts.get(key, _MISSING) if type(key) is str else _MISSING
-            if part is _MISSING:
-                part = part_of(key)
-            if part is None:
-                continue
-            item = prefix + part
-            if item not in items:
-                continue  # a 0-d parameter's state went into the scalar table
-            if v.shape != pshape or v.layout is not strided or v.is_meta:
-                continue
-            if v.dtype is not dtype:
-                dtype = v.dtype
-                name, itemsize, limit = spec_of(dtype, v.element_size())
-            if largest >= limit:
-                continue  # large enough to be an item of its own: no copy into a buffer
-            del items[item]
-            add_entry((fqn, part, name, itemsize, shape, offsets, sizes))
-            add_local(v)
-    return entries, local
+
+    def sharded(fqn: str, p: DTensor, state: dict[Any, Any], entries: list[Any], local: list[torch.Tensor]) -> None:
+        _collect_sharded(fqn, p, state, items, geometry, names, entries, local)
+
+    return _backend.core.collect_plain(  # type: ignore[no-any-return]
+        state_fqn,
+        items,
+        param_of,
+        torch.Tensor,
+        DTensor,
+        torch.strided,
+        names.parts,
+        names.part,
+        geometry.wholes,
+        geometry.whole,
+        names.spec,
+        sharded,
+    )
 
 
 _MISSING = object()

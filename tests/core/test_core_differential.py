@@ -40,6 +40,7 @@ from sparse_ckpt import _core_py as P
 from sparse_ckpt._core_py import common, module_walk, table_codec
 from sparse_ckpt._format.keys import KEYS_ENTRY, STRIPPED_PARTS
 from sparse_ckpt._format.tensor_parts import name_to_value, parts_to_tensor, tensor_to_parts, value_to_name
+from sparse_ckpt._layouts.bucketed import _Geometry, _Names
 from sparse_ckpt._save.save import _CPU_DTYPES as CPU_DTYPES
 from sparse_ckpt.errors import CheckpointFormatError, CheckpointMismatchError
 
@@ -63,6 +64,7 @@ FUNCTIONS = (
     "decode_layout",
     "plan_scatter",
     "crc32c",
+    "collect_plain",
 )
 
 PROPS = settings(
@@ -1915,3 +1917,196 @@ def test_crc32c_errors() -> None:
     released = memoryview(b"abc")
     released.release()
     check_error("crc32c", released, exc=ValueError, match="released memoryview")
+
+
+# --------------------------------------------------------------------------- bucketed layout: collect_plain
+
+
+class _FakeDTensor:
+    """A stand-in ``dtensor_type``: a parameter of this type goes to the ``sharded`` callback."""
+
+    def __init__(self, shape: tuple[int, ...]) -> None:
+        self.shape = torch.Size(shape)
+
+
+_COLLECT_SHAPES = ((2, 3), (3,), (), (4, 4), (0, 2))
+_COLLECT_DTYPES = (torch.float32, torch.bfloat16, torch.float64, torch.int64)
+_COLLECT_KEYS = ("exp_avg", "exp_avg_sq", "step", "a.b", "~x", "", "é", 1, -2, True, None, 1.5, (1,))
+_VALUE_KINDS = ("same", "same", "same", "other_shape", "scalar", "meta", "sparse", "parameter", "number", "none")
+
+
+def _state_value(kind: str, shape: tuple[int, ...], dtype: torch.dtype, seed: int) -> Any:
+    """A state value of ``kind`` for a parameter of ``shape``; only ``same`` can be taken."""
+    if kind == "same":
+        return torch.full(shape, float(seed)).to(dtype)
+    if kind == "other_shape":
+        return torch.zeros((*shape, 1), dtype=dtype)
+    if kind == "scalar":
+        return torch.tensor(seed, dtype=dtype)
+    if kind == "meta":
+        return torch.empty(shape, dtype=dtype, device="meta")
+    if kind == "sparse":
+        return torch.zeros(shape, dtype=dtype).to_sparse()
+    if kind == "parameter":  # a tensor subclass: not exactly tensor_type
+        return torch.nn.Parameter(torch.zeros(shape, dtype=dtype), requires_grad=False)
+    return {"number": 1.5, "none": None}[kind]
+
+
+_collect_states = st.one_of(
+    st.sampled_from(["list", "int", "ordered"]),  # not exactly a dict: skipped
+    st.dictionaries(
+        st.sampled_from(_COLLECT_KEYS),
+        st.tuples(st.sampled_from(_VALUE_KINDS), st.integers(0, len(_COLLECT_DTYPES) - 1), st.booleans()),
+        max_size=5,
+    ),
+)
+_collect_specs = st.tuples(
+    st.dictionaries(
+        st.sampled_from(["w", "b.c", "é", "x~y", 3]),
+        st.tuples(
+            st.sampled_from(["plain", "plain", "plain", "missing", "none", "dtensor"]),
+            st.integers(0, len(_COLLECT_SHAPES) - 1),
+            _collect_states,
+        ),
+        max_size=5,
+    ),
+    st.sampled_from([None, 0, 1, 8, 24, 48, 10**6]),
+)
+
+
+def _collect_inputs(spec: tuple[dict, Any], raise_in: str | None = None, raise_at: int = 0) -> tuple[tuple, dict]:
+    """Fresh ``collect_plain`` arguments for ``spec`` (the real callbacks of sparse_ckpt._layouts.bucketed,
+    wrapped to log their calls) and what the checks read after the call: ``items``, the log, the caches.
+    ``raise_in``: that callback raises on its ``raise_at``-th call."""
+    params, own = spec
+    log: list[tuple[Any, ...]] = []
+    names, geometry = _Names(own), _Geometry()
+    state_fqn: dict[Any, Any] = {}
+    param_of: dict[Any, Any] = {}
+    items: dict[str, Any] = {"state.zz.first": 0}
+    for i, (fqn, (kind, shape_index, state_spec)) in enumerate(params.items()):
+        shape = _COLLECT_SHAPES[shape_index]
+        if kind == "plain":
+            param_of[fqn] = torch.nn.Parameter(torch.zeros(shape))
+        elif kind == "none":
+            param_of[fqn] = None
+        elif kind == "dtensor":
+            param_of[fqn] = _FakeDTensor(shape)
+        if isinstance(state_spec, str):
+            state_fqn[fqn] = {"list": [], "int": 5, "ordered": collections.OrderedDict(a=torch.zeros(shape))}[
+                state_spec
+            ]
+            continue
+        state = state_fqn[fqn] = {}
+        for j, (key, (value_kind, dtype_index, has_item)) in enumerate(state_spec.items()):
+            state[key] = _state_value(value_kind, shape, _COLLECT_DTYPES[dtype_index], 10 * i + j)
+            part = _Names(None).part(key)
+            if has_item and part is not None:
+                items[f"state.{fqn}.{part}"] = ("item", fqn, part)
+    items["state.zz.last"] = 1
+
+    def logged(name: str, fn: Callable[..., Any]) -> Callable[..., Any]:
+        def call(*args: Any) -> Any:
+            log.append((name, *args) if name != "sharded" else (name, args[0], args[1].shape, *map(len, args[3:])))
+            if name == raise_in and sum(entry[0] == name for entry in log) > raise_at:
+                raise ValueError(f"{name} failed")
+            return fn(*args)
+
+        return call
+
+    def sharded(fqn: Any, p: Any, state: dict, entries: list, local: list) -> None:
+        entries.append(("sharded", fqn))
+        local.append(p.shape)
+
+    args = (
+        state_fqn,
+        items,
+        param_of,
+        torch.Tensor,
+        _FakeDTensor,
+        torch.strided,
+        names.parts,
+        logged("part_of", names.part),
+        geometry.wholes,
+        logged("whole", geometry.whole),
+        logged("spec_of", names.spec),
+        logged("sharded", sharded),
+    )
+    return args, {"items": items, "log": log, "parts": names.parts, "specs": names.specs, "wholes": geometry.wholes}
+
+
+def _check_collect(spec: tuple[dict, Any], raise_in: str | None = None, raise_at: int = 0) -> tuple:
+    """``collect_plain`` on both cores, each with fresh equal inputs: the same outcome, the same
+    ``items`` afterwards (the same deletions), the same callback calls in the same order, and every
+    entry made of the callers' objects (the chunk tuples of ``wholes``, the names of ``spec_of``)
+    and every local the state tensor itself. Returns the Python outcome."""
+    runs = []
+    for core in (P, C):
+        args, after = _collect_inputs(spec, raise_in, raise_at)
+        result = outcome(core.collect_plain, args)
+        runs.append((result, after))
+        if result[0] != "ok":
+            continue
+        entries, local = result[1]
+        state_fqn, param_of = args[0], args[2]
+        for entry, value in zip(entries, local):
+            if entry[0] == "sharded":
+                continue
+            chunk = after["wholes"][param_of[entry[0]].shape][0]
+            assert all(a is b for a, b in zip(entry[4:], chunk)), entry
+            assert entry[2] is after["specs"][value.dtype][0]
+            assert any(value is v for v in state_fqn[entry[0]].values())
+    (py, py_after), (cc, cc_after) = runs
+    if py[0] == "ok" and cc[0] == "ok":
+        assert same(py[1], cc[1]), f"results differ\npython: {py[1]!r}\ncpp:    {cc[1]!r}"
+    else:
+        assert py[0] == cc[0] and py[1] is cc[1] and py[2:] == cc[2:], f"outcomes differ\npython: {py!r}\ncpp: {cc!r}"
+    assert same(py_after, cc_after), f"after the call\npython: {py_after!r}\ncpp:    {cc_after!r}"
+    return py
+
+
+@PROPS
+@given(_collect_specs)
+def test_collect_plain(spec: tuple[dict, Any]) -> None:
+    """Random leaves (shapes, dtypes, 0-d, meta and sparse tensors, a tensor subclass, non-tensors,
+    odd keys, missing items and parameters, non-dict states, own-item limits, a DTensor-typed
+    parameter): both cores take the same tensors out of ``items``, calling back alike."""
+    result = _check_collect(spec)
+    assert result[0] == "ok", result
+
+
+@PROPS
+@given(_collect_specs, st.sampled_from(["part_of", "whole", "spec_of", "sharded"]), st.integers(0, 2))
+def test_collect_plain_callback_errors(spec: tuple[dict, Any], raise_in: str, raise_at: int) -> None:
+    """A callback's exception propagates from both cores, after the same deletions from ``items``."""
+    _check_collect(spec, raise_in, raise_at)
+
+
+def test_collect_plain_edge_cases() -> None:
+    adam = {"step": ("scalar", 0, True), "exp_avg": ("same", 0, True), "exp_avg_sq": ("same", 1, True)}
+    # everything taken (no limit); a limit of 0 elements keeps every tensor an item of its own
+    taken = _check_collect(({"w": ("plain", 0, adam), "v": ("plain", 3, adam)}, None))
+    assert [(e[0], e[1], e[2]) for e in taken[1][0]] == [
+        ("w", "exp_avg", "float32"),
+        ("w", "exp_avg_sq", "bfloat16"),
+        ("v", "exp_avg", "float32"),
+        ("v", "exp_avg_sq", "bfloat16"),
+    ]
+    assert _check_collect(({"w": ("plain", 0, adam)}, 0))[1] == ([], [])
+    # 24 bytes: a float32 (2, 3) state (6 elements, limit 6) stays, a bfloat16 one (limit 12) goes
+    assert [e[1] for e in _check_collect(({"w": ("plain", 0, adam)}, 24))[1][0]] == ["exp_avg_sq"]
+    # a DTensor-typed parameter goes to ``sharded`` with the lists the entries go to
+    both = _check_collect(({"d": ("dtensor", 1, adam), "w": ("plain", 1, adam)}, None))
+    assert both[1][0][0] == ("sharded", "d") and both[1][1][0] == torch.Size((3,))
+    # odd keys: an escaped str part, an int part, a key without a part
+    odd = {"a.b": ("same", 2, True), 7: ("same", 2, True), None: ("same", 2, True), (1,): ("same", 0, True)}
+    parts = [e[1] for e in _check_collect(({"w": ("plain", 1, odd)}, None))[1][0]]
+    assert parts == [_Names(None).part("a.b"), _Names(None).part(7)]
+
+
+def test_collect_plain_outside_contract() -> None:
+    """An ``items`` or ``parts`` that is no dict: the C++ core says what it expected."""
+    state_spec = {"exp_avg": ("same", 0, True)}
+    args, _after = _collect_inputs(({"w": ("plain", 0, state_spec)}, None))
+    outside_contract("collect_plain", *(args[:1] + (list(args[1]),) + args[2:]))
+    outside_contract("collect_plain", *(args[:6] + ([],) + args[7:]))
