@@ -12,8 +12,9 @@ is :mod:`.bucketed_load`, the tools' view :mod:`.bucketed_view`.
 from __future__ import annotations
 
 import math
-from collections.abc import Mapping, Sequence
-from typing import Any
+from collections.abc import Callable, Mapping, Sequence
+from functools import partial
+from typing import TYPE_CHECKING, Any
 
 import torch
 from torch.distributed.tensor import DTensor, Replicate, Shard
@@ -23,6 +24,13 @@ from .._host_memory import HostPool, empty_host, staging_host
 from .._limits import ITEM_BYTES
 from .._torch_internals import local_chunk
 from ..errors import CheckpointFormatError
+
+if TYPE_CHECKING:
+    from .._save.worker import CaptureWorker
+
+SEGMENT_BYTES = 4 << 20
+"""A bucket is copied in parts of about this many bytes when another thread checksums them as they are
+written (`sparse_ckpt._save.worker`)."""
 
 BUCKET_BYTES = ITEM_BYTES
 """Largest bucket (bytes) unless one state chunk is larger (it then gets a bucket of its own).
@@ -238,6 +246,7 @@ def fill(
     snapshots: list[torch.Tensor] | None = None,
     pool: HostPool | None = None,
     sizes: Sequence[tuple[int, ...]] | None = None,
+    worker: CaptureWorker | None = None,
 ) -> list[torch.Tensor]:
     """One CPU buffer per bucket of the core's ``encode_layout``, holding its chunks in order
     (concatenated on their device, so a GPU state costs one bucket of device memory at a time).
@@ -246,16 +255,20 @@ def fill(
     ``snapshots``: the buffers this call allocated and filled (copies no live state aliases) are
     appended to it; ``pool``: where the CPU ones are allocated (`sparse_ckpt._host_memory.HostPool`);
     ``sizes``: each local tensor's shape where the caller knows it (the layout entries' chunk sizes),
-    so the copy reads no shape back."""
+    so the copy reads no shape back; ``worker``: each bucket's parts are handed to its CRC as they are
+    written (`sparse_ckpt._save.worker.CaptureWorker.crc`)."""
     out = []
-    for _dtype, numel, members in buckets:
+    for b, (_dtype, numel, members) in enumerate(buckets):
         chunks = [local[i] for i, _offset in members]
         device = chunks[0].device
+        on_part = None if worker is None else partial(worker.crc, b)
         if len(chunks) == 1 and device.type == "cpu":  # one CPU chunk alone: the (flattened) state tensor itself
             buf = chunks[0].detach().reshape(-1)
+            if on_part is not None:
+                on_part(buf)
         else:
             shapes = [sizes[i] for i, _offset in members] if sizes is not None else None
-            buf = _copied(numel, chunks, device, pool, shapes)
+            buf = _copied(numel, chunks, device, pool, shapes, on_part)
             if snapshots is not None:
                 snapshots.append(buf)
         if buf.numel() != numel:  # pragma: no cover - the core's sizes are the chunks'
@@ -270,20 +283,29 @@ def _copied(
     device: torch.device,
     pool: HostPool | None,
     shapes: Sequence[tuple[int, ...]] | None = None,
+    on_part: Callable[[torch.Tensor], None] | None = None,
 ) -> torch.Tensor:
-    """A host buffer (from ``pool``, else new) holding ``chunks`` (on ``device``) in order."""
+    """A host buffer (from ``pool``, else new) holding ``chunks`` (on ``device``) in order; ``on_part``
+    is called with each part of it once written."""
     if device.type == "cpu":  # a host buffer on huge pages where the OS offers them (page faults dominated)
         buf = pool.take((numel,), chunks[0].dtype) if pool is not None else empty_host(numel, chunks[0].dtype)
-        stack_into(buf, chunks, shapes)
+        stack_into(buf, chunks, shapes, on_part)
     else:  # accelerator chunks, concatenated on their device, copied to a host (pinned where asked) buffer
         buf = staging_host(numel, chunks[0].dtype, device)
         buf.copy_(
             chunks[0].detach().reshape(-1) if len(chunks) == 1 else torch.cat([t.detach().reshape(-1) for t in chunks])
         )
+        if on_part is not None:
+            on_part(buf)
     return buf
 
 
-def stack_into(buf: torch.Tensor, chunks: list[torch.Tensor], shapes: Sequence[tuple[int, ...]] | None = None) -> None:
+def stack_into(
+    buf: torch.Tensor,
+    chunks: list[torch.Tensor],
+    shapes: Sequence[tuple[int, ...]] | None = None,
+    on_part: Callable[[torch.Tensor], None] | None = None,
+) -> None:
     """Copy ``chunks`` (CPU tensors of ``buf``'s dtype, in order) into the 1-D ``buf``, which holds
     exactly their elements. Each run of consecutive chunks of one shape is one ``torch.stack`` into
     the run's part of ``buf`` viewed as ``(n, *shape)``: no flattened view per chunk (the bucket of
@@ -291,7 +313,9 @@ def stack_into(buf: torch.Tensor, chunks: list[torch.Tensor], shapes: Sequence[t
     ``shapes``: the chunks' shapes where the caller knows them (a run's shape is then often the same
     tuple object, compared by identity); the stacks run without autograd (``out=`` refuses chunks
     that require grad under it; the state's values are what is copied), so no chunk is read but by
-    the copy."""
+    the copy. ``on_part``: called with each written (non-empty) part of ``buf`` in order (a run longer than
+    :data:`SEGMENT_BYTES` is stacked in parts of about that size), so another
+    thread can read what is written while the rest is copied."""
     if shapes is None:
         shapes = [t.shape for t in chunks]
     pos = start = 0
@@ -300,18 +324,35 @@ def stack_into(buf: torch.Tensor, chunks: list[torch.Tensor], shapes: Sequence[t
         for i, s in enumerate(shapes):
             if s is not shape and s != shape:
                 if i > start:
-                    pos = _stack_run(buf, pos, chunks[start:i], shape)
+                    pos = _stack_run(buf, pos, chunks[start:i], shape, on_part)
                 start, shape = i, s
         if start < len(chunks):
-            pos = _stack_run(buf, pos, chunks[start:], shape)
+            pos = _stack_run(buf, pos, chunks[start:], shape, on_part)
     if pos != buf.numel():  # pragma: no cover - the core's sizes are the chunks'
         raise AssertionError(f"chunks of {pos} elements for a bucket of {buf.numel()}")
 
 
-def _stack_run(buf: torch.Tensor, pos: int, run: list[torch.Tensor], shape: tuple[int, ...]) -> int:
-    end = pos + len(run) * math.prod(shape)
-    torch.stack(run, out=buf[pos:end].view(len(run), *shape))
-    return end
+def _stack_run(
+    buf: torch.Tensor,
+    pos: int,
+    run: list[torch.Tensor],
+    shape: tuple[int, ...],
+    on_part: Callable[[torch.Tensor], None] | None,
+) -> int:
+    numel = math.prod(shape)
+    if on_part is None:
+        step = len(run)
+    else:
+        step = max(1, SEGMENT_BYTES // max(1, numel * buf.element_size()))
+    for i in range(0, len(run), step):
+        part = run[i : i + step]
+        end = pos + len(part) * numel
+        out = buf[pos:end]
+        torch.stack(part, out=out.view(len(part), *shape))
+        if on_part is not None and end > pos:
+            on_part(out)
+        pos = end
+    return pos
 
 
 def layout_key(leaf: str, ranks: str) -> str:

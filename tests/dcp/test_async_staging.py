@@ -112,9 +112,10 @@ def test_async_save_copies_the_buckets_once(tmp_path: Path, monkeypatch: pytest.
         pytest.skip("this torch's dcp.async_save stages the state dict without deep-copying it")
     ((sd, staged),) = captured
     assert sd.snapshots, "the capture for dcp.async_save filled no bucket"
-    buckets = {k for k, v in sd.items() if k.startswith(BUFFERS_PREFIX) and any(v is s for s in sd.snapshots)}
+    own = {id(o) for o, c in sd.snapshots if o is c}  # the buckets: their own copies
+    buckets = {k for k, v in sd.items() if k.startswith(BUFFERS_PREFIX) and id(v) in own}
     assert buckets and all(staged[k] is sd[k] for k in buckets)
-    assert not any(t is s for t in copied for s in sd.snapshots)
+    assert not any(t is o for t in copied for o, _c in sd.snapshots)
     live = {v.untyped_storage().data_ptr() for state in opt.state.values() for v in state.values() if v.numel()}
     assert not [k for k, v in staged.items() if isinstance(v, torch.Tensor) and v.untyped_storage().data_ptr() in live]
     assert_optimizer_equal(at_save, _load(tmp_path, model), grads=False)
