@@ -12,13 +12,15 @@ is :mod:`.bucketed_load`, the tools' view :mod:`.bucketed_view`.
 from __future__ import annotations
 
 import math
-from collections.abc import Callable, Mapping, Sequence
-from functools import partial
+from bisect import bisect_left
+from collections.abc import Mapping, Sequence
+from operator import itemgetter
 from typing import TYPE_CHECKING, Any
 
 import torch
 from torch.distributed.tensor import DTensor, Replicate, Shard
 
+from .._format.bucket_checksums import tensor_crc
 from .._format.keys import BUFFERS_PREFIX, STATE_PREFIX, buffer_tag, escape_part, is_plain_part, layout_tag
 from .._host_memory import HostPool, empty_host, staging_host
 from .._limits import ITEM_BYTES
@@ -27,10 +29,6 @@ from ..errors import CheckpointFormatError
 
 if TYPE_CHECKING:
     from .._save.worker import CaptureWorker
-
-SEGMENT_BYTES = 4 << 20
-"""A bucket is copied in parts of about this many bytes when another thread checksums them as they are
-written (`sparse_ckpt._save.worker`)."""
 
 BUCKET_BYTES = ITEM_BYTES
 """Largest bucket (bytes) unless one state chunk is larger (it then gets a bucket of its own).
@@ -255,20 +253,27 @@ def fill(
     ``snapshots``: the buffers this call allocated and filled (copies no live state aliases) are
     appended to it; ``pool``: where the CPU ones are allocated (`sparse_ckpt._host_memory.HostPool`);
     ``sizes``: each local tensor's shape where the caller knows it (the layout entries' chunk sizes),
-    so the copy reads no shape back; ``worker``: each bucket's parts are handed to its CRC as they are
-    written (`sparse_ckpt._save.worker.CaptureWorker.crc`)."""
+    so the copy reads no shape back. ``worker`` (`sparse_ckpt._save.worker.CaptureWorker`): each
+    bucket's CRC-32C is computed too (`CaptureWorker.crcs`), and a CPU bucket of at least
+    :data:`SPLIT_BYTES` is filled and checksummed in two halves, the second on the worker's thread."""
     out = []
     for b, (_dtype, numel, members) in enumerate(buckets):
         chunks = [local[i] for i, _offset in members]
         device = chunks[0].device
-        on_part = None if worker is None else partial(worker.crc, b)
         if len(chunks) == 1 and device.type == "cpu":  # one CPU chunk alone: the (flattened) state tensor itself
             buf = chunks[0].detach().reshape(-1)
-            if on_part is not None:
-                on_part(buf)
+            if worker is not None:
+                worker.add_crc(b, worker.submit(tensor_crc, buf), buf.nbytes)
         else:
             shapes = [sizes[i] for i, _offset in members] if sizes is not None else None
-            buf = _copied(numel, chunks, device, pool, shapes, on_part)
+            if device.type == "cpu":  # a host buffer on huge pages where the OS offers them (page faults dominated)
+                dtype = chunks[0].dtype
+                buf = pool.take((numel,), dtype) if pool is not None else empty_host(numel, dtype)
+                _stack_and_check(buf, chunks, shapes, members, worker, b)
+            else:
+                buf = _staged(numel, chunks, device)
+                if worker is not None:
+                    worker.add_crc(b, worker.submit(tensor_crc, buf), buf.nbytes)
             if snapshots is not None:
                 snapshots.append(buf)
         if buf.numel() != numel:  # pragma: no cover - the core's sizes are the chunks'
@@ -277,35 +282,54 @@ def fill(
     return out
 
 
-def _copied(
-    numel: int,
+SPLIT_BYTES = 2 << 20
+"""A CPU bucket of at least this many bytes is filled and checksummed in two halves on two threads
+when the capture has a worker (below it, the thread hand-off costs more than it saves)."""
+
+
+def _stack_and_check(
+    buf: torch.Tensor,
     chunks: list[torch.Tensor],
-    device: torch.device,
-    pool: HostPool | None,
-    shapes: Sequence[tuple[int, ...]] | None = None,
-    on_part: Callable[[torch.Tensor], None] | None = None,
-) -> torch.Tensor:
-    """A host buffer (from ``pool``, else new) holding ``chunks`` (on ``device``) in order; ``on_part``
-    is called with each part of it once written."""
-    if device.type == "cpu":  # a host buffer on huge pages where the OS offers them (page faults dominated)
-        buf = pool.take((numel,), chunks[0].dtype) if pool is not None else empty_host(numel, chunks[0].dtype)
-        stack_into(buf, chunks, shapes, on_part)
-    else:  # accelerator chunks, concatenated on their device, copied to a host (pinned where asked) buffer
-        buf = staging_host(numel, chunks[0].dtype, device)
-        buf.copy_(
-            chunks[0].detach().reshape(-1) if len(chunks) == 1 else torch.cat([t.detach().reshape(-1) for t in chunks])
-        )
-        if on_part is not None:
-            on_part(buf)
+    shapes: Sequence[tuple[int, ...]] | None,
+    members: list[tuple[int, int]],
+    worker: CaptureWorker | None,
+    bucket: int,
+) -> None:
+    """`stack_into` ``buf``; with ``worker``, the bucket's CRC-32C as well: a bucket of at least
+    :data:`SPLIT_BYTES` and two chunks in two halves (split at a chunk near the middle, by the members'
+    element offsets), the second copied and checksummed on the worker's thread while this one does the
+    first (both copies and CRCs release the GIL); the two CRCs combine into the bucket's."""
+    if worker is None:
+        stack_into(buf, chunks, shapes)
+        return
+    if buf.nbytes < SPLIT_BYTES or len(chunks) < 2:
+        stack_into(buf, chunks, shapes)
+        worker.add_crc(bucket, tensor_crc(buf), buf.nbytes)
+        return
+    h = min(max(1, bisect_left(members, buf.numel() // 2, key=itemgetter(1))), len(chunks) - 1)
+    cut = members[h][1]
+    first, second = buf[:cut], buf[cut:]
+    later = worker.submit(_stack_crc, second, chunks[h:], shapes[h:] if shapes is not None else None)
+    stack_into(first, chunks[:h], shapes[:h] if shapes is not None else None)
+    worker.add_crc(bucket, tensor_crc(first), first.nbytes)
+    worker.add_crc(bucket, later, second.nbytes)
+
+
+def _stack_crc(buf: torch.Tensor, chunks: list[torch.Tensor], shapes: Sequence[tuple[int, ...]] | None) -> int:
+    stack_into(buf, chunks, shapes)
+    return tensor_crc(buf)
+
+
+def _staged(numel: int, chunks: list[torch.Tensor], device: torch.device) -> torch.Tensor:
+    """Accelerator chunks, concatenated on their device, copied to a host (pinned where asked) buffer."""
+    buf = staging_host(numel, chunks[0].dtype, device)
+    buf.copy_(
+        chunks[0].detach().reshape(-1) if len(chunks) == 1 else torch.cat([t.detach().reshape(-1) for t in chunks])
+    )
     return buf
 
 
-def stack_into(
-    buf: torch.Tensor,
-    chunks: list[torch.Tensor],
-    shapes: Sequence[tuple[int, ...]] | None = None,
-    on_part: Callable[[torch.Tensor], None] | None = None,
-) -> None:
+def stack_into(buf: torch.Tensor, chunks: list[torch.Tensor], shapes: Sequence[tuple[int, ...]] | None = None) -> None:
     """Copy ``chunks`` (CPU tensors of ``buf``'s dtype, in order) into the 1-D ``buf``, which holds
     exactly their elements. Each run of consecutive chunks of one shape is one ``torch.stack`` into
     the run's part of ``buf`` viewed as ``(n, *shape)``: no flattened view per chunk (the bucket of
@@ -313,9 +337,7 @@ def stack_into(
     ``shapes``: the chunks' shapes where the caller knows them (a run's shape is then often the same
     tuple object, compared by identity); the stacks run without autograd (``out=`` refuses chunks
     that require grad under it; the state's values are what is copied), so no chunk is read but by
-    the copy. ``on_part``: called with each written (non-empty) part of ``buf`` in order (a run longer than
-    :data:`SEGMENT_BYTES` is stacked in parts of about that size), so another
-    thread can read what is written while the rest is copied."""
+    the copy."""
     if shapes is None:
         shapes = [t.shape for t in chunks]
     pos = start = 0
@@ -324,35 +346,18 @@ def stack_into(
         for i, s in enumerate(shapes):
             if s is not shape and s != shape:
                 if i > start:
-                    pos = _stack_run(buf, pos, chunks[start:i], shape, on_part)
+                    pos = _stack_run(buf, pos, chunks[start:i], shape)
                 start, shape = i, s
         if start < len(chunks):
-            pos = _stack_run(buf, pos, chunks[start:], shape, on_part)
+            pos = _stack_run(buf, pos, chunks[start:], shape)
     if pos != buf.numel():  # pragma: no cover - the core's sizes are the chunks'
         raise AssertionError(f"chunks of {pos} elements for a bucket of {buf.numel()}")
 
 
-def _stack_run(
-    buf: torch.Tensor,
-    pos: int,
-    run: list[torch.Tensor],
-    shape: tuple[int, ...],
-    on_part: Callable[[torch.Tensor], None] | None,
-) -> int:
-    numel = math.prod(shape)
-    if on_part is None:
-        step = len(run)
-    else:
-        step = max(1, SEGMENT_BYTES // max(1, numel * buf.element_size()))
-    for i in range(0, len(run), step):
-        part = run[i : i + step]
-        end = pos + len(part) * numel
-        out = buf[pos:end]
-        torch.stack(part, out=out.view(len(part), *shape))
-        if on_part is not None and end > pos:
-            on_part(out)
-        pos = end
-    return pos
+def _stack_run(buf: torch.Tensor, pos: int, run: list[torch.Tensor], shape: tuple[int, ...]) -> int:
+    end = pos + len(run) * math.prod(shape)
+    torch.stack(run, out=buf[pos:end].view(len(run), *shape))
+    return end
 
 
 def layout_key(leaf: str, ranks: str) -> str:

@@ -3,28 +3,31 @@
 A ``state_layout="buffers"``/``"auto"`` capture copies the small state tensors into buckets and
 computes each bucket's CRC-32C (`sparse_ckpt._format.bucket_checksums`); a capture for
 ``dcp.async_save`` also copies every other large CPU state tensor into a host buffer before the
-call returns (`sparse_ckpt._host_memory.HostPool.snapshot`). Both the CRC and these copies release
-the GIL while they run (the core's ``crc32c`` above 1 MiB, torch's ``copy_``), so one worker thread
-runs them while the capture goes on: the CRC of each part of a bucket as soon as it is written (in
-order: a bucket's CRC is chained over its parts), the copies of the large tensors while the buckets
-are filled. The capture waits for the worker before it returns (:meth:`CaptureWorker.close`), so no
-thread outlives it and every value is copied as of the save.
+call returns (`sparse_ckpt._host_memory.HostPool.snapshot`). Copies (torch's ``stack``/``copy_``)
+and the core's ``crc32c`` (above 1 MiB) release the GIL while they run, so one worker thread does
+part of them while the capture goes on: the second half of each large bucket, copied and
+checksummed while the capture does the first (`sparse_ckpt._layouts.bucketed.fill`; the two CRCs
+combine into the bucket's), and the copies of the large tensors while the buckets are filled
+(:meth:`CaptureWorker.stage`). The capture waits for the worker before it returns
+(:meth:`CaptureWorker.close`), so no thread outlives it and every value is copied as of the save.
 
 On one core the worker's jobs simply run interleaved with the capture; the result is the same.
 """
 
 from __future__ import annotations
 
-from collections.abc import Mapping
+from collections.abc import Callable, Mapping
 from concurrent.futures import Future, ThreadPoolExecutor
-from typing import Any
+from typing import Any, TypeVar
 
 import torch
 
-from .._format.bucket_checksums import tensor_crc
+from .._format.bucket_checksums import crc_combine
 from .._host_memory import HostPool
 
 __all__ = ["CaptureWorker"]
+
+_T = TypeVar("_T")
 
 
 class CaptureWorker:
@@ -32,33 +35,38 @@ class CaptureWorker:
 
     def __init__(self) -> None:
         self._executor = ThreadPoolExecutor(max_workers=1, thread_name_prefix="sparse_ckpt-capture")
-        self._crc: dict[int, int] = {}  # bucket -> CRC-32C so far (written by the worker only)
-        self._crc_jobs: list[Future[None]] = []
+        self._crc: dict[int, list[tuple[int | Future[int], int]]] = {}  # bucket -> its parts' (CRC, bytes)
         self._copies: list[tuple[torch.Tensor, Future[torch.Tensor | None]]] = []
 
     def close(self) -> None:
         """Wait for every job (their errors are raised by :meth:`crcs` and :meth:`copies`)."""
         self._executor.shutdown(wait=True)
 
-    def crc(self, bucket: int, part: torch.Tensor) -> None:
-        """Chain the CRC-32C of ``part`` (the next written part of bucket ``bucket``) onto the bucket's."""
-        self._crc_jobs.append(self._executor.submit(self._chain, bucket, part))
+    def submit(self, fn: Callable[..., _T], *args: Any) -> Future[_T]:
+        """Run ``fn(*args)`` on the worker's thread (jobs run in the order they are submitted)."""
+        return self._executor.submit(fn, *args)
 
-    def _chain(self, bucket: int, part: torch.Tensor) -> None:
-        self._crc[bucket] = tensor_crc(part, self._crc.get(bucket, 0))
+    def add_crc(self, bucket: int, crc: int | Future[int], nbytes: int) -> None:
+        """Record the CRC-32C (or the job computing it) of the next ``nbytes`` bytes of bucket ``bucket``."""
+        self._crc.setdefault(bucket, []).append((crc, nbytes))
 
     def crcs(self, n: int) -> list[int]:
-        """The CRC-32C of buckets ``0 .. n-1`` (waits for their parts)."""
-        for job in self._crc_jobs:
-            job.result()
-        self._crc_jobs.clear()
-        return [self._crc.get(i, 0) for i in range(n)]  # (a bucket with no part is empty: CRC 0)
+        """The CRC-32C of buckets ``0 .. n-1``, each combined over its parts in order (waits for them; a
+        bucket with no part is empty: CRC 0)."""
+        out = []
+        for bucket in range(n):
+            value = 0
+            for crc, nbytes in self._crc.pop(bucket, ()):
+                value = crc_combine(value, crc.result() if isinstance(crc, Future) else crc, nbytes)
+            out.append(value)
+        return out
 
     def stage(self, pool: HostPool, items: Mapping[str, Any]) -> None:
-        """Copy each value of ``items`` that `HostPool.snapshot` takes (a plain contiguous CPU tensor
-        of at least `sparse_ckpt._host_memory.POOLED_MIN_BYTES`) into a buffer of ``pool``."""
+        """Copy each value of ``items`` that `HostPool.takes` (a plain contiguous CPU tensor of at least
+        `sparse_ckpt._host_memory.POOLED_MIN_BYTES`) into a buffer of ``pool``, on the worker's thread."""
+        takes = pool.takes
         for v in items.values():
-            if type(v) is torch.Tensor and pool.takes(v):
+            if takes(v):
                 self._copies.append((v, self._executor.submit(pool.snapshot, v)))
 
     def copies(self) -> list[tuple[torch.Tensor, torch.Tensor]]:

@@ -215,3 +215,26 @@ def test_the_pool_reuses_only_released_buffers() -> None:
     pool.begin()
     assert len(pool) == 1
     assert len(copy.deepcopy(pool)) == 0
+
+
+@pytest.mark.parametrize("save", ["save", "async_save"])
+def test_buckets_filled_in_halves_load_and_pass_their_checks(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch, save: str
+) -> None:
+    """With every bucket filled in two halves on two threads (``SPLIT_BYTES`` lowered to one byte), the
+    checkpoint loads the values as of the call, its bucket CRCs (combined from the halves) checked."""
+    from sparse_ckpt._layouts import bucketed
+
+    monkeypatch.setattr(bucketed, "SPLIT_BYTES", 1)
+    model, opt = _trained(seed=1)
+    at_save = snapshot_optimizer(opt)
+    state = sc.SparseOptimizerState(model, opt, state_layout="buffers")
+    if save == "save":
+        dcp.save({"optim": state}, checkpoint_id=tmp_path)
+    else:
+        future = dcp.async_save({"optim": state}, checkpoint_id=tmp_path)
+        for st in opt.state.values():
+            for v in st.values():
+                v.add_(1)
+        future.result()
+    assert_optimizer_equal(at_save, _load(tmp_path, model), grads=False)

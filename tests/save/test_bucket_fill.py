@@ -1,6 +1,6 @@
 """``bucketed.fill``/``stack_into``: a bucket holds its chunks' values in order, element for element
 what ``torch.cat`` of the flattened chunks gives, whatever their shapes, strides or autograd flags; the
-parts handed to the capture's worker (``sparse_ckpt._save.worker``) and its CRCs and copies."""
+halves the capture's worker fills (``sparse_ckpt._save.worker``), its CRCs and copies."""
 
 from __future__ import annotations
 
@@ -12,7 +12,8 @@ import torch
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from sparse_ckpt._format.bucket_checksums import tensor_crc
+from sparse_ckpt import _backend
+from sparse_ckpt._format.bucket_checksums import crc_combine, tensor_crc
 from sparse_ckpt._host_memory import HostPool
 from sparse_ckpt._layouts import bucketed
 from sparse_ckpt._layouts.bucketed import fill, stack_into
@@ -71,64 +72,62 @@ def test_fill_runs_of_shapes_and_a_lone_chunk() -> None:
 
 @settings(max_examples=40, deadline=None)
 @given(
-    st.lists(st.sampled_from(SHAPES), min_size=1, max_size=12),
-    st.integers(min_value=1, max_value=64),
+    st.lists(st.tuples(st.sampled_from(SHAPES), st.sampled_from(["plain", "transposed", "grad"])), max_size=14),
+    st.integers(min_value=0, max_value=3),
+    st.sampled_from([1, 64, 1 << 30]),
 )
-def test_stack_into_hands_out_its_parts_in_order(shapes: list[tuple[int, ...]], segment: int) -> None:
-    """With ``on_part``, the bucket is written in parts of about ``SEGMENT_BYTES`` (here a few bytes, so
-    a run of one shape is split), each handed out once written: in order, together the whole bucket."""
-    chunks = [_chunk(shape, "plain", i) for i, shape in enumerate(shapes)]
-    expected = torch.cat([c.reshape(-1) for c in chunks])
-    buf = torch.full((expected.numel(),), float("nan"))
-    parts: list[tuple[int, int, torch.Tensor]] = []
-
-    def on_part(part: torch.Tensor) -> None:
-        offset = (part.data_ptr() - buf.data_ptr()) // buf.element_size()
-        parts.append((offset, part.numel(), part.clone()))  # its values when handed out
-
-    with _segment_bytes(segment):
-        stack_into(buf, chunks, on_part=on_part)
-    assert torch.equal(buf, expected)
-    pos = 0
-    for offset, numel, values in parts:
-        assert offset == pos and torch.equal(values, expected[pos : pos + numel])
-        pos += numel
-    assert pos == expected.numel()
-
-
-def test_the_workers_bucket_crcs_are_the_buckets() -> None:
-    """`fill` with a `CaptureWorker`: each bucket's CRC-32C, chained by the worker over the parts as they
-    were written, is the CRC-32C of the whole bucket (a copied one, a lone live chunk, an empty one)."""
-    g = torch.Generator().manual_seed(3)
-    chunks = [torch.randn(4, 5, generator=g) for _ in range(6)] + [torch.randn(7, generator=g), torch.empty(0)]
-    buckets = [
-        ("float32", 6 * 20 + 7, [(i, 0) for i in range(7)]),
-        ("float32", 20, [(0, 0)]),
-        ("float32", 0, [(7, 0)]),
-    ]
+def test_the_workers_halves_and_crcs_are_the_buckets(
+    spec: list[tuple[tuple[int, ...], str]], lone: int, split: int
+) -> None:
+    """`fill` with a `CaptureWorker`: every bucket holds what it holds without one, and its CRC-32C
+    (combined from the two halves the two threads filled and checksummed, when it has at least
+    ``SPLIT_BYTES``) is the CRC-32C of the whole bucket; also for a lone live chunk and an empty one."""
+    chunks = [_chunk(shape, how, i) for i, (shape, how) in enumerate(spec)]
+    alone = [torch.randn(lone), torch.empty(0)]
+    members, pos = [], 0
+    for i, c in enumerate(chunks):
+        members.append((i, pos))
+        pos += c.numel()
+    buckets = [("float32", n, [(len(chunks) + j, 0)]) for j, n in enumerate((lone, 0))]
+    if chunks:
+        buckets.insert(0, ("float32", pos, members))
+    local = [*chunks, *alone]
+    want = fill(buckets, local)
     worker = CaptureWorker()
     try:
-        with _segment_bytes(48):
-            filled = fill(buckets, chunks, worker=worker)
-        got = worker.crcs(len(filled))
+        with _split_bytes(split):
+            got = fill(buckets, local, worker=worker)
+        crcs = worker.crcs(len(got))
     finally:
         worker.close()
-    assert got == [tensor_crc(b) for b in filled]
-    assert len(set(got)) == 3
+    assert all(torch.equal(a, b) for a, b in zip(got, want))
+    assert crcs == [tensor_crc(b) for b in want]
 
 
-def test_the_worker_stages_large_tensors_and_reports_errors() -> None:
-    """`CaptureWorker.stage` copies the tensors `HostPool.snapshot` takes (into the pool) and no other; a
-    failed job's error is raised by the call that waits for it."""
+@pytest.mark.filterwarnings("ignore:An output with one or more elements was resized")
+def test_a_failed_half_is_raised_by_crcs() -> None:
+    """An error of the half the worker copies (here: a chunk of another size than the layout says)
+    reaches the capture (`CaptureWorker.crcs`)."""
+    chunks = [torch.randn(4, 4) for _ in range(4)]
+    buckets = [("float32", 64, [(i, 16 * i) for i in range(4)])]
+    worker = CaptureWorker()
+    try:
+        with _split_bytes(1):
+            fill(buckets, chunks, sizes=[(4, 4), (4, 4), (4, 4), (2, 2)], worker=worker)
+        with pytest.raises(AssertionError, match="chunks of 20 elements for a bucket of 32"):
+            worker.crcs(1)
+    finally:
+        worker.close()
+
+
+def test_the_worker_stages_large_tensors() -> None:
+    """`CaptureWorker.stage` copies the tensors `HostPool.snapshot` takes (into the pool) and no other."""
     pool = HostPool()
     big, small, view = torch.randn(64 << 10), torch.randn(4), torch.randn(2, 64 << 10)[1]
     worker = CaptureWorker()
     try:
         worker.stage(pool, {"big": big, "small": small, "view": view, "other": 3})
         ((original, copy),) = worker.copies()
-        worker.crc(0, "not a tensor")  # type: ignore[arg-type]
-        with pytest.raises(AttributeError):
-            worker.crcs(1)
     finally:
         worker.close()
     assert original is big and torch.equal(copy, big) and copy.data_ptr() != big.data_ptr()
@@ -136,10 +135,29 @@ def test_the_worker_stages_large_tensors_and_reports_errors() -> None:
 
 
 @contextlib.contextmanager
-def _segment_bytes(n: int) -> Iterator[None]:
-    old = bucketed.SEGMENT_BYTES
-    bucketed.SEGMENT_BYTES = n
+def _split_bytes(n: int) -> Iterator[None]:
+    old = bucketed.SPLIT_BYTES
+    bucketed.SPLIT_BYTES = n
     try:
         yield
     finally:
-        bucketed.SEGMENT_BYTES = old
+        bucketed.SPLIT_BYTES = old
+
+
+@settings(max_examples=60, deadline=None)
+@given(
+    st.binary(max_size=300),
+    st.binary(max_size=300),
+    st.tuples(*[st.integers(min_value=0, max_value=2**32 - 1)] * 3),
+    st.tuples(*[st.integers(min_value=0, max_value=1 << 40)] * 2),
+)
+def test_crc_combine_is_the_crc_of_the_concatenation(
+    a: bytes, b: bytes, crcs: tuple[int, int, int], lengths: tuple[int, int]
+) -> None:
+    """`crc_combine` of two parts' CRC-32C is the CRC-32C of both; for parts of up to a TiB, combining
+    is associative (three parts combine alike in either order)."""
+    crc = _backend.core.crc32c
+    assert crc_combine(crc(a), crc(b), len(b)) == crc(a + b)
+    assert crc_combine(0, crc(b), len(b)) == crc(b)
+    (x, y, z), (ny, nz) = crcs, lengths
+    assert crc_combine(crc_combine(x, y, ny), z, nz) == crc_combine(x, crc_combine(y, z, nz), ny + nz)
