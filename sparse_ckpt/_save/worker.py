@@ -8,8 +8,9 @@ and the core's ``crc32c`` (above 1 MiB) release the GIL while they run, so one w
 part of them while the capture goes on: the second half of each large bucket, copied and
 checksummed while the capture does the first (`sparse_ckpt._layouts.bucketed.fill`; the two CRCs
 combine into the bucket's), and the copies of the large tensors while the buckets are filled
-(:meth:`CaptureWorker.stage`). The capture waits for the worker before it returns
-(:meth:`CaptureWorker.close`), so no thread outlives it and every value is copied as of the save.
+(:meth:`CaptureWorker.stage`; the capture copies those the worker has not reached when it is done).
+The capture waits for the worker before it returns (:meth:`CaptureWorker.close`), so no thread
+outlives it and every value is copied as of the save.
 
 On one core the worker's jobs simply run interleaved with the capture; the result is the same.
 """
@@ -36,7 +37,7 @@ class CaptureWorker:
     def __init__(self) -> None:
         self._executor = ThreadPoolExecutor(max_workers=1, thread_name_prefix="sparse_ckpt-capture")
         self._crc: dict[int, list[tuple[int | Future[int], int]]] = {}  # bucket -> its parts' (CRC, bytes)
-        self._copies: list[tuple[torch.Tensor, Future[torch.Tensor | None]]] = []
+        self._copies: list[tuple[torch.Tensor, HostPool, Future[torch.Tensor | None]]] = []
 
     def close(self) -> None:
         """Wait for every job (their errors are raised by :meth:`crcs` and :meth:`copies`)."""
@@ -63,18 +64,24 @@ class CaptureWorker:
 
     def stage(self, pool: HostPool, items: Mapping[str, Any]) -> None:
         """Copy each value of ``items`` that `HostPool.takes` (a plain contiguous CPU tensor of at least
-        `sparse_ckpt._host_memory.POOLED_MIN_BYTES`) into a buffer of ``pool``, on the worker's thread."""
+        `sparse_ckpt._host_memory.POOLED_MIN_BYTES`) into a buffer of ``pool``, on the worker's thread
+        (the copies it has not begun when :meth:`copies` is called are made by the caller instead)."""
         takes = pool.takes
         for v in items.values():
             if takes(v):
-                self._copies.append((v, self._executor.submit(pool.snapshot, v)))
+                self._copies.append((v, pool, self._executor.submit(pool.snapshot, v)))
 
     def copies(self) -> list[tuple[torch.Tensor, torch.Tensor]]:
-        """``(original, copy)`` of every tensor :meth:`stage` copied (waits for them)."""
+        """``(original, copy)`` of every tensor :meth:`stage` copied: the copies the worker has not
+        begun are made here, on the calling thread, from the last one back, while the worker goes on
+        from the first (so both threads copy until all are done); then it waits for the worker's."""
+        jobs, self._copies = self._copies, []
         out = []
-        for original, job in self._copies:
-            copy = job.result()
+        for original, pool, job in reversed(jobs):
+            if job.cancel():  # not begun: copied here
+                copy = pool.snapshot(original)
+            else:
+                copy = job.result()
             if copy is not None:
                 out.append((original, copy))
-        self._copies.clear()
         return out
