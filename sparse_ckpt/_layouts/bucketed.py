@@ -12,9 +12,7 @@ is :mod:`.bucketed_load`, the tools' view :mod:`.bucketed_view`.
 from __future__ import annotations
 
 import math
-from bisect import bisect_left
 from collections.abc import Mapping, Sequence
-from operator import itemgetter
 from typing import TYPE_CHECKING, Any
 
 import torch
@@ -306,13 +304,26 @@ def _stack_and_check(
         stack_into(buf, chunks, shapes)
         worker.add_crc(bucket, tensor_crc(buf), buf.nbytes)
         return
-    h = min(max(1, bisect_left(members, buf.numel() // 2, key=itemgetter(1))), len(chunks) - 1)
+    h = _middle(members, buf.numel() // 2)
     cut = members[h][1]
     first, second = buf[:cut], buf[cut:]
     later = worker.submit(_stack_crc, second, chunks[h:], shapes[h:] if shapes is not None else None)
     stack_into(first, chunks[:h], shapes[:h] if shapes is not None else None)
     worker.add_crc(bucket, tensor_crc(first), first.nbytes)
     worker.add_crc(bucket, later, second.nbytes)
+
+
+def _middle(members: list[tuple[int, int]], target: int) -> int:
+    """The first member from the second on whose element offset is at least ``target`` (offsets grow;
+    at most the last member), so both halves hold a chunk."""
+    lo, hi = 1, len(members) - 1
+    while lo < hi:
+        mid = (lo + hi) // 2
+        if members[mid][1] < target:
+            lo = mid + 1
+        else:
+            hi = mid
+    return lo
 
 
 def _stack_crc(buf: torch.Tensor, chunks: list[torch.Tensor], shapes: Sequence[tuple[int, ...]] | None) -> int:
