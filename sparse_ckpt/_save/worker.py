@@ -26,7 +26,20 @@ import torch
 from .._format.bucket_checksums import crc_combine
 from .._host_memory import HostPool
 
-__all__ = ["CaptureWorker"]
+__all__ = ["STAGER_DEEP_COPIES", "CaptureWorker"]
+
+
+def _stager_deep_copies() -> bool:
+    from torch.distributed.checkpoint import staging
+
+    return hasattr(staging, "DefaultStager")
+
+
+STAGER_DEEP_COPIES = _stager_deep_copies()
+"""Whether this torch's ``dcp.async_save`` stages the state dict by deep-copying it (its
+``DefaultStager``, torch 2.13): only then does a copy the capture makes replace the stager's
+(`sparse_ckpt._dcp.stateful.SparseStateDict.__deepcopy__`). Older torch's writer copies the dict into
+buffers of its own, so the capture copies nothing but its buckets there."""
 
 _T = TypeVar("_T")
 
@@ -65,7 +78,10 @@ class CaptureWorker:
     def stage(self, pool: HostPool, items: Mapping[str, Any]) -> None:
         """Copy each value of ``items`` that `HostPool.takes` (a plain contiguous CPU tensor of at least
         `sparse_ckpt._host_memory.POOLED_MIN_BYTES`) into a buffer of ``pool``, on the worker's thread
-        (the copies it has not begun when :meth:`copies` is called are made by the caller instead)."""
+        (the copies it has not begun when :meth:`copies` is called are made by the caller instead);
+        nothing where :data:`STAGER_DEEP_COPIES` is false."""
+        if not STAGER_DEEP_COPIES:
+            return
         takes = pool.takes
         for v in items.values():
             if takes(v):

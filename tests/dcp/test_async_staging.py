@@ -24,22 +24,9 @@ from sparse_ckpt._dcp.stateful import SparseStateDict
 from sparse_ckpt._format.keys import BUFFERS_PREFIX
 from sparse_ckpt._host_memory import HUGE_PAGE_BYTES, HostPool
 from sparse_ckpt._layouts import AUTO_ASYNC_OWN_ITEM_BYTES, STATE_LAYOUTS
+from sparse_ckpt._save.worker import STAGER_DEEP_COPIES  # (torch 2.13: True; the floor's 2.7: False)
 
 pytestmark = pytest.mark.filterwarnings("ignore:torch.distributed is disabled:UserWarning")
-
-
-def _stager_deep_copies() -> bool:
-    """Whether this torch's ``dcp.async_save`` stages by deep-copying the state dict (its
-    ``DefaultStager``, as torch 2.13 does): only then does the stager's copy go through
-    ``SparseStateDict.__deepcopy__`` and the pool. Older torch's writer copies the dict into buffers
-    of its own before the call returns, so only the capture's buckets come from the pool and DCP holds
-    none of them while it writes."""
-    from torch.distributed.checkpoint import staging
-
-    return hasattr(staging, "DefaultStager")
-
-
-STAGER_DEEP_COPIES = _stager_deep_copies()
 
 
 class _Mixed(nn.Module):
