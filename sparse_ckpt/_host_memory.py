@@ -193,21 +193,24 @@ class HostPool:
             entry.round = self._round
         return out
 
+    @staticmethod
+    def takes(t: torch.Tensor) -> bool:
+        """Whether :meth:`snapshot` copies ``t``: a plain contiguous CPU tensor without autograd that
+        holds all of its storage and has at least :data:`POOLED_MIN_BYTES`."""
+        if type(t) is not torch.Tensor or t.layout is not torch.strided or t.nbytes < POOLED_MIN_BYTES:
+            return False  # (most state tensors are decided here)
+        return (
+            t.device.type == "cpu"
+            and not t.requires_grad
+            and t.is_contiguous()
+            and t.storage_offset() == 0
+            and t.untyped_storage().nbytes() == t.nbytes
+        )
+
     def snapshot(self, t: torch.Tensor) -> torch.Tensor | None:
-        """A copy of ``t`` in a pooled buffer (:meth:`take`), for a plain contiguous CPU tensor
-        without autograd that holds all of its storage and has at least :data:`POOLED_MIN_BYTES`;
-        else ``None`` (the caller copies it the usual way)."""
-        if (
-            type(t) is not torch.Tensor
-            or t.device.type != "cpu"
-            or t.requires_grad
-            or t.layout is not torch.strided
-            or not t.is_contiguous()
-            or t.storage_offset() != 0
-        ):
-            return None
-        nbytes = t.numel() * t.element_size()
-        if nbytes < POOLED_MIN_BYTES or t.untyped_storage().nbytes() != nbytes:
+        """A copy of ``t`` in a pooled buffer (:meth:`take`) where :meth:`takes` it; else ``None``
+        (the caller copies it the usual way)."""
+        if not self.takes(t):
             return None
         out = self.take(tuple(t.shape), t.dtype)
         out.copy_(t)

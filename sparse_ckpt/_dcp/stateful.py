@@ -98,14 +98,17 @@ class SparseStateDict(OriginDict):
     __slots__ = ("fmap", "lost", "owner", "planned", "present", "reader", "snapshots", "unresolved")
 
     def __init__(
-        self, items: Mapping[str, Any], owner: SparseOptimizerState, snapshots: tuple[torch.Tensor, ...] | None = None
+        self,
+        items: Mapping[str, Any],
+        owner: SparseOptimizerState,
+        snapshots: tuple[tuple[torch.Tensor, torch.Tensor], ...] | None = None,
     ) -> None:
         super().__init__(items, origin_here())
         self.owner = owner
         self.snapshots = snapshots
-        """For a capture made for ``dcp.async_save``: the items that are already copies made for
-        this dict (its buckets), which a deep copy shares instead of copying them again
-        (`__deepcopy__`); ``None`` for any other dict."""
+        """For a capture made for ``dcp.async_save``: ``(value, its copy)`` for the items the capture
+        already copied (its buckets, which are their own copies, and its large CPU state tensors), which a
+        deep copy takes instead of copying them again (`__deepcopy__`); ``None`` for any other dict."""
         self.planned = False
         self.unresolved: list[str] = []
         """Checkpoint state keys the planner skipped whose FQN it could not attribute to anyone."""
@@ -131,20 +134,16 @@ class SparseStateDict(OriginDict):
 
     def __deepcopy__(self, memo: dict[int, Any]) -> dict[str, Any]:
         """A plain ``dict`` of copies of the items (`copy`), as ``dcp.async_save``'s stager makes
-        before it returns. For a capture made for ``dcp.async_save`` (``snapshots``), the buckets it
-        already filled with copies of the state are shared, not copied a second time (no live tensor
-        aliases them, and nothing else holds them), and each CPU state tensor of at least 64 KiB is
-        copied into a buffer of the owner's pool, reused from save to save
-        (`sparse_ckpt._host_memory.HostPool.snapshot`): either way the copy holds the values as of
-        the save, whatever the optimizer does next."""
+        before it returns. For a capture made for ``dcp.async_save`` (``snapshots``), the copies the
+        capture already made are taken, not made a second time: the buckets it filled with copies of
+        the state (no live tensor aliases them, and nothing else holds them) and each CPU state tensor
+        of at least 64 KiB, copied into a buffer of the owner's pool, reused from save to save
+        (`sparse_ckpt._host_memory.HostPool.snapshot`, on the capture's second thread while it filled
+        the buckets: `sparse_ckpt._save.worker`). Either way the copy holds the values as of the save,
+        whatever the optimizer does next."""
         if self.snapshots is not None:
-            for t in self.snapshots:
-                memo.setdefault(id(t), t)
-            for v in self.values():
-                if isinstance(v, torch.Tensor) and id(v) not in memo:
-                    snap = self.owner.host_pool.snapshot(v)
-                    if snap is not None:
-                        memo[id(v)] = snap
+            for original, copy in self.snapshots:
+                memo.setdefault(id(original), copy)
         return super().__deepcopy__(memo)
 
 
@@ -248,7 +247,7 @@ class SparseOptimizerState:
         with this first, so a save that will be refused writes nothing."""
         refuse_rank0_only_save(self.optimizer)
         sd: dict[str, Any] = {PLANNER_GUARD_KEY: _PlannerGuard.make()}  # first: DCP plans keys in order
-        snapshots: list[torch.Tensor] = []
+        snapshots: list[tuple[torch.Tensor, torch.Tensor]] = []
         if staged:
             self.host_pool.begin()
         if keying is not None:

@@ -18,7 +18,15 @@ import torch
 from .. import _backend
 from ..errors import CheckpointFormatError
 
-__all__ = ["CHECKSUMS_MAGIC", "CHECKSUMS_VERSION", "check_bucket", "split_checksums", "tensor_crc", "with_checksums"]
+__all__ = [
+    "CHECKSUMS_MAGIC",
+    "CHECKSUMS_VERSION",
+    "check_bucket",
+    "crc_combine",
+    "split_checksums",
+    "tensor_crc",
+    "with_checksums",
+]
 
 CHECKSUMS_MAGIC = b"SCKC"
 CHECKSUMS_VERSION = 1
@@ -26,20 +34,23 @@ _TAIL = struct.Struct("<IH4s")
 """``u32 n_buckets | u16 version | magic``: the last bytes of the trailer."""
 
 
-def tensor_crc(t: torch.Tensor) -> int:
-    """The CRC-32C of the bytes of tensor ``t`` (row-major; copied to the CPU first when it is not there)."""
+def tensor_crc(t: torch.Tensor, value: int = 0) -> int:
+    """The CRC-32C of the bytes of tensor ``t`` (row-major; copied to the CPU first when it is not there);
+    ``value``: the CRC-32C of the bytes before them (the result is then the CRC of both)."""
     t = t.detach()
     if t.device.type != "cpu":
         t = t.cpu()
     flat = t.reshape(-1)  # (a copy only when not contiguous)
     if flat.numel() == 0:
-        return _backend.core.crc32c(b"")
-    return _backend.core.crc32c(memoryview(flat.view(torch.uint8).numpy()))
+        return _backend.core.crc32c(b"", value)
+    return _backend.core.crc32c(memoryview(flat.view(torch.uint8).numpy()), value)
 
 
-def with_checksums(table: bytes, buckets: Sequence[torch.Tensor]) -> bytes:
-    """``table`` (a layout table) followed by the checksum trailer of ``buckets`` (in bucket order)."""
-    crcs = [tensor_crc(b) for b in buckets]
+def with_checksums(table: bytes, buckets: Sequence[torch.Tensor], crcs: Sequence[int] | None = None) -> bytes:
+    """``table`` (a layout table) followed by the checksum trailer of ``buckets`` (in bucket order);
+    ``crcs``: their CRC-32C where the caller computed them (`sparse_ckpt._save.worker`)."""
+    if crcs is None:
+        crcs = [tensor_crc(b) for b in buckets]
     return b"".join(
         (table, struct.pack(f"<{len(crcs)}I", *crcs), _TAIL.pack(len(crcs), CHECKSUMS_VERSION, CHECKSUMS_MAGIC))
     )
@@ -82,3 +93,44 @@ def check_bucket(leaf: str, key: str, buf: torch.Tensor, bucket: int, crcs: tupl
             f"{crcs[bucket]:08x}): a damaged, truncated or partly copied checkpoint; nothing was loaded into the "
             "optimizer"
         )
+
+
+_POLY = 0x82F63B78  # CRC-32C, reflected
+
+
+def _multmodp(a: int, b: int) -> int:
+    """``a(x) * b(x) mod P(x)`` in the reflected bit order of the CRC (zlib's ``multmodp``)."""
+    m, p = 1 << 31, 0
+    while True:
+        if a & m:
+            p ^= b
+            if (a & (m - 1)) == 0:
+                return p
+        m >>= 1
+        b = (b >> 1) ^ _POLY if b & 1 else b >> 1
+
+
+def _x2n_table() -> tuple[int, ...]:
+    out, p = [], 1 << 30  # x^1
+    for _ in range(64):
+        out.append(p)
+        p = _multmodp(p, p)
+    return tuple(out)
+
+
+_X2N = _x2n_table()
+"""``x^(2^k) mod P(x)`` for k = 0..63 (lengths below 2**61 bytes; the table does not cycle after 32
+entries as zlib's does: the order of x modulo the CRC-32C polynomial does not divide 2**32 - 1)."""
+
+
+def crc_combine(crc1: int, crc2: int, len2: int) -> int:
+    """The CRC-32C of ``A + B`` from ``crc1`` (of ``A``), ``crc2`` (of ``B``) and ``len(B)`` in bytes
+    (zlib's ``crc32_combine`` for this polynomial): two parts of a bucket checksummed apart, by two
+    threads, give the bucket's CRC."""
+    p, n, k = 1 << 31, len2, 3  # x^0; x^(8 * len2) = product of x^(2^k) over the bits of len2, from k = 3
+    while n:
+        if n & 1:
+            p = _multmodp(_X2N[k], p)
+        n >>= 1
+        k += 1
+    return _multmodp(p, crc1) ^ crc2

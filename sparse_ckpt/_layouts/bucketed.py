@@ -13,17 +13,21 @@ from __future__ import annotations
 
 import math
 from collections.abc import Mapping, Sequence
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import torch
 from torch.distributed.tensor import DTensor, Replicate, Shard
 
 from .. import _backend
+from .._format.bucket_checksums import tensor_crc
 from .._format.keys import BUFFERS_PREFIX, STATE_PREFIX, buffer_tag, escape_part, is_plain_part, layout_tag
 from .._host_memory import HostPool, empty_host, staging_host
 from .._limits import ITEM_BYTES
 from .._torch_internals import local_chunk
 from ..errors import CheckpointFormatError
+
+if TYPE_CHECKING:
+    from .._save.worker import CaptureWorker
 
 BUCKET_BYTES = ITEM_BYTES
 """Largest bucket (bytes) unless one state chunk is larger (it then gets a bucket of its own).
@@ -220,6 +224,7 @@ def fill(
     snapshots: list[torch.Tensor] | None = None,
     pool: HostPool | None = None,
     sizes: Sequence[tuple[int, ...]] | None = None,
+    worker: CaptureWorker | None = None,
 ) -> list[torch.Tensor]:
     """One CPU buffer per bucket of the core's ``encode_layout``, holding its chunks in order
     (concatenated on their device, so a GPU state costs one bucket of device memory at a time).
@@ -228,16 +233,27 @@ def fill(
     ``snapshots``: the buffers this call allocated and filled (copies no live state aliases) are
     appended to it; ``pool``: where the CPU ones are allocated (`sparse_ckpt._host_memory.HostPool`);
     ``sizes``: each local tensor's shape where the caller knows it (the layout entries' chunk sizes),
-    so the copy reads no shape back."""
+    so the copy reads no shape back. ``worker`` (`sparse_ckpt._save.worker.CaptureWorker`): each
+    bucket's CRC-32C is computed too (`CaptureWorker.crcs`), and a CPU bucket of at least
+    :data:`SPLIT_BYTES` is filled and checksummed in two halves, the second on the worker's thread."""
     out = []
-    for _dtype, numel, members in buckets:
+    for b, (_dtype, numel, members) in enumerate(buckets):
         chunks = [local[i] for i, _offset in members]
         device = chunks[0].device
         if len(chunks) == 1 and device.type == "cpu":  # one CPU chunk alone: the (flattened) state tensor itself
             buf = chunks[0].detach().reshape(-1)
+            if worker is not None:
+                worker.add_crc(b, worker.submit(tensor_crc, buf), buf.nbytes)
         else:
             shapes = [sizes[i] for i, _offset in members] if sizes is not None else None
-            buf = _copied(numel, chunks, device, pool, shapes)
+            if device.type == "cpu":  # a host buffer on huge pages where the OS offers them (page faults dominated)
+                dtype = chunks[0].dtype
+                buf = pool.take((numel,), dtype) if pool is not None else empty_host(numel, dtype)
+                _stack_and_check(buf, chunks, shapes, members, worker, b)
+            else:
+                buf = _staged(numel, chunks, device)
+                if worker is not None:
+                    worker.add_crc(b, worker.submit(tensor_crc, buf), buf.nbytes)
             if snapshots is not None:
                 snapshots.append(buf)
         if buf.numel() != numel:  # pragma: no cover - the core's sizes are the chunks'
@@ -246,22 +262,63 @@ def fill(
     return out
 
 
-def _copied(
-    numel: int,
+SPLIT_BYTES = 2 << 20
+"""A CPU bucket of at least this many bytes is filled and checksummed in two halves on two threads
+when the capture has a worker (below it, the thread hand-off costs more than it saves)."""
+
+
+def _stack_and_check(
+    buf: torch.Tensor,
     chunks: list[torch.Tensor],
-    device: torch.device,
-    pool: HostPool | None,
-    shapes: Sequence[tuple[int, ...]] | None = None,
-) -> torch.Tensor:
-    """A host buffer (from ``pool``, else new) holding ``chunks`` (on ``device``) in order."""
-    if device.type == "cpu":  # a host buffer on huge pages where the OS offers them (page faults dominated)
-        buf = pool.take((numel,), chunks[0].dtype) if pool is not None else empty_host(numel, chunks[0].dtype)
+    shapes: Sequence[tuple[int, ...]] | None,
+    members: list[tuple[int, int]],
+    worker: CaptureWorker | None,
+    bucket: int,
+) -> None:
+    """`stack_into` ``buf``; with ``worker``, the bucket's CRC-32C as well: a bucket of at least
+    :data:`SPLIT_BYTES` and two chunks in two halves (split at a chunk near the middle, by the members'
+    element offsets), the second copied and checksummed on the worker's thread while this one does the
+    first (both copies and CRCs release the GIL); the two CRCs combine into the bucket's."""
+    if worker is None:
         stack_into(buf, chunks, shapes)
-    else:  # accelerator chunks, concatenated on their device, copied to a host (pinned where asked) buffer
-        buf = staging_host(numel, chunks[0].dtype, device)
-        buf.copy_(
-            chunks[0].detach().reshape(-1) if len(chunks) == 1 else torch.cat([t.detach().reshape(-1) for t in chunks])
-        )
+        return
+    if buf.nbytes < SPLIT_BYTES or len(chunks) < 2:
+        stack_into(buf, chunks, shapes)
+        worker.add_crc(bucket, tensor_crc(buf), buf.nbytes)
+        return
+    h = _middle(members, buf.numel() // 2)
+    cut = members[h][1]
+    first, second = buf[:cut], buf[cut:]
+    later = worker.submit(_stack_crc, second, chunks[h:], shapes[h:] if shapes is not None else None)
+    stack_into(first, chunks[:h], shapes[:h] if shapes is not None else None)
+    worker.add_crc(bucket, tensor_crc(first), first.nbytes)
+    worker.add_crc(bucket, later, second.nbytes)
+
+
+def _middle(members: list[tuple[int, int]], target: int) -> int:
+    """The first member from the second on whose element offset is at least ``target`` (offsets grow;
+    at most the last member), so both halves hold a chunk."""
+    lo, hi = 1, len(members) - 1
+    while lo < hi:
+        mid = (lo + hi) // 2
+        if members[mid][1] < target:
+            lo = mid + 1
+        else:
+            hi = mid
+    return lo
+
+
+def _stack_crc(buf: torch.Tensor, chunks: list[torch.Tensor], shapes: Sequence[tuple[int, ...]] | None) -> int:
+    stack_into(buf, chunks, shapes)
+    return tensor_crc(buf)
+
+
+def _staged(numel: int, chunks: list[torch.Tensor], device: torch.device) -> torch.Tensor:
+    """Accelerator chunks, concatenated on their device, copied to a host (pinned where asked) buffer."""
+    buf = staging_host(numel, chunks[0].dtype, device)
+    buf.copy_(
+        chunks[0].detach().reshape(-1) if len(chunks) == 1 else torch.cat([t.detach().reshape(-1) for t in chunks])
+    )
     return buf
 
 

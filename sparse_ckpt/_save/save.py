@@ -39,6 +39,7 @@ from .._leaves import named_leaves
 from ..errors import CheckpointFormatError, CheckpointMismatchError
 from .capture import capture_by_fqn
 from .state_values import check_state_values
+from .worker import CaptureWorker
 
 Format = Literal["packed", "flat"]
 FORMATS = ("packed", "flat")
@@ -101,16 +102,45 @@ def build_state_dict(
     *,
     guards: bool = False,
     staged: bool = False,
-    snapshots: list[torch.Tensor] | None = None,
+    snapshots: list[tuple[torch.Tensor, torch.Tensor]] | None = None,
     pool: HostPool | None = None,
 ) -> dict[str, Any]:
     """`sparse_state_dict` with the table keys chosen by ``keying`` (called with gc paused);
     ``guards=True`` (what the DCP ``Stateful`` saves, packed format) adds the foreign-loader guards
     (`sparse_ckpt._format.keys.foreign_guard_keys`); ``staged``: for ``dcp.async_save``, which
     copies the dict before it returns (``state_layout="auto"`` then buffers fewer tensors,
-    `sparse_ckpt._layouts.own_item_bytes`); ``snapshots``: the buckets filled with copies of the
-    state (no live tensor aliases them) are appended to it (`sparse_ckpt._layouts.bucketed.fill`);
-    ``pool``: where CPU buckets are allocated (reused from save to save)."""
+    `sparse_ckpt._layouts.own_item_bytes`); ``snapshots``: ``(value, its copy)`` is appended to it for
+    every value of the dict this call copied: each bucket filled with copies of the state (its own
+    copy: no live tensor aliases it, `sparse_ckpt._layouts.bucketed.fill`) and, with ``staged`` and
+    ``pool``, each large CPU state tensor copied into a buffer of ``pool``
+    (`sparse_ckpt._save.worker.CaptureWorker.stage`); ``pool``: where CPU buckets and those copies
+    are allocated (reused from save to save). The bucket CRCs and the large copies run on a second
+    thread while the capture goes on (`sparse_ckpt._save.worker`); it is done when this returns."""
+    copied: list[torch.Tensor] | None = [] if snapshots is not None else None
+    worker = CaptureWorker()
+    try:
+        out = _build(model, optimizer, format, keying, state_layout, guards, staged, copied, pool, worker)
+        if snapshots is not None:
+            snapshots.extend((b, b) for b in copied or ())
+            snapshots.extend(worker.copies())
+    finally:
+        worker.close()
+    return out
+
+
+def _build(
+    model: Model,
+    optimizer: Any,
+    format: Format,
+    keying: Keying,
+    state_layout: StateLayout,
+    guards: bool,
+    staged: bool,
+    copied: list[torch.Tensor] | None,
+    pool: HostPool | None,
+    worker: CaptureWorker,
+) -> dict[str, Any]:
+    """`build_state_dict`'s body, with its worker thread."""
     core = _backend.core
     fmap = build_fqn_map(model)
     parts: list[_Part] = []  # the dict's items in order; tables and layouts wait for their tags
@@ -143,12 +173,17 @@ def build_state_dict(
                 entries, local = bucketed.collect(
                     leaf, state_fqn, items, fmap.param_of, own_item_bytes(state_layout, staged)
                 )
+                if staged and pool is not None:  # the large items, copied while the buckets are filled
+                    worker.stage(pool, items)
                 if entries:
                     layout, buckets = core.encode_layout(leaf, entries, bucketed.BUCKET_BYTES)
-                    filled = bucketed.fill(buckets, local, snapshots, pool, list(map(itemgetter(6), entries)))
+                    filled = bucketed.fill(buckets, local, copied, pool, list(map(itemgetter(6), entries)), worker)
                     parts.append(_Part("layout", leaf, buckets=filled))
-                    layout = with_checksums(layout, filled)  # each bucket's CRC-32C, under the layout's seal
+                    # each bucket's CRC-32C (computed by the worker as the parts were written), under the layout's seal
+                    layout = with_checksums(layout, filled, worker.crcs(len(filled)))
                     slots.append(Slot.of(LAYOUT_SLOT, leaf, layout, buckets=tuple(dtype for dtype, _n, _m in buckets)))
+            elif staged and pool is not None:
+                worker.stage(pool, items)
             parts.append(_Part("items", leaf, items=items))
             parts.append(_Part("table", leaf, prefix=PACKED_PREFIX))
             table = encode_table(leaf, groups_fqn)
@@ -156,6 +191,8 @@ def build_state_dict(
         else:
             items = core.flatten_state(leaf, state_fqn, fmap.param_of, False)
             check_state_values(leaf, state_fqn, items.values())
+            if staged and pool is not None:
+                worker.stage(pool, items)
             parts.append(_Part("items", leaf, items=items))
             _check_flat_settings(leaf, groups_fqn)
             parts.append(_Part("items", leaf, items=core.flatten_groups(leaf, groups_fqn)))

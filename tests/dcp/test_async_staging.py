@@ -24,22 +24,9 @@ from sparse_ckpt._dcp.stateful import SparseStateDict
 from sparse_ckpt._format.keys import BUFFERS_PREFIX
 from sparse_ckpt._host_memory import HUGE_PAGE_BYTES, HostPool
 from sparse_ckpt._layouts import AUTO_ASYNC_OWN_ITEM_BYTES, STATE_LAYOUTS
+from sparse_ckpt._save.worker import STAGER_DEEP_COPIES  # (torch 2.13: True; the floor's 2.7: False)
 
 pytestmark = pytest.mark.filterwarnings("ignore:torch.distributed is disabled:UserWarning")
-
-
-def _stager_deep_copies() -> bool:
-    """Whether this torch's ``dcp.async_save`` stages by deep-copying the state dict (its
-    ``DefaultStager``, as torch 2.13 does): only then does the stager's copy go through
-    ``SparseStateDict.__deepcopy__`` and the pool. Older torch's writer copies the dict into buffers
-    of its own before the call returns, so only the capture's buckets come from the pool and DCP holds
-    none of them while it writes."""
-    from torch.distributed.checkpoint import staging
-
-    return hasattr(staging, "DefaultStager")
-
-
-STAGER_DEEP_COPIES = _stager_deep_copies()
 
 
 class _Mixed(nn.Module):
@@ -112,9 +99,10 @@ def test_async_save_copies_the_buckets_once(tmp_path: Path, monkeypatch: pytest.
         pytest.skip("this torch's dcp.async_save stages the state dict without deep-copying it")
     ((sd, staged),) = captured
     assert sd.snapshots, "the capture for dcp.async_save filled no bucket"
-    buckets = {k for k, v in sd.items() if k.startswith(BUFFERS_PREFIX) and any(v is s for s in sd.snapshots)}
+    own = {id(o) for o, c in sd.snapshots if o is c}  # the buckets: their own copies
+    buckets = {k for k, v in sd.items() if k.startswith(BUFFERS_PREFIX) and id(v) in own}
     assert buckets and all(staged[k] is sd[k] for k in buckets)
-    assert not any(t is s for t in copied for s in sd.snapshots)
+    assert not any(t is o for t in copied for o, _c in sd.snapshots)
     live = {v.untyped_storage().data_ptr() for state in opt.state.values() for v in state.values() if v.numel()}
     assert not [k for k, v in staged.items() if isinstance(v, torch.Tensor) and v.untyped_storage().data_ptr() in live]
     assert_optimizer_equal(at_save, _load(tmp_path, model), grads=False)
@@ -214,3 +202,26 @@ def test_the_pool_reuses_only_released_buffers() -> None:
     pool.begin()
     assert len(pool) == 1
     assert len(copy.deepcopy(pool)) == 0
+
+
+@pytest.mark.parametrize("save", ["save", "async_save"])
+def test_buckets_filled_in_halves_load_and_pass_their_checks(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch, save: str
+) -> None:
+    """With every bucket filled in two halves on two threads (``SPLIT_BYTES`` lowered to one byte), the
+    checkpoint loads the values as of the call, its bucket CRCs (combined from the halves) checked."""
+    from sparse_ckpt._layouts import bucketed
+
+    monkeypatch.setattr(bucketed, "SPLIT_BYTES", 1)
+    model, opt = _trained(seed=1)
+    at_save = snapshot_optimizer(opt)
+    state = sc.SparseOptimizerState(model, opt, state_layout="buffers")
+    if save == "save":
+        dcp.save({"optim": state}, checkpoint_id=tmp_path)
+    else:
+        future = dcp.async_save({"optim": state}, checkpoint_id=tmp_path)
+        for st in opt.state.values():
+            for v in st.values():
+                v.add_(1)
+        future.result()
+    assert_optimizer_equal(at_save, _load(tmp_path, model), grads=False)
