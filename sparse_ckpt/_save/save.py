@@ -169,21 +169,20 @@ def _build(
                 scalars = encode_table(leaf, scalar_groups)
                 parts.append(_Part("table", leaf, prefix=SCALARS_PREFIX))
                 slots.append(Slot.of(SCALARS_SLOT, leaf, scalars))
-            if state_layout != "per_tensor":
-                entries, local = bucketed.collect(
-                    leaf, state_fqn, items, fmap.param_of, own_item_bytes(state_layout, staged)
-                )
-                if staged and pool is not None:  # the large items, copied while the buckets are filled
-                    worker.stage(pool, items)
-                if entries:
-                    layout, buckets = core.encode_layout(leaf, entries, bucketed.BUCKET_BYTES)
-                    filled = bucketed.fill(buckets, local, copied, pool, list(map(itemgetter(6), entries)), worker)
-                    parts.append(_Part("layout", leaf, buckets=filled))
-                    # each bucket's CRC-32C (computed by the worker as the parts were written), under the layout's seal
-                    layout = with_checksums(layout, filled, worker.crcs(len(filled)))
-                    slots.append(Slot.of(LAYOUT_SLOT, leaf, layout, buckets=tuple(dtype for dtype, _n, _m in buckets)))
-            elif staged and pool is not None:
-                worker.stage(pool, items)
+            entries, local = (
+                bucketed.collect(leaf, state_fqn, items, fmap.param_of, own_item_bytes(state_layout, staged))
+                if state_layout != "per_tensor"
+                else ([], [])
+            )
+            if staged and pool is not None:  # the large items: the worker copies them while the capture
+                worker.stage(pool, items)  # goes on (what it has not begun when needed is done here)
+            if entries:
+                layout, buckets = core.encode_layout(leaf, entries, bucketed.BUCKET_BYTES)
+                filled = bucketed.fill(buckets, local, copied, pool, list(map(itemgetter(6), entries)), worker)
+                parts.append(_Part("layout", leaf, buckets=filled))
+                # each bucket's CRC-32C (its halves', combined: bucketed.fill), under the layout's seal
+                layout = with_checksums(layout, filled, worker.crcs(len(filled)))
+                slots.append(Slot.of(LAYOUT_SLOT, leaf, layout, buckets=tuple(dtype for dtype, _n, _m in buckets)))
             parts.append(_Part("items", leaf, items=items))
             parts.append(_Part("table", leaf, prefix=PACKED_PREFIX))
             table = encode_table(leaf, groups_fqn)

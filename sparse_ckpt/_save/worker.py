@@ -8,7 +8,8 @@ and the core's ``crc32c`` (above 1 MiB) release the GIL while they run, so one w
 part of them while the capture goes on: the second half of each large bucket, copied and
 checksummed while the capture does the first (`sparse_ckpt._layouts.bucketed.fill`; the two CRCs
 combine into the bucket's), and the copies of the large tensors while the buckets are filled
-(:meth:`CaptureWorker.stage`; the capture copies those the worker has not reached when it is done).
+(:meth:`CaptureWorker.stage`). A job the worker has not begun when its result is needed runs on
+the capture's thread instead (so both threads work until all is done).
 The capture waits for the worker before it returns (:meth:`CaptureWorker.close`), so no thread
 outlives it and every value is copied as of the save.
 
@@ -50,15 +51,26 @@ class CaptureWorker:
     def __init__(self) -> None:
         self._executor = ThreadPoolExecutor(max_workers=1, thread_name_prefix="sparse_ckpt-capture")
         self._crc: dict[int, list[tuple[int | Future[int], int]]] = {}  # bucket -> its parts' (CRC, bytes)
-        self._copies: list[tuple[torch.Tensor, HostPool, Future[torch.Tensor | None]]] = []
+        self._copies: list[tuple[torch.Tensor, Future[torch.Tensor | None]]] = []
+        self._jobs: dict[Future[Any], tuple[Callable[..., Any], tuple[Any, ...]]] = {}  # not begun, maybe
 
     def close(self) -> None:
         """Wait for every job (their errors are raised by :meth:`crcs` and :meth:`copies`)."""
         self._executor.shutdown(wait=True)
 
     def submit(self, fn: Callable[..., _T], *args: Any) -> Future[_T]:
-        """Run ``fn(*args)`` on the worker's thread (jobs run in the order they are submitted)."""
-        return self._executor.submit(fn, *args)
+        """Run ``fn(*args)`` on the worker's thread (jobs run in the order they are submitted); a job the
+        worker has not begun when its result is needed is run by the caller instead (:meth:`_result`)."""
+        future = self._executor.submit(fn, *args)
+        self._jobs[future] = (fn, args)
+        return future
+
+    def _result(self, future: Future[_T]) -> _T:
+        """``future``'s result: run here if the worker has not begun it, else waited for."""
+        job = self._jobs.pop(future, None)
+        if job is not None and future.cancel():
+            return job[0](*job[1])  # type: ignore[no-any-return]
+        return future.result()
 
     def add_crc(self, bucket: int, crc: int | Future[int], nbytes: int) -> None:
         """Record the CRC-32C (or the job computing it) of the next ``nbytes`` bytes of bucket ``bucket``."""
@@ -71,7 +83,7 @@ class CaptureWorker:
         for bucket in range(n):
             value = 0
             for crc, nbytes in self._crc.pop(bucket, ()):
-                value = crc_combine(value, crc.result() if isinstance(crc, Future) else crc, nbytes)
+                value = crc_combine(value, self._result(crc) if isinstance(crc, Future) else crc, nbytes)
             out.append(value)
         return out
 
@@ -85,7 +97,7 @@ class CaptureWorker:
         takes = pool.takes
         for v in items.values():
             if takes(v):
-                self._copies.append((v, pool, self._executor.submit(pool.snapshot, v)))
+                self._copies.append((v, self.submit(pool.snapshot, v)))
 
     def copies(self) -> list[tuple[torch.Tensor, torch.Tensor]]:
         """``(original, copy)`` of every tensor :meth:`stage` copied: the copies the worker has not
@@ -93,11 +105,8 @@ class CaptureWorker:
         from the first (so both threads copy until all are done); then it waits for the worker's."""
         jobs, self._copies = self._copies, []
         out = []
-        for original, pool, job in reversed(jobs):
-            if job.cancel():  # not begun: copied here
-                copy = pool.snapshot(original)
-            else:
-                copy = job.result()
+        for original, job in reversed(jobs):
+            copy = self._result(job)
             if copy is not None:
                 out.append((original, copy))
         return out

@@ -14,10 +14,8 @@ from hypothesis import strategies as st
 
 from sparse_ckpt import _backend
 from sparse_ckpt._format.bucket_checksums import crc_combine, tensor_crc
-from sparse_ckpt._host_memory import HostPool
 from sparse_ckpt._layouts import bucketed
 from sparse_ckpt._layouts.bucketed import fill, stack_into
-from sparse_ckpt._save import worker as worker_module
 from sparse_ckpt._save.worker import CaptureWorker
 
 SHAPES = [(3,), (2, 3), (3, 2), (0, 4), (4, 4), (1, 1, 2)]
@@ -119,22 +117,6 @@ def test_a_failed_half_is_raised_by_crcs() -> None:
             worker.crcs(1)
     finally:
         worker.close()
-
-
-def test_the_worker_stages_large_tensors(monkeypatch: pytest.MonkeyPatch) -> None:
-    """`CaptureWorker.stage` copies the tensors `HostPool.snapshot` takes (into the pool) and no other
-    (where the stager deep-copies: ``STAGER_DEEP_COPIES``, set here for torch versions without it)."""
-    monkeypatch.setattr(worker_module, "STAGER_DEEP_COPIES", True)
-    pool = HostPool()
-    big, small, view = torch.randn(64 << 10), torch.randn(4), torch.randn(2, 64 << 10)[1]
-    worker = CaptureWorker()
-    try:
-        worker.stage(pool, {"big": big, "small": small, "view": view, "other": 3})
-        ((original, copy),) = worker.copies()
-    finally:
-        worker.close()
-    assert original is big and torch.equal(copy, big) and copy.data_ptr() != big.data_ptr()
-    assert pool.allocated == 1
 
 
 @contextlib.contextmanager

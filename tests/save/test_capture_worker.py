@@ -1,0 +1,69 @@
+"""`sparse_ckpt._save.worker.CaptureWorker`: a job the worker has not begun when its result is needed
+runs on the calling thread; one it has begun is waited for; errors reach the caller."""
+
+from __future__ import annotations
+
+import threading
+
+import pytest
+import torch
+
+from sparse_ckpt._host_memory import HostPool
+from sparse_ckpt._save import worker as worker_module
+from sparse_ckpt._save.worker import CaptureWorker
+
+
+def test_a_job_not_begun_runs_on_the_caller() -> None:
+    """While the worker is held by a first job, the result of a second is computed by the caller (its
+    thread); the first one's, begun, is waited for (the worker's thread)."""
+    started, release = threading.Event(), threading.Event()
+
+    def hold() -> int:
+        started.set()
+        release.wait(timeout=60)
+        return threading.get_ident()
+
+    worker = CaptureWorker()
+    try:
+        first = worker.submit(hold)
+        second = worker.submit(threading.get_ident)
+        assert started.wait(timeout=60)
+        assert worker._result(second) == threading.get_ident()
+        release.set()
+        assert worker._result(first) != threading.get_ident()
+    finally:
+        release.set()
+        worker.close()
+
+
+def test_crcs_raise_the_error_of_a_part() -> None:
+    def fails() -> int:
+        raise ValueError("a part failed")
+
+    worker = CaptureWorker()
+    try:
+        worker.add_crc(0, worker.submit(fails), 1)
+        with pytest.raises(ValueError, match="a part failed"):
+            worker.crcs(1)
+    finally:
+        worker.close()
+
+
+def test_copies_are_shared_between_the_threads(monkeypatch: pytest.MonkeyPatch) -> None:
+    """`CaptureWorker.stage` queues a copy per large tensor; `copies` makes those the worker has not begun
+    (here: all but none, the worker being held) and returns every ``(original, copy)``."""
+    monkeypatch.setattr(worker_module, "STAGER_DEEP_COPIES", True)
+    release = threading.Event()
+    pool = HostPool()
+    tensors = {f"t{i}": torch.randn(64 << 10) for i in range(4)}
+    worker = CaptureWorker()
+    try:
+        worker.submit(release.wait, 60)
+        worker.stage(pool, {**tensors, "small": torch.randn(4)})
+        copies = worker.copies()
+    finally:
+        release.set()
+        worker.close()
+    assert sorted(id(o) for o, _c in copies) == sorted(id(t) for t in tensors.values())
+    assert all(torch.equal(o, c) and o.data_ptr() != c.data_ptr() for o, c in copies)
+    assert pool.allocated == 4
