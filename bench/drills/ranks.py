@@ -22,6 +22,7 @@ import functools
 import importlib
 import multiprocessing
 import os
+import shutil
 import signal
 import socket
 import sys
@@ -97,6 +98,20 @@ def free_port() -> int:
     with socket.socket() as s:
         s.bind(("127.0.0.1", 0))
         return int(s.getsockname()[1])
+
+
+def spawn_ranks(worker: Callable[..., Any], nproc: int, args: Any, prefix: str) -> None:
+    """Run ``worker(rank, nproc, port, args, out_dir)`` on ``nproc`` spawned processes (torch's
+    ``start_processes``), with a free port and a temporary folder ``out_dir`` (named ``prefix...``,
+    removed afterwards): how the trainer benches start their ranks."""
+    import torch.multiprocessing as mp
+
+    port = free_port()
+    out_dir = tempfile.mkdtemp(prefix=prefix)
+    try:
+        mp.start_processes(worker, args=(nproc, port, args, out_dir), nprocs=nproc, start_method="spawn")
+    finally:
+        shutil.rmtree(out_dir, ignore_errors=True)
 
 
 def _torchrun_env(rank: int, world_size: int, port: int) -> None:

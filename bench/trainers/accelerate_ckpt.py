@@ -20,9 +20,7 @@ from __future__ import annotations
 
 import argparse
 import os
-import shutil
 import statistics
-import tempfile
 import time
 from typing import Any
 
@@ -30,7 +28,7 @@ import torch
 import torch.distributed as dist
 from torch import nn
 
-from ..drills.ranks import free_port
+from ..drills.ranks import spawn_ranks
 
 
 class MoENet(nn.Module):
@@ -171,6 +169,7 @@ def worker(rank: int, world_size: int, port: int, args: argparse.Namespace, out_
                 + (f"  ({err})" if err else "")
             )
     dist.barrier()
+    dist.destroy_process_group()  # (else a rank aborts at exit: SIGABRT after the table)
 
 
 def main(argv: list[str] | None = None) -> None:
@@ -181,14 +180,7 @@ def main(argv: list[str] | None = None) -> None:
     parser.add_argument("--dim", type=int, default=64)
     parser.add_argument("--repeats", type=int, default=3)
     args = parser.parse_args(argv)
-    import torch.multiprocessing as mp
-
-    port = free_port()
-    out_dir = tempfile.mkdtemp(prefix="sparse_ckpt_accelerate_")
-    try:
-        mp.start_processes(worker, args=(args.nproc, port, args, out_dir), nprocs=args.nproc, start_method="spawn")
-    finally:
-        shutil.rmtree(out_dir, ignore_errors=True)
+    spawn_ranks(worker, args.nproc, args, "sparse_ckpt_accelerate_")
 
 
 if __name__ == "__main__":

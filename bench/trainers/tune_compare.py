@@ -24,9 +24,7 @@ from __future__ import annotations
 import argparse
 import logging
 import os
-import shutil
 import statistics
-import tempfile
 import time
 from pathlib import Path
 from typing import Any
@@ -35,7 +33,7 @@ import torch
 import torch.distributed as dist
 from torch import nn
 
-from ..drills.ranks import free_port
+from ..drills.ranks import spawn_ranks
 
 
 class MoeLayer(nn.Module):
@@ -200,14 +198,7 @@ def main(argv: list[str] | None = None) -> None:
     parser.add_argument("--dim", type=int, default=64)
     parser.add_argument("--repeats", type=int, default=3)
     args = parser.parse_args(argv)
-    import torch.multiprocessing as mp
-
-    port = free_port()
-    out_dir = tempfile.mkdtemp(prefix="sparse_ckpt_torchtune_")
-    try:
-        mp.start_processes(worker, args=(args.nproc, port, args, out_dir), nprocs=args.nproc, start_method="spawn")
-    finally:
-        shutil.rmtree(out_dir, ignore_errors=True)
+    spawn_ranks(worker, args.nproc, args, "sparse_ckpt_torchtune_")
 
 
 if __name__ == "__main__":
