@@ -243,7 +243,7 @@ def fill(
         if len(chunks) == 1 and device.type == "cpu":  # one CPU chunk alone: the (flattened) state tensor itself
             buf = chunks[0].detach().reshape(-1)
             if worker is not None:
-                worker.add_crc(b, worker.submit(tensor_crc, buf), buf.nbytes)
+                _checksum(worker, b, buf)
         else:
             shapes = [sizes[i] for i, _offset in members] if sizes is not None else None
             if device.type == "cpu":  # a host buffer on huge pages where the OS offers them (page faults dominated)
@@ -253,7 +253,7 @@ def fill(
             else:
                 buf = _staged(numel, chunks, device)
                 if worker is not None:
-                    worker.add_crc(b, worker.submit(tensor_crc, buf), buf.nbytes)
+                    _checksum(worker, b, buf)
             if snapshots is not None:
                 snapshots.append(buf)
         if buf.numel() != numel:  # pragma: no cover - the core's sizes are the chunks'
@@ -264,7 +264,15 @@ def fill(
 
 SPLIT_BYTES = 2 << 20
 """A CPU bucket of at least this many bytes is filled and checksummed in two halves on two threads
-when the capture has a worker (below it, the thread hand-off costs more than it saves)."""
+when the capture has a worker, and a bucket not copied here (a lone live chunk, a staged accelerator
+bucket) is checksummed on the worker (below it, the thread hand-off costs more than it saves)."""
+
+
+def _checksum(worker: CaptureWorker, bucket: int, buf: torch.Tensor) -> None:
+    """The CRC-32C of bucket ``bucket`` (``buf``, already filled), on the worker's thread when it has at
+    least :data:`SPLIT_BYTES`, else here."""
+    crc = worker.submit(tensor_crc, buf) if buf.nbytes >= SPLIT_BYTES else tensor_crc(buf)
+    worker.add_crc(bucket, crc, buf.nbytes)
 
 
 def _stack_and_check(

@@ -67,3 +67,32 @@ def test_copies_are_shared_between_the_threads(monkeypatch: pytest.MonkeyPatch) 
     assert sorted(id(o) for o, _c in copies) == sorted(id(t) for t in tensors.values())
     assert all(torch.equal(o, c) and o.data_ptr() != c.data_ptr() for o, c in copies)
     assert pool.allocated == 4
+
+
+def test_a_small_capture_starts_no_thread(monkeypatch: pytest.MonkeyPatch) -> None:
+    """Buckets under ``SPLIT_BYTES`` (here a small model's, copied ones and a lone live chunk) are filled
+    and checksummed on the capture's thread: no job is submitted, so no worker thread starts; the same
+    capture with ``SPLIT_BYTES`` lowered submits some."""
+    import sparse_ckpt as sc
+    from sparse_ckpt._layouts import bucketed
+
+    submitted: list[object] = []
+    submit = CaptureWorker.submit
+
+    def counting(self: CaptureWorker, fn: object, *args: object) -> object:
+        submitted.append(fn)
+        return submit(self, fn, *args)  # type: ignore[arg-type]
+
+    monkeypatch.setattr(CaptureWorker, "submit", counting)
+    model = torch.nn.Sequential(torch.nn.Linear(8, 8), torch.nn.Linear(8, 4, bias=False))
+    opt = torch.optim.AdamW(model.parameters())
+    for p in model.parameters():
+        p.grad = torch.ones_like(p)
+    opt.step()
+    small = sc.sparse_state_dict(model, opt, state_layout="buffers")
+    assert submitted == []
+    monkeypatch.setattr(bucketed, "SPLIT_BYTES", 1)
+    split = sc.sparse_state_dict(model, opt, state_layout="buffers")
+    assert submitted
+    assert small.keys() == split.keys()
+    assert all(torch.equal(v, split[k]) if isinstance(v, torch.Tensor) else v == split[k] for k, v in small.items())
