@@ -55,8 +55,9 @@ class CaptureWorker:
         self._jobs: dict[Future[Any], tuple[Callable[..., Any], tuple[Any, ...]]] = {}  # not begun, maybe
 
     def close(self) -> None:
-        """Wait for every job (their errors are raised by :meth:`crcs` and :meth:`copies`)."""
-        self._executor.shutdown(wait=True)
+        """Drop the jobs not begun and wait for the one running (a capture that took its results needs
+        none; one that failed needs none). Errors of jobs are raised by :meth:`crcs` and :meth:`copies`."""
+        self._executor.shutdown(wait=True, cancel_futures=True)
 
     def submit(self, fn: Callable[..., _T], *args: Any) -> Future[_T]:
         """Run ``fn(*args)`` on the worker's thread (jobs run in the order they are submitted); a job the

@@ -96,3 +96,26 @@ def test_a_small_capture_starts_no_thread(monkeypatch: pytest.MonkeyPatch) -> No
     assert submitted
     assert small.keys() == split.keys()
     assert all(torch.equal(v, split[k]) if isinstance(v, torch.Tensor) else v == split[k] for k, v in small.items())
+
+
+def test_close_drops_the_jobs_not_begun() -> None:
+    """A capture that failed (or took its results) closes its worker: the job running finishes, the ones
+    not begun never run, and no thread is left."""
+    started, release = threading.Event(), threading.Event()
+    ran: list[str] = []
+
+    def hold() -> None:
+        started.set()
+        release.wait(timeout=60)
+        ran.append("first")
+
+    worker = CaptureWorker()
+    worker.submit(hold)
+    worker.submit(ran.append, "second")
+    assert started.wait(timeout=60)
+    timer = threading.Timer(0.1, release.set)
+    timer.start()
+    worker.close()
+    timer.join()
+    assert ran == ["first"]
+    assert not [t for t in threading.enumerate() if t.name.startswith("sparse_ckpt-capture")]
