@@ -34,23 +34,20 @@ _TAIL = struct.Struct("<IH4s")
 """``u32 n_buckets | u16 version | magic``: the last bytes of the trailer."""
 
 
-def tensor_crc(t: torch.Tensor, value: int = 0) -> int:
-    """The CRC-32C of the bytes of tensor ``t`` (row-major; copied to the CPU first when it is not there);
-    ``value``: the CRC-32C of the bytes before them (the result is then the CRC of both)."""
+def tensor_crc(t: torch.Tensor) -> int:
+    """The CRC-32C of the bytes of tensor ``t`` (row-major; copied to the CPU first when it is not there)."""
     t = t.detach()
     if t.device.type != "cpu":
         t = t.cpu()
     flat = t.reshape(-1)  # (a copy only when not contiguous)
     if flat.numel() == 0:
-        return _backend.core.crc32c(b"", value)
-    return _backend.core.crc32c(memoryview(flat.view(torch.uint8).numpy()), value)
+        return _backend.core.crc32c(b"")
+    return _backend.core.crc32c(memoryview(flat.view(torch.uint8).numpy()))
 
 
-def with_checksums(table: bytes, buckets: Sequence[torch.Tensor], crcs: Sequence[int] | None = None) -> bytes:
-    """``table`` (a layout table) followed by the checksum trailer of ``buckets`` (in bucket order);
-    ``crcs``: their CRC-32C where the caller computed them (`sparse_ckpt._save.worker`)."""
-    if crcs is None:
-        crcs = [tensor_crc(b) for b in buckets]
+def with_checksums(table: bytes, crcs: Sequence[int]) -> bytes:
+    """``table`` (a layout table) followed by the checksum trailer of its buckets' CRC-32C ``crcs`` (in
+    bucket order; `tensor_crc` of each, computed by the capture: `sparse_ckpt._save.worker.CaptureWorker.crcs`)."""
     return b"".join(
         (table, struct.pack(f"<{len(crcs)}I", *crcs), _TAIL.pack(len(crcs), CHECKSUMS_VERSION, CHECKSUMS_MAGIC))
     )

@@ -292,7 +292,7 @@ def _stack_and_check(
         return
     if buf.nbytes < SPLIT_BYTES or len(chunks) < 2:
         stack_into(buf, chunks, shapes)
-        worker.add_crc(bucket, tensor_crc(buf), buf.nbytes)
+        _checksum(worker, bucket, buf)
         return
     h = _middle(members, buf.numel() // 2)
     cut = members[h][1]

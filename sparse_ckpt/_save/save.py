@@ -181,7 +181,7 @@ def _build(
                 filled = bucketed.fill(buckets, local, copied, pool, list(map(itemgetter(6), entries)), worker)
                 parts.append(_Part("layout", leaf, buckets=filled))
                 # each bucket's CRC-32C (its halves', combined: bucketed.fill), under the layout's seal
-                layout = with_checksums(layout, filled, worker.crcs(len(filled)))
+                layout = with_checksums(layout, worker.crcs(len(filled)))
                 slots.append(Slot.of(LAYOUT_SLOT, leaf, layout, buckets=tuple(dtype for dtype, _n, _m in buckets)))
             parts.append(_Part("items", leaf, items=items))
             parts.append(_Part("table", leaf, prefix=PACKED_PREFIX))
