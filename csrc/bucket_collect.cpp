@@ -7,23 +7,20 @@ namespace sckpt {
 
 namespace {
 
-/// ``bool(a <op> b)``: Python's comparison and truth test, as an ``if`` statement does them
-/// (no identity shortcut, unlike ``PyObject_RichCompareBool``).
-bool compare(PyObject* a, PyObject* b, int op) {
-    py::object r = steal(PyObject_RichCompare(a, b, op));
-    if (r.ptr() == Py_True) return true;
-    if (r.ptr() == Py_False) return false;
-    const int truth = PyObject_IsTrue(r.ptr());
-    check(truth);
-    return truth != 0;
-}
-
+/// ``bool(o)``, as an ``if`` statement tests it.
 bool truthy(PyObject* o) {
     if (o == Py_True) return true;
     if (o == Py_False || o == Py_None) return false;
     const int truth = PyObject_IsTrue(o);
     check(truth);
     return truth != 0;
+}
+
+/// ``bool(a <op> b)``: Python's comparison and truth test, as an ``if`` statement does them
+/// (no identity shortcut, unlike ``PyObject_RichCompareBool``).
+bool compare(PyObject* a, PyObject* b, int op) {
+    py::object r = steal(PyObject_RichCompare(a, b, op));
+    return truthy(r.ptr());
 }
 
 /// ``prefix + part`` (a new exact str when ``part`` is an exact str; else what Python's ``+`` does).
