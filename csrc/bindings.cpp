@@ -89,6 +89,8 @@ PYBIND11_MODULE(_C, m) {
           "A layout table's buckets: [(dtype, numel, [(fqn, key, shape, offsets, sizes), ...]), ...].");
     m.def("crc32c", &crc32c, py::arg("data"), py::arg("value") = 0,
           "CRC-32C (Castagnoli) of a bytes-like object, continuing from value (a CRC of the bytes before).");
+    m.def("gather_crc", &gather_crc, py::arg("dest"), py::arg("addresses"), py::arg("sizes"),
+          "Copy sizes[i] bytes at each addresses[i], in order, into dest (exactly filled); its CRC-32C.");
     m.def("claim_owners", &claim_owners, py::arg("leaf"), py::arg("groups_fqn"), py::arg("owner"),
           "Record leaf as owner of its FQNs; return (fqn, group index) of repeated listings.");
     m.def("collect_plain", &collect_plain, py::arg("state_fqn"), py::arg("items"), py::arg("param_of"),

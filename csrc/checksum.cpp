@@ -4,7 +4,12 @@
 // slicing-by-8 table. Twin: sparse_ckpt/_core_py/checksum.py (same value, errors and messages).
 #include "core.hpp"
 
+#include <algorithm>
 #include <cstddef>
+#include <cstdint>
+#include <climits>
+#include <cstring>
+#include <vector>
 
 #if defined(__x86_64__) || defined(__i386__)
 #include <nmmintrin.h>
@@ -140,6 +145,97 @@ struct Buffer {
 };
 
 }  // namespace
+
+namespace {
+
+constexpr size_t kGatherPiece = 32 << 10;  // bytes copied, then checksummed while still in L1
+
+/// ``items[i]`` of the list ``items`` (named ``what``) as an unsigned 64-bit int, or raise.
+uint64_t gather_int(PyObject* items, Py_ssize_t i, const char* what, uint64_t most) {
+    PyObject* v = PyList_GET_ITEM(items, i);
+    if (!PyLong_CheckExact(v))
+        raise_builtin(PyExc_TypeError,
+                      Msg() << "expected " << what << "[" << i << "] as an int, got " << type_name(borrow(v)));
+    int overflow = 0;
+    long long small = PyLong_AsLongLongAndOverflow(v, &overflow);
+    if (small == -1 && PyErr_Occurred()) throw py::error_already_set();
+    if (overflow < 0 || (overflow == 0 && small < 0))
+        raise_builtin(PyExc_ValueError, Msg() << what << "[" << i << "] is negative: " << py_repr(borrow(v)));
+    unsigned long long out = static_cast<unsigned long long>(small);
+    if (overflow > 0) {  // beyond a signed 64-bit int
+        out = PyLong_AsUnsignedLongLong(v);
+        if (out == static_cast<unsigned long long>(-1) && PyErr_Occurred()) PyErr_Clear();  // (beyond 64 bits)
+        else if (out <= most) return out;
+        raise_builtin(PyExc_ValueError, Msg() << what << "[" << i << "] is too large: " << py_repr(borrow(v)));
+    }
+    if (out > most)
+        raise_builtin(PyExc_ValueError, Msg() << what << "[" << i << "] is too large: " << py_repr(borrow(v)));
+    return out;
+}
+
+}  // namespace
+
+py::object gather_crc(py::object dest, py::object addresses, py::object sizes) {
+    PyObject* d = dest.ptr();
+    if (!PyByteArray_Check(d) && !PyMemoryView_Check(d)) raise_type("bytearray or memoryview", dest);
+    if (PyMemoryView_Check(d)) {
+        py::object contiguous = steal(PyObject_GetAttrString(d, "c_contiguous"));  // (a released view raises here)
+        if (contiguous.ptr() != Py_True)
+            raise_builtin(PyExc_ValueError, steal(PyUnicode_FromString("expected a C-contiguous buffer")));
+        if (PyMemoryView_GET_BUFFER(d)->readonly)
+            raise_builtin(PyExc_ValueError, steal(PyUnicode_FromString("expected a writable buffer")));
+    }
+    if (!PyList_CheckExact(addresses.ptr())) raise_type("addresses as a list", addresses);
+    if (!PyList_CheckExact(sizes.ptr())) raise_type("sizes as a list", sizes);
+    const Py_ssize_t k = PyList_GET_SIZE(addresses.ptr());
+    if (PyList_GET_SIZE(sizes.ptr()) != k)
+        raise_builtin(PyExc_ValueError, Msg() << "addresses and sizes differ in length (" << k << " and "
+                                              << PyList_GET_SIZE(sizes.ptr()) << ")");
+    struct Source {
+        const unsigned char* p;
+        size_t n;
+    };
+    std::vector<Source> sources(static_cast<size_t>(k));
+    uint64_t total = 0;
+    constexpr uint64_t kMostBytes = (uint64_t{1} << 62);
+    for (Py_ssize_t i = 0; i < k; ++i) {
+        const uint64_t a = gather_int(addresses.ptr(), i, "addresses", ULLONG_MAX);
+        const uint64_t n = gather_int(sizes.ptr(), i, "sizes", kMostBytes);
+        if (n != 0 && a == 0)
+            raise_builtin(PyExc_ValueError, Msg() << "addresses[" << i << "] is 0 for " << n << " bytes");
+        total += n;
+        if (total > kMostBytes)
+            raise_builtin(PyExc_ValueError, Msg() << "sizes add up to more than " << kMostBytes << " bytes");
+        sources[static_cast<size_t>(i)] = {reinterpret_cast<const unsigned char*>(static_cast<uintptr_t>(a)),
+                                           static_cast<size_t>(n)};
+    }
+    Buffer buf;
+    check(PyObject_GetBuffer(d, &buf.view, PyBUF_WRITABLE));
+    buf.held = true;
+    if (total != static_cast<uint64_t>(buf.view.len))
+        raise_builtin(PyExc_ValueError,
+                      Msg() << "sizes add up to " << total << " bytes, the buffer has " << buf.view.len);
+    auto* out = static_cast<unsigned char*>(buf.view.buf);
+    uint32_t reg = ~0u;
+    auto run = [&] {
+        for (const Source& s : sources) {
+            for (size_t done = 0; done < s.n;) {
+                const size_t n = std::min(kGatherPiece, s.n - done);
+                std::memmove(out, s.p + done, n);
+                reg = crc32c_update(reg, out, n);
+                out += n;
+                done += n;
+            }
+        }
+    };
+    if (buf.view.len >= kReleaseGilBytes) {
+        py::gil_scoped_release unlocked;
+        run();
+    } else {
+        run();
+    }
+    return steal(PyLong_FromUnsignedLong(static_cast<unsigned long>(~reg)));
+}
 
 py::object crc32c(py::object data, py::object value) {
     PyObject* d = data.ptr();

@@ -12,6 +12,7 @@ from ._fqn import Model, validate_model
 from ._host_memory import HostPool
 from ._layouts import DEFAULT_STATE_LAYOUT, StateLayout, check_state_layout
 from ._leaves import container_leaves, named_leaves, refuse_state_dict
+from ._save.fill_plan import FillPlans
 from ._torch_internals import caller_frame
 
 
@@ -92,6 +93,7 @@ class MultiOptimizer:
         self.model = model
         self._optimizers = dict(pairs)
         self._host_pool = HostPool()  # dcp.async_save's staging buffers, reused from save to save
+        self._fill_plans = FillPlans()  # and the previous capture's bucket fills
 
     # ----------------------------------------------------------------- container protocol
     def leaves(self) -> list[tuple[str, torch.optim.Optimizer]]:
@@ -166,6 +168,7 @@ class MultiOptimizer:
 
         state = SparseOptimizerState(self.model, self, state_layout=self.state_layout)
         state.host_pool = self._host_pool
+        state.fill_plans = self._fill_plans
         return state._state_dict_for(caller_frame(1))  # dcp.load's target is not captured (as for the state)
 
     def load_state_dict(self, state_dict: Mapping[str, Any], strict: bool = True) -> None:

@@ -11,6 +11,7 @@ per block). The bytes that do not fill a block go through the byte-at-a-time tab
 
 from __future__ import annotations
 
+import ctypes
 from functools import cache
 from typing import Any
 
@@ -65,6 +66,73 @@ def crc32c(data: Any, value: int = 0) -> int:
     for b in raw.tobytes():
         reg = table[(reg ^ b) & 0xFF] ^ (reg >> 8)
     return reg ^ U32_MAX
+
+
+_MOST_GATHER_BYTES = 1 << 62
+"""The most bytes `gather_crc` copies (each size and their sum)."""
+
+
+def gather_crc(dest: Any, addresses: list[int], sizes: list[int]) -> int:
+    """Copy ``sizes[i]`` bytes from each address ``addresses[i]``, in order, into ``dest`` (a
+    ``bytearray`` or a writable C-contiguous ``memoryview``, exactly filled) and return the CRC-32C of
+    ``dest`` (:func:`crc32c`). The C++ core copies and checksums piece by piece (each piece while it is
+    in the cache) without the GIL.
+
+    The caller vouches for the addresses: each ``[addresses[i], addresses[i] + sizes[i])`` is readable
+    memory that stays allocated and unchanged during the call and does not overlap ``dest`` (the save
+    passes the data addresses of plain contiguous CPU tensors it holds). Refused, before anything is
+    copied: another type of ``dest`` (``TypeError``), a view that is not C-contiguous or is read-only
+    (``ValueError``); ``addresses``/``sizes`` that are not lists (``TypeError``) or differ in length; an
+    element that is not an ``int`` (``TypeError``), negative, an address beyond 64 bits or a size beyond
+    ``2**62``, a zero address of a nonzero size, sizes adding up to more than ``2**62`` or to another
+    count than ``dest``'s bytes (``ValueError``), each checked in that order, index by index."""
+    if not isinstance(dest, (bytearray, memoryview)):
+        raise TypeError(f"expected bytearray or memoryview, got {type(dest).__name__}")
+    if isinstance(dest, memoryview):
+        if not dest.c_contiguous:  # (a released view raises here)
+            raise ValueError("expected a C-contiguous buffer")
+        if dest.readonly:
+            raise ValueError("expected a writable buffer")
+    if type(addresses) is not list:
+        raise TypeError(f"expected addresses as a list, got {type(addresses).__name__}")
+    if type(sizes) is not list:
+        raise TypeError(f"expected sizes as a list, got {type(sizes).__name__}")
+    if len(sizes) != len(addresses):
+        raise ValueError(f"addresses and sizes differ in length ({len(addresses)} and {len(sizes)})")
+    total = 0
+    pairs = []
+    for i in range(len(addresses)):
+        address = _gather_int(addresses, i, "addresses", (1 << 64) - 1)
+        n = _gather_int(sizes, i, "sizes", _MOST_GATHER_BYTES)
+        if n and not address:
+            raise ValueError(f"addresses[{i}] is 0 for {n} bytes")
+        total += n
+        if total > _MOST_GATHER_BYTES:
+            raise ValueError(f"sizes add up to more than {_MOST_GATHER_BYTES} bytes")
+        pairs.append((address, n))
+    view = memoryview(dest)
+    if total != view.nbytes:
+        raise ValueError(f"sizes add up to {total} bytes, the buffer has {view.nbytes}")
+    if total:
+        target = ctypes.c_char.from_buffer(view)
+        base = ctypes.addressof(target)
+        done = 0
+        for address, n in pairs:
+            ctypes.memmove(base + done, address, n)
+            done += n
+        del target
+    return crc32c(view)
+
+
+def _gather_int(items: list[Any], i: int, what: str, most: int) -> int:
+    v = items[i]
+    if type(v) is not int:
+        raise TypeError(f"expected {what}[{i}] as an int, got {type(v).__name__}")
+    if v < 0:
+        raise ValueError(f"{what}[{i}] is negative: {v!r}")
+    if v > most:
+        raise ValueError(f"{what}[{i}] is too large: {v!r}")
+    return v
 
 
 def _blocks(reg: int, rows: np.ndarray) -> int:

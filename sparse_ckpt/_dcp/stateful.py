@@ -32,6 +32,7 @@ from .._layouts import DEFAULT_STATE_LAYOUT, StateLayout, check_state_layout
 from .._layouts.bucketed_load import BucketReader
 from .._load.load import load_owned
 from .._save.capture import check_leaves
+from .._save.fill_plan import FillPlans
 from .._save.save import FORMATS, Format, build_state_dict
 from .._torch_internals import (
     called_by_dcp_load,
@@ -207,6 +208,8 @@ class SparseOptimizerState:
         self.optimizer = optimizer
         self.format: Format = format
         self.strict = strict
+        self.fill_plans = FillPlans()
+        """The previous ``dcp.async_save`` capture's bucket fills (`sparse_ckpt._save.fill_plan`)."""
         self.host_pool = HostPool()
         """The host buffers ``dcp.async_save`` captures of this state copy into, reused from save
         to save (`sparse_ckpt._host_memory.HostPool`); released with this object."""
@@ -263,6 +266,7 @@ class SparseOptimizerState:
                         staged=staged,
                         snapshots=snapshots if staged else None,
                         pool=self.host_pool if staged else None,
+                        plans=self.fill_plans if staged else None,
                     )
                 )
         return SparseStateDict(sd, self, tuple(snapshots) if staged else None)

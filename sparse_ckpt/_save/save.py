@@ -38,6 +38,7 @@ from .._layouts.bucketed_index import index_key, with_index_parts
 from .._leaves import named_leaves
 from ..errors import CheckpointFormatError, CheckpointMismatchError
 from .capture import capture_by_fqn
+from .fill_plan import FillPlans
 from .state_values import check_state_values
 from .worker import CaptureWorker
 
@@ -104,6 +105,7 @@ def build_state_dict(
     staged: bool = False,
     snapshots: list[tuple[torch.Tensor, torch.Tensor]] | None = None,
     pool: HostPool | None = None,
+    plans: FillPlans | None = None,
 ) -> dict[str, Any]:
     """`sparse_state_dict` with the table keys chosen by ``keying`` (called with gc paused);
     ``guards=True`` (what the DCP ``Stateful`` saves, packed format) adds the foreign-loader guards
@@ -115,15 +117,23 @@ def build_state_dict(
     ``pool``, each large CPU state tensor copied into a buffer of ``pool``
     (`sparse_ckpt._save.worker.CaptureWorker.stage`); ``pool``: where CPU buckets and those copies
     are allocated (reused from save to save). The bucket CRCs and the large copies run on a second
-    thread while the capture goes on (`sparse_ckpt._save.worker`); it is done when this returns."""
+    thread while the capture goes on (`sparse_ckpt._save.worker`); it is done when this returns.
+    ``plans`` (with ``pool``): the previous capture's fills, copied again on that thread from the start
+    and used where the layout is the same (`sparse_ckpt._save.fill_plan`)."""
     copied: list[torch.Tensor] | None = [] if snapshots is not None else None
     worker = CaptureWorker()
     try:
-        out = _build(model, optimizer, format, keying, state_layout, guards, staged, copied, pool, worker)
+        if plans is not None and pool is not None:
+            plans.start(pool, worker)
+        else:
+            plans = None
+        out = _build(model, optimizer, format, keying, state_layout, guards, staged, copied, pool, worker, plans)
         if snapshots is not None:
             snapshots.extend((b, b) for b in copied or ())
             snapshots.extend(worker.copies())
     finally:
+        if plans is not None:
+            plans.drop_unused()
         worker.close()
     return out
 
@@ -139,6 +149,7 @@ def _build(
     copied: list[torch.Tensor] | None,
     pool: HostPool | None,
     worker: CaptureWorker,
+    plans: FillPlans | None,
 ) -> dict[str, Any]:
     """`build_state_dict`'s body, with its worker thread."""
     core = _backend.core
@@ -177,11 +188,8 @@ def _build(
             if staged and pool is not None:  # the large items: the worker copies them while the capture
                 worker.stage(pool, items)  # goes on (what it has not begun when needed is done here)
             if entries:
-                layout, buckets = core.encode_layout(leaf, entries, bucketed.BUCKET_BYTES)
-                filled = bucketed.fill(buckets, local, copied, pool, list(map(itemgetter(6), entries)), worker)
+                layout, buckets, filled = _fill_layout(leaf, entries, local, copied, pool, worker, plans)
                 parts.append(_Part("layout", leaf, buckets=filled))
-                # each bucket's CRC-32C (its halves', combined: bucketed.fill), under the layout's seal
-                layout = with_checksums(layout, worker.crcs(len(filled)))
                 slots.append(Slot.of(LAYOUT_SLOT, leaf, layout, buckets=tuple(dtype for dtype, _n, _m in buckets)))
             parts.append(_Part("items", leaf, items=items))
             parts.append(_Part("table", leaf, prefix=PACKED_PREFIX))
@@ -220,6 +228,32 @@ def _build(
         key, value = build_key_record(chain.from_iterable(g for g, _s in recorded), [s for _g, s in recorded])
         out[key] = value
     return out
+
+
+def _fill_layout(
+    leaf: str,
+    entries: list[tuple[Any, ...]],
+    local: list[torch.Tensor],
+    copied: list[torch.Tensor] | None,
+    pool: HostPool | None,
+    worker: CaptureWorker,
+    plans: FillPlans | None,
+) -> tuple[bytes, list[tuple[str, int, list[tuple[int, int]]]], list[torch.Tensor]]:
+    """A leaf's layout table (with its buckets' CRC-32C, under its seal), the core's buckets and the
+    filled buffers: the copy the capture started from the previous layout where it holds
+    (`sparse_ckpt._save.fill_plan`), else `sparse_ckpt._layouts.bucketed.fill` (then planned for the next)."""
+    copy = plans.take(leaf, entries, local) if plans is not None else None
+    if copy is not None:
+        layout, buckets, filled, crcs = copy
+        if copied is not None:
+            copied.extend(filled)
+    else:
+        layout, buckets = _backend.core.encode_layout(leaf, entries, bucketed.BUCKET_BYTES)
+        filled = bucketed.fill(buckets, local, copied, pool, list(map(itemgetter(6), entries)), worker)
+        crcs = worker.crcs(len(filled))  # each bucket's (its halves', combined: bucketed.fill)
+        if plans is not None:
+            plans.record(leaf, entries, layout, buckets, local)
+    return with_checksums(layout, crcs), buckets, filled
 
 
 def _in_state_order(

@@ -64,6 +64,7 @@ FUNCTIONS = (
     "decode_layout",
     "plan_scatter",
     "crc32c",
+    "gather_crc",
     "collect_plain",
 )
 
@@ -1917,6 +1918,82 @@ def test_crc32c_errors() -> None:
     released = memoryview(b"abc")
     released.release()
     check_error("crc32c", released, exc=ValueError, match="released memoryview")
+
+
+# --------------------------------------------------------------------------- gather_crc
+
+
+def _gather_both(chunks: list[bytes], make_dest: Callable[[int], Any]) -> tuple[int, bytes]:
+    """``gather_crc`` of ``chunks`` (each in a numpy array, by address) into a fresh ``make_dest(total)``
+    on each core: the same CRC and the same bytes written, which are the chunks' in order."""
+    arrays = [np.frombuffer(c, dtype=np.uint8).copy() for c in chunks]  # (kept alive through both calls)
+    addresses = [a.ctypes.data if a.size else 0 for a in arrays]
+    sizes = [a.size for a in arrays]
+    total = sum(sizes)
+    out = []
+    for core in (P, C):
+        dest = make_dest(total)
+        crc = core.gather_crc(dest, list(addresses), list(sizes))
+        out.append((crc, bytes(memoryview(dest).cast("B"))))
+    assert out[0] == out[1]
+    joined = b"".join(chunks)
+    assert out[0][1] == joined and out[0][0] == _crc32c_reference(joined)
+    return out[0]
+
+
+def _dest_bytearray(n: int) -> Any:
+    return bytearray(n)
+
+
+def _dest_float_view(n: int) -> Any:  # a multi-byte format of the same bytes
+    return memoryview(np.zeros(n // 4, np.float32)) if n % 4 == 0 else memoryview(bytearray(n))
+
+
+def test_gather_crc_copies_in_order() -> None:
+    """Chunks land in order, empty ones included; the CRC is the reference's of the whole buffer, from a
+    bytearray and a memoryview; above 1 MiB (the C++ core without the GIL) and across its 32 KiB pieces."""
+    rng = random.Random(5)
+    assert _gather_both([], _dest_bytearray) == (0, b"")
+    _gather_both([b"123456789"], _dest_bytearray)
+    _gather_both([b"", b"abc", b"", b"defg"], _dest_float_view)
+    _gather_both([rng.randbytes(n) for n in (1 << 20, 77, 32 << 10, (32 << 10) + 1, 5)], _dest_bytearray)
+    _gather_both([rng.randbytes(3 << 20 | 13)], lambda n: memoryview(bytearray(n)))
+
+
+@settings(max_examples=100, deadline=None, derandomize=True, database=None)
+@given(st.lists(st.binary(max_size=3000), max_size=12), st.booleans())
+def test_gather_crc_agrees(chunks: list[bytes], as_view: bool) -> None:
+    """Any chunks: both cores write the same bytes (the chunks') and give the reference CRC-32C."""
+    _gather_both(chunks, (lambda n: memoryview(bytearray(n))) if as_view else _dest_bytearray)
+
+
+def test_gather_crc_errors() -> None:
+    """The same TypeError/ValueError and message from both cores for each refusal, before anything is copied."""
+    ok = bytearray(4)
+    check_error("gather_crc", "text", [], [], exc=TypeError, match="expected bytearray or memoryview, got str")
+    check_error("gather_crc", b"abcd", [], [], exc=TypeError, match="got bytes")
+    check_error("gather_crc", np.zeros(4, np.uint8), [], [], exc=TypeError, match="got ndarray")
+    strided = memoryview(bytearray(16)).cast("B", (4, 4))[::2]
+    check_error("gather_crc", strided, [], [], exc=ValueError, match="C-contiguous")
+    check_error("gather_crc", memoryview(b"abcd"), [], [], exc=ValueError, match="expected a writable buffer")
+    released = memoryview(bytearray(4))
+    released.release()
+    check_error("gather_crc", released, [], [], exc=ValueError, match="released memoryview")
+    check_error("gather_crc", ok, (1,), [4], exc=TypeError, match="expected addresses as a list, got tuple")
+    check_error("gather_crc", ok, [1], (4,), exc=TypeError, match="expected sizes as a list, got tuple")
+    check_error("gather_crc", ok, [1, 2], [4], exc=ValueError, match="differ in length (2 and 1)")
+    check_error("gather_crc", ok, [1.0], [4], exc=TypeError, match="expected addresses[0] as an int, got float")
+    check_error("gather_crc", ok, [1], [True], exc=TypeError, match="expected sizes[0] as an int, got bool")
+    check_error("gather_crc", ok, [1, -1], [2, 2], exc=ValueError, match="addresses[1] is negative: -1")
+    check_error("gather_crc", ok, [2**64], [4], exc=ValueError, match="addresses[0] is too large: 18446744073709551616")
+    check_error("gather_crc", ok, [1], [-4], exc=ValueError, match="sizes[0] is negative: -4")
+    check_error("gather_crc", ok, [1], [2**62 + 1], exc=ValueError, match="sizes[0] is too large")
+    check_error("gather_crc", ok, [1], [2**200], exc=ValueError, match="sizes[0] is too large")
+    check_error("gather_crc", ok, [0, 0], [0, 4], exc=ValueError, match="addresses[1] is 0 for 4 bytes")
+    check_error("gather_crc", ok, [1, 1], [2**62, 1], exc=ValueError, match="sizes add up to more than")
+    check_error("gather_crc", ok, [1], [3], exc=ValueError, match="sizes add up to 3 bytes, the buffer has 4")
+    check_error("gather_crc", ok, [2**64 - 1], [5], exc=ValueError, match="sizes add up to 5 bytes, the buffer has 4")
+    assert ok == bytearray(4)
 
 
 # --------------------------------------------------------------------------- bucketed layout: collect_plain

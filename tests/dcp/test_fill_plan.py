@@ -1,0 +1,204 @@
+"""The speculative bucket fill of ``dcp.async_save`` captures (`sparse_ckpt._save.fill_plan`).
+
+A capture starts copying the previous capture's buckets at once and uses the copy only where its own
+layout and state tensors turn out the same. These tests check that the copy is used when nothing but
+the values changed, that every change a trainer (or a careless user) can make between two saves
+makes the capture fill anew, and that either way the checkpoint restores the state as of the call.
+"""
+
+from __future__ import annotations
+
+import copy
+import gc
+import weakref
+from collections.abc import Callable
+from pathlib import Path
+from typing import Any
+
+import pytest
+import torch
+import torch.distributed.checkpoint as dcp
+from helpers import assert_optimizer_equal, snapshot_optimizer
+from torch import nn
+
+import sparse_ckpt as sc
+from sparse_ckpt._save import fill_plan
+from sparse_ckpt._save.fill_plan import FillPlans
+
+pytestmark = pytest.mark.filterwarnings("ignore:torch.distributed is disabled:UserWarning")
+
+
+class _Net(nn.Module):
+    """Square and flat parameters (all bucketed by ``auto``) and one that gets no gradient at first."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.square = nn.ModuleList(nn.Linear(8, 8) for _ in range(5))
+        self.late = nn.Linear(8, 4)
+
+
+def _step(model: _Net, opt: torch.optim.Optimizer, *, late: bool = False) -> None:
+    for name, p in model.named_parameters():
+        p.grad = torch.randn_like(p) if late or not name.startswith("late.") else None
+    opt.step()
+
+
+def _trained(seed: int = 0) -> tuple[_Net, torch.optim.Optimizer]:
+    torch.manual_seed(seed)
+    model = _Net()
+    opt = torch.optim.AdamW(model.parameters(), lr=0.01)
+    _step(model, opt)
+    return model, opt
+
+
+def _load(path: Path, model: nn.Module) -> torch.optim.Optimizer:
+    model = copy.deepcopy(model)
+    opt = torch.optim.AdamW(model.parameters(), lr=0.5)
+    dcp.load({"optim": sc.SparseOptimizerState(model, opt)}, checkpoint_id=path, planner=sc.SparseLoadPlanner())
+    return opt
+
+
+@pytest.fixture
+def takes(monkeypatch: pytest.MonkeyPatch) -> list[bool]:
+    """Whether each capture used its speculative copy (one entry per leaf with buckets)."""
+    seen: list[bool] = []
+    real = FillPlans.take
+
+    def spy(self: FillPlans, *args: Any) -> Any:
+        out = real(self, *args)
+        seen.append(out is not None)
+        return out
+
+    monkeypatch.setattr(FillPlans, "take", spy)
+    return seen
+
+
+def _save(path: Path, state: sc.SparseOptimizerState) -> None:
+    dcp.async_save({"optim": state}, checkpoint_id=path).result()
+
+
+@pytest.mark.parametrize("layout", ["auto", "buffers"])
+def test_a_second_save_uses_the_copy_and_restores_exactly(tmp_path: Path, takes: list[bool], layout: str) -> None:
+    """Only the values changed between saves: the second and third captures use the copy they started,
+    and each checkpoint restores the state as of its call."""
+    model, opt = _trained()
+    state = sc.SparseOptimizerState(model, opt, state_layout=layout)
+    for name in ("a", "b", "c"):
+        at_save = snapshot_optimizer(opt)
+        _save(tmp_path / name, state)
+        assert_optimizer_equal(at_save, _load(tmp_path / name, model), grads=False)
+        _step(model, opt)
+    assert takes == [False, True, True]
+
+
+def _replace_a_tensor(model: _Net, opt: torch.optim.Optimizer) -> None:
+    st = opt.state[model.square[1].weight]
+    model.kept = st["exp_avg"]  # (alive at its address: the capture starts its copy, then finds another object)
+    st["exp_avg"] = st["exp_avg"] + 1  # another object, the same layout
+
+
+def _swap_data(model: _Net, opt: torch.optim.Optimizer) -> None:
+    v = opt.state[model.square[2].weight]["exp_avg_sq"]
+    v.data = v.data + 1  # the same object over another storage
+
+
+def _transpose_in_place(model: _Net, opt: torch.optim.Optimizer) -> None:
+    opt.state[model.square[3].weight]["exp_avg"].t_()  # the same object and address, not contiguous
+
+
+def _rename_a_key(model: _Net, opt: torch.optim.Optimizer) -> None:
+    st = opt.state[model.square[1].bias]
+    st["renamed"] = st.pop("exp_avg_sq")  # the same objects in the same order, another layout entry
+
+
+def _new_state(model: _Net, opt: torch.optim.Optimizer) -> None:
+    _step(model, opt, late=True)  # state for parameters that had none: another layout
+
+
+def _drop_state(model: _Net, opt: torch.optim.Optimizer) -> None:
+    del opt.state[model.square[4].weight]
+
+
+CHANGES: dict[str, Callable[[_Net, torch.optim.Optimizer], None]] = {
+    "replaced": _replace_a_tensor,
+    "data_swapped": _swap_data,
+    "transposed": _transpose_in_place,
+    "new_state": _new_state,
+    "renamed_key": _rename_a_key,
+    "dropped_state": _drop_state,
+}
+
+
+@pytest.mark.parametrize("change", sorted(CHANGES))
+def test_a_changed_state_is_filled_anew(tmp_path: Path, takes: list[bool], change: str) -> None:
+    """Each change between two saves makes the second capture drop its copy (or start none) and fill
+    the buckets anew; the checkpoint restores the changed state exactly, and the save after it (nothing
+    changed but the values) uses its copy again. (A state tensor's dtype changed in place changes the
+    layout entries likewise; a load casts it to the parameter's, so it is not compared here.)"""
+    model, opt = _trained()
+    state = sc.SparseOptimizerState(model, opt)
+    _save(tmp_path / "a", state)
+    CHANGES[change](model, opt)
+    for name in ("b", "c"):
+        at_save = snapshot_optimizer(opt)
+        _save(tmp_path / name, state)
+        assert_optimizer_equal(at_save, _load(tmp_path / name, model), grads=False)
+        for st in opt.state.values():
+            st["exp_avg"].add_(1)
+    # the second capture fills anew; the third uses its copy, but where a tensor is not contiguous
+    # (then no capture plans a copy)
+    assert takes == [False, False, change != "transposed"]
+    assert not state.fill_plans._copies
+
+
+def test_a_failed_capture_drops_its_copy(tmp_path: Path, monkeypatch: pytest.MonkeyPatch, takes: list[bool]) -> None:
+    """A capture that fails after its copy started leaves no copy behind; the next save works."""
+    model, opt = _trained()
+    state = sc.SparseOptimizerState(model, opt)
+    _save(tmp_path / "a", state)
+    with monkeypatch.context() as m:
+        m.setattr(fill_plan.FillPlans, "take", lambda *a: (_ for _ in ()).throw(RuntimeError("boom")))
+        with pytest.raises(RuntimeError, match="boom"):
+            _save(tmp_path / "b", state)
+    assert not state.fill_plans._copies
+    at_save = snapshot_optimizer(opt)
+    _save(tmp_path / "c", state)
+    assert_optimizer_equal(at_save, _load(tmp_path / "c", model), grads=False)
+
+
+def test_a_plan_keeps_no_state_alive(tmp_path: Path, takes: list[bool]) -> None:
+    """The plan refers to the state tensors weakly: state the optimizer dropped is freed, and the next
+    capture starts no copy of it."""
+    model, opt = _trained()
+    state = sc.SparseOptimizerState(model, opt)
+    _save(tmp_path / "a", state)
+    old = weakref.ref(opt.state[model.square[0].weight]["exp_avg"])
+    opt.state.clear()
+    gc.collect()
+    assert old() is None
+    _step(model, opt)
+    at_save = snapshot_optimizer(opt)
+    _save(tmp_path / "b", state)
+    assert_optimizer_equal(at_save, _load(tmp_path / "b", model), grads=False)
+    assert takes == [False, False]
+
+
+def test_the_copy_is_what_the_fill_writes(monkeypatch: pytest.MonkeyPatch) -> None:
+    """The buffers and CRCs of a used copy equal the usual fill's, bucket by bucket (the captures'
+    dicts are compared whole: the same keys, the same bytes)."""
+    model, opt = _trained()
+    state = sc.SparseOptimizerState(model, opt)
+    from sparse_ckpt._format.tags import Keying
+
+    state._captured(Keying.here(), staged=True)
+    used = state._captured(Keying.here(), staged=True)
+    assert state.fill_plans._plans, "no plan was recorded"
+    monkeypatch.setattr(FillPlans, "take", lambda *a: None)
+    usual = state._captured(Keying.here(), staged=True)
+    assert list(used) == list(usual)
+    for key, value in used.items():
+        other = usual[key]
+        if isinstance(value, torch.Tensor):
+            assert torch.equal(value, other), key
+        elif isinstance(value, bytes):
+            assert value == other, key
