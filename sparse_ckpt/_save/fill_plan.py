@@ -18,8 +18,15 @@ passes go on beside it), and when its layout is known it uses the copy only if a
 Then the copy holds exactly the bytes the usual fill would have written (the trainer is blocked in
 the save, so no state changed between the copy and the check), and each bucket's CRC-32C came with it.
 Otherwise the copy is dropped (after it finished: it writes buffers of the pool) and the buckets are
-filled as usual. Before it starts, the copy checks that each planned tensor is still at its
-recorded address (a storage set or resized away since is never read).
+filled as usual.
+
+Before it starts, the copy checks that each planned tensor is alive (the plan holds them weakly) and
+still at its recorded address: the same object at the same data address is the same allocation (a
+tensor given another storage, by ``set_``, ``.data =`` or a resize that reallocates, gets the new one
+before the old is freed, so at another address), which still holds the recorded bytes (torch never
+shrinks an allocation in place), so nothing freed is read. What a tensor's strides and bits are is
+checked when the layout is known, after the per-tensor passes have just read each tensor (one visit
+per tensor: their objects are scattered in memory, and this pass is on the trainer's time).
 """
 
 from __future__ import annotations
@@ -27,7 +34,7 @@ from __future__ import annotations
 import weakref
 from concurrent.futures import Future
 from dataclasses import dataclass
-from operator import attrgetter, is_
+from operator import is_
 from typing import TYPE_CHECKING, Any
 
 import torch
@@ -41,19 +48,15 @@ if TYPE_CHECKING:
 
 def addresses(chunks: list[torch.Tensor]) -> list[int] | None:
     """Each chunk's data address where every chunk is a plain contiguous CPU tensor without conj/neg
-    bits (its bytes are then its elements in order); else ``None``."""
-    tensor = torch.Tensor
-    if (
-        all(map(_IS_CPU, chunks))
-        and all(map(tensor.is_contiguous, chunks))
-        and not any(map(tensor.is_conj, chunks))
-        and not any(map(tensor.is_neg, chunks))
-    ):
-        return list(map(tensor.data_ptr, chunks))
-    return None
-
-
-_IS_CPU = attrgetter("is_cpu")
+    bits (its bytes are then its elements in order); else ``None``. One visit per tensor (its
+    objects are scattered in memory: a pass per attribute would fetch them five times)."""
+    out = []
+    append = out.append
+    for t in chunks:
+        if not (t.is_cpu and t.is_contiguous()) or t.is_conj() or t.is_neg():
+            return None
+        append(t.data_ptr())
+    return out
 
 
 def _alive(t: torch.Tensor | None) -> bool:
@@ -107,7 +110,7 @@ class FillPlans:
         self.drop_unused()
         for leaf, plan in list(self._plans.items()):
             local = [ref() for ref in plan.tensors]
-            if not all(map(_alive, local)) or addresses(local) != plan.addresses:
+            if not all(map(_alive, local)) or list(map(torch.Tensor.data_ptr, local)) != plan.addresses:
                 del self._plans[leaf]
                 continue
             buffers = [pool.take((numel,), dtype) for dtype, (_d, numel, _m) in zip(plan.dtypes, plan.buckets)]
@@ -127,7 +130,12 @@ class FillPlans:
         if copy is None:
             return None
         plan = self._plans[leaf]
-        if len(local) == len(copy.local) and all(map(is_, local, copy.local)) and entries == plan.entries:
+        if (
+            len(local) == len(copy.local)
+            and all(map(is_, local, copy.local))
+            and entries == plan.entries
+            and addresses(local) == plan.addresses
+        ):
             return plan.layout, plan.buckets, copy.buffers, copy.crcs.result()
         del self._plans[leaf]
         _drop(copy)

@@ -73,6 +73,20 @@ def takes(monkeypatch: pytest.MonkeyPatch) -> list[bool]:
     return seen
 
 
+@pytest.fixture
+def starts(monkeypatch: pytest.MonkeyPatch) -> list[int]:
+    """How many copies each capture started."""
+    seen: list[int] = []
+    real = FillPlans.start
+
+    def spy(self: FillPlans, *args: Any) -> None:
+        real(self, *args)
+        seen.append(len(self._copies))
+
+    monkeypatch.setattr(FillPlans, "start", spy)
+    return seen
+
+
 def _save(path: Path, state: sc.SparseOptimizerState) -> None:
     dcp.async_save({"optim": state}, checkpoint_id=path).result()
 
@@ -130,7 +144,7 @@ CHANGES: dict[str, Callable[[_Net, torch.optim.Optimizer], None]] = {
 
 
 @pytest.mark.parametrize("change", sorted(CHANGES))
-def test_a_changed_state_is_filled_anew(tmp_path: Path, takes: list[bool], change: str) -> None:
+def test_a_changed_state_is_filled_anew(tmp_path: Path, takes: list[bool], starts: list[int], change: str) -> None:
     """Each change between two saves makes the second capture drop its copy (or start none) and fill
     the buckets anew; the checkpoint restores the changed state exactly, and the save after it (nothing
     changed but the values) uses its copy again. (A state tensor's dtype changed in place changes the
@@ -148,6 +162,8 @@ def test_a_changed_state_is_filled_anew(tmp_path: Path, takes: list[bool], chang
     # the second capture fills anew; the third uses its copy, but where a tensor is not contiguous
     # (then no capture plans a copy)
     assert takes == [False, False, change != "transposed"]
+    # a tensor over another storage, or freed: its old address is not read (no copy started)
+    assert starts[1] == (0 if change in ("data_swapped", "dropped_state") else 1)
     assert not state.fill_plans._copies
 
 
