@@ -78,25 +78,39 @@ def _add_buffered(
     state_of: dict[str, Any], buffered: dict[str, dict[str, Any]], keys_of: Mapping[str, tuple[tuple[str, ...], str]]
 ) -> None:
     """Each FQN's buffered state joins its per-item entries, in the order its scalar table
-    records (a key in both: the checkpoint is corrupt)."""
+    records (a key in both: the checkpoint is corrupt). A parameter whose state is all buffered gets
+    that order too (its buffers are per dtype: state of two dtypes comes out of them in another)."""
+    ranks: dict[int, dict[str, int]] = {}  # per recorded tuple (shared by a table group's parameters)
     for fqn, entries in buffered.items():
         state = state_of.get(fqn)
         if state is None:
-            state_of[fqn] = entries
-            continue
-        for key, value in entries.items():
-            if key in state:
-                raise CheckpointFormatError(
-                    f"state {key!r} of {fqn!r} is both in a buffer and a per-item entry (corrupt or edited checkpoint)"
-                )
-            state[key] = value
+            state = state_of[fqn] = entries
+        else:
+            for key, value in entries.items():
+                if key in state:
+                    raise CheckpointFormatError(
+                        f"state {key!r} of {fqn!r} is both in a buffer and a per-item entry "
+                        "(corrupt or edited checkpoint)"
+                    )
+                state[key] = value
         recorded = keys_of.get(fqn)
-        if recorded is not None:  # per-item and buffered entries of one parameter: the saved order
-            rank = {}
-            for path in recorded[0]:
-                top = path.split(".", 1)[0]
-                rank.setdefault(unescape_part(top, path) if top.startswith(ESCAPE) else top, len(rank))
+        if recorded is None or len(state) < 2:
+            continue
+        rank = ranks.get(id(recorded[0]))
+        if rank is None:
+            rank = ranks[id(recorded[0])] = _key_ranks(recorded[0])
+        order = [rank.get(k, len(rank)) for k in state]
+        if order != sorted(order):  # (the saved order, unless it already is)
             state_of[fqn] = dict(sorted(state.items(), key=lambda kv: rank.get(kv[0], len(rank))))
+
+
+def _key_ranks(recorded: tuple[str, ...]) -> dict[str, int]:
+    """Each top-level state key's position in a parameter's recorded keys (``~keys``: per-item paths)."""
+    rank: dict[str, int] = {}
+    for path in recorded:
+        top = path.split(".", 1)[0]
+        rank.setdefault(unescape_part(top, path) if top.startswith(ESCAPE) else top, len(rank))
+    return rank
 
 
 def check_complete(

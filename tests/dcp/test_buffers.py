@@ -163,6 +163,54 @@ def test_every_dtype_round_trips_in_its_own_buffer() -> None:
     assert [type(st["count"]) for st in loaded[1].state.values()] == [int] * 4
 
 
+class _MixedPrecisionAdam(torch.optim.Optimizer):
+    """Adam-like state of two dtypes, all parameter-shaped (as low-precision optimizers keep it), the
+    low-precision one the first moment of some parameters and the second of others: one bucket per
+    dtype, so for half of the parameters the buckets hold their keys in another order."""
+
+    def __init__(self, params: Any) -> None:
+        super().__init__(params, {"lr": 0.1})
+
+    @torch.no_grad()
+    def step(self, closure: Any = None) -> None:
+        for group in self.param_groups:
+            for i, p in enumerate(group["params"]):
+                st = self.state[p]
+                if not st:
+                    low = (torch.float32, torch.bfloat16)[i % 2]
+                    st["step"] = torch.tensor(0.0)
+                    st["exp_avg"] = torch.zeros_like(p, dtype=low)
+                    st["exp_avg_sq"] = torch.zeros_like(p, dtype=(torch.bfloat16, torch.float32)[i % 2])
+                st["step"] += 1
+                st["exp_avg"].add_(p.grad.to(st["exp_avg"].dtype))
+                st["exp_avg_sq"].add_((p.grad * p.grad).to(st["exp_avg_sq"].dtype))
+
+
+@pytest.mark.parametrize("via", ["memory", "dcp"])
+def test_state_of_two_dtypes_keeps_its_key_order(tmp_path: Path, via: str) -> None:
+    """A parameter whose buffered state has two dtypes (two buckets) gets its state keys back in the
+    saved order, not in bucket order."""
+    torch.manual_seed(0)
+    model = nn.Sequential(nn.Linear(3, 4), nn.Linear(4, 2))
+    opt = _MixedPrecisionAdam(model.parameters())
+    model(torch.randn(5, 3)).sum().backward()
+    opt.step()
+    model2 = nn.Sequential(nn.Linear(3, 4), nn.Linear(4, 2))
+    model2.load_state_dict(model.state_dict())
+    opt2 = _MixedPrecisionAdam(model2.parameters())
+    if via == "memory":
+        sc.load_sparse_state_dict(model2, opt2, sc.sparse_state_dict(model, opt, state_layout="buffers"))
+    else:
+        dcp.save({"optim": sc.SparseOptimizerState(model, opt)}, checkpoint_id=tmp_path)
+        dcp.load(
+            {"optim": sc.SparseOptimizerState(model2, opt2)}, checkpoint_id=tmp_path, planner=sc.SparseLoadPlanner()
+        )
+    assert [list(st) for st in opt2.state.values()] == [["step", "exp_avg", "exp_avg_sq"]] * 4
+    # (values: torch's load policy casts floating state to the parameter's dtype, as for any optimizer)
+    for st, st2 in zip(opt.state.values(), opt2.state.values()):
+        assert all(torch.equal(v.to(st2[k].dtype), st2[k]) for k, v in st.items())
+
+
 def test_buckets_split_by_size(monkeypatch: pytest.MonkeyPatch) -> None:
     """Small buckets: several buffers per dtype, none larger than the limit unless one chunk is."""
     model, src = _trained("AdamW")
