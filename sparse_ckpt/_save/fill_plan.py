@@ -31,6 +31,7 @@ per tensor: their objects are scattered in memory, and this pass is on the train
 
 from __future__ import annotations
 
+import threading
 import weakref
 from concurrent.futures import Future
 from dataclasses import dataclass
@@ -96,6 +97,7 @@ class FillPlans:
     def __init__(self) -> None:
         self._plans: dict[str, _Plan] = {}
         self._copies: dict[str, _Copy] = {}
+        self._lock = threading.Lock()
 
     def __getstate__(self) -> dict[str, Any]:
         """A copy or a pickle of its owner gets no plans (they describe this process's memory)."""
@@ -103,6 +105,18 @@ class FillPlans:
 
     def __setstate__(self, state: dict[str, Any]) -> None:
         self.__init__()  # type: ignore[misc]
+
+    def claim(self) -> bool:
+        """Take the plans for one capture: ``False`` while another capture (in another thread) has them;
+        that one then captures without them (the plans are one capture's at a time)."""
+        return self._lock.acquire(blocking=False)
+
+    def release(self) -> None:
+        """End a capture that claimed the plans: drop the copies no leaf took, give the plans back."""
+        try:
+            self.drop_unused()
+        finally:
+            self._lock.release()
 
     def start(self, pool: HostPool, worker: CaptureWorker) -> None:
         """Start copying, on ``worker``, each planned leaf whose state tensors are all alive and still

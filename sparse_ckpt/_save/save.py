@@ -119,21 +119,22 @@ def build_state_dict(
     are allocated (reused from save to save). The bucket CRCs and the large copies run on a second
     thread while the capture goes on (`sparse_ckpt._save.worker`); it is done when this returns.
     ``plans`` (with ``pool``): the previous capture's fills, copied again on that thread from the start
-    and used where the layout is the same (`sparse_ckpt._save.fill_plan`)."""
+    and used where the layout is the same (`sparse_ckpt._save.fill_plan`; one capture at a time: a
+    capture while another thread's holds them goes without)."""
     copied: list[torch.Tensor] | None = [] if snapshots is not None else None
     worker = CaptureWorker()
     try:
-        if plans is not None and pool is not None:
-            plans.start(pool, worker)
-        else:
-            plans = None
+        if plans is not None and (pool is None or not plans.claim()):
+            plans = None  # (claimed by a capture in another thread: this one goes without)
+        if plans is not None:
+            plans.start(pool, worker)  # type: ignore[arg-type]
         out = _build(model, optimizer, format, keying, state_layout, guards, staged, copied, pool, worker, plans)
         if snapshots is not None:
             snapshots.extend((b, b) for b in copied or ())
             snapshots.extend(worker.copies())
     finally:
         if plans is not None:
-            plans.drop_unused()
+            plans.release()
         worker.close()
     return out
 

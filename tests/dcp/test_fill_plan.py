@@ -218,3 +218,21 @@ def test_the_copy_is_what_the_fill_writes(monkeypatch: pytest.MonkeyPatch) -> No
             assert torch.equal(value, other), key
         elif isinstance(value, bytes):
             assert value == other, key
+
+
+def test_a_capture_in_another_thread_goes_without_the_plans(tmp_path: Path, takes: list[bool]) -> None:
+    """While one capture holds the plans, a capture of the same object in another thread neither reads
+    nor changes them (it fills as usual, and restores exactly); the next one uses them again."""
+    model, opt = _trained()
+    state = sc.SparseOptimizerState(model, opt)
+    _save(tmp_path / "a", state)
+    assert state.fill_plans.claim()  # (as a capture in progress holds them)
+    try:
+        _step(model, opt)
+        at_save = snapshot_optimizer(opt)
+        _save(tmp_path / "b", state)
+        assert_optimizer_equal(at_save, _load(tmp_path / "b", model), grads=False)
+    finally:
+        state.fill_plans.release()
+    _save(tmp_path / "c", state)
+    assert takes == [False, True]  # (b took none: it had no plans)
