@@ -127,20 +127,22 @@ def collect(
     def sharded(fqn: str, p: DTensor, state: dict[Any, Any], entries: list[Any], local: list[torch.Tensor]) -> None:
         _collect_sharded(fqn, p, state, items, geometry, names, entries, local)
 
-    return _backend.core.collect_plain(  # type: ignore[no-any-return]
-        state_fqn,
-        items,
-        param_of,
-        torch.Tensor,
-        DTensor,
-        torch.strided,
-        names.parts,
-        names.part,
-        geometry.wholes,
-        geometry.whole,
-        names.spec,
-        sharded,
-    )
+    with torch.no_grad():  # (a DTensor's to_local() is then its local tensor itself, the same object
+        # from save to save, which `sparse_ckpt._save.fill_plan` relies on; with autograd a new view)
+        return _backend.core.collect_plain(  # type: ignore[no-any-return]
+            state_fqn,
+            items,
+            param_of,
+            torch.Tensor,
+            DTensor,
+            torch.strided,
+            names.parts,
+            names.part,
+            geometry.wholes,
+            geometry.whole,
+            names.spec,
+            sharded,
+        )
 
 
 _MISSING = object()

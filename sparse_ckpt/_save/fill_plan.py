@@ -149,6 +149,7 @@ class FillPlans:
             and all(map(is_, local, copy.local))
             and entries == plan.entries
             and addresses(local) == plan.addresses
+            and copy.crcs.exception() is None  # (waits for it; a copy that failed is not used)
         ):
             return plan.layout, plan.buckets, copy.buffers, copy.crcs.result()
         del self._plans[leaf]

@@ -1,0 +1,88 @@
+"""The speculative bucket fill (`sparse_ckpt._save.fill_plan`) with DTensor parameters, as FSDP2 makes
+them (one-process Gloo group, 1-rank CPU mesh): a state DTensor's local tensor is the same object from
+save to save, so the second ``dcp.async_save`` uses the copy its capture started, with autograd on as
+in a training loop; the checkpoint restores exactly."""
+
+from __future__ import annotations
+
+import copy
+from collections.abc import Iterator
+from pathlib import Path
+from typing import Any
+
+import pytest
+import torch
+import torch.distributed as dist
+import torch.distributed.checkpoint as dcp
+from helpers import assert_optimizer_equal, snapshot_optimizer
+from torch import nn
+from torch.distributed.device_mesh import init_device_mesh
+from torch.distributed.tensor import Replicate, Shard, distribute_tensor
+
+import sparse_ckpt as sc
+from bench.drills.ranks import free_port
+from sparse_ckpt._save.fill_plan import FillPlans
+
+pytestmark = pytest.mark.filterwarnings("ignore:torch.distributed is disabled:UserWarning")
+
+
+@pytest.fixture(scope="module")
+def mesh() -> Iterator[object]:
+    """A 1-rank CPU mesh on a single-process Gloo group (destroyed at the end if made here)."""
+    if not dist.is_available() or not dist.is_gloo_available():
+        pytest.skip("torch.distributed with gloo is not available")
+    made = not dist.is_initialized()
+    if made:
+        dist.init_process_group("gloo", init_method=f"tcp://127.0.0.1:{free_port()}", rank=0, world_size=1)
+    try:
+        yield init_device_mesh("cpu", (1,))
+    finally:
+        if made:
+            dist.destroy_process_group()
+
+
+def _model(mesh: object, placement: object) -> nn.Module:
+    torch.manual_seed(0)
+    model = nn.Module()
+    for i in range(6):
+        model.register_parameter(f"w{i}", nn.Parameter(distribute_tensor(torch.randn(8, 4), mesh, [placement])))
+    return model
+
+
+def _step(model: nn.Module, opt: torch.optim.Optimizer) -> None:
+    for p in model.parameters():
+        p.grad = distribute_tensor(torch.randn(p.shape), p.device_mesh, p.placements)
+    opt.step()
+
+
+@pytest.mark.parametrize("placement", [Shard(0), Replicate()], ids=["shard", "replicate"])
+def test_dtensor_state_uses_the_copy(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch, mesh: object, placement: object
+) -> None:
+    seen: list[bool] = []
+    real = FillPlans.take
+
+    def spy(self: FillPlans, *args: Any) -> Any:
+        out = real(self, *args)
+        seen.append(out is not None)
+        return out
+
+    monkeypatch.setattr(FillPlans, "take", spy)
+    model = _model(mesh, placement)
+    opt = torch.optim.AdamW(model.parameters(), lr=0.01)
+    _step(model, opt)
+    state = sc.SparseOptimizerState(model, opt)
+    assert torch.is_grad_enabled()
+    for name in ("a", "b", "c"):
+        at_save = snapshot_optimizer(opt)
+        dcp.async_save({"optim": state}, checkpoint_id=tmp_path / name).result()
+        model2 = copy.deepcopy(model)
+        opt2 = torch.optim.AdamW(model2.parameters(), lr=0.5)
+        dcp.load(
+            {"optim": sc.SparseOptimizerState(model2, opt2)},
+            checkpoint_id=tmp_path / name,
+            planner=sc.SparseLoadPlanner(),
+        )
+        assert_optimizer_equal(at_save, opt2, grads=False)
+        _step(model, opt)
+    assert seen == [False, True, True]
