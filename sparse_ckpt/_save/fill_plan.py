@@ -120,8 +120,8 @@ class FillPlans:
 
     def start(self, pool: HostPool, worker: CaptureWorker) -> None:
         """Start copying, on ``worker``, each planned leaf whose state tensors are all alive and still
-        at their recorded addresses (else its plan is dropped), into buffers of ``pool``."""
-        self.drop_unused()
+        at their recorded addresses (else its plan is dropped), into buffers of ``pool`` (the previous
+        capture's copies are gone: `release`)."""
         for leaf, plan in list(self._plans.items()):
             local = [ref() for ref in plan.tensors]
             if not all(map(_alive, local)) or list(map(torch.Tensor.data_ptr, local)) != plan.addresses:
