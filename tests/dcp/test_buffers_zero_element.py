@@ -5,21 +5,17 @@ and the direct reads of saved tensors use."""
 
 from __future__ import annotations
 
-from collections.abc import Iterator
 from pathlib import Path
 
 import pytest
 import torch
-import torch.distributed as dist
 import torch.distributed.checkpoint as dcp
 from hypothesis import given, settings
 from hypothesis import strategies as st
 from torch import nn
-from torch.distributed.device_mesh import init_device_mesh
 from torch.distributed.tensor import DTensor, Replicate, Shard, distribute_tensor
 
 import sparse_ckpt as sc
-from bench.drills.ranks import free_port
 from sparse_ckpt._dcp.saved_tensor import contiguous_strides
 from sparse_ckpt._fqn import build_fqn_map
 from sparse_ckpt._layouts import bucketed_scatter
@@ -27,21 +23,6 @@ from sparse_ckpt._layouts import bucketed_scatter
 pytestmark = pytest.mark.filterwarnings("ignore:torch.distributed is disabled:UserWarning")
 
 SHAPES = [(4, 0), (0, 3), (2, 0, 3), (3, 2)]
-
-
-@pytest.fixture(scope="module")
-def mesh() -> Iterator[object]:
-    """A 1-rank CPU mesh on a single-process Gloo group (destroyed at the end if made here)."""
-    if not dist.is_available() or not dist.is_gloo_available():
-        pytest.skip("torch.distributed with gloo is not available")
-    made = not dist.is_initialized()
-    if made:
-        dist.init_process_group("gloo", init_method=f"tcp://127.0.0.1:{free_port()}", rank=0, world_size=1)
-    try:
-        yield init_device_mesh("cpu", (1,))
-    finally:
-        if made:
-            dist.destroy_process_group()
 
 
 def _model(mesh: object, placement: object) -> nn.Module:

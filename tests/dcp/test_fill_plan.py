@@ -59,21 +59,6 @@ def _load(path: Path, model: nn.Module) -> torch.optim.Optimizer:
 
 
 @pytest.fixture
-def takes(monkeypatch: pytest.MonkeyPatch) -> list[bool]:
-    """Whether each capture used its speculative copy (one entry per leaf with buckets)."""
-    seen: list[bool] = []
-    real = FillPlans.take
-
-    def spy(self: FillPlans, *args: Any) -> Any:
-        out = real(self, *args)
-        seen.append(out is not None)
-        return out
-
-    monkeypatch.setattr(FillPlans, "take", spy)
-    return seen
-
-
-@pytest.fixture
 def starts(monkeypatch: pytest.MonkeyPatch) -> list[int]:
     """How many copies each capture started."""
     seen: list[int] = []
