@@ -96,5 +96,6 @@ PYBIND11_MODULE(_C, m) {
     m.def("collect_plain", &collect_plain, py::arg("state_fqn"), py::arg("items"), py::arg("param_of"),
           py::arg("tensor_type"), py::arg("dtensor_type"), py::arg("strided"), py::arg("parts"), py::arg("part_of"),
           py::arg("wholes"), py::arg("whole"), py::arg("spec_of"), py::arg("sharded"),
+          py::arg("addresses") = py::none(),
           "Take the parameter-shaped state tensors of plain parameters out of items: (entries, locals).");
 }

@@ -37,11 +37,41 @@ bool items_contain(py::handle items, PyObject* key) {
     return found != 0;
 }
 
+/// Python's ``plain_address``: the value's data address (an int) where it is a plain contiguous CPU
+/// tensor without conj/neg bits, else None; the same reads in the same order.
+class PlainAddress {
+public:
+    explicit PlainAddress(py::handle tensor_type)
+        : is_cpu_(tensor_type, "is_cpu"),
+          is_contiguous_(steal(PyUnicode_InternFromString("is_contiguous"))),
+          is_conj_(steal(PyUnicode_InternFromString("is_conj"))),
+          is_neg_(steal(PyUnicode_InternFromString("is_neg"))),
+          data_ptr_(steal(PyUnicode_InternFromString("data_ptr"))) {}
+
+    py::object of(PyObject* v) const {
+        if (!truthy(is_cpu_.get(v).ptr()) || !called_true(v, is_contiguous_)) return py::none();
+        if (called_true(v, is_conj_) || called_true(v, is_neg_)) return py::none();
+        return steal(PyObject_CallMethodNoArgs(v, data_ptr_.ptr()));
+    }
+
+private:
+    /// ``bool(v.<name>())``.
+    static bool called_true(PyObject* v, const py::object& name) {
+        py::object r = steal(PyObject_CallMethodNoArgs(v, name.ptr()));
+        return truthy(r.ptr());
+    }
+    TypeAttr is_cpu_;
+    py::object is_contiguous_, is_conj_, is_neg_, data_ptr_;
+};
+
 }  // namespace
 
 py::tuple collect_plain(py::object state_fqn, py::object items, py::object param_of, py::object tensor_type,
                         py::object dtensor_type, py::object strided, py::object parts, py::object part_of,
-                        py::object wholes, py::object whole, py::object spec_of, py::object sharded) {
+                        py::object wholes, py::object whole, py::object spec_of, py::object sharded,
+                        py::object addresses) {
+    if (!addresses.is_none() && !PyList_Check(addresses.ptr())) raise_type("a list or None", addresses);
+    const PlainAddress address_of(tensor_type);
     py::object entries = steal(PyList_New(0));
     py::object local = steal(PyList_New(0));
     py::object state_prefix = steal(PyUnicode_FromString(kStatePrefix));
@@ -108,6 +138,7 @@ py::tuple collect_plain(py::object state_fqn, py::object items, py::object param
                                                   chunk[0].ptr(), chunk[1].ptr(), chunk[2].ptr()));
             check(PyList_Append(entries.ptr(), entry.ptr()));
             check(PyList_Append(local.ptr(), v.ptr()));
+            if (!addresses.is_none()) check(PyList_Append(addresses.ptr(), address_of.of(v.ptr()).ptr()));
         });
     });
     return py::make_tuple(entries, local);

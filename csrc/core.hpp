@@ -103,6 +103,7 @@ py::object claim_owners(py::object leaf, py::object groups_fqn, py::object owner
 // bucket_collect.cpp
 py::tuple collect_plain(py::object state_fqn, py::object items, py::object param_of, py::object tensor_type,
                         py::object dtensor_type, py::object strided, py::object parts, py::object part_of,
-                        py::object wholes, py::object whole, py::object spec_of, py::object sharded);
+                        py::object wholes, py::object whole, py::object spec_of, py::object sharded,
+                        py::object addresses);
 
 }  // namespace sckpt

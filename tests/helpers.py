@@ -537,7 +537,7 @@ def deep_equal(a: Any, b: Any, **options: Any) -> bool:
 
 
 def _tensor_bytes(t: torch.Tensor) -> bytes:
-    flat = t.detach().cpu().contiguous().reshape(-1)
+    flat = t.detach().cpu().resolve_conj().resolve_neg().contiguous().reshape(-1)  # (the values, bits applied)
     return flat.view(torch.uint8).numpy().tobytes() if flat.numel() else b""
 
 
@@ -548,7 +548,8 @@ def same_bits(a: Any, b: Any) -> bool:
 
     * the same type (``type(a) is type(b)``: ``bool`` is not ``int``, a ``Parameter`` is not a
       ``Tensor``, an ``OrderedDict`` is not a ``dict``);
-    * tensors: the same dtype, shape, device and ``requires_grad``, and the same bytes (``-0.0``
+    * tensors: the same dtype, shape, device, ``requires_grad`` and conj/neg bits, and the same bytes of
+      their values (``-0.0``
       differs from ``0.0``; NaNs compare by their bit patterns);
     * floats: the same IEEE-754 bit pattern (``struct.pack("<d")``);
     * dicts: the same length, and pairwise in order the same keys and values (both by ``same_bits``);
@@ -562,11 +563,13 @@ def same_bits(a: Any, b: Any) -> bool:
     if type(a) is not type(b):
         return False
     if isinstance(a, torch.Tensor):
-        return (a.dtype, a.shape, a.device, a.requires_grad, _tensor_bytes(a)) == (
+        return (a.dtype, a.shape, a.device, a.requires_grad, a.is_conj(), a.is_neg(), _tensor_bytes(a)) == (
             b.dtype,
             b.shape,
             b.device,
             b.requires_grad,
+            b.is_conj(),
+            b.is_neg(),
             _tensor_bytes(b),
         )
     if isinstance(a, float):

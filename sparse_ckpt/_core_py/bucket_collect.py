@@ -28,6 +28,7 @@ def collect_plain(
     whole: Callable[[Any], tuple[tuple[tuple[int, ...], tuple[int, ...], tuple[int, ...]], int]],
     spec_of: Callable[[Any, int], tuple[str, int, Any]],
     sharded: Callable[[str, Any, dict, list, list], None],
+    addresses: list[int | None] | None = None,
 ) -> tuple[list[tuple[Any, ...]], list[Any]]:
     """Take the parameter-shaped state tensors of plain parameters out of ``items`` (the leaf's
     per-item entries, keyed ``state.{fqn}.{part}``): ``(entries, locals)``, each entry
@@ -44,7 +45,9 @@ def collect_plain(
     ``value.shape == param.shape``, ``value.layout is strided``, not ``value.is_meta``; and
     ``largest < limit``, where ``(name, item size, limit) = spec_of(value.dtype,
     value.element_size())`` (called when the dtype differs from the previous taken-or-sized
-    value's). A taken value's item is deleted from ``items``.
+    value's). A taken value's item is deleted from ``items``; with an ``addresses`` list, its
+    `plain_address` is appended to it (read right after the value's other reads: the object was just
+    fetched; ``sharded`` appends those of what it takes itself).
     """
     entries: list[tuple[Any, ...]] = []
     local: list[Any] = []
@@ -81,4 +84,15 @@ def collect_plain(
             del items[item]
             entries.append((fqn, part, name, itemsize, shape, offsets, sizes))
             local.append(v)
+            if addresses is not None:
+                addresses.append(plain_address(v))
     return entries, local
+
+
+def plain_address(t: Any) -> int | None:
+    """``t``'s data address where it is a plain contiguous CPU tensor without conj/neg bits (its bytes are
+    then its elements in order), else ``None``; reads ``is_cpu``, ``is_contiguous()``, ``is_conj()``,
+    ``is_neg()`` in this order, as far as they decide, then ``data_ptr()``."""
+    if not (t.is_cpu and t.is_contiguous()) or t.is_conj() or t.is_neg():
+        return None
+    return t.data_ptr()  # type: ignore[no-any-return]

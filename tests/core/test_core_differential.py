@@ -2009,7 +2009,10 @@ class _FakeDTensor:
 _COLLECT_SHAPES = ((2, 3), (3,), (), (4, 4), (0, 2))
 _COLLECT_DTYPES = (torch.float32, torch.bfloat16, torch.float64, torch.int64)
 _COLLECT_KEYS = ("exp_avg", "exp_avg_sq", "step", "a.b", "~x", "", "é", 1, -2, True, None, 1.5, (1,))
-_VALUE_KINDS = ("same", "same", "same", "other_shape", "scalar", "meta", "sparse", "parameter", "number", "none")
+_VALUE_KINDS = (
+    *("same", "same", "same", "other_shape", "scalar", "meta", "sparse", "parameter", "number", "none"),
+    *("transposed", "neg", "conj", "strided"),
+)
 
 
 def _state_value(kind: str, shape: tuple[int, ...], dtype: torch.dtype, seed: int) -> Any:
@@ -2026,6 +2029,15 @@ def _state_value(kind: str, shape: tuple[int, ...], dtype: torch.dtype, seed: in
         return torch.zeros(shape, dtype=dtype).to_sparse()
     if kind == "parameter":  # a tensor subclass: not exactly tensor_type
         return torch.nn.Parameter(torch.zeros(shape, dtype=dtype), requires_grad=False)
+    # taken too, with no plain address: not contiguous (a square one keeps its shape), a neg bit, a conj bit
+    if kind == "transposed":
+        return torch.full(shape, float(seed)).to(dtype).transpose(0, -1) if len(shape) > 1 else torch.zeros(shape)
+    if kind == "strided":
+        return torch.zeros((*shape, 2), dtype=dtype)[..., 0]
+    if kind == "neg":  # (a real tensor with the neg bit: the imaginary part of a conjugate view)
+        return torch.full(shape, complex(0, seed)).conj().imag
+    if kind == "conj":
+        return torch.full(shape, complex(seed, 1)).conj()
     return {"number": 1.5, "none": None}[kind]
 
 
@@ -2051,10 +2063,13 @@ _collect_specs = st.tuples(
 )
 
 
-def _collect_inputs(spec: tuple[dict, Any], raise_in: str | None = None, raise_at: int = 0) -> tuple[tuple, dict]:
+def _collect_inputs(
+    spec: tuple[dict, Any], raise_in: str | None = None, raise_at: int = 0, with_addresses: bool = True
+) -> tuple[tuple, dict]:
     """Fresh ``collect_plain`` arguments for ``spec`` (the real callbacks of sparse_ckpt._layouts.bucketed,
-    wrapped to log their calls) and what the checks read after the call: ``items``, the log, the caches.
-    ``raise_in``: that callback raises on its ``raise_at``-th call."""
+    wrapped to log their calls) and what the checks read after the call: ``items``, the log, the caches,
+    the ``addresses`` list (``None`` without ``with_addresses``). ``raise_in``: that callback raises on its
+    ``raise_at``-th call."""
     params, own = spec
     log: list[tuple[Any, ...]] = []
     names, geometry = _Names(own), _Geometry()
@@ -2091,9 +2106,13 @@ def _collect_inputs(spec: tuple[dict, Any], raise_in: str | None = None, raise_a
 
         return call
 
+    addresses: list[int | None] | None = [] if with_addresses else None
+
     def sharded(fqn: Any, p: Any, state: dict, entries: list, local: list) -> None:
         entries.append(("sharded", fqn))
         local.append(p.shape)
+        if addresses is not None:
+            addresses.append(-1)
 
     args = (
         state_fqn,
@@ -2108,18 +2127,23 @@ def _collect_inputs(spec: tuple[dict, Any], raise_in: str | None = None, raise_a
         logged("whole", geometry.whole),
         logged("spec_of", names.spec),
         logged("sharded", sharded),
+        addresses,
     )
-    return args, {"items": items, "log": log, "parts": names.parts, "specs": names.specs, "wholes": geometry.wholes}
+    after = {"items": items, "log": log, "parts": names.parts, "specs": names.specs, "wholes": geometry.wholes}
+    return args, {**after, "addresses": addresses}
 
 
-def _check_collect(spec: tuple[dict, Any], raise_in: str | None = None, raise_at: int = 0) -> tuple:
+def _check_collect(
+    spec: tuple[dict, Any], raise_in: str | None = None, raise_at: int = 0, with_addresses: bool = True
+) -> tuple:
     """``collect_plain`` on both cores, each with fresh equal inputs: the same outcome, the same
     ``items`` afterwards (the same deletions), the same callback calls in the same order, and every
     entry made of the callers' objects (the chunk tuples of ``wholes``, the names of ``spec_of``)
-    and every local the state tensor itself. Returns the Python outcome."""
+    and every local the state tensor itself, at its plain address (the same tensors: the same
+    addresses, compared as the rest of what is left after the call). Returns the Python outcome."""
     runs = []
     for core in (P, C):
-        args, after = _collect_inputs(spec, raise_in, raise_at)
+        args, after = _collect_inputs(spec, raise_in, raise_at, with_addresses)
         result = outcome(core.collect_plain, args)
         runs.append((result, after))
         if result[0] != "ok":
@@ -2133,6 +2157,13 @@ def _check_collect(spec: tuple[dict, Any], raise_in: str | None = None, raise_at
             assert all(a is b for a, b in zip(entry[4:], chunk)), entry
             assert entry[2] is after["specs"][value.dtype][0]
             assert any(value is v for v in state_fqn[entry[0]].values())
+        if after["addresses"] is not None:  # (each run's own tensors: compared as which are plain)
+            assert len(after["addresses"]) == len(local)
+            for value, address in zip(local, after["addresses"]):
+                if isinstance(value, torch.Tensor):
+                    plain = value.is_contiguous() and not value.is_conj() and not value.is_neg()
+                    assert address == (value.data_ptr() if plain else None), (value, address)
+            after["addresses"] = [address is None for address in after["addresses"]]
     (py, py_after), (cc, cc_after) = runs
     if py[0] == "ok" and cc[0] == "ok":
         assert same(py[1], cc[1]), f"results differ\npython: {py[1]!r}\ncpp:    {cc[1]!r}"
@@ -2143,12 +2174,13 @@ def _check_collect(spec: tuple[dict, Any], raise_in: str | None = None, raise_at
 
 
 @PROPS
-@given(_collect_specs)
-def test_collect_plain(spec: tuple[dict, Any]) -> None:
+@given(_collect_specs, st.booleans())
+def test_collect_plain(spec: tuple[dict, Any], with_addresses: bool) -> None:
     """Random leaves (shapes, dtypes, 0-d, meta and sparse tensors, a tensor subclass, non-tensors,
     odd keys, missing items and parameters, non-dict states, own-item limits, a DTensor-typed
-    parameter): both cores take the same tensors out of ``items``, calling back alike."""
-    result = _check_collect(spec)
+    parameter, tensors that are not contiguous or carry a neg or conj bit): both cores take the same
+    tensors out of ``items``, calling back alike, with the same addresses where they are asked for."""
+    result = _check_collect(spec, with_addresses=with_addresses)
     assert result[0] == "ok", result
 
 
@@ -2179,6 +2211,14 @@ def test_collect_plain_edge_cases() -> None:
     odd = {"a.b": ("same", 2, True), 7: ("same", 2, True), None: ("same", 2, True), (1,): ("same", 0, True)}
     parts = [e[1] for e in _check_collect(({"w": ("plain", 1, odd)}, None))[1][0]]
     assert parts == [_Names(None).part("a.b"), _Names(None).part(7)]
+    # plain addresses: a contiguous tensor's data_ptr, None for one not contiguous or with a neg/conj bit
+    kinds = ("same", "transposed", "strided", "neg", "conj")
+    bits = {f"k{i}": (kind, 0, True) for i, kind in enumerate(kinds)}
+    for core in (P, C):
+        args, after = _collect_inputs(({"w": ("plain", 3, bits)}, None))
+        _entries, local = core.collect_plain(*args)
+        assert [e is None for e in after["addresses"]] == [False, True, True, True, True]
+        assert after["addresses"][0] == local[0].data_ptr()
 
 
 def test_collect_plain_outside_contract() -> None:
@@ -2187,3 +2227,4 @@ def test_collect_plain_outside_contract() -> None:
     args, _after = _collect_inputs(({"w": ("plain", 0, state_spec)}, None))
     outside_contract("collect_plain", *(args[:1] + (list(args[1]),) + args[2:]))
     outside_contract("collect_plain", *(args[:6] + ([],) + args[7:]))
+    outside_contract("collect_plain", *(args[:12] + ((),)))
