@@ -19,6 +19,7 @@ import torch
 from torch.distributed.tensor import DTensor, Replicate, Shard
 
 from .. import _backend
+from .._core_py.bucket_collect import plain_address
 from .._format.bucket_checksums import tensor_crc
 from .._format.keys import BUFFERS_PREFIX, STATE_PREFIX, buffer_tag, escape_part, is_plain_part, layout_tag
 from .._host_memory import HostPool, empty_host, staging_host
@@ -106,9 +107,12 @@ def collect(
     items: dict[str, Any],
     param_of: Mapping[str, torch.Tensor],
     own_item_bytes: int | None = None,
+    addresses: list[int | None] | None = None,
 ) -> tuple[list[tuple[Any, ...]], list[torch.Tensor]]:
     """Take the parameter-shaped state tensors out of ``items`` (the leaf's per-item entries):
-    ``(entries, locals)`` -- the core's layout entries and each entry's local tensor.
+    ``(entries, locals)`` -- the core's layout entries and each entry's local tensor. With an
+    ``addresses`` list, each local's `sparse_ckpt._core_py.bucket_collect.plain_address` is appended to
+    it, read while the pass visits the tensor (what `sparse_ckpt._save.fill_plan` checks).
 
     ``own_item_bytes`` (``state_layout="auto"``): a state tensor whose largest chunk over all
     ranks has at least that many bytes stays in ``items`` (decided from the global shape and
@@ -125,7 +129,7 @@ def collect(
     geometry = _Geometry()
 
     def sharded(fqn: str, p: DTensor, state: dict[Any, Any], entries: list[Any], local: list[torch.Tensor]) -> None:
-        _collect_sharded(fqn, p, state, items, geometry, names, entries, local)
+        _collect_sharded(fqn, p, state, items, geometry, names, entries, local, addresses)
 
     with torch.no_grad():  # (a DTensor's to_local() is then its local tensor itself, the same object
         # from save to save, which `sparse_ckpt._save.fill_plan` relies on; with autograd a new view)
@@ -142,6 +146,7 @@ def collect(
             geometry.whole,
             names.spec,
             sharded,
+            addresses,
         )
 
 
@@ -188,6 +193,7 @@ def _collect_sharded(
     names: _Names,
     entries: list[tuple[Any, ...]],
     local: list[torch.Tensor],
+    addresses: list[int | None] | None,
 ) -> None:
     """:func:`collect` for a DTensor parameter: its state DTensors of its shape, mesh and placements
     (their local chunks, where the placements are all ``Shard``/``Replicate``)."""
@@ -218,6 +224,8 @@ def _collect_sharded(
             continue  # a 0-d parameter's state went into the scalar table
         entries.append((fqn, part, name, itemsize, *chunk))
         local.append(t)
+        if addresses is not None:
+            addresses.append(plain_address(t))
 
 
 def fill(

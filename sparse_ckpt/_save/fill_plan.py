@@ -13,51 +13,56 @@ passes go on beside it), and when its layout is known it uses the copy only if a
 * the layout entries are equal (the same parameters, state keys, dtypes, shapes, chunks, in order),
   so the layout table and buckets are the previous ones;
 * every state tensor is the same object as before, still a plain contiguous CPU tensor without
-  conj/neg bits, at the same address (:func:`addresses`).
+  conj/neg bits, at the same address (`sparse_ckpt._core_py.bucket_collect.plain_address`, read by
+  the capture's collect pass while it visits the tensor).
 
 Then the copy holds exactly the bytes the usual fill would have written (the trainer is blocked in
 the save, so no state changed between the copy and the check), and each bucket's CRC-32C came with it.
 Otherwise the copy is dropped (after it finished: it writes buffers of the pool) and the buckets are
 filled as usual.
 
-Before it starts, the copy checks that each planned tensor is alive (the plan holds them weakly) and
-still at its recorded address: the same object at the same data address is the same allocation (a
-tensor given another storage, by ``set_``, ``.data =`` or a resize that reallocates, gets the new one
-before the old is freed, so at another address), which still holds the recorded bytes (torch never
-shrinks an allocation in place), so nothing freed is read. What a tensor's strides and bits are is
-checked when the layout is known, after the per-tensor passes have just read each tensor (one visit
-per tensor: their objects are scattered in memory, and this pass is on the trainer's time).
+Nothing freed is read: the plan holds the storage of each state tensor it recorded (the memory its
+bytes were in), so the recorded addresses stay allocated, whatever happens to the tensors (given
+another storage by ``set_``, ``.data =`` or a resize that reallocates: the tensor is then at another
+address and the copy is not used). The plan refers to the tensors themselves weakly: when one of them
+is freed (the optimizer dropped its state, or the optimizer is gone) the plan is dropped, and with it
+the storages; a storage a living tensor no longer uses is held until the next capture drops the plan.
+A copy is started only where the leaf's capture calls no code of the user's (`runs_user_code`: a
+``state_dict`` hook could change the state while the copy reads it). What a tensor's strides, bits and
+address are is checked when the layout is known, after the per-tensor passes have just read each
+tensor (one visit per tensor: their objects are scattered in memory, and this pass is on the
+trainer's time); nothing is read per tensor before the copy starts.
 """
 
 from __future__ import annotations
 
 import threading
 import weakref
+from collections.abc import Mapping
 from concurrent.futures import Future
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from operator import is_
 from typing import TYPE_CHECKING, Any
 
 import torch
 
 from .. import _backend
+from .._adapters import adapter_for
+from .._torch_internals import state_dict_post_hooks, state_dict_pre_hooks
 
 if TYPE_CHECKING:
     from .._host_memory import HostPool
     from .worker import CaptureWorker
 
 
-def addresses(chunks: list[torch.Tensor]) -> list[int] | None:
-    """Each chunk's data address where every chunk is a plain contiguous CPU tensor without conj/neg
-    bits (its bytes are then its elements in order); else ``None``. One visit per tensor (its
-    objects are scattered in memory: a pass per attribute would fetch them five times)."""
-    out = []
-    append = out.append
-    for t in chunks:
-        if not (t.is_cpu and t.is_contiguous()) or t.is_conj() or t.is_neg():
-            return None
-        append(t.data_ptr())
-    return out
+def runs_user_code(optimizer: torch.optim.Optimizer) -> bool:
+    """Whether capturing ``optimizer`` calls code of the user's (``state_dict`` pre- or post-hooks, a
+    registered adapter), which could change its state while a copy started beside the capture reads it."""
+    return (
+        adapter_for(type(optimizer)) is not None
+        or bool(state_dict_pre_hooks(optimizer))
+        or bool(state_dict_post_hooks(optimizer))
+    )
 
 
 def _alive(t: torch.Tensor | None) -> bool:
@@ -67,17 +72,19 @@ def _alive(t: torch.Tensor | None) -> bool:
 @dataclass
 class _Plan:
     """What a capture filled for one leaf: its layout entries and table, the core's buckets, and per
-    bucket its dtype, its chunks' addresses and byte counts; the state tensors only weakly (a plan
-    keeps no state alive that the optimizer dropped)."""
+    bucket its dtype, its chunks' addresses and byte counts; the storages the addresses are in, and
+    the state tensors only weakly (the plan is dropped when one of them is freed: it keeps no state
+    alive that the optimizer dropped)."""
 
     entries: list[tuple[Any, ...]]
     layout: bytes
     buckets: list[tuple[str, int, list[tuple[int, int]]]]
-    tensors: list[weakref.ref[torch.Tensor]]
     addresses: list[int]
+    storages: list[torch.UntypedStorage]
     dtypes: list[torch.dtype]
     where: list[list[int]]
     sizes: list[list[int]]
+    tensors: list[weakref.ref[torch.Tensor]] = field(default_factory=list)
 
 
 @dataclass
@@ -118,13 +125,14 @@ class FillPlans:
         finally:
             self._lock.release()
 
-    def start(self, pool: HostPool, worker: CaptureWorker) -> None:
-        """Start copying, on ``worker``, each planned leaf whose state tensors are all alive and still
-        at their recorded addresses (else its plan is dropped), into buffers of ``pool`` (the previous
-        capture's copies are gone: `release`)."""
+    def start(self, pool: HostPool, worker: CaptureWorker, leaves: Mapping[str, torch.optim.Optimizer]) -> None:
+        """Start copying, on ``worker``, each planned leaf of ``leaves`` whose capture calls no code of the
+        user's (`runs_user_code`) and whose state tensors are all alive (else its plan is dropped), into
+        buffers of ``pool`` (the previous capture's copies are gone: `release`)."""
         for leaf, plan in list(self._plans.items()):
+            optimizer = leaves.get(leaf)
             local = [ref() for ref in plan.tensors]
-            if not all(map(_alive, local)) or list(map(torch.Tensor.data_ptr, local)) != plan.addresses:
+            if optimizer is None or runs_user_code(optimizer) or not all(map(_alive, local)):
                 del self._plans[leaf]
                 continue
             buffers = [pool.take((numel,), dtype) for dtype, (_d, numel, _m) in zip(plan.dtypes, plan.buckets)]
@@ -134,12 +142,22 @@ class FillPlans:
             ]
             self._copies[leaf] = _Copy(local, buffers, worker.submit(_gather_all, _backend.core.gather_crc, jobs))  # type: ignore[arg-type]
 
+    def busy(self, leaf: str) -> bool:
+        """Whether a copy was started for ``leaf`` and is not finished."""
+        copy = self._copies.get(leaf)
+        return copy is not None and not copy.crcs.done()
+
     def take(
-        self, leaf: str, entries: list[tuple[Any, ...]], local: list[torch.Tensor]
+        self,
+        leaf: str,
+        entries: list[tuple[Any, ...]],
+        local: list[torch.Tensor],
+        addresses: list[int | None] | None,
     ) -> tuple[bytes, list[Any], list[torch.Tensor], list[int]] | None:
         """``(layout, buckets, filled buffers, CRCs)`` of the copy started for ``leaf``, where this
-        capture's layout ``entries`` and state tensors ``local`` are the plan's (see the module doc);
-        else ``None``, and the copy, if any, is dropped."""
+        capture's layout ``entries`` and state tensors ``local`` (at ``addresses``: each one's
+        `sparse_ckpt._core_py.bucket_collect.plain_address`, read by the capture's collect pass) are the
+        plan's (see the module doc); else ``None``, and the copy, if any, is dropped."""
         copy = self._copies.pop(leaf, None)
         if copy is None:
             return None
@@ -148,7 +166,7 @@ class FillPlans:
             len(local) == len(copy.local)
             and all(map(is_, local, copy.local))
             and entries == plan.entries
-            and addresses(local) == plan.addresses
+            and addresses == plan.addresses
             and copy.crcs.exception() is None  # (waits for it; a copy that failed is not used)
         ):
             return plan.layout, plan.buckets, copy.buffers, copy.crcs.result()
@@ -163,15 +181,16 @@ class FillPlans:
         layout: bytes,
         buckets: list[tuple[str, int, list[tuple[int, int]]]],
         local: list[torch.Tensor],
+        addresses: list[int | None] | None,
     ) -> None:
         """Plan the next capture's copy of ``leaf`` from this one's layout, where every bucket is a CPU
-        buffer of two or more chunks, all plain (`addresses`); else plan none."""
+        buffer of two or more chunks, all plain (each at its address in ``addresses``); else plan none."""
         self._plans.pop(leaf, None)
-        if not local or any(len(members) < 2 for _d, _n, members in buckets):
+        if not local or addresses is None or any(len(members) < 2 for _d, _n, members in buckets):
             return
-        where = addresses(local)
-        if where is None:
+        if None in addresses:  # (ints and None: compared by identity or as ints, no tensor's ==)
             return
+        where: list[int] = addresses  # type: ignore[assignment]
         dtypes, bucket_where, sizes = [], [], []
         for _dtype, numel, members in buckets:
             first = members[0][0]
@@ -180,15 +199,28 @@ class FillPlans:
             bucket_where.append([where[i] for i, _offset in members])
             ends = [offset for _i, offset in members[1:]] + [numel]
             sizes.append([(end - offset) * itemsize for (_i, offset), end in zip(members, ends)])
-        self._plans[leaf] = _Plan(
-            list(entries), layout, buckets, [weakref.ref(t) for t in local], where, dtypes, bucket_where, sizes
-        )
+        storages = [t.untyped_storage() for t in local]
+        plan = self._plans[leaf] = _Plan(list(entries), layout, buckets, where, storages, dtypes, bucket_where, sizes)
+        forget = _forgetter(weakref.ref(self), leaf, weakref.ref(plan))
+        plan.tensors = [weakref.ref(t, forget) for t in local]
 
     def drop_unused(self) -> None:
         """Drop the copies no leaf took (a leaf gone, a capture that failed), once they are finished."""
         copies, self._copies = self._copies, {}
         for copy in copies.values():
             _drop(copy)
+
+
+def _forgetter(owner: weakref.ref[FillPlans], leaf: str, plan: weakref.ref[_Plan]) -> Any:
+    """The weak reference callback of a plan's tensors: drop the plan (and the storages it holds) when
+    one of them is freed, unless it was replaced or dropped already (refers to nothing strongly)."""
+
+    def forget(_ref: Any) -> None:
+        plans, recorded = owner(), plan()
+        if plans is not None and recorded is not None and plans._plans.get(leaf) is recorded:
+            plans._plans.pop(leaf, None)
+
+    return forget
 
 
 def _gather_all(gather: Any, jobs: list[tuple[memoryview, list[int], list[int]]]) -> list[int]:

@@ -126,9 +126,10 @@ def build_state_dict(
     try:
         if plans is not None and (pool is None or not plans.claim()):
             plans = None  # (claimed by a capture in another thread: this one goes without)
+        leaves = named_leaves(optimizer)
         if plans is not None:
-            plans.start(pool, worker)  # type: ignore[arg-type]
-        out = _build(model, optimizer, format, keying, state_layout, guards, staged, copied, pool, worker, plans)
+            plans.start(pool, worker, dict(leaves))  # type: ignore[arg-type]
+        out = _build(model, leaves, format, keying, state_layout, guards, staged, copied, pool, worker, plans)
         if snapshots is not None:
             snapshots.extend((b, b) for b in copied or ())
             snapshots.extend(worker.copies())
@@ -141,7 +142,7 @@ def build_state_dict(
 
 def _build(
     model: Model,
-    optimizer: Any,
+    leaves: list[tuple[str, Any]],
     format: Format,
     keying: Keying,
     state_layout: StateLayout,
@@ -160,7 +161,7 @@ def _build(
     owner: dict[str, str] = {}
     first_fqns: list[str] = []
     recorded: list[tuple[list[tuple[dict, list[str]]], dict[str, Any]]] = []  # flat: each leaf's groups and state
-    for leaf, opt in named_leaves(optimizer):
+    for leaf, opt in leaves:
         groups_fqn, state_fqn = capture_by_fqn(leaf, opt, fmap.fqn_of)
         first = next((fqns[0] for _settings, fqns in groups_fqn if fqns), None)
         if first is not None:
@@ -181,15 +182,16 @@ def _build(
                 scalars = encode_table(leaf, scalar_groups)
                 parts.append(_Part("table", leaf, prefix=SCALARS_PREFIX))
                 slots.append(Slot.of(SCALARS_SLOT, leaf, scalars))
+            addresses: list[int | None] | None = [] if plans is not None else None
             entries, local = (
-                bucketed.collect(leaf, state_fqn, items, fmap.param_of, own_item_bytes(state_layout, staged))
+                bucketed.collect(leaf, state_fqn, items, fmap.param_of, own_item_bytes(state_layout, staged), addresses)
                 if state_layout != "per_tensor"
                 else ([], [])
             )
             if staged and pool is not None:  # the large items: the worker copies them while the capture
                 worker.stage(pool, items)  # goes on (what it has not begun when needed is done here)
             if entries:
-                layout, buckets, filled = _fill_layout(leaf, entries, local, copied, pool, worker, plans)
+                layout, buckets, filled = _fill_layout(leaf, entries, local, addresses, copied, pool, worker, plans)
                 parts.append(_Part("layout", leaf, buckets=filled))
                 slots.append(Slot.of(LAYOUT_SLOT, leaf, layout, buckets=tuple(dtype for dtype, _n, _m in buckets)))
             parts.append(_Part("items", leaf, items=items))
@@ -235,6 +237,7 @@ def _fill_layout(
     leaf: str,
     entries: list[tuple[Any, ...]],
     local: list[torch.Tensor],
+    addresses: list[int | None] | None,
     copied: list[torch.Tensor] | None,
     pool: HostPool | None,
     worker: CaptureWorker,
@@ -242,8 +245,11 @@ def _fill_layout(
 ) -> tuple[bytes, list[tuple[str, int, list[tuple[int, int]]]], list[torch.Tensor]]:
     """A leaf's layout table (with its buckets' CRC-32C, under its seal), the core's buckets and the
     filled buffers: the copy the capture started from the previous layout where it holds
-    (`sparse_ckpt._save.fill_plan`), else `sparse_ckpt._layouts.bucketed.fill` (then planned for the next)."""
-    copy = plans.take(leaf, entries, local) if plans is not None else None
+    (`sparse_ckpt._save.fill_plan`; ``addresses``: the locals' plain addresses, with ``plans``), else
+    `sparse_ckpt._layouts.bucketed.fill` (then planned for the next)."""
+    if plans is not None and plans.busy(leaf):
+        worker.help()  # (the large tensors' copies here, while the worker copies the buckets)
+    copy = plans.take(leaf, entries, local, addresses) if plans is not None else None
     if copy is not None:
         layout, buckets, filled, crcs = copy
         if copied is not None:
@@ -253,7 +259,7 @@ def _fill_layout(
         filled = bucketed.fill(buckets, local, copied, pool, list(map(itemgetter(6), entries)), worker)
         crcs = worker.crcs(len(filled))  # each bucket's (its halves', combined: bucketed.fill)
         if plans is not None:
-            plans.record(leaf, entries, layout, buckets, local)
+            plans.record(leaf, entries, layout, buckets, local, addresses)
     return with_checksums(layout, crcs), buckets, filled
 
 

@@ -100,6 +100,22 @@ class CaptureWorker:
             if takes(v):
                 self._copies.append((v, self.submit(pool.snapshot, v)))
 
+    def help(self) -> None:
+        """Make, on the calling thread, the staged copies the worker has not begun (from the last one
+        back) while the worker goes on with the jobs before them (a capture that would otherwise wait for
+        one, `sparse_ckpt._save.fill_plan`); :meth:`copies` returns them with the rest, errors included."""
+        for n in range(len(self._copies) - 1, -1, -1):
+            original, job = self._copies[n]
+            entry = self._jobs.pop(job, None)
+            if entry is None or not job.cancel():
+                continue  # begun or done by the worker
+            made: Future[torch.Tensor | None] = Future()
+            try:
+                made.set_result(entry[0](*entry[1]))
+            except Exception as e:  # noqa: BLE001 - kept for copies() to raise, as a job's error is
+                made.set_exception(e)
+            self._copies[n] = (original, made)
+
     def copies(self) -> list[tuple[torch.Tensor, torch.Tensor]]:
         """``(original, copy)`` of every tensor :meth:`stage` copied: the copies the worker has not
         begun are made here, on the calling thread, from the last one back, while the worker goes on

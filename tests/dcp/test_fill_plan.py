@@ -147,8 +147,9 @@ def test_a_changed_state_is_filled_anew(tmp_path: Path, takes: list[bool], start
     # the second capture fills anew; the third uses its copy, but where a tensor is not contiguous
     # (then no capture plans a copy)
     assert takes == [False, False, change != "transposed"]
-    # a tensor over another storage, or freed: its old address is not read (no copy started)
-    assert starts[1] == (0 if change in ("data_swapped", "dropped_state") else 1)
+    # a tensor freed drops the plan (no copy started); one over another storage is copied from the old
+    # storage, which the plan holds, and the copy is not used
+    assert starts[1] == (0 if change == "dropped_state" else 1)
     assert not state.fill_plans._copies
 
 
@@ -177,6 +178,7 @@ def test_a_plan_keeps_no_state_alive(tmp_path: Path, takes: list[bool]) -> None:
     opt.state.clear()
     gc.collect()
     assert old() is None
+    assert not state.fill_plans._plans  # (dropped with the storages it held when the tensor was freed)
     _step(model, opt)
     at_save = snapshot_optimizer(opt)
     _save(tmp_path / "b", state)
@@ -184,40 +186,99 @@ def test_a_plan_keeps_no_state_alive(tmp_path: Path, takes: list[bool]) -> None:
     assert takes == [False, False]
 
 
-def test_the_copy_is_what_the_fill_writes(monkeypatch: pytest.MonkeyPatch) -> None:
-    """The buffers and CRCs of a used copy equal the usual fill's, bucket by bucket (the captures'
-    dicts are compared whole: the same keys, the same bytes)."""
-    model, opt = _trained()
-    state = sc.SparseOptimizerState(model, opt)
-    from sparse_ckpt._format.tags import Keying
-
-    state._captured(Keying.here(), staged=True)
-    used = state._captured(Keying.here(), staged=True)
-    assert state.fill_plans._plans, "no plan was recorded"
-    monkeypatch.setattr(FillPlans, "take", lambda *a: None)
-    usual = state._captured(Keying.here(), staged=True)
-    assert list(used) == list(usual)
-    for key, value in used.items():
-        other = usual[key]
-        if isinstance(value, torch.Tensor):
-            assert torch.equal(value, other), key
-        elif isinstance(value, bytes):
-            assert value == other, key
-
-
-def test_a_capture_in_another_thread_goes_without_the_plans(tmp_path: Path, takes: list[bool]) -> None:
-    """While one capture holds the plans, a capture of the same object in another thread neither reads
-    nor changes them (it fills as usual, and restores exactly); the next one uses them again."""
+def test_a_swapped_storage_is_held_until_the_next_capture(tmp_path: Path, takes: list[bool]) -> None:
+    """A state tensor given another storage between saves: the plan holds the old one (the copy started
+    from its recorded address reads memory still allocated) until the next capture drops the plan; that
+    capture fills anew and restores the new values."""
     model, opt = _trained()
     state = sc.SparseOptimizerState(model, opt)
     _save(tmp_path / "a", state)
-    assert state.fill_plans.claim()  # (as a capture in progress holds them)
+    v = opt.state[model.square[2].weight]["exp_avg_sq"]
+    held = {s.data_ptr() for s in state.fill_plans._plans["optim"].storages}
+    assert v.data_ptr() in held
+    v.data = v.data + 1
+    assert v.data_ptr() not in held
+    at_save = snapshot_optimizer(opt)
+    _save(tmp_path / "b", state)
+    assert_optimizer_equal(at_save, _load(tmp_path / "b", model), grads=False)
+    assert takes == [False, False]
+    assert v.data_ptr() in {s.data_ptr() for s in state.fill_plans._plans["optim"].storages}
+
+
+class _Hooked(torch.optim.AdamW):
+    pass
+
+
+@pytest.mark.parametrize("code", ["pre_hook", "post_hook", "adapter"])
+def test_no_copy_beside_code_of_the_users(tmp_path: Path, takes: list[bool], starts: list[int], code: str) -> None:
+    """Where the capture calls code of the user's (a ``state_dict`` hook, a registered adapter), which
+    could change the state while a copy reads it (the hooks here double a moment in place: the same
+    objects at the same addresses), no copy is started, and each checkpoint holds the state as the
+    hooks left it."""
+    torch.manual_seed(0)
+    model = _Net()
+    opt = _Hooked(model.parameters(), lr=0.01)
+    _step(model, opt)
+    state = sc.SparseOptimizerState(model, opt)
+    _save(tmp_path / "a", state)  # (plans the next capture's copy)
+    calls: list[str] = []
+
+    def double(optimizer: Any, *_: Any) -> None:
+        calls.append(code)
+        for st in optimizer.state.values():
+            st["exp_avg"].mul_(2)
+
+    handle: Any
+    if code == "pre_hook":
+        handle = opt.register_state_dict_pre_hook(double)
+    elif code == "post_hook":
+        handle = opt.register_state_dict_post_hook(double)
+    else:
+        handle = sc.register_state_dict_adapter(
+            _Hooked, lambda o: (calls.append(code), torch.optim.Optimizer.state_dict(o))[1]
+        )
     try:
-        _step(model, opt)
-        at_save = snapshot_optimizer(opt)
-        _save(tmp_path / "b", state)
-        assert_optimizer_equal(at_save, _load(tmp_path / "b", model), grads=False)
+        for name in ("b", "c"):
+            _save(tmp_path / name, state)
+            assert_optimizer_equal(snapshot_optimizer(opt), _load(tmp_path / name, model), grads=False)
     finally:
-        state.fill_plans.release()
-    _save(tmp_path / "c", state)
-    assert takes == [False, True]  # (b took none: it had no plans)
+        handle.remove()
+    assert calls == [code, code]
+    assert starts[1:] == [0, 0]
+    assert takes == [False, False, False]
+
+
+class _WithLarge(nn.Module):
+    """Small parameters (bucketed) beside one whose state tensors are items of their own inside
+    ``dcp.async_save`` (copied into the pool: the staged copies)."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.small = nn.ModuleList(nn.Linear(8, 8) for _ in range(3))
+        self.large = nn.Linear(512, 512, bias=False)
+
+
+def test_a_capture_waiting_for_its_copy_makes_the_staged_copies(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch, takes: list[bool]
+) -> None:
+    """Where the bucket copy is not finished when the layout is known, the capture makes the large
+    tensors' staged copies itself meanwhile (`CaptureWorker.help`); every checkpoint restores exactly."""
+    from sparse_ckpt._save.worker import CaptureWorker
+
+    monkeypatch.setattr(FillPlans, "busy", lambda self, leaf: leaf in self._copies)  # (as if never finished)
+    helped: list[int] = []
+    real_help = CaptureWorker.help
+    monkeypatch.setattr(CaptureWorker, "help", lambda self: (helped.append(len(self._copies)), real_help(self))[1])
+    torch.manual_seed(0)
+    model = _WithLarge()
+    opt = torch.optim.AdamW(model.parameters(), lr=0.01)
+    state = sc.SparseOptimizerState(model, opt)
+    for name in ("a", "b", "c"):
+        for p in model.parameters():
+            p.grad = torch.randn_like(p)
+        opt.step()
+        at_save = snapshot_optimizer(opt)
+        _save(tmp_path / name, state)
+        assert_optimizer_equal(at_save, _load(tmp_path / name, model), grads=False)
+    assert takes == [False, True, True]
+    assert helped == [2, 2]  # (the large weight's two moments, staged before the help)

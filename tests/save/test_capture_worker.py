@@ -119,3 +119,44 @@ def test_close_drops_the_jobs_not_begun() -> None:
     timer.join()
     assert ran == ["first"]
     assert not [t for t in threading.enumerate() if t.name.startswith("sparse_ckpt-capture")]
+
+
+def test_help_makes_the_copies_not_begun_here(monkeypatch: pytest.MonkeyPatch) -> None:
+    """While the worker is held by an earlier job, `CaptureWorker.help` makes every staged copy on the
+    calling thread; `copies` then returns them all (exact, in the same order as without help), and a copy
+    that failed in `help` raises from `copies`."""
+    monkeypatch.setattr(worker_module, "STAGER_DEEP_COPIES", True)
+    started, release = threading.Event(), threading.Event()
+    pool = HostPool()
+    tensors = {f"t{i}": torch.randn(64 << 10) for i in range(3)}
+    worker = CaptureWorker()
+    try:
+        worker.submit(lambda: (started.set(), release.wait(timeout=60)))
+        assert started.wait(timeout=60)
+        made_on: list[int] = []
+        snapshot = pool.snapshot
+        monkeypatch.setattr(pool, "snapshot", lambda v: (made_on.append(threading.get_ident()), snapshot(v))[1])
+        worker.stage(pool, tensors)
+        worker.help()
+        assert made_on == [threading.get_ident()] * 3
+        release.set()
+        pairs = worker.copies()
+        assert [id(original) for original, _copy in reversed(pairs)] == [id(t) for t in tensors.values()]
+        assert all(torch.equal(original, copy) and copy is not original for original, copy in pairs)
+    finally:
+        release.set()
+        worker.close()
+
+    worker = CaptureWorker()
+    release.clear()
+    try:
+        worker.submit(lambda: release.wait(timeout=60))
+        monkeypatch.setattr(pool, "snapshot", lambda v: (_ for _ in ()).throw(OSError("no memory")))
+        worker.stage(pool, tensors)
+        worker.help()
+        release.set()
+        with pytest.raises(OSError, match="no memory"):
+            worker.copies()
+    finally:
+        release.set()
+        worker.close()
