@@ -160,6 +160,8 @@ def async_rows(
             allocs[name].append(allocated(stateful) - before)
             future.result()
             total = time.perf_counter() - t0
+            del future  # (freed here, untimed: assigning the next sample's future would free this one, and
+            # with it this save's plan and metadata, inside the next sample's blocked time)
             for key, value in (("blocked_s", blocked), ("state_dict_s", stateful.state_dict_s), ("total_s", total)):
                 samples[name][key].append(value)
             disk[name] = disk_bytes(path)
