@@ -27,7 +27,7 @@ another storage by ``set_``, ``.data =`` or a resize that reallocates: the tenso
 address and the copy is not used). The plan refers to the tensors themselves weakly: when one of them
 is freed (the optimizer dropped its state, or the optimizer is gone) the plan is dropped, and with it
 the storages; a storage a living tensor no longer uses is held until the next capture drops the plan.
-A copy is started only where the leaf's capture calls no code of the user's (`runs_user_code`: a
+A copy is started only where the capture calls no code of the user's (`runs_user_code`, any leaf: a
 ``state_dict`` hook could change the state while the copy reads it). What a tensor's strides, bits and
 address are is checked when the layout is known, after the per-tensor passes have just read each
 tensor (one visit per tensor: their objects are scattered in memory, and this pass is on the
@@ -126,13 +126,15 @@ class FillPlans:
             self._lock.release()
 
     def start(self, pool: HostPool, worker: CaptureWorker, leaves: Mapping[str, torch.optim.Optimizer]) -> None:
-        """Start copying, on ``worker``, each planned leaf of ``leaves`` whose capture calls no code of the
-        user's (`runs_user_code`) and whose state tensors are all alive (else its plan is dropped), into
-        buffers of ``pool`` (the previous capture's copies are gone: `release`)."""
+        """Start copying, on ``worker``, each planned leaf of ``leaves`` whose state tensors are all alive
+        (else its plan is dropped), into buffers of ``pool``; nothing where the capture calls code of the
+        user's (`runs_user_code` of any leaf: a hook of one leaf could change another's state while its
+        copy reads it). The previous capture's copies are gone (`release`)."""
+        if any(map(runs_user_code, leaves.values())):
+            return
         for leaf, plan in list(self._plans.items()):
-            optimizer = leaves.get(leaf)
             local = [ref() for ref in plan.tensors]
-            if optimizer is None or runs_user_code(optimizer) or not all(map(_alive, local)):
+            if leaf not in leaves or not all(map(_alive, local)):
                 del self._plans[leaf]
                 continue
             buffers = [pool.take((numel,), dtype) for dtype, (_d, numel, _m) in zip(plan.dtypes, plan.buckets)]

@@ -282,3 +282,33 @@ def test_a_capture_waiting_for_its_copy_makes_the_staged_copies(
         assert_optimizer_equal(at_save, _load(tmp_path / name, model), grads=False)
     assert takes == [False, True, True]
     assert helped == [2, 2]  # (the large weight's two moments, staged before the help)
+
+
+def test_a_hook_of_another_leaf_stops_every_copy(tmp_path: Path, takes: list[bool], starts: list[int]) -> None:
+    """A `MultiOptimizer` whose first leaf has a ``state_dict`` pre-hook that changes the second leaf's
+    state in place (before the second leaf is captured): no copy is started for either leaf, and the
+    checkpoint holds the second leaf's state as the hook left it."""
+    torch.manual_seed(0)
+    model = _Net()
+
+    def leaves(lr: float) -> dict[str, torch.optim.Optimizer]:
+        return {
+            "a": torch.optim.AdamW(model.square.parameters(), lr=lr),
+            "b": torch.optim.AdamW(model.late.parameters(), lr=lr),
+        }
+
+    optimizers = leaves(0.01)
+    multi = sc.MultiOptimizer(model, optimizers)
+    for p in model.parameters():
+        p.grad = torch.randn_like(p)
+    for opt in optimizers.values():
+        opt.step()
+    dcp.async_save({"optim": multi}, checkpoint_id=tmp_path / "a").result()
+    second = optimizers["b"]
+    optimizers["a"].register_state_dict_pre_hook(lambda _o: [st["exp_avg"].mul_(2) for st in second.state.values()])
+    dcp.async_save({"optim": multi}, checkpoint_id=tmp_path / "b").result()
+    expected = snapshot_optimizer(second)
+    target = leaves(0.5)
+    dcp.load({"optim": sc.MultiOptimizer(model, target)}, checkpoint_id=tmp_path / "b", planner=sc.SparseLoadPlanner())
+    assert_optimizer_equal(expected, target["b"], grads=False)
+    assert starts == [0, 0] and not any(takes)
