@@ -66,10 +66,15 @@ class CaptureWorker:
         self._jobs[future] = (fn, args)
         return future
 
+    def _unbegun(self, future: Future[Any]) -> tuple[Callable[..., Any], tuple[Any, ...]] | None:
+        """``future``'s job, taken from the worker, where the worker has not begun it; else ``None``."""
+        job = self._jobs.pop(future, None)
+        return job if job is not None and future.cancel() else None
+
     def _result(self, future: Future[_T]) -> _T:
         """``future``'s result: run here if the worker has not begun it, else waited for."""
-        job = self._jobs.pop(future, None)
-        if job is not None and future.cancel():
+        job = self._unbegun(future)
+        if job is not None:
             return job[0](*job[1])  # type: ignore[no-any-return]
         return future.result()
 
@@ -106,8 +111,8 @@ class CaptureWorker:
         one, `sparse_ckpt._save.fill_plan`); :meth:`copies` returns them with the rest, errors included."""
         for n in range(len(self._copies) - 1, -1, -1):
             original, job = self._copies[n]
-            entry = self._jobs.pop(job, None)
-            if entry is None or not job.cancel():
+            entry = self._unbegun(job)
+            if entry is None:
                 continue  # begun or done by the worker
             made: Future[torch.Tensor | None] = Future()
             try:
