@@ -621,6 +621,17 @@ def fqn_view(
     return state, (layout if groups else settings)
 
 
+def dcp_loaded_adamw(path: Any, model: nn.Module) -> torch.optim.Optimizer:
+    """A fresh AdamW (lr 0.5, so a load that kept it would show) of a copy of ``model``, loaded by
+    ``dcp.load`` from ``path`` through `sparse_ckpt.SparseOptimizerState` and its planner."""
+    import torch.distributed.checkpoint as dcp
+
+    model = copy.deepcopy(model)
+    opt = torch.optim.AdamW(model.parameters(), lr=0.5)
+    dcp.load({"optim": sc.SparseOptimizerState(model, opt)}, checkpoint_id=path, planner=sc.SparseLoadPlanner())
+    return opt
+
+
 def param_fqns(model: nn.Module) -> dict[int, str]:
     """``id(param) -> first name`` from ``named_parameters`` (no wrapper stripping)."""
     out: dict[int, str] = {}

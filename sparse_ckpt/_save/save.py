@@ -182,12 +182,13 @@ def _build(
                 scalars = encode_table(leaf, scalar_groups)
                 parts.append(_Part("table", leaf, prefix=SCALARS_PREFIX))
                 slots.append(Slot.of(SCALARS_SLOT, leaf, scalars))
-            addresses: list[int | None] | None = [] if plans is not None else None
-            entries, local = (
-                bucketed.collect(leaf, state_fqn, items, fmap.param_of, own_item_bytes(state_layout, staged), addresses)
-                if state_layout != "per_tensor"
-                else ([], [])
-            )
+            addresses: list[int | None] | None = None
+            entries: list[tuple[Any, ...]] = []
+            local: list[torch.Tensor] = []
+            if state_layout != "per_tensor":
+                addresses = [] if plans is not None else None
+                limit = own_item_bytes(state_layout, staged)
+                entries, local = bucketed.collect(leaf, state_fqn, items, fmap.param_of, limit, addresses)
             if staged and pool is not None:  # the large items: the worker copies them while the capture
                 worker.stage(pool, items)  # goes on (what it has not begun when needed is done here)
             if entries:

@@ -15,7 +15,7 @@ from typing import Any
 import pytest
 import torch
 import torch.distributed.checkpoint as dcp
-from helpers import assert_optimizer_equal, snapshot_optimizer
+from helpers import assert_optimizer_equal, dcp_loaded_adamw, snapshot_optimizer
 from torch import nn
 from torch.distributed.checkpoint import FileSystemWriter
 
@@ -50,14 +50,6 @@ def _trained(seed: int) -> tuple[_Mixed, torch.optim.Optimizer]:
     return model, opt
 
 
-def _load(path: Path, model: nn.Module) -> torch.optim.Optimizer:
-    """A fresh optimizer of ``model`` (a copy of the saved one's model) loaded from ``path``."""
-    model = copy.deepcopy(model)
-    opt = torch.optim.AdamW(model.parameters(), lr=0.5)
-    dcp.load({"optim": sc.SparseOptimizerState(model, opt)}, checkpoint_id=path, planner=sc.SparseLoadPlanner())
-    return opt
-
-
 @pytest.mark.parametrize("layout", STATE_LAYOUTS)
 def test_async_save_holds_the_values_of_the_call(tmp_path: Path, layout: str) -> None:
     """Every state tensor changed in place right after ``dcp.async_save`` returns: the checkpoint
@@ -69,7 +61,7 @@ def test_async_save_holds_the_values_of_the_call(tmp_path: Path, layout: str) ->
         for v in state.values():
             v.add_(1)
     future.result()
-    assert_optimizer_equal(at_save, _load(tmp_path, model), grads=False)
+    assert_optimizer_equal(at_save, dcp_loaded_adamw(tmp_path, model), grads=False)
 
 
 @pytest.mark.parametrize("layout", ["auto", "buffers"])
@@ -105,7 +97,7 @@ def test_async_save_copies_the_buckets_once(tmp_path: Path, monkeypatch: pytest.
     assert not any(t is o for t in copied for o, _c in sd.snapshots)
     live = {v.untyped_storage().data_ptr() for state in opt.state.values() for v in state.values() if v.numel()}
     assert not [k for k, v in staged.items() if isinstance(v, torch.Tensor) and v.untyped_storage().data_ptr() in live]
-    assert_optimizer_equal(at_save, _load(tmp_path, model), grads=False)
+    assert_optimizer_equal(at_save, dcp_loaded_adamw(tmp_path, model), grads=False)
 
 
 def test_a_plain_deep_copy_shares_no_tensor() -> None:
@@ -142,7 +134,7 @@ def test_a_second_save_allocates_no_staging_buffer(tmp_path: Path, layout: str) 
         _staged_save(tmp_path / name, state).result()
         assert state.host_pool.allocated == first
         assert len(state.host_pool) == first
-        assert_optimizer_equal(at_save, _load(tmp_path / name, model), grads=False)
+        assert_optimizer_equal(at_save, dcp_loaded_adamw(tmp_path / name, model), grads=False)
 
 
 @pytest.mark.parametrize("layout", ["auto", "buffers"])
@@ -175,7 +167,7 @@ def test_two_saves_in_flight_hold_their_own_values(
         release.set()
     for i, future in enumerate(futures):
         future.result()
-        assert_optimizer_equal(expected[i], _load(tmp_path / f"s{i}", model), grads=False)
+        assert_optimizer_equal(expected[i], dcp_loaded_adamw(tmp_path / f"s{i}", model), grads=False)
     # With the deep-copying stager DCP writes from the pooled buffers, so the second save needs its own;
     # older torch's writer copied them into its own before the first call returned, released them, and
     # the second save may reuse them.
@@ -224,4 +216,4 @@ def test_buckets_filled_in_halves_load_and_pass_their_checks(
             for v in st.values():
                 v.add_(1)
         future.result()
-    assert_optimizer_equal(at_save, _load(tmp_path, model), grads=False)
+    assert_optimizer_equal(at_save, dcp_loaded_adamw(tmp_path, model), grads=False)

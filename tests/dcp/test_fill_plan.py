@@ -8,7 +8,6 @@ makes the capture fill anew, and that either way the checkpoint restores the sta
 
 from __future__ import annotations
 
-import copy
 import gc
 import weakref
 from collections.abc import Callable
@@ -18,7 +17,7 @@ from typing import Any
 import pytest
 import torch
 import torch.distributed.checkpoint as dcp
-from helpers import assert_optimizer_equal, snapshot_optimizer
+from helpers import assert_optimizer_equal, dcp_loaded_adamw, snapshot_optimizer
 from torch import nn
 
 import sparse_ckpt as sc
@@ -52,13 +51,6 @@ def _trained(seed: int = 0) -> tuple[_Net, torch.optim.Optimizer]:
     return model, opt
 
 
-def _load(path: Path, model: nn.Module) -> torch.optim.Optimizer:
-    model = copy.deepcopy(model)
-    opt = torch.optim.AdamW(model.parameters(), lr=0.5)
-    dcp.load({"optim": sc.SparseOptimizerState(model, opt)}, checkpoint_id=path, planner=sc.SparseLoadPlanner())
-    return opt
-
-
 @pytest.fixture
 def starts(monkeypatch: pytest.MonkeyPatch) -> list[int]:
     """How many copies each capture started."""
@@ -86,7 +78,7 @@ def test_a_second_save_uses_the_copy_and_restores_exactly(tmp_path: Path, takes:
     for name in ("a", "b", "c"):
         at_save = snapshot_optimizer(opt)
         _save(tmp_path / name, state)
-        assert_optimizer_equal(at_save, _load(tmp_path / name, model), grads=False)
+        assert_optimizer_equal(at_save, dcp_loaded_adamw(tmp_path / name, model), grads=False)
         _step(model, opt)
     assert takes == [False, True, True]
 
@@ -142,7 +134,7 @@ def test_a_changed_state_is_filled_anew(tmp_path: Path, takes: list[bool], start
     for name in ("b", "c"):
         at_save = snapshot_optimizer(opt)
         _save(tmp_path / name, state)
-        assert_optimizer_equal(at_save, _load(tmp_path / name, model), grads=False)
+        assert_optimizer_equal(at_save, dcp_loaded_adamw(tmp_path / name, model), grads=False)
         for st in opt.state.values():
             st["exp_avg"].add_(1)
     # the second capture fills anew; the third uses its copy, but where a tensor is not contiguous
@@ -166,7 +158,7 @@ def test_a_failed_capture_drops_its_copy(tmp_path: Path, monkeypatch: pytest.Mon
     assert not state.fill_plans._copies
     at_save = snapshot_optimizer(opt)
     _save(tmp_path / "c", state)
-    assert_optimizer_equal(at_save, _load(tmp_path / "c", model), grads=False)
+    assert_optimizer_equal(at_save, dcp_loaded_adamw(tmp_path / "c", model), grads=False)
 
 
 def test_a_plan_keeps_no_state_alive(tmp_path: Path, takes: list[bool]) -> None:
@@ -183,7 +175,7 @@ def test_a_plan_keeps_no_state_alive(tmp_path: Path, takes: list[bool]) -> None:
     _step(model, opt)
     at_save = snapshot_optimizer(opt)
     _save(tmp_path / "b", state)
-    assert_optimizer_equal(at_save, _load(tmp_path / "b", model), grads=False)
+    assert_optimizer_equal(at_save, dcp_loaded_adamw(tmp_path / "b", model), grads=False)
     assert takes == [False, False]
 
 
@@ -201,7 +193,7 @@ def test_a_swapped_storage_is_held_until_the_next_capture(tmp_path: Path, takes:
     assert v.data_ptr() not in held
     at_save = snapshot_optimizer(opt)
     _save(tmp_path / "b", state)
-    assert_optimizer_equal(at_save, _load(tmp_path / "b", model), grads=False)
+    assert_optimizer_equal(at_save, dcp_loaded_adamw(tmp_path / "b", model), grads=False)
     assert takes == [False, False]
     assert v.data_ptr() in {s.data_ptr() for s in state.fill_plans._plans["optim"].storages}
 
@@ -241,7 +233,7 @@ def test_no_copy_beside_code_of_the_users(tmp_path: Path, takes: list[bool], sta
     try:
         for name in ("b", "c"):
             _save(tmp_path / name, state)
-            assert_optimizer_equal(snapshot_optimizer(opt), _load(tmp_path / name, model), grads=False)
+            assert_optimizer_equal(snapshot_optimizer(opt), dcp_loaded_adamw(tmp_path / name, model), grads=False)
     finally:
         handle.remove()
     assert calls == [code, code]
@@ -280,7 +272,7 @@ def test_a_capture_waiting_for_its_copy_makes_the_staged_copies(
         opt.step()
         at_save = snapshot_optimizer(opt)
         _save(tmp_path / name, state)
-        assert_optimizer_equal(at_save, _load(tmp_path / name, model), grads=False)
+        assert_optimizer_equal(at_save, dcp_loaded_adamw(tmp_path / name, model), grads=False)
     assert takes == [False, True, True]
     # the large weight's two moments, staged before the help (a torch whose stager does not deep-copy
     # stages nothing: `sparse_ckpt._save.worker.STAGER_DEEP_COPIES`)
