@@ -622,13 +622,11 @@ def fqn_view(
 
 
 def dcp_loaded_adamw(path: Any, model: nn.Module) -> torch.optim.Optimizer:
-    """A fresh AdamW (lr 0.5, so a load that kept it would show) of a copy of ``model``, loaded by
-    ``dcp.load`` from ``path`` through `sparse_ckpt.SparseOptimizerState` and its planner."""
-    import torch.distributed.checkpoint as dcp
-
+    """A fresh AdamW (lr 0.5, so a load that kept it would show) of a copy of ``model``, loaded from
+    ``path`` by :func:`sparse_dcp_load`."""
     model = copy.deepcopy(model)
     opt = torch.optim.AdamW(model.parameters(), lr=0.5)
-    dcp.load({"optim": sc.SparseOptimizerState(model, opt)}, checkpoint_id=path, planner=sc.SparseLoadPlanner())
+    sparse_dcp_load(path, model, opt)
     return opt
 
 
