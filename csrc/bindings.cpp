@@ -91,6 +91,8 @@ PYBIND11_MODULE(_C, m) {
           "CRC-32C (Castagnoli) of a bytes-like object, continuing from value (a CRC of the bytes before).");
     m.def("gather_crc", &gather_crc, py::arg("dest"), py::arg("addresses"), py::arg("sizes"),
           "Copy sizes[i] bytes at each addresses[i], in order, into dest (exactly filled); its CRC-32C.");
+    m.def("gather_many", &gather_many, py::arg("jobs"), py::arg("claims") = py::none(), py::arg("from_end") = false,
+          "gather_crc of each job (dest, addresses, sizes, checksum) this call claims: its CRC-32C, or None.");
     m.def("claim_owners", &claim_owners, py::arg("leaf"), py::arg("groups_fqn"), py::arg("owner"),
           "Record leaf as owner of its FQNs; return (fqn, group index) of repeated listings.");
     m.def("collect_plain", &collect_plain, py::arg("state_fqn"), py::arg("items"), py::arg("param_of"),

@@ -9,6 +9,8 @@
 #include <cstdint>
 #include <climits>
 #include <cstring>
+#include <memory>
+#include <string>
 #include <vector>
 
 #if defined(__x86_64__) || defined(__i386__)
@@ -139,6 +141,9 @@ uint32_t crc32c_update(uint32_t reg, const unsigned char* p, size_t n) {
 struct Buffer {
     Py_buffer view{};
     bool held = false;
+    Buffer() = default;
+    Buffer(const Buffer&) = delete;
+    Buffer& operator=(const Buffer&) = delete;
     ~Buffer() {
         if (held) PyBuffer_Release(&view);
     }
@@ -150,75 +155,54 @@ namespace {
 
 constexpr size_t kGatherPiece = 32 << 10;  // bytes copied, then checksummed while still in L1
 
-/// ``items[i]`` of the list ``items`` (named ``what``) as an unsigned 64-bit int, or raise.
-uint64_t gather_int(PyObject* items, Py_ssize_t i, const char* what, uint64_t most) {
+/// ``items[i]`` of the list ``items`` (named ``what``) as an unsigned 64-bit int, or raise (each message
+/// after ``prefix``).
+uint64_t gather_int(PyObject* items, Py_ssize_t i, const char* what, uint64_t most, const std::string& prefix) {
     PyObject* v = PyList_GET_ITEM(items, i);
     if (!PyLong_CheckExact(v))
         raise_builtin(PyExc_TypeError,
-                      Msg() << "expected " << what << "[" << i << "] as an int, got " << type_name(borrow(v)));
+                      Msg() << prefix << "expected " << what << "[" << i << "] as an int, got " << type_name(borrow(v)));
     int overflow = 0;
     long long small = PyLong_AsLongLongAndOverflow(v, &overflow);
     if (small == -1 && PyErr_Occurred()) throw py::error_already_set();
     if (overflow < 0 || (overflow == 0 && small < 0))
-        raise_builtin(PyExc_ValueError, Msg() << what << "[" << i << "] is negative: " << py_repr(borrow(v)));
+        raise_builtin(PyExc_ValueError, Msg() << prefix << what << "[" << i << "] is negative: " << py_repr(borrow(v)));
     unsigned long long out = static_cast<unsigned long long>(small);
     if (overflow > 0) {  // beyond a signed 64-bit int
         out = PyLong_AsUnsignedLongLong(v);
         if (out == static_cast<unsigned long long>(-1) && PyErr_Occurred()) PyErr_Clear();  // (beyond 64 bits)
         else if (out <= most) return out;
-        raise_builtin(PyExc_ValueError, Msg() << what << "[" << i << "] is too large: " << py_repr(borrow(v)));
+        raise_builtin(PyExc_ValueError, Msg() << prefix << what << "[" << i << "] is too large: " << py_repr(borrow(v)));
     }
     if (out > most)
-        raise_builtin(PyExc_ValueError, Msg() << what << "[" << i << "] is too large: " << py_repr(borrow(v)));
+        raise_builtin(PyExc_ValueError, Msg() << prefix << what << "[" << i << "] is too large: " << py_repr(borrow(v)));
     return out;
 }
 
 }  // namespace
 
-py::object gather_crc(py::object dest, py::object addresses, py::object sizes) {
-    PyObject* d = dest.ptr();
-    if (!PyByteArray_Check(d) && !PyMemoryView_Check(d)) raise_type("bytearray or memoryview", dest);
-    if (PyMemoryView_Check(d)) {
-        py::object contiguous = steal(PyObject_GetAttrString(d, "c_contiguous"));  // (a released view raises here)
-        if (contiguous.ptr() != Py_True)
-            raise_builtin(PyExc_ValueError, steal(PyUnicode_FromString("expected a C-contiguous buffer")));
-        if (PyMemoryView_GET_BUFFER(d)->readonly)
-            raise_builtin(PyExc_ValueError, steal(PyUnicode_FromString("expected a writable buffer")));
-    }
-    if (!PyList_CheckExact(addresses.ptr())) raise_type("addresses as a list", addresses);
-    if (!PyList_CheckExact(sizes.ptr())) raise_type("sizes as a list", sizes);
-    const Py_ssize_t k = PyList_GET_SIZE(addresses.ptr());
-    if (PyList_GET_SIZE(sizes.ptr()) != k)
-        raise_builtin(PyExc_ValueError, Msg() << "addresses and sizes differ in length (" << k << " and "
-                                              << PyList_GET_SIZE(sizes.ptr()) << ")");
+namespace {
+
+/// One gather checked and ready to run: its sources, in order, and the destination buffer (held).
+struct Gather {
     struct Source {
         const unsigned char* p;
         size_t n;
     };
-    std::vector<Source> sources(static_cast<size_t>(k));
-    uint64_t total = 0;
-    constexpr uint64_t kMostBytes = (uint64_t{1} << 62);
-    for (Py_ssize_t i = 0; i < k; ++i) {
-        const uint64_t a = gather_int(addresses.ptr(), i, "addresses", ULLONG_MAX);
-        const uint64_t n = gather_int(sizes.ptr(), i, "sizes", kMostBytes);
-        if (n != 0 && a == 0)
-            raise_builtin(PyExc_ValueError, Msg() << "addresses[" << i << "] is 0 for " << n << " bytes");
-        total += n;
-        if (total > kMostBytes)
-            raise_builtin(PyExc_ValueError, Msg() << "sizes add up to more than " << kMostBytes << " bytes");
-        sources[static_cast<size_t>(i)] = {reinterpret_cast<const unsigned char*>(static_cast<uintptr_t>(a)),
-                                           static_cast<size_t>(n)};
-    }
+    std::vector<Source> sources;
     Buffer buf;
-    check(PyObject_GetBuffer(d, &buf.view, PyBUF_WRITABLE));
-    buf.held = true;
-    if (total != static_cast<uint64_t>(buf.view.len))
-        raise_builtin(PyExc_ValueError,
-                      Msg() << "sizes add up to " << total << " bytes, the buffer has " << buf.view.len);
-    auto* out = static_cast<unsigned char*>(buf.view.buf);
-    uint32_t reg = ~0u;
-    auto run = [&] {
+
+    /// Copy the sources into the buffer in order; with ``checksum``, the CRC-32C of the buffer (each
+    /// piece checksummed while it is in the cache), else 0.
+    uint32_t run(bool checksum) const {
+        auto* out = static_cast<unsigned char*>(buf.view.buf);
+        uint32_t reg = ~0u;
         for (const Source& s : sources) {
+            if (!checksum) {
+                std::memmove(out, s.p, s.n);
+                out += s.n;
+                continue;
+            }
             for (size_t done = 0; done < s.n;) {
                 const size_t n = std::min(kGatherPiece, s.n - done);
                 std::memmove(out, s.p + done, n);
@@ -227,14 +211,131 @@ py::object gather_crc(py::object dest, py::object addresses, py::object sizes) {
                 done += n;
             }
         }
+        return ~reg;
+    }
+};
+
+/// ``gather_crc``'s checks of ``(dest, addresses, sizes)``, in its order, each message after ``prefix``;
+/// fills ``g`` (its buffer held).
+void check_gather(py::handle dest, py::handle addresses, py::handle sizes, const std::string& prefix, Gather& g) {
+    PyObject* d = dest.ptr();
+    if (!PyByteArray_Check(d) && !PyMemoryView_Check(d))
+        raise_builtin(PyExc_TypeError, Msg() << prefix << "expected bytearray or memoryview, got " << type_name(dest));
+    if (PyMemoryView_Check(d)) {
+        py::object contiguous = steal(PyObject_GetAttrString(d, "c_contiguous"));  // (a released view raises here)
+        if (contiguous.ptr() != Py_True)
+            raise_builtin(PyExc_ValueError, Msg() << prefix << "expected a C-contiguous buffer");
+        if (PyMemoryView_GET_BUFFER(d)->readonly)
+            raise_builtin(PyExc_ValueError, Msg() << prefix << "expected a writable buffer");
+    }
+    if (!PyList_CheckExact(addresses.ptr()))
+        raise_builtin(PyExc_TypeError, Msg() << prefix << "expected addresses as a list, got " << type_name(addresses));
+    if (!PyList_CheckExact(sizes.ptr()))
+        raise_builtin(PyExc_TypeError, Msg() << prefix << "expected sizes as a list, got " << type_name(sizes));
+    const Py_ssize_t k = PyList_GET_SIZE(addresses.ptr());
+    if (PyList_GET_SIZE(sizes.ptr()) != k)
+        raise_builtin(PyExc_ValueError, Msg() << prefix << "addresses and sizes differ in length (" << k << " and "
+                                              << PyList_GET_SIZE(sizes.ptr()) << ")");
+    g.sources.resize(static_cast<size_t>(k));
+    uint64_t total = 0;
+    constexpr uint64_t kMostBytes = (uint64_t{1} << 62);
+    for (Py_ssize_t i = 0; i < k; ++i) {
+        const uint64_t a = gather_int(addresses.ptr(), i, "addresses", ULLONG_MAX, prefix);
+        const uint64_t n = gather_int(sizes.ptr(), i, "sizes", kMostBytes, prefix);
+        if (n != 0 && a == 0)
+            raise_builtin(PyExc_ValueError, Msg() << prefix << "addresses[" << i << "] is 0 for " << n << " bytes");
+        total += n;
+        if (total > kMostBytes)
+            raise_builtin(PyExc_ValueError, Msg() << prefix << "sizes add up to more than " << kMostBytes << " bytes");
+        g.sources[static_cast<size_t>(i)] = {reinterpret_cast<const unsigned char*>(static_cast<uintptr_t>(a)),
+                                             static_cast<size_t>(n)};
+    }
+    check(PyObject_GetBuffer(d, &g.buf.view, PyBUF_WRITABLE));
+    g.buf.held = true;
+    if (total != static_cast<uint64_t>(g.buf.view.len))
+        raise_builtin(PyExc_ValueError,
+                      Msg() << prefix << "sizes add up to " << total << " bytes, the buffer has " << g.buf.view.len);
+}
+
+}  // namespace
+
+py::object gather_crc(py::object dest, py::object addresses, py::object sizes) {
+    Gather g;
+    check_gather(dest, addresses, sizes, "", g);
+    uint32_t crc = 0;
+    if (g.buf.view.len >= kReleaseGilBytes) {
+        py::gil_scoped_release unlocked;
+        crc = g.run(true);
+    } else {
+        crc = g.run(true);
+    }
+    return steal(PyLong_FromUnsignedLong(static_cast<unsigned long>(crc)));
+}
+
+py::object gather_many(py::object jobs, py::object claims, py::object from_end) {
+    if (!PyList_CheckExact(jobs.ptr())) raise_type("jobs as a list", jobs);
+    const Py_ssize_t k = PyList_GET_SIZE(jobs.ptr());
+    std::vector<std::unique_ptr<Gather>> gathers;
+    std::vector<bool> checksums;
+    Py_ssize_t total = 0;
+    for (Py_ssize_t j = 0; j < k; ++j) {
+        py::handle job = PyList_GET_ITEM(jobs.ptr(), j);
+        const std::string prefix = "jobs[" + std::to_string(j) + "]: ";
+        if (!PyTuple_CheckExact(job.ptr()))
+            raise_builtin(PyExc_TypeError, Msg() << prefix << "expected a tuple, got " << type_name(job));
+        if (PyTuple_GET_SIZE(job.ptr()) != 4)
+            raise_builtin(PyExc_ValueError, Msg() << prefix << "expected (dest, addresses, sizes, checksum), got "
+                                                  << PyTuple_GET_SIZE(job.ptr()) << " items");
+        PyObject* checksum = PyTuple_GET_ITEM(job.ptr(), 3);
+        if (!PyBool_Check(checksum))
+            raise_builtin(PyExc_TypeError,
+                          Msg() << prefix << "expected checksum as a bool, got " << type_name(borrow(checksum)));
+        gathers.push_back(std::make_unique<Gather>());
+        check_gather(PyTuple_GET_ITEM(job.ptr(), 0), PyTuple_GET_ITEM(job.ptr(), 1), PyTuple_GET_ITEM(job.ptr(), 2),
+                     prefix, *gathers.back());
+        checksums.push_back(checksum == Py_True);
+        total += gathers.back()->buf.view.len;
+    }
+    unsigned char* flags = nullptr;
+    if (!claims.is_none()) {
+        if (!PyByteArray_CheckExact(claims.ptr())) raise_type("claims as a bytearray or None", claims);
+        if (PyByteArray_GET_SIZE(claims.ptr()) != k)
+            raise_builtin(PyExc_ValueError, Msg() << "claims has " << PyByteArray_GET_SIZE(claims.ptr())
+                                                  << " bytes for " << k << " jobs");
+        flags = reinterpret_cast<unsigned char*>(PyByteArray_AS_STRING(claims.ptr()));
+    }
+    if (!PyBool_Check(from_end.ptr())) raise_type("from_end as a bool", from_end);
+    const bool backwards = from_end.ptr() == Py_True;
+    Buffer claimed_view;  // (holds the claims buffer: it cannot be resized while the GIL is released)
+    if (flags != nullptr) {
+        check(PyObject_GetBuffer(claims.ptr(), &claimed_view.view, PyBUF_WRITABLE));
+        claimed_view.held = true;
+    }
+    std::vector<uint32_t> crcs(static_cast<size_t>(k), 0);
+    std::vector<bool> ran(static_cast<size_t>(k), false);
+    auto run = [&] {
+        for (size_t n = 0; n < gathers.size(); ++n) {
+            const size_t j = backwards ? gathers.size() - 1 - n : n;
+            if (flags != nullptr && __atomic_exchange_n(&flags[j], static_cast<unsigned char>(1), __ATOMIC_ACQ_REL) != 0)
+                continue;  // claimed by another call
+            crcs[j] = gathers[j]->run(checksums[j]);
+            ran[j] = true;
+        }
     };
-    if (buf.view.len >= kReleaseGilBytes) {
+    if (total >= kReleaseGilBytes) {
         py::gil_scoped_release unlocked;
         run();
     } else {
         run();
     }
-    return steal(PyLong_FromUnsignedLong(static_cast<unsigned long>(~reg)));
+    py::object out = steal(PyList_New(k));
+    for (Py_ssize_t j = 0; j < k; ++j) {
+        const size_t i = static_cast<size_t>(j);
+        py::object v = ran[i] && checksums[i] ? steal(PyLong_FromUnsignedLong(static_cast<unsigned long>(crcs[i])))
+                                              : py::none();
+        PyList_SET_ITEM(out.ptr(), j, v.release().ptr());
+    }
+    return out;
 }
 
 py::object crc32c(py::object data, py::object value) {

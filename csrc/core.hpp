@@ -89,6 +89,7 @@ py::object unlisted_keys(py::object keys_of, py::object state_of, py::object own
 // checksum.cpp
 py::object crc32c(py::object data, py::object value);
 py::object gather_crc(py::object dest, py::object addresses, py::object sizes);
+py::object gather_many(py::object jobs, py::object claims, py::object from_end);
 
 // layout_codec.cpp
 py::tuple encode_layout(py::object leaf, py::object entries, py::object bucket_bytes);

@@ -28,7 +28,7 @@ from .._format.keys import (
 )
 from .bucket_collect import collect_plain
 from .capture import pack_optimizer, remap_to_fqns
-from .checksum import crc32c, gather_crc
+from .checksum import crc32c, gather_crc, gather_many
 from .common import MAGIC, MAX_DEPTH, VERSION
 from .flat_keys import flatten_groups, flatten_packed_state, flatten_state, unflatten
 from .layout_codec import decode_layout, encode_layout, plan_scatter
@@ -71,6 +71,7 @@ __all__ = [
     "fqn_tables",
     "fqns_of_groups",
     "gather_crc",
+    "gather_many",
     "map_parameters",
     "match_groups",
     "merge_scalars",

@@ -12,6 +12,7 @@ per block). The bytes that do not fill a block go through the byte-at-a-time tab
 from __future__ import annotations
 
 import ctypes
+import threading
 from functools import cache
 from typing import Any
 
@@ -86,34 +87,103 @@ def gather_crc(dest: Any, addresses: list[int], sizes: list[int]) -> int:
     element that is not an ``int`` (``TypeError``), negative, an address beyond 64 bits or a size beyond
     ``2**62``, a zero address of a nonzero size, sizes adding up to more than ``2**62`` or to another
     count than ``dest``'s bytes (``ValueError``), each checked in that order, index by index."""
+    view, pairs = _checked_gather(dest, addresses, sizes, "")
+    _copy(view, pairs)
+    return crc32c(view)
+
+
+def gather_many(
+    jobs: list[tuple[Any, list[int], list[int], bool]], claims: bytearray | None = None, from_end: bool = False
+) -> list[int | None]:
+    """`gather_crc` of each job ``(dest, addresses, sizes, checksum)`` of the list ``jobs`` in one call (the
+    C++ core holds no GIL for all of them, where they copy 1 MiB or more), in order (``from_end``: from
+    the last back); per job the CRC-32C of its ``dest`` where this call ran it and ``checksum`` is
+    ``True``, else ``None``.
+
+    ``claims`` (a ``bytearray`` of one byte per job, zeros at first) shares the jobs between calls on
+    several threads: a call runs a job only where it turns the job's byte from 0 to 1 (atomically), so
+    each job runs once, in whichever call claims it first (e.g. one thread's call from the first job on
+    and another's ``from_end``); without ``claims`` every job runs.
+
+    Every job is checked before anything is copied, as `gather_crc` checks it, each message after
+    ``jobs[j]: ``; before that, ``jobs`` that is not a list; per job, one that is not a tuple
+    (``TypeError``) or not of four items (``ValueError``) and a ``checksum`` that is not a ``bool``
+    (``TypeError``); after the jobs, ``claims`` that is neither ``None`` nor a ``bytearray`` (``TypeError``)
+    or not of ``len(jobs)`` bytes (``ValueError``), then ``from_end`` that is not a ``bool`` (``TypeError``)."""
+    if type(jobs) is not list:
+        raise TypeError(f"expected jobs as a list, got {type(jobs).__name__}")
+    checked = []
+    for j, job in enumerate(jobs):
+        prefix = f"jobs[{j}]: "
+        if type(job) is not tuple:
+            raise TypeError(f"{prefix}expected a tuple, got {type(job).__name__}")
+        if len(job) != 4:
+            raise ValueError(f"{prefix}expected (dest, addresses, sizes, checksum), got {len(job)} items")
+        dest, addresses, sizes, checksum = job
+        if type(checksum) is not bool:
+            raise TypeError(f"{prefix}expected checksum as a bool, got {type(checksum).__name__}")
+        checked.append((*_checked_gather(dest, addresses, sizes, prefix), checksum))
+    if claims is not None:
+        if type(claims) is not bytearray:
+            raise TypeError(f"expected claims as a bytearray or None, got {type(claims).__name__}")
+        if len(claims) != len(jobs):
+            raise ValueError(f"claims has {len(claims)} bytes for {len(jobs)} jobs")
+    if type(from_end) is not bool:
+        raise TypeError(f"expected from_end as a bool, got {type(from_end).__name__}")
+    out: list[int | None] = [None] * len(checked)
+    for j in reversed(range(len(checked))) if from_end else range(len(checked)):
+        if claims is not None:
+            with _CLAIMS:
+                if claims[j]:
+                    continue  # claimed by another call
+                claims[j] = 1
+        view, pairs, checksum = checked[j]
+        _copy(view, pairs)
+        if checksum:
+            out[j] = crc32c(view)
+    return out
+
+
+_CLAIMS = threading.Lock()
+"""Makes a claim (test and set of a job's byte) one step for the calls of `gather_many` on several threads."""
+
+
+def _checked_gather(dest: Any, addresses: Any, sizes: Any, prefix: str) -> tuple[memoryview, list[tuple[int, int]]]:
+    """`gather_crc`'s checks, in its order, each message after ``prefix``: ``(a view of dest, (address,
+    size) pairs)``."""
     if not isinstance(dest, (bytearray, memoryview)):
-        raise TypeError(f"expected bytearray or memoryview, got {type(dest).__name__}")
+        raise TypeError(f"{prefix}expected bytearray or memoryview, got {type(dest).__name__}")
     if isinstance(dest, memoryview):
         if not dest.c_contiguous:  # (a released view raises here)
-            raise ValueError("expected a C-contiguous buffer")
+            raise ValueError(f"{prefix}expected a C-contiguous buffer")
         if dest.readonly:
-            raise ValueError("expected a writable buffer")
+            raise ValueError(f"{prefix}expected a writable buffer")
     if type(addresses) is not list:
-        raise TypeError(f"expected addresses as a list, got {type(addresses).__name__}")
+        raise TypeError(f"{prefix}expected addresses as a list, got {type(addresses).__name__}")
     if type(sizes) is not list:
-        raise TypeError(f"expected sizes as a list, got {type(sizes).__name__}")
+        raise TypeError(f"{prefix}expected sizes as a list, got {type(sizes).__name__}")
     if len(sizes) != len(addresses):
-        raise ValueError(f"addresses and sizes differ in length ({len(addresses)} and {len(sizes)})")
+        raise ValueError(f"{prefix}addresses and sizes differ in length ({len(addresses)} and {len(sizes)})")
     total = 0
     pairs = []
     for i in range(len(addresses)):
-        address = _gather_int(addresses, i, "addresses", (1 << 64) - 1)
-        n = _gather_int(sizes, i, "sizes", _MOST_GATHER_BYTES)
+        address = _gather_int(addresses, i, "addresses", (1 << 64) - 1, prefix)
+        n = _gather_int(sizes, i, "sizes", _MOST_GATHER_BYTES, prefix)
         if n and not address:
-            raise ValueError(f"addresses[{i}] is 0 for {n} bytes")
+            raise ValueError(f"{prefix}addresses[{i}] is 0 for {n} bytes")
         total += n
         if total > _MOST_GATHER_BYTES:
-            raise ValueError(f"sizes add up to more than {_MOST_GATHER_BYTES} bytes")
+            raise ValueError(f"{prefix}sizes add up to more than {_MOST_GATHER_BYTES} bytes")
         pairs.append((address, n))
     view = memoryview(dest)
     if total != view.nbytes:
-        raise ValueError(f"sizes add up to {total} bytes, the buffer has {view.nbytes}")
-    if total:
+        raise ValueError(f"{prefix}sizes add up to {total} bytes, the buffer has {view.nbytes}")
+    return view, pairs
+
+
+def _copy(view: memoryview, pairs: list[tuple[int, int]]) -> None:
+    """Copy each ``(address, size)`` of ``pairs`` into ``view``, in order."""
+    if view.nbytes:
         target = ctypes.c_char.from_buffer(view)
         base = ctypes.addressof(target)
         done = 0
@@ -121,17 +191,16 @@ def gather_crc(dest: Any, addresses: list[int], sizes: list[int]) -> int:
             ctypes.memmove(base + done, address, n)
             done += n
         del target
-    return crc32c(view)
 
 
-def _gather_int(items: list[Any], i: int, what: str, most: int) -> int:
+def _gather_int(items: list[Any], i: int, what: str, most: int, prefix: str) -> int:
     v = items[i]
     if type(v) is not int:
-        raise TypeError(f"expected {what}[{i}] as an int, got {type(v).__name__}")
+        raise TypeError(f"{prefix}expected {what}[{i}] as an int, got {type(v).__name__}")
     if v < 0:
-        raise ValueError(f"{what}[{i}] is negative: {v!r}")
+        raise ValueError(f"{prefix}{what}[{i}] is negative: {v!r}")
     if v > most:
-        raise ValueError(f"{what}[{i}] is too large: {v!r}")
+        raise ValueError(f"{prefix}{what}[{i}] is too large: {v!r}")
     return v
 
 

@@ -12,6 +12,7 @@ from __future__ import annotations
 
 import struct
 from collections.abc import Sequence
+from functools import lru_cache
 
 import torch
 
@@ -124,10 +125,17 @@ def crc_combine(crc1: int, crc2: int, len2: int) -> int:
     """The CRC-32C of ``A + B`` from ``crc1`` (of ``A``), ``crc2`` (of ``B``) and ``len(B)`` in bytes
     (zlib's ``crc32_combine`` for this polynomial): two parts of a bucket checksummed apart, by two
     threads, give the bucket's CRC."""
+    return _multmodp(_shift_by(len2), crc1) ^ crc2
+
+
+@lru_cache(maxsize=64)
+def _shift_by(len2: int) -> int:
+    """``x^(8 * len2) mod P(x)``: what `crc_combine` multiplies the first CRC by (kept for the few lengths
+    a save combines again and again, e.g. its pieces of one size)."""
     p, n, k = 1 << 31, len2, 3  # x^0; x^(8 * len2) = product of x^(2^k) over the bits of len2, from k = 3
     while n:
         if n & 1:
             p = _multmodp(_X2N[k], p)
         n >>= 1
         k += 1
-    return _multmodp(p, crc1) ^ crc2
+    return p

@@ -132,6 +132,8 @@ def build_state_dict(
         out = _build(model, leaves, format, keying, state_layout, guards, staged, copied, pool, worker, plans)
         if snapshots is not None:
             snapshots.extend((b, b) for b in copied or ())
+            if plans is not None:
+                plans.help()  # (the copies of staged tensors only, which no layout waited for)
             snapshots.extend(worker.copies())
     finally:
         if plans is not None:
@@ -190,7 +192,7 @@ def _build(
                 limit = own_item_bytes(state_layout, staged)
                 entries, local = bucketed.collect(leaf, state_fqn, items, fmap.param_of, limit, addresses)
             if staged and pool is not None:  # the large items: the worker copies them while the capture
-                worker.stage(pool, items)  # goes on (what it has not begun when needed is done here)
+                _stage(leaf, items, pool, worker, plans)  # goes on (what it has not begun when needed is done here)
             if entries:
                 layout, buckets, filled = _fill_layout(leaf, entries, local, addresses, copied, pool, worker, plans)
                 parts.append(_Part("layout", leaf, buckets=filled))
@@ -203,7 +205,7 @@ def _build(
             items = core.flatten_state(leaf, state_fqn, fmap.param_of, False)
             check_state_values(leaf, state_fqn, items.values())
             if staged and pool is not None:
-                worker.stage(pool, items)
+                _stage(leaf, items, pool, worker, plans)
             parts.append(_Part("items", leaf, items=items))
             _check_flat_settings(leaf, groups_fqn)
             parts.append(_Part("items", leaf, items=core.flatten_groups(leaf, groups_fqn)))
@@ -234,6 +236,16 @@ def _build(
     return out
 
 
+def _stage(leaf: str, items: dict[str, Any], pool: HostPool, worker: CaptureWorker, plans: FillPlans | None) -> None:
+    """The staged copies of ``leaf``'s large items (`CaptureWorker.stage`): those the capture started from
+    its plan where they hold (`sparse_ckpt._save.fill_plan.FillPlans.staged_copy`), the others on the
+    worker; then planned for the next capture."""
+    if plans is None:
+        worker.stage(pool, items)
+        return
+    plans.record_staged(leaf, worker.stage(pool, items, lambda t: plans.staged_copy(leaf, t)))
+
+
 def _fill_layout(
     leaf: str,
     entries: list[tuple[Any, ...]],
@@ -250,6 +262,7 @@ def _fill_layout(
     `sparse_ckpt._layouts.bucketed.fill` (then planned for the next)."""
     if plans is not None and plans.busy(leaf):
         worker.help()  # (the large tensors' copies here, while the worker copies the buckets)
+        plans.help(leaf)  # (then the pieces of the copy the worker has not begun)
     copy = plans.take(leaf, entries, local, addresses) if plans is not None else None
     if copy is not None:
         layout, buckets, filled, crcs = copy

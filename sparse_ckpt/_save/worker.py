@@ -8,8 +8,9 @@ and the core's ``crc32c`` (above 1 MiB) release the GIL while they run, so one w
 part of them while the capture goes on: the second half of each large bucket, copied and
 checksummed while the capture does the first (`sparse_ckpt._layouts.bucketed.fill`; the two CRCs
 combine into the bucket's), and the copies of the large tensors while the buckets are filled
-(:meth:`CaptureWorker.stage`). A job the worker has not begun when its result is needed runs on
-the capture's thread instead (so both threads work until all is done).
+(:meth:`CaptureWorker.stage`; a large tensor whose copy the capture started from its plan, with the
+buckets', is taken from there: `sparse_ckpt._save.fill_plan`). A job the worker has not begun when
+its result is needed runs on the capture's thread instead (so both threads work until all is done).
 The capture waits for the worker before it returns (:meth:`CaptureWorker.close`), so no thread
 outlives it and every value is copied as of the save.
 
@@ -93,17 +94,28 @@ class CaptureWorker:
             out.append(value)
         return out
 
-    def stage(self, pool: HostPool, items: Mapping[str, Any]) -> None:
+    def stage(
+        self,
+        pool: HostPool,
+        items: Mapping[str, Any],
+        started: Callable[[torch.Tensor], Future[torch.Tensor | None] | None] | None = None,
+    ) -> list[torch.Tensor]:
         """Copy each value of ``items`` that `HostPool.takes` (a plain contiguous CPU tensor of at least
         `sparse_ckpt._host_memory.POOLED_MIN_BYTES`) into a buffer of ``pool``, on the worker's thread
-        (the copies it has not begun when :meth:`copies` is called are made by the caller instead);
-        nothing where :data:`STAGER_DEEP_COPIES` is false."""
+        (the copies it has not begun when :meth:`copies` is called are made by the caller instead), or
+        take the copy ``started(value)`` gives, one this capture started already (the future of its buffer,
+        `sparse_ckpt._save.fill_plan.FillPlans.staged_copy`), where it gives one; return the values staged
+        (nothing where :data:`STAGER_DEEP_COPIES` is false)."""
         if not STAGER_DEEP_COPIES:
-            return
+            return []
         takes = pool.takes
+        staged = []
         for v in items.values():
             if takes(v):
-                self._copies.append((v, self.submit(pool.snapshot, v)))
+                staged.append(v)
+                copy = started(v) if started is not None else None
+                self._copies.append((v, copy if copy is not None else self.submit(pool.snapshot, v)))
+        return staged
 
     def help(self) -> None:
         """Make, on the calling thread, the staged copies the worker has not begun (from the last one

@@ -65,6 +65,7 @@ FUNCTIONS = (
     "plan_scatter",
     "crc32c",
     "gather_crc",
+    "gather_many",
     "collect_plain",
 )
 
@@ -1993,6 +1994,162 @@ def test_gather_crc_errors() -> None:
     check_error("gather_crc", ok, [1, 1], [2**62, 1], exc=ValueError, match="sizes add up to more than")
     check_error("gather_crc", ok, [1], [3], exc=ValueError, match="sizes add up to 3 bytes, the buffer has 4")
     check_error("gather_crc", ok, [2**64 - 1], [5], exc=ValueError, match="sizes add up to 5 bytes, the buffer has 4")
+    assert ok == bytearray(4)
+
+
+# --------------------------------------------------------------------------- gather_many
+
+
+def _many_both(
+    groups: list[list[bytes]], checksums: list[bool], claimed: list[bool] | None = None, from_end: bool = False
+) -> list[int | None]:
+    """``gather_many`` of one job per group of chunks (each chunk in a numpy array, by address) on each core,
+    with ``claims`` preset from ``claimed`` where given: the same result and the same bytes written, which
+    are each group's chunks in order where the job ran (its bytes unclaimed) and zeros elsewhere; a job
+    that ran with a checksum gives the reference CRC-32C of its bytes, every other job ``None``."""
+    arrays = [[np.frombuffer(c, dtype=np.uint8).copy() for c in chunks] for chunks in groups]
+    out = []
+    for core in (P, C):
+        dests = [bytearray(sum(a.size for a in group)) for group in arrays]
+        jobs = [
+            (memoryview(d), [a.ctypes.data if a.size else 0 for a in group], [a.size for a in group], checksum)
+            for d, group, checksum in zip(dests, arrays, checksums)
+        ]
+        claims = None if claimed is None else bytearray(map(int, claimed))
+        result = core.gather_many(jobs, claims, from_end)
+        if claims is not None:
+            assert claims == bytearray([1] * len(jobs))  # (every job claimed: by this call or before it)
+        out.append((result, [bytes(d) for d in dests]))
+    assert out[0] == out[1]
+    result, written = out[0]
+    for j, (chunks, checksum) in enumerate(zip(groups, checksums)):
+        ran = claimed is None or not claimed[j]
+        joined = b"".join(chunks)
+        assert written[j] == (joined if ran else bytes(len(joined)))
+        assert result[j] == (_crc32c_reference(joined) if ran and checksum else None)
+    return result
+
+
+def test_gather_many_copies_each_job() -> None:
+    """Each job lands in its own buffer, with its CRC-32C where asked; no jobs, empty jobs; above 1 MiB in
+    all (the C++ core without the GIL)."""
+    rng = random.Random(7)
+    assert _many_both([], []) == []
+    _many_both([[b"123456789"], [b"", b"abc"], []], [True, False, True])
+    _many_both([[rng.randbytes(600 << 10)], [rng.randbytes(77), rng.randbytes(700 << 10)]], [False, True])
+
+
+def test_gather_many_runs_only_what_it_claims() -> None:
+    """With ``claims``, a call runs the jobs whose byte is 0 (setting it) and no other, in either order; a
+    second call on the same claims runs nothing."""
+    groups = [[b"ab"], [b"cde"], [b""], [b"fghi"]]
+    _many_both(groups, [True, True, False, True], [False, True, False, True])
+    _many_both(groups, [True, True, True, True], [False, False, False, False], from_end=True)
+    assert _many_both(groups, [True, False, True, True], [True] * 4) == [None] * 4
+
+
+def _from_both_ends(core: Any, jobs: list, claims: bytearray) -> dict[bool, list[int | None]]:
+    """``core.gather_many(jobs, claims, from_end)`` on two threads at once, one from each end."""
+    import threading
+
+    results: dict[bool, list[int | None]] = {}
+    start = threading.Barrier(2)
+
+    def run(from_end: bool) -> None:
+        start.wait()
+        results[from_end] = core.gather_many(jobs, claims, from_end)
+
+    threads = [threading.Thread(target=run, args=(end,)) for end in (False, True)]
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join()
+    return results
+
+
+def test_gather_many_shares_its_jobs_between_threads() -> None:
+    """Two calls on two threads over the same jobs and claims, one from each end: every job runs exactly
+    once (its CRC-32C in exactly one of the two results), and every buffer holds its bytes."""
+    rng = random.Random(11)
+    chunks = [rng.randbytes(rng.randrange(1, 300 << 10)) for _ in range(40)]
+    arrays = [np.frombuffer(c, dtype=np.uint8).copy() for c in chunks]
+    for core in (P, C):
+        dests = [bytearray(a.size) for a in arrays]
+        jobs = [(memoryview(d), [a.ctypes.data], [a.size], True) for d, a in zip(dests, arrays)]
+        results = _from_both_ends(core, jobs, bytearray(len(jobs)))
+        assert [bytes(d) for d in dests] == chunks
+        for j, c in enumerate(chunks):
+            assert [r[j] for r in results.values() if r[j] is not None] == [_crc32c_reference(c)], (core, j)
+
+
+@settings(max_examples=100, deadline=None, derandomize=True, database=None)
+@given(
+    st.lists(st.tuples(st.lists(st.binary(max_size=2000), max_size=5), st.booleans(), st.booleans()), max_size=8),
+    st.booleans(),
+    st.booleans(),
+)
+def test_gather_many_agrees(jobs: list[tuple[list[bytes], bool, bool]], with_claims: bool, from_end: bool) -> None:
+    """Any jobs, claims and order: both cores write the same bytes and give the same results."""
+    claimed = [c for _chunks, _checksum, c in jobs] if with_claims else None
+    _many_both([chunks for chunks, _c, _d in jobs], [checksum for _c, checksum, _d in jobs], claimed, from_end)
+
+
+def test_gather_many_errors() -> None:
+    """The same TypeError/ValueError and message from both cores for each refusal, before anything is
+    copied: the jobs list, each job's shape and checksum flag, `gather_crc`'s checks after ``jobs[j]: ``,
+    then ``claims`` and ``from_end``."""
+    src = np.frombuffer(b"abcd", dtype=np.uint8).copy()
+    ok = bytearray(4)
+    job = (ok, [src.ctypes.data], [4], True)
+    check_error("gather_many", (job,), exc=TypeError, match="expected jobs as a list, got tuple")
+    check_error("gather_many", [job, [ok]], exc=TypeError, match="jobs[1]: expected a tuple, got list")
+    check_error(
+        "gather_many",
+        [(ok, [], [])],
+        exc=ValueError,
+        match="jobs[0]: expected (dest, addresses, sizes, checksum), got 3",
+    )
+    check_error("gather_many", [(ok, [], [], 1)], exc=TypeError, match="jobs[0]: expected checksum as a bool, got int")
+    check_error(
+        "gather_many",
+        [job, (b"ab", [], [], True)],
+        exc=TypeError,
+        match="jobs[1]: expected bytearray or memoryview, got bytes",
+    )
+    check_error(
+        "gather_many", [(memoryview(b"ab"), [], [], False)], exc=ValueError, match="jobs[0]: expected a writable buffer"
+    )
+    check_error(
+        "gather_many", [(ok, (1,), [4], True)], exc=TypeError, match="jobs[0]: expected addresses as a list, got tuple"
+    )
+    check_error(
+        "gather_many",
+        [(ok, [1, 2], [4], True)],
+        exc=ValueError,
+        match="jobs[0]: addresses and sizes differ in length (2 and 1)",
+    )
+    check_error(
+        "gather_many",
+        [(ok, [1.0], [4], True)],
+        exc=TypeError,
+        match="jobs[0]: expected addresses[0] as an int, got float",
+    )
+    check_error("gather_many", [(ok, [-1], [4], True)], exc=ValueError, match="jobs[0]: addresses[0] is negative: -1")
+    check_error("gather_many", [(ok, [1], [2**62 + 1], True)], exc=ValueError, match="jobs[0]: sizes[0] is too large")
+    check_error("gather_many", [(ok, [0], [4], True)], exc=ValueError, match="jobs[0]: addresses[0] is 0 for 4 bytes")
+    check_error(
+        "gather_many", [(ok, [1, 1], [2**62, 1], True)], exc=ValueError, match="jobs[0]: sizes add up to more than"
+    )
+    check_error(
+        "gather_many",
+        [job, (ok, [1], [3], True)],
+        exc=ValueError,
+        match="jobs[1]: sizes add up to 3 bytes, the buffer has 4",
+    )
+    check_error("gather_many", [job], b"\0", exc=TypeError, match="expected claims as a bytearray or None, got bytes")
+    check_error("gather_many", [job], bytearray(2), exc=ValueError, match="claims has 2 bytes for 1 jobs")
+    check_error("gather_many", [job], None, 1, exc=TypeError, match="expected from_end as a bool, got int")
+    check_error("gather_many", [job, (ok, [1], [3], True)], bytearray(3), exc=ValueError, match="jobs[1]: sizes add up")
     assert ok == bytearray(4)
 
 

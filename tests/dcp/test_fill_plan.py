@@ -9,9 +9,11 @@ makes the capture fill anew, and that either way the checkpoint restores the sta
 from __future__ import annotations
 
 import gc
+import threading
 import weakref
 from collections.abc import Callable
 from pathlib import Path
+from types import SimpleNamespace
 from typing import Any
 
 import pytest
@@ -69,17 +71,24 @@ def _save(path: Path, state: sc.SparseOptimizerState) -> None:
     dcp.async_save({"optim": state}, checkpoint_id=path).result()
 
 
+def _saves_restore_exactly(
+    tmp_path: Path, model: nn.Module, opt: torch.optim.Optimizer, state: sc.SparseOptimizerState, step: Callable
+) -> None:
+    """Save ``state`` three times (``a``, ``b``, ``c``), ``step(model, opt)`` after each: each checkpoint
+    restores the state as of its call."""
+    for name in ("a", "b", "c"):
+        at_save = snapshot_optimizer(opt)
+        _save(tmp_path / name, state)
+        assert_optimizer_equal(at_save, dcp_loaded_adamw(tmp_path / name, model), grads=False)
+        step(model, opt)
+
+
 @pytest.mark.parametrize("layout", ["auto", "buffers"])
 def test_a_second_save_uses_the_copy_and_restores_exactly(tmp_path: Path, takes: list[bool], layout: str) -> None:
     """Only the values changed between saves: the second and third captures use the copy they started,
     and each checkpoint restores the state as of its call."""
     model, opt = _trained()
-    state = sc.SparseOptimizerState(model, opt, state_layout=layout)
-    for name in ("a", "b", "c"):
-        at_save = snapshot_optimizer(opt)
-        _save(tmp_path / name, state)
-        assert_optimizer_equal(at_save, dcp_loaded_adamw(tmp_path / name, model), grads=False)
-        _step(model, opt)
+    _saves_restore_exactly(tmp_path, model, opt, sc.SparseOptimizerState(model, opt, state_layout=layout), _step)
     assert takes == [False, True, True]
 
 
@@ -307,3 +316,156 @@ def test_a_hook_of_another_leaf_stops_every_copy(tmp_path: Path, takes: list[boo
     dcp.load({"optim": sc.MultiOptimizer(model, target)}, checkpoint_id=tmp_path / "b", planner=sc.SparseLoadPlanner())
     assert_optimizer_equal(expected, target["b"], grads=False)
     assert starts == [0, 0] and not any(takes)
+
+
+# --------------------------------------------------------------------------- planned staged copies
+
+STAGES = worker_module.STAGER_DEEP_COPIES
+"""Whether this torch's ``dcp.async_save`` gets staged copies at all (`sparse_ckpt._save.worker`)."""
+
+
+@pytest.fixture
+def planned(monkeypatch: pytest.MonkeyPatch) -> list[int]:
+    """Per capture, how many large tensors it staged from the copy it started (`FillPlans.staged_copy`)."""
+    seen: list[int] = []
+    real_start, real_copy = FillPlans.start, FillPlans.staged_copy
+
+    def start(self: FillPlans, *args: Any) -> None:
+        seen.append(0)
+        real_start(self, *args)
+
+    def staged_copy(self: FillPlans, leaf: str, t: torch.Tensor) -> Any:
+        out = real_copy(self, leaf, t)
+        seen[-1] += out is not None
+        return out
+
+    monkeypatch.setattr(FillPlans, "start", start)
+    monkeypatch.setattr(FillPlans, "staged_copy", staged_copy)
+    return seen
+
+
+def _large_trained() -> tuple[_WithLarge, torch.optim.Optimizer]:
+    torch.manual_seed(0)
+    model = _WithLarge()
+    opt = torch.optim.AdamW(model.parameters(), lr=0.01)
+    _step_all(model, opt)
+    return model, opt
+
+
+def _step_all(model: nn.Module, opt: torch.optim.Optimizer) -> None:
+    for p in model.parameters():
+        p.grad = torch.randn_like(p)
+    opt.step()
+
+
+def test_large_tensors_are_copied_from_the_start(tmp_path: Path, takes: list[bool], planned: list[int]) -> None:
+    """The large tensors' staged copies are planned like the buckets: the second and third captures copy
+    both moments of the large weight from the start (with the buckets, in one call) and use those copies;
+    each checkpoint restores the state as of its call."""
+    model, opt = _large_trained()
+    _saves_restore_exactly(tmp_path, model, opt, sc.SparseOptimizerState(model, opt), _step_all)
+    assert takes == [False, True, True]
+    assert planned == ([0, 2, 2] if STAGES else [0, 0, 0])
+
+
+def _replace_large(model: _WithLarge, opt: torch.optim.Optimizer) -> None:
+    st = opt.state[model.large.weight]
+    model.kept = st["exp_avg"]  # (alive at its address: its copy starts, then the capture finds another object)
+    st["exp_avg"] = st["exp_avg"] + 1
+
+
+def _swap_large_data(model: _WithLarge, opt: torch.optim.Optimizer) -> None:
+    v = opt.state[model.large.weight]["exp_avg"]
+    v.data = v.data + 1  # the same object over another storage: another address
+
+
+def _resize_large(model: _WithLarge, opt: torch.optim.Optimizer) -> None:
+    opt.state[model.large.weight]["exp_avg"].resize_(256, 512)  # the same object and address, another shape
+
+
+def _drop_large_state(model: _WithLarge, opt: torch.optim.Optimizer) -> None:
+    del opt.state[model.large.weight]
+
+
+LARGE_CHANGES: dict[str, tuple[Callable[[_WithLarge, torch.optim.Optimizer], None], int, int]] = {
+    "replaced": (_replace_large, 1, 2),
+    "data_swapped": (_swap_large_data, 1, 2),
+    "resized": (_resize_large, 1, 1),  # (then a part of its storage: not staged, `HostPool.takes`)
+    "dropped_state": (_drop_large_state, 0, 0),
+}
+"""Each change to the large weight's state between two saves, and how many of its two moments the next
+capture and the one after it take from the copy they started (the others are copied as usual)."""
+
+
+@pytest.mark.skipif(not STAGES, reason="this torch's dcp.async_save stages no copies (STAGER_DEEP_COPIES)")
+@pytest.mark.parametrize("change", sorted(LARGE_CHANGES))
+def test_a_changed_large_tensor_is_copied_anew(tmp_path: Path, planned: list[int], change: str) -> None:
+    """A large state tensor replaced, set to another storage or resized in place is not taken from the
+    copy the capture started (it is copied as usual), its freed state drops its plan; the checkpoint
+    holds the changed state (restores it exactly; a resized moment: the item has its new shape), and the
+    next save takes the copies of what it staged the time before."""
+    model, opt = _large_trained()
+    state = sc.SparseOptimizerState(model, opt)
+    _save(tmp_path / "a", state)
+    change_state, taken_next, taken_after = LARGE_CHANGES[change]
+    change_state(model, opt)
+    at_save = snapshot_optimizer(opt)
+    _save(tmp_path / "b", state)
+    if change == "resized":  # (a load refuses a moment shaped unlike its parameter: the item's shape is checked)
+        saved = dcp.FileSystemReader(tmp_path / "b").read_metadata().state_dict_metadata
+        assert saved["optim.state.large.weight.exp_avg"].size == torch.Size([256, 512])
+    else:
+        assert_optimizer_equal(at_save, dcp_loaded_adamw(tmp_path / "b", model), grads=False)
+    _save(tmp_path / "c", state)
+    assert planned == [0, taken_next, taken_after]
+
+
+@pytest.mark.skipif(not STAGES, reason="this torch's dcp.async_save stages no copies (STAGER_DEEP_COPIES)")
+def test_a_staged_plan_keeps_no_state_alive(tmp_path: Path) -> None:
+    """The plan of the staged copies refers to the large tensors weakly: state the optimizer dropped is
+    freed with the storage the plan held."""
+    model, opt = _large_trained()
+    state = sc.SparseOptimizerState(model, opt)
+    _save(tmp_path / "a", state)
+    assert [len(p.entries) for p in state.fill_plans._staged.values()] == [2]
+    old = weakref.ref(opt.state[model.large.weight]["exp_avg"])
+    storage = weakref.ref(old().untyped_storage())  # type: ignore[union-attr]
+    opt.state.clear()
+    gc.collect()
+    assert old() is None and not state.fill_plans._staged
+    assert storage() is None or storage().nbytes() == 0  # type: ignore[union-attr]
+
+
+def test_the_capture_copies_the_pieces_the_worker_has_not_claimed(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch, takes: list[bool], planned: list[int]
+) -> None:
+    """A copy is shared out in pieces of at most `fill_plan.PIECE_BYTES` (here 1000 bytes: chunks of 256
+    split over two pieces, two pieces for the bucket, 1 049 per large tensor): where the worker has not
+    begun when the layout is known, the capture copies every piece itself (`FillPlans.help`, from the last
+    back) and the worker's call finds none left; the bucket CRC-32C combined from the pieces' is the
+    bucket's (a load checks it), and every checkpoint restores exactly."""
+    monkeypatch.setattr(fill_plan, "PIECE_BYTES", 1000)
+    real = fill_plan._backend.core.gather_many
+    helped = threading.Event()
+    worker_ran: list[list[int | None]] = []
+
+    def gather_many(jobs: list, claims: bytearray | None = None, from_end: bool = False) -> list[int | None]:
+        if not from_end:  # the worker's call: only once the capture has copied
+            helped.wait(timeout=60)
+            worker_ran.append(real(jobs, claims, from_end))
+            return worker_ran[-1]
+        out = real(jobs, claims, from_end)
+        helped.set()
+        return out
+
+    monkeypatch.setattr(fill_plan, "_backend", SimpleNamespace(core=SimpleNamespace(gather_many=gather_many)))
+    model, opt = _large_trained()
+    state = sc.SparseOptimizerState(model, opt)
+    _saves_restore_exactly(tmp_path, model, opt, state, lambda m, o: (helped.clear(), _step_all(m, o)))
+    assert takes == [False, True, True]
+    assert planned == ([0, 2, 2] if STAGES else [0, 0, 0])
+    pieces = state.fill_plans._plans["optim"].pieces
+    assert len(pieces) == 1 and len(pieces[0]) > 1  # (one bucket, in several pieces)
+    assert len(worker_ran) == 2 and all(r == [None] * len(r) for r in worker_ran)  # (the capture copied all)
+    assert [n for _start, n, _a, _s in pieces[0]] == [1000, 728]
+    assert len(worker_ran[0]) == 2 + (2 * -(-(512 * 512 * 4) // 1000) if STAGES else 0)
