@@ -384,6 +384,6 @@ def _bytes_of(buf: torch.Tensor) -> memoryview:
 def _drop(copy: _Copy) -> None:
     """Forget ``copy`` (not begun and copying no staged tensor, which a capture may have taken by then:
     cancelled; else once it finished, since it writes the pool's buffers)."""
-    if not copy.staged and copy.crcs.cancel():
+    if (not copy.staged and copy.crcs.cancel()) or copy.crcs.cancelled():
         return
     copy.crcs.exception()  # (waits; a dropped copy's failure changes nothing)
