@@ -199,7 +199,7 @@ struct Gather {
         uint32_t reg = ~0u;
         for (const Source& s : sources) {
             if (!checksum) {
-                std::memmove(out, s.p, s.n);
+                if (s.n != 0) std::memmove(out, s.p, s.n);  // (an empty source may be at address 0)
                 out += s.n;
                 continue;
             }
