@@ -25,6 +25,17 @@ namespace {
 constexpr uint32_t kCrc32cPoly = 0x82F63B78u;
 constexpr Py_ssize_t kReleaseGilBytes = 1 << 20;  // below this, the GIL round trip costs more than it frees
 
+/// ``fn()``, without the GIL where it works on ``bytes`` of at least ``kReleaseGilBytes``.
+template <class F>
+void unlocked_above(Py_ssize_t bytes, F&& fn) {
+    if (bytes >= kReleaseGilBytes) {
+        py::gil_scoped_release unlocked;
+        fn();
+    } else {
+        fn();
+    }
+}
+
 struct Crc32cTables {
     uint32_t t[8][256];
     Crc32cTables() {
@@ -263,12 +274,7 @@ py::object gather_crc(py::object dest, py::object addresses, py::object sizes) {
     Gather g;
     check_gather(dest, addresses, sizes, "", g);
     uint32_t crc = 0;
-    if (g.buf.view.len >= kReleaseGilBytes) {
-        py::gil_scoped_release unlocked;
-        crc = g.run(true);
-    } else {
-        crc = g.run(true);
-    }
+    unlocked_above(g.buf.view.len, [&] { crc = g.run(true); });
     return steal(PyLong_FromUnsignedLong(static_cast<unsigned long>(crc)));
 }
 
@@ -296,20 +302,20 @@ py::object gather_many(py::object jobs, py::object claims, py::object from_end) 
         checksums.push_back(checksum == Py_True);
         total += gathers.back()->buf.view.len;
     }
-    unsigned char* flags = nullptr;
     if (!claims.is_none()) {
         if (!PyByteArray_CheckExact(claims.ptr())) raise_type("claims as a bytearray or None", claims);
         if (PyByteArray_GET_SIZE(claims.ptr()) != k)
             raise_builtin(PyExc_ValueError, Msg() << "claims has " << PyByteArray_GET_SIZE(claims.ptr())
                                                   << " bytes for " << k << " jobs");
-        flags = reinterpret_cast<unsigned char*>(PyByteArray_AS_STRING(claims.ptr()));
     }
     if (!PyBool_Check(from_end.ptr())) raise_type("from_end as a bool", from_end);
     const bool backwards = from_end.ptr() == Py_True;
-    Buffer claimed_view;  // (holds the claims buffer: it cannot be resized while the GIL is released)
-    if (flags != nullptr) {
-        check(PyObject_GetBuffer(claims.ptr(), &claimed_view.view, PyBUF_WRITABLE));
-        claimed_view.held = true;
+    Buffer claimed;  // (held: the claims cannot be resized while the GIL is released)
+    unsigned char* flags = nullptr;
+    if (!claims.is_none()) {
+        check(PyObject_GetBuffer(claims.ptr(), &claimed.view, PyBUF_WRITABLE));
+        claimed.held = true;
+        flags = static_cast<unsigned char*>(claimed.view.buf);
     }
     std::vector<uint32_t> crcs(static_cast<size_t>(k), 0);
     std::vector<bool> ran(static_cast<size_t>(k), false);
@@ -322,12 +328,7 @@ py::object gather_many(py::object jobs, py::object claims, py::object from_end) 
             ran[j] = true;
         }
     };
-    if (total >= kReleaseGilBytes) {
-        py::gil_scoped_release unlocked;
-        run();
-    } else {
-        run();
-    }
+    unlocked_above(total, run);
     py::object out = steal(PyList_New(k));
     for (Py_ssize_t j = 0; j < k; ++j) {
         const size_t i = static_cast<size_t>(j);
@@ -359,12 +360,7 @@ py::object crc32c(py::object data, py::object value) {
     uint32_t reg = ~static_cast<uint32_t>(v);
     const auto* p = static_cast<const unsigned char*>(buf.view.buf);
     size_t n = static_cast<size_t>(buf.view.len);
-    if (buf.view.len >= kReleaseGilBytes) {
-        py::gil_scoped_release unlocked;
-        reg = crc32c_update(reg, p, n);
-    } else {
-        reg = crc32c_update(reg, p, n);
-    }
+    unlocked_above(buf.view.len, [&] { reg = crc32c_update(reg, p, n); });
     return steal(PyLong_FromUnsignedLong(static_cast<unsigned long>(~reg)));
 }
 
